@@ -1,0 +1,23 @@
+# Two entry points a new user needs: `make demo` (start the stack, send a request) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch==2.13.0 is pinned so pip takes the CPU build that lies on this machine's disk, never a multi-GB
+# CUDA download; nixl is installed without its deps because its meta package drags both CUDA variants in.
+install: $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[engine,test]'
+	$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+
+demo: install
+	$(BIN)/python -m render_service.demo
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
