@@ -1,0 +1,117 @@
+"""The KV connector seam (vLLM v1 style): where P/D plugs into the engine without rewriting it.
+
+Scheduler side: for a new request the scheduler asks how many prompt tokens a peer already holds
+(`get_num_new_matched_tokens`), allocates blocks for them, tells the connector where they go
+(`update_state_after_alloc`) and, for an asynchronous load, parks the request in WAITING_FOR_REMOTE_KVS
+until `poll()` reports the load finished or failed. When a request finishes the connector is told
+(`request_finished`) and may keep the blocks (delay_free) until `poll()` reports the peer has read them.
+
+Worker side: `bind_kv_pool` hands over the engine's one KV pool tensor (block-major: one block across all
+layers is one contiguous region) so the connector can register it for transfers.
+
+The engine loop calls `poll()` every step, and while idle at least every ~1 ms whenever
+`has_inflight_transfers()` is true. Requests are identified to the connector by `Sequence.seq_id` (str).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from token_engine.sequence import Sequence
+
+
+@dataclass
+class ConnectorEvents:
+    """What `poll()` observed since the last call, keyed by seq_id."""
+
+    finished_recving: set[str] = field(default_factory=set)  # remote KV landed; the request may run
+    failed_recving: set[str] = field(default_factory=set)  # remote KV load failed (policy decides)
+    finished_sending: set[str] = field(default_factory=set)  # peer read our blocks; free them now
+
+
+@runtime_checkable
+class KVConnector(Protocol):
+    # "fail": error the request; "recompute": compute the prompt locally instead (vLLM's names).
+    load_failure_policy: str
+
+    def bind_kv_pool(self, kv_pool: "torch.Tensor", block_size: int) -> None: ...
+
+    def get_num_new_matched_tokens(self, seq: "Sequence", num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens beyond num_computed_tokens a peer can provide, whether loading them is asynchronous)."""
+        ...
+
+    def update_state_after_alloc(self, seq: "Sequence", block_ids: list[int], num_external_tokens: int) -> None: ...
+
+    def request_finished(self, seq: "Sequence", block_ids: list[int]) -> tuple[bool, dict | None]:
+        """(delay_free: keep the blocks until finished_sending, kv_transfer_params for the response)."""
+        ...
+
+    def poll(self) -> ConnectorEvents: ...
+
+    def has_inflight_transfers(self) -> bool: ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics (transfer bytes, seconds...); names are the connector's."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class NoOpKVConnector:
+    """The collocated default: nothing remote, nothing held."""
+
+    load_failure_policy = "fail"
+
+    def bind_kv_pool(self, kv_pool, block_size):
+        pass
+
+    def get_num_new_matched_tokens(self, seq, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, seq, block_ids, num_external_tokens):
+        pass
+
+    def request_finished(self, seq, block_ids):
+        return False, None
+
+    def poll(self):
+        return ConnectorEvents()
+
+    def has_inflight_transfers(self):
+        return False
+
+    def stats(self):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+# kv_connector name (as in --kv-transfer-config) -> "module:Class"; imported lazily so NIXL stays optional.
+KV_CONNECTORS: dict[str, str] = {
+    "NixlConnector": "token_engine.kv_connector.nixl:NixlConnector",
+}
+
+
+def create_kv_connector(kv_transfer_config: dict | None, engine_config: Any = None) -> KVConnector:
+    """Build the connector named by `kv_transfer_config["kv_connector"]`; None means collocated (no-op).
+
+    Connector classes are constructed as `cls(kv_transfer_config, engine_config)` where engine_config is
+    token_engine.engine.EngineConfig (block size, served model name, device...).
+    """
+    if not kv_transfer_config:
+        return NoOpKVConnector()
+    name = kv_transfer_config.get("kv_connector")
+    if name in (None, "", "NoOpKVConnector"):
+        return NoOpKVConnector()
+    target = KV_CONNECTORS.get(name)
+    if target is None:
+        raise ValueError(f"unknown kv_connector {name!r}; known: {sorted(KV_CONNECTORS)}")
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(kv_transfer_config, engine_config)
