@@ -5,6 +5,11 @@ chunks lives in a small msgspec ``State`` struct (plain data: ints, short string
 pipeline can be serialized into ``stream_state``, compared in tests and restored on any replica.
 Stages never look at the accumulated history: work per call is proportional to the new text plus
 whatever short suffix the state holds back (a possibly-partial tag, an unfinished JSON value).
+
+State ownership: ``feed`` and ``finish`` MUTATE the state they are given in place (no copies on the hot
+path, one allocation per request); a caller that needs the old state keeps a copy
+(``msgspec.structs.replace`` or an encode/decode round trip). States must hold only plain data so that
+``msgspec.msgpack.encode(state)`` / ``msgspec.convert(obj, Parser.State)`` round-trip them exactly.
 """
 
 from __future__ import annotations
