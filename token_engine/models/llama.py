@@ -1,0 +1,167 @@
+"""The Llama family (Llama, Qwen2, Qwen3, Mistral) as one module; the variants are ModelArch switches.
+
+Parameter names follow Hugging Face checkpoints (model.layers.N.self_attn..., lm_head) except that q/k/v and
+gate/up are fused into one matmul each; `load_weights` maps checkpoint names onto the fused rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from token_engine.attention import AttentionMetadata, paged_attention, store_kv
+from token_engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from token_engine.models.arch import ModelArch
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.sliding_window = arch.sliding_window
+        dt = arch.dtype
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dt)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dt)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dt)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_pool: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        store_kv(k, v, kv_pool, self.layer_index, meta)
+        out = paged_attention(q, kv_pool, self.layer_index, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(arch, layer_index)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias, dtype=arch.dtype)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
+
+    def forward(self, x, cos, sin, meta, kv_pool):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=arch.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
+        self.rotary_emb = RotaryEmbedding(arch.rope, arch.head_dim, arch.max_position_embeddings)
+
+    def forward(self, input_ids, positions, meta, kv_pool):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv_pool)
+        return self.norm(x)
+
+
+# checkpoint suffix -> (fused parameter suffix, shard index); shards are stacked in this order along dim 0
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], meta, kv_pool) -> hidden [T, hidden]; compute_logits -> float32."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=arch.dtype)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pool: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_pool)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def reset_buffers(self) -> None:
+        self.model.rotary_emb.reset_buffers()
+
+    def _fused_shard_slice(self, fused: str, shard: int) -> tuple[int, int]:
+        arch = self.arch
+        if fused == "qkv_proj":
+            q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        inter = arch.intermediate_size
+        return [(0, inter), (inter, 2 * inter)][shard]
+
+    def expected_checkpoint_names(self) -> set[str]:
+        """Checkpoint tensor names this model needs (before fusion)."""
+        names = set()
+        reverse = {}
+        for part, (fused, _) in _FUSED_SHARDS.items():
+            reverse.setdefault(fused, []).append(part)
+        for name, _ in self.named_parameters():
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, last = module_path.rpartition(".")
+            if last in reverse:
+                names.update(f"{parent}.{part}.{leaf}" for part in reverse[last])
+            else:
+                names.add(name)
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors into parameters by name; returns the checkpoint names it used."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, last = module_path.rpartition(".")
+            if last in _FUSED_SHARDS:
+                fused, shard = _FUSED_SHARDS[last]
+                target = params.get(f"{parent}.{fused}.{leaf}")
+                if target is None:
+                    continue
+                start, end = self._fused_shard_slice(fused, shard)
+                _copy_checked(target[start:end], tensor, name)
+            else:
+                target = params.get(name)
+                if target is None:
+                    continue
+                _copy_checked(target, tensor, name)
+            loaded.add(name)
+        return loaded
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
+    target.copy_(tensor)
