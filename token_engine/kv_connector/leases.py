@@ -1,0 +1,148 @@
+"""Prefill-side leases on the KV blocks of finished requests, waiting for decode to read them.
+
+A lease is keyed by (request id, epoch). The epoch is unique per lease and per engine incarnation, so a
+notification for an older lease, or one sent to a restarted engine, never frees (or vouches for) blocks
+that were recycled: NIXL itself reads recycled memory silently (nixl.md §6).
+
+Notifications (NIXL notification payloads, untrusted):
+- `read:<request id>:<epoch>`: attached by decode to its READ, so it arrives only after the bytes were
+  copied. Ends the lease and frees the blocks; the lease is remembered as read by that agent, so decode's
+  `lease_status` question on the side channel (asked after its READ) can be answered "read".
+- `HB:<request id>:<epoch>`: heartbeat while decode is still queued; extends expiry to
+  max(old, now + 2/3 lease), as vLLM does.
+A lease that sees neither expires after `kv_lease_duration` seconds and its blocks are freed.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+MAX_NOTIF_BYTES = 1024
+READ_RECORDS = 8192  # leases ended by a READ that decode may still ask about
+
+
+@dataclass
+class KVLease:
+    request_id: str
+    epoch: int
+    block_ids: list[int]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class LeaseNotification:
+    kind: str  # "read" | "HB"
+    request_id: str
+    epoch: int
+
+
+def new_incarnation() -> int:
+    """A random 31-bit engine incarnation; epochs are (incarnation << 32) | counter."""
+    return random.SystemRandom().getrandbits(31) | 1
+
+
+def format_notification(kind: str, request_id: str, epoch: int) -> bytes:
+    return f"{kind}:{request_id}:{epoch}".encode()
+
+
+def parse_notification(msg: bytes) -> LeaseNotification | None:
+    """Parse `kind:<request id>:<epoch>`; request ids may contain ':' so split the epoch off the right.
+    Returns None for anything malformed (the sender is untrusted)."""
+    if len(msg) > MAX_NOTIF_BYTES:
+        return None
+    try:
+        text = msg.decode()
+        kind, rest = text.split(":", 1)
+        request_id, epoch = rest.rsplit(":", 1)
+        if kind not in ("read", "HB") or not request_id or not epoch.isdigit():
+            return None
+        return LeaseNotification(kind, request_id, int(epoch))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+class LeaseTable:
+    """Leases by (request id, epoch). Freeing is the caller's job: every method that ends a lease returns it.
+    Thread-safe: the side channel thread answers `status` while the engine loop grants and ends leases."""
+
+    def __init__(self, duration_s: float = 30.0, incarnation: int | None = None, clock=time.monotonic):
+        if duration_s <= 0:
+            raise ValueError("kv_lease_duration must be positive")
+        self.duration_s = duration_s
+        self.incarnation = new_incarnation() if incarnation is None else incarnation
+        self._clock = clock
+        self._counter = 0
+        self._leases: dict[tuple[str, int], KVLease] = {}
+        self._read_by: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def grant(self, request_id: str, block_ids: list[int]) -> KVLease:
+        with self._lock:
+            self._counter += 1
+            epoch = (self.incarnation << 32) | self._counter
+            lease = KVLease(request_id, epoch, list(block_ids), self._clock() + self.duration_s)
+            self._leases[(request_id, epoch)] = lease
+            return lease
+
+    def on_read(self, request_id: str, epoch: int, reader: str) -> KVLease | None:
+        """Decode `reader`'s READ finished: end the lease and remember who read it. None means it had
+        already ended (expired, aborted, read before): nothing to free, and `status` will say "gone"."""
+        with self._lock:
+            lease = self._leases.pop((request_id, epoch), None)
+            if lease is not None:
+                self._read_by[(request_id, epoch)] = reader
+                while len(self._read_by) > READ_RECORDS:
+                    self._read_by.popitem(last=False)
+            return lease
+
+    def on_heartbeat(self, request_id: str, epoch: int) -> bool:
+        with self._lock:
+            lease = self._leases.get((request_id, epoch))
+            if lease is None:
+                return False
+            lease.expires_at = max(lease.expires_at, self._clock() + self.duration_s * 2 / 3)
+            return True
+
+    def status(self, request_id: str, epoch: int, reader: str) -> str:
+        """"held": blocks not freed yet; "read": freed by `reader`'s own READ notification; else "gone".
+        Asked after a READ completed, "held" or "read" proves the READ saw the lease's blocks."""
+        with self._lock:
+            if (request_id, epoch) in self._leases:
+                return "held"
+            if self._read_by.get((request_id, epoch)) == reader:
+                return "read"
+            return "gone"
+
+    def release(self, request_id: str, epoch: int) -> KVLease | None:
+        """End a lease early (request aborted by the caller, engine shutting down)."""
+        with self._lock:
+            return self._leases.pop((request_id, epoch), None)
+
+    def expire(self) -> list[KVLease]:
+        with self._lock:
+            now = self._clock()
+            gone = [k for k, lease in self._leases.items() if lease.expires_at <= now]
+            return [self._leases.pop(k) for k in gone]
+
+    def release_all(self) -> list[KVLease]:
+        with self._lock:
+            out = list(self._leases.values())
+            self._leases.clear()
+            return out
+
+    def next_expiry(self) -> float | None:
+        with self._lock:
+            return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    def held_blocks(self) -> int:
+        return sum(len(lease.block_ids) for lease in self._leases.values())
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self._leases

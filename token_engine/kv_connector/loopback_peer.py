@@ -1,0 +1,113 @@
+"""A stand-alone prefill-like peer for tests, preflight and benchmarks: a KV pool filled with a known pattern,
+a `KVHandoff` serving it, and a line protocol on stdin/stdout so a parent process can drive it.
+
+Commands (one JSON object per line on stdin), answers (one line on stdout prefixed with `PEER `, because
+NIXL and UCX also write to stdout):
+  {"op": "hold", "request_id": "r1", "blocks": [3, 4, 5]}   -> {"epoch": E}
+  {"op": "release", "request_id": "r1", "epoch": E}         -> {"released": true|false}
+  {"op": "state"}                                           -> {"leases": n, "held_blocks": n, "freed": [..]}
+  {"op": "exit"}
+The first line is `PEER {"ready": true, "port": P, "engine_id": ..., "incarnation": I}`.
+Run: python -m token_engine.kv_connector.loopback_peer --blocks 64 --layers 2 --block-size 16 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+
+def fill_pattern(kv_pool: torch.Tensor, seed: int) -> None:
+    """Each block gets a distinct, exactly representable pattern (small integers survive bf16)."""
+    flat = kv_pool.view(kv_pool.shape[0], -1)
+    cols = torch.arange(flat.shape[1], dtype=torch.int64)
+    for b in range(flat.shape[0]):
+        flat[b] = ((cols + b * 13 + seed * 101) % 251).to(kv_pool.dtype)
+
+
+def expected_block(kv_pool_shape, dtype, block_id: int, seed: int) -> torch.Tensor:
+    per_block = 1
+    for d in kv_pool_shape[1:]:
+        per_block *= d
+    cols = torch.arange(per_block, dtype=torch.int64)
+    return ((cols + block_id * 13 + seed * 101) % 251).to(dtype)
+
+
+def make_pool(blocks: int, layers: int, block_size: int, heads: int, head_dim: int, dtype: str, device: str = "cpu"):
+    return torch.zeros(blocks, layers, 2, block_size, heads, head_dim, dtype=getattr(torch, dtype), device=device)
+
+
+def _say(obj) -> None:
+    sys.stdout.write("PEER " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from token_engine.kv_connector.handoff import KVHandoff
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine-id", default="loopback-prefill")
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--lease", type=float, default=30.0)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--poll-interval", type=float, default=0.0005)
+    args = ap.parse_args(argv)
+
+    pool = make_pool(args.blocks, args.layers, args.block_size, args.heads, args.head_dim, args.dtype, args.device)
+    if args.device == "cpu":
+        fill_pattern(pool, args.seed)
+    else:
+        cpu = make_pool(args.blocks, args.layers, args.block_size, args.heads, args.head_dim, args.dtype)
+        fill_pattern(cpu, args.seed)
+        pool.copy_(cpu)
+    handoff = KVHandoff(args.engine_id, pool, lease_duration_s=args.lease, side_channel_port=args.port)
+    commands: queue.Queue = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            commands.put(line)
+        commands.put('{"op": "exit"}')
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    _say({"ready": True, "port": handoff.side_channel.port, "engine_id": args.engine_id,
+          "incarnation": handoff.incarnation})
+    freed: list[list] = []
+    while True:
+        polled = handoff.poll()
+        freed.extend([lease.request_id, lease.epoch] for lease in polled.freed)
+        try:
+            cmd = json.loads(commands.get(timeout=args.poll_interval))
+        except queue.Empty:
+            continue
+        op = cmd.get("op")
+        if op == "hold":
+            lease = handoff.hold(cmd["request_id"], cmd["blocks"])
+            _say({"epoch": lease.epoch})
+        elif op == "release":
+            _say({"released": handoff.release_hold(cmd["request_id"], cmd["epoch"]) is not None})
+        elif op == "state":
+            _say({"leases": len(handoff.leases), "held_blocks": handoff.leases.held_blocks(), "freed": freed})
+            freed = []
+        elif op == "exit":
+            handoff.close()
+            _say({"bye": True})
+            return
+        else:
+            _say({"error": f"unknown op {op!r}"})
+
+
+if __name__ == "__main__":
+    main()
