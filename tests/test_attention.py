@@ -1,0 +1,158 @@
+"""Paged attention against dense causal attention on the same K/V, with shuffled, non-contiguous block tables."""
+
+import random
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from token_engine.attention import allocate_kv_pool, build_metadata, paged_attention, store_kv
+
+HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 3
+
+
+def dense_causal(q, k, v, scale, sliding_window=None):
+    """q: [n, H, D] at the last n positions of k/v: [L, Hkv, D]; reference attention, no paging."""
+    n, length = q.shape[0], k.shape[0]
+    q_pos = torch.arange(length - n, length)[:, None]
+    k_pos = torch.arange(length)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
+
+
+def random_tables(rng, seq_lens, block_size, num_blocks):
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for length in seq_lens:
+        need = -(-length // block_size)
+        tables.append([free.pop() for _ in range(need)])
+    return tables
+
+
+def run_step(pool, layer, tables, cached, new, block_size, scale, sliding_window=None, gen=None):
+    """Writes new K/V for each sequence and attends; returns (out, q, full k, full v per sequence)."""
+    seq_lens = [c + n for c, n in zip(cached, new)]
+    meta = build_metadata(new, seq_lens, tables, block_size)
+    total = sum(new)
+    q = torch.randn(total, HEADS, DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS, DIM, generator=gen)
+    store_kv(k, v, pool, layer, meta)
+    return paged_attention(q, pool, layer, meta, scale, sliding_window), q, k, v
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_prefill_and_decode_batch_matches_dense_attention(block_size):
+    rng = random.Random(block_size)
+    gen = torch.Generator().manual_seed(block_size)
+    pool = allocate_kv_pool(64 * 16 // block_size, LAYERS, block_size, KV_HEADS, DIM, torch.float32)
+    layer, scale = 1, DIM**-0.5
+    # sequence 0: 9 cached + 1 new (decode); 1: fresh prefill of 13; 2: 5 cached + 7 new (chunked prefill)
+    cached, new = [9, 0, 5], [1, 13, 7]
+    tables = random_tables(rng, [c + n for c, n in zip(cached, new)], block_size, pool.shape[0])
+    history = []
+    for s, c in enumerate(cached):  # fill the cached part of each sequence first
+        k = torch.randn(c, KV_HEADS, DIM, generator=gen)
+        v = torch.randn(c, KV_HEADS, DIM, generator=gen)
+        if c:
+            store_kv(k, v, pool, layer, build_metadata([c], [c], [tables[s]], block_size))
+        history.append((k, v))
+    out, q, k_new, v_new = run_step(pool, layer, tables, cached, new, block_size, scale, gen=gen)
+    start = 0
+    for s in range(3):
+        end = start + new[s]
+        k_all = torch.cat([history[s][0], k_new[start:end]])
+        v_all = torch.cat([history[s][1], v_new[start:end]])
+        expected = dense_causal(q[start:end], k_all, v_all, scale)
+        torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+        start = end
+
+
+def test_store_kv_writes_only_its_own_layer_and_slots():
+    block_size = 4
+    pool = allocate_kv_pool(8, LAYERS, block_size, KV_HEADS, DIM, torch.float32)
+    meta = build_metadata([6], [6], [[5, 0]], block_size)
+    k = torch.ones(6, KV_HEADS, DIM)
+    v = torch.full((6, KV_HEADS, DIM), 2.0)
+    store_kv(k, v, pool, 2, meta)
+    assert meta.slot_mapping.tolist() == [20, 21, 22, 23, 0, 1]
+    assert torch.all(pool[5, 2, 0] == 1) and torch.all(pool[5, 2, 1] == 2)
+    assert torch.all(pool[0, 2, 0, :2] == 1) and torch.all(pool[0, 2, 0, 2:] == 0)
+    assert pool[:, :2].abs().sum() == 0  # other layers untouched
+    assert pool[[1, 2, 3, 4, 6, 7]].abs().sum() == 0
+
+
+def test_negative_slots_are_not_written():
+    pool = allocate_kv_pool(4, 1, 2, KV_HEADS, DIM, torch.float32)
+    meta = build_metadata([2], [2], [[3]], 2)
+    meta.slot_mapping = torch.tensor([6, -1])
+    store_kv(torch.ones(2, KV_HEADS, DIM), torch.ones(2, KV_HEADS, DIM), pool, 0, meta)
+    assert pool[3, 0, :, 0].abs().sum() > 0
+    assert pool[3, 0, :, 1].abs().sum() == 0
+    assert pool[:3].abs().sum() == 0
+
+
+def test_kv_pool_block_is_one_contiguous_region_across_layers():
+    pool = allocate_kv_pool(6, LAYERS, 4, KV_HEADS, DIM, torch.bfloat16)
+    block = pool[3]
+    assert block.is_contiguous()
+    assert block.data_ptr() == pool.data_ptr() + 3 * block.numel() * pool.element_size()
+    assert pool[:, 1, 0].shape == (6, 4, KV_HEADS, DIM)
+
+
+def test_sliding_window_limits_what_a_query_sees():
+    gen = torch.Generator().manual_seed(7)
+    block_size, window = 4, 5
+    pool = allocate_kv_pool(16, 1, block_size, KV_HEADS, DIM, torch.float32)
+    tables = [[9, 2, 14, 0, 5]]
+    out, q, k, v = run_step(pool, 0, tables, [0], [19], block_size, DIM**-0.5, sliding_window=window, gen=gen)
+    expected = dense_causal(q, k, v, DIM**-0.5, sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    full = dense_causal(q, k, v, DIM**-0.5)
+    assert not torch.allclose(out[-1], full[-1], atol=1e-3)
+
+
+def test_decode_reads_cached_blocks_written_by_earlier_steps():
+    gen = torch.Generator().manual_seed(3)
+    block_size = 2
+    pool = allocate_kv_pool(32, 2, block_size, KV_HEADS, DIM, torch.float32)
+    tables = [[17, 4, 30, 8, 1, 22], [3, 0, 12, 25, 9, 6]]
+    ks, vs = [[], []], [[], []]
+    lengths = [0, 0]
+    for step_new in ([3, 5], [1, 1], [1, 1], [2, 1], [1, 3]):
+        out, q, k, v = run_step(pool, 1, tables, lengths, step_new, block_size, 0.3, gen=gen)
+        start = 0
+        for s in range(2):
+            end = start + step_new[s]
+            ks[s].append(k[start:end])
+            vs[s].append(v[start:end])
+            expected = dense_causal(q[start:end], torch.cat(ks[s]), torch.cat(vs[s]), 0.3)
+            torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+            start = end
+        lengths = [a + b for a, b in zip(lengths, step_new)]
+
+
+def test_build_metadata_rejects_a_block_table_too_short():
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_metadata([5], [9], [[1, 2]], 4)
+
+
+def test_bf16_pool_matches_dense_attention_loosely():
+    gen = torch.Generator().manual_seed(11)
+    pool = allocate_kv_pool(16, 1, 4, KV_HEADS, DIM, torch.bfloat16)
+    meta = build_metadata([10], [10], [[6, 1, 12]], 4)
+    q = torch.randn(10, HEADS, DIM, generator=gen).bfloat16()
+    k = torch.randn(10, KV_HEADS, DIM, generator=gen).bfloat16()
+    v = torch.randn(10, KV_HEADS, DIM, generator=gen).bfloat16()
+    store_kv(k, v, pool, 0, meta)
+    out = paged_attention(q, pool, 0, meta, DIM**-0.5)
+    expected = dense_causal(q.float(), k.float(), v.float(), DIM**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
