@@ -1,0 +1,164 @@
+"""hermes: ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` per call (Qwen2.5, Qwen3, Hermes).
+
+Streaming follows vLLM's current hermes parser: content is the text before the first call; the name goes out
+once it is complete; arguments stream as the model's raw text after ``"arguments":``, delimited by
+string-aware brace matching, so a ``</tool_call>`` or a brace inside a string value does not end the call.
+Text between and after calls is not content. See docs/tool_parsers.md for where batch differs from vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.tools_common import (
+    ANGLE,
+    DONE,
+    MALFORMED,
+    MORE,
+    OBJ_START,
+    CallObject,
+    PieceSink,
+    feed_call_object,
+    find_tag,
+)
+
+START = "<tool_call>"
+END = "</tool_call>"
+ARG_KEYS = ("arguments", "parameters")
+
+CONTENT, CALL, AFTER_CALL = range(3)
+
+
+class HermesState(msgspec.Struct):
+    mode: int = CONTENT
+    held: str = ""
+    # calls whose name went out; also the index of the call in progress
+    calls: int = 0
+    # the current call's text since its start tag, kept only until its name is known so that a call that
+    # turns out malformed before anything was emitted can still be returned as content
+    raw: str = ""
+    call: CallObject | None = None
+
+
+def _proper_prefix_of(fragment: str, tags: tuple[str, ...]) -> bool:
+    return any(len(fragment) < len(t) and t.startswith(fragment) for t in tags)
+
+
+class HermesToolParser:
+    name: ClassVar[str] = "hermes"
+    State: ClassVar[type[msgspec.Struct]] = HermesState
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.config = config
+
+    def initial_state(self) -> HermesState:
+        return HermesState()
+
+    def feed(self, state: HermesState, text: str) -> list[Piece]:
+        sink = PieceSink()
+        buf = state.held + text
+        state.held = ""
+        self._run(state, buf, sink)
+        return sink.pieces
+
+    def finish(self, state: HermesState) -> list[Piece]:
+        sink = PieceSink()
+        if state.mode == CONTENT:
+            if state.calls == 0:
+                sink.content(state.held)
+        elif state.mode == CALL and state.call is not None and not state.call.name_emitted:
+            self._release(state, sink, state.held)
+        # A call cut off after its name keeps what was streamed: we never invent closing braces.
+        state.held = ""
+        state.raw = ""
+        state.call = None
+        state.mode = AFTER_CALL if state.calls else CONTENT
+        return sink.pieces
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def _start_call(self, state: HermesState) -> None:
+        state.mode = CALL
+        state.raw = START
+        state.call = CallObject()
+
+    def _end_call(self, state: HermesState, next_mode: int) -> None:
+        state.calls += 1
+        state.mode = next_mode
+        state.raw = ""
+        state.call = None
+
+    def _release(self, state: HermesState, sink: PieceSink, extra: str = "") -> None:
+        """A call that never got a name is not a call: its text is content (if content is still open)."""
+        if state.calls == 0:
+            sink.content(state.raw + extra)
+        state.mode = CONTENT
+        state.raw = ""
+        state.call = None
+
+    def _run(self, state: HermesState, buf: str, sink: PieceSink) -> None:
+        pos, n = 0, len(buf)
+        literal_angle = False
+        while pos < n:
+            if state.mode == CONTENT:
+                at, tag = find_tag(buf, pos, (START,))
+                if state.calls == 0:
+                    sink.content(buf[pos:at])
+                if tag is None:
+                    state.held = buf[at:]
+                    return
+                pos = at + len(START)
+                self._start_call(state)
+            elif state.mode == AFTER_CALL:
+                at, tag = find_tag(buf, pos, (END, START))
+                if tag is None:
+                    state.held = buf[at:]
+                    return
+                pos = at + len(tag)
+                if tag == START:
+                    self._start_call(state)
+                else:
+                    state.mode = CONTENT
+            else:
+                call = state.call
+                end = pos + 1 if literal_angle else n
+                stop, outcome = feed_call_object(
+                    call, buf, pos, end, sink, state.calls, ARG_KEYS, not literal_angle
+                )
+                literal_angle = False
+                state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
+                pos = stop
+                if outcome == MORE:
+                    if stop < end:
+                        state.held = buf[pos:]
+                        return
+                elif outcome == DONE:
+                    if call.name_emitted:
+                        self._end_call(state, AFTER_CALL)
+                    else:
+                        self._release(state, sink)
+                elif outcome == MALFORMED:
+                    if call.name_emitted:
+                        self._end_call(state, AFTER_CALL)
+                    else:
+                        self._release(state, sink)
+                elif buf.startswith(START, pos) and call.phase == OBJ_START:
+                    # a repeated start tag (<tool_call><tool_call>) opens nothing new
+                    state.raw += START
+                    pos += len(START)
+                elif buf.startswith(END, pos) or buf.startswith(START, pos):
+                    # the call ends here, complete or not; an unnamed one is content
+                    if call.name_emitted:
+                        self._end_call(state, CONTENT)
+                        if buf.startswith(END, pos):
+                            pos += len(END)
+                    else:
+                        self._release(state, sink)
+                elif _proper_prefix_of(buf[pos:], (END, START)):
+                    state.held = buf[pos:]
+                    return
+                else:
+                    literal_angle = True
