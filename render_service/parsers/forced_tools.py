@@ -1,0 +1,183 @@
+"""Tool parsers for ``tool_choice`` "required" and named, where a grammar shaped the output.
+
+* named (``{"type": "function", "function": {"name": F}}``): the model emitted only the arguments object;
+  the whole content is call 0's arguments, streamed raw (as vLLM does).
+* "required": the model emitted a JSON array ``[{"name": ..., "parameters": {...}}, ...]``; each element
+  becomes one call, its ``parameters`` value streamed as the raw argument text (JSON-equal to vLLM's
+  ``json.dumps(parameters)``; byte-equal between our batch and stream because batch is the stream's fold).
+
+Both scan each character once (a small JSON lexer state), so work is O(new text).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import ClassVar
+
+import msgspec
+
+from render_service.parsers.base import Piece, ToolCallPiece, ToolParserConfig
+
+
+class NamedToolState(msgspec.Struct):
+    started: bool = False
+
+
+class NamedToolChoiceParser:
+    name: ClassVar[str] = "named_tool_choice"
+    State: ClassVar[type[msgspec.Struct]] = NamedToolState
+
+    def __init__(self, config: ToolParserConfig, function_name: str) -> None:
+        self.config = config
+        self.function_name = function_name
+
+    def initial_state(self) -> NamedToolState:
+        return NamedToolState()
+
+    def feed(self, state: NamedToolState, text: str) -> list[Piece]:
+        if not text:
+            return []
+        if not state.started:
+            state.started = True
+            return [ToolCallPiece(index=0, name=self.function_name, arguments=text)]
+        return [ToolCallPiece(index=0, arguments=text)]
+
+    def finish(self, state: NamedToolState) -> list[Piece]:
+        if not state.started:
+            # An empty argument text still is a call to the forced function.
+            state.started = True
+            return [ToolCallPiece(index=0, name=self.function_name, arguments="")]
+        return []
+
+
+class RequiredToolState(msgspec.Struct):
+    depth: int = 0  # JSON nesting depth: 1 = inside the array, 2 = inside an element object
+    in_string: bool = False
+    escape: bool = False
+    index: int = -1  # current element
+    key_text: str = ""  # element text at depth 2 (keys, the name value), parameters value excluded
+    in_params: bool = False
+    params_depth: int = 0  # nesting inside the parameters value
+    name_sent: bool = False
+    unsent_args: str = ""  # parameters text seen before the name was known
+
+
+_PARAMS_KEY = re.compile(r'"(?:parameters|arguments)"\s*:\s*$')
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+class RequiredToolChoiceParser:
+    name: ClassVar[str] = "required_tool_choice"
+    State: ClassVar[type[msgspec.Struct]] = RequiredToolState
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.config = config
+
+    def initial_state(self) -> RequiredToolState:
+        return RequiredToolState()
+
+    def feed(self, st: RequiredToolState, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        args: list[str] = []
+        for ch in text:
+            if st.in_params:
+                if self._params_char(st, ch, args):
+                    continue
+                # the character ended a scalar value: fall through and treat it at key level
+            if st.in_string:
+                if st.depth == 2:
+                    st.key_text += ch
+                if st.escape:
+                    st.escape = False
+                elif ch == "\\":
+                    st.escape = True
+                elif ch == '"':
+                    st.in_string = False
+                continue
+            if ch == '"':
+                st.in_string = True
+                if st.depth == 2:
+                    st.key_text += ch
+            elif ch in "{[":
+                st.depth += 1
+                if st.depth == 2 and ch == "{":
+                    self._flush_args(st, args, out)
+                    st.index += 1
+                    st.key_text, st.name_sent, st.unsent_args = "", False, ""
+            elif ch in "}]":
+                if st.depth == 2:
+                    self._flush_args(st, args, out)
+                    self._maybe_name(st, out, force=True)
+                st.depth = max(st.depth - 1, 0)
+            elif st.depth == 2:
+                st.key_text += ch
+                if ch == ":" and _PARAMS_KEY.search(st.key_text):
+                    self._maybe_name(st, out)
+                    st.in_params, st.params_depth = True, 0
+        self._flush_args(st, args, out)
+        return out
+
+    def finish(self, st: RequiredToolState) -> list[Piece]:
+        out: list[Piece] = []
+        if st.index >= 0 and not st.name_sent:
+            self._maybe_name(st, out, force=True)
+        return out
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _params_char(self, st: RequiredToolState, ch: str, args: list[str]) -> bool:
+        """Consume one character of the parameters value; False when it ended a scalar value."""
+        if st.params_depth == 0 and not st.in_string:
+            if ch in " \t\r\n" and not args and not st.unsent_args:
+                return True  # whitespace before the value
+            if ch in ",}" and (args or st.unsent_args):
+                st.in_params = False  # end of a scalar value
+                return False
+        args.append(ch)
+        if st.in_string:
+            if st.escape:
+                st.escape = False
+            elif ch == "\\":
+                st.escape = True
+            elif ch == '"':
+                st.in_string = False
+        elif ch == '"':
+            st.in_string = True
+        elif ch in "{[":
+            st.params_depth += 1
+        elif ch in "}]":
+            st.params_depth -= 1
+            if st.params_depth == 0:
+                st.in_params = False
+        return True
+
+    def _flush_args(self, st: RequiredToolState, args: list[str], out: list[Piece]) -> None:
+        if not args:
+            return
+        text = "".join(args)
+        args.clear()
+        if st.name_sent:
+            out.append(ToolCallPiece(index=st.index, arguments=text))
+        else:
+            st.unsent_args += text
+            self._maybe_name(st, out)
+
+    def _maybe_name(self, st: RequiredToolState, out: list[Piece], force: bool = False) -> None:
+        if st.name_sent or st.index < 0:
+            return
+        m = _NAME.search(st.key_text)
+        if m is None and not force:
+            return
+        # The name must be complete before it is sent (parameters may come first: they wait).
+        if m is None and st.in_params:
+            return
+        try:
+            name = json.loads(m.group(1)) if m else ""
+        except ValueError:
+            name = ""
+        if m is None and not st.unsent_args:
+            return
+        st.name_sent = True
+        out.append(ToolCallPiece(index=st.index, name=name, arguments=st.unsent_args or None))
+        st.unsent_args = ""

@@ -1,0 +1,290 @@
+"""One derender pipeline per request choice.
+
+    token IDs -> IncrementalDetokenizer -> reasoning parser -> tool parser -> ChoiceDelta
+
+Streaming derender feeds each engine chunk; batch derender feeds every token at once and finishes: one
+code path, so batch equals the concatenated stream by construction. The whole pipeline state is one small
+msgspec struct (``PipelineState``) that ``streaming_cache.codec`` serializes into ``stream_state``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+
+from render_service.parsers.base import (
+    Piece,
+    ReasoningParserConfig,
+    TextPiece,
+    ToolCallPiece,
+    ToolParserConfig,
+    ToolSpec,
+)
+from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
+from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredToolChoiceParser
+from render_service.parsers.reasoning import reasoning_open_at_prompt_end
+from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
+
+
+class PipelineConfig(msgspec.Struct, frozen=True):
+    """Everything a pipeline needs that is not token IDs; derived from the chat request each call."""
+
+    request_id: str = ""
+    choice_index: int = 0
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    tools: list[ToolSpec] = []
+    # "none" | "auto" | "required" | "named" (then named_function holds the forced name)
+    tool_choice: str = "none"
+    named_function: str | None = None
+    enable_thinking: bool = True
+    include_reasoning: bool = True
+    parallel_tool_calls: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    hidden_token_ids: frozenset[int] = frozenset()
+
+
+class PipelineState(msgspec.Struct):
+    """Plain data only: this is what stream_state carries (no token history)."""
+
+    detok: DetokenizerState
+    reasoning: Any = None
+    tools: Any = None
+    role_sent: bool = False
+    tool_calls: int = 0  # calls started so far (their indexes are 0..tool_calls-1)
+    model_call_ids: list[str] = []  # ids the model's own format supplied, by call index ("" = minted)
+    tokens: int = 0  # completion tokens fed so far
+    finished: bool = False
+
+
+class ChoiceDelta(msgspec.Struct):
+    """What one feed produced for one choice, in OpenAI delta terms."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = []
+
+    def is_empty(self) -> bool:
+        return self.content is None and self.reasoning is None and not self.tool_calls
+
+
+def tool_call_id(request_id: str, choice_index: int, call_index: int) -> str:
+    """Deterministic id: batch and stream agree, and a retried chunk keeps its id."""
+    digest = hashlib.sha256(f"{request_id}\x00{choice_index}\x00{call_index}".encode()).hexdigest()
+    return f"chatcmpl-tool-{digest[:32]}"
+
+
+class Pipeline:
+    def __init__(self, tokenizer: Any, config: PipelineConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.detok = IncrementalDetokenizer(
+            tokenizer,
+            DetokenizerConfig(
+                skip_special_tokens=config.skip_special_tokens,
+                spaces_between_special_tokens=config.spaces_between_special_tokens,
+                hidden_token_ids=config.hidden_token_ids,
+            ),
+        )
+        self.reasoning_cls = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        self.reasoning = (
+            self.reasoning_cls(ReasoningParserConfig(enable_thinking=config.enable_thinking))
+            if self.reasoning_cls
+            else None
+        )
+        self.tools = self._make_tool_parser(config)
+
+    @staticmethod
+    def _make_tool_parser(config: PipelineConfig) -> Any:
+        tcfg = ToolParserConfig(tools=list(config.tools))
+        if config.tool_choice == "named" and config.named_function:
+            return NamedToolChoiceParser(tcfg, config.named_function)
+        if config.tool_choice == "required":
+            return RequiredToolChoiceParser(tcfg)
+        if config.tool_choice == "auto" and config.tool_parser and config.tools:
+            return get_tool_parser(config.tool_parser)(tcfg)
+        return None
+
+    # state ------------------------------------------------------------------------------------------
+
+    def initial_state(
+        self, prompt_token_ids: list[int] | None = None, reasoning_open_at_start: bool | None = None
+    ) -> PipelineState:
+        """``reasoning_open_at_start``: a render-side hint; otherwise derived from the prompt tail."""
+        reasoning_state = None
+        if self.reasoning is not None:
+            is_open = reasoning_open_at_start
+            if is_open is None:
+                is_open = reasoning_open_at_prompt_end(prompt_token_ids, self.tokenizer, self.reasoning_cls)
+            parser = self.reasoning
+            if is_open is not None:
+                parser = self.reasoning_cls(
+                    ReasoningParserConfig(reasoning_open_at_start=is_open, enable_thinking=self.config.enable_thinking)
+                )
+            reasoning_state = parser.initial_state()
+        return PipelineState(
+            detok=self.detok.initial_state(prompt_token_ids),
+            reasoning=reasoning_state,
+            tools=self.tools.initial_state() if self.tools is not None else None,
+        )
+
+    def restore_state(self, raw: Any) -> PipelineState:
+        """Typed, validated state from decoded plain data (raises msgspec.ValidationError)."""
+        state = msgspec.convert(raw, PipelineState)
+        if self.reasoning_cls is not None:
+            if state.reasoning is None:
+                raise msgspec.ValidationError("stream state lacks the reasoning parser state")
+            state.reasoning = msgspec.convert(state.reasoning, self.reasoning_cls.State)
+        elif state.reasoning is not None:
+            raise msgspec.ValidationError("stream state has reasoning state but no reasoning parser is configured")
+        if self.tools is not None:
+            if state.tools is None:
+                raise msgspec.ValidationError("stream state lacks the tool parser state")
+            state.tools = msgspec.convert(state.tools, type(self.tools).State)
+        elif state.tools is not None:
+            raise msgspec.ValidationError("stream state has tool parser state but no tool parser is active")
+        return state
+
+    # feeding ----------------------------------------------------------------------------------------
+
+    def feed(self, state: PipelineState, token_ids: list[int]) -> ChoiceDelta:
+        state.tokens += len(token_ids)
+        text = self.detok.step(state.detok, token_ids)
+        if not text:
+            return ChoiceDelta()
+        if self.reasoning is None:
+            pieces: list[Piece] = [TextPiece("content", text)]
+        else:
+            pieces = list(self.reasoning.feed(state.reasoning, text))
+        return self._delta(state, self._through_tools(state, pieces))
+
+    def finish(self, state: PipelineState) -> ChoiceDelta:
+        """End of output: flush every stage. Idempotent."""
+        if state.finished:
+            return ChoiceDelta()
+        state.finished = True
+        pieces: list[Piece] = list(self.reasoning.finish(state.reasoning)) if self.reasoning is not None else []
+        pieces = self._through_tools(state, pieces)
+        if self.tools is not None:
+            pieces.extend(self.tools.finish(state.tools))
+        return self._delta(state, pieces)
+
+    def _through_tools(self, state: PipelineState, pieces: list[Piece]) -> list[Piece]:
+        if self.tools is None:
+            return pieces
+        out: list[Piece] = []
+        for p in pieces:
+            if isinstance(p, TextPiece) and p.channel == "content":
+                out.extend(self.tools.feed(state.tools, p.text))
+            else:
+                out.append(p)
+        return out
+
+    def _delta(self, state: PipelineState, pieces: list[Piece]) -> ChoiceDelta:
+        content: list[str] = []
+        reasoning: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        cfg = self.config
+        for p in pieces:
+            if isinstance(p, TextPiece):
+                if p.channel == "content":
+                    content.append(p.text)
+                elif cfg.include_reasoning:
+                    reasoning.append(p.text)
+                continue
+            if not cfg.parallel_tool_calls and p.index > 0:
+                continue
+            entry = calls.get(p.index)
+            if entry is None:
+                entry = calls[p.index] = {"index": p.index, "function": {}}
+            if p.name is not None:
+                entry["id"] = self._call_id(state, p)
+                entry["type"] = "function"
+                entry["function"]["name"] = p.name
+            if p.arguments is not None:
+                fn = entry["function"]
+                fn["arguments"] = fn.get("arguments", "") + p.arguments
+        delta = ChoiceDelta()
+        if content:
+            delta.content = "".join(content)
+        if reasoning:
+            delta.reasoning = "".join(reasoning)
+        if calls:
+            # id/type first in the entry, the way OpenAI and vLLM order the keys
+            delta.tool_calls = [_ordered_call(calls[i]) for i in sorted(calls)]
+        return delta
+
+    def _call_id(self, state: PipelineState, piece: ToolCallPiece) -> str:
+        while len(state.model_call_ids) <= piece.index:
+            state.model_call_ids.append("")
+        state.tool_calls = max(state.tool_calls, piece.index + 1)
+        if piece.id:
+            state.model_call_ids[piece.index] = piece.id
+            return piece.id
+        known = state.model_call_ids[piece.index]
+        return known or tool_call_id(self.config.request_id, self.config.choice_index, piece.index)
+
+    # finish_reason ----------------------------------------------------------------------------------
+
+    def finish_reason(self, state: PipelineState, engine_reason: str | None) -> str | None:
+        """``tool_calls`` when a call was made and the engine stopped normally; ``length`` stays ``length``."""
+        if engine_reason == "stop" and state.tool_calls > 0 and self.config.tool_choice != "named":
+            return "tool_calls"
+        return engine_reason
+
+
+def _ordered_call(entry: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": entry["index"]}
+    if "id" in entry:
+        out["id"] = entry["id"]
+        out["type"] = "function"
+    out["function"] = entry["function"]
+    return out
+
+
+class MessageAccumulator:
+    """Concatenates ChoiceDeltas into a chat message: what a client reconstructs from the stream."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, delta: ChoiceDelta) -> None:
+        if delta.content is not None:
+            self.content.append(delta.content)
+        if delta.reasoning is not None:
+            self.reasoning.append(delta.reasoning)
+        for tc in delta.tool_calls:
+            call = self.calls.setdefault(tc["index"], {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            if "id" in tc:
+                call["id"] = tc["id"]
+            fn = tc.get("function", {})
+            if fn.get("name") is not None:
+                call["function"]["name"] = fn["name"]
+            if fn.get("arguments") is not None:
+                call["function"]["arguments"] += fn["arguments"]
+
+    def message(self, forced_tool_choice: bool = False) -> dict[str, Any]:
+        content = "".join(self.content) or None
+        if content is None and forced_tool_choice:
+            content = ""  # vLLM: named/required tool choice gives "" instead of null
+        return {
+            "role": "assistant",
+            "content": content,
+            "reasoning": "".join(self.reasoning) or None,
+            "tool_calls": [self.calls[i] for i in sorted(self.calls)],
+        }
+
+
+def derender_all(pipeline: Pipeline, token_ids: list[int], prompt_token_ids: list[int] | None = None,
+                 reasoning_open_at_start: bool | None = None) -> tuple[dict[str, Any], PipelineState]:
+    """Batch derender of one choice: the fold of the streaming pipeline over all tokens."""
+    state = pipeline.initial_state(prompt_token_ids, reasoning_open_at_start)
+    acc = MessageAccumulator()
+    acc.add(pipeline.feed(state, token_ids))
+    acc.add(pipeline.finish(state))
+    return acc.message(pipeline.config.tool_choice in ("named", "required")), state

@@ -1,0 +1,204 @@
+"""Reasoning parsers: split detokenized text into reasoning and content.
+
+One text state machine serves the ``<think>``-style family (parser-semantics.md §1, profile N):
+
+* output starts in reasoning unless thinking is off or the prompt already closed reasoning;
+* a ``<think>`` that the model writes before any reasoning text is removed, with the whitespace before it;
+* the first ``</think>`` ends reasoning; everything after it is content (no more tag processing);
+* ``qwen3`` also ends reasoning implicitly at ``<tool_call>`` followed (after whitespace) by ``<function=``
+  or ``<function `` (Qwen3.5 emits tool calls inside an unterminated think block); the marker stays in content;
+* a suffix that could still become a tag is held back and released as soon as it cannot;
+* truncated output (no end tag) is reasoning.
+
+Tags are matched on text, so a tag spelled with ordinary sub-tokens or split across chunks behaves the same
+as the single added token. Batch is the fold of the stream, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from render_service.parsers.base import ReasoningParserConfig, TextPiece
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+# Modes of ThinkState.mode
+AWAIT_START = 0  # reasoning; nothing but whitespace seen yet, a leading <think> is still removable
+REASONING = 1
+CONTENT = 2
+
+
+class ThinkState(msgspec.Struct):
+    mode: int = AWAIT_START
+    held: str = ""  # text that may still turn out to be (part of) a tag
+
+
+def _partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``."""
+    longest = max(len(m) for m in markers) - 1
+    for k in range(min(len(text), longest), 0, -1):
+        tail = text[-k:]
+        for m in markers:
+            if m.startswith(tail):
+                return k
+    return 0
+
+
+class ThinkReasoningParser:
+    """``<think>`` / ``</think>`` parser; subclasses set the name and the implicit-end rule."""
+
+    name: ClassVar[str] = "think"
+    State: ClassVar[type[msgspec.Struct]] = ThinkState
+    # chat_template_kwargs key that switches thinking, and its default when absent.
+    thinking_kwarg: ClassVar[str] = "enable_thinking"
+    thinking_default: ClassVar[bool] = True
+    implicit_end_at_tool_call: ClassVar[bool] = False
+    start_tag: ClassVar[str] = THINK_START
+    end_tag: ClassVar[str] = THINK_END
+
+    def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
+        self.config = config
+        self._markers: tuple[str, ...] = (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,)
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        value = (chat_template_kwargs or {}).get(cls.thinking_kwarg, cls.thinking_default)
+        return bool(value)
+
+    def initial_state(self) -> ThinkState:
+        cfg = self.config
+        if not cfg.enable_thinking or not cfg.reasoning_open_at_start:
+            return ThinkState(mode=CONTENT)
+        return ThinkState(mode=AWAIT_START)
+
+    def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
+        if state.mode == CONTENT and not state.held:
+            return [TextPiece("content", text)] if text else []
+        buf = state.held + text if state.held else text
+        state.held = ""
+        out: list[TextPiece] = []
+        if state.mode == AWAIT_START:
+            buf = self._await_start(state, buf)
+            if state.mode == AWAIT_START:
+                return out
+        if state.mode == REASONING:
+            buf = self._reasoning(state, buf, out)
+        if state.mode == CONTENT and buf:
+            out.append(TextPiece("content", buf))
+        return out
+
+    def finish(self, state: ThinkState) -> list[TextPiece]:
+        held, state.held = state.held, ""
+        if not held:
+            return []
+        return [TextPiece("content" if state.mode == CONTENT else "reasoning", held)]
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _await_start(self, state: ThinkState, buf: str) -> str:
+        stripped = buf.lstrip()
+        if stripped.startswith(self.start_tag):
+            state.mode = REASONING
+            return stripped[len(self.start_tag):]
+        if self.start_tag.startswith(stripped):
+            state.held = buf  # only whitespace and maybe a partial <think> so far
+            return ""
+        state.mode = REASONING
+        return buf
+
+    def _reasoning(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        """Emit reasoning from ``buf``; return the content remainder if reasoning ended."""
+        pos = 0
+        while True:
+            end = buf.find(self.end_tag, pos)
+            call = buf.find("<tool_call>", pos) if self.implicit_end_at_tool_call else -1
+            if call >= 0 and (end < 0 or call < end):
+                verdict = self._tool_call_verdict(buf, call)
+                if verdict == "end":
+                    if call:
+                        out.append(TextPiece("reasoning", buf[:call]))
+                    state.mode = CONTENT
+                    return buf[call:]
+                if verdict == "wait":
+                    if call:
+                        out.append(TextPiece("reasoning", buf[:call]))
+                    state.held = buf[call:]
+                    return ""
+                pos = call + len("<tool_call>")
+                continue
+            if end >= 0:
+                if end:
+                    out.append(TextPiece("reasoning", buf[:end]))
+                state.mode = CONTENT
+                return buf[end + len(self.end_tag):]
+            keep = _partial_suffix_len(buf, self._markers)
+            emit = buf[:len(buf) - keep]
+            if emit:
+                out.append(TextPiece("reasoning", emit))
+            state.held = buf[len(buf) - keep:]
+            return ""
+
+    @staticmethod
+    def _tool_call_verdict(buf: str, at: int) -> str:
+        rest = buf[at + len("<tool_call>"):].lstrip()
+        if rest.startswith("<function=") or rest.startswith("<function "):
+            return "end"
+        if "<function".startswith(rest) or (rest.startswith("<function") and len(rest) == len("<function")):
+            return "wait"
+        return "no"
+
+
+class Qwen3ReasoningParser(ThinkReasoningParser):
+    name = "qwen3"
+    implicit_end_at_tool_call = True
+
+
+class DeepSeekR1ReasoningParser(ThinkReasoningParser):
+    name = "deepseek_r1"
+    thinking_kwarg = "thinking"  # no switch in vLLM; R1 always thinks
+    thinking_default = True
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        return True
+
+
+class DeepSeekV3ReasoningParser(ThinkReasoningParser):
+    """deepseek_r1 rules when ``chat_template_kwargs.thinking`` is true, otherwise everything is content."""
+
+    name = "deepseek_v3"
+    thinking_kwarg = "thinking"
+    thinking_default = False
+
+
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+    cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser)
+}
+
+
+def reasoning_open_at_prompt_end(
+    prompt_token_ids: list[int] | None, tokenizer: Any, parser_cls: type[ThinkReasoningParser]
+) -> bool | None:
+    """What the prompt's tail says about reasoning at the start of the output.
+
+    Scans back from the end of the prompt and stops at the first special token (a turn boundary such as
+    ``<|im_start|>``), so ``</think>`` of earlier turns never counts (vLLM PR #32490). True: the template
+    opened ``<think>``; False: it closed reasoning (``<think>\\n\\n</think>``); None: the tail says nothing.
+    """
+    if not prompt_token_ids:
+        return None
+    start_id = tokenizer.token_to_id(parser_cls.start_tag)
+    end_id = tokenizer.token_to_id(parser_cls.end_tag)
+    special = getattr(tokenizer, "special_token_ids", set())
+    for i in range(len(prompt_token_ids) - 1, max(len(prompt_token_ids) - 64, -1), -1):
+        t = prompt_token_ids[i]
+        if t == end_id:
+            return False
+        if t == start_id:
+            return True
+        if t in special:
+            return None
+    return None
