@@ -43,6 +43,65 @@ def make_pool(blocks: int, layers: int, block_size: int, heads: int, head_dim: i
     return torch.zeros(blocks, layers, 2, block_size, heads, head_dim, dtype=getattr(torch, dtype), device=device)
 
 
+class LoopbackPeer:
+    """Parent-side handle on a loopback peer process (tests, preflight, bench)."""
+
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout_s: float = 120.0):
+        import os
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "token_engine.kv_connector.loopback_peer", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.noise: list[str] = []
+        ready = self._answer(startup_timeout_s)
+        self.port: int = ready["port"]
+        self.engine_id: str = ready["engine_id"]
+        self.incarnation: int = ready["incarnation"]
+
+    def _answer(self, timeout_s: float = 60.0) -> dict:
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError("loopback peer did not answer")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"loopback peer exited (rc={self.proc.poll()}); output: {self.noise[-5:]}")
+            if line.startswith("PEER "):
+                return json.loads(line[5:])
+            self.noise.append(line.rstrip())
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def hold(self, request_id: str, blocks: list[int]) -> int:
+        return self.ask(op="hold", request_id=request_id, blocks=blocks)["epoch"]
+
+    def state(self) -> dict:
+        return self.ask(op="state")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stdin.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="exit")
+                self.proc.wait(timeout=10)
+            except (OSError, TimeoutError, RuntimeError, ValueError):
+                pass
+        self.kill()
+
+
 def _say(obj) -> None:
     sys.stdout.write("PEER " + json.dumps(obj) + "\n")
     sys.stdout.flush()
