@@ -1,0 +1,383 @@
+"""The engine: the step loop that ties scheduler, model runner, sampler and KV connector together.
+
+`LLMEngine` is synchronous (`add_request`, `abort_request`, `step`), so tests can drive it step by step.
+`AsyncEngine` runs it on a thread and hands each request's updates to an asyncio queue; requests and aborts
+reach the thread through an inbox, so every engine data structure is touched by one thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from token_engine.kv_cache import BlockManager
+from token_engine.kv_connector.base import KVConnector, create_kv_connector
+from token_engine.metrics import EngineMetrics
+from token_engine.model_runner import ModelRunner, kv_block_bytes
+from token_engine.sampler import Sampler, SamplingRow, logprobs_of
+from token_engine.scheduler import Scheduler
+from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
+from token_engine.validation import EngineLimits
+
+log = logging.getLogger("token_engine")
+
+CPU_KV_CACHE_MAX_BYTES = 4 << 30  # as vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    kv_transfer_config: dict | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass
+class SequenceDelta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestUpdate:
+    request_id: str
+    deltas: list[SequenceDelta]
+    finished: bool = False  # every sequence of the request has finished
+    error: str | None = None
+    kv_transfer_params: dict | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    seqs: list[Sequence]
+    on_update: Callable[[RequestUpdate], None]
+    arrival: float = field(default_factory=time.monotonic)
+    emitted: list[int] = field(default_factory=list)  # output tokens already handed out, per sequence
+    last_token_time: list[float] = field(default_factory=list)
+
+
+def decide_num_blocks(config: EngineConfig, arch, max_model_len: int) -> int:
+    per_block = kv_block_bytes(arch, config.block_size)
+    if config.num_gpu_blocks_override:
+        return config.num_gpu_blocks_override
+    if config.kv_cache_memory_bytes:
+        return max(1, config.kv_cache_memory_bytes // per_block)
+    if config.device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * config.gpu_memory_utilization) - (total - free)
+        return max(1, budget // per_block)
+    wanted = -(-max_model_len * min(config.max_num_seqs, 8) // config.block_size)
+    return max(1, min(wanted, CPU_KV_CACHE_MAX_BYTES // per_block))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, connector: KVConnector | None = None):
+        from token_engine.models import load_model
+
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=config.device)
+        arch = self.model.arch
+        self.arch = arch
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        self.num_blocks = decide_num_blocks(config, arch, self.max_model_len)
+        if self.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks * config.block_size} tokens ({self.num_blocks} blocks of "
+                f"{config.block_size}), fewer than max_model_len={self.max_model_len}: lower --max-model-len "
+                f"or give the cache more memory")
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector = connector if connector is not None else create_kv_connector(config.kv_transfer_config, config)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.connector)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device)
+        self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(arch.eos_token_ids)
+        self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
+        self.metrics = EngineMetrics(config.model_name)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_request: dict[str, RequestState] = {}
+        self._seen_prefix = (0, 0)
+        self._seen_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, n: int = 1,
+                    priority: int = 0, cache_salt: str | None = None, kv_transfer_params: dict | None = None,
+                    on_update: Callable[[RequestUpdate], None] | None = None) -> RequestState:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seqs = []
+        for i in range(n):
+            opts = options
+            if i > 0:
+                # Children differ in seed (as vLLM: seed + index) and compute prompt logprobs once.
+                opts = dataclasses.replace(options, seed=None if options.seed is None else options.seed + i,
+                                           prompt_logprobs=None)
+            seqs.append(Sequence(
+                seq_id=request_id if n == 1 else f"{request_id}-{i}", request_id=request_id, index=i,
+                prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
+                priority=priority, cache_salt=cache_salt,
+                kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None))
+        state = RequestState(request_id, seqs, on_update or (lambda update: None))
+        state.emitted = [0] * n
+        state.last_token_time = [0.0] * n
+        self.requests[request_id] = state
+        for seq in seqs:
+            if seq.options.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            self._seq_request[seq.seq_id] = state
+            self.scheduler.add(seq)
+        self.metrics.label(self.metrics.prompt_tokens).inc(len(prompt_token_ids))
+        return state
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        for seq in state.seqs:
+            self.scheduler.abort(seq)
+        self._emit(state)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Runs one scheduling step. Returns whether any model work was done."""
+        touched: dict[str, RequestState] = {}
+        for seq in self.scheduler.apply_connector_events(self.connector.poll()):
+            touched[seq.request_id] = self._seq_request[seq.seq_id]
+        out = self.scheduler.schedule()
+        for seq in out.preempted:
+            touched.setdefault(seq.request_id, self._seq_request[seq.seq_id])
+        if out.scheduled:
+            logits = self.runner.execute(out.scheduled)
+            sampling = [s.seq for s in out.scheduled if s.samples]
+            sampled: dict[str, int] = {}
+            if sampling:
+                tokens, logprobs = self.sampler(logits.sample_logits, [self._sampling_row(seq) for seq in sampling])
+                for seq, token, lp in zip(sampling, tokens, logprobs):
+                    sampled[seq.seq_id] = token
+                    if lp is not None:
+                        seq.new_logprobs.append(lp)
+            for seq_id, (first, rows) in logits.prompt_logits.items():
+                self._record_prompt_logprobs(self._seq_by_id(seq_id), first, rows)
+            self.scheduler.update_after_step(out, sampled)
+            for s in out.scheduled:
+                touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])
+        for state in touched.values():
+            self._emit(state)
+        self._update_gauges()
+        return bool(out.scheduled)
+
+    def _seq_by_id(self, seq_id: str) -> Sequence:
+        state = self._seq_request[seq_id]
+        return next(s for s in state.seqs if s.seq_id == seq_id)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        opts = seq.options
+        blocked: frozenset[int] = frozenset()
+        if seq.num_output_tokens < opts.min_tokens:
+            blocked = opts.stop_token_ids | (frozenset() if opts.ignore_eos else seq.eos_token_ids)
+        return SamplingRow(opts, seq.prompt_token_ids, seq.output_token_ids, seq.generator, blocked)
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        k = seq.options.prompt_logprobs or 0
+        targets = torch.tensor(seq.token_ids[first + 1:first + 1 + logits.shape[0]], device=logits.device)
+        entries = logprobs_of(logits.float().log_softmax(dim=1), targets, k)
+        for offset, entry in enumerate(entries):
+            if len(seq.prompt_logprobs) == first + 1 + offset:  # a recompute after preemption adds nothing
+                seq.prompt_logprobs.append(entry)
+
+    def _emit(self, state: RequestState) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        deltas = []
+        for i, seq in enumerate(state.seqs):
+            if state.emitted[i] < 0:  # its final delta is out
+                continue
+            new = seq.output_token_ids[state.emitted[i]:]
+            if not new and not seq.is_finished:
+                continue
+            if new:
+                if state.emitted[i] == 0:
+                    m.label(m.ttft).observe(now - state.arrival)
+                else:
+                    m.label(m.itl).observe((now - state.last_token_time[i]) / len(new))
+                state.last_token_time[i] = now
+                m.label(m.generation_tokens).inc(len(new))
+            logprobs, seq.new_logprobs = seq.new_logprobs, []
+            deltas.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason))
+            state.emitted[i] = -1 if seq.is_finished else state.emitted[i] + len(new)
+        if not deltas:
+            return
+        finished = all(seq.is_finished for seq in state.seqs)
+        update = RequestUpdate(state.request_id, deltas, finished)
+        if finished:
+            self.requests.pop(state.request_id, None)
+            for seq in state.seqs:
+                self._seq_request.pop(seq.seq_id, None)
+            first = state.seqs[0]
+            update.kv_transfer_params = first.kv_transfer_params if first.kv_transfer_params is not None else None
+            update.num_cached_tokens = first.num_cached_tokens
+            update.error = next((s.error for s in state.seqs if s.error), None)
+            if first.options.prompt_logprobs is not None:
+                update.prompt_logprobs = first.prompt_logprobs
+            m.label(m.e2e).observe(now - state.arrival)
+            m.label(m.success, finished_reason=first.finish_reason or "stop").inc()
+        state.on_update(update)
+
+    def _update_gauges(self) -> None:
+        m, bm, sched = self.metrics, self.block_manager, self.scheduler
+        m.label(m.running).set(len(sched.running))
+        m.label(m.waiting).set(len(sched.waiting) + len(sched.waiting_for_remote))
+        m.label(m.kv_usage).set(bm.usage())
+        m.label(m.free_blocks).set(bm.num_free_blocks())
+        q, h = bm.prefix_queries, bm.prefix_hits
+        if (q, h) != self._seen_prefix:
+            m.label(m.prefix_queries).inc(q - self._seen_prefix[0])
+            m.label(m.prefix_hits).inc(h - self._seen_prefix[1])
+            self._seen_prefix = (q, h)
+        if sched.num_preemptions != self._seen_preemptions:
+            m.label(m.preemptions).inc(sched.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = sched.num_preemptions
+
+    def fail_all(self, message: str) -> None:
+        """After an unexpected step failure: end every request with an error and give back its blocks."""
+        for state in list(self.requests.values()):
+            for seq in state.seqs:
+                self.scheduler.finish(seq, "error", message)
+            self._emit(state)
+
+    # ---- convenience for tests and scripts ---------------------------------------------------------
+    def generate(self, prompts: list[list[int]], options: SamplingOptions, max_steps: int = 100_000) -> list[list[int]]:
+        """Runs prompts to completion synchronously; returns the output token ids of each."""
+        results: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            rid = f"offline-{i}-{id(results)}"
+            results[rid] = []
+            self.add_request(rid, prompt, options,
+                             on_update=lambda u, rid=rid: results[rid].extend(t for d in u.deltas for t in d.token_ids))
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            self.step()
+        return list(results.values())
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on its own thread; the asyncio side adds requests, aborts and reads updates."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, tuple]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="token-engine", daemon=True)
+        self.dead: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    def submit(self, kind: str, *args) -> None:
+        with self._cv:
+            self._inbox.append((kind, args))
+            self._cv.notify()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, n: int,
+                    priority: int, cache_salt: str | None, kv_transfer_params: dict | None,
+                    on_update: Callable[[RequestUpdate], None]) -> None:
+        self.submit("add", request_id, prompt_token_ids, options, n, priority, cache_salt, kv_transfer_params,
+                    on_update)
+
+    def abort_request(self, request_id: str) -> None:
+        self.submit("abort", request_id)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.engine.shutdown()
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items, self._inbox = self._inbox, []
+        for kind, args in items:
+            if kind == "add":
+                *params, on_update = args
+                try:
+                    self.engine.add_request(*params, on_update=on_update)
+                except Exception as exc:  # e.g. a duplicate id raced past the server's check
+                    on_update(RequestUpdate(params[0], [], finished=True, error=str(exc)))
+            elif kind == "abort":
+                self.engine.abort_request(*args)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._stop:
+                        break
+                self._drain_inbox()
+                worked = False
+                sched = self.engine.scheduler
+                if self.engine.has_work() or sched.held_by_connector:
+                    try:
+                        worked = self.engine.step()
+                    except Exception as exc:
+                        log.exception("engine step failed")
+                        self.engine.fail_all(f"engine step failed: {exc}")
+                        worked = True
+                if worked:
+                    continue
+                with self._cv:
+                    if self._inbox or self._stop:
+                        continue
+                    # Transfers in flight need polling about every millisecond; otherwise sleep until work.
+                    if self.engine.connector.has_inflight_transfers() or sched.waiting_for_remote:
+                        self._cv.wait(0.001)
+                    elif sched.held_by_connector or self.engine.has_work():
+                        self._cv.wait(0.01)
+                    else:
+                        self._cv.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported through /health
+            self.dead = repr(exc)
+            log.exception("engine thread died")
+            raise

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one engine, under vLLM's names where vLLM has the metric.
+
+Each engine owns its registry (several engines can live in one test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Sequences in the running batch.", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels, registry=r)
+        self.free_blocks = Gauge("splitserve:kv_cache_free_blocks", "Free (or evictable) KV blocks.", labels,
+                                 registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               labels + ["finished_reason"], registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                   registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", labels,
+                                   registry=r)
+        self.model_name = model_name
+
+    def label(self, metric, **extra):
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""Runs the model for one scheduled step: owns the KV pool, builds input tensors and AttentionMetadata,
+and returns the logits the sampler (and prompt logprobs) need, nothing more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from token_engine.attention import allocate_kv_pool, build_metadata
+from token_engine.scheduler import ScheduledSequence
+
+
+def kv_block_bytes(arch, block_size: int) -> int:
+    """Bytes of one block across all layers (K and V)."""
+    return block_size * arch.kv_bytes_per_token
+
+
+@dataclass
+class StepLogits:
+    sample_logits: torch.Tensor  # [number of sampling sequences, vocab], in scheduled order
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits [rows, vocab])
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
+        self.model = model
+        self.arch = model.arch
+        self.block_size = block_size
+        self.device = torch.device(device)
+        arch = self.arch
+        self.kv_pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads,
+                                        arch.head_dim, arch.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []  # seq_id, first position, row start, row count
+        row = 0
+        for s in scheduled:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            if seq.options.prompt_logprobs is not None and start < seq.prompt_len - 1:
+                # Position j's logits score prompt token j + 1.
+                count = min(end, seq.prompt_len - 1) - start
+                prompt_spans.append((seq.seq_id, start, row, count))
+            row += s.num_new_tokens
+            if s.samples:
+                sample_rows.append(row - 1)
+
+        meta = build_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, pos, meta, self.kv_pool)
+
+        vocab = self.arch.vocab_size
+        if sample_rows:
+            sample_logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        else:
+            sample_logits = torch.empty(0, vocab, device=self.device)
+        prompt_logits = {
+            seq_id: (first, self.model.compute_logits(hidden[row_start:row_start + count]))
+            for seq_id, first, row_start, count in prompt_spans
+        }
+        return StepLogits(sample_logits, prompt_logits)

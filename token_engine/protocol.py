@@ -1,0 +1,175 @@
+"""Wire structs of the tokens-only engine API (vLLM's /inference/v1/generate), msgspec at the boundary.
+
+Decoding ignores unknown keys, so a GenerateRequest exactly as the render tier (ours or vLLM's) emits it
+is accepted unchanged; `sampling_params` keys a tokens-only engine has no use for (output_kind,
+skip_clone, detokenize, skip_special_tokens...) are ignored the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingParams(msgspec.Struct):
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = None  # None: the caller did not set it (defaults to max_model_len - prompt_len)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict | None = None
+    skip_reading_prefix_cache: bool | None = None
+
+
+class GenerateRequest(msgspec.Struct):
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    features: Any = None
+    content_parts: Any = None
+    output_mode: str | None | UnsetType = UNSET
+    return_token_ids: bool | None = None
+    return_token_logprobs: bool | None = None
+    # Our extension: "token_id_strings" answers in the older ChatCompletionLogProbs shape ("token_id:N").
+    logprobs_format: str | None = None
+
+
+class AbortRequest(msgspec.Struct):
+    request_ids: list[str]
+
+
+# ---- logprobs, newer shape (GenerateLogProbs: integer token ids) ------------------------------------
+class TopLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None
+
+
+class TokenLogprobEntry(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None
+    top_logprobs: list[TopLogprob]
+
+
+class GenerateLogProbs(msgspec.Struct):
+    content: list[TokenLogprobEntry] | None
+    sampled: list[float] | None = None
+
+
+# ---- logprobs, older shape (OpenAI chat logprobs with "token_id:N" placeholders) --------------------
+class LegacyTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class LegacyTokenLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    top_logprobs: list[LegacyTopLogprob]
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbs(msgspec.Struct):
+    content: list[LegacyTokenLogprobEntry] | None
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None = None
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class GenerateResponseChoice(msgspec.Struct):
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
+    routed_experts: str | None = None
+
+
+class GenerateResponse(msgspec.Struct):
+    request_id: str
+    model: str | None
+    created: int
+    choices: list[GenerateResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    output_mode: str = "tokens"
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class GenerateStreamChoice(msgspec.Struct):
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
+    routed_experts: str | None = None
+
+
+class GenerateStreamResponse(msgspec.Struct):
+    request_id: str
+    choices: list[GenerateStreamChoice]
+    usage: UsageInfo | None = None
+    output_mode: str = "tokens"
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+def error_body(message: str, status: int = 400, param: str | None = None, type_: str | None = None) -> bytes:
+    if type_ is None:
+        type_ = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+            status, "InternalServerError" if status >= 500 else "BadRequestError")
+    return msgspec.json.encode(ErrorResponse(ErrorInfo(message, type_, param, status)))

@@ -1,0 +1,161 @@
+"""Turns a batch of logits into tokens, vectorized over the batch.
+
+Order (as vLLM v1): logit bias / allowed ids / min_tokens masking -> penalties -> greedy argmax or
+temperature -> min_p -> top_k -> top_p -> exponential-race sampling. Logprobs are the raw model
+log-softmax (vLLM's default `raw_logprobs`), before any of that processing.
+
+Seeded rows draw their noise from their own generator, one draw of vocab size per step, so a seeded
+request yields the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from token_engine.sequence import SamplingOptions, TokenLogprob
+
+
+@dataclass
+class SamplingRow:
+    options: SamplingOptions
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    stop_ids_blocked: frozenset[int]  # ids masked while min_tokens is not reached (EOS + stop ids)
+
+
+def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """TokenLogprob per row of log_probs [N, V] for token_ids [N], with the top-k alternatives."""
+    chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (log_probs > chosen[:, None]).sum(dim=1) + 1
+    if k > 0:
+        top_vals, top_ids = log_probs.topk(k, dim=1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    else:
+        top_vals = top_ids = [[] for _ in range(log_probs.shape[0])]
+    out = []
+    for i, (tid, lp, rank) in enumerate(zip(token_ids.tolist(), chosen.tolist(), ranks.tolist())):
+        out.append(TokenLogprob(tid, lp, rank, list(zip(top_ids[i], top_vals[i]))))
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits [B, V] float32 (one row per entry of rows) -> (token ids, logprobs or None per row)."""
+        logits = logits.float()
+        batch, vocab = logits.shape
+        device = logits.device
+        raw = logits
+        logits = logits.clone()
+
+        self._apply_masks_and_bias(logits, rows)
+        if any(r.options.needs_penalties for r in rows):
+            self._apply_penalties(logits, rows, vocab)
+
+        greedy = torch.tensor([r.options.greedy for r in rows], device=device)
+        tokens = logits.argmax(dim=1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([r.options.temperature if not r.options.greedy else 1.0 for r in rows],
+                                 device=device, dtype=torch.float32)
+            scaled = logits / temps[:, None]
+            scaled = self._apply_top_filters(scaled, rows, vocab)
+            probs = scaled.softmax(dim=1)
+            noise = self._exponential_noise(rows, batch, vocab).to(device)
+            sampled = (probs / noise).argmax(dim=1)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        logprob_out: list[TokenLogprob | None] = [None] * batch
+        want = [i for i, r in enumerate(rows) if r.options.logprobs is not None]
+        if want:
+            idx = torch.tensor(want, device=device)
+            log_probs = raw.index_select(0, idx).log_softmax(dim=1)
+            k = max(rows[i].options.logprobs for i in want)
+            entries = logprobs_of(log_probs, tokens.index_select(0, idx), k)
+            for i, entry in zip(want, entries):
+                entry.top = entry.top[: rows[i].options.logprobs]
+                logprob_out[i] = entry
+        return token_list, logprob_out
+
+    # ---- steps ------------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_masks_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, r in enumerate(rows):
+            opts = r.options
+            if opts.allowed_token_ids is not None:
+                keep = torch.full_like(logits[i], float("-inf"))
+                ids = torch.tensor(opts.allowed_token_ids, device=logits.device)
+                keep[ids] = 0.0
+                logits[i] += keep
+            if opts.logit_bias:
+                ids = torch.tensor([t for t, _ in opts.logit_bias], device=logits.device)
+                bias = torch.tensor([b for _, b in opts.logit_bias], device=logits.device)
+                logits[i].index_add_(0, ids, bias)
+            if r.stop_ids_blocked:
+                ids = torch.tensor(sorted(r.stop_ids_blocked), device=logits.device)
+                logits[i].index_fill_(0, ids, float("-inf"))
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
+        device = logits.device
+        # Output-token counts per row; padding points at an extra column that is dropped.
+        max_out = max(1, max(len(r.output_token_ids) for r in rows))
+        out_ids = torch.full((len(rows), max_out), vocab, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r.output_token_ids:
+                out_ids[i, : len(r.output_token_ids)] = torch.tensor(r.output_token_ids)
+        out_ids = out_ids.to(device)
+        counts = torch.zeros(len(rows), vocab + 1, device=device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+        counts = counts[:, :vocab]
+
+        rep = torch.tensor([r.options.repetition_penalty for r in rows], device=device)
+        if bool((rep != 1.0).any()):
+            # Repetition penalty covers prompt and output tokens (as vLLM).
+            seen = counts > 0
+            for i, r in enumerate(rows):
+                if r.options.repetition_penalty != 1.0 and r.prompt_token_ids:
+                    seen[i, torch.tensor(r.prompt_token_ids, device=device)] = True
+            factor = torch.where(logits > 0, 1.0 / rep[:, None], rep[:, None])
+            logits.copy_(torch.where(seen, logits * factor, logits))
+        freq = torch.tensor([r.options.frequency_penalty for r in rows], device=device)
+        pres = torch.tensor([r.options.presence_penalty for r in rows], device=device)
+        logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
+
+    @staticmethod
+    def _apply_top_filters(scaled: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
+        device = scaled.device
+        min_p = torch.tensor([r.options.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            probs = scaled.softmax(dim=1)
+            threshold = probs.max(dim=1, keepdim=True).values * min_p[:, None]
+            scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+        top_k = torch.tensor([r.options.top_k if 0 < r.options.top_k < vocab else vocab for r in rows], device=device)
+        top_p = torch.tensor([r.options.top_p for r in rows], device=device)
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+            sorted_logits, order = scaled.sort(dim=1, descending=True)
+            positions = torch.arange(vocab, device=device)[None, :]
+            drop = positions >= top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            probs = sorted_logits.softmax(dim=1)
+            # Drop a token when the tokens ranked above it already reach top_p; the best one always stays.
+            drop = (probs.cumsum(dim=1) - probs) > top_p[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+        return scaled
+
+    def _exponential_noise(self, rows: list[SamplingRow], batch: int, vocab: int) -> torch.Tensor:
+        noise = torch.empty(batch, vocab)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i] = torch.empty(vocab).exponential_(generator=r.generator)
+        return noise
