@@ -1,0 +1,154 @@
+"""qwen3_coder / qwen3_xml tool parser: typed parameter conversion, streaming of string values, splits."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from render_service.parsers.base import ToolParserConfig, ToolSpec
+from render_service.parsers.tools_qwen3_coder import Qwen3CoderToolParser, convert_value
+from tests.test_tool_parsers_common import (
+    ARG_TEXT,
+    WEATHER_TOOLS,
+    args_of,
+    assert_split_invariant,
+    names_of,
+    parse,
+    parse_chunks,
+)
+
+V_T15 = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_v_t15_typed_parameters_convert_by_schema_byte_exact():
+    r = parse("qwen3_coder", V_T15)
+    assert r.content is None
+    assert r.calls == [{"name": "get_weather", "arguments": '{"city": "New York", "days": 3, "metric": true}', "id": None}]
+
+
+def test_qwen3_xml_is_the_same_parser():
+    assert parse("qwen3_xml", V_T15) == parse("qwen3_coder", V_T15)
+
+
+def test_v_t17_parameter_missing_from_schema_stays_a_string():
+    tools = ToolParserConfig(tools=[ToolSpec(name="get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}, "metric": {"type": "boolean"}}})])
+    assert args_of(parse("qwen3_coder", V_T15, tools)) == [{"city": "New York", "days": "3", "metric": True}]
+
+
+def test_v_t17_request_without_tools_gives_strings_everywhere():
+    assert args_of(parse("qwen3_coder", V_T15, ToolParserConfig())) == [{"city": "New York", "days": "3", "metric": "true"}]
+
+
+def test_v_t18_content_before_call_and_empty_arguments():
+    r = parse("qwen3_coder", "Checking.\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+    assert r.content == "Checking.\n"
+    assert r.calls == [{"name": "get_time", "arguments": "{}", "id": None}]
+
+
+def test_exactly_one_leading_and_trailing_newline_is_stripped():
+    text = "<tool_call>\n<function=send>\n<parameter=text>\n\n  two lines\n  kept\n\n</parameter>\n</function>\n</tool_call>"
+    assert args_of(parse("qwen3_coder", text)) == [{"text": "\n  two lines\n  kept\n"}]
+
+
+def test_string_value_streams_before_its_closing_tag():
+    parser = Qwen3CoderToolParser(WEATHER_TOOLS)
+    state = parser.initial_state()
+    parser.feed(state, "<tool_call>\n<function=write_file>\n<parameter=content>\n")
+    pieces = parser.feed(state, 'line "one" \\ 東京\nline two')
+    streamed = "".join(p.arguments or "" for p in pieces)
+    assert streamed == 'line \\"one\\" \\\\ 東京\\nline two'
+    assert len(msgspec.msgpack.encode(state)) < 200
+
+
+def test_convert_value_rules():
+    assert convert_value("42", "integer", False) == 42
+    assert convert_value("4x", "integer", False) == "4x"
+    assert convert_value("3.0", "number", False) == 3 and isinstance(convert_value("3.0", "number", False), int)
+    assert convert_value("2.5", "number", False) == 2.5
+    assert convert_value("True", "boolean", False) is True
+    assert convert_value("yes", "boolean", False) is False
+    assert convert_value('{"a": [1]}', "object", False) == {"a": [1]}
+    assert convert_value("{'a': (1, 2)}", "object", False) == {"a": (1, 2)}
+    assert convert_value("[oops", "array", False) == "[oops"
+    assert convert_value("null", "integer", False) is None
+    assert convert_value("None", "object", False) is None
+    assert convert_value("null", "string", False) == "null"
+    assert convert_value("null", "string", True) is None
+    assert convert_value("7", None, False) == "7"
+
+
+def test_nullable_and_union_types_from_schema():
+    tools = ToolParserConfig(tools=[ToolSpec(name="f", parameters={"properties": {"a": {"type": ["integer", "null"]}, "b": {"type": ["string", "null"]}, "c": {"type": "array"}}})])
+    text = "<tool_call>\n<function=f>\n<parameter=a>\nnull\n</parameter>\n<parameter=b>\nnull\n</parameter>\n<parameter=c>\n[1, 2]\n</parameter>\n</function>\n</tool_call>"
+    assert args_of(parse("qwen3_coder", text, tools)) == [{"a": None, "b": None, "c": [1, 2]}]
+
+
+def test_two_calls_and_text_between_them_is_dropped():
+    one = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+    r = parse("qwen3_coder", "A" + one + "\nmid\n" + one.replace("get_time", "get_weather"))
+    assert r.content == "A" and names_of(r) == ["get_time", "get_weather"]
+
+
+def test_bare_function_block_without_tool_call_tag_parses():
+    r = parse("qwen3_coder", "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>")
+    assert args_of(r) == [{"city": "Oslo"}]
+
+
+def test_tool_call_tag_not_followed_by_function_is_content():
+    text = "Use <tool_call> syntax like this."
+    assert parse("qwen3_coder", text).content == text
+
+
+def test_truncated_before_function_name_flushes_as_content():
+    text = "Hi <tool_call>\n<function=get_wea"
+    r = parse("qwen3_coder", text)
+    assert r.content == text and r.calls == []
+
+
+def test_truncated_inside_value_keeps_streamed_prefix_only():
+    r = parse("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew Yo")
+    assert r.calls[0]["arguments"] == '{"city": "New Yo'
+
+
+def test_missing_function_end_closed_by_tool_call_end():
+    r = parse("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</tool_call>")
+    assert args_of(r) == [{"city": "Oslo"}]
+
+
+def test_one_character_per_feed_equals_one_feed():
+    text = "Let me look.\n" + V_T15 + "\n" + V_T15
+    assert parse_chunks("qwen3_coder", list(text)) == parse("qwen3_coder", text)
+
+
+PARAM_VALUES = st.one_of(
+    ARG_TEXT.filter(lambda s: "</parameter>" not in s).map(lambda s: ("city", s, s)),
+    st.integers(-10**6, 10**6).map(lambda i: ("days", str(i), i)),
+    st.booleans().map(lambda b: ("metric", str(b).lower(), b)),
+    ARG_TEXT.filter(lambda s: "</parameter>" not in s).map(lambda s: ("note", s, s)),  # not in the schema
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(PARAM_VALUES, max_size=4, unique_by=lambda p: p[0]), max_size=3), st.text(max_size=10).filter(lambda s: "<" not in s), st.lists(st.integers(0, 500), max_size=30))
+def test_property_random_splits_give_the_same_calls_as_one_feed(calls, prefix, cuts):
+    text = prefix
+    expected = []
+    for params in calls:
+        text += "<tool_call>\n<function=get_weather>\n"
+        args = {}
+        for key, raw, value in params:
+            text += f"<parameter={key}>\n{raw}\n</parameter>\n"
+            args[key] = value
+        text += "</function>\n</tool_call>\n"
+        expected.append(args)
+    whole = assert_split_invariant("qwen3_coder", text, cuts)
+    assert args_of(whole) == expected
+    assert whole.content == (prefix or None)
+    for c in whole.calls:  # byte-exact: what vLLM's batch json.dumps would give
+        assert c["arguments"] == json.dumps(json.loads(c["arguments"]), ensure_ascii=False)
