@@ -1,0 +1,395 @@
+"""Batch derender: a generate response (token IDs) in, an OpenAI response out.
+
+Each choice goes through one ``render_service.parsers.pipeline.Pipeline`` (incremental detokenizer ->
+reasoning parser -> tool parser): batch feeds all of a choice's tokens at once and finishes, which
+is exactly what streaming derender does chunk by chunk, so the two agree by construction.
+``pipeline_config`` is the one seam where a request becomes a pipeline configuration.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from render_service.errors import ApiError, bad_request
+from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.parsers.base import ToolSpec
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
+from render_service.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DerenderChatRequest,
+    DerenderCompletionRequest,
+    FunctionCall,
+    GenerateResponse,
+    ToolCall,
+    UsageInfo,
+)
+from render_service.render import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
+
+PARSER_NEEDS_CHAT_REQUEST = (
+    "chat_request is required when a tool or reasoning parser is configured because plain detokenization "
+    "would leak raw parser markup into content."
+)
+# vLLM's ModelConfig.max_logprobs default: the most top_logprobs an entry may carry.
+MAX_TOP_LOGPROBS = 20
+# Preceding sampled ids used to repair a token that decodes to a partial UTF-8 character (vLLM: 4).
+LOGPROB_CONTEXT_TOKENS = 4
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def check_fingerprint(sent: str | None, config: RenderConfig) -> None:
+    """A fingerprint the caller passed back must be ours: otherwise the tiers disagree on the model."""
+    if sent is not None and sent != config.fingerprint:
+        raise ApiError(
+            f"render fingerprint mismatch: this request was rendered by a server with configuration "
+            f"{sent!r}, but this server's configuration is {config.fingerprint!r} (tokenizer, chat template, "
+            f"parser flags or default chat template kwargs differ). Send derender requests to a render tier "
+            f"configured like the one that rendered the prompt.",
+            400,
+            "render_fingerprint",
+        )
+
+
+def fingerprint_sent(body_value: str | None, headers: Any, response: GenerateResponse | None = None) -> str | None:
+    """The fingerprint from the body, else the X-Render-Fingerprint header, else an echo in the generate response."""
+    if body_value is not None:
+        return body_value
+    if headers is not None:
+        value = headers.get(FINGERPRINT_HEADER)
+        if value:
+            return value
+    if response is not None:
+        return response.render_fingerprint
+    return None
+
+
+def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> None:
+    """Resource bounds, checked before any decoding (client-supplied sizes are untrusted)."""
+    if len(responses) > MAX_N:
+        raise bad_request(f"generate_responses count ({len(responses)}) exceeds server maximum ({MAX_N}).")
+    vocab = config.tokenizer.vocab_size
+    for gen in responses:
+        if gen.output_mode not in (None, "tokens"):
+            raise bad_request(
+                f"derender takes tokens-mode generate responses; got output_mode={gen.output_mode!r}",
+                "output_mode",
+            )
+        if len(gen.choices) > MAX_N:
+            raise bad_request(f"choices count ({len(gen.choices)}) in response '{gen.request_id}' exceeds "
+                              f"server maximum ({MAX_N}).")
+        for choice in gen.choices:
+            ids = choice.token_ids
+            if not ids:
+                raise bad_request(f"choice {choice.index} has empty or null token_ids")
+            if len(ids) > config.max_model_len:
+                raise bad_request(f"token_ids length ({len(ids)}) in choice {choice.index} exceeds max_model_len "
+                                  f"({config.max_model_len}).")
+            for t in ids:
+                if not 0 <= t < vocab:
+                    raise bad_request(f"token id {t} in choice {choice.index} is out of vocabulary", "token_ids")
+            _check_logprobs_bounds(choice.logprobs, choice.index, config)
+        if gen.prompt_logprobs is not None and isinstance(gen.prompt_logprobs, list) \
+                and len(gen.prompt_logprobs) > config.max_model_len:
+            raise bad_request(f"prompt_logprobs length ({len(gen.prompt_logprobs)}) in response '{gen.request_id}' "
+                              f"exceeds max_model_len ({config.max_model_len}).")
+
+
+def _check_logprobs_bounds(logprobs: Any, index: int, config: RenderConfig) -> None:
+    if logprobs is None:
+        return
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if content is None:
+        if isinstance(logprobs, dict):
+            return
+        raise bad_request(f"logprobs of choice {index} must be an object", "logprobs")
+    if not isinstance(content, list):
+        raise bad_request(f"logprobs.content of choice {index} must be a list", "logprobs")
+    if len(content) > config.max_model_len:
+        raise bad_request(f"logprobs.content length ({len(content)}) in choice {index} exceeds max_model_len "
+                          f"({config.max_model_len}).")
+    for entry in content:
+        if not isinstance(entry, dict):
+            raise bad_request(f"logprobs.content entries of choice {index} must be objects", "logprobs")
+        top = entry.get("top_logprobs") or []
+        if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs count in choice {index} exceeds max_logprobs ({MAX_TOP_LOGPROBS}).",
+                              "logprobs")
+
+
+def _check_prompt_ids(ids: list[int] | None, config: RenderConfig) -> None:
+    if ids is not None and len(ids) > config.max_model_len:
+        raise bad_request(f"prompt_token_ids length ({len(ids)}) exceeds max_model_len ({config.max_model_len}).",
+                          "prompt_token_ids")
+
+
+# ------------------------------------------------------------------------------------ pipeline seam
+
+
+def _tool_choice(chat_request: ChatCompletionRequest) -> tuple[str, str | None]:
+    choice = chat_request.tool_choice
+    if choice is None:
+        return ("auto" if chat_request.tools else "none"), None
+    if isinstance(choice, str):
+        return choice, None
+    name = ((choice or {}).get("function") or {}).get("name")
+    return "named", name
+
+
+def _tool_specs(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
+    specs = []
+    for tool in tools or []:
+        fn = (tool or {}).get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            specs.append(ToolSpec(name=fn["name"], parameters=params if isinstance(params, dict) else None))
+    return specs
+
+
+def pipeline_config(
+    config: RenderConfig,
+    chat_request: ChatCompletionRequest | None,
+    *,
+    request_id: str,
+    choice_index: int,
+) -> PipelineConfig:
+    """The seam: a derender request (and this server's parser flags) as one pipeline configuration."""
+    eos = frozenset(config.bundle.eos_token_ids)
+    if chat_request is None or not config.has_parsers:
+        # Plain detokenization honours the request's skip_special_tokens (default true). The stop
+        # token itself never becomes text (vLLM's engine does not detokenize it either).
+        req = chat_request
+        return PipelineConfig(
+            request_id=request_id,
+            choice_index=choice_index,
+            skip_special_tokens=req.skip_special_tokens if req is not None else True,
+            spaces_between_special_tokens=req.spaces_between_special_tokens if req is not None else True,
+            hidden_token_ids=eos,
+        )
+    kwargs = resolve_chat_template_kwargs(chat_request, config)
+    tool_choice, named = _tool_choice(chat_request)
+    if tool_choice == "auto" and not config.enable_auto_tool_choice:
+        tool_choice = "none"
+    return PipelineConfig(
+        request_id=request_id,
+        choice_index=choice_index,
+        reasoning_parser=config.reasoning_parser,
+        tool_parser=config.tool_call_parser,
+        tools=_tool_specs(chat_request.tools),
+        tool_choice=tool_choice,
+        named_function=named,
+        enable_thinking=bool(kwargs.get("enable_thinking", True)),
+        include_reasoning=chat_request.include_reasoning,
+        parallel_tool_calls=chat_request.parallel_tool_calls is not False,
+        # Parsers see special tokens: markers such as <think> or <tool_call> may be special.
+        skip_special_tokens=False,
+        hidden_token_ids=eos,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any = None) -> ChatCompletionResponse:
+    model = check_model(req.model, config)
+    gen = req.generate_response
+    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers, gen), config)
+    _check_bounds([gen], config)
+    _check_prompt_ids(req.prompt_token_ids, config)
+    if config.has_parsers and req.chat_request is None:
+        raise bad_request(PARSER_NEEDS_CHAT_REQUEST, "chat_request")
+    prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else gen.prompt_token_ids
+    choices = []
+    for choice in gen.choices:
+        pcfg = pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index)
+        pipeline = Pipeline(config.tokenizer, pcfg)
+        fields, state = derender_all(pipeline, choice.token_ids, prompt_ids)
+        message = ChatMessage(content=fields["content"], reasoning=fields["reasoning"])
+        if pcfg.reasoning_parser is None and pcfg.tool_parser is None and fields["content"] is None:
+            message.content = ""  # plain detokenization: vLLM answers "" for no text, never null
+        if fields["tool_calls"]:
+            message.tool_calls = [
+                ToolCall(id=c["id"], type="function",
+                         function=FunctionCall(name=c["function"]["name"] or "", arguments=c["function"]["arguments"]))
+                for c in fields["tool_calls"]
+            ]
+        choices.append(ChatCompletionChoice(
+            index=choice.index,
+            message=message,
+            logprobs=resolve_chat_logprobs(choice.logprobs, config.tokenizer),
+            finish_reason=pipeline.finish_reason(state, choice.finish_reason),
+            stop_reason=choice.stop_reason,
+        ))
+    prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else 0
+    completion_tokens = sum(len(c.token_ids or ()) for c in gen.choices)
+    return ChatCompletionResponse(
+        id=gen.request_id,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens),
+        prompt_logprobs=gen.prompt_logprobs,
+        kv_transfer_params=gen.kv_transfer_params,
+        metrics=gen.metrics,
+    )
+
+
+# --------------------------------------------------------------------------------------- completions
+
+
+def derender_completion(
+    req: DerenderCompletionRequest, config: RenderConfig, headers: Any = None
+) -> CompletionResponse:
+    model = check_model(req.model, config)
+    responses = req.generate_responses
+    if not responses:
+        raise bad_request("generate_responses must not be empty", "generate_responses")
+    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers, responses[0]), config)
+    _check_bounds(responses, config)
+    if req.prompt_tokens is not None and len(req.prompt_tokens) != len(responses):
+        raise bad_request(
+            f"prompt_tokens has {len(req.prompt_tokens)} entries but generate_responses has {len(responses)}; "
+            f"give one per response.",
+            "prompt_tokens",
+        )
+    if req.prompt_token_ids is not None:
+        if len(req.prompt_token_ids) != len(responses):
+            raise bad_request("prompt_token_ids must have one entry (or null) per generate response",
+                              "prompt_token_ids")
+        for ids in req.prompt_token_ids:
+            _check_prompt_ids(ids, config)
+    creq: CompletionRequest | None = req.completion_request
+    skip = creq.skip_special_tokens if creq is not None else True
+    spaces = creq.spaces_between_special_tokens if creq is not None else True
+    choices = []
+    completion_tokens = 0
+    for r, gen in enumerate(responses):
+        prompt_ids = req.prompt_token_ids[r] if req.prompt_token_ids is not None else gen.prompt_token_ids
+        for choice in gen.choices:
+            pcfg = PipelineConfig(request_id=gen.request_id, choice_index=choice.index, skip_special_tokens=skip,
+                                  spaces_between_special_tokens=spaces,
+                                  hidden_token_ids=frozenset(config.bundle.eos_token_ids))
+            fields, _ = derender_all(Pipeline(config.tokenizer, pcfg), choice.token_ids, prompt_ids)
+            completion_tokens += len(choice.token_ids)
+            choices.append(CompletionChoice(
+                # vLLM numbers completion choices with one running index across all responses.
+                index=len(choices),
+                text=fields["content"] or "",
+                logprobs=resolve_completion_logprobs(choice.logprobs, config.tokenizer),
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            ))
+    prompt_tokens = sum(req.prompt_tokens or ())
+    first = responses[0]
+    kv = first.kv_transfer_params
+    if any(r.kv_transfer_params != kv for r in responses[1:]):
+        kv = None
+    return CompletionResponse(
+        id=first.request_id,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens),
+        kv_transfer_params=kv,
+        metrics=first.metrics if len(responses) == 1 else None,
+    )
+
+
+# ------------------------------------------------------------------------------------------ logprobs
+
+
+def _entry_token_id(entry: dict[str, Any]) -> int | None:
+    """Integer id from either shape: ``{"token_id": N}`` (0.32+) or ``{"token": "token_id:N"}`` (older)."""
+    tid = entry.get("token_id")
+    if type(tid) is int:
+        return tid
+    tok = entry.get("token")
+    if isinstance(tok, str) and tok.startswith("token_id:"):
+        try:
+            return int(tok[len("token_id:"):])
+        except ValueError:
+            return None
+    return None
+
+
+def _logprob(entry: dict[str, Any]) -> float:
+    value = entry.get("logprob", -9999.0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -9999.0
+
+
+def _token_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
+    """One token's text; a partial UTF-8 character is repaired with up to 4 preceding sampled ids."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if text.endswith("\ufffd") and context:
+        prefix_ids = context[-LOGPROB_CONTEXT_TOKENS:]
+        prefix = tokenizer.decode(prefix_ids, skip_special_tokens=False)
+        full = tokenizer.decode(prefix_ids + [token_id], skip_special_tokens=False)
+        if full.startswith(prefix) and not full.endswith("\ufffd"):
+            text = full[len(prefix):]
+    return text
+
+
+def _resolved_entries(logprobs: Any, tokenizer: Any) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    if not isinstance(content, list):
+        return None
+    out = []
+    context: list[int] = []
+    vocab = tokenizer.vocab_size
+    for entry in content:
+        tid = _entry_token_id(entry)
+        if tid is None or not 0 <= tid < vocab:
+            token = entry.get("token") if isinstance(entry.get("token"), str) else ""
+        else:
+            token = _token_text(tokenizer, tid, context)
+            context.append(tid)
+        top = []
+        for alt in entry.get("top_logprobs") or []:
+            if not isinstance(alt, dict):
+                continue
+            aid = _entry_token_id(alt)
+            atok = _token_text(tokenizer, aid, context[:-1]) if aid is not None and 0 <= aid < vocab else (
+                alt.get("token") if isinstance(alt.get("token"), str) else "")
+            top.append((atok, _logprob(alt)))
+        out.append((token, _logprob(entry), top))
+    return out
+
+
+def resolve_chat_logprobs(logprobs: Any, tokenizer: Any) -> dict[str, Any] | None:
+    """Generate logprobs (token ids) -> OpenAI chat logprobs (token strings and UTF-8 bytes)."""
+    entries = _resolved_entries(logprobs, tokenizer)
+    if entries is None:
+        return None
+    return {"content": [
+        {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+         "top_logprobs": [{"token": t, "logprob": l, "bytes": list(t.encode("utf-8"))} for t, l in top]}
+        for tok, lp, top in entries
+    ], "refusal": None}
+
+
+def resolve_completion_logprobs(logprobs: Any, tokenizer: Any) -> dict[str, Any] | None:
+    """Generate logprobs -> the legacy completions shape (text_offset, token_logprobs, tokens, top_logprobs)."""
+    entries = _resolved_entries(logprobs, tokenizer)
+    if entries is None:
+        return None
+    offsets, offset = [], 0
+    for tok, _, _ in entries:
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "tokens": [tok for tok, _, _ in entries],
+        "top_logprobs": [{t: l for t, l in top} for _, _, top in entries],
+    }

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the render server.
+
+With several worker processes each one counts into its own files under PROMETHEUS_MULTIPROC_DIR
+(set by the CLI before workers start) and /metrics sums them, so a scrape that lands on any worker
+sees the whole server.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+
+# Render of a 9k-token prompt takes a few ms; derender of long outputs tens of ms.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+REQUESTS = Counter(
+    "splitserve_render_requests_total", "HTTP requests answered by the render server.", ["endpoint", "status"]
+)
+RENDER_LATENCY = Histogram(
+    "splitserve_render_latency_seconds", "Time to answer a render request (chat or completions).",
+    ["endpoint"], buckets=LATENCY_BUCKETS,
+)
+DERENDER_LATENCY = Histogram(
+    "splitserve_derender_latency_seconds", "Time to answer a derender request (chat or completions).",
+    ["endpoint"], buckets=LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter("splitserve_render_prompt_tokens_total", "Prompt tokens produced by render.")
+COMPLETION_TOKENS = Counter("splitserve_derender_completion_tokens_total", "Output tokens turned into text.")
+
+_request_children: dict[tuple[str, int], object] = {}
+
+
+def observe_request(endpoint: str, status: int, seconds: float) -> None:
+    key = (endpoint, status)
+    child = _request_children.get(key)
+    if child is None:
+        child = _request_children[key] = REQUESTS.labels(endpoint=endpoint, status=str(status))
+    child.inc()
+    if status == 200:
+        if "derender" in endpoint:
+            DERENDER_LATENCY.labels(endpoint=endpoint).observe(seconds)
+        elif "render" in endpoint:
+            RENDER_LATENCY.labels(endpoint=endpoint).observe(seconds)
+
+
+def render_metrics() -> bytes:
+    """Prometheus text exposition, aggregated over worker processes when there are several."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        return generate_latest(registry)
+    return generate_latest()

@@ -1,0 +1,566 @@
+"""Wire objects of the render tier, as msgspec structs.
+
+Shapes follow vLLM 0.32's render server (`vllm launch render`) and tokens-only engine
+(`/inference/v1/generate`); see docs/compatibility.md for where we differ on purpose.
+
+Requests are lenient: unknown keys are ignored (vLLM's OpenAIBaseModel does the same), so a client
+written for any 0.30-0.33 release works unchanged. Responses list every key vLLM emits (as null
+where unset) because clients index them directly. Keys that only some releases emit use ``UNSET`` so
+they appear only when set.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: int = 400
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------ sampling params
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """vLLM's ``SamplingParams`` as it crosses the wire (render output = generate input).
+
+    Field order is vLLM's. vLLM always serializes the first group (penalties, temperature, top_p,
+    top_k, min_p, stop, stop_token_ids, max_tokens, output_kind, skip_clone, bad_words,
+    skip_reading_prefix_cache) and the rest only when they differ from the default; here the first
+    group defaults to None ("not set": the engine applies its own default), so whatever render sets is
+    written and an engine can tell "caller said max_tokens" from "default".
+    """
+
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    flat_logprobs: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: int | None = None
+    skip_clone: bool | None = None
+    output_text_buffer_length: int = 0
+    structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------------------------ render requests
+
+
+class ChatCompletionRequest(msgspec.Struct):
+    """OpenAI chat request plus vLLM's extensions. Messages stay plain dicts: the template layer owns them."""
+
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    use_beam_search: bool = False
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    user: str | None = None
+    request_id: str | None = None
+
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(msgspec.Struct):
+    prompt: str | list[Any] | None = None
+    model: str | None = None
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    use_beam_search: bool = False
+    echo: bool | None = False
+    prompt_embeds: Any = None
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    user: str | None = None
+    request_id: str | None = None
+
+
+# ------------------------------------------------------------------------ generate request / response
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """Render output and /inference/v1/generate input. Key order and null-valued keys match vLLM 0.32.
+
+    ``render_fingerprint`` is ours (vLLM's engine ignores unknown keys): the hash of the render
+    configuration, for derender to check (render_service.fingerprint).
+    """
+
+    request_id: str | None = None
+    token_ids: list[int]
+    token_offsets: list[tuple[int, int]] | None = None
+    features: dict[str, Any] | None = None
+    content_parts: list[dict[str, Any]] | None = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    model: str | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    assistant_tokens_mask: list[int] | UnsetType = UNSET
+    return_token_logprobs: bool | UnsetType = UNSET
+    return_top_k_logprobs: bool | UnsetType = UNSET
+    render_fingerprint: str | UnsetType = UNSET
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+
+class GenerateResponseChoice(msgspec.Struct):
+    """One choice of a generate response, older (<=0.31) or newer (0.32+, ``text``/``sampling_mask``) shape."""
+
+    index: int = 0
+    token_ids: list[int] | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+    routed_experts: str | None = None
+    text: str | None = None
+    sampling_mask: list[int] | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+
+
+class GenerateResponse(msgspec.Struct):
+    """Non-streaming /inference/v1/generate response; a missing ``output_mode`` means tokens mode."""
+
+    request_id: str
+    choices: list[GenerateResponseChoice] = []
+    model: str | None = None
+    created: int | None = None
+    usage: UsageInfo | None = None
+    prompt_logprobs: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    output_mode: str | None = None
+    prompt_token_ids: list[int] | None = None
+    mm_placeholders: Any = None
+    metrics: dict[str, Any] | None = None
+    render_fingerprint: str | None = None
+
+
+class GenerateStreamChoice(msgspec.Struct):
+    index: int = 0
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+    routed_experts: str | None = None
+    text: str | None = None
+
+
+class GenerateStreamResponse(msgspec.Struct):
+    """One SSE ``data:`` event of a streaming generate response."""
+
+    request_id: str | None = None
+    choices: list[GenerateStreamChoice] = []
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    output_mode: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------------------------ derender requests
+
+
+class DerenderChatRequest(msgspec.Struct):
+    generate_response: GenerateResponse
+    stream: Literal[False] | None = False
+    model: str | None = None
+    prompt_tokens: int | None = None
+    chat_request: ChatCompletionRequest | None = None
+    prompt_token_ids: list[int] | None = None
+    render_fingerprint: str | None = None
+
+
+class DerenderCompletionRequest(msgspec.Struct):
+    generate_responses: list[GenerateResponse]
+    stream: Literal[False] | None = False
+    model: str | None = None
+    prompt_tokens: list[int] | None = None
+    completion_request: CompletionRequest | None = None
+    prompt_token_ids: list[list[int] | None] | None = None
+    render_fingerprint: str | None = None
+
+
+class DerenderStreamState(msgspec.Struct):
+    """vLLM's ``stream_state``; the streaming derender (parsers package) owns its meaning."""
+
+    prev_tokens: list[str] = []
+    prefix_offset: int = 0
+    read_offset: int = 0
+    role_sent: bool = False
+    logprob_context_token_ids: list[int] = []
+    logprob_text_offset: int = 0
+    output_token_ids: list[int] = []
+    output_chunk_lens: list[int] = []
+    tools_streamed: bool = False
+    last_tool_call_ids: list[str] = []
+
+
+class DerenderChatStreamRequest(msgspec.Struct):
+    stream: Literal[True]
+    generate_chunk: GenerateStreamResponse
+    model: str | None = None
+    stream_state: Any = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    chat_request: ChatCompletionRequest | None = None
+    render_fingerprint: str | None = None
+
+
+class DerenderCompletionStreamRequest(msgspec.Struct):
+    stream: Literal[True]
+    generate_chunk: GenerateStreamResponse
+    model: str | None = None
+    stream_state: Any = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_request: CompletionRequest | None = None
+    render_fingerprint: str | None = None
+
+
+class DerenderStreamProbe(msgspec.Struct):
+    """Just enough of a derender body to route it: vLLM discriminates batch and stream on ``stream``."""
+
+    stream: bool | None = False
+
+
+# ----------------------------------------------------------------------------------- chat responses
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct):
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    # vLLM 0.32 omits the key when no tool was parsed and lists the calls when one was.
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning: str | None = None
+
+
+class ChatCompletionChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: Any = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    prompt_logprobs: Any = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: Any = None
+    prompt_token_ids: list[int] | None = None
+    routed_experts: str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------------- stream chunk types
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
+
+
+class ChatCompletionStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class CompletionStreamChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class DerenderChatStreamResponse(msgspec.Struct):
+    chunk: ChatCompletionStreamResponse
+    stream_state: Any = None
+
+
+class DerenderCompletionStreamResponse(msgspec.Struct):
+    chunk: CompletionStreamResponse
+    stream_state: Any = None
+
+
+# ----------------------------------------------------------------------------------- other endpoints
+
+
+class TokenizeRequest(msgspec.Struct):
+    """vLLM's /tokenize: either ``prompt`` (completion style) or ``messages`` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class ModelPermission(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "model_permission"
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "splitserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = []
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

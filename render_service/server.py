@@ -1,0 +1,267 @@
+"""The render server: a Starlette app over render.py and derender.py.
+
+Bodies are decoded and encoded with msgspec (a 9k-token prompt's JSON must not go through Python's
+json module). Handlers run the CPU-bound work inline on the event loop: one process is one core's
+worth of work, and the CLI starts several processes for several cores.
+
+Every failure a client can cause is answered with vLLM's error envelope and a 4xx; anything else is
+logged with its traceback and answered 500 (a bug of ours), never left hanging.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from render_service import metrics
+from render_service.derender import derender_chat, derender_completion
+from render_service.errors import ApiError, bad_request, error_body, from_decode_error
+from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DerenderChatRequest,
+    DerenderCompletionRequest,
+    DerenderStreamProbe,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from render_service.render import (
+    RenderConfig,
+    add_special_tokens,
+    check_model,
+    chat_template_for,
+    render_chat,
+    render_completion,
+    resolve_chat_template_kwargs,
+)
+from render_service.templates import TemplateError, prepare_messages
+
+logger = logging.getLogger("render_service.server")
+
+JSON = "application/json"
+# Upper bound on a request body: a full 128k-token context with its chat request fits many times over.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+STREAMING_DERENDER_UNAVAILABLE = (
+    "streaming derender not available yet: send `stream: false` (or omit it) for batch derender"
+)
+
+_encode = msgspec.json.Encoder().encode
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode(body: bytes, kind: type) -> Any:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encode(payload), status_code=status, media_type=JSON, headers=headers)
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(error_body(error), status_code=error.status, media_type=JSON)
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as package_version
+
+        return package_version("splitserve")
+    except Exception:  # not installed as a distribution (plain checkout)
+        return "0.0.0+unknown"
+
+
+# ------------------------------------------------------------------------------------- the app
+
+
+def create_app(config: RenderConfig, *, api_key: str | None = None) -> Starlette:
+    """The render server for one loaded configuration."""
+    created = int(time.time())
+    server_version = version()
+    key_header = f"Bearer {api_key}".encode() if api_key else None
+    # The fingerprint also rides on a response header, for callers that keep headers but not body keys.
+    render_headers = {FINGERPRINT_HEADER: config.fingerprint}
+
+    async def read_json_body(request: Request) -> bytes:
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != JSON:
+            raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_auth(request: Request) -> None:
+        if key_header is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, key_header):
+            raise ApiError("Unauthorized: missing or invalid API key", 401)
+
+    def endpoint(
+        name: str, handler: Callable[[Request], Awaitable[Response]], *, auth: bool = True
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Wraps a handler with auth, the error envelope and metrics."""
+
+        async def run(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                if auth:
+                    check_auth(request)
+                response = await handler(request)
+            except ApiError as exc:
+                response = error_response(exc)
+            except Exception:
+                logger.exception("internal error on %s", name)
+                response = error_response(ApiError("Internal server error", 500))
+            metrics.observe_request(name, response.status_code, time.perf_counter() - started)
+            return response
+
+        return run
+
+    # ---------------------------------------------------------------------------------- handlers
+
+    async def chat_render(request: Request) -> Response:
+        req = decode(await read_json_body(request), ChatCompletionRequest)
+        result = render_chat(req, config, request_id=request.headers.get("x-request-id"))
+        metrics.PROMPT_TOKENS.inc(len(result.token_ids))
+        return json_response(result, headers=render_headers)
+
+    async def completion_render(request: Request) -> Response:
+        req = decode(await read_json_body(request), CompletionRequest)
+        results = render_completion(req, config, request_id=request.headers.get("x-request-id"))
+        metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
+        return json_response(results, headers=render_headers)
+
+    async def chat_derender(request: Request) -> Response:
+        body = await read_json_body(request)
+        if decode(body, DerenderStreamProbe).stream:
+            raise bad_request(STREAMING_DERENDER_UNAVAILABLE, "stream")
+        req = decode(body, DerenderChatRequest)
+        result = derender_chat(req, config, request.headers)
+        metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
+        return json_response(result)
+
+    async def completion_derender(request: Request) -> Response:
+        body = await read_json_body(request)
+        if decode(body, DerenderStreamProbe).stream:
+            raise bad_request(STREAMING_DERENDER_UNAVAILABLE, "stream")
+        req = decode(body, DerenderCompletionRequest)
+        result = derender_completion(req, config, request.headers)
+        metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
+        return json_response(result)
+
+    async def tokenize(request: Request) -> Response:
+        req = decode(await read_json_body(request), TokenizeRequest)
+        check_model(req.model, config)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("tokenize takes exactly one of `prompt` or `messages`")
+        if req.prompt is not None:
+            ids = config.tokenizer.encode(req.prompt)
+            if req.add_special_tokens is not False:
+                ids = add_special_tokens(ids, config)
+        else:
+            chat = ChatCompletionRequest(
+                messages=req.messages, tools=req.tools, chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+            )
+            kwargs = resolve_chat_template_kwargs(chat, config)
+            try:
+                text = chat_template_for(chat, config).render(
+                    prepare_messages(req.messages), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message, **kwargs,
+                )
+            except TemplateError as exc:
+                raise bad_request(str(exc), "messages") from None
+            ids = config.tokenizer.encode(text)
+            if req.add_special_tokens:
+                ids = add_special_tokens(ids, config)
+        strs = None
+        if req.return_token_strs:
+            strs = [config.tokenizer.id_to_token(t) or "" for t in ids]
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
+                                              token_strs=strs))
+
+    async def detokenize(request: Request) -> Response:
+        req = decode(await read_json_body(request), DetokenizeRequest)
+        check_model(req.model, config)
+        vocab = config.tokenizer.vocab_size
+        for t in req.tokens:
+            if not 0 <= t < vocab:
+                raise bad_request(f"Token id {t} is out of vocabulary", "tokens")
+        return json_response(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+
+    async def models(request: Request) -> Response:
+        cards = [
+            ModelCard(id=name, created=created, root=str(config.bundle.path), max_model_len=config.max_model_len,
+                      permission=[ModelPermission(id=f"modelperm-{name}", created=created)])
+            for name in config.served_model_names
+        ]
+        return json_response(ModelList(data=cards))
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def version_endpoint(request: Request) -> Response:
+        return json_response({"version": server_version, "render_fingerprint": config.fingerprint})
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render_metrics(), media_type=metrics.CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/chat/completions/render", endpoint("chat_render", chat_render), methods=["POST"]),
+        Route("/v1/completions/render", endpoint("completion_render", completion_render), methods=["POST"]),
+        Route("/v1/chat/completions/derender", endpoint("chat_derender", chat_derender), methods=["POST"]),
+        Route("/v1/completions/derender", endpoint("completion_derender", completion_derender), methods=["POST"]),
+        Route("/tokenize", endpoint("tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint("detokenize", detokenize), methods=["POST"]),
+        Route("/v1/models", endpoint("models", models), methods=["GET"]),
+        Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
+        Route("/version", endpoint("version", version_endpoint, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint("metrics", metrics_endpoint, auth=False), methods=["GET"]),
+    ]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(f"Not found: {request.method} {request.url.path}", 404))
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(f"Method {request.method} not allowed on {request.url.path}", 405))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(ApiError("Internal server error", 500))
+
+    app = Starlette(
+        routes=routes,
+        exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
+    )
+    app.state.render_config = config
+    return app
+
