@@ -1,33 +1,509 @@
 """Text <-> token IDs for the render tier.
 
-Minimal first version over HF `tokenizers`; the fast path (tiktoken, proven identical at load time)
-is added behind the same interface.
+Hugging Face ``tokenizers`` is the reference. When a tokenizer.json is byte-level BPE in exactly the shape
+tiktoken runs (merges are the ranks, one split regex, NFC or no normalizer, plain added tokens), ``encode``
+goes through a tiktoken ``Encoding`` built from the same vocabulary, several times faster with the same IDs.
+That equivalence is proved from the file's structure and then checked on a self-check corpus at load time;
+anything short of that keeps ``tokenizers``. ``fast_path`` / ``fast_path_reason`` say which one runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import os
+import re
+import unicodedata
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
+import msgspec
 from tokenizers import Tokenizer
 
+
+class TokenizerError(ValueError):
+    """The tokenizer file cannot be loaded."""
+
+
+# --- reading tokenizer.json (everything but the merges, which only the one-time proof needs) -----------
+
+class _ModelJson(msgspec.Struct):
+    type: str = ""
+    vocab: dict[str, int] = {}
+    dropout: Any = None
+    byte_fallback: bool = False
+    continuing_subword_prefix: str | None = None
+    end_of_word_suffix: str | None = None
+
+
+class _TokenizerJson(msgspec.Struct):
+    model: _ModelJson = msgspec.field(default_factory=_ModelJson)
+    normalizer: dict | None = None
+    pre_tokenizer: dict | None = None
+    decoder: dict | None = None
+    added_tokens: list[dict] = []
+
+
+class _MergesModelJson(msgspec.Struct):
+    merges: list = []
+
+
+class _MergesJson(msgspec.Struct):
+    model: _MergesModelJson = msgspec.field(default_factory=_MergesModelJson)
+
+
+def read_tokenizer_spec(data: bytes) -> dict:
+    """tokenizer.json as a dict without ``model.merges`` (parsing them would double the load time)."""
+    parsed = msgspec.json.decode(data, type=_TokenizerJson)
+    spec = msgspec.structs.asdict(parsed)
+    spec["model"] = msgspec.structs.asdict(parsed.model)
+    return spec
+
+
+def read_merges(data: bytes) -> list:
+    return msgspec.json.decode(data, type=_MergesJson).model.merges
+
+
+# --- byte-level BPE facts (GPT-2's reversible byte <-> printable character map) -------------------------
+
+def _gpt2_byte_to_char() -> dict[int, str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+BYTE_TO_CHAR: dict[int, str] = _gpt2_byte_to_char()
+CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+
+def bytes_to_token_string(raw: bytes) -> str:
+    """How a byte-level vocabulary spells ``raw`` (``b' the'`` -> ``'Ġthe'``)."""
+    return "".join(BYTE_TO_CHAR[b] for b in raw)
+
+
+# str.translate table: GPT-2 characters -> the code point of their byte; other low code points -> 0x100 so
+# that the latin-1 encode below rejects them (a C loop, ~10x faster than a Python per-character lookup).
+_TO_LATIN1 = {ord(c): b for c, b in CHAR_TO_BYTE.items()}
+_TO_LATIN1.update({cp: 0x100 for cp in range(256) if cp not in _TO_LATIN1})
+
+
+def token_string_to_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level vocabulary entry stands for; None if it is not a byte-level spelling."""
+    try:
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+
+
+def byte_level_ranks(vocab: dict[str, int]) -> dict[bytes, int] | None:
+    """The vocabulary as tiktoken ranks (bytes -> id); None unless every entry is a byte-level spelling."""
+    spellings = list(vocab)
+    # One translate over the whole vocabulary, then cut: each spelled character is exactly one byte.
+    blob = token_string_to_bytes("".join(spellings))
+    if blob is None:
+        return None
+    ends = list(itertools.accumulate(map(len, spellings)))
+    starts = [0, *ends[:-1]]
+    return dict(zip([blob[a:b] for a, b in zip(starts, ends)], vocab.values()))
+
+
+def lower_rank_split(token: bytes, rank: int, ranks: dict[bytes, int]) -> list[bytes]:
+    """Byte-pair-encode ``token`` with only the ranks below its own (lowest rank first, leftmost on ties).
+
+    For a token BPE can reach, two parts remain: the one merge that builds it. The same rule tiktoken
+    applies, so a vocabulary whose merges are exactly these pairs tokenizes identically in both libraries.
+    """
+    if len(token) == 2:
+        return [token[:1], token[1:]]
+    parts = [token[i:i + 1] for i in range(len(token))]
+    get = ranks.get
+    # A pair that is not a token, or not below ``rank``, gets ``rank`` (never merged).
+    pair_ranks = [min(get(parts[i] + parts[i + 1], rank), rank) for i in range(len(parts) - 1)]
+    while len(parts) > 2:
+        best = min(pair_ranks)
+        if best >= rank:
+            break
+        i = pair_ranks.index(best)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        del pair_ranks[i]
+        if i > 0:
+            pair_ranks[i - 1] = min(get(parts[i - 1] + parts[i], rank), rank)
+        if i < len(parts) - 1:
+            pair_ranks[i] = min(get(parts[i] + parts[i + 1], rank), rank)
+    return parts
+
+
+def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list equivalent to tiktoken-style ranks: one per multi-byte token, in rank order."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = lower_rank_split(token, rank, ranks)
+        if len(parts) != 2:
+            raise ValueError(f"token {token!r} (rank {rank}) cannot be reached by merging lower ranks")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+# --- the fast path: proof from the file's structure ------------------------------------------------------
+
+class NotProvable(Exception):
+    """The tokenizer.json is outside the shape whose tiktoken equivalence we can prove."""
+
+
+def _normalizer_is_nfc(spec: dict) -> bool:
+    """True for NFC, False for no normalizer; anything else is not provable."""
+    normalizer = spec.get("normalizer")
+    if normalizer is None:
+        return False
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        steps = normalizer.get("normalizers") or []
+        if len(steps) > 1:
+            raise NotProvable("normalizer Sequence with several steps")
+        return _normalizer_is_nfc({"normalizer": steps[0]}) if steps else False
+    if kind == "NFC":
+        return True
+    raise NotProvable(f"normalizer {kind}")
+
+
+def _split_regex(spec: dict) -> str:
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    if len(steps) != 2:
+        raise NotProvable("pre_tokenizer is not Split + ByteLevel")
+    split, byte_level = steps
+    if split.get("type") != "Split" or "Regex" not in (split.get("pattern") or {}):
+        raise NotProvable("first pre_tokenizer step is not a regex Split")
+    if split.get("behavior") != "Isolated" or split.get("invert"):
+        raise NotProvable("Split behaviour is not Isolated")
+    if byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True):
+        raise NotProvable("second pre_tokenizer step is not ByteLevel(use_regex=false)")
+    if byte_level.get("add_prefix_space"):
+        raise NotProvable("ByteLevel adds a prefix space")
+    return split["pattern"]["Regex"]
+
+
+def _check_bpe_model(model: dict) -> None:
+    if model.get("type") != "BPE":
+        raise NotProvable(f"model {model.get('type')}")
+    if model.get("dropout") or model.get("byte_fallback"):
+        raise NotProvable("BPE dropout or byte_fallback")
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise NotProvable("BPE subword prefix/suffix")
+
+
+def _check_ranks(ranks: dict[bytes, int] | None) -> dict[bytes, int]:
+    if ranks is None:
+        raise NotProvable("vocab is not byte-level")
+    if len(set(ranks.values())) != len(ranks):
+        raise NotProvable("vocab has duplicate IDs")
+    if sum(1 for raw in ranks if len(raw) == 1) != 256:
+        raise NotProvable("vocab lacks some single bytes")
+    return ranks
+
+
+def _merge_strings(merges: list) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        pair = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if len(pair) != 2:
+            raise NotProvable("a merge is not a pair")
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
+def _check_merges_follow_ranks(pairs: list[tuple[str, str]], vocab: dict[str, int]) -> None:
+    """Each merge builds a vocab token; merge order is rank order; one merge per multi-byte token.
+
+    Byte-level spelling is per byte, so concatenating spellings is concatenating bytes.
+    """
+    if len(pairs) != len(vocab) - 256:
+        raise NotProvable("merge count differs from the number of multi-byte tokens")
+    previous = -1
+    for a, b in pairs:
+        rank = vocab.get(a + b)
+        if rank is None or rank <= previous or vocab.get(a, rank) >= rank or vocab.get(b, rank) >= rank:
+            raise NotProvable("merges are not in the rank order of the tokens they build")
+        previous = rank
+
+
+def _check_merges_are_lower_rank_splits(pairs: list[tuple[str, str]], ranks: dict[bytes, int]) -> None:
+    """The one merge of each token is the split tiktoken's BPE reaches: then both libraries merge alike."""
+    for a, b in pairs:
+        left, right = token_string_to_bytes(a), token_string_to_bytes(b)
+        token = left + right
+        if lower_rank_split(token, ranks[token], ranks) != [left, right]:
+            raise NotProvable(f"merge {a!r} + {b!r} is not the split tiktoken would reach")
+
+
+def _added_tokens(spec: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """(tokens matched on raw text, tokens matched on normalized text), content -> id."""
+    raw: dict[str, int] = {}
+    normalized: dict[str, int] = {}
+    for token in spec.get("added_tokens") or []:
+        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+            raise NotProvable(f"added token {token.get('content')!r} has lstrip/rstrip/single_word")
+        if token.get("content"):
+            (normalized if token.get("normalized") else raw)[token["content"]] = token["id"]
+    return raw, normalized
+
+
+def _proof_marker(sha256: str) -> Path:
+    root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
+    return Path(root) / "bpe-proofs" / f"{sha256}.ok"
+
+
+def _remember_proof(marker: Path) -> None:
+    # Best effort: without a writable cache the next load just proves again.
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text("every merge is the lower-rank split of the token it builds\n")
+        os.replace(tmp, marker)
+    except OSError:
+        pass
+
+
+# --- the fast path: the encoder --------------------------------------------------------------------------
+
+class AddedTokenSplitter:
+    """Cuts text at added tokens the way ``tokenizers`` does (leftmost, then longest, before anything else)."""
+
+    def __init__(self, tokens: dict[str, int]) -> None:
+        self._ids = tokens
+        longest_first = sorted(tokens, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, longest_first))) if tokens else None
+
+    def split(self, text: str) -> Iterator[tuple[str, int | None]]:
+        """Yields (segment, None) for plain text and (content, id) for each added token."""
+        if self._pattern is None:
+            if text:
+                yield text, None
+            return
+        start = 0
+        for match in self._pattern.finditer(text):
+            if match.start() > start:
+                yield text[start:match.start()], None
+            yield match.group(), self._ids[match.group()]
+            start = match.end()
+        if start < len(text):
+            yield text[start:], None
+
+
+class NfcLikeTokenizers:
+    """NFC exactly as ``tokenizers`` computes it, fast on text that is already normalized.
+
+    ``tokenizers`` normalizes with an old Unicode table, Python with a newer one, so they disagree on
+    some marks assigned since (U+0596 U+11A99 is reordered by Python only). Normalization stability
+    makes a text Python finds NFC also NFC for the older table; any other text goes to ``tokenizers``' own
+    normalizer, which is exact but ~40x slower.
+    """
+
+    def __init__(self, hf_normalizer) -> None:
+        self._hf_normalize = hf_normalizer.normalize_str
+
+    def __call__(self, text: str) -> str:
+        if text.isascii() or unicodedata.is_normalized("NFC", text):
+            return text
+        return self._hf_normalize(text)
+
+
+class TiktokenEncoder:
+    """HF's encode pipeline on tiktoken: added tokens out first, then normalize, regex split, byte BPE."""
+
+    def __init__(self, encoding, raw_added: dict[str, int], normalized_added: dict[str, int],
+                 normalize=None) -> None:
+        self._encode_ordinary = encoding.encode_ordinary
+        self._raw = AddedTokenSplitter(raw_added)
+        self._normalized = AddedTokenSplitter(normalized_added)
+        self._normalize = normalize
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for segment, added_id in self._raw.split(text):
+            if added_id is not None:
+                ids.append(added_id)
+                continue
+            if self._normalize is not None:
+                segment = self._normalize(segment)
+            for piece, piece_id in self._normalized.split(segment):
+                if piece_id is not None:
+                    ids.append(piece_id)
+                else:
+                    ids.extend(self._encode_ordinary(piece))
+        return ids
+
+
+def _prove_merges_are_ranks(merges: list, vocab: dict[str, int], ranks: dict[bytes, int]) -> None:
+    pairs = _merge_strings(merges)
+    _check_merges_follow_ranks(pairs, vocab)
+    _check_merges_are_lower_rank_splits(pairs, ranks)
+
+
+def build_tiktoken_encoder(spec: dict, hf: Tokenizer, ranks: dict[bytes, int] | None,
+                           load_merges: Callable[[], list], sha256: str | None = None) -> TiktokenEncoder:
+    """A TiktokenEncoder proved equivalent to ``hf`` on ``spec``; raises NotProvable otherwise.
+
+    The merge proof is the slow part (~2 s for 151k tokens, and the merges must be parsed): it is
+    remembered per tokenizer.json hash, so later loads of the same file skip it.
+    """
+    import tiktoken
+
+    nfc = _normalizer_is_nfc(spec)
+    pattern = _split_regex(spec)
+    model = spec.get("model") or {}
+    _check_bpe_model(model)
+    ranks = _check_ranks(ranks)
+    raw_added, normalized_added = _added_tokens(spec)
+    marker = _proof_marker(sha256) if sha256 else None
+    if marker is None or not marker.exists():
+        _prove_merges_are_ranks(load_merges(), model.get("vocab") or {}, ranks)
+        if marker is not None:
+            _remember_proof(marker)
+    try:
+        encoding = tiktoken.Encoding("splitserve-fast-path", pat_str=pattern, mergeable_ranks=ranks,
+                                     special_tokens={})
+    except ValueError as exc:  # the Oniguruma pattern does not compile in tiktoken's regex engine
+        raise NotProvable(f"tiktoken rejects the split regex: {exc}") from exc
+    normalize = NfcLikeTokenizers(hf.normalizer) if nfc else None
+    return TiktokenEncoder(encoding, raw_added, normalized_added, normalize)
+
+
+# --- the self-check corpus ---------------------------------------------------------------------------------
+
+def self_check_corpus(added_tokens: Iterable[str] = ()) -> list[str]:
+    """Texts on which the fast path must equal ``tokenizers`` before it is trusted."""
+    import random
+
+    texts = [
+        "Hello, world! How's it going? I'M fine, they'VE said; we'd've LL.",
+        "'s 't 're 've 'm 'll 'd 'S 'T 'RE 'VE 'M 'LL 'D 'ſ 'K 'ﬅ",  # case-folded contractions
+        "Grüße aus Köln — naïve café, façade, Ångström, ÆØÅ æøå ß ẞ",
+        "Привет, мир! Ελληνικά κείμενα. עברית שלום. العربية مرحبا. हिन्दी नमस्ते। ไทย สวัสดี",
+        "中文测试：你好，世界！日本語のテキスト、カタカナ。한국어 텍스트입니다.",
+        "Emoji 😀👍🏽👨‍👩‍👧‍👦🏳️‍🌈 🇩🇪🇯🇵 ❤️‍🔥 1️⃣ ©️ ™",
+        "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n\tif x >= 10**9:\n\t\tpass\r\n",
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+        "x" * 300 + " " + "ab" * 200 + " " + "!?" * 150,
+        "   leading and trailing   \n\n\n  \t\t \u00a0\u3000 \u2003 end   ",
+        "\r\n\r\n\n \n\t\n   \n",
+        "Numbers 1234567890 3.14159 1,000,000 ٠١٢٣٤٥ ½ ² Ⅻ ①②③ 𝟘𝟙𝟚",
+        # Decomposed input that NFC must compose, and marks Python's newer table orders differently.
+        "combining e\u0301 a\u0308 o\u0302\u0323 A\u030a \u1100\u1161\u11a8 \u212b \u2126 \u212a",
+        "\u0596\U00011a99 a\u0596\U00011a99\u0301 \U00011a99\u0596",
+        "<think>\u0338 >\u0338 <\u0338 =\u0338",  # a combining mark right after an added token
+        "ZWJ\u200dZWNJ\u200cBOM\ufeffLRM\u200eRLM\u200f SHY\u00ad",
+        "control \x00\x01\x07\x1b[31m\x7f\x85 end",
+        "Mixed123abc ABC123 a1b2c3 __init__ self.x_y camelCase snake_case kebab-case",
+        "URLs https://example.com/a?b=c&d=e#f and emails someone@example.org",
+    ]
+    for token in added_tokens:
+        texts.append(f"a{token}b {token} {token}{token}\n{token}x\u0301 {token[:-1]} {token}\u0338")
+    rng = random.Random(0x5EED)
+    pools = [(0x20, 0x7E), (0xA0, 0x24F), (0x300, 0x36F), (0x370, 0x52F), (0x590, 0x6FF), (0x900, 0xDFF),
+             (0x1100, 0x11FF), (0x1DC0, 0x1DFF), (0x2000, 0x2BFF), (0x3000, 0x30FF), (0x4E00, 0x9FFF),
+             (0xAC00, 0xD7A3), (0xFB00, 0xFFFD), (0x1F300, 0x1FAFF), (0x10000, 0x1FFFF), (0x20000, 0x2A6DF),
+             (0xE0000, 0xE01EF)]
+    for _ in range(6):
+        chars = []
+        for _ in range(400):
+            low, high = rng.choice(pools)
+            chars.append(chr(rng.randint(low, high)))
+            if rng.random() < 0.15:
+                chars.append(rng.choice([" ", "  ", "\n", "\t", " \n", "'s", "'LL", "0", "12"]))
+        texts.append("".join(chars))
+    return texts
+
+
+# --- the interface the render tier uses ---------------------------------------------------------------------
 
 class TextTokenizer:
     """The tokenizer interface the rest of the render tier uses."""
 
-    def __init__(self, hf: Tokenizer, special_token_ids: set[int]) -> None:
+    def __init__(self, hf: Tokenizer, special_token_ids: set[int], *, spec: dict | None = None,
+                 load_merges: Callable[[], list] | None = None, sha256: str | None = None,
+                 fast: bool = True) -> None:
+        # Truncation or padding set in a tokenizer.json would silently change encode; the render tier
+        # checks lengths itself.
+        hf.no_truncation()
+        hf.no_padding()
         self.hf = hf
         self.special_token_ids = special_token_ids
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.sha256 = sha256
+        added = hf.get_added_tokens_decoder()
+        self.added_token_ids: dict[str, int] = {tok.content: i for i, tok in added.items()}
+        self._added_content: dict[int, bytes] = {i: tok.content.encode("utf-8") for i, tok in added.items()}
+        model = (spec or {}).get("model") or {}
+        ranks = byte_level_ranks(model.get("vocab") or {}) if model.get("type") == "BPE" else None
+        self.is_byte_level = bool(ranks) and ((spec or {}).get("decoder") or {}).get("type") == "ByteLevel"
+        self._ranks = ranks if self.is_byte_level else None
+        self._id_bytes: list[bytes | None] | None = None
+        self._fast: TiktokenEncoder | None = None
+        self.fast_path = False
+        self.fast_path_reason = "tokenizers (fast path disabled by the caller)"
+        if fast and spec is not None:
+            merges = load_merges or (lambda: ((spec.get("model") or {}).get("merges") or []))
+            self._try_fast_path(spec, ranks, merges, sha256)
+        elif fast:
+            self.fast_path_reason = "tokenizers (no tokenizer.json spec given)"
+
+    def _try_fast_path(self, spec: dict, ranks: dict[bytes, int] | None, load_merges: Callable[[], list],
+                       sha256: str | None) -> None:
+        try:
+            fast = build_tiktoken_encoder(spec, self.hf, ranks, load_merges, sha256)
+        except NotProvable as exc:
+            self.fast_path_reason = f"tokenizers (not provably tiktoken-equivalent: {exc})"
+            return
+        for text in self_check_corpus(self.added_token_ids):
+            if fast.encode(text) != self._hf_encode(text):
+                self.fast_path_reason = f"tokenizers (self-check differs on {text[:40]!r})"
+                return
+        self._fast = fast
+        self.fast_path = True
+        self.fast_path_reason = "tiktoken (byte-level BPE proved equal to tokenizers; self-check passed)"
 
     @classmethod
-    def from_file(cls, path: str | Path, tokenizer_config: dict | None = None) -> "TextTokenizer":
-        hf = Tokenizer.from_file(str(path))
+    def from_file(cls, path: str | Path, tokenizer_config: dict | None = None, *, fast: bool = True,
+                  ) -> "TextTokenizer":
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise TokenizerError(f"cannot read {path}: {exc}") from exc
+        return cls.from_bytes(data, tokenizer_config, fast=fast)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, tokenizer_config: dict | None = None, *, fast: bool = True,
+                   ) -> "TextTokenizer":
+        """Load a tokenizer.json's content (its sha256 goes into the configuration fingerprint)."""
+        try:
+            hf = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            raise TokenizerError(f"tokenizer.json is not a valid tokenizer: {exc}") from exc
+        try:
+            spec = read_tokenizer_spec(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # tokenizers accepted it, so it is only unusual: stay on tokenizers.
+            spec, fast = None, False
         special = {tok.content for tok in hf.get_added_tokens_decoder().values() if tok.special}
         ids = {hf.token_to_id(t) for t in special}
-        return cls(hf, {i for i in ids if i is not None})
+        return cls(hf, {i for i in ids if i is not None}, spec=spec, load_merges=lambda: read_merges(data),
+                   sha256=hashlib.sha256(data).hexdigest(), fast=fast)
 
     def encode(self, text: str) -> list[int]:
         """Token IDs of ``text`` with no BOS/EOS added (chat templates write their own)."""
+        if self._fast is not None:
+            return self._fast.encode(text)
+        return self._hf_encode(text)
+
+    def _hf_encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -38,3 +514,42 @@ class TextTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
+
+    # What incremental detokenizers need.
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        """Vocabulary strings of ``ids`` like HF's fast tokenizer; an unknown ID raises ValueError."""
+        tokens = []
+        for token_id in ids:
+            token = self.hf.id_to_token(int(token_id))
+            if token is None:
+                raise ValueError(f"token id {token_id} is not in the vocabulary")
+            tokens.append(token)
+        return tokens
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """HF's ``convert_tokens_to_string``: the tokenizer's decoder over vocabulary strings."""
+        decoder = self.hf.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a byte-level token stands for; an added token gives its UTF-8 content.
+
+        Raises TypeError for a tokenizer that is not byte-level, ValueError for an unknown ID.
+        """
+        if self._ranks is None:
+            raise TypeError("token_bytes needs a byte-level BPE tokenizer")
+        if self._id_bytes is None:
+            self._id_bytes = self._byte_table(self._ranks)
+        if not 0 <= token_id < len(self._id_bytes) or self._id_bytes[token_id] is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        return self._id_bytes[token_id]
+
+    def _byte_table(self, ranks: dict[bytes, int]) -> list[bytes | None]:
+        size = max([*ranks.values(), *self._added_content, -1]) + 1
+        table: list[bytes | None] = [None] * size
+        for raw, token_id in ranks.items():
+            table[token_id] = raw
+        for token_id, content in self._added_content.items():
+            table[token_id] = content
+        return table
