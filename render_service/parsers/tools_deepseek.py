@@ -1,0 +1,22 @@
+"""deepseek_v31 (DeepSeek V3.1 / V3.2-exp):
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGS}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+Content is the text before the first marker; arguments are the model's raw text, multi-line included (vLLM's
+batch regex misses those: parser-semantics V-T30; we return the call).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from render_service.parsers.tools_common import SectionedToolParser
+
+
+class DeepSeekV31ToolParser(SectionedToolParser):
+    name: ClassVar[str] = "deepseek_v31"
+    SECTION_BEGIN = ("<｜tool▁calls▁begin｜>",)
+    CALL_BEGIN = "<｜tool▁call▁begin｜>"
+    NAME_END = "<｜tool▁sep｜>"
+    CALL_END = "<｜tool▁call▁end｜>"
+    SECTION_END = ("<｜tool▁calls▁end｜>",)

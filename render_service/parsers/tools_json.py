@@ -1,0 +1,140 @@
+"""llama3_json: ``{"name": "f", "parameters": {...}}`` (or ``"arguments"``), optionally after ``<|python_tag|>``,
+several calls separated by ``;``.
+
+Tool mode is decided by the start of the output, as vLLM's streaming parser does: an output that begins with
+``{`` or ``<|python_tag|>`` (leading whitespace allowed) is calls, anything else is content. Arguments stream
+as the model's raw text. Text after the calls is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.tools_common import (
+    DONE,
+    MALFORMED,
+    MORE,
+    CallObject,
+    PieceSink,
+    feed_call_object,
+    skip_whitespace,
+)
+
+PYTHON_TAG = "<|python_tag|>"
+ARG_KEYS = ("parameters", "arguments")
+
+START, OBJECT, SEPARATOR, CONTENT_ONLY, DROP = range(5)
+
+
+class Llama3JsonState(msgspec.Struct):
+    mode: int = START
+    held: str = ""
+    calls: int = 0
+    # leading whitespace, the python tag and the first object's text until its name is known
+    raw: str = ""
+    call: CallObject | None = None
+
+
+class Llama3JsonToolParser:
+    name: ClassVar[str] = "llama3_json"
+    State: ClassVar[type[msgspec.Struct]] = Llama3JsonState
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.config = config
+
+    def initial_state(self) -> Llama3JsonState:
+        return Llama3JsonState()
+
+    def feed(self, state: Llama3JsonState, text: str) -> list[Piece]:
+        sink = PieceSink()
+        buf = state.held + text
+        state.held = ""
+        self._run(state, buf, sink)
+        return sink.pieces
+
+    def finish(self, state: Llama3JsonState) -> list[Piece]:
+        sink = PieceSink()
+        unconfirmed = state.mode == START or (state.mode == SEPARATOR and state.calls == 0)
+        if unconfirmed or (state.mode == OBJECT and not state.call.name_emitted):
+            self._release(state, sink, state.held)
+        state.held = ""
+        state.raw = ""
+        state.call = None
+        state.mode = DROP if state.calls else CONTENT_ONLY
+        return sink.pieces
+
+    def _release(self, state: Llama3JsonState, sink: PieceSink, extra: str = "") -> None:
+        """Not a call after all: what was held is content, and so is the rest (unless calls came before)."""
+        if state.calls == 0:
+            sink.content(state.raw + extra)
+            state.mode = CONTENT_ONLY
+        else:
+            state.mode = DROP
+        state.raw = ""
+        state.call = None
+
+    def _start_object(self, state: Llama3JsonState) -> None:
+        state.mode = OBJECT
+        state.call = CallObject()
+
+    def _run(self, state: Llama3JsonState, buf: str, sink: PieceSink) -> None:
+        pos, n = 0, len(buf)
+        while pos < n:
+            mode = state.mode
+            if mode == CONTENT_ONLY:
+                sink.content(buf[pos:])
+                return
+            if mode == DROP:
+                return
+            if mode == START:
+                start = pos
+                pos = skip_whitespace(buf, pos)
+                state.raw += buf[start:pos]
+                if pos >= n:
+                    return
+                if buf.startswith(PYTHON_TAG, pos):
+                    state.raw += PYTHON_TAG
+                    pos += len(PYTHON_TAG)
+                    state.mode = SEPARATOR
+                elif PYTHON_TAG.startswith(buf[pos:]):
+                    state.held = buf[pos:]
+                    return
+                elif buf[pos] == "{":
+                    self._start_object(state)
+                else:
+                    self._release(state, sink)
+            elif mode == SEPARATOR:
+                start = pos
+                pos = skip_whitespace(buf, pos)
+                if state.calls == 0:
+                    state.raw += buf[start:pos]
+                if pos >= n:
+                    return
+                if buf[pos] == ";" and state.calls:
+                    pos += 1
+                elif buf[pos] == "{":
+                    self._start_object(state)
+                else:
+                    self._release(state, sink)
+            else:
+                call = state.call
+                stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
+                state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
+                pos = stop
+                if outcome == MORE:
+                    if stop < n:
+                        state.held = buf[pos:]
+                        return
+                elif outcome == DONE and call.name_emitted:
+                    state.calls += 1
+                    state.call = None
+                    state.mode = SEPARATOR
+                elif outcome in (DONE, MALFORMED) and not call.name_emitted:
+                    self._release(state, sink)
+                else:  # malformed after the name went out: the rest is not ours to interpret
+                    state.calls += 1
+                    state.call = None
+                    state.mode = DROP
