@@ -1,0 +1,195 @@
+"""``render-service serve [MODEL_DIR]``: the render server, with vLLM's flag names.
+
+``--workers N`` pre-forks: the parent loads the bundle and builds the app once, binds the socket,
+then forks N processes that serve on that one socket (the kernel spreads connections). A worker
+therefore starts in milliseconds, not in the seconds a tokenizer load takes, and one that dies is
+replaced from the already-loaded parent. Threads would not help: the GIL caps them at one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("render_service.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="render-service", description="splitserve render tier")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve /render, /derender, /tokenize, ... for one model bundle")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="Hugging Face model directory (default: the built-in default bundle)")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients may send; the first is used in responses")
+    serve.add_argument("--chat-template", default=None, help="chat template file, or the template text itself")
+    serve.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                       help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template field in requests")
+    serve.add_argument("--reasoning-parser", default=None)
+    serve.add_argument("--tool-call-parser", default=None)
+    serve.add_argument("--enable-auto-tool-choice", action="store_true")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY)")
+    serve.add_argument("--workers", type=int, default=1, help="server processes sharing the port")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
+    return parser
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def resolve_model_dir(model: str | None) -> tuple[str, str]:
+    """(directory, default served name). vLLM names a model by the argument exactly as given."""
+    if model is not None:
+        return model, model
+    from render_service.default_bundle import default_bundle_dir
+
+    directory = default_bundle_dir()
+    return str(directory), Path(directory).name
+
+
+def _uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=30,
+    )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.workers < 1:
+        print("--workers must be at least 1", file=sys.stderr)
+        return 2
+    metrics_dir = None
+    if args.workers > 1:
+        # Must be set before prometheus_client is imported (render_service.server imports it).
+        metrics_dir = tempfile.mkdtemp(prefix="render-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # Forked workers must not inherit a Rust thread pool mid-use.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        started = time.perf_counter()
+        from render_service.render import load_render_config
+        from render_service.server import create_app
+
+        model_dir, default_name = resolve_model_dir(args.model)
+        config = load_render_config(
+            model_dir,
+            served_model_names=args.served_model_name or [default_name],
+            chat_template=args.chat_template,
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            trust_request_chat_template=args.trust_request_chat_template,
+            max_model_len=args.max_model_len,
+        )
+        app = create_app(config, api_key=args.api_key)
+        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
+                    time.perf_counter() - started, config.fingerprint, config.max_model_len)
+        if args.workers == 1:
+            import uvicorn
+
+            uvicorn.Server(_uvicorn_config(app, args)).run()
+            return 0
+        return _prefork(app, args)
+    except (ValueError, OSError) as exc:
+        print(f"render-service: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _prefork(app: Any, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    sock = _bind(args.host, args.port)
+    children: dict[int, int] = {}  # pid -> worker number
+    stopping = False
+
+    def spawn(number: int) -> None:
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            try:
+                uvicorn.Server(_uvicorn_config(app, args)).run(sockets=[sock])
+            finally:
+                os._exit(0)
+        children[pid] = number
+
+    def stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in list(children):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for number in range(args.workers):
+        spawn(number)
+    logger.info("serving on %s:%d with %d worker processes", args.host, args.port, args.workers)
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        number = children.pop(pid, None)
+        if number is not None and not stopping:
+            logger.warning("worker %d (pid %d) exited with status %d; starting a new one", number, pid, status)
+            time.sleep(0.2)  # no tight loop if a worker dies at once
+            spawn(number)
+    sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
