@@ -260,7 +260,9 @@ def _proof_marker(sha256: str) -> Path:
     return Path(root) / "bpe-proofs" / f"{sha256}.ok"
 
 
-def _remember_proof(marker: Path) -> None:
+def remember_merge_proof(sha256: str) -> None:
+    """Records that the tokenizer.json with this hash passed the merge proof (or was built to pass it)."""
+    marker = _proof_marker(sha256)
     # Best effort: without a writable cache the next load just proves again.
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -362,11 +364,10 @@ def build_tiktoken_encoder(spec: dict, hf: Tokenizer, ranks: dict[bytes, int] | 
     _check_bpe_model(model)
     ranks = _check_ranks(ranks)
     raw_added, normalized_added = _added_tokens(spec)
-    marker = _proof_marker(sha256) if sha256 else None
-    if marker is None or not marker.exists():
+    if not (sha256 and _proof_marker(sha256).exists()):
         _prove_merges_are_ranks(load_merges(), model.get("vocab") or {}, ranks)
-        if marker is not None:
-            _remember_proof(marker)
+        if sha256:
+            remember_merge_proof(sha256)
     try:
         encoding = tiktoken.Encoding("splitserve-fast-path", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens={})
