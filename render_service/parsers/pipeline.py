@@ -227,6 +227,12 @@ class Pipeline:
         known = state.model_call_ids[piece.index]
         return known or tool_call_id(self.config.request_id, self.config.choice_index, piece.index)
 
+    def _call_id_for(self, state: PipelineState, index: int) -> str:
+        """The id call ``index`` was (or will be) announced with."""
+        if index < len(state.model_call_ids) and state.model_call_ids[index]:
+            return state.model_call_ids[index]
+        return tool_call_id(self.config.request_id, self.config.choice_index, index)
+
     # finish_reason ----------------------------------------------------------------------------------
 
     def finish_reason(self, state: PipelineState, engine_reason: str | None) -> str | None:
