@@ -23,13 +23,16 @@ from starlette.routing import Route
 
 from render_service import metrics
 from render_service.derender import derender_chat, derender_completion
+from render_service.parsers.stream_derender import StreamRuntime, derender_chat_stream, derender_completion_stream
 from render_service.errors import ApiError, bad_request, error_body, from_decode_error
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DerenderChatRequest,
+    DerenderChatStreamRequest,
     DerenderCompletionRequest,
+    DerenderCompletionStreamRequest,
     DerenderStreamProbe,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -93,8 +96,12 @@ def version() -> str:
 # ------------------------------------------------------------------------------------- the app
 
 
-def create_app(config: RenderConfig, *, api_key: str | None = None) -> Starlette:
+def create_app(
+    config: RenderConfig, *, api_key: str | None = None, stream_state_secret: str | None = None
+) -> Starlette:
     """The render server for one loaded configuration."""
+    # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
+    stream_runtime = StreamRuntime(stream_state_secret)
     created = int(time.time())
     server_version = version()
     key_header = f"Bearer {api_key}".encode() if api_key else None
@@ -162,7 +169,8 @@ def create_app(config: RenderConfig, *, api_key: str | None = None) -> Starlette
     async def chat_derender(request: Request) -> Response:
         body = await read_json_body(request)
         if decode(body, DerenderStreamProbe).stream:
-            raise bad_request(STREAMING_DERENDER_UNAVAILABLE, "stream")
+            stream_req = decode(body, DerenderChatStreamRequest)
+            return json_response(derender_chat_stream(stream_req, config, stream_runtime, request.headers))
         req = decode(body, DerenderChatRequest)
         result = derender_chat(req, config, request.headers)
         metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
@@ -171,7 +179,8 @@ def create_app(config: RenderConfig, *, api_key: str | None = None) -> Starlette
     async def completion_derender(request: Request) -> Response:
         body = await read_json_body(request)
         if decode(body, DerenderStreamProbe).stream:
-            raise bad_request(STREAMING_DERENDER_UNAVAILABLE, "stream")
+            stream_req = decode(body, DerenderCompletionStreamRequest)
+            return json_response(derender_completion_stream(stream_req, config, stream_runtime, request.headers))
         req = decode(body, DerenderCompletionRequest)
         result = derender_completion(req, config, request.headers)
         metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
