@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY)")
+    serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
+                       help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
+                            "every replica of a tier needs the same one")
     serve.add_argument("--workers", type=int, default=1, help="server processes sharing the port")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
@@ -119,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             max_model_len=args.max_model_len,
         )
-        app = create_app(config, api_key=args.api_key)
+        app = create_app(config, api_key=args.api_key, stream_state_secret=args.stream_state_secret)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
                     time.perf_counter() - started, config.fingerprint, config.max_model_len)
         if args.workers == 1:
