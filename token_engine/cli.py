@@ -1,0 +1,134 @@
+"""`token-engine serve MODEL_DIR` (vLLM's flag names) and `token-engine make-random-model OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+
+from token_engine.engine import EngineConfig
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="token-engine", description="Tokens-only LLM engine (token IDs in and out).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve /inference/v1/generate for a model directory")
+    s.add_argument("model", help="Hugging Face model directory (config.json + safetensors)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API answers to; the first is reported (default: the model path)")
+    s.add_argument("--max-model-len", type=_positive_int, default=None)
+    s.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                   help="per-step token budget (prefill chunks + decode tokens)")
+    s.add_argument("--block-size", type=_positive_int, default=16)
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
+                   help="number of KV blocks (CPU or GPU), overriding the memory-based sizing")
+    s.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help="KV cache size in bytes (CPU default: enough for 8 full-length sequences, at most 4 GiB)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--max-logprobs", type=int, default=20)
+    s.add_argument("--enable-prompt-tokens-details", action="store_true")
+    s.add_argument("--generate-logprobs-format", choices=["ids", "token_id_strings"], default="ids",
+                   help="logprobs shape on /inference/v1/generate: integer ids (newer vLLM) or 'token_id:N' strings")
+    s.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                   help='KV connector config as JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
+    s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
+    s.add_argument("--log-level", default="info")
+
+    r = sub.add_parser("make-random-model", help="write a random-weight model directory (no hub access)")
+    r.add_argument("out")
+    r.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral"], default="qwen3")
+    r.add_argument("--preset", default="tiny", help="tiny, qwen2.5-7b, ... (see token_engine.random_model.PRESETS)")
+    r.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied in")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--overrides", type=_json_object, default=None, help="config.json keys to override, as JSON")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        device=args.device,
+        dtype=None if args.dtype == "auto" else args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_logprobs=args.max_logprobs,
+        kv_transfer_config=args.kv_transfer_config,
+    )
+
+
+def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | None = None,
+          enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info") -> None:
+    import uvicorn
+
+    from token_engine.engine import AsyncEngine, LLMEngine
+    from token_engine.server import build_app
+
+    engine = AsyncEngine(LLMEngine(config))
+    engine.start()
+    app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=30))
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "make-random-model":
+        from token_engine.random_model import write_random_model
+
+        path = write_random_model(args.out, arch=args.arch, preset=args.preset, overrides=args.overrides,
+                                  tokenizer_dir=args.tokenizer, seed=args.seed, dtype=args.dtype)
+        print(path)
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"token-engine: {exc}", file=sys.stderr)
+        return 2
+    serve(config, args.host, args.port, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+          logprobs_format=args.generate_logprobs_format, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

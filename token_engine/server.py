@@ -1,0 +1,330 @@
+"""HTTP shell of the tokens-only engine: vLLM's /inference/v1/generate, abort, health, models, metrics.
+
+The handlers decode and validate (msgspec + validation.py), hand the request to the AsyncEngine thread and
+turn its RequestUpdates into a GenerateResponse or SSE chunks. A client that goes away aborts its request,
+so its blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from token_engine import protocol as p
+from token_engine.engine import AsyncEngine, RequestUpdate
+from token_engine.sequence import TokenLogprob
+from token_engine.validation import RequestError, validate_generate_request
+
+try:
+    from importlib.metadata import version as _pkg_version
+
+    VERSION = _pkg_version("splitserve")
+except Exception:  # noqa: BLE001 - running from a source tree without metadata
+    VERSION = "0.0.0"
+
+LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
+JSON = "application/json"
+
+
+def _clamp(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
+    return Response(p.error_body(message, status, param), status_code=status, media_type=JSON)
+
+
+def encode_logprobs(entries: list[TokenLogprob], legacy: bool):
+    if legacy:
+        return p.ChatCompletionLogProbs(content=[
+            p.LegacyTokenLogprobEntry(
+                token=f"token_id:{e.token_id}", logprob=_clamp(e.logprob),
+                top_logprobs=[p.LegacyTopLogprob(f"token_id:{t}", _clamp(lp)) for t, lp in e.top])
+            for e in entries])
+    return p.GenerateLogProbs(content=[
+        p.TokenLogprobEntry(
+            token_id=e.token_id, logprob=_clamp(e.logprob), rank=e.rank,
+            top_logprobs=[p.TopLogprob(t, _clamp(lp), rank) for rank, (t, lp) in enumerate(e.top, start=1)])
+        for e in entries])
+
+
+def encode_prompt_logprobs(entries: list[TokenLogprob | None]) -> list[dict[int, p.PromptLogprob] | None]:
+    out: list[dict[int, p.PromptLogprob] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {t: p.PromptLogprob(_clamp(lp), rank) for rank, (t, lp) in enumerate(e.top, start=1)}
+        d.setdefault(e.token_id, p.PromptLogprob(_clamp(e.logprob), e.rank))
+        out.append(d)
+    return out
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    model_path: str
+    enable_prompt_tokens_details: bool = False
+    default_logprobs_format: str = "ids"
+    created: int = field(default_factory=lambda: int(time.time()))
+    active: set[str] = field(default_factory=set)
+
+
+async def _read_json(request: Request, type_):
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != JSON:
+        raise RequestError("Unsupported Media Type: Only 'application/json' is allowed")
+    body = await request.body()
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"Invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"Invalid JSON body: {exc}") from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Generation:
+    """One in-flight /generate call: engine updates arrive on an asyncio queue from the engine thread."""
+
+    def __init__(self, state: ServerState, req: p.GenerateRequest, request_id: str, n: int):
+        self.state = state
+        self.req = req
+        self.request_id = request_id
+        self.n = n
+        self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.done = False
+        fmt = req.logprobs_format or state.default_logprobs_format
+        self.legacy_logprobs = fmt == "token_id_strings"
+
+    def on_update(self, update: RequestUpdate) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.state.engine.abort_request(self.request_id)
+
+    def finish(self) -> None:
+        self.done = True
+        self.state.active.discard(self.request_id)
+
+    def usage(self, completion_tokens: int, cached_tokens: int) -> p.UsageInfo:
+        prompt_tokens = len(self.req.token_ids)
+        details = p.PromptTokensDetails(cached_tokens) if self.state.enable_prompt_tokens_details else None
+        return p.UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+
+    async def collect(self) -> Response:
+        tokens: list[list[int]] = [[] for _ in range(self.n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
+        reasons: list[str | None] = [None] * self.n
+        while True:
+            update = await self.queue.get()
+            for d in update.deltas:
+                tokens[d.index].extend(d.token_ids)
+                logprobs[d.index].extend(d.logprobs)
+                if d.finish_reason is not None:
+                    reasons[d.index] = d.finish_reason
+            if update.finished:
+                break
+        self.finish()
+        if update.error:
+            return error_response(update.error, 500)
+        want_logprobs = self.req.sampling_params.logprobs is not None
+        choices = [
+            p.GenerateResponseChoice(
+                index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop",
+                logprobs=encode_logprobs(logprobs[i], self.legacy_logprobs) if want_logprobs else None)
+            for i in range(self.n)
+        ]
+        body = p.GenerateResponse(
+            request_id=self.request_id, model=self.state.model_name, created=int(time.time()), choices=choices,
+            usage=self.usage(sum(len(t) for t in tokens), update.num_cached_tokens),
+            prompt_logprobs=encode_prompt_logprobs(update.prompt_logprobs) if update.prompt_logprobs else None,
+            kv_transfer_params=update.kv_transfer_params,
+        )
+        if self.req.return_token_ids:
+            body.prompt_token_ids = self.req.token_ids
+        return Response(msgspec.json.encode(body), media_type=JSON)
+
+    async def stream(self):
+        opts = self.req.stream_options
+        include_usage = bool(opts is not None and opts.include_usage)
+        continuous = bool(opts is not None and opts.continuous_usage_stats)
+        want_logprobs = self.req.sampling_params.logprobs is not None
+        counts = [0] * self.n
+        first = True
+        try:
+            while True:
+                update = await self.queue.get()
+                if update.error:
+                    yield b"data: " + p.error_body(update.error, 500) + b"\n\n"
+                    break
+                for d in update.deltas:
+                    counts[d.index] += len(d.token_ids)
+                    choice = p.GenerateStreamChoice(
+                        index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                        logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
+                    chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice])
+                    if continuous:
+                        chunk.usage = self.usage(counts[d.index], update.num_cached_tokens)
+                    if first and self.req.return_token_ids:
+                        chunk.prompt_token_ids = self.req.token_ids
+                    first = False
+                    yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                if update.finished:
+                    if include_usage:
+                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[],
+                                                         usage=self.usage(sum(counts), update.num_cached_tokens))
+                        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                    break
+            self.done = True
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.abort()  # no-op when finished; a client that went away lands here with the request live
+            self.finish()
+
+
+class GenerationStream(StreamingResponse):
+    """SSE response that aborts its request however the response ends (even before the body started)."""
+
+    def __init__(self, gen: Generation):
+        super().__init__(gen.stream(), media_type="text/event-stream")
+        self.generation = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abort()
+            self.generation.finish()
+
+
+async def generate(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    try:
+        req = await _read_json(request, p.GenerateRequest)
+        if req.model is not None and req.model != state.model_name:
+            return error_response(f"The model `{req.model}` does not exist.", 404, "model")
+        options, n = validate_generate_request(req, state.engine.engine.limits)
+    except RequestError as exc:
+        return error_response(exc.message, exc.status, exc.param)
+    if not state.engine.is_alive():
+        return error_response("the engine is not running", 503)
+    suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+    request_id = f"generate-tokens-{suffix}"
+    if request_id in state.active:
+        return error_response(f"Request id {request_id} already running.", 400, "request_id")
+    state.active.add(request_id)
+    gen = Generation(state, req, request_id, n)
+    state.engine.add_request(request_id, req.token_ids, options, n, req.priority, req.cache_salt,
+                             req.kv_transfer_params, gen.on_update)
+    if req.stream:
+        return GenerationStream(gen)
+
+    collect = asyncio.ensure_future(gen.collect())
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collect.done():
+            gen.abort()
+            gen.finish()
+            collect.cancel()
+        disconnect.cancel()
+    if collect.cancelled():
+        return error_response("client disconnected", 499)
+    return collect.result()
+
+
+async def abort_requests(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    try:
+        body = await _read_json(request, p.AbortRequest)
+    except RequestError as exc:
+        return error_response(exc.message, exc.status, exc.param)
+    for rid in body.request_ids:
+        state.engine.abort_request(rid)
+    return Response(status_code=200)
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(status_code=200 if state.engine.is_alive() else 503)
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    eng = state.engine.engine
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "splitserve",
+        "root": state.model_path, "parent": None, "max_model_len": eng.max_model_len,
+    }]})
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(state.engine.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
+async def kv_cache_debug(request: Request) -> Response:
+    """Block accounting, for tests and operators: num_free_blocks returns to num_blocks when idle."""
+    state: ServerState = request.app.state.server
+    eng = state.engine.engine
+    bm = eng.block_manager
+    return JSONResponse({
+        "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks(), "block_size": bm.block_size,
+        "num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
+        "num_held_by_connector": len(eng.scheduler.held_by_connector),
+        "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+        "num_preemptions": eng.scheduler.num_preemptions,
+    })
+
+
+async def _not_found(request: Request, exc) -> Response:
+    return error_response(f"{request.url.path} not found", 404)
+
+
+async def _method_not_allowed(request: Request, exc) -> Response:
+    return error_response(f"method {request.method} not allowed on {request.url.path}", 405)
+
+
+def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
+              default_logprobs_format: str = "ids") -> Starlette:
+    routes = [
+        Route("/inference/v1/generate", generate, methods=["POST"]),
+        Route("/inference/v1/abort_requests", abort_requests, methods=["POST"]),
+        Route("/abort_requests", abort_requests, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/debug/kv_cache", kv_cache_debug, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
+    app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
+                                   default_logprobs_format)
+    return app
