@@ -129,20 +129,9 @@ ARG_TEXT = st.text(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _available(name):
-    # TEMPORARY while the parser families land one by one
-    import importlib.util
-
-    from render_service.parsers.tool_registry import _TOOL_PARSERS
-
-    return importlib.util.find_spec(_TOOL_PARSERS[name][0]) is not None
-
-
 def test_registry_knows_every_required_parser():
     for name in ("hermes", "qwen3_coder", "qwen3_xml", "llama3_json", "mistral", "deepseek_v31", "pythonic", "kimi_k2"):
         assert name in tool_parser_names()
-        if not _available(name):
-            continue
         cls = get_tool_parser(name)
         parser = cls(ToolParserConfig())
         assert isinstance(parser.initial_state(), cls.State)
@@ -188,8 +177,6 @@ def test_json_string_safe_end_never_splits_escapes_or_surrogate_pairs():
 def test_every_parser_passes_plain_text_through_any_split(cuts):
     text = "Plain answer, no tools: 東京 😀 {not a call} [or this] <b>bold</b>"
     for name in tool_parser_names():
-        if not _available(name):
-            continue
         whole = parse(name, text)
         assert whole.calls == []
         assert parse_chunks(name, split_at(text, cuts)) == whole

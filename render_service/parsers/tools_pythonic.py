@@ -1,0 +1,345 @@
+"""pythonic (Llama 3.2 / 4, ToolACE): a Python list of calls with keyword arguments written as literals,
+``[get_weather(city='Paris', days=3), get_time()]``.
+
+Tool mode is decided by the start of the output (``[``, leading whitespace allowed), as in vLLM's streaming
+parser; otherwise everything is content. Arguments become ``json.dumps(dict, ensure_ascii=False)`` of the
+literal values, streamed in order: string values as they arrive (decoded from Python escapes and re-escaped
+for JSON), other literals when complete (they go through ``ast.literal_eval``). Text after the list is dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import unicodedata
+from typing import ClassVar
+
+import msgspec
+
+from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.tools_common import (
+    MAX_NAME_CHARS,
+    PieceSink,
+    dumps,
+    json_string_fragment,
+    skip_whitespace,
+)
+
+START, LIST_ITEM, NAME, ARGS, KEYWORD, VALUE_START, STR_VALUE, BUF_VALUE, AFTER_VALUE, AFTER_CALL, CONTENT_ONLY, DROP = range(12)
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_KEYWORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_VALUE_STOP = re.compile(r"[\\'\"\[\]{}(),]")
+_PY_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|[0-7]{1,3}|.|\n)", re.S)
+_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "a": "\a", "b": "\b",
+                   "f": "\f", "v": "\v", "\n": ""}
+_OCTAL = frozenset("01234567")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _decode_escape(m: re.Match) -> str:
+    esc = m.group(1)
+    head = esc[0]
+    if head in _SIMPLE_ESCAPES and len(esc) == 1:
+        return _SIMPLE_ESCAPES[head]
+    if head in "xuU" and len(esc) > 1:
+        code = int(esc[1:], 16)
+        return chr(code) if code <= 0x10FFFF else m.group(0)
+    if head == "N" and len(esc) > 1:
+        try:
+            return unicodedata.lookup(esc[2:-1])
+        except KeyError:
+            return m.group(0)
+    if head in _OCTAL:
+        return chr(int(esc, 8))
+    return m.group(0)  # Python keeps unknown escapes as written
+
+
+def decode_python_string_body(raw: str) -> str:
+    return _PY_ESCAPE.sub(_decode_escape, raw)
+
+
+def python_string_safe_end(raw: str) -> int:
+    """End of the longest prefix of a Python string body that does not stop inside an escape sequence."""
+    i = raw.rfind("\\")
+    if i == -1:
+        return len(raw)
+    j = i
+    while j > 0 and raw[j - 1] == "\\":
+        j -= 1
+    if (i - j + 1) % 2 == 0:
+        return len(raw)
+    tail = raw[i + 1 :]
+    if not tail:
+        return i
+    need = {"x": 3, "u": 5, "U": 9}.get(tail[0])
+    if need is not None:
+        if len(tail) < need and all(c in _HEX for c in tail[1:]):
+            return i
+        return len(raw)
+    if tail[0] == "N":
+        return len(raw) if "}" in tail or (len(tail) > 1 and tail[1] != "{") else i
+    if tail[0] in _OCTAL and len(tail) < 3 and all(c in _OCTAL for c in tail):
+        return i  # more octal digits may follow
+    return len(raw)
+
+
+def _string_close(text: str, quote: str) -> int:
+    """Index of the closing quote of a Python string body (escapes honoured), or -1."""
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+        elif c == quote:
+            return i
+        else:
+            i += 1
+    return -1
+
+
+class PythonicState(msgspec.Struct):
+    mode: int = START
+    held: str = ""
+    calls: int = 0
+    # leading whitespace and "[" until the first call's name is known
+    raw: str = ""
+    params: int = 0
+    keyword: str = ""
+    quote: str = ""
+    # a non-string literal being collected, and where its scan stands
+    value: str = ""
+    depth: int = 0
+    in_quote: str = ""
+    escape: bool = False
+
+
+class PythonicToolParser:
+    name: ClassVar[str] = "pythonic"
+    State: ClassVar[type[msgspec.Struct]] = PythonicState
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.config = config
+
+    def initial_state(self) -> PythonicState:
+        return PythonicState()
+
+    def feed(self, state: PythonicState, text: str) -> list[Piece]:
+        sink = PieceSink()
+        buf = state.held + text
+        state.held = ""
+        self._run(state, buf, sink)
+        return sink.pieces
+
+    def finish(self, state: PythonicState) -> list[Piece]:
+        sink = PieceSink()
+        if state.calls == 0 and state.mode in (START, LIST_ITEM, NAME):
+            sink.content(state.raw + state.held)
+        state.held = ""
+        state.raw = ""
+        state.value = ""
+        state.mode = DROP if state.calls else CONTENT_ONLY
+        return sink.pieces
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def _not_calls(self, state: PythonicState, sink: PieceSink) -> None:
+        """What looked like a call list is not one: before any call it is content, after one it is dropped."""
+        if state.calls == 0:
+            sink.content(state.raw)
+            state.mode = CONTENT_ONLY
+        else:
+            state.mode = DROP
+        state.raw = ""
+
+    def _key(self, state: PythonicState) -> str:
+        return ("{" if state.params == 0 else ", ") + dumps(state.keyword) + ": "
+
+    def _run(self, state: PythonicState, buf: str, sink: PieceSink) -> None:
+        pos, n = 0, len(buf)
+        index = state.calls
+        while pos < n:
+            mode = state.mode
+            index = state.calls
+            if mode == CONTENT_ONLY:
+                sink.content(buf[pos:])
+                return
+            if mode == DROP:
+                return
+            if mode in (START, LIST_ITEM, ARGS, AFTER_VALUE, AFTER_CALL, VALUE_START):
+                start = pos
+                pos = skip_whitespace(buf, pos)
+                if state.calls == 0 and mode in (START, LIST_ITEM):
+                    state.raw += buf[start:pos]
+                if pos >= n:
+                    return
+            c = buf[pos]
+            if mode == START:
+                if c != "[":
+                    self._not_calls(state, sink)
+                    continue
+                state.raw += c
+                pos += 1
+                state.mode = LIST_ITEM
+            elif mode == LIST_ITEM:
+                if _IDENT.match(c):
+                    state.mode = NAME
+                else:
+                    self._not_calls(state, sink)
+            elif mode == NAME:
+                m = _IDENT.match(buf, pos)
+                if m.end() >= n:
+                    if n - pos > MAX_NAME_CHARS:
+                        self._not_calls(state, sink)
+                        continue
+                    state.held = buf[pos:]
+                    return
+                if buf[m.end()] != "(":
+                    self._not_calls(state, sink)
+                    continue
+                sink.name(index, m.group(0))
+                state.raw = ""
+                state.params = 0
+                pos = m.end() + 1
+                state.mode = ARGS
+            elif mode == ARGS:
+                if c == ")":
+                    sink.arguments(index, "{}" if state.params == 0 else "}")
+                    state.calls += 1
+                    pos += 1
+                    state.mode = AFTER_CALL
+                elif _KEYWORD.match(c):
+                    state.mode = KEYWORD
+                else:
+                    state.mode = DROP  # positional arguments have no JSON form
+            elif mode == KEYWORD:
+                m = _KEYWORD.match(buf, pos)
+                after = skip_whitespace(buf, m.end())
+                if after >= n:
+                    if n - pos > MAX_NAME_CHARS:
+                        state.mode = DROP
+                        continue
+                    state.held = buf[pos:]
+                    return
+                if buf[after] != "=" or buf.startswith("==", after):
+                    state.mode = DROP
+                    continue
+                state.keyword = m.group(0)
+                pos = after + 1
+                state.mode = VALUE_START
+            elif mode == VALUE_START:
+                if c in "'\"":
+                    ahead = buf[pos : pos + 3]
+                    if len(ahead) < 3 and ahead == c * len(ahead):
+                        state.held = buf[pos:]  # "'" or "''" might open a triple-quoted string
+                        return
+                    if ahead == c * 3:
+                        self._start_buffered(state)
+                        continue
+                    sink.arguments(index, self._key(state) + '"')
+                    state.quote = c
+                    pos += 1
+                    state.mode = STR_VALUE
+                else:
+                    self._start_buffered(state)
+            elif mode == STR_VALUE:
+                close = _string_close(buf[pos:], state.quote)
+                if close == -1:
+                    body = buf[pos:]
+                    safe = python_string_safe_end(body)
+                    sink.arguments(index, json_string_fragment(decode_python_string_body(body[:safe])))
+                    state.held = body[safe:]
+                    return
+                body = buf[pos : pos + close]
+                sink.arguments(index, json_string_fragment(decode_python_string_body(body)) + '"')
+                state.params += 1
+                pos += close + 1
+                state.mode = AFTER_VALUE
+            elif mode == BUF_VALUE:
+                pos = self._scan_value(state, buf, pos, n)
+                if state.mode == BUF_VALUE:
+                    state.held = buf[pos:]
+                    return
+                try:
+                    value = ast.literal_eval(state.value.strip())
+                    text = dumps(value)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    state.mode = DROP
+                    continue
+                finally:
+                    state.value = ""
+                sink.arguments(index, self._key(state) + text)
+                state.params += 1
+            elif mode == AFTER_VALUE:
+                if c == ",":
+                    pos += 1
+                    state.mode = ARGS
+                elif c == ")":
+                    state.mode = ARGS
+                else:
+                    state.mode = DROP
+            else:  # AFTER_CALL
+                if c == ",":
+                    pos += 1
+                    state.mode = LIST_ITEM
+                else:
+                    state.mode = DROP  # "]" ends the list; anything after it is not ours
+
+    def _start_buffered(self, state: PythonicState) -> None:
+        state.mode = BUF_VALUE
+        state.value = ""
+        state.depth = 0
+        state.in_quote = ""
+        state.escape = False
+
+    def _scan_value(self, state: PythonicState, buf: str, pos: int, n: int) -> int:
+        """Collect a literal until "," or ")" at depth 0; sets mode AFTER_VALUE when it ends."""
+        i = pos
+        while i < n:
+            if state.escape:
+                state.escape = False
+                i += 1
+                continue
+            m = _VALUE_STOP.search(buf, i)
+            if m is None:
+                i = n
+                break
+            i = m.start()
+            c = buf[i]
+            if c in "'\"" and (not state.in_quote or state.in_quote[0] == c):
+                run = c * 3
+                if n - i < 3 and buf[i:] == c * (n - i):
+                    # one or two quotes at the end may be the start of a triple quote: look again later
+                    state.value += buf[pos:i]
+                    return i
+                if state.in_quote == run or (not state.in_quote and buf.startswith(run, i)):
+                    if state.in_quote and not buf.startswith(run, i):
+                        i += 1  # a lone quote inside a triple-quoted string
+                        continue
+                    state.in_quote = "" if state.in_quote else run
+                    i += 3
+                    continue
+                if state.in_quote == c:
+                    state.in_quote = ""
+                elif not state.in_quote:
+                    state.in_quote = c
+            elif c == "\\":
+                if state.in_quote:
+                    state.escape = True
+            elif state.in_quote:
+                pass
+            elif c in "[{(":
+                state.depth += 1
+            elif c in "]})":
+                if state.depth == 0:
+                    state.value += buf[pos:i]
+                    state.mode = AFTER_VALUE
+                    return i
+                state.depth -= 1
+            elif c == "," and state.depth == 0:
+                state.value += buf[pos:i]
+                state.mode = AFTER_VALUE
+                return i
+            i += 1
+        state.value += buf[pos:n]
+        return n
