@@ -136,19 +136,20 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _check_prompt_length(prompt_len: int, config: RenderConfig, max_tokens: int | None) -> None:
+    """vLLM 0.32's wording. A prompt that fills the whole window is refused too: no room to generate."""
     if prompt_len == 0:
         raise bad_request("No token_ids rendered")
     if prompt_len >= config.max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-            "messages",
+            f"This model's maximum context length is {config.max_model_len} tokens. However, your prompt "
+            f"contains {prompt_len} input tokens, which exceeds this limit even without any output tokens. "
+            f"Please reduce the length of the input prompt.",
+            "input_tokens",
         )
-    if max_tokens is not None and prompt_len + max_tokens > config.max_model_len:
+    if max_tokens is not None and max_tokens > config.max_model_len:
         raise bad_request(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-            f"length is {config.max_model_len} tokens and your request has {prompt_len} input tokens "
-            f"({max_tokens} > {config.max_model_len} - {prompt_len}).",
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={config.max_model_len}. "
+            f"Please request fewer output tokens.",
             "max_tokens",
         )
 
@@ -164,14 +165,11 @@ def _check_token_ids(ids: list[int], config: RenderConfig, param: str) -> None:
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, config: RenderConfig) -> int:
-    """vLLM's rule: the smallest of the request's value, generation_config's and what the context leaves."""
-    candidates = [config.max_model_len - prompt_len]
-    if requested is not None:
-        candidates.append(requested)
-    default = config.generation_defaults.get("max_tokens")
-    if default is not None:
-        candidates.append(default)
-    return min(candidates)
+    """vLLM's ``get_max_tokens``: the request's value (max_completion_tokens, else max_tokens), else the
+    generation_config.json default (max_new_tokens), capped by what the context window leaves."""
+    fallback = requested if requested is not None else config.generation_defaults.get("max_tokens")
+    room = config.max_model_len - prompt_len
+    return room if fallback is None else min(room, fallback)
 
 
 def _structured_outputs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:

@@ -1,0 +1,71 @@
+"""Real render servers for tests: uvicorn on a random loopback port, in a background thread.
+
+Loading the Qwen3 tokenizer takes seconds, so each configuration is loaded once per test session and
+shared by every test file that asks for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from render_service.render import RenderConfig, load_render_config
+from render_service.server import create_app
+
+FIXTURES = Path("/work/shared/fixtures")
+if not FIXTURES.exists():
+    FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+QWEN3_DIR = FIXTURES / "qwen3-0.6b"
+VLLM_PAIRS = FIXTURES / "vllm-0.32-render"
+PARSER_FLAGS = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+
+
+@functools.lru_cache(maxsize=None)
+def qwen3_config(parsers: bool = False, max_model_len: int | None = None) -> RenderConfig:
+    flags = PARSER_FLAGS if parsers else {}
+    return load_render_config(str(QWEN3_DIR), served_model_names=["qwen3-0.6b"], max_model_len=max_model_len,
+                              **flags)
+
+
+class RenderServer:
+    """A started server; ``client`` is an httpx.Client bound to it. Use as a context manager."""
+
+    def __init__(self, config: RenderConfig, api_key: str | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = create_app(config, api_key=api_key)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    def __enter__(self) -> "RenderServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("render server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def load_pair(path: Path) -> tuple[dict, dict]:
+    """(recorded request, recorded response) for a ``*.request.json`` fixture."""
+    response = path.with_name(path.name[: -len("request.json")] + "response.json")
+    return json.loads(path.read_text()), json.loads(response.read_text())
