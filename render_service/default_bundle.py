@@ -28,7 +28,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from render_service.tokenizer import bytes_to_token_string, merges_from_ranks, remember_merge_proof
+from render_service.tokenizer import byte_level_bpe_spec, remember_merge_proof
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 
@@ -101,36 +101,7 @@ def _added_token_entries() -> list[dict]:
 
 def qwen3_tokenizer_json(ranks: dict[bytes, int]) -> bytes:
     """Qwen3's tokenizer.json, serialized as ``tokenizers`` writes it (2-space indent, UTF-8, no escaping)."""
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    ordered = sorted(ranks.items(), key=lambda item: item[1])
-    spec = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": _added_token_entries(),
-        "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": QWEN_SPLIT_REGEX}, "behavior": "Isolated", "invert": False},
-                byte_level,
-            ],
-        },
-        "post_processor": dict(byte_level),
-        "decoder": dict(byte_level),
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": "",
-            "end_of_word_suffix": "",
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {bytes_to_token_string(token): rank for token, rank in ordered},
-            "merges": [[bytes_to_token_string(a), bytes_to_token_string(b)] for a, b in merges_from_ranks(ranks)],
-        },
-    }
+    spec = byte_level_bpe_spec(ranks, QWEN_SPLIT_REGEX, _added_token_entries(), normalizer={"type": "NFC"})
     return json.dumps(spec, indent=2, ensure_ascii=False).encode("utf-8")
 
 

@@ -151,6 +151,44 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
+def byte_level_bpe_spec(ranks: dict[bytes, int], split_regex: str, added_tokens: list[dict] = (),
+                       normalizer: dict | None = None) -> dict:
+    """A tokenizer.json (as a dict, in ``tokenizers``' key order) for tiktoken-style ranks.
+
+    The inverse of the fast path: vocab through the byte map, one merge per multi-byte token.
+    """
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    ordered = sorted(ranks.items(), key=lambda item: item[1])
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": list(added_tokens),
+        "normalizer": normalizer,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": split_regex}, "behavior": "Isolated", "invert": False},
+                byte_level,
+            ],
+        },
+        "post_processor": dict(byte_level),
+        "decoder": dict(byte_level),
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {bytes_to_token_string(token): rank for token, rank in ordered},
+            "merges": [[bytes_to_token_string(a), bytes_to_token_string(b)] for a, b in merges_from_ranks(ranks)],
+        },
+    }
+
+
 # --- the fast path: proof from the file's structure ------------------------------------------------------
 
 class NotProvable(Exception):
