@@ -58,9 +58,6 @@ logger = logging.getLogger("render_service.server")
 JSON = "application/json"
 # Upper bound on a request body: a full 128k-token context with its chat request fits many times over.
 MAX_BODY_BYTES = 64 * 1024 * 1024
-STREAMING_DERENDER_UNAVAILABLE = (
-    "streaming derender not available yet: send `stream: false` (or omit it) for batch derender"
-)
 
 _encode = msgspec.json.Encoder().encode
 _decoders: dict[type, msgspec.json.Decoder] = {}
