@@ -10,6 +10,9 @@ from token_engine.attention import allocate_kv_pool, build_metadata, paged_atten
 
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 3
 
+# Tiny tensors on a shared 2-core machine: extra intra-op threads only spin (25x slower under load).
+torch.set_num_threads(1)
+
 
 def dense_causal(q, k, v, scale, sliding_window=None):
     """q: [n, H, D] at the last n positions of k/v: [L, Hkv, D]; reference attention, no paging."""
