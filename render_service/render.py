@@ -326,7 +326,10 @@ def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatT
                 "Refused request with untrusted chat template.",
                 "chat_template",
             )
-        return ChatTemplate(req.chat_template, config.template_special_tokens)
+        try:
+            return ChatTemplate(req.chat_template, config.template_special_tokens)
+        except TemplateError as exc:
+            raise bad_request(str(exc), "chat_template") from None
     if config.template is None:
         raise bad_request(
             "As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "

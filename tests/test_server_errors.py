@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.render_harness import RenderServer, qwen3_config
@@ -113,14 +115,21 @@ def test_max_tokens_resolution_order(server):
 
 
 def test_template_errors_are_400(server):
-    # Qwen3's template raises for a conversation without a user query.
-    r = server.client.post("/v1/chat/completions/render", json={
-        "messages": [{"role": "system", "content": "only a system prompt"}], "add_generation_prompt": False,
-        "continue_final_message": True})
-    assert r.status_code == 400 or r.status_code == 200  # template-dependent; never a 500
     r = server.client.post("/v1/chat/completions/render", json={**CHAT, "add_generation_prompt": True,
                                                                  "continue_final_message": True})
     assert_error(r, 400, contains="continue_final_message and add_generation_prompt are not compatible")
+    trusting = dataclasses.replace(qwen3_config(False), trust_request_chat_template=True)
+    with RenderServer(trusting) as srv:
+        raising = "{{ raise_exception('no system prompts here') }}"
+        r = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": raising})
+        assert_error(r, 400, contains="no system prompts here")
+        r = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": "{% if %}"})
+        assert_error(r, 400, contains="Invalid chat template")
+        r = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": "{{ messages[0].nope.deeper }}"})
+        assert_error(r, 400)
+        ok = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": "{{ messages[0].content }}"})
+        assert ok.status_code == 200
+        assert ok.json()["token_ids"] == [9707]  # "Hello"
 
 
 def test_request_chat_template_needs_trust_flag(server):
