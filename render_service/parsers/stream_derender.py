@@ -343,8 +343,6 @@ def derender_chat_stream(
                                                      arguments=c["function"].get("arguments")))
             for c in delta.tool_calls
         ]
-    if not parser_path and message.content is None:
-        message.content = ""  # vLLM's plain path wraps delta_text unconditionally
     logprobs = None
     if choice.logprobs is not None and pcfg.include_reasoning:
         logprobs = resolve_chat_logprobs(choice.logprobs, config.tokenizer)
