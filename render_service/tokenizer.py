@@ -281,15 +281,19 @@ def _check_merges_are_lower_rank_splits(pairs: list[tuple[str, str]], ranks: dic
             raise NotProvable(f"merge {a!r} + {b!r} is not the split tiktoken would reach")
 
 
-def _added_tokens(spec: dict) -> tuple[dict[str, int], dict[str, int]]:
-    """(tokens matched on raw text, tokens matched on normalized text), content -> id."""
+def _added_tokens(hf: Tokenizer) -> tuple[dict[str, int], dict[str, int]]:
+    """(tokens matched on raw text, tokens matched on normalized text), content -> id.
+
+    Read from the loaded tokenizer, not the file: tokenizers gives an added token whose content is
+    already in the vocabulary that vocabulary ID, whatever ID the file states.
+    """
     raw: dict[str, int] = {}
     normalized: dict[str, int] = {}
-    for token in spec.get("added_tokens") or []:
-        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
-            raise NotProvable(f"added token {token.get('content')!r} has lstrip/rstrip/single_word")
-        if token.get("content"):
-            (normalized if token.get("normalized") else raw)[token["content"]] = token["id"]
+    for token_id, token in hf.get_added_tokens_decoder().items():
+        if token.lstrip or token.rstrip or token.single_word:
+            raise NotProvable(f"added token {token.content!r} has lstrip/rstrip/single_word")
+        if token.content:
+            (normalized if token.normalized else raw)[token.content] = token_id
     return raw, normalized
 
 
@@ -401,7 +405,7 @@ def build_tiktoken_encoder(spec: dict, hf: Tokenizer, ranks: dict[bytes, int] | 
     model = spec.get("model") or {}
     _check_bpe_model(model)
     ranks = _check_ranks(ranks)
-    raw_added, normalized_added = _added_tokens(spec)
+    raw_added, normalized_added = _added_tokens(hf)
     if not (sha256 and _proof_marker(sha256).exists()):
         _prove_merges_are_ranks(load_merges(), model.get("vocab") or {}, ranks)
         if sha256:
