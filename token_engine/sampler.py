@@ -97,9 +97,9 @@ class Sampler:
                 ids = torch.tensor([t for t, _ in opts.logit_bias], device=logits.device)
                 bias = torch.tensor([b for _, b in opts.logit_bias], device=logits.device)
                 logits[i].index_add_(0, ids, bias)
-            if r.stop_ids_blocked:
-                ids = torch.tensor(sorted(r.stop_ids_blocked), device=logits.device)
-                logits[i].index_fill_(0, ids, float("-inf"))
+            blocked = [t for t in r.stop_ids_blocked if t < logits.shape[1]]  # EOS ids may lie past a small vocab
+            if blocked:
+                logits[i].index_fill_(0, torch.tensor(blocked, device=logits.device), float("-inf"))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
@@ -139,15 +139,18 @@ class Sampler:
         top_k = torch.tensor([r.options.top_k if 0 < r.options.top_k < vocab else vocab for r in rows], device=device)
         top_p = torch.tensor([r.options.top_p for r in rows], device=device)
         if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-            sorted_logits, order = scaled.sort(dim=1, descending=True)
-            positions = torch.arange(vocab, device=device)[None, :]
+            # Only the best max(top_k) candidates can survive when every row has a top_k: a partial topk is
+            # far cheaper than sorting the whole vocabulary.
+            width = int(top_k.max()) if bool((top_k < vocab).all()) else vocab
+            sorted_logits, order = scaled.topk(width, dim=1) if width < vocab else scaled.sort(dim=1, descending=True)
+            positions = torch.arange(width, device=device)[None, :]
             drop = positions >= top_k[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             probs = sorted_logits.softmax(dim=1)
             # Drop a token when the tokens ranked above it already reach top_p; the best one always stays.
             drop = (probs.cumsum(dim=1) - probs) > top_p[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+            scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
         return scaled
 
     def _exponential_noise(self, rows: list[SamplingRow], batch: int, vocab: int) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""Shared pieces of the token-engine tests: a tiny random Qwen3 model, a real uvicorn server on a loopback
+port in a thread, a plain greedy loop over the model to compare against, and block-accounting waits."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+
+from token_engine.attention import allocate_kv_pool, build_metadata
+from token_engine.engine import AsyncEngine, EngineConfig, LLMEngine
+from token_engine.random_model import write_random_model
+from token_engine.server import build_app
+
+FIXTURES = Path("/work/shared/fixtures")
+if not FIXTURES.exists():  # a clean checkout carries its own copy
+    FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+# Untied lm_head: tied embeddings make a random model echo its last input token forever, which would let
+# chunked/unchunked or preempted/unpreempted comparisons pass trivially.
+TINY_QWEN3 = {"tie_word_embeddings": False}
+
+
+def write_tiny_qwen3(out_dir, vocab_size: int | None = None) -> Path:
+    overrides = dict(TINY_QWEN3)
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    return write_random_model(out_dir, arch="qwen3", preset="tiny", overrides=overrides, dtype="float32")
+
+
+def engine_config(model_dir, **kw) -> EngineConfig:
+    defaults = dict(model=str(model_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
+                    block_size=4, max_num_batched_tokens=64, max_num_seqs=16, seed=0)
+    defaults.update(kw)
+    return EngineConfig(**defaults)
+
+
+@torch.inference_mode()
+def greedy_reference(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding with a full recompute of the whole sequence per token: no paging tricks, no cache reuse."""
+    arch = model.arch
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        n = len(tokens)
+        block_size = 16
+        blocks = -(-n // block_size)
+        pool = allocate_kv_pool(blocks, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, arch.dtype)
+        meta = build_metadata([n], [n], [list(range(blocks))], block_size)
+        hidden = model.forward(torch.tensor(tokens), torch.arange(n), meta, pool)
+        tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
+    return tokens[len(prompt):]
+
+
+class ServerThread:
+    """A real HTTP server (uvicorn) on 127.0.0.1:<random port>, serving a real engine thread."""
+
+    def __init__(self, config: EngineConfig, connector=None, **app_kw):
+        self.llm = LLMEngine(config, connector=connector)
+        self.engine = AsyncEngine(self.llm)
+        self.app = build_app(self.engine, config.model_name, config.model, **app_kw)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.engine.start()
+        self.thread.start()
+        for _ in range(400):  # bounded wait for the listener
+            if self.server.started:
+                break
+            time.sleep(0.025)
+        assert self.server.started, "server did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.shutdown()
+        self.sock.close()
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+
+def wait_for_idle_blocks(llm: LLMEngine, attempts: int = 400) -> int:
+    """Waits (bounded) until no request holds a block; returns the free count for the caller to assert on."""
+    for _ in range(attempts):
+        if llm.num_free_blocks() == llm.num_blocks and not llm.requests:
+            break
+        time.sleep(0.025)
+    return llm.num_free_blocks()
