@@ -80,6 +80,7 @@ def test_notification_format_round_trips_and_request_ids_may_contain_colons():
     n = parse_notification(msg)
     assert (n.kind, n.request_id, n.epoch) == ("read", "cmpl-1:x:y", 12345)
     assert parse_notification(b"HB:r:9").kind == "HB"
+    assert parse_notification(b"abort:r:9").kind == "abort"
 
 
 def test_malformed_notifications_are_ignored():

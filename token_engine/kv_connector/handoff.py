@@ -91,6 +91,7 @@ class KVHandoff:
         self._loads: dict[str, _Load] = {}
         self._peer_by_addr: dict[tuple[str, int], tuple[str, int]] = {}  # (host, port) -> (agent, incarnation)
         self._consumed: dict[tuple[str, int], None] = {}  # (remote request id, epoch) already loaded here
+        self._early = HandoffPoll()  # failures found inside start_load, reported by the next poll()
 
     @property
     def incarnation(self) -> int:
@@ -98,8 +99,8 @@ class KVHandoff:
 
     # -- prefill side -----------------------------------------------------------------------------------
 
-    def hold(self, request_id: str, block_ids: list[int]) -> KVLease:
-        return self.leases.grant(request_id, block_ids)
+    def hold(self, request_id: str, block_ids: list[int], duration_s: float | None = None) -> KVLease:
+        return self.leases.grant(request_id, block_ids, duration_s)
 
     def release_hold(self, request_id: str, epoch: int) -> KVLease | None:
         return self.leases.release(request_id, epoch)
@@ -119,12 +120,12 @@ class KVHandoff:
         now = self._clock()
         load = _Load(request_id, remote, list(local_ids), now, now + self.load_timeout_s)
         known = self._peer_by_addr.get((remote.host, remote.port))
+        self._loads[request_id] = load
         if known is not None and known[1] == remote.incarnation:
             load.peer = known[0]
-            self._post_read(load)
+            self._post_read(load, self._early)
         else:
             load.future = self._workers.submit(fetch_publication, remote.host, remote.port)
-        self._loads[request_id] = load
 
     def cancel_load(self, request_id: str) -> None:
         """Abort a load; its outcome still comes from poll() so blocks are freed only once no READ writes them."""
@@ -151,7 +152,7 @@ class KVHandoff:
     # -- progress ---------------------------------------------------------------------------------------
 
     def poll(self) -> HandoffPoll:
-        out = HandoffPoll()
+        out, self._early = self._early, HandoffPoll()
         try:
             result = self.transport.poll()
         except KVTransferError as e:
@@ -195,6 +196,10 @@ class KVHandoff:
                 out.freed.append(lease)
         elif n.kind == "HB":
             self.leases.on_heartbeat(n.request_id, n.epoch)
+        elif n.kind == "abort":
+            lease = self.leases.release(n.request_id, n.epoch)
+            if lease is not None:
+                out.freed.append(lease)
 
     def _advance(self, load: _Load, out: HandoffPoll) -> None:
         now = self._clock()
@@ -213,6 +218,7 @@ class KVHandoff:
                 self._fail(load, out, str(e), getattr(e, "reason", "side_channel"))
                 return
             if load.cancelled:
+                self._send_abort(load)
                 self._fail(load, out, "cancelled", "cancelled")
                 return
             self._post_read(load, out)
@@ -241,7 +247,7 @@ class KVHandoff:
             # reading has its own deadline inside the transport; fetching/confirming are bounded here
             self._fail(load, out, f"KV load did not finish within {self.load_timeout_s:.1f} s", "timeout")
 
-    def _post_read(self, load: _Load, out: HandoffPoll | None = None) -> None:
+    def _post_read(self, load: _Load, out: HandoffPoll) -> None:
         rem = load.remote
         try:
             load.read_id = self.transport.start_read(
@@ -249,9 +255,16 @@ class KVHandoff:
                 max(0.001, load.deadline - self._clock()))
             load.state = "reading"
         except KVTransferError as e:
-            if out is None:
-                raise
             self._fail(load, out, str(e), e.reason)
+            if e.reason == "disconnect":
+                self._forget_peer(load.peer)
+
+    def _send_abort(self, load: _Load) -> None:
+        """Tell prefill we will never read, so it frees the blocks now rather than at lease expiry."""
+        try:
+            self.transport.send_notif(load.peer, format_notification("abort", load.remote.request_id, load.remote.epoch))
+        except KVTransferError as e:
+            log.info("abort notification to %s failed (lease will expire): %s", load.peer, e)
 
     def _fail(self, load: _Load, out: HandoffPoll, error: str, reason: str) -> None:
         self._loads.pop(load.request_id, None)

@@ -10,6 +10,8 @@ Notifications (NIXL notification payloads, untrusted):
   `lease_status` question on the side channel (asked after its READ) can be answered "read".
 - `HB:<request id>:<epoch>`: heartbeat while decode is still queued; extends expiry to
   max(old, now + 2/3 lease), as vLLM does.
+- `abort:<request id>:<epoch>`: decode gave up on the request before reading; free at once instead of
+  waiting for expiry.
 A lease that sees neither expires after `kv_lease_duration` seconds and its blocks are freed.
 """
 
@@ -35,7 +37,7 @@ class KVLease:
 
 @dataclass(frozen=True)
 class LeaseNotification:
-    kind: str  # "read" | "HB"
+    kind: str  # "read" | "HB" | "abort"
     request_id: str
     epoch: int
 
@@ -58,7 +60,7 @@ def parse_notification(msg: bytes) -> LeaseNotification | None:
         text = msg.decode()
         kind, rest = text.split(":", 1)
         request_id, epoch = rest.rsplit(":", 1)
-        if kind not in ("read", "HB") or not request_id or not epoch.isdigit():
+        if kind not in ("read", "HB", "abort") or not request_id or not epoch.isdigit():
             return None
         return LeaseNotification(kind, request_id, int(epoch))
     except (UnicodeDecodeError, ValueError):
@@ -80,11 +82,11 @@ class LeaseTable:
         self._read_by: OrderedDict[tuple[str, int], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def grant(self, request_id: str, block_ids: list[int]) -> KVLease:
+    def grant(self, request_id: str, block_ids: list[int], duration_s: float | None = None) -> KVLease:
         with self._lock:
             self._counter += 1
             epoch = (self.incarnation << 32) | self._counter
-            lease = KVLease(request_id, epoch, list(block_ids), self._clock() + self.duration_s)
+            lease = KVLease(request_id, epoch, list(block_ids), self._clock() + (duration_s or self.duration_s))
             self._leases[(request_id, epoch)] = lease
             return lease
 

@@ -3,7 +3,7 @@ a `KVHandoff` serving it, and a line protocol on stdin/stdout so a parent proces
 
 Commands (one JSON object per line on stdin), answers (one line on stdout prefixed with `PEER `, because
 NIXL and UCX also write to stdout):
-  {"op": "hold", "request_id": "r1", "blocks": [3, 4, 5]}   -> {"epoch": E}
+  {"op": "hold", "request_id": "r1", "blocks": [3, 4, 5]}   -> {"epoch": E}   (optional "lease_s")
   {"op": "release", "request_id": "r1", "epoch": E}         -> {"released": true|false}
   {"op": "state"}                                           -> {"leases": n, "held_blocks": n, "freed": [..]}
   {"op": "exit"}
@@ -79,8 +79,8 @@ class LoopbackPeer:
         self.proc.stdin.flush()
         return self._answer()
 
-    def hold(self, request_id: str, blocks: list[int]) -> int:
-        return self.ask(op="hold", request_id=request_id, blocks=blocks)["epoch"]
+    def hold(self, request_id: str, blocks: list[int], lease_s: float | None = None) -> int:
+        return self.ask(op="hold", request_id=request_id, blocks=blocks, lease_s=lease_s)["epoch"]
 
     def state(self) -> dict:
         return self.ask(op="state")
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         op = cmd.get("op")
         if op == "hold":
-            lease = handoff.hold(cmd["request_id"], cmd["blocks"])
+            lease = handoff.hold(cmd["request_id"], cmd["blocks"], cmd.get("lease_s"))
             _say({"epoch": lease.epoch})
         elif op == "release":
             _say({"released": handoff.release_hold(cmd["request_id"], cmd["epoch"]) is not None})

@@ -1,0 +1,206 @@
+"""KV handoff between two real processes over NIXL/UCX on loopback: the decode side (this process) pulls
+blocks from a prefill-like peer process (token_engine.kv_connector.loopback_peer) holding them under leases."""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+from token_engine.kv_connector.loopback_peer import LoopbackPeer, expected_block, make_pool
+from token_engine.kv_connector.nixl_transport import NixlTransport
+from token_engine.kv_connector.side_channel import fetch_publication
+
+GEOM = ["--blocks", "64", "--layers", "2", "--block-size", "16", "--heads", "2", "--head-dim", "16"]
+HANG_GUARD_S = 60  # only stops a broken test from hanging CI; no assertion depends on time
+
+
+def _pool():
+    return make_pool(64, 2, 16, 2, 16, "bfloat16")
+
+
+def _wait_outcomes(h: KVHandoff, n: int = 1):
+    outcomes, freed = [], []
+    stop = time.monotonic() + HANG_GUARD_S
+    while len(outcomes) < n:
+        assert time.monotonic() < stop, "handoff never reported"
+        polled = h.poll()
+        outcomes += polled.loads
+        freed += polled.freed
+        time.sleep(0.0005)
+    return outcomes
+
+
+def _wait_peer(peer: LoopbackPeer, cond):
+    stop = time.monotonic() + HANG_GUARD_S
+    while True:
+        state = peer.state()
+        if cond(state):
+            return state
+        assert time.monotonic() < stop, f"peer never reached the state: {state}"
+        time.sleep(0.01)
+
+
+def _remote(peer: LoopbackPeer, rid: str, blocks: list[int], epoch: int) -> RemoteKV:
+    return RemoteKV(peer.engine_id, "127.0.0.1", peer.port, rid, epoch, tuple(blocks))
+
+
+def _blocks_match(pool, local_ids, remote_ids, seed=1):
+    return all(torch.equal(pool[lb].reshape(-1), expected_block(pool.shape, pool.dtype, rb, seed))
+               for lb, rb in zip(local_ids, remote_ids))
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = LoopbackPeer(*GEOM, "--engine-id", "prefill-shared")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def decode():
+    h = KVHandoff(f"decode-{random.getrandbits(32):x}", _pool(), load_timeout_s=10)
+    yield h
+    h.close()
+
+
+def test_handoff_copies_the_exact_blocks_and_frees_the_lease(peer, decode):
+    remote_ids, local_ids = [5, 6, 7, 8, 30], [40, 41, 42, 43, 2]
+    epoch = peer.hold("req-a", remote_ids)
+    decode.start_load("local-a", _remote(peer, "req-a", remote_ids, epoch), local_ids)
+    [out] = _wait_outcomes(decode)
+    assert out.ok, out.error
+    assert out.descriptors == 2  # 5,6,7,8 -> 40..43 merge; 30 -> 2 stands alone
+    assert out.bytes == 5 * decode.transport.layout.geometry.block_bytes
+    assert _blocks_match(decode.transport.layout and decode.transport._kv_pool, local_ids, remote_ids)
+    state = _wait_peer(peer, lambda s: s["leases"] == 0)
+    assert state["held_blocks"] == 0
+
+
+def test_many_sequential_handoffs_reuse_one_connection(peer, decode):
+    pool = decode.transport._kv_pool
+    for i in range(8):
+        remote_ids = random.sample(range(64), 4)
+        local_ids = random.sample(range(64), 4)
+        epoch = peer.hold(f"seq-{i}", remote_ids)
+        decode.start_load(f"l{i}", _remote(peer, f"seq-{i}", remote_ids, epoch), local_ids)
+        [out] = _wait_outcomes(decode)
+        assert out.ok, out.error
+        assert _blocks_match(pool, local_ids, remote_ids)
+    _wait_peer(peer, lambda s: s["leases"] == 0)
+
+
+def test_same_lease_cannot_be_loaded_twice(peer, decode):
+    epoch = peer.hold("twice", [1])
+    decode.start_load("t1", _remote(peer, "twice", [1], epoch), [1])
+    assert _wait_outcomes(decode)[0].ok
+    with pytest.raises(Exception, match="already loaded"):
+        decode.start_load("t2", _remote(peer, "twice", [1], epoch), [2])
+
+
+def test_forged_epoch_is_refused_as_stale(peer, decode):
+    epoch = peer.hold("forged", [3])
+    decode.start_load("f", _remote(peer, "forged", [3], epoch + 1), [3])
+    [out] = _wait_outcomes(decode)
+    assert not out.ok and out.reason == "stale"
+    assert peer.ask(op="release", request_id="forged", epoch=epoch)["released"]
+
+
+def test_expired_lease_frees_blocks_and_a_late_read_is_refused(peer, decode):
+    peer.state()  # drain earlier tests' freed list
+    epoch = peer.hold("late", [9, 10], lease_s=0.2)
+    state = _wait_peer(peer, lambda s: s["freed"])
+    assert state["freed"] == [["late", epoch]] and state["held_blocks"] == 0
+    decode.start_load("late-local", _remote(peer, "late", [9, 10], epoch), [0, 1])
+    [out] = _wait_outcomes(decode)
+    # NIXL would happily read the (possibly recycled) blocks; the lease check refuses them
+    assert not out.ok and out.reason == "stale"
+
+
+def test_killed_then_restarted_peer_is_removed_and_re_added():
+    first = LoopbackPeer(*GEOM, "--engine-id", "prefill-phoenix")
+    port = first.port
+    h = KVHandoff("decode-phoenix", _pool())
+    try:
+        e1 = first.hold("before", [4])
+        h.start_load("b", _remote(first, "before", [4], e1), [4])
+        assert _wait_outcomes(h)[0].ok
+        stale_epoch = first.hold("lost", [5])
+        first.kill()
+        # the dead peer: READ (or the side channel) fails fast with a clear reason
+        h.start_load("dead", _remote(first, "lost", [5], stale_epoch), [5])
+        [out] = _wait_outcomes(h)
+        assert not out.ok and out.reason in ("disconnect", "side_channel")
+        second = LoopbackPeer(*GEOM, "--engine-id", "prefill-phoenix", "--port", str(port), "--seed", "2")
+        try:
+            assert second.incarnation != first.incarnation
+            # a fresh lease from the new incarnation works over the same agent name (remove, then add)
+            e3 = second.hold("after", [6, 7])
+            h.start_load("a", _remote(second, "after", [6, 7], e3), [6, 7])
+            [out] = _wait_outcomes(h)
+            assert out.ok, out.error
+            assert _blocks_match(h.transport._kv_pool, [6, 7], [6, 7], seed=2)
+            # a lease granted by the dead incarnation: its blocks are gone, whatever the new pool holds there
+            h.start_load("lost", _remote(second, "lost", [5], stale_epoch), [5])
+            [out] = _wait_outcomes(h)
+            assert not out.ok and out.reason == "stale"
+        finally:
+            second.close()
+    finally:
+        h.close()
+        first.kill()
+
+
+def test_read_from_a_stuck_peer_hits_our_deadline(peer):
+    t = NixlTransport("decode-stuck", _pool())
+    try:
+        pub, layout = fetch_publication("127.0.0.1", peer.port)
+        name = t.add_peer(pub, layout)
+        os.kill(peer.proc.pid, signal.SIGSTOP)  # alive but never progresses: the first READ cannot wire up
+        read_id = t.start_read(name, [0], [0], b"read:x:1", timeout_s=0.5)
+        stop = time.monotonic() + HANG_GUARD_S
+        results = []
+        while not results:
+            assert time.monotonic() < stop
+            results = t.poll().reads
+            time.sleep(0.002)
+        [r] = results
+        assert r.read_id == read_id and not r.ok and r.reason == "timeout"
+        assert t.inflight() == 0
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        t.close()
+
+
+def test_random_aborts_leak_no_blocks_on_either_side(peer):
+    """Bounded soak: 40 handoffs, a third cancelled while in flight and a few never loaded (aborted on the
+    prefill side). Every decode load reports exactly once and the prefill peer ends with zero held blocks."""
+    h = KVHandoff("decode-soak", _pool())
+    rng = random.Random(5)
+    try:
+        pending = {}
+        for i in range(40):
+            remote_ids = rng.sample(range(64), rng.randint(1, 6))
+            rid = f"soak-{i}"
+            epoch = peer.hold(rid, remote_ids)
+            if rng.random() < 0.1:
+                assert peer.ask(op="release", request_id=rid, epoch=epoch)["released"]
+                continue
+            h.start_load(rid, _remote(peer, rid, remote_ids, epoch), rng.sample(range(64), len(remote_ids)))
+            pending[rid] = True
+            if rng.random() < 0.33:
+                h.cancel_load(rid)
+                pending[rid] = False
+            if len(pending) >= 4 or i == 39:
+                outs = _wait_outcomes(h, len(pending))
+                assert sorted(o.request_id for o in outs) == sorted(pending)
+                for o in outs:
+                    assert o.ok == pending[o.request_id], o
+                pending.clear()
+        assert h.loading() == 0
+        _wait_peer(peer, lambda s: s["leases"] == 0 and s["held_blocks"] == 0)
+    finally:
+        h.close()
