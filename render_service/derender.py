@@ -327,15 +327,27 @@ def _logprob(entry: dict[str, Any]) -> float:
 
 
 def _token_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
-    """One token's text; a partial UTF-8 character is repaired with up to 4 preceding sampled ids."""
+    """One token's text, with vLLM's byte-fallback repair.
+
+    A token that decodes to a partial UTF-8 character (ending in U+FFFD) is decoded again after up to 4
+    preceding sampled ids. If that completes the character, the token carries the whole character
+    (the earlier partial tokens' text); if it never completes, the token's text is "".
+    """
     text = tokenizer.decode([token_id], skip_special_tokens=False)
-    if text.endswith("\ufffd") and context:
-        prefix_ids = context[-LOGPROB_CONTEXT_TOKENS:]
-        prefix = tokenizer.decode(prefix_ids, skip_special_tokens=False)
-        full = tokenizer.decode(prefix_ids + [token_id], skip_special_tokens=False)
-        if full.startswith(prefix) and not full.endswith("\ufffd"):
-            text = full[len(prefix):]
-    return text
+    if not text.endswith("\ufffd"):
+        return text
+    for size in range(1, min(len(context), LOGPROB_CONTEXT_TOKENS) + 1):
+        window = context[-size:]
+        full = tokenizer.decode(window + [token_id], skip_special_tokens=False)
+        if full.endswith("\ufffd"):
+            continue
+        clean_end = len(window)
+        while clean_end > 0 and tokenizer.decode([window[clean_end - 1]], skip_special_tokens=False).endswith("\ufffd"):
+            clean_end -= 1
+        prefix = tokenizer.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+    return ""
 
 
 def _resolved_entries(logprobs: Any, tokenizer: Any) -> list[tuple[str, float, list[tuple[str, float]]]] | None:

@@ -174,7 +174,7 @@ def test_logprob_of_a_partial_character_is_repaired_from_context(server, hf):
     r = server.client.post("/v1/chat/completions/derender", json={"generate_response": {
         "request_id": "g", "choices": [{"token_ids": ids, "logprobs": {"content": content}}]}})
     tokens = [e["token"] for e in r.json()["choices"][0]["logprobs"]["content"]]
-    assert tokens[-1] == "🫠" and tokens[0].endswith("\ufffd")
+    assert tokens == ["", "", "🫠"]  # vLLM: partial pieces are "", the completing token carries the character
 
 
 def test_metrics_count_requests_and_latency(server):
