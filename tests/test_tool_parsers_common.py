@@ -182,3 +182,49 @@ def test_every_parser_passes_plain_text_through_any_split(cuts):
         assert parse_chunks(name, split_at(text, cuts)) == whole
         if name not in ("llama3_json", "pythonic"):
             assert whole.content == text
+
+
+REALISTIC = {
+    "hermes": 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "P\\"aris", "n": [1, {"a": "}"}]}}\n</tool_call>',
+    "qwen3_coder": "A<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "qwen3_xml": "<function=get_time>\n</function>",
+    "llama3_json": '<|python_tag|>{"name": "a", "parameters": {"q": "x"}}; {"name": "b", "arguments": "{\\"y\\": 1}"}',
+    "mistral": 'x [TOOL_CALLS] [{"name": "a", "arguments": {"q": 1}}][TOOL_CALLS]b[ARGS]{"y": "}"}',
+    "deepseek_v31": "ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "pythonic": "[f(a='x\\'y', b=[1, (2, 3)], c=\"\"\"t\"\"\"), g()]",
+    "kimi_k2": "r<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|> {\"a\": 1} <|tool_call_end|><|tool_calls_section_end|>",
+}
+
+
+def _mutate(value, draw):
+    if isinstance(value, msgspec.Struct):
+        for field in value.__struct_fields__:
+            setattr(value, field, _mutate(getattr(value, field), draw))
+        return value
+    if not draw(st.booleans()):
+        return value
+    if isinstance(value, bool):
+        return draw(st.booleans())
+    if isinstance(value, int):
+        return draw(st.integers(0, 14))
+    if isinstance(value, str):
+        parts = st.sampled_from(list("\\\"'{}[]()<>=,;:x \n|/") + ["<tool_call>", "</parameter>", "\\u12"])
+        return "".join(draw(st.lists(parts, max_size=6)))
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(REALISTIC)), st.integers(0, 200), st.data())
+def test_forged_state_is_rejected_or_handled_never_crashes(name, cut, data):
+    """stream_state comes from clients: a state that decodes must never make a parser raise."""
+    parser = get_tool_parser(name)(WEATHER_TOOLS)
+    state = parser.initial_state()
+    text = REALISTIC[name]
+    parser.feed(state, text[: cut % (len(text) + 1)])
+    raw = msgspec.to_builtins(_mutate(state, data.draw))
+    try:
+        state = msgspec.convert(raw, type(state))
+    except msgspec.ValidationError:
+        return
+    parser.feed(state, data.draw(st.sampled_from(["", text, text[::-1], "x", "\\", "<", ")]}"])))
+    parser.finish(state)

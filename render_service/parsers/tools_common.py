@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -20,6 +20,19 @@ WHITESPACE = " \t\r\n"
 
 # Names are short; a "name" that keeps growing without its terminator is not a name.
 MAX_NAME_CHARS = 256
+
+# State fields arrive from clients (stream_state): counters and modes are range-checked on decode.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def mode_field(n_modes: int):
+    return Annotated[int, msgspec.Meta(ge=0, lt=n_modes)]
+
+
+def require(condition: bool, what: str) -> None:
+    """Cross-field checks in a state's __post_init__ (msgspec reports them as ValidationError)."""
+    if not condition:
+        raise ValueError(f"inconsistent tool parser state: {what}")
 
 
 class PieceSink:
@@ -103,7 +116,7 @@ class JsonScan(msgspec.Struct):
     """Just enough to know where a JSON value ends: nesting depth and in-string/escape flags."""
 
     started: bool = False
-    depth: int = 0
+    depth: Count = 0
     in_string: bool = False
     escape: bool = False
     primitive: bool = False
@@ -258,7 +271,7 @@ class CallObject(msgspec.Struct):
     """Progress through one call object. The arguments value is streamed as the model's raw text; only the
     name (and arguments that arrive before the name, which is rare) is held."""
 
-    phase: int = OBJ_START
+    phase: Annotated[int, msgspec.Meta(ge=0, le=SKIP)] = OBJ_START
     value_key: str = ""
     name_emitted: bool = False
     args_started: bool = False
@@ -328,7 +341,6 @@ def feed_call_object(
                 i += 1
             elif phase == KEY_OR_END:
                 if c == "}":
-                    obj.phase = DONE
                     if obj.name_emitted and not obj.args_started:
                         _emit_args(obj, sink, index, "{}")
                     return i + 1, DONE
@@ -427,9 +439,9 @@ SEC_CONTENT, SEC_SECTION, SEC_NAME, SEC_ARGS = range(4)
 
 
 class SectionedState(msgspec.Struct):
-    mode: int = SEC_CONTENT
+    mode: Annotated[int, msgspec.Meta(ge=0, le=SEC_ARGS)] = SEC_CONTENT
     held: str = ""
-    calls: int = 0
+    calls: Count = 0
     args_started: bool = False
 
 

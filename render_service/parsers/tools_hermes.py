@@ -20,9 +20,12 @@ from render_service.parsers.tools_common import (
     MORE,
     OBJ_START,
     CallObject,
+    Count,
     PieceSink,
     feed_call_object,
     find_tag,
+    mode_field,
+    require,
 )
 
 START = "<tool_call>"
@@ -33,14 +36,17 @@ CONTENT, CALL, AFTER_CALL = range(3)
 
 
 class HermesState(msgspec.Struct):
-    mode: int = CONTENT
+    mode: mode_field(3) = CONTENT
     held: str = ""
     # calls whose name went out; also the index of the call in progress
-    calls: int = 0
+    calls: Count = 0
     # the current call's text since its start tag, kept only until its name is known so that a call that
     # turns out malformed before anything was emitted can still be returned as content
     raw: str = ""
     call: CallObject | None = None
+
+    def __post_init__(self) -> None:
+        require((self.mode == CALL) == (self.call is not None), "a call object exactly while in a call")
 
 
 def _proper_prefix_of(fragment: str, tags: tuple[str, ...]) -> bool:

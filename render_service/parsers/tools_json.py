@@ -18,8 +18,11 @@ from render_service.parsers.tools_common import (
     MALFORMED,
     MORE,
     CallObject,
+    Count,
     PieceSink,
     feed_call_object,
+    mode_field,
+    require,
     skip_whitespace,
 )
 
@@ -30,12 +33,15 @@ START, OBJECT, SEPARATOR, CONTENT_ONLY, DROP = range(5)
 
 
 class Llama3JsonState(msgspec.Struct):
-    mode: int = START
+    mode: mode_field(5) = START
     held: str = ""
-    calls: int = 0
+    calls: Count = 0
     # leading whitespace, the python tag and the first object's text until its name is known
     raw: str = ""
     call: CallObject | None = None
+
+    def __post_init__(self) -> None:
+        require((self.mode == OBJECT) == (self.call is not None), "a call object exactly while in one")
 
 
 class Llama3JsonToolParser:

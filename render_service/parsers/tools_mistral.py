@@ -19,9 +19,12 @@ from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     MORE,
     CallObject,
+    Count,
     JsonScan,
     PieceSink,
     feed_call_object,
+    mode_field,
+    require,
     find_tag,
     scan_json_value,
     skip_whitespace,
@@ -37,13 +40,17 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 class MistralState(msgspec.Struct):
-    mode: int = CONTENT
+    mode: mode_field(7) = CONTENT
     held: str = ""
-    calls: int = 0
+    calls: Count = 0
     # text since the marker until the first call's name is known
     raw: str = ""
     call: CallObject | None = None
     scan: JsonScan | None = None
+
+    def __post_init__(self) -> None:
+        require((self.mode == OBJECT) == (self.call is not None), "a call object exactly while in one")
+        require((self.mode == V11_ARGS) == (self.scan is not None), "a scan exactly while in arguments")
 
 
 class MistralToolParser:

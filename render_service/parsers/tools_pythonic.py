@@ -12,16 +12,18 @@ from __future__ import annotations
 import ast
 import re
 import unicodedata
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 
 from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
+    Count,
     PieceSink,
     dumps,
     json_string_fragment,
+    mode_field,
     skip_whitespace,
 )
 
@@ -99,18 +101,18 @@ def _string_close(text: str, quote: str) -> int:
 
 
 class PythonicState(msgspec.Struct):
-    mode: int = START
+    mode: mode_field(12) = START
     held: str = ""
-    calls: int = 0
+    calls: Count = 0
     # leading whitespace and "[" until the first call's name is known
     raw: str = ""
-    params: int = 0
+    params: Count = 0
     keyword: str = ""
-    quote: str = ""
+    quote: Literal["", "'", '"'] = ""
     # a non-string literal being collected, and where its scan stands
     value: str = ""
-    depth: int = 0
-    in_quote: str = ""
+    depth: Count = 0
+    in_quote: Literal["", "'", '"', "'''", '"""'] = ""
     escape: bool = False
 
 
@@ -188,6 +190,9 @@ class PythonicToolParser:
                     self._not_calls(state, sink)
             elif mode == NAME:
                 m = _IDENT.match(buf, pos)
+                if m is None:  # only a forged state gets here
+                    self._not_calls(state, sink)
+                    continue
                 if m.end() >= n:
                     if n - pos > MAX_NAME_CHARS:
                         self._not_calls(state, sink)
@@ -214,6 +219,9 @@ class PythonicToolParser:
                     state.mode = DROP  # positional arguments have no JSON form
             elif mode == KEYWORD:
                 m = _KEYWORD.match(buf, pos)
+                if m is None:
+                    state.mode = DROP
+                    continue
                 after = skip_whitespace(buf, m.end())
                 if after >= n:
                     if n - pos > MAX_NAME_CHARS:

@@ -26,10 +26,12 @@ import msgspec
 from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
+    Count,
     PieceSink,
     dumps,
     find_tag,
     json_string_fragment,
+    mode_field,
     skip_whitespace,
     tools_by_name,
 )
@@ -51,13 +53,13 @@ STRUCTURED_PREFIXES = ("object", "array", "dict", "list", "tuple", "arr")
 
 
 class Qwen3CoderState(msgspec.Struct):
-    mode: int = CONTENT
+    mode: mode_field(6) = CONTENT
     held: str = ""
-    calls: int = 0
+    calls: Count = 0
     # text since the opening tag, kept only until the function name is known (see hermes)
     raw: str = ""
     function: str = ""
-    params: int = 0
+    params: Count = 0
     param: str = ""
     # the current value streams as a JSON string (True) or is held whole for conversion (False)
     streaming_value: bool = True
