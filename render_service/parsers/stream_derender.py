@@ -191,6 +191,10 @@ def _open_session(
     cfg = pipeline.config
     if not parser_path:
         return _Session(pipeline, _adopt_vllm_plain(pipeline, vllm, prompt_ids), vllm, incoming)
+    if not vllm.output_token_ids:
+        state = pipeline.initial_state(prompt_ids)
+        state.role_sent = vllm.role_sent
+        return _Session(pipeline, state, vllm, incoming)
     key = history_key(cfg.request_id, cfg.choice_index, binding, vllm.output_token_ids)
     cached = runtime.cache.take(key)
     if cached is not None:
