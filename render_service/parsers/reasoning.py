@@ -38,12 +38,14 @@ class ThinkState(msgspec.Struct):
 
 def _partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``."""
-    longest = max(len(m) for m in markers) - 1
-    for k in range(min(len(text), longest), 0, -1):
-        tail = text[-k:]
-        for m in markers:
-            if m.startswith(tail):
-                return k
+    window = text[-(max(len(m) for m in markers) - 1):]
+    # Only a suffix starting with a marker's first character can match (all our markers start with "<").
+    firsts = {m[0] for m in markers}
+    for i, ch in enumerate(window):
+        if ch in firsts:
+            tail = window[i:]
+            if any(m.startswith(tail) for m in markers):
+                return len(tail)
     return 0
 
 
