@@ -228,3 +228,30 @@ def test_forged_state_is_rejected_or_handled_never_crashes(name, cut, data):
         return
     parser.feed(state, data.draw(st.sampled_from(["", text, text[::-1], "x", "\\", "<", ")]}"])))
     parser.finish(state)
+
+
+# a call opened up to the start of a long argument value, and a chunk of that value to repeat
+LONG_ARGUMENT = {
+    "hermes": ('<tool_call>\n{"name": "write_file", "arguments": {"content": "', 'x } { </tool_call> "" \\" 東 😀 '),
+    "qwen3_coder": ("<tool_call>\n<function=write_file>\n<parameter=content>\n", "x } { </tool_call> </param \n 東 😀 "),
+    "llama3_json": ('{"name": "write_file", "parameters": {"content": "', 'x } { ; \\" 東 😀 '),
+    "mistral": ('[TOOL_CALLS]write_file{"content": "', 'x } { [TOOL_CALLS] \\" 東 😀 '),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>write_file<｜tool▁sep｜>{\"content\": \"", "x } { 東 😀 \n"),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.write_file:0<|tool_call_argument_begin|>{\"content\": \"", "x } { 東 😀 "),
+    "pythonic": ("[write_file(content='", "x } { ) ] \\' 東 😀 \\n"),
+}
+
+
+def test_long_arguments_stream_with_bounded_state():
+    """No parser accumulates argument text: the state stays small and everything fed comes out at once."""
+    for name, (opening, chunk) in LONG_ARGUMENT.items():
+        parser = get_tool_parser(name)(WEATHER_TOOLS)
+        state = parser.initial_state()
+        parser.feed(state, opening)
+        sent = 0
+        for i in range(500):
+            for c in (chunk[: i % len(chunk)], chunk[i % len(chunk) :]):
+                pieces = parser.feed(state, c)
+                sent += sum(len(p.arguments or "") for p in pieces if isinstance(p, ToolCallPiece))
+            assert len(msgspec.msgpack.encode(state)) < 300, name
+        assert sent >= 0.9 * 500 * len(chunk), name  # it all streamed (give or take escaping)
