@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -71,7 +72,8 @@ def resolve_model_dir(model: str | None) -> tuple[str, str]:
     from render_service.default_bundle import default_bundle_dir
 
     directory = default_bundle_dir()
-    return str(directory), Path(directory).name
+    # The cache directory ends in a content hash ("qwen3-tiny-282fb4622aa470de"); serve it as "qwen3-tiny".
+    return str(directory), re.sub(r"-[0-9a-f]{8,}$", "", Path(directory).name)
 
 
 def _uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
