@@ -89,7 +89,7 @@ def build_metadata(
         starts.append(starts[-1] + q_len)
     width = max((len(t) for t in block_tables), default=0) or 1
     padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -98,6 +98,8 @@ def build_metadata(
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
+    meta._host = (starts, list(seq_lens))  # known here: spares the backend a device-to-host sync
+    return meta
 
 
 def allocate_kv_pool(
@@ -137,16 +139,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] -> out [T, heads, head_dim].
 
     Each sequence's new queries attend causally to its full context read from the pool (the layer stores the
     step's K/V first). `sliding_window` (Mistral): a query at position p sees keys at positions > p - window.
+    `k`/`v` (optional, the step's new K/V as stored): a backend may use them directly for fresh prompts.
     """
     if q.device.type == "cuda":
         from token_engine import attention_cuda
 
-        return attention_cuda.paged_attention(q, kv_pool, layer, meta, scale, sliding_window)
+        return attention_cuda.paged_attention(q, kv_pool, layer, meta, scale, sliding_window, k, v)
     return _paged_attention_reference(q, kv_pool, layer, meta, scale, sliding_window)
 
 

@@ -45,7 +45,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(k, v, kv_pool, self.layer_index, meta)
-        out = paged_attention(q, kv_pool, self.layer_index, meta, self.scale, self.sliding_window)
+        out = paged_attention(q, kv_pool, self.layer_index, meta, self.scale, self.sliding_window, k=k, v=v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
