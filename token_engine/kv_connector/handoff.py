@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notification, parse_notification
-from token_engine.kv_connector.metrics import LEASES_EXPIRED, STALE_READS, TransferLog
+from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport
 from token_engine.kv_connector.side_channel import (
     SideChannelError, SideChannelServer, fetch_lease_status, fetch_publication)
@@ -179,10 +179,11 @@ class KVHandoff:
         for load in list(self._loads.values()):
             self._advance(load, out)
         for lease in self.leases.expire():
-            LEASES_EXPIRED.inc()
+            self.stats.metrics.leases_expired.inc()
             log.info("KV lease expired unread: request %s epoch %d (%d blocks freed)",
                      lease.request_id, lease.epoch, len(lease.block_ids))
             out.freed.append(lease)
+        self.stats.metrics.held_blocks.set(self.leases.held_blocks())
         self.stats.maybe_log()
         return out
 
@@ -229,7 +230,7 @@ class KVHandoff:
                 self._fail(load, out, f"could not confirm the lease: {e}", "side_channel")
                 return
             if status == "gone":
-                STALE_READS.inc()
+                self.stats.metrics.stale_reads.inc()
                 self._fail(load, out, "lease ended before the READ completed: blocks may have been recycled",
                            "stale")
                 return

@@ -9,29 +9,44 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger("token_engine.kv_transfer")
 
-XFER_SECONDS = Histogram(
-    "vllm:nixl_xfer_time_seconds", "KV handoff READ time, post to completion",
-    buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
-XFER_BYTES = Histogram(
-    "vllm:nixl_bytes_transferred", "Bytes per KV handoff READ",
-    buckets=tuple(float(1 << k) for k in range(16, 34, 2)))
-XFER_DESCRIPTORS = Histogram(
-    "vllm:nixl_num_descriptors", "NIXL descriptors per KV handoff READ (after merging consecutive blocks)",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 512, 4096))
-XFER_FAILURES = Counter("vllm:nixl_num_failed_transfers", "Failed KV handoffs", ["reason"])
-LEASES_EXPIRED = Counter("splitserve:kv_leases_expired_total", "Prefill leases that expired unread")
-STALE_READS = Counter("splitserve:kv_stale_reads_total",
-                      "Decode READs refused because the lease had ended (blocks may have been recycled)")
+class KVTransferMetrics:
+    """Prometheus metrics of one connector in its own registry (several engines may share a test process);
+    the engine's /metrics appends `render()`."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.xfer_seconds = Histogram(
+            "vllm:nixl_xfer_time_seconds", "KV handoff time, READ posted to lease confirmed",
+            buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r)
+        self.xfer_bytes = Histogram(
+            "vllm:nixl_bytes_transferred", "Bytes per KV handoff READ",
+            buckets=tuple(float(1 << k) for k in range(16, 34, 2)), registry=r)
+        self.xfer_descriptors = Histogram(
+            "vllm:nixl_num_descriptors", "NIXL descriptors per KV handoff READ (after merging consecutive blocks)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 512, 4096), registry=r)
+        self.failures = Counter("vllm:nixl_num_failed_transfers", "Failed KV handoffs", ["reason"], registry=r)
+        self.leases_expired = Counter("splitserve:kv_leases_expired", "Prefill leases that expired unread",
+                                      registry=r)
+        self.stale_reads = Counter(
+            "splitserve:kv_stale_reads", "Decode READs refused because the lease had ended (blocks may be recycled)",
+            registry=r)
+        self.held_blocks = Gauge("splitserve:kv_leased_blocks", "Prefill blocks held for decode under a lease",
+                                 registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class TransferLog:
     """Counts transfers and writes one summary line per interval, only when something happened."""
 
     def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+        self.metrics = KVTransferMetrics()
+        self.totals = {"reads": 0, "failures": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0}
         self.interval_s = interval_s
         self._clock = clock
         self._next = clock() + interval_s
@@ -45,16 +60,23 @@ class TransferLog:
         self.seconds: list[float] = []
 
     def record(self, nbytes: int, descriptors: int, seconds: float) -> None:
-        XFER_SECONDS.observe(seconds)
-        XFER_BYTES.observe(nbytes)
-        XFER_DESCRIPTORS.observe(descriptors)
+        m = self.metrics
+        m.xfer_seconds.observe(seconds)
+        m.xfer_bytes.observe(nbytes)
+        m.xfer_descriptors.observe(descriptors)
+        t = self.totals
+        t["reads"] += 1
+        t["bytes"] += nbytes
+        t["descriptors"] += descriptors
+        t["seconds"] += seconds
         self.count += 1
         self.bytes += nbytes
         self.descriptors += descriptors
         self.seconds.append(seconds)
 
     def record_failure(self, reason: str) -> None:
-        XFER_FAILURES.labels(reason=reason).inc()
+        self.metrics.failures.labels(reason=reason).inc()
+        self.totals["failures"] += 1
         self.failures += 1
 
     def summary(self) -> str:

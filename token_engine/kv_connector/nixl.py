@@ -1,0 +1,203 @@
+"""NixlConnector: prefill/decode disaggregation behind the engine's KV connector seam (base.py).
+
+Prefill (request with kv_transfer_params.do_remote_decode): the engine computes the prompt and samples one
+token; `request_finished` then holds the prompt's blocks under a lease and returns vLLM's keys
+(do_remote_prefill, remote_block_ids, remote_engine_id, remote_request_id, remote_host, remote_port, tp_size,
+remote_num_tokens) plus `remote_lease_epoch`, which decode needs to prove its READ saw these blocks and not
+recycled ones. A caller that forwards the whole object (vLLM's toy proxy does) carries it unchanged.
+
+Decode (request with do_remote_prefill): `get_num_new_matched_tokens` says the peer holds the prompt's KV,
+the scheduler allocates blocks and parks the request, `update_state_after_alloc` starts the READ, and
+`poll()` (every step, ~1 ms while anything is in flight) reports the load as finished or failed; the
+scheduler then applies kv_load_failure_policy. kv_transfer_params are untrusted: anything malformed is a
+failed load (policy "fail": a clear error; "recompute": computed locally).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from token_engine.kv_connector.base import ConnectorEvents
+from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
+from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+
+log = logging.getLogger("token_engine.kv_transfer")
+MAX_REMOTE_BLOCKS = 1 << 20
+
+
+class BadTransferParams(ValueError):
+    pass
+
+
+def _flat_block_ids(value) -> list[int]:
+    """vLLM sends a flat list (old) or one list per KV-cache group (new); we have one group."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        value = value[0]
+    if not isinstance(value, list) or len(value) > MAX_REMOTE_BLOCKS or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+        raise BadTransferParams("remote_block_ids must be a list of non-negative block ids")
+    return value
+
+
+def parse_remote(params: dict, prompt_token_ids: list[int], block_size: int) -> tuple[RemoteKV, int]:
+    """(RemoteKV, remote_num_tokens) from decode-side kv_transfer_params, validated."""
+    def need(key, typ):
+        v = params.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise BadTransferParams(f"kv_transfer_params.{key} missing or not a {typ.__name__}")
+        return v
+
+    blocks = _flat_block_ids(params.get("remote_block_ids"))
+    engine_id, host = need("remote_engine_id", str), need("remote_host", str)
+    port, request_id, epoch = need("remote_port", int), need("remote_request_id", str), need("remote_lease_epoch", int)
+    if not 0 < port < 65536 or not 0 <= epoch < 1 << 63:
+        raise BadTransferParams("kv_transfer_params.remote_port or remote_lease_epoch out of range")
+    if params.get("tp_size", 1) != 1:
+        raise BadTransferParams("only tp_size 1 is supported")
+    num_tokens = params.get("remote_num_tokens", len(prompt_token_ids))
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens <= len(prompt_token_ids):
+        raise BadTransferParams("remote_num_tokens must be between 1 and the prompt length")
+    if len(blocks) != -(-num_tokens // block_size):
+        raise BadTransferParams(f"{len(blocks)} remote blocks cannot hold exactly {num_tokens} tokens")
+    echoed = params.get("prompt_token_ids")
+    if echoed is not None and echoed != prompt_token_ids:
+        raise BadTransferParams("kv_transfer_params.prompt_token_ids differ from the request's prompt")
+    return RemoteKV(engine_id, host, port, request_id, epoch, tuple(blocks)), num_tokens
+
+
+class NixlConnector:
+    def __init__(self, kv_transfer_config: dict, engine_config=None):
+        self.config: NixlConnectorConfig = parse_nixl_config(kv_transfer_config)
+        self.load_failure_policy = self.config.load_failure_policy
+        self.block_size = getattr(engine_config, "block_size", 16)
+        self.handoff: KVHandoff | None = None
+        self._advertised_host = self.config.side_channel_host
+        self._planned: dict[str, tuple[RemoteKV | None, int, str]] = {}  # seq_id -> (remote, num_computed, error)
+        self._failed_now: set[str] = set()  # invalid loads, reported by the next poll()
+        self._lease_epochs: dict[str, int] = {}  # prefill: seq_id -> epoch of its lease
+
+    # -- worker side ------------------------------------------------------------------------------------
+
+    def bind_kv_pool(self, kv_pool, block_size: int) -> None:
+        # The pool already lives on its device, so on GPU the CUDA context exists and the pool is registered
+        # before any remote agent is added (see nixl_transport.py).
+        self.block_size = block_size
+        host = self.config.side_channel_host
+        bind_host = "127.0.0.1" if host == "localhost" else host
+        self.handoff = KVHandoff(
+            self.config.engine_id, kv_pool, lease_duration_s=self.config.lease_duration_s,
+            load_timeout_s=self.config.load_timeout_s, side_channel_host=bind_host,
+            side_channel_port=self.config.side_channel_port, log_interval_s=self.config.log_interval_s)
+        if host in ("0.0.0.0", ""):
+            self._advertised_host = socket.gethostbyname(socket.gethostname())
+        log.info("NixlConnector %s (%s, policy %s): side channel %s:%d, lease %.0f s", self.config.engine_id,
+                 self.config.kv_role, self.load_failure_policy, self._advertised_host,
+                 self.handoff.side_channel.port, self.config.lease_duration_s)
+
+    # -- decode: loading remote KV ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> tuple[int, bool]:
+        params = seq.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            remote, num_tokens = parse_remote(params, seq.prompt_token_ids, self.block_size)
+        except BadTransferParams as e:
+            if self.load_failure_policy == "recompute":
+                log.warning("request %s: %s; recomputing the prompt", seq.seq_id, e)
+                return 0, False
+            # Under "fail" a bad handoff must reach the caller as an error: park it and fail it in poll().
+            self._planned[seq.seq_id] = (None, num_computed_tokens, str(e))
+            return max(1, seq.prompt_len - num_computed_tokens), True
+        external = num_tokens - num_computed_tokens
+        if external <= 0:
+            return 0, False  # the local prefix cache already has all of it
+        self._planned[seq.seq_id] = (remote, num_computed_tokens, "")
+        return external, True
+
+    def update_state_after_alloc(self, seq, block_ids: list[int], num_external_tokens: int) -> None:
+        remote, num_computed, error = self._planned.pop(seq.seq_id, (None, 0, "no remote KV planned"))
+        if remote is None:
+            log.warning("KV load for %s refused: %s", seq.seq_id, error)
+            self._failed_now.add(seq.seq_id)
+            return
+        first = num_computed // self.block_size  # cached blocks are full blocks
+        count = -(-num_external_tokens // self.block_size)
+        remote_ids = list(remote.block_ids[first:first + count])
+        local_ids = block_ids[first:first + count]
+        remote = RemoteKV(remote.engine_id, remote.host, remote.port, remote.request_id, remote.epoch,
+                          tuple(remote_ids))
+        try:
+            self.handoff.start_load(seq.seq_id, remote, local_ids)
+        except Exception as e:  # noqa: BLE001 - any refusal is a failed load, never an engine crash
+            log.warning("KV load for %s refused: %s", seq.seq_id, e)
+            self._failed_now.add(seq.seq_id)
+
+    # -- prefill: holding KV for a remote decode --------------------------------------------------------
+
+    def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._planned.pop(seq.seq_id, None)
+        params = seq.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            seq.kv_transfer_params = None  # consumed: never echo a peer's block ids back to the caller
+            return False, None
+        if not params.get("do_remote_decode") or seq.finish_reason in ("abort", "error"):
+            return False, None
+        num_tokens = min(seq.num_computed_tokens, seq.prompt_len)
+        if num_tokens <= 0:
+            return False, None
+        held = block_ids[:-(-num_tokens // self.block_size)]
+        lease = self.handoff.hold(seq.seq_id, held)
+        self._lease_epochs[seq.seq_id] = lease.epoch
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": held,
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": seq.seq_id,
+            "remote_host": self._advertised_host,
+            "remote_port": self.handoff.side_channel.port,
+            "tp_size": 1,
+            "remote_num_tokens": num_tokens,
+            "remote_lease_epoch": lease.epoch,
+        }
+
+    # -- progress ---------------------------------------------------------------------------------------
+
+    def poll(self) -> ConnectorEvents:
+        events = ConnectorEvents()
+        events.failed_recving |= self._failed_now
+        self._failed_now = set()
+        if self.handoff is None:
+            return events
+        polled = self.handoff.poll()
+        for lease in polled.freed:
+            if self._lease_epochs.get(lease.request_id) == lease.epoch:
+                del self._lease_epochs[lease.request_id]
+                events.finished_sending.add(lease.request_id)
+        for outcome in polled.loads:
+            (events.finished_recving if outcome.ok else events.failed_recving).add(outcome.request_id)
+        return events
+
+    def has_inflight_transfers(self) -> bool:
+        return bool(self._failed_now) or (self.handoff is not None and self.handoff.busy())
+
+    def stats(self) -> dict[str, float]:
+        if self.handoff is None:
+            return {}
+        t = self.handoff.stats.totals
+        return {"kv_transfer_reads": t["reads"], "kv_transfer_failures": t["failures"],
+                "kv_transfer_bytes": t["bytes"], "kv_transfer_descriptors": t["descriptors"],
+                "kv_transfer_seconds": t["seconds"], "kv_leased_blocks": self.handoff.leases.held_blocks(),
+                "kv_leases": len(self.handoff.leases)}
+
+    def render_metrics(self) -> bytes:
+        return self.handoff.stats.metrics.render() if self.handoff is not None else b""
+
+    def shutdown(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
+            self.handoff = None
