@@ -283,7 +283,10 @@ async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.server
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(state.engine.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    eng = state.engine.engine
+    connector_metrics = getattr(eng.connector, "render_metrics", None)  # KV transfer metrics (P/D), if any
+    body = eng.metrics.render() + (connector_metrics() if connector_metrics else b"")
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 async def version(request: Request) -> Response:
