@@ -541,7 +541,16 @@ class TextTokenizer:
                    sha256=hashlib.sha256(data).hexdigest(), fast=fast)
 
     def encode(self, text: str) -> list[int]:
-        """Token IDs of ``text`` with no BOS/EOS added (chat templates write their own)."""
+        """Token IDs of ``text`` with no BOS/EOS added (chat templates write their own).
+
+        Text with lone surrogates (not Unicode) raises ValueError on both paths: tokenizers refuses it,
+        tiktoken would quietly replace it.
+        """
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"text is not valid Unicode (lone surrogate at index {exc.start})") from None
         if self._fast is not None:
             return self._fast.encode(text)
         return self._hf_encode(text)

@@ -139,6 +139,14 @@ def test_long_nonrepetitive_text_matches(qwen, qwen_reference):
     assert qwen.encode(text) == reference_ids(qwen_reference, text)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_lone_surrogates_are_rejected_on_both_paths(fast, qwen):
+    tok = qwen if fast else TextTokenizer(qwen.hf, qwen.special_token_ids, fast=False)
+    assert tok.fast_path is fast
+    with pytest.raises(ValueError, match="surrogate"):
+        tok.encode("ok \ud800 not ok")
+
+
 def test_token_bytes_reassemble_the_utf8_text(qwen):
     text = "Grüße 😀 中文 <think>x</think> \u0301"
     ids = qwen.encode(text)
