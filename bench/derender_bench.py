@@ -1,0 +1,382 @@
+"""Streaming derender benchmark: our render server vs vLLM 0.32's render server, side by side in one run.
+
+Each stream is an N-token output (reasoning, ``</think>``, content, one ``<tool_call>``, ``<|im_end|>``)
+built with the real Qwen3 tokenizer, fed one token per call to ``POST /v1/chat/completions/derender``
+(stream=true) with the qwen3 reasoning parser and the hermes tool parser, echoing ``stream_state`` the
+way a client does. Per stream we record the server's CPU time (utime+stime of the server process tree
+from /proc, so the load of other processes on the machine does not count), the bytes the client
+uploaded, the first and last request sizes, and check the reassembled stream against the same server's
+batch derender. The growth exponent is the least-squares slope of log(server CPU) over log(N).
+
+Also measured in-process (no HTTP): the pipeline's CPU per token, and the streaming derender handler's
+CPU per chunk.
+
+    .venv/bin/python -m bench.derender_bench --tokens 500,1000,2000,4000 --vllm-tokens 500,1000,2000
+
+vLLM is started with /work/shared/peers/vllm-render/start.sh from ``--vllm-venv`` (bench/.peers/vllm);
+``--vllm-tokens ""`` skips it. vLLM points not measured are extrapolated with its measured exponent and
+marked ``"extrapolated": true``. Results: bench/results/derender_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN = Path("/work/shared/fixtures/qwen3-0.6b")
+PEER = Path("/work/shared/peers/vllm-render")
+MODEL = "qwen3-0.6b"
+CLK = os.sysconf("SC_CLK_TCK")
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "note": {"type": "string"}}, "required": ["city"]}}},
+]
+REASONING = ("I need the weather for Seoul, so the get_weather tool is the right call; I will pass the city "
+             "and the unit and then summarise humidity, wind and rain chances in plain words. ")
+CONTENT = ("The forecast for Seoul: clear skies in the morning, clouds after noon, 21°C at the warmest and "
+           "a light north-west breeze. Rain is unlikely before Friday. ")
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime+stime of ``pid`` and its live descendants, in seconds."""
+    parents: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        stats[int(entry)] = fields
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats:
+            total += int(stats[p][11]) + int(stats[p][12])
+        todo.extend(parents.get(p, []))
+    return total / CLK
+
+
+def fit_exponent(ns: list[int], ys: list[float]) -> float:
+    xs = [math.log(n) for n in ns]
+    ls = [math.log(max(y, 1e-9)) for y in ys]
+    mx, my = sum(xs) / len(xs), sum(ls) / len(ls)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ls)) / sum((x - mx) ** 2 for x in xs)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen | None, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"server at {base} exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"server at {base} not healthy after {timeout_s}s")
+
+
+def pid_of_port(port: int) -> int | None:
+    """The process listening on 127.0.0.1:port (vLLM's start.sh prints a wrapper's pid)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        parts = line.split()
+        if parts[1].endswith(f":{port:04X}") and parts[3] == "0A":
+            inode = parts[9]
+            break
+    if inode is None:
+        return None
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                if os.readlink(f"/proc/{entry}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(entry)
+        except OSError:
+            continue
+    return None
+
+
+class Server:
+    def __init__(self, name: str, base: str, pid: int, proc: subprocess.Popen | None):
+        self.name, self.base, self.pid, self.proc = name, base, pid, proc
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, 15)
+        except ProcessLookupError:
+            pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_ours() -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "render_service.cli", "serve", str(QWEN), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning",
+           "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, proc)
+    return Server("splitserve", base, proc.pid, proc)
+
+
+def start_vllm(venv: Path, log: Path) -> Server:
+    port = free_port()
+    out = subprocess.run(["bash", str(PEER / "start.sh"), str(venv), str(QWEN), str(port), "parsers", str(log)],
+                         check=True, capture_output=True, text=True)
+    wrapper = int(out.stdout.strip().split()[-1])
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, None, timeout_s=600)
+    pid = pid_of_port(port) or wrapper
+    return Server("vllm-0.32", base, pid, None)
+
+
+# ------------------------------------------------------------------------------------- workload
+
+
+def build_output(tok, n: int) -> list[int]:
+    """N token ids: <think> reasoning </think> content <tool_call>{...}</tool_call> <|im_end|>."""
+    call = {"name": "get_weather", "arguments": {"city": "Seoul", "unit": "celsius", "note": "umbrella 🌧"}}
+    head = tok.encode("<think>\n")
+    mid = tok.encode("\n</think>\n\n")
+    tail = tok.encode("\n<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>")
+    budget = n - len(head) - len(mid) - len(tail) - 1
+    reasoning = tok.encode(REASONING * (budget // 20 + 2))[: budget // 2]
+    content = tok.encode(CONTENT * (budget // 20 + 2))[: budget - len(reasoning)]
+    ids = head + reasoning + mid + content + tail + [tok.token_to_id("<|im_end|>")]
+    assert len(ids) == n, (len(ids), n)
+    return ids
+
+
+def run_stream(client: httpx.Client, server: Server, ids: list[int], prompt_ids: list[int], chat: dict,
+               request_id: str) -> dict:
+    state = None
+    reasoning, content, args, names = [], [], [], []
+    finish = None
+    sent = 0
+    sizes = []
+    cpu0, wall0 = tree_cpu_s(server.pid), time.perf_counter()
+    for k, t in enumerate(ids):
+        last = k == len(ids) - 1
+        body = {"stream": True, "model": MODEL, "stream_state": state, "prompt_tokens": len(prompt_ids),
+                "prompt_token_ids": prompt_ids, "chat_request": chat,
+                "generate_chunk": {"request_id": request_id, "choices": [
+                    {"index": 0, "token_ids": [t], "finish_reason": "stop" if last else None}]}}
+        payload = json.dumps(body).encode()
+        sent += len(payload)
+        sizes.append(len(payload))
+        r = client.post("/v1/chat/completions/derender", content=payload, headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise SystemExit(f"{server.name} step {k}: HTTP {r.status_code} {r.text[:300]}")
+        out = r.json()
+        state = out["stream_state"]
+        for ch in out["chunk"]["choices"]:
+            d = ch.get("delta") or {}
+            reasoning.append(d.get("reasoning") or d.get("reasoning_content") or "")
+            content.append(d.get("content") or "")
+            for tc in d.get("tool_calls") or []:
+                fn = tc.get("function") or {}
+                if fn.get("name"):
+                    names.append(fn["name"])
+                args.append(fn.get("arguments") or "")
+            finish = ch.get("finish_reason") or finish
+    cpu1, wall1 = tree_cpu_s(server.pid), time.perf_counter()
+    batch = client.post("/v1/chat/completions/derender", json={
+        "model": MODEL, "chat_request": chat, "prompt_tokens": len(prompt_ids), "prompt_token_ids": prompt_ids,
+        "generate_response": {"request_id": request_id, "choices": [
+            {"index": 0, "finish_reason": "stop", "token_ids": ids}]}}).json()["choices"][0]["message"]
+    streamed_args = "".join(args)
+    batch_calls = batch.get("tool_calls") or []
+    return {
+        "tokens": len(ids),
+        "server_cpu_s": round(cpu1 - cpu0, 4),
+        "server_cpu_ms_per_chunk": round(1e3 * (cpu1 - cpu0) / len(ids), 4),
+        "wall_s": round(wall1 - wall0, 3),
+        "bytes_uploaded": sent,
+        "first_request_bytes": sizes[0],
+        "last_request_bytes": sizes[-1],
+        "last_state_bytes": len(json.dumps(state)),
+        "finish_reason": finish,
+        "matches_batch": {
+            "reasoning": "".join(reasoning) == (batch.get("reasoning") or batch.get("reasoning_content") or ""),
+            "content": "".join(content) == (batch.get("content") or ""),
+            "tool_call": bool(batch_calls) and names == [c["function"]["name"] for c in batch_calls]
+            and json.loads(streamed_args) == json.loads(batch_calls[0]["function"]["arguments"]),
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------- in-process
+
+
+def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
+    import msgspec
+
+    from render_service.parsers.pipeline import Pipeline
+    from render_service.parsers.stream_derender import StreamRuntime, derender_chat_stream
+    from render_service.derender import pipeline_config
+    from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
+    from render_service.render import load_render_config
+
+    config = load_render_config(str(QWEN), served_model_names=[MODEL], reasoning_parser="qwen3",
+                                tool_call_parser="hermes", enable_auto_tool_choice=True)
+    pcfg = pipeline_config(config, msgspec.convert(chat, ChatCompletionRequest), request_id="inproc", choice_index=0)
+    pipeline = Pipeline(config.tokenizer, pcfg)
+    best = float("inf")
+    for _ in range(3):
+        state = pipeline.initial_state(prompt_ids)
+        t0 = time.process_time()
+        for t in ids:
+            pipeline.feed(state, [t])
+        pipeline.finish(state)
+        best = min(best, time.process_time() - t0)
+    # the streaming derender handler without HTTP: decode request, restore state, feed, encode answer
+    runtime = StreamRuntime()
+    decoder = msgspec.json.Decoder(DerenderChatStreamRequest)
+    encoder = msgspec.json.Encoder()
+    state = None
+    t0 = time.process_time()
+    for k, t in enumerate(ids):
+        body = encoder.encode({"stream": True, "model": MODEL, "stream_state": state, "prompt_tokens": len(prompt_ids),
+                               "prompt_token_ids": prompt_ids, "chat_request": chat, "generate_chunk": {
+                                   "request_id": "inproc", "choices": [{"index": 0, "token_ids": [t],
+                                                                        "finish_reason": None}]}})
+        out = derender_chat_stream(decoder.decode(body), config, runtime)
+        encoded = encoder.encode(out)
+        state = out.stream_state
+    handler = time.process_time() - t0
+    return {"tokens": len(ids), "pipeline_us_per_token": round(1e6 * best / len(ids), 2),
+            "handler_us_per_chunk_incl_json": round(1e6 * handler / len(ids), 2),
+            "answer_bytes_last": len(encoded)}
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def summarise(points: list[dict]) -> dict:
+    ns = [p["tokens"] for p in points]
+    out = {"points": points}
+    if len(points) >= 2:
+        out["server_cpu_exponent"] = round(fit_exponent(ns, [p["server_cpu_s"] for p in points]), 3)
+        out["bytes_exponent"] = round(fit_exponent(ns, [p["bytes_uploaded"] for p in points]), 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="500,1000,2000,4000")
+    ap.add_argument("--vllm-tokens", default="500,1000,2000", help='comma list; "" skips vLLM')
+    ap.add_argument("--vllm-venv", default=str(ROOT / "bench/.peers/vllm"))
+    ap.add_argument("--out", default=str(ROOT / "bench/results/derender_bench.json"))
+    a = ap.parse_args(argv)
+    ns = [int(x) for x in a.tokens.split(",") if x]
+    vllm_ns = [int(x) for x in a.vllm_tokens.split(",") if x]
+
+    from render_service.bundle import load_bundle
+
+    tok = load_bundle(QWEN).tokenizer
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Seoul? Use the tool."}],
+            "tools": TOOLS}
+    outputs = {n: build_output(tok, n) for n in sorted(set(ns) | set(vllm_ns))}
+    result: dict = {"command": " ".join([sys.executable, "-m", "bench.derender_bench", *(argv or sys.argv[1:])]),
+                    "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                "loadavg_at_start": os.getloadavg()},
+                    "chunking": "1 token per call", "parsers": "qwen3 + hermes"}
+    servers: list[Server] = []
+    try:
+        ours = start_ours()
+        servers.append(ours)
+        with httpx.Client(base_url=ours.base, timeout=120.0) as client:
+            prompt_ids = client.post("/v1/chat/completions/render", json=chat).json()["token_ids"]
+            result["prompt_tokens"] = len(prompt_ids)
+            run_stream(client, ours, outputs[ns[0]][:50], prompt_ids, chat, "warmup")
+            points = []
+            for n in ns:
+                p = run_stream(client, ours, outputs[n], prompt_ids, chat, f"ours-{n}")
+                print("splitserve", json.dumps(p), flush=True)
+                points.append(p)
+            result["splitserve"] = summarise(points)
+        ours.stop()
+        servers.remove(ours)
+        if vllm_ns:
+            log = ROOT / "bench/results/vllm-render.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            vllm = start_vllm(Path(a.vllm_venv), log)
+            servers.append(vllm)
+            with httpx.Client(base_url=vllm.base, timeout=600.0) as client:
+                run_stream(client, vllm, outputs[vllm_ns[0]][:50], prompt_ids, chat, "warmup")
+                points = []
+                for n in vllm_ns:
+                    p = run_stream(client, vllm, outputs[n], prompt_ids, chat, f"vllm-{n}")
+                    print("vllm", json.dumps(p), flush=True)
+                    points.append(p)
+                result["vllm"] = summarise(points)
+    finally:
+        for s in servers:
+            s.stop()
+    result["in_process"] = in_process(tok, outputs[max(ns)], prompt_ids, chat)
+    # comparison at each N; vLLM points not measured are extrapolated with vLLM's measured exponent
+    if "vllm" in result:
+        vp = {p["tokens"]: p for p in result["vllm"]["points"]}
+        exp = result["vllm"].get("server_cpu_exponent")
+        ref_n = max(vp)
+        rows = []
+        for p in result["splitserve"]["points"]:
+            n = p["tokens"]
+            if n in vp:
+                v_cpu, v_bytes, extrapolated = vp[n]["server_cpu_s"], vp[n]["bytes_uploaded"], False
+            elif exp is not None:
+                v_cpu = vp[ref_n]["server_cpu_s"] * (n / ref_n) ** exp
+                v_bytes = vp[ref_n]["bytes_uploaded"] * (n / ref_n) ** result["vllm"]["bytes_exponent"]
+                extrapolated = True
+            else:
+                continue
+            rows.append({"tokens": n, "splitserve_cpu_s": p["server_cpu_s"], "vllm_cpu_s": round(v_cpu, 3),
+                         "cpu_ratio_vllm_over_ours": round(v_cpu / max(p["server_cpu_s"], 1e-9), 1),
+                         "splitserve_bytes": p["bytes_uploaded"], "vllm_bytes": int(v_bytes),
+                         "vllm_extrapolated": extrapolated})
+        result["comparison"] = rows
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k in ("comparison", "in_process")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
