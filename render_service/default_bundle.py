@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -241,17 +242,34 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
+def _remove_abandoned_builds(final: Path, older_than_s: float = 3600) -> None:
+    # A build killed mid-way leaves its temporary directory; no live build takes an hour.
+    now = time.time()
+    for leftover in final.parent.glob(f".{final.name}.*"):
+        try:
+            if now - leftover.stat().st_mtime > older_than_s:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def default_bundle_dir(with_weights: bool = False) -> Path:
-    """The cached default bundle's directory, built first if needed (a few seconds once)."""
+    """The cached default bundle's directory, built first if needed (a few seconds, once)."""
     tiktoken_bytes = qwen_tiktoken_bytes()
     chat_template, _ = chat_template_source()
     suffix = "-weights" if with_weights else ""
-    final = cache_root() / "bundles" / f"{BUNDLE_NAME}{suffix}-{_content_key(tiktoken_bytes, chat_template, with_weights)}"
+    key = _content_key(tiktoken_bytes, chat_template, with_weights)
+    final = cache_root() / "bundles" / f"{BUNDLE_NAME}{suffix}-{key}"
     if final.is_dir():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would follow the bundle into place
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_builds(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would follow the bundle into place
+    except OSError as exc:
+        raise BundleBuildError(f"cannot write the bundle cache {final.parent} ({exc}); "
+                               "point SPLITSERVE_CACHE at a writable directory") from exc
     try:
         if with_weights:
             base = default_bundle_dir(with_weights=False)

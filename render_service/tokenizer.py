@@ -444,6 +444,10 @@ def self_check_corpus(added_tokens: Iterable[str] = ()) -> list[str]:
         "<think>\u0338 >\u0338 <\u0338 =\u0338",  # a combining mark right after an added token
         "ZWJ\u200dZWNJ\u200cBOM\ufeffLRM\u200eRLM\u200f SHY\u00ad",
         "control \x00\x01\x07\x1b[31m\x7f\x85 end",
+        # Every White_Space character between letters and digits (regex engines disagree on some).
+        "".join(f"a{c}b{c}1{c}{c}\n" for c in "\t\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u180e\u2000\u2001"
+                "\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u200b\u2028\u2029\u202f\u205f"
+                "\u3000\ufeff"),
         "Mixed123abc ABC123 a1b2c3 __init__ self.x_y camelCase snake_case kebab-case",
         "URLs https://example.com/a?b=c&d=e#f and emails someone@example.org",
     ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from render_service.bundle import BundleError, derive_max_model_len, load_bundle
-from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, default_bundle_dir
+from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildError, default_bundle_dir
 from render_service.tokenizer import byte_level_bpe_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,6 +253,14 @@ def test_corrupt_files_are_bundle_errors(tiny_dir, name, content):
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(BundleError, match=name.split(".")[0]):
         load_bundle(tiny_dir)
+
+
+def test_unwritable_cache_is_a_clear_build_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(blocker))
+    with pytest.raises(BundleBuildError, match="SPLITSERVE_CACHE"):
+        default_bundle_dir()
 
 
 def test_builder_does_not_read_the_fixture():
