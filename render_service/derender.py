@@ -185,7 +185,9 @@ def pipeline_config(
         tools=_tool_specs(chat_request.tools),
         tool_choice=tool_choice,
         named_function=named,
-        enable_thinking=bool(kwargs.get("enable_thinking", True)),
+        # each reasoning parser reads its own switch (qwen3: enable_thinking; deepseek_v3: thinking)
+        enable_thinking=(config.reasoning_parser_cls.enable_thinking_from(kwargs)
+                         if config.reasoning_parser_cls is not None else bool(kwargs.get("enable_thinking", True))),
         include_reasoning=chat_request.include_reasoning,
         parallel_tool_calls=chat_request.parallel_tool_calls is not False,
         # Parsers see special tokens: markers such as <think> or <tool_call> may be special.
