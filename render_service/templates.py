@@ -394,6 +394,8 @@ def _prepare_message(message: Mapping[str, Any], index: int, content_format: str
     if not isinstance(role, str) or not role:
         raise TemplateError(f"messages[{index}].role must be a non-empty string")
     texts = _content_texts(message.get("content"), index)
+    if role == "system":
+        texts = _without_billing_header(texts)
     if content_format == "string":
         prepared: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
     else:
@@ -419,6 +421,10 @@ def _prepare_message(message: Mapping[str, Any], index: int, content_format: str
             prepared["content"] = "\n".join(texts)
     if isinstance(message.get("name"), str):
         prepared["name"] = message["name"]
+    if isinstance(message.get("task"), str):
+        prepared["task"] = message["task"]
+    if role == "developer":
+        prepared["tools"] = message.get("tools")
     return prepared
 
 
@@ -451,35 +457,57 @@ def _content_texts(content: Any, index: int) -> list[str]:
     return texts
 
 
+_CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(texts: list[str]) -> list[str]:
+    # vLLM 0.32 drops Claude Code's per-request attribution line from system text: it changes on
+    # every request and would defeat prefix caching.
+    out = []
+    for text in texts:
+        if text.startswith(_CLAUDE_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        out.append(text)
+    return out
+
+
 def _prepare_tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
     if not isinstance(tool_calls, (list, tuple)):
         raise TemplateError(f"messages[{index}].tool_calls must be a list")
     prepared = []
     for call in tool_calls:
-        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
-            raise TemplateError(f"messages[{index}].tool_calls entries need a 'function' object")
+        if not isinstance(call, Mapping):
+            raise TemplateError(f"messages[{index}]: assistant tool_calls entries must be objects.")
+        if call.get("type", "function") != "function" or not isinstance(call.get("function"), Mapping):
+            raise TemplateError(f"messages[{index}]: chat completions only support assistant tool_calls of type "
+                                "'function'.")
         function = dict(call["function"])
         if not isinstance(function.get("name"), str):
             raise TemplateError(f"messages[{index}].tool_calls[].function.name must be a string")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            # Templates expect a mapping (HF's convention); vLLM turns unparsable text into {}.
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = {}
-        elif not isinstance(arguments, (dict, list)):
-            arguments = {}
-        function["arguments"] = arguments
+        function["arguments"] = _arguments_mapping(function.get("arguments"))
         prepared.append({**call, "function": function})
     return prepared
 
 
-def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
-    """OpenAI tool declarations -> what the template receives, in vLLM's shape.
+def _arguments_mapping(arguments: Any) -> dict:
+    # Templates expect a mapping (HF's convention). As vLLM 0.32 does, anything that is not a JSON
+    # object (empty, malformed, an array, a number) becomes {} so that the conversation can go on.
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict) and arguments else {}
 
-    vLLM hands templates ``tool.model_dump()``: declared fields first (``type``; ``name``,
-    ``description``, ``parameters`` with None where absent), then any extra keys in request order.
+
+def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI tool declarations -> what the template receives, in vLLM 0.32's shape.
+
+    vLLM hands templates ``tool.model_dump()``: ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` with None where absent, ``strict``/``defer_loading`` only when
+    given, other keys dropped.
     """
     if openai_tools is None:
         return None
@@ -500,9 +528,15 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
             raise TemplateError(f"tools[{index}].function.parameters must be an object")
         fn = {"name": function["name"], "description": function.get("description"),
               "parameters": function.get("parameters")}
-        fn.update((k, v) for k, v in function.items() if k not in fn)
-        entry = {"type": "function", "function": fn}
-        entry.update((k, v) for k, v in tool.items() if k not in entry)
+        defer_loading = function.get("defer_loading", tool.get("defer_loading"))
+        for key, value in (("strict", function.get("strict")), ("defer_loading", defer_loading)):
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise TemplateError(f"tools[{index}].function.{key} must be a boolean")
+                fn[key] = value
+        entry: dict[str, Any] = {"type": "function", "function": fn}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
         prepared.append(entry)
     return prepared
 
