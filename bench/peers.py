@@ -1,0 +1,157 @@
+"""Reference peers for benchmarks: vLLM 0.32's render server, installed and started from the shared recipe.
+
+The recipe (install.sh, start.sh, vllm_cpu_cli.py) lives in ``$SPLITSERVE_VLLM_PEER_DIR`` (default
+/work/shared/peers/vllm-render); vLLM is installed into ``bench/.peers/vllm`` (gitignored, ~3.4 GB,
+about 2 minutes). Also: helpers to start our own server and to read a process tree's CPU time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PEERS_DIR = REPO / "bench" / ".peers"
+VLLM_VENV = PEERS_DIR / "vllm"
+PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", "/work/shared/peers/vllm-render"))
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_installed(venv: Path = VLLM_VENV) -> bool:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return False
+    return subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+
+
+def install_vllm(venv: Path = VLLM_VENV) -> None:
+    """Run the shared install.sh into ``venv`` unless vLLM is already importable there."""
+    if vllm_installed(venv):
+        return
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["bash", str(PEER_RECIPE / "install.sh"), str(venv)], check=True)
+
+
+def start_vllm(model_dir: str | Path, port: int, *, parsers: bool = True, venv: Path = VLLM_VENV,
+               log: Path | None = None) -> int:
+    """Start vLLM's render server with the shared start.sh; returns its pid."""
+    log = log or PEERS_DIR / f"vllm-render-{port}.log"
+    out = subprocess.run(
+        ["bash", str(PEER_RECIPE / "start.sh"), str(venv), str(model_dir), str(port),
+         "parsers" if parsers else "noparsers", str(log)],
+        check=True, capture_output=True, text=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, workers: int = 2,
+               served_model_name: str = "qwen3-0.6b", log: Path | None = None) -> subprocess.Popen:
+    """Start ``render-service serve`` with the same flags vLLM's start.sh uses."""
+    log = log or PEERS_DIR / f"ours-render-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    flags = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"] if parsers else []
+    cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model_dir), "--served-model-name",
+           served_model_name, "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
+           "--log-level", "warning", *flags]
+    with open(log, "wb") as handle:
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def wait_healthy(base_url: str, pid: int, timeout_s: float = 600.0) -> float:
+    """Seconds until GET /health answers 200; raises if the process dies or the deadline passes."""
+    started = time.monotonic()
+    with httpx.Client(base_url=base_url, timeout=5) as client:
+        while time.monotonic() - started < timeout_s:
+            if not Path(f"/proc/{pid}").exists():
+                raise RuntimeError(f"server pid {pid} exited before becoming healthy")
+            try:
+                if client.get("/health").status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"{base_url} not healthy after {timeout_s:.0f}s")
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, utime+stime ticks) for every live process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
+
+
+def tree_pids(pid: int) -> list[int]:
+    table = _process_table()
+    out, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        if p in table:
+            out.append(p)
+            stack.extend(c for c, (ppid, _) in table.items() if ppid == p)
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime+stime of ``pid`` and its live descendants (what the server burned so far)."""
+    table = _process_table()
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        if p in table:
+            total += table[p][1]
+            stack.extend(c for c, (ppid, _) in table.items() if ppid == p)
+    return total / CLOCK_TICKS
+
+
+def stop_tree(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGTERM the process and its descendants, then SIGKILL what is left after ``timeout_s``."""
+    pids = tree_pids(pid)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in pids):
+        time.sleep(0.1)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] == "Z"
+    except OSError:
+        return True
+
+
+if __name__ == "__main__":
+    install_vllm()
+    print(f"vLLM installed in {VLLM_VENV}")
