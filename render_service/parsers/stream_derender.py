@@ -27,6 +27,7 @@ from render_service.derender import (
 )
 from render_service.errors import ApiError, bad_request
 from render_service.parsers.detokenizer import byte_level_token_bytes, _bytes_to_unicode
+from render_service.parsers.openai_stream import merge_deltas as _merge
 from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, PipelineState
 from render_service.protocol import (
     ChatCompletionStreamChoice,
@@ -266,31 +267,6 @@ def _usage(chunk: GenerateStreamResponse, prompt_tokens: int | None) -> UsageInf
     prompt = prompt_tokens if prompt_tokens is not None else u.prompt_tokens
     completion = u.completion_tokens or 0
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _merge(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:
-    if b.is_empty():
-        return a
-    if a.is_empty():
-        return b
-    calls = list(a.tool_calls)
-    for tc in b.tool_calls:
-        prev = next((c for c in calls if c["index"] == tc["index"]), None)
-        if prev is None:
-            calls.append(tc)
-            continue
-        if "id" in tc:
-            prev["id"], prev["type"] = tc["id"], "function"
-        fn = tc.get("function", {})
-        if fn.get("name") is not None:
-            prev["function"]["name"] = fn["name"]
-        if fn.get("arguments") is not None:
-            prev["function"]["arguments"] = prev["function"].get("arguments", "") + fn["arguments"]
-    return ChoiceDelta(
-        content=(a.content or "") + b.content if b.content is not None else a.content,
-        reasoning=(a.reasoning or "") + b.reasoning if b.reasoning is not None else a.reasoning,
-        tool_calls=calls,
-    )
 
 
 def _step(session: _Session, ids: list[int], finish_reason: str | None) -> ChoiceDelta:
