@@ -22,7 +22,8 @@ from render_service.protocol import (
 )
 from render_service.templates import ChatTemplate, TemplateError, prepare_messages
 
-# vLLM's RequestOutputKind.FINAL_ONLY: render always writes it, the generate server overwrites it.
+# vLLM's RequestOutputKind: DELTA for streaming requests, else FINAL_ONLY (the generate server overwrites it).
+OUTPUT_KIND_DELTA = 1
 OUTPUT_KIND_FINAL_ONLY = 2
 # vLLM's VLLM_MAX_N_SEQUENCES default.
 MAX_N = 16384
@@ -110,6 +111,8 @@ def check_model(model: str | None, config: RenderConfig) -> str:
 
 
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if req.use_beam_search:
         raise bad_request("Beam search is not supported by the render endpoint", "use_beam_search")
     if req.n is not None and not 1 <= req.n <= MAX_N:
@@ -248,12 +251,14 @@ def build_sampling_params(
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        output_kind=OUTPUT_KIND_FINAL_ONLY,
+        output_kind=OUTPUT_KIND_DELTA if req.stream else OUTPUT_KIND_FINAL_ONLY,
         skip_clone=True,
         output_text_buffer_length=buffer,
         structured_outputs=structured_outputs,
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids or None,
+        # vLLM hands kv_transfer_params to the KV connector through extra_args.
+        extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
         bad_words=list(req.bad_words or []),
         skip_reading_prefix_cache=False,
     )

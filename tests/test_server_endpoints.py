@@ -67,6 +67,16 @@ def test_stream_flags_and_output_kind(server):
         **CHAT, "stream": True, "stream_options": {"include_usage": True}}).json()
     assert streamed["stream"] is True
     assert streamed["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    assert streamed["sampling_params"]["output_kind"] == 1  # vLLM: DELTA when streaming
+    r = server.client.post("/v1/chat/completions/render", json={**CHAT, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_kv_transfer_params_travel_in_extra_args(server):
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    body = server.client.post("/v1/chat/completions/render", json={**CHAT, "kv_transfer_params": params}).json()
+    assert body["sampling_params"]["extra_args"] == {"kv_transfer_params": params}
+    assert body["kv_transfer_params"] is None  # vLLM does not copy it to the top level on the chat path
 
 
 def test_sampling_params_follow_the_request_over_generation_config(server):
