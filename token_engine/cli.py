@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     s.add_argument("--max-logprobs", type=int, default=20)
     s.add_argument("--enable-prompt-tokens-details", action="store_true")
     s.add_argument("--generate-logprobs-format", choices=["ids", "token_id_strings"], default="ids",
@@ -87,6 +88,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
         kv_transfer_config=args.kv_transfer_config,
     )

@@ -28,6 +28,7 @@ from token_engine.validation import EngineLimits
 log = logging.getLogger("token_engine")
 
 CPU_KV_CACHE_MAX_BYTES = 4 << 30  # as vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
+CUDA_ACTIVATION_RESERVE_BYTES = 2 << 30  # activations, logits and decode graphs live outside the KV pool
 
 
 @dataclass
@@ -46,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    enforce_eager: bool = False  # CUDA: no decode graphs
     kv_transfer_config: dict | None = None
 
     @property
@@ -90,7 +92,7 @@ def decide_num_blocks(config: EngineConfig, arch, max_model_len: int) -> int:
         return max(1, config.kv_cache_memory_bytes // per_block)
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info()
-        budget = int(total * config.gpu_memory_utilization) - (total - free)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - CUDA_ACTIVATION_RESERVE_BYTES
         return max(1, budget // per_block)
     wanted = -(-max_model_len * min(config.max_num_seqs, 8) // config.block_size)
     return max(1, min(wanted, CPU_KV_CACHE_MAX_BYTES // per_block))
@@ -115,7 +117,9 @@ class LLMEngine:
         self.connector = connector if connector is not None else create_kv_connector(config.kv_transfer_config, config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  cuda_graphs=not config.enforce_eager)
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(arch.eos_token_ids)

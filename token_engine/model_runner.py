@@ -23,7 +23,8 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
+    def __init__(self, model, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
+                 max_num_seqs: int = 256, max_model_len: int = 4096, cuda_graphs: bool = True):
         self.model = model
         self.arch = model.arch
         self.block_size = block_size
@@ -31,6 +32,14 @@ class ModelRunner:
         arch = self.arch
         self.kv_pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads,
                                         arch.head_dim, arch.dtype, self.device)
+        self.decode_graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from token_engine.cuda_graphs import DecodeGraphs
+
+            # Decode steps replay a captured graph: at small batch, kernel launch gaps set the step time.
+            self.decode_graphs = DecodeGraphs(model, self.kv_pool, block_size, max_num_seqs,
+                                              max_blocks_per_seq=-(-max_model_len // block_size))
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
@@ -60,7 +69,10 @@ class ModelRunner:
         meta = build_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(ids, pos, meta, self.kv_pool)
+        if self.decode_graphs is not None and self.decode_graphs.can_replay(meta):
+            hidden = self.decode_graphs.replay(ids, pos, meta)
+        else:
+            hidden = self.model.forward(ids, pos, meta, self.kv_pool)
 
         vocab = self.arch.vocab_size
         if sample_rows:
