@@ -255,3 +255,34 @@ def test_long_arguments_stream_with_bounded_state():
                 sent += sum(len(p.arguments or "") for p in pieces if isinstance(p, ToolCallPiece))
             assert len(msgspec.msgpack.encode(state)) < 300, name
         assert sent >= 0.9 * 500 * len(chunk), name  # it all streamed (give or take escaping)
+
+
+# the pieces each format is built from, tags and their fragments included: random sequences of these are
+# mostly malformed, which is where hold-back and recovery bugs live
+FORMAT_VOCABULARY = {
+    "hermes": ["<tool_call>", "</tool_call>", "<tool_", "{", "}", "[", "]", '"', "\\", ":", ",", '"name"',
+               '"arguments"', '"parameters"', '"f"', " ", "\n", "x", "1", "<", '\\"', "\\u00e9", "\\ud83d", "😀"],
+    "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>",
+                    "get_weather", "city", "days", ">", "\n", " ", "x", "3", "<", "😀", "null"],
+    "llama3_json": ["<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":", ",", ";", '"name"', '"parameters"',
+                    '"f"', " ", "\n", "x", "1"],
+    "mistral": ["[TOOL_CALLS]", "[ARGS]", "[", "]", "{", "}", '"', "\\", ":", ",", '"name"', '"arguments"', "f",
+                " ", "x", "1"],
+    "deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁calls▁end｜>", "<｜tool", "f", "{", "}", " ", "\n", "x"],
+    "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|tool_call", "functions.f:0", ":", ".", "{",
+                "}", " ", "\n", "x"],
+    "pythonic": ["[", "]", "(", ")", "f", "g", "a", "=", "'", '"', "'''", "\\", ",", " ", "1", "None", "\\n",
+                 "\\x4", "{", "}", "😀"],
+}
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(sorted(FORMAT_VOCABULARY)), st.data())
+def test_property_any_text_split_anywhere_gives_the_same_pieces(name, data):
+    text = "".join(data.draw(st.lists(st.sampled_from(FORMAT_VOCABULARY[name]), max_size=30)))
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=20))
+    whole = parse(name, text)
+    assert parse_chunks(name, split_at(text, cuts)) == whole
+    assert parse_chunks(name, list(text)) == whole

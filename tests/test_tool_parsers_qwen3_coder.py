@@ -152,3 +152,9 @@ def test_property_random_splits_give_the_same_calls_as_one_feed(calls, prefix, c
     assert whole.content == (prefix or None)
     for c in whole.calls:  # byte-exact: what vLLM's batch json.dumps would give
         assert c["arguments"] == json.dumps(json.loads(c["arguments"]), ensure_ascii=False)
+
+
+def test_missing_function_end_closed_by_the_next_call():
+    text = "<tool_call>\n<function=get_time>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    r = parse("qwen3_coder", text)
+    assert names_of(r) == ["get_time", "get_weather"] and args_of(r) == [{}, {"city": "Oslo"}]

@@ -231,14 +231,14 @@ class Qwen3CoderToolParser:
                 if buf.startswith(PARAMETER, pos):
                     pos += len(PARAMETER)
                     state.mode = PARAM_NAME
-                elif buf.startswith(FUNCTION_END, pos) or buf.startswith(TOOL_CALL_END, pos):
-                    # </tool_call> without </function> closes the function too
+                elif any(buf.startswith(t, pos) for t in (FUNCTION_END, TOOL_CALL_END, TOOL_CALL, FUNCTION)):
+                    # a missing </function> is implied by </tool_call> or by the next call's opening tag
                     if buf.startswith(FUNCTION_END, pos):
                         pos += len(FUNCTION_END)
                     sink.arguments(state.calls, "}")
                     state.calls += 1
                     state.mode = CONTENT
-                elif _is_proper_prefix(buf[pos:], (PARAMETER, FUNCTION_END, TOOL_CALL_END)):
+                elif _is_proper_prefix(buf[pos:], (PARAMETER, FUNCTION_END, TOOL_CALL_END, TOOL_CALL, FUNCTION)):
                     state.held = buf[pos:]
                     return
                 else:
