@@ -297,9 +297,13 @@ def _added_tokens(hf: Tokenizer) -> tuple[dict[str, int], dict[str, int]]:
     return raw, normalized
 
 
+# Bump when the merge proof checks something new: markers of an older proof then no longer count.
+MERGE_PROOF_VERSION = 1
+
+
 def _proof_marker(sha256: str) -> Path:
     root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
-    return Path(root) / "bpe-proofs" / f"{sha256}.ok"
+    return Path(root) / "bpe-proofs" / f"{sha256}.v{MERGE_PROOF_VERSION}.ok"
 
 
 def remember_merge_proof(sha256: str) -> None:
