@@ -159,3 +159,99 @@ def test_bf16_pool_matches_dense_attention_loosely():
     out = paged_attention(q, pool, 0, meta, DIM**-0.5)
     expected = dense_causal(q.float(), k.float(), v.float(), DIM**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CUDA backend's Triton kernels: under Triton's interpreter on CPU where triton is installed, and for real on
+# a GPU (tests marked gpu).
+
+
+@pytest.mark.slow
+def test_triton_kernels_match_the_reference_under_the_interpreter():
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    script = Path(__file__).with_name("triton_kernels_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "all kernels ok" in result.stdout
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu_case(block_size, dtype, heads, kv_heads, dim, cached, new, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    lens = [c + n for c, n in zip(cached, new)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    pool = torch.randn(num_blocks, 2, 2, block_size, kv_heads, dim, generator=gen, device="cuda").to(dtype)
+    tables = random_tables(rng, lens, block_size, num_blocks)
+    meta = build_metadata(new, lens, tables, block_size, device="cuda")
+    total = sum(new)
+    q = torch.randn(total, heads, dim, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(total, kv_heads, dim, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=gen, device="cuda").to(dtype)
+    return pool, meta, q, k, v
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cuda_store_and_attention_match_the_reference(dtype, block_size):
+    from token_engine import attention_cuda
+    from token_engine.attention import _paged_attention_reference
+
+    # Qwen2.5-7B's head shape: 28 query heads over 4 KV heads (groups of 7), head_dim 128
+    cached, new = [0, 900, 33, 2000, 5, 0, 1], [700, 1, 64, 1, 1, 1, 3]
+    pool, meta, q, k, v = _gpu_case(block_size, dtype, 28, 4, 128, cached, new, seed=block_size)
+    reference_pool = pool.clone()
+    # the reference stores with plain indexing (the CPU path's code, run on CUDA tensors)
+    bs = block_size
+    reference_pool[meta.slot_mapping // bs, 1, 0, meta.slot_mapping % bs] = k
+    reference_pool[meta.slot_mapping // bs, 1, 1, meta.slot_mapping % bs] = v
+    attention_cuda.store_kv(k, v, pool, 1, meta)
+    assert torch.equal(pool, reference_pool)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    ref = _paged_attention_reference(q.float(), pool.float(), 1, meta, 128**-0.5, None)
+    out = attention_cuda.paged_attention(q, pool, 1, meta, 128**-0.5, None, k, v)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    decode = build_metadata([1] * 7, meta.host_lists()[1], meta.block_tables.tolist(), bs, device="cuda")
+    qd = q[:7].contiguous()
+    for window in (None, 100):
+        ref = _paged_attention_reference(qd.float(), pool.float(), 1, decode, 128**-0.5, window)
+        out = attention_cuda.paged_attention(qd, pool, 1, decode, 128**-0.5, window)
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_fused_layers_match_torch_in_bf16():
+    from token_engine import layers_cuda
+    from token_engine.layers import RMSNorm, apply_rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(37, 3584, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    norm = RMSNorm(3584, 1e-6, dtype=torch.bfloat16).cuda()
+    norm.weight.data.normal_(1.0, 0.1, generator=gen)
+    want, want_res = norm._norm(x + r), x + r
+    got, got_res = layers_cuda.rms_norm(x, norm.weight, 1e-6, r)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    qkv = torch.randn(37, (28 + 8) * 128, generator=gen, device="cuda").bfloat16()
+    q, k = qkv[:, : 28 * 128].view(37, 28, 128), qkv[:, 28 * 128 : 32 * 128].view(37, 4, 128)
+    angles = torch.randn(37, 64, generator=gen, device="cuda") * 100
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    q_out, k_out = layers_cuda.qk_rotary(q, k, cos, sin)
+    torch.testing.assert_close(q_out, apply_rotary(q, cos, sin), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_out, apply_rotary(k, cos, sin), atol=2e-2, rtol=2e-2)
+    gate_up = torch.randn(37, 2 * 18944, generator=gen, device="cuda").bfloat16()
+    want = torch.nn.functional.silu(gate_up[:, :18944]) * gate_up[:, 18944:]
+    torch.testing.assert_close(layers_cuda.silu_and_mul(gate_up), want, atol=2e-2, rtol=2e-2)

@@ -104,12 +104,13 @@ def pair(model_dirs):
 class PagedDriver:
     """The smallest model runner: a KV pool, per-sequence block tables drawn from a shuffled free list."""
 
-    def __init__(self, model, block_size=4, num_blocks=96, seed=0):
+    def __init__(self, model, block_size=4, num_blocks=96, seed=0, device="cpu"):
         arch = model.arch
         self.model = model
         self.block_size = block_size
+        self.device = device
         self.pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim,
-                                     arch.dtype)
+                                     arch.dtype, device)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}
@@ -131,9 +132,10 @@ class PagedDriver:
             seq_lens.append(end)
             tables.append(table)
             self.lengths[seq] = end
-        meta = build_metadata(query_lens, seq_lens, tables, self.block_size)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.pool)
-        logits = self.model.compute_logits(hidden)
+        meta = build_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                            meta, self.pool)
+        logits = self.model.compute_logits(hidden).cpu()
         out, offset = {}, 0
         for seq, n in zip(chunks, query_lens):
             out[seq] = logits[offset : offset + n]
@@ -427,3 +429,103 @@ def test_unknown_rope_type_is_rejected():
     with pytest.raises(ValueError, match="rope type"):
         rope_spec_from_config({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     assert RopeSpec(theta=1.0).rope_type == "default"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA path (Triton kernels, CUDA graphs): tests marked gpu, skipped without a CUDA device.
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _mixed_steps(driver, vocab):
+    """Prefill 3 sequences, one of them in two chunks, one joining late, then decode; returns all logits."""
+    g = torch.Generator().manual_seed(77)
+    toks = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    out = [driver.step({0: toks(40), 1: toks(9)})]
+    out.append(driver.step({0: toks(1), 1: toks(1), 2: toks(70)}))
+    out.append(driver.step({0: toks(1), 1: toks(30), 2: toks(1)}))
+    for _ in range(5):
+        out.append(driver.step({s: toks(1) for s in (0, 1, 2)}))
+    return [x for step in out for x in step.values()]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["qwen3", "qwen2-tied-yarn", "llama-bias-llama3-rope", "mistral-sliding-window"])
+def test_cuda_model_matches_the_cpu_model(model_dirs, name):
+    path = model_dirs(name)
+    cpu, cuda = load_model(path), load_model(path, device="cuda")
+    got = _mixed_steps(PagedDriver(cuda, block_size=16, num_blocks=40, seed=1, device="cuda"), cpu.arch.vocab_size)
+    want = _mixed_steps(PagedDriver(cpu, block_size=16, num_blocks=40, seed=2), cpu.arch.vocab_size)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["qwen3", "qwen2"])
+def test_cuda_bf16_logits_match_transformers_loosely(model_dirs, name):
+    path = model_dirs(name, "bfloat16")
+    ours = load_model(path, device="cuda")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    tokens = prompt(ours.arch.vocab_size, 300, seed=5)
+    driver = PagedDriver(ours, block_size=16, num_blocks=40, seed=3, device="cuda")
+    logits = torch.cat([driver.step({0: tokens[:200]})[0], driver.step({0: tokens[200:290]})[0]]
+                       + [driver.step({0: [t]})[0] for t in tokens[290:]])
+    with torch.no_grad():
+        expected = ref(torch.tensor([tokens], device="cuda")).logits[0].float().cpu()
+    assert (logits - expected).abs().max().item() < 0.1 * expected.std().item() + 0.1
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_cuda_greedy_generation_equals_transformers_generate(pair, model_dirs, name):
+    _, ref = pair(name)
+    ours = load_model(model_dirs(name), device="cuda")
+    tokens = prompt(ours.arch.vocab_size, 11, seed=21)
+    driver = PagedDriver(ours, block_size=16, num_blocks=8, seed=9, device="cuda")
+    logits, out = driver.step({0: tokens})[0], []
+    for _ in range(20):
+        out.append(int(logits[-1].argmax()))
+        if out[-1] in ours.arch.eos_token_ids:
+            break
+        logits = driver.step({0: [out[-1]]})[0]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                            max_new_tokens=20, do_sample=False, pad_token_id=ours.arch.eos_token_ids[0])
+    assert out == want[0, len(tokens):].tolist()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_equals_eager_decode(model_dirs, dtype):
+    from token_engine.cuda_graphs import DecodeGraphs
+
+    model = load_model(model_dirs("qwen3", dtype), device="cuda")
+    arch = model.arch
+    block_size, num_blocks = 16, 64
+    pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, arch.dtype,
+                            "cuda")
+    pool.normal_()
+    graphs = DecodeGraphs(model, pool, block_size, max_num_seqs=8, max_blocks_per_seq=8, batch_sizes=[1, 4, 8])
+    graphs.capture()
+    rng = random.Random(0)
+    for n in (1, 3, 8, 5):
+        blocks = rng.sample(range(num_blocks), n * 4)
+        tables = [blocks[i * 4 : (i + 1) * 4] for i in range(n)]
+        lens = [rng.randint(1, 64) for _ in range(n)]
+        meta = build_metadata([1] * n, lens, tables, block_size, "cuda")
+        ids = torch.randint(0, arch.vocab_size, (n,), device="cuda")
+        positions = torch.tensor([x - 1 for x in lens], device="cuda")
+        assert graphs.can_replay(meta)
+        before = pool.clone()
+        replayed = graphs.replay(ids, positions, meta).clone()
+        after_replay = pool.clone()
+        pool.copy_(before)
+        with torch.no_grad():
+            eager = model(ids, positions, meta, pool)
+        assert torch.equal(pool, after_replay)  # same K/V written, nothing for the padded rows
+        torch.testing.assert_close(replayed, eager, atol=1e-2 if dtype == "bfloat16" else 1e-4, rtol=1e-2)

@@ -15,22 +15,28 @@ from torch.nn import functional as F
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with `residual`, first adds it (x + residual) and returns (normed, the sum)."""
+
     def __init__(self, size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.dim() == 2:
+            from token_engine import layers_cuda
+
+            return layers_cuda.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add followed by the norm; returns (normed, new residual)."""
-    residual = x + residual
-    return norm(residual), residual
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,5 +203,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from token_engine import layers_cuda
+
+            return self.down_proj(layers_cuda.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

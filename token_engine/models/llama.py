@@ -41,9 +41,16 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if q.is_cuda and cos.shape[-1] == self.head_dim:
+            from token_engine import layers_cuda
+
+            norm = self.q_norm is not None
+            q, k = layers_cuda.qk_rotary(q, k, cos, sin, self.q_norm.weight if norm else None,
+                                         self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(k, v, kv_pool, self.layer_index, meta)
         out = paged_attention(q, kv_pool, self.layer_index, meta, self.scale, self.sliding_window, k=k, v=v)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -57,9 +64,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
 
-    def forward(self, x, cos, sin, meta, kv_pool):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, meta, kv_pool):
+        """Returns (mlp output, residual stream); the next norm adds them (fused on CUDA)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, meta, kv_pool)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -73,9 +86,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta, kv_pool):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, kv_pool)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, kv_pool)
+        return self.norm(x, residual)[0]
 
 
 # checkpoint suffix -> (fused parameter suffix, shard index); shards are stacked in this order along dim 0
