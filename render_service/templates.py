@@ -8,7 +8,8 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
   underscore attributes;
 - messages: keys whose value is None are dropped, reasoning is aliased (``reasoning_content``/``thinking``/
   ``reasoning``), everything the template sees is a fresh plain copy;
-- the tokenizer's named special tokens are template variables, request kwargs override them;
+- the tokenizer's named special tokens (``ModelBundle.template_special_tokens``) are template variables,
+  request kwargs override them;
 - ``continue_final_message`` tags the final message, renders, and cuts the text at the tag.
 """
 
@@ -37,11 +38,6 @@ class TemplateError(ValueError):
 
 # Names a message's reasoning may arrive under; templates read the first one.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-# The tokenizer attributes HF exposes to templates (``special_tokens_map`` in transformers 5).
-SPECIAL_TOKEN_NAMES = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
-)
 
 # Arguments of HF's apply_chat_template that it consumes itself: a template never sees them.
 _HF_CALL_ARGUMENTS = frozenset({
@@ -591,18 +587,6 @@ def resolve_template_kwargs(template: ChatTemplate, kwargs: Mapping[str, Any]) -
         raise TemplateError(f"Found unexpected chat template kwargs from request: {forbidden}")
     accepted = template.variables
     return {k: v for k, v in kwargs.items() if k in accepted and k not in _HF_CALL_ARGUMENTS}
-
-
-def special_tokens_for_template(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
-    """The named special tokens HF passes to templates (``bos_token``, ``eos_token``, ...)."""
-    tokens = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = tokenizer_config.get(name)
-        if isinstance(value, Mapping):  # serialized AddedToken
-            value = value.get("content")
-        if isinstance(value, str):
-            tokens[name] = value
-    return tokens
 
 
 def assistant_token_mask(token_offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

@@ -20,7 +20,6 @@ from render_service.templates import (
     prepare_messages,
     prepare_tools,
     resolve_template_kwargs,
-    special_tokens_for_template,
 )
 from tests.conversations import CONVERSATIONS, Conversation, by_name
 
@@ -38,7 +37,7 @@ class Side:
     def __init__(self, path: Path) -> None:
         self.bundle = load_bundle(path)
         self.template = ChatTemplate(self.bundle.chat_template,
-                                     special_tokens_for_template(self.bundle.tokenizer_config))
+                                     self.bundle.template_special_tokens)
         self.hf = transformers.AutoTokenizer.from_pretrained(str(path))
 
     def our_ids(self, messages, **kwargs) -> list[int]:
@@ -320,7 +319,7 @@ def test_custom_template_override_matches_transformers(sides, conv):
     side = sides["qwen3"]
     messages, kwargs = _inputs(conv)
     kwargs["greeting"] = "Ready ✅"
-    template = ChatTemplate(CUSTOM_TEMPLATE, special_tokens_for_template(side.bundle.tokenizer_config))
+    template = ChatTemplate(CUSTOM_TEMPLATE, side.bundle.template_special_tokens)
     ours = side.bundle.tokenizer.encode(template.render(messages, **kwargs))
     ref = side.hf.apply_chat_template(messages, chat_template=CUSTOM_TEMPLATE, tokenize=True, **kwargs)
     assert ours == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
@@ -332,7 +331,7 @@ def test_custom_template_continue_final_message_matches_transformers(sides, conv
     # CUSTOM_TEMPLATE trims content, so the trailing-space case takes HF's "trimmed" branch.
     side = sides["qwen3"]
     messages, kwargs = _inputs(conv)
-    text = ChatTemplate(CUSTOM_TEMPLATE, special_tokens_for_template(side.bundle.tokenizer_config)).render(
+    text = ChatTemplate(CUSTOM_TEMPLATE, side.bundle.template_special_tokens).render(
         messages, **kwargs)
     ref = side.hf.apply_chat_template(messages, chat_template=CUSTOM_TEMPLATE, tokenize=False, **kwargs)
     assert text == ref
@@ -340,7 +339,7 @@ def test_custom_template_continue_final_message_matches_transformers(sides, conv
 
 def test_special_tokens_are_template_variables_and_kwargs_override_them(sides):
     template = ChatTemplate("{{ eos_token }}|{{ pad_token }}|{{ bos_token is defined }}",
-                            special_tokens_for_template(sides["qwen3"].bundle.tokenizer_config))
+                            sides["qwen3"].bundle.template_special_tokens)
     assert template.render([{"role": "user", "content": ""}]) == "<|im_end|>|<|endoftext|>|False"
     assert template.render([{"role": "user", "content": ""}], eos_token="END").startswith("END|")
 
@@ -368,20 +367,35 @@ def test_request_kwargs_that_vllm_refuses(sides, key):
 def test_prepare_messages_follows_vllm():
     prepared = prepare_messages([
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": None},
-                                     {"type": "text", "text": "b"}], "name": "u1"},
+                                     {"type": "refusal", "refusal": "b"}, "c"], "name": "u1"},
         {"role": "assistant", "content": None, "reasoning_content": "r",
          "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
                         {"id": "d", "type": "function", "function": {"name": "g", "arguments": ""}},
-                        {"id": "e", "type": "function", "function": {"name": "h"}}]},
-        {"role": "assistant", "content": "plain", "reasoning": "newer", "tool_calls": []},
-        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "ok"}]},
+                        {"id": "e", "type": "function", "function": {"name": "h"}},
+                        {"id": "f", "type": "function", "function": {"name": "i", "arguments": "[1, 2]"}},
+                        {"id": "g", "type": "function", "function": {"name": "j", "arguments": "{oops"}},
+                        {"id": "h", "type": "function", "function": {"name": "k", "arguments": {"y": [2]}}}]},
+        {"role": "assistant", "content": "plain", "reasoning": "newer", "reasoning_content": "older",
+         "tool_calls": []},
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "ok"}], "task": "t"},
     ])
-    assert prepared[0] == {"role": "user", "content": "a\nb", "name": "u1"}
+    assert prepared[0] == {"role": "user", "content": "a\nb\nc", "name": "u1"}
     assert prepared[1]["content"] == ""
     assert prepared[1]["reasoning"] == prepared[1]["reasoning_content"] == "r"
-    assert [c["function"]["arguments"] for c in prepared[1]["tool_calls"]] == [{"x": 1}, {}, {}]
+    assert [c["function"]["arguments"] for c in prepared[1]["tool_calls"]] == [{"x": 1}, {}, {}, {}, {}, {"y": [2]}]
+    # `reasoning` wins over the deprecated `reasoning_content`; an empty tool_calls list is dropped.
     assert prepared[2] == {"role": "assistant", "content": "plain", "reasoning": "newer", "reasoning_content": "newer"}
-    assert prepared[3] == {"role": "tool", "content": "ok", "tool_call_id": "c"}
+    assert prepared[3] == {"role": "tool", "content": "ok", "tool_call_id": "c", "task": "t"}
+
+
+def test_prepare_messages_drops_claude_billing_header_from_system_text():
+    prepared = prepare_messages([
+        {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=1\nBe kind."},
+                                       {"type": "text", "text": "x-anthropic-billing-header: only"}]},
+        {"role": "user", "content": "x-anthropic-billing-header: stays in user text"},
+    ])
+    assert prepared[0]["content"] == "Be kind."
+    assert prepared[1]["content"] == "x-anthropic-billing-header: stays in user text"
 
 
 def test_prepare_messages_openai_content_format_keeps_parts():
@@ -403,6 +417,8 @@ def test_prepare_messages_refuses_media_parts(part):
     "not a list", [42], [{"content": "no role"}], [{"role": "user", "content": 5}],
     [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}],
     [{"role": "assistant", "content": "", "reasoning": ["not", "text"]}],
+    [{"role": "assistant", "content": "", "tool_calls": ["not an object"]}],
+    [{"role": "assistant", "content": "", "tool_calls": [{"type": "custom", "custom": {"name": "x"}}]}],
 ])
 def test_prepare_messages_rejects_malformed_input(messages):
     with pytest.raises(TemplateError):
@@ -410,13 +426,17 @@ def test_prepare_messages_rejects_malformed_input(messages):
 
 
 def test_prepare_tools_matches_vllm_model_dump_shape():
-    assert prepare_tools([{"type": "function", "function": {"name": "now", "strict": True}}]) == [
+    assert prepare_tools([{"type": "function", "function": {"name": "now", "strict": True, "x-extra": 1}}]) == [
         {"type": "function", "function": {"name": "now", "description": None, "parameters": None, "strict": True}}
     ]
-    with pytest.raises(TemplateError):
-        prepare_tools([{"type": "retrieval"}])
-    with pytest.raises(TemplateError):
-        prepare_tools([{"type": "function", "function": {"description": "no name"}}])
+    assert prepare_tools([{"function": {"name": "later", "description": "d"}, "defer_loading": True}]) == [
+        {"type": "function", "defer_loading": True,
+         "function": {"name": "later", "description": "d", "parameters": None, "defer_loading": True}}
+    ]
+    for bad in ([{"type": "retrieval"}], [{"type": "function", "function": {"description": "no name"}}],
+                [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}], "not a list"):
+        with pytest.raises(TemplateError):
+            prepare_tools(bad)
 
 
 def test_developer_role_becomes_one_leading_system_message(sides):
