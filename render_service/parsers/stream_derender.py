@@ -13,6 +13,7 @@ fields only when the caller sent vLLM-shaped state.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -87,6 +88,24 @@ class StreamRuntime:
 
 def _binding(cfg: PipelineConfig, tokenizer: Any) -> bytes:
     return binding_for(msgspec.msgpack.encode(cfg), tokenizer.vocab_size)
+
+
+_PIPELINES: "OrderedDict[bytes, tuple[Pipeline, bytes]]" = OrderedDict()
+_PIPELINES_MAX = 1024
+
+
+def _pipeline_for(cfg: PipelineConfig, tokenizer: Any) -> tuple[Pipeline, bytes]:
+    """Pipelines hold only configuration (states travel separately), so one per stream is reused."""
+    key = msgspec.msgpack.encode(cfg) + id(tokenizer).to_bytes(8, "little")
+    hit = _PIPELINES.get(key)
+    if hit is not None and hit[0].tokenizer is tokenizer:
+        _PIPELINES.move_to_end(key)
+        return hit
+    made = (Pipeline(tokenizer, cfg), _binding(cfg, tokenizer))
+    _PIPELINES[key] = made
+    if len(_PIPELINES) > _PIPELINES_MAX:
+        _PIPELINES.popitem(last=False)
+    return made
 
 
 class _Session:
@@ -305,9 +324,8 @@ def derender_chat_stream(
         return DerenderChatStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
     choice = chunk.choices[0]
     pcfg = pipeline_config(config, req.chat_request, request_id=request_id, choice_index=choice.index)
-    pipeline = Pipeline(config.tokenizer, pcfg)
+    pipeline, binding = _pipeline_for(pcfg, config.tokenizer)
     parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None
-    binding = _binding(pcfg, config.tokenizer)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
     session = _open_session(pipeline, req.stream_state, prompt_ids, binding, runtime, config, parser_path)
     delta = _step(session, ids, choice.finish_reason)
@@ -361,8 +379,7 @@ def derender_completion_stream(
         spaces_between_special_tokens=creq.spaces_between_special_tokens if creq is not None else True,
         hidden_token_ids=frozenset(config.bundle.eos_token_ids),
     )
-    pipeline = Pipeline(config.tokenizer, pcfg)
-    binding = _binding(pcfg, config.tokenizer)
+    pipeline, binding = _pipeline_for(pcfg, config.tokenizer)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
     session = _open_session(pipeline, req.stream_state, prompt_ids, binding, runtime, config, False)
     delta = _step(session, ids, choice.finish_reason)
