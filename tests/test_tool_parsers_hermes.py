@@ -18,7 +18,6 @@ from tests.test_tool_parsers_common import (
     parse,
     parse_chunks,
     run_pieces,
-    split_at,
 )
 
 QWEN3_TOKENIZER = "/work/shared/fixtures/qwen3-0.6b/tokenizer.json"

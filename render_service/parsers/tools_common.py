@@ -104,8 +104,9 @@ def skip_whitespace(buf: str, pos: int) -> int:
     return pos
 
 
-def is_tag_prefix(fragment: str, tags: tuple[str, ...]) -> bool:
-    return any(t.startswith(fragment) for t in tags)
+def is_partial_tag(fragment: str, tags: tuple[str, ...]) -> bool:
+    """True when ``fragment`` (the rest of the text) could still grow into one of ``tags``."""
+    return any(len(fragment) < len(t) and t.startswith(fragment) for t in tags)
 
 
 # ---------------------------------------------------------------------------------------------------------

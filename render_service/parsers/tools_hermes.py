@@ -14,7 +14,6 @@ import msgspec
 
 from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.tools_common import (
-    ANGLE,
     DONE,
     MALFORMED,
     MORE,
@@ -24,6 +23,7 @@ from render_service.parsers.tools_common import (
     PieceSink,
     feed_call_object,
     find_tag,
+    is_partial_tag,
     mode_field,
     require,
 )
@@ -47,10 +47,6 @@ class HermesState(msgspec.Struct):
 
     def __post_init__(self) -> None:
         require((self.mode == CALL) == (self.call is not None), "a call object exactly while in a call")
-
-
-def _proper_prefix_of(fragment: str, tags: tuple[str, ...]) -> bool:
-    return any(len(fragment) < len(t) and t.startswith(fragment) for t in tags)
 
 
 class HermesToolParser:
@@ -151,6 +147,7 @@ class HermesToolParser:
                         self._end_call(state, AFTER_CALL)
                     else:
                         self._release(state, sink)
+                # ANGLE: a "<" outside any string; is it a tag?
                 elif buf.startswith(START, pos) and call.phase == OBJ_START:
                     # a repeated start tag (<tool_call><tool_call>) opens nothing new
                     state.raw += START
@@ -163,7 +160,7 @@ class HermesToolParser:
                             pos += len(END)
                     else:
                         self._release(state, sink)
-                elif _proper_prefix_of(buf[pos:], (END, START)):
+                elif is_partial_tag(buf[pos:], (END, START)):
                     state.held = buf[pos:]
                     return
                 else:

@@ -30,6 +30,7 @@ from render_service.parsers.tools_common import (
     PieceSink,
     dumps,
     find_tag,
+    is_partial_tag,
     json_string_fragment,
     mode_field,
     skip_whitespace,
@@ -122,10 +123,6 @@ def convert_value(value: str, declared: str | None, nullable: bool) -> Any:
     return value
 
 
-def _is_proper_prefix(fragment: str, tags: tuple[str, ...]) -> bool:
-    return any(len(fragment) < len(t) and t.startswith(fragment) for t in tags)
-
-
 class Qwen3CoderToolParser:
     name: ClassVar[str] = "qwen3_coder"
     State: ClassVar[type[msgspec.Struct]] = Qwen3CoderState
@@ -199,7 +196,7 @@ class Qwen3CoderToolParser:
                 elif buf.startswith(TOOL_CALL, pos):
                     state.raw += TOOL_CALL
                     pos += len(TOOL_CALL)
-                elif _is_proper_prefix(buf[pos:], (FUNCTION, TOOL_CALL)):
+                elif is_partial_tag(buf[pos:], (FUNCTION, TOOL_CALL)):
                     state.held = buf[pos:]
                     return
                 else:
@@ -238,7 +235,7 @@ class Qwen3CoderToolParser:
                     sink.arguments(state.calls, "}")
                     state.calls += 1
                     state.mode = CONTENT
-                elif _is_proper_prefix(buf[pos:], (PARAMETER, FUNCTION_END, TOOL_CALL_END, TOOL_CALL, FUNCTION)):
+                elif is_partial_tag(buf[pos:], (PARAMETER, FUNCTION_END, TOOL_CALL_END, TOOL_CALL, FUNCTION)):
                     state.held = buf[pos:]
                     return
                 else:
