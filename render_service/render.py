@@ -525,15 +525,25 @@ def raise_for_unserved(model: str | None, config: RenderConfig) -> str:
 
 __all__ = [
     "ApiError", "RenderConfig", "render_chat", "render_completion", "resolve_max_tokens", "check_model",
-    "generation_defaults", "template_special_tokens", "new_request_id",
+    "generation_defaults", "template_special_tokens", "new_request_id", "load_render_config", "build_render_config",
 ]
 
 
 # ------------------------------------------------------------------------------------ configuration
 
 
-def load_render_config(
-    model_dir: str,
+def load_render_config(model_dir: str, *, max_model_len: int | None = None, **settings: Any) -> RenderConfig:
+    """Load the bundle in ``model_dir`` and build the per-process configuration (ValueError on bad settings)."""
+    from render_service.bundle import load_bundle
+
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError("--max-model-len must be positive")
+    settings.setdefault("served_model_names", None)
+    return build_render_config(load_bundle(model_dir, max_model_len=max_model_len), **settings)
+
+
+def build_render_config(
+    bundle: Any,
     *,
     served_model_names: list[str] | None = None,
     chat_template: str | None = None,
@@ -542,22 +552,17 @@ def load_render_config(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     trust_request_chat_template: bool = False,
-    max_model_len: int | None = None,
 ) -> RenderConfig:
-    """Load the bundle and build the per-process configuration (raises ValueError on bad settings)."""
+    """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
 
-    from render_service.bundle import load_bundle
     from render_service.fingerprint import config_fingerprint, file_sha256
 
-    bundle = load_bundle(model_dir, max_model_len=max_model_len)
-    if max_model_len is not None and max_model_len < 1:
-        raise ValueError("--max-model-len must be positive")
     source = bundle.chat_template
     if chat_template is not None:
         # vLLM's --chat-template: a file path, else the template text itself.
         path = Path(chat_template)
-        source = path.read_text(encoding="utf-8") if path.is_file() else chat_template
+        source = path.read_text(encoding="utf-8") if len(chat_template) < 4096 and path.is_file() else chat_template
     special = template_special_tokens(bundle)
     template = ChatTemplate(source, special) if source else None
     reasoning_cls = None
@@ -571,7 +576,7 @@ def load_render_config(
         get_tool_parser(tool_call_parser)  # unknown name -> error at startup, not per request
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    tokenizer_sha = getattr(bundle, "tokenizer_sha256", None) or file_sha256(Path(bundle.path) / "tokenizer.json")
+    tokenizer_sha = getattr(bundle, "tokenizer_sha256", None) or _tokenizer_sha256(Path(bundle.path) / "tokenizer.json")
     kwargs = dict(default_chat_template_kwargs or {})
     fingerprint = config_fingerprint(
         tokenizer_sha256=tokenizer_sha,
@@ -581,7 +586,7 @@ def load_render_config(
         enable_auto_tool_choice=enable_auto_tool_choice,
         default_chat_template_kwargs=kwargs,
     )
-    names = list(served_model_names or []) or [Path(model_dir).name or str(model_dir)]
+    names = list(served_model_names or []) or [str(bundle.path)]
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -597,3 +602,9 @@ def load_render_config(
         template_special_tokens=special,
         reasoning_parser_cls=reasoning_cls,
     )
+
+
+def _tokenizer_sha256(path: Any) -> str:
+    from render_service.fingerprint import file_sha256
+
+    return file_sha256(path)

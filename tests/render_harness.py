@@ -6,6 +6,7 @@ shared by every test file that asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import socket
@@ -17,7 +18,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from render_service.render import RenderConfig, load_render_config
+from render_service.bundle import load_bundle
+from render_service.render import RenderConfig, build_render_config
 from render_service.server import create_app
 
 FIXTURES = Path("/work/shared/fixtures")
@@ -29,10 +31,18 @@ PARSER_FLAGS = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enab
 
 
 @functools.lru_cache(maxsize=None)
+def qwen3_bundle():
+    return load_bundle(str(QWEN3_DIR))
+
+
+@functools.lru_cache(maxsize=None)
 def qwen3_config(parsers: bool = False, max_model_len: int | None = None) -> RenderConfig:
+    """The fixture model as the recorded vLLM server served it, sharing one loaded bundle."""
     flags = PARSER_FLAGS if parsers else {}
-    return load_render_config(str(QWEN3_DIR), served_model_names=["qwen3-0.6b"], max_model_len=max_model_len,
-                              **flags)
+    bundle = qwen3_bundle()
+    if max_model_len is not None:
+        bundle = dataclasses.replace(bundle, max_model_len=max_model_len)
+    return build_render_config(bundle, served_model_names=["qwen3-0.6b"], **flags)
 
 
 class RenderServer:
