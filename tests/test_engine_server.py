@@ -320,6 +320,37 @@ def test_malformed_json_and_wrong_content_type_get_400(client):
     assert r.status_code == 400 and "application/json" in r.json()["error"]["message"]
 
 
+def test_oversized_body_gets_413_before_it_is_read(server, client):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1099511627776\r\n\r\n{}")
+        sock.settimeout(30)
+        head = sock.recv(65536).split(b"\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 413")
+
+
+def test_logit_bias_keys_are_token_ids_and_checked(client):
+    ok = generate(client, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0,
+                                                                    "logit_bias": {"42": 100}}})
+    assert ok.json()["choices"][0]["token_ids"] == [42, 42]
+    bad = generate(client, {"token_ids": PROMPT, "sampling_params": {"logit_bias": {"999999": 1}}})
+    assert bad.status_code == 400
+    bad = generate(client, {"token_ids": PROMPT, "sampling_params": {"logit_bias": {"x": 1}}})
+    assert bad.status_code == 400
+
+
+def test_kv_transfer_params_without_a_connector_are_not_echoed(client):
+    out = generate(client, {"token_ids": PROMPT, "kv_transfer_params": {"do_remote_decode": True},
+                            "sampling_params": {"max_tokens": 1}}).json()
+    assert out["kv_transfer_params"] is None
+
+
+def test_prompt_token_ids_are_returned_only_when_asked(client):
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}}
+    assert "prompt_token_ids" not in generate(client, body).json()
+    assert generate(client, {**body, "return_token_ids": True}).json()["prompt_token_ids"] == PROMPT
+
+
 def test_unknown_model_gets_404(client):
     r = generate(client, {"token_ids": [1], "model": "other", "sampling_params": {}})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"

@@ -220,7 +220,7 @@ def test_connector_may_hold_finished_blocks_until_the_peer_has_read_them():
     a = seq(6, max_tokens=1)
     s.add(a)
     step(s)
-    assert a.is_finished and a.kv_transfer_params == {"remote_block_ids": a.block_table}
+    assert a.is_finished and a.kv_transfer_params_out == {"remote_block_ids": a.block_table}
     assert conn.finished == [(a.seq_id, a.block_table)]
     assert bm.num_free_blocks() == bm.num_blocks - 2
     conn.events.finished_sending.add(a.seq_id)

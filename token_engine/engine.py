@@ -251,7 +251,7 @@ class LLMEngine:
             for seq in state.seqs:
                 self._seq_request.pop(seq.seq_id, None)
             first = state.seqs[0]
-            update.kv_transfer_params = first.kv_transfer_params if first.kv_transfer_params is not None else None
+            update.kv_transfer_params = first.kv_transfer_params_out
             update.num_cached_tokens = first.num_cached_tokens
             update.error = next((s.error for s in state.seqs if s.error), None)
             if first.options.prompt_logprobs is not None:

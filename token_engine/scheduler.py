@@ -93,18 +93,16 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        self._remote_checked.discard(seq.seq_id)
+        delay_free, params = self.connector.request_finished(seq, list(seq.block_table))
+        seq.kv_transfer_params_out = params
         if seq.seq_id in self.waiting_for_remote:
             # A transfer may still be writing into these blocks: free them when it reports back.
             self._aborted_while_loading.add(seq.seq_id)
-            return
-        delay_free, params = self.connector.request_finished(seq, list(seq.block_table))
-        if params is not None:
-            seq.kv_transfer_params = params
-        if delay_free:
+        elif delay_free:
             self.held_by_connector[seq.seq_id] = seq
         else:
             self.bm.free_blocks(seq)
-        self._remote_checked.discard(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:
         self.finish(seq, "abort")

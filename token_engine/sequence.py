@@ -70,7 +70,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     cache_salt: str | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: dict | None = None  # from the request, for the connector
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 
     token_ids: list[int] = field(init=False)  # prompt + output
@@ -79,6 +79,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the pool
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a peer at admission
     num_preemptions: int = 0
+    kv_transfer_params_out: dict | None = None  # the connector's answer, returned on the response
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -32,6 +32,7 @@ except Exception:  # noqa: BLE001 - running from a source tree without metadata
     VERSION = "0.0.0"
 
 LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
+MAX_REQUEST_BYTES = 64 << 20  # a 128k-token prompt is about 1 MB of JSON
 JSON = "application/json"
 
 
@@ -84,7 +85,14 @@ async def _read_json(request: Request, type_):
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != JSON:
         raise RequestError("Unsupported Media Type: Only 'application/json' is allowed")
-    body = await request.body()
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_REQUEST_BYTES):
+        raise RequestError(f"request body larger than {MAX_REQUEST_BYTES} bytes", status=413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise RequestError(f"request body larger than {MAX_REQUEST_BYTES} bytes", status=413)
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
