@@ -16,6 +16,7 @@ from render_service.templates import (
     compile_template,
     convert_developer_role,
     default_template_source,
+    detect_content_format,
     merge_template_kwargs,
     prepare_messages,
     prepare_tools,
@@ -437,6 +438,44 @@ def test_prepare_tools_matches_vllm_model_dump_shape():
                 [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}], "not a list"):
         with pytest.raises(TemplateError):
             prepare_tools(bad)
+
+
+# Expected values are what vLLM 0.32's own detector (vllm.renderers.hf._detect_content_format) answered.
+CONTENT_FORMAT_CASES = {
+    "direct_loop_over_content": (
+        "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    "alias_slice_and_filter": (
+        "{% set msgs = messages[1:] %}{% for m in msgs %}{% if m.content is string %}{{ m.content }}{% else %}"
+        "{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endif %}{% endfor %}", "openai"),
+    "macro_keyword_receives_content": (
+        "{% macro r(x, c=none) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ r(1, c=m.content) }}{% endfor %}", "openai"),
+    "macro_receives_something_else": (
+        "{% macro r(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ r(m.role) }}{% endfor %}", "string"),
+    "loop_over_a_name_content": (
+        "{% for m in messages %}{% set content = m.content %}{% for p in content %}{{ p }}{% endfor %}{% endfor %}",
+        "openai"),
+    "plain_string_use": ("{% for m in messages %}{{ m.content }}{% endfor %}", "string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTENT_FORMAT_CASES))
+def test_content_format_detection_matches_vllm(case):
+    source, expected = CONTENT_FORMAT_CASES[case]
+    assert detect_content_format(source) == expected
+
+
+def test_content_format_of_qwen_and_own_templates(sides):
+    assert sides["qwen3"].template.content_format == "string"
+    # Our template's text_of macro loops over parts, so vLLM hands it parts; it renders both shapes alike.
+    assert sides["own"].template.content_format == "openai"
+    for name in ("content_parts_everywhere", "tool_call_without_content", "unicode_text"):
+        conv = by_name(name)
+        _, kwargs = _inputs(conv)
+        as_string = sides["own"].template.render(prepare_messages(conv.messages), **kwargs)
+        as_parts = sides["own"].template.render(prepare_messages(conv.messages, content_format="openai"), **kwargs)
+        assert as_parts == as_string
 
 
 def test_developer_role_becomes_one_leading_system_message(sides):
