@@ -11,7 +11,7 @@ they appear only when set.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -139,9 +139,6 @@ class ChatCompletionRequest(msgspec.Struct):
     thinking_token_budget: int | None = None
     user: str | None = None
     request_id: str | None = None
-
-
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(msgspec.Struct):

@@ -134,8 +134,8 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
                           "repetition_penalty")
     if req.min_tokens < 0:
         raise bad_request(f"min_tokens must be greater than or equal to 0, got {req.min_tokens}.", "min_tokens")
-    if req.priority != 0 and not -(2**63) <= req.priority < 2**63:
-        raise bad_request("priority out of range", "priority")
+    if not -(2**63) <= req.priority < 2**63:
+        raise bad_request("priority must fit in a signed 64-bit integer", "priority")
 
 
 def _check_prompt_length(prompt_len: int, config: RenderConfig, max_tokens: int | None) -> None:
@@ -516,11 +516,6 @@ def add_special_tokens(ids: list[int], config: RenderConfig) -> list[int]:
     if bos_id is None or (ids and ids[0] == bos_id):
         return ids
     return [bos_id, *ids]
-
-
-def raise_for_unserved(model: str | None, config: RenderConfig) -> str:
-    """Shared by derender and the other endpoints."""
-    return check_model(model, config)
 
 
 __all__ = [
