@@ -20,7 +20,9 @@ from render_service.protocol import (
     SamplingParams,
     StreamOptions,
 )
-from render_service.templates import ChatTemplate, TemplateError, prepare_messages
+from render_service.templates import (
+    ChatTemplate, TemplateError, convert_developer_role, prepare_messages, prepare_tools,
+)
 
 # vLLM's RequestOutputKind: DELTA for streaming requests, else FINAL_ONLY (the generate server overwrites it).
 OUTPUT_KIND_DELTA = 1
@@ -351,10 +353,12 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
     kwargs = resolve_chat_template_kwargs(req, config)
     template = chat_template_for(req, config)
     try:
-        messages = prepare_messages(req.messages)
+        # As vLLM: content shaped for the template, developer role folded into system where the
+        # template lacks it, tools in vLLM's model_dump shape.
+        messages = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
         text = template.render(
             messages,
-            tools=[t for t in req.tools] if req.tools else None,
+            tools=prepare_tools(req.tools) if req.tools else None,
             documents=req.documents,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
