@@ -133,6 +133,18 @@ class KVHandoff:
         if load is not None:
             load.cancelled = True
 
+    def abandon(self, remote: RemoteKV) -> bool:
+        """Decode will never load these blocks (request aborted while queued): tell prefill to free them now.
+        Best effort: only possible once the peer is known; otherwise the lease expires."""
+        known = self._peer_by_addr.get((remote.host, remote.port))
+        if known is None or known[1] != remote.incarnation:
+            return False
+        try:
+            self.transport.send_notif(known[0], format_notification("abort", remote.request_id, remote.epoch))
+            return True
+        except KVTransferError:
+            return False
+
     def heartbeat(self, remote: RemoteKV) -> None:
         """Extend a lease while the request waits (e.g. no free blocks yet); best effort."""
         known = self._peer_by_addr.get((remote.host, remote.port))

@@ -137,17 +137,24 @@ class NixlConnector:
     # -- prefill: holding KV for a remote decode --------------------------------------------------------
 
     def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._planned.pop(seq.seq_id, None)
+        planned = self._planned.pop(seq.seq_id, None)
         params = seq.kv_transfer_params
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
             seq.kv_transfer_params = None  # consumed: never echo a peer's block ids back to the caller
+            if seq.num_cached_tokens == 0 and self.handoff is not None:
+                self._abandon(params, seq)  # finished (aborted) before its load began
             return False, None
         if not params.get("do_remote_decode") or seq.finish_reason in ("abort", "error"):
             return False, None
         num_tokens = min(seq.num_computed_tokens, seq.prompt_len)
         if num_tokens <= 0:
+            return False, None
+        if seq.seq_id in self._lease_epochs:
+            # The scheduler keys held requests by id: a second hold under the same id would orphan the first
+            # one's blocks. Refuse the handoff instead (decode then fails or recomputes by its policy).
+            log.warning("request id %s already holds KV for a decode; not holding it twice", seq.seq_id)
             return False, None
         held = block_ids[:-(-num_tokens // self.block_size)]
         lease = self.handoff.hold(seq.seq_id, held)
@@ -164,6 +171,13 @@ class NixlConnector:
             "remote_num_tokens": num_tokens,
             "remote_lease_epoch": lease.epoch,
         }
+
+    def _abandon(self, params: dict, seq) -> None:
+        try:
+            remote, _ = parse_remote(params, seq.prompt_token_ids, self.block_size)
+        except BadTransferParams:
+            return
+        self.handoff.abandon(remote)
 
     # -- progress ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,233 @@
+"""Prefill/decode disaggregation through the engine's connector seam: two LLMEngines with NixlConnectors in
+this process (two NIXL agents, real UCX transfers over loopback), stepped by one loop so the tests stay fast.
+Process-level failures (a killed or restarted prefill engine) are in test_pd_processes.py."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from tests.engine_harness import engine_config, write_tiny_qwen3
+from token_engine.engine import LLMEngine
+from token_engine.random_model import write_random_model
+from token_engine.sequence import SamplingOptions
+
+GREEDY = SamplingOptions(temperature=0.0, max_tokens=8)
+PREFILL_ONLY = SamplingOptions(temperature=0.0, max_tokens=1)
+HANG_GUARD_STEPS = 20000
+
+
+def kv_config(engine_id: str, **extra):
+    policy = extra.pop("policy", "fail")
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ephemeral_side_channel_ports_and_one_torch_thread():
+    # Two engines, UCX and pytest share 2 CI cores: torch's default thread pool oversubscribes them (4-5x
+    # slower steps measured on this box), so one intra-op thread for this module.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_qwen3(tmp_path_factory.mktemp("pd") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    p = LLMEngine(engine_config(model_dir, kv_transfer_config=kv_config("prefill-a", kv_lease_duration=30)))
+    d = LLMEngine(engine_config(model_dir, kv_transfer_config=kv_config("decode-a")))
+    r = LLMEngine(engine_config(model_dir, kv_transfer_config=kv_config("decode-r", policy="recompute")))
+    c = LLMEngine(engine_config(model_dir))
+    yield p, d, r, c
+    for e in (p, d, r):
+        e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def short_lease_prefill(model_dir):
+    """For refused loads: nobody reads these leases, so they end by expiry."""
+    p = LLMEngine(engine_config(model_dir, kv_transfer_config=kv_config("prefill-short", kv_lease_duration=0.5)))
+    yield p
+    p.shutdown()
+
+
+def run(engines_to_step, *, until):
+    for _ in range(HANG_GUARD_STEPS):
+        for e in engines_to_step:
+            e.step()
+        if until():
+            return
+        time.sleep(0.0002)
+    raise AssertionError("engines never reached the expected state")
+
+
+def prefill(p: LLMEngine, rid: str, prompt: list[int], params=None):
+    done = {}
+    p.add_request(rid, prompt, PREFILL_ONLY, kv_transfer_params=params or {"do_remote_decode": True},
+                  on_update=lambda u: done.__setitem__("u", u) if u.finished else None)
+    run([p], until=lambda: "u" in done)
+    return done["u"]
+
+
+def decode(d: LLMEngine, others, rid: str, prompt: list[int], params, options=GREEDY):
+    tokens, done = [], {}
+
+    def on_update(u):
+        tokens.extend(t for delta in u.deltas for t in delta.token_ids)
+        if u.finished:
+            done["u"] = u
+
+    d.add_request(rid, prompt, options, kv_transfer_params=params, on_update=on_update)
+    run([d, *others], until=lambda: "u" in done)
+    return tokens, done["u"]
+
+
+def idle(*es):
+    return all(e.num_free_blocks() == e.num_blocks and not e.requests and not e.scheduler.held_by_connector
+               for e in es)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 150000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("length", [1, 4, 37, 64])
+def test_pd_greedy_output_equals_collocated(engines, length):
+    p, d, _, c = engines
+    prompt = prompt_of(length, length)
+    expected = c.generate([prompt], GREEDY)[0]
+    pu = prefill(p, f"p-{length}", prompt)
+    params = pu.kv_transfer_params
+    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == length
+    assert len(params["remote_block_ids"]) == -(-length // 4)
+    assert {"remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"} <= params.keys()
+    tokens, du = decode(d, [p], f"d-{length}", prompt, params)
+    assert du.error is None
+    assert tokens == expected
+    assert du.num_cached_tokens == length  # the whole prompt came from the peer
+    assert du.kv_transfer_params is None  # consumed params are not echoed back
+    run([p, d], until=lambda: idle(p, d))
+
+
+def test_decode_really_uses_the_pulled_kv(model_dir, tmp_path, engines):
+    """A prefill engine with other weights hands over other KV: decode's output must change with it."""
+    _, d, _, c = engines
+    other = write_random_model(tmp_path / "other", arch="qwen3", preset="tiny",
+                               overrides={"tie_word_embeddings": False}, dtype="float32", seed=7)
+    p2 = LLMEngine(engine_config(other, kv_transfer_config=kv_config("prefill-other")))
+    try:
+        prompt = prompt_of(30, 99)
+        params = prefill(p2, "x", prompt).kv_transfer_params
+        tokens, du = decode(d, [p2], "x", prompt, params)
+        assert du.error is None and tokens != c.generate([prompt], GREEDY)[0]
+    finally:
+        p2.shutdown()
+
+
+def test_prompt_token_ids_in_params_must_match_the_prompt(engines, short_lease_prefill):
+    _, d, _, c = engines
+    p = short_lease_prefill
+    prompt = prompt_of(20, 3)
+    params = dict(prefill(p, "tok", prompt).kv_transfer_params, prompt_token_ids=prompt)
+    tokens, du = decode(d, [p], "tok-ok", prompt, params)
+    assert du.error is None and tokens == c.generate([prompt], GREEDY)[0]
+    params = dict(prefill(p, "tok2", prompt).kv_transfer_params, prompt_token_ids=prompt[:-1] + [5])
+    _, du = decode(d, [p], "tok-bad", prompt, params)
+    assert du.error  # policy fail: the caller hears about it
+    run([p, d], until=lambda: idle(p, d))
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda q: q.update(remote_lease_epoch=q["remote_lease_epoch"] + 1),   # forged epoch: blocks unproven
+    lambda q: q.update(remote_block_ids=q["remote_block_ids"][:-1]),      # block count does not fit the tokens
+    lambda q: q.update(remote_block_ids=[10 ** 9] * len(q["remote_block_ids"])),  # outside the peer's pool
+    lambda q: q.update(remote_port="80"),                                 # wrong type
+    lambda q: q.pop("remote_lease_epoch"),                                # missing
+    lambda q: q.update(remote_num_tokens=10 ** 6),                        # longer than the prompt
+], ids=["forged-epoch", "short-blocks", "foreign-blocks", "port-type", "no-epoch", "too-many-tokens"])
+def test_bad_transfer_params_fail_clearly_or_recompute_exactly(engines, short_lease_prefill, mutate):
+    _, d, r, c = engines
+    p = short_lease_prefill
+    prompt = prompt_of(22, 5)
+    expected = c.generate([prompt], GREEDY)[0]
+    rid = f"bad-{random.getrandbits(40):x}"
+    params = dict(prefill(p, rid + "-f", prompt).kv_transfer_params)
+    mutate(params)
+    tokens, du = decode(d, [p], rid + "-f", prompt, params)
+    assert du.error and "KV" in du.error and tokens == []
+    params = dict(prefill(p, rid + "-r", prompt).kv_transfer_params)
+    mutate(params)
+    tokens, du = decode(r, [p], rid + "-r", prompt, params)
+    assert du.error is None and tokens == expected
+    # the prefill leases of refused loads are not read: they end by expiry (not waited for here) or abort
+    for e in (d, r):
+        run([e, p], until=lambda: e.num_free_blocks() == e.num_blocks and not e.requests)
+
+
+def test_same_request_id_is_not_held_twice(engines):
+    p, _, _, _ = engines
+    first = prefill(p, "dup", prompt_of(9, 1)).kv_transfer_params
+    second = prefill(p, "dup", prompt_of(9, 2)).kv_transfer_params
+    assert first["do_remote_prefill"] and not (second or {}).get("do_remote_prefill")
+    assert p.connector.handoff.release_hold("dup", first["remote_lease_epoch"]) is not None
+
+
+def test_lease_expiry_frees_prefill_blocks(short_lease_prefill):
+    p = short_lease_prefill
+    prefill(p, "never-read", prompt_of(17, 1))
+    assert p.num_free_blocks() < p.num_blocks and "never-read" in p.scheduler.held_by_connector
+    run([p], until=lambda: idle(p))
+    assert p.connector.stats()["kv_leases"] == 0
+
+
+def test_200_requests_with_random_aborts_leak_no_blocks(model_dir):
+    """Bounded soak: 200 requests, prefill and decode in waves of 8; some aborted on the prefill side, a
+    random third aborted at a random moment on the decode side (queued, loading or decoding). Afterwards
+    both engines are back to every block free and no lease is held (none left to expire)."""
+    p = LLMEngine(engine_config(model_dir, num_gpu_blocks_override=128,
+                                kv_transfer_config=kv_config("prefill-soak")))
+    d = LLMEngine(engine_config(model_dir, num_gpu_blocks_override=128, kv_transfer_config=kv_config("decode-soak")))
+    try:
+        _soak(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _soak(p, d):
+    rng = random.Random(11)
+    for wave in range(25):
+        prompts = {f"s{wave}-{i}": prompt_of(rng.randint(1, 24), wave * 100 + i) for i in range(8)}
+        params = {}
+        for rid, prompt in prompts.items():
+            p.add_request(rid, prompt, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True},
+                          on_update=lambda u, rid=rid: params.__setitem__(rid, u) if u.finished else None)
+            if rng.random() < 0.1:
+                p.abort_request(rid)
+        run([p], until=lambda: len(params) == len(prompts))
+        finished = set()
+        for rid, u in params.items():
+            if u.kv_transfer_params is None or not u.kv_transfer_params.get("do_remote_prefill"):
+                continue  # aborted on the prefill side
+            d.add_request(rid, prompts[rid], SamplingOptions(temperature=0.0, max_tokens=rng.randint(1, 4)),
+                          kv_transfer_params=u.kv_transfer_params,
+                          on_update=lambda u, rid=rid: finished.add(rid) if u.finished else None)
+        for _ in range(rng.randint(0, 3)):
+            p.step()
+            d.step()
+        for rid in list(d.requests):
+            if rng.random() < 0.3:
+                d.abort_request(rid)
+        run([p, d], until=lambda: not d.requests)
+    run([p, d], until=lambda: idle(p, d) and p.connector.stats()["kv_leases"] == 0)
