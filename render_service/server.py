@@ -46,12 +46,10 @@ from render_service.render import (
     RenderConfig,
     add_special_tokens,
     check_model,
-    chat_template_for,
     render_chat,
+    render_chat_prompt,
     render_completion,
-    resolve_chat_template_kwargs,
 )
-from render_service.templates import TemplateError, prepare_messages
 
 logger = logging.getLogger("render_service.server")
 
@@ -198,15 +196,7 @@ def create_app(
                 chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
             )
-            kwargs = resolve_chat_template_kwargs(chat, config)
-            try:
-                text = chat_template_for(chat, config).render(
-                    prepare_messages(req.messages), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message, **kwargs,
-                )
-            except TemplateError as exc:
-                raise bad_request(str(exc), "messages") from None
-            ids = config.tokenizer.encode(text)
+            ids, _ = render_chat_prompt(chat, config)  # the same path as /render
             if req.add_special_tokens:
                 ids = add_special_tokens(ids, config)
         strs = None
