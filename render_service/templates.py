@@ -446,13 +446,15 @@ def _check_tools(tools: Any) -> list | None:
 # --------------------------------------------------------------------------- request preparation
 
 def prepare_messages(openai_messages: Iterable[Any], content_format: str = "string") -> list[dict[str, Any]]:
-    """OpenAI chat messages -> template messages, as vLLM prepares them.
+    """OpenAI chat messages -> template messages, as vLLM 0.32 prepares them.
 
     ``content_format="string"`` (templates that treat content as text, like Qwen's): text parts are
-    joined with "\\n" and a missing content becomes "". ``"openai"``: content stays a list of
-    ``{"type": "text", "text": ...}`` parts. Tool-call arguments given as a JSON string become a mapping
-    (invalid JSON -> {}), an empty ``tool_calls`` list is dropped, ``reasoning``/``reasoning_content``
-    are both set from either, ``name`` and a tool's ``tool_call_id`` are kept. Non-text parts are refused.
+    joined with "\\n" and a missing content becomes "". ``"openai"`` (templates that loop over parts,
+    see ``detect_content_format``): content stays a list of ``{"type": "text", "text": ...}`` parts.
+    Tool-call arguments become a mapping (a JSON-object string is parsed; anything else is {}), an
+    empty ``tool_calls`` list is dropped, ``reasoning`` (or the older ``reasoning_content``) is set
+    under both names, ``name``, ``task`` and a tool's ``tool_call_id`` are kept. Non-text parts are
+    refused: the render tier is text-only.
     """
     if content_format not in ("string", "openai"):
         raise TemplateError(f"Unknown chat template content format {content_format!r}")
