@@ -72,6 +72,22 @@ def interleaved_medians(fns: dict, text: str, repeats: int) -> dict[str, tuple[f
             for name, values in samples.items()}
 
 
+def bare_tiktoken(tokenizer_file):
+    """tiktoken's encode_ordinary over the file's ranks and split regex, nothing else (None if not byte-level)."""
+    import tiktoken
+
+    from render_service.tokenizer import byte_level_ranks, read_tokenizer_spec
+
+    spec = read_tokenizer_spec(tokenizer_file.read_bytes())
+    ranks = byte_level_ranks(spec["model"]["vocab"])
+    steps = (spec.get("pre_tokenizer") or {}).get("pretokenizers") or []
+    if ranks is None or not steps or "Regex" not in (steps[0].get("pattern") or {}):
+        return None
+    encoding = tiktoken.Encoding("bare", pat_str=steps[0]["pattern"]["Regex"], mergeable_ranks=ranks,
+                                 special_tokens={})
+    return encoding.encode_ordinary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", help="model bundle directory (default: the built-in default bundle)")
@@ -106,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     text = nonrepetitive_text(args.tokens, lambda t: len(hf_encode(t)))
     reference = hf_encode(text)
     identical = ours.encode(text) == reference
-    timings = interleaved_medians({"tokenizers": hf_encode, "TextTokenizer": ours.encode}, text, args.repeats)
+    fns = {"tokenizers": hf_encode, "TextTokenizer": ours.encode}
+    floor = bare_tiktoken(tokenizer_file)
+    if floor is not None:
+        fns["bare tiktoken"] = floor  # no added-token split, no NFC check: the floor our wrapper adds to
+    timings = interleaved_medians(fns, text, args.repeats)
     (hf_wall, hf_cpu), (ours_wall, ours_cpu) = timings["tokenizers"], timings["TextTokenizer"]
 
     print(f"bundle:          {model_dir}")
@@ -119,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"encode, median of {args.repeats} interleaved runs:")
     print(f"  tokenizers     {hf_wall:8.2f} ms wall {hf_cpu:8.2f} ms CPU")
     print(f"  TextTokenizer  {ours_wall:8.2f} ms wall {ours_cpu:8.2f} ms CPU")
+    if "bare tiktoken" in timings:
+        bare_wall, bare_cpu = timings["bare tiktoken"]
+        print(f"  bare tiktoken  {bare_wall:8.2f} ms wall {bare_cpu:8.2f} ms CPU")
     print(f"  speed-up       {hf_wall / ours_wall:8.1f}x wall {hf_cpu / max(ours_cpu, 1e-9):8.1f}x CPU")
     return 0 if identical else 1
 
