@@ -1,0 +1,136 @@
+"""P/D with two engine processes over HTTP and NIXL: the prefill engine is a real `token_engine.cli serve`
+subprocess, the decode engines are real HTTP servers in this process. A caller does the two
+/inference/v1/generate hops itself, as vLLM's tokens-only guide does. The prefill process is killed and
+restarted (same engine id and side-channel port) to check both failure policies and the peer re-add."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.engine_harness import ServerThread, engine_config, write_tiny_qwen3
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+PROMPT = [1500 + 37 * i for i in range(29)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_config(engine_id: str, policy: str = "fail") -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_load_failure_policy": policy}
+
+
+class PrefillProcess:
+    def __init__(self, model_dir, side_channel_port: int):
+        self.port = free_port()
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+             "--num-gpu-blocks-override", "64", "--log-level", "warning",
+             "--kv-transfer-config", json.dumps(kv_config("prefill-proc"))],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        deadline = time.monotonic() + 180  # hang guard only: a loaded 2-core box needs ~15 s
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
+            try:
+                if self.client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "prefill engine did not come up"
+            time.sleep(0.1)
+
+    def prefill(self, prompt: list[int]) -> dict:
+        r = self.client.post("/inference/v1/generate", json={
+            "token_ids": prompt, "sampling_params": {"temperature": 0.0, "max_tokens": 1},
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+        assert r.status_code == 200, r.text
+        return r.json()["kv_transfer_params"]
+
+    def kill(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("pdp") / "tiny")
+    side_port = free_port()
+    prefill = PrefillProcess(model_dir, side_port)
+    with ServerThread(engine_config(model_dir, kv_transfer_config=kv_config("decode-fail"))) as d_fail, \
+            ServerThread(engine_config(model_dir, kv_transfer_config=kv_config("decode-re", "recompute"))) as d_re:
+        state = {"model": model_dir, "side_port": side_port, "prefill": prefill, "fail": d_fail, "re": d_re}
+        yield state
+        state["prefill"].kill()
+    mp.undo()
+    torch.set_num_threads(threads)
+
+
+def generate(server: ServerThread, prompt: list[int], params: dict | None = None) -> httpx.Response:
+    with server.client() as c:
+        return c.post("/inference/v1/generate", json={"token_ids": prompt, "sampling_params": GREEDY,
+                                                      **({"kv_transfer_params": params} if params else {})})
+
+
+def collocated(server: ServerThread, prompt: list[int]) -> list[int]:
+    r = generate(server, prompt)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_pd_over_http_equals_collocated_and_reports_transfer_metrics(setup):
+    expected = collocated(setup["fail"], PROMPT)
+    params = setup["prefill"].prefill(PROMPT)
+    assert params["remote_port"] == setup["side_port"] and params["remote_num_tokens"] == len(PROMPT)
+    r = generate(setup["fail"], PROMPT, params)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == expected
+    with setup["fail"].client() as c:
+        metrics = c.get("/metrics").text
+    assert "vllm:nixl_xfer_time_seconds_count 1.0" in metrics
+    assert "vllm:nixl_num_descriptors_sum 1.0" in metrics  # 8 consecutive blocks -> one descriptor
+
+
+def test_prefill_killed_before_decode_reads_fails_or_recomputes(setup):
+    expected = collocated(setup["re"], PROMPT[:21])
+    params_fail = setup["prefill"].prefill(PROMPT[:21])
+    params_re = setup["prefill"].prefill(PROMPT[:21])
+    setup["prefill"].kill()
+    r = generate(setup["fail"], PROMPT[:21], params_fail)
+    assert r.status_code >= 400 and "KV" in r.json()["error"]["message"]
+    r = generate(setup["re"], PROMPT[:21], params_re)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == expected
+
+
+def test_restarted_prefill_engine_is_re_added(setup):
+    setup["prefill"] = PrefillProcess(setup["model"], setup["side_port"])
+    expected = collocated(setup["fail"], PROMPT[:13])
+    for _ in range(2):
+        params = setup["prefill"].prefill(PROMPT[:13])
+        r = generate(setup["fail"], PROMPT[:13], params)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected
