@@ -8,6 +8,7 @@ feed is O(new text + held-back suffix) however long a call's arguments grow.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Annotated, ClassVar
@@ -70,15 +71,19 @@ class PieceSink:
 # Tag search with hold-back
 
 
+@functools.lru_cache(maxsize=64)
+def _partial_tag_pattern(tags: tuple[str, ...]) -> tuple[re.Pattern, int]:
+    # every proper prefix of every tag, anchored at the end of the text; the leftmost match is the longest
+    prefixes = {t[:k] for t in tags for k in range(1, len(t))}
+    alternation = "|".join(re.escape(p) for p in sorted(prefixes, key=len, reverse=True))
+    return re.compile(f"(?:{alternation})\\Z"), max(len(t) for t in tags) - 1
+
+
 def partial_tag_len(buf: str, start: int, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of buf[start:] that is a proper prefix of one of ``tags``."""
-    longest = max(len(t) for t in tags) - 1
-    for k in range(min(longest, len(buf) - start), 0, -1):
-        tail = buf[len(buf) - k :]
-        for tag in tags:
-            if len(tag) > k and tag.startswith(tail):
-                return k
-    return 0
+    pattern, longest = _partial_tag_pattern(tags)
+    m = pattern.search(buf, max(start, len(buf) - longest))
+    return len(buf) - m.start() if m else 0
 
 
 def find_tag(buf: str, start: int, tags: tuple[str, ...]) -> tuple[int, str | None]:
