@@ -137,12 +137,8 @@ class HermesToolParser:
                     if stop < end:
                         state.held = buf[pos:]
                         return
-                elif outcome == DONE:
-                    if call.name_emitted:
-                        self._end_call(state, AFTER_CALL)
-                    else:
-                        self._release(state, sink)
-                elif outcome == MALFORMED:
+                elif outcome in (DONE, MALFORMED):
+                    # after the object (or where it broke) only a closing or next opening tag matters
                     if call.name_emitted:
                         self._end_call(state, AFTER_CALL)
                     else:
