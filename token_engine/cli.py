@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
     s.add_argument("--log-level", default="info")
 
+    pf = sub.add_parser("preflight", add_help=False,
+                        help="check the KV transfer path (NIXL/UCX) between two local agents; --help for options")
+    pf.add_argument("preflight_args", nargs=argparse.REMAINDER)
+
     r = sub.add_parser("make-random-model", help="write a random-weight model directory (no hub access)")
     r.add_argument("out")
     r.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral"], default="qwen3")
@@ -113,6 +117,11 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preflight"]:  # its options (--help included) belong to the preflight parser
+        from token_engine.kv_connector.preflight import main as preflight_main
+
+        return preflight_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "make-random-model":
         from token_engine.random_model import write_random_model
