@@ -352,14 +352,17 @@ def _token_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
     return ""
 
 
-def _resolved_entries(logprobs: Any, tokenizer: Any) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
+def _resolved_entries(
+    logprobs: Any, tokenizer: Any, context: list[int] | None = None
+) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
+    """``context``: earlier sampled ids (streaming carries them across chunks); extended in place."""
     if not isinstance(logprobs, dict):
         return None
     content = logprobs.get("content")
     if not isinstance(content, list):
         return None
     out = []
-    context: list[int] = []
+    context = context if context is not None else []
     vocab = tokenizer.vocab_size
     for entry in content:
         tid = _entry_token_id(entry)
@@ -380,9 +383,9 @@ def _resolved_entries(logprobs: Any, tokenizer: Any) -> list[tuple[str, float, l
     return out
 
 
-def resolve_chat_logprobs(logprobs: Any, tokenizer: Any) -> dict[str, Any] | None:
+def resolve_chat_logprobs(logprobs: Any, tokenizer: Any, context: list[int] | None = None) -> dict[str, Any] | None:
     """Generate logprobs (token ids) -> OpenAI chat logprobs (token strings and UTF-8 bytes)."""
-    entries = _resolved_entries(logprobs, tokenizer)
+    entries = _resolved_entries(logprobs, tokenizer, context)
     if entries is None:
         return None
     return {"content": [
@@ -392,12 +395,14 @@ def resolve_chat_logprobs(logprobs: Any, tokenizer: Any) -> dict[str, Any] | Non
     ], "refusal": None}
 
 
-def resolve_completion_logprobs(logprobs: Any, tokenizer: Any) -> dict[str, Any] | None:
+def resolve_completion_logprobs(
+    logprobs: Any, tokenizer: Any, context: list[int] | None = None, text_offset: int = 0
+) -> dict[str, Any] | None:
     """Generate logprobs -> the legacy completions shape (text_offset, token_logprobs, tokens, top_logprobs)."""
-    entries = _resolved_entries(logprobs, tokenizer)
+    entries = _resolved_entries(logprobs, tokenizer, context)
     if entries is None:
         return None
-    offsets, offset = [], 0
+    offsets, offset = [], text_offset
     for tok, _, _ in entries:
         offsets.append(offset)
         offset += len(tok)
