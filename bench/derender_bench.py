@@ -288,6 +288,24 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
 # ------------------------------------------------------------------------------------- main
 
 
+def http_floor(client: httpx.Client, server: Server, prompt_ids: list[int], chat: dict, n: int = 500) -> dict:
+    """Server CPU per request of the cheapest requests, to separate HTTP cost from derender work."""
+    cpu0 = tree_cpu_s(server.pid)
+    for _ in range(n):
+        client.get("/health")
+    cpu1 = tree_cpu_s(server.pid)
+    body = json.dumps({"stream": True, "model": MODEL, "stream_state": None, "prompt_tokens": len(prompt_ids),
+                       "prompt_token_ids": prompt_ids, "chat_request": chat, "generate_chunk": {
+                           "request_id": "floor", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                                                           "total_tokens": 2}}}).encode()
+    for _ in range(n):
+        client.post("/v1/chat/completions/derender", content=body, headers={"content-type": "application/json"})
+    cpu2 = tree_cpu_s(server.pid)
+    return {"health_ms_per_request": round(1e3 * (cpu1 - cpu0) / n, 3),
+            "usage_only_derender_ms_per_request": round(1e3 * (cpu2 - cpu1) / n, 3),
+            "note": "usage-only chunk: same request body, no parsing work (HTTP + body decode + response)"}
+
+
 def summarise(points: list[dict]) -> dict:
     ns = [p["tokens"] for p in points]
     out = {"points": points}
@@ -303,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-tokens", default="500,1000,2000", help='comma list; "" skips vLLM')
     ap.add_argument("--vllm-venv", default=str(ROOT / "bench/.peers/vllm"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/derender_bench.json"))
+    ap.add_argument("--vllm-from", default=None,
+                    help="reuse the vLLM section of an earlier results file from this machine instead of re-running it")
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.tokens.split(",") if x]
     vllm_ns = [int(x) for x in a.vllm_tokens.split(",") if x]
@@ -331,9 +351,15 @@ def main(argv: list[str] | None = None) -> int:
                 print("splitserve", json.dumps(p), flush=True)
                 points.append(p)
             result["splitserve"] = summarise(points)
+            result["splitserve"]["http_floor"] = http_floor(client, ours, prompt_ids, chat)
         ours.stop()
         servers.remove(ours)
-        if vllm_ns:
+        if a.vllm_from:
+            earlier = json.loads(Path(a.vllm_from).read_text())
+            result["vllm"] = earlier["vllm"]
+            result["vllm"]["reused_from"] = {"file": a.vllm_from, "command": earlier.get("command"),
+                                             "loadavg_at_start": earlier.get("machine", {}).get("loadavg_at_start")}
+        elif vllm_ns:
             log = ROOT / "bench/results/vllm-render.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             vllm = start_vllm(Path(a.vllm_venv), log)

@@ -226,3 +226,33 @@ def test_signed_tier_refuses_state_from_an_unsigned_or_differently_keyed_server(
         ok = signed.post("/v1/chat/completions/derender", json=body).json()["stream_state"]
         r2 = signed.post("/v1/chat/completions/derender", json=dict(recorded("parsers", "12_chat_derender_stream")[1][0], stream_state=ok))
         assert r2.status_code == 200
+
+
+def test_logprobs_repair_a_character_split_across_chunks_with_the_carried_context():
+    """In-process: the byte tokens of one emoji arrive in separate chunks; the completing token's logprob
+    carries the character (the sampled ids of earlier chunks travel in stream_state)."""
+    import msgspec
+
+    from render_service.parsers.detokenizer import _bytes_to_unicode
+    from render_service.parsers.stream_derender import StreamRuntime, derender_completion_stream
+    from render_service.protocol import DerenderCompletionStreamRequest
+    from render_service.render import load_render_config
+
+    cfg = load_render_config(QWEN, served_model_names=["m"])
+    table = _bytes_to_unicode()
+    ids = cfg.tokenizer.encode("a") + [cfg.tokenizer.token_to_id(table[b]) for b in "😀".encode()]
+    rt, state, tokens, offsets, texts = StreamRuntime(), None, [], [], []
+    for t in ids:
+        body = {"stream": True, "stream_state": state, "generate_chunk": {"request_id": "g", "choices": [
+            {"index": 0, "token_ids": [t], "finish_reason": None,
+             "logprobs": {"content": [{"token_id": t, "logprob": -0.5, "top_logprobs": []}]}}]}}
+        out = msgspec.to_builtins(derender_completion_stream(
+            msgspec.convert(body, DerenderCompletionStreamRequest), cfg, rt))
+        state = out["stream_state"]
+        choice = out["chunk"]["choices"][0]
+        texts.append(choice["text"])
+        tokens += choice["logprobs"]["tokens"]
+        offsets += choice["logprobs"]["text_offset"]
+    assert texts == ["a", "", "", "", "😀"]
+    assert "".join(tokens) == "a😀" and "\ufffd" not in "".join(tokens)
+    assert offsets[0] == 0 and offsets[-1] == 1

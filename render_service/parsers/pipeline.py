@@ -58,6 +58,9 @@ class PipelineState(msgspec.Struct):
     model_call_ids: list[str] = []  # ids the model's own format supplied, by call index ("" = minted)
     tokens: int = 0  # completion tokens fed so far
     finished: bool = False
+    # streaming logprobs: the last sampled ids (U+FFFD repair across chunks) and the completions text offset
+    logprob_context: list[int] = []
+    logprob_text_offset: int = 0
 
 
 class ChoiceDelta(msgspec.Struct):

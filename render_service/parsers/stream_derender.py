@@ -56,6 +56,8 @@ from render_service.streaming_cache.codec import (
 )
 
 STATE_KEY = "splitserve_state"
+# Sampled ids carried for logprob U+FFFD repair across chunks (vLLM: 4).
+LOGPROB_CONTEXT = 4
 # vLLM's bound on its detokenizer window in stream_state.
 MAX_PREV_TOKENS = 1024
 MAX_PREV_TOKEN_CHARS = 256
@@ -159,6 +161,8 @@ def _check_bounds(state: PipelineState) -> None:
         and state.tokens >= 0
         and 0 <= state.tool_calls <= 4096
         and len(state.model_call_ids) <= 4096
+        and len(state.logprob_context) <= LOGPROB_CONTEXT
+        and state.logprob_text_offset >= 0
     )
     if not ok:
         raise bad_request("invalid stream_state: values out of range", "stream_state")
@@ -343,7 +347,9 @@ def derender_chat_stream(
         ]
     logprobs = None
     if choice.logprobs is not None and pcfg.include_reasoning:
-        logprobs = resolve_chat_logprobs(choice.logprobs, config.tokenizer)
+        context = list(state.logprob_context)
+        logprobs = resolve_chat_logprobs(choice.logprobs, config.tokenizer, context)
+        state.logprob_context = context[-LOGPROB_CONTEXT:]
     finish = pipeline.finish_reason(state, choice.finish_reason) if choice.finish_reason is not None else None
     out_chunk.choices = [ChatCompletionStreamChoice(
         index=choice.index, delta=message, logprobs=logprobs, finish_reason=finish,
@@ -384,9 +390,17 @@ def derender_completion_stream(
     session = _open_session(pipeline, req.stream_state, prompt_ids, binding, runtime, config, False)
     delta = _step(session, ids, choice.finish_reason)
     session.state.role_sent = True
+    logprobs = None
+    if choice.logprobs is not None:
+        state = session.state
+        context = list(state.logprob_context)
+        logprobs = resolve_completion_logprobs(choice.logprobs, config.tokenizer, context, state.logprob_text_offset)
+        state.logprob_context = context[-LOGPROB_CONTEXT:]
+        if logprobs is not None:
+            state.logprob_text_offset += sum(len(t) for t in logprobs["tokens"])
     out_chunk.choices = [CompletionStreamChoice(
         index=choice.index, text=delta.content or "",
-        logprobs=resolve_completion_logprobs(choice.logprobs, config.tokenizer) if choice.logprobs is not None else None,
+        logprobs=logprobs,
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
     )]
