@@ -212,7 +212,9 @@ class LLMEngine:
         blocked: frozenset[int] = frozenset()
         if seq.num_output_tokens < opts.min_tokens:
             blocked = opts.stop_token_ids | (frozenset() if opts.ignore_eos else seq.eos_token_ids)
-        return SamplingRow(opts, seq.prompt_token_ids, seq.output_token_ids, seq.generator, blocked)
+        # Output history is only read by penalties; copying it every step would cost O(length) per token.
+        history = seq.output_token_ids if opts.needs_penalties else []
+        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         k = seq.options.prompt_logprobs or 0
@@ -229,16 +231,16 @@ class LLMEngine:
         for i, seq in enumerate(state.seqs):
             if state.emitted[i] < 0:  # its final delta is out
                 continue
-            new = seq.output_token_ids[state.emitted[i]:]
+            new = seq.token_ids[seq.prompt_len + state.emitted[i]:]
             if not new and not seq.is_finished:
                 continue
             if new:
                 if state.emitted[i] == 0:
-                    m.label(m.ttft).observe(now - state.arrival)
+                    m.ttft_l.observe(now - state.arrival)
                 else:
-                    m.label(m.itl).observe((now - state.last_token_time[i]) / len(new))
+                    m.itl_l.observe((now - state.last_token_time[i]) / len(new))
                 state.last_token_time[i] = now
-                m.label(m.generation_tokens).inc(len(new))
+                m.generation_tokens_l.inc(len(new))
             logprobs, seq.new_logprobs = seq.new_logprobs, []
             deltas.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason))
             state.emitted[i] = -1 if seq.is_finished else state.emitted[i] + len(new)
@@ -256,7 +258,7 @@ class LLMEngine:
             update.error = next((s.error for s in state.seqs if s.error), None)
             if first.options.prompt_logprobs is not None:
                 update.prompt_logprobs = first.prompt_logprobs
-            m.label(m.e2e).observe(now - state.arrival)
+            m.e2e_l.observe(now - state.arrival)
             m.label(m.success, finished_reason=first.finish_reason or "stop").inc()
         state.on_update(update)
 

@@ -92,6 +92,7 @@ class BlockManager:
             self.ref_counts[b] += 1
         seq.block_table.extend(cached_blocks)
         seq.num_computed_tokens = len(cached_blocks) * self.block_size
+        seq.num_published_blocks = len(cached_blocks)
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_queried_tokens
@@ -122,15 +123,18 @@ class BlockManager:
         """Publish the hashes of seq's blocks that are full and computed, so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
+        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if n_full <= seq.num_published_blocks:  # most decode steps: no block filled up
+            return
         self.update_block_hashes(seq)
-        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table), len(seq.block_hashes))
-        for i in range(n_full):
+        for i in range(seq.num_published_blocks, n_full):
             block_id = seq.block_table[i]
             if self.block_hash[block_id] is not None:
                 continue
             h = seq.block_hashes[i]
             self.block_hash[block_id] = h
             self.cached.setdefault(h, block_id)  # an identical block may already be cached: keep the first
+        seq.num_published_blocks = n_full
 
     def free_blocks(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody holds go to the free list, tail last (freed later = evicted later)."""
@@ -146,6 +150,7 @@ class BlockManager:
                     self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()

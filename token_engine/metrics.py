@@ -37,6 +37,11 @@ class EngineMetrics:
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", labels,
                                    registry=r)
         self.model_name = model_name
+        # Children for the per-token hot path (labels() takes a lock and a dict lookup per call).
+        self.ttft_l = self.label(self.ttft)
+        self.itl_l = self.label(self.itl)
+        self.e2e_l = self.label(self.e2e)
+        self.generation_tokens_l = self.label(self.generation_tokens)
 
     def label(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from token_engine.attention import allocate_kv_pool, build_metadata
+from token_engine.attention import AttentionMetadata, allocate_kv_pool, build_metadata
 from token_engine.scheduler import ScheduledSequence
 
 
@@ -66,9 +66,8 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(row - 1)
 
-        meta = build_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        meta, ids, pos, rows = self._to_device(build_metadata(query_lens, seq_lens, tables, self.block_size, "cpu"),
+                                               input_ids, positions, sample_rows)
         if self.decode_graphs is not None and self.decode_graphs.can_replay(meta):
             hidden = self.decode_graphs.replay(ids, pos, meta)
         else:
@@ -76,7 +75,7 @@ class ModelRunner:
 
         vocab = self.arch.vocab_size
         if sample_rows:
-            sample_logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            sample_logits = self.model.compute_logits(hidden[rows])
         else:
             sample_logits = torch.empty(0, vocab, device=self.device)
         prompt_logits = {
@@ -84,3 +83,19 @@ class ModelRunner:
             for seq_id, first, row_start, count in prompt_spans
         }
         return StepLogits(sample_logits, prompt_logits)
+
+    def _to_device(self, meta: AttentionMetadata, input_ids: list[int], positions: list[int], sample_rows: list[int]):
+        """Moves the step's integer inputs to the device in one host-to-device copy (each copy is a sync)."""
+        host = (meta.query_start_loc.tolist(), meta.seq_lens.tolist())  # the CPU attention path wants lists
+        parts = [torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                 torch.tensor(sample_rows, dtype=torch.int64), meta.slot_mapping, meta.query_start_loc.long(),
+                 meta.seq_lens.long(), meta.block_tables.long().flatten()]
+        flat = torch.cat(parts)
+        if self.device.type != "cpu":
+            flat = flat.to(self.device)
+        ids, pos, rows, slots, starts, lens, tables = flat.split([p.numel() for p in parts])
+        device_meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=starts.int(), seq_lens=lens.int(),
+            block_tables=tables.view(meta.block_tables.shape).int(), block_size=meta.block_size,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, _host=host)
+        return device_meta, ids, pos, rows

@@ -52,23 +52,16 @@ class Sampler:
         batch, vocab = logits.shape
         device = logits.device
         raw = logits
-        logits = logits.clone()
-
-        self._apply_masks_and_bias(logits, rows)
-        if any(r.options.needs_penalties for r in rows):
-            self._apply_penalties(logits, rows, vocab)
-
-        greedy = torch.tensor([r.options.greedy for r in rows], device=device)
-        tokens = logits.argmax(dim=1)
-        if not bool(greedy.all()):
-            temps = torch.tensor([r.options.temperature if not r.options.greedy else 1.0 for r in rows],
-                                 device=device, dtype=torch.float32)
-            scaled = logits / temps[:, None]
-            scaled = self._apply_top_filters(scaled, rows, vocab)
-            probs = scaled.softmax(dim=1)
-            noise = self._exponential_noise(rows, batch, vocab).to(device)
-            sampled = (probs / noise).argmax(dim=1)
-            tokens = torch.where(greedy, tokens, sampled)
+        plain_greedy = all(r.options.greedy and not r.options.needs_penalties and not r.options.logit_bias
+                           and r.options.allowed_token_ids is None and not r.stop_ids_blocked for r in rows)
+        if plain_greedy:  # the common decode case: no copy of the logits, one argmax
+            tokens = logits.argmax(dim=1)
+        else:
+            logits = logits.clone()
+            self._apply_masks_and_bias(logits, rows)
+            if any(r.options.needs_penalties for r in rows):
+                self._apply_penalties(logits, rows, vocab)
+            tokens = self._choose(logits, rows, batch, vocab)
 
         token_list = tokens.tolist()
         logprob_out: list[TokenLogprob | None] = [None] * batch
@@ -82,6 +75,21 @@ class Sampler:
                 entry.top = entry.top[: rows[i].options.logprobs]
                 logprob_out[i] = entry
         return token_list, logprob_out
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], batch: int, vocab: int) -> torch.Tensor:
+        device = logits.device
+        greedy = torch.tensor([r.options.greedy for r in rows], device=device)
+        tokens = logits.argmax(dim=1)
+        if not all(r.options.greedy for r in rows):
+            temps = torch.tensor([r.options.temperature if not r.options.greedy else 1.0 for r in rows],
+                                 device=device, dtype=torch.float32)
+            scaled = logits / temps[:, None]
+            scaled = self._apply_top_filters(scaled, rows, vocab)
+            probs = scaled.softmax(dim=1)
+            noise = self._exponential_noise(rows, batch, vocab).to(device)
+            sampled = (probs / noise).argmax(dim=1)
+            tokens = torch.where(greedy, tokens, sampled)
+        return tokens
 
     # ---- steps ------------------------------------------------------------------------------------
     @staticmethod

@@ -77,6 +77,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of token_ids, in order
     num_computed_tokens: int = 0  # tokens whose K/V is in the pool
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a peer at admission
     num_preemptions: int = 0
     kv_transfer_params_out: dict | None = None  # the connector's answer, returned on the response
