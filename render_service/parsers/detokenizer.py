@@ -33,7 +33,7 @@ class DetokenizerConfig(msgspec.Struct, frozen=True):
     hidden_token_ids: frozenset[int] = frozenset()
 
 
-class DetokenizerState(msgspec.Struct):
+class DetokenizerState(msgspec.Struct, omit_defaults=True):
     """Byte-level path uses ``pending``; the general path uses the window and offsets."""
 
     pending: bytes = b""

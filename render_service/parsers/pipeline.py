@@ -47,7 +47,7 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     hidden_token_ids: frozenset[int] = frozenset()
 
 
-class PipelineState(msgspec.Struct):
+class PipelineState(msgspec.Struct, omit_defaults=True):
     """Plain data only: this is what stream_state carries (no token history)."""
 
     detok: DetokenizerState

@@ -31,7 +31,7 @@ REASONING = 1
 CONTENT = 2
 
 
-class ThinkState(msgspec.Struct):
+class ThinkState(msgspec.Struct, omit_defaults=True):
     mode: int = AWAIT_START
     held: str = ""  # text that may still turn out to be (part of) a tag
 
