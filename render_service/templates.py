@@ -128,8 +128,38 @@ class _SafeNamespace(jinja2.utils.Namespace):
             )
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class ChatSandbox(ImmutableSandboxedEnvironment):
+    """HF's sandbox, with two shortcuts that give the same answers faster on the hot path."""
+
+    _attribute_safety: dict[tuple[type, str], bool] = {}
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        # A plain dict has no attributes beyond dict's own, so Jinja's getattr would fail and fall back
+        # to obj[attribute]; all template data is rebuilt as plain dicts, so go there directly.
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        # The sandbox's verdict depends only on the object's type and the attribute's name (isinstance
+        # tests and name rules), so remember it: loops ask about loop.index0 or str.startswith each turn.
+        key = (type(obj), attr)
+        safe = self._attribute_safety.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._attribute_safety) < 4096:  # `|attr(name)` can make names from data: stay bounded
+                self._attribute_safety[key] = safe
+        return safe
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = ChatSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -239,8 +269,12 @@ def detect_content_format(source: str) -> str:
 def _plain(value: Any) -> Any:
     """A fresh copy built from JSON types only; anything else becomes an inert ``<TypeName>``."""
     kind = type(value)
-    if value is None or kind in (str, int, float, bool):
+    if kind is str or value is None or kind is int or kind is bool or kind is float:
         return value
+    if kind is dict:
+        return {k if type(k) is str else _plain(k): _plain(v) for k, v in value.items()}
+    if kind is list:
+        return [_plain(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, bool):
