@@ -380,6 +380,30 @@ def test_health_models_version_and_metrics(server, client):
     assert debug["num_blocks"] == server.llm.num_blocks
 
 
+def test_cached_tokens_are_reported_with_prompt_tokens_details(tmp_path):
+    model_dir = write_tiny_qwen3(tmp_path / "m", vocab_size=512)
+    with ServerThread(engine_config(model_dir), enable_prompt_tokens_details=True) as srv, srv.client() as c:
+        body = {"token_ids": list(range(100, 118)), "sampling_params": {"max_tokens": 1}}
+        first = c.post("/inference/v1/generate", json=body).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        second = c.post("/inference/v1/generate", json=body).json()
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}  # 4 full blocks of 4
+
+
+def test_a_dead_engine_fails_health_and_requests_instead_of_hanging(tmp_path):
+    model_dir = write_tiny_qwen3(tmp_path / "m", vocab_size=512)
+    with ServerThread(engine_config(model_dir)) as srv, srv.client() as c:
+        def broken_step():
+            raise SystemExit("simulated engine crash")  # BaseException: not caught as a step failure
+
+        srv.llm.step = broken_step
+        r = c.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
+        assert r.status_code == 500 and "engine" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        r = c.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
+        assert r.status_code == 503
+
+
 def test_kv_transfer_params_reach_the_connector_and_come_back(tmp_path):
     class EchoConnector:
         """A real connector behind the seam: records what it was handed, answers with it."""

@@ -386,4 +386,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - reported through /health
             self.dead = repr(exc)
             log.exception("engine thread died")
-            raise
+            try:  # waiting callers get an error instead of hanging
+                self.engine.fail_all(f"engine thread died: {exc!r}")
+            except Exception:  # noqa: BLE001
+                log.exception("could not fail the remaining requests")
