@@ -47,7 +47,8 @@ def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig
     role = cfg.get("kv_role", "kv_both")
     if role not in ROLES:
         raise ValueError(f"kv_role must be one of {ROLES}, got {role!r}")
-    extra = cfg.get("kv_connector_extra_config") or {}
+    extra = cfg.get("kv_connector_extra_config")
+    extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise ValueError("kv_connector_extra_config must be a JSON object")
     policy = cfg.get("kv_load_failure_policy", extra.get("kv_load_failure_policy", "fail"))

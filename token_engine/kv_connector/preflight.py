@@ -102,9 +102,9 @@ def protocols_from(ucx_output: str) -> list[str]:
             continue
         if not in_read_table or low.count("|") < 3:
             continue
-        config = low.rsplit("|", 2)[-2]
+        row = low.split("]")[-1]  # drop the timestamp/host prefix; description and config columns both count
         for word in PROTO_WORDS:
-            if re.search(rf"\b{word}\b", config) and word not in found:
+            if re.search(rf"\b{word}\b", row) and word not in found:
                 found.append(word)
     return found
 
