@@ -245,8 +245,9 @@ def _answer_state(session: _Session, binding: bytes, runtime: StreamRuntime, new
                 session.pipeline._call_id_for(state, i) for i in range(state.tool_calls)
             ]
             cfg = session.pipeline.config
-            if not state.finished:
-                # Keep a copy for the next chunk: the caller may retry this one, so ours stays untouched.
+            if not state.finished and STATE_KEY not in (session.incoming or {}):
+                # A caller that drops our key needs the cache. Keep a copy for the next chunk: the caller
+                # may retry this one, so the stored bytes stay untouched.
                 runtime.cache.put(history_key(cfg.request_id, cfg.choice_index, binding, history),
                                   msgspec.msgpack.encode(state))
         else:
