@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             result["vllm"]["reused_from"] = {"file": a.vllm_from, "command": earlier.get("command"),
                                              "loadavg_at_start": earlier.get("machine", {}).get("loadavg_at_start")}
         elif vllm_ns:
-            log = ROOT / "bench/results/vllm-render.log"
+            log = ROOT / "bench/.peers/vllm-render.log"  # ignored by git
             log.parent.mkdir(parents=True, exist_ok=True)
             vllm = start_vllm(Path(a.vllm_venv), log)
             servers.append(vllm)
