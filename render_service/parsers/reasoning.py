@@ -148,8 +148,8 @@ class ThinkReasoningParser:
         rest = buf[at + len("<tool_call>"):].lstrip()
         if rest.startswith("<function=") or rest.startswith("<function "):
             return "end"
-        if "<function".startswith(rest) or (rest.startswith("<function") and len(rest) == len("<function")):
-            return "wait"
+        if "<function".startswith(rest):
+            return "wait"  # only whitespace and a prefix of "<function" so far
         return "no"
 
 
