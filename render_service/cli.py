@@ -50,6 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
     serve.add_argument("--workers", type=int, default=1, help="server processes sharing the port")
+    gw = serve.add_argument_group("gateway", "serve /v1/chat/completions and /v1/completions over engine pools")
+    gw.add_argument("--engine", action="extend", nargs="+", default=None, metavar="URL",
+                    help="collocated engine replica(s); a host with several addresses is one replica per address")
+    gw.add_argument("--prefill", action="extend", nargs="+", default=None, metavar="URL",
+                    help="prefill engine replica(s) (disaggregated, with --decode)")
+    gw.add_argument("--decode", action="extend", nargs="+", default=None, metavar="URL",
+                    help="decode engine replica(s) (disaggregated, with --prefill)")
+    gw.add_argument("--engine-block-size", type=int, default=16, help="the engines' KV block size")
+    gw.add_argument("--prefix-affinity-blocks", type=int, default=4,
+                    help="leading KV blocks of the prompt that key replica affinity (0: load only)")
+    gw.add_argument("--prefix-affinity-load-factor", type=float, default=1.25,
+                    help="affinity yields once a replica carries this times the mean load")
+    gw.add_argument("--engine-retries", type=int, default=2,
+                    help="further replicas to try when one fails before the first token")
+    gw.add_argument("--dns-refresh-interval", type=float, default=10.0, help="seconds between re-resolving pools")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
     return parser
@@ -74,6 +89,20 @@ def resolve_model_dir(model: str | None) -> tuple[str, str]:
     directory = default_bundle_dir()
     # The cache directory ends in a content hash ("qwen3-tiny-282fb4622aa470de"); serve it as "qwen3-tiny".
     return str(directory), re.sub(r"-[0-9a-f]{8,}$", "", Path(directory).name)
+
+
+def build_gateway(args: argparse.Namespace) -> Any:
+    """The gateway when engine pools were given, else None (ValueError on a bad combination)."""
+    if not (args.engine or args.prefill or args.decode):
+        return None
+    from render_service.gateway.flow import Gateway, GatewaySettings
+
+    settings = GatewaySettings(
+        block_size=args.engine_block_size, affinity_blocks=args.prefix_affinity_blocks,
+        retries=args.engine_retries, load_factor=args.prefix_affinity_load_factor,
+        dns_refresh_s=args.dns_refresh_interval,
+    )
+    return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings)
 
 
 def _uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
@@ -124,7 +153,9 @@ def serve(args: argparse.Namespace) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             max_model_len=args.max_model_len,
         )
-        app = create_app(config, api_key=args.api_key, stream_state_secret=args.stream_state_secret)
+        gateway = build_gateway(args)
+        app = create_app(config, api_key=args.api_key, stream_state_secret=args.stream_state_secret,
+                         gateway=gateway)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
                     time.perf_counter() - started, config.fingerprint, config.max_model_len)
         if args.workers == 1:
@@ -145,7 +176,7 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
     import uvicorn
 
     sock = _bind(args.host, args.port)
-    children: dict[int, int] = {}  # pid -> worker number
+    children: dict[int, tuple[int, float]] = {}  # pid -> (worker number, start time)
     stopping = False
 
     def spawn(number: int) -> None:
@@ -157,7 +188,7 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
                 uvicorn.Server(_uvicorn_config(app, args)).run(sockets=[sock])
             finally:
                 os._exit(0)
-        children[pid] = number
+        children[pid] = (number, time.monotonic())
 
     def stop(signum: int, frame: Any) -> None:
         nonlocal stopping
@@ -180,10 +211,12 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
             break
         except InterruptedError:
             continue
-        number = children.pop(pid, None)
-        if number is not None and not stopping:
+        child = children.pop(pid, None)
+        if child is not None and not stopping:
+            number, started = child
             logger.warning("worker %d (pid %d) exited with status %d; starting a new one", number, pid, status)
-            time.sleep(0.2)  # no tight loop if a worker dies at once
+            if time.monotonic() - started < 1.0:
+                time.sleep(1.0)  # a worker that dies at once must not become a fork loop
             spawn(number)
     sock.close()
     return 0
