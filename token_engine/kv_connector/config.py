@@ -3,7 +3,8 @@
 Top level: kv_connector, kv_role (kv_producer | kv_consumer | kv_both; like vLLM, the role does not restrict
 what an engine does: the caller decides who prefills), kv_load_failure_policy (fail | recompute; also
 accepted inside kv_connector_extra_config as issue 5 words it), engine_id, kv_buffer_device.
-kv_connector_extra_config: kv_lease_duration (s), bidirectional_kv_xfer, backends (["UCX"] only), plus ours:
+kv_connector_extra_config: kv_lease_duration (s), bidirectional_kv_xfer, decoder_kv_blocks_ttl (s, how long
+decode holds a finished turn's blocks for the next turn's prefill), backends (["UCX"] only), plus ours:
 kv_load_timeout (s, our own deadline for a whole load), kv_log_interval (s).
 Side channel: VLLM_NIXL_SIDE_CHANNEL_HOST (default localhost) and VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600;
 0 picks a free port, which then travels in kv_transfer_params as remote_port).
@@ -28,6 +29,7 @@ class NixlConnectorConfig:
     load_timeout_s: float = 10.0
     log_interval_s: float = 10.0
     bidirectional: bool = False
+    decoder_ttl_s: float = 480.0
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600
 
@@ -79,5 +81,6 @@ def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig
         load_timeout_s=_number(extra, "kv_load_timeout", 10.0, 0, 3600),
         log_interval_s=_number(extra, "kv_log_interval", 10.0, 0, 86400),
         bidirectional=bidirectional,
+        decoder_ttl_s=_number(extra, "decoder_kv_blocks_ttl", 480.0, 0, 86400),
         side_channel_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
         side_channel_port=port)

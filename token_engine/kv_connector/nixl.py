@@ -11,12 +11,22 @@ the scheduler allocates blocks and parks the request, `update_state_after_alloc`
 `poll()` (every step, ~1 ms while anything is in flight) reports the load as finished or failed; the
 scheduler then applies kv_load_failure_policy. kv_transfer_params are untrusted: anything malformed is a
 failed load (policy "fail": a clear error; "recompute": computed locally).
+
+Bidirectional multi-turn (bidirectional_kv_xfer on both engines): at the end of a turn decode holds its
+blocks (prompt + output, minus the last token, which has no KV yet) for decoder_kv_blocks_ttl and returns
+their params; the caller sends them to prefill next turn with do_remote_decode. Prefill pulls them and
+computes only the new tokens, but only if the new prompt extends the held tokens exactly: every params object
+we return carries `remote_token_hash` (sha256 of the held token ids), and a prompt whose prefix does not
+hash the same (a template that drops reasoning from history, say) is recomputed instead. vLLM has no such
+guard and silently decodes from KV of other tokens (vllm#43094). Params without the hash are not reused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
+from array import array
 
 from token_engine.kv_connector.base import ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
@@ -28,6 +38,11 @@ MAX_REMOTE_BLOCKS = 1 << 20
 
 class BadTransferParams(ValueError):
     pass
+
+
+def token_hash(token_ids: list[int]) -> str:
+    """Names exactly which tokens a set of held blocks holds KV for."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
 
 
 def _flat_block_ids(value) -> list[int]:
@@ -63,6 +78,9 @@ def parse_remote(params: dict, prompt_token_ids: list[int], block_size: int) -> 
     echoed = params.get("prompt_token_ids")
     if echoed is not None and echoed != prompt_token_ids:
         raise BadTransferParams("kv_transfer_params.prompt_token_ids differ from the request's prompt")
+    held_hash = params.get("remote_token_hash")
+    if held_hash is not None and held_hash != token_hash(prompt_token_ids[:num_tokens]):
+        raise BadTransferParams("the peer holds KV for other tokens than this prompt's first remote_num_tokens")
     return RemoteKV(engine_id, host, port, request_id, epoch, tuple(blocks)), num_tokens
 
 
@@ -99,13 +117,20 @@ class NixlConnector:
 
     def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> tuple[int, bool]:
         params = seq.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not params:
             return 0, False
+        if params.get("do_remote_prefill"):
+            return self._plan_load(seq, params, num_computed_tokens, refuse_is_failure=True)
+        if params.get("do_remote_decode") and params.get("remote_block_ids") and self.config.bidirectional:
+            return self._plan_turn_reuse(seq, params, num_computed_tokens)
+        return 0, False
+
+    def _plan_load(self, seq, params: dict, num_computed_tokens: int, refuse_is_failure: bool) -> tuple[int, bool]:
         try:
             remote, num_tokens = parse_remote(params, seq.prompt_token_ids, self.block_size)
         except BadTransferParams as e:
-            if self.load_failure_policy == "recompute":
-                log.warning("request %s: %s; recomputing the prompt", seq.seq_id, e)
+            if not refuse_is_failure or self.load_failure_policy == "recompute":
+                log.warning("request %s: %s; computing the prompt locally", seq.seq_id, e)
                 return 0, False
             # Under "fail" a bad handoff must reach the caller as an error: park it and fail it in poll().
             self._planned[seq.seq_id] = (None, num_computed_tokens, str(e))
@@ -115,6 +140,17 @@ class NixlConnector:
             return 0, False  # the local prefix cache already has all of it
         self._planned[seq.seq_id] = (remote, num_computed_tokens, "")
         return external, True
+
+    def _plan_turn_reuse(self, seq, params: dict, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prefill of a later turn: pull what decode holds for the conversation, only on an exact extension."""
+        held = params.get("remote_num_tokens")
+        if not isinstance(params.get("remote_token_hash"), str) or not isinstance(held, int) \
+                or not 0 < held < seq.prompt_len:
+            log.info("request %s: held conversation KV cannot be checked against the prompt; recomputing",
+                     seq.seq_id)
+            return 0, False
+        # parse_remote checks the hash: a prompt that does not extend the held tokens exactly is refused.
+        return self._plan_load(seq, params, num_computed_tokens, refuse_is_failure=False)
 
     def update_state_after_alloc(self, seq, block_ids: list[int], num_external_tokens: int) -> None:
         remote, num_computed, error = self._planned.pop(seq.seq_id, (None, 0, "no remote KV planned"))
@@ -141,26 +177,33 @@ class NixlConnector:
         params = seq.kv_transfer_params
         if not params:
             return False, None
+        ended_well = seq.finish_reason not in ("abort", "error")
         if params.get("do_remote_prefill"):
             seq.kv_transfer_params = None  # consumed: never echo a peer's block ids back to the caller
             if seq.num_cached_tokens == 0 and self.handoff is not None:
                 self._abandon(params, seq)  # finished (aborted) before its load began
+            if self.config.bidirectional and ended_well:
+                # Hold this turn's KV for the conversation's next prefill (prompt + output, no last token).
+                return self._hold(seq, block_ids, seq.num_computed_tokens, self.config.decoder_ttl_s, for_prefill=True)
             return False, None
-        if not params.get("do_remote_decode") or seq.finish_reason in ("abort", "error"):
+        if not params.get("do_remote_decode") or not ended_well:
             return False, None
-        num_tokens = min(seq.num_computed_tokens, seq.prompt_len)
-        if num_tokens <= 0:
+        return self._hold(seq, block_ids, min(seq.num_computed_tokens, seq.prompt_len), None, for_prefill=False)
+
+    def _hold(self, seq, block_ids: list[int], num_tokens: int, duration_s, for_prefill: bool):
+        if num_tokens <= 0 or self.handoff is None:
             return False, None
         if seq.seq_id in self._lease_epochs:
             # The scheduler keys held requests by id: a second hold under the same id would orphan the first
-            # one's blocks. Refuse the handoff instead (decode then fails or recomputes by its policy).
-            log.warning("request id %s already holds KV for a decode; not holding it twice", seq.seq_id)
+            # one's blocks. Refuse the handoff instead (the peer then fails or recomputes by its policy).
+            log.warning("request id %s already holds KV for a peer; not holding it twice", seq.seq_id)
             return False, None
         held = block_ids[:-(-num_tokens // self.block_size)]
-        lease = self.handoff.hold(seq.seq_id, held)
+        lease = self.handoff.hold(seq.seq_id, held, duration_s)
         self._lease_epochs[seq.seq_id] = lease.epoch
         return True, {
-            "do_remote_prefill": True,
+            # Decode's end-of-turn params describe its blocks; the caller sets do_remote_decode for prefill.
+            "do_remote_prefill": not for_prefill,
             "do_remote_decode": False,
             "remote_block_ids": held,
             "remote_engine_id": self.config.engine_id,
@@ -170,6 +213,7 @@ class NixlConnector:
             "tp_size": 1,
             "remote_num_tokens": num_tokens,
             "remote_lease_epoch": lease.epoch,
+            "remote_token_hash": token_hash(seq.token_ids[:num_tokens]),
         }
 
     def _abandon(self, params: dict, seq) -> None:
