@@ -8,6 +8,7 @@ so its blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -31,6 +32,7 @@ try:
 except Exception:  # noqa: BLE001 - running from a source tree without metadata
     VERSION = "0.0.0"
 
+log = logging.getLogger("token_engine.server")
 LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
 MAX_REQUEST_BYTES = 64 << 20  # a 128k-token prompt is about 1 MB of JSON
 JSON = "application/json"
@@ -118,6 +120,7 @@ class Generation:
         self.n = n
         self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
+        self.started = time.monotonic()
         self.done = False
         fmt = req.logprobs_format or state.default_logprobs_format
         self.legacy_logprobs = fmt == "token_id_strings"
@@ -130,9 +133,14 @@ class Generation:
             self.done = True
             self.state.engine.abort_request(self.request_id)
 
-    def finish(self) -> None:
+    def finish(self, completion_tokens: int | None = None, outcome: str = "aborted") -> None:
         self.done = True
-        self.state.active.discard(self.request_id)
+        if self.request_id in self.state.active:
+            self.state.active.discard(self.request_id)
+            # One line per request, key=value, for log pipelines.
+            log.info("request_id=%s prompt_tokens=%d completion_tokens=%s n=%d stream=%s outcome=%s ms=%.1f",
+                     self.request_id, len(self.req.token_ids), completion_tokens, self.n, bool(self.req.stream),
+                     outcome, (time.monotonic() - self.started) * 1e3)
 
     def usage(self, completion_tokens: int, cached_tokens: int) -> p.UsageInfo:
         prompt_tokens = len(self.req.token_ids)
@@ -152,7 +160,7 @@ class Generation:
                     reasons[d.index] = d.finish_reason
             if update.finished:
                 break
-        self.finish()
+        self.finish(sum(len(t) for t in tokens), "error" if update.error else ",".join(r or "stop" for r in reasons))
         if update.error:
             return error_response(update.error, 500)
         want_logprobs = self.req.sampling_params.logprobs is not None
@@ -184,6 +192,7 @@ class Generation:
                 update = await self.queue.get()
                 if update.error:
                     yield b"data: " + p.error_body(update.error, 500) + b"\n\n"
+                    self.finish(sum(counts), "error")
                     break
                 for d in update.deltas:
                     counts[d.index] += len(d.token_ids)
@@ -198,6 +207,7 @@ class Generation:
                     first = False
                     yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                 if update.finished:
+                    self.finish(sum(counts), "finished")
                     if include_usage:
                         chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[],
                                                          usage=self.usage(sum(counts), update.num_cached_tokens))
