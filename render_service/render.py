@@ -274,7 +274,7 @@ def resolve_chat_template_kwargs(req: ChatCompletionRequest, config: RenderConfi
     kwargs = dict(config.default_chat_template_kwargs)
     if req.chat_template_kwargs:
         kwargs.update(req.chat_template_kwargs)
-    for forbidden in ("chat_template", "tokenize"):
+    for forbidden in ("chat_template", "tokenize", "messages", "conversation"):
         if forbidden in kwargs:
             raise bad_request(f"chat_template_kwargs may not set {forbidden!r}", "chat_template_kwargs")
     return kwargs
@@ -356,16 +356,20 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
         # As vLLM: content shaped for the template, developer role folded into system where the
         # template lacks it, tools in vLLM's model_dump shape.
         messages = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
-        text = template.render(
-            messages,
-            tools=prepare_tools(req.tools) if req.tools else None,
-            documents=req.documents,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            **kwargs,
-        )
+        arguments = {
+            "tools": prepare_tools(req.tools) if req.tools else None,
+            "documents": req.documents,
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+        }
+        # As in vLLM, chat_template_kwargs override the request's own template arguments.
+        arguments.update(kwargs)
+        text = template.render(messages, **arguments)
     except TemplateError as exc:
         raise bad_request(str(exc), "messages") from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+        # The template ran on client data and choked on it (say, a number where it expects text).
+        raise bad_request(f"The chat template failed on this request: {type(exc).__name__}: {exc}", "messages") from None
     ids = config.tokenizer.encode(text)
     return ids, kwargs
 

@@ -69,6 +69,8 @@ def decode(body: bytes, kind: type) -> Any:
         return decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
+    except RecursionError:
+        raise bad_request("Invalid JSON body: nested too deeply") from None
 
 
 def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
