@@ -206,3 +206,21 @@ def test_api_key_protects_everything_but_health():
         ok = srv.client.post("/v1/chat/completions/render", json=CHAT, headers={"authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert srv.client.get("/health").status_code == 200
+
+
+def test_deeply_nested_json_is_400(server):
+    deep = b'{"messages": [{"role": "user", "content": ' + b"[" * 100000 + b"]" * 100000 + b"}]}"
+    r = server.client.post("/v1/chat/completions/render", content=deep, headers={"content-type": "application/json"})
+    assert_error(r, 400, contains="nested too deeply")
+
+
+def test_chat_template_kwargs_override_template_arguments_like_vllm(server):
+    hi = [{"role": "user", "content": "hi"}]
+    plain = server.client.post("/v1/chat/completions/render", json={"messages": hi, "add_generation_prompt": False})
+    overridden = server.client.post("/v1/chat/completions/render", json={
+        "messages": hi, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert overridden.json()["token_ids"] == plain.json()["token_ids"]
+    assert_error(server.client.post("/v1/chat/completions/render", json={
+        "messages": hi, "chat_template_kwargs": {"tools": 5}}), 400, contains="Tools should be a list")
+    assert_error(server.client.post("/v1/chat/completions/render", json={
+        "messages": hi, "chat_template_kwargs": {"messages": []}}), 400, param="chat_template_kwargs")
