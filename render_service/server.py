@@ -94,9 +94,10 @@ def version() -> str:
 
 
 def create_app(
-    config: RenderConfig, *, api_key: str | None = None, stream_state_secret: str | None = None
+    config: RenderConfig, *, api_key: str | None = None, stream_state_secret: str | None = None,
+    gateway: Any = None,
 ) -> Starlette:
-    """The render server for one loaded configuration."""
+    """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
     stream_runtime = StreamRuntime(stream_state_secret)
     created = int(time.time())
@@ -245,6 +246,11 @@ def create_app(
         Route("/version", endpoint("version", version_endpoint, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_endpoint, auth=False), methods=["GET"]),
     ]
+
+    if gateway is not None:
+        from render_service.gateway.routes import gateway_routes
+
+        routes += gateway_routes(gateway, config, endpoint, read_json_body, decode)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return error_response(ApiError(f"Not found: {request.method} {request.url.path}", 404))

@@ -1,0 +1,248 @@
+"""Request flows over the engine pools: collocated (one generate call) and disaggregated (prefill, then decode).
+
+Every engine call streams, whatever the client asked for: stop strings and client disconnects can then
+end the generation early, and a replica that dies before its first event can be swapped for another
+(``retries`` more attempts, each on a replica not tried yet). Once an event has reached the caller the
+flow is committed to that replica, and a failure surfaces as ``EngineStreamBroken``.
+
+Disaggregated, as vLLM's toy P/D proxy but over /inference/v1/generate: the prefill call is not
+streamed, asks for one token (``max_tokens = 1``, no ``min_tokens``) and sets
+``kv_transfer_params.do_remote_decode``; the decode call carries the kv_transfer_params prefill
+returned (plus ``prompt_token_ids``, so decode can check it pulls KV for the same prompt). Both
+hops share the X-Request-Id. Prefill replicas are chosen by prefix affinity, decode by load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import msgspec
+
+from render_service.gateway.engine_client import (
+    EngineClient,
+    EngineRejected,
+    EngineStreamBroken,
+    EngineUnavailable,
+)
+from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
+from render_service.protocol import GenerateRequest, GenerateStreamResponse, SamplingParams
+
+logger = logging.getLogger("render_service.gateway.flow")
+
+ENGINE_REQUEST_PREFIX = "generate-tokens-"  # what tokens-only engines prepend to the X-Request-Id
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass
+class GatewaySettings:
+    block_size: int = 16  # the engines' KV block size: prefix affinity hashes whole blocks
+    affinity_blocks: int = 4  # how many leading blocks key the prefix affinity
+    retries: int = 2  # further attempts, each on another replica, before the first event
+    load_factor: float = 1.25  # prefix affinity yields once a replica carries this times the mean load
+    cooldown_s: float = 5.0  # a failed replica is passed over this long
+    dns_refresh_s: float = 10.0
+
+
+@dataclass
+class GatewayStats:
+    requests: int = 0
+    retries: int = 0
+    engine_failures: int = 0
+    aborts: int = 0
+    stream_errors: int = 0
+
+
+@dataclass
+class EngineCall:
+    """The engine requests one client request has in flight, so that they can be aborted."""
+
+    live: dict[str, str] = field(default_factory=dict)  # X-Request-Id sent -> replica url
+
+    def take(self, request_id: str | None = None) -> list[tuple[str, list[str]]]:
+        """(url, engine ids) to abort: every live call, or those of one rendered prompt; forgets them."""
+        out = []
+        for rid, url in list(self.live.items()):
+            if request_id is None or rid == request_id or rid.startswith(request_id + "-retry"):
+                out.append((url, [ENGINE_REQUEST_PREFIX + rid, rid]))
+                del self.live[rid]
+        return out
+
+
+class NoReplica(Exception):
+    """Every attempt failed or no replica was left to try."""
+
+
+class Gateway:
+    def __init__(self, *, engines: list[str] | None = None, prefill: list[str] | None = None,
+                 decode: list[str] | None = None, settings: GatewaySettings | None = None,
+                 client: EngineClient | None = None) -> None:
+        self.settings = s = settings or GatewaySettings()
+        if engines and (prefill or decode):
+            raise ValueError("give either --engine (collocated) or --prefill and --decode (disaggregated), not both")
+        if bool(prefill) != bool(decode):
+            raise ValueError("disaggregated serving needs both --prefill and --decode")
+        if not engines and not prefill:
+            raise ValueError("the gateway needs --engine, or --prefill and --decode")
+        if s.block_size < 1 or s.affinity_blocks < 0 or s.retries < 0 or s.load_factor < 1:
+            raise ValueError("gateway settings out of range (block size >= 1, retries >= 0, load factor >= 1)")
+        self.disaggregated = bool(prefill)
+
+        def pool(name: str, urls: list[str]) -> ReplicaPool:
+            return ReplicaPool(name, list(urls), load_factor=s.load_factor, cooldown_s=s.cooldown_s,
+                               refresh_interval_s=s.dns_refresh_s)
+
+        self.pools = {"prefill": pool("prefill", prefill), "decode": pool("decode", decode)} if prefill \
+            else {"engine": pool("engine", engines or [])}
+        self.client = client or EngineClient()
+        self.stats = GatewayStats()
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def mode(self) -> str:
+        return "disaggregated" if self.disaggregated else "collocated"
+
+    # ------------------------------------------------------------------------------------- events
+
+    async def events(self, gen: GenerateRequest, call: EngineCall) -> AsyncIterator[GenerateStreamResponse]:
+        """The engine's stream for one rendered prompt, retried on other replicas until its first event."""
+        for p in self.pools.values():
+            p.maybe_refresh()
+        key = prefix_key(gen.token_ids, self.settings.block_size, self.settings.affinity_blocks)
+        stream_body = _encode(engine_request(gen))
+        tried: dict[str, set[str]] = {name: set() for name in self.pools}
+        last_error: Exception | None = None
+        for attempt in range(1 + self.settings.retries):
+            rid = gen.request_id if attempt == 0 else f"{gen.request_id}-retry{attempt}"
+            if attempt:
+                self.stats.retries += 1
+            try:
+                if self.disaggregated:
+                    body = await self._prefill(gen, rid, key, tried["prefill"], call)
+                    stream = self._stream("decode", None, body, rid, tried["decode"], call)
+                else:
+                    stream = self._stream("engine", key, stream_body, rid, tried["engine"], call)
+                async with aclosing(stream):
+                    async for chunk in stream:
+                        yield chunk
+                return
+            except EngineUnavailable as exc:
+                last_error = exc
+                logger.warning("engine attempt %d for %s failed: %s", attempt + 1, gen.request_id, exc)
+            except NoReplica as exc:
+                last_error = exc
+                break
+        raise NoReplica(f"no engine replica could serve the request ({last_error})")
+
+    async def _prefill(self, gen: GenerateRequest, rid: str, key: int | None, tried: set[str],
+                       call: EngineCall) -> bytes:
+        pool = self.pools["prefill"]
+        replica = self._pick(pool, key, tried)
+        pool.acquire(replica)
+        call.live[rid] = replica.url
+        try:
+            response = await self.client.generate(replica.url, _encode(prefill_request(gen)), rid)
+        except EngineUnavailable:
+            self.stats.engine_failures += 1
+            pool.mark_failed(replica)
+            raise
+        finally:
+            pool.release(replica)
+            call.live.pop(rid, None)
+        pool.mark_ok(replica)
+        kv = response.kv_transfer_params
+        if not kv:
+            pool.mark_failed(replica)
+            raise EngineUnavailable(f"prefill engine {replica.url} returned no kv_transfer_params "
+                                    f"(is it started with --kv-transfer-config?)")
+        return _encode(decode_request(gen, kv))
+
+    async def _stream(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
+                      call: EngineCall) -> AsyncIterator[GenerateStreamResponse]:
+        pool = self.pools[pool_name]
+        replica = self._pick(pool, key, tried)
+        pool.acquire(replica)
+        call.live[rid] = replica.url
+        first = True
+        try:
+            async with aclosing(self.client.stream(replica.url, body, rid)) as events:
+                async for chunk in events:
+                    if first:
+                        first = False
+                        pool.mark_ok(replica)
+                    yield chunk
+        except EngineUnavailable:
+            self.stats.engine_failures += 1
+            pool.mark_failed(replica)
+            raise
+        except EngineStreamBroken:
+            self.stats.engine_failures += 1
+            pool.mark_failed(replica)
+            raise
+        finally:
+            pool.release(replica)
+            call.live.pop(rid, None)
+
+    @staticmethod
+    def _pick(pool: ReplicaPool, key: int | None, tried: set[str]) -> Replica:
+        replica = pool.choose(key, frozenset(tried))
+        if replica is None:
+            raise NoReplica(f"every {pool.name} replica has been tried")
+        tried.add(replica.url)
+        return replica
+
+    # ------------------------------------------------------------------------------------- aborts
+
+    def abort_soon(self, call: EngineCall, request_id: str | None = None) -> None:
+        """Fire-and-forget aborts for what is still live (safe from a cancelled task's cleanup)."""
+        for url, ids in call.take(request_id):
+            self.stats.aborts += 1
+            task = asyncio.get_running_loop().create_task(self.client.abort(url, ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def snapshot(self) -> dict:
+        return {"mode": self.mode, "pools": {name: p.snapshot() for name, p in self.pools.items()},
+                "stats": dataclasses.asdict(self.stats)}
+
+
+# ------------------------------------------------------------------------------- engine requests
+
+
+def _engine_sampling(sp: SamplingParams, **changes) -> SamplingParams:
+    # Stop strings are the gateway's (the engine refuses them); client kv_transfer_params are untrusted.
+    return msgspec.structs.replace(sp, stop=None, extra_args=None, output_text_buffer_length=0, **changes)
+
+
+def engine_request(gen: GenerateRequest) -> GenerateRequest:
+    """The collocated (and decode) request: always streamed; usage and prompt ids are the gateway's own.
+
+    ``model`` is dropped: the engine may serve the weights under another name than the render tier does.
+    """
+    return msgspec.structs.replace(
+        gen, model=None, sampling_params=_engine_sampling(gen.sampling_params), stream=True, stream_options=None,
+        return_token_ids=None, kv_transfer_params=None, reasoning_ended=None, reasoning_parser_kwargs=None,
+    )
+
+
+def prefill_request(gen: GenerateRequest) -> GenerateRequest:
+    sp = _engine_sampling(gen.sampling_params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
+    return msgspec.structs.replace(
+        gen, model=None, sampling_params=sp, stream=False, stream_options=None, return_token_ids=None,
+        kv_transfer_params=dict(PREFILL_KV_PARAMS), reasoning_ended=None, reasoning_parser_kwargs=None,
+    )
+
+
+def decode_request(gen: GenerateRequest, kv: dict) -> GenerateRequest:
+    return msgspec.structs.replace(engine_request(gen), kv_transfer_params={**kv, "prompt_token_ids": gen.token_ids})
+
+
+__all__ = ["Gateway", "GatewaySettings", "EngineCall", "NoReplica", "EngineRejected", "EngineStreamBroken",
+           "engine_request", "prefill_request", "decode_request"]

@@ -1,0 +1,343 @@
+"""Engine token events -> OpenAI chunks and responses, one derender pipeline per choice, in-process.
+
+The pipeline (detokenizer -> reasoning parser -> tool parser) and its configuration are the ones the
+/derender endpoints use (``derender.pipeline_config``), fed directly: no stream_state round trip per
+chunk. Stop strings are matched on each choice's content as it leaves the pipeline. The streaming
+path turns each engine event into zero or more chunks; the non-streaming path folds the same deltas
+into one message, so the two agree by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from render_service.derender import pipeline_config, resolve_chat_logprobs, resolve_completion_logprobs
+from render_service.gateway.stop_strings import StopMatcher, stop_list
+from render_service.parsers.openai_stream import merge_deltas
+from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, PipelineConfig
+from render_service.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    GenerateRequest,
+    GenerateStreamChoice,
+    ToolCall,
+    UsageInfo,
+)
+from render_service.render import RenderConfig
+
+
+class ChoiceOutput:
+    """One choice: its pipeline state, stop-string matcher, token count and finish."""
+
+    def __init__(self, pipeline: Pipeline, prompt_ids: list[int], stops: list[str], include_stop: bool,
+                 keep_token_ids: bool) -> None:
+        self.pipeline = pipeline
+        self.state = pipeline.initial_state(prompt_ids)
+        self.matcher = StopMatcher(stops, include_stop) if stops else None
+        self.tokens = 0
+        self.token_ids: list[int] | None = [] if keep_token_ids else None
+        self.logprob_context: list[int] = []
+        self.text_offset = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.done = False
+
+    def step(self, ids: list[int], engine_finish: str | None, engine_stop_reason: Any = None) -> ChoiceDelta:
+        """Feed one engine event of this choice; sets ``done`` and the finish when the choice ends."""
+        pipeline, state = self.pipeline, self.state
+        self.tokens += len(ids)
+        if self.token_ids is not None:
+            self.token_ids.extend(ids)
+        delta = pipeline.feed(state, ids) if ids else ChoiceDelta()
+        if engine_finish is not None:
+            delta = merge_deltas(delta, pipeline.finish(state))
+        if self.matcher is not None:
+            if delta.content is not None:
+                released, match = self.matcher.feed(delta.content)
+                if match is not None:
+                    # Everything after the stop string is dropped, the pipeline's held-back tail included.
+                    delta.content = match.text or None
+                    self._finish(pipeline.finish_reason(state, "stop"), match.stop)
+                    return delta
+                delta.content = released or None
+            if engine_finish is not None:
+                tail = self.matcher.flush()
+                if tail:
+                    delta.content = (delta.content or "") + tail
+        if engine_finish is not None:
+            self._finish(pipeline.finish_reason(state, engine_finish), engine_stop_reason)
+        return delta
+
+    def _finish(self, reason: str | None, stop_reason: Any) -> None:
+        self.done = True
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+class _Responder:
+    """What chat and completions share: choices per prompt, usage, the finished test."""
+
+    def __init__(self, gens: list[GenerateRequest], config: RenderConfig, model: str, response_id: str,
+                 stream_options: Any) -> None:
+        self.gens = gens
+        self.config = config
+        self.model = model
+        self.response_id = response_id
+        self.created = int(time.time())
+        self.n = gens[0].sampling_params.n or 1
+        self.prompt_tokens = sum(len(g.token_ids) for g in gens)
+        self.include_usage = bool(stream_options is not None and stream_options.include_usage)
+        self.continuous = self.include_usage and bool(stream_options.continuous_usage_stats)
+        self.return_token_ids = bool(gens[0].return_token_ids)
+        self.choices: dict[int, ChoiceOutput] = {}
+
+    def choice(self, prompt_index: int, index: int) -> tuple[int, ChoiceOutput, bool]:
+        """(global choice index, its output, whether it is new)."""
+        key = prompt_index * self.n + index
+        out = self.choices.get(key)
+        if out is not None:
+            return key, out, False
+        out = self.choices[key] = self.new_choice(self.gens[prompt_index], key)
+        return key, out, True
+
+    def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
+        raise NotImplementedError
+
+    def prompt_done(self, prompt_index: int) -> bool:
+        """Every choice of this prompt has finished (a stop string may end one before the engine does)."""
+        base = prompt_index * self.n
+        return all(base + i in self.choices and self.choices[base + i].done for i in range(self.n))
+
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices.values())
+
+    def final_usage(self) -> UsageInfo:
+        return _usage(self.prompt_tokens, self.completion_tokens())
+
+
+class ChatResponder(_Responder):
+    def __init__(self, gen: GenerateRequest, req: ChatCompletionRequest, config: RenderConfig) -> None:
+        super().__init__([gen], config, gen.model or config.model_name, gen.request_id, gen.stream_options)
+        self.req = req
+        self.stops = stop_list(req.stop)
+        self.forced_tools = isinstance(req.tool_choice, dict) or req.tool_choice == "required"
+        self.accumulators: dict[int, MessageAccumulator] = {}
+        self.logprobs: dict[int, list[Any]] = {}
+        self.first_chunk = True
+
+    def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
+        pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
+        return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
+                            self.req.include_stop_str_in_output, self.return_token_ids)
+
+    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
+        if choice.logprobs is None or not self.req.logprobs:
+            return None
+        return resolve_chat_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context)
+
+    # streaming ------------------------------------------------------------------------------------
+
+    def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice) -> list[ChatCompletionStreamResponse]:
+        key, out, new = self.choice(prompt_index, choice.index)
+        if out.done:
+            return []
+        chunks = []
+        if new:
+            chunks.append(self._chunk(key, DeltaMessage(role="assistant", content=""), out))
+        ids = choice.token_ids or []
+        delta = out.step(ids, choice.finish_reason, choice.stop_reason)
+        logprobs = self._logprobs(out, choice)
+        message = _delta_message(delta)
+        if out.done or message is not None or logprobs is not None:
+            chunk = self._chunk(key, message or DeltaMessage(), out, logprobs)
+            c = chunk.choices[0]
+            if out.done:
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            if self.return_token_ids:
+                c.token_ids = list(ids)
+            chunks.append(chunk)
+        elif self.return_token_ids and ids:
+            chunk = self._chunk(key, DeltaMessage(), out)
+            chunk.choices[0].token_ids = list(ids)
+            chunks.append(chunk)
+        return chunks
+
+    def _chunk(self, key: int, delta: DeltaMessage, out: ChoiceOutput, logprobs: Any = None
+               ) -> ChatCompletionStreamResponse:
+        chunk = ChatCompletionStreamResponse(
+            id=self.response_id, created=self.created, model=self.model,
+            choices=[ChatCompletionStreamChoice(index=key, delta=delta, logprobs=logprobs)],
+        )
+        if self.continuous:
+            chunk.usage = _usage(self.prompt_tokens, out.tokens)
+        if self.first_chunk:
+            self.first_chunk = False
+            if self.return_token_ids:
+                chunk.prompt_token_ids = self.gens[0].token_ids
+        return chunk
+
+    def usage_chunk(self) -> ChatCompletionStreamResponse | None:
+        if not self.include_usage:
+            return None
+        return ChatCompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                            usage=self.final_usage())
+
+    # non-streaming --------------------------------------------------------------------------------
+
+    def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
+        key, out, _ = self.choice(prompt_index, choice.index)
+        if out.done:
+            return
+        delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+        self.accumulators.setdefault(key, MessageAccumulator()).add(delta)
+        logprobs = self._logprobs(out, choice)
+        if logprobs is not None:
+            self.logprobs.setdefault(key, []).extend(logprobs["content"])
+
+    def response(self) -> ChatCompletionResponse:
+        choices = []
+        for key in sorted(self.choices):
+            out = self.choices[key]
+            fields = self.accumulators.get(key, MessageAccumulator()).message(self.forced_tools)
+            message = ChatMessage(content=fields["content"], reasoning=fields["reasoning"])
+            cfg = out.pipeline.config
+            if cfg.reasoning_parser is None and cfg.tool_parser is None and message.content is None:
+                message.content = ""  # plain detokenization: "" for no text, never null (as derender)
+            if fields["tool_calls"]:
+                message.tool_calls = [
+                    ToolCall(id=c["id"], type="function",
+                             function=FunctionCall(name=c["function"]["name"] or "",
+                                                   arguments=c["function"]["arguments"]))
+                    for c in fields["tool_calls"]
+                ]
+            logprobs = None
+            if self.req.logprobs:
+                logprobs = {"content": self.logprobs.get(key, []), "refusal": None}
+            choices.append(ChatCompletionChoice(index=key, message=message, logprobs=logprobs,
+                                                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                                                token_ids=out.token_ids))
+        return ChatCompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=self.final_usage(),
+            prompt_token_ids=self.gens[0].token_ids if self.return_token_ids else None,
+        )
+
+
+class CompletionResponder(_Responder):
+    def __init__(self, gens: list[GenerateRequest], req: CompletionRequest, config: RenderConfig,
+                 response_id: str) -> None:
+        super().__init__(gens, config, gens[0].model or config.model_name, response_id, gens[0].stream_options)
+        self.req = req
+        self.stops = stop_list(req.stop)
+        self.texts: dict[int, list[str]] = {}
+        self.logprobs: dict[int, dict[str, list]] = {}
+        self.first_of_prompt: set[int] = set()
+
+    def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
+        pcfg = PipelineConfig(
+            request_id=gen.request_id, choice_index=key, skip_special_tokens=self.req.skip_special_tokens,
+            spaces_between_special_tokens=self.req.spaces_between_special_tokens,
+            hidden_token_ids=frozenset(self.config.bundle.eos_token_ids),
+        )
+        return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
+                            self.req.include_stop_str_in_output, self.return_token_ids)
+
+    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
+        if choice.logprobs is None or self.req.logprobs is None:
+            return None
+        resolved = resolve_completion_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
+                                               out.text_offset)
+        if resolved and resolved["tokens"]:
+            out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
+        return resolved
+
+    def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice) -> list[CompletionStreamResponse]:
+        key, out, _ = self.choice(prompt_index, choice.index)
+        if out.done:
+            return []
+        ids = choice.token_ids or []
+        delta = out.step(ids, choice.finish_reason, choice.stop_reason)
+        logprobs = self._logprobs(out, choice)
+        if not (delta.content or out.done or logprobs is not None or (self.return_token_ids and ids)):
+            return []
+        c = CompletionStreamChoice(index=key, text=delta.content or "", logprobs=logprobs)
+        if out.done:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        if self.return_token_ids:
+            c.token_ids = list(ids)
+            if key not in self.first_of_prompt:
+                self.first_of_prompt.add(key)
+                c.prompt_token_ids = self.gens[prompt_index].token_ids
+        chunk = CompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[c])
+        if self.continuous:
+            chunk.usage = _usage(len(self.gens[prompt_index].token_ids), out.tokens)
+        return [chunk]
+
+    def usage_chunk(self) -> CompletionStreamResponse | None:
+        if not self.include_usage:
+            return None
+        return CompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                        usage=self.final_usage())
+
+    def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
+        key, out, _ = self.choice(prompt_index, choice.index)
+        if out.done:
+            return
+        delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+        if delta.content:
+            self.texts.setdefault(key, []).append(delta.content)
+        logprobs = self._logprobs(out, choice)
+        if logprobs is not None:
+            acc = self.logprobs.setdefault(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
+                                                 "top_logprobs": []})
+            for name in acc:
+                acc[name].extend(logprobs[name])
+
+    def response(self) -> CompletionResponse:
+        choices = []
+        for key in sorted(self.choices):
+            out = self.choices[key]
+            prompt_index = key // self.n
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = self.logprobs.get(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
+                                                   "top_logprobs": []})
+            choices.append(CompletionChoice(
+                index=key, text="".join(self.texts.get(key, [])), logprobs=logprobs, finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason, token_ids=out.token_ids,
+                prompt_token_ids=self.gens[prompt_index].token_ids if self.return_token_ids else None,
+            ))
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.final_usage())
+
+
+def _delta_message(delta: ChoiceDelta) -> DeltaMessage | None:
+    if delta.is_empty():
+        return None
+    message = DeltaMessage(content=delta.content, reasoning=delta.reasoning)
+    if delta.tool_calls:
+        message.tool_calls = [
+            DeltaToolCall(index=c["index"], id=c.get("id"), type=c.get("type"),
+                          function=DeltaFunctionCall(name=c["function"].get("name"),
+                                                     arguments=c["function"].get("arguments")))
+            for c in delta.tool_calls
+        ]
+    return message

@@ -1,0 +1,275 @@
+"""/v1/chat/completions and /v1/completions: render -> engine(s) -> derender in one call.
+
+Render and derender are the functions the /render and /derender endpoints call, run in-process; only
+the engine hops are HTTP. A streaming response starts once the engine's first event is in, so that
+anything that fails before it (a 4xx from the engine, no replica left) is still an HTTP error with
+its status; after that, a failure is an error event followed by [DONE]. A client that goes away
+aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from render_service.errors import ApiError, bad_request, error_body
+from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
+from render_service.gateway.flow import EngineCall, Gateway, NoReplica
+from render_service.gateway.responses import ChatResponder, CompletionResponder
+from render_service.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateStreamChoice
+from render_service.render import RenderConfig, render_chat, render_completion
+
+logger = logging.getLogger("render_service.gateway.routes")
+
+_encode = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[str, Handler], Handler],
+                   read_body: Callable[[Request], Awaitable[bytes]],
+                   decode: Callable[[bytes, type], Any]) -> list[Route]:
+    """The two routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics)."""
+
+    async def chat(request: Request) -> Response:
+        req = decode(await read_body(request), ChatCompletionRequest)
+        _check_supported(req)
+        gen = render_chat(req, config, request_id=request.headers.get("x-request-id"))
+        responder = ChatResponder(gen, req, config)
+        return await respond(request, gateway, [gen], responder, bool(req.stream))
+
+    async def completions(request: Request) -> Response:
+        req = decode(await read_body(request), CompletionRequest)
+        _check_supported(req)
+        gens = render_completion(req, config, request_id=request.headers.get("x-request-id"))
+        response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
+        responder = CompletionResponder(gens, req, config, response_id)
+        return await respond(request, gateway, gens, responder, bool(req.stream))
+
+    async def status(request: Request) -> Response:
+        return Response(_encode(gateway.snapshot()), media_type="application/json")
+
+    return [
+        Route("/v1/chat/completions", endpoint("chat_completions", chat), methods=["POST"]),
+        Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
+        Route("/gateway/status", endpoint("gateway_status", status), methods=["GET"]),
+    ]
+
+
+def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.echo:
+        raise bad_request("echo is not supported by the gateway", "echo")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported by the gateway", "prompt_logprobs")
+    if req.kv_transfer_params is not None:
+        raise bad_request("kv_transfer_params are set by the gateway, not by clients", "kv_transfer_params")
+
+
+# ------------------------------------------------------------------------------------ driving
+
+
+async def engine_choices(gateway: Gateway, gens: list[GenerateRequest], call: EngineCall,
+                         prompt_done: Callable[[int], bool]) -> AsyncIterator[tuple[int, GenerateStreamChoice]]:
+    """(prompt index, engine choice event) for every prompt; a prompt whose choices all ended early
+    (stop strings) is closed and aborted at once."""
+    if len(gens) == 1:
+        async with aclosing(gateway.events(gens[0], call)) as events:
+            async for chunk in events:
+                for choice in chunk.choices:
+                    yield 0, choice
+                if prompt_done(0):
+                    gateway.abort_soon(call)
+                    return
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: GenerateRequest) -> None:
+        try:
+            async with aclosing(gateway.events(gen, call)) as events:
+                async for chunk in events:
+                    await queue.put((i, chunk, None))
+            await queue.put((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put((i, None, exc))
+
+    tasks = {i: asyncio.get_running_loop().create_task(pump(i, g)) for i, g in enumerate(gens)}
+    try:
+        remaining = set(tasks)
+        while remaining:
+            i, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None or i not in remaining:
+                remaining.discard(i)
+                continue
+            for choice in chunk.choices:
+                yield i, choice
+            if prompt_done(i):
+                gateway.abort_soon(call, gens[i].request_id)
+                tasks[i].cancel()
+                remaining.discard(i)
+    finally:
+        for t in tasks.values():
+            t.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest],
+                  responder: ChatResponder | CompletionResponder, stream: bool) -> Response:
+    gateway.stats.requests += 1
+    call = EngineCall()
+    choices = engine_choices(gateway, gens, call, responder.prompt_done)
+    if not stream:
+        return await _collect(request, gateway, call, choices, responder)
+    # Wait for the first event before answering: errors until then keep their HTTP status.
+    try:
+        first = await _first_or_error(choices)
+    except BaseException:
+        gateway.abort_soon(call)
+        await choices.aclose()
+        raise
+    return GatewayStream(_sse_events(gateway, choices, first, responder), gateway, call, choices)
+
+
+async def _first_or_error(choices: AsyncIterator[tuple[int, GenerateStreamChoice]]
+                          ) -> tuple[int, GenerateStreamChoice] | None:
+    try:
+        return await choices.__anext__()
+    except StopAsyncIteration:
+        return None
+    except EngineRejected as exc:
+        raise ApiError(exc.message(), exc.status, exc.param()) from None
+    except NoReplica as exc:
+        raise ApiError(str(exc), 503, type="ServiceUnavailableError") from None
+    except EngineStreamBroken as exc:
+        raise ApiError(str(exc), 502, type="BadGatewayError") from None
+
+
+async def _collect(request: Request, gateway: Gateway, call: EngineCall,
+                   choices: AsyncIterator[tuple[int, GenerateStreamChoice]],
+                   responder: ChatResponder | CompletionResponder) -> Response:
+    async def fold() -> None:
+        async with aclosing(choices):
+            async for prompt_index, choice in choices:
+                responder.accumulate(prompt_index, choice)
+
+    work = asyncio.ensure_future(fold())
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            gateway.abort_soon(call)
+            work.cancel()
+        gone.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled():
+        return Response(error_body(ApiError("client disconnected", 499)), status_code=499,
+                        media_type="application/json")
+    exc = work.exception()
+    if exc is not None:
+        if isinstance(exc, EngineRejected):
+            raise ApiError(exc.message(), exc.status, exc.param())
+        if isinstance(exc, NoReplica):
+            raise ApiError(str(exc), 503, type="ServiceUnavailableError")
+        if isinstance(exc, EngineStreamBroken):
+            gateway.stats.stream_errors += 1
+            raise ApiError(str(exc), 502, type="BadGatewayError")
+        raise exc
+    return Response(_encode(responder.response()), media_type="application/json")
+
+
+async def _sse_events(gateway: Gateway, choices: AsyncIterator[tuple[int, GenerateStreamChoice]],
+                      first: tuple[int, GenerateStreamChoice] | None,
+                      responder: ChatResponder | CompletionResponder) -> AsyncIterator[bytes]:
+    try:
+        if first is not None:
+            for chunk in responder.stream_chunks(*first):
+                yield sse(chunk)
+        async for prompt_index, choice in choices:
+            for chunk in responder.stream_chunks(prompt_index, choice):
+                yield sse(chunk)
+        usage = responder.usage_chunk()
+        if usage is not None:
+            yield sse(usage)
+    except (EngineStreamBroken, EngineRejected, NoReplica) as exc:
+        # Past the first event the status line is gone: an OpenAI-style error object, then [DONE].
+        gateway.stats.stream_errors += 1
+        status = exc.status if isinstance(exc, EngineRejected) else 502
+        message = exc.message() if isinstance(exc, EngineRejected) else str(exc)
+        logger.warning("stream %s failed after its first event: %s", responder.response_id, message)
+        yield b"data: " + error_body(ApiError(f"engine failed mid-stream: {message}", status,
+                                              type="BadGatewayError" if status == 502 else None)) + b"\n\n"
+    yield DONE
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class GatewayStream(StreamingResponse):
+    """SSE out. Watches the client: if it goes away, the engine requests are aborted at once (not at
+    the next write), and the event generator is closed so its engine connections close too."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], gateway: Gateway, call: EngineCall,
+                 choices: AsyncIterator[Any]) -> None:
+        super().__init__(events, status_code=200, media_type=self.media_type,
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.events = events
+        self.gateway = gateway
+        self.call = call
+        self.choices = choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def write() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        writer = asyncio.ensure_future(write())
+        watcher = asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not writer.done():
+                self.gateway.abort_soon(self.call)
+                writer.cancel()
+            watcher.cancel()
+            await asyncio.gather(writer, watcher, return_exceptions=True)
+            await _close_quietly(self.events)
+            await _close_quietly(self.choices)
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            exc = writer.exception()
+            if not isinstance(exc, OSError):
+                logger.error("gateway stream failed", exc_info=exc)
+
+
+async def _close_quietly(gen: Any) -> None:
+    try:
+        await gen.aclose()
+    except Exception:  # already closed or failed: nothing left to release
+        pass
