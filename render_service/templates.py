@@ -131,10 +131,29 @@ class _SafeNamespace(jinja2.utils.Namespace):
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
+# Bounds on what one render may build: a template (a request's own, or a model's) must not be able to
+# exhaust memory with `'x' * 10**12` or `2 ** 10**9`. HF has no such bounds; real templates never
+# come near them.
+MAX_RENDERED_CHARS = 64 * 1024 * 1024
+_MAX_POWER_EXPONENT = 4096
+
+
 class ChatSandbox(ImmutableSandboxedEnvironment):
-    """HF's sandbox, with two shortcuts that give the same answers faster on the hot path."""
+    """HF's sandbox, with shortcuts that give the same answers faster, and bounds on runaway output."""
 
     _attribute_safety: dict[tuple[type, str], bool] = {}
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
+                        and len(seq) * count > MAX_RENDERED_CHARS:
+                    raise jinja2.exceptions.SecurityError("the template builds a sequence that is too large")
+        elif operator == "**" and isinstance(right, int) and abs(right) > _MAX_POWER_EXPONENT \
+                and isinstance(left, int) and abs(left) > 1:
+            raise jinja2.exceptions.SecurityError("the template computes a number that is too large")
+        return super().call_binop(context, operator, left, right)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         # A plain dict has no attributes beyond dict's own, so Jinja's getattr would fail and fall back
@@ -442,8 +461,14 @@ class ChatTemplate:
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
         try:
+            size = 0
             for block in self._template.generate(context):
                 blocks.append(block)
+                size += len(block)
+                if size > MAX_RENDERED_CHARS:
+                    raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+        except TemplateError:
+            raise
         except jinja2.TemplateError as exc:
             raise TemplateError(str(exc.message if exc.message is not None else exc)) from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,

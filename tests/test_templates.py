@@ -288,6 +288,21 @@ def test_sandbox_refusals_are_template_errors(source):
         ChatTemplate(source).render([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("source, message", [
+    ("{{ 'x' * 10**10 }}", "too large"),
+    ("{{ [0] * 10**10 }}", "too large"),
+    ("{{ 7 ** 100000000 }}", "too large"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "exceeds"),
+])
+def test_runaway_templates_are_template_errors_not_memory_exhaustion(source, message):
+    with pytest.raises(TemplateError, match=message):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+
+
+def test_bounded_arithmetic_still_works():
+    assert ChatTemplate("{{ '-' * 3 }}{{ 2 ** 10 }}{{ [1] * 2 }}").render([{"role": "user"}]) == "---1024[1, 1]"
+
+
 def test_templates_compile_once_per_source():
     source = "{{ messages[0].content }} compiled-once-check"
     first = ChatTemplate(source)
