@@ -138,6 +138,8 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request(f"min_tokens must be greater than or equal to 0, got {req.min_tokens}.", "min_tokens")
     if not -(2**63) <= req.priority < 2**63:
         raise bad_request("priority must fit in a signed 64-bit integer", "priority")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request("seed must fit in a signed 64-bit integer", "seed")
 
 
 def _check_prompt_length(prompt_len: int, config: RenderConfig, max_tokens: int | None) -> None:
@@ -217,6 +219,7 @@ def build_sampling_params(
     # Deliberate difference from vLLM (which leaves this empty and relies on the engine knowing EOS):
     # a tokens-only engine may not know the model's EOS ids, so render writes them.
     stop_token_ids = list(req.stop_token_ids or [])
+    _check_token_ids(stop_token_ids, config, "stop_token_ids")
     if not req.ignore_eos:
         stop_token_ids += [t for t in config.bundle.eos_token_ids if t not in stop_token_ids]
     buffer = max((len(s) for s in stop), default=0) - 1 if stop and not req.include_stop_str_in_output else 0

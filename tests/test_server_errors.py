@@ -150,7 +150,8 @@ def test_auto_tool_choice_without_parser_is_400(server):
 
 def test_sampling_values_out_of_range_are_400(server):
     for field, value in (("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("min_p", 2),
-                         ("presence_penalty", 3), ("repetition_penalty", 0), ("top_k", -5)):
+                         ("presence_penalty", 3), ("repetition_penalty", 0), ("top_k", -5), ("seed", 2**64),
+                         ("stop_token_ids", [-1]), ("stop_token_ids", [151936]), ("priority", 2**63)):
         r = server.client.post("/v1/chat/completions/render", json={**CHAT, field: value})
         assert_error(r, 400, param=field)
 
