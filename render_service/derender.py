@@ -134,12 +134,19 @@ def _check_prompt_ids(ids: list[int] | None, config: RenderConfig) -> None:
 
 
 def _tool_choice(chat_request: ChatCompletionRequest) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "named", the named function); 400 for a malformed choice."""
     choice = chat_request.tool_choice
     if choice is None:
         return ("auto" if chat_request.tools else "none"), None
     if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request(f"Invalid tool_choice {choice!r}", "tool_choice")
         return choice, None
-    name = ((choice or {}).get("function") or {}).get("name")
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}",
+                          "tool_choice")
     return "named", name
 
 

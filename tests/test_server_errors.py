@@ -225,3 +225,12 @@ def test_chat_template_kwargs_override_template_arguments_like_vllm(server):
         "messages": hi, "chat_template_kwargs": {"tools": 5}}), 400, contains="Tools should be a list")
     assert_error(server.client.post("/v1/chat/completions/render", json={
         "messages": hi, "chat_template_kwargs": {"messages": []}}), 400, param="chat_template_kwargs")
+
+
+def test_derender_refuses_a_malformed_tool_choice():
+    with RenderServer(qwen3_config(True)) as srv:
+        for choice in ({"function": 5}, {"type": "function"}, "sometimes"):
+            r = srv.client.post("/v1/chat/completions/derender", json={
+                "generate_response": {"request_id": "g", "choices": [{"token_ids": [151657, 9707]}]},
+                "chat_request": {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice}})
+            assert_error(r, 400, param="tool_choice")
