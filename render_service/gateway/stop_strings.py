@@ -31,13 +31,15 @@ class StopMatcher:
         if not text:
             return "", None
         window = self.held + text
-        best: tuple[int, str] | None = None
+        # The stop string that completes first wins (as if tokens came one at a time), so the answer
+        # does not depend on how the text was chunked.
+        best: tuple[int, int, str] | None = None
         for stop in self.stops:
             at = window.find(stop)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
+            if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
         if best is not None:
-            at, stop = best
+            _, at, stop = best
             self.held = ""
             return "", StopMatch(window[: at + len(stop)] if self.include else window[:at], stop)
         # Hold back only a tail that could still grow into a stop string.
