@@ -118,6 +118,18 @@ def check_layers(dtype, tol):
     close(f"q norm + rotary {dtype}", q_out, apply_rotary(qn(q), cos, sin), tol)
     close(f"k norm + rotary {dtype}", k_out, apply_rotary(kn(k), cos, sin), tol)
 
+    # rotary with the K/V store fused in: the pool gets exactly what store_kv would write
+    v = qkv[:, (H + HKV) * D :].view(5, HKV, D)
+    meta = build_metadata([2, 3], [2, 7], [[5, 1], [3, 0]], 4)
+    meta.slot_mapping[1] = -1  # a padded row: not written
+    pool = allocate_kv_pool(6, 2, 4, HKV, D, dtype)
+    want_pool = pool.clone()
+    q_out, k_out = layers_cuda.qk_rotary(q, k, cos, sin, v=v, kv_pool=pool, layer=1, meta=meta)
+    store_kv(k_out, v, want_pool, 1, meta)
+    assert torch.equal(pool, want_pool), "fused rotary store differs from store_kv"
+    assert pool[5, 1, :, 1].abs().sum() == 0
+    print(f"ok rotary with fused K/V store {dtype}")
+
     gate_up = torch.randn(3, 2 * 40).to(dtype)
     want = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
     close(f"silu_and_mul {dtype}", layers_cuda.silu_and_mul(gate_up), want, tol)

@@ -46,12 +46,13 @@ class Attention(nn.Module):
 
             norm = self.q_norm is not None
             q, k = layers_cuda.qk_rotary(q, k, cos, sin, self.q_norm.weight if norm else None,
-                                         self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+                                         self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                         v=v, kv_pool=kv_pool, layer=self.layer_index, meta=meta)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        store_kv(k, v, kv_pool, self.layer_index, meta)
+            store_kv(k, v, kv_pool, self.layer_index, meta)
         out = paged_attention(q, kv_pool, self.layer_index, meta, self.scale, self.sliding_window, k=k, v=v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
