@@ -204,3 +204,17 @@ def test_random_aborts_leak_no_blocks_on_either_side(peer):
         _wait_peer(peer, lambda s: s["leases"] == 0 and s["held_blocks"] == 0)
     finally:
         h.close()
+
+
+def test_load_completes_during_a_long_engine_step(peer, decode):
+    """No poll() from the engine (as during a long forward step): the poller thread still finishes the READ
+    and the lease confirmation, so the very next poll() reports the load done."""
+    epoch = peer.hold("busy-step", [11, 12, 13])
+    decode.start_load("busy-local", _remote(peer, "busy-step", [11, 12, 13], epoch), [20, 21, 22])
+    stop = time.monotonic() + HANG_GUARD_S
+    while decode.loading():
+        assert time.monotonic() < stop, "the load never finished without the engine polling"
+        time.sleep(0.005)
+    [out] = decode.poll().loads
+    assert out.ok and out.request_id == "busy-local"
+    assert _blocks_match(decode.transport._kv_pool, [20, 21, 22], [11, 12, 13])

@@ -6,11 +6,17 @@ lease, and reports the outcome. Everything advances in `poll()`; nothing here bl
 A load goes: fetching peer (first contact or restarted peer) -> reading (NIXL READ, own deadline) ->
 confirming (side channel `lease_status`) -> done. Any failure ends it with a reason; the caller applies
 kv_load_failure_policy.
+
+While anything is in flight a small poller thread drives the same progress every 0.5 ms, so a READ that
+finishes during a long forward step is confirmed before the step ends and the engine learns of it at the
+next step boundary instead of one step later. One lock serialises every NIXL call (the agent is created
+without NIXL's own locking), and everything observed is queued for the engine's next `poll()`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,7 +97,12 @@ class KVHandoff:
         self._loads: dict[str, _Load] = {}
         self._peer_by_addr: dict[tuple[str, int], tuple[str, int]] = {}  # (host, port) -> (agent, incarnation)
         self._consumed: dict[tuple[str, int], None] = {}  # (remote request id, epoch) already loaded here
-        self._early = HandoffPoll()  # failures found inside start_load, reported by the next poll()
+        self._pending = HandoffPoll()  # observed by start_load or the poller, handed out by the next poll()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._poller = threading.Thread(target=self._poll_loop, name="kv-handoff-poller", daemon=True)
+        self._poller.start()
 
     @property
     def incarnation(self) -> int:
@@ -100,7 +111,9 @@ class KVHandoff:
     # -- prefill side -----------------------------------------------------------------------------------
 
     def hold(self, request_id: str, block_ids: list[int], duration_s: float | None = None) -> KVLease:
-        return self.leases.grant(request_id, block_ids, duration_s)
+        lease = self.leases.grant(request_id, block_ids, duration_s)
+        self._wake.set()  # the peer's first READ needs our progress (no NIXL progress thread)
+        return lease
 
     def release_hold(self, request_id: str, epoch: int) -> KVLease | None:
         return self.leases.release(request_id, epoch)
@@ -109,6 +122,11 @@ class KVHandoff:
 
     def start_load(self, request_id: str, remote: RemoteKV, local_ids: list[int]) -> None:
         """Begin pulling `remote`'s blocks into `local_ids`; the outcome comes from a later `poll()`."""
+        with self._lock:
+            self._start_load(request_id, remote, local_ids)
+        self._wake.set()
+
+    def _start_load(self, request_id: str, remote: RemoteKV, local_ids: list[int]) -> None:
         if request_id in self._loads:
             raise KVTransferError(f"request {request_id} already loading", "bad_request")
         if len(local_ids) != len(remote.block_ids):
@@ -123,15 +141,16 @@ class KVHandoff:
         self._loads[request_id] = load
         if known is not None and known[1] == remote.incarnation:
             load.peer = known[0]
-            self._post_read(load, self._early)
+            self._post_read(load, self._pending)
         else:
             load.future = self._workers.submit(fetch_publication, remote.host, remote.port)
 
     def cancel_load(self, request_id: str) -> None:
         """Abort a load; its outcome still comes from poll() so blocks are freed only once no READ writes them."""
-        load = self._loads.get(request_id)
-        if load is not None:
-            load.cancelled = True
+        with self._lock:
+            load = self._loads.get(request_id)
+            if load is not None:
+                load.cancelled = True
 
     def abandon(self, remote: RemoteKV) -> bool:
         """Decode will never load these blocks (request aborted while queued): tell prefill to free them now.
@@ -140,7 +159,8 @@ class KVHandoff:
         if known is None or known[1] != remote.incarnation:
             return False
         try:
-            self.transport.send_notif(known[0], format_notification("abort", remote.request_id, remote.epoch))
+            with self._lock:
+                self.transport.send_notif(known[0], format_notification("abort", remote.request_id, remote.epoch))
             return True
         except KVTransferError:
             return False
@@ -150,7 +170,8 @@ class KVHandoff:
         known = self._peer_by_addr.get((remote.host, remote.port))
         if known is not None and known[1] == remote.incarnation:
             try:
-                self.transport.send_notif(known[0], format_notification("HB", remote.request_id, remote.epoch))
+                with self._lock:
+                    self.transport.send_notif(known[0], format_notification("HB", remote.request_id, remote.epoch))
             except KVTransferError as e:
                 log.warning("heartbeat to %s failed: %s", known[0], e)
 
@@ -164,7 +185,29 @@ class KVHandoff:
     # -- progress ---------------------------------------------------------------------------------------
 
     def poll(self) -> HandoffPoll:
-        out, self._early = self._early, HandoffPoll()
+        """Everything observed since the last call (by this call, start_load or the poller thread)."""
+        with self._lock:
+            self._progress(self._pending)
+            out, self._pending = self._pending, HandoffPoll()
+        return out
+
+    def _poll_loop(self) -> None:
+        while not self._closed:
+            if not self.busy():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._progress(self._pending)
+                except Exception:  # noqa: BLE001 - the engine's own poll() will surface persistent errors
+                    log.exception("KV handoff poller")
+            # loads are latency-critical; held leases only need the peer's wire-up and notifications moving
+            time.sleep(0.0005 if self._loads else 0.002)
+
+    def _progress(self, out: HandoffPoll) -> None:
         try:
             result = self.transport.poll()
         except KVTransferError as e:
@@ -197,7 +240,6 @@ class KVHandoff:
             out.freed.append(lease)
         self.stats.metrics.held_blocks.set(self.leases.held_blocks())
         self.stats.maybe_log()
-        return out
 
     def _on_notification(self, agent: str, msg: bytes, out: HandoffPoll) -> None:
         n = parse_notification(msg)
@@ -298,6 +340,9 @@ class KVHandoff:
 
     def close(self) -> list[KVLease]:
         """Stop serving; returns the leases still held so the caller can free their blocks."""
+        self._closed = True
+        self._wake.set()
+        self._poller.join(timeout=5)
         self.side_channel.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
