@@ -4,7 +4,7 @@ bookkeeping) against the model-only step (CUDA-graph replay or eager forward, pl
     python -m bench.engine_overhead --preset qwen2.5-7b --batches 1,8,32,128 --context 512 --out $OUT/x.json
     python -m bench.engine_overhead --device cpu --preset tiny --batches 1,4 --context 32     # dry run
 
-Each batch: `batch` greedy requests with the same `context`-token prompt (prefix-cached after the first),
+Each batch: `batch` requests (greedy unless --temperature) with the same `context`-token prompt (prefix-cached after the first),
 stepped until all decode, then timed. Wall clock around synchronized steps (the host work is the point).
 """
 
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -66,10 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
     ), model=model)
     runner = engine.runner
     prompt = [(7 * i) % arch.vocab_size for i in range(args.context)]
-    greedy = SamplingOptions(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+    greedy = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=10**6,
+                             ignore_eos=True)
 
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "preset": args.preset,
-               "context": args.context, "iters": args.iters, "batches": {}}
+               "context": args.context, "iters": args.iters, "temperature": args.temperature,
+               "top_k": args.top_k, "top_p": args.top_p, "batches": {}}
     for batch in batches:
         ids = [f"b{batch}-{i}" for i in range(batch)]
         for rid in ids:

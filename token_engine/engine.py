@@ -154,6 +154,10 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
                 priority=priority, cache_salt=cache_salt,
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None))
+        if self.runner.device.type != "cpu":
+            for seq in seqs:
+                if seq.options.seed is not None:  # draw a seeded sequence's noise where the logits are
+                    seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.options.seed)
         state = RequestState(request_id, seqs, on_update or (lambda update: None))
         state.emitted = [0] * n
         state.last_token_time = [0.0] * n

@@ -43,8 +43,10 @@ def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> lis
 
 class Sampler:
     def __init__(self, seed: int = 0):
+        self.seed = seed
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
+        self._device_generators: dict[str, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [B, V] float32 (one row per entry of rows) -> (token ids, logprobs or None per row)."""
@@ -52,16 +54,14 @@ class Sampler:
         batch, vocab = logits.shape
         device = logits.device
         raw = logits
-        plain_greedy = all(r.options.greedy and not r.options.needs_penalties and not r.options.logit_bias
-                           and r.options.allowed_token_ids is None and not r.stop_ids_blocked for r in rows)
-        if plain_greedy:  # the common decode case: no copy of the logits, one argmax
-            tokens = logits.argmax(dim=1)
-        else:
+        edits = any(r.options.needs_penalties or r.options.logit_bias or r.options.allowed_token_ids is not None
+                    or r.stop_ids_blocked for r in rows)
+        if edits:  # never touch the caller's logits: raw ones feed the logprobs
             logits = logits.clone()
             self._apply_masks_and_bias(logits, rows)
             if any(r.options.needs_penalties for r in rows):
                 self._apply_penalties(logits, rows, vocab)
-            tokens = self._choose(logits, rows, batch, vocab)
+        tokens = self._choose(logits, rows, batch, vocab)
 
         token_list = tokens.tolist()
         logprob_out: list[TokenLogprob | None] = [None] * batch
@@ -77,19 +77,39 @@ class Sampler:
         return token_list, logprob_out
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], batch: int, vocab: int) -> torch.Tensor:
-        device = logits.device
-        greedy = torch.tensor([r.options.greedy for r in rows], device=device)
+        opts = [r.options for r in rows]
         tokens = logits.argmax(dim=1)
-        if not all(r.options.greedy for r in rows):
-            temps = torch.tensor([r.options.temperature if not r.options.greedy else 1.0 for r in rows],
-                                 device=device, dtype=torch.float32)
-            scaled = logits / temps[:, None]
-            scaled = self._apply_top_filters(scaled, rows, vocab)
+        if all(o.greedy for o in opts):
+            return tokens
+        # Every branch is decided on the host and the per-row knobs travel in one copy: on a GPU each
+        # device-side `.any()` or small tensor upload is a synchronization.
+        knobs = torch.tensor([[1.0 if o.greedy else o.temperature, o.top_p, o.min_p,
+                               float(o.top_k if 0 < o.top_k < vocab else vocab), float(o.greedy)] for o in opts],
+                             dtype=torch.float32).to(logits.device)
+        temps, top_p, min_p, top_k, greedy = knobs.unbind(1)
+        scaled = logits / temps[:, None]
+        if any(o.min_p > 0 for o in opts):
             probs = scaled.softmax(dim=1)
-            noise = self._exponential_noise(rows, batch, vocab).to(device)
-            sampled = (probs / noise).argmax(dim=1)
-            tokens = torch.where(greedy, tokens, sampled)
-        return tokens
+            threshold = probs.max(dim=1, keepdim=True).values * min_p[:, None]
+            scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+        with_top_k = [0 < o.top_k < vocab for o in opts]
+        if any(with_top_k) or any(o.top_p < 1.0 for o in opts):
+            # Only the best max(top_k) candidates can survive when every row has a top_k: a partial topk is
+            # far cheaper than sorting the whole vocabulary.
+            width = max(o.top_k for o in opts) if all(with_top_k) else vocab
+            sorted_logits, order = scaled.topk(width, dim=1) if width < vocab else scaled.sort(dim=1, descending=True)
+            positions = torch.arange(width, device=logits.device)[None, :]
+            sorted_logits = sorted_logits.masked_fill(positions >= top_k[:, None], float("-inf"))
+            probs = sorted_logits.softmax(dim=1)
+            # Drop a token when the tokens ranked above it already reach top_p; the best one always stays.
+            drop = (probs.cumsum(dim=1) - probs) > top_p[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
+        probs = scaled.softmax(dim=1)
+        sampled = (probs / self._exponential_noise(rows, batch, vocab, logits.device)).argmax(dim=1)
+        if any(o.greedy for o in opts):
+            sampled = torch.where(greedy.bool(), tokens, sampled)
+        return sampled
 
     # ---- steps ------------------------------------------------------------------------------------
     @staticmethod
@@ -123,8 +143,8 @@ class Sampler:
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
         counts = counts[:, :vocab]
 
-        rep = torch.tensor([r.options.repetition_penalty for r in rows], device=device)
-        if bool((rep != 1.0).any()):
+        if any(r.options.repetition_penalty != 1.0 for r in rows):
+            rep = torch.tensor([r.options.repetition_penalty for r in rows], device=device)
             # Repetition penalty covers prompt and output tokens (as vLLM).
             seen = counts > 0
             for i, r in enumerate(rows):
@@ -136,37 +156,32 @@ class Sampler:
         pres = torch.tensor([r.options.presence_penalty for r in rows], device=device)
         logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
 
-    @staticmethod
-    def _apply_top_filters(scaled: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        device = scaled.device
-        min_p = torch.tensor([r.options.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
-            probs = scaled.softmax(dim=1)
-            threshold = probs.max(dim=1, keepdim=True).values * min_p[:, None]
-            scaled = scaled.masked_fill(probs < threshold, float("-inf"))
-        top_k = torch.tensor([r.options.top_k if 0 < r.options.top_k < vocab else vocab for r in rows], device=device)
-        top_p = torch.tensor([r.options.top_p for r in rows], device=device)
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-            # Only the best max(top_k) candidates can survive when every row has a top_k: a partial topk is
-            # far cheaper than sorting the whole vocabulary.
-            width = int(top_k.max()) if bool((top_k < vocab).all()) else vocab
-            sorted_logits, order = scaled.topk(width, dim=1) if width < vocab else scaled.sort(dim=1, descending=True)
-            positions = torch.arange(width, device=device)[None, :]
-            drop = positions >= top_k[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            probs = sorted_logits.softmax(dim=1)
-            # Drop a token when the tokens ranked above it already reach top_p; the best one always stays.
-            drop = (probs.cumsum(dim=1) - probs) > top_p[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
-        return scaled
-
-    def _exponential_noise(self, rows: list[SamplingRow], batch: int, vocab: int) -> torch.Tensor:
-        noise = torch.empty(batch, vocab)
+    def _exponential_noise(self, rows: list[SamplingRow], batch: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """Noise drawn where the logits live: a [batch, vocab] host-to-device copy per step would cost more
+        than the sampling itself on a GPU."""
+        noise = torch.empty(batch, vocab, device=device)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if len(unseeded) == batch:
+            return noise.exponential_(generator=self._generator_for(device))
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+            idx = torch.tensor(unseeded, device=device)
+            fresh = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self._generator_for(device))
+            noise.index_copy_(0, idx, fresh)
         for i, r in enumerate(rows):
             if r.generator is not None:
-                noise[i] = torch.empty(vocab).exponential_(generator=r.generator)
+                if r.generator.device == noise.device:
+                    noise[i].exponential_(generator=r.generator)
+                else:
+                    noise[i] = torch.empty(vocab, device=r.generator.device).exponential_(generator=r.generator)
         return noise
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.generator
+        key = str(device)
+        if key not in self._device_generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._device_generators[key] = g
+        return self._device_generators[key]
