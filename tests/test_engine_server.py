@@ -213,14 +213,15 @@ def test_prefix_cache_hit_gives_the_same_output_and_counts_a_hit(server, client)
 
 
 # ---- abort and disconnect ----------------------------------------------------------------------------
-def test_abort_endpoint_ends_a_running_stream_with_abort(server, client):
+@pytest.mark.parametrize("abort_id", ["generate-tokens-to-abort", "to-abort"])
+def test_abort_endpoint_ends_a_running_stream_with_abort(server, client, abort_id):
     body = {"token_ids": PROMPT, "sampling_params": {"ignore_eos": True}, "stream": True}
     with client.stream("POST", "/inference/v1/generate", json=body, headers={"X-Request-Id": "to-abort"}) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line)
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
         assert client.post("/inference/v1/abort_requests",
-                           json={"request_ids": ["generate-tokens-to-abort"]}).status_code == 200
+                           json={"request_ids": [abort_id]}).status_code == 200
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
     finals = [json.loads(line[6:]) for line in rest[:-1]]

@@ -36,6 +36,7 @@ log = logging.getLogger("token_engine.server")
 LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
 MAX_REQUEST_BYTES = 64 << 20  # a 128k-token prompt is about 1 MB of JSON
 JSON = "application/json"
+REQUEST_ID_PREFIX = "generate-tokens-"
 
 
 def _clamp(value: float) -> float:
@@ -247,7 +248,7 @@ async def generate(request: Request) -> Response:
     if not state.engine.is_alive():
         return error_response("the engine is not running", 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
-    request_id = f"generate-tokens-{suffix}"
+    request_id = REQUEST_ID_PREFIX + suffix
     if request_id in state.active:
         return error_response(f"Request id {request_id} already running.", 400, "request_id")
     state.active.add(request_id)
@@ -280,6 +281,8 @@ async def abort_requests(request: Request) -> Response:
         return error_response(exc.message, exc.status, exc.param)
     for rid in body.request_ids:
         state.engine.abort_request(rid)
+        if not rid.startswith(REQUEST_ID_PREFIX):  # also the id as the caller sent it (header or body)
+            state.engine.abort_request(REQUEST_ID_PREFIX + rid)
     return Response(status_code=200)
 
 
