@@ -9,8 +9,12 @@ On the GPU box (Python 3.12, no nixl/msgspec/prometheus-client there) the wheels
 fetched with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 --platform manylinux_2_17_x86_64 -d .whl nixl==1.5.1 nixl-cu13==1.5.1 msgspec prometheus-client`, 57 MB):
     device run, kind nvidia-h200-x2, carry [".whl"]:
-    pip install -q --no-deps .whl/*.whl && python -m bench.pd_handoff_bench --prefill-device cuda:0 \
+    pip install -q --no-deps .whl/*.whl && \
+    python -m token_engine.cli preflight --prefill-device cuda:0 --decode-device cuda:1 --large-blocks 512 \
+        > $OUT/pd_preflight_h200x2.txt 2>&1; \
+    python -m bench.pd_handoff_bench --prefill-device cuda:0 \
         --decode-device cuda:1 --tokens 8192 --requests 50 --out $OUT/pd_handoff_h200x2.json
+Target (issue 5): handoff p50/p99 <= 3 ms for 8192 tokens (a plain GPU0->GPU1 copy of the 470 MB: 1.27 ms).
 
 Geometry defaults to Qwen2.5-7B's KV (28 layers, 4 KV heads, head_dim 128, bf16, 16-token blocks: 56 KiB
 per token, 470 MB for 8192 tokens). Cases, all in the same run:
