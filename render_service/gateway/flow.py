@@ -216,6 +216,34 @@ class Gateway:
 # ------------------------------------------------------------------------------- engine requests
 
 
+@dataclass
+class EngineStream:
+    """One engine generate call serving choices ``first .. first+count-1`` of one rendered prompt."""
+
+    gen: GenerateRequest
+    prompt_index: int
+    first: int
+    count: int
+
+
+def plan_streams(gens: list[GenerateRequest], disaggregated: bool) -> list[EngineStream]:
+    """One engine call per prompt; in P/D, n > 1 becomes n calls of n = 1 (a prefill lease is pulled by
+    one decode sequence; each call prefills again, which the prefill engine's prefix cache absorbs).
+    With a seed, call i samples with seed + i so that the choices differ as they would with n."""
+    out = []
+    for p, gen in enumerate(gens):
+        n = gen.sampling_params.n or 1
+        if not disaggregated or n == 1:
+            out.append(EngineStream(gen, p, 0, n))
+            continue
+        for i in range(n):
+            sp = gen.sampling_params
+            sp = msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+            out.append(EngineStream(msgspec.structs.replace(gen, request_id=f"{gen.request_id}-n{i}",
+                                                            sampling_params=sp), p, i, 1))
+    return out
+
+
 def _engine_sampling(sp: SamplingParams, **changes) -> SamplingParams:
     # Stop strings are the gateway's (the engine refuses them); client kv_transfer_params are untrusted.
     return msgspec.structs.replace(sp, stop=None, extra_args=None, output_text_buffer_length=0, **changes)
@@ -244,5 +272,5 @@ def decode_request(gen: GenerateRequest, kv: dict) -> GenerateRequest:
     return msgspec.structs.replace(engine_request(gen), kv_transfer_params={**kv, "prompt_token_ids": gen.token_ids})
 
 
-__all__ = ["Gateway", "GatewaySettings", "EngineCall", "NoReplica", "EngineRejected", "EngineStreamBroken",
+__all__ = ["Gateway", "GatewaySettings", "EngineCall", "EngineStream", "plan_streams", "NoReplica", "EngineRejected", "EngineStreamBroken",
            "engine_request", "prefill_request", "decode_request"]

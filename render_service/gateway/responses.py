@@ -122,10 +122,11 @@ class _Responder:
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
         raise NotImplementedError
 
-    def prompt_done(self, prompt_index: int) -> bool:
-        """Every choice of this prompt has finished (a stop string may end one before the engine does)."""
-        base = prompt_index * self.n
-        return all(base + i in self.choices and self.choices[base + i].done for i in range(self.n))
+    def span_done(self, prompt_index: int, first: int, count: int) -> bool:
+        """Choices ``first .. first+count-1`` of this prompt have all finished (a stop string may end
+        one before the engine does)."""
+        base = prompt_index * self.n + first
+        return all(base + i in self.choices and self.choices[base + i].done for i in range(count))
 
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from render_service.errors import ApiError, bad_request, error_body
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
-from render_service.gateway.flow import EngineCall, Gateway, NoReplica
+from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateStreamChoice
 from render_service.render import RenderConfig, render_chat, render_completion
@@ -80,16 +80,18 @@ def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
 # ------------------------------------------------------------------------------------ driving
 
 
-async def engine_choices(gateway: Gateway, gens: list[GenerateRequest], call: EngineCall,
-                         prompt_done: Callable[[int], bool]) -> AsyncIterator[tuple[int, GenerateStreamChoice]]:
-    """(prompt index, engine choice event) for every prompt; a prompt whose choices all ended early
-    (stop strings) is closed and aborted at once."""
-    if len(gens) == 1:
-        async with aclosing(gateway.events(gens[0], call)) as events:
+async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: EngineCall,
+                         span_done: Callable[[int, int, int], bool]
+                         ) -> AsyncIterator[tuple[int, GenerateStreamChoice]]:
+    """(prompt index, engine choice event with the prompt's choice index) for every engine call; a call
+    whose choices all ended early (stop strings) is closed and aborted at once."""
+    if len(streams) == 1:
+        (s,) = streams
+        async with aclosing(gateway.events(s.gen, call)) as events:
             async for chunk in events:
                 for choice in chunk.choices:
-                    yield 0, choice
-                if prompt_done(0):
+                    yield s.prompt_index, choice
+                if span_done(s.prompt_index, s.first, s.count):
                     gateway.abort_soon(call)
                     return
         return
@@ -106,7 +108,7 @@ async def engine_choices(gateway: Gateway, gens: list[GenerateRequest], call: En
         except Exception as exc:  # handed to the consumer, which raises it
             await queue.put((i, None, exc))
 
-    tasks = {i: asyncio.get_running_loop().create_task(pump(i, g)) for i, g in enumerate(gens)}
+    tasks = {i: asyncio.get_running_loop().create_task(pump(i, s.gen)) for i, s in enumerate(streams)}
     try:
         remaining = set(tasks)
         while remaining:
@@ -116,10 +118,13 @@ async def engine_choices(gateway: Gateway, gens: list[GenerateRequest], call: En
             if chunk is None or i not in remaining:
                 remaining.discard(i)
                 continue
+            s = streams[i]
             for choice in chunk.choices:
-                yield i, choice
-            if prompt_done(i):
-                gateway.abort_soon(call, gens[i].request_id)
+                if s.first:
+                    choice.index += s.first
+                yield s.prompt_index, choice
+            if span_done(s.prompt_index, s.first, s.count):
+                gateway.abort_soon(call, s.gen.request_id)
                 tasks[i].cancel()
                 remaining.discard(i)
     finally:
@@ -132,7 +137,7 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
                   responder: ChatResponder | CompletionResponder, stream: bool) -> Response:
     gateway.stats.requests += 1
     call = EngineCall()
-    choices = engine_choices(gateway, gens, call, responder.prompt_done)
+    choices = engine_choices(gateway, plan_streams(gens, gateway.disaggregated), call, responder.span_done)
     if not stream:
         return await _collect(request, gateway, call, choices, responder)
     # Wait for the first event before answering: errors until then keep their HTTP status.

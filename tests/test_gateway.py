@@ -1,0 +1,316 @@
+"""The gateway end to end with the official `openai` client: real engine processes (a tiny scripted Qwen3,
+see gateway_harness.py), real gateway processes (`render-service serve --engine/--prefill/--decode`).
+
+Two engines with the NIXL connector serve both modes: the collocated gateway sends everything to the
+decode engine; the disaggregated gateway prefills on one and decodes on the other. Every behaviour is
+checked in both modes against the same expected answer, so greedy outputs are equal across modes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway_harness import (
+    LOOP_SCRIPT,
+    LOOP_START,
+    PLAIN_SCRIPT,
+    PLAIN_TEXT,
+    TOOL_SCRIPT,
+    engine_process,
+    free_port,
+    gateway_process,
+    kv_cache_state,
+    wait_until_idle,
+    write_scripted_qwen3,
+)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    model = write_scripted_qwen3(tmp_path_factory.mktemp("gateway") / "tiny")
+    procs = []
+    try:
+        prefill = engine_process(model, kv_engine_id="gw-prefill", wait=False)
+        procs.append(prefill)
+        decode = engine_process(model, kv_engine_id="gw-decode", wait=False)
+        procs.append(decode)
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        colloc = gateway_process(model, ["--engine", decode.url])
+        procs.append(colloc)
+        disagg = gateway_process(model, ["--prefill", prefill.url, "--decode", decode.url])
+        procs.append(disagg)
+        yield {"model": model, "prefill": prefill, "decode": decode, "collocated": colloc, "disaggregated": disagg}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+@pytest.fixture(params=["collocated", "disaggregated"])
+def mode(request):
+    return request.param
+
+
+def client(stack, mode) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack[mode].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def fold_chat_stream(chunks) -> dict:
+    """What a client reconstructs from chat chunks."""
+    content, reasoning, calls, finish, usage, roles = [], [], {}, None, None, []
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.role:
+                roles.append(delta.role)
+            if delta.content:
+                content.append(delta.content)
+            extra = delta.model_extra or {}
+            if extra.get("reasoning"):
+                reasoning.append(extra["reasoning"])
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                if tc.function and tc.function.name:
+                    call["name"] = tc.function.name
+                if tc.function and tc.function.arguments:
+                    call["arguments"] += tc.function.arguments
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    return {"content": "".join(content) or None, "reasoning": "".join(reasoning) or None,
+            "calls": [calls[i] for i in sorted(calls)], "finish": finish, "usage": usage, "roles": roles}
+
+
+# ----------------------------------------------------------------------------------------- chat
+
+
+def test_chat_tool_call_with_reasoning(stack, mode):
+    r = client(stack, mode).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.model_extra["reasoning"] == "Need weather"
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("chatcmpl-tool-")
+    assert r.usage.completion_tokens == len(TOOL_SCRIPT) and r.usage.prompt_tokens > 50
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_folds_to_the_non_streaming_answer(stack, mode):
+    c = client(stack, mode)
+    batch = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0)
+    chunks = list(c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, stream=True))
+    folded = fold_chat_stream(chunks)
+    assert folded["roles"] == ["assistant"] and chunks[0].choices[0].delta.role == "assistant"
+    assert folded["reasoning"] == batch.choices[0].message.model_extra["reasoning"]
+    assert folded["finish"] == "tool_calls"
+    (call,) = folded["calls"]
+    batch_call = batch.choices[0].message.tool_calls[0]
+    assert call["id"].startswith("chatcmpl-tool-")  # ids derive from the request id, which differs here
+    assert (call["name"], call["arguments"]) == (batch_call.function.name, batch_call.function.arguments)
+    assert len(chunks) > 3  # really streamed, not one chunk
+
+
+def test_plain_chat_with_usage_on_every_chunk(stack, mode):
+    chunks = list(client(stack, mode).chat.completions.create(
+        model="tiny", messages=USER, temperature=0, stream=True, extra_body=NO_THINKING,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    folded = fold_chat_stream(chunks)
+    assert folded["content"] == PLAIN_TEXT and folded["reasoning"] is None and folded["finish"] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(PLAIN_SCRIPT)
+    assert all(ch.usage is not None for ch in chunks)
+    counts = [ch.usage.completion_tokens for ch in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == len(PLAIN_SCRIPT)
+
+
+def test_token_ids_for_callers_that_ask(stack, mode):
+    c = client(stack, mode)
+    r = c.chat.completions.create(model="tiny", messages=USER, temperature=0,
+                                  extra_body={**NO_THINKING, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == PLAIN_SCRIPT
+    prompt = r.model_extra["prompt_token_ids"]
+    assert prompt[-1] == 271 and len(prompt) == r.usage.prompt_tokens
+    chunks = list(c.chat.completions.create(model="tiny", messages=USER, temperature=0, stream=True,
+                                            extra_body={**NO_THINKING, "return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    streamed = [t for ch in chunks for choice in ch.choices for t in (choice.model_extra.get("token_ids") or [])]
+    assert streamed == PLAIN_SCRIPT
+
+
+def test_chat_logprobs_carry_the_sampled_tokens(stack, mode):
+    r = client(stack, mode).chat.completions.create(model="tiny", messages=USER, temperature=0, logprobs=True,
+                                                    top_logprobs=2, extra_body=NO_THINKING)
+    entries = r.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == PLAIN_TEXT + "<|im_end|>"  # the stop token has a logprob too
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_tokens_cuts_the_content(stack, mode, include):
+    c = client(stack, mode)
+    body = {**NO_THINKING, "include_stop_str_in_output": include}
+    expected = "Hello world, the sky is" if include else "Hello world, the "
+    r = c.chat.completions.create(model="tiny", messages=USER, temperature=0, stop=["sky is", "never"],
+                                  extra_body=body)
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == "sky is"
+    assert r.usage.completion_tokens < len(PLAIN_SCRIPT)  # the engine request ended early
+    folded = fold_chat_stream(c.chat.completions.create(model="tiny", messages=USER, temperature=0, stop="sky is",
+                                                        stream=True, extra_body=body))
+    assert folded["content"] == expected and folded["finish"] == "stop"
+
+
+def test_n_greater_than_one_gives_every_choice(stack, mode):
+    r = client(stack, mode).chat.completions.create(model="tiny", messages=USER, temperature=0, n=3,
+                                                    extra_body=NO_THINKING)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content == PLAIN_TEXT and c.finish_reason == "stop" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * len(PLAIN_SCRIPT)
+    chunks = list(client(stack, mode).chat.completions.create(model="tiny", messages=USER, temperature=0, n=2,
+                                                              stream=True, extra_body=NO_THINKING))
+    for index in (0, 1):
+        mine = [ch for ch in chunks if ch.choices and ch.choices[0].index == index]
+        assert fold_chat_stream(mine)["content"] == PLAIN_TEXT
+
+
+# ---------------------------------------------------------------------------------- completions
+
+
+def test_completions_batch_stream_and_token_ids(stack, mode):
+    c = client(stack, mode)
+    prompt = [9707, LOOP_START]
+    loop_text = " beta gamma delta beta gamma delta"
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, n=2, logprobs=1,
+                             extra_body={"return_token_ids": True})
+    assert [ch.text for ch in r.choices] == [loop_text, loop_text]
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.choices[0].model_extra["token_ids"] == LOOP_SCRIPT * 2
+    assert r.choices[0].logprobs.tokens == [" beta", " gamma", " delta"] * 2
+    assert r.choices[0].logprobs.text_offset[:3] == [0, 5, 11]
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 12
+    chunks = list(c.completions.create(model="tiny", prompt=[prompt, [LOOP_START]], max_tokens=4, temperature=0,
+                                       stream=True, stop=[" delta"], stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    finish = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert texts == {0: " beta gamma", 1: " beta gamma"} and finish == {0: "stop", 1: "stop"}
+    assert chunks[-1].usage.prompt_tokens == 3
+
+
+def test_greedy_outputs_are_equal_across_modes(stack):
+    answers = []
+    for mode in ("collocated", "disaggregated"):
+        c = client(stack, mode)
+        tool = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0,
+                                         extra_body={"return_token_ids": True})
+        text = c.completions.create(model="tiny", prompt="Tell me more about alpha", max_tokens=9, temperature=0,
+                                    extra_body={"return_token_ids": True})
+        answers.append((tool.choices[0].model_extra["token_ids"], tool.choices[0].message.tool_calls[0].function.name,
+                        text.choices[0].text, text.choices[0].model_extra["token_ids"]))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == TOOL_SCRIPT
+
+
+# ------------------------------------------------------------------------------------- failures
+
+
+def test_engine_4xx_reaches_the_client_with_its_status(stack, mode):
+    c = client(stack, mode)
+    # tool_choice "required" renders into structured_outputs, which this engine refuses with a 400
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required")
+    assert "structured_outputs" in exc.value.message and exc.value.body["param"] == "sampling_params.structured_outputs"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", stream=True)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="no-such-model", messages=USER)
+
+
+def test_bad_bodies_get_a_4xx_error_envelope(stack, mode):
+    url = stack[mode].url
+    for body in (b"{", b'{"messages": 3}', b'{"messages": [], "model": "tiny"}',
+                 b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "kv_transfer_params": {"remote_host": "h"}}'):
+        path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
+        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert 400 <= r.status_code < 500, (body, r.text)
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(stack, mode):
+    decode = stack["decode"].url
+    before = _generation_tokens(decode)
+    max_tokens = 200
+    body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", stack[mode].url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                if seen == 3:
+                    break  # leaving the block closes the connection mid-stream
+    state = wait_until_idle(decode)
+    assert state["num_free_blocks"] == state["num_blocks"] and state["num_running"] == 0
+    assert _generation_tokens(decode) - before < max_tokens  # stopped well before max_tokens
+    if mode == "disaggregated":
+        assert wait_until_idle(stack["prefill"].url)["num_held_by_connector"] == 0
+
+
+def test_killed_engine_before_first_token_is_retried_on_another_replica(stack):
+    dead_port = free_port()  # an engine that was here and is gone: connections are refused
+    gateway = gateway_process(stack["model"], ["--engine", f"http://127.0.0.1:{dead_port}", stack["decode"].url,
+                                               "--prefix-affinity-blocks", "0"])
+    try:
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for stream in (False, True, False, True):
+            if stream:
+                text = fold_chat_stream(c.chat.completions.create(
+                    model="tiny", messages=USER, temperature=0, stream=True, extra_body=NO_THINKING))["content"]
+            else:
+                text = c.chat.completions.create(model="tiny", messages=USER, temperature=0,
+                                                 extra_body=NO_THINKING).choices[0].message.content
+            assert text == PLAIN_TEXT
+        status = httpx.get(gateway.url + "/gateway/status", timeout=10).json()
+        dead = next(r for r in status["pools"]["engine"] if str(dead_port) in r["url"])
+        assert dead["failures"] >= 1 and status["stats"]["retries"] >= 1
+    finally:
+        gateway.stop()
+
+
+def test_every_replica_down_is_a_503_not_a_hang(stack):
+    gateway = gateway_process(stack["model"], ["--engine", f"http://127.0.0.1:{free_port()}"])
+    try:
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.APIStatusError) as exc:
+            c.chat.completions.create(model="tiny", messages=USER)
+        assert exc.value.status_code == 503
+    finally:
+        gateway.stop()
+
+
+def _generation_tokens(engine_url: str) -> float:
+    text = httpx.get(engine_url + "/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+
+
+__all__ = ["kv_cache_state", "socket"]
