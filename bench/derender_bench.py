@@ -33,9 +33,12 @@ from pathlib import Path
 
 import httpx
 
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
 ROOT = Path(__file__).resolve().parent.parent
-QWEN = Path("/work/shared/fixtures/qwen3-0.6b")
-PEER = Path("/work/shared/peers/vllm-render")
+QWEN = SHARED / "fixtures/qwen3-0.6b"
+PEER = SHARED / "peers/vllm-render"
 MODEL = "qwen3-0.6b"
 CLK = os.sysconf("SC_CLK_TCK")
 

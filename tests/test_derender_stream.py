@@ -10,12 +10,16 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-QWEN = "/work/shared/fixtures/qwen3-0.6b"
-FIXTURES = "/work/shared/fixtures/vllm-0.32-render"
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
+QWEN = str(SHARED / "fixtures/qwen3-0.6b")
+FIXTURES = str(SHARED / "fixtures/vllm-0.32-render")
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 
 

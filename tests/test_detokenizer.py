@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +13,10 @@ from render_service.bundle import load_bundle
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.tokenizer import TextTokenizer
 
-QWEN = "/work/shared/fixtures/qwen3-0.6b"
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
+QWEN = str(SHARED / "fixtures/qwen3-0.6b")
 
 
 @lru_cache(maxsize=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -22,7 +23,10 @@ from render_service.parsers.pipeline import (
     tool_call_id,
 )
 
-QWEN = "/work/shared/fixtures/qwen3-0.6b"
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
+QWEN = str(SHARED / "fixtures/qwen3-0.6b")
 EOS = 151645
 TOOLS = [ToolSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}}),
          ToolSpec("search", {"type": "object", "properties": {"q": {"type": "string"}}})]

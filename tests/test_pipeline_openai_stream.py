@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 
 from render_service.bundle import load_bundle
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.openai_stream import ChatStreamAssembler
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
 EOS = 151645
 
 
 @lru_cache(maxsize=1)
 def qwen():
-    return load_bundle("/work/shared/fixtures/qwen3-0.6b").tokenizer
+    return load_bundle(str(SHARED / "fixtures/qwen3-0.6b")).tokenizer
 
 
 def assembler(**kw) -> ChatStreamAssembler:

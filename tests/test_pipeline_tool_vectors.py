@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -15,6 +16,9 @@ from render_service.bundle import load_bundle
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.detokenizer import _bytes_to_unicode
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, PipelineConfig, derender_all
+
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
 
 TOOLS = [
     ToolSpec("get_weather", {"type": "object", "properties": {
@@ -73,7 +77,7 @@ VECTORS = {
 
 @lru_cache(maxsize=1)
 def qwen():
-    return load_bundle("/work/shared/fixtures/qwen3-0.6b").tokenizer
+    return load_bundle(str(SHARED / "fixtures/qwen3-0.6b")).tokenizer
 
 
 def pipeline_for(name: str) -> Pipeline:

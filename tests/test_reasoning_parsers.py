@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,10 +17,13 @@ from render_service.parsers.reasoning import (
     reasoning_open_at_prompt_end,
 )
 
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
 
 @lru_cache(maxsize=1)
 def qwen():
-    return load_bundle("/work/shared/fixtures/qwen3-0.6b").tokenizer
+    return load_bundle(str(SHARED / "fixtures/qwen3-0.6b")).tokenizer
 
 
 def run(parser, chunks):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 from functools import lru_cache
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,8 +17,11 @@ from render_service.render import load_render_config
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from tests.test_derender_stream import PARSER_FLAGS, render_server
 
-QWEN = "/work/shared/fixtures/qwen3-0.6b"
-STREAM = "/work/shared/fixtures/vllm-0.32-render/parsers/12_chat_derender_stream"
+# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
+SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+
+QWEN = str(SHARED / "fixtures/qwen3-0.6b")
+STREAM = str(SHARED / "fixtures/vllm-0.32-render/parsers/12_chat_derender_stream")
 VLLM_EMPTY = {"prev_tokens": [], "prefix_offset": 0, "read_offset": 0, "role_sent": False,
               "logprob_context_token_ids": [], "logprob_text_offset": 0, "output_token_ids": [],
               "output_chunk_lens": [], "tools_streamed": False, "last_tool_call_ids": []}
