@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="further replicas to try when one fails before the first token")
     gw.add_argument("--dns-refresh-interval", type=float, default=10.0, help="seconds between re-resolving pools")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", default="text", choices=["json", "text"],
+                       help="json: one object per line (ts, level, logger, msg, request_id, fields)")
+    serve.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+                       help="on SIGTERM, how long in-flight requests may take before the process exits")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
     return parser
 
@@ -105,13 +109,19 @@ def build_gateway(args: argparse.Namespace) -> Any:
     return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings)
 
 
-def _uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
+    """uvicorn that drains on SIGTERM (see render_service.ops.lifecycle); one Lifecycle per process."""
     import uvicorn
 
-    return uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=30,
+    from render_service.ops.lifecycle import DrainingServer, Lifecycle, wrap_app
+
+    lifecycle = Lifecycle(args.shutdown_grace_seconds)
+    app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, log_config=None,
+        loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=2,
     )
+    return DrainingServer(config, lifecycle)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -125,7 +135,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from render_service.ops.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
@@ -159,9 +171,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
                     time.perf_counter() - started, config.fingerprint, config.max_model_len)
         if args.workers == 1:
-            import uvicorn
-
-            uvicorn.Server(_uvicorn_config(app, args)).run()
+            _uvicorn_server(app, args).run()
             return 0
         return _prefork(app, args)
     except (ValueError, OSError) as exc:
@@ -173,8 +183,6 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _prefork(app: Any, args: argparse.Namespace) -> int:
-    import uvicorn
-
     sock = _bind(args.host, args.port)
     children: dict[int, tuple[int, float]] = {}  # pid -> (worker number, start time)
     stopping = False
@@ -185,7 +193,7 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             try:
-                uvicorn.Server(_uvicorn_config(app, args)).run(sockets=[sock])
+                _uvicorn_server(app, args).run(sockets=[sock])
             finally:
                 os._exit(0)
         children[pid] = (number, time.monotonic())

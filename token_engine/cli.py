@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import socket
 import sys
 
@@ -61,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='KV connector config as JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
     s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--log-format", default="text", choices=["json", "text"],
+                   help="json: one object per line (ts, level, logger, msg, request_id, fields)")
+    s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests and held KV leases may take before exit")
 
     pf = sub.add_parser("preflight", add_help=False,
                         help="check the KV transfer path (NIXL/UCX) between two local agents; --help for options")
@@ -78,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if args.kv_transfer_config and args.kv_transfer_config.get("kv_connector") == "NixlConnector":
+        from token_engine.kv_connector.config import parse_nixl_config
+
+        parse_nixl_config(args.kv_transfer_config)  # a bad key is a one-line error here, not a traceback later
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
@@ -99,17 +106,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | None = None,
-          enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info") -> None:
+          enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info",
+          shutdown_grace_seconds: float = 30.0) -> None:
     import uvicorn
 
+    from render_service.ops.lifecycle import DrainingServer, Lifecycle, wrap_app
     from token_engine.engine import AsyncEngine, LLMEngine
     from token_engine.server import build_app
 
     engine = AsyncEngine(LLMEngine(config))
     engine.start()
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=30))
+    # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
+    lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
+    server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle), host=host, port=port, log_level=log_level,
+                                           access_log=False, log_config=None, timeout_graceful_shutdown=2),
+                            lifecycle)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
@@ -130,14 +142,17 @@ def main(argv: list[str] | None = None) -> int:
                                   tokenizer_dir=args.tokenizer, seed=args.seed, dtype=args.dtype)
         print(path)
         return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from render_service.ops.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2
     serve(config, args.host, args.port, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-          logprobs_format=args.generate_logprobs_format, log_level=args.log_level)
+          logprobs_format=args.generate_logprobs_format, log_level=args.log_level,
+          shutdown_grace_seconds=args.shutdown_grace_seconds)
     return 0
 
 

@@ -1,0 +1,150 @@
+"""Request ids, in-flight accounting and draining, for any Starlette app behind uvicorn.
+
+``OpsMiddleware`` wraps the whole app (pure ASGI, so streaming responses pass straight through):
+it honours and echoes X-Request-Id, logs one access line per request, counts requests in flight
+and, once draining, answers new work with 503 and /health with 503 so readiness drops.
+
+``DrainingServer`` is uvicorn's Server with a different SIGTERM: instead of closing the listening
+socket at once (new clients would see "connection refused" and probes would fail without a reason),
+it keeps listening while draining, and exits when nothing is in flight or the grace period is over.
+A second SIGTERM/SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import time
+import uuid
+from typing import Any, Callable
+
+import uvicorn
+
+from render_service.ops.logs import request_id_var
+
+logger = logging.getLogger("splitserve.ops")
+access_logger = logging.getLogger("splitserve.access")
+
+# Probes and scrapes are neither work nor refused while draining (Prometheus should see the drain).
+UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
+# A client's id is echoed and logged: keep it to a sane length and alphabet.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
+DRAINING_BODY = (b'{"error":{"message":"The server is shutting down; retry on another replica",'
+                 b'"type":"ServiceUnavailableError","param":null,"code":503}}')
+
+
+class Lifecycle:
+    """Draining state and requests in flight for one server process."""
+
+    def __init__(self, grace_seconds: float = 30.0, busy: Callable[[], bool] | None = None) -> None:
+        self.grace_seconds = grace_seconds
+        self.busy = busy  # further work that must finish before exit (an engine's held KV leases)
+        self.in_flight = 0
+        self.draining = False
+        self.drain_deadline = float("inf")
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.grace_seconds
+            logger.info("draining: refusing new requests, %d in flight, grace %.0fs", self.in_flight,
+                        self.grace_seconds, extra={"in_flight": self.in_flight})
+
+    def drained(self) -> bool:
+        """True once the process may exit: nothing left in flight, or the grace period is over."""
+        if self.in_flight == 0 and not (self.busy and self.busy()):
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            logger.warning("grace period over with %d requests in flight; exiting anyway", self.in_flight,
+                           extra={"in_flight": self.in_flight})
+            return True
+        return False
+
+
+def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _REQUEST_ID.match(text) else None
+    return None
+
+
+class OpsMiddleware:
+    def __init__(self, app: Any, lifecycle: Lifecycle, *, access_log: bool = True) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+        self.access_log = access_log
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        request_id = client_request_id(scope.get("headers", [])) or uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        echoed = request_id.encode()
+        status = 0
+        counted = path not in UNCOUNTED_PATHS
+        started = time.perf_counter()
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", echoed)]}
+            await send(message)
+
+        try:
+            if self.lifecycle.draining and path != "/metrics":
+                await self._refuse(send_with_id, path)
+                return
+            if counted:
+                self.lifecycle.in_flight += 1
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                if counted:
+                    self.lifecycle.in_flight -= 1
+        finally:
+            if self.access_log:
+                level = logging.INFO if counted else logging.DEBUG
+                access_logger.log(level, "%s %s %d", scope.get("method"), path, status, extra={
+                    "method": scope.get("method"), "path": path, "status": status,
+                    "duration_ms": round((time.perf_counter() - started) * 1e3, 3)})
+            request_id_var.reset(token)
+
+    @staticmethod
+    async def _refuse(send: Any, path: str) -> None:
+        # Connection: close moves a keep-alive client to another replica on its next request.
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1")]
+        body = b"" if path == "/health" else DRAINING_BODY
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that drains on the first SIGTERM/SIGINT and exits 0 (it does not re-raise the signal)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.lifecycle.draining:
+            logger.warning("second %s: exiting now", signal.Signals(sig).name)
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self.lifecycle.start_draining()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.lifecycle.draining and not self.should_exit and self.lifecycle.drained():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def wrap_app(app: Any, lifecycle: Lifecycle, *, access_log: bool = True) -> OpsMiddleware:
+    return OpsMiddleware(app, lifecycle, access_log=access_log)
