@@ -90,3 +90,15 @@ def test_transfer_log_line_and_metrics():
     text = log.metrics.render().decode()
     assert "vllm:nixl_xfer_time_seconds_count 2.0" in text
     assert 'vllm:nixl_num_failed_transfers_total{reason="timeout"} 1.0' in text
+
+
+def test_serve_refuses_a_bad_kv_transfer_config_with_one_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "token_engine.cli", "serve", "/nonexistent-model", "--kv-transfer-config",
+         '{"kv_connector": "NixlConnector", "kv_load_failure_policy": "maybe"}'],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "kv_load_failure_policy" in out.stderr and "Traceback" not in out.stderr
