@@ -192,6 +192,12 @@ class KVHandoff:
         return out
 
     def _poll_loop(self) -> None:
+        if self.transport.layout.mem_type == "VRAM":
+            # UCX's cuda_ipc progress runs in this thread: give it the pool's (primary) CUDA context, as
+            # NIXL's own progress thread would have.
+            import torch
+
+            torch.cuda.set_device(self.transport.layout.device_id)
         while not self._closed:
             if not self.busy():
                 self._wake.wait(0.05)
