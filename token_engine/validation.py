@@ -127,14 +127,15 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
                            "sampling_params.min_tokens")
     min_tokens = min(sp.min_tokens, max_tokens)
 
+    max_logprobs = limits.vocab_size if limits.max_logprobs < 0 else limits.max_logprobs  # -1: no cap (vLLM)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(sp, name)
         if value is None:
             continue
-        if value == -1:
+        if value == -1:  # the whole vocabulary
             value = limits.vocab_size
-        if value < 0 or value > limits.max_logprobs:
-            raise RequestError(f"{name} must be between 0 and {limits.max_logprobs} (the server's max_logprobs), "
+        if value < 0 or value > max_logprobs:
+            raise RequestError(f"{name} must be between 0 and {max_logprobs} (the server's max_logprobs), "
                                f"got {getattr(sp, name)}.", f"sampling_params.{name}")
 
     stop_token_ids = sp.stop_token_ids or []
