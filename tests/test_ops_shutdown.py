@@ -1,0 +1,138 @@
+"""Graceful shutdown with real processes: on SIGTERM a server keeps its in-flight streams going to the
+end, refuses new work with an OpenAI-style 503, answers /health with 503 (readiness drops), then exits 0.
+
+A request whose body is still being uploaded is in flight as far as the server is concerned; the tests
+hold one such request open across the SIGTERM (released by the test), so that the server cannot have
+finished its work before the probes run, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+
+from tests.gateway_harness import (
+    LOOP_START,
+    engine_process,
+    gateway_process,
+    wait_until_idle,
+    write_scripted_qwen3,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_scripted_qwen3(tmp_path_factory.mktemp("ops-shutdown") / "tiny")
+
+
+class HeldRequest:
+    """A POST whose body is sent in two parts; the second only after release(). Runs in a thread."""
+
+    def __init__(self, url: str, body: bytes):
+        self.url = url
+        self.head, self.tail = body[: len(body) // 2], body[len(body) // 2:]
+        self.released = threading.Event()
+        self.head_sent = threading.Event()
+        self.response: httpx.Response | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.head_sent.wait(60)
+
+    def _body(self):
+        yield self.head
+        self.head_sent.set()
+        self.released.wait(120)
+        yield self.tail
+
+    def _run(self) -> None:
+        try:
+            self.response = httpx.post(self.url, content=self._body(), timeout=120,
+                                       headers={"content-type": "application/json", "x-request-id": "held-1"})
+        except BaseException as exc:  # reported by result()
+            self.error = exc
+
+    def result(self) -> httpx.Response:
+        self.released.set()
+        self.thread.join(120)
+        assert self.error is None, self.error
+        assert self.response is not None
+        return self.response
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def assert_draining(url: str, work_path: str, work_body: dict) -> None:
+    health = httpx.get(url + "/health", timeout=30)
+    assert health.status_code == 503
+    refused = httpx.post(url + work_path, json=work_body, timeout=30)
+    assert refused.status_code == 503
+    error = refused.json()["error"]
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_gateway_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
+    engine = engine_process(model)
+    gateway = gateway_process(model, ["--engine", engine.url, "--workers", "2", "--shutdown-grace-seconds", "60"])
+    try:
+        held_body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 8, "temperature": 0}
+        held = HeldRequest(gateway.url + "/v1/completions", httpx.Request("POST", "/", json=held_body).content)
+        stream_body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 120, "temperature": 0,
+                       "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", gateway.url + "/v1/completions",
+                                                            json=stream_body) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            gateway.proc.send_signal(signal.SIGTERM)
+            assert_draining(gateway.url, "/v1/completions", held_body)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert first.startswith("data: {")
+        assert rest[-1] == "[DONE]" and len(rest) - 1 == 119  # every token of the stream arrived
+        assert all("error" not in event for event in rest)
+        done = held.result()
+        assert done.status_code == 200
+        assert done.json()["usage"]["completion_tokens"] == 8
+        assert done.headers["x-request-id"] == "held-1"
+        assert gateway.proc.wait(60) == 0
+        # The engine behind it is untouched and holds no blocks.
+        assert httpx.get(engine.url + "/health", timeout=30).status_code == 200
+        state = wait_until_idle(engine.url)
+        assert state["num_free_blocks"] == state["num_blocks"]
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def test_engine_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
+    engine = engine_process(model)
+    try:
+        held_body = {"token_ids": [LOOP_START], "sampling_params": {"max_tokens": 5, "temperature": 0}}
+        held = HeldRequest(engine.url + "/inference/v1/generate", httpx.Request("POST", "/", json=held_body).content)
+        stream_body = {"token_ids": [LOOP_START], "stream": True,
+                       "sampling_params": {"max_tokens": 100, "temperature": 0, "ignore_eos": True}}
+        with httpx.Client(timeout=120) as http, http.stream("POST", engine.url + "/inference/v1/generate",
+                                                            json=stream_body) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            engine.proc.send_signal(signal.SIGTERM)
+            assert_draining(engine.url, "/inference/v1/generate", held_body)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        tokens = sum(len(c["token_ids"]) for e in rest[:-1] for c in json.loads(e)["choices"])
+        assert tokens == 99  # the first event carried one token
+        done = held.result()
+        assert done.status_code == 200
+        assert len(done.json()["choices"][0]["token_ids"]) == 5
+        assert engine.proc.wait(60) == 0
+    finally:
+        engine.stop()
+
