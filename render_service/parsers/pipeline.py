@@ -227,10 +227,9 @@ class Pipeline:
         if piece.id:
             state.model_call_ids[piece.index] = piece.id
             return piece.id
-        known = state.model_call_ids[piece.index]
-        return known or tool_call_id(self.config.request_id, self.config.choice_index, piece.index)
+        return self.call_id_for(state, piece.index)
 
-    def _call_id_for(self, state: PipelineState, index: int) -> str:
+    def call_id_for(self, state: PipelineState, index: int) -> str:
         """The id call ``index`` was (or will be) announced with."""
         if index < len(state.model_call_ids) and state.model_call_ids[index]:
             return state.model_call_ids[index]

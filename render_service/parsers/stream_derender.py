@@ -26,8 +26,8 @@ from render_service.derender import (
     resolve_chat_logprobs,
     resolve_completion_logprobs,
 )
-from render_service.errors import ApiError, bad_request
-from render_service.parsers.detokenizer import byte_level_token_bytes, _bytes_to_unicode
+from render_service.errors import bad_request
+from render_service.parsers.detokenizer import _bytes_to_unicode, byte_level_token_bytes
 from render_service.parsers.openai_stream import merge_deltas as _merge
 from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, PipelineState
 from render_service.protocol import (
@@ -242,7 +242,7 @@ def _answer_state(session: _Session, binding: bytes, runtime: StreamRuntime, new
             out["output_chunk_lens"] = lens
             out["tools_streamed"] = state.tool_calls > 0
             out["last_tool_call_ids"] = [
-                session.pipeline._call_id_for(state, i) for i in range(state.tool_calls)
+                session.pipeline.call_id_for(state, i) for i in range(state.tool_calls)
             ]
             cfg = session.pipeline.config
             if not state.finished and STATE_KEY not in (session.incoming or {}):
@@ -409,5 +409,3 @@ def derender_completion_stream(
         chunk=out_chunk, stream_state=_answer_state(session, binding, runtime, ids, False)
     )
 
-
-__all__ = ["StreamRuntime", "derender_chat_stream", "derender_completion_stream", "ApiError"]
