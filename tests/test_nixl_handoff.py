@@ -129,9 +129,15 @@ def test_killed_then_restarted_peer_is_removed_and_re_added():
         h.start_load("b", _remote(first, "before", [4], e1), [4])
         assert _wait_outcomes(h)[0].ok
         stale_epoch = first.hold("lost", [5])
-        first.kill()
-        # the dead peer: READ (or the side channel) fails fast with a clear reason
+        # Killed mid-handoff, deterministically: stopped, the peer still serves the READ (CMA copies without
+        # it, as cuda_ipc does from a dead GPU peer), but cannot confirm the lease; then it dies.
+        os.kill(first.proc.pid, signal.SIGSTOP)
         h.start_load("dead", _remote(first, "lost", [5], stale_epoch), [5])
+        first.kill()
+        [out] = _wait_outcomes(h)
+        assert not out.ok and out.reason in ("disconnect", "side_channel")
+        # the dead peer, again: READ (or the side channel) fails fast with a clear reason
+        h.start_load("dead-2", _remote(first, "lost", [6], stale_epoch + 1), [6])
         [out] = _wait_outcomes(h)
         assert not out.ok and out.reason in ("disconnect", "side_channel")
         second = LoopbackPeer(*GEOM, "--engine-id", "prefill-phoenix", "--port", str(port), "--seed", "2")
