@@ -188,3 +188,32 @@ def test_stream_alternating_between_two_server_processes():
             for got, want in zip(out, expected):
                 got, want = dict(got), dict(want)
                 assert got == want
+
+
+def typed_vllm_client_run(runtime: StreamRuntime) -> list[dict]:
+    """A client that re-validates every answer into vLLM's model: unknown keys (ours) are dropped."""
+    state, out = None, []
+    for body in steps():
+        ans = call(body, state, runtime)
+        state = {**VLLM_EMPTY, **{k: v for k, v in ans["stream_state"].items() if k in VLLM_EMPTY}}
+        out.append(ans["chunk"]["choices"][0])
+    return out
+
+
+def test_a_client_that_drops_our_key_gets_a_clear_400_not_wrong_output():
+    with pytest.raises(Exception) as err:
+        typed_vllm_client_run(StreamRuntime(always_vllm_fields=False))
+    assert getattr(err.value, "status", None) == 400 and "lost" in err.value.message
+
+
+def test_always_vllm_fields_mode_serves_clients_that_drop_unknown_keys():
+    rt = StreamRuntime(always_vllm_fields=True)
+    assert typed_vllm_client_run(rt) == compact_run()
+    assert rt.cache.hits == len(steps()) - 1
+
+
+def test_always_vllm_fields_env_switch(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_STREAM_STATE_VLLM_FIELDS", "1")
+    assert StreamRuntime().always_vllm_fields is True
+    monkeypatch.delenv("SPLITSERVE_STREAM_STATE_VLLM_FIELDS")
+    assert StreamRuntime().always_vllm_fields is False

@@ -12,6 +12,7 @@ fields only when the caller sent vLLM-shaped state.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from typing import Any
@@ -77,12 +78,32 @@ class VllmStreamState(msgspec.Struct):
     last_tool_call_ids: list[str] = []
 
 
-class StreamRuntime:
-    """Per-process streaming derender settings: the state secret and the cache of live pipelines."""
+VLLM_FIELDS_ENV = "SPLITSERVE_STREAM_STATE_VLLM_FIELDS"
 
-    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache | None = None) -> None:
+
+# vLLM's DerenderStreamState with its defaults: every key a vLLM client expects in an answer.
+VLLM_DEFAULTS: dict[str, Any] = {
+    "prev_tokens": [], "prefix_offset": 0, "read_offset": 0, "role_sent": False,
+    "logprob_context_token_ids": [], "logprob_text_offset": 0, "output_token_ids": [], "output_chunk_lens": [],
+    "tools_streamed": False, "last_tool_call_ids": [],
+}
+
+
+class StreamRuntime:
+    """Per-process streaming derender settings: the state secret and the cache of live pipelines.
+
+    ``always_vllm_fields`` (env SPLITSERVE_STREAM_STATE_VLLM_FIELDS=1): answer every stream, from its first
+    chunk, with vLLM's history fields as well, for clients that re-validate stream_state into vLLM's model and
+    drop unknown keys (they then continue through the cache or by replay, at vLLM's O(history) bytes).
+    """
+
+    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache | None = None,
+                 always_vllm_fields: bool | None = None) -> None:
         self.secret = secret_from_env(secret)
         self.cache = cache if cache is not None else StreamingCache()
+        if always_vllm_fields is None:
+            always_vllm_fields = os.environ.get(VLLM_FIELDS_ENV, "").lower() in ("1", "true", "yes")
+        self.always_vllm_fields = always_vllm_fields
 
 
 # --------------------------------------------------------------------------------- state handling
@@ -199,7 +220,10 @@ def _open_session(
     runtime: StreamRuntime, config: RenderConfig, parser_path: bool,
 ) -> _Session:
     if incoming is None:
-        return _Session(pipeline, pipeline.initial_state(prompt_ids), None, None)
+        state = pipeline.initial_state(prompt_ids)
+        if runtime.always_vllm_fields:
+            return _Session(pipeline, state, VllmStreamState(), {})
+        return _Session(pipeline, state, None, None)
     if isinstance(incoming, str):
         return _Session(pipeline, _state_from_token(pipeline, incoming, binding, runtime), None, None)
     if not isinstance(incoming, dict):
@@ -211,8 +235,16 @@ def _open_session(
         state = _state_from_token(pipeline, incoming[STATE_KEY], binding, runtime)
         return _Session(pipeline, state, vllm, incoming)
     if vllm is None:
-        raise bad_request(f"stream_state has neither {STATE_KEY!r} nor vLLM's fields", "stream_state")
+        raise bad_request(f"stream_state has neither {STATE_KEY!r} nor vLLM's history fields: it was lost on the way "
+                          f"back; echo stream_state unchanged, or run the server with {VLLM_FIELDS_ENV}=1",
+                          "stream_state")
     cfg = pipeline.config
+    if parser_path and vllm.role_sent and not vllm.output_token_ids:
+        # vLLM itself never answers like this after a chunk with tokens: our key was dropped on the way back.
+        raise bad_request(
+            f"stream_state lost its {STATE_KEY!r} key (role already sent, no history): echo stream_state back "
+            f"unchanged, or run the server with {VLLM_FIELDS_ENV}=1 to carry vLLM's history fields",
+            "stream_state")
     if not parser_path:
         return _Session(pipeline, _adopt_vllm_plain(pipeline, vllm, prompt_ids), vllm, incoming)
     if not vllm.output_token_ids:
@@ -234,6 +266,7 @@ def _answer_state(session: _Session, binding: bytes, runtime: StreamRuntime, new
     out: dict[str, Any] = {}
     vllm = session.vllm
     if vllm is not None:
+        out.update(VLLM_DEFAULTS)
         out.update(session.incoming or {})
         if parser_path:
             history = vllm.output_token_ids + new_ids if new_ids else vllm.output_token_ids
