@@ -173,7 +173,7 @@ class NixlConnector:
     # -- prefill: holding KV for a remote decode --------------------------------------------------------
 
     def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
-        planned = self._planned.pop(seq.seq_id, None)
+        self._planned.pop(seq.seq_id, None)
         params = seq.kv_transfer_params
         if not params:
             return False, None
