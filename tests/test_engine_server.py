@@ -160,7 +160,7 @@ def test_stop_token_ids_end_the_choice_with_stop(server, client):
     choice = generate(client, {"token_ids": PROMPT, "sampling_params": params}).json()["choices"][0]
     first = expected.index(expected[2])
     assert choice["token_ids"] == expected[:first + 1]
-    assert choice["finish_reason"] == "stop"
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == expected[2]
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class SequenceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -246,7 +247,7 @@ class LLMEngine:
                 state.last_token_time[i] = now
                 m.generation_tokens_l.inc(len(new))
             logprobs, seq.new_logprobs = seq.new_logprobs, []
-            deltas.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason))
+            deltas.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason, seq.stop_reason))
             state.emitted[i] = -1 if seq.is_finished else state.emitted[i] + len(new)
         if not deltas:
             return

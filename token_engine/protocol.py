@@ -124,6 +124,7 @@ class GenerateResponseChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: int | None = None
     logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
     routed_experts: str | None = None
 
@@ -145,6 +146,7 @@ class GenerateStreamChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: int | None = None
     logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
     routed_experts: str | None = None
 

@@ -239,6 +239,8 @@ class Scheduler:
             if s.samples and seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id])
                 reason = check_stop(seq, self.max_model_len)
+                if reason == "stop":
+                    seq.stop_reason = seq.token_ids[-1]
                 if reason is not None:
                     self.finish(seq, reason)
                     finished.append(seq)

@@ -83,6 +83,7 @@ class Sequence:
     kv_transfer_params_out: dict | None = None  # the connector's answer, returned on the response
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | None = None  # the token id that ended it with "stop" (vLLM's stop_reason)
     error: str | None = None
     generator: torch.Generator | None = None
     # filled by the engine as tokens are produced; drained by whoever streams them out

@@ -152,6 +152,7 @@ class Generation:
         tokens: list[list[int]] = [[] for _ in range(self.n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         reasons: list[str | None] = [None] * self.n
+        stop_reasons: list[int | None] = [None] * self.n
         while True:
             update = await self.queue.get()
             for d in update.deltas:
@@ -159,6 +160,7 @@ class Generation:
                 logprobs[d.index].extend(d.logprobs)
                 if d.finish_reason is not None:
                     reasons[d.index] = d.finish_reason
+                    stop_reasons[d.index] = d.stop_reason
             if update.finished:
                 break
         self.finish(sum(len(t) for t in tokens), "error" if update.error else ",".join(r or "stop" for r in reasons))
@@ -167,7 +169,7 @@ class Generation:
         want_logprobs = self.req.sampling_params.logprobs is not None
         choices = [
             p.GenerateResponseChoice(
-                index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop",
+                index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop", stop_reason=stop_reasons[i],
                 logprobs=encode_logprobs(logprobs[i], self.legacy_logprobs) if want_logprobs else None)
             for i in range(self.n)
         ]
@@ -199,6 +201,7 @@ class Generation:
                     counts[d.index] += len(d.token_ids)
                     choice = p.GenerateStreamChoice(
                         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason,
                         logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
                     chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice])
                     if continuous:
