@@ -438,6 +438,9 @@ def test_kv_transfer_params_reach_the_connector_and_come_back(tmp_path):
         def stats(self):
             return {}
 
+        def render_metrics(self):
+            return b"# TYPE echo_connector_requests counter\necho_connector_requests_total 1.0\n"
+
         def shutdown(self):
             pass
 
@@ -452,3 +455,5 @@ def test_kv_transfer_params_reach_the_connector_and_come_back(tmp_path):
         assert connector.pool_shape[0] == srv.llm.num_blocks
         plain = c.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}})
         assert plain.json()["kv_transfer_params"] == {"echo": None, "num_blocks": 1}
+        metrics = c.get("/metrics").text
+        assert "echo_connector_requests_total" in metrics and "vllm:num_requests_running" in metrics

@@ -56,7 +56,11 @@ class KVConnector(Protocol):
     def has_inflight_transfers(self) -> bool: ...
 
     def stats(self) -> dict[str, float]:
-        """Counters for /metrics (transfer bytes, seconds...); names are the connector's."""
+        """Totals (transfer bytes, seconds...) for logs and tests; names are the connector's."""
+        ...
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text appended to the engine's /metrics (transfer time and bytes first)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -87,6 +91,9 @@ class NoOpKVConnector:
 
     def stats(self):
         return {}
+
+    def render_metrics(self):
+        return b""
 
     def shutdown(self):
         pass
