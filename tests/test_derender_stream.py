@@ -260,3 +260,27 @@ def test_logprobs_repair_a_character_split_across_chunks_with_the_carried_contex
     assert texts == ["a", "", "", "", "😀"]
     assert "".join(tokens) == "a😀" and "\ufffd" not in "".join(tokens)
     assert offsets[0] == 0 and offsets[-1] == 1
+
+
+def test_plain_path_continues_from_vllm_recorded_state_mid_stream():
+    """In-process, no parsers: vLLM's own prev_tokens/offsets window is adopted and the rest of the stream
+    matches vLLM's recording; the answer keeps vLLM's window fields current for a vLLM client."""
+    import msgspec
+
+    from render_service.parsers.stream_derender import StreamRuntime, derender_chat_stream
+    from render_service.protocol import DerenderChatStreamRequest
+    from render_service.render import load_render_config
+
+    cfg = load_render_config(QWEN, served_model_names=["qwen3-0.6b"])
+    steps = recorded("noparsers", "12_chat_derender_stream")
+    k = 3
+    state = steps[k][1]["body"]["stream_state"]
+    assert "prev_tokens" in state and "splitserve_state" not in state
+    rt = StreamRuntime()
+    for body, (_, resp) in zip([b for b, _ in steps[k + 1:]], steps[k + 1:]):
+        out = msgspec.to_builtins(derender_chat_stream(
+            msgspec.convert(dict(body, stream_state=state), DerenderChatStreamRequest), cfg, rt))
+        want = resp["body"]["chunk"]["choices"][0]
+        assert set_fields(out["chunk"]["choices"][0]["delta"]) == set_fields(want["delta"])
+        state = out["stream_state"]
+        assert {"prev_tokens", "prefix_offset", "read_offset", "role_sent"} <= set(state)
