@@ -65,7 +65,7 @@ def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, worker
     flags = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"] if parsers else []
     cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model_dir), "--served-model-name",
            served_model_name, "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-           "--log-level", "warning", *flags]
+           "--log-level", "warning", "--disable-uvicorn-access-log", *flags]
     with open(log, "wb") as handle:
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
 
