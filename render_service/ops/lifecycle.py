@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import uvicorn
 
+from render_service.ops.http_metrics import GATEWAY_ENDPOINTS, gateway_histograms
 from render_service.ops.logs import request_id_var
 
 logger = logging.getLogger("splitserve.ops")
@@ -45,11 +46,11 @@ class Lifecycle:
         self.drain_deadline = float("inf")
 
     def start_draining(self) -> None:
+        # Called from a signal handler: no logging here (it would run inside whatever request the
+        # signal interrupted, and carry its request id); the server's tick logs the drain.
         if not self.draining:
             self.draining = True
             self.drain_deadline = time.monotonic() + self.grace_seconds
-            logger.info("draining: refusing new requests, %d in flight, grace %.0fs", self.in_flight,
-                        self.grace_seconds, extra={"in_flight": self.in_flight})
 
     def drained(self) -> bool:
         """True once the process may exit: nothing left in flight, or the grace period is over."""
@@ -86,12 +87,18 @@ class OpsMiddleware:
         echoed = request_id.encode()
         status = 0
         counted = path not in UNCOUNTED_PATHS
+        gateway_endpoint = GATEWAY_ENDPOINTS.get(path)
+        streaming = False
         started = time.perf_counter()
 
         async def send_with_id(message: dict) -> None:
-            nonlocal status
+            nonlocal status, streaming
             if message["type"] == "http.response.start":
                 status = message["status"]
+                streaming = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in message.get("headers", []))
+                if gateway_endpoint and streaming and status == 200:
+                    gateway_histograms()[0].labels(gateway_endpoint).observe(time.perf_counter() - started)
                 headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
                 message = {**message, "headers": headers + [(b"x-request-id", echoed)]}
             await send(message)
@@ -107,6 +114,8 @@ class OpsMiddleware:
             finally:
                 if counted:
                     self.lifecycle.in_flight -= 1
+            if gateway_endpoint and status == 200:
+                gateway_histograms()[1].labels(gateway_endpoint).observe(time.perf_counter() - started)
         finally:
             if self.access_log:
                 level = logging.INFO if counted else logging.DEBUG
@@ -131,6 +140,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self._drain_logged = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.lifecycle.draining:
@@ -141,7 +151,12 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle.start_draining()
 
     async def on_tick(self, counter: int) -> bool:
-        if self.lifecycle.draining and not self.should_exit and self.lifecycle.drained():
+        lc = self.lifecycle
+        if lc.draining and not self._drain_logged:
+            self._drain_logged = True
+            logger.info("draining: refusing new requests, %d in flight, grace %.0fs", lc.in_flight, lc.grace_seconds,
+                        extra={"in_flight": lc.in_flight})
+        if lc.draining and not self.should_exit and lc.drained():
             self.should_exit = True
         return await super().on_tick(counter)
 
