@@ -352,6 +352,13 @@ def test_prompt_token_ids_are_returned_only_when_asked(client):
     assert generate(client, {**body, "return_token_ids": True}).json()["prompt_token_ids"] == PROMPT
 
 
+def test_unknown_paths_and_methods_get_the_error_envelope(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = client.get("/inference/v1/generate")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
 def test_unknown_model_gets_404(client):
     r = generate(client, {"token_ids": [1], "model": "other", "sampling_params": {}})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
@@ -394,6 +401,11 @@ def test_cached_tokens_are_reported_with_prompt_tokens_details(tmp_path):
 def test_a_dead_engine_fails_health_and_requests_instead_of_hanging(tmp_path):
     model_dir = write_tiny_qwen3(tmp_path / "m", vocab_size=512)
     with ServerThread(engine_config(model_dir)) as srv, srv.client() as c:
+        limits, srv.llm.limits = srv.llm.limits, None  # a bug in a handler: still the error envelope
+        r = c.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+        srv.llm.limits = limits
+
         def broken_step():
             raise SystemExit("simulated engine crash")  # BaseException: not caught as a step failure
 

@@ -339,6 +339,11 @@ async def _method_not_allowed(request: Request, exc) -> Response:
     return error_response(f"method {request.method} not allowed on {request.url.path}", 405)
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(f"internal error: {type(exc).__name__}", 500)
+
+
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids") -> Starlette:
     routes = [
@@ -351,7 +356,8 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
         Route("/version", version, methods=["GET"]),
         Route("/debug/kv_cache", kv_cache_debug, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed,
+                                                       Exception: _internal_error})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format)
     return app
