@@ -177,6 +177,19 @@ def test_logprobs_carry_integer_token_ids(client):
         assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
 
 
+def test_return_token_logprobs_gives_the_sampled_logprobs_as_a_flat_list(client):
+    body = {"token_ids": PROMPT, "return_token_logprobs": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 3, "ignore_eos": True}}
+    choice = generate(client, body).json()["choices"][0]
+    assert choice["logprobs"]["content"] is None
+    sampled = choice["logprobs"]["sampled"]
+    assert len(sampled) == 3 and all(lp <= 0 for lp in sampled)
+    with_top = generate(client, {**body, "sampling_params": {**body["sampling_params"], "logprobs": 1}}).json()
+    content = with_top["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in content] == pytest.approx(sampled)
+    assert generate(client, {**body, "stream": True}).status_code == 400
+
+
 def test_legacy_logprobs_shape_uses_token_id_strings(client):
     params = {"temperature": 0, "max_tokens": 2, "logprobs": 1, "ignore_eos": True}
     choice = generate(client, {"token_ids": PROMPT, "sampling_params": params,

@@ -166,11 +166,10 @@ class Generation:
         self.finish(sum(len(t) for t in tokens), "error" if update.error else ",".join(r or "stop" for r in reasons))
         if update.error:
             return error_response(update.error, 500)
-        want_logprobs = self.req.sampling_params.logprobs is not None
         choices = [
             p.GenerateResponseChoice(
                 index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop", stop_reason=stop_reasons[i],
-                logprobs=encode_logprobs(logprobs[i], self.legacy_logprobs) if want_logprobs else None)
+                logprobs=self.choice_logprobs(logprobs[i]))
             for i in range(self.n)
         ]
         body = p.GenerateResponse(
@@ -182,6 +181,15 @@ class Generation:
         if self.req.return_token_ids:
             body.prompt_token_ids = self.req.token_ids
         return Response(msgspec.json.encode(body), media_type=JSON)
+
+    def choice_logprobs(self, entries: list[TokenLogprob]):
+        want_top = self.req.sampling_params.logprobs is not None
+        if not self.req.return_token_logprobs:
+            return encode_logprobs(entries, self.legacy_logprobs) if want_top else None
+        # vLLM's fast path: just the sampled tokens' logprobs, as a flat list.
+        out = encode_logprobs(entries, legacy=False) if want_top else p.GenerateLogProbs(content=None)
+        out.sampled = [_clamp(e.logprob) for e in entries]
+        return out
 
     async def stream(self):
         opts = self.req.stream_options

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from msgspec import UNSET
 
+from render_service.ops.limits import kv_transfer_params_violation
 from token_engine.protocol import GenerateRequest
 from token_engine.sequence import SamplingOptions
 
@@ -55,6 +56,9 @@ def _check_token_ids(name: str, ids: list[int], vocab_size: int, param: str) -> 
 def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tuple[SamplingOptions, int]:
     """(SamplingOptions, n) for req, or RequestError."""
     prompt_len = len(req.token_ids)
+    violation = kv_transfer_params_violation(req.kv_transfer_params)
+    if violation:
+        raise RequestError(*violation)
     if prompt_len == 0:
         raise RequestError("token_ids must contain at least one token.", "token_ids")
     _check_token_ids("token_ids", req.token_ids, limits.vocab_size, "token_ids")
@@ -71,9 +75,8 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     if req.features is not None or req.content_parts:
         raise RequestError("multimodal inputs (features, content_parts) are not supported by this engine.",
                            "features" if req.features is not None else "content_parts")
-    if req.return_token_logprobs:
-        raise RequestError("return_token_logprobs is not supported; use sampling_params.logprobs.",
-                           "return_token_logprobs")
+    if req.return_token_logprobs and req.stream:
+        raise RequestError("return_token_logprobs is not supported with stream=true.", "return_token_logprobs")
     if not -INT64_MAX - 1 <= req.priority <= INT64_MAX:
         raise RequestError("priority must fit in a signed 64-bit integer.", "priority")
     if req.logprobs_format not in (None, "ids", "token_id_strings"):
@@ -168,7 +171,9 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         min_tokens=min_tokens,
         stop_token_ids=frozenset(stop_token_ids),
         ignore_eos=sp.ignore_eos,
-        logprobs=None if sp.logprobs is None else (limits.vocab_size if sp.logprobs == -1 else sp.logprobs),
+        # return_token_logprobs needs the sampled token's logprob even when no top-k was asked for.
+        logprobs=(0 if req.return_token_logprobs else None) if sp.logprobs is None else (
+            limits.vocab_size if sp.logprobs == -1 else sp.logprobs),
         prompt_logprobs=None if sp.prompt_logprobs is None else (
             limits.vocab_size if sp.prompt_logprobs == -1 else sp.prompt_logprobs),
         logit_bias=logit_bias,
