@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from render_service.errors import ApiError, bad_request, model_not_found
+from render_service.ops.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,6 +114,9 @@ def check_model(model: str | None, config: RenderConfig) -> str:
 
 
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
+    violation = kv_transfer_params_violation(req.kv_transfer_params)
+    if violation:
+        raise bad_request(*violation)
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if req.use_beam_search:
@@ -353,6 +357,9 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
     """Apply the chat template and tokenize; returns (token_ids, resolved chat_template_kwargs)."""
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
+    violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
+    if violation:
+        raise bad_request(*violation)
     kwargs = resolve_chat_template_kwargs(req, config)
     template = chat_template_for(req, config)
     try:
@@ -483,6 +490,9 @@ def render_completion(
     if req.logprobs is not None and req.logprobs < 0:
         raise bad_request("logprobs must be non-negative", "logprobs")
     prompts = _completion_prompts(req.prompt)
+    violation = prompts_limit_violation(len(prompts))
+    if violation:
+        raise bad_request(*violation)
     structured = _structured_outputs(req)
     base_id = new_request_id("cmpl", request_id or req.request_id)
     out = []
