@@ -47,7 +47,8 @@ def test_batched_greedy_equals_one_at_a_time_greedy(model, reference):
 
 
 def test_chunked_prefill_output_equals_unchunked(model, reference):
-    engine = make_engine(model, max_num_batched_tokens=7)  # every prompt but the first is split into chunks
+    # every prompt but the first is split into chunks
+    engine = make_engine(model, max_num_batched_tokens=7, max_num_seqs=4)
     assert run(engine, PROMPTS) == reference
 
 
@@ -152,6 +153,11 @@ def test_generation_stops_at_max_model_len(model):
     engine = make_engine(model, max_model_len=32)
     out = run(engine, [PROMPTS[3]], dataclasses.replace(GREEDY, max_tokens=100))[0]
     assert len(PROMPTS[3]) + len(out) == 32
+
+
+def test_a_token_budget_below_max_num_seqs_is_refused(model):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(model, max_num_batched_tokens=8, max_num_seqs=16)
 
 
 def test_kv_cache_smaller_than_one_context_is_refused(model):

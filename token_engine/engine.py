@@ -104,6 +104,10 @@ class LLMEngine:
         from token_engine.models import load_model
 
         self.config = config
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            # Otherwise the lowest-priority running sequences would never get a decode token (as vLLM checks).
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({config.max_num_seqs})")
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=config.device)
         arch = self.model.arch
         self.arch = arch
