@@ -93,12 +93,14 @@ class LoopbackPeer:
         self.proc.stdin.close()
 
     def close(self) -> None:
+        import subprocess
+
         if self.proc.poll() is None:
             try:
                 self.ask(op="exit")
                 self.proc.wait(timeout=10)
-            except (OSError, TimeoutError, RuntimeError, ValueError):
-                pass
+            except (OSError, TimeoutError, RuntimeError, ValueError, subprocess.TimeoutExpired):
+                pass  # a slow or stuck exit: kill() below ends it
         self.kill()
 
 
