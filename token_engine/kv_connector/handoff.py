@@ -351,5 +351,6 @@ class KVHandoff:
         self._poller.join(timeout=5)
         self.side_channel.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
-        self.transport.close()
+        with self._lock:  # a poller slow to notice _closed is not inside NIXL while the agent goes away
+            self.transport.close()
         return self.leases.release_all()
