@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,7 +92,9 @@ class Process:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file, not a pipe: nobody drains a pipe while the server runs, and a full one stalls it
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.DEVNULL, stderr=self.log)
         if wait:
             self.wait_healthy()
 
@@ -99,7 +102,7 @@ class Process:
         deadline = time.monotonic() + limit_s  # hang guard only: a loaded 2-core box needs ~15 s
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(self.proc.stderr.read().decode(errors="replace")[-3000:])
+                raise AssertionError(self.log_tail())
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
@@ -108,12 +111,15 @@ class Process:
             assert time.monotonic() < deadline, f"{self.url} did not come up"
             time.sleep(0.1)
 
+    def log_tail(self, size: int = 3000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-size:]
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-        if self.proc.stderr:
-            self.proc.stderr.close()
+        self.log.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -123,8 +129,7 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        if self.proc.stderr:
-            self.proc.stderr.close()
+        self.log.close()
 
 
 def engine_process(model_dir, *, kv_engine_id: str | None = None, side_channel_port: int | None = None,

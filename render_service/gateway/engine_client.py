@@ -1,7 +1,8 @@
 """HTTP calls to tokens-only engines: /inference/v1/generate (plain and SSE) and abort_requests.
 
-One shared ``httpx.AsyncClient`` (keep-alive, created lazily in the serving process: pre-forked
-workers must not share a connection pool). Failures are sorted by what the flow can do about them:
+Generate calls go over ``http1.Http1Pool`` (keep-alive; see there for why not httpx on the per-token
+path), aborts over one shared ``httpx.AsyncClient``; both are created lazily in the serving process
+(pre-forked workers must not share connections). Failures are sorted by what the flow can do about them:
 
 * ``EngineUnavailable``: connection refused/reset, a 5xx, or a stream that ended before its first
   event. Nothing reached the client yet, so another replica may be tried.
@@ -17,6 +18,7 @@ from typing import Any, AsyncIterator
 import httpx
 import msgspec
 
+from render_service.gateway.http1 import Http1Pool, HttpError
 from render_service.protocol import GenerateResponse, GenerateStreamResponse
 
 logger = logging.getLogger("render_service.gateway.engine_client")
@@ -60,64 +62,84 @@ class EngineStreamBroken(Exception):
 
 
 class EngineClient:
-    def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float | None = 600.0,
-                 max_connections: int = 1024) -> None:
+    """Engine calls: generate (plain and streamed) on the lean HTTP/1.1 pool, aborts on httpx."""
+
+    def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float | None = 600.0) -> None:
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=60.0)
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                    keepalive_expiry=60.0)
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
         self._client: httpx.AsyncClient | None = None
+        self._pool: Http1Pool | None = None
 
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+            self._client = httpx.AsyncClient(timeout=self._timeout)
         return self._client
+
+    @property
+    def pool(self) -> Http1Pool:
+        if self._pool is None:
+            self._pool = Http1Pool(self._connect_timeout_s, self._read_timeout_s)
+        return self._pool
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     async def generate(self, base_url: str, body: bytes, request_id: str) -> GenerateResponse:
         """Non-streaming generate (the prefill hop)."""
-        headers = {**JSON_HEADERS, "x-request-id": request_id}
         try:
-            response = await self.client.post(base_url + GENERATE_PATH, content=body, headers=headers)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"{base_url}: {type(exc).__name__}: {exc}") from None
-        _check_status(base_url, response.status_code, response.content)
+            response = await self.pool.post(base_url + GENERATE_PATH, body,
+                                            {**JSON_HEADERS, "x-request-id": request_id})
+            content = await response.read()
+        except HttpError as exc:
+            raise EngineUnavailable(f"{base_url}: {exc}") from None
+        _check_status(base_url, response.status, content)
         try:
-            return _decode_response(response.content)
+            return _decode_response(content)
         except msgspec.DecodeError as exc:
             raise EngineUnavailable(f"{base_url}: unreadable generate response: {exc}") from None
 
     async def stream(self, base_url: str, body: bytes, request_id: str) -> AsyncIterator[GenerateStreamResponse]:
-        """Streaming generate: yields engine chunks until [DONE]. Closing the generator closes the connection,
-        which the engine takes as an abort."""
+        """Streaming generate: yields engine chunks until [DONE]. Closing the generator early closes the
+        connection, which the engine takes as an abort."""
         headers = {**JSON_HEADERS, "x-request-id": request_id, "accept": "text/event-stream"}
         delivered = False
+        response = None
         try:
-            async with self.client.stream("POST", base_url + GENERATE_PATH, content=body, headers=headers) as response:
-                if response.status_code != 200:
-                    _check_status(base_url, response.status_code, await response.aread())
-                async for data in _sse_data(response.aiter_raw()):
-                    if data == b"[DONE]":
-                        return
-                    if data.startswith(b'{"error"'):
-                        error = EngineRejected(500, data).message()
-                        if delivered:
-                            raise EngineStreamBroken(error)
-                        raise EngineUnavailable(f"{base_url}: {error}")
-                    try:
-                        chunk = _decode_chunk(data)
-                    except msgspec.DecodeError as exc:
-                        raise EngineStreamBroken(f"unreadable engine event: {exc}") from None
-                    delivered = True
-                    yield chunk
-        except httpx.HTTPError as exc:
+            response = await self.pool.post(base_url + GENERATE_PATH, body, headers)
+            if response.status != 200:
+                _check_status(base_url, response.status, await response.read())
+            done = False
+            async for data in _sse_data(response.iter_chunks()):
+                if data == b"[DONE]":
+                    done = True  # read on to the end of the body: only then is the connection reused
+                    continue
+                if data.startswith(b'{"error"'):
+                    error = EngineRejected(500, data).message()
+                    if delivered:
+                        raise EngineStreamBroken(error)
+                    raise EngineUnavailable(f"{base_url}: {error}")
+                try:
+                    chunk = _decode_chunk(data)
+                except msgspec.DecodeError as exc:
+                    raise EngineStreamBroken(f"unreadable engine event: {exc}") from None
+                delivered = True
+                yield chunk
+            if done:
+                return
+        except HttpError as exc:
             if delivered:
-                raise EngineStreamBroken(f"engine stream from {base_url} broke: {type(exc).__name__}") from None
-            raise EngineUnavailable(f"{base_url}: {type(exc).__name__}: {exc}") from None
+                raise EngineStreamBroken(f"engine stream from {base_url} broke: {exc}") from None
+            raise EngineUnavailable(f"{base_url}: {exc}") from None
+        finally:
+            if response is not None:
+                response.close()  # no-op once the body was read to its end
         if delivered:
             raise EngineStreamBroken(f"engine stream from {base_url} ended without [DONE]")
         raise EngineUnavailable(f"{base_url}: stream ended before its first event")

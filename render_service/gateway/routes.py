@@ -87,11 +87,16 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
     whose choices all ended early (stop strings) is closed and aborted at once."""
     if len(streams) == 1:
         (s,) = streams
+        engine_finished: set[int] = set()
         async with aclosing(gateway.events(s.gen, call)) as events:
             async for chunk in events:
                 for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        engine_finished.add(choice.index)
                     yield s.prompt_index, choice
-                if span_done(s.prompt_index, s.first, s.count):
+                # Ended by us (stop strings) while the engine still generates: abort. An engine that
+                # finished is read to [DONE], which keeps its connection alive for the next request.
+                if len(engine_finished) < s.count and span_done(s.prompt_index, s.first, s.count):
                     gateway.abort_soon(call)
                     return
         return
@@ -109,6 +114,7 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
             await queue.put((i, None, exc))
 
     tasks = {i: asyncio.get_running_loop().create_task(pump(i, s.gen)) for i, s in enumerate(streams)}
+    finished: dict[int, set[int]] = {i: set() for i in tasks}
     try:
         remaining = set(tasks)
         while remaining:
@@ -120,10 +126,12 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
                 continue
             s = streams[i]
             for choice in chunk.choices:
+                if choice.finish_reason is not None:
+                    finished[i].add(choice.index)
                 if s.first:
                     choice.index += s.first
                 yield s.prompt_index, choice
-            if span_done(s.prompt_index, s.first, s.count):
+            if len(finished[i]) < s.count and span_done(s.prompt_index, s.first, s.count):
                 gateway.abort_soon(call, s.gen.request_id)
                 tasks[i].cancel()
                 remaining.discard(i)
