@@ -92,9 +92,9 @@ def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> No
             if len(ids) > config.max_model_len:
                 raise bad_request(f"token_ids length ({len(ids)}) in choice {choice.index} exceeds max_model_len "
                                   f"({config.max_model_len}).")
-            for t in ids:
-                if not 0 <= t < vocab:
-                    raise bad_request(f"token id {t} in choice {choice.index} is out of vocabulary", "token_ids")
+            if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; find the culprit only on failure
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise bad_request(f"token id {bad} in choice {choice.index} is out of vocabulary", "token_ids")
             _check_logprobs_bounds(choice.logprobs, choice.index, config)
         if gen.prompt_logprobs is not None and isinstance(gen.prompt_logprobs, list) \
                 and len(gen.prompt_logprobs) > config.max_model_len:
