@@ -15,6 +15,15 @@ What it does, in one process on one GPU:
 5. Optionally the same measurements for `transformers` eager on a same-shaped random model (the baseline a user
    would reach for), so the speedup is a ratio within one run.
 Timings are medians of CUDA-event-timed repetitions after warm-up. Prints a table last; writes JSON.
+
+One device call (repo root; needs only torch, triton, transformers, safetensors, pytest, all in the image):
+
+    set -o pipefail; export PYTHONUNBUFFERED=1
+    python3 -m pytest -q -m gpu tests/test_attention.py tests/test_models.py 2>&1 | tee $OUT/gpu_tests.log
+    python3 -m bench.gpu_engine_bench --hf-baseline --out $OUT/gpu_engine_bench.json 2>&1 | tee $OUT/bench.log
+
+Dry run of the script's logic on CPU: `python -m bench.gpu_engine_bench --device cpu --preset tiny
+--batches 1,4 --context 40 --prefill 64,128`.
 """
 
 from __future__ import annotations
