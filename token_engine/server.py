@@ -347,25 +347,32 @@ async def _method_not_allowed(request: Request, exc) -> Response:
     return error_response(f"method {request.method} not allowed on {request.url.path}", 405)
 
 
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(f"internal error: {type(exc).__name__}", 500)
+def _guarded(handler):
+    """A bug in a handler still answers with the error envelope (and keeps the connection usable)."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("unhandled error on %s", request.url.path)
+            return error_response(f"internal error: {type(exc).__name__}", 500)
+
+    return guarded
 
 
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids") -> Starlette:
     routes = [
-        Route("/inference/v1/generate", generate, methods=["POST"]),
-        Route("/inference/v1/abort_requests", abort_requests, methods=["POST"]),
-        Route("/abort_requests", abort_requests, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/debug/kv_cache", kv_cache_debug, methods=["GET"]),
+        Route("/inference/v1/generate", _guarded(generate), methods=["POST"]),
+        Route("/inference/v1/abort_requests", _guarded(abort_requests), methods=["POST"]),
+        Route("/abort_requests", _guarded(abort_requests), methods=["POST"]),
+        Route("/health", _guarded(health), methods=["GET"]),
+        Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/metrics", _guarded(metrics), methods=["GET"]),
+        Route("/version", _guarded(version), methods=["GET"]),
+        Route("/debug/kv_cache", _guarded(kv_cache_debug), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed,
-                                                       Exception: _internal_error})
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format)
     return app
