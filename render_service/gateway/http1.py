@@ -122,7 +122,7 @@ class Http1Pool:
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
             idle = self._idle[key]
-            reused = bool(idle)
+            reused = attempt == 0 and bool(idle)  # the retry takes a fresh connection: other idle ones may be stale too
             conn = idle.pop() if reused else await self._connect(https, host, port)
             try:
                 conn.writer.write(request)
