@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None)
     serve.add_argument("--tool-call-parser", default=None)
     serve.add_argument("--enable-auto-tool-choice", action="store_true")
+    serve.add_argument("--reasoning-field", default="reasoning", choices=["reasoning", "reasoning_content", "both"],
+                       help="chat key(s) for reasoning text: 'reasoning' (vLLM >= 0.11), the older "
+                            "'reasoning_content', or both; batch, streaming derender and the gateway alike")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprob tokens as vLLM's 'token_id:N' strings unless a request says otherwise "
+                            "(default: decoded text plus integer token_id)")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY)")
@@ -114,9 +120,12 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     import uvicorn
 
     from render_service.ops.lifecycle import DrainingServer, Lifecycle, wrap_app
+    from render_service.ops.openapi import render_openapi
+    from render_service.server import version
 
     lifecycle = Lifecycle(args.shutdown_grace_seconds)
-    app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log)
+    openapi = render_openapi(version(), gateway=bool(args.engine or args.prefill or args.decode))
+    app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, log_config=None,
         loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=2,
@@ -164,6 +173,8 @@ def serve(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             trust_request_chat_template=args.trust_request_chat_template,
             max_model_len=args.max_model_len,
+            reasoning_field=args.reasoning_field,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
         gateway = build_gateway(args)
         app = create_app(config, api_key=args.api_key, stream_state_secret=args.stream_state_secret,

@@ -153,3 +153,10 @@ def test_json_formatter_carries_extra_fields_exceptions_and_the_context_request_
 
         failing = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     assert "ValueError: boom" in json.loads(JsonFormatter().format(failing))["exc_info"]
+
+
+def test_every_server_publishes_its_openapi_document(stack):
+    gateway = httpx.get(stack["gateway"].url + "/openapi.json", timeout=30).json()
+    assert {"/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"} <= set(gateway["paths"])
+    engine = httpx.get(stack["decode"].url + "/openapi.json", timeout=30).json()
+    assert "/inference/v1/generate" in engine["paths"] and engine["openapi"].startswith("3.1")

@@ -111,15 +111,16 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     import uvicorn
 
     from render_service.ops.lifecycle import DrainingServer, Lifecycle, wrap_app
+    from render_service.ops.openapi import engine_openapi
     from token_engine.engine import AsyncEngine, LLMEngine
-    from token_engine.server import build_app
+    from token_engine.server import VERSION, build_app
 
     engine = AsyncEngine(LLMEngine(config))
     engine.start()
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
-    server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle), host=host, port=port, log_level=log_level,
+    server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, openapi=engine_openapi(VERSION)), host=host, port=port, log_level=log_level,
                                            access_log=False, log_config=None, timeout_graceful_shutdown=2),
                             lifecycle)
     try:

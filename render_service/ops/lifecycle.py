@@ -12,6 +12,7 @@ A second SIGTERM/SIGINT exits at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import signal
@@ -72,10 +73,12 @@ def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class OpsMiddleware:
-    def __init__(self, app: Any, lifecycle: Lifecycle, *, access_log: bool = True) -> None:
+    def __init__(self, app: Any, lifecycle: Lifecycle, *, access_log: bool = True,
+                 openapi: bytes | None = None) -> None:
         self.app = app
         self.lifecycle = lifecycle
         self.access_log = access_log
+        self.openapi = openapi  # served at GET /openapi.json (see render_service.ops.openapi)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -107,6 +110,9 @@ class OpsMiddleware:
             if self.lifecycle.draining and path != "/metrics":
                 await self._refuse(send_with_id, path)
                 return
+            if path == "/openapi.json" and self.openapi is not None and scope.get("method") == "GET":
+                await _send_body(send_with_id, 200, self.openapi, [(b"content-type", b"application/json")])
+                return
             if counted:
                 self.lifecycle.in_flight += 1
             try:
@@ -128,10 +134,13 @@ class OpsMiddleware:
     async def _refuse(send: Any, path: str) -> None:
         # Connection: close moves a keep-alive client to another replica on its next request.
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1")]
-        body = b"" if path == "/health" else DRAINING_BODY
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": headers + [(b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _send_body(send, 503, b"" if path == "/health" else DRAINING_BODY, headers)
+
+
+async def _send_body(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class DrainingServer(uvicorn.Server):
@@ -161,5 +170,7 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def wrap_app(app: Any, lifecycle: Lifecycle, *, access_log: bool = True) -> OpsMiddleware:
-    return OpsMiddleware(app, lifecycle, access_log=access_log)
+def wrap_app(app: Any, lifecycle: Lifecycle, *, access_log: bool = True,
+             openapi: dict | None = None) -> OpsMiddleware:
+    body = json.dumps(openapi).encode() if openapi is not None else None
+    return OpsMiddleware(app, lifecycle, access_log=access_log, openapi=body)
