@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from token_engine.kv_cache import BlockManager
-from token_engine.kv_connector.base import ConnectorEvents, KVConnector, NoOpKVConnector
+from token_engine.kv_connector.base import KV_LOAD_FAILED, ConnectorEvents, KVConnector, NoOpKVConnector
 from token_engine.sequence import Sequence, SequenceStatus
 
 
@@ -142,7 +142,8 @@ class Scheduler:
             else:
                 seq.status = SequenceStatus.WAITING  # not in any queue; finish() frees it
                 self.waiting.append(seq)
-                self.finish(seq, "error", "failed to load the KV cache from the remote engine")
+                why = events.failure_reasons.get(seq_id, "the remote engine's KV cache could not be loaded")
+                self.finish(seq, "error", f"{KV_LOAD_FAILED}: {why}")
                 finished.append(seq)
         return finished
 
@@ -204,6 +205,7 @@ class Scheduler:
             num_new = 1
         if fresh:
             if not self.bm.can_admit(seq, cached, external + num_new):
+                self._remote_checked.discard(seq.seq_id)  # the next attempt must ask the connector again
                 return None
             self.bm.take_cached_blocks(seq, cached)
             if seq.num_preemptions == 0:
@@ -212,6 +214,7 @@ class Scheduler:
         if not self.bm.allocate(seq, external + num_new):
             if fresh:
                 self.bm.free_blocks(seq)
+                self._remote_checked.discard(seq.seq_id)
             return None
         self.waiting.pop(0)
         if external:

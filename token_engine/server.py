@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
+from token_engine.kv_connector.base import KV_LOAD_FAILED
 from token_engine.sequence import TokenLogprob
 from token_engine.validation import RequestError, validate_generate_request
 
@@ -41,6 +42,11 @@ REQUEST_ID_PREFIX = "generate-tokens-"
 
 def _clamp(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def error_status(engine_error: str) -> int:
+    """A failed KV handoff is the upstream (prefill) engine's failure: 502, not an internal error."""
+    return 502 if engine_error.startswith(KV_LOAD_FAILED) else 500
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
@@ -165,7 +171,7 @@ class Generation:
                 break
         self.finish(sum(len(t) for t in tokens), "error" if update.error else ",".join(r or "stop" for r in reasons))
         if update.error:
-            return error_response(update.error, 500)
+            return error_response(update.error, error_status(update.error))
         choices = [
             p.GenerateResponseChoice(
                 index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop", stop_reason=stop_reasons[i],
@@ -202,7 +208,7 @@ class Generation:
             while True:
                 update = await self.queue.get()
                 if update.error:
-                    yield b"data: " + p.error_body(update.error, 500) + b"\n\n"
+                    yield b"data: " + p.error_body(update.error, error_status(update.error)) + b"\n\n"
                     self.finish(sum(counts), "error")
                     break
                 for d in update.deltas:

@@ -32,6 +32,11 @@ class ConnectorEvents:
     finished_recving: set[str] = field(default_factory=set)  # remote KV landed; the request may run
     failed_recving: set[str] = field(default_factory=set)  # remote KV load failed (policy decides)
     finished_sending: set[str] = field(default_factory=set)  # peer read our blocks; free them now
+    failure_reasons: dict[str, str] = field(default_factory=dict)  # seq_id -> why its load failed (for the caller)
+
+
+# Prefix of a request's error when its remote KV could not be loaded (policy "fail"); the server answers 502.
+KV_LOAD_FAILED = "KV handoff failed"
 
 
 @runtime_checkable
