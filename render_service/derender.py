@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from msgspec import UNSET
+
 from render_service.errors import ApiError, bad_request
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.parsers.base import ToolSpec
@@ -206,6 +208,17 @@ def pipeline_config(
 # ---------------------------------------------------------------------------------------------- chat
 
 
+def put_reasoning(message: Any, reasoning: str | None, field: str) -> None:
+    """Set a ChatMessage's or DeltaMessage's reasoning under the server's ``--reasoning-field``:
+    the one place batch derender, streaming derender and the gateway name the key."""
+    if field == "reasoning_content":
+        message.reasoning = UNSET
+    else:
+        message.reasoning = reasoning
+    if field != "reasoning":
+        message.reasoning_content = reasoning
+
+
 def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any = None) -> ChatCompletionResponse:
     model = check_model(req.model, config)
     gen = req.generate_response
@@ -220,7 +233,8 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
         pcfg = pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index)
         pipeline = Pipeline(config.tokenizer, pcfg)
         fields, state = derender_all(pipeline, choice.token_ids, prompt_ids)
-        message = ChatMessage(content=fields["content"], reasoning=fields["reasoning"])
+        message = ChatMessage(content=fields["content"])
+        put_reasoning(message, fields["reasoning"], config.reasoning_field)
         if pcfg.reasoning_parser is None and pcfg.tool_parser is None and fields["content"] is None:
             message.content = ""  # plain detokenization: vLLM answers "" for no text, never null
         if fields["tool_calls"]:
@@ -232,7 +246,8 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
         choices.append(ChatCompletionChoice(
             index=choice.index,
             message=message,
-            logprobs=resolve_chat_logprobs(choice.logprobs, config.tokenizer),
+            logprobs=resolve_chat_logprobs(choice.logprobs, config.tokenizer,
+                                           as_token_ids=tokens_as_token_ids(req.chat_request, config)),
             finish_reason=pipeline.finish_reason(state, choice.finish_reason),
             stop_reason=choice.stop_reason,
         ))
@@ -292,7 +307,8 @@ def derender_completion(
                 # vLLM numbers completion choices with one running index across all responses.
                 index=len(choices),
                 text=fields["content"] or "",
-                logprobs=resolve_completion_logprobs(choice.logprobs, config.tokenizer),
+                logprobs=resolve_completion_logprobs(choice.logprobs, config.tokenizer,
+                                                     as_token_ids=tokens_as_token_ids(creq, config)),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
             ))
@@ -359,10 +375,21 @@ def _token_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
     return ""
 
 
+def tokens_as_token_ids(request: Any, config: RenderConfig) -> bool:
+    """vLLM's rule: the request's ``return_tokens_as_token_ids`` if set, else the server flag."""
+    asked = getattr(request, "return_tokens_as_token_ids", None) if request is not None else None
+    return config.return_tokens_as_token_ids if asked is None else bool(asked)
+
+
+# One resolved logprob: (token id or None, token string, logprob).
+_Resolved = tuple[int | None, str, float]
+
+
 def _resolved_entries(
-    logprobs: Any, tokenizer: Any, context: list[int] | None = None
-) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
-    """``context``: earlier sampled ids (streaming carries them across chunks); extended in place."""
+    logprobs: Any, tokenizer: Any, context: list[int] | None = None, as_token_ids: bool = False
+) -> list[tuple[_Resolved, list[_Resolved]]] | None:
+    """``context``: earlier sampled ids (streaming carries them across chunks); extended in place.
+    ``as_token_ids``: token strings are vLLM's ``"token_id:N"`` instead of decoded text."""
     if not isinstance(logprobs, dict):
         return None
     content = logprobs.get("content")
@@ -374,48 +401,65 @@ def _resolved_entries(
     for entry in content:
         tid = _entry_token_id(entry)
         if tid is None or not 0 <= tid < vocab:
+            tid = None
             token = entry.get("token") if isinstance(entry.get("token"), str) else ""
         else:
-            token = _token_text(tokenizer, tid, context)
+            token = f"token_id:{tid}" if as_token_ids else _token_text(tokenizer, tid, context)
             context.append(tid)
         top = []
         for alt in entry.get("top_logprobs") or []:
             if not isinstance(alt, dict):
                 continue
             aid = _entry_token_id(alt)
-            atok = _token_text(tokenizer, aid, context[:-1]) if aid is not None and 0 <= aid < vocab else (
-                alt.get("token") if isinstance(alt.get("token"), str) else "")
-            top.append((atok, _logprob(alt)))
-        out.append((token, _logprob(entry), top))
+            if aid is not None and 0 <= aid < vocab:
+                atok = f"token_id:{aid}" if as_token_ids else _token_text(tokenizer, aid, context[:-1])
+            else:
+                aid, atok = None, (alt.get("token") if isinstance(alt.get("token"), str) else "")
+            top.append((aid, atok, _logprob(alt)))
+        out.append(((tid, token, _logprob(entry)), top))
     return out
 
 
-def resolve_chat_logprobs(logprobs: Any, tokenizer: Any, context: list[int] | None = None) -> dict[str, Any] | None:
-    """Generate logprobs (token ids) -> OpenAI chat logprobs (token strings and UTF-8 bytes)."""
-    entries = _resolved_entries(logprobs, tokenizer, context)
+def _chat_logprob(tid: int | None, token: str, logprob: float, as_token_ids: bool) -> dict[str, Any]:
+    item: dict[str, Any] = {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    if not as_token_ids:
+        item["token_id"] = tid  # ours: the integer id next to the decoded text (vLLM gives only the text)
+    return item
+
+
+def resolve_chat_logprobs(logprobs: Any, tokenizer: Any, context: list[int] | None = None,
+                          as_token_ids: bool = False) -> dict[str, Any] | None:
+    """Generate logprobs (token ids) -> OpenAI chat logprobs (token strings, UTF-8 bytes, integer ids)."""
+    entries = _resolved_entries(logprobs, tokenizer, context, as_token_ids)
     if entries is None:
         return None
-    return {"content": [
-        {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
-         "top_logprobs": [{"token": t, "logprob": l, "bytes": list(t.encode("utf-8"))} for t, l in top]}
-        for tok, lp, top in entries
-    ], "refusal": None}
+    content = []
+    for sampled, top in entries:
+        item = _chat_logprob(*sampled, as_token_ids)
+        item["top_logprobs"] = [_chat_logprob(*alt, as_token_ids) for alt in top]
+        content.append(item)
+    return {"content": content, "refusal": None}
 
 
 def resolve_completion_logprobs(
-    logprobs: Any, tokenizer: Any, context: list[int] | None = None, text_offset: int = 0
+    logprobs: Any, tokenizer: Any, context: list[int] | None = None, text_offset: int = 0,
+    as_token_ids: bool = False,
 ) -> dict[str, Any] | None:
-    """Generate logprobs -> the legacy completions shape (text_offset, token_logprobs, tokens, top_logprobs)."""
-    entries = _resolved_entries(logprobs, tokenizer, context)
+    """Generate logprobs -> the legacy completions shape (text_offset, token_logprobs, tokens, top_logprobs),
+    plus ``token_ids`` (integer ids parallel to ``tokens``) unless vLLM's ``"token_id:N"`` strings were asked for."""
+    entries = _resolved_entries(logprobs, tokenizer, context, as_token_ids)
     if entries is None:
         return None
     offsets, offset = [], text_offset
-    for tok, _, _ in entries:
+    for (_, tok, _), _ in entries:
         offsets.append(offset)
         offset += len(tok)
-    return {
+    out = {
         "text_offset": offsets,
-        "token_logprobs": [lp for _, lp, _ in entries],
-        "tokens": [tok for tok, _, _ in entries],
-        "top_logprobs": [{t: l for t, l in top} for _, _, top in entries],
+        "token_logprobs": [lp for (_, _, lp), _ in entries],
+        "tokens": [tok for (_, tok, _), _ in entries],
+        "top_logprobs": [{t: l for _, t, l in top} for _, top in entries],
     }
+    if not as_token_ids:
+        out["token_ids"] = [tid for (tid, _, _), _ in entries]
+    return out

@@ -135,6 +135,8 @@ class ChatCompletionRequest(msgspec.Struct):
     cache_salt: str | None = None
     priority: int = 0
     return_token_ids: bool | None = None
+    # vLLM: logprob tokens as "token_id:N" strings; None = the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     user: str | None = None
@@ -179,6 +181,7 @@ class CompletionRequest(msgspec.Struct):
     cache_salt: str | None = None
     priority: int = 0
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
     request_id: str | None = None
@@ -367,7 +370,9 @@ class ChatMessage(msgspec.Struct):
     function_call: Any = None
     # vLLM 0.32 omits the key when no tool was parsed and lists the calls when one was.
     tool_calls: list[ToolCall] | UnsetType = UNSET
-    reasoning: str | None = None
+    # --reasoning-field picks the key(s): ``reasoning`` (vLLM >= 0.11), ``reasoning_content`` (older), both.
+    reasoning: str | None | UnsetType = None
+    reasoning_content: str | None | UnsetType = UNSET
 
 
 class ChatCompletionChoice(msgspec.Struct):
@@ -441,7 +446,8 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 class DeltaMessage(msgspec.Struct):
     role: str | None = None
     content: str | None = None
-    reasoning: str | None = None
+    reasoning: str | None | UnsetType = None
+    reasoning_content: str | None | UnsetType = UNSET
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 

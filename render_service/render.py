@@ -37,6 +37,10 @@ GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p",
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+# --reasoning-field: the key(s) chat responses carry reasoning under (vLLM renamed it in 0.11).
+REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
+
+
 @dataclass
 class RenderConfig:
     """Everything render and derender need, built once per process."""
@@ -54,6 +58,9 @@ class RenderConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     template_special_tokens: dict[str, str] = field(default_factory=dict)
     reasoning_parser_cls: Any = None
+    # Output shape only (not in the fingerprint): the chat reasoning key(s), and vLLM's "token_id:N" logprobs.
+    reasoning_field: str = "reasoning"
+    return_tokens_as_token_ids: bool = False
 
     @property
     def model_name(self) -> str:
@@ -568,6 +575,8 @@ def build_render_config(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     trust_request_chat_template: bool = False,
+    reasoning_field: str = "reasoning",
+    return_tokens_as_token_ids: bool = False,
 ) -> RenderConfig:
     """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
@@ -592,6 +601,8 @@ def build_render_config(
         get_tool_parser(tool_call_parser)  # unknown name -> error at startup, not per request
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if reasoning_field not in REASONING_FIELDS:
+        raise ValueError(f"--reasoning-field must be one of {', '.join(REASONING_FIELDS)}")
     tokenizer_sha = getattr(bundle, "tokenizer_sha256", None) or _tokenizer_sha256(Path(bundle.path) / "tokenizer.json")
     kwargs = dict(default_chat_template_kwargs or {})
     fingerprint = config_fingerprint(
@@ -617,6 +628,8 @@ def build_render_config(
         generation_defaults=generation_defaults(bundle.generation_config),
         template_special_tokens=special,
         reasoning_parser_cls=reasoning_cls,
+        reasoning_field=reasoning_field,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
 
 

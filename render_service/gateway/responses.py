@@ -12,7 +12,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from render_service.derender import pipeline_config, resolve_chat_logprobs, resolve_completion_logprobs
+from render_service.derender import (
+    pipeline_config,
+    put_reasoning,
+    resolve_chat_logprobs,
+    resolve_completion_logprobs,
+    tokens_as_token_ids,
+)
 from render_service.gateway.stop_strings import StopMatcher, stop_list
 from render_service.parsers.openai_stream import merge_deltas
 from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, PipelineConfig
@@ -153,7 +159,8 @@ class ChatResponder(_Responder):
     def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
         if choice.logprobs is None or not self.req.logprobs:
             return None
-        return resolve_chat_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context)
+        return resolve_chat_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
+                                     tokens_as_token_ids(self.req, self.config))
 
     # streaming ------------------------------------------------------------------------------------
 
@@ -167,7 +174,7 @@ class ChatResponder(_Responder):
         ids = choice.token_ids or []
         delta = out.step(ids, choice.finish_reason, choice.stop_reason)
         logprobs = self._logprobs(out, choice)
-        message = _delta_message(delta)
+        message = _delta_message(delta, self.config.reasoning_field)
         if out.done or message is not None or logprobs is not None:
             chunk = self._chunk(key, message or DeltaMessage(), out, logprobs)
             c = chunk.choices[0]
@@ -219,7 +226,8 @@ class ChatResponder(_Responder):
         for key in sorted(self.choices):
             out = self.choices[key]
             fields = self.accumulators.get(key, MessageAccumulator()).message(self.forced_tools)
-            message = ChatMessage(content=fields["content"], reasoning=fields["reasoning"])
+            message = ChatMessage(content=fields["content"])
+            put_reasoning(message, fields["reasoning"], self.config.reasoning_field)
             cfg = out.pipeline.config
             if cfg.reasoning_parser is None and cfg.tool_parser is None and message.content is None:
                 message.content = ""  # plain detokenization: "" for no text, never null (as derender)
@@ -265,7 +273,7 @@ class CompletionResponder(_Responder):
         if choice.logprobs is None or self.req.logprobs is None:
             return None
         resolved = resolve_completion_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
-                                               out.text_offset)
+                                               out.text_offset, tokens_as_token_ids(self.req, self.config))
         if resolved and resolved["tokens"]:
             out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
         return resolved
@@ -307,8 +315,7 @@ class CompletionResponder(_Responder):
             self.texts.setdefault(key, []).append(delta.content)
         logprobs = self._logprobs(out, choice)
         if logprobs is not None:
-            acc = self.logprobs.setdefault(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
-                                                 "top_logprobs": []})
+            acc = self.logprobs.setdefault(key, {name: [] for name in logprobs})
             for name in acc:
                 acc[name].extend(logprobs[name])
 
@@ -330,10 +337,11 @@ class CompletionResponder(_Responder):
                                   usage=self.final_usage())
 
 
-def _delta_message(delta: ChoiceDelta) -> DeltaMessage | None:
+def _delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage | None:
     if delta.is_empty():
         return None
-    message = DeltaMessage(content=delta.content, reasoning=delta.reasoning)
+    message = DeltaMessage(content=delta.content)
+    put_reasoning(message, delta.reasoning, reasoning_field)
     if delta.tool_calls:
         message.tool_calls = [
             DeltaToolCall(index=c["index"], id=c.get("id"), type=c.get("type"),

@@ -24,8 +24,10 @@ from render_service.derender import (
     check_fingerprint,
     fingerprint_sent,
     pipeline_config,
+    put_reasoning,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
+    tokens_as_token_ids,
 )
 from render_service.errors import bad_request
 from render_service.parsers.detokenizer import _bytes_to_unicode, byte_level_token_bytes
@@ -368,7 +370,8 @@ def derender_chat_stream(
     session = _open_session(pipeline, req.stream_state, prompt_ids, binding, runtime, config, parser_path)
     delta = _step(session, ids, choice.finish_reason)
     state = session.state
-    message = DeltaMessage(content=delta.content, reasoning=delta.reasoning)
+    message = DeltaMessage(content=delta.content)
+    put_reasoning(message, delta.reasoning, config.reasoning_field)
     if not state.role_sent:
         message.role = "assistant"
         state.role_sent = True
@@ -382,7 +385,8 @@ def derender_chat_stream(
     logprobs = None
     if choice.logprobs is not None and pcfg.include_reasoning:
         context = list(state.logprob_context)
-        logprobs = resolve_chat_logprobs(choice.logprobs, config.tokenizer, context)
+        logprobs = resolve_chat_logprobs(choice.logprobs, config.tokenizer, context,
+                                         tokens_as_token_ids(req.chat_request, config))
         state.logprob_context = context[-LOGPROB_CONTEXT:]
     finish = pipeline.finish_reason(state, choice.finish_reason) if choice.finish_reason is not None else None
     out_chunk.choices = [ChatCompletionStreamChoice(
@@ -428,7 +432,8 @@ def derender_completion_stream(
     if choice.logprobs is not None:
         state = session.state
         context = list(state.logprob_context)
-        logprobs = resolve_completion_logprobs(choice.logprobs, config.tokenizer, context, state.logprob_text_offset)
+        logprobs = resolve_completion_logprobs(choice.logprobs, config.tokenizer, context, state.logprob_text_offset,
+                                               tokens_as_token_ids(creq, config))
         state.logprob_context = context[-LOGPROB_CONTEXT:]
         if logprobs is not None:
             state.logprob_text_offset += sum(len(t) for t in logprobs["tokens"])
