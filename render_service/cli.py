@@ -236,7 +236,8 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
             logger.warning("worker %d (pid %d) exited with status %d; starting a new one", number, pid, status)
             if time.monotonic() - started < 1.0:
                 time.sleep(1.0)  # a worker that dies at once must not become a fork loop
-            spawn(number)
+            if not stopping:  # a SIGTERM during the pause must not leave a fresh worker nobody stops
+                spawn(number)
     sock.close()
     return 0
 
