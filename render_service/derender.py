@@ -171,7 +171,10 @@ def pipeline_config(
 ) -> PipelineConfig:
     """The seam: a derender request (and this server's parser flags) as one pipeline configuration."""
     eos = frozenset(config.bundle.eos_token_ids)
-    if chat_request is None or not config.has_parsers:
+    # "required"/named tool choice needs no --tool-call-parser: render constrained the output to the tools' JSON.
+    forced = chat_request is not None and bool(chat_request.tools) and (
+        chat_request.tool_choice == "required" or isinstance(chat_request.tool_choice, dict))
+    if chat_request is None or not (config.has_parsers or forced):
         # Plain detokenization honours the request's skip_special_tokens (default true). The stop
         # token itself never becomes text (vLLM's engine does not detokenize it either).
         req = chat_request
@@ -199,8 +202,9 @@ def pipeline_config(
                          if config.reasoning_parser_cls is not None else bool(kwargs.get("enable_thinking", True))),
         include_reasoning=chat_request.include_reasoning,
         parallel_tool_calls=chat_request.parallel_tool_calls is not False,
-        # Parsers see special tokens: markers such as <think> or <tool_call> may be special.
-        skip_special_tokens=False,
+        # Parsers see special tokens: markers such as <think> or <tool_call> may be special. Forced JSON alone
+        # has no markers, so it keeps the request's choice.
+        skip_special_tokens=False if config.has_parsers else chat_request.skip_special_tokens,
         hidden_token_ids=eos,
     )
 

@@ -74,10 +74,31 @@ class ChoiceDelta(msgspec.Struct):
         return self.content is None and self.reasoning is None and not self.tool_calls
 
 
-def tool_call_id(request_id: str, choice_index: int, call_index: int) -> str:
-    """Deterministic id: batch and stream agree, and a retried chunk keeps its id."""
-    digest = hashlib.sha256(f"{request_id}\x00{choice_index}\x00{call_index}".encode()).hexdigest()
-    return f"chatcmpl-tool-{digest[:32]}"
+_ALNUM = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def tool_call_id(request_id: str, choice_index: int, call_index: int, style: str = "openai") -> str:
+    """Deterministic id: batch and stream agree, and a retried chunk keeps its id.
+
+    ``style`` is the tool parser's ``call_id_style``: "mistral" gives 9 alphanumerics (Mistral chat templates
+    refuse any other id when the calls come back in the next turn), else ``chatcmpl-tool-<32 hex>``.
+    """
+    digest = hashlib.sha256(f"{request_id}\x00{choice_index}\x00{call_index}".encode()).digest()
+    if style == "mistral":
+        number = int.from_bytes(digest[:8], "big")
+        chars = []
+        for _ in range(9):
+            number, rest = divmod(number, 62)
+            chars.append(_ALNUM[rest])
+        return "".join(chars)
+    return f"chatcmpl-tool-{digest.hex()[:32]}"
+
+
+def call_id_style(tool_parser: str | None) -> str:
+    """The configured parser family's id style; forced tool choice on that server uses it too."""
+    if not tool_parser:
+        return "openai"
+    return getattr(get_tool_parser(tool_parser), "call_id_style", "openai")
 
 
 class Pipeline:
@@ -99,6 +120,7 @@ class Pipeline:
             else None
         )
         self.tools = self._make_tool_parser(config)
+        self.id_style = call_id_style(config.tool_parser)
 
     @staticmethod
     def _make_tool_parser(config: PipelineConfig) -> Any:
@@ -233,7 +255,7 @@ class Pipeline:
         """The id call ``index`` was (or will be) announced with."""
         if index < len(state.model_call_ids) and state.model_call_ids[index]:
             return state.model_call_ids[index]
-        return tool_call_id(self.config.request_id, self.config.choice_index, index)
+        return tool_call_id(self.config.request_id, self.config.choice_index, index, self.id_style)
 
     # finish_reason ----------------------------------------------------------------------------------
 

@@ -365,7 +365,8 @@ def derender_chat_stream(
     choice = chunk.choices[0]
     pcfg = pipeline_config(config, req.chat_request, request_id=request_id, choice_index=choice.index)
     pipeline, binding = _pipeline_for(pcfg, config.tokenizer)
-    parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None
+    # forced tool choice parses even without a configured parser
+    parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None or pipeline.tools is not None
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
     session = _open_session(pipeline, req.stream_state, prompt_ids, binding, runtime, config, parser_path)
     delta = _step(session, ids, choice.finish_reason)

@@ -56,6 +56,8 @@ class MistralState(msgspec.Struct):
 class MistralToolParser:
     name: ClassVar[str] = "mistral"
     State: ClassVar[type[msgspec.Struct]] = MistralState
+    # Mistral chat templates require 9-alphanumeric call ids (pipeline.tool_call_id)
+    call_id_style: ClassVar[str] = "mistral"
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.config = config
