@@ -15,6 +15,8 @@ in, derender pipeline, OpenAI SSE out):
     per_request = gateway CPU(short) / N
     per_token   = (gateway CPU(long) - gateway CPU(short)) / (N * (T - 1))
 
+each less the gateway's idle CPU rate (measured during the direct phases) times the phase's wall time.
+
 Wall time of each phase is reported next to the direct run's wall time of the same phase (the ratio is
 the end-to-end cost of the extra hop on this machine, where client, gateway and engine share the cores).
 
@@ -183,8 +185,12 @@ def main() -> int:
 
     by = {(p["kind"], p["max_tokens"]): p for p in phases}
     n, t = args.requests, args.tokens
-    short_cpu = by[("gateway", 1)]["cpu_s"]["gateway"]
-    long_cpu = by[("gateway", t)]["cpu_s"]["gateway"]
+    # The gateway's CPU while it serves nothing (the direct phases): its idle rate is taken off its
+    # busy phases, which last about as long.
+    idle_cpu = sum(by[("direct", mt)]["cpu_s"]["gateway"] for mt in (1, t))
+    idle_rate = idle_cpu / sum(by[("direct", mt)]["wall_s"] for mt in (1, t))
+    short_cpu = by[("gateway", 1)]["cpu_s"]["gateway"] - idle_rate * by[("gateway", 1)]["wall_s"]
+    long_cpu = by[("gateway", t)]["cpu_s"]["gateway"] - idle_rate * by[("gateway", t)]["wall_s"]
     per_request_us = short_cpu / n * 1e6
     per_token_us = (long_cpu - short_cpu) / (n * (t - 1)) * 1e6
     result = {
@@ -194,6 +200,7 @@ def main() -> int:
         "setup": {"requests": n, "tokens": t, "concurrency": args.concurrency, "prompt_tokens": len(token_ids),
                   "model": "tiny random Qwen3 (Qwen3 tokenizer), CPU engine", "parsers": "qwen3 + hermes"},
         "phases": phases,
+        "gateway_idle_cpu_per_s": round(idle_rate, 5),
         "gateway_cpu_per_request_us": round(per_request_us, 1),
         "gateway_cpu_per_token_us": round(per_token_us, 1),
         "targets": {"per_request_us": 1000, "per_token_us": 50},

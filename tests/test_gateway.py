@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import httpx
 import openai
@@ -23,9 +22,7 @@ from tests.gateway_harness import (
     PLAIN_TEXT,
     TOOL_SCRIPT,
     engine_process,
-    free_port,
     gateway_process,
-    kv_cache_state,
     wait_until_idle,
     write_scripted_qwen3,
 )
@@ -46,13 +43,16 @@ def stack(tmp_path_factory):
         procs.append(prefill)
         decode = engine_process(model, kv_engine_id="gw-decode", wait=False)
         procs.append(decode)
-        prefill.wait_healthy()
-        decode.wait_healthy()
+        victim = engine_process(model, wait=False)  # killed by the failure test
+        procs.append(victim)
+        for p in (prefill, decode, victim):
+            p.wait_healthy()
         colloc = gateway_process(model, ["--engine", decode.url])
         procs.append(colloc)
         disagg = gateway_process(model, ["--prefill", prefill.url, "--decode", decode.url])
         procs.append(disagg)
-        yield {"model": model, "prefill": prefill, "decode": decode, "collocated": colloc, "disaggregated": disagg}
+        yield {"model": model, "prefill": prefill, "decode": decode, "victim": victim, "collocated": colloc,
+               "disaggregated": disagg}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -276,12 +276,30 @@ def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(stack,
         assert wait_until_idle(stack["prefill"].url)["num_held_by_connector"] == 0
 
 
-def test_killed_engine_before_first_token_is_retried_on_another_replica(stack):
-    dead_port = free_port()  # an engine that was here and is gone: connections are refused
-    gateway = gateway_process(stack["model"], ["--engine", f"http://127.0.0.1:{dead_port}", stack["decode"].url,
-                                               "--prefix-affinity-blocks", "0"])
+def test_engine_killed_mid_stream_then_retried_then_all_down(stack):
+    victim = stack["victim"]
+    only_victim = gateway_process(stack["model"], ["--engine", victim.url])
+    both = gateway_process(stack["model"], ["--engine", victim.url, stack["decode"].url,
+                                            "--prefix-affinity-blocks", "0"])
     try:
-        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # 1. The engine dies after the first tokens: an OpenAI-style error event, then [DONE].
+        body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", only_victim.url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        victim.kill()
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 502 and "engine" in error["message"] and {"type", "param"} <= set(error)
+        assert all(json.loads(e)["object"] == "text_completion" for e in events[:3])
+
+        # 2. Before the first token, a killed engine is passed over: every request lands on the live one.
+        c = openai.OpenAI(base_url=both.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for stream in (False, True, False, True):
             if stream:
                 text = fold_chat_stream(c.chat.completions.create(
@@ -290,27 +308,21 @@ def test_killed_engine_before_first_token_is_retried_on_another_replica(stack):
                 text = c.chat.completions.create(model="tiny", messages=USER, temperature=0,
                                                  extra_body=NO_THINKING).choices[0].message.content
             assert text == PLAIN_TEXT
-        status = httpx.get(gateway.url + "/gateway/status", timeout=10).json()
-        dead = next(r for r in status["pools"]["engine"] if str(dead_port) in r["url"])
+        status = httpx.get(both.url + "/gateway/status", timeout=10).json()
+        dead = next(r for r in status["pools"]["engine"] if r["url"] == victim.url)
         assert dead["failures"] >= 1 and status["stats"]["retries"] >= 1
-    finally:
-        gateway.stop()
 
-
-def test_every_replica_down_is_a_503_not_a_hang(stack):
-    gateway = gateway_process(stack["model"], ["--engine", f"http://127.0.0.1:{free_port()}"])
-    try:
-        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # 3. No replica left: a 503 with the error envelope, not a hang.
         with pytest.raises(openai.APIStatusError) as exc:
-            c.chat.completions.create(model="tiny", messages=USER)
+            openai.OpenAI(base_url=only_victim.url + "/v1", api_key="unused", max_retries=0,
+                          timeout=120).chat.completions.create(model="tiny", messages=USER)
         assert exc.value.status_code == 503
     finally:
-        gateway.stop()
+        only_victim.stop()
+        both.stop()
 
 
 def _generation_tokens(engine_url: str) -> float:
     text = httpx.get(engine_url + "/metrics", timeout=10).text
     return sum(float(m) for m in re.findall(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
 
-
-__all__ = ["kv_cache_state", "socket"]

@@ -174,3 +174,16 @@ def test_prefill_asks_for_one_token_and_remote_decode_then_decode_carries_the_an
     decode = msgspec.json.decode(msgspec.json.encode(decode_request(_gen(), kv)))
     assert decode["kv_transfer_params"] == {**kv, "prompt_token_ids": [1, 2, 3]}
     assert decode["stream"] is True and decode["sampling_params"]["max_tokens"] == 50
+
+
+def test_pd_fans_n_out_into_single_sequence_calls_with_distinct_seeds():
+    from render_service.gateway.flow import plan_streams
+
+    gen = msgspec.structs.replace(_gen(), sampling_params=msgspec.structs.replace(_gen().sampling_params, n=3,
+                                                                                  seed=7))
+    collocated = plan_streams([gen], disaggregated=False)
+    assert [(s.prompt_index, s.first, s.count) for s in collocated] == [(0, 0, 3)]
+    split = plan_streams([gen, msgspec.structs.replace(_gen(), request_id="chatcmpl-2")], disaggregated=True)
+    assert [(s.prompt_index, s.first, s.count) for s in split] == [(0, 0, 1), (0, 1, 1), (0, 2, 1), (1, 0, 1), (1, 1, 1)]
+    assert [s.gen.sampling_params.seed for s in split[:3]] == [7, 8, 9]
+    assert len({s.gen.request_id for s in split}) == 5  # one engine request id per call

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import defaultdict
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_IDLE_PER_HOST = 256
+# uvicorn closes idle keep-alive connections after 5 s (vLLM's engine runs on it too): reuse only younger ones.
+IDLE_REUSE_S = 4.0
 
 
 class HttpError(Exception):
@@ -31,11 +34,12 @@ class HttpError(Exception):
 
 
 class _Conn:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("reader", "writer", "idle_since")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader = reader
         self.writer = writer
+        self.idle_since = 0.0
 
     def close(self) -> None:
         try:
@@ -121,9 +125,11 @@ class Http1Pool:
         head += [f"{k}: {v}" for k, v in headers.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
-            idle = self._idle[key]
-            reused = attempt == 0 and bool(idle)  # the retry takes a fresh connection: other idle ones may be stale too
-            conn = idle.pop() if reused else await self._connect(https, host, port)
+            # the retry takes a fresh connection: other idle ones may be stale too
+            conn = self._take_idle(key) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(https, host, port)
             try:
                 conn.writer.write(request)
                 status, response_headers = await self._read_head(conn.reader)
@@ -171,9 +177,21 @@ class Http1Pool:
                 headers[name.strip().lower()] = value.strip()
         return int(status), headers
 
+    def _take_idle(self, key: tuple) -> _Conn | None:
+        """The most recently used idle connection that the server cannot have timed out yet."""
+        idle = self._idle[key]
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.reader.at_eof() and now - conn.idle_since < IDLE_REUSE_S:
+                return conn
+            conn.close()
+        return None
+
     def _release(self, key: tuple, conn: _Conn) -> None:
         idle = self._idle[key]
         if len(idle) < MAX_IDLE_PER_HOST and not conn.reader.at_eof():
+            conn.idle_since = time.monotonic()
             idle.append(conn)
         else:
             conn.close()
