@@ -138,20 +138,27 @@ class Target:
 
 
 def chat_with_tokens(client: httpx.Client, model: str, target_tokens: int, tools: bool, seed: int = 7) -> tuple[dict, int]:
-    """A one-message chat whose rendered prompt is within 1% of ``target_tokens`` (tools included)."""
-    words = max(target_tokens // 3, 1)
-    body, count = {}, 0
-    for _ in range(8):
-        text = nonrepetitive_text(random.Random(seed), words)
-        body = {"model": model, "messages": [{"role": "user", "content": text}]}
+    """A one-message chat whose rendered prompt is within 1% of ``target_tokens``, tools and template included
+    (a target below the template-and-tools floor gets the floor)."""
+
+    def render(words: int) -> tuple[dict, int]:
+        body = {"model": model, "messages": [{"role": "user", "content": nonrepetitive_text(random.Random(seed), words)}]}
         if tools:
             body["tools"] = SIZING_TOOLS
         response = client.post(RENDER_PATH, json=body)
         response.raise_for_status()
-        count = len(response.json()["token_ids"])
+        return body, len(response.json()["token_ids"])
+
+    body, floor = render(1)
+    if target_tokens <= floor:
+        return body, floor
+    words = max((target_tokens - floor) // 3, 1)
+    for _ in range(8):
+        body, count = render(words)
         if abs(count - target_tokens) <= target_tokens * 0.01:
             break
-        words = max(1, round(words * target_tokens / max(count, 1)))
+        per_word = max((count - floor) / words, 1e-3)  # the fixed part does not scale with the text
+        words = max(1, round((target_tokens - floor) / per_word))
     return body, count
 
 
@@ -474,6 +481,11 @@ def cmd_sizing(args, parser) -> int:
     if args.server_pid and len(args.server_pid) != len(args.base_url):
         parser.error("give one --server-pid per --base-url")
     tokenizer = load_tokenizer(args.model_dir)
+    try:
+        for config in args.parser_configs:
+            stream_output(tokenizer, args.derender_tokens, config)
+    except ValueError as exc:
+        parser.error(str(exc))
     started: list[tuple[str, object]] = []
     targets: list[Target] = []
     log = lambda msg: print(msg, flush=True)  # noqa: E731
