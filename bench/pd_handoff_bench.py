@@ -73,6 +73,7 @@ def handoff_once(h: KVHandoff, peer: LoopbackPeer, rid: str, remote_ids: list[in
         if polled.loads:
             [out] = polled.loads
             break
+        h.wait_for_outcome(0.001)  # as an idle engine loop: sleep ~1 ms, woken early by the poller
     _sync(decode_device)
     elapsed = time.perf_counter() - t0
     if not out.ok:

@@ -1,21 +1,27 @@
 """Both halves of a KV handoff for one engine, independent of the scheduler: prefill holds blocks under
 leases and serves its side channel; decode fetches the peer's publication, READs the blocks, confirms the
-lease, and reports the outcome. Everything advances in `poll()`; nothing here blocks the engine loop
-(side-channel round trips run on a small worker pool and are collected by `poll()`).
+lease, and reports the outcome. Everything advances in `poll()`; nothing here blocks the engine loop.
 
-A load goes: fetching peer (first contact or restarted peer) -> reading (NIXL READ, own deadline) ->
-confirming (side channel `lease_status`) -> done. Any failure ends it with a reason; the caller applies
-kv_load_failure_policy.
+A load goes: fetching peer (first contact, restarted peer, or a closed link: publication + a kept-open
+side-channel link, on a worker thread) -> reading -> done. Reading posts the NIXL READ (own deadline) and,
+in the same breath, asks the peer over the open link to pin the lease to us (side_channel.py): the
+confirmation's round trip overlaps the copy instead of following it. The load is done when the READ is
+DONE and the pin answered "held" (or "read": our own READ notification ended it). Peer metadata, the NIXL
+remote agent and the link are cached per (host, port) and reused by every later load. Any failure ends a
+load with a reason (the caller applies kv_load_failure_policy), but never while its READ may still write
+into the local blocks.
 
-While anything is in flight a small poller thread drives the same progress every 0.5 ms, so a READ that
-finishes during a long forward step is confirmed before the step ends and the engine learns of it at the
-next step boundary instead of one step later. One lock serialises every NIXL call (the agent is created
+While a load is in flight a small poller thread drives progress tightly (waits on the links' sockets, at
+most TIGHT_POLL_S between READ checks), so a READ that finishes during a long forward step is confirmed at
+once and the engine learns of it at its next poll (`wait_for_outcome` lets an idle loop wake early). While
+only leases are held it runs every LEASE_POLL_S. One lock serialises every NIXL call (the agent is created
 without NIXL's own locking), and everything observed is queued for the engine's next `poll()`.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,11 +30,13 @@ from dataclasses import dataclass, field
 from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notification, parse_notification
 from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport
-from token_engine.kv_connector.side_channel import (
-    SideChannelError, SideChannelServer, fetch_lease_status, fetch_publication)
+from token_engine.kv_connector.side_channel import PeerLink, SideChannelError, SideChannelServer, open_link
 
 log = logging.getLogger("token_engine.kv_transfer")
 CONSUMED_MEMORY = 8192
+TIGHT_POLL_S = 0.0001  # between READ checks while a load is in flight
+LEASE_POLL_S = 0.002  # while only leases are held: the peer's wire-up and notifications need our progress
+PIN_MARGIN_S = 1.0  # the pin outlasts our own load deadline by this much
 
 
 @dataclass(frozen=True)
@@ -71,35 +79,56 @@ class _Load:
     local_ids: list[int]
     started: float
     deadline: float
-    state: str = "fetching"
+    state: str = "fetching"  # -> "reading"
     peer: str = ""
     read_id: int = 0
     future: Future | None = None
     bytes: int = 0
     descriptors: int = 0
     cancelled: bool = False
+    read_done: bool = False  # the READ ended (DONE or failed): nothing writes into local_ids any more
+    status: str | None = None  # the peer's answer to our pin/status question
+    asked_at: float = 0.0
+    failure: tuple[str, str] | None = None  # (error, reason), reported once read_done
+
+    @property
+    def lease(self) -> tuple[str, int]:
+        return self.remote.request_id, self.remote.epoch
+
+
+@dataclass
+class _Peer:
+    """A known prefill peer: its NIXL agent and the kept-open side-channel link, with loads awaiting answers."""
+
+    agent: str
+    incarnation: int
+    link: PeerLink
+    waiting: dict[tuple[str, int], _Load] = field(default_factory=dict)
 
 
 class KVHandoff:
     def __init__(self, engine_id: str, kv_pool, lease_duration_s: float = 30.0, load_timeout_s: float = 10.0,
                  side_channel_host: str = "127.0.0.1", side_channel_port: int = 0, log_interval_s: float = 10.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, fingerprint: str = ""):
         self.engine_id = engine_id
         self.load_timeout_s = load_timeout_s
+        self.fingerprint = fingerprint
         self._clock = clock
         self.leases = LeaseTable(lease_duration_s, clock=clock)
         self.transport = NixlTransport(engine_id, kv_pool, clock=clock)
-        self.side_channel = SideChannelServer(
-            self.transport.publication(engine_id, self.leases.incarnation), self.leases.status,
-            host=side_channel_host, port=side_channel_port)
+        pub = self.transport.publication(engine_id, self.leases.incarnation)
+        pub.fingerprint = fingerprint
+        self.side_channel = SideChannelServer(pub, self.leases.status, host=side_channel_host,
+                                              port=side_channel_port, lease_pin=self.leases.pin)
         self.stats = TransferLog(log_interval_s, clock)
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-side-channel-client")
         self._loads: dict[str, _Load] = {}
-        self._peer_by_addr: dict[tuple[str, int], tuple[str, int]] = {}  # (host, port) -> (agent, incarnation)
+        self._peers: dict[tuple[str, int], _Peer] = {}  # (host, port) -> known peer
         self._consumed: dict[tuple[str, int], None] = {}  # (remote request id, epoch) already loaded here
         self._pending = HandoffPoll()  # observed by start_load or the poller, handed out by the next poll()
         self._lock = threading.RLock()
         self._wake = threading.Event()
+        self._outcome_ready = threading.Event()
         self._closed = False
         self._poller = threading.Thread(target=self._poll_loop, name="kv-handoff-poller", daemon=True)
         self._poller.start()
@@ -135,15 +164,21 @@ class KVHandoff:
         if (remote.request_id, remote.epoch) in self._consumed:
             # A second READ of one lease could see recycled blocks that the first READ already freed.
             raise KVTransferError("these remote blocks were already loaded once", "bad_request")
+        addr = (remote.host, remote.port)
+        if any(ld.lease == (remote.request_id, remote.epoch) and (ld.remote.host, ld.remote.port) == addr
+               for ld in self._loads.values()):
+            raise KVTransferError("these remote blocks are already being loaded", "bad_request")
         now = self._clock()
         load = _Load(request_id, remote, list(local_ids), now, now + self.load_timeout_s)
-        known = self._peer_by_addr.get((remote.host, remote.port))
         self._loads[request_id] = load
-        if known is not None and known[1] == remote.incarnation:
-            load.peer = known[0]
-            self._post_read(load, self._pending)
+        peer = self._peers.get(addr)
+        if peer is not None and not peer.link.alive():
+            self._drop_link(addr, "side channel closed")
+            peer = None
+        if peer is not None and peer.incarnation == remote.incarnation:
+            self._begin(load, peer, self._pending)
         else:
-            load.future = self._workers.submit(fetch_publication, remote.host, remote.port)
+            load.future = self._workers.submit(open_link, remote.host, remote.port)
 
     def cancel_load(self, request_id: str) -> None:
         """Abort a load; its outcome still comes from poll() so blocks are freed only once no READ writes them."""
@@ -155,25 +190,24 @@ class KVHandoff:
     def abandon(self, remote: RemoteKV) -> bool:
         """Decode will never load these blocks (request aborted while queued): tell prefill to free them now.
         Best effort: only possible once the peer is known; otherwise the lease expires."""
-        known = self._peer_by_addr.get((remote.host, remote.port))
-        if known is None or known[1] != remote.incarnation:
-            return False
-        try:
-            with self._lock:
-                self.transport.send_notif(known[0], format_notification("abort", remote.request_id, remote.epoch))
-            return True
-        except KVTransferError:
-            return False
+        return self._notify(remote, "abort")
 
-    def heartbeat(self, remote: RemoteKV) -> None:
-        """Extend a lease while the request waits (e.g. no free blocks yet); best effort."""
-        known = self._peer_by_addr.get((remote.host, remote.port))
-        if known is not None and known[1] == remote.incarnation:
+    def heartbeat(self, remote: RemoteKV) -> bool:
+        """Extend a lease while the request waits (e.g. no free blocks yet); best effort, and only once the
+        peer is known (the first load from it, or an earlier request, added it)."""
+        return self._notify(remote, "HB")
+
+    def _notify(self, remote: RemoteKV, kind: str) -> bool:
+        with self._lock:
+            peer = self._peers.get((remote.host, remote.port))
+            if peer is None or peer.incarnation != remote.incarnation:
+                return False
             try:
-                with self._lock:
-                    self.transport.send_notif(known[0], format_notification("HB", remote.request_id, remote.epoch))
+                self.transport.send_notif(peer.agent, format_notification(kind, remote.request_id, remote.epoch))
+                return True
             except KVTransferError as e:
-                log.warning("heartbeat to %s failed: %s", known[0], e)
+                log.warning("%s notification to %s failed: %s", kind, peer.agent, e)
+                return False
 
     def loading(self) -> int:
         return len(self._loads)
@@ -189,7 +223,13 @@ class KVHandoff:
         with self._lock:
             self._progress(self._pending)
             out, self._pending = self._pending, HandoffPoll()
+            self._outcome_ready.clear()
         return out
+
+    def wait_for_outcome(self, timeout_s: float) -> bool:
+        """Block until the poller has queued a finished load (or timeout): lets an idle loop sleep without
+        adding its sleep to the handoff."""
+        return self._outcome_ready.wait(timeout_s)
 
     def _poll_loop(self) -> None:
         if self.transport.layout.mem_type == "VRAM":
@@ -210,8 +250,20 @@ class KVHandoff:
                     self._progress(self._pending)
                 except Exception:  # noqa: BLE001 - the engine's own poll() will surface persistent errors
                     log.exception("KV handoff poller")
-            # loads are latency-critical; held leases only need the peer's wire-up and notifications moving
-            time.sleep(0.0005 if self._loads else 0.002)
+                if self._pending.loads:
+                    self._outcome_ready.set()
+                loading = bool(self._loads)
+                links = [p.link for p in self._peers.values() if p.waiting and not p.link.closed]
+            if not loading:
+                self._wake.wait(LEASE_POLL_S)
+                self._wake.clear()
+            elif links:
+                try:  # an answer on a link wakes us at once; otherwise re-check the READ soon
+                    select.select(links, [], [], TIGHT_POLL_S)
+                except (OSError, ValueError):
+                    pass  # a link closed meanwhile: the next _progress notices
+            else:
+                time.sleep(TIGHT_POLL_S)
 
     def _progress(self, out: HandoffPoll) -> None:
         try:
@@ -222,21 +274,22 @@ class KVHandoff:
         if result is not None:
             reads = {r.read_id: r for r in result.reads}
             for load in list(self._loads.values()):
-                r = reads.get(load.read_id) if load.state == "reading" else None
+                r = reads.get(load.read_id) if load.state == "reading" and not load.read_done else None
                 if r is None:
                     continue
+                load.read_done = True
                 if not r.ok:
-                    self._fail(load, out, r.error, r.reason)
+                    load.failure = load.failure or (r.error, r.reason)
                     if r.reason == "disconnect":
                         self._forget_peer(load.peer)
                     continue
                 load.bytes, load.descriptors = r.bytes, r.descriptors
-                load.state = "confirming"
-                rem = load.remote
-                load.future = self._workers.submit(
-                    fetch_lease_status, rem.host, rem.port, rem.request_id, rem.epoch, self.transport.agent_name)
+                self._remember_consumed(load.remote)
             for agent, msg in result.notifications:
                 self._on_notification(agent, msg, out)
+        for addr, peer in list(self._peers.items()):
+            if peer.waiting:
+                self._collect_answers(addr, peer)
         for load in list(self._loads.values()):
             self._advance(load, out)
         for lease in self.leases.expire():
@@ -246,6 +299,27 @@ class KVHandoff:
             out.freed.append(lease)
         self.stats.metrics.held_blocks.set(self.leases.held_blocks())
         self.stats.maybe_log()
+
+    def _collect_answers(self, addr: tuple[str, int], peer: _Peer) -> None:
+        try:
+            answers = peer.link.answers()
+        except SideChannelError as e:
+            self._drop_link(addr, str(e))
+            return
+        for ans in answers:
+            load = peer.waiting.pop((ans.request_id, ans.epoch), None)
+            if load is None:
+                continue  # the load already ended (its READ failed, say)
+            if ans.status == "gone":
+                self.stats.metrics.stale_reads.inc()
+                load.failure = load.failure or (
+                    "lease ended before the READ completed: blocks may have been recycled", "stale")
+            elif ans.status == "held" and not load.read_done and ans.pinned_s <= 0:
+                continue  # held now but not pinned (older peer): ask again once the READ is done
+            elif ans.status == "held" and not load.read_done:
+                # Pinned only so long: a READ running past it could see recycled blocks.
+                self.transport.shorten_deadline(load.read_id, load.asked_at + ans.pinned_s)
+            load.status = ans.status
 
     def _on_notification(self, agent: str, msg: bytes, out: HandoffPoll) -> None:
         n = parse_notification(msg)
@@ -258,67 +332,114 @@ class KVHandoff:
         elif n.kind == "HB":
             self.leases.on_heartbeat(n.request_id, n.epoch)
         elif n.kind == "abort":
-            lease = self.leases.release(n.request_id, n.epoch)
+            lease = self.leases.release(n.request_id, n.epoch, reader=agent)
             if lease is not None:
                 out.freed.append(lease)
 
     def _advance(self, load: _Load, out: HandoffPoll) -> None:
         now = self._clock()
         if load.state == "fetching" and load.future is not None and load.future.done():
-            try:
-                pub, layout = load.future.result()
-                if pub.engine_id != load.remote.engine_id:
-                    raise KVTransferError(f"side channel serves engine {pub.engine_id!r}, expected "
-                                          f"{load.remote.engine_id!r}", "bad_peer")
-                if pub.incarnation != load.remote.incarnation:
-                    # The engine restarted since it granted this lease: its blocks are gone.
-                    raise KVTransferError("prefill engine restarted since the lease was granted", "stale")
-                load.peer = self.transport.add_peer(pub, layout)
-                self._peer_by_addr[(load.remote.host, load.remote.port)] = (load.peer, pub.incarnation)
-            except (SideChannelError, KVTransferError) as e:
-                self._fail(load, out, str(e), getattr(e, "reason", "side_channel"))
+            peer = self._adopt_peer(load, out)
+            if peer is None:
                 return
             if load.cancelled:
                 self._send_abort(load)
                 self._fail(load, out, "cancelled", "cancelled")
                 return
-            self._post_read(load, out)
-        elif load.state == "confirming" and load.future is not None and load.future.done():
-            try:
-                status = load.future.result()
-            except SideChannelError as e:
-                self._fail(load, out, f"could not confirm the lease: {e}", "side_channel")
+            self._begin(load, peer, out)
+        elif load.state == "reading" and load.read_done:
+            if load.failure is None and load.status is None and load.lease not in self._waiting_keys(load):
+                self._ask(load, pin_s=0.0)  # an unpinned "held" came before the READ ended: confirm now
+            if load.failure is not None:
+                self._fail(load, out, *load.failure)
                 return
-            if status == "gone":
-                self.stats.metrics.stale_reads.inc()
-                self._fail(load, out, "lease ended before the READ completed: blocks may have been recycled",
-                           "stale")
+            if load.status in ("held", "read"):
+                self._loads.pop(load.request_id)
+                if load.cancelled:
+                    out.loads.append(LoadOutcome(load.request_id, False, "cancelled", "cancelled"))
+                    return
+                seconds = now - load.started
+                self.stats.record(load.bytes, load.descriptors, seconds)
+                out.loads.append(LoadOutcome(load.request_id, True, bytes=load.bytes, descriptors=load.descriptors,
+                                             seconds=seconds))
                 return
-            self._loads.pop(load.request_id)
-            self._remember_consumed(load.remote)
-            if load.cancelled:
-                out.loads.append(LoadOutcome(load.request_id, False, "cancelled", "cancelled"))
-                return
-            seconds = now - load.started
-            self.stats.record(load.bytes, load.descriptors, seconds)
-            out.loads.append(LoadOutcome(load.request_id, True, bytes=load.bytes, descriptors=load.descriptors,
-                                         seconds=seconds))
-            return
-        if load.request_id in self._loads and now > load.deadline and load.state != "reading":
-            # reading has its own deadline inside the transport; fetching/confirming are bounded here
+        if load.request_id in self._loads and now > load.deadline and (load.state != "reading" or load.read_done):
+            # a running READ has its own deadline inside the transport; fetching/confirming are bounded here
             self._fail(load, out, f"KV load did not finish within {self.load_timeout_s:.1f} s", "timeout")
 
-    def _post_read(self, load: _Load, out: HandoffPoll) -> None:
+    def _adopt_peer(self, load: _Load, out: HandoffPoll) -> _Peer | None:
+        """First contact (or reconnect) finished: validate the publication, add the NIXL agent, keep the link."""
+        link = None
+        try:
+            pub, layout, link = load.future.result()
+            load.future = None
+            if pub.engine_id != load.remote.engine_id:
+                raise KVTransferError(f"side channel serves engine {pub.engine_id!r}, expected "
+                                      f"{load.remote.engine_id!r}", "bad_peer")
+            if pub.incarnation != load.remote.incarnation:
+                # The engine restarted since it granted this lease: its blocks are gone.
+                raise KVTransferError("prefill engine restarted since the lease was granted", "stale")
+            if pub.fingerprint != self.fingerprint:
+                raise KVTransferError(
+                    f"peer {pub.engine_id} serves a different model or KV config (fingerprint "
+                    f"{pub.fingerprint or 'none'} != ours {self.fingerprint or 'none'}): its KV is not ours to use",
+                    "model_mismatch")
+            agent = self.transport.add_peer(pub, layout)
+        except (SideChannelError, KVTransferError) as e:
+            if link is not None:
+                link.close()
+            self._fail(load, out, str(e), getattr(e, "reason", "side_channel"))
+            return None
+        addr = (load.remote.host, load.remote.port)
+        old = self._peers.get(addr)
+        if old is not None and old.link.alive() and old.incarnation == pub.incarnation and old.agent == agent:
+            link.close()  # another load connected first: keep one link per peer
+            return old
+        if old is not None:
+            self._drop_link(addr, "peer reconnected")
+        peer = _Peer(agent, pub.incarnation, link)
+        self._peers[addr] = peer
+        return peer
+
+    def _begin(self, load: _Load, peer: _Peer, out: HandoffPoll) -> None:
+        """Ask the peer to pin the lease, and post the READ without waiting for the answer."""
         rem = load.remote
+        load.peer = peer.agent
+        load.state = "reading"
+        if not self._ask(load, pin_s=max(0.0, load.deadline - self._clock()) + PIN_MARGIN_S):
+            load.read_done = True  # nothing was posted
+            self._fail(load, out, *load.failure)
+            return
         try:
             load.read_id = self.transport.start_read(
                 load.peer, load.local_ids, list(rem.block_ids), format_notification("read", rem.request_id, rem.epoch),
                 max(0.001, load.deadline - self._clock()))
-            load.state = "reading"
         except KVTransferError as e:
+            load.read_done = True
+            self._send_abort(load)  # we may have pinned it: let prefill free it now
             self._fail(load, out, str(e), e.reason)
             if e.reason == "disconnect":
                 self._forget_peer(load.peer)
+
+    def _ask(self, load: _Load, pin_s: float) -> bool:
+        addr = (load.remote.host, load.remote.port)
+        peer = self._peers.get(addr)
+        if peer is None:
+            load.failure = load.failure or ("could not confirm the lease: side channel link lost", "side_channel")
+            return False
+        try:
+            peer.link.ask(load.remote.request_id, load.remote.epoch, self.transport.agent_name, pin_s)
+        except SideChannelError as e:
+            load.failure = load.failure or (f"could not confirm the lease: {e}", "side_channel")
+            self._drop_link(addr, str(e))
+            return False
+        load.asked_at = self._clock()
+        peer.waiting[load.lease] = load
+        return True
+
+    def _waiting_keys(self, load: _Load):
+        peer = self._peers.get((load.remote.host, load.remote.port))
+        return peer.waiting if peer is not None else {}
 
     def _send_abort(self, load: _Load) -> None:
         """Tell prefill we will never read, so it frees the blocks now rather than at lease expiry."""
@@ -329,15 +450,29 @@ class KVHandoff:
 
     def _fail(self, load: _Load, out: HandoffPoll, error: str, reason: str) -> None:
         self._loads.pop(load.request_id, None)
+        peer = self._peers.get((load.remote.host, load.remote.port))
+        if peer is not None and peer.waiting.get(load.lease) is load:
+            del peer.waiting[load.lease]
         self.stats.record_failure(reason)
         log.warning("KV load for %s from %s failed (%s): %s", load.request_id, load.remote.engine_id, reason, error)
         out.loads.append(LoadOutcome(load.request_id, False, error, reason, seconds=self._clock() - load.started))
 
+    def _drop_link(self, addr: tuple[str, int], why: str) -> None:
+        """Forget a peer's side-channel link (the NIXL agent stays; the next load reconnects). Loads still
+        waiting for an answer on it fail once their READ has ended."""
+        peer = self._peers.pop(addr, None)
+        if peer is None:
+            return
+        peer.link.close()
+        for load in peer.waiting.values():
+            load.failure = load.failure or (f"could not confirm the lease: {why}", "side_channel")
+        peer.waiting.clear()
+
     def _forget_peer(self, agent: str) -> None:
         self.transport.remove_peer(agent)
-        for addr, (name, _) in list(self._peer_by_addr.items()):
-            if name == agent:
-                del self._peer_by_addr[addr]
+        for addr, peer in list(self._peers.items()):
+            if peer.agent == agent:
+                self._drop_link(addr, f"peer {agent} disconnected")
 
     def _remember_consumed(self, remote: RemoteKV) -> None:
         self._consumed[(remote.request_id, remote.epoch)] = None
@@ -352,5 +487,7 @@ class KVHandoff:
         self.side_channel.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
         with self._lock:  # a poller slow to notice _closed is not inside NIXL while the agent goes away
+            for addr in list(self._peers):
+                self._drop_link(addr, "closing")
             self.transport.close()
         return self.leases.release_all()

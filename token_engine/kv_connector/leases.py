@@ -13,6 +13,10 @@ Notifications (NIXL notification payloads, untrusted):
 - `abort:<request id>:<epoch>`: decode gave up on the request before reading; free at once instead of
   waiting for expiry.
 A lease that sees neither expires after `kv_lease_duration` seconds and its blocks are freed.
+
+Pinning (side channel `lease_status` with pin_s): decode asks while posting its READ. A held lease is then
+pinned to that reader: it cannot expire for pinned_s seconds, and only that reader's `read`/`abort` ends
+it, so "held at the pin" proves the READ saw the lease's blocks. A second reader gets "gone".
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 MAX_NOTIF_BYTES = 1024
 READ_RECORDS = 8192  # leases ended by a READ that decode may still ask about
+MIN_PIN_CAP_S = 60.0  # a pin may outlast the lease duration up to this (decode's load deadline), no longer
 
 
 @dataclass
@@ -33,6 +38,7 @@ class KVLease:
     epoch: int
     block_ids: list[int]
     expires_at: float
+    reader: str = ""  # the decode agent the lease is pinned to, once pinned
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,9 @@ class LeaseTable:
         """Decode `reader`'s READ finished: end the lease and remember who read it. None means it had
         already ended (expired, aborted, read before): nothing to free, and `status` will say "gone"."""
         with self._lock:
+            lease = self._leases.get((request_id, epoch))
+            if lease is not None and lease.reader and lease.reader != reader:
+                return None  # pinned to another reader, whose READ may still be running
             lease = self._leases.pop((request_id, epoch), None)
             if lease is not None:
                 self._read_by[(request_id, epoch)] = reader
@@ -109,19 +118,40 @@ class LeaseTable:
             lease.expires_at = max(lease.expires_at, self._clock() + self.duration_s * 2 / 3)
             return True
 
+    def pin(self, request_id: str, epoch: int, reader: str, pin_s: float) -> tuple[str, float]:
+        """Status as `status`, and a held lease is pinned to `reader` for up to pin_s (capped) seconds:
+        returns (status, seconds actually pinned). Pinned to another reader: ("gone", 0)."""
+        with self._lock:
+            lease = self._leases.get((request_id, epoch))
+            if lease is None:
+                return ("read" if self._read_by.get((request_id, epoch)) == reader else "gone"), 0.0
+            if lease.reader and lease.reader != reader:
+                return "gone", 0.0
+            if not pin_s > 0:
+                return "held", 0.0
+            pinned = min(pin_s, max(self.duration_s, MIN_PIN_CAP_S))
+            lease.reader = reader
+            lease.expires_at = max(lease.expires_at, self._clock() + pinned)
+            return "held", pinned
+
     def status(self, request_id: str, epoch: int, reader: str) -> str:
         """"held": blocks not freed yet; "read": freed by `reader`'s own READ notification; else "gone".
         Asked after a READ completed, "held" or "read" proves the READ saw the lease's blocks."""
         with self._lock:
-            if (request_id, epoch) in self._leases:
-                return "held"
+            lease = self._leases.get((request_id, epoch))
+            if lease is not None:
+                return "held" if not lease.reader or lease.reader == reader else "gone"
             if self._read_by.get((request_id, epoch)) == reader:
                 return "read"
             return "gone"
 
-    def release(self, request_id: str, epoch: int) -> KVLease | None:
-        """End a lease early (request aborted by the caller, engine shutting down)."""
+    def release(self, request_id: str, epoch: int, reader: str | None = None) -> KVLease | None:
+        """End a lease early (request aborted by the caller, engine shutting down; `reader`: a decode's
+        abort notification, refused while the lease is pinned to another reader)."""
         with self._lock:
+            lease = self._leases.get((request_id, epoch))
+            if lease is not None and reader is not None and lease.reader and lease.reader != reader:
+                return None
             return self._leases.pop((request_id, epoch), None)
 
     def expire(self) -> list[KVLease]:
