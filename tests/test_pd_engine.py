@@ -120,19 +120,49 @@ def test_pd_greedy_output_equals_collocated(engines, length):
     run([p, d], until=lambda: idle(p, d))
 
 
-def test_decode_really_uses_the_pulled_kv(model_dir, tmp_path, engines):
-    """A prefill engine with other weights hands over other KV: decode's output must change with it."""
+def test_decode_really_uses_the_pulled_kv(model_dir, engines):
+    """Prefill's held blocks overwritten before decode reads them: decode's output must change with them."""
     _, d, _, c = engines
-    other = write_random_model(tmp_path / "other", arch="qwen3", preset="tiny",
-                               overrides={"tie_word_embeddings": False}, dtype="float32", seed=7)
-    p2 = LLMEngine(engine_config(other, kv_transfer_config=kv_config("prefill-other")))
+    p2 = LLMEngine(engine_config(model_dir, kv_transfer_config=kv_config("prefill-scribbled")))
     try:
         prompt = prompt_of(30, 99)
         params = prefill(p2, "x", prompt).kv_transfer_params
+        p2.runner.kv_pool[params["remote_block_ids"]] = 3.0  # not the KV of this prompt any more
         tokens, du = decode(d, [p2], "x", prompt, params)
         assert du.error is None and tokens != c.generate([prompt], GREEDY)[0]
     finally:
         p2.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_kv_from_an_engine_with_other_weights_is_refused(tmp_path, engines, policy):
+    """Same geometry, other weights: the fingerprints differ, so the load fails and the policy applies."""
+    _, d, r, c = engines
+    other = write_random_model(tmp_path / "other", arch="qwen3", preset="tiny",
+                               overrides={"tie_word_embeddings": False}, dtype="float32", seed=7)
+    p2 = LLMEngine(engine_config(other, kv_transfer_config=kv_config("prefill-other")))
+    try:
+        prompt = prompt_of(30, 98)
+        params = prefill(p2, "x", prompt).kv_transfer_params
+        tokens, du = decode(d if policy == "fail" else r, [p2], f"other-{policy}", prompt, params)
+        if policy == "fail":
+            assert du.error and du.error.startswith("KV handoff failed: model_mismatch") and tokens == []
+        else:
+            assert du.error is None and tokens == c.generate([prompt], GREEDY)[0]
+    finally:
+        p2.shutdown()
+
+
+def test_same_weights_give_the_same_fingerprint_and_other_weights_another(model_dir, tmp_path):
+    from token_engine.kv_connector.fingerprint import model_fingerprint
+
+    other = write_random_model(tmp_path / "other", arch="qwen3", preset="tiny",
+                               overrides={"tie_word_embeddings": False}, dtype="float32", seed=7)
+    base = model_fingerprint(model_dir, "float32", 4)
+    assert base == model_fingerprint(model_dir, "float32", 4)
+    assert base != model_fingerprint(other, "float32", 4)
+    assert base != model_fingerprint(model_dir, "bfloat16", 4)
+    assert base != model_fingerprint(model_dir, "float32", 16)
 
 
 def test_prompt_token_ids_in_params_must_match_the_prompt(engines, short_lease_prefill):

@@ -124,6 +124,7 @@ class KVHandoff:
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-side-channel-client")
         self._loads: dict[str, _Load] = {}
         self._peers: dict[tuple[str, int], _Peer] = {}  # (host, port) -> known peer
+        self._connecting: dict[tuple[str, int], tuple[RemoteKV, Future]] = {}  # background first contacts
         self._consumed: dict[tuple[str, int], None] = {}  # (remote request id, epoch) already loaded here
         self._pending = HandoffPoll()  # observed by start_load or the poller, handed out by the next poll()
         self._lock = threading.RLock()
@@ -193,9 +194,16 @@ class KVHandoff:
         return self._notify(remote, "abort")
 
     def heartbeat(self, remote: RemoteKV) -> bool:
-        """Extend a lease while the request waits (e.g. no free blocks yet); best effort, and only once the
-        peer is known (the first load from it, or an earlier request, added it)."""
-        return self._notify(remote, "HB")
+        """Extend a lease while the request waits (e.g. no free blocks yet); best effort. An unknown peer is
+        connected in the background (which also spares the later load its first contact) and gets the next one."""
+        if self._notify(remote, "HB"):
+            return True
+        with self._lock:
+            addr = (remote.host, remote.port)
+            if addr not in self._peers and addr not in self._connecting and not self._closed:
+                self._connecting[addr] = (remote, self._workers.submit(open_link, remote.host, remote.port))
+                self._wake.set()
+        return False
 
     def _notify(self, remote: RemoteKV, kind: str) -> bool:
         with self._lock:
@@ -214,7 +222,7 @@ class KVHandoff:
 
     def busy(self) -> bool:
         """True while the engine loop should poll about every millisecond."""
-        return bool(self._loads) or len(self.leases) > 0
+        return bool(self._loads) or len(self.leases) > 0 or bool(self._connecting)
 
     # -- progress ---------------------------------------------------------------------------------------
 
@@ -290,6 +298,13 @@ class KVHandoff:
         for addr, peer in list(self._peers.items()):
             if peer.waiting:
                 self._collect_answers(addr, peer)
+        for addr, (remote, future) in list(self._connecting.items()):
+            if future.done():
+                del self._connecting[addr]
+                try:
+                    self._adopt(remote, future)
+                except (SideChannelError, KVTransferError) as e:
+                    log.info("background contact with %s:%d failed: %s", remote.host, remote.port, e)
         for load in list(self._loads.values()):
             self._advance(load, out)
         for lease in self.leases.expire():
@@ -369,14 +384,21 @@ class KVHandoff:
 
     def _adopt_peer(self, load: _Load, out: HandoffPoll) -> _Peer | None:
         """First contact (or reconnect) finished: validate the publication, add the NIXL agent, keep the link."""
+        future, load.future = load.future, None
+        try:
+            return self._adopt(load.remote, future)
+        except (SideChannelError, KVTransferError) as e:
+            self._fail(load, out, str(e), getattr(e, "reason", "side_channel"))
+            return None
+
+    def _adopt(self, remote: RemoteKV, future: Future) -> _Peer:
         link = None
         try:
-            pub, layout, link = load.future.result()
-            load.future = None
-            if pub.engine_id != load.remote.engine_id:
+            pub, layout, link = future.result()
+            if pub.engine_id != remote.engine_id:
                 raise KVTransferError(f"side channel serves engine {pub.engine_id!r}, expected "
-                                      f"{load.remote.engine_id!r}", "bad_peer")
-            if pub.incarnation != load.remote.incarnation:
+                                      f"{remote.engine_id!r}", "bad_peer")
+            if pub.incarnation != remote.incarnation:
                 # The engine restarted since it granted this lease: its blocks are gone.
                 raise KVTransferError("prefill engine restarted since the lease was granted", "stale")
             if pub.fingerprint != self.fingerprint:
@@ -385,12 +407,11 @@ class KVHandoff:
                     f"{pub.fingerprint or 'none'} != ours {self.fingerprint or 'none'}): its KV is not ours to use",
                     "model_mismatch")
             agent = self.transport.add_peer(pub, layout)
-        except (SideChannelError, KVTransferError) as e:
+        except BaseException:
             if link is not None:
                 link.close()
-            self._fail(load, out, str(e), getattr(e, "reason", "side_channel"))
-            return None
-        addr = (load.remote.host, load.remote.port)
+            raise
+        addr = (remote.host, remote.port)
         old = self._peers.get(addr)
         if old is not None and old.link.alive() and old.incarnation == pub.incarnation and old.agent == agent:
             link.close()  # another load connected first: keep one link per peer
@@ -487,6 +508,9 @@ class KVHandoff:
         self.side_channel.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
         with self._lock:  # a poller slow to notice _closed is not inside NIXL while the agent goes away
+            for _, future in self._connecting.values():
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    future.result()[2].close()
             for addr in list(self._peers):
                 self._drop_link(addr, "closing")
             self.transport.close()

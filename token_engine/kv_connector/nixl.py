@@ -19,6 +19,11 @@ computes only the new tokens, but only if the new prompt extends the held tokens
 we return carries `remote_token_hash` (sha256 of the held token ids), and a prompt whose prefix does not
 hash the same (a template that drops reasoning from history, say) is recomputed instead. vLLM has no such
 guard and silently decodes from KV of other tokens (vllm#43094). Params without the hash are not reused.
+
+Both sides publish a fingerprint of their weights and KV config (fingerprint.py); a load from a peer whose
+fingerprint differs fails (reason "model_mismatch") and the failure policy applies. While a decode request
+waits for its remote KV before the load starts (no free blocks yet), `poll()` sends the peer heartbeats
+(`HB`) every lease/3 seconds so its lease is extended (as vLLM does) instead of expiring under a long queue.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import time
 from array import array
 
 from token_engine.kv_connector.base import ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
+from token_engine.kv_connector.fingerprint import model_fingerprint
 from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
 
 log = logging.getLogger("token_engine.kv_transfer")
@@ -89,10 +96,14 @@ class NixlConnector:
         self.config: NixlConnectorConfig = parse_nixl_config(kv_transfer_config)
         self.load_failure_policy = self.config.load_failure_policy
         self.block_size = getattr(engine_config, "block_size", 16)
+        self._model_dir = getattr(engine_config, "model", None)
         self.handoff: KVHandoff | None = None
         self._advertised_host = self.config.side_channel_host
         self._planned: dict[str, tuple[RemoteKV | None, int, str]] = {}  # seq_id -> (remote, num_computed, error)
-        self._failed_now: set[str] = set()  # invalid loads, reported by the next poll()
+        self._failed_now: dict[str, str] = {}  # invalid loads -> why, reported by the next poll()
+        self._awaiting: dict[str, tuple[RemoteKV, float]] = {}  # queued decode -> (its remote KV, next heartbeat)
+        self.heartbeat_interval_s = self.config.lease_duration_s / 3
+        self.heartbeats_sent = 0
         self._lease_epochs: dict[str, int] = {}  # prefill: seq_id -> epoch of its lease
 
     # -- worker side ------------------------------------------------------------------------------------
@@ -103,10 +114,12 @@ class NixlConnector:
         self.block_size = block_size
         host = self.config.side_channel_host
         bind_host = "127.0.0.1" if host == "localhost" else host
+        self.fingerprint = model_fingerprint(self._model_dir, str(kv_pool.dtype).removeprefix("torch."), block_size)
         self.handoff = KVHandoff(
             self.config.engine_id, kv_pool, lease_duration_s=self.config.lease_duration_s,
             load_timeout_s=self.config.load_timeout_s, side_channel_host=bind_host,
-            side_channel_port=self.config.side_channel_port, log_interval_s=self.config.log_interval_s)
+            side_channel_port=self.config.side_channel_port, log_interval_s=self.config.log_interval_s,
+            fingerprint=self.fingerprint)
         if host in ("0.0.0.0", ""):
             self._advertised_host = socket.gethostbyname(socket.gethostname())
         log.info("NixlConnector %s (%s, policy %s): side channel %s:%d, lease %.0f s", self.config.engine_id,
@@ -139,6 +152,8 @@ class NixlConnector:
         if external <= 0:
             return 0, False  # the local prefix cache already has all of it
         self._planned[seq.seq_id] = (remote, num_computed_tokens, "")
+        if seq.seq_id not in self._awaiting:  # heartbeat from the next poll() on, until the load starts
+            self._awaiting[seq.seq_id] = (remote, time.monotonic())
         return external, True
 
     def _plan_turn_reuse(self, seq, params: dict, num_computed_tokens: int) -> tuple[int, bool]:
@@ -154,9 +169,10 @@ class NixlConnector:
 
     def update_state_after_alloc(self, seq, block_ids: list[int], num_external_tokens: int) -> None:
         remote, num_computed, error = self._planned.pop(seq.seq_id, (None, 0, "no remote KV planned"))
+        self._awaiting.pop(seq.seq_id, None)
         if remote is None:
             log.warning("KV load for %s refused: %s", seq.seq_id, error)
-            self._failed_now.add(seq.seq_id)
+            self._failed_now[seq.seq_id] = f"invalid kv_transfer_params: {error}"
             return
         first = num_computed // self.block_size  # cached blocks are full blocks
         count = -(-num_external_tokens // self.block_size)
@@ -168,12 +184,13 @@ class NixlConnector:
             self.handoff.start_load(seq.seq_id, remote, local_ids)
         except Exception as e:  # noqa: BLE001 - any refusal is a failed load, never an engine crash
             log.warning("KV load for %s refused: %s", seq.seq_id, e)
-            self._failed_now.add(seq.seq_id)
+            self._failed_now[seq.seq_id] = f"load refused: {e}"
 
     # -- prefill: holding KV for a remote decode --------------------------------------------------------
 
     def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._planned.pop(seq.seq_id, None)
+        self._awaiting.pop(seq.seq_id, None)
         params = seq.kv_transfer_params
         if not params:
             return False, None
@@ -227,10 +244,12 @@ class NixlConnector:
 
     def poll(self) -> ConnectorEvents:
         events = ConnectorEvents()
-        events.failed_recving |= self._failed_now
-        self._failed_now = set()
+        events.failed_recving |= set(self._failed_now)
+        events.failure_reasons.update(self._failed_now)
+        self._failed_now = {}
         if self.handoff is None:
             return events
+        self._send_heartbeats()
         polled = self.handoff.poll()
         for lease in polled.freed:
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
@@ -238,7 +257,17 @@ class NixlConnector:
                 events.finished_sending.add(lease.request_id)
         for outcome in polled.loads:
             (events.finished_recving if outcome.ok else events.failed_recving).add(outcome.request_id)
+            if not outcome.ok:
+                events.failure_reasons[outcome.request_id] = f"{outcome.reason}: {outcome.error}"
         return events
+
+    def _send_heartbeats(self) -> None:
+        now = time.monotonic()
+        for seq_id, (remote, due) in list(self._awaiting.items()):
+            if now >= due:
+                if self.handoff.heartbeat(remote):
+                    self.heartbeats_sent += 1
+                self._awaiting[seq_id] = (remote, now + self.heartbeat_interval_s)
 
     def has_inflight_transfers(self) -> bool:
         # Only decode loads need the engine loop at ~1 ms; held leases are progressed by the handoff's poller
