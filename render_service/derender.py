@@ -212,6 +212,12 @@ def pipeline_config(
 # ---------------------------------------------------------------------------------------------- chat
 
 
+def returns_token_ids(chat_request: ChatCompletionRequest | None, pcfg: PipelineConfig) -> bool:
+    """vLLM: ``return_token_ids`` echoes a choice's ids, except while parsed reasoning is hidden."""
+    return bool(chat_request is not None and chat_request.return_token_ids and (
+        pcfg.include_reasoning or (pcfg.reasoning_parser is None and pcfg.tool_parser is None)))
+
+
 def put_reasoning(message: Any, reasoning: str | None, field: str) -> None:
     """Set a ChatMessage's or DeltaMessage's reasoning under the server's ``--reasoning-field``:
     the one place batch derender, streaming derender and the gateway name the key."""
@@ -254,6 +260,7 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
                                            as_token_ids=tokens_as_token_ids(req.chat_request, config)),
             finish_reason=pipeline.finish_reason(state, choice.finish_reason),
             stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if returns_token_ids(req.chat_request, pcfg) else None,
         ))
     prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else 0
     completion_tokens = sum(len(c.token_ids or ()) for c in gen.choices)

@@ -27,6 +27,7 @@ from render_service.derender import (
     put_reasoning,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
+    returns_token_ids,
     tokens_as_token_ids,
 )
 from render_service.errors import bad_request
@@ -393,6 +394,7 @@ def derender_chat_stream(
     out_chunk.choices = [ChatCompletionStreamChoice(
         index=choice.index, delta=message, logprobs=logprobs, finish_reason=finish,
         stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+        token_ids=ids if returns_token_ids(req.chat_request, pcfg) else None,
     )]
     return DerenderChatStreamResponse(
         chunk=out_chunk, stream_state=_answer_state(session, binding, runtime, ids, parser_path)
