@@ -32,7 +32,7 @@ from render_service.protocol import (
     ToolCall,
     UsageInfo,
 )
-from render_service.render import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
+from render_service.render import MAX_N, RenderConfig, check_model, reasoning_keys, resolve_chat_template_kwargs
 
 PARSER_NEEDS_CHAT_REQUEST = (
     "chat_request is required when a tool or reasoning parser is configured because plain detokenization "
@@ -221,11 +221,9 @@ def returns_token_ids(chat_request: ChatCompletionRequest | None, pcfg: Pipeline
 def put_reasoning(message: Any, reasoning: str | None, field: str) -> None:
     """Set a ChatMessage's or DeltaMessage's reasoning under the server's ``--reasoning-field``:
     the one place batch derender, streaming derender and the gateway name the key."""
-    if field == "reasoning_content":
-        message.reasoning = UNSET
-    else:
-        message.reasoning = reasoning
-    if field != "reasoning":
+    keys = reasoning_keys(field)
+    message.reasoning = reasoning if "reasoning" in keys else UNSET
+    if "reasoning_content" in keys:
         message.reasoning_content = reasoning
 
 

@@ -41,6 +41,11 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
 
 
+def reasoning_keys(field: str) -> tuple[str, ...]:
+    """The response key(s) reasoning text goes under for a --reasoning-field value."""
+    return ("reasoning", "reasoning_content") if field == "both" else (field,)
+
+
 @dataclass
 class RenderConfig:
     """Everything render and derender need, built once per process."""

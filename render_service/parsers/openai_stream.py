@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, PipelineState
+from render_service.render import reasoning_keys
 
 ReasoningField = Literal["reasoning", "reasoning_content", "both"]
 
@@ -106,10 +107,8 @@ class ChatStreamAssembler:
     def _delta_body(self, delta: ChoiceDelta) -> dict[str, Any]:
         body: dict[str, Any] = {}
         if delta.reasoning is not None:
-            if self.reasoning_field in ("reasoning", "both"):
-                body["reasoning"] = delta.reasoning
-            if self.reasoning_field in ("reasoning_content", "both"):
-                body["reasoning_content"] = delta.reasoning
+            for key in reasoning_keys(self.reasoning_field):
+                body[key] = delta.reasoning
         if delta.content is not None:
             body["content"] = delta.content
         if delta.tool_calls:
