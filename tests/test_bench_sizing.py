@@ -47,7 +47,9 @@ def test_sizing_measures_render_derender_and_recommends(render_server, tmp_path,
     for r in render:
         assert abs(r["prompt_tokens"] - r["prompt_tokens_target"]) <= r["prompt_tokens_target"] * 0.01
         assert r["errors"] == 0 and r["requests"] > 0 and r["rps"] > 0
-        assert r["server_cpu_ms_per_render"] > 0 and r["lat_p50_ms"] > 0
+        assert r["server_cpu_ms_per_render"] >= 0 and r["lat_p50_ms"] > 0
+    # /proc counts in 10 ms ticks: a single short point may round to zero, all of them together cannot
+    assert sum(r["server_cpu_ms_per_render"] for r in render) > 0
     assert render[3]["body_bytes"] > render[1]["body_bytes"]  # the tools travel in the body
     assert [r["concurrency"] for r in server["concurrency_sweep"]] == [1, 2]
     derender = {(r["parser_config"], r["chunk_tokens"]): r for r in server["derender"]}
