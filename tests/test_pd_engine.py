@@ -261,3 +261,27 @@ def _soak(p, d):
                 d.abort_request(rid)
         run([p, d], until=lambda: not d.requests)
     run([p, d], until=lambda: idle(p, d) and p.connector.stats()["kv_leases"] == 0)
+
+
+def test_decode_queued_for_blocks_heartbeats_the_lease_and_still_loads_remote_kv(model_dir, engines):
+    """Decode has no free blocks at first (they are held for a peer): the request waits longer than prefill's
+    lease. Heartbeats keep the lease alive, and when blocks free up the scheduler asks the connector again
+    (it once remembered the first, failed admission and computed the prompt locally, bypassing policy fail)."""
+    _, _, _, c = engines
+    p = LLMEngine(engine_config(model_dir, kv_transfer_config=kv_config("prefill-hb", kv_lease_duration=1.5)))
+    d = LLMEngine(engine_config(model_dir, num_gpu_blocks_override=12, max_model_len=48,
+                                kv_transfer_config=kv_config("decode-hb", kv_lease_duration=2.4)))
+    try:
+        prefill(d, "blocker", prompt_of(36, 5))  # d now holds ~10 of its 12 blocks for 2.4 s (no reader)
+        assert d.num_free_blocks() < 6
+        prompt = prompt_of(20, 6)
+        params = prefill(p, "queued", prompt).kv_transfer_params
+        tokens, du = decode(d, [p], "queued", prompt, params)
+        assert du.error is None, du.error
+        assert du.num_cached_tokens == len(prompt)  # loaded from the peer, not recomputed
+        assert tokens == c.generate([prompt], GREEDY)[0]
+        assert d.connector.heartbeats_sent >= 1
+        run([p, d], until=lambda: idle(p, d))
+    finally:
+        p.shutdown()
+        d.shutdown()
