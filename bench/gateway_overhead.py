@@ -17,6 +17,10 @@ in, derender pipeline, OpenAI SSE out):
 
 each less the gateway's idle CPU rate (measured during the direct phases) times the phase's wall time.
 
+The bench also times the gateway's own work in-process (render per request; derender pipeline, chunk
+building and JSON encoding per token): the rest of the per-request and per-token CPU is HTTP and asyncio
+plumbing (uvicorn, Starlette, the engine connection).
+
 Wall time of each phase is reported next to the direct run's wall time of the same phase (the ratio is
 the end-to-end cost of the extra hop on this machine, where client, gateway and engine share the cores).
 
@@ -136,6 +140,39 @@ def measure(kind: str, args, max_tokens: int, procs: dict, urls: dict, token_ids
             "cpu_s": {name: round(after[name] - before[name], 3) for name in procs}}
 
 
+def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) -> dict:
+    """The gateway's own work without any HTTP: render per request, derender + chunk encoding per token
+    (the same objects the routes use), CPU time of this process."""
+    import random
+
+    import msgspec
+
+    from render_service.gateway.responses import ChatResponder
+    from render_service.gateway.routes import sse
+    from render_service.protocol import ChatCompletionRequest, GenerateStreamResponse
+    from render_service.render import load_render_config, render_chat
+
+    config = load_render_config(str(model_dir), served_model_names=["bench"], reasoning_parser="qwen3",
+                                tool_call_parser="hermes", enable_auto_tool_choice=True)
+    req = ChatCompletionRequest(messages=MESSAGES, stream=True, max_tokens=tokens, ignore_eos=True)
+    started = time.process_time()
+    for _ in range(samples):
+        gen = render_chat(req, config)
+    render_us = (time.process_time() - started) / samples * 1e6
+    rnd = random.Random(0)
+    events = [msgspec.json.encode({"request_id": "x", "choices": [{"index": 0, "token_ids": [rnd.randrange(150000)],
+                                                                     "finish_reason": None}]}) for _ in range(tokens)]
+    decode = msgspec.json.Decoder(GenerateStreamResponse).decode
+    responder = ChatResponder(gen, req, config)
+    started = time.process_time()
+    for raw in events:
+        for choice in decode(raw).choices:
+            for chunk in responder.stream_chunks(0, choice):
+                sse(chunk)
+    token_us = (time.process_time() - started) / tokens * 1e6
+    return {"render_chat_us_per_request": round(render_us, 1), "derender_and_encode_us_per_token": round(token_us, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200)
@@ -172,6 +209,7 @@ def main() -> int:
             warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.concurrency})
             for kind in ("direct", "gateway"):
                 measure(kind, warm, 8, procs, urls, token_ids)
+            in_process = in_process_costs(model)
             phases = []
             for max_tokens in (1, args.tokens):
                 for kind in ("direct", "gateway"):
@@ -200,6 +238,7 @@ def main() -> int:
         "setup": {"requests": n, "tokens": t, "concurrency": args.concurrency, "prompt_tokens": len(token_ids),
                   "model": "tiny random Qwen3 (Qwen3 tokenizer), CPU engine", "parsers": "qwen3 + hermes"},
         "phases": phases,
+        "in_process": in_process,
         "gateway_idle_cpu_per_s": round(idle_rate, 5),
         "gateway_cpu_per_request_us": round(per_request_us, 1),
         "gateway_cpu_per_token_us": round(per_token_us, 1),

@@ -311,6 +311,9 @@ def test_engine_killed_mid_stream_then_retried_then_all_down(stack):
         status = httpx.get(both.url + "/gateway/status", timeout=10).json()
         dead = next(r for r in status["pools"]["engine"] if r["url"] == victim.url)
         assert dead["failures"] >= 1 and status["stats"]["retries"] >= 1
+        scrape = httpx.get(both.url + "/metrics", timeout=10).text
+        assert re.search(r"^splitserve_gateway_engine_retries_total [1-9]", scrape, re.M)
+        assert re.search(r'^splitserve_gateway_engine_failures_total\{pool="engine"\} [1-9]', scrape, re.M)
 
         # 3. No replica left: a 503 with the error envelope, not a hang.
         with pytest.raises(openai.APIStatusError) as exc:

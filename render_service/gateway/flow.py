@@ -29,6 +29,7 @@ from render_service.gateway.engine_client import (
     EngineStreamBroken,
     EngineUnavailable,
 )
+from render_service.gateway import metrics
 from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
 from render_service.protocol import GenerateRequest, GenerateStreamResponse, SamplingParams
 
@@ -123,6 +124,7 @@ class Gateway:
             rid = gen.request_id if attempt == 0 else f"{gen.request_id}-retry{attempt}"
             if attempt:
                 self.stats.retries += 1
+                metrics.RETRIES.inc()
             try:
                 if self.disaggregated:
                     body = await self._prefill(gen, rid, key, tried["prefill"], call)
@@ -150,8 +152,7 @@ class Gateway:
         try:
             response = await self.client.generate(replica.url, _encode(prefill_request(gen)), rid)
         except EngineUnavailable:
-            self.stats.engine_failures += 1
-            pool.mark_failed(replica)
+            self._failed(pool, replica)
             raise
         finally:
             pool.release(replica)
@@ -178,17 +179,17 @@ class Gateway:
                         first = False
                         pool.mark_ok(replica)
                     yield chunk
-        except EngineUnavailable:
-            self.stats.engine_failures += 1
-            pool.mark_failed(replica)
-            raise
-        except EngineStreamBroken:
-            self.stats.engine_failures += 1
-            pool.mark_failed(replica)
+        except (EngineUnavailable, EngineStreamBroken):
+            self._failed(pool, replica)
             raise
         finally:
             pool.release(replica)
             call.live.pop(rid, None)
+
+    def _failed(self, pool: ReplicaPool, replica: Replica) -> None:
+        self.stats.engine_failures += 1
+        metrics.ENGINE_FAILURES.labels(pool=pool.name).inc()
+        pool.mark_failed(replica)
 
     @staticmethod
     def _pick(pool: ReplicaPool, key: int | None, tried: set[str]) -> Replica:
@@ -204,6 +205,7 @@ class Gateway:
         """Fire-and-forget aborts for what is still live (safe from a cancelled task's cleanup)."""
         for url, ids in call.take(request_id):
             self.stats.aborts += 1
+            metrics.ABORTS.inc()
             task = asyncio.get_running_loop().create_task(self.client.abort(url, ids))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from render_service.errors import ApiError, bad_request, error_body
+from render_service.gateway import metrics
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
 from render_service.gateway.responses import ChatResponder, CompletionResponder
@@ -201,6 +202,7 @@ async def _collect(request: Request, gateway: Gateway, call: EngineCall,
             raise ApiError(str(exc), 503, type="ServiceUnavailableError")
         if isinstance(exc, EngineStreamBroken):
             gateway.stats.stream_errors += 1
+            metrics.STREAM_ERRORS.inc()
             raise ApiError(str(exc), 502, type="BadGatewayError")
         raise exc
     return Response(_encode(responder.response()), media_type="application/json")
@@ -222,6 +224,7 @@ async def _sse_events(gateway: Gateway, choices: AsyncIterator[tuple[int, Genera
     except (EngineStreamBroken, EngineRejected, NoReplica) as exc:
         # Past the first event the status line is gone: an OpenAI-style error object, then [DONE].
         gateway.stats.stream_errors += 1
+        metrics.STREAM_ERRORS.inc()
         status = exc.status if isinstance(exc, EngineRejected) else 502
         message = exc.message() if isinstance(exc, EngineRejected) else str(exc)
         logger.warning("stream %s failed after its first event: %s", responder.response_id, message)

@@ -1,0 +1,14 @@
+"""Prometheus counters of the gateway (the render server's /metrics exposes them, summed over workers)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+RETRIES = Counter("splitserve_gateway_engine_retries_total",
+                  "Engine calls retried on another replica before the first token.")
+ENGINE_FAILURES = Counter("splitserve_gateway_engine_failures_total",
+                          "Engine calls that failed (refused, dropped, broke mid-stream), by pool.", ["pool"])
+ABORTS = Counter("splitserve_gateway_engine_aborts_total",
+                 "Engine requests aborted by the gateway (stop string matched or client gone).")
+STREAM_ERRORS = Counter("splitserve_gateway_stream_errors_total",
+                        "Responses that failed after their first event (error event or 502).")
