@@ -123,7 +123,10 @@ def cmd_serve(args, parser) -> int:
                                                   args.sharegpt_output_len, turns=args.multi_turn)
     except ValueError as exc:
         parser.error(str(exc))
-    model = args.model or first_model(args.base_url)
+    try:
+        model = args.model or first_model(args.base_url)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        parser.error(f"could not list models at {args.base_url}/v1/models ({exc}); pass --model")
     saved: list[Path] = []
     for rate in args.request_rate:
         run = serve.ServeRun(

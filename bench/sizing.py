@@ -511,7 +511,10 @@ def cmd_sizing(args, parser) -> int:
                   "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
                   "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "servers": []}
         for target in targets:
-            model = args.model or _first_model(target.base_url)
+            try:
+                model = args.model or _first_model(target.base_url)
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                parser.error(f"could not list models at {target.base_url}/v1/models ({exc}); pass --model")
             report["servers"].append(measure(target, model, tokenizer, args, log))
         report["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     finally:

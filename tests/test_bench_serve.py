@@ -115,6 +115,12 @@ def test_bad_flags_exit_with_usage_error(argv):
     assert info.value.code == 2
 
 
+def test_unreachable_server_without_model_is_a_usage_error():
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--random-input-len", "4"])
+    assert info.value.code == 2
+
+
 def test_plot_refuses_files_that_are_not_serve_results(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"hello": 1}))
