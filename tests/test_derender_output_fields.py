@@ -180,6 +180,7 @@ def test_gateway_honours_the_same_reasoning_field_and_token_id_settings(gateway_
         **kwargs, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0]["role"] == "assistant"
+    assert all({"reasoning", "reasoning_content"} <= set(d) for d in deltas)
     assert "".join(d.get("reasoning") or "" for d in deltas) == "Need weather"
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Need weather"
     # a request flag overrides the server's token_id strings: integer ids next to decoded text

@@ -191,6 +191,8 @@ class ChatResponder(_Responder):
 
     def _chunk(self, key: int, delta: DeltaMessage, out: ChoiceOutput, logprobs: Any = None
                ) -> ChatCompletionStreamResponse:
+        if delta.reasoning is None:  # role and empty deltas: the same null key(s) as every other chunk
+            put_reasoning(delta, None, self.config.reasoning_field)
         chunk = ChatCompletionStreamResponse(
             id=self.response_id, created=self.created, model=self.model,
             choices=[ChatCompletionStreamChoice(index=key, delta=delta, logprobs=logprobs)],
