@@ -222,3 +222,52 @@ def test_load_completes_during_a_long_engine_step(peer, decode):
     [out] = decode.poll().loads
     assert out.ok and out.request_id == "busy-local"
     assert _blocks_match(decode.transport._kv_pool, [20, 21, 22], [11, 12, 13])
+
+
+def test_loads_from_one_peer_share_one_side_channel_link_and_agent(peer, decode):
+    links = set()
+    for i in range(4):
+        epoch = peer.hold(f"link-{i}", [i])
+        decode.start_load(f"link-local-{i}", _remote(peer, f"link-{i}", [i], epoch), [i + 10])
+        [out] = _wait_outcomes(decode)
+        assert out.ok, out.error
+        [known] = decode._peers.values()
+        links.add(id(known.link))
+    assert len(links) == 1 and not known.link.closed
+
+
+def test_heartbeat_contacts_an_unknown_peer_then_keeps_its_lease_past_expiry(peer, decode):
+    contact_epoch = peer.hold("hb-contact", [16])
+    stop = time.monotonic() + HANG_GUARD_S
+    while not decode.heartbeat(_remote(peer, "hb-contact", [16], contact_epoch)):  # starts a background contact
+        assert time.monotonic() < stop, "peer never became known"
+        decode.poll()
+        time.sleep(0.01)
+    assert peer.ask(op="release", request_id="hb-contact", epoch=contact_epoch)["released"]
+    epoch = peer.hold("hb", [14, 15], lease_s=1.0)
+    remote = _remote(peer, "hb", [14, 15], epoch)
+    assert decode.heartbeat(remote)  # each one extends the lease to 2/3 of the peer's 30 s from now
+    for _ in range(12):
+        time.sleep(0.1)
+        assert decode.heartbeat(remote)
+    # the lease's own 1 s is over: without the heartbeats it expired and this load would fail as stale
+    decode.start_load("hb-local", remote, [30, 31])
+    [out] = _wait_outcomes(decode)
+    assert out.ok, out.error
+    assert _blocks_match(decode.transport._kv_pool, [30, 31], [14, 15])
+
+
+def test_two_readers_of_one_lease_never_both_succeed(peer, decode):
+    """The lease is pinned to the first reader: a second decode (a proxy retry, say) is refused as stale,
+    so no READ can see blocks freed by the other's READ notification."""
+    other = KVHandoff(f"decode-2nd-{random.getrandbits(32):x}", _pool(), load_timeout_s=10)
+    try:
+        epoch = peer.hold("shared", [40, 41, 42])
+        remote = _remote(peer, "shared", [40, 41, 42], epoch)
+        decode.start_load("first", remote, [1, 2, 3])
+        other.start_load("second", remote, [4, 5, 6])
+        outs = _wait_outcomes(decode) + _wait_outcomes(other)
+        assert sorted(o.ok for o in outs) == [False, True]
+        assert [o.reason for o in outs if not o.ok] == ["stale"]
+    finally:
+        other.close()

@@ -136,3 +136,30 @@ def test_every_granted_block_is_freed_exactly_once(ops):
         give_back(lease)
     assert freed_twice == []
     assert free == set(range(64)) and len(t) == 0 and t.held_blocks() == 0
+
+
+def test_pinned_lease_outlives_its_expiry_and_only_its_reader_ends_it():
+    clock = FakeClock()
+    t = LeaseTable(10, incarnation=3, clock=clock)
+    lease = t.grant("r", [1, 2], duration_s=1)
+    assert t.pin("r", lease.epoch, "decode-a", 5.0) == ("held", 5.0)
+    clock.now += 3  # past the lease's own expiry, within the pin
+    assert t.expire() == []
+    assert t.pin("r", lease.epoch, "decode-b", 5.0) == ("gone", 0.0)  # one reader per lease
+    assert t.status("r", lease.epoch, "decode-b") == "gone"
+    assert t.on_read("r", lease.epoch, "decode-b") is None  # another reader's READ must not free our blocks
+    assert t.release("r", lease.epoch, reader="decode-b") is None
+    assert t.on_read("r", lease.epoch, "decode-a") is lease
+    assert t.status("r", lease.epoch, "decode-a") == "read"
+
+
+def test_pin_is_capped_and_a_pin_past_its_time_expires():
+    clock = FakeClock()
+    t = LeaseTable(10, incarnation=3, clock=clock)
+    lease = t.grant("r", [1])
+    status, pinned = t.pin("r", lease.epoch, "d", float("inf"))
+    assert status == "held" and pinned == 60.0  # max(lease duration, 60 s)
+    assert t.pin("r", lease.epoch, "d", float("nan")) == ("held", 0.0)
+    clock.now += 61
+    assert t.expire() == [lease]
+    assert t.pin("r", lease.epoch, "d", 1.0) == ("gone", 0.0)

@@ -115,3 +115,48 @@ def test_unreachable_peer_is_a_side_channel_error():
         fetch_publication("127.0.0.1", port, timeout_s=2)
     with pytest.raises(SideChannelError):
         fetch_publication("127.0.0.1", 70000)
+
+
+def test_one_kept_open_link_carries_the_publication_and_many_pinned_queries():
+    from token_engine.kv_connector.side_channel import open_link
+
+    pins = []
+
+    def pin(rid, epoch, reader, pin_s):
+        pins.append((rid, epoch, reader, pin_s))
+        return ("held", min(pin_s, 2.0)) if rid != "dead" else ("gone", 0.0)
+
+    server = SideChannelServer(_pub(), lambda rid, epoch, reader: "held", lease_pin=pin)
+    try:
+        pub, layout, link = open_link("127.0.0.1", server.port)
+        assert pub == _pub() and link.alive()
+        for i in range(5):
+            link.ask(f"r{i}", i, "decode-1", pin_s=7.5)
+        link.ask("dead", 9, "decode-1", pin_s=1.0)
+        link.ask("plain", 10, "decode-1")  # no pin: answered by the status callback
+        answers = []
+        while len(answers) < 7:
+            answers += link.answers()
+        assert [(a.request_id, a.epoch, a.status, a.pinned_s) for a in answers] == (
+            [(f"r{i}", i, "held", 2.0) for i in range(5)] + [("dead", 9, "gone", 0.0), ("plain", 10, "held", 0.0)])
+        assert len(pins) == 6 and all(p[2:] == ("decode-1", 7.5) for p in pins[:5])
+        link.close()
+    finally:
+        server.close()
+
+
+def test_a_link_notices_the_server_going_away():
+    from token_engine.kv_connector.side_channel import open_link
+
+    server = SideChannelServer(_pub(), lambda rid, epoch, reader: "held")
+    pub, layout, link = open_link("127.0.0.1", server.port)
+    link.ask("x", 1, "d")
+    while not link.answers():
+        pass
+    # the server side closes the connection (here: it sees our EOF): the link reports it, never waits forever
+    server.close()
+    link._sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(SideChannelError):
+        for _ in range(1_000_000):
+            link.answers()
+    assert not link.alive()

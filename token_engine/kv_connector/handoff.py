@@ -37,6 +37,7 @@ CONSUMED_MEMORY = 8192
 TIGHT_POLL_S = 0.0001  # between READ checks while a load is in flight
 LEASE_POLL_S = 0.002  # while only leases are held: the peer's wire-up and notifications need our progress
 PIN_MARGIN_S = 1.0  # the pin outlasts our own load deadline by this much
+NOTIF_FLUSH_S = 0.1  # after sending a notification, keep driving progress this long so UCX delivers it
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class KVHandoff:
         self._loads: dict[str, _Load] = {}
         self._peers: dict[tuple[str, int], _Peer] = {}  # (host, port) -> known peer
         self._connecting: dict[tuple[str, int], tuple[RemoteKV, Future]] = {}  # background first contacts
+        self._flush_until = 0.0  # a notification was sent: with no progress thread it moves only when we poll
         self._consumed: dict[tuple[str, int], None] = {}  # (remote request id, epoch) already loaded here
         self._pending = HandoffPoll()  # observed by start_load or the poller, handed out by the next poll()
         self._lock = threading.RLock()
@@ -187,6 +189,10 @@ class KVHandoff:
             load = self._loads.get(request_id)
             if load is not None:
                 load.cancelled = True
+            # finished by the poller but not handed out yet: report it as cancelled, as the caller now expects
+            self._pending.loads = [LoadOutcome(o.request_id, False, "cancelled", "cancelled", o.bytes, o.descriptors,
+                                               o.seconds) if o.request_id == request_id and o.ok else o
+                                   for o in self._pending.loads]
 
     def abandon(self, remote: RemoteKV) -> bool:
         """Decode will never load these blocks (request aborted while queued): tell prefill to free them now.
@@ -212,6 +218,8 @@ class KVHandoff:
                 return False
             try:
                 self.transport.send_notif(peer.agent, format_notification(kind, remote.request_id, remote.epoch))
+                self._flush_until = self._clock() + NOTIF_FLUSH_S
+                self._wake.set()
                 return True
             except KVTransferError as e:
                 log.warning("%s notification to %s failed: %s", kind, peer.agent, e)
@@ -222,7 +230,8 @@ class KVHandoff:
 
     def busy(self) -> bool:
         """True while the engine loop should poll about every millisecond."""
-        return bool(self._loads) or len(self.leases) > 0 or bool(self._connecting)
+        return (bool(self._loads) or len(self.leases) > 0 or bool(self._connecting)
+                or self._clock() < self._flush_until)
 
     # -- progress ---------------------------------------------------------------------------------------
 
@@ -466,6 +475,7 @@ class KVHandoff:
         """Tell prefill we will never read, so it frees the blocks now rather than at lease expiry."""
         try:
             self.transport.send_notif(load.peer, format_notification("abort", load.remote.request_id, load.remote.epoch))
+            self._flush_until = self._clock() + NOTIF_FLUSH_S
         except KVTransferError as e:
             log.info("abort notification to %s failed (lease will expire): %s", load.peer, e)
 
