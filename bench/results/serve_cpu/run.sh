@@ -45,6 +45,11 @@ $PY -m render_service.cli serve "$WORK/tiny" --port "$G" --prefill "http://127.0
   "${GATEWAY_FLAGS[@]}" & PIDS+=($!)
 wait_up "http://127.0.0.1:$G"
 $PY -m bench.cli serve --base-url "http://127.0.0.1:$G" --label disaggregated --result-filename disaggregated.json "${BENCH_FLAGS[@]}"
+# evidence that the KV really moved over NIXL: the engines' connector metrics after the sweep
+for role in prefill decode; do
+  url=$([ $role = prefill ] && echo "http://127.0.0.1:$P" || echo "http://127.0.0.1:$D")
+  curl -s "$url/metrics" | grep -iE "kv_transfer|nixl|kv_lease|remote" | grep -vE "^#|_bucket|_created" > "$OUT/disaggregated-$role-kv-metrics.txt" || true
+done
 
 # multi-turn (collocated engine is gone; reuse the disaggregated stack): TTFT by turn
 $PY -m bench.cli serve --base-url "http://127.0.0.1:$G" --endpoint /v1/chat/completions --label disaggregated-multiturn \
