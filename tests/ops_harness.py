@@ -60,7 +60,7 @@ class Server:
 
 
 def start_engine(model_dir, log_dir: Path, name: str, *extra: str, kv_engine_id: str | None = None,
-                 blocks: int = 128, max_num_seqs: int = 16) -> Server:
+                 blocks: int = 128, max_num_seqs: int = 16, kv_lease_s: float | None = None) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "4",
@@ -68,8 +68,10 @@ def start_engine(model_dir, log_dir: Path, name: str, *extra: str, kv_engine_id:
             "--log-format", "json", *extra]
     env = {}
     if kv_engine_id is not None:
-        argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                                     "engine_id": kv_engine_id})]
+        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": kv_engine_id}
+        if kv_lease_s is not None:
+            kv["kv_connector_extra_config"] = {"kv_lease_duration": kv_lease_s}
+        argv += ["--kv-transfer-config", json.dumps(kv)]
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
     return Server(argv, port, log_dir / f"{name}.log", env)
 

@@ -32,7 +32,8 @@ def stack(tmp_path_factory):
     servers = {}
     try:
         for name in ("prefill_a", "prefill_b", "decode"):
-            servers[name] = start_engine(model, root, name, kv_engine_id=f"faults-{name}")
+            # A short lease: a prefill whose decode peer died gives its blocks back sooner.
+            servers[name] = start_engine(model, root, name, kv_engine_id=f"faults-{name}", kv_lease_s=10)
         for s in list(servers.values()):
             s.wait_healthy()
         servers["gateway"] = start_gateway(
@@ -131,6 +132,6 @@ def test_killed_decode_engine_mid_stream_ends_the_stream_with_a_clear_error(stac
     r = httpx.post(gateway.url + "/v1/completions", json=SHORT, timeout=120)
     assert r.status_code in (502, 503)
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    # The surviving prefill engine holds no lease for the dead decode engine once leases are released.
+    # The surviving prefill engine holds no lease for the dead decode engine once its leases expired.
     assert_engine_idle(stack["prefill_b"].url)
     assert httpx.get(gateway.url + "/health", timeout=30).status_code == 200
