@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -98,10 +98,13 @@ async def _read_json(request: Request, type_):
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_REQUEST_BYTES):
         raise RequestError(f"request body larger than {MAX_REQUEST_BYTES} bytes", status=413)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_REQUEST_BYTES:
-            raise RequestError(f"request body larger than {MAX_REQUEST_BYTES} bytes", status=413)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_REQUEST_BYTES:
+                raise RequestError(f"request body larger than {MAX_REQUEST_BYTES} bytes", status=413)
+    except ClientDisconnect:  # the caller went away mid-upload (a gateway that aborted): not our error
+        raise RequestError("client disconnected", status=499) from None
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
