@@ -108,6 +108,10 @@ class RawRequest:
     def method(self) -> str:
         return self.scope["method"]
 
+    @property
+    def receive(self) -> Callable[[], Awaitable[dict]]:
+        return self._receive  # as Starlette's Request.receive (the gateway watches for disconnects)
+
     async def stream(self):
         while True:
             message = await self._receive()
@@ -318,7 +322,7 @@ def create_app(
     )
     app.fast_routes = {
         (method, route.path): route.endpoint
-        for route in own_routes
+        for route in routes  # the gateway's too: per streamed token, Starlette's layers wrap every send
         for method in route.methods or ()
         if method != "HEAD"
     }
