@@ -148,7 +148,6 @@ def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) ->
     import msgspec
 
     from render_service.gateway.responses import ChatResponder
-    from render_service.gateway.routes import sse
     from render_service.protocol import ChatCompletionRequest, GenerateStreamResponse
     from render_service.render import load_render_config, render_chat
 
@@ -167,8 +166,7 @@ def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) ->
     started = time.process_time()
     for raw in events:
         for choice in decode(raw).choices:
-            for chunk in responder.stream_chunks(0, choice):
-                sse(chunk)
+            responder.stream_events(0, choice)
     token_us = (time.process_time() - started) / tokens * 1e6
     return {"render_chat_us_per_request": round(render_us, 1), "derender_and_encode_us_per_token": round(token_us, 1)}
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+from msgspec import UNSET
+
 from render_service.derender import (
     pipeline_config,
     put_reasoning,
@@ -44,6 +47,13 @@ from render_service.protocol import (
     UsageInfo,
 )
 from render_service.render import RenderConfig
+
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(payload: Any) -> bytes:
+    """One SSE event: ``data: <json>`` and the blank line."""
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
 class ChoiceOutput:
@@ -132,7 +142,12 @@ class _Responder:
         """Choices ``first .. first+count-1`` of this prompt have all finished (a stop string may end
         one before the engine does)."""
         base = prompt_index * self.n + first
-        return all(base + i in self.choices and self.choices[base + i].done for i in range(count))
+        choices = self.choices
+        for i in range(count):  # called on every engine event: a plain loop, no generator
+            out = choices.get(base + i)
+            if out is None or not out.done:
+                return False
+        return True
 
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())
@@ -150,6 +165,7 @@ class ChatResponder(_Responder):
         self.accumulators: dict[int, MessageAccumulator] = {}
         self.logprobs: dict[int, list[Any]] = {}
         self.first_chunk = True
+        self._envelopes: dict[int, tuple[bytes, bytes]] = {}  # choice index -> pre-encoded chunk around a delta
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
         pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
@@ -164,8 +180,34 @@ class ChatResponder(_Responder):
 
     # streaming ------------------------------------------------------------------------------------
 
-    def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice) -> list[ChatCompletionStreamResponse]:
+    def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
+        """The SSE events (``data: ...`` framed, concatenated) for one engine choice event."""
         key, out, new = self.choice(prompt_index, choice.index)
+        if out.done:
+            return b""
+        if new or out.done or self.return_token_ids or self.continuous or choice.logprobs is not None:
+            return b"".join(map(sse, self.stream_chunks(prompt_index, choice, (key, out, new))))
+        delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+        message = _delta_message(delta, self.config.reasoning_field)
+        if out.done:
+            chunk = self._chunk(key, message or DeltaMessage(), out)
+            c = chunk.choices[0]
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            return sse(chunk)
+        if message is None:
+            return b""
+        if message.tool_calls is not UNSET:
+            return sse(self._chunk(key, message, out))
+        # The per-token common case: only the delta is encoded; the envelope around it is the bytes
+        # the full chunk struct encodes to (tests/test_gateway_sse_encoding.py holds them equal).
+        envelope = self._envelopes.get(key)
+        if envelope is None:
+            envelope = self._envelopes[key] = _envelope(self.response_id, self.created, self.model, key)
+        return envelope[0] + _encode(message) + envelope[1]
+
+    def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice,
+                      taken: tuple[int, ChoiceOutput, bool] | None = None) -> list[ChatCompletionStreamResponse]:
+        key, out, new = taken or self.choice(prompt_index, choice.index)
         if out.done:
             return []
         chunks = []
@@ -280,6 +322,9 @@ class CompletionResponder(_Responder):
             out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
         return resolved
 
+    def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
+        return b"".join(map(sse, self.stream_chunks(prompt_index, choice)))
+
     def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice) -> list[CompletionStreamResponse]:
         key, out, _ = self.choice(prompt_index, choice.index)
         if out.done:
@@ -352,3 +397,17 @@ def _delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage | N
             for c in delta.tool_calls
         ]
     return message
+
+
+
+# The chunk envelope around a delta, as ChatCompletionStreamResponse encodes it with every other field at its
+# default: built once per choice, so a text token costs one small encode instead of a whole chunk's.
+_MARK = "\x00delta\x00"
+
+
+def _envelope(response_id: str, created: int, model: str, index: int) -> tuple[bytes, bytes]:
+    """(``data: `` + the chunk's JSON before the delta, the JSON after it + the blank line)."""
+    chunk = ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[
+        ChatCompletionStreamChoice(index=index, delta=_MARK)])  # type: ignore[arg-type]
+    head, tail = _encode(chunk).split(_encode(_MARK))
+    return b"data: " + head, tail + b"\n\n"

@@ -23,7 +23,7 @@ from render_service.errors import ApiError, bad_request, error_body
 from render_service.gateway import metrics
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
-from render_service.gateway.responses import ChatResponder, CompletionResponder
+from render_service.gateway.responses import ChatResponder, CompletionResponder, sse
 from render_service.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateStreamChoice
 from render_service.render import RenderConfig, render_chat, render_completion
 
@@ -33,10 +33,6 @@ _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def sse(payload: Any) -> bytes:
-    return b"data: " + _encode(payload) + b"\n\n"
 
 
 def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[str, Handler], Handler],
@@ -212,12 +208,15 @@ async def _sse_events(gateway: Gateway, choices: AsyncIterator[tuple[int, Genera
                       first: tuple[int, GenerateStreamChoice] | None,
                       responder: ChatResponder | CompletionResponder) -> AsyncIterator[bytes]:
     try:
+        # One client write per engine event (its chunks joined), none for an event with nothing to send.
         if first is not None:
-            for chunk in responder.stream_chunks(*first):
-                yield sse(chunk)
+            data = responder.stream_events(*first)
+            if data:
+                yield data
         async for prompt_index, choice in choices:
-            for chunk in responder.stream_chunks(prompt_index, choice):
-                yield sse(chunk)
+            data = responder.stream_events(prompt_index, choice)
+            if data:
+                yield data
         usage = responder.usage_chunk()
         if usage is not None:
             yield sse(usage)

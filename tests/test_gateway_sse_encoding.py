@@ -1,0 +1,90 @@
+"""The gateway's pre-framed SSE chunks: the bytes of its per-token fast path (a pre-encoded envelope
+around the delta) equal the full chunk structs encoded one by one, for every delta shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from functools import lru_cache
+from pathlib import Path
+
+import msgspec
+import pytest
+from tokenizers import Tokenizer
+
+from render_service.gateway.responses import ChatResponder, sse
+from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
+from render_service.render import load_render_config, render_chat
+
+QWEN = Path("/work/shared/fixtures/qwen3-0.6b")
+if not QWEN.exists():
+    QWEN = Path(__file__).resolve().parents[2] / "shared/fixtures/qwen3-0.6b"
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+OUTPUT = ('<think>\nThe user wants "weather" — in Paris.\n</think>\n\nLet me check \u00e9t\u00e9 \U0001F600.\n'
+          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@lru_cache(maxsize=1)
+def base_config():
+    return load_render_config(str(QWEN), served_model_names=["qwen3"], reasoning_parser="qwen3",
+                              tool_call_parser="hermes", enable_auto_tool_choice=True)
+
+
+def config(reasoning_field: str):
+    # Only the response key changes between these (loading the bundle again would cost seconds).
+    return dataclasses.replace(base_config(), reasoning_field=reasoning_field)
+
+
+@lru_cache(maxsize=1)
+def output_ids() -> list[int]:
+    return Tokenizer.from_file(str(QWEN / "tokenizer.json")).encode(OUTPUT, add_special_tokens=False).ids
+
+
+def events(ids: list[int], rnd: random.Random, finish: str) -> list[GenerateStreamChoice]:
+    out, i = [], 0
+    while i < len(ids):
+        step = rnd.choice([1, 1, 1, 2, 3])
+        out.append(GenerateStreamChoice(index=0, token_ids=ids[i:i + step]))
+        i += step
+    out[-1].finish_reason = finish
+    return out
+
+
+def responders(reasoning_field: str, **request) -> tuple[ChatResponder, ChatResponder]:
+    cfg = config(reasoning_field)
+    req = msgspec.convert({"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "stream": True,
+                           **request}, ChatCompletionRequest)
+    gen = render_chat(req, cfg, request_id="chatcmpl-fixed")
+    fast, reference = ChatResponder(gen, req, cfg), ChatResponder(gen, req, cfg)
+    reference.created = fast.created
+    return fast, reference
+
+
+@pytest.mark.parametrize("reasoning_field", ["reasoning", "reasoning_content", "both"])
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_path_bytes_equal_encoded_chunk_structs(reasoning_field, seed):
+    fast, reference = responders(reasoning_field)
+    sent, expected = [], []
+    for choice in events(output_ids(), random.Random(seed), "stop"):
+        sent.append(fast.stream_events(0, msgspec.structs.replace(choice)))
+        expected.append(b"".join(sse(c) for c in reference.stream_chunks(0, msgspec.structs.replace(choice))))
+    assert sent == expected
+    assert fast._envelopes, "the per-token fast path never ran"
+    kinds = set()
+    for data in b"".join(sent).split(b"\n\n")[:-1]:
+        delta = msgspec.json.decode(data.removeprefix(b"data: "))["choices"][0]["delta"]
+        kinds.update(k for k, v in delta.items() if v not in (None, ""))
+    assert {"role", "content", "tool_calls"} <= kinds and kinds & {"reasoning", "reasoning_content"}
+
+
+@pytest.mark.parametrize("request_fields", [
+    {"stop": ["Paris"]}, {"return_token_ids": True}, {"logprobs": True},
+    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+])
+def test_slow_path_cases_keep_their_bytes(request_fields):
+    fast, reference = responders("reasoning", **request_fields)
+    for choice in events(output_ids(), random.Random(7), "length"):
+        a = fast.stream_events(0, msgspec.structs.replace(choice))
+        b = b"".join(sse(c) for c in reference.stream_chunks(0, msgspec.structs.replace(choice)))
+        assert a == b
