@@ -274,6 +274,8 @@ class SideChannelServer:
         self._lease_status = lease_status  # (request_id, epoch, reader) -> status; must be thread-safe
         self._lease_pin = lease_pin  # (request_id, epoch, reader, pin_s) -> (status, pinned_s); thread-safe
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: set[socket.socket] = set()  # kept-open connections, closed with the server
+        self._open_lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -295,6 +297,8 @@ class SideChannelServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        with self._open_lock:
+            self._open.add(conn)
         try:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -319,6 +323,8 @@ class SideChannelServer:
         except (OSError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError):
             return  # a bad client gets a closed connection, nothing else
         finally:
+            with self._open_lock:
+                self._open.discard(conn)
             self._connections.release()
 
     def close(self) -> None:
@@ -329,3 +335,9 @@ class SideChannelServer:
             pass
         self._sock.close()
         self._thread.join(timeout=2)
+        with self._open_lock:  # clients' kept-open links see EOF now, not a server that no longer answers
+            for conn in self._open:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
