@@ -3,11 +3,13 @@
 - base.py: the seam the scheduler and engine loop call (owned by the engine).
 - nixl.py: NixlConnector, the seam implemented with the pieces below (vLLM's kv_transfer_params).
 - config.py: `--kv-transfer-config` as vLLM reads it.
-- handoff.py: both halves of a handoff for one engine (leases + side channel on prefill; READ + lease
-  confirmation on decode), advanced by poll() and a small poller thread.
+- handoff.py: both halves of a handoff for one engine (leases + side channel on prefill; READ + lease pin
+  overlapping it on decode, peers and links cached), advanced by poll() and a small poller thread.
 - nixl_transport.py: one NIXL agent (UCX, no progress thread), READs with our own deadlines, one error path.
 - descriptors.py: pool geometry; consecutive block runs merged into single descriptors.
-- side_channel.py: length-prefixed msgspec JSON over TCP: agent metadata, pool address, geometry, lease status.
+- side_channel.py: length-prefixed msgspec JSON over TCP (kept-open links): agent metadata, pool address,
+  geometry, model fingerprint, lease status and pin.
+- fingerprint.py: model weights + KV config fingerprint; engines that differ refuse each other's KV.
 - leases.py: prefill leases keyed by (request id, epoch); notification formats.
 - metrics.py: Prometheus metrics (vLLM's nixl names) and the periodic "KV transfer" log line.
 - preflight.py: `token-engine preflight`; loopback_peer.py: a prefill-like peer process for it, tests, bench.
