@@ -451,7 +451,27 @@ class SectionedState(msgspec.Struct):
     args_started: bool = False
 
 
-class SectionedToolParser:
+class HeldTextToolParser:
+    """Base for the parsers here: ``feed`` prepends the held-back suffix and hands the text to ``_run``."""
+
+    name: ClassVar[str]
+    State: ClassVar[type[msgspec.Struct]]
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.config = config
+
+    def initial_state(self) -> msgspec.Struct:
+        return self.State()
+
+    def feed(self, state, text: str) -> list[Piece]:
+        sink = PieceSink()
+        buf = state.held + text
+        state.held = ""
+        self._run(state, buf, sink)
+        return sink.pieces
+
+
+class SectionedToolParser(HeldTextToolParser):
     """Base for marker-framed formats; subclasses set the markers and how the name line is read."""
 
     name: ClassVar[str]
@@ -464,22 +484,9 @@ class SectionedToolParser:
     # strip whitespace around the arguments (kimi does, deepseek keeps the raw text)
     TRIM_ARGUMENTS: ClassVar[bool] = False
 
-    def __init__(self, config: ToolParserConfig) -> None:
-        self.config = config
-
-    def initial_state(self) -> SectionedState:
-        return SectionedState()
-
     def read_name(self, text: str) -> tuple[str, str | None]:
         """(function name, the model's own call id or None) from the text between call begin and separator."""
         return text.strip(), None
-
-    def feed(self, state: SectionedState, text: str) -> list[Piece]:
-        sink = PieceSink()
-        buf = state.held + text
-        state.held = ""
-        self._run(state, buf, sink)
-        return sink.pieces
 
     def finish(self, state: SectionedState) -> list[Piece]:
         sink = PieceSink()

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.base import Piece
 from render_service.parsers.tools_common import (
     DONE,
     MALFORMED,
@@ -20,6 +20,7 @@ from render_service.parsers.tools_common import (
     OBJ_START,
     CallObject,
     Count,
+    HeldTextToolParser,
     PieceSink,
     feed_call_object,
     find_tag,
@@ -49,22 +50,9 @@ class HermesState(msgspec.Struct):
         require((self.mode == CALL) == (self.call is not None), "a call object exactly while in a call")
 
 
-class HermesToolParser:
+class HermesToolParser(HeldTextToolParser):
     name: ClassVar[str] = "hermes"
     State: ClassVar[type[msgspec.Struct]] = HermesState
-
-    def __init__(self, config: ToolParserConfig) -> None:
-        self.config = config
-
-    def initial_state(self) -> HermesState:
-        return HermesState()
-
-    def feed(self, state: HermesState, text: str) -> list[Piece]:
-        sink = PieceSink()
-        buf = state.held + text
-        state.held = ""
-        self._run(state, buf, sink)
-        return sink.pieces
 
     def finish(self, state: HermesState) -> list[Piece]:
         sink = PieceSink()

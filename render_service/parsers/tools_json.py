@@ -12,13 +12,14 @@ from typing import ClassVar
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.base import Piece
 from render_service.parsers.tools_common import (
     DONE,
     MALFORMED,
     MORE,
     CallObject,
     Count,
+    HeldTextToolParser,
     PieceSink,
     feed_call_object,
     mode_field,
@@ -44,22 +45,9 @@ class Llama3JsonState(msgspec.Struct):
         require((self.mode == OBJECT) == (self.call is not None), "a call object exactly while in one")
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(HeldTextToolParser):
     name: ClassVar[str] = "llama3_json"
     State: ClassVar[type[msgspec.Struct]] = Llama3JsonState
-
-    def __init__(self, config: ToolParserConfig) -> None:
-        self.config = config
-
-    def initial_state(self) -> Llama3JsonState:
-        return Llama3JsonState()
-
-    def feed(self, state: Llama3JsonState, text: str) -> list[Piece]:
-        sink = PieceSink()
-        buf = state.held + text
-        state.held = ""
-        self._run(state, buf, sink)
-        return sink.pieces
 
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()

@@ -13,13 +13,14 @@ from typing import ClassVar
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.base import Piece
 from render_service.parsers.tools_common import (
     DONE,
     MAX_NAME_CHARS,
     MORE,
     CallObject,
     Count,
+    HeldTextToolParser,
     JsonScan,
     PieceSink,
     feed_call_object,
@@ -53,24 +54,11 @@ class MistralState(msgspec.Struct):
         require((self.mode == V11_ARGS) == (self.scan is not None), "a scan exactly while in arguments")
 
 
-class MistralToolParser:
+class MistralToolParser(HeldTextToolParser):
     name: ClassVar[str] = "mistral"
     State: ClassVar[type[msgspec.Struct]] = MistralState
     # Mistral chat templates require 9-alphanumeric call ids (pipeline.tool_call_id)
     call_id_style: ClassVar[str] = "mistral"
-
-    def __init__(self, config: ToolParserConfig) -> None:
-        self.config = config
-
-    def initial_state(self) -> MistralState:
-        return MistralState()
-
-    def feed(self, state: MistralState, text: str) -> list[Piece]:
-        sink = PieceSink()
-        buf = state.held + text
-        state.held = ""
-        self._run(state, buf, sink)
-        return sink.pieces
 
     def finish(self, state: MistralState) -> list[Piece]:
         sink = PieceSink()

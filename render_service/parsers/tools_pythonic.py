@@ -16,10 +16,11 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.base import Piece
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     Count,
+    HeldTextToolParser,
     PieceSink,
     dumps,
     json_string_fragment,
@@ -116,22 +117,9 @@ class PythonicState(msgspec.Struct):
     escape: bool = False
 
 
-class PythonicToolParser:
+class PythonicToolParser(HeldTextToolParser):
     name: ClassVar[str] = "pythonic"
     State: ClassVar[type[msgspec.Struct]] = PythonicState
-
-    def __init__(self, config: ToolParserConfig) -> None:
-        self.config = config
-
-    def initial_state(self) -> PythonicState:
-        return PythonicState()
-
-    def feed(self, state: PythonicState, text: str) -> list[Piece]:
-        sink = PieceSink()
-        buf = state.held + text
-        state.held = ""
-        self._run(state, buf, sink)
-        return sink.pieces
 
     def finish(self, state: PythonicState) -> list[Piece]:
         sink = PieceSink()

@@ -27,6 +27,7 @@ from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     Count,
+    HeldTextToolParser,
     PieceSink,
     dumps,
     find_tag,
@@ -123,22 +124,12 @@ def convert_value(value: str, declared: str | None, nullable: bool) -> Any:
     return value
 
 
-class Qwen3CoderToolParser:
+class Qwen3CoderToolParser(HeldTextToolParser):
     name: ClassVar[str] = "qwen3_coder"
     State: ClassVar[type[msgspec.Struct]] = Qwen3CoderState
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.tools = tools_by_name(config.tools if config is not None else [])
-
-    def initial_state(self) -> Qwen3CoderState:
-        return Qwen3CoderState()
-
-    def feed(self, state: Qwen3CoderState, text: str) -> list[Piece]:
-        sink = PieceSink()
-        buf = state.held + text
-        state.held = ""
-        self._run(state, buf, sink)
-        return sink.pieces
 
     def finish(self, state: Qwen3CoderState) -> list[Piece]:
         sink = PieceSink()
