@@ -165,6 +165,11 @@ async def _sse_data(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The data of each SSE event (events end with a blank line; one data line each, as engines send)."""
     buffer = b""
     async for piece in raw:
+        # The usual piece is one whole event, one data line: no buffering, no splitting.
+        if not buffer and piece.startswith(b"data:") and piece.find(b"\n") == len(piece) - 2 \
+                and piece.endswith(b"\n\n"):
+            yield piece[5:-2].strip()
+            continue
         buffer += piece
         while True:
             end = buffer.find(b"\n\n")
