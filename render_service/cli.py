@@ -9,7 +9,6 @@ replaced from the already-loaded parent. Threads would not help: the GIL caps th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -21,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from render_service.ops.cli_args import json_object_arg
 
 logger = logging.getLogger("render_service.cli")
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients may send; the first is used in responses")
     serve.add_argument("--chat-template", default=None, help="chat template file, or the template text itself")
-    serve.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+    serve.add_argument("--default-chat-template-kwargs", type=json_object_arg, default=None,
                        help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template field in requests")
@@ -78,16 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM, how long in-flight requests may take before the process exits")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
     return parser
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def resolve_model_dir(model: str | None) -> tuple[str, str]:

@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 
+from render_service.ops.cli_args import json_object_arg
 from token_engine.engine import EngineConfig
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def _positive_int(text: str) -> int:
@@ -56,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prompt-tokens-details", action="store_true")
     s.add_argument("--generate-logprobs-format", choices=["ids", "token_id_strings"], default="ids",
                    help="logprobs shape on /inference/v1/generate: integer ids (newer vLLM) or 'token_id:N' strings")
-    s.add_argument("--kv-transfer-config", type=_json_object, default=None,
+    s.add_argument("--kv-transfer-config", type=json_object_arg, default=None,
                    help='KV connector config as JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
     s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
     s.add_argument("--log-level", default="info")
@@ -76,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied in")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", default="bfloat16")
-    r.add_argument("--overrides", type=_json_object, default=None, help="config.json keys to override, as JSON")
+    r.add_argument("--overrides", type=json_object_arg, default=None, help="config.json keys to override, as JSON")
     return parser
 
 
