@@ -435,19 +435,14 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
         }}
-    return GenerateRequest(
+    return _generate_request(
+        req, config,
         request_id=new_request_id("chatcmpl", request_id or req.request_id),
         token_ids=token_ids,
         sampling_params=params,
         model=model,
         reasoning_ended=reasoning_ended,
         reasoning_parser_kwargs=reasoning_kwargs,
-        return_token_ids=req.return_token_ids,
-        stream=req.stream,
-        stream_options=_stream_options(req),
-        cache_salt=req.cache_salt,
-        priority=req.priority,
-        render_fingerprint=config.fingerprint,
     )
 
 
@@ -463,6 +458,21 @@ def _stream_options(req: ChatCompletionRequest | CompletionRequest) -> StreamOpt
     if req.stream and req.stream_options is not None:
         return req.stream_options
     return None
+
+
+def _generate_request(
+    req: ChatCompletionRequest | CompletionRequest, config: RenderConfig, **per_prompt: Any
+) -> GenerateRequest:
+    """The engine request for one rendered prompt: ``per_prompt`` fields plus those every request carries over."""
+    return GenerateRequest(
+        **per_prompt,
+        return_token_ids=req.return_token_ids,
+        stream=req.stream,
+        stream_options=_stream_options(req),
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        render_fingerprint=config.fingerprint,
+    )
 
 
 # --------------------------------------------------------------------------------------- completions
@@ -521,18 +531,13 @@ def render_completion(
             req, config, max_tokens=resolve_max_tokens(req.max_tokens, len(ids), config),
             logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
         )
-        out.append(GenerateRequest(
+        out.append(_generate_request(
+            req, config,
             # vLLM numbers the prompts of a batch: cmpl-<hex>-0, cmpl-<hex>-1, ...
             request_id=base_id if len(prompts) == 1 else f"{base_id}-{i}",
             token_ids=ids,
             sampling_params=params,
             model=model,
-            return_token_ids=req.return_token_ids,
-            stream=req.stream,
-            stream_options=_stream_options(req),
-            cache_salt=req.cache_salt,
-            priority=req.priority,
-            render_fingerprint=config.fingerprint,
         ))
     return out
 
