@@ -372,20 +372,9 @@ class ChatTemplate:
         # vLLM's test: the template names the role in quotes.
         return '"developer"' in self.source or "'developer'" in self.source
 
-    def render(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        documents: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = False,
-        continue_final_message: bool | str = False,
-        **kwargs: Any,
-    ) -> str:
-        return self.render_with_spans(
-            messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, track_generation=False, **kwargs,
-        ).text
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """The prompt text alone: ``render_with_spans`` (same keyword arguments) without tracking spans."""
+        return self.render_with_spans(messages, track_generation=False, **kwargs).text
 
     def render_with_spans(
         self,
