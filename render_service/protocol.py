@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+# Structs repeat their shared fields on purpose: msgspec puts inherited fields first, reordering vLLM's keys.
 # --------------------------------------------------------------------------------------------- errors
 
 
