@@ -149,6 +149,16 @@ class _Responder:
                 return False
         return True
 
+    def finished(self) -> bool:
+        """Every choice of every prompt has finished: nothing but usage and [DONE] is left to send."""
+        choices = self.choices
+        if len(choices) < self.n * len(self.gens):
+            return False
+        for out in choices.values():
+            if not out.done:
+                return False
+        return True
+
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())
 

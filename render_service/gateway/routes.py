@@ -207,19 +207,25 @@ async def _collect(request: Request, gateway: Gateway, call: EngineCall,
 async def _sse_events(gateway: Gateway, choices: AsyncIterator[tuple[int, GenerateStreamChoice]],
                       first: tuple[int, GenerateStreamChoice] | None,
                       responder: ChatResponder | CompletionResponder) -> AsyncIterator[bytes]:
+    # One client write per engine event (its chunks joined), none for an event with nothing to send; once
+    # every choice has finished, the rest (final chunks, usage, [DONE]) goes out in one write.
+    held = b""
     try:
-        # One client write per engine event (its chunks joined), none for an event with nothing to send.
         if first is not None:
             data = responder.stream_events(*first)
-            if data:
+            if responder.finished():
+                held += data
+            elif data:
                 yield data
         async for prompt_index, choice in choices:
             data = responder.stream_events(prompt_index, choice)
-            if data:
+            if held or responder.finished():
+                held += data
+            elif data:
                 yield data
         usage = responder.usage_chunk()
         if usage is not None:
-            yield sse(usage)
+            held += sse(usage)
     except (EngineStreamBroken, EngineRejected, NoReplica) as exc:
         # Past the first event the status line is gone: an OpenAI-style error object, then [DONE].
         gateway.stats.stream_errors += 1
@@ -227,9 +233,9 @@ async def _sse_events(gateway: Gateway, choices: AsyncIterator[tuple[int, Genera
         status = exc.status if isinstance(exc, EngineRejected) else 502
         message = exc.message() if isinstance(exc, EngineRejected) else str(exc)
         logger.warning("stream %s failed after its first event: %s", responder.response_id, message)
-        yield b"data: " + error_body(ApiError(f"engine failed mid-stream: {message}", status,
-                                              type="BadGatewayError" if status == 502 else None)) + b"\n\n"
-    yield DONE
+        held += b"data: " + error_body(ApiError(f"engine failed mid-stream: {message}", status,
+                                                type="BadGatewayError" if status == 502 else None)) + b"\n\n"
+    yield held + DONE
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -258,6 +264,9 @@ class GatewayStream(StreamingResponse):
         async def write() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for data in self.events:
+                if data.endswith(DONE):  # the last event: it and the body's end in one write
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                    return
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
