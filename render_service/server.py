@@ -217,25 +217,27 @@ def create_app(
         metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
         return json_response(results, headers=render_headers)
 
-    async def chat_derender(request: Request) -> Response:
-        body = await read_json_body(request)
-        if decode(body, DerenderStreamProbe).stream:
-            stream_req = decode(body, DerenderChatStreamRequest)
-            return json_response(derender_chat_stream(stream_req, config, stream_runtime, request.headers))
-        req = decode(body, DerenderChatRequest)
-        result = derender_chat(req, config, request.headers)
-        metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
-        return json_response(result)
+    def derender_route(
+        batch_type: type, derender_batch: Callable[..., Any], stream_type: type, derender_stream: Callable[..., Any]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """A derender endpoint: a body with ``stream: true`` is one streamed chunk, any other a whole response."""
 
-    async def completion_derender(request: Request) -> Response:
-        body = await read_json_body(request)
-        if decode(body, DerenderStreamProbe).stream:
-            stream_req = decode(body, DerenderCompletionStreamRequest)
-            return json_response(derender_completion_stream(stream_req, config, stream_runtime, request.headers))
-        req = decode(body, DerenderCompletionRequest)
-        result = derender_completion(req, config, request.headers)
-        metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
-        return json_response(result)
+        async def derender(request: Request) -> Response:
+            body = await read_json_body(request)
+            if decode(body, DerenderStreamProbe).stream:
+                stream_req = decode(body, stream_type)
+                return json_response(derender_stream(stream_req, config, stream_runtime, request.headers))
+            req = decode(body, batch_type)
+            result = derender_batch(req, config, request.headers)
+            metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
+            return json_response(result)
+
+        return derender
+
+    chat_derender = derender_route(DerenderChatRequest, derender_chat, DerenderChatStreamRequest, derender_chat_stream)
+    completion_derender = derender_route(
+        DerenderCompletionRequest, derender_completion, DerenderCompletionStreamRequest, derender_completion_stream
+    )
 
     async def tokenize(request: Request) -> Response:
         req = decode(await read_json_body(request), TokenizeRequest)
