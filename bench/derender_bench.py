@@ -318,6 +318,18 @@ def summarise(points: list[dict]) -> dict:
     return out
 
 
+def sweep(client: httpx.Client, server: Server, outputs: dict[int, list[int]], ns: list[int],
+          prompt_ids: list[int], chat: dict, name: str, tag: str) -> dict:
+    """A warm-up stream, then one stream per output length in ``ns``, each point printed as it lands."""
+    run_stream(client, server, outputs[ns[0]][:50], prompt_ids, chat, "warmup")
+    points = []
+    for n in ns:
+        p = run_stream(client, server, outputs[n], prompt_ids, chat, f"{tag}-{n}")
+        print(name, json.dumps(p), flush=True)
+        points.append(p)
+    return summarise(points)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="500,1000,2000,4000")
@@ -347,13 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client(base_url=ours.base, timeout=120.0) as client:
             prompt_ids = client.post("/v1/chat/completions/render", json=chat).json()["token_ids"]
             result["prompt_tokens"] = len(prompt_ids)
-            run_stream(client, ours, outputs[ns[0]][:50], prompt_ids, chat, "warmup")
-            points = []
-            for n in ns:
-                p = run_stream(client, ours, outputs[n], prompt_ids, chat, f"ours-{n}")
-                print("splitserve", json.dumps(p), flush=True)
-                points.append(p)
-            result["splitserve"] = summarise(points)
+            result["splitserve"] = sweep(client, ours, outputs, ns, prompt_ids, chat, "splitserve", "ours")
             result["splitserve"]["http_floor"] = http_floor(client, ours, prompt_ids, chat)
         ours.stop()
         servers.remove(ours)
@@ -368,13 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm = start_vllm(Path(a.vllm_venv), log)
             servers.append(vllm)
             with httpx.Client(base_url=vllm.base, timeout=600.0) as client:
-                run_stream(client, vllm, outputs[vllm_ns[0]][:50], prompt_ids, chat, "warmup")
-                points = []
-                for n in vllm_ns:
-                    p = run_stream(client, vllm, outputs[n], prompt_ids, chat, f"vllm-{n}")
-                    print("vllm", json.dumps(p), flush=True)
-                    points.append(p)
-                result["vllm"] = summarise(points)
+                result["vllm"] = sweep(client, vllm, outputs, vllm_ns, prompt_ids, chat, "vllm", "vllm")
     finally:
         for s in servers:
             s.stop()
