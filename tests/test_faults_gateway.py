@@ -62,6 +62,17 @@ def assert_engine_idle(url: str) -> None:
     assert state["num_free_blocks"] == state["num_blocks"], state
 
 
+def stream_killing_after_four_lines(gateway_url: str, engine) -> list[str]:
+    """The data events of one streamed completion whose ``engine`` is killed after the first four lines."""
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", gateway_url + "/v1/completions", json=STREAM) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            head = data_events(next(lines) for _ in range(4))
+            engine.kill()
+            return head + data_events(lines)
+
+
 def worker_serving(gateway_pid: int, client_port: int) -> int:
     """The gateway worker process that holds the connection from our local port."""
     for child in psutil.Process(gateway_pid).children():
@@ -98,13 +109,8 @@ def test_killed_render_replica_drops_its_stream_and_frees_the_engine_request(sta
 
 def test_killed_prefill_engine_mid_stream_lets_the_stream_complete_and_new_requests_fail_over(stack):
     gateway = stack["gateway"]
-    with httpx.Client(timeout=120) as http:
-        with http.stream("POST", gateway.url + "/v1/completions", json=STREAM) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            head = data_events(next(lines) for _ in range(4))
-            stack["prefill_a"].kill()  # decode already holds the KV: it needs prefill no longer
-            events = head + data_events(lines)
+    # decode already holds the KV when prefill dies: it needs prefill no longer
+    events = stream_killing_after_four_lines(gateway.url, stack["prefill_a"])
     assert events[-1] == "[DONE]"
     assert tokens_in(events) == MAX_TOKENS and not any('"error"' in e for e in events)
     # New requests: the dead replica fails before its first token and the gateway retries the other one.
@@ -117,13 +123,7 @@ def test_killed_prefill_engine_mid_stream_lets_the_stream_complete_and_new_reque
 
 def test_killed_decode_engine_mid_stream_ends_the_stream_with_a_clear_error(stack):
     gateway = stack["gateway"]
-    with httpx.Client(timeout=120) as http:
-        with http.stream("POST", gateway.url + "/v1/completions", json=STREAM) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            head = data_events(next(lines) for _ in range(4))
-            stack["decode"].kill()
-            events = head + data_events(lines)
+    events = stream_killing_after_four_lines(gateway.url, stack["decode"])
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == 502
