@@ -98,3 +98,28 @@ def wait_for_idle_blocks(llm: LLMEngine, attempts: int = 400) -> int:
             break
         time.sleep(0.025)
     return llm.num_free_blocks()
+
+
+def step_until(engines, until, max_steps: int = 20000) -> None:
+    """Steps the engines in turn until ``until()`` holds; bounded, so a hang fails the test instead of blocking."""
+    for _ in range(max_steps):
+        for e in engines:
+            e.step()
+        if until():
+            return
+        time.sleep(0.0002)
+    raise AssertionError("engines never reached the expected state")
+
+
+def finish_request(engine: LLMEngine, others, rid: str, prompt: list[int], options, params):
+    """Runs one request on ``engine`` (stepping ``others`` too) to its end: (output tokens, final update)."""
+    tokens, done = [], {}
+
+    def on_update(u):
+        tokens.extend(t for delta in u.deltas for t in delta.token_ids)
+        if u.finished:
+            done["u"] = u
+
+    engine.add_request(rid, prompt, options, kv_transfer_params=params, on_update=on_update)
+    step_until([engine, *others], lambda: "u" in done)
+    return tokens, done["u"]

@@ -3,19 +3,17 @@ this process (two NIXL agents, real UCX transfers over loopback), stepped by one
 Process-level failures (a killed or restarted prefill engine) are in test_pd_processes.py."""
 
 import random
-import time
 
 import pytest
 import torch
 
-from tests.engine_harness import engine_config, write_tiny_qwen3
+from tests.engine_harness import engine_config, finish_request, step_until, write_tiny_qwen3
 from token_engine.engine import LLMEngine
 from token_engine.random_model import write_random_model
 from token_engine.sequence import SamplingOptions
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=8)
 PREFILL_ONLY = SamplingOptions(temperature=0.0, max_tokens=1)
-HANG_GUARD_STEPS = 20000
 
 
 def kv_config(engine_id: str, **extra):
@@ -61,35 +59,16 @@ def short_lease_prefill(model_dir):
     p.shutdown()
 
 
-def run(engines_to_step, *, until):
-    for _ in range(HANG_GUARD_STEPS):
-        for e in engines_to_step:
-            e.step()
-        if until():
-            return
-        time.sleep(0.0002)
-    raise AssertionError("engines never reached the expected state")
-
-
 def prefill(p: LLMEngine, rid: str, prompt: list[int], params=None):
     done = {}
     p.add_request(rid, prompt, PREFILL_ONLY, kv_transfer_params=params or {"do_remote_decode": True},
                   on_update=lambda u: done.__setitem__("u", u) if u.finished else None)
-    run([p], until=lambda: "u" in done)
+    step_until([p], until=lambda: "u" in done)
     return done["u"]
 
 
 def decode(d: LLMEngine, others, rid: str, prompt: list[int], params, options=GREEDY):
-    tokens, done = [], {}
-
-    def on_update(u):
-        tokens.extend(t for delta in u.deltas for t in delta.token_ids)
-        if u.finished:
-            done["u"] = u
-
-    d.add_request(rid, prompt, options, kv_transfer_params=params, on_update=on_update)
-    run([d, *others], until=lambda: "u" in done)
-    return tokens, done["u"]
+    return finish_request(d, others, rid, prompt, options, params)
 
 
 def idle(*es):
@@ -117,7 +96,7 @@ def test_pd_greedy_output_equals_collocated(engines, length):
     assert tokens == expected
     assert du.num_cached_tokens == length  # the whole prompt came from the peer
     assert du.kv_transfer_params is None  # consumed params are not echoed back
-    run([p, d], until=lambda: idle(p, d))
+    step_until([p, d], until=lambda: idle(p, d))
 
 
 def test_decode_really_uses_the_pulled_kv(model_dir, engines):
@@ -175,7 +154,7 @@ def test_prompt_token_ids_in_params_must_match_the_prompt(engines, short_lease_p
     params = dict(prefill(p, "tok2", prompt).kv_transfer_params, prompt_token_ids=prompt[:-1] + [5])
     _, du = decode(d, [p], "tok-bad", prompt, params)
     assert du.error  # policy fail: the caller hears about it
-    run([p, d], until=lambda: idle(p, d))
+    step_until([p, d], until=lambda: idle(p, d))
 
 
 @pytest.mark.parametrize("mutate", [
@@ -202,7 +181,7 @@ def test_bad_transfer_params_fail_clearly_or_recompute_exactly(engines, short_le
     assert du.error is None and tokens == expected
     # the prefill leases of refused loads are not read: they end by expiry (not waited for here) or abort
     for e in (d, r):
-        run([e, p], until=lambda: e.num_free_blocks() == e.num_blocks and not e.requests)
+        step_until([e, p], until=lambda: e.num_free_blocks() == e.num_blocks and not e.requests)
 
 
 def test_same_request_id_is_not_held_twice(engines):
@@ -217,7 +196,7 @@ def test_lease_expiry_frees_prefill_blocks(short_lease_prefill):
     p = short_lease_prefill
     prefill(p, "never-read", prompt_of(17, 1))
     assert p.num_free_blocks() < p.num_blocks and "never-read" in p.scheduler.held_by_connector
-    run([p], until=lambda: idle(p))
+    step_until([p], until=lambda: idle(p))
     assert p.connector.stats()["kv_leases"] == 0
 
 
@@ -245,7 +224,7 @@ def _soak(p, d):
                           on_update=lambda u, rid=rid: params.__setitem__(rid, u) if u.finished else None)
             if rng.random() < 0.1:
                 p.abort_request(rid)
-        run([p], until=lambda: len(params) == len(prompts))
+        step_until([p], until=lambda: len(params) == len(prompts))
         finished = set()
         for rid, u in params.items():
             if u.kv_transfer_params is None or not u.kv_transfer_params.get("do_remote_prefill"):
@@ -259,8 +238,8 @@ def _soak(p, d):
         for rid in list(d.requests):
             if rng.random() < 0.3:
                 d.abort_request(rid)
-        run([p, d], until=lambda: not d.requests)
-    run([p, d], until=lambda: idle(p, d) and p.connector.stats()["kv_leases"] == 0)
+        step_until([p, d], until=lambda: not d.requests)
+    step_until([p, d], until=lambda: idle(p, d) and p.connector.stats()["kv_leases"] == 0)
 
 
 def test_decode_queued_for_blocks_heartbeats_the_lease_and_still_loads_remote_kv(model_dir, engines):
@@ -281,7 +260,7 @@ def test_decode_queued_for_blocks_heartbeats_the_lease_and_still_loads_remote_kv
         assert du.num_cached_tokens == len(prompt)  # loaded from the peer, not recomputed
         assert tokens == c.generate([prompt], GREEDY)[0]
         assert d.connector.heartbeats_sent >= 1
-        run([p, d], until=lambda: idle(p, d))
+        step_until([p, d], until=lambda: idle(p, d))
     finally:
         p.shutdown()
         d.shutdown()

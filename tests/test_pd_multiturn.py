@@ -2,12 +2,11 @@
 computes only the new tokens, but only when the new prompt extends the held tokens exactly."""
 
 import random
-import time
 
 import pytest
 import torch
 
-from tests.engine_harness import engine_config, write_tiny_qwen3
+from tests.engine_harness import engine_config, finish_request, step_until, write_tiny_qwen3
 from token_engine.engine import LLMEngine
 from token_engine.sequence import SamplingOptions
 
@@ -39,28 +38,10 @@ def engines(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def run(engines, until):
-    for _ in range(20000):
-        for e in engines:
-            e.step()
-        if until():
-            return
-        time.sleep(0.0002)
-    raise AssertionError("engines never reached the expected state")
-
-
 def hop(engine, others, rid, prompt, options, params):
-    tokens, done = [], {}
-
-    def on_update(u):
-        tokens.extend(t for delta in u.deltas for t in delta.token_ids)
-        if u.finished:
-            done["u"] = u
-
-    engine.add_request(rid, prompt, options, kv_transfer_params=params, on_update=on_update)
-    run([engine, *others], lambda: "u" in done)
-    assert done["u"].error is None, done["u"].error
-    return tokens, done["u"]
+    tokens, update = finish_request(engine, others, rid, prompt, options, params)
+    assert update.error is None, update.error
+    return tokens, update
 
 
 def turn(p, d, rid, prompt, params_for_prefill):
@@ -90,7 +71,7 @@ def test_next_turn_pulls_decode_kv_when_the_prompt_extends_it(engines):
     assert p.connector.stats()["kv_transfer_reads"] == reads + 1  # prefill pulled decode's blocks
     assert pu.num_cached_tokens == d_params["remote_num_tokens"]  # local prefix cache + pulled KV
     assert out2 == c.generate([prompt2], GREEDY)[0]
-    run([p, d], lambda: "conv-a1-d" not in d.scheduler.held_by_connector)  # freed once prefill read it
+    step_until([p, d], lambda: "conv-a1-d" not in d.scheduler.held_by_connector)  # freed once prefill read it
 
 
 def test_next_turn_that_rewrites_history_is_recomputed_not_reused(engines):
