@@ -3,6 +3,7 @@ port in a thread, a plain greedy loop over the model to compare against, and blo
 
 from __future__ import annotations
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ from token_engine.engine import AsyncEngine, EngineConfig, LLMEngine
 from token_engine.random_model import write_random_model
 from token_engine.server import build_app
 
-FIXTURES = Path("/work/shared/fixtures")
+FIXTURES = FIXTURES_DIR
 if not FIXTURES.exists():  # a clean checkout carries its own copy
     FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 

@@ -10,6 +10,7 @@ not repeat a token (a bigram model cannot tell two occurrences apart).
 
 from __future__ import annotations
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from token_engine.random_model import write_random_model
 
-FIXTURES = Path("/work/shared/fixtures")
+FIXTURES = FIXTURES_DIR
 if not FIXTURES.exists():  # a clean checkout carries its own copy
     FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 QWEN3_TOKENIZER = FIXTURES / "qwen3-0.6b"

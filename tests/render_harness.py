@@ -6,6 +6,7 @@ shared by every test file that asks for it.
 
 from __future__ import annotations
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import dataclasses
 import functools
 import json
@@ -22,7 +23,7 @@ from render_service.bundle import load_bundle
 from render_service.render import RenderConfig, build_render_config
 from render_service.server import create_app
 
-FIXTURES = Path("/work/shared/fixtures")
+FIXTURES = FIXTURES_DIR
 if not FIXTURES.exists():
     FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 QWEN3_DIR = FIXTURES / "qwen3-0.6b"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildErr
 from render_service.tokenizer import byte_level_bpe_spec
 
 REPO = Path(__file__).resolve().parents[1]
-QWEN3_DIR = Path("/work/shared/fixtures/qwen3-0.6b")
+QWEN3_DIR = QWEN3_FIXTURE_DIR
 
 
 def fixture_sha256() -> str:

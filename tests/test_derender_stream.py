@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 import contextlib
 import glob
 import json
@@ -15,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 QWEN = str(SHARED / "fixtures/qwen3-0.6b")
 FIXTURES = str(SHARED / "fixtures/vllm-0.32-render")

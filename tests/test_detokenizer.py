@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 from functools import lru_cache
 from pathlib import Path
 
@@ -13,8 +14,7 @@ from render_service.bundle import load_bundle
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.tokenizer import TextTokenizer
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 QWEN = str(SHARED / "fixtures/qwen3-0.6b")
 

@@ -3,6 +3,7 @@ around the delta) equal the full chunk structs encoded one by one, for every del
 
 from __future__ import annotations
 
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 import dataclasses
 import random
 from functools import lru_cache
@@ -16,7 +17,7 @@ from render_service.gateway.responses import ChatResponder, sse
 from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
 from render_service.render import load_render_config, render_chat
 
-QWEN = Path("/work/shared/fixtures/qwen3-0.6b")
+QWEN = QWEN3_FIXTURE_DIR
 if not QWEN.exists():
     QWEN = Path(__file__).resolve().parents[2] / "shared/fixtures/qwen3-0.6b"
 

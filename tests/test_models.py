@@ -5,6 +5,7 @@ two chunks over cached KV, and a batch of sequences decoding over shuffled, non-
 generation must equal transformers' greedy `generate` token for token.
 """
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import json
 import random
 from pathlib import Path
@@ -25,7 +26,7 @@ torch.set_num_threads(1)
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 if not FIXTURES.exists():
-    FIXTURES = Path("/work/shared/fixtures")
+    FIXTURES = FIXTURES_DIR
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -11,8 +12,7 @@ from render_service.parsers.base import ToolSpec
 from render_service.parsers.openai_stream import ChatStreamAssembler
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 EOS = 151645
 

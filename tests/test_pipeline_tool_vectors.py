@@ -3,6 +3,7 @@ reasoning -> tool parser -> deltas): stream fold == batch for random chunkings, 
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -17,8 +18,7 @@ from render_service.parsers.base import ToolSpec
 from render_service.parsers.detokenizer import _bytes_to_unicode
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, PipelineConfig, derender_all
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 TOOLS = [
     ToolSpec("get_weather", {"type": "object", "properties": {

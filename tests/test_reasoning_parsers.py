@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,8 +18,7 @@ from render_service.parsers.reasoning import (
     reasoning_open_at_prompt_end,
 )
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 
 @lru_cache(maxsize=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 import base64
 from functools import lru_cache
 from pathlib import Path
@@ -27,8 +28,7 @@ from render_service.streaming_cache.codec import (
 from render_service.parsers.detokenizer import DetokenizerState
 from render_service.parsers.pipeline import PipelineState
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 QWEN = str(SHARED / "fixtures/qwen3-0.6b")
 BIND = binding_for("req", 0, "cfg")

@@ -3,6 +3,7 @@ miss, with identical output either way (hits, misses, evictions, expiry, two ser
 
 from __future__ import annotations
 
+from tests.shared_paths import SHARED as SHARED_DIR
 import glob
 import json
 from functools import lru_cache
@@ -17,8 +18,7 @@ from render_service.render import load_render_config
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from tests.test_derender_stream import PARSER_FLAGS, render_server
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = SHARED_DIR
 
 QWEN = str(SHARED / "fixtures/qwen3-0.6b")
 STREAM = str(SHARED / "fixtures/vllm-0.32-render/parsers/12_chat_derender_stream")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 import json
 import shutil
 from pathlib import Path
@@ -28,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 FIXTURE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "qwen3-0.6b"
 if not FIXTURE_DIR.exists():
-    FIXTURE_DIR = Path("/work/shared/fixtures/qwen3-0.6b")
+    FIXTURE_DIR = QWEN3_FIXTURE_DIR
 VLLM_RENDER_DIR = FIXTURE_DIR.parent / "vllm-0.32-render"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ from render_service.tokenizer import (
     self_check_corpus,
 )
 
-QWEN3_DIR = Path("/work/shared/fixtures/qwen3-0.6b")
+QWEN3_DIR = QWEN3_FIXTURE_DIR
 QWEN3_TOKENIZER = QWEN3_DIR / "tokenizer.json"
 QWEN3_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 SIMPLE_REGEX = r" ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+"

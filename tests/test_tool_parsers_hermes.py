@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 import json
 
 from hypothesis import given, settings
@@ -20,7 +21,7 @@ from tests.test_tool_parsers_common import (
     run_pieces,
 )
 
-QWEN3_TOKENIZER = "/work/shared/fixtures/qwen3-0.6b/tokenizer.json"
+QWEN3_TOKENIZER = str(QWEN3_FIXTURE_DIR / "tokenizer.json")
 
 
 def call(name, args_json):
