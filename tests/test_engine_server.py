@@ -431,10 +431,10 @@ def test_a_dead_engine_fails_health_and_requests_instead_of_hanging(tmp_path):
 
 
 def test_kv_transfer_params_reach_the_connector_and_come_back(tmp_path):
-    class EchoConnector:
-        """A real connector behind the seam: records what it was handed, answers with it."""
+    from token_engine.kv_connector.base import NoOpKVConnector
 
-        load_failure_policy = "fail"
+    class EchoConnector(NoOpKVConnector):
+        """A real connector behind the seam: records what it was handed, answers with it."""
 
         def __init__(self):
             self.seen = []
@@ -442,32 +442,12 @@ def test_kv_transfer_params_reach_the_connector_and_come_back(tmp_path):
         def bind_kv_pool(self, kv_pool, block_size):
             self.pool_shape = tuple(kv_pool.shape)
 
-        def get_num_new_matched_tokens(self, seq, num_computed_tokens):
-            return 0, False
-
-        def update_state_after_alloc(self, seq, block_ids, num_external_tokens):
-            pass
-
         def request_finished(self, seq, block_ids):
             self.seen.append((seq.kv_transfer_params, list(block_ids)))
             return False, {"echo": seq.kv_transfer_params, "num_blocks": len(block_ids)}
 
-        def poll(self):
-            from token_engine.kv_connector.base import ConnectorEvents
-
-            return ConnectorEvents()
-
-        def has_inflight_transfers(self):
-            return False
-
-        def stats(self):
-            return {}
-
         def render_metrics(self):
             return b"# TYPE echo_connector_requests counter\necho_connector_requests_total 1.0\n"
-
-        def shutdown(self):
-            pass
 
     connector = EchoConnector()
     model_dir = write_tiny_qwen3(tmp_path / "m", vocab_size=512)
