@@ -1,30 +1,38 @@
-"""Gateway CPU overhead: the same streamed chat requests sent to the engine directly and through the gateway.
+"""Gateway CPU overhead: the same streamed requests sent to the engine directly, through a bare relay, and
+through the gateway.
 
 One tiny random-weight Qwen3 engine process (real Qwen3 tokenizer, so the text is real byte-level
-detokenization) and one gateway process (`render-service serve --engine URL`, qwen3 reasoning parser
-and hermes tool parser on, as deployed). Each phase sends the same N chat requests at concurrency C:
+detokenization), one gateway process (`render-service serve --engine URL`, qwen3 reasoning parser and
+hermes tool parser on, as deployed) and two relay processes that give the floor on this machine:
 
-* direct: the rendered token IDs (from the gateway's own /render) to /inference/v1/generate, streamed;
-* gateway: the chat request to /v1/chat/completions, streamed, with usage.
+* ``floor``: raw asyncio protocols on uvloop, as lean as a relay gets: the client's body is forwarded as
+  is to a kept-alive engine connection and every read of the engine's body is written to the client,
+  unparsed (one read and one write syscall per engine event, in one callback);
+* ``floor_streams``: the same with asyncio streams and one task per request (what any ASGI server does:
+  the engine read wakes a task, which writes).
 
-Gateway CPU is utime+stime of the gateway process from /proc (other load on the machine does not count),
-taken around each phase. Two output lengths (max_tokens 1 and T, ignore_eos) separate the per-request
-cost (render, routing, the engine call, the first and last chunks) from the per-token cost (engine SSE
-in, derender pipeline, OpenAI SSE out):
+Each phase sends the same N requests at concurrency C (chat requests to the gateway; the rendered token
+IDs, from the gateway's own /render, to the engine and the relays). CPU of each server process is the
+sum of its threads' run time from /proc/PID/task/*/schedstat (nanoseconds; other load on the machine
+does not count), taken around each phase. Two output lengths (max_tokens 1 and T, ignore_eos) separate
+the per-request cost (HTTP in, render, routing, the engine call, the first and last chunks) from the
+per-token cost (engine SSE in, derender, OpenAI SSE out):
 
-    per_request = gateway CPU(short) / N
-    per_token   = (gateway CPU(long) - gateway CPU(short)) / (N * (T - 1))
+    per_request = CPU(short) / N
+    per_token   = (CPU(long) - CPU(short)) / (N * (T - 1))
 
-each less the gateway's idle CPU rate (measured during the direct phases) times the phase's wall time.
+each less the process's idle CPU rate (measured while the other phases run) times the phase's wall
+time. ``--rounds R`` repeats every phase R times, alternated, and reports medians: this box is noisy.
+``--compare-tree DIR`` also serves the gateway from another checkout (e.g. ``git worktree add
+/tmp/gw_before HEAD``), alternated with this one in the same run, for before/after figures.
 
-The bench also times the gateway's own work in-process (render per request; derender pipeline, chunk
-building and JSON encoding per token): the rest of the per-request and per-token CPU is HTTP and asyncio
-plumbing (uvicorn, Starlette, the engine connection).
+The bench also times the gateway's own per-request and per-token work in-process (no HTTP).
 
-Wall time of each phase is reported next to the direct run's wall time of the same phase (the ratio is
-the end-to-end cost of the extra hop on this machine, where client, gateway and engine share the cores).
+It needs only the packages of the project (torch for the engine) and finds the tokenizer in
+``$SPLITSERVE_FIXTURES/qwen3-0.6b``, else the shared fixtures beside the checkout, else the built-in
+default bundle (render_service/default_bundle.py):
 
-    .venv/bin/python -m bench.gateway_overhead --requests 200 --tokens 128 --concurrency 8
+    .venv/bin/python -m bench.gateway_overhead --requests 64 --tokens 32 --concurrency 8 --rounds 3
 
 Results: bench/results/gateway_overhead.json (targets: <= 1 ms per request, <= 50 us per token).
 """
@@ -37,6 +45,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,15 +54,27 @@ from pathlib import Path
 
 import httpx
 
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
 ROOT = Path(__file__).resolve().parent.parent
-QWEN = SHARED / "fixtures/qwen3-0.6b"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant that answers briefly."},
     {"role": "user", "content": "Tell me about the weather in Paris and what to wear today."},
 ]
+
+
+def tokenizer_dir() -> tuple[Path, str]:
+    """(directory with tokenizer.json + tokenizer_config.json, where it came from)."""
+    candidates = []
+    if os.environ.get("SPLITSERVE_FIXTURES"):
+        candidates.append(Path(os.environ["SPLITSERVE_FIXTURES"]) / "qwen3-0.6b")
+    candidates += [ROOT.parent / "shared/fixtures/qwen3-0.6b", Path("/work/shared/fixtures/qwen3-0.6b")]
+    for path in candidates:
+        if (path / "tokenizer.json").exists():
+            return path, str(path)
+    from render_service.default_bundle import default_bundle_dir
+
+    return default_bundle_dir(with_weights=False), "built-in default bundle (Qwen3 tokenizer, our template)"
 
 
 def free_port() -> int:
@@ -63,15 +84,41 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (fields 14 and 15 of /proc/PID/stat)."""
+    """Run time of every thread of one process: schedstat (ns), else utime + stime (clock ticks)."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0])
+        if total:
+            return total / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def start(argv: list[str], port: int, log_path: Path) -> subprocess.Popen:
+def machine() -> dict:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"cpus": os.cpu_count(), "usable_cpus": usable, "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def start(argv: list[str], port: int, log_path: Path, cwd: Path = ROOT) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)  # cwd decides which checkout's code a server runs (--compare-tree)
     log = open(log_path, "wb")  # a file, not a pipe: a full pipe would stall the server
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, cwd=cwd)
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
@@ -82,8 +129,136 @@ def start(argv: list[str], port: int, log_path: Path) -> subprocess.Popen:
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
+            proc.terminate()
             raise SystemExit(f"server on port {port} did not come up")
         time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------------------ the floor
+
+
+RELAY_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+BODY_END = b"0\r\n\r\n"
+
+
+def _request_head(body: bytes) -> bytes:
+    return (b"POST /inference/v1/generate HTTP/1.1\r\nhost: engine\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body))
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def _split_request(buf: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(request line + headers, body, rest) once a whole request with a Content-Length body is in."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    length = _content_length(buf[:end])
+    if len(buf) < end + 4 + length:
+        return None
+    return buf[:end], buf[end + 4:end + 4 + length], buf[end + 4 + length:]
+
+
+async def serve_floor(port: int, engine_port: int) -> None:
+    """Protocol callbacks only: engine bytes are written to the client inside the engine's data_received."""
+    loop = asyncio.get_running_loop()
+    idle: list[EngineSide] = []
+
+    class EngineSide(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            self.client = None
+
+        def begin(self, client: "ClientSide", body: bytes) -> None:
+            self.client, self.head, self.buf, self.tail = client, True, b"", b""
+            self.transport.write(_request_head(body) + body)
+
+        def data_received(self, data: bytes) -> None:
+            if self.head:  # the engine's status line and headers are dropped; ours went out instead
+                self.buf += data
+                end = self.buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                data, self.head, self.buf = RELAY_HEAD + self.buf[end + 4:], False, b""
+            self.client.transport.write(data)
+            self.tail = (self.tail + data)[-5:]
+            if self.tail == BODY_END:
+                self.client = None
+                idle.append(self)
+
+        def connection_lost(self, exc):
+            if self in idle:
+                idle.remove(self)
+
+    class ClientSide(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            self.buf = b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            parts = _split_request(self.buf)
+            if parts is None:
+                return
+            head, body, self.buf = parts
+            if head.startswith(b"GET"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            elif idle:
+                idle.pop().begin(self, body)
+            else:
+                loop.create_task(self._connect(body))
+
+        async def _connect(self, body: bytes) -> None:
+            _, engine = await loop.create_connection(EngineSide, "127.0.0.1", engine_port)
+            engine.begin(self, body)
+
+    server = await loop.create_server(ClientSide, "127.0.0.1", port)
+    await server.serve_forever()
+
+
+async def serve_floor_streams(port: int, engine_port: int) -> None:
+    """asyncio streams and a task per request: the engine read wakes the task, which writes."""
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = _content_length(head)
+                body = await reader.readexactly(length) if length else b""
+                if head.startswith(b"GET"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                ereader, ewriter = idle.pop() if idle else await asyncio.open_connection("127.0.0.1", engine_port)
+                ewriter.write(_request_head(body) + body)
+                await ereader.readuntil(b"\r\n\r\n")
+                first, tail = True, b""
+                while tail != BODY_END:
+                    data = await ereader.read(65536)
+                    writer.write(RELAY_HEAD + data if first else data)
+                    first, tail = False, (tail + data)[-5:]
+                idle.append((ereader, ewriter))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    await server.serve_forever()
+
+
+def run_relay(kind: str, port: int, engine_port: int) -> None:
+    import uvloop
+
+    serve = serve_floor if kind == "floor" else serve_floor_streams
+    uvloop.run(serve(port, engine_port))
+
+
+# ------------------------------------------------------------------------------------------ the client
 
 
 async def stream_direct(client: httpx.AsyncClient, url: str, token_ids: list[int], max_tokens: int) -> int:
@@ -112,8 +287,7 @@ async def stream_gateway(client: httpx.AsyncClient, url: str, max_tokens: int) -
     return events
 
 
-async def run_phase(kind: str, n: int, concurrency: int, max_tokens: int, engine_url: str, gateway_url: str,
-                    token_ids: list[int]) -> float:
+async def run_phase(url: str, chat: bool, n: int, concurrency: int, max_tokens: int, token_ids: list[int]) -> float:
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         queue = list(range(n))
@@ -121,54 +295,96 @@ async def run_phase(kind: str, n: int, concurrency: int, max_tokens: int, engine
         async def worker() -> None:
             while queue:
                 queue.pop()
-                if kind == "direct":
-                    await stream_direct(client, engine_url, token_ids, max_tokens)
+                if chat:
+                    await stream_gateway(client, url, max_tokens)
                 else:
-                    await stream_gateway(client, gateway_url, max_tokens)
+                    await stream_direct(client, url, token_ids, max_tokens)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - started
 
 
-def measure(kind: str, args, max_tokens: int, procs: dict, urls: dict, token_ids: list[int]) -> dict:
+def measure(target: str, url: str, n: int, concurrency: int, max_tokens: int, procs: dict,
+            token_ids: list[int]) -> dict:
     before = {name: cpu_seconds(p.pid) for name, p in procs.items()}
-    wall = asyncio.run(run_phase(kind, args.requests, args.concurrency, max_tokens, urls["engine"], urls["gateway"],
-                                 token_ids))
+    wall = asyncio.run(run_phase(url, target.startswith("gateway"), n, concurrency, max_tokens, token_ids))
     after = {name: cpu_seconds(p.pid) for name, p in procs.items()}
-    return {"kind": kind, "max_tokens": max_tokens, "requests": args.requests, "wall_s": round(wall, 3),
-            "cpu_s": {name: round(after[name] - before[name], 3) for name in procs}}
+    return {"target": target, "max_tokens": max_tokens, "requests": n, "wall_s": round(wall, 3),
+            "cpu_s": {name: round(after[name] - before[name], 4) for name in procs}}
+
+
+def overhead(phases: list[dict], target: str, n: int, t: int) -> dict:
+    """Per-request and per-token CPU of the process serving ``target``, from one round's phases."""
+    by = {(p["target"], p["max_tokens"]): p for p in phases}
+    others = [p for p in phases if p["target"] != target]
+    idle_rate = sum(p["cpu_s"][target] for p in others) / sum(p["wall_s"] for p in others)
+    short = by[(target, 1)]["cpu_s"][target] - idle_rate * by[(target, 1)]["wall_s"]
+    long = by[(target, t)]["cpu_s"][target] - idle_rate * by[(target, t)]["wall_s"]
+    return {"per_request_us": round(short / n * 1e6, 1), "per_token_us": round((long - short) / (n * (t - 1)) * 1e6, 1),
+            "idle_cpu_per_s": round(idle_rate, 5)}
+
+
+# ------------------------------------------------------------------------------------------ in-process
 
 
 def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) -> dict:
-    """The gateway's own work without any HTTP: render per request, derender + chunk encoding per token
-    (the same objects the routes use), CPU time of this process."""
+    """The gateway's own work without any HTTP, CPU time of this process: per request (JSON decode of the
+    chat request, render, the engine request's bytes, the responder and its first and last chunks) and
+    per token (engine event decode, derender pipeline, chunk building and encoding)."""
     import random
 
     import msgspec
 
+    from render_service.gateway.flow import engine_request
     from render_service.gateway.responses import ChatResponder
-    from render_service.protocol import ChatCompletionRequest, GenerateStreamResponse
+    from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice, GenerateStreamResponse
     from render_service.render import load_render_config, render_chat
 
     config = load_render_config(str(model_dir), served_model_names=["bench"], reasoning_parser="qwen3",
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)
-    req = ChatCompletionRequest(messages=MESSAGES, stream=True, max_tokens=tokens, ignore_eos=True)
-    started = time.process_time()
-    for _ in range(samples):
-        gen = render_chat(req, config)
-    render_us = (time.process_time() - started) / samples * 1e6
+    body = msgspec.json.encode({"model": "bench", "messages": MESSAGES, "max_tokens": tokens, "temperature": 0.0,
+                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode
+    encode = msgspec.json.Encoder().encode
+
+    def timed(fn) -> float:
+        started = time.process_time()
+        for _ in range(samples):
+            fn()
+        return round((time.process_time() - started) / samples * 1e6, 1)
+
+    req = decode_request(body)
+    gen = render_chat(req, config)
+    first = GenerateStreamChoice(index=0, token_ids=[9707], finish_reason=None)
+    last = GenerateStreamChoice(index=0, token_ids=[13], finish_reason="length")
+
+    def respond_short() -> None:
+        responder = ChatResponder(gen, req, config)
+        responder.stream_events(0, first)
+        responder.stream_events(0, last)
+        responder.usage_chunk()
+
+    per_request = {
+        "decode_chat_request_us": timed(lambda: decode_request(body)),
+        "render_chat_us": timed(lambda: render_chat(req, config)),
+        "engine_request_bytes_us": timed(lambda: encode(engine_request(gen))),
+        "responder_first_and_last_chunks_us": timed(respond_short),
+    }
     rnd = random.Random(0)
     events = [msgspec.json.encode({"request_id": "x", "choices": [{"index": 0, "token_ids": [rnd.randrange(150000)],
                                                                      "finish_reason": None}]}) for _ in range(tokens)]
-    decode = msgspec.json.Decoder(GenerateStreamResponse).decode
+    decode_event = msgspec.json.Decoder(GenerateStreamResponse).decode
     responder = ChatResponder(gen, req, config)
     started = time.process_time()
     for raw in events:
-        for choice in decode(raw).choices:
+        for choice in decode_event(raw).choices:
             responder.stream_events(0, choice)
     token_us = (time.process_time() - started) / tokens * 1e6
-    return {"render_chat_us_per_request": round(render_us, 1), "derender_and_encode_us_per_token": round(token_us, 1)}
+    return {"per_request": per_request, "derender_and_encode_us_per_token": round(token_us, 1)}
+
+
+# ------------------------------------------------------------------------------------------ main
 
 
 def main() -> int:
@@ -176,83 +392,105 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens of the long phase")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every phase, alternated; medians reported")
+    ap.add_argument("--compare-tree", default=None, help="also serve the gateway from this checkout (before/after)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gateway_overhead.json"))
-    ap.add_argument("--logs", default=tempfile.gettempdir(), help="where engine.log and gateway.log go")
+    ap.add_argument("--logs", default=tempfile.gettempdir(), help="where the servers' logs go")
+    ap.add_argument("--serve-relay", nargs=3, metavar=("KIND", "PORT", "ENGINE_PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_relay:
+        kind, port, engine_port = args.serve_relay
+        run_relay(kind, int(port), int(engine_port))
+        return 0
     sys.path.insert(0, str(ROOT))
     from token_engine.random_model import write_random_model
 
+    info = machine()
+    tok_dir, tok_source = tokenizer_dir()
+    logs = Path(args.logs)
+    n, t = args.requests, args.tokens
+    procs: dict[str, subprocess.Popen] = {}
     with tempfile.TemporaryDirectory(prefix="gw-bench-") as tmp:
         model = write_random_model(Path(tmp) / "tiny", arch="qwen3", preset="tiny",
-                                   overrides={"tie_word_embeddings": False}, tokenizer_dir=QWEN, dtype="float32")
-        engine_port, gateway_port = free_port(), free_port()
-        max_len = 64 + args.tokens + 256
-        engine = start([sys.executable, "-m", "token_engine.cli", "serve", str(model), "--host", "127.0.0.1",
-                        "--port", str(engine_port), "--dtype", "float32", "--max-model-len", str(max_len),
-                        "--max-num-seqs", str(max(args.concurrency, 8)), "--log-level", "warning"], engine_port,
-                       Path(args.logs) / "engine.log")
-        gateway = None
+                                   overrides={"tie_word_embeddings": False}, tokenizer_dir=tok_dir, dtype="float32")
         try:
-            gateway = start([sys.executable, "-m", "render_service.cli", "serve", str(model), "--host", "127.0.0.1",
-                             "--port", str(gateway_port), "--served-model-name", "bench", "--reasoning-parser",
-                             "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
-                             "--log-level", "warning", "--engine", f"http://127.0.0.1:{engine_port}"], gateway_port,
-                            Path(args.logs) / "gateway.log")
-            urls = {"engine": f"http://127.0.0.1:{engine_port}", "gateway": f"http://127.0.0.1:{gateway_port}"}
+            engine_port = free_port()
+            procs["engine"] = start([sys.executable, "-m", "token_engine.cli", "serve", str(model), "--host",
+                                     "127.0.0.1", "--port", str(engine_port), "--dtype", "float32", "--max-model-len",
+                                     str(64 + t + 256), "--max-num-seqs", str(max(args.concurrency, 8)),
+                                     "--log-level", "warning"], engine_port, logs / "engine.log")
+            urls = {"direct": f"http://127.0.0.1:{engine_port}"}
+            gateways = {"gateway": ROOT}
+            if args.compare_tree:
+                gateways["gateway_before"] = Path(args.compare_tree).resolve()
+            for name, tree in gateways.items():
+                port = free_port()
+                procs[name] = start([sys.executable, "-m", "render_service.cli", "serve", str(model), "--host",
+                                     "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
+                                     "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                                     "--enable-auto-tool-choice", "--log-level", "warning", "--engine",
+                                     urls["direct"]], port, logs / f"{name}.log", cwd=tree)
+                urls[name] = f"http://127.0.0.1:{port}"
+            for kind in ("floor", "floor_streams"):
+                port = free_port()
+                procs[kind] = start([sys.executable, "-m", "bench.gateway_overhead", "--serve-relay", kind, str(port),
+                                     str(engine_port)], port, logs / f"{kind}.log")
+                urls[kind] = f"http://127.0.0.1:{port}"
             rendered = httpx.post(urls["gateway"] + "/v1/chat/completions/render",
                                   json={"model": "bench", "messages": MESSAGES}, timeout=60).json()
             token_ids = rendered["token_ids"]
-            procs = {"gateway": gateway, "engine": engine}
-            # warm both paths (imports, pipelines, connection pools)
-            warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.concurrency})
-            for kind in ("direct", "gateway"):
-                measure(kind, warm, 8, procs, urls, token_ids)
+            targets = list(urls)
+            for target in targets:  # warm every path (imports, pipelines, connection pools)
+                measure(target, urls[target], 2 * args.concurrency, args.concurrency, 8, procs, token_ids)
             in_process = in_process_costs(model)
-            phases = []
-            for max_tokens in (1, args.tokens):
-                for kind in ("direct", "gateway"):
-                    phases.append(measure(kind, args, max_tokens, procs, urls, token_ids))
-                    print(json.dumps(phases[-1]), flush=True)
+            rounds = []
+            for r in range(args.rounds):
+                phases = []
+                order = targets if r % 2 == 0 else targets[::-1]
+                for max_tokens in (1, t):
+                    for target in order:
+                        phases.append(measure(target, urls[target], n, args.concurrency, max_tokens, procs, token_ids))
+                        print(json.dumps(phases[-1]), flush=True)
+                rounds.append(phases)
         finally:
-            for p in (gateway, engine):
-                if p is not None and p.poll() is None:
+            for p in procs.values():
+                if p.poll() is None:
                     p.terminate()
+            for p in procs.values():
+                try:
                     p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
 
-    by = {(p["kind"], p["max_tokens"]): p for p in phases}
-    n, t = args.requests, args.tokens
-    # The gateway's CPU while it serves nothing (the direct phases): its idle rate is taken off its
-    # busy phases, which last about as long.
-    idle_cpu = sum(by[("direct", mt)]["cpu_s"]["gateway"] for mt in (1, t))
-    idle_rate = idle_cpu / sum(by[("direct", mt)]["wall_s"] for mt in (1, t))
-    short_cpu = by[("gateway", 1)]["cpu_s"]["gateway"] - idle_rate * by[("gateway", 1)]["wall_s"]
-    long_cpu = by[("gateway", t)]["cpu_s"]["gateway"] - idle_rate * by[("gateway", t)]["wall_s"]
-    per_request_us = short_cpu / n * 1e6
-    per_token_us = (long_cpu - short_cpu) / (n * (t - 1)) * 1e6
+    servers = [s for s in targets if s != "direct"]
+    per_round = {s: [overhead(phases, s, n, t) for phases in rounds] for s in servers}
+    median = {s: {k: round(statistics.median(o[k] for o in per_round[s]), 1)
+                  for k in ("per_request_us", "per_token_us")} for s in servers}
+    gw = median["gateway"]
     result = {
         "bench": "gateway_overhead",
-        "command": " ".join([".venv/bin/python -m bench.gateway_overhead", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "setup": {"requests": n, "tokens": t, "concurrency": args.concurrency, "prompt_tokens": len(token_ids),
-                  "model": "tiny random Qwen3 (Qwen3 tokenizer), CPU engine", "parsers": "qwen3 + hermes"},
-        "phases": phases,
-        "in_process": in_process,
-        "gateway_idle_cpu_per_s": round(idle_rate, 5),
-        "gateway_cpu_per_request_us": round(per_request_us, 1),
-        "gateway_cpu_per_token_us": round(per_token_us, 1),
+        "command": " ".join(["python -m bench.gateway_overhead", *sys.argv[1:]]),
+        "machine": {**info, "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "setup": {"requests": n, "tokens": t, "concurrency": args.concurrency, "rounds": args.rounds,
+                  "prompt_tokens": len(token_ids), "tokenizer": tok_source,
+                  "model": "tiny random Qwen3, CPU engine", "parsers": "qwen3 + hermes",
+                  "compare_tree": args.compare_tree},
+        "median": median,
+        "gateway_cpu_per_request_us": gw["per_request_us"],
+        "gateway_cpu_per_token_us": gw["per_token_us"],
+        "gateway_over_floor": {
+            floor: {k: round(gw[k] / median[floor][k], 2) if median[floor][k] > 0 else None
+                    for k in ("per_request_us", "per_token_us")} for floor in ("floor", "floor_streams")},
         "targets": {"per_request_us": 1000, "per_token_us": 50},
-        "meets_targets": per_request_us <= 1000 and per_token_us <= 50,
-        "wall_ratio_gateway_over_direct": {
-            str(mt): round(by[("gateway", mt)]["wall_s"] / by[("direct", mt)]["wall_s"], 3) for mt in (1, t)},
-        "engine_cpu_ratio_gateway_over_direct": {
-            str(mt): round(by[("gateway", mt)]["cpu_s"]["engine"] / max(by[("direct", mt)]["cpu_s"]["engine"], 1e-9), 3)
-            for mt in (1, t)},
+        "meets_targets": gw["per_request_us"] <= 1000 and gw["per_token_us"] <= 50,
+        "in_process": in_process,
+        "per_round": per_round,
+        "phases": rounds,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("gateway_cpu_per_request_us", "gateway_cpu_per_token_us",
-                                             "meets_targets", "wall_ratio_gateway_over_direct")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("median", "gateway_over_floor", "meets_targets")}, indent=2))
     return 0
 
 
