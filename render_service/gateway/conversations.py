@@ -144,3 +144,14 @@ def preferred_replica(pool, url: str, tried: set[str]):
     total = sum(r.outstanding for r in pool.replicas)
     cap = math.ceil(pool.load_factor * (total + 1) / len(pool.replicas))
     return replica if replica.outstanding + 1 <= cap else None
+
+
+def prefill_fell_back(call, rid: str, url: str, exc: Exception) -> str:
+    """A prefill that was to pull the conversation's KV failed (decode gone, lease expired, refused): the
+    caller recomputes on the same replica under a new engine request id, which this returns."""
+    TURNS.labels("fallback").inc()
+    logger.info("request %s: prefill could not reuse the conversation's KV (%s); recomputing", rid, exc)
+    call.live.pop(rid, None)
+    rid = f"{rid}-recompute"
+    call.live[rid] = url
+    return rid
