@@ -142,6 +142,7 @@ class ChatCompletionRequest(msgspec.Struct):
     thinking_token_budget: int | None = None
     user: str | None = None
     request_id: str | None = None
+    conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
 
 
 class CompletionRequest(msgspec.Struct):
@@ -186,6 +187,7 @@ class CompletionRequest(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
     request_id: str | None = None
+    conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
 
 
 # ------------------------------------------------------------------------ generate request / response
@@ -281,6 +283,7 @@ class GenerateStreamResponse(msgspec.Struct):
     prompt_token_ids: list[int] | None = None
     output_mode: str | None = None
     metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # our engine's final event, when it holds KV for a peer
 
 
 # ------------------------------------------------------------------------------------ derender requests
