@@ -30,6 +30,10 @@ from render_service.gateway.engine_client import (
     EngineUnavailable,
 )
 from render_service.gateway import metrics
+from render_service.gateway.conversations import (
+    DEFAULT_CAPACITY, DEFAULT_TTL_S, ConversationCache, HeldTurn, next_turn_prefill_params, preferred_replica,
+    prefill_fell_back,
+)
 from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
 from render_service.protocol import GenerateRequest, GenerateStreamResponse, SamplingParams
 
@@ -50,6 +54,8 @@ class GatewaySettings:
     load_factor: float = 1.25  # prefix affinity yields once a replica carries this times the mean load
     cooldown_s: float = 5.0  # a failed replica is passed over this long
     dns_refresh_s: float = 10.0
+    conversation_ttl_s: float = DEFAULT_TTL_S  # decode's held KV kept per conversation_id (P/D), this long
+    max_conversations: int = DEFAULT_CAPACITY
 
 
 @dataclass
@@ -66,6 +72,7 @@ class EngineCall:
     """The engine requests one client request has in flight, so that they can be aborted."""
 
     live: dict[str, str] = field(default_factory=dict)  # X-Request-Id sent -> replica url
+    conversation: bytes | None = None  # key of the client's conversation_id (P/D multi-turn KV reuse)
 
     def take(self, request_id: str | None = None) -> list[tuple[str, list[str]]]:
         """(url, engine ids) to abort: every live call, or those of one rendered prompt; forgets them."""
@@ -104,6 +111,7 @@ class Gateway:
             else {"engine": pool("engine", engines or [])}
         self.client = client or EngineClient()
         self.stats = GatewayStats()
+        self.conversations = ConversationCache(s.max_conversations, s.conversation_ttl_s)
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -120,6 +128,7 @@ class Gateway:
         stream_body = _encode(engine_request(gen))
         tried: dict[str, set[str]] = {name: set() for name in self.pools}
         last_error: Exception | None = None
+        held = self.conversations.take(call.conversation) if self.disaggregated and call.conversation else None
         for attempt in range(1 + self.settings.retries):
             rid = gen.request_id if attempt == 0 else f"{gen.request_id}-retry{attempt}"
             if attempt:
@@ -127,8 +136,10 @@ class Gateway:
                 metrics.RETRIES.inc()
             try:
                 if self.disaggregated:
-                    body = await self._prefill(gen, rid, key, tried["prefill"], call)
-                    stream = self._stream("decode", None, body, rid, tried["decode"], call)
+                    turn, held = held, None  # a held lease is offered to one prefill attempt only
+                    body = await self._prefill(gen, rid, key, tried["prefill"], call, turn)
+                    stream = self._stream("decode", None, body, rid, tried["decode"], call,
+                                          turn.decode_url if turn else None)
                 else:
                     stream = self._stream("engine", key, stream_body, rid, tried["engine"], call)
                 async with aclosing(stream):
@@ -144,13 +155,20 @@ class Gateway:
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 
     async def _prefill(self, gen: GenerateRequest, rid: str, key: int | None, tried: set[str],
-                       call: EngineCall) -> bytes:
+                       call: EngineCall, held: HeldTurn | None = None) -> bytes:
         pool = self.pools["prefill"]
         replica = self._pick(pool, key, tried)
         pool.acquire(replica)
         call.live[rid] = replica.url
+        kv = next_turn_prefill_params(held) if held is not None else None  # pull the conversation's last turn
         try:
-            response = await self.client.generate(replica.url, _encode(prefill_request(gen)), rid)
+            try:
+                response = await self.client.generate(replica.url, _encode(prefill_request(gen, kv)), rid)
+            except (EngineUnavailable, EngineRejected) as exc:
+                if kv is None:
+                    raise
+                rid = prefill_fell_back(call, rid, replica.url, exc)  # reuse failed: recompute, same replica
+                response = await self.client.generate(replica.url, _encode(prefill_request(gen)), rid)
         except EngineUnavailable:
             self._failed(pool, replica)
             raise
@@ -166,9 +184,9 @@ class Gateway:
         return _encode(decode_request(gen, kv))
 
     async def _stream(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
-                      call: EngineCall) -> AsyncIterator[GenerateStreamResponse]:
+                      call: EngineCall, prefer: str | None = None) -> AsyncIterator[GenerateStreamResponse]:
         pool = self.pools[pool_name]
-        replica = self._pick(pool, key, tried)
+        replica = self._pick(pool, key, tried, prefer)
         pool.acquire(replica)
         call.live[rid] = replica.url
         first = True
@@ -178,6 +196,8 @@ class Gateway:
                     if first:
                         first = False
                         pool.mark_ok(replica)
+                    if chunk.kv_transfer_params is not None and call.conversation:  # decode's end of turn
+                        self.conversations.put(call.conversation, chunk.kv_transfer_params, replica.url)
                     yield chunk
         except (EngineUnavailable, EngineStreamBroken):
             self._failed(pool, replica)
@@ -192,8 +212,8 @@ class Gateway:
         pool.mark_failed(replica)
 
     @staticmethod
-    def _pick(pool: ReplicaPool, key: int | None, tried: set[str]) -> Replica:
-        replica = pool.choose(key, frozenset(tried))
+    def _pick(pool: ReplicaPool, key: int | None, tried: set[str], prefer: str | None = None) -> Replica:
+        replica = (preferred_replica(pool, prefer, tried) if prefer else None) or pool.choose(key, frozenset(tried))
         if replica is None:
             raise NoReplica(f"every {pool.name} replica has been tried")
         tried.add(replica.url)
@@ -262,11 +282,11 @@ def engine_request(gen: GenerateRequest) -> GenerateRequest:
     )
 
 
-def prefill_request(gen: GenerateRequest) -> GenerateRequest:
+def prefill_request(gen: GenerateRequest, kv: dict | None = None) -> GenerateRequest:
     sp = _engine_sampling(gen.sampling_params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
     return msgspec.structs.replace(
         gen, model=None, sampling_params=sp, stream=False, stream_options=None, return_token_ids=None,
-        kv_transfer_params=dict(PREFILL_KV_PARAMS), reasoning_ended=None, reasoning_parser_kwargs=None,
+        kv_transfer_params=dict(kv or PREFILL_KV_PARAMS), reasoning_ended=None, reasoning_parser_kwargs=None,
     )
 
 
