@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from render_service.errors import ApiError, bad_request, error_body
 from render_service.gateway import metrics
+from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
 from render_service.gateway.responses import ChatResponder, CompletionResponder, sse
@@ -43,9 +44,10 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
     async def chat(request: Request) -> Response:
         req = decode(await read_body(request), ChatCompletionRequest)
         _check_supported(req)
+        conversation = conversation_key(req.conversation_id, request.headers)
         gen = render_chat(req, config, request_id=request.headers.get("x-request-id"))
         responder = ChatResponder(gen, req, config)
-        return await respond(request, gateway, [gen], responder, bool(req.stream))
+        return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
 
     async def completions(request: Request) -> Response:
         req = decode(await read_body(request), CompletionRequest)
@@ -53,7 +55,8 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
         gens = render_completion(req, config, request_id=request.headers.get("x-request-id"))
         response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
         responder = CompletionResponder(gens, req, config, response_id)
-        return await respond(request, gateway, gens, responder, bool(req.stream))
+        conversation = conversation_key(req.conversation_id, request.headers)
+        return await respond(request, gateway, gens, responder, bool(req.stream), conversation)
 
     async def status(request: Request) -> Response:
         return Response(_encode(gateway.snapshot()), media_type="application/json")
@@ -139,10 +142,13 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
 
 
 async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest],
-                  responder: ChatResponder | CompletionResponder, stream: bool) -> Response:
+                  responder: ChatResponder | CompletionResponder, stream: bool,
+                  conversation: bytes | None = None) -> Response:
     gateway.stats.requests += 1
-    call = EngineCall()
-    choices = engine_choices(gateway, plan_streams(gens, gateway.disaggregated), call, responder.span_done)
+    streams = plan_streams(gens, gateway.disaggregated)
+    # KV reuse across turns needs one decode sequence per turn (with n > 1, which one continues is unknown)
+    call = EngineCall(conversation=conversation if gateway.disaggregated and len(streams) == 1 else None)
+    choices = engine_choices(gateway, streams, call, responder.span_done)
     if not stream:
         return await _collect(request, gateway, call, choices, responder)
     # Wait for the first event before answering: errors until then keep their HTTP status.
