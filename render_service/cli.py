@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--engine-retries", type=int, default=2,
                     help="further replicas to try when one fails before the first token")
     gw.add_argument("--dns-refresh-interval", type=float, default=10.0, help="seconds between re-resolving pools")
+    gw.add_argument("--conversation-kv-blocks-ttl", type=float, default=450.0, metavar="SECONDS",
+                    help="P/D with bidirectional_kv_xfer: how long decode's end-of-turn KV params are kept per "
+                         "conversation_id for the next turn's prefill; keep it below the engines' "
+                         "decoder_kv_blocks_ttl (480 s by default). 0 disables reuse")
+    gw.add_argument("--max-conversations", type=int, default=10000,
+                    help="conversations whose held KV params the gateway keeps (least recent dropped first)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["json", "text"],
                        help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -101,7 +107,8 @@ def build_gateway(args: argparse.Namespace) -> Any:
     settings = GatewaySettings(
         block_size=args.engine_block_size, affinity_blocks=args.prefix_affinity_blocks,
         retries=args.engine_retries, load_factor=args.prefix_affinity_load_factor,
-        dns_refresh_s=args.dns_refresh_interval,
+        dns_refresh_s=args.dns_refresh_interval, conversation_ttl_s=args.conversation_kv_blocks_ttl,
+        max_conversations=args.max_conversations,
     )
     return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings)
 
