@@ -49,7 +49,7 @@ def test_logit_bias_is_clamped_to_plus_minus_100():
     ({"allowed_token_ids": []}, "sampling_params.allowed_token_ids"),
     ({"allowed_token_ids": [1000]}, "sampling_params.allowed_token_ids"),
     ({"bad_words": ["x"]}, "sampling_params.bad_words"),
-    ({"structured_outputs": {"json": {}}}, "sampling_params.structured_outputs"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "sampling_params.structured_outputs"),  # two kinds
     ({"prompt_logprobs": 21}, "sampling_params.prompt_logprobs"),
     ({"frequency_penalty": -3}, "sampling_params.frequency_penalty"),
 ])

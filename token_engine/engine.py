@@ -23,6 +23,7 @@ from token_engine.model_runner import ModelRunner, kv_block_bytes
 from token_engine.sampler import Sampler, SamplingRow, logprobs_of
 from token_engine.scheduler import Scheduler
 from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
+from token_engine.structured import GrammarCompiler, GrammarState
 from token_engine.validation import EngineLimits
 
 log = logging.getLogger("token_engine")
@@ -49,6 +50,7 @@ class EngineConfig:
     max_logprobs: int = 20
     enforce_eager: bool = False  # CUDA: no decode graphs
     kv_transfer_config: dict | None = None
+    structured_outputs_compile_timeout_s: float = 10.0  # a grammar compiling longer fails its request (400)
 
     @property
     def model_name(self) -> str:
@@ -128,6 +130,9 @@ class LLMEngine:
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
+        # The vocabulary is read from the model directory on the first structured request only.
+        self.grammars = GrammarCompiler(config.model, arch.vocab_size, sorted(self.eos_token_ids),
+                                        config.structured_outputs_compile_timeout_s)
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
         self.requests: dict[str, RequestState] = {}
@@ -147,6 +152,9 @@ class LLMEngine:
                     on_update: Callable[[RequestUpdate], None] | None = None) -> RequestState:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if options.structured is not None and options.grammar is None:
+            # Synchronous callers only: the server compiles off this thread before it adds the request.
+            options = dataclasses.replace(options, grammar=self.grammars.compile(options.structured))
         seqs = []
         for i in range(n):
             opts = options
@@ -159,6 +167,10 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
                 priority=priority, cache_salt=cache_salt,
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None))
+        if options.grammar is not None:
+            stops = options.stop_token_ids | (frozenset() if options.ignore_eos else self.eos_token_ids)
+            for seq in seqs:  # n > 1: one compiled grammar, a matcher per sequence
+                seq.grammar = GrammarState(options.grammar, stops)
         if self.runner.device.type != "cpu":
             for seq in seqs:
                 if seq.options.seed is not None:  # draw a seeded sequence's noise where the logits are
@@ -223,7 +235,7 @@ class LLMEngine:
             blocked = opts.stop_token_ids | (frozenset() if opts.ignore_eos else seq.eos_token_ids)
         # Output history is only read by penalties; copying it every step would cost O(length) per token.
         history = seq.output_token_ids if opts.needs_penalties else []
-        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked)
+        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked, seq.grammar)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         k = seq.options.prompt_logprobs or 0

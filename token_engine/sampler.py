@@ -1,8 +1,9 @@
 """Turns a batch of logits into tokens, vectorized over the batch.
 
-Order (as vLLM v1): logit bias / allowed ids / min_tokens masking -> penalties -> greedy argmax or
-temperature -> min_p -> top_k -> top_p -> exponential-race sampling. Logprobs are the raw model
-log-softmax (vLLM's default `raw_logprobs`), before any of that processing.
+Order (as vLLM v1): structured-outputs grammar mask -> logit bias / allowed ids / min_tokens masking ->
+penalties -> greedy argmax or temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
+Logprobs are the raw model log-softmax (vLLM's default `raw_logprobs`), before any of that processing,
+the grammar mask included.
 
 Seeded rows draw their noise from their own generator, one draw of vocab size per step, so a seeded
 request yields the same tokens whatever else shares its batch.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from token_engine.sequence import SamplingOptions, TokenLogprob
+from token_engine.structured import GrammarState, apply_grammars_
 
 
 @dataclass
@@ -24,6 +26,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     stop_ids_blocked: frozenset[int]  # ids masked while min_tokens is not reached (EOS + stop ids)
+    grammar: GrammarState | None = None  # structured outputs: only what the grammar allows next
 
 
 def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
@@ -55,9 +58,10 @@ class Sampler:
         device = logits.device
         raw = logits
         edits = any(r.options.needs_penalties or r.options.logit_bias or r.options.allowed_token_ids is not None
-                    or r.stop_ids_blocked for r in rows)
+                    or r.stop_ids_blocked or r.grammar is not None for r in rows)
         if edits:  # never touch the caller's logits: raw ones feed the logprobs
             logits = logits.clone()
+            apply_grammars_(logits, [r.grammar for r in rows])
             self._apply_masks_and_bias(logits, rows)
             if any(r.options.needs_penalties for r in rows):
                 self._apply_penalties(logits, rows, vocab)

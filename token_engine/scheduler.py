@@ -35,6 +35,10 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+GRAMMAR_VIOLATION = ("structured_outputs: the sampled token is not allowed by the grammar (another constraint, "
+                     "such as allowed_token_ids or min_tokens, left no token the grammar accepts)")
+
+
 def check_stop(seq: Sequence, max_model_len: int) -> str | None:
     """The finish reason after seq's last appended token, or None to continue."""
     opts = seq.options
@@ -42,6 +46,11 @@ def check_stop(seq: Sequence, max_model_len: int) -> str | None:
     n_out = seq.num_output_tokens
     if n_out >= opts.min_tokens:
         if token in opts.stop_token_ids or (not opts.ignore_eos and token in seq.eos_token_ids):
+            return "stop"
+    if seq.grammar is not None:
+        if seq.grammar.violated:
+            return "error"
+        if seq.grammar.terminated:  # complete, and nothing may follow
             return "stop"
     if n_out >= opts.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
@@ -93,6 +102,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        seq.grammar = None  # the matcher's memory goes back with the blocks
         self._remote_checked.discard(seq.seq_id)
         delay_free, params = self.connector.request_finished(seq, list(seq.block_table))
         seq.kv_transfer_params_out = params
@@ -242,9 +252,10 @@ class Scheduler:
             if s.samples and seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id])
                 reason = check_stop(seq, self.max_model_len)
-                if reason == "stop":
-                    seq.stop_reason = seq.token_ids[-1]
+                token = seq.token_ids[-1]
+                if reason == "stop" and (token in seq.options.stop_token_ids or token in seq.eos_token_ids):
+                    seq.stop_reason = token  # not when a grammar ended it without a stop token
                 if reason is not None:
-                    self.finish(seq, reason)
+                    self.finish(seq, reason, GRAMMAR_VIOLATION if reason == "error" else None)
                     finished.append(seq)
         return finished

@@ -5,8 +5,11 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from token_engine.structured import GrammarState, GuideSpec
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     skip_prefix_cache: bool = False  # skip_reading_prefix_cache
+    structured: GuideSpec | None = None  # structured_outputs
+    grammar: Any = field(default=None, compare=False)  # `structured` compiled (before the request is added)
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +91,7 @@ class Sequence:
     stop_reason: int | None = None  # the token id that ended it with "stop" (vLLM's stop_reason)
     error: str | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # structured outputs: where the output stands in its grammar
     # filled by the engine as tokens are produced; drained by whoever streams them out
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
@@ -124,3 +130,5 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:  # the one place output grows, so the grammar never advances twice
+            self.grammar.accept(token_id)

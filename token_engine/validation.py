@@ -14,6 +14,7 @@ from msgspec import UNSET
 from render_service.ops.limits import kv_transfer_params_violation
 from token_engine.protocol import GenerateRequest
 from token_engine.sequence import SamplingOptions
+from token_engine.structured import GrammarError, parse_structured_outputs
 
 INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS_ENTRIES = 4096
@@ -90,8 +91,12 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     if sp.bad_words:
         raise RequestError("bad_words are strings and are not supported on a tokens-only engine.",
                            "sampling_params.bad_words")
-    if sp.structured_outputs:
-        raise RequestError("structured_outputs are not supported by this engine.", "sampling_params.structured_outputs")
+    structured = None
+    if sp.structured_outputs is not None:
+        try:
+            structured = parse_structured_outputs(sp.structured_outputs)
+        except GrammarError as exc:
+            raise RequestError(exc.message, exc.param) from None
 
     _int_range("n", sp.n, 1, limits.max_num_seqs, f"between 1 and max_num_seqs ({limits.max_num_seqs})")
     temperature = _finite("temperature", sp.temperature)
@@ -179,5 +184,6 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         logit_bias=logit_bias,
         allowed_token_ids=allowed,
         skip_prefix_cache=bool(sp.skip_reading_prefix_cache),
+        structured=structured,
     )
     return options, sp.n
