@@ -8,6 +8,7 @@ so its blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -24,6 +25,7 @@ from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
 from token_engine.kv_connector.base import KV_LOAD_FAILED
 from token_engine.sequence import TokenLogprob
+from token_engine.structured import GrammarError
 from token_engine.validation import RequestError, validate_generate_request
 
 try:
@@ -263,8 +265,13 @@ async def generate(request: Request) -> Response:
         if req.model is not None and req.model != state.model_name:
             return error_response(f"The model `{req.model}` does not exist.", 404, "model")
         options, n = validate_generate_request(req, state.engine.engine.limits)
+        if options.structured is not None:  # compiled here, off the engine thread, in bounded time
+            grammar = await state.engine.engine.grammars.compile_async(options.structured)
+            options = dataclasses.replace(options, grammar=grammar)
     except RequestError as exc:
         return error_response(exc.message, exc.status, exc.param)
+    except GrammarError as exc:
+        return error_response(exc.message, 400, exc.param)
     if not state.engine.is_alive():
         return error_response("the engine is not running", 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
