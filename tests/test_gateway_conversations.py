@@ -150,3 +150,204 @@ def test_the_last_decode_replica_is_preferred_only_while_healthy_untried_and_not
     pool.mark_failed(first)
     assert preferred_replica(pool, first.url, set()) is None
     assert preferred_replica(pool, second.url, set()) is second
+
+
+# ------------------------------------------------------------------------- real engines and gateway
+
+
+def kv_config(engine_id: str) -> dict:
+    # prefill keeps the default policy "fail": a reuse that fails must still not fail the turn (gateway fallback)
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 120}}
+
+
+class ComputedTokens:
+    """Counts the prompt and output tokens an engine runs through its model (a spy around the real runner)."""
+
+    def __init__(self, llm):
+        self.total = 0
+        execute = llm.runner.execute
+
+        def counting(scheduled, *args, **kwargs):
+            self.total += sum(s.num_new_tokens for s in scheduled)
+            return execute(scheduled, *args, **kwargs)
+
+        llm.runner.execute = counting
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    model = write_random_model(tmp_path_factory.mktemp("conv") / "tiny", arch="qwen3", preset="tiny",
+                               overrides={"tie_word_embeddings": False}, tokenizer_dir=QWEN3_TOKENIZER,
+                               dtype="float32")
+    sizes = dict(max_model_len=256, num_gpu_blocks_override=192)
+    reference = ServerThread(engine_config(model, **sizes))  # no connector: every prompt computed in full
+    prefill = ServerThread(engine_config(model, kv_transfer_config=kv_config("conv-prefill"), **sizes))
+    decode = ServerThread(engine_config(model, kv_transfer_config=kv_config("conv-decode"), **sizes))
+    gateway = None
+    try:
+        for server in (reference, prefill, decode):
+            server.__enter__()
+        gateway = gateway_process(model, ["--prefill", prefill.url, "--decode", decode.url])
+        yield {"reference": reference, "prefill": prefill, "decode": decode, "gateway": gateway,
+               "computed": ComputedTokens(prefill.llm)}
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for server in (decode, prefill, reference):
+            if server.thread.is_alive():
+                server.__exit__(None, None, None)
+        mp.undo()
+        torch.set_num_threads(threads)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+
+
+def reference_output(pd, prompt: list[int]) -> list[int]:
+    r = httpx.post(pd["reference"].url + "/inference/v1/generate", timeout=120,
+                   json={"token_ids": prompt, "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def complete(pd, prompt: list[int], conversation: str | None = None, stream: bool = False) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "return_token_ids": True, "stream": stream, **GREEDY}
+    if conversation is not None:
+        body["conversation_id"] = conversation
+    url = pd["gateway"].url + "/v1/completions"
+    if not stream:
+        r = httpx.post(url, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    tokens = []
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += choice.get("token_ids") or []
+    return tokens
+
+
+def reads(server) -> int:
+    return server.llm.connector.stats()["kv_transfer_reads"]
+
+
+def gateway_metric(pd, name: str) -> float:
+    text = httpx.get(pd["gateway"].url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_streamed_decode_ends_with_the_params_of_the_kv_it_holds(pd):
+    prefill, decode = pd["prefill"], pd["decode"]
+    prompt = [1000 + 37 * i for i in range(13)]
+    r = httpx.post(prefill.url + "/inference/v1/generate", timeout=120, json={
+        "token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": 1},
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    events = []
+    with httpx.stream("POST", decode.url + "/inference/v1/generate", timeout=120, json={
+            "token_ids": prompt, "sampling_params": GREEDY, "stream": True,
+            "kv_transfer_params": r.json()["kv_transfer_params"]}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    output = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+    assert [e for e in events[:-1] if "kv_transfer_params" in e] == []  # vLLM's bytes until the end
+    held = events[-1]["kv_transfer_params"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert held["remote_num_tokens"] == len(prompt) + len(output) - 1  # the last token has no KV yet
+    assert held["remote_token_hash"] and held["remote_engine_id"] == "conv-decode"
+    # the next turn's prefill pulls them (which also frees decode's hold)
+    before = reads(prefill)
+    r = httpx.post(prefill.url + "/inference/v1/generate", timeout=120, json={
+        "token_ids": prompt + output + [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 1},
+        "kv_transfer_params": {**held, "do_remote_decode": True, "do_remote_prefill": False}})
+    assert r.status_code == 200, r.text
+    assert reads(prefill) == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_next_turn_pulls_the_held_kv_and_prefill_computes_only_the_new_tokens(pd, stream):
+    prefill, decode, computed = pd["prefill"], pd["decode"], pd["computed"]
+    conversation = f"extends-{stream}"
+    prompt1 = [2000 + 41 * i + stream for i in range(21)]
+    out1 = complete(pd, prompt1, conversation, stream)
+    assert out1 == reference_output(pd, prompt1)
+
+    prompt2 = prompt1 + out1 + [3000 + 7 * i for i in range(9)]
+    before_reads, before_computed = reads(prefill), computed.total
+    decode_hits = decode.llm.scheduler.bm.prefix_hits
+    out2 = complete(pd, prompt2, conversation, stream)
+    assert reads(prefill) == before_reads + 1  # pulled decode's blocks for the conversation
+    held = len(prompt1) + len(out1) - 1
+    assert computed.total - before_computed == len(prompt2) - held  # only what decode did not hold
+    assert out2 == reference_output(pd, prompt2)
+    # decode (the same replica) still has the conversation's whole blocks: it pulls only the rest from prefill
+    assert decode.llm.scheduler.bm.prefix_hits - decode_hits == held // 4 * 4
+
+
+def test_a_next_turn_without_conversation_id_is_recomputed(pd):
+    prefill, computed = pd["prefill"], pd["computed"]
+    prompt1 = [4000 + 13 * i for i in range(17)]
+    out1 = complete(pd, prompt1)
+    prompt2 = prompt1 + out1 + [11, 12, 13, 14, 15]
+    before_reads, before_computed = reads(prefill), computed.total
+    assert complete(pd, prompt2) == reference_output(pd, prompt2)
+    assert reads(prefill) == before_reads
+    # prefill's own prefix cache has turn 1's prompt (whole blocks); the rest is computed
+    assert computed.total - before_computed == len(prompt2) - len(prompt1) // 4 * 4
+
+
+def test_a_turn_whose_history_differs_is_recomputed_and_correct(pd):
+    prefill = pd["prefill"]
+    prompt1 = [5000 + 17 * i for i in range(19)]
+    out1 = complete(pd, prompt1, "rewritten")
+    # as a template that drops the reasoning of earlier answers: turn 1's output is not all in the history
+    prompt2 = prompt1 + out1[2:] + [21, 22, 23]
+    before = reads(prefill)
+    assert complete(pd, prompt2, "rewritten") == reference_output(pd, prompt2)
+    assert reads(prefill) == before  # the hash guard refused the held KV
+
+
+def test_a_chat_turn_whose_template_drops_the_think_block_is_recomputed_and_correct(pd):
+    url = pd["gateway"].url + "/v1/chat/completions"
+    first = {"role": "user", "content": "Name a colour."}
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = httpx.post(url, json={**body, "messages": [first], "conversation_id": "chat"}, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"] or ""
+    # Qwen3's template renders earlier answers without the empty think block the turn-1 prompt ended in
+    messages = [first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Another?"}]
+    before = reads(pd["prefill"])
+    r = httpx.post(url, json={**body, "messages": messages}, timeout=120,
+                   headers={"X-Conversation-Id": "chat"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert reads(pd["prefill"]) == before
+    assert choice["token_ids"] == reference_output(pd, r.json()["prompt_token_ids"])
+
+
+def test_a_held_lease_gone_from_decode_falls_back_to_a_recompute(pd):
+    prefill, decode = pd["prefill"], pd["decode"]
+    prompt1 = [6000 + 29 * i for i in range(15)]
+    held_before = set(decode.llm.scheduler.held_by_connector)
+    out1 = complete(pd, prompt1, "gone")
+    (seq_id,) = set(decode.llm.scheduler.held_by_connector) - held_before
+    # decode drops the turn's blocks before the next one comes (as when its TTL ran out, or it restarted)
+    assert decode.llm.connector.handoff.release_hold(seq_id, decode.llm.connector._lease_epochs[seq_id])
+    fallbacks = gateway_metric(pd, 'splitserve_gateway_conversation_turns_total{outcome="fallback"}')
+    prompt2 = prompt1 + out1 + [31, 32, 33]
+    assert complete(pd, prompt2, "gone") == reference_output(pd, prompt2)
+    assert gateway_metric(pd, 'splitserve_gateway_conversation_turns_total{outcome="fallback"}') == fallbacks + 1
+
+
+def test_an_overlong_conversation_id_is_a_400_with_the_error_envelope(pd):
+    r = httpx.post(pd["gateway"].url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "conversation_id": "x" * 1000})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "conversation_id"

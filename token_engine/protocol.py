@@ -160,6 +160,14 @@ class GenerateStreamResponse(msgspec.Struct):
     prompt_token_ids: list[int] | UnsetType = UNSET
 
 
+class GenerateStreamEndResponse(GenerateStreamResponse):
+    """The event that ends a request whose KV the connector holds for a peer (bidirectional P/D: decode's
+    end-of-turn params for the conversation's next prefill). vLLM's stream has no such key; only this event
+    carries it, so every other event keeps vLLM's bytes."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
 class ErrorInfo(msgspec.Struct):
     message: str
     type: str

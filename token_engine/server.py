@@ -222,7 +222,12 @@ class Generation:
                         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason,
                         logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
-                    chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice])
+                    if update.kv_transfer_params is not None and d is update.deltas[-1]:
+                        # the caller learns what is held for it only from the final event (as non-streaming)
+                        chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
+                                                            kv_transfer_params=update.kv_transfer_params)
+                    else:
+                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice])
                     if continuous:
                         chunk.usage = self.usage(counts[d.index], update.num_cached_tokens)
                     if first and self.req.return_token_ids:
