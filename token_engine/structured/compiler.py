@@ -3,8 +3,9 @@
 The engine never sees text, but a grammar needs the vocabulary: the model directory's tokenizer.json is
 loaded on the first structured request only (a model without one answers such requests with a 400).
 Compiled grammars are cached by GuideSpec; failures are cached too, so a bad or pathological spec sent
-again costs nothing. A compile runs on a daemon thread and the caller waits a bounded time: a schema that
-compiles for too long fails its request, and the step loop never waits for a compile at all.
+again costs nothing. A compile runs on a thread of its own and the caller waits a bounded time: a schema
+that compiles for too long fails its request (the compile itself runs to its end; the library cannot be
+interrupted), and the step loop never waits for a compile at all.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class GrammarCompiler:
     # ---- public ------------------------------------------------------------------------------------
     def compile(self, spec: GuideSpec, timeout_s: float | None = None) -> Any:
         """The compiled grammar for spec, blocking (for synchronous callers); GrammarError on failure."""
+        self._compiler().result(VOCAB_LOAD_TIMEOUT_S)  # the vocabulary is loaded once, outside the time limit
         future = self._grammar_future(spec)
         try:
             return future.result(self.compile_timeout_s if timeout_s is None else timeout_s)
@@ -151,7 +153,8 @@ def _compile_spec(compiler, spec: GuideSpec):
 
 
 def _run_on_thread(fn, name: str) -> concurrent.futures.Future:
-    """fn() on a daemon thread: a compile that never ends must not keep the process from exiting."""
+    """fn() on its own thread. Not a daemon: the interpreter waits for a compile still running at exit, since
+    tearing down the library under a running compile aborts the process."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -160,5 +163,5 @@ def _run_on_thread(fn, name: str) -> concurrent.futures.Future:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             future.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=run, name=name).start()
     return future

@@ -3,7 +3,7 @@
 A GrammarState advances exactly once per output token appended to its sequence (Sequence.append_token),
 never when logits are recomputed: preemption by recompute re-runs the model over tokens the grammar has
 already accepted, so the state needs no rollback. The mask is built on the host (xgrammar fills a packed
-int32 bitmask) and expanded on the logits' device with plain torch ops, so it works on CPU and CUDA alike.
+int32 bitmask); xgrammar's CPU kernel applies it to CPU logits, plain torch ops on any other device.
 """
 
 from __future__ import annotations
@@ -49,13 +49,19 @@ def apply_grammars_(logits: torch.Tensor, grammars: list[GrammarState | None]) -
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
-    vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), -(-vocab // _BITS)), -1, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        grammars[i].fill_bitmask(bitmask, j)
-    device = logits.device
-    words = bitmask.to(device, non_blocking=True)
-    shifts = torch.arange(_BITS, device=device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    idx = torch.tensor(rows, device=device)
-    logits[idx] = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    bitmask = torch.full((len(grammars), -(-logits.shape[1] // _BITS)), -1, dtype=torch.int32)  # -1: all allowed
+    for i in rows:
+        grammars[i].fill_bitmask(bitmask, i)
+    if logits.device.type == "cpu":
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)  # its C++ kernel
+    else:  # xgrammar's GPU kernels need nvcc or triton at run time: plain torch ops work on any device
+        mask_by_bitmask_(logits, bitmask.to(logits.device, non_blocking=True))
+
+
+def mask_by_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [B, V] where bit (v % 32) of bitmask[b, v // 32] is 0 become -inf; bitmask on logits' device."""
+    shifts = torch.arange(_BITS, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    logits.masked_fill_(~allowed, float("-inf"))

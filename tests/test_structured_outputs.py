@@ -1,0 +1,373 @@
+"""Structured outputs in the token engine (vLLM's `structured_outputs` sampling parameter, xgrammar backend).
+
+A tiny random-weight Qwen3 with the real Qwen3 tokenizer: unconstrained it says garbage, so every output
+that nevertheless parses, validates or fullmatches is the grammar's doing. JSON schemas here bound their
+strings (maxLength, enum) and set disable_any_whitespace, so a random model closes them within a few
+dozen tokens; the grammar forces the closing, the model cannot wander off.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+from tokenizers import Tokenizer
+
+from tests.engine_harness import FIXTURES, ServerThread, engine_config, step_until, wait_for_idle_blocks
+from token_engine.engine import LLMEngine
+from token_engine.random_model import write_random_model
+from token_engine.sequence import SamplingOptions
+from token_engine.structured import GrammarCompiler, GrammarError, parse_structured_outputs
+from token_engine.structured.matcher import mask_by_bitmask_
+
+QWEN3_TOKENIZER = FIXTURES / "qwen3-0.6b"
+IM_END, END_OF_TEXT = 151645, 151643
+PROMPT = [9707, 11, 1879, 0, 3555, 374, 279, 9104, 30]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["name", "age", "mood", "tags"],
+}
+COMPACT = {"disable_any_whitespace": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("structured") / "tiny", arch="qwen3", preset="tiny",
+                              overrides={"tie_word_embeddings": False}, tokenizer_dir=QWEN3_TOKENIZER,
+                              dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir):
+    """One vocabulary load for the whole module: engines of the same model share it."""
+    return GrammarCompiler(model_dir, 151936, [IM_END, END_OF_TEXT])
+
+
+def make_engine(model_dir, grammars, **kw) -> LLMEngine:
+    llm = LLMEngine(engine_config(model_dir, **kw))
+    llm.grammars = grammars
+    return llm
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, grammars):
+    return make_engine(model_dir, grammars)
+
+
+def options(structured: dict | None, **kw) -> SamplingOptions:
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 60)
+    return SamplingOptions(stop_token_ids=frozenset([IM_END, END_OF_TEXT]),
+                           structured=parse_structured_outputs(structured) if structured else None, **kw)
+
+
+def run(llm: LLMEngine, requests: dict[str, tuple[list[int], SamplingOptions, int]]) -> dict[str, dict]:
+    """Runs requests together to their ends: per id, {"tokens": [...] per choice, "finish": [...] per choice}."""
+    results = {rid: {"tokens": [[] for _ in range(n)], "finish": [None] * n, "done": False}
+               for rid, (_, _, n) in requests.items()}
+
+    def collect(rid):
+        def on_update(u):
+            for d in u.deltas:
+                results[rid]["tokens"][d.index].extend(d.token_ids)
+                if d.finish_reason is not None:
+                    results[rid]["finish"][d.index] = d.finish_reason
+            results[rid]["done"] = u.finished
+        return on_update
+
+    for rid, (prompt, opts, n) in requests.items():
+        llm.add_request(rid, prompt, opts, n=n, on_update=collect(rid))
+    step_until([llm], lambda: all(r["done"] for r in results.values()), max_steps=2000)
+    return results
+
+
+def text_of(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode([t for t in tokens if t not in (IM_END, END_OF_TEXT)], skip_special_tokens=False)
+
+
+def assert_ended_by_grammar(result: dict, index: int = 0) -> None:
+    assert result["finish"][index] == "stop", result
+    assert result["tokens"][index][-1] in (IM_END, END_OF_TEXT)  # EOS only once the grammar allowed it
+
+
+# ---- the kinds of constraint ----------------------------------------------------------------------
+
+def test_random_model_unconstrained_output_is_not_json(llm, tokenizer):
+    # what makes the other tests meaningful: without a grammar this model does not write JSON
+    out = run(llm, {"free": (PROMPT, options(None, max_tokens=30), 1)})["free"]
+    with pytest.raises(ValueError):
+        json.loads(text_of(tokenizer, out["tokens"][0]))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7},
+                                      {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 3,
+                                       "repetition_penalty": 1.3, "presence_penalty": 0.5, "logprobs": 2}])
+def test_json_schema_output_validates_against_the_schema(llm, tokenizer, sampling):
+    out = run(llm, {"j": (PROMPT, options({"json": PERSON, **COMPACT}, **sampling), 1)})["j"]
+    assert_ended_by_grammar(out)
+    value = json.loads(text_of(tokenizer, out["tokens"][0]))
+    jsonschema.validate(value, PERSON)
+
+
+def test_json_schema_given_as_a_string_is_the_same_constraint(llm, tokenizer):
+    as_dict = run(llm, {"d": (PROMPT, options({"json": PERSON, **COMPACT}), 1)})["d"]
+    as_text = run(llm, {"s": (PROMPT, options({"json": json.dumps(PERSON), **COMPACT}), 1)})["s"]
+    assert as_dict["tokens"] == as_text["tokens"]
+
+
+def test_n_greater_than_one_gives_each_choice_its_own_grammar_state(llm, tokenizer):
+    out = run(llm, {"n": (PROMPT, options({"json": PERSON, **COMPACT}, temperature=1.0, seed=11), 3)})["n"]
+    values = []
+    for i in range(3):
+        assert_ended_by_grammar(out, i)
+        values.append(json.loads(text_of(tokenizer, out["tokens"][i])))
+        jsonschema.validate(values[-1], PERSON)
+    assert len({json.dumps(v) for v in values}) > 1  # three seeds, three walks through the grammar
+
+
+def test_choice_outputs_exactly_one_of_the_choices(llm, tokenizer):
+    choices = ["red", "green", 'say "blue"\n']
+    for seed in range(4):
+        out = run(llm, {"c": (PROMPT, options({"choice": choices}, temperature=1.0, seed=seed), 1)})["c"]
+        assert_ended_by_grammar(out)
+        assert text_of(tokenizer, out["tokens"][0]) in choices
+
+
+def test_regex_output_fullmatches(llm, tokenizer):
+    pattern = r"[A-Z][a-z]{1,4}-\d{2,3}( ok)?"
+    for seed in range(3):
+        out = run(llm, {"r": (PROMPT, options({"regex": pattern}, temperature=1.0, seed=seed), 1)})["r"]
+        assert re.fullmatch(pattern, text_of(tokenizer, out["tokens"][0]))
+
+
+def test_gbnf_grammar_output_is_in_the_language(llm, tokenizer):
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x" [a-c]'
+    out = run(llm, {"g": (PROMPT, options({"grammar": grammar}, temperature=1.0, seed=5, max_tokens=80), 1)})["g"]
+    assert_ended_by_grammar(out)
+    assert re.fullmatch(r"\((?:[0-9]|x[a-c])(?:,(?:[0-9]|x[a-c]))*\)", text_of(tokenizer, out["tokens"][0]))
+
+
+def test_json_object_output_is_a_json_object(llm, tokenizer):
+    # any JSON object, whitespace allowed: a random model may pad it, so only what it closed is checked
+    out = run(llm, {"o": (PROMPT, options({"json_object": True}, max_tokens=120), 1)})["o"]
+    text = text_of(tokenizer, out["tokens"][0])
+    assert text.lstrip().startswith("{")
+    if out["finish"][0] == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_grammar_without_stop_tokens_ends_the_request_when_complete(llm, tokenizer):
+    # ignore_eos and no stop ids: nothing may end it but the grammar itself
+    opts = SamplingOptions(temperature=0.0, max_tokens=30, ignore_eos=True,
+                           structured=parse_structured_outputs({"choice": ["alpha", "beta"]}))
+    out = run(llm, {"e": (PROMPT, opts, 1)})["e"]
+    assert out["finish"] == ["stop"]
+    assert tokenizer.decode(out["tokens"][0]) in ("alpha", "beta")
+
+
+# ---- scheduling: batches, chunks, preemption, abort --------------------------------------------------
+
+def test_greedy_is_deterministic_and_unconstrained_neighbours_are_unaffected(llm):
+    free = options(None, max_tokens=20)
+    seeded = options(None, max_tokens=20, temperature=1.0, seed=99)
+    alone = run(llm, {"a": (PROMPT, free, 1), "b": (PROMPT[:5], seeded, 1)})
+    mixed = run(llm, {"j1": (PROMPT, options({"json": PERSON, **COMPACT}), 1), "a": (PROMPT, free, 1),
+                      "j2": (PROMPT[:4], options({"choice": ["x", "y"]}, temperature=1.0, seed=1), 2),
+                      "b": (PROMPT[:5], seeded, 1)})
+    again = run(llm, {"j1": (PROMPT, options({"json": PERSON, **COMPACT}), 1)})
+    assert mixed["a"]["tokens"] == alone["a"]["tokens"]
+    assert mixed["b"]["tokens"] == alone["b"]["tokens"]
+    assert again["j1"]["tokens"] == mixed["j1"]["tokens"]
+    assert wait_for_idle_blocks(llm) == llm.num_blocks
+
+
+def test_chunked_prefill_gives_the_same_constrained_output(llm, model_dir, grammars, tokenizer):
+    prompt = (PROMPT * 5)[:41]
+    whole = run(llm, {"w": (prompt, options({"json": PERSON, **COMPACT}), 1)})
+    chunked_llm = make_engine(model_dir, grammars, max_num_batched_tokens=16)
+    chunked = run(chunked_llm, {"w": (prompt, options({"json": PERSON, **COMPACT}), 1)})
+    assert chunked["w"]["tokens"] == whole["w"]["tokens"]
+    jsonschema.validate(json.loads(text_of(tokenizer, chunked["w"]["tokens"][0])), PERSON)
+
+
+def test_preempted_sequences_resume_their_grammar_without_advancing_it_twice(llm, model_dir, grammars, tokenizer):
+    # 20 blocks of 4 tokens cannot hold four growing sequences: some are preempted and recomputed
+    requests = {f"p{i}": (PROMPT[: 6 + i], options({"json": PERSON, **COMPACT}, temperature=1.0, seed=i), 1)
+                for i in range(4)}
+    roomy = run(llm, dict(requests))
+    tight = make_engine(model_dir, grammars, num_gpu_blocks_override=20, max_model_len=64)
+    seen_states = []
+
+    original_step = tight.step
+
+    def checked_step():  # after every step: each live grammar has accepted exactly the output so far
+        worked = original_step()
+        for state in tight.requests.values():
+            for seq in state.seqs:
+                if seq.grammar is not None:
+                    seen_states.append(seq.grammar.num_accepted == seq.num_output_tokens)
+        return worked
+
+    tight.step = checked_step
+    squeezed = run(tight, dict(requests))
+    assert tight.scheduler.num_preemptions > 0
+    assert seen_states and all(seen_states)
+    for rid in requests:
+        assert squeezed[rid]["tokens"] == roomy[rid]["tokens"]
+        jsonschema.validate(json.loads(text_of(tokenizer, squeezed[rid]["tokens"][0])), PERSON)
+    assert wait_for_idle_blocks(tight) == tight.num_blocks
+
+
+def test_abort_frees_the_grammar_state_and_the_blocks(llm):
+    state = llm.add_request("ab", PROMPT, options({"json_object": True}, max_tokens=100), n=2)
+    for _ in range(3):
+        llm.step()
+    assert all(seq.grammar is not None for seq in state.seqs)
+    llm.abort_request("ab")
+    assert all(seq.grammar is None and seq.finish_reason == "abort" for seq in state.seqs)
+    assert llm.num_free_blocks() == llm.num_blocks and not llm.requests
+
+
+def test_a_constraint_that_leaves_no_allowed_token_ends_in_an_error_not_a_hang(llm):
+    # allowed_token_ids and the grammar disagree on every token: the sequence fails with a clear error
+    opts = options({"choice": ["yes"]}, allowed_token_ids=(15,))
+    errors = []
+    llm.add_request("clash", PROMPT, opts, on_update=lambda u: errors.append(u.error) if u.finished else None)
+    step_until([llm], lambda: bool(errors), max_steps=50)
+    assert "not allowed by the grammar" in errors[0]
+
+
+# ---- compile errors, cache, bounds --------------------------------------------------------------------
+
+@pytest.mark.parametrize("structured, fragment", [
+    ({"regex": "(ab"}, "parenthesis"),
+    ({"json": {"type": "frobnicate"}}, "frobnicate"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"grammar": "root ::= "}, "EBNF"),
+    ({"grammar": 'start ::= "a"'}, "root"),
+])
+def test_invalid_specs_raise_the_library_message(grammars, structured, fragment):
+    with pytest.raises(GrammarError) as exc:
+        grammars.compile(parse_structured_outputs(structured))
+    assert fragment in exc.value.message and exc.value.param == "sampling_params.structured_outputs"
+
+
+def test_compiled_grammars_are_cached_by_kind_and_spec(grammars):
+    first = grammars.compile(parse_structured_outputs({"json": PERSON, **COMPACT}))
+    assert grammars.compile(parse_structured_outputs({"json": json.dumps(PERSON), **COMPACT})) is first
+    assert grammars.compile(parse_structured_outputs({"json": PERSON})) is not first  # whitespace differs
+
+
+# ---- over HTTP: error bodies, streaming, bounded compile ----------------------------------------------
+
+def post(client: httpx.Client, structured, **extra):
+    body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 60,
+                                                     "stop_token_ids": [IM_END, END_OF_TEXT],
+                                                     "structured_outputs": structured}, **extra}
+    return client.post("/inference/v1/generate", json=body)
+
+
+def assert_error_body(r: httpx.Response, fragment: str, param: str | None = "sampling_params.structured_outputs"):
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    assert error["param"] == param
+    assert fragment in error["message"], error["message"]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, grammars):
+    with ServerThread(engine_config(model_dir)) as srv:
+        srv.llm.grammars = grammars  # the module's one vocabulary load
+        yield srv
+
+
+@pytest.mark.parametrize("structured, fragment", [
+    ({"regex": "[a-"}, "regex"),
+    ({"json": {"type": "object", "properties": 3}}, "properties"),
+    ({"grammar": "root ::= ("}, "grammar"),
+    ({"json": {}, "regex": "a"}, "exactly one"),
+    ({}, "exactly one"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": "a"}, "non-empty list"),
+    ({"json_object": "yes"}, "must be true"),
+    ({"regex": "a", "whitespace_pattern": " *"}, "whitespace_pattern"),
+    ({"regex": "a", "guided": 1}, "unknown keys"),
+    ({"json": 3}, "JSON object"),
+    ("json", "$.sampling_params.structured_outputs"),  # the wire type is an object: msgspec refuses it
+])
+def test_bad_specs_get_an_openai_error_body_over_http(server, structured, fragment):
+    with server.client() as c:
+        param = None if isinstance(structured, str) else "sampling_params.structured_outputs"
+        assert_error_body(post(c, structured), fragment, param)
+        # and the engine still serves: a good request right after
+        ok = post(c, {"choice": ["fine"]})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_http_streamed_and_batched_constrained_outputs_agree(server, tokenizer):
+    spec = {"json": PERSON, **COMPACT}
+    with server.client() as c:
+        batch = post(c, spec, request_id="batch").json()["choices"][0]
+        tokens = []
+        with c.stream("POST", "/inference/v1/generate", json={
+                "token_ids": PROMPT, "stream": True, "request_id": "stream",
+                "sampling_params": {"temperature": 0, "max_tokens": 60, "stop_token_ids": [IM_END, END_OF_TEXT],
+                                    "structured_outputs": spec}}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    tokens.extend(t for ch in json.loads(line[6:])["choices"] for t in ch["token_ids"])
+    assert tokens == batch["token_ids"] and batch["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text_of(tokenizer, tokens)), PERSON)
+    assert wait_for_idle_blocks(server.llm) == server.llm.num_blocks
+
+
+def test_a_model_without_a_tokenizer_refuses_structured_outputs_with_a_400(tmp_path):
+    bare = write_random_model(tmp_path / "bare", arch="qwen3", preset="tiny", dtype="float32")
+    with ServerThread(engine_config(bare)) as srv, srv.client() as c:
+        assert_error_body(post(c, {"choice": ["a"]}), "tokenizer.json")
+        plain = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}})
+        assert plain.status_code == 200
+
+
+def test_a_grammar_too_slow_to_compile_fails_its_request_and_the_engine_keeps_serving(server, grammars):
+    # a limit of 0 s: any grammar not already compiled is too slow (this regex takes about a second)
+    grammars.compile_timeout_s = 0.0
+    try:
+        with server.client() as c:
+            assert_error_body(post(c, {"regex": "[a-z]{1,20000}"}), "did not compile within")
+            plain = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}})
+            assert plain.status_code == 200 and len(plain.json()["choices"][0]["token_ids"]) == 3
+    finally:
+        grammars.compile_timeout_s = 10.0
+    # the compile went on in the background and has cached its grammar (waited for here, so no test leaves it running)
+    assert grammars.compile(parse_structured_outputs({"regex": "[a-z]{1,20000}"}), timeout_s=120) is not None
+
+
+def test_the_device_agnostic_mask_equals_xgrammars_cpu_kernel(grammars):
+    # the path CUDA logits take (plain torch ops), checked against xgrammar's own kernel on CPU
+    import torch
+    import xgrammar
+
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 151936 // 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, 151936, generator=torch.Generator().manual_seed(1))
+    ours, theirs = logits.clone(), logits.clone()
+    mask_by_bitmask_(ours, bitmask)
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()
