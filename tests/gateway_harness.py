@@ -134,10 +134,10 @@ class Process:
 
 
 def engine_process(model_dir, *, kv_engine_id: str | None = None, side_channel_port: int | None = None,
-                   wait: bool = True) -> Process:
+                   wait: bool = True, max_model_len: int = 256) -> Process:
     port = free_port()
     argv = [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "4",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len), "--block-size", "4",
             "--num-gpu-blocks-override", "128", "--max-num-seqs", "16", "--log-level", "warning"]
     env = {}
     if kv_engine_id is not None:
