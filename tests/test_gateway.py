@@ -234,12 +234,14 @@ def test_greedy_outputs_are_equal_across_modes(stack):
 
 def test_engine_4xx_reaches_the_client_with_its_status(stack, mode):
     c = client(stack, mode)
-    # tool_choice "required" renders into structured_outputs, which this engine refuses with a 400
+    # the render tier passes structured_outputs through; the engine's grammar compiler refuses the regex with a
+    # 400 (forced tool_choice itself works: tests/test_structured_outputs.py)
+    bad = {"structured_outputs": {"regex": "(ab"}}
     with pytest.raises(openai.BadRequestError) as exc:
-        c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required")
-    assert "structured_outputs" in exc.value.message and exc.value.body["param"] == "sampling_params.structured_outputs"
+        c.chat.completions.create(model="tiny", messages=USER, extra_body=bad)
+    assert "parenthesis" in exc.value.message and exc.value.body["param"] == "sampling_params.structured_outputs"
     with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", stream=True)
+        c.chat.completions.create(model="tiny", messages=USER, stream=True, extra_body=bad)
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="no-such-model", messages=USER)
 

@@ -371,3 +371,135 @@ def test_the_device_agnostic_mask_equals_xgrammars_cpu_kernel(grammars):
     mask_by_bitmask_(ours, bitmask)
     xgrammar.apply_token_bitmask_inplace(theirs, bitmask)
     assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()
+
+
+# ---- the gateway end to end: forced tool_choice over our engine --------------------------------------
+
+# A model whose next-token preference never changes, so only the grammar decides the shape: every layer is
+# the identity, every token embeds to the same vector, and the lm_head favours closing a JSON value
+# ('"}' > '}]' > ']' > '}' > '"'), all else tied (ties go to the lowest id). Unconstrained it says '"}"}"}...';
+# under a grammar it fills what is required and then closes, so tool calls end within a few dozen tokens.
+PREFERRED = {9207: 3.0, 25439: 2.8, 60: 2.6, 92: 2.4, 1: 2.0}  # '"}', '}]', ']', '}', '"'
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "unit", "days"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def write_preferring_qwen3(out_dir):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = write_random_model(out_dir, arch="qwen3", preset="tiny", overrides={"tie_word_embeddings": False},
+                             tokenizer_dir=QWEN3_TOKENIZER, dtype="float32")
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    for name, t in tensors.items():
+        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            t.zero_()
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+    embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    embed.zero_()
+    embed[:, 0] = 1.0
+    head.zero_()
+    for token, weight in PREFERRED.items():
+        head[token, 0] = weight
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    from tests.gateway_harness import engine_process, gateway_process
+
+    model = write_preferring_qwen3(tmp_path_factory.mktemp("forced") / "tiny")
+    procs = []
+    try:
+        procs.append(engine_process(model, max_model_len=512))
+        procs.append(gateway_process(model, ["--engine", procs[0].url]))
+        yield {"engine": procs[0], "gateway": procs[1]}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def gateway_client(gateway):
+    import openai
+
+    return openai.OpenAI(base_url=gateway["gateway"].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def folded_tool_calls(chunks) -> tuple[dict[int, dict], str | None]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    return calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
+                                         {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_choice_through_the_gateway_yields_calls_whose_arguments_validate(gateway, tool_choice):
+    c = gateway_client(gateway)
+    kw = dict(model="tiny", messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=120,
+              extra_body=NO_THINKING)
+    r = c.chat.completions.create(**kw)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason != "length" and message.tool_calls, r
+    for call in message.tool_calls:
+        if isinstance(tool_choice, dict):
+            assert call.function.name == tool_choice["function"]["name"]
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, schema_of(call.function.name))
+        assert list(arguments) == list(schema_of(call.function.name)["properties"])  # the schema's key order
+
+    streamed, finish = folded_tool_calls(c.chat.completions.create(stream=True, **kw))
+    assert finish == r.choices[0].finish_reason
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(streamed.items())] == [
+        (call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
+
+
+def test_response_format_json_schema_through_the_gateway_gives_content_that_validates(gateway):
+    schema = schema_of("get_weather")
+    r = gateway_client(gateway).chat.completions.create(
+        model="tiny", messages=USER, temperature=0, max_tokens=120, extra_body=NO_THINKING,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_an_invalid_schema_through_the_gateway_is_the_engines_400(gateway):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        gateway_client(gateway).chat.completions.create(
+            model="tiny", messages=USER, temperature=0, max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert "nonsense" in exc.value.message
+
+
+def test_the_engine_is_idle_after_the_forced_tool_calls(gateway):
+    from tests.gateway_harness import wait_until_idle
+
+    state = wait_until_idle(gateway["engine"].url)
+    assert state["num_free_blocks"] == state["num_blocks"] and state["num_running"] == 0

@@ -28,7 +28,7 @@ class GuideSpec:
     """One constraint in a canonical, hashable form: the key of the compiled-grammar cache."""
 
     kind: str  # one of KINDS
-    value: str  # schema JSON (sorted keys), regex, grammar text, choices as a JSON list, structural tag JSON
+    value: str  # schema JSON (compact), regex, grammar text, choices as a JSON list, structural tag JSON
     any_whitespace: bool = True  # False: disable_any_whitespace (JSON kinds only)
 
 
@@ -40,7 +40,8 @@ def _canonical_json(value, what: str) -> str:
             raise GrammarError(f"structured_outputs.{what} is not valid JSON: {exc}") from None
     if not isinstance(value, (dict, bool)):
         raise GrammarError(f"structured_outputs.{what} must be a JSON object (or its JSON text).")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    # Key order is kept: properties are generated in the order the schema lists them.
+    return json.dumps(value, separators=(",", ":"))
 
 
 def parse_structured_outputs(raw: dict) -> GuideSpec:
