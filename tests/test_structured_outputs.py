@@ -220,7 +220,7 @@ def test_preempted_sequences_resume_their_grammar_without_advancing_it_twice(llm
         for state in tight.requests.values():
             for seq in state.seqs:
                 if seq.grammar is not None:
-                    seen_states.append(seq.grammar.num_accepted == seq.num_output_tokens)
+                    seen_states.append(seq.grammar.num_seen == seq.num_output_tokens)
         return worked
 
     tight.step = checked_step
@@ -336,6 +336,25 @@ def test_http_streamed_and_batched_constrained_outputs_agree(server, tokenizer):
     assert tokens == batch["token_ids"] and batch["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text_of(tokenizer, tokens)), PERSON)
     assert wait_for_idle_blocks(server.llm) == server.llm.num_blocks
+
+
+THINK_END = 151668  # </think>
+
+
+@pytest.mark.parametrize("reasoning_ended", [False, True, None])
+def test_reasoning_ended_false_leaves_the_reasoning_unconstrained_until_think_end(server, tokenizer, reasoning_ended):
+    # a bias makes the model close its reasoning at once; the grammar then has the rest of the output
+    body = {"token_ids": PROMPT, "reasoning_ended": reasoning_ended,
+            "sampling_params": {"temperature": 0, "max_tokens": 60, "stop_token_ids": [IM_END, END_OF_TEXT],
+                                "logit_bias": {str(THINK_END): 100}, "structured_outputs": {"choice": ["on", "off"]}}}
+    with server.client() as c:
+        choice = c.post("/inference/v1/generate", json=body).json()["choices"][0]
+    tokens = choice["token_ids"]
+    assert choice["finish_reason"] == "stop" and tokens[-1] in (IM_END, END_OF_TEXT)
+    if reasoning_ended is False:  # unconstrained first token: the biased </think>; then only a choice
+        assert tokens[0] == THINK_END and text_of(tokenizer, tokens[1:]) in ("on", "off")
+    else:  # constrained from the first token: </think> is not in the grammar, whatever its bias
+        assert THINK_END not in tokens and text_of(tokenizer, tokens) in ("on", "off")
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_outputs_with_a_400(tmp_path):

@@ -169,8 +169,9 @@ class LLMEngine:
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None))
         if options.grammar is not None:
             stops = options.stop_token_ids | (frozenset() if options.ignore_eos else self.eos_token_ids)
+            reasoning_end = self.grammars.reasoning_end_token_id if options.structured_after_reasoning else None
             for seq in seqs:  # n > 1: one compiled grammar, a matcher per sequence
-                seq.grammar = GrammarState(options.grammar, stops)
+                seq.grammar = GrammarState(options.grammar, stops, reasoning_end)
         if self.runner.device.type != "cpu":
             for seq in seqs:
                 if seq.options.seed is not None:  # draw a seeded sequence's noise where the logits are

@@ -61,6 +61,9 @@ class GenerateRequest(msgspec.Struct):
     return_token_logprobs: bool | None = None
     # Our extension: "token_id_strings" answers in the older ChatCompletionLogProbs shape ("token_id:N").
     logprobs_format: str | None = None
+    # The render tier's hint (vLLM): false = the prompt leaves the model thinking, so structured outputs wait
+    # until the model closes its reasoning (</think>) before they constrain anything.
+    reasoning_ended: bool | None = None
 
 
 class AbortRequest(msgspec.Struct):

@@ -34,6 +34,7 @@ class SamplingOptions:
     allowed_token_ids: tuple[int, ...] | None = None
     skip_prefix_cache: bool = False  # skip_reading_prefix_cache
     structured: GuideSpec | None = None  # structured_outputs
+    structured_after_reasoning: bool = False  # reasoning_ended false: unconstrained until </think>
     grammar: Any = field(default=None, compare=False)  # `structured` compiled (before the request is added)
 
     @property

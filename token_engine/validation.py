@@ -185,5 +185,6 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         allowed_token_ids=allowed,
         skip_prefix_cache=bool(sp.skip_reading_prefix_cache),
         structured=structured,
+        structured_after_reasoning=structured is not None and req.reasoning_ended is False,
     )
     return options, sp.n

@@ -23,6 +23,7 @@ from token_engine.structured.spec import GrammarError, GuideSpec
 
 MAX_CACHED_GRAMMARS = 512
 MAX_CONCURRENT_COMPILES = 2  # a flood of slow specs queues here instead of taking every core
+REASONING_END = "</think>"  # the <think>-style reasoning parsers' end marker (qwen3, deepseek_r1, ...)
 VOCAB_LOAD_TIMEOUT_S = 300.0  # loading the vocabulary is the server's work, not the client's: generous
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
 
@@ -51,6 +52,12 @@ class GrammarCompiler:
         self._slots = threading.Semaphore(MAX_CONCURRENT_COMPILES)
         self._compiler_future: concurrent.futures.Future | None = None
         self._grammars: OrderedDict[GuideSpec, concurrent.futures.Future] = OrderedDict()
+        self._reasoning_end: int | None = None
+
+    @property
+    def reasoning_end_token_id(self) -> int | None:
+        """The vocabulary's </think> (None without one, or before the vocabulary is loaded)."""
+        return self._reasoning_end
 
     # ---- public ------------------------------------------------------------------------------------
     def compile(self, spec: GuideSpec, timeout_s: float | None = None) -> Any:
@@ -114,6 +121,7 @@ class GrammarCompiler:
                                                            stop_token_ids=self.stop_token_ids or None)
         except Exception as exc:  # noqa: BLE001 - a broken file still gets a clear answer, not a 500
             raise GrammarError(f"structured_outputs: {path} could not be loaded: {_library_message(exc)}") from None
+        self._reasoning_end = tokenizer.get_vocab().get(REASONING_END)
         return xgrammar.GrammarCompiler(info, max_threads=1)
 
     def _compile_now(self, spec: GuideSpec):

@@ -16,7 +16,7 @@ _BITS = 32
 
 
 class GrammarState:
-    def __init__(self, compiled_grammar: Any, stop_token_ids: Iterable[int]):
+    def __init__(self, compiled_grammar: Any, stop_token_ids: Iterable[int], activate_after: int | None = None):
         import xgrammar
 
         stops = sorted(set(stop_token_ids))
@@ -24,21 +24,31 @@ class GrammarState:
         # stop_token_ids) it ends by itself when complete.
         self._matcher = xgrammar.GrammarMatcher(compiled_grammar, override_stop_tokens=stops or None,
                                                 terminate_without_stop_token=not stops)
-        self.num_accepted = 0
+        self.num_seen = 0  # output tokens fed in, reasoning included
         self.violated = False  # a sampled token the grammar refused (another mask left nothing it allows)
+        # As vLLM with a reasoning parser: while the model reasons nothing is constrained; the grammar starts
+        # with the token after this one (</think>).
+        self.waiting_for = activate_after
+
+    @property
+    def active(self) -> bool:
+        return self.waiting_for is None
 
     def accept(self, token_id: int) -> None:
+        self.num_seen += 1
+        if self.waiting_for is not None:
+            if token_id == self.waiting_for:
+                self.waiting_for = None
+            return
         if self.violated or self._matcher.is_terminated():
             self.violated = True
             return
-        if self._matcher.accept_token(token_id):
-            self.num_accepted += 1
-        else:
+        if not self._matcher.accept_token(token_id):
             self.violated = True
 
     @property
     def terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return self.active and self._matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -46,7 +56,7 @@ class GrammarState:
 
 def apply_grammars_(logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
     """Set to -inf, in place, every logit the row's grammar does not allow next (rows without one untouched)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
     if not rows:
         return
     bitmask = torch.full((len(grammars), -(-logits.shape[1] // _BITS)), -1, dtype=torch.int32)  # -1: all allowed
