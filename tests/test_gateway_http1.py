@@ -1,4 +1,6 @@
-"""The gateway's chunked-body parser (gateway/http1.py): the same chunks however the bytes arrive."""
+"""The gateway's engine read path: the chunked-body parser (gateway/http1.py) and the SSE event splitter
+(gateway/engine_client.py) give the same events however the bytes arrive, and broken bodies raise; the
+keep-alive pool against a loopback server (reuse, a connection closed while idle, a body cut short)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.gateway.http1 import _dechunk
+from render_service.gateway.engine_client import SseEvents
+from render_service.gateway.http1 import ChunkedDecoder, Http1Pool, HttpError
 
 
 def chunked(chunks: list[bytes], trailers: bytes = b"") -> bytes:
@@ -16,15 +19,15 @@ def chunked(chunks: list[bytes], trailers: bytes = b"") -> bytes:
 
 
 def parse(raw: bytes, cuts: list[int]) -> list[bytes]:
-    async def run() -> list[bytes]:
-        reader = asyncio.StreamReader()
-        pieces = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
-        for a, b in zip(pieces, pieces[1:]):
-            reader.feed_data(raw[a:b])
-        reader.feed_eof()
-        return [c async for c in _dechunk(reader)]
-
-    return asyncio.run(run())
+    """Feed ``raw`` cut at ``cuts``; an unfinished body raises EOFError (the server went away)."""
+    body = ChunkedDecoder()
+    pieces = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
+    out = []
+    for a, b in zip(pieces, pieces[1:]):
+        out += body.feed(raw[a:b])
+    if not body.done:
+        raise EOFError(body.pending)
+    return out
 
 
 @settings(max_examples=60, deadline=None)
@@ -41,7 +44,7 @@ def test_a_chunk_larger_than_one_read_comes_whole():
 
 
 @pytest.mark.parametrize("raw, error", [
-    (b"5\r\nhello\r\n", asyncio.IncompleteReadError),  # no last chunk: the server went away
+    (b"5\r\nhello\r\n", EOFError),  # no last chunk: the server went away
     (b"5\r\nhelloXY0\r\n\r\n", ValueError),  # chunk not followed by CRLF
     (b"zz\r\nhello\r\n0\r\n\r\n", ValueError),  # size not hex
     (b"0\r\n\r\nHTTP/1.1 200", ValueError),  # bytes after the body: the connection must not be reused
@@ -49,3 +52,121 @@ def test_a_chunk_larger_than_one_read_comes_whole():
 def test_broken_bodies_raise(raw, error):
     with pytest.raises(error):
         parse(raw, [])
+
+
+def test_one_read_with_several_events_gives_them_all_at_once():
+    raw = chunked([b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"])
+    body = ChunkedDecoder()
+    assert body.feed(raw) == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"] and body.done
+
+
+def test_bytes_after_a_finished_body_raise():
+    body = ChunkedDecoder()
+    body.feed(chunked([b"x"]))
+    with pytest.raises(ValueError):
+        body.feed(b"5\r\n")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([b'{"a": 1}', b"[DONE]", b'{"b": "x\\ny"}', b"{}"]), max_size=6),
+       st.lists(st.integers(0, 500), max_size=8))
+def test_sse_events_survive_any_split(payloads, cuts):
+    stream = b"".join(b"data: " + p + b"\n\n" for p in payloads)
+    events = SseEvents()
+    pieces = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    data = [d for a, b in zip(pieces, pieces[1:]) for d in events.feed(stream[a:b])]
+    assert data + events.flush() == payloads
+
+
+def test_an_event_without_its_blank_line_comes_out_at_the_end():
+    events = SseEvents()
+    assert events.feed(b"data: 1\n\ndata: 2") == [b"1"]
+    assert events.flush() == [b"2"]
+
+
+# ------------------------------------------------------------------------------- the pool, on loopback
+
+
+def serve(responses: list[list[bytes]], close_after: set[int] = frozenset()):
+    """A loopback server that answers the i-th request with ``responses[i]`` (written piece by piece,
+    each piece a separate write) and closes the connection after the requests in ``close_after``."""
+    seen: list[tuple[int, bytes]] = []  # (connection number, request)
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        me = connections
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+                seen.append((me, head + await reader.readexactly(length)))
+                index = len(seen) - 1
+                for piece in responses[index]:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0)
+                if index in close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    return handle, seen
+
+
+def chunked_response(chunks: list[bytes]) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunked(chunks)
+
+
+async def with_server(handle, body):
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Http1Pool(connect_timeout_s=5, header_timeout_s=30)
+    try:
+        return await body(pool, f"http://127.0.0.1:{port}/inference/v1/generate")
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
+def test_the_pool_streams_chunks_and_reuses_the_connection():
+    raw = chunked_response([b"data: 1\n\n", b"data: 2\n\n"])
+    handle, seen = serve([[raw[:20], raw[20:60], raw[60:]], [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel", b"lo"]])
+
+    async def body(pool, url):
+        first = await pool.post(url, b'{"a": 1}', {"content-type": "application/json"})
+        got = [c async for chunks in first.iter_chunk_lists() for c in chunks]
+        second = await pool.post(url, b"{}", {})
+        return first.status, got, await second.read()
+
+    status, got, plain = asyncio.run(with_server(handle, body))
+    assert (status, got, plain) == (200, [b"data: 1\n\n", b"data: 2\n\n"], b"hello")
+    assert [c for c, _ in seen] == [1, 1], "the second request did not reuse the kept-alive connection"
+    assert seen[0][1].startswith(b"POST /inference/v1/generate HTTP/1.1\r\n") and seen[0][1].endswith(b'{"a": 1}')
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced():
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    handle, seen = serve([[ok], [ok]], close_after={0})
+
+    async def body(pool, url):
+        assert await (await pool.post(url, b"1", {})).read() == b"ok"
+        await asyncio.sleep(0.05)  # the server's close arrives while the connection is idle
+        return await (await pool.post(url, b"2", {})).read()
+
+    assert asyncio.run(with_server(handle, body)) == b"ok"
+    assert [c for c, _ in seen] == [1, 2]
+
+
+def test_a_body_cut_short_raises_http_error():
+    handle, _ = serve([[b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel"]], close_after={0})
+
+    async def body(pool, url):
+        response = await pool.post(url, b"{}", {})
+        with pytest.raises(HttpError):
+            await response.read()
+
+    asyncio.run(with_server(handle, body))

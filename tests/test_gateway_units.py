@@ -10,7 +10,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.gateway.engine_client import _sse_data
+from render_service.gateway.engine_client import SseEvents
 from render_service.gateway.flow import decode_request, engine_request, prefill_request
 from render_service.gateway.pools import ReplicaPool, prefix_key
 from render_service.gateway.stop_strings import StopMatcher
@@ -141,14 +141,9 @@ def test_a_name_with_several_addresses_becomes_one_replica_per_address():
 def test_sse_parser_joins_events_split_anywhere():
     stream = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
 
-    async def pieces():
-        for i in range(0, len(stream), 5):
-            yield stream[i:i + 5]
-
-    async def collect():
-        return [d async for d in _sse_data(pieces())]
-
-    assert asyncio.run(collect()) == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
+    events = SseEvents()
+    data = [d for i in range(0, len(stream), 5) for d in events.feed(stream[i:i + 5])]
+    assert data + events.flush() == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
 
 
 def _gen() -> GenerateRequest:

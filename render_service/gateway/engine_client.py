@@ -105,9 +105,11 @@ class EngineClient:
         except msgspec.DecodeError as exc:
             raise EngineUnavailable(f"{base_url}: unreadable generate response: {exc}") from None
 
-    async def stream(self, base_url: str, body: bytes, request_id: str) -> AsyncIterator[GenerateStreamResponse]:
-        """Streaming generate: yields engine chunks until [DONE]. Closing the generator early closes the
-        connection, which the engine takes as an abort."""
+    async def stream(self, base_url: str, body: bytes, request_id: str
+                     ) -> AsyncIterator[list[GenerateStreamResponse]]:
+        """Streaming generate: yields the engine's events until [DONE], as one list per socket read (several
+        when the engine got ahead of us). Closing the generator early closes the connection, which the
+        engine takes as an abort."""
         headers = {**JSON_HEADERS, "x-request-id": request_id, "accept": "text/event-stream"}
         delivered = False
         response = None
@@ -115,23 +117,32 @@ class EngineClient:
             response = await self.pool.post(base_url + GENERATE_PATH, body, headers)
             if response.status != 200:
                 _check_status(base_url, response.status, await response.read())
+            events = SseEvents()
             done = False
-            async for data in _sse_data(response.iter_chunks()):
-                if data == b"[DONE]":
-                    done = True  # read on to the end of the body: only then is the connection reused
-                    continue
-                if data.startswith(b'{"error"'):
-                    error = EngineRejected(500, data).message()
-                    if delivered:
-                        raise EngineStreamBroken(error)
-                    raise EngineUnavailable(f"{base_url}: {error}")
-                try:
-                    chunk = _decode_chunk(data)
-                except msgspec.DecodeError as exc:
-                    raise EngineStreamBroken(f"unreadable engine event: {exc}") from None
+            async for chunks in response.iter_chunk_lists():
+                batch = []
+                for chunk in chunks:
+                    # The usual chunk is one whole event with one data line, clean JSON: decoded here
+                    # without a call per event (the path every streamed token takes).
+                    if not events.buffer and chunk.startswith(b"data: {") and chunk.endswith(b"}\n\n") \
+                            and not chunk.startswith(b'data: {"error"') and chunk.find(b"\n") == len(chunk) - 2:
+                        try:
+                            batch.append(_decode_chunk(chunk[6:-2]))
+                            continue
+                        except msgspec.DecodeError:
+                            pass  # the general path below says what is wrong
+                    for data in events.feed(chunk):
+                        done = _engine_event(data, batch, base_url, delivered) or done
+                if batch:
+                    delivered = True
+                    yield batch
+            batch = []
+            for data in events.flush():
+                done = _engine_event(data, batch, base_url, delivered) or done
+            if batch:
                 delivered = True
-                yield chunk
-            if done:
+                yield batch
+            if done:  # read on to the end of the body: only then is the connection reused
                 return
         except HttpError as exc:
             if delivered:
@@ -161,26 +172,51 @@ def _check_status(base_url: str, status: int, body: bytes) -> None:
     raise EngineUnavailable(f"{base_url}: HTTP {status}: {body[:300].decode(errors='replace')}")
 
 
-async def _sse_data(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The data of each SSE event (events end with a blank line; one data line each, as engines send)."""
-    buffer = b""
-    async for piece in raw:
+def _engine_event(data: bytes, batch: list[GenerateStreamResponse], base_url: str, delivered: bool) -> bool:
+    """Decode one SSE data payload into ``batch``; True for [DONE]. An error event is retryable until an
+    event has reached the caller (events of the same read have not), a broken stream after."""
+    if data == b"[DONE]":
+        return True
+    if data.startswith(b'{"error"'):
+        error = EngineRejected(500, data).message()
+        if delivered:
+            raise EngineStreamBroken(error)
+        raise EngineUnavailable(f"{base_url}: {error}")
+    try:
+        batch.append(_decode_chunk(data))
+    except msgspec.DecodeError as exc:
+        raise EngineStreamBroken(f"unreadable engine event: {exc}") from None
+    return False
+
+
+class SseEvents:
+    """The data of each SSE event, fed the body's pieces as they arrive (engines send one data line per
+    event; an event split across pieces is buffered until its blank line)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
         # The usual piece is one whole event, one data line: no buffering, no splitting.
-        if not buffer and piece.startswith(b"data:") and piece.find(b"\n") == len(piece) - 2 \
+        if not self.buffer and piece.startswith(b"data:") and piece.find(b"\n") == len(piece) - 2 \
                 and piece.endswith(b"\n\n"):
-            yield piece[5:-2].strip()
-            continue
-        buffer += piece
-        while True:
-            end = buffer.find(b"\n\n")
-            if end < 0:
-                break
+            return [piece[5:-2].strip()]
+        buffer = self.buffer + piece
+        out = []
+        while (end := buffer.find(b"\n\n")) >= 0:
             event, buffer = buffer[:end], buffer[end + 2:]
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
-                    yield line[5:].strip()
-    if buffer.strip().startswith(b"data:"):
-        yield buffer.strip()[5:].strip()
+                    out.append(line[5:].strip())
+        self.buffer = buffer
+        return out
+
+    def flush(self) -> list[bytes]:
+        """The end of the body: an event that lacked its blank line."""
+        rest, self.buffer = self.buffer.strip(), b""
+        return [rest[5:].strip()] if rest.startswith(b"data:") else []
 
 
 def request_body(payload: Any) -> bytes:

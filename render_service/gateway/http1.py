@@ -1,8 +1,9 @@
-"""A lean HTTP/1.1 keep-alive client on asyncio streams, for the engine hops on the per-token hot path.
+"""A lean HTTP/1.1 keep-alive client on an asyncio protocol, for the engine hops on the per-token hot path.
 
 Why not httpx here: measured on the gateway (bench/gateway_overhead.py), httpx/httpcore/anyio spent
 about 60% of the gateway's CPU per streamed token (per-chunk timeout scopes, h11 events, sniffio
-lookups). Reading a chunked body off an ``asyncio.StreamReader`` costs a few microseconds per chunk.
+lookups). Why not asyncio streams either: a StreamReader adds several Python calls per arrival, and
+on the per-token path every call counts; here one read takes whatever the socket delivered.
 This speaks exactly what the engines need: POST with a JSON body, a status line and headers back,
 then a Content-Length or chunked body, with connections kept per (scheme, host, port) and reused.
 
@@ -13,6 +14,7 @@ more on a fresh connection (the server never saw it, so the retry is safe).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from collections import defaultdict
@@ -20,6 +22,7 @@ from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
+MAX_BUFFER_BYTES = 4 * 1024 * 1024  # reading from the socket pauses while this much waits unread
 MAX_IDLE_PER_HOST = 256
 # uvicorn closes idle keep-alive connections after 5 s (vLLM's engine runs on it too): reuse only younger ones.
 IDLE_REUSE_S = 4.0
@@ -33,23 +36,77 @@ class HttpError(Exception):
         self.started = started
 
 
-class _Conn:
-    __slots__ = ("reader", "writer", "idle_since")
+class _Conn(asyncio.Protocol):
+    """One kept-alive connection. What the socket delivers waits in ``buf`` until the response reader
+    takes all of it with ``read()``: one callback and one wake-up per arrival, none of a StreamReader's
+    layers (they were a good part of the per-token cost)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader = reader
-        self.writer = writer
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.eof = False
+        self.paused = False
+        self.waiter: asyncio.Future | None = None
         self.idle_since = 0.0
 
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf = self.buf + data if self.buf else data
+        if len(self.buf) > MAX_BUFFER_BYTES and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def read(self) -> bytes:
+        """Everything that has arrived, waiting for something if nothing has; b"" once the server closed."""
+        if not self.buf:
+            if self.eof:
+                return b""
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        data, self.buf = self.buf, b""
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def unread(self, data: bytes) -> None:
+        if data:
+            self.buf = data + self.buf
+
+    def at_eof(self) -> bool:
+        return self.eof and not self.buf
+
+    def write(self, data: bytes) -> None:
+        if self.eof or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("connection closed by the server")
+        self.transport.write(data)
+
     def close(self) -> None:
-        try:
-            self.writer.close()
-        except Exception:  # already torn down
-            pass
+        self.eof = True
+        if self.transport is not None:
+            self.transport.close()
 
 
 class Response:
-    """Status and headers read; the body is read with ``read()`` or ``iter_chunks()``, exactly once."""
+    """Status and headers read; the body is read with ``read()`` or ``iter_chunk_lists()``, exactly once."""
 
     def __init__(self, pool: "Http1Pool", key: tuple, conn: _Conn, status: int, headers: dict[str, str]):
         self._pool = pool
@@ -62,24 +119,39 @@ class Response:
         self._length = int(length) if length is not None and length.isdigit() else None
         self._keep = headers.get("connection", "").lower() != "close" and (self._chunked or self._length is not None)
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
+    async def iter_chunk_lists(self) -> AsyncIterator[list[bytes]]:
+        """The body's chunks, as one list per socket read: several when the server got ahead of us, so
+        that the caller can handle them in one go (a Content-Length or close-delimited body comes as
+        the pieces read)."""
         conn = self._conn
         if conn is None:
             return
-        reader = conn.reader
         try:
             if self._chunked:
-                async for data in _dechunk(reader):
-                    yield data
+                body = ChunkedDecoder()
+                while not body.done:
+                    data = await conn.read()
+                    if not data:
+                        raise asyncio.IncompleteReadError(body.pending, None)
+                    chunks = body.feed(data)
+                    if chunks:
+                        yield chunks
             elif self._length is not None:
+                data = b""
+                while len(data) < self._length:
+                    more = await conn.read()
+                    if not more:
+                        raise asyncio.IncompleteReadError(data, self._length)
+                    data += more
+                conn.unread(data[self._length:])
                 if self._length:
-                    yield await reader.readexactly(self._length)
+                    yield [data[:self._length]]
             else:
                 while True:  # body until the server closes
-                    data = await reader.read(65536)
+                    data = await conn.read()
                     if not data:
                         break
-                    yield data
+                    yield [data]
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as exc:
             self.close()
             raise HttpError(f"response body broken: {type(exc).__name__}: {exc}", started=True) from None
@@ -91,7 +163,7 @@ class Response:
             conn.close()
 
     async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.iter_chunks()])
+        return b"".join([chunk async for chunks in self.iter_chunk_lists() for chunk in chunks])
 
     def close(self) -> None:
         """Abandon the body: the connection cannot be reused (the engine sees the close as an abort)."""
@@ -100,43 +172,92 @@ class Response:
             self._conn = None
 
 
-async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """The chunks of a chunked body. Parsed from one local buffer: one ``read`` brings in every chunk the
-    socket holds (an engine event is one chunk), instead of two StreamReader calls per chunk."""
-    buf = b""
-    pos = 0
-    while True:
-        end = buf.find(b"\r\n", pos)
-        if end >= 0:
+class ChunkedDecoder:
+    """A chunked body, parsed incrementally: ``feed`` the bytes of each read, get the chunks it completed.
+
+    One buffer and one pass per read (an engine event is one chunk; one read usually brings in one
+    or more whole chunks), instead of two StreamReader calls per chunk. Raises ValueError on a
+    malformed body, including bytes after its end (the connection must not be reused then).
+    """
+
+    __slots__ = ("buf", "done")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.done = False
+
+    @property
+    def pending(self) -> bytes:
+        return self.buf
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self.done:
+            raise ValueError("bytes after the end of a chunked body")
+        buf = self.buf + data if self.buf else data
+        pos = 0
+        out: list[bytes] = []
+        while True:
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                if len(buf) - pos > MAX_HEADER_BYTES:
+                    raise ValueError("chunk size line too long")
+                break
             size = int(buf[pos:end].split(b";", 1)[0].strip(), 16)
+            if size < 0:
+                raise ValueError("negative chunk size")
             start = end + 2
             if size == 0:
                 # trailers (if any), then the blank line that ends the body
-                while (tail := buf.find(b"\r\n", start)) != start:
-                    if tail < 0:
-                        buf = buf[start:] + await reader.readuntil(b"\r\n")
-                        start = 0
-                    else:
-                        start = tail + 2
+                while (line_end := buf.find(b"\r\n", start)) != start:
+                    if line_end < 0:
+                        if len(buf) - pos > MAX_HEADER_BYTES:
+                            raise ValueError("trailers too long")
+                        self.buf = buf[pos:]  # parsed again from the last chunk's size line
+                        return out
+                    start = line_end + 2
                 if len(buf) > start + 2:
                     raise ValueError("bytes after the end of a chunked body")
-                return
+                self.done = True
+                self.buf = b""
+                return out
             stop = start + size
-            if len(buf) < stop + 2:  # a chunk larger than what arrived: read exactly the rest
-                buf = buf[pos:] + await reader.readexactly(stop + 2 - len(buf))
-                start, stop, pos = start - pos, stop - pos, 0
+            if len(buf) < stop + 2:  # the rest of this chunk is still to come
+                break
             if buf[stop:stop + 2] != b"\r\n":
                 raise ValueError("chunk not followed by CRLF")
-            yield buf[start:stop]
+            out.append(buf[start:stop])
             pos = stop + 2
-            continue
-        if len(buf) - pos > MAX_HEADER_BYTES:
-            raise ValueError("chunk size line too long")
-        data = await reader.read(65536)
+        self.buf = buf[pos:]
+        return out
+
+
+_timeout = getattr(asyncio, "timeout", None)
+
+
+async def _head_bytes(conn: _Conn) -> bytes:
+    """The status line and headers (without the blank line); what follows stays on the connection."""
+    buf = b""
+    while (end := buf.find(b"\r\n\r\n")) < 0:
+        if len(buf) > MAX_HEADER_BYTES:
+            raise ValueError("response head too long")
+        data = await conn.read()
         if not data:
-            raise asyncio.IncompleteReadError(buf[pos:], None)
-        buf = buf[pos:] + data if pos < len(buf) else data
-        pos = 0
+            raise asyncio.IncompleteReadError(buf, None)
+        buf += data
+    conn.unread(buf[end + 4:])
+    return buf[:end]
+
+
+@functools.lru_cache(maxsize=1024)
+def _target(url: str) -> tuple[tuple[bool, str, int], str]:
+    """((https, host, port), the request line and host header) of a URL: the same few engine URLs
+    on every request, parsed once."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if https else 80)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (https, host, port), f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}"
 
 
 class Http1Pool:
@@ -147,13 +268,9 @@ class Http1Pool:
         self._ssl: ssl.SSLContext | None = None
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
-        parts = urlsplit(url)
-        https = parts.scheme == "https"
-        host = parts.hostname or "localhost"
-        port = parts.port or (443 if https else 80)
-        key = (https, host, port)
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = [f"POST {path} HTTP/1.1", f"host: {parts.netloc}", f"content-length: {len(body)}"]
+        key, request_line = _target(url)
+        https, host, port = key
+        head = [request_line, f"content-length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in headers.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
@@ -163,17 +280,17 @@ class Http1Pool:
             if conn is None:
                 conn = await self._connect(https, host, port)
             try:
-                conn.writer.write(request)
-                status, response_headers = await self._read_head(conn.reader)
+                conn.write(request)
+                status, response_headers = await self._read_head(conn)
                 return Response(self, key, conn, status, response_headers)
+            except asyncio.TimeoutError:  # first: since Python 3.11 it is an OSError, which may be retried
+                conn.close()
+                raise HttpError("timed out waiting for the response headers") from None
             except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
                 conn.close()
                 if reused and attempt == 0:
                     continue  # a keep-alive connection the server had closed: the request never arrived
                 raise HttpError(f"{type(exc).__name__}: {exc}") from None
-            except asyncio.TimeoutError:
-                conn.close()
-                raise HttpError("timed out waiting for the response headers") from None
             except (ValueError, asyncio.LimitOverrunError) as exc:
                 conn.close()
                 raise HttpError(f"malformed response: {exc}") from None
@@ -186,18 +303,21 @@ class Http1Pool:
                 self._ssl = ssl.create_default_context()
             context = self._ssl
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=context, limit=MAX_HEADER_BYTES),
+            _, conn = await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(_Conn, host, port, ssl=context),
                 self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise HttpError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from None
-        return _Conn(reader, writer)
+        return conn
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    async def _read_head(self, conn: _Conn) -> tuple[int, dict[str, str]]:
         if self.header_timeout_s is None:
-            raw = await reader.readuntil(b"\r\n\r\n")
+            raw = await _head_bytes(conn)
+        elif _timeout is not None:  # Python 3.11+: a timer on this task, not a task per request as wait_for
+            async with _timeout(self.header_timeout_s):
+                raw = await _head_bytes(conn)
         else:
-            raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.header_timeout_s)
+            raw = await asyncio.wait_for(_head_bytes(conn), self.header_timeout_s)
         lines = raw.decode("latin-1").split("\r\n")
         version, status, *_ = lines[0].split(" ", 2)
         if not version.startswith("HTTP/1."):
@@ -215,14 +335,14 @@ class Http1Pool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.reader.at_eof() and now - conn.idle_since < IDLE_REUSE_S:
+            if not conn.at_eof() and now - conn.idle_since < IDLE_REUSE_S:
                 return conn
             conn.close()
         return None
 
     def _release(self, key: tuple, conn: _Conn) -> None:
         idle = self._idle[key]
-        if len(idle) < MAX_IDLE_PER_HOST and not conn.reader.at_eof():
+        if len(idle) < MAX_IDLE_PER_HOST and not conn.at_eof():
             conn.idle_since = time.monotonic()
             idle.append(conn)
         else:
