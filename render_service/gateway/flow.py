@@ -120,8 +120,9 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------- events
 
-    async def events(self, gen: GenerateRequest, call: EngineCall) -> AsyncIterator[GenerateStreamResponse]:
-        """The engine's stream for one rendered prompt, retried on other replicas until its first event."""
+    async def events(self, gen: GenerateRequest, call: EngineCall) -> AsyncIterator[list[GenerateStreamResponse]]:
+        """The engine's stream for one rendered prompt, retried on other replicas until its first event; the
+        events come as one list per engine read (several when the engine got ahead of us)."""
         for p in self.pools.values():
             p.maybe_refresh()
         key = prefix_key(gen.token_ids, self.settings.block_size, self.settings.affinity_blocks)
@@ -143,8 +144,8 @@ class Gateway:
                 else:
                     stream = self._stream("engine", key, stream_body, rid, tried["engine"], call)
                 async with aclosing(stream):
-                    async for chunk in stream:
-                        yield chunk
+                    async for batch in stream:
+                        yield batch
                 return
             except EngineUnavailable as exc:
                 last_error = exc
@@ -184,7 +185,7 @@ class Gateway:
         return _encode(decode_request(gen, kv))
 
     async def _stream(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
-                      call: EngineCall, prefer: str | None = None) -> AsyncIterator[GenerateStreamResponse]:
+                      call: EngineCall, prefer: str | None = None) -> AsyncIterator[list[GenerateStreamResponse]]:
         pool = self.pools[pool_name]
         replica = self._pick(pool, key, tried, prefer)
         pool.acquire(replica)
@@ -192,13 +193,15 @@ class Gateway:
         first = True
         try:
             async with aclosing(self.client.stream(replica.url, body, rid)) as events:
-                async for chunk in events:
+                async for batch in events:
                     if first:
                         first = False
                         pool.mark_ok(replica)
-                    if chunk.kv_transfer_params is not None and call.conversation:  # decode's end of turn
-                        self.conversations.put(call.conversation, chunk.kv_transfer_params, replica.url)
-                    yield chunk
+                    if call.conversation:
+                        for chunk in batch:
+                            if chunk.kv_transfer_params is not None:  # decode's end of turn
+                                self.conversations.put(call.conversation, chunk.kv_transfer_params, replica.url)
+                    yield batch
         except (EngineUnavailable, EngineStreamBroken):
             self._failed(pool, replica)
             raise
@@ -275,10 +278,11 @@ def engine_request(gen: GenerateRequest) -> GenerateRequest:
     """The collocated (and decode) request: always streamed; usage and prompt ids are the gateway's own.
 
     ``model`` is dropped: the engine may serve the weights under another name than the render tier does.
+    ``reasoning_ended`` stays: structured outputs (forced tool_choice) wait for the end of reasoning on it.
     """
     return msgspec.structs.replace(
         gen, model=None, sampling_params=_engine_sampling(gen.sampling_params), stream=True, stream_options=None,
-        return_token_ids=None, kv_transfer_params=None, reasoning_ended=None, reasoning_parser_kwargs=None,
+        return_token_ids=None, kv_transfer_params=None, reasoning_parser_kwargs=None,
     )
 
 
