@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from render_service.gateway.responses import ChatResponder, sse
+from render_service.gateway.responses import ChatResponder, coalesce, sse
 from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
 from render_service.render import load_render_config, render_chat
 
@@ -89,3 +89,72 @@ def test_slow_path_cases_keep_their_bytes(request_fields):
         a = fast.stream_events(0, msgspec.structs.replace(choice))
         b = b"".join(sse(c) for c in reference.stream_chunks(0, msgspec.structs.replace(choice)))
         assert a == b
+
+
+# ------------------------------------------------------------------------------- coalescing
+
+
+def fold(sse_bytes: bytes) -> dict:
+    """The message a client assembles from the chunks: text per channel, tool calls by index, finish."""
+    out = {"content": "", "reasoning": "", "calls": {}, "finish": None, "chunks": 0}
+    for data in sse_bytes.split(b"\n\n")[:-1]:
+        choice = msgspec.json.decode(data.removeprefix(b"data: "))["choices"][0]
+        out["chunks"] += 1
+        delta = choice["delta"]
+        out["content"] += delta.get("content") or ""
+        out["reasoning"] += delta.get("reasoning") or ""
+        for call in delta.get("tool_calls") or []:
+            entry = out["calls"].setdefault(call["index"], {"id": None, "name": "", "arguments": ""})
+            entry["id"] = call.get("id") or entry["id"]
+            entry["name"] += call["function"].get("name") or ""
+            entry["arguments"] += call["function"].get("arguments") or ""
+        out["finish"] = choice["finish_reason"] or out["finish"]
+    return out
+
+
+def reads(choices: list[GenerateStreamChoice], rnd: random.Random) -> list[list[tuple[int, GenerateStreamChoice]]]:
+    """The events grouped as engine reads might bring them in (one to five per read)."""
+    out, i = [], 0
+    while i < len(choices):
+        step = rnd.randint(1, 5)
+        out.append([(0, msgspec.structs.replace(c)) for c in choices[i:i + step]])
+        i += step
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_coalesced_reads_fold_to_the_same_message_in_fewer_chunks(seed):
+    one_by_one, coalesced = responders("reasoning")
+    rnd = random.Random(seed)
+    engine_events = events(output_ids(), rnd, "stop")
+    singly = b"".join(one_by_one.stream_events(0, msgspec.structs.replace(c)) for c in engine_events)
+    batched = b"".join(coalesced.stream_batch(batch) for batch in reads(engine_events, rnd))
+    a, b = fold(singly), fold(batched)
+    assert b["chunks"] < a["chunks"]
+    assert {k: v for k, v in a.items() if k != "chunks"} == {k: v for k, v in b.items() if k != "chunks"}
+    assert b["calls"][0]["name"] == "get_weather" and b["reasoning"] and b["finish"] == "tool_calls"
+    assert coalesced.all_done and one_by_one.all_done
+
+
+@pytest.mark.parametrize("request_fields", [{"stop": ["Paris"]}, {"logprobs": True}])
+def test_reads_with_stop_strings_or_logprobs_keep_every_event_apart(request_fields):
+    one_by_one, batched = responders("reasoning", **request_fields)
+    rnd = random.Random(3)
+    engine_events = events(output_ids(), rnd, "length")
+    for i, choice in enumerate(engine_events):
+        choice.logprobs = [[{"token_id": t, "logprob": -1.0}] for t in choice.token_ids] \
+            if request_fields.get("logprobs") else None
+    singly = b"".join(one_by_one.stream_events(0, msgspec.structs.replace(c)) for c in engine_events)
+    assert b"".join(batched.stream_batch(batch) for batch in reads(engine_events, rnd)) == singly
+    assert one_by_one.choices[0].tokens == batched.choices[0].tokens
+
+
+def test_coalesce_joins_each_choice_and_stops_at_a_finish():
+    items = [(0, GenerateStreamChoice(index=0, token_ids=[1])), (0, GenerateStreamChoice(index=1, token_ids=[7])),
+             (0, GenerateStreamChoice(index=0, token_ids=[2, 3])),
+             (0, GenerateStreamChoice(index=0, token_ids=[4], finish_reason="length")),
+             (0, GenerateStreamChoice(index=1, token_ids=[8], logprobs=[[]])),
+             (1, GenerateStreamChoice(index=0, token_ids=[9]))]
+    merged = coalesce(items)
+    assert [(p, c.index, c.token_ids, c.finish_reason) for p, c in merged] == [
+        (0, 0, [1, 2, 3, 4], "length"), (0, 1, [7], None), (0, 1, [8], None), (1, 0, [9], None)]

@@ -125,6 +125,7 @@ class _Responder:
         self.continuous = self.include_usage and bool(stream_options.continuous_usage_stats)
         self.return_token_ids = bool(gens[0].return_token_ids)
         self.choices: dict[int, ChoiceOutput] = {}
+        self.all_done = False  # finished(), kept up to date by the streaming paths as choices end
 
     def choice(self, prompt_index: int, index: int) -> tuple[int, ChoiceOutput, bool]:
         """(global choice index, its output, whether it is new)."""
@@ -159,6 +160,19 @@ class _Responder:
                 return False
         return True
 
+    def stream_batch(self, items: list[tuple[int, GenerateStreamChoice]]) -> bytes:
+        """The SSE events for what one engine read brought in. Without stop strings, the events of one
+        choice are derendered as one (fewer, larger deltas; the pipeline folds any chunking the same);
+        with stop strings each event stays apart, so that tokens after a match are never counted."""
+        if len(items) > 1 and not self.stops:
+            items = coalesce(items)
+        if len(items) == 1:
+            return self.stream_events(*items[0])
+        return b"".join([self.stream_events(prompt_index, choice) for prompt_index, choice in items])
+
+    def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
+        raise NotImplementedError
+
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())
 
@@ -175,7 +189,8 @@ class ChatResponder(_Responder):
         self.accumulators: dict[int, MessageAccumulator] = {}
         self.logprobs: dict[int, list[Any]] = {}
         self.first_chunk = True
-        self._envelopes: dict[int, tuple[bytes, bytes]] = {}  # choice index -> pre-encoded chunk around a delta
+        # (choice index, "content" or "reasoning") -> the pre-encoded chunk around that text, in parts
+        self._envelopes: dict[tuple[int, str], list[bytes]] = {}
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
         pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
@@ -192,28 +207,36 @@ class ChatResponder(_Responder):
 
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
         """The SSE events (``data: ...`` framed, concatenated) for one engine choice event."""
-        key, out, new = self.choice(prompt_index, choice.index)
+        key = prompt_index * self.n + choice.index
+        out = self.choices.get(key)
+        if out is None or self.return_token_ids or self.continuous or choice.logprobs is not None:
+            return b"".join(map(sse, self.stream_chunks(prompt_index, choice)))
         if out.done:
             return b""
-        if new or out.done or self.return_token_ids or self.continuous or choice.logprobs is not None:
-            return b"".join(map(sse, self.stream_chunks(prompt_index, choice, (key, out, new))))
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
-        message = _delta_message(delta, self.config.reasoning_field)
         if out.done:
+            self.all_done = self.finished()
+        content, reasoning = delta.content, delta.reasoning
+        if out.done or delta.tool_calls or (content is not None and reasoning is not None):
+            message = _delta_message(delta, self.config.reasoning_field)
+            if not out.done:
+                return sse(self._chunk(key, message, out)) if message is not None else b""
             chunk = self._chunk(key, message or DeltaMessage(), out)
             c = chunk.choices[0]
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
             return sse(chunk)
-        if message is None:
+        # The per-token common case, text on one channel: only the text is encoded; the chunk around it
+        # is the bytes the full chunk struct encodes to (tests/test_gateway_sse_encoding.py holds them equal).
+        if content is not None:
+            text, channel = content, "content"
+        elif reasoning is not None:
+            text, channel = reasoning, "reasoning"
+        else:
             return b""
-        if message.tool_calls is not UNSET:
-            return sse(self._chunk(key, message, out))
-        # The per-token common case: only the delta is encoded; the envelope around it is the bytes
-        # the full chunk struct encodes to (tests/test_gateway_sse_encoding.py holds them equal).
-        envelope = self._envelopes.get(key)
-        if envelope is None:
-            envelope = self._envelopes[key] = _envelope(self.response_id, self.created, self.model, key)
-        return envelope[0] + _encode(message) + envelope[1]
+        parts = self._envelopes.get((key, channel))
+        if parts is None:
+            parts = self._envelopes[(key, channel)] = _envelope(self, key, channel)
+        return _encode(text).join(parts)
 
     def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice,
                       taken: tuple[int, ChoiceOutput, bool] | None = None) -> list[ChatCompletionStreamResponse]:
@@ -225,6 +248,8 @@ class ChatResponder(_Responder):
             chunks.append(self._chunk(key, DeltaMessage(role="assistant", content=""), out))
         ids = choice.token_ids or []
         delta = out.step(ids, choice.finish_reason, choice.stop_reason)
+        if out.done:
+            self.all_done = self.finished()
         logprobs = self._logprobs(out, choice)
         message = _delta_message(delta, self.config.reasoning_field)
         if out.done or message is not None or logprobs is not None:
@@ -341,6 +366,8 @@ class CompletionResponder(_Responder):
             return []
         ids = choice.token_ids or []
         delta = out.step(ids, choice.finish_reason, choice.stop_reason)
+        if out.done:
+            self.all_done = self.finished()
         logprobs = self._logprobs(out, choice)
         if not (delta.content or out.done or logprobs is not None or (self.return_token_ids and ids)):
             return []
@@ -394,6 +421,29 @@ class CompletionResponder(_Responder):
                                   usage=self.final_usage())
 
 
+def coalesce(items: list[tuple[int, GenerateStreamChoice]]) -> list[tuple[int, GenerateStreamChoice]]:
+    """Each choice's events as one event (token ids joined in order, the last event's finish). Events
+    with logprobs stay apart (their lists are per event), as does anything after a finish."""
+    merged: dict[tuple[int, int], int] = {}  # (prompt index, choice index) -> position of its open event
+    out: list[tuple[int, GenerateStreamChoice]] = []
+    for prompt_index, choice in items:
+        key = (prompt_index, choice.index)
+        at = merged.get(key)
+        if at is not None and choice.logprobs is None:
+            prev = out[at][1]
+            out[at] = (prompt_index, GenerateStreamChoice(
+                index=choice.index, token_ids=(prev.token_ids or []) + (choice.token_ids or []),
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+        else:
+            out.append((prompt_index, choice))
+            at = len(out) - 1
+        if choice.finish_reason is None and choice.logprobs is None:
+            merged[key] = at
+        else:
+            merged.pop(key, None)
+    return out
+
+
 def _delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage | None:
     if delta.is_empty():
         return None
@@ -410,14 +460,16 @@ def _delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage | N
 
 
 
-# The chunk envelope around a delta, as ChatCompletionStreamResponse encodes it with every other field at its
-# default: built once per choice, so a text token costs one small encode instead of a whole chunk's.
-_MARK = "\x00delta\x00"
+# The chunk around one channel's text, as ChatCompletionStreamResponse encodes it with every other field at its
+# default: built once per choice and channel, so a text token costs one string encode instead of a chunk's.
+_MARK = "\x00text\x00"
 
 
-def _envelope(response_id: str, created: int, model: str, index: int) -> tuple[bytes, bytes]:
-    """(``data: `` + the chunk's JSON before the delta, the JSON after it + the blank line)."""
-    chunk = ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[
-        ChatCompletionStreamChoice(index=index, delta=_MARK)])  # type: ignore[arg-type]
-    head, tail = _encode(chunk).split(_encode(_MARK))
-    return b"data: " + head, tail + b"\n\n"
+def _envelope(responder: ChatResponder, key: int, channel: str) -> list[bytes]:
+    """The SSE event of a delta carrying only ``channel`` text, split where the text goes (twice for
+    reasoning under ``--reasoning-field both``): ``encoded_text.join(parts)`` is the event."""
+    delta = ChoiceDelta(content=_MARK) if channel == "content" else ChoiceDelta(reasoning=_MARK)
+    message = _delta_message(delta, responder.config.reasoning_field)
+    chunk = ChatCompletionStreamResponse(id=responder.response_id, created=responder.created, model=responder.model,
+                                         choices=[ChatCompletionStreamChoice(index=key, delta=message)])
+    return sse(chunk).split(_encode(_MARK))

@@ -81,22 +81,28 @@ def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: EngineCall,
-                         span_done: Callable[[int, int, int], bool]
-                         ) -> AsyncIterator[tuple[int, GenerateStreamChoice]]:
-    """(prompt index, engine choice event with the prompt's choice index) for every engine call; a call
-    whose choices all ended early (stop strings) is closed and aborted at once."""
+                         span_done: Callable[[int, int, int], bool] | None
+                         ) -> AsyncIterator[list[tuple[int, GenerateStreamChoice]]]:
+    """(prompt index, engine choice event with the prompt's choice index) for every engine call, as one
+    list per engine read; a call whose choices all ended early (stop strings: ``span_done``, None when
+    there are none) is closed and aborted at once."""
     if len(streams) == 1:
         (s,) = streams
         engine_finished: set[int] = set()
         async with aclosing(gateway.events(s.gen, call)) as events:
-            async for chunk in events:
-                for choice in chunk.choices:
-                    if choice.finish_reason is not None:
-                        engine_finished.add(choice.index)
-                    yield s.prompt_index, choice
+            async for batch in events:
+                items = []
+                for chunk in batch:
+                    for choice in chunk.choices:
+                        if choice.finish_reason is not None:
+                            engine_finished.add(choice.index)
+                        items.append((s.prompt_index, choice))
+                if items:
+                    yield items
                 # Ended by us (stop strings) while the engine still generates: abort. An engine that
                 # finished is read to [DONE], which keeps its connection alive for the next request.
-                if len(engine_finished) < s.count and span_done(s.prompt_index, s.first, s.count):
+                if span_done is not None and len(engine_finished) < s.count \
+                        and span_done(s.prompt_index, s.first, s.count):
                     gateway.abort_soon(call)
                     return
         return
@@ -105,8 +111,8 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
     async def pump(i: int, gen: GenerateRequest) -> None:
         try:
             async with aclosing(gateway.events(gen, call)) as events:
-                async for chunk in events:
-                    await queue.put((i, chunk, None))
+                async for batch in events:
+                    await queue.put((i, batch, None))
             await queue.put((i, None, None))
         except asyncio.CancelledError:
             raise
@@ -118,20 +124,24 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
     try:
         remaining = set(tasks)
         while remaining:
-            i, chunk, exc = await queue.get()
+            i, batch, exc = await queue.get()
             if exc is not None:
                 raise exc
-            if chunk is None or i not in remaining:
+            if batch is None or i not in remaining:
                 remaining.discard(i)
                 continue
             s = streams[i]
-            for choice in chunk.choices:
-                if choice.finish_reason is not None:
-                    finished[i].add(choice.index)
-                if s.first:
-                    choice.index += s.first
-                yield s.prompt_index, choice
-            if len(finished[i]) < s.count and span_done(s.prompt_index, s.first, s.count):
+            items = []
+            for chunk in batch:
+                for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        finished[i].add(choice.index)
+                    if s.first:
+                        choice.index += s.first
+                    items.append((s.prompt_index, choice))
+            if items:
+                yield items
+            if span_done is not None and len(finished[i]) < s.count and span_done(s.prompt_index, s.first, s.count):
                 gateway.abort_soon(call, s.gen.request_id)
                 tasks[i].cancel()
                 remaining.discard(i)
@@ -148,7 +158,7 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
     streams = plan_streams(gens, gateway.disaggregated)
     # KV reuse across turns needs one decode sequence per turn (with n > 1, which one continues is unknown)
     call = EngineCall(conversation=conversation if gateway.disaggregated and len(streams) == 1 else None)
-    choices = engine_choices(gateway, streams, call, responder.span_done)
+    choices = engine_choices(gateway, streams, call, responder.span_done if responder.stops else None)
     if not stream:
         return await _collect(request, gateway, call, choices, responder)
     # Wait for the first event before answering: errors until then keep their HTTP status.
@@ -161,8 +171,8 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
     return GatewayStream(_sse_events(gateway, choices, first, responder), gateway, call, choices)
 
 
-async def _first_or_error(choices: AsyncIterator[tuple[int, GenerateStreamChoice]]
-                          ) -> tuple[int, GenerateStreamChoice] | None:
+async def _first_or_error(choices: AsyncIterator[list[tuple[int, GenerateStreamChoice]]]
+                          ) -> list[tuple[int, GenerateStreamChoice]] | None:
     try:
         return await choices.__anext__()
     except StopAsyncIteration:
@@ -176,12 +186,13 @@ async def _first_or_error(choices: AsyncIterator[tuple[int, GenerateStreamChoice
 
 
 async def _collect(request: Request, gateway: Gateway, call: EngineCall,
-                   choices: AsyncIterator[tuple[int, GenerateStreamChoice]],
+                   choices: AsyncIterator[list[tuple[int, GenerateStreamChoice]]],
                    responder: ChatResponder | CompletionResponder) -> Response:
     async def fold() -> None:
         async with aclosing(choices):
-            async for prompt_index, choice in choices:
-                responder.accumulate(prompt_index, choice)
+            async for batch in choices:
+                for prompt_index, choice in batch:
+                    responder.accumulate(prompt_index, choice)
 
     work = asyncio.ensure_future(fold())
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -210,22 +221,22 @@ async def _collect(request: Request, gateway: Gateway, call: EngineCall,
     return Response(_encode(responder.response()), media_type="application/json")
 
 
-async def _sse_events(gateway: Gateway, choices: AsyncIterator[tuple[int, GenerateStreamChoice]],
-                      first: tuple[int, GenerateStreamChoice] | None,
+async def _sse_events(gateway: Gateway, choices: AsyncIterator[list[tuple[int, GenerateStreamChoice]]],
+                      first: list[tuple[int, GenerateStreamChoice]] | None,
                       responder: ChatResponder | CompletionResponder) -> AsyncIterator[bytes]:
-    # One client write per engine event (its chunks joined), none for an event with nothing to send; once
-    # every choice has finished, the rest (final chunks, usage, [DONE]) goes out in one write.
+    # One client write per engine read (its events' chunks joined), none for a read with nothing to send;
+    # once every choice has finished, the rest (final chunks, usage, [DONE]) goes out in one write.
     held = b""
     try:
         if first is not None:
-            data = responder.stream_events(*first)
-            if responder.finished():
+            data = responder.stream_batch(first)
+            if responder.all_done:
                 held += data
             elif data:
                 yield data
-        async for prompt_index, choice in choices:
-            data = responder.stream_events(prompt_index, choice)
-            if held or responder.finished():
+        async for batch in choices:
+            data = responder.stream_events(*batch[0]) if len(batch) == 1 else responder.stream_batch(batch)
+            if held or responder.all_done:
                 held += data
             elif data:
                 yield data
@@ -267,35 +278,46 @@ class GatewayStream(StreamingResponse):
         self.choices = choices
 
     async def __call__(self, scope, receive, send) -> None:
-        async def write() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for data in self.events:
-                if data.endswith(DONE):  # the last event: it and the body's end in one write
-                    await send({"type": "http.response.body", "body": data, "more_body": False})
-                    return
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The events are written from this task; one watcher task cancels it if the client goes away
+        # (a second task for the writer and asyncio.wait over both cost more per request than the rest).
+        task = asyncio.current_task()
+        gone = False
 
         async def client_gone() -> None:
+            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass
+            # (uvicorn also answers http.disconnect once the response is complete; this task cancels the
+            # watcher before that: there is no await between the last send and the finally below)
+            gone = True
+            task.cancel()
 
-        writer = asyncio.ensure_future(write())
-        watcher = asyncio.ensure_future(client_gone())
+        watcher = asyncio.get_running_loop().create_task(client_gone())
         try:
-            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await self._write(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if hasattr(task, "uncancel"):  # the cancellation was ours and is handled: this task goes on
+                task.uncancel()
+            self.gateway.abort_soon(self.call)
+        except OSError:
+            pass
+        except Exception:
+            logger.exception("gateway stream failed")
         finally:
-            if not writer.done():
-                self.gateway.abort_soon(self.call)
-                writer.cancel()
             watcher.cancel()
-            await asyncio.gather(writer, watcher, return_exceptions=True)
             await _close_quietly(self.events)
             await _close_quietly(self.choices)
-        if writer.done() and not writer.cancelled() and writer.exception() is not None:
-            exc = writer.exception()
-            if not isinstance(exc, OSError):
-                logger.error("gateway stream failed", exc_info=exc)
+
+    async def _write(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for data in self.events:
+            if data.endswith(DONE):  # the last event: it and the body's end in one write
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _close_quietly(gen: Any) -> None:
