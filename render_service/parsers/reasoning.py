@@ -16,6 +16,7 @@ as the single added token. Batch is the fold of the stream, so the two never dis
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import msgspec
@@ -36,13 +37,23 @@ class ThinkState(msgspec.Struct, omit_defaults=True):
     held: str = ""  # text that may still turn out to be (part of) a tag
 
 
+@functools.lru_cache(maxsize=32)
+def _marker_shape(markers: tuple[str, ...]) -> tuple[int, str]:
+    """(longest marker less one, the markers' first characters): fixed per parser, not per chunk."""
+    return max(len(m) for m in markers) - 1, "".join(sorted({m[0] for m in markers}))
+
+
 def _partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``."""
-    window = text[-(max(len(m) for m in markers) - 1):]
-    # Only a suffix starting with a marker's first character can match (all our markers start with "<").
-    firsts = {m[0] for m in markers}
-    for i, ch in enumerate(window):
-        if ch in firsts:
+    longest, firsts = _marker_shape(markers)
+    window = text[-longest:]
+    # Only a suffix starting with a marker's first character can match (all our markers start with "<"),
+    # and most chunks hold none: one find per first character instead of a loop over the characters.
+    starts = [at for at in map(window.find, firsts) if at >= 0]
+    if not starts:
+        return 0
+    for i in range(min(starts), len(window)):
+        if window[i] in firsts:
             tail = window[i:]
             if any(m.startswith(tail) for m in markers):
                 return len(tail)
