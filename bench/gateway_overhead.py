@@ -235,6 +235,8 @@ async def serve_floor_streams(port: int, engine_port: int) -> None:
                 if head.startswith(b"GET"):
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                     continue
+                while idle and idle[-1][0].at_eof():  # the engine closes idle connections after 5 s
+                    idle.pop()[1].close()
                 ereader, ewriter = idle.pop() if idle else await asyncio.open_connection("127.0.0.1", engine_port)
                 ewriter.write(_request_head(body) + body)
                 await ereader.readuntil(b"\r\n\r\n")
@@ -308,7 +310,10 @@ async def run_phase(url: str, chat: bool, n: int, concurrency: int, max_tokens: 
 def measure(target: str, url: str, n: int, concurrency: int, max_tokens: int, procs: dict,
             token_ids: list[int]) -> dict:
     before = {name: cpu_seconds(p.pid) for name, p in procs.items()}
-    wall = asyncio.run(run_phase(url, target.startswith("gateway"), n, concurrency, max_tokens, token_ids))
+    try:
+        wall = asyncio.run(run_phase(url, target.startswith("gateway"), n, concurrency, max_tokens, token_ids))
+    except Exception as exc:
+        raise SystemExit(f"{target} (max_tokens {max_tokens}) failed: {type(exc).__name__}: {exc}") from exc
     after = {name: cpu_seconds(p.pid) for name, p in procs.items()}
     return {"target": target, "max_tokens": max_tokens, "requests": n, "wall_s": round(wall, 3),
             "cpu_s": {name: round(after[name] - before[name], 4) for name in procs}}
