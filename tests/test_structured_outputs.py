@@ -395,10 +395,11 @@ def test_the_device_agnostic_mask_equals_xgrammars_cpu_kernel(grammars):
 # ---- the gateway end to end: forced tool_choice over our engine --------------------------------------
 
 # A model whose next-token preference never changes, so only the grammar decides the shape: every layer is
-# the identity, every token embeds to the same vector, and the lm_head favours closing a JSON value
-# ('"}' > '}]' > ']' > '}' > '"'), all else tied (ties go to the lowest id). Unconstrained it says '"}"}"}...';
-# under a grammar it fills what is required and then closes, so tool calls end within a few dozen tokens.
-PREFERRED = {9207: 3.0, 25439: 2.8, 60: 2.6, 92: 2.4, 1: 2.0}  # '"}', '}]', ']', '}', '"'
+# the identity, every token embeds to the same vector, and the lm_head favours ending its reasoning, then
+# closing a JSON value ('</think>' > '"}' > '}]' > ']' > '}' > '"'), all else tied (ties go to the lowest id).
+# Unconstrained it says '</think></think>...'; under a grammar it fills what is required and then closes, so
+# tool calls end within a few dozen tokens.
+PREFERRED = {151668: 4.0, 9207: 3.0, 25439: 2.8, 60: 2.6, 92: 2.4, 1: 2.0}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -496,6 +497,19 @@ def test_forced_tool_choice_through_the_gateway_yields_calls_whose_arguments_val
     assert finish == r.choices[0].finish_reason
     assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(streamed.items())] == [
         (call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
+
+
+def test_with_thinking_on_the_tool_call_grammar_starts_after_the_reasoning(gateway):
+    # the prompt leaves Qwen3 thinking (reasoning_ended false): the model closes its reasoning unconstrained,
+    # then the grammar makes the call; constrained from the first token, </think> could never be written
+    c = gateway_client(gateway)
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                                  max_tokens=120, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"][0] == THINK_END
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schema_of("get_weather"))
 
 
 def test_response_format_json_schema_through_the_gateway_gives_content_that_validates(gateway):
