@@ -26,7 +26,7 @@ def _patched(tensor, scope):
 
 interpreter._patch_lang_tensor = _patched
 
-from token_engine import attention_cuda, layers_cuda  # noqa: E402
+from token_engine import attention_cuda, decode_linear_cuda, layers_cuda  # noqa: E402
 from token_engine.attention import (  # noqa: E402
     _paged_attention_reference,
     allocate_kv_pool,
@@ -135,7 +135,26 @@ def check_layers(dtype, tol):
     close(f"silu_and_mul {dtype}", layers_cuda.silu_and_mul(gate_up), want, tol)
 
 
+def check_decode_linear(dtype, tol):
+    """decode_linear (plain, bias, SiLU-gated gate_up) against the torch ops it replaces."""
+    F = torch.nn.functional
+    k_dim, n_out = 200, 40
+    w = (torch.randn(2 * n_out, k_dim) / k_dim**0.5).to(dtype)
+    b = torch.randn(2 * n_out).to(dtype)
+    lin = decode_linear_cuda.decode_linear
+    cfg = (16, 64, 4, 2)  # K=200 over BLOCK_K=64: the last step is short; N=40 over 16: so is the last tile
+    for rows in (1, 5):
+        x = torch.randn(rows, k_dim).to(dtype)
+        close(f"decode_linear rows={rows} {dtype}", lin(x, w, config=cfg), F.linear(x, w), tol)
+        close(f"decode_linear +bias rows={rows} {dtype}", lin(x, w, b, config=cfg), F.linear(x, w, b), tol)
+        gate_up = F.linear(x, w, b)
+        close(f"decode_linear gated rows={rows} {dtype}", lin(x, w, b, gated=True, config=cfg),
+              F.silu(gate_up[:, :n_out]) * gate_up[:, n_out:], tol)
+
+
 with torch.no_grad():
+    check_decode_linear(torch.float32, 1e-4)
+    check_decode_linear(torch.float16, 3e-2)
     check_negative_slots()
     check_attention(4, torch.float32, 1e-5)
     # the interpreter computes bfloat16 dots wrongly (raw bits); float16 exercises the same low-precision code

@@ -15,6 +15,8 @@ from token_engine.attention import AttentionMetadata, paged_attention, store_kv
 from token_engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from token_engine.models.arch import ModelArch
 
+FEW_ROWS = 16  # steps of at most this many tokens use decode_linear_cuda (its MAX_ROWS) on CUDA
+
 
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, layer_index: int):
@@ -37,7 +39,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_pool: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, meta, kv_pool))
+
+    def attend(self, qkv, cos, sin, meta: AttentionMetadata, kv_pool: torch.Tensor) -> torch.Tensor:
+        """The step's fused q/k/v projection [T, q+2kv] -> attention output [T, q] (before o_proj)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -54,7 +60,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             store_kv(k, v, kv_pool, self.layer_index, meta)
         out = paged_attention(q, kv_pool, self.layer_index, meta, self.scale, self.sliding_window, k=k, v=v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +81,22 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward_few_rows(self, x, residual, cos, sin, meta, kv_pool):
+        """forward for a step of a few rows on CUDA: the linears go through decode_linear_cuda (its own kernel or
+        cuBLAS, per shape, with the SiLU gate folded into gate_up), everything else as in forward."""
+        from token_engine.decode_linear_cuda import decode_linear
+
+        attn, mlp = self.self_attn, self.mlp
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = attn.attend(decode_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias), cos, sin, meta, kv_pool)
+        h = decode_linear(h, attn.o_proj.weight, attn.o_proj.bias)
+        h, residual = self.post_attention_layernorm(h, residual)
+        act = decode_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
+        return decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch):
@@ -83,13 +105,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
         self.rotary_emb = RotaryEmbedding(arch.rope, arch.head_dim, arch.max_position_embeddings)
+        # decode-sized steps on CUDA take DecoderLayer.forward_few_rows (benchmarks switch it off to compare)
+        self.few_rows_kernels = True
 
     def forward(self, input_ids, positions, meta, kv_pool):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        few_rows = self.few_rows_kernels and x.is_cuda and x.shape[0] <= FEW_ROWS
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta, kv_pool)
+            step = layer.forward_few_rows if few_rows else layer.forward
+            x, residual = step(x, residual, cos, sin, meta, kv_pool)
         return self.norm(x, residual)[0]
 
 
@@ -120,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.model.few_rows_kernels and hidden.is_cuda and hidden.shape[0] <= FEW_ROWS:
+            from token_engine.decode_linear_cuda import decode_linear
+
+            return decode_linear(hidden, weight).float()
         return torch.nn.functional.linear(hidden, weight).float()
 
     def reset_buffers(self) -> None:
