@@ -6,6 +6,9 @@
   one sequence, one KV head (all the query heads that share it, so K/V are read once per group) and one slice
   of the context, gathering tokens through the block table; a second kernel merges the slices' partial
   softmax states. No host syncs and no data-dependent launch shapes, so it is capturable in a CUDA graph.
+  The number of slices is a runtime argument (only the merge's padded width is compiled in): were it a
+  compile-time constant, every new count of decoding sequences in a mixed step would compile a kernel
+  (0.6-3 s on an H200, measured by bench/gpu_decode_profile.py) while requests wait.
 - prefill (some sequence has several new tokens): per sequence, torch's scaled_dot_product_attention; a fresh
   prompt uses the step's own K/V with is_causal (FlashAttention), a chunk over cached context gathers its
   context from the pool and uses a bottom-right causal mask. Sequences of the step with a single new token
@@ -51,17 +54,18 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Triton specializes integer arguments on their value (== 1, divisible by 16): these vary from step to step
+# (block-table width, slices), and each specialization would be one more compile while requests wait.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, seq_ids_ptr,
     m_ptr, l_ptr, acc_ptr,
     scale, window,
     stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch,
-    stride_bt,
+    stride_bt, num_splits,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
-    IEEE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, IEEE: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,7 +84,7 @@ def _decode_partial_kernel(
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
 
     tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(tiles, NUM_SPLITS)
+    per_split = tl.cdiv(tiles, num_splits)
     start = split * per_split * BLOCK_N
     end = tl.minimum(seq_len, start + per_split * BLOCK_N)
     if window > 0:  # the query (position seq_len - 1) sees keys at positions >= seq_len - window
@@ -112,18 +116,17 @@ def _decode_partial_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    part = (i * NUM_HEADS + heads) * NUM_SPLITS + split
+    part = (i * NUM_HEADS + heads) * num_splits + split
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, q_start_ptr, seq_ids_ptr,
-    stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HAS_SEQ_IDS: tl.constexpr,
+    stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -133,9 +136,9 @@ def _decode_merge_kernel(
         seq = i
     row = tl.load(q_start_ptr + seq).to(tl.int64)
     s = tl.arange(0, SPLITS_PAD)
-    s_mask = s < NUM_SPLITS
+    s_mask = s < num_splits
     d = tl.arange(0, HEAD_DIM)
-    base = (i * NUM_HEADS + head) * NUM_SPLITS
+    base = (i * NUM_HEADS + head) * num_splits
     m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))
     l = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
@@ -166,6 +169,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, layer: int
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=heads, HEAD_DIM=dim, HD_PAD=triton.next_power_of_2(heads * dim), BLOCK_SIZE=meta.block_size,
     )
+
+
+def splits_pad(splits: int) -> int:
+    """The merge kernel's compile-time width: a power of two, so a handful of variants cover every batch."""
+    return max(2, triton.next_power_of_2(splits))
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
@@ -207,15 +215,15 @@ def decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0),
+        splits,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, HAS_SEQ_IDS=seq_ids is not None,
+        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N, HAS_SEQ_IDS=seq_ids is not None,
         IEEE=q.dtype == torch.float32,
     )
     _decode_merge_kernel[(num, num_heads)](
         m, lse, acc, out, meta.query_start_loc, ids,
-        out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HAS_SEQ_IDS=seq_ids is not None,
+        out.stride(0), out.stride(1), splits,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad(splits), HAS_SEQ_IDS=seq_ids is not None,
     )
     return out
 
@@ -279,3 +287,23 @@ def _prefill_one(q, k, v, scale, sliding_window):
             mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.squeeze(0).transpose(0, 1)
+
+
+def warm_up(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
+    """Compiles the decode kernels a mixed prefill + decode step uses, for every merge width a step of up to
+    max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing to it.
+    Returns how many variants it ran."""
+    from token_engine.attention import build_metadata
+
+    num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+    seen = set()
+    for num in range(1, max_num_seqs + 1):
+        pad = splits_pad(decode_splits(num, num_kv_heads))
+        if pad in seen:
+            continue
+        seen.add(pad)
+        meta = build_metadata([1] * num, [1] * num, [[0]] * num, block_size, kv_pool.device)
+        q = torch.zeros(num, num_heads, head_dim, dtype=kv_pool.dtype, device=kv_pool.device)
+        ids = torch.arange(num, dtype=torch.int32, device=kv_pool.device)
+        decode_attention(q, kv_pool, 0, meta, 1.0, seq_ids=ids)
+    return len(seen)

@@ -40,6 +40,25 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(model, self.kv_pool, block_size, max_num_seqs,
                                               max_blocks_per_seq=-(-max_model_len // block_size))
             self.decode_graphs.capture()
+        if self.device.type == "cuda":
+            self._warm_up_cuda(max_num_seqs)
+
+    @torch.inference_mode()
+    def _warm_up_cuda(self, max_num_seqs: int) -> None:
+        """Compiles, before the first request, the kernels that decode graph capture did not run: the mixed
+        step's decode attention (every merge width) and a prefill step's path. Writes no KV (slots -1)."""
+        from token_engine import attention_cuda
+        from token_engine.models.llama import FEW_ROWS
+
+        attention_cuda.warm_up(self.kv_pool, self.arch.num_heads, max_num_seqs, self.block_size)
+        tokens = FEW_ROWS + 1  # past the few-rows kernels: the prefill path
+        blocks = list(range(-(-tokens // self.block_size)))
+        meta = build_metadata([tokens], [tokens], [blocks], self.block_size, self.device)
+        meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, torch.arange(tokens, device=self.device), meta, self.kv_pool)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
