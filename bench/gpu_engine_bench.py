@@ -240,6 +240,18 @@ def bench_transformers(config: dict, batches, context, prefill_lengths) -> dict:
 HW: dict = {}
 
 
+def load_tuned(path: str) -> None:
+    import ast
+
+    from token_engine import decode_linear_cuda
+
+    with open(path) as f:
+        tuned = json.load(f)
+    tuned = tuned.get("tuned", tuned)
+    for key, config in tuned.items():
+        decode_linear_cuda.TUNED[ast.literal_eval(key)] = None if config == "cublas" else tuple(config)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-7b")
@@ -252,7 +264,12 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-batches", default="1,32")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script with --preset tiny")
+    parser.add_argument("--tuned", default=None,
+                        help="JSON of decode_linear launch configs (the 'tuned' key of gpu_decode_profile's output) "
+                             "to use instead of the built-in table")
     args = parser.parse_args(argv)
+    if args.tuned:
+        load_tuned(args.tuned)
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
