@@ -10,11 +10,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch==2.13.0 is pinned so pip takes the CPU build that lies on this machine's disk, never a multi-GB
-# CUDA download; nixl is installed without its deps because its meta package drags both CUDA variants in.
+# CUDA download; nixl is installed without its deps because its meta package drags both CUDA variants in;
+# xgrammar likewise, because it drags in triton (its other deps are in the engine extra).
 install: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,test]'
-	$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+	$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 xgrammar==0.2.9
 
 demo: install
 	$(BIN)/python -m render_service.demo

@@ -111,9 +111,12 @@ class GrammarCompiler:
         if not path.is_file():
             raise GrammarError(f"structured_outputs need the model's vocabulary, and {self.model_dir} has no "
                                "tokenizer.json.")
-        import xgrammar
+        try:
+            import xgrammar
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as exc:  # an engine installed without the grammar library
+            raise GrammarError(f"structured_outputs need the xgrammar package on the engine ({exc}).") from None
         from tokenizers import Tokenizer
-        from transformers import PreTrainedTokenizerFast
 
         try:
             tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)))
