@@ -170,3 +170,22 @@ def test_a_body_cut_short_raises_http_error():
             await response.read()
 
     asyncio.run(with_server(handle, body))
+
+
+def test_a_server_that_never_answers_times_out_as_http_error():
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads the request, never answers, until the client goes away
+        writer.close()
+
+    async def run() -> None:
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        pool = Http1Pool(connect_timeout_s=5, header_timeout_s=0.2)
+        try:
+            with pytest.raises(HttpError, match="timed out"):
+                await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"{}", {})
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(run())

@@ -55,11 +55,13 @@ class ReplicaPool:
     _rr: int = 0
     _resolved_at: float = 0.0
     _refreshing: asyncio.Task | None = None
+    _all_ips: bool = False  # every URL names an IP address: nothing to re-resolve
 
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError(f"{self.name} pool needs at least one URL")
         self.set_replicas([(normalize_url(u), normalize_url(u)) for u in self.urls])
+        self._all_ips = all(_is_ip(urlsplit(normalize_url(u)).hostname or "") for u in self.urls)
 
     # membership ----------------------------------------------------------------------------------
 
@@ -102,7 +104,8 @@ class ReplicaPool:
 
     def maybe_refresh(self) -> None:
         """Start a background re-resolution when the last one is older than the interval."""
-        if self.refresh_interval_s <= 0 or all(_is_ip(urlsplit(normalize_url(u)).hostname or "") for u in self.urls):
+        # (called on every request: the URLs were looked at once, at construction)
+        if self.refresh_interval_s <= 0 or self._all_ips:
             return
         if time.monotonic() - self._resolved_at < self.refresh_interval_s:
             return
