@@ -158,3 +158,13 @@ def test_coalesce_joins_each_choice_and_stops_at_a_finish():
     merged = coalesce(items)
     assert [(p, c.index, c.token_ids, c.finish_reason) for p, c in merged] == [
         (0, 0, [1, 2, 3, 4], "length"), (0, 1, [7], None), (0, 1, [8], None), (1, 0, [9], None)]
+
+
+def test_the_stream_headers_are_what_starlette_would_send():
+    from starlette.responses import StreamingResponse
+
+    from render_service.gateway.routes import SSE_HEADERS
+
+    reference = StreamingResponse(iter(()), media_type="text/event-stream",
+                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    assert SSE_HEADERS == reference.raw_headers

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from render_service.errors import ApiError, bad_request, error_body
@@ -262,16 +262,20 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-class GatewayStream(StreamingResponse):
-    """SSE out. Watches the client: if it goes away, the engine requests are aborted at once (not at
-    the next write), and the event generator is closed so its engine connections close too."""
+# What Starlette's StreamingResponse sends for these arguments, built once instead of per request.
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+               (b"content-type", b"text/event-stream; charset=utf-8")]
 
+
+class GatewayStream:
+    """SSE out, a bare ASGI response. Watches the client: if it goes away, the engine requests are aborted
+    at once (not at the next write), and the event generator is closed so its engine connections close too."""
+
+    status_code = 200
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], gateway: Gateway, call: EngineCall,
                  choices: AsyncIterator[Any]) -> None:
-        super().__init__(events, status_code=200, media_type=self.media_type,
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         self.events = events
         self.gateway = gateway
         self.call = call
@@ -311,7 +315,7 @@ class GatewayStream(StreamingResponse):
             await _close_quietly(self.choices)
 
     async def _write(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.start", "status": self.status_code, "headers": list(SSE_HEADERS)})
         async for data in self.events:
             if data.endswith(DONE):  # the last event: it and the body's end in one write
                 await send({"type": "http.response.body", "body": data, "more_body": False})
