@@ -62,9 +62,9 @@ class GrammarCompiler:
     # ---- public ------------------------------------------------------------------------------------
     def compile(self, spec: GuideSpec, timeout_s: float | None = None) -> Any:
         """The compiled grammar for spec, blocking (for synchronous callers); GrammarError on failure."""
-        self._compiler().result(VOCAB_LOAD_TIMEOUT_S)  # the vocabulary is loaded once, outside the time limit
         future = self._grammar_future(spec)
         try:
+            self._compiler().result(VOCAB_LOAD_TIMEOUT_S)  # loaded once, outside the per-spec time limit
             return future.result(self.compile_timeout_s if timeout_s is None else timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._too_slow() from None
@@ -73,7 +73,11 @@ class GrammarCompiler:
         """The compiled grammar for spec without blocking the event loop; GrammarError on failure."""
         compiler = self._compiler()
         if not compiler.done():  # the vocabulary is loaded once, outside the per-spec time limit
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler)), VOCAB_LOAD_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler)), VOCAB_LOAD_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise GrammarError("structured_outputs: the vocabulary did not load within "
+                                   f"{VOCAB_LOAD_TIMEOUT_S:g} s.") from None
         future = self._grammar_future(spec)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.compile_timeout_s)
