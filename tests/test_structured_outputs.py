@@ -393,6 +393,20 @@ def test_the_device_agnostic_mask_equals_xgrammars_cpu_kernel(grammars):
     assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_constrained_generation_on_cuda_validates(model_dir, grammars, tokenizer):
+    # the mask is applied on the logits' device (torch ops, no Triton); random weights, so only the grammar
+    # can make the output valid
+    llm = LLMEngine(engine_config(model_dir, device="cuda"))
+    llm.grammars = grammars
+    out = run(llm, {"g": (PROMPT, options({"json": PERSON, **COMPACT}, temperature=1.0, seed=4), 2)})["g"]
+    for i in range(2):
+        assert_ended_by_grammar(out, i)
+        jsonschema.validate(json.loads(text_of(tokenizer, out["tokens"][i])), PERSON)
+    assert wait_for_idle_blocks(llm) == llm.num_blocks
+
+
 # ---- the gateway end to end: forced tool_choice over our engine --------------------------------------
 
 # A model whose next-token preference never changes, so only the grammar decides the shape: every layer is
