@@ -58,7 +58,9 @@ class _Conn(asyncio.Protocol):
         if len(self.buf) > MAX_BUFFER_BYTES and not self.paused:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
+        waiter, self.waiter = self.waiter, None  # _wake, inline: this runs once per engine event
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def eof_received(self) -> bool:
         self.eof = True
