@@ -184,6 +184,12 @@ class Pipeline:
             pieces: list[Piece] = [TextPiece("content", text)]
         else:
             pieces = list(self.reasoning.feed(state.reasoning, text))
+        if self.tools is None and len(pieces) == 1:
+            # The per-token common case (one channel's text, no tool parser): what _delta would build.
+            (p,) = pieces
+            if p.channel == "content":
+                return ChoiceDelta(content=p.text)
+            return ChoiceDelta(reasoning=p.text) if self.config.include_reasoning else ChoiceDelta()
         return self._delta(state, self._through_tools(state, pieces))
 
     def finish(self, state: PipelineState) -> ChoiceDelta:
