@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import math
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -184,8 +185,9 @@ def prefix_key(token_ids: list[int], block_size: int, blocks: int) -> int | None
     full = min(blocks, len(token_ids) // block_size)
     if full <= 0:
         return None
-    head = token_ids[: full * block_size]
-    return _hash64(b"".join(t.to_bytes(4, "little", signed=False) for t in head))
+    n = full * block_size
+    # (the same bytes as each id's to_bytes(4, "little"), packed in one C call instead of a generator)
+    return _hash64(struct.pack(f"<{n}I", *token_ids[:n]))
 
 
 def normalize_url(url: str) -> str:
