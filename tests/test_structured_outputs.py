@@ -206,11 +206,11 @@ def test_chunked_prefill_gives_the_same_constrained_output(llm, model_dir, gramm
 
 
 def test_preempted_sequences_resume_their_grammar_without_advancing_it_twice(llm, model_dir, grammars, tokenizer):
-    # 20 blocks of 4 tokens cannot hold four growing sequences: some are preempted and recomputed
+    # 16 blocks of 4 tokens cannot hold three growing sequences: some are preempted and recomputed
     requests = {f"p{i}": (PROMPT[: 6 + i], options({"json": PERSON, **COMPACT}, temperature=1.0, seed=i), 1)
-                for i in range(4)}
+                for i in range(3)}
     roomy = run(llm, dict(requests))
-    tight = make_engine(model_dir, grammars, num_gpu_blocks_override=20, max_model_len=64)
+    tight = make_engine(model_dir, grammars, num_gpu_blocks_override=16, max_model_len=64)
     seen_states = []
 
     original_step = tight.step
