@@ -9,7 +9,8 @@ On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one 
 3. whole decode steps (CUDA graph replay + logits, as gpu_engine_bench times them) with the fused layer path
    off and on, and the largest difference of the hidden states and logits between the two;
 4. a kernel table of one graph-replayed step (torch.profiler) for each path;
-5. first-call times of the mixed-step decode attention for 1..N decoding sequences after attention_cuda.warm_up
+5. one mixed prefill + decode step as a loaded server runs it: wall time against kernel time, kernel table;
+6. first-call times of the mixed-step decode attention for 1..N decoding sequences after attention_cuda.warm_up
    (ModelRunner's start-up warm-up): a call that still compiles shows as hundreds of milliseconds.
 
     python -m bench.gpu_decode_profile --out bench/results/gpu_decode_profile_h200.json
@@ -241,13 +242,59 @@ def attention_first_calls(model, max_seqs: int = 12, context: int = 256, block_s
     return out
 
 
+def mixed_step(model, block_size: int = 16, decodes: int = 62, context: int = 1024) -> dict:
+    """One step as a loaded server runs it (2048-token budget): `decodes` sequences decoding at `context`, one
+    fresh 1024-token prompt and one 962-token chunk after 1024 cached tokens; eager (mixed steps are not
+    graphed), synchronized wall time against the GPU's kernel time of the same step, and its kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from token_engine.attention import allocate_kv_pool, build_metadata
+
+    arch = model.arch
+    q_lens = [1] * decodes + [1024, 962]
+    seq_lens = [context + 1] * decodes + [1024, 1024 + 962]
+    tables, next_block = [], 0
+    for n in seq_lens:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    pool = allocate_kv_pool(next_block + 2, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, arch.dtype,
+                            "cuda")
+    pool.normal_()
+    positions = [context] * decodes + list(range(1024)) + list(range(1024, 1024 + 962))
+    ids = torch.randint(0, arch.vocab_size, (len(positions),), device="cuda")
+    pos = torch.tensor(positions, device="cuda")
+    result = {"tokens": len(positions), "decodes": decodes}
+    with torch.inference_mode():
+        def step():
+            meta = build_metadata(q_lens, seq_lens, tables, block_size, "cuda")
+            hidden = model(ids, pos, meta, pool)
+            model.compute_logits(hidden[-(decodes + 2):])
+
+        result["wall_ms"] = engine_bench.cuda_time_ms(step, iters=10, warmup=3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        result["kernel_ms"] = sum(e.self_device_time_total for e in events) / 1e3
+        result["top"] = [{"kernel": e.key[:90], "calls": e.count, "ms": e.self_device_time_total / 1e3}
+                         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]]
+        for row in result["top"]:
+            print(f"{row['ms']:8.2f} ms {row['calls']:5d}x  {row['kernel']}", flush=True)
+    print(json.dumps({k: v for k, v in result.items() if k != "top"}), flush=True)
+    del pool
+    torch.cuda.empty_cache()
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-7b")
     parser.add_argument("--batches", default="1,8,16,32")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: linears,paths,kernels,attention")
+    parser.add_argument("--skip", default="",
+                        help="comma list of sections to skip: attention,linears,paths,kernels,mixed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -273,6 +320,7 @@ def main(argv=None) -> int:
         ("linears", "linears", lambda: bench_linears(model)),
         ("decode", "paths", lambda: compare_paths(model, batches, args.context, args.block_size)),
         ("kernels", "kernels", lambda: kernel_table(model, args.context, args.block_size)),
+        ("mixed_step", "mixed", lambda: mixed_step(model, args.block_size)),
     ]
     for key, name, fn in sections:
         if name in skip:
