@@ -351,3 +351,98 @@ def test_an_overlong_conversation_id_is_a_400_with_the_error_envelope(pd):
                    json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "conversation_id": "x" * 1000})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "conversation_id"
+
+
+# ------------------------------------------------ non-streaming requests: 499 only for a client that left
+
+
+def _collect_case(receive, batches):
+    """Runs the gateway's non-streaming fold (routes._collect) for one rendered chat request against a
+    scripted ASGI receive channel and a scripted engine event sequence; returns (response or ApiError, aborts)."""
+    import asyncio
+
+    from render_service.gateway.flow import EngineCall, Gateway
+    from render_service.gateway.responses import ChatResponder
+    from render_service.gateway.routes import _collect
+    from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
+    from render_service.render import render_chat
+    from render_service.server import RawRequest
+    from tests.render_harness import qwen3_config
+
+    config = qwen3_config()
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    gen = render_chat(req, config)
+    responder = ChatResponder(gen, req, config)
+
+    async def run():
+        gateway = Gateway(engines=["http://127.0.0.1:9"])  # nothing listens: aborts fail quietly
+        call = EngineCall(live={gen.request_id: "http://127.0.0.1:9"})
+
+        async def choices():
+            for batch in batches:
+                await asyncio.sleep(0.01)
+                if batch is asyncio.CancelledError:
+                    raise asyncio.CancelledError()
+                yield [(0, GenerateStreamChoice(index=0, token_ids=ids, finish_reason=fin)) for ids, fin in batch]
+
+        try:
+            result = await _collect(RawRequest({"type": "http", "method": "POST", "headers": []}, receive), gateway, call,
+                                    choices(), responder)
+        except ApiError as exc:
+            result = exc
+        await asyncio.sleep(0)
+        return result, gateway.stats.aborts
+
+    return asyncio.run(run())
+
+
+FINISHED = [[([9707], None)], [([11], "length")]]
+
+
+async def _client_waits():
+    import asyncio
+
+    await asyncio.Event().wait()  # a client that stays: no message until the response
+
+
+def test_a_client_that_stays_gets_its_answer():
+    response, aborts = _collect_case(_client_waits, FINISHED)
+    assert response.status_code == 200 and aborts == 0
+    assert json.loads(response.body)["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_leaves_gets_a_499_and_the_engine_request_is_aborted():
+    async def leaves():
+        return {"type": "http.disconnect"}
+
+    response, aborts = _collect_case(leaves, FINISHED * 20)
+    assert response.status_code == 499 and aborts == 1
+
+
+def test_messages_other_than_a_disconnect_are_not_a_disconnect():
+    import asyncio
+
+    messages = [{"type": "http.request", "body": b"", "more_body": False}] * 3
+
+    async def chatty():
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
+
+    response, aborts = _collect_case(chatty, FINISHED)
+    assert response.status_code == 200 and aborts == 0
+
+
+def test_a_broken_disconnect_watcher_is_not_taken_for_a_client_that_left():
+    async def broken():
+        raise RuntimeError("receive channel failed")
+
+    response, aborts = _collect_case(broken, FINISHED)
+    assert response.status_code == 200 and aborts == 0
+
+
+def test_engine_calls_cancelled_under_a_waiting_client_are_a_502_not_a_499():
+    import asyncio
+
+    error, _ = _collect_case(_client_waits, [FINISHED[0], asyncio.CancelledError])
+    assert isinstance(error, ApiError) and error.status == 502

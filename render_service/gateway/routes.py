@@ -198,15 +198,22 @@ async def _collect(request: Request, gateway: Gateway, call: EngineCall,
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and not client_went_away(gone):
+            await asyncio.wait({work})  # the watcher failed without seeing the client go: finish unwatched
     finally:
         if not work.done():
             gateway.abort_soon(call)
             work.cancel()
         gone.cancel()
         await asyncio.gather(work, gone, return_exceptions=True)
-    if work.cancelled():
+    # 499 only for a client that went away (nobody reads it; it is for the access log). A fold cancelled
+    # by anything else is our failure and must not be blamed on a client that is still waiting.
+    if client_went_away(gone) and work.cancelled():
         return Response(error_body(ApiError("client disconnected", 499)), status_code=499,
                         media_type="application/json")
+    if work.cancelled():
+        logger.error("engine calls of %s were cancelled with the client still there", responder.response_id)
+        raise ApiError("the engine call was cancelled", 502, type="BadGatewayError")
     exc = work.exception()
     if exc is not None:
         if isinstance(exc, EngineRejected):
@@ -260,6 +267,11 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def client_went_away(watcher: asyncio.Future) -> bool:
+    """The disconnect watcher returned: it saw ``http.disconnect`` (not cancelled, not failed)."""
+    return watcher.done() and not watcher.cancelled() and watcher.exception() is None
 
 
 # What Starlette's StreamingResponse sends for these arguments, built once instead of per request.
