@@ -267,6 +267,18 @@ def test_invalid_specs_raise_the_library_message(grammars, structured, fragment)
     assert fragment in exc.value.message and exc.value.param == "sampling_params.structured_outputs"
 
 
+def test_vllms_serialized_params_with_every_field_are_read_as_one_constraint():
+    # vLLM's render writes the whole dataclass: unset kinds as null, flags as false, private fields too
+    raw = {"json": None, "regex": "[0-9]+", "choice": None, "grammar": None, "json_object": None,
+           "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,
+           "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False,
+           "a_newer_flag": False}
+    assert parse_structured_outputs(raw) == parse_structured_outputs({"regex": "[0-9]+"})
+    with pytest.raises(GrammarError) as exc:
+        parse_structured_outputs({**raw, "a_newer_flag": True})  # set, and nothing here can honour it
+    assert "a_newer_flag" in exc.value.message
+
+
 def test_compiled_grammars_are_cached_by_kind_and_spec(grammars):
     first = grammars.compile(parse_structured_outputs({"json": PERSON, **COMPACT}))
     assert grammars.compile(parse_structured_outputs({"json": json.dumps(PERSON), **COMPACT})) is first

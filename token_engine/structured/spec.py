@@ -48,7 +48,10 @@ def parse_structured_outputs(raw: dict) -> GuideSpec:
     """GuideSpec for a request's `structured_outputs` object, or GrammarError."""
     if not isinstance(raw, dict):
         raise GrammarError("structured_outputs must be an object.")
-    unknown = sorted(k for k in raw if k not in KINDS and k not in OPTIONS and not k.startswith("_"))
+    # vLLM serializes every field of its dataclass, private ones too; a newer vLLM may add fields. An unknown
+    # key left at an empty default asks for nothing; one that is set asks for something we cannot do.
+    unknown = sorted(k for k in raw if k not in KINDS and k not in OPTIONS and not k.startswith("_")
+                     and raw[k] not in (None, False, "", [], {}))
     if unknown:
         raise GrammarError(f"structured_outputs has unknown keys: {', '.join(unknown)}.")
     # json_object: false counts as unset, as vLLM's "is not None" test would not, but false asks for nothing.
