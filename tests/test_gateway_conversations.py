@@ -446,3 +446,49 @@ def test_engine_calls_cancelled_under_a_waiting_client_are_a_502_not_a_499():
 
     error, _ = _collect_case(_client_waits, [FINISHED[0], asyncio.CancelledError])
     assert isinstance(error, ApiError) and error.status == 502
+
+
+def generation_tokens(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_a_non_streaming_client_that_disconnects_aborts_the_engine_requests(pd):
+    import socket
+    import time
+
+    decode = pd["decode"].llm
+    body = json.dumps({"model": "tiny", "prompt": [7000, 7001, 7002], "max_tokens": 200, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    generated = generation_tokens(pd["decode"])
+    with socket.create_connection(("127.0.0.1", pd["gateway"].port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body) + body)
+        for _ in range(400):  # bounded: until decode runs it
+            if decode.requests:
+                break
+            time.sleep(0.025)
+        assert decode.requests, "the request never reached decode"
+    for _ in range(400):  # bounded: until the abort lands
+        if not decode.requests:
+            break
+        time.sleep(0.025)
+    assert not decode.requests
+    assert generation_tokens(pd["decode"]) - generated < 200  # stopped well before the end
+
+
+def test_concurrent_non_streaming_requests_all_get_their_answer(pd):
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(i):
+                r = await client.post(pd["gateway"].url + "/v1/completions", json={
+                    "model": "tiny", "prompt": [8000 + i, 8001 + i, 8002 + i], "max_tokens": 2, "temperature": 0,
+                    "ignore_eos": True})
+                return r.status_code
+
+            return await asyncio.gather(*(one(i) for i in range(48)))
+
+    assert asyncio.run(run()) == [200] * 48
