@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -397,6 +398,10 @@ def test_health_models_version_and_metrics(server, client):
                  "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert name in text, name
+    # a step's phases: this request ran a prefill step and a decode step, each observed once per phase
+    for phase in ("schedule", "model", "bookkeeping"):
+        count = re.search(rf'splitserve:engine_step_phase_seconds_count{{[^}}]*phase="{phase}"[^}}]*}} (\S+)', text)
+        assert count and float(count.group(1)) >= 2, phase
     debug = client.get("/debug/kv_cache").json()
     assert debug["num_blocks"] == server.llm.num_blocks
 

@@ -135,6 +135,8 @@ class LLMEngine:
                                         config.structured_outputs_compile_timeout_s)
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
+        self._step_phases = None
+        self._last_step_end: float | None = None
         self.requests: dict[str, RequestState] = {}
         self._seq_request: dict[str, RequestState] = {}
         self._seen_prefix = (0, 0)
@@ -200,9 +202,11 @@ class LLMEngine:
     def step(self) -> bool:
         """Runs one scheduling step. Returns whether any model work was done."""
         touched: dict[str, RequestState] = {}
+        t_start = time.perf_counter()
         for seq in self.scheduler.apply_connector_events(self.connector.poll()):
             touched[seq.request_id] = self._seq_request[seq.seq_id]
         out = self.scheduler.schedule()
+        t_scheduled = t_model = time.perf_counter()
         for seq in out.preempted:
             touched.setdefault(seq.request_id, self._seq_request[seq.seq_id])
         if out.scheduled:
@@ -217,13 +221,28 @@ class LLMEngine:
                         seq.new_logprobs.append(lp)
             for seq_id, (first, rows) in logits.prompt_logits.items():
                 self._record_prompt_logprobs(self._seq_by_id(seq_id), first, rows)
+            t_model = time.perf_counter()
             self.scheduler.update_after_step(out, sampled)
             for s in out.scheduled:
                 touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])
         for state in touched.values():
             self._emit(state)
         self._update_gauges()
+        if out.scheduled:
+            self._observe_step(t_start, t_scheduled, t_model, time.perf_counter())
         return bool(out.scheduled)
+
+    def _observe_step(self, start: float, scheduled: float, modeled: float, end: float) -> None:
+        phases = self._step_phases
+        if phases is None:
+            phases = self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
+                                          for name in ("idle", "schedule", "model", "bookkeeping")}
+        if self._last_step_end is not None:
+            phases["idle"].observe(start - self._last_step_end)
+        phases["schedule"].observe(scheduled - start)
+        phases["model"].observe(modeled - scheduled)
+        phases["bookkeeping"].observe(end - modeled)
+        self._last_step_end = end
 
     def _seq_by_id(self, seq_id: str) -> Sequence:
         state = self._seq_request[seq_id]

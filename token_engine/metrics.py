@@ -10,6 +10,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
 class EngineMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -36,6 +39,10 @@ class EngineMetrics:
                                    registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", labels,
                                    registry=r)
+        # Where a step's time goes: `model` runs from the forward's launch to the sampled tokens on the host
+        # (GPU time included); `schedule` and `bookkeeping` are host work; `idle` is loop time between steps.
+        self.step_phase = Histogram("splitserve:engine_step_phase_seconds", "Time of one engine step, by phase.",
+                                    labels + ["phase"], buckets=_STEP_BUCKETS, registry=r)
         self.model_name = model_name
         # Children for the per-token hot path (labels() takes a lock and a dict lookup per call).
         self.ttft_l = self.label(self.ttft)
