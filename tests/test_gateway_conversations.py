@@ -492,3 +492,40 @@ def test_concurrent_non_streaming_requests_all_get_their_answer(pd):
             return await asyncio.gather(*(one(i) for i in range(48)))
 
     assert asyncio.run(run()) == [200] * 48
+
+
+# ------------------------------------- decode out of blocks: unread turn holds give way (engine side)
+
+
+def test_decode_out_of_blocks_gives_up_unread_turn_holds_instead_of_queueing_behind_them(tmp_path, monkeypatch):
+    from tests.engine_harness import finish_request, write_tiny_qwen3
+    from token_engine.engine import LLMEngine
+    from token_engine.sequence import SamplingOptions
+
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    greedy, prefill_only = SamplingOptions(temperature=0.0, max_tokens=6), SamplingOptions(temperature=0.0, max_tokens=1)
+    model = write_tiny_qwen3(tmp_path / "tiny")
+    p = LLMEngine(engine_config(model, kv_transfer_config=kv_config("oob-prefill")))
+    # 24 blocks of 4 tokens: room for four held turns of 14 + 6 tokens (5 blocks each), not for a fifth
+    d = LLMEngine(engine_config(model, num_gpu_blocks_override=24, max_model_len=64,
+                                kv_transfer_config=kv_config("oob-decode")))
+    c = LLMEngine(engine_config(model))
+    try:
+        for i in range(8):  # no conversation continues: every turn's hold stays unread
+            prompt = [1000 + 50 * i + j for j in range(14)]
+            _, pu = finish_request(p, [d], f"oob{i}-p", prompt, prefill_only, {"do_remote_decode": True})
+            out, du = finish_request(d, [p], f"oob{i}-d", prompt, greedy, pu.kv_transfer_params)
+            assert du.error is None and out == c.generate([prompt], greedy)[0]
+        assert 0 < len(d.scheduler.held_by_connector) < 8  # the oldest holds were given up, the newest kept
+        # the newest turn is still there for its conversation's next prefill
+        held = du.kv_transfer_params
+        reads_before = p.connector.stats()["kv_transfer_reads"]
+        _, pu = finish_request(p, [d], "oob7-next", prompt + out + [5, 6, 7], prefill_only,
+                               {**held, "do_remote_decode": True, "do_remote_prefill": False})
+        assert pu.error is None and p.connector.stats()["kv_transfer_reads"] == reads_before + 1
+    finally:
+        p.shutdown()
+        d.shutdown()
+        torch.set_num_threads(threads)

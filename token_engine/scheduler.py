@@ -124,6 +124,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
+    def _release_turn_hold(self) -> bool:
+        """Out of blocks: free the oldest turn the connector holds only for a possible next-turn reuse (before
+        refusing or preempting anyone; unread holds would otherwise fill the pool until their TTL)."""
+        seq_id = self.connector.release_turn_hold()
+        if seq_id is None:
+            return False
+        held = self.held_by_connector.pop(seq_id, None)
+        if held is not None:
+            self.bm.free_blocks(held)
+        return True
+
     # ---- connector events -------------------------------------------------------------------------
     def apply_connector_events(self, events: ConnectorEvents) -> list[Sequence]:
         """Move loaded sequences back to waiting, handle failures, free blocks peers are done with.
@@ -168,6 +179,8 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, num_new):
+                if self._release_turn_hold():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -214,9 +227,10 @@ class Scheduler:
             external -= 1
             num_new = 1
         if fresh:
-            if not self.bm.can_admit(seq, cached, external + num_new):
-                self._remote_checked.discard(seq.seq_id)  # the next attempt must ask the connector again
-                return None
+            while not self.bm.can_admit(seq, cached, external + num_new):
+                if not self._release_turn_hold():
+                    self._remote_checked.discard(seq.seq_id)  # the next attempt must ask the connector again
+                    return None
             self.bm.take_cached_blocks(seq, cached)
             if seq.num_preemptions == 0:
                 self.bm.record_prefix_lookup(seq.num_tokens, len(cached) * self.bm.block_size)

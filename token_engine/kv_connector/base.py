@@ -58,6 +58,10 @@ class KVConnector(Protocol):
 
     def poll(self) -> ConnectorEvents: ...
 
+    def release_turn_hold(self) -> str | None:
+        """Give up the oldest KV held only for a possible later reuse; its request id, or None."""
+        ...
+
     def has_inflight_transfers(self) -> bool: ...
 
     def stats(self) -> dict[str, float]:
@@ -90,6 +94,9 @@ class NoOpKVConnector:
 
     def poll(self):
         return ConnectorEvents()
+
+    def release_turn_hold(self):
+        return None
 
     def has_inflight_transfers(self):
         return False

@@ -33,6 +33,7 @@ import logging
 import socket
 import time
 from array import array
+from collections import OrderedDict
 
 from token_engine.kv_connector.base import ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
@@ -105,6 +106,7 @@ class NixlConnector:
         self.heartbeat_interval_s = self.config.lease_duration_s / 3
         self.heartbeats_sent = 0
         self._lease_epochs: dict[str, int] = {}  # prefill: seq_id -> epoch of its lease
+        self._turn_holds: OrderedDict[str, int] = OrderedDict()  # decode: turns held for a next prefill, oldest first
 
     # -- worker side ------------------------------------------------------------------------------------
 
@@ -218,6 +220,8 @@ class NixlConnector:
         held = block_ids[:-(-num_tokens // self.block_size)]
         lease = self.handoff.hold(seq.seq_id, held, duration_s)
         self._lease_epochs[seq.seq_id] = lease.epoch
+        if for_prefill:
+            self._turn_holds[seq.seq_id] = lease.epoch
         return True, {
             # Decode's end-of-turn params describe its blocks; the caller sets do_remote_decode for prefill.
             "do_remote_prefill": not for_prefill,
@@ -232,6 +236,18 @@ class NixlConnector:
             "remote_lease_epoch": lease.epoch,
             "remote_token_hash": token_hash(seq.token_ids[:num_tokens]),
         }
+
+    def release_turn_hold(self) -> str | None:
+        """Decode out of blocks: give up the oldest turn held for a conversation's next prefill (reuse only
+        saves that prefill work; it recomputes without) rather than queue new requests behind unread holds.
+        Returns the released request's id, whose blocks the caller frees; None when nothing can go."""
+        while self._turn_holds and self.handoff is not None:
+            seq_id, epoch = self._turn_holds.popitem(last=False)
+            # reader "": refused while a prefill's READ has pinned the lease (its end frees it through poll)
+            if self.handoff.leases.release(seq_id, epoch, reader="") is not None:
+                self._lease_epochs.pop(seq_id, None)
+                return seq_id
+        return None
 
     def _abandon(self, params: dict, seq) -> None:
         try:
@@ -252,6 +268,7 @@ class NixlConnector:
         self._send_heartbeats()
         polled = self.handoff.poll()
         for lease in polled.freed:
+            self._turn_holds.pop(lease.request_id, None)
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
                 del self._lease_epochs[lease.request_id]
                 events.finished_sending.add(lease.request_id)
