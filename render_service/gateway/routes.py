@@ -294,37 +294,38 @@ class GatewayStream:
         self.choices = choices
 
     async def __call__(self, scope, receive, send) -> None:
-        # The events are written from this task; one watcher task cancels it if the client goes away
-        # (a second task for the writer and asyncio.wait over both cost more per request than the rest).
+        # The events are written by their own task, whose await chain is short: a wake-up per engine event
+        # resumes only its frames, not uvicorn's and the middleware's above this one. This task watches the
+        # client meanwhile; uvicorn answers http.disconnect once the response is complete, and the writer's
+        # done-callback ends the watch if it stops first (a failure, or a server that keeps receive() open).
         task = asyncio.current_task()
-        gone = False
+        writer = asyncio.get_running_loop().create_task(self._write(send))
+        watching = True
 
-        async def client_gone() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            # (uvicorn also answers http.disconnect once the response is complete; this task cancels the
-            # watcher before that: there is no await between the last send and the finally below)
-            gone = True
-            task.cancel()
+        def writer_done(_: asyncio.Task) -> None:
+            if watching:
+                task.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(client_gone())
+        writer.add_done_callback(writer_done)
         try:
-            await self._write(send)
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            if hasattr(task, "uncancel"):  # the cancellation was ours and is handled: this task goes on
-                task.uncancel()
-            self.gateway.abort_soon(self.call)
-        except OSError:
-            pass
-        except Exception:
-            logger.exception("gateway stream failed")
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except asyncio.CancelledError:
+                if not writer.done():
+                    raise  # cancelled from outside (shutdown)
+                if hasattr(task, "uncancel"):  # ours, from writer_done: handled
+                    task.uncancel()
         finally:
-            watcher.cancel()
+            watching = False
+            if not writer.done():  # the client went away mid-stream, or shutdown
+                self.gateway.abort_soon(self.call)
+                writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
             await _close_quietly(self.events)
             await _close_quietly(self.choices)
+        if not writer.cancelled() and writer.exception() is not None and not isinstance(writer.exception(), OSError):
+            logger.error("gateway stream failed", exc_info=writer.exception())
 
     async def _write(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": list(SSE_HEADERS)})
