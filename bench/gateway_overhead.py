@@ -134,6 +134,38 @@ def start(argv: list[str], port: int, log_path: Path, cwd: Path = ROOT) -> subpr
         time.sleep(0.2)
 
 
+def _siblings(cpu: int) -> set[int]:
+    """The hardware threads sharing ``cpu``'s core (itself included), from sysfs; empty if unknown."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return set()
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pin_processes(procs: dict[str, subprocess.Popen], pin: bool | None) -> dict[str, int] | None:
+    """One core per server process (every thread) and one for this client, so that they do not share a
+    core's caches or time with each other; None when not pinned."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if pin is None:
+        pin = len(cores) >= 8
+    if not pin or len(cores) < len(procs) + 1:
+        return None
+    # One hardware thread per physical core (its SMT sibling left idle), core 0 last (interrupts, the OS).
+    physical = [c for c in cores if c == min(_siblings(c), default=c)]
+    spread = [c for c in physical if c != 0] + [c for c in cores if c not in physical and c != 0] + [0]
+    chosen = dict(zip([*procs, "client"], spread))
+    for name, proc in procs.items():
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), {chosen[name]})
+    os.sched_setaffinity(0, {chosen["client"]})
+    return chosen
+
+
 # ------------------------------------------------------------------------------------------ the floor
 
 
@@ -176,7 +208,7 @@ async def serve_floor(port: int, engine_port: int) -> None:
             self.client = None
 
         def begin(self, client: "ClientSide", body: bytes) -> None:
-            self.client, self.head, self.buf, self.tail = client, True, b"", b""
+            self.client, self.body, self.head, self.buf, self.tail = client, body, True, b"", b""
             self.transport.write(_request_head(body) + body)
 
         def data_received(self, data: bytes) -> None:
@@ -195,6 +227,11 @@ async def serve_floor(port: int, engine_port: int) -> None:
         def connection_lost(self, exc):
             if self in idle:
                 idle.remove(self)
+            if self.client is not None:  # the engine closed a kept-alive connection as we reused it
+                if self.head:
+                    loop.create_task(self.client._connect(self.body))
+                else:
+                    self.client.transport.close()
 
     class ClientSide(asyncio.Protocol):
         def connection_made(self, transport):
@@ -237,9 +274,18 @@ async def serve_floor_streams(port: int, engine_port: int) -> None:
                     continue
                 while idle and idle[-1][0].at_eof():  # the engine closes idle connections after 5 s
                     idle.pop()[1].close()
-                ereader, ewriter = idle.pop() if idle else await asyncio.open_connection("127.0.0.1", engine_port)
-                ewriter.write(_request_head(body) + body)
-                await ereader.readuntil(b"\r\n\r\n")
+                for attempt in range(2):  # a reused connection may have been closed by the engine meanwhile
+                    reused = bool(idle) and attempt == 0
+                    ereader, ewriter = idle.pop() if reused else await asyncio.open_connection("127.0.0.1",
+                                                                                                 engine_port)
+                    ewriter.write(_request_head(body) + body)
+                    try:
+                        await ereader.readuntil(b"\r\n\r\n")
+                        break
+                    except (asyncio.IncompleteReadError, ConnectionError):
+                        ewriter.close()
+                        if not reused:
+                            raise
                 first, tail = True, b""
                 while tail != BODY_END:
                     data = await ereader.read(65536)
@@ -401,6 +447,9 @@ def main() -> int:
     ap.add_argument("--compare-tree", default=None, help="also serve the gateway from this checkout (before/after)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gateway_overhead.json"))
     ap.add_argument("--logs", default=tempfile.gettempdir(), help="where the servers' logs go")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                    help="give the engine, each server and this client a core of their own (default: when the "
+                         "machine has 8 or more usable cores)")
     ap.add_argument("--serve-relay", nargs=3, metavar=("KIND", "PORT", "ENGINE_PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_relay:
@@ -441,6 +490,7 @@ def main() -> int:
                 procs[kind] = start([sys.executable, "-m", "bench.gateway_overhead", "--serve-relay", kind, str(port),
                                      str(engine_port)], port, logs / f"{kind}.log")
                 urls[kind] = f"http://127.0.0.1:{port}"
+            pinned = pin_processes(procs, args.pin)
             rendered = httpx.post(urls["gateway"] + "/v1/chat/completions/render",
                                   json={"model": "bench", "messages": MESSAGES}, timeout=60).json()
             token_ids = rendered["token_ids"]
@@ -479,7 +529,7 @@ def main() -> int:
         "setup": {"requests": n, "tokens": t, "concurrency": args.concurrency, "rounds": args.rounds,
                   "prompt_tokens": len(token_ids), "tokenizer": tok_source,
                   "model": "tiny random Qwen3, CPU engine", "parsers": "qwen3 + hermes",
-                  "compare_tree": args.compare_tree},
+                  "compare_tree": args.compare_tree, "pinned_cores": pinned},
         "median": median,
         "gateway_cpu_per_request_us": gw["per_request_us"],
         "gateway_cpu_per_token_us": gw["per_token_us"],
