@@ -238,8 +238,9 @@ def reads(server) -> int:
     return server.llm.connector.stats()["kv_transfer_reads"]
 
 
-def gateway_metric(pd, name: str) -> float:
-    text = httpx.get(pd["gateway"].url + "/metrics", timeout=30).text
+def metric_total(url: str, name: str) -> float:
+    """Sum of the samples on a server's /metrics whose line starts with ``name``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -340,10 +341,10 @@ def test_a_held_lease_gone_from_decode_falls_back_to_a_recompute(pd):
     (seq_id,) = set(decode.llm.scheduler.held_by_connector) - held_before
     # decode drops the turn's blocks before the next one comes (as when its TTL ran out, or it restarted)
     assert decode.llm.connector.handoff.release_hold(seq_id, decode.llm.connector._lease_epochs[seq_id])
-    fallbacks = gateway_metric(pd, 'splitserve_gateway_conversation_turns_total{outcome="fallback"}')
+    fallbacks = metric_total(pd["gateway"].url, 'splitserve_gateway_conversation_turns_total{outcome="fallback"}')
     prompt2 = prompt1 + out1 + [31, 32, 33]
     assert complete(pd, prompt2, "gone") == reference_output(pd, prompt2)
-    assert gateway_metric(pd, 'splitserve_gateway_conversation_turns_total{outcome="fallback"}') == fallbacks + 1
+    assert metric_total(pd["gateway"].url, 'splitserve_gateway_conversation_turns_total{outcome="fallback"}') == fallbacks + 1
 
 
 def test_an_overlong_conversation_id_is_a_400_with_the_error_envelope(pd):
@@ -448,12 +449,6 @@ def test_engine_calls_cancelled_under_a_waiting_client_are_a_502_not_a_499():
     assert isinstance(error, ApiError) and error.status == 502
 
 
-def generation_tokens(server) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
-
-
 def test_a_non_streaming_client_that_disconnects_aborts_the_engine_requests(pd):
     import socket
     import time
@@ -461,7 +456,7 @@ def test_a_non_streaming_client_that_disconnects_aborts_the_engine_requests(pd):
     decode = pd["decode"].llm
     body = json.dumps({"model": "tiny", "prompt": [7000, 7001, 7002], "max_tokens": 200, "temperature": 0,
                        "ignore_eos": True}).encode()
-    generated = generation_tokens(pd["decode"])
+    generated = metric_total(pd["decode"].url, "vllm:generation_tokens_total")
     with socket.create_connection(("127.0.0.1", pd["gateway"].port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: %d\r\n\r\n" % len(body) + body)
@@ -475,7 +470,7 @@ def test_a_non_streaming_client_that_disconnects_aborts_the_engine_requests(pd):
             break
         time.sleep(0.025)
     assert not decode.requests
-    assert generation_tokens(pd["decode"]) - generated < 200  # stopped well before the end
+    assert metric_total(pd["decode"].url, "vllm:generation_tokens_total") - generated < 200  # stopped well before the end
 
 
 def test_concurrent_non_streaming_requests_all_get_their_answer(pd):
