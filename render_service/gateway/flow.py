@@ -161,12 +161,12 @@ class Gateway:
         replica = self._pick(pool, key, tried)
         pool.acquire(replica)
         call.live[rid] = replica.url
-        kv = next_turn_prefill_params(held) if held is not None else None  # pull the conversation's last turn
+        reuse = next_turn_prefill_params(held) if held is not None else None  # pull the conversation's last turn
         try:
             try:
-                response = await self.client.generate(replica.url, _encode(prefill_request(gen, kv)), rid)
+                response = await self.client.generate(replica.url, _encode(prefill_request(gen, reuse)), rid)
             except (EngineUnavailable, EngineRejected) as exc:
-                if kv is None:
+                if reuse is None:
                     raise
                 rid = prefill_fell_back(call, rid, replica.url, exc)  # reuse failed: recompute, same replica
                 response = await self.client.generate(replica.url, _encode(prefill_request(gen)), rid)
