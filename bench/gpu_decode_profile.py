@@ -9,7 +9,8 @@ On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one 
 3. whole decode steps (CUDA graph replay + logits, as gpu_engine_bench times them) with the fused layer path
    off and on, and the largest difference of the hidden states and logits between the two;
 4. a kernel table of one graph-replayed step (torch.profiler) for each path;
-5. one mixed prefill + decode step as a loaded server runs it: wall time against kernel time, kernel table;
+5. one mixed prefill + decode step as a loaded server runs it: wall time against kernel time, kernel table,
+   and steps whose chunk shape is new each time, with and without cuDNN among the prefill SDPA backends;
 6. first-call times of the mixed-step decode attention for 1..N decoding sequences after attention_cuda.warm_up
    (ModelRunner's start-up warm-up): a call that still compiles shows as hundreds of milliseconds.
 
@@ -272,6 +273,31 @@ def mixed_step(model, block_size: int = 16, decodes: int = 62, context: int = 10
             model.compute_logits(hidden[-(decodes + 2):])
 
         result["wall_ms"] = engine_bench.cuda_time_ms(step, iters=10, warmup=3)
+        # as under load, every step a chunk of another length after another context: a backend that plans
+        # per shape pays its planning on each of these (with and without cuDNN among the allowed backends)
+        from torch.nn.attention import SDPBackend
+
+        from token_engine import attention_cuda
+
+        chosen = list(attention_cuda.PREFILL_SDPA_BACKENDS)
+        for label, backends in (("with_cudnn", [SDPBackend.CUDNN_ATTENTION] + chosen), ("without_cudnn", chosen)):
+            attention_cuda.PREFILL_SDPA_BACKENDS = backends
+            times = []
+            for i in range(6):
+                chunk = 900 + 7 * i + (0 if label == "with_cudnn" else 3)  # shapes neither run has seen
+                q_lens[-1], seq_lens[-1] = chunk, 1024 + chunk
+                n_pos = len(positions) - 962
+                step_ids, step_pos = ids[: n_pos + chunk], pos[: n_pos + chunk].clone()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                meta = build_metadata(q_lens, seq_lens, tables, block_size, "cuda")
+                model.compute_logits(model(step_ids, step_pos, meta, pool)[-(decodes + 2):])
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            result[f"new_shape_steps_ms_{label}"] = times
+            print(json.dumps({f"new_shape_steps_ms_{label}": [round(t, 1) for t in times]}), flush=True)
+        attention_cuda.PREFILL_SDPA_BACKENDS = chosen
+        q_lens[-1], seq_lens[-1] = 962, 1024 + 962
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()

@@ -25,11 +25,16 @@ import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Decode: tokens per inner iteration, and a target of programs in flight (H200: 132 SMs).
 DECODE_BLOCK_N = 64
 TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
+# Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's
+# length and context change from step to step under load, so steps took 0.1-2.5 s instead of ~50 ms on an
+# H200 (bench/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @triton.jit
@@ -277,15 +282,16 @@ def _prefill_one(q, k, v, scale, sliding_window):
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
-    if sliding_window is None and ctx == n:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        if sliding_window is None and ctx == n:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -37,3 +37,5 @@ $PY -m bench.cli serve --base-url http://127.0.0.1:8200 --endpoint /v1/completio
   --dataset-name random --random-input-len 1024 --random-output-len 128 --num-prompts 128 --request-rate inf \
   --max-concurrency 64 --ignore-eos --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
   --save-result --result-dir "$OUT" --result-filename h200_c64.json --label h200-c64 --disable-tqdm
+$PY -c "import httpx; print(httpx.get('http://127.0.0.1:8100/metrics').text)" > "$OUT/engine_metrics.txt"
+grep -E '^splitserve:engine_step_phase_seconds_(sum|count)' "$OUT/engine_metrics.txt"
