@@ -84,11 +84,13 @@ class _Conn(asyncio.Protocol):
 
     async def read(self) -> bytes:
         """Everything that has arrived, waiting for something if nothing has; b"" once the server closed."""
-        if not self.buf:
-            if self.eof:
-                return b""
+        if not self.buf and not self.eof:
             self.waiter = self.loop.create_future()
             await self.waiter
+        return self.take()
+
+    def take(self) -> bytes:
+        """Everything that has arrived (b"" if nothing has)."""
         data, self.buf = self.buf, b""
         if self.paused:
             self.paused = False
@@ -138,7 +140,12 @@ class Response:
             if self._chunked:
                 body = ChunkedDecoder()
                 while not body.done:
-                    data = await conn.read()
+                    # conn.read(), inline: this loop turns once per engine event, and every frame on the
+                    # way down to the waiter is entered again when the event arrives
+                    if not conn.buf and not conn.eof:
+                        conn.waiter = conn.loop.create_future()
+                        await conn.waiter
+                    data = conn.take()
                     if not data:
                         raise asyncio.IncompleteReadError(body.pending, None)
                     chunks = body.feed(data)
