@@ -335,33 +335,42 @@ async def stream_gateway(client: httpx.AsyncClient, url: str, max_tokens: int) -
     return events
 
 
-async def run_phase(url: str, chat: bool, n: int, concurrency: int, max_tokens: int, token_ids: list[int]) -> float:
+async def run_phase(url: str, chat: bool, n: int, concurrency: int, max_tokens: int,
+                    token_ids: list[int]) -> tuple[float, int]:
+    """(wall seconds, data events the client received)."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         queue = list(range(n))
+        events = 0
 
         async def worker() -> None:
+            nonlocal events
             while queue:
                 queue.pop()
                 if chat:
-                    await stream_gateway(client, url, max_tokens)
+                    got = await stream_gateway(client, url, max_tokens)
                 else:
-                    await stream_direct(client, url, token_ids, max_tokens)
+                    got = await stream_direct(client, url, token_ids, max_tokens)
+                events += got  # (not `events += await ...`: that reads events before the await)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - started
+        return time.perf_counter() - started, events
 
 
 def measure(target: str, url: str, n: int, concurrency: int, max_tokens: int, procs: dict,
             token_ids: list[int]) -> dict:
     before = {name: cpu_seconds(p.pid) for name, p in procs.items()}
     try:
-        wall = asyncio.run(run_phase(url, target.startswith("gateway"), n, concurrency, max_tokens, token_ids))
+        wall, events = asyncio.run(run_phase(url, target.startswith("gateway"), n, concurrency, max_tokens,
+                                             token_ids))
     except Exception as exc:
         raise SystemExit(f"{target} (max_tokens {max_tokens}) failed: {type(exc).__name__}: {exc}") from exc
     after = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+    # Events per request: the engine sends one per token (plus none for [DONE]); the gateway one per token
+    # plus its role and usage chunks, fewer when it coalesced events it fell behind on.
     return {"target": target, "max_tokens": max_tokens, "requests": n, "wall_s": round(wall, 3),
+            "events_per_request": round(events / n, 2),
             "cpu_s": {name: round(after[name] - before[name], 4) for name in procs}}
 
 
