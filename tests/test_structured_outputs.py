@@ -124,6 +124,16 @@ def test_json_schema_output_validates_against_the_schema(llm, tokenizer, samplin
     jsonschema.validate(value, PERSON)
 
 
+def test_logprobs_report_the_unconstrained_model_distribution(llm):
+    # raw logprobs (vLLM's default logprobs_mode): the grammar's forced tokens are rarely the model's own best
+    entries = []
+    llm.add_request("lp", PROMPT, options({"json": PERSON, **COMPACT}, logprobs=1),
+                    on_update=lambda u: entries.extend(e for d in u.deltas for e in d.logprobs))
+    step_until([llm], lambda: "lp" not in llm.requests, max_steps=200)
+    assert entries and all(e.rank >= 1 and e.logprob <= e.top[0][1] for e in entries)
+    assert any(e.rank > 1 for e in entries)  # a masked-out token outranked the one the grammar allowed
+
+
 def test_json_schema_given_as_a_string_is_the_same_constraint(llm, tokenizer):
     as_dict = run(llm, {"d": (PROMPT, options({"json": PERSON, **COMPACT}), 1)})["d"]
     as_text = run(llm, {"s": (PROMPT, options({"json": json.dumps(PERSON), **COMPACT}), 1)})["s"]
