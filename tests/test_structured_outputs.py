@@ -342,6 +342,20 @@ def test_bad_specs_get_an_openai_error_body_over_http(server, structured, fragme
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_constraints_that_leave_no_token_are_a_400_over_http(server):
+    # the request's own allowed_token_ids disagree with its grammar on every token: its fault, not the engine's
+    with server.client() as c:
+        body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 5, "allowed_token_ids": [15],
+                                                         "structured_outputs": {"choice": ["yes"]}}}
+        r = c.post("/inference/v1/generate", json=body)
+        assert r.status_code == 400, r.text
+        assert "not allowed by the grammar" in r.json()["error"]["message"]
+        streamed = c.post("/inference/v1/generate", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert streamed.status_code == 200 and events[-1]["error"]["code"] == 400
+
+
 def test_http_streamed_and_batched_constrained_outputs_agree(server, tokenizer):
     spec = {"json": PERSON, **COMPACT}
     with server.client() as c:

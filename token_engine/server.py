@@ -24,6 +24,7 @@ from starlette.routing import Route
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
 from token_engine.kv_connector.base import KV_LOAD_FAILED
+from token_engine.scheduler import GRAMMAR_VIOLATION
 from token_engine.sequence import TokenLogprob
 from token_engine.structured import GrammarError
 from token_engine.validation import RequestError, validate_generate_request
@@ -47,8 +48,12 @@ def _clamp(value: float) -> float:
 
 
 def error_status(engine_error: str) -> int:
-    """A failed KV handoff is the upstream (prefill) engine's failure: 502, not an internal error."""
-    return 502 if engine_error.startswith(KV_LOAD_FAILED) else 500
+    """A failed KV handoff is the upstream (prefill) engine's failure: 502, not an internal error. Constraints
+    that leave no token (the request's own allowed_token_ids or min_tokens against its grammar) are the
+    request's fault: 400."""
+    if engine_error.startswith(KV_LOAD_FAILED):
+        return 502
+    return 400 if engine_error == GRAMMAR_VIOLATION else 500
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
