@@ -63,13 +63,13 @@ MESSAGES = [
 ]
 
 
-def tokenizer_dir() -> tuple[Path, str]:
+def tokenizer_dir(builtin: bool = False) -> tuple[Path, str]:
     """(directory with tokenizer.json + tokenizer_config.json, where it came from)."""
     candidates = []
     if os.environ.get("SPLITSERVE_FIXTURES"):
         candidates.append(Path(os.environ["SPLITSERVE_FIXTURES"]) / "qwen3-0.6b")
     candidates += [ROOT.parent / "shared/fixtures/qwen3-0.6b", Path("/work/shared/fixtures/qwen3-0.6b")]
-    for path in candidates:
+    for path in [] if builtin else candidates:
         if (path / "tokenizer.json").exists():
             return path, str(path)
     from render_service.default_bundle import default_bundle_dir
@@ -456,6 +456,8 @@ def main() -> int:
     ap.add_argument("--compare-tree", default=None, help="also serve the gateway from this checkout (before/after)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gateway_overhead.json"))
     ap.add_argument("--logs", default=tempfile.gettempdir(), help="where the servers' logs go")
+    ap.add_argument("--builtin-bundle", action="store_true",
+                    help="use the built-in default bundle's tokenizer and template even where fixtures exist")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                     help="give the engine, each server and this client a core of their own (default: when the "
                          "machine has 8 or more usable cores)")
@@ -469,7 +471,7 @@ def main() -> int:
     from token_engine.random_model import write_random_model
 
     info = machine()
-    tok_dir, tok_source = tokenizer_dir()
+    tok_dir, tok_source = tokenizer_dir(args.builtin_bundle)
     logs = Path(args.logs)
     n, t = args.requests, args.tokens
     procs: dict[str, subprocess.Popen] = {}
