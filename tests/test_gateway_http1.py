@@ -134,7 +134,8 @@ async def with_server(handle, body):
 
 def test_the_pool_streams_chunks_and_reuses_the_connection():
     raw = chunked_response([b"data: 1\n\n", b"data: 2\n\n"])
-    handle, seen = serve([[raw[:20], raw[20:60], raw[60:]], [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel", b"lo"]])
+    plain = [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel", b"lo"]
+    handle, seen = serve([[raw[:20], raw[20:60], raw[60:]], plain])
 
     async def body(pool, url):
         first = await pool.post(url, b'{"a": 1}', {"content-type": "application/json"})
