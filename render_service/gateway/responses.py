@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import msgspec
-from msgspec import UNSET
 
 from render_service.derender import (
     pipeline_config,
@@ -238,9 +237,8 @@ class ChatResponder(_Responder):
             parts = self._envelopes[(key, channel)] = _envelope(self, key, channel)
         return _encode(text).join(parts)
 
-    def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice,
-                      taken: tuple[int, ChoiceOutput, bool] | None = None) -> list[ChatCompletionStreamResponse]:
-        key, out, new = taken or self.choice(prompt_index, choice.index)
+    def stream_chunks(self, prompt_index: int, choice: GenerateStreamChoice) -> list[ChatCompletionStreamResponse]:
+        key, out, new = self.choice(prompt_index, choice.index)
         if out.done:
             return []
         chunks = []
