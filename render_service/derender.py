@@ -16,7 +16,7 @@ from msgspec import UNSET
 from render_service.errors import ApiError, bad_request
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.parsers.base import ToolSpec
-from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
+from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, derender_all
 from render_service.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -25,6 +25,9 @@ from render_service.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
     DerenderChatRequest,
     DerenderCompletionRequest,
     FunctionCall,
@@ -225,6 +228,21 @@ def put_reasoning(message: Any, reasoning: str | None, field: str) -> None:
     message.reasoning = reasoning if "reasoning" in keys else UNSET
     if "reasoning_content" in keys:
         message.reasoning_content = reasoning
+
+
+def delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage:
+    """A pipeline step's delta as an OpenAI stream delta (content, reasoning under the configured key, tool
+    calls): shared by streaming derender and the gateway."""
+    message = DeltaMessage(content=delta.content)
+    put_reasoning(message, delta.reasoning, reasoning_field)
+    if delta.tool_calls:
+        message.tool_calls = [
+            DeltaToolCall(index=c["index"], id=c.get("id"), type=c.get("type"),
+                          function=DeltaFunctionCall(name=c["function"].get("name"),
+                                                     arguments=c["function"].get("arguments")))
+            for c in delta.tool_calls
+        ]
+    return message
 
 
 def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any = None) -> ChatCompletionResponse:

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from render_service.derender import (
+    delta_message,
     pipeline_config,
     put_reasoning,
     resolve_chat_logprobs,
@@ -36,9 +37,7 @@ from render_service.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     FunctionCall,
     GenerateRequest,
     GenerateStreamChoice,
@@ -443,18 +442,7 @@ def coalesce(items: list[tuple[int, GenerateStreamChoice]]) -> list[tuple[int, G
 
 
 def _delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage | None:
-    if delta.is_empty():
-        return None
-    message = DeltaMessage(content=delta.content)
-    put_reasoning(message, delta.reasoning, reasoning_field)
-    if delta.tool_calls:
-        message.tool_calls = [
-            DeltaToolCall(index=c["index"], id=c.get("id"), type=c.get("type"),
-                          function=DeltaFunctionCall(name=c["function"].get("name"),
-                                                     arguments=c["function"].get("arguments")))
-            for c in delta.tool_calls
-        ]
-    return message
+    return None if delta.is_empty() else delta_message(delta, reasoning_field)
 
 
 

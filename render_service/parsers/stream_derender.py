@@ -22,9 +22,9 @@ import msgspec
 from render_service.derender import (
     PARSER_NEEDS_CHAT_REQUEST,
     check_fingerprint,
+    delta_message,
     fingerprint_sent,
     pipeline_config,
-    put_reasoning,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
     returns_token_ids,
@@ -39,9 +39,6 @@ from render_service.protocol import (
     ChatCompletionStreamResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
     DerenderChatStreamRequest,
     DerenderChatStreamResponse,
     DerenderCompletionStreamRequest,
@@ -372,18 +369,10 @@ def derender_chat_stream(
     session = _open_session(pipeline, req.stream_state, prompt_ids, binding, runtime, config, parser_path)
     delta = _step(session, ids, choice.finish_reason)
     state = session.state
-    message = DeltaMessage(content=delta.content)
-    put_reasoning(message, delta.reasoning, config.reasoning_field)
+    message = delta_message(delta, config.reasoning_field)
     if not state.role_sent:
         message.role = "assistant"
         state.role_sent = True
-    if delta.tool_calls:
-        message.tool_calls = [
-            DeltaToolCall(index=c["index"], id=c.get("id"), type=c.get("type"),
-                          function=DeltaFunctionCall(name=c["function"].get("name"),
-                                                     arguments=c["function"].get("arguments")))
-            for c in delta.tool_calls
-        ]
     logprobs = None
     if choice.logprobs is not None and pcfg.include_reasoning:
         context = list(state.logprob_context)
