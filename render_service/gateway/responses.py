@@ -177,8 +177,17 @@ class _Responder:
     def final_usage(self) -> UsageInfo:
         return _usage(self.prompt_tokens, self.completion_tokens())
 
+    def usage_chunk(self) -> ChatCompletionStreamResponse | CompletionStreamResponse | None:
+        """The stream's usage-only chunk (stream_options.include_usage), in the endpoint's chunk type."""
+        if not self.include_usage:
+            return None
+        return self.stream_response(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                    usage=self.final_usage())
+
 
 class ChatResponder(_Responder):
+    stream_response = ChatCompletionStreamResponse
+
     def __init__(self, gen: GenerateRequest, req: ChatCompletionRequest, config: RenderConfig) -> None:
         super().__init__([gen], config, gen.model or config.model_name, gen.request_id, gen.stream_options)
         self.req = req
@@ -279,12 +288,6 @@ class ChatResponder(_Responder):
                 chunk.prompt_token_ids = self.gens[0].token_ids
         return chunk
 
-    def usage_chunk(self) -> ChatCompletionStreamResponse | None:
-        if not self.include_usage:
-            return None
-        return ChatCompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                            usage=self.final_usage())
-
     # non-streaming --------------------------------------------------------------------------------
 
     def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
@@ -327,6 +330,8 @@ class ChatResponder(_Responder):
 
 
 class CompletionResponder(_Responder):
+    stream_response = CompletionStreamResponse
+
     def __init__(self, gens: list[GenerateRequest], req: CompletionRequest, config: RenderConfig,
                  response_id: str) -> None:
         super().__init__(gens, config, gens[0].model or config.model_name, response_id, gens[0].stream_options)
@@ -380,12 +385,6 @@ class CompletionResponder(_Responder):
         if self.continuous:
             chunk.usage = _usage(len(self.gens[prompt_index].token_ids), out.tokens)
         return [chunk]
-
-    def usage_chunk(self) -> CompletionStreamResponse | None:
-        if not self.include_usage:
-            return None
-        return CompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                        usage=self.final_usage())
 
     def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
         key, out, _ = self.choice(prompt_index, choice.index)
