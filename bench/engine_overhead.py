@@ -34,6 +34,27 @@ def timed_ms(fn, device: str, iters: int) -> float:
     return statistics.median(samples)
 
 
+def random_engine(device: str, arch_name: str, preset: str, dtype: str, max_model_len: int, max_batch: int,
+                  context: int):
+    """(LLMEngine, ModelArch) over a random-weight model of a preset's shape, sized for max_batch sequences
+    of max_model_len tokens (all of it in KV blocks on CPU) and a prefill of every prompt in one step."""
+    from token_engine.engine import EngineConfig, LLMEngine
+    from token_engine.models import build_model
+    from token_engine.models.arch import arch_from_config, parse_dtype
+    from token_engine.random_model import random_model_config, randomize_parameters_
+
+    config, generation = random_model_config(arch_name, preset)
+    arch = arch_from_config(config, generation, parse_dtype(dtype))
+    model = build_model(arch, device)
+    randomize_parameters_(model)
+    engine = LLMEngine(EngineConfig(
+        model=f"random-{preset}", device=device, max_model_len=max_model_len, max_num_seqs=max_batch,
+        max_num_batched_tokens=max(8192, context + max_batch),
+        num_gpu_blocks_override=None if device == "cuda" else -(-max_model_len * max_batch // 16) + 16,
+    ), model=model)
+    return engine, arch
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -49,24 +70,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from token_engine.engine import EngineConfig, LLMEngine
-    from token_engine.models import build_model
-    from token_engine.models.arch import arch_from_config, parse_dtype
-    from token_engine.random_model import random_model_config, randomize_parameters_
     from token_engine.scheduler import ScheduledSequence
     from token_engine.sequence import SamplingOptions
 
     batches = [int(b) for b in args.batches.split(",")]
-    config, generation = random_model_config(args.arch, args.preset)
-    arch = arch_from_config(config, generation, parse_dtype(args.dtype))
-    model = build_model(arch, args.device)
-    randomize_parameters_(model)
-    max_model_len = args.context + 4 * args.iters + 64
-    engine = LLMEngine(EngineConfig(
-        model=f"random-{args.preset}", device=args.device, max_model_len=max_model_len, max_num_seqs=max(batches),
-        max_num_batched_tokens=max(8192, args.context + max(batches)),
-        num_gpu_blocks_override=None if args.device == "cuda" else -(-max_model_len * max(batches) // 16) + 16,
-    ), model=model)
+    engine, arch = random_engine(args.device, args.arch, args.preset, args.dtype,
+                                 args.context + 4 * args.iters + 64, max(batches), args.context)
     runner = engine.runner
     prompt = [(7 * i) % arch.vocab_size for i in range(args.context)]
     greedy = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=10**6,

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from bench.engine_overhead import timed_ms
+from bench.engine_overhead import random_engine, timed_ms
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
@@ -36,24 +36,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from render_service.default_bundle import default_bundle_dir
-    from token_engine.engine import EngineConfig, LLMEngine
-    from token_engine.models import build_model
-    from token_engine.models.arch import arch_from_config, parse_dtype
-    from token_engine.random_model import random_model_config, randomize_parameters_
     from token_engine.sequence import SamplingOptions
     from token_engine.structured import GrammarCompiler, parse_structured_outputs
 
     batches = [int(b) for b in args.batches.split(",")]
-    config, generation = random_model_config(args.arch, args.preset)
-    arch = arch_from_config(config, generation, parse_dtype(args.dtype))
-    model = build_model(arch, args.device)
-    randomize_parameters_(model)
-    max_model_len = args.context + 2 * (args.iters + 16) + 64
-    engine = LLMEngine(EngineConfig(
-        model=f"random-{args.preset}", device=args.device, max_model_len=max_model_len, max_num_seqs=max(batches),
-        max_num_batched_tokens=max(8192, args.context + max(batches)),
-        num_gpu_blocks_override=None if args.device == "cuda" else -(-max_model_len * max(batches) // 16) + 16,
-    ), model=model)
+    engine, arch = random_engine(args.device, args.arch, args.preset, args.dtype,
+                                 args.context + 2 * (args.iters + 16) + 64, max(batches), args.context)
     engine.grammars = GrammarCompiler(default_bundle_dir(), arch.vocab_size, sorted(engine.eos_token_ids))
     spec = parse_structured_outputs({"json": SCHEMA})
     free = SamplingOptions(temperature=1.0, seed=0, max_tokens=10**6, ignore_eos=True)
