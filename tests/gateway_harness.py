@@ -53,18 +53,30 @@ CHAINS = [
 ]
 
 
-def write_scripted_qwen3(out_dir) -> Path:
-    """A tiny float32 Qwen3 directory (with the real Qwen3 tokenizer) that follows CHAINS."""
+def write_passthrough_qwen3(out_dir) -> tuple[Path, dict]:
+    """A tiny float32 Qwen3 directory (real Qwen3 tokenizer) whose layers add nothing to the residual stream
+    (o and down projections zero, norms one), so its logits are lm_head @ norm(embedding of the last token).
+    Returns the directory and its tensors, for the caller to script the embedding and head and save_scripted."""
     out = write_random_model(out_dir, arch="qwen3", preset="tiny", overrides={"tie_word_embeddings": False},
                              tokenizer_dir=QWEN3_TOKENIZER, dtype="float32")
-    path = out / "model.safetensors"
-    tensors = load_file(str(path))
-    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    tensors = load_file(str(out / "model.safetensors"))
     for name, t in tensors.items():
         if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
             t.zero_()
         if name.endswith("norm.weight"):
             t.fill_(1.0)
+    return out, tensors
+
+
+def save_scripted(out: Path, tensors: dict) -> Path:
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def write_scripted_qwen3(out_dir) -> Path:
+    """A tiny float32 Qwen3 directory (with the real Qwen3 tokenizer) that follows CHAINS."""
+    out, tensors = write_passthrough_qwen3(out_dir)
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
     embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
     head.zero_()  # only chain successors can win; ties elsewhere resolve to one fixed token
     nodes = sorted({t for chain in CHAINS for t in chain})
@@ -76,8 +88,7 @@ def write_scripted_qwen3(out_dir) -> Path:
     for chain in CHAINS:
         for a, b in zip(chain, chain[1:]):
             head[b][axis[a]] = 4.0  # after the final RMSNorm the axis is sqrt(hidden): logit 32 vs 0
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return out
+    return save_scripted(out, tensors)
 
 
 def free_port() -> int:

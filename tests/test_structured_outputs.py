@@ -468,26 +468,16 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def write_preferring_qwen3(out_dir):
-    import torch
-    from safetensors.torch import load_file, save_file
+    from tests.gateway_harness import save_scripted, write_passthrough_qwen3
 
-    out = write_random_model(out_dir, arch="qwen3", preset="tiny", overrides={"tie_word_embeddings": False},
-                             tokenizer_dir=QWEN3_TOKENIZER, dtype="float32")
-    path = out / "model.safetensors"
-    tensors = load_file(str(path))
-    for name, t in tensors.items():
-        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-            t.zero_()
-        if name.endswith("norm.weight"):
-            t.fill_(1.0)
+    out, tensors = write_passthrough_qwen3(out_dir)
     embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
     embed.zero_()
     embed[:, 0] = 1.0
     head.zero_()
     for token, weight in PREFERRED.items():
         head[token, 0] = weight
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return out
+    return save_scripted(out, tensors)
 
 
 @pytest.fixture(scope="module")
