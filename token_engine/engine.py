@@ -135,7 +135,8 @@ class LLMEngine:
                                         config.structured_outputs_compile_timeout_s)
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
-        self._step_phases = None
+        self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
+                             for name in ("idle", "schedule", "model", "bookkeeping")}
         self._last_step_end: float | None = None
         self.requests: dict[str, RequestState] = {}
         self._seq_request: dict[str, RequestState] = {}
@@ -234,9 +235,6 @@ class LLMEngine:
 
     def _observe_step(self, start: float, scheduled: float, modeled: float, end: float) -> None:
         phases = self._step_phases
-        if phases is None:
-            phases = self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
-                                          for name in ("idle", "schedule", "model", "bookkeeping")}
         if self._last_step_end is not None:
             phases["idle"].observe(start - self._last_step_end)
         phases["schedule"].observe(scheduled - start)
