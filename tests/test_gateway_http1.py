@@ -190,3 +190,127 @@ def test_a_server_that_never_answers_times_out_as_http_error():
             await server.wait_closed()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------------ pushed bodies (the relay's read path)
+
+
+def gated_server(parts: list[bytes], gate: asyncio.Event, then_close: bool = False):
+    """Answers one request with ``parts[0]``, waits for ``gate``, writes the rest; optionally closes."""
+    requests: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            await reader.readexactly(length)
+            requests.append(len(requests))
+            if len(requests) > 1:  # a later request on the same connection: a short plain answer
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+                continue
+            writer.write(parts[0])
+            await writer.drain()
+            await gate.wait()
+            for part in parts[1:]:
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            if then_close:
+                break
+        writer.close()
+
+    return handle, requests
+
+
+def test_a_body_pulled_then_pushed_gives_every_chunk_once_and_the_connection_back():
+    events = [b"data: %d\n\n" % i for i in range(6)]
+    raw = chunked_response(events)
+    split = raw.index(b"data: 2")  # the pull sees events 0 and 1, the push the rest, in three writes
+
+    async def run():
+        gate = asyncio.Event()
+        handle, requests = gated_server([raw[:split], raw[split:split + 15], raw[split + 15:split + 40],
+                                         raw[split + 40:]], gate)
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+        pool = Http1Pool(connect_timeout_s=5, header_timeout_s=30)
+        try:
+            response = await pool.post(url, b"{}", {})
+            pulled = await response.next_chunks()
+            pushed: list[bytes] = []
+            ended = asyncio.get_running_loop().create_future()
+            response.push_chunks(pushed.extend, ended.set_result)
+            gate.set()
+            error = await asyncio.wait_for(ended, 10)
+            again = await (await pool.post(url, b"{}", {})).read()  # on the same, kept-alive connection
+            return pulled, pushed, error, again, list(requests), response.finished
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    pulled, pushed, error, again, requests, finished = asyncio.run(run())
+    assert pulled == events[:2] and pushed == events[2:] and error is None and finished
+    assert again == b"ok" and requests == [0, 1], "the pushed body's connection was not reused"
+
+
+def test_a_pushed_body_cut_short_ends_with_an_http_error():
+    raw = chunked_response([b"data: 1\n\n", b"data: 2\n\n"])
+
+    async def run():
+        gate = asyncio.Event()
+        handle, _ = gated_server([raw[:60], raw[60:-5]], gate, then_close=True)  # no last chunk, then a close
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        pool = Http1Pool(connect_timeout_s=5, header_timeout_s=30)
+        try:
+            response = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"{}", {})
+            pushed: list[bytes] = []
+            ended = asyncio.get_running_loop().create_future()
+            response.push_chunks(pushed.extend, ended.set_result)
+            gate.set()
+            return pushed, await asyncio.wait_for(ended, 10)
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    pushed, error = asyncio.run(run())
+    assert pushed == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert isinstance(error, HttpError) and error.started
+
+
+def test_closing_a_pushed_body_from_its_callback_stops_it():
+    events = [b"data: %d\n\n" % i for i in range(20)]
+    raw = chunked_response(events)
+
+    async def run():
+        gate = asyncio.Event()
+        head = raw.index(b"\r\n\r\n") + 4
+        handle, _ = gated_server([raw[:head]] + [raw[i:i + 12] for i in range(head, len(raw), 12)], gate)
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        pool = Http1Pool(connect_timeout_s=5, header_timeout_s=30)
+        try:
+            response = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"{}", {})
+            pushed: list[bytes] = []
+            ends: list = []
+
+            def take(chunks: list[bytes]) -> None:
+                pushed.extend(chunks)
+                response.close()  # as the relay does when a stop string matched
+
+            response.push_chunks(take, ends.append)
+            gate.set()
+            await asyncio.sleep(0.3)  # the server goes on writing; nothing more may arrive
+            return pushed, ends, response.finished, pool._idle
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    pushed, ends, finished, idle = asyncio.run(run())
+    assert 1 <= len(pushed) < len(events) and pushed == events[:len(pushed)]
+    assert ends == [] and finished and not any(idle.values()), "a closed body's connection was pooled"

@@ -18,7 +18,7 @@ import functools
 import ssl
 import time
 from collections import defaultdict
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -49,11 +49,16 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.waiter: asyncio.Future | None = None
         self.idle_since = 0.0
+        # Push mode (Response.push_chunks): what arrives goes to the sink at once, b"" once the server closed.
+        self.sink: Callable[[bytes], None] | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink(data)
+            return
         self.buf = self.buf + data if self.buf else data
         if len(self.buf) > MAX_BUFFER_BYTES and not self.paused:
             self.paused = True
@@ -72,6 +77,10 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
+        if self.sink is not None:
+            sink, self.sink = self.sink, None
+            sink(b"")
+            return
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -116,7 +125,8 @@ class _Conn(asyncio.Protocol):
 
 
 class Response:
-    """Status and headers read; the body is read with ``read()`` or ``iter_chunk_lists()``, exactly once."""
+    """Status and headers read; the body is read once, pulled (``next_chunks``, ``read``) or pushed
+    (``push_chunks``), or both: pulled first, then pushed from where the pulls stopped."""
 
     def __init__(self, pool: "Http1Pool", key: tuple, conn: _Conn, status: int, headers: dict[str, str]):
         self._pool = pool
@@ -124,54 +134,116 @@ class Response:
         self._conn: _Conn | None = conn
         self.status = status
         self.headers = headers
-        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = headers.get("content-length")
-        self._length = int(length) if length is not None and length.isdigit() else None
-        self._keep = headers.get("connection", "").lower() != "close" and (self._chunked or self._length is not None)
+        # The body's framing: chunked, Content-Length (bytes still to come), or until the server closes.
+        self._chunks = ChunkedDecoder() if chunked else None
+        self._remaining = int(length) if not chunked and length is not None and length.isdigit() else None
+        self._keep = headers.get("connection", "").lower() != "close" and (chunked or self._remaining is not None)
 
-    async def iter_chunk_lists(self) -> AsyncIterator[list[bytes]]:
-        """The body's chunks, as one list per socket read: several when the server got ahead of us, so
-        that the caller can handle them in one go (a Content-Length or close-delimited body comes as
-        the pieces read)."""
+    @property
+    def finished(self) -> bool:
+        """The body was read to its end, or abandoned."""
+        return self._conn is None
+
+    def _body_pieces(self, data: bytes) -> list[bytes]:
+        """What one read of the body brings: its whole chunks (chunked), its bytes (otherwise). b"" is the
+        server's close, which ends only a close-delimited body. Raises ValueError on a broken body."""
+        if self._chunks is not None:
+            if not data:
+                raise asyncio.IncompleteReadError(self._chunks.pending, None)
+            return self._chunks.feed(data)
+        if self._remaining is None:
+            return [data] if data else []
+        if not data and self._remaining:
+            raise asyncio.IncompleteReadError(b"", self._remaining)
+        piece = data[:self._remaining]
+        self._remaining -= len(piece)
+        if len(data) > len(piece):
+            raise ValueError("bytes after the end of a Content-Length body")
+        return [piece] if piece else []
+
+    def _body_done(self, data: bytes) -> bool:
+        if self._chunks is not None:
+            return self._chunks.done
+        return not data if self._remaining is None else self._remaining == 0
+
+    async def next_chunks(self) -> list[bytes] | None:
+        """The body's next chunks, as many as one socket read completed (several when the server got ahead
+        of us, so that the caller handles them in one go); None after the last."""
         conn = self._conn
         if conn is None:
-            return
+            return None
         try:
-            if self._chunked:
-                body = ChunkedDecoder()
-                while not body.done:
-                    # conn.read(), inline: this loop turns once per engine event, and every frame on the
-                    # way down to the waiter is entered again when the event arrives
-                    if not conn.buf and not conn.eof:
-                        conn.waiter = conn.loop.create_future()
-                        await conn.waiter
-                    data = conn.take()
-                    if not data:
-                        raise asyncio.IncompleteReadError(body.pending, None)
-                    chunks = body.feed(data)
-                    if chunks:
-                        yield chunks
-            elif self._length is not None:
-                data = b""
-                while len(data) < self._length:
-                    more = await conn.read()
-                    if not more:
-                        raise asyncio.IncompleteReadError(data, self._length)
-                    data += more
-                conn.unread(data[self._length:])
-                if self._length:
-                    yield [data[:self._length]]
-            else:
-                while True:  # body until the server closes
-                    data = await conn.read()
-                    if not data:
-                        break
-                    yield [data]
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as exc:
+            if self._remaining == 0:  # an empty Content-Length body: nothing to wait for
+                self._completed()
+                return None
+            while True:
+                # conn.read(), inline: this loop turns once per engine event
+                if not conn.buf and not conn.eof:
+                    conn.waiter = conn.loop.create_future()
+                    await conn.waiter
+                data = conn.take()
+                pieces = self._body_pieces(data)
+                if self._body_done(data):
+                    self._completed()
+                    return pieces or None
+                if pieces:
+                    return pieces
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError) as exc:
             self.close()
             raise HttpError(f"response body broken: {type(exc).__name__}: {exc}", started=True) from None
-        # The whole body was read: the connection can serve the next request.
-        self._conn = None
+
+    async def iter_chunk_lists(self) -> AsyncIterator[list[bytes]]:
+        while (chunks := await self.next_chunks()) is not None:
+            yield chunks
+
+    def push_chunks(self, on_chunks: Callable[[list[bytes]], None],
+                    on_end: Callable[["HttpError | None"], None]) -> None:
+        """From now on, hand the body's chunks to ``on_chunks`` in the connection's data callback, as they
+        arrive: no task wakes up per event. ``on_end`` follows once: None after the last chunk (the
+        connection is back in the pool by then), an HttpError if the body broke. Closing the response
+        stops the calls."""
+        conn = self._conn
+        if conn is None:
+            on_end(None)
+            return
+
+        def arrived(data: bytes) -> None:
+            try:
+                pieces = self._body_pieces(data)
+            except (asyncio.IncompleteReadError, ValueError) as exc:
+                self.close()
+                on_end(HttpError(f"response body broken: {type(exc).__name__}: {exc}", started=True))
+                return
+            done = self._body_done(data)
+            if done:
+                self._completed()
+            if pieces:
+                on_chunks(pieces)
+            if done:
+                on_end(None)
+
+        conn.sink = arrived
+        if conn.buf:  # what arrived after the last pull
+            arrived(conn.take())
+        if conn.eof and self._conn is conn:  # the server closed before the switch: its close, delivered here
+            conn.sink = None
+            arrived(b"")
+
+    def pause_reading(self) -> None:
+        """Leave the body in the kernel until ``resume_reading``: the consumer cannot keep up."""
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.resume_reading()
+
+    def _completed(self) -> None:
+        """The whole body was read: the connection can serve the next request."""
+        conn, self._conn = self._conn, None
+        conn.sink = None
         if self._keep:
             self._pool._release(self._key, conn)
         else:
@@ -183,6 +255,7 @@ class Response:
     def close(self) -> None:
         """Abandon the body: the connection cannot be reused (the engine sees the close as an abort)."""
         if self._conn is not None:
+            self._conn.sink = None
             self._conn.close()
             self._conn = None
 
