@@ -8,8 +8,11 @@ checked in both modes against the same expected answer, so greedy outputs are eq
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import socket
+import time
 
 import httpx
 import openai
@@ -276,6 +279,49 @@ def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(stack,
     assert _generation_tokens(decode) - before < max_tokens  # stopped well before max_tokens
     if mode == "disaggregated":
         assert wait_until_idle(stack["prefill"].url)["num_held_by_connector"] == 0
+
+
+def test_a_client_that_reads_slowly_holds_back_its_stream_and_loses_nothing(stack, mode):
+    """A client that stops reading fills the kernel's buffers, then the gateway's: the relay stops reading the
+    engine until the client catches up (slow_client_waits counts it), and the stream the client finally
+    reads is whole and in order."""
+    url = stack[mode].url
+    # 20 alternatives per token, with their bytes: ~1.5 KB a chunk, ~300 KB in all
+    body = {"model": "tiny", "messages": USER, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 20, **NO_THINKING}
+    expected = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    waits_before = httpx.get(url + "/gateway/status", timeout=10).json()["stats"]["slow_client_waits"]
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    # Before connecting: a small receive window, and a small segment size, which keeps the gateway's
+    # send buffer small too (on loopback it would otherwise take megabytes before the gateway sees anything).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.connect((host, int(port)))
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    sock.settimeout(30)
+    conn.sock = sock
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/gateway/status", timeout=10).json()["stats"]["slow_client_waits"] == waits_before:
+            assert time.monotonic() < deadline, "the gateway never waited for the client"
+            time.sleep(0.05)  # the client reads nothing meanwhile
+        raw = response.read().decode()
+    finally:
+        conn.close()
+    events = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    tokens = [t["token"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+              for t in c["choices"][0]["logprobs"]["content"]]
+    assert content == expected["message"]["content"]
+    assert tokens == [t["token"] for t in expected["logprobs"]["content"]] and len(tokens) == 200
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_engine_killed_mid_stream_then_retried_then_all_down(stack):

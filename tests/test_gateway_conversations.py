@@ -364,7 +364,7 @@ def _collect_case(receive, batches):
 
     from render_service.gateway.flow import EngineCall, Gateway
     from render_service.gateway.responses import ChatResponder
-    from render_service.gateway.routes import _collect
+    from render_service.gateway.routes import _collect, _fold
     from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
     from render_service.render import render_chat
     from render_service.server import RawRequest
@@ -388,7 +388,7 @@ def _collect_case(receive, batches):
 
         try:
             result = await _collect(RawRequest({"type": "http", "method": "POST", "headers": []}, receive), gateway, call,
-                                    choices(), responder)
+                                    _fold(choices(), responder), responder)
         except ApiError as exc:
             result = exc
         await asyncio.sleep(0)

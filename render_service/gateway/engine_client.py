@@ -13,12 +13,12 @@ path), aborts over one shared ``httpx.AsyncClient``; both are created lazily in 
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, Callable
 
 import httpx
 import msgspec
 
-from render_service.gateway.http1 import Http1Pool, HttpError
+from render_service.gateway.http1 import Http1Pool, HttpError, Response
 from render_service.protocol import GenerateResponse, GenerateStreamResponse
 
 logger = logging.getLogger("render_service.gateway.engine_client")
@@ -105,55 +105,16 @@ class EngineClient:
         except msgspec.DecodeError as exc:
             raise EngineUnavailable(f"{base_url}: unreadable generate response: {exc}") from None
 
-    async def stream(self, base_url: str, body: bytes, request_id: str
-                     ) -> AsyncIterator[list[GenerateStreamResponse]]:
-        """Streaming generate: yields the engine's events until [DONE], as one list per socket read (several
-        when the engine got ahead of us). Closing the generator early closes the connection, which the
-        engine takes as an abort."""
+    async def open_stream(self, base_url: str, body: bytes, request_id: str) -> "EngineEvents":
+        """Start a streaming generate: the status is checked, the events are read from what is returned."""
         headers = {**JSON_HEADERS, "x-request-id": request_id, "accept": "text/event-stream"}
-        delivered = False
-        response = None
         try:
             response = await self.pool.post(base_url + GENERATE_PATH, body, headers)
             if response.status != 200:
                 _check_status(base_url, response.status, await response.read())
-            events = SseEvents()
-            done = False
-            async for chunks in response.iter_chunk_lists():
-                batch = []
-                for chunk in chunks:
-                    # The usual chunk is one whole event with one data line, clean JSON: decoded here
-                    # without a call per event (the path every streamed token takes).
-                    if not events.buffer and chunk.startswith(b"data: {") and chunk.endswith(b"}\n\n") \
-                            and not chunk.startswith(b'data: {"error"') and chunk.find(b"\n") == len(chunk) - 2:
-                        try:
-                            batch.append(_decode_chunk(chunk[6:-2]))
-                            continue
-                        except msgspec.DecodeError:
-                            pass  # the general path below says what is wrong
-                    for data in events.feed(chunk):
-                        done = _engine_event(data, batch, base_url, delivered) or done
-                if batch:
-                    delivered = True
-                    yield batch
-            batch = []
-            for data in events.flush():
-                done = _engine_event(data, batch, base_url, delivered) or done
-            if batch:
-                delivered = True
-                yield batch
-            if done:  # read on to the end of the body: only then is the connection reused
-                return
         except HttpError as exc:
-            if delivered:
-                raise EngineStreamBroken(f"engine stream from {base_url} broke: {exc}") from None
             raise EngineUnavailable(f"{base_url}: {exc}") from None
-        finally:
-            if response is not None:
-                response.close()  # no-op once the body was read to its end
-        if delivered:
-            raise EngineStreamBroken(f"engine stream from {base_url} ended without [DONE]")
-        raise EngineUnavailable(f"{base_url}: stream ended before its first event")
+        return EngineEvents(base_url, response)
 
     async def abort(self, base_url: str, request_ids: list[str]) -> None:
         """Best effort: the engine also aborts when our connection closes."""
@@ -162,6 +123,121 @@ class EngineClient:
             await self.client.post(base_url + ABORT_PATH, content=body, headers=JSON_HEADERS, timeout=5.0)
         except httpx.HTTPError as exc:
             logger.info("abort on %s failed: %s", base_url, exc)
+
+
+class EngineEvents:
+    """The events of one streaming generate call, as one list per socket read (several when the engine got
+    ahead of us), pulled (``next_batch``) or pushed (``push``), or pulled first and pushed after.
+
+    Failures follow the module's sorting: until an event has been delivered, ``EngineUnavailable`` (the
+    flow may retry elsewhere); after, ``EngineStreamBroken``. The stream must end with [DONE]; the
+    connection goes back to the pool once the body has been read to its end.
+    """
+
+    def __init__(self, base_url: str, response: Response) -> None:
+        self.base_url = base_url
+        self._response = response
+        self._sse = SseEvents()
+        self.delivered = False  # an event has reached the caller
+        self.done = False  # [DONE] was read
+
+    def _decode(self, chunks: list[bytes]) -> list[GenerateStreamResponse]:
+        batch: list[GenerateStreamResponse] = []
+        for chunk in chunks:
+            # The usual chunk is one whole event with one data line, clean JSON: decoded here without a call
+            # per event (the path every streamed token takes).
+            if not self._sse.buffer and chunk.startswith(b"data: {") and chunk.endswith(b"}\n\n") \
+                    and not chunk.startswith(b'data: {"error"') and chunk.find(b"\n") == len(chunk) - 2:
+                try:
+                    batch.append(_decode_chunk(chunk[6:-2]))
+                    continue
+                except msgspec.DecodeError:
+                    pass  # the general path below says what is wrong
+            for data in self._sse.feed(chunk):
+                if _engine_event(data, batch, self.base_url, self.delivered):
+                    self.done = True
+        return batch
+
+    def _ended(self) -> list[GenerateStreamResponse]:
+        """The body's end: an event that lacked its blank line, then the check for [DONE]."""
+        batch: list[GenerateStreamResponse] = []
+        for data in self._sse.flush():
+            if _engine_event(data, batch, self.base_url, self.delivered):
+                self.done = True
+        if not self.done and not batch:
+            raise self._broken("ended without [DONE]" if self.delivered else "stream ended before its first event")
+        return batch
+
+    def _broken(self, what: str) -> Exception:
+        if self.delivered:
+            return EngineStreamBroken(f"engine stream from {self.base_url} {what}")
+        return EngineUnavailable(f"{self.base_url}: {what}")
+
+    async def next_batch(self) -> list[GenerateStreamResponse] | None:
+        """The events of the next read that brought any; None after [DONE] and the body's end."""
+        try:
+            while (chunks := await self._response.next_chunks()) is not None:
+                batch = self._decode(chunks)
+                if batch:
+                    self.delivered = True
+                    return batch
+        except HttpError as exc:
+            raise self._broken(f"broke: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+        if self.done:
+            return None
+        batch = self._ended()
+        self.delivered = True
+        return batch
+
+    def push(self, on_batch: Callable[[list[GenerateStreamResponse]], None],
+             on_end: Callable[[Exception | None], None]) -> None:
+        """From now on, each read's events go to ``on_batch`` in the connection's data callback; ``on_end``
+        follows once, with None after [DONE] or the failure (EngineStreamBroken / EngineUnavailable). A
+        ``close()`` from inside ``on_batch`` stops both."""
+
+        def chunks(pieces: list[bytes]) -> None:
+            try:
+                batch = self._decode(pieces)
+            except (EngineStreamBroken, EngineUnavailable) as exc:
+                self.close()
+                on_end(exc)
+                return
+            if batch:
+                self.delivered = True
+                on_batch(batch)
+
+        def end(error: HttpError | None) -> None:
+            if error is not None:
+                on_end(self._broken(f"broke: {error}"))
+                return
+            if not self.done:
+                try:
+                    batch = self._ended()
+                except (EngineStreamBroken, EngineUnavailable) as exc:
+                    on_end(exc)
+                    return
+                if batch:
+                    self.delivered = True
+                    on_batch(batch)
+                if not self.done:  # an unterminated last event, but no [DONE] after it
+                    on_end(self._broken("ended without [DONE]"))
+                    return
+            on_end(None)
+
+        self._response.push_chunks(chunks, end)
+
+    def pause(self) -> None:
+        self._response.pause_reading()
+
+    def resume(self) -> None:
+        self._response.resume_reading()
+
+    def close(self) -> None:
+        """Stop reading; unless the body was read to its end, the connection closes (the engine aborts)."""
+        self._response.close()
 
 
 def _check_status(base_url: str, status: int, body: bytes) -> None:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 
 from render_service.gateway.engine_client import (
     EngineClient,
+    EngineEvents,
     EngineRejected,
     EngineStreamBroken,
     EngineUnavailable,
@@ -65,6 +65,7 @@ class GatewayStats:
     engine_failures: int = 0
     aborts: int = 0
     stream_errors: int = 0
+    slow_client_waits: int = 0  # a streaming client fell behind and its engine reads were paused
 
 
 @dataclass
@@ -120,9 +121,9 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------- events
 
-    async def events(self, gen: GenerateRequest, call: EngineCall) -> AsyncIterator[list[GenerateStreamResponse]]:
-        """The engine's stream for one rendered prompt, retried on other replicas until its first event; the
-        events come as one list per engine read (several when the engine got ahead of us)."""
+    async def open(self, gen: GenerateRequest, call: EngineCall) -> "LiveStream":
+        """The engine stream for one rendered prompt, with its first events read: retried on other replicas
+        until an engine delivers them, committed to that replica after."""
         for p in self.pools.values():
             p.maybe_refresh()
         key = prefix_key(gen.token_ids, self.settings.block_size, self.settings.affinity_blocks)
@@ -139,14 +140,9 @@ class Gateway:
                 if self.disaggregated:
                     turn, held = held, None  # a held lease is offered to one prefill attempt only
                     body = await self._prefill(gen, rid, key, tried["prefill"], call, turn)
-                    stream = self._stream("decode", None, body, rid, tried["decode"], call,
-                                          turn.decode_url if turn else None)
-                else:
-                    stream = self._stream("engine", key, stream_body, rid, tried["engine"], call)
-                async with aclosing(stream):
-                    async for batch in stream:
-                        yield batch
-                return
+                    return await self._start("decode", None, body, rid, tried["decode"], call,
+                                             turn.decode_url if turn else None)
+                return await self._start("engine", key, stream_body, rid, tried["engine"], call)
             except EngineUnavailable as exc:
                 last_error = exc
                 logger.warning("engine attempt %d for %s failed: %s", attempt + 1, gen.request_id, exc)
@@ -154,6 +150,17 @@ class Gateway:
                 last_error = exc
                 break
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
+
+    async def events(self, gen: GenerateRequest, call: EngineCall) -> AsyncIterator[list[GenerateStreamResponse]]:
+        """``open``, then the stream's events as an async iterator (one list per engine read)."""
+        live = await self.open(gen, call)
+        try:
+            batch: list[GenerateStreamResponse] | None = live.first
+            while batch is not None:
+                yield batch
+                batch = await live.next_batch()
+        finally:
+            live.close()
 
     async def _prefill(self, gen: GenerateRequest, rid: str, key: int | None, tried: set[str],
                        call: EngineCall, held: HeldTurn | None = None) -> bytes:
@@ -184,30 +191,30 @@ class Gateway:
                                     f"(is it started with --kv-transfer-config?)")
         return _encode(decode_request(gen, kv))
 
-    async def _stream(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
-                      call: EngineCall, prefer: str | None = None) -> AsyncIterator[list[GenerateStreamResponse]]:
+    async def _start(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
+                     call: EngineCall, prefer: str | None = None) -> "LiveStream":
         pool = self.pools[pool_name]
         replica = self._pick(pool, key, tried, prefer)
         pool.acquire(replica)
         call.live[rid] = replica.url
-        first = True
+        events = None
         try:
-            async with aclosing(self.client.stream(replica.url, body, rid)) as events:
-                async for batch in events:
-                    if first:
-                        first = False
-                        pool.mark_ok(replica)
-                    if call.conversation:
-                        for chunk in batch:
-                            if chunk.kv_transfer_params is not None:  # decode's end of turn
-                                self.conversations.put(call.conversation, chunk.kv_transfer_params, replica.url)
-                    yield batch
-        except (EngineUnavailable, EngineStreamBroken):
-            self._failed(pool, replica)
-            raise
-        finally:
+            events = await self.client.open_stream(replica.url, body, rid)
+            first = await events.next_batch()
+            if first is None:  # [DONE] and not one event: this engine did not serve the request
+                raise EngineUnavailable(f"{replica.url}: stream ended without an event")
+        except BaseException as exc:
+            if events is not None:
+                events.close()
+            if isinstance(exc, EngineUnavailable):
+                self._failed(pool, replica)
             pool.release(replica)
             call.live.pop(rid, None)
+            raise
+        pool.mark_ok(replica)
+        live = LiveStream(self, pool, replica, rid, call, events, first)
+        live.seen(first)
+        return live
 
     def _failed(self, pool: ReplicaPool, replica: Replica) -> None:
         self.stats.engine_failures += 1
@@ -236,6 +243,80 @@ class Gateway:
     def snapshot(self) -> dict:
         return {"mode": self.mode, "pools": {name: p.snapshot() for name, p in self.pools.items()},
                 "stats": dataclasses.asdict(self.stats)}
+
+
+class LiveStream:
+    """An engine stream past its first events, committed to its replica: the rest of its events pulled
+    (``next_batch``) or pushed (``push``). The replica is released once, when the stream ends or is
+    closed; a failure from here on marks the replica failed and is an ``EngineStreamBroken``."""
+
+    def __init__(self, gateway: Gateway, pool: ReplicaPool, replica: Replica, rid: str, call: EngineCall,
+                 events: EngineEvents, first: list[GenerateStreamResponse]) -> None:
+        self._gateway = gateway
+        self._pool = pool
+        self._replica = replica
+        self._rid = rid
+        self._call = call
+        self._events = events
+        self.first = first
+        self._released = False
+
+    def seen(self, batch: list[GenerateStreamResponse]) -> None:
+        """Per batch: decode's end-of-turn kv_transfer_params are kept for the conversation's next turn."""
+        conversation = self._call.conversation
+        if conversation:
+            for chunk in batch:
+                if chunk.kv_transfer_params is not None:
+                    self._gateway.conversations.put(conversation, chunk.kv_transfer_params, self._replica.url)
+
+    async def next_batch(self) -> list[GenerateStreamResponse] | None:
+        try:
+            batch = await self._events.next_batch()
+        except (EngineUnavailable, EngineStreamBroken):
+            self._release(failed=True)
+            raise
+        except BaseException:
+            self.close()
+            raise
+        if batch is None:
+            self._release()
+            return None
+        self.seen(batch)
+        return batch
+
+    def push(self, on_batch: Callable[[list[GenerateStreamResponse]], None],
+             on_end: Callable[[Exception | None], None]) -> None:
+        """The rest of the events, handed over in the engine connection's data callback (see EngineEvents.push)."""
+
+        def batch(events: list[GenerateStreamResponse]) -> None:
+            self.seen(events)
+            on_batch(events)
+
+        def end(error: Exception | None) -> None:
+            self._release(failed=error is not None)
+            on_end(error)
+
+        self._events.push(batch if self._call.conversation else on_batch, end)
+
+    def pause(self) -> None:
+        self._events.pause()
+
+    def resume(self) -> None:
+        self._events.resume()
+
+    def close(self) -> None:
+        """Stop reading: an unfinished stream's connection closes, which the engine takes as an abort."""
+        self._events.close()
+        self._release()
+
+    def _release(self, failed: bool = False) -> None:
+        if self._released:
+            return
+        self._released = True
+        if failed:
+            self._gateway._failed(self._pool, self._replica)
+        self._pool.release(self._replica)
+        self._call.live.pop(self._rid, None)
 
 
 # ------------------------------------------------------------------------------- engine requests
@@ -298,5 +379,5 @@ def decode_request(gen: GenerateRequest, kv: dict) -> GenerateRequest:
     return msgspec.structs.replace(engine_request(gen), kv_transfer_params={**kv, "prompt_token_ids": gen.token_ids})
 
 
-__all__ = ["Gateway", "GatewaySettings", "EngineCall", "EngineStream", "plan_streams", "NoReplica", "EngineRejected", "EngineStreamBroken",
+__all__ = ["Gateway", "GatewaySettings", "EngineCall", "LiveStream", "EngineStream", "plan_streams", "NoReplica", "EngineRejected", "EngineStreamBroken",
            "engine_request", "prefill_request", "decode_request"]

@@ -12,3 +12,5 @@ ABORTS = Counter("splitserve_gateway_engine_aborts_total",
                  "Engine requests aborted by the gateway (stop string matched or client gone).")
 STREAM_ERRORS = Counter("splitserve_gateway_stream_errors_total",
                         "Responses that failed after their first event (error event or 502).")
+SLOW_CLIENT_WAITS = Counter("splitserve_gateway_slow_client_waits_total",
+                            "Times a streaming client fell behind: its engine stream was paused until it caught up.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
 
 import msgspec
 from starlette.requests import Request
@@ -25,13 +25,19 @@ from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
 from render_service.gateway.responses import ChatResponder, CompletionResponder, sse
-from render_service.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateStreamChoice
+from render_service.gateway.sse_relay import DONE, SSE_HEADERS, SseRelay
+from render_service.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateStreamChoice,
+    GenerateStreamResponse,
+)
 from render_service.render import RenderConfig, render_chat, render_completion
 
 logger = logging.getLogger("render_service.gateway.routes")
 
 _encode = msgspec.json.Encoder().encode
-DONE = b"data: [DONE]\n\n"
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -83,29 +89,9 @@ def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
 async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: EngineCall,
                          span_done: Callable[[int, int, int], bool] | None
                          ) -> AsyncIterator[list[tuple[int, GenerateStreamChoice]]]:
-    """(prompt index, engine choice event with the prompt's choice index) for every engine call, as one
-    list per engine read; a call whose choices all ended early (stop strings: ``span_done``, None when
-    there are none) is closed and aborted at once."""
-    if len(streams) == 1:
-        (s,) = streams
-        engine_finished: set[int] = set()
-        async with aclosing(gateway.events(s.gen, call)) as events:
-            async for batch in events:
-                items = []
-                for chunk in batch:
-                    for choice in chunk.choices:
-                        if choice.finish_reason is not None:
-                            engine_finished.add(choice.index)
-                        items.append((s.prompt_index, choice))
-                if items:
-                    yield items
-                # Ended by us (stop strings) while the engine still generates: abort. An engine that
-                # finished is read to [DONE], which keeps its connection alive for the next request.
-                if span_done is not None and len(engine_finished) < s.count \
-                        and span_done(s.prompt_index, s.first, s.count):
-                    gateway.abort_soon(call)
-                    return
-        return
+    """Several engine calls (several prompts, or n > 1 in P/D) merged: (prompt index, engine choice event
+    with the prompt's choice index), one list per engine read; a call whose choices all ended early
+    (stop strings: ``span_done``, None when there are none) is closed and aborted at once."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: GenerateRequest) -> None:
@@ -151,6 +137,50 @@ async def engine_choices(gateway: Gateway, streams: list[EngineStream], call: En
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
+async def fold_one(gateway: Gateway, gen: GenerateRequest, call: EngineCall,
+                   responder: ChatResponder | CompletionResponder) -> None:
+    """A non-streamed request with one engine stream: its events are folded into the responder in the
+    engine connection's data callback (as the streamed path writes them, sse_relay.py); this task wakes
+    for the first event and the end only."""
+    live = await gateway.open(gen, call)
+    ended: asyncio.Future = asyncio.get_running_loop().create_future()
+    span_done = responder.span_done if responder.stops else None
+    finished: set[int] = set()
+
+    def on_batch(batch: list[GenerateStreamResponse]) -> None:
+        if ended.done():
+            return
+        try:
+            for chunk in batch:
+                for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        finished.add(choice.index)
+                    responder.accumulate(0, choice)
+            if span_done is not None and len(finished) < responder.n and span_done(0, 0, responder.n):
+                gateway.abort_soon(call)  # a stop string ended every choice: the engine need not go on
+                live.close()
+                ended.set_result(None)
+        except Exception as exc:
+            live.close()
+            ended.set_exception(exc)
+
+    def on_end(error: Exception | None) -> None:
+        if ended.done():
+            return
+        if error is None:
+            ended.set_result(None)
+        else:
+            ended.set_exception(error)
+
+    try:
+        on_batch(live.first)
+        if not ended.done():
+            live.push(on_batch, on_end)
+        await ended
+    finally:
+        live.close()  # nothing once the stream ended; cancelled (client gone): closes the engine connection
+
+
 async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest],
                   responder: ChatResponder | CompletionResponder, stream: bool,
                   conversation: bytes | None = None) -> Response:
@@ -158,43 +188,53 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
     streams = plan_streams(gens, gateway.disaggregated)
     # KV reuse across turns needs one decode sequence per turn (with n > 1, which one continues is unknown)
     call = EngineCall(conversation=conversation if gateway.disaggregated and len(streams) == 1 else None)
+    if len(streams) == 1:
+        if not stream:
+            return await _collect(request, gateway, call, fold_one(gateway, streams[0].gen, call, responder),
+                                  responder)
+        # Wait for the first event before answering: errors until then keep their HTTP status.
+        try:
+            live = await gateway.open(streams[0].gen, call)
+        except BaseException as exc:
+            gateway.abort_soon(call)
+            raise engine_error(exc) from None
+        return SseRelay(gateway, call, live, responder)
     choices = engine_choices(gateway, streams, call, responder.span_done if responder.stops else None)
     if not stream:
-        return await _collect(request, gateway, call, choices, responder)
-    # Wait for the first event before answering: errors until then keep their HTTP status.
+        return await _collect(request, gateway, call, _fold(choices, responder), responder)
     try:
-        first = await _first_or_error(choices)
-    except BaseException:
+        first = await choices.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException as exc:
         gateway.abort_soon(call)
         await choices.aclose()
-        raise
+        raise engine_error(exc) from None
     return GatewayStream(_sse_events(gateway, choices, first, responder), gateway, call, choices)
 
 
-async def _first_or_error(choices: AsyncIterator[list[tuple[int, GenerateStreamChoice]]]
-                          ) -> list[tuple[int, GenerateStreamChoice]] | None:
-    try:
-        return await choices.__anext__()
-    except StopAsyncIteration:
-        return None
-    except EngineRejected as exc:
-        raise ApiError(exc.message(), exc.status, exc.param()) from None
-    except NoReplica as exc:
-        raise ApiError(str(exc), 503, type="ServiceUnavailableError") from None
-    except EngineStreamBroken as exc:
-        raise ApiError(str(exc), 502, type="BadGatewayError") from None
+def engine_error(exc: BaseException) -> BaseException:
+    """A failure before anything reached the client, as the HTTP error it is (others unchanged)."""
+    if isinstance(exc, EngineRejected):
+        return ApiError(exc.message(), exc.status, exc.param())
+    if isinstance(exc, NoReplica):
+        return ApiError(str(exc), 503, type="ServiceUnavailableError")
+    if isinstance(exc, EngineStreamBroken):
+        return ApiError(str(exc), 502, type="BadGatewayError")
+    return exc
 
 
-async def _collect(request: Request, gateway: Gateway, call: EngineCall,
-                   choices: AsyncIterator[list[tuple[int, GenerateStreamChoice]]],
+async def _fold(choices: AsyncIterator[list[tuple[int, GenerateStreamChoice]]],
+                responder: ChatResponder | CompletionResponder) -> None:
+    async with aclosing(choices):
+        async for batch in choices:
+            for prompt_index, choice in batch:
+                responder.accumulate(prompt_index, choice)
+
+
+async def _collect(request: Request, gateway: Gateway, call: EngineCall, fold: Coroutine[Any, Any, None],
                    responder: ChatResponder | CompletionResponder) -> Response:
-    async def fold() -> None:
-        async with aclosing(choices):
-            async for batch in choices:
-                for prompt_index, choice in batch:
-                    responder.accumulate(prompt_index, choice)
-
-    work = asyncio.ensure_future(fold())
+    work = asyncio.ensure_future(fold)
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -216,15 +256,10 @@ async def _collect(request: Request, gateway: Gateway, call: EngineCall,
         raise ApiError("the engine call was cancelled", 502, type="BadGatewayError")
     exc = work.exception()
     if exc is not None:
-        if isinstance(exc, EngineRejected):
-            raise ApiError(exc.message(), exc.status, exc.param())
-        if isinstance(exc, NoReplica):
-            raise ApiError(str(exc), 503, type="ServiceUnavailableError")
         if isinstance(exc, EngineStreamBroken):
             gateway.stats.stream_errors += 1
             metrics.STREAM_ERRORS.inc()
-            raise ApiError(str(exc), 502, type="BadGatewayError")
-        raise exc
+        raise engine_error(exc)
     return Response(_encode(responder.response()), media_type="application/json")
 
 
@@ -272,11 +307,6 @@ async def _wait_for_disconnect(request: Request) -> None:
 def client_went_away(watcher: asyncio.Future) -> bool:
     """The disconnect watcher returned: it saw ``http.disconnect`` (not cancelled, not failed)."""
     return watcher.done() and not watcher.cancelled() and watcher.exception() is None
-
-
-# What Starlette's StreamingResponse sends for these arguments, built once instead of per request.
-SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-               (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 class GatewayStream:

@@ -1,0 +1,233 @@
+"""One engine stream relayed to the client as OpenAI SSE, where the engine's bytes arrive.
+
+Per engine event the gateway decodes the event, derenders it and writes SSE bytes to the client. Done in a
+task, every event also costs a wake-up and the resumption of each frame between the engine socket and the
+client write, which measured as the larger share of the gateway's CPU per streamed token
+(bench/gateway_overhead.py). So after the first event (awaited, so that a failure before it is still an
+HTTP error with its status) the rest is pushed: the engine connection's data callback runs the derender
+and the ASGI ``send``. ``send`` is driven in place (``start_send``): it returns without waiting unless the
+client has fallen behind; only then does a task finish the write, and the engine's reads pause until
+the client has caught up, so a slow client holds back its own engine stream and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, Coroutine
+
+from render_service.errors import ApiError, error_body
+from render_service.gateway import metrics
+from render_service.gateway.engine_client import EngineRejected
+from render_service.gateway.flow import EngineCall, Gateway, LiveStream
+from render_service.gateway.responses import ChatResponder, CompletionResponder, sse
+from render_service.protocol import GenerateStreamResponse
+
+logger = logging.getLogger("render_service.gateway.sse_relay")
+
+DONE = b"data: [DONE]\n\n"
+# What Starlette's StreamingResponse sends for these arguments, built once instead of per request.
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+               (b"content-type", b"text/event-stream; charset=utf-8")]
+
+Send = Callable[[dict], Awaitable[None]]
+
+
+def start_send(send: Send, message: dict) -> Coroutine[Any, Any, None] | None:
+    """Run ``send(message)`` in place up to its first wait: None if it finished without one (uvicorn writes
+    to its transport and returns unless its flow control holds the write back), else a coroutine that
+    finishes it, to be awaited by a task."""
+    coro = send(message)
+    try:
+        waited = coro.send(None)
+    except StopIteration:
+        return None
+    return _finish_send(coro, waited)
+
+
+async def _finish_send(coro: Coroutine, waited: Any) -> None:
+    # What a task does for a coroutine: wait for the future it yielded, then resume it, which reads the
+    # future's result (or exception) itself. A yielded future is flagged as blocking until its waiter
+    # takes it (a task clears the flag); awaiting it again needs the flag cleared the same way.
+    while True:
+        if waited is not None:  # a bare yield (asyncio.sleep(0)) yields None
+            waited._asyncio_future_blocking = False
+            try:
+                await waited
+            except asyncio.CancelledError:
+                if not waited.cancelled():  # this task was cancelled, not the future the send waits on
+                    coro.close()
+                    raise
+            except Exception:
+                pass  # the coroutine gets it from the future below
+        try:
+            waited = coro.send(None)
+        except StopIteration:
+            return
+
+
+class SseRelay:
+    """The ASGI response of a streamed request with one engine stream (the usual case: n = 1, or n > 1
+    collocated). The task that runs it only watches the client; the events are written by callbacks."""
+
+    status_code = 200
+    media_type = "text/event-stream"
+
+    def __init__(self, gateway: Gateway, call: EngineCall, live: LiveStream,
+                 responder: ChatResponder | CompletionResponder) -> None:
+        self.gateway = gateway
+        self.call = call
+        self.live = live
+        self.responder = responder
+        self.span_done = responder.span_done if responder.stops else None
+        self.engine_finished: set[int] = set()  # choice indexes the engine has finished
+        self.held = b""  # once every choice has finished: the rest goes out in one write, with [DONE]
+        self.complete = False  # the last write is out (or handed to the drain), or the client is gone
+        self.pending: list[dict] = []  # writes queued behind a send that is waiting for the client
+        self.draining: asyncio.Task | None = None
+        self._send: Send | None = None
+        self._watcher: asyncio.Task | None = None
+        self._watching = False
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Send) -> None:
+        self._send = send
+        self._watcher = asyncio.current_task()
+        await send({"type": "http.response.start", "status": self.status_code, "headers": list(SSE_HEADERS)})
+        self.on_batch(self.live.first)
+        if not self.complete:
+            self.live.push(self.on_batch, self.on_end)
+        try:
+            # uvicorn answers http.disconnect once the response is complete, or when the client goes away;
+            # a server that keeps receive() open after the response is woken by _wake_watcher.
+            while not self.complete:
+                self._watching = True
+                try:
+                    message = await receive()
+                finally:
+                    self._watching = False
+                if message["type"] == "http.disconnect":
+                    break
+        except asyncio.CancelledError:
+            if not self.complete:
+                raise  # cancelled from outside (shutdown)
+            if hasattr(self._watcher, "uncancel"):  # ours, from _wake_watcher: handled
+                self._watcher.uncancel()
+        finally:
+            if not self.complete:  # the client went away mid-stream, or shutdown
+                self._client_gone()
+            if self.draining is not None:
+                await asyncio.gather(self.draining, return_exceptions=True)
+
+    # ------------------------------------------------------------------------ engine callbacks
+
+    def on_batch(self, batch: list[GenerateStreamResponse]) -> None:
+        """The events of one engine read: derendered and written (or held, once every choice finished)."""
+        if self.complete:
+            return
+        responder = self.responder
+        try:
+            if len(batch) == 1 and len(batch[0].choices) == 1:  # the per-token common case
+                choice = batch[0].choices[0]
+                if choice.finish_reason is not None:
+                    self.engine_finished.add(choice.index)
+                data = responder.stream_events(0, choice)
+            else:
+                items = []
+                for chunk in batch:
+                    for choice in chunk.choices:
+                        if choice.finish_reason is not None:
+                            self.engine_finished.add(choice.index)
+                        items.append((0, choice))
+                data = responder.stream_batch(items) if items else b""
+            if self.held or responder.all_done:
+                self.held += data
+            elif data:
+                self._write(data, True)
+            if self.span_done is not None and len(self.engine_finished) < responder.n \
+                    and self.span_done(0, 0, responder.n):
+                # Ended by a stop string while the engine still generates: abort it and finish here. (An
+                # engine that finished is read to [DONE], which keeps its connection for the next request.)
+                self.gateway.abort_soon(self.call)
+                self.live.close()
+                self._finish()
+        except Exception:
+            logger.exception("stream %s failed in the gateway", responder.response_id)
+            self.gateway.abort_soon(self.call)
+            self.live.close()
+            self._finish(ApiError("the gateway failed mid-stream", 500))
+
+    def on_end(self, error: Exception | None) -> None:
+        """The engine stream ended: after [DONE] (None), or broke (EngineStreamBroken)."""
+        if self.complete:
+            return
+        if error is None:
+            self._finish()
+            return
+        # Past the first event the status line is gone: an OpenAI-style error object, then [DONE].
+        self.gateway.stats.stream_errors += 1
+        metrics.STREAM_ERRORS.inc()
+        status = error.status if isinstance(error, EngineRejected) else 502
+        message = error.message() if isinstance(error, EngineRejected) else str(error)
+        logger.warning("stream %s failed after its first event: %s", self.responder.response_id, message)
+        self._finish(ApiError(f"engine failed mid-stream: {message}", status,
+                              type="BadGatewayError" if status == 502 else None))
+
+    # ------------------------------------------------------------------------------ writing
+
+    def _finish(self, error: ApiError | None = None) -> None:
+        """The last write: what was held, usage (or the error event), [DONE], and the body's end."""
+        self.complete = True
+        data = self.held
+        if error is None:
+            usage = self.responder.usage_chunk()
+            if usage is not None:
+                data += sse(usage)
+        else:
+            data += b"data: " + error_body(error) + b"\n\n"
+        try:
+            self._write(data + DONE, False)
+        except Exception:  # nothing more can reach this client
+            logger.exception("the last write of stream %s failed", self.responder.response_id)
+        self._wake_watcher()
+
+    def _write(self, data: bytes, more: bool) -> None:
+        message = {"type": "http.response.body", "body": data, "more_body": more}
+        if self.draining is not None:
+            self.pending.append(message)
+            return
+        waiting = start_send(self._send, message)
+        if waiting is not None:  # the client is behind: stop reading the engine until it has caught up
+            self.gateway.stats.slow_client_waits += 1
+            metrics.SLOW_CLIENT_WAITS.inc()
+            self.live.pause()
+            self.draining = asyncio.get_running_loop().create_task(self._drain(waiting))
+
+    async def _drain(self, waiting: Coroutine) -> None:
+        try:
+            await waiting
+            while self.pending:
+                await self._send(self.pending.pop(0))
+        except Exception:
+            # The write failed: nothing more can reach this client. Stop its engine stream, end the response.
+            logger.warning("stream %s: write to the client failed", self.responder.response_id, exc_info=True)
+            if not self.complete:
+                self.complete = True
+                self.gateway.abort_soon(self.call)
+                self.live.close()
+            self._wake_watcher()
+            return
+        finally:
+            self.draining = None
+        if not self.complete:
+            self.live.resume()
+
+    def _client_gone(self) -> None:
+        self.complete = True
+        self.gateway.abort_soon(self.call)
+        self.live.close()
+        if self.draining is not None:
+            self.draining.cancel()
+
+    def _wake_watcher(self) -> None:
+        if self._watching and self._watcher is not None:
+            self._watcher.cancel()
