@@ -281,6 +281,16 @@ class ChunkedDecoder:
     def feed(self, data: bytes) -> list[bytes]:
         if self.done:
             raise ValueError("bytes after the end of a chunked body")
+        if not self.buf:
+            # The usual read on the per-token path: exactly one whole, non-final chunk.
+            end = data.find(b"\r\n", 0, 18)
+            if end > 0 and data.endswith(b"\r\n"):
+                try:
+                    size = int(data[:end], 16)
+                except ValueError:
+                    size = -1  # an extension or garbage: the general path below decides
+                if size > 0 and len(data) == end + size + 4:
+                    return [data[end + 2:end + 2 + size]]
         buf = self.buf + data if self.buf else data
         pos = 0
         out: list[bytes] = []

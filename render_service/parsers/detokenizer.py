@@ -82,6 +82,9 @@ class _TokenTables:
         self.special_ids = frozenset(getattr(tokenizer, "special_token_ids", ()) or ())
         self._strings: dict[int, str] = {}
         self.token_bytes: dict[int, bytes] = {}
+        # The text of each token whose bytes are whole UTF-8 on their own (most of them): with nothing
+        # pending, such a token's text needs no decode.
+        self.token_text: dict[int, str] = {}
         self.decoder = hf.decoder
 
     def token_string(self, token_id: int) -> str:
@@ -144,12 +147,18 @@ class IncrementalDetokenizer:
     def _step_bytes(self, state: DetokenizerState, token_ids: list[int]) -> str:
         tables = self.tables
         table = tables.token_bytes
+        texts = tables.token_text
         size = tables.vocab_size
         hidden = self._hidden
         out: list[str] = []
         for t in token_ids:
             if t in hidden or not 0 <= t < size:
                 continue
+            if not state.pending:
+                text = texts.get(t)
+                if text is not None:
+                    out.append(text)
+                    continue
             tb = table.get(t)
             if tb is None:
                 tb = tables.bytes_of(t)
@@ -162,9 +171,11 @@ class IncrementalDetokenizer:
                 # Incomplete (or invalid) tail: vLLM withholds everything until the text stops ending in U+FFFD.
                 state.pending = data
                 continue
+            if data is tb and REPLACEMENT not in text:
+                texts[t] = text  # whole on its own (a token decoding to U+FFFD itself goes the long way)
             state.pending = b""
             out.append(text)
-        return "".join(out)
+        return out[0] if len(out) == 1 else "".join(out)
 
     # general path (vLLM's prefix/read offsets) -----------------------------------------------------------
 

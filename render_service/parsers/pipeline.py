@@ -183,7 +183,7 @@ class Pipeline:
         if self.reasoning is None:
             pieces: list[Piece] = [TextPiece("content", text)]
         else:
-            pieces = list(self.reasoning.feed(state.reasoning, text))
+            pieces = self.reasoning.feed(state.reasoning, text)
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.
             (p,) = pieces

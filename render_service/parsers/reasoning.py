@@ -75,6 +75,9 @@ class ThinkReasoningParser:
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
         self.config = config
         self._markers: tuple[str, ...] = (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,)
+        firsts = {m[0] for m in self._markers}
+        # Text without this character holds no marker and no start of one (None: the markers start differently).
+        self._marker_first: str | None = firsts.pop() if len(firsts) == 1 else None
 
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
@@ -88,6 +91,11 @@ class ThinkReasoningParser:
         return ThinkState(mode=AWAIT_START)
 
     def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
+        if not state.held and state.mode != AWAIT_START and self._marker_first is not None \
+                and self._marker_first not in text:
+            # The per-token common case: text that holds no marker and cannot start one is all of the
+            # current channel.
+            return [TextPiece("content" if state.mode == CONTENT else "reasoning", text)] if text else []
         if state.mode == CONTENT and not state.held:
             return [TextPiece("content", text)] if text else []
         buf = state.held + text if state.held else text
