@@ -191,6 +191,29 @@ def test_n_greater_than_one_gives_every_choice(stack, mode):
         assert fold_chat_stream(mine)["content"] == PLAIN_TEXT
 
 
+def test_a_stop_string_ends_every_engine_stream_of_n_choices(stack, mode):
+    """n = 2 is one engine stream collocated and two in P/D: each is aborted once its choice matched."""
+    decode = stack["decode"].url
+    before = _generation_tokens(decode)
+    body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "n": 2, "stop": ["gamma"]}
+    r = httpx.post(stack[mode].url + "/v1/completions", json=body, timeout=120).json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in r["choices"]] == [(0, " beta ", "stop"), (1, " beta ", "stop")]
+    texts, finish = {0: "", 1: ""}, {}
+    with httpx.stream("POST", stack[mode].url + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        for c in json.loads(event)["choices"]:
+            texts[c["index"]] += c["text"]
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    assert texts == {0: " beta ", 1: " beta "} and finish == {0: "stop", 1: "stop"}
+    state = wait_until_idle(decode)
+    assert state["num_free_blocks"] == state["num_blocks"] and state["num_running"] == 0
+    assert _generation_tokens(decode) - before < 100  # 4 choices of up to 200 tokens each: stopped early
+
+
 # ---------------------------------------------------------------------------------- completions
 
 

@@ -364,7 +364,7 @@ def _collect_case(receive, batches):
 
     from render_service.gateway.flow import EngineCall, Gateway
     from render_service.gateway.responses import ChatResponder
-    from render_service.gateway.routes import _collect, _fold
+    from render_service.gateway.routes import _collect
     from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
     from render_service.render import render_chat
     from render_service.server import RawRequest
@@ -386,9 +386,14 @@ def _collect_case(receive, batches):
                     raise asyncio.CancelledError()
                 yield [(0, GenerateStreamChoice(index=0, token_ids=ids, finish_reason=fin)) for ids, fin in batch]
 
+        async def folding():
+            async for batch in choices():
+                for prompt_index, choice in batch:
+                    responder.accumulate(prompt_index, choice)
+
         try:
             result = await _collect(RawRequest({"type": "http", "method": "POST", "headers": []}, receive), gateway, call,
-                                    _fold(choices(), responder), responder)
+                                    folding(), responder)
         except ApiError as exc:
             result = exc
         await asyncio.sleep(0)

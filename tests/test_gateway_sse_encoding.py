@@ -163,7 +163,7 @@ def test_coalesce_joins_each_choice_and_stops_at_a_finish():
 def test_the_stream_headers_are_what_starlette_would_send():
     from starlette.responses import StreamingResponse
 
-    from render_service.gateway.routes import SSE_HEADERS
+    from render_service.gateway.sse_relay import SSE_HEADERS
 
     reference = StreamingResponse(iter(()), media_type="text/event-stream",
                                   headers={"cache-control": "no-cache", "x-accel-buffering": "no"})

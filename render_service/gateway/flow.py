@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import msgspec
 
@@ -151,17 +151,6 @@ class Gateway:
                 break
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 
-    async def events(self, gen: GenerateRequest, call: EngineCall) -> AsyncIterator[list[GenerateStreamResponse]]:
-        """``open``, then the stream's events as an async iterator (one list per engine read)."""
-        live = await self.open(gen, call)
-        try:
-            batch: list[GenerateStreamResponse] | None = live.first
-            while batch is not None:
-                yield batch
-                batch = await live.next_batch()
-        finally:
-            live.close()
-
     async def _prefill(self, gen: GenerateRequest, rid: str, key: int | None, tried: set[str],
                        call: EngineCall, held: HeldTurn | None = None) -> bytes:
         pool = self.pools["prefill"]
@@ -246,9 +235,9 @@ class Gateway:
 
 
 class LiveStream:
-    """An engine stream past its first events, committed to its replica: the rest of its events pulled
-    (``next_batch``) or pushed (``push``). The replica is released once, when the stream ends or is
-    closed; a failure from here on marks the replica failed and is an ``EngineStreamBroken``."""
+    """An engine stream past its first events, committed to its replica; the rest of its events are pushed
+    (``push``). The replica is released once, when the stream ends or is closed; a failure from here on
+    marks the replica failed and is an ``EngineStreamBroken``."""
 
     def __init__(self, gateway: Gateway, pool: ReplicaPool, replica: Replica, rid: str, call: EngineCall,
                  events: EngineEvents, first: list[GenerateStreamResponse]) -> None:
@@ -268,21 +257,6 @@ class LiveStream:
             for chunk in batch:
                 if chunk.kv_transfer_params is not None:
                     self._gateway.conversations.put(conversation, chunk.kv_transfer_params, self._replica.url)
-
-    async def next_batch(self) -> list[GenerateStreamResponse] | None:
-        try:
-            batch = await self._events.next_batch()
-        except (EngineUnavailable, EngineStreamBroken):
-            self._release(failed=True)
-            raise
-        except BaseException:
-            self.close()
-            raise
-        if batch is None:
-            self._release()
-            return None
-        self.seen(batch)
-        return batch
 
     def push(self, on_batch: Callable[[list[GenerateStreamResponse]], None],
              on_end: Callable[[Exception | None], None]) -> None:

@@ -389,6 +389,9 @@ class Http1Pool:
             except (ValueError, asyncio.LimitOverrunError) as exc:
                 conn.close()
                 raise HttpError(f"malformed response: {exc}") from None
+            except BaseException:  # cancelled mid-request: the connection is in an unknown state
+                conn.close()
+                raise
         raise HttpError("unreachable")
 
     async def _connect(self, https: bool, host: str, port: int) -> _Conn:

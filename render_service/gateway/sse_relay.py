@@ -1,13 +1,13 @@
-"""One engine stream relayed to the client as OpenAI SSE, where the engine's bytes arrive.
+"""A response's engine streams relayed to the client as OpenAI SSE, where the engine's bytes arrive.
 
 Per engine event the gateway decodes the event, derenders it and writes SSE bytes to the client. Done in a
 task, every event also costs a wake-up and the resumption of each frame between the engine socket and the
 client write, which measured as the larger share of the gateway's CPU per streamed token
-(bench/gateway_overhead.py). So after the first event (awaited, so that a failure before it is still an
-HTTP error with its status) the rest is pushed: the engine connection's data callback runs the derender
-and the ASGI ``send``. ``send`` is driven in place (``start_send``): it returns without waiting unless the
-client has fallen behind; only then does a task finish the write, and the engine's reads pause until
-the client has caught up, so a slow client holds back its own engine stream and nothing else.
+(bench/gateway_overhead.py). So after the first events (awaited, so that a failure before them is still an
+HTTP error with its status) the rest is pushed (``merged.MergedStreams``): the engine connection's data
+callback runs the derender and the ASGI ``send``. ``send`` is driven in place (``start_send``): it returns without waiting unless the
+client has fallen behind; only then does a task finish the write, and the engine reads pause until the
+client has caught up, so a slow client holds back its own engine streams and nothing else.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any, Awaitable, Callable, Coroutine
 from render_service.errors import ApiError, error_body
 from render_service.gateway import metrics
 from render_service.gateway.engine_client import EngineRejected
-from render_service.gateway.flow import EngineCall, Gateway, LiveStream
+from render_service.gateway.flow import EngineCall, Gateway
+from render_service.gateway.merged import MergedStreams
 from render_service.gateway.responses import ChatResponder, CompletionResponder, sse
-from render_service.protocol import GenerateStreamResponse
+from render_service.protocol import GenerateStreamChoice
 
 logger = logging.getLogger("render_service.gateway.sse_relay")
 
@@ -67,20 +68,18 @@ async def _finish_send(coro: Coroutine, waited: Any) -> None:
 
 
 class SseRelay:
-    """The ASGI response of a streamed request with one engine stream (the usual case: n = 1, or n > 1
-    collocated). The task that runs it only watches the client; the events are written by callbacks."""
+    """The ASGI response of a streamed request. The task that runs it only watches the client; the events are
+    derendered and written by the engine connections' data callbacks (``MergedStreams``)."""
 
     status_code = 200
     media_type = "text/event-stream"
 
-    def __init__(self, gateway: Gateway, call: EngineCall, live: LiveStream,
+    def __init__(self, gateway: Gateway, call: EngineCall, streams: MergedStreams,
                  responder: ChatResponder | CompletionResponder) -> None:
         self.gateway = gateway
         self.call = call
-        self.live = live
+        self.streams = streams
         self.responder = responder
-        self.span_done = responder.span_done if responder.stops else None
-        self.engine_finished: set[int] = set()  # choice indexes the engine has finished
         self.held = b""  # once every choice has finished: the rest goes out in one write, with [DONE]
         self.complete = False  # the last write is out (or handed to the drain), or the client is gone
         self.pending: list[dict] = []  # writes queued behind a send that is waiting for the client
@@ -93,9 +92,7 @@ class SseRelay:
         self._send = send
         self._watcher = asyncio.current_task()
         await send({"type": "http.response.start", "status": self.status_code, "headers": list(SSE_HEADERS)})
-        self.on_batch(self.live.first)
-        if not self.complete:
-            self.live.push(self.on_batch, self.on_end)
+        self.streams.start(self.on_items, self.on_over)
         try:
             # uvicorn answers http.disconnect once the response is complete, or when the client goes away;
             # a server that keeps receive() open after the response is woken by _wake_watcher.
@@ -120,44 +117,25 @@ class SseRelay:
 
     # ------------------------------------------------------------------------ engine callbacks
 
-    def on_batch(self, batch: list[GenerateStreamResponse]) -> None:
-        """The events of one engine read: derendered and written (or held, once every choice finished)."""
+    def on_items(self, items: list[tuple[int, GenerateStreamChoice]]) -> None:
+        """The choice events of one engine read: derendered and written (or held, once every choice finished)."""
         if self.complete:
             return
         responder = self.responder
         try:
-            if len(batch) == 1 and len(batch[0].choices) == 1:  # the per-token common case
-                choice = batch[0].choices[0]
-                if choice.finish_reason is not None:
-                    self.engine_finished.add(choice.index)
-                data = responder.stream_events(0, choice)
-            else:
-                items = []
-                for chunk in batch:
-                    for choice in chunk.choices:
-                        if choice.finish_reason is not None:
-                            self.engine_finished.add(choice.index)
-                        items.append((0, choice))
-                data = responder.stream_batch(items) if items else b""
+            data = responder.stream_events(*items[0]) if len(items) == 1 else responder.stream_batch(items)
             if self.held or responder.all_done:
                 self.held += data
             elif data:
                 self._write(data, True)
-            if self.span_done is not None and len(self.engine_finished) < responder.n \
-                    and self.span_done(0, 0, responder.n):
-                # Ended by a stop string while the engine still generates: abort it and finish here. (An
-                # engine that finished is read to [DONE], which keeps its connection for the next request.)
-                self.gateway.abort_soon(self.call)
-                self.live.close()
-                self._finish()
         except Exception:
             logger.exception("stream %s failed in the gateway", responder.response_id)
             self.gateway.abort_soon(self.call)
-            self.live.close()
+            self.streams.close()
             self._finish(ApiError("the gateway failed mid-stream", 500))
 
-    def on_end(self, error: Exception | None) -> None:
-        """The engine stream ended: after [DONE] (None), or broke (EngineStreamBroken)."""
+    def on_over(self, error: Exception | None) -> None:
+        """Every engine stream ended (None), or one broke (EngineStreamBroken), which closed the others."""
         if self.complete:
             return
         if error is None:
@@ -199,7 +177,7 @@ class SseRelay:
         if waiting is not None:  # the client is behind: stop reading the engine until it has caught up
             self.gateway.stats.slow_client_waits += 1
             metrics.SLOW_CLIENT_WAITS.inc()
-            self.live.pause()
+            self.streams.pause()
             self.draining = asyncio.get_running_loop().create_task(self._drain(waiting))
 
     async def _drain(self, waiting: Coroutine) -> None:
@@ -213,18 +191,18 @@ class SseRelay:
             if not self.complete:
                 self.complete = True
                 self.gateway.abort_soon(self.call)
-                self.live.close()
+                self.streams.close()
             self._wake_watcher()
             return
         finally:
             self.draining = None
         if not self.complete:
-            self.live.resume()
+            self.streams.resume()
 
     def _client_gone(self) -> None:
         self.complete = True
         self.gateway.abort_soon(self.call)
-        self.live.close()
+        self.streams.close()
         if self.draining is not None:
             self.draining.cancel()
 
