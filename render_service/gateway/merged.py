@@ -66,12 +66,15 @@ class MergedStreams:
         self.streams = [_Stream(plan, live) for plan, live in zip(planned, lives)]
         self.remaining = len(self.streams)
         self.over = False
+        self._on_choice: Callable[[int, GenerateStreamChoice], None] | None = None
         self._on_items: Callable[[Items], None] | None = None
         self._on_over: Callable[[Exception | None], None] | None = None
 
-    def start(self, on_items: Callable[[Items], None], on_over: Callable[[Exception | None], None]) -> None:
-        """Each stream's first events, then the rest as they arrive. ``on_items`` must not raise."""
-        self._on_items, self._on_over = on_items, on_over
+    def start(self, on_choice: Callable[[int, GenerateStreamChoice], None], on_items: Callable[[Items], None],
+              on_over: Callable[[Exception | None], None]) -> None:
+        """Each stream's first events, then the rest as they arrive: a read with one choice event (the
+        per-token case) as ``on_choice(prompt index, choice)``, any other as ``on_items``; neither may raise."""
+        self._on_choice, self._on_items, self._on_over = on_choice, on_items, on_over
         for s in self.streams:
             self._batch(s, s.live.first)
         for s in self.streams:
@@ -86,11 +89,11 @@ class MergedStreams:
             choice = batch[0].choices[0]
             if choice.finish_reason is not None:
                 s.engine_finished.add(choice.index)
-            items = [(plan.prompt_index, choice)]
+            self._on_choice(plan.prompt_index, choice)
         else:
             items = self._items(s, batch)
-        if items:
-            self._on_items(items)
+            if items:
+                self._on_items(items)
         # Ended by us (stop strings) while the engine still generates: abort it. An engine that finished is
         # read to [DONE], which keeps its connection for the next request.
         if self.span_done is not None and not self.over and len(s.engine_finished) < plan.count \

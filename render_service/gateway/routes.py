@@ -112,15 +112,18 @@ async def fold(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
     streams = await open_merged(gateway, planned, call, span_done)
     over: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def on_items(items: list[tuple[int, GenerateStreamChoice]]) -> None:
+    def on_choice(prompt_index: int, choice: GenerateStreamChoice) -> None:
         if over.done():
             return
         try:
-            for prompt_index, choice in items:
-                responder.accumulate(prompt_index, choice)
+            responder.accumulate(prompt_index, choice)
         except Exception as exc:
             streams.close()
             over.set_exception(exc)
+
+    def on_items(items: list[tuple[int, GenerateStreamChoice]]) -> None:
+        for prompt_index, choice in items:
+            on_choice(prompt_index, choice)
 
     def on_over(error: Exception | None) -> None:
         if over.done():
@@ -131,7 +134,7 @@ async def fold(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
             over.set_exception(error)
 
     try:
-        streams.start(on_items, on_over)
+        streams.start(on_choice, on_items, on_over)
         await over
     finally:
         streams.close()  # nothing once they ended; cancelled (client gone): closes the engine connections

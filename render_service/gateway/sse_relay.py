@@ -92,7 +92,7 @@ class SseRelay:
         self._send = send
         self._watcher = asyncio.current_task()
         await send({"type": "http.response.start", "status": self.status_code, "headers": list(SSE_HEADERS)})
-        self.streams.start(self.on_items, self.on_over)
+        self.streams.start(self.on_choice, self.on_items, self.on_over)
         try:
             # uvicorn answers http.disconnect once the response is complete, or when the client goes away;
             # a server that keeps receive() open after the response is woken by _wake_watcher.
@@ -117,22 +117,39 @@ class SseRelay:
 
     # ------------------------------------------------------------------------ engine callbacks
 
-    def on_items(self, items: list[tuple[int, GenerateStreamChoice]]) -> None:
-        """The choice events of one engine read: derendered and written (or held, once every choice finished)."""
+    def on_choice(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
+        """One choice event (the per-token case): derendered and written (or held, once every choice finished)."""
         if self.complete:
             return
         responder = self.responder
         try:
-            data = responder.stream_events(*items[0]) if len(items) == 1 else responder.stream_batch(items)
+            data = responder.stream_events(prompt_index, choice)
             if self.held or responder.all_done:
                 self.held += data
             elif data:
                 self._write(data, True)
         except Exception:
-            logger.exception("stream %s failed in the gateway", responder.response_id)
-            self.gateway.abort_soon(self.call)
-            self.streams.close()
-            self._finish(ApiError("the gateway failed mid-stream", 500))
+            self._failed()
+
+    def on_items(self, items: list[tuple[int, GenerateStreamChoice]]) -> None:
+        """The choice events of one engine read, as ``on_choice`` (several events of a choice derendered as one)."""
+        if self.complete:
+            return
+        responder = self.responder
+        try:
+            data = responder.stream_batch(items)
+            if self.held or responder.all_done:
+                self.held += data
+            elif data:
+                self._write(data, True)
+        except Exception:
+            self._failed()
+
+    def _failed(self) -> None:
+        logger.exception("stream %s failed in the gateway", self.responder.response_id)
+        self.gateway.abort_soon(self.call)
+        self.streams.close()
+        self._finish(ApiError("the gateway failed mid-stream", 500))
 
     def on_over(self, error: Exception | None) -> None:
         """Every engine stream ended (None), or one broke (EngineStreamBroken), which closed the others."""
