@@ -121,13 +121,8 @@ class SseRelay:
         """One choice event (the per-token case): derendered and written (or held, once every choice finished)."""
         if self.complete:
             return
-        responder = self.responder
         try:
-            data = responder.stream_events(prompt_index, choice)
-            if self.held or responder.all_done:
-                self.held += data
-            elif data:
-                self._write(data, True)
+            self._emit(self.responder.stream_events(prompt_index, choice))
         except Exception:
             self._failed()
 
@@ -135,15 +130,16 @@ class SseRelay:
         """The choice events of one engine read, as ``on_choice`` (several events of a choice derendered as one)."""
         if self.complete:
             return
-        responder = self.responder
         try:
-            data = responder.stream_batch(items)
-            if self.held or responder.all_done:
-                self.held += data
-            elif data:
-                self._write(data, True)
+            self._emit(self.responder.stream_batch(items))
         except Exception:
             self._failed()
+
+    def _emit(self, data: bytes) -> None:
+        if self.held or self.responder.all_done:  # every choice finished: the rest goes out with [DONE]
+            self.held += data
+        elif data:
+            self._write(data, True)
 
     def _failed(self) -> None:
         logger.exception("stream %s failed in the gateway", self.responder.response_id)
