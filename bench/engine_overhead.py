@@ -55,6 +55,19 @@ def random_engine(device: str, arch_name: str, preset: str, dtype: str, max_mode
     return engine, arch
 
 
+def start_decoding(engine, ids: list[str], prompt: list[int], options) -> None:
+    """Add one request per id and step until every sequence is decoding, then a few decode steps more."""
+    for rid in ids:
+        engine.add_request(rid, prompt, options)
+    for _ in range(10_000):  # bounded: prefill every sequence, then a few decode steps
+        engine.step()
+        if not engine.scheduler.waiting and all(
+                s.num_computed_tokens == s.num_tokens - 1 for s in engine.scheduler.running):
+            break
+    for _ in range(3):
+        engine.step()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -86,15 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                "top_k": args.top_k, "top_p": args.top_p, "batches": {}}
     for batch in batches:
         ids = [f"b{batch}-{i}" for i in range(batch)]
-        for rid in ids:
-            engine.add_request(rid, prompt, greedy)
-        for _ in range(10_000):  # bounded: prefill every sequence, then a few decode steps
-            engine.step()
-            if not engine.scheduler.waiting and all(
-                    s.num_computed_tokens == s.num_tokens - 1 for s in engine.scheduler.running):
-                break
-        for _ in range(3):
-            engine.step()
+        start_decoding(engine, ids, prompt, greedy)
         engine_ms = timed_ms(engine.step, args.device, args.iters)
 
         # Model only, on the same sequences: forward (graph replay where the runner would use one) + logits.

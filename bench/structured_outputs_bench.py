@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from bench.engine_overhead import random_engine, timed_ms
+from bench.engine_overhead import random_engine, start_decoding, timed_ms
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
@@ -51,15 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def step_time(batch: int, options: SamplingOptions, tag: str) -> tuple[float, int]:
         ids = [f"{tag}{batch}-{i}" for i in range(batch)]
-        for rid in ids:
-            engine.add_request(rid, prompt, options)
-        for _ in range(10_000):  # bounded: prefill every sequence, then a few decode steps
-            engine.step()
-            if not engine.scheduler.waiting and all(
-                    s.num_computed_tokens == s.num_tokens - 1 for s in engine.scheduler.running):
-                break
-        for _ in range(3):
-            engine.step()
+        start_decoding(engine, ids, prompt, options)
         ms = timed_ms(engine.step, args.device, args.iters)
         still = sum(1 for s in engine.scheduler.running if s.grammar is not None)
         for rid in ids:
