@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logprobs shape on /inference/v1/generate: integer ids (newer vLLM) or 'token_id:N' strings")
     s.add_argument("--kv-transfer-config", type=json_object_arg, default=None,
                    help='KV connector config as JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
+    s.add_argument("--kv-side-channel-secret", default=None,
+                   help="shared secret of the NIXL side channel's HMAC handshake, the same on every engine "
+                        "(default: $SPLITSERVE_KV_SECRET; prefer the variable: flags show in ps)")
+    s.add_argument("--kv-allowed-peers", default=None,
+                   help="comma-separated hosts/CIDRs this engine may fetch KV from (default: "
+                        "$SPLITSERVE_KV_ALLOWED_PEERS, else loopback only), e.g. 127.0.0.1/32,10.0.0.0/8")
     s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-format", default="text", choices=["json", "text"],
@@ -74,6 +80,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.kv_transfer_config and args.kv_transfer_config.get("kv_connector") == "NixlConnector":
         from token_engine.kv_connector.config import parse_nixl_config
 
+        extra = dict(args.kv_transfer_config.get("kv_connector_extra_config") or {})
+        for key, value in (("kv_side_channel_secret", args.kv_side_channel_secret),
+                           ("kv_allowed_peers", args.kv_allowed_peers)):
+            if value is not None:
+                extra[key] = value
+        if extra:
+            args.kv_transfer_config = {**args.kv_transfer_config, "kv_connector_extra_config": extra}
         parse_nixl_config(args.kv_transfer_config)  # a bad key is a one-line error here, not a traceback later
     return EngineConfig(
         model=args.model,

@@ -152,7 +152,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, n: int = 1,
                     priority: int = 0, cache_salt: str | None = None, kv_transfer_params: dict | None = None,
-                    on_update: Callable[[RequestUpdate], None] | None = None) -> RequestState:
+                    on_update: Callable[[RequestUpdate], None] | None = None,
+                    caller: str | None = None) -> RequestState:
+        """`caller` (the client address, None in process) is who the connector's lease budget charges."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if options.structured is not None and options.grammar is None:
@@ -170,6 +172,9 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
                 priority=priority, cache_salt=cache_salt,
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None))
+        refusal = self.connector.admit(seqs, caller)
+        if refusal is not None:
+            raise ValueError(refusal)
         if options.grammar is not None:
             stops = options.stop_token_ids | (frozenset() if options.ignore_eos else self.eos_token_ids)
             reasoning_end = self.grammars.reasoning_end_token_id if options.structured_after_reasoning else None
@@ -193,7 +198,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.get(request_id)
-        if state is None:
+        if state is None:  # finished: it may still hold KV for a peer (a decode hop that failed)
+            for seq_id in self.connector.abort_held(request_id):
+                self.scheduler.release_held(seq_id)
             return
         for seq in state.seqs:
             self.scheduler.abort(seq)
@@ -366,9 +373,9 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, n: int,
                     priority: int, cache_salt: str | None, kv_transfer_params: dict | None,
-                    on_update: Callable[[RequestUpdate], None]) -> None:
+                    on_update: Callable[[RequestUpdate], None], caller: str | None = None) -> None:
         self.submit("add", request_id, prompt_token_ids, options, n, priority, cache_salt, kv_transfer_params,
-                    on_update)
+                    on_update, caller)
 
     def abort_request(self, request_id: str) -> None:
         self.submit("abort", request_id)
@@ -386,9 +393,9 @@ class AsyncEngine:
             items, self._inbox = self._inbox, []
         for kind, args in items:
             if kind == "add":
-                *params, on_update = args
+                *params, on_update, caller = args
                 try:
-                    self.engine.add_request(*params, on_update=on_update)
+                    self.engine.add_request(*params, on_update=on_update, caller=caller)
                 except Exception as exc:  # e.g. a duplicate id raced past the server's check
                     on_update(RequestUpdate(params[0], [], finished=True, error=str(exc)))
             elif kind == "abort":

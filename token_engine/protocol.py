@@ -184,7 +184,7 @@ class ErrorResponse(msgspec.Struct):
 
 def error_body(message: str, status: int = 400, param: str | None = None, type_: str | None = None) -> bytes:
     if type_ is None:
-        type_ = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+        type_ = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 429: "RateLimitError",
                  503: "ServiceUnavailableError"}.get(
             status, "InternalServerError" if status >= 500 else "BadRequestError")
     return msgspec.json.encode(ErrorResponse(ErrorInfo(message, type_, param, status)))

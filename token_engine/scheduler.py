@@ -13,7 +13,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from token_engine.kv_cache import BlockManager
-from token_engine.kv_connector.base import KV_LOAD_FAILED, ConnectorEvents, KVConnector, NoOpKVConnector
+from token_engine.kv_connector.base import (
+    KV_LOAD_FAILED, KV_PARAMS_REFUSED, ConnectorEvents, KVConnector, NoOpKVConnector)
 from token_engine.sequence import Sequence, SequenceStatus
 
 
@@ -130,10 +131,14 @@ class Scheduler:
         seq_id = self.connector.release_turn_hold()
         if seq_id is None:
             return False
+        self.release_held(seq_id)
+        return True
+
+    def release_held(self, seq_id: str) -> None:
+        """The connector let go of a finished sequence's blocks (its lease ended early): free them."""
         held = self.held_by_connector.pop(seq_id, None)
         if held is not None:
             self.bm.free_blocks(held)
-        return True
 
     # ---- connector events -------------------------------------------------------------------------
     def apply_connector_events(self, events: ConnectorEvents) -> list[Sequence]:
@@ -164,7 +169,8 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING  # not in any queue; finish() frees it
                 self.waiting.append(seq)
                 why = events.failure_reasons.get(seq_id, "the remote engine's KV cache could not be loaded")
-                self.finish(seq, "error", f"{KV_LOAD_FAILED}: {why}")
+                prefix = KV_PARAMS_REFUSED if seq_id in events.refused_recving else KV_LOAD_FAILED
+                self.finish(seq, "error", f"{prefix}: {why}")
                 finished.append(seq)
         return finished
 

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
-from token_engine.kv_connector.base import KV_LOAD_FAILED
+from token_engine.kv_connector.base import KV_BUDGET_EXHAUSTED, KV_LOAD_FAILED, KV_PARAMS_REFUSED
 from token_engine.scheduler import GRAMMAR_VIOLATION
 from token_engine.sequence import TokenLogprob
 from token_engine.structured import GrammarError
@@ -53,6 +53,10 @@ def error_status(engine_error: str) -> int:
     request's fault: 400."""
     if engine_error.startswith(KV_LOAD_FAILED):
         return 502
+    if engine_error.startswith(KV_PARAMS_REFUSED):  # the caller's kv_transfer_params: not the lease's
+        return 400
+    if engine_error.startswith(KV_BUDGET_EXHAUSTED):
+        return 429
     return 400 if engine_error == GRAMMAR_VIOLATION else 500
 
 
@@ -291,7 +295,7 @@ async def generate(request: Request) -> Response:
     state.active.add(request_id)
     gen = Generation(state, req, request_id, n)
     state.engine.add_request(request_id, req.token_ids, options, n, req.priority, req.cache_salt,
-                             req.kv_transfer_params, gen.on_update)
+                             req.kv_transfer_params, gen.on_update, caller=request.client.host if request.client else None)
     if req.stream:
         return GenerationStream(gen)
 

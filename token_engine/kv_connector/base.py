@@ -33,10 +33,16 @@ class ConnectorEvents:
     failed_recving: set[str] = field(default_factory=set)  # remote KV load failed (policy decides)
     finished_sending: set[str] = field(default_factory=set)  # peer read our blocks; free them now
     failure_reasons: dict[str, str] = field(default_factory=dict)  # seq_id -> why its load failed (for the caller)
+    refused_recving: set[str] = field(default_factory=set)  # of failed_recving: the caller's params were refused
 
 
 # Prefix of a request's error when its remote KV could not be loaded (policy "fail"); the server answers 502.
 KV_LOAD_FAILED = "KV handoff failed"
+# Prefix when the caller's kv_transfer_params were refused (malformed, not the lease's blocks or tokens, a peer
+# that is not allowed): the caller's fault, 400.
+KV_PARAMS_REFUSED = "KV handoff refused"
+# Prefix when a caller already holds its share of the prefill engine's KV under leases: 429.
+KV_BUDGET_EXHAUSTED = "KV lease budget exhausted"
 
 
 @runtime_checkable
@@ -52,8 +58,18 @@ class KVConnector(Protocol):
 
     def update_state_after_alloc(self, seq: "Sequence", block_ids: list[int], num_external_tokens: int) -> None: ...
 
+    def admit(self, seqs: "list[Sequence]", caller: str | None) -> str | None:
+        """Before a request is queued: None to accept it, else why it is refused (KV_BUDGET_EXHAUSTED...).
+        `caller` names who asked (the client address), None for in-process callers."""
+        ...
+
     def request_finished(self, seq: "Sequence", block_ids: list[int]) -> tuple[bool, dict | None]:
         """(delay_free: keep the blocks until finished_sending, kv_transfer_params for the response)."""
+        ...
+
+    def abort_held(self, request_id: str) -> list[str]:
+        """The request was aborted after it finished (a failed decode hop): release the KV it holds for a
+        peer that has not started reading it. Returns the seq_ids whose blocks the caller frees now."""
         ...
 
     def poll(self) -> ConnectorEvents: ...
@@ -89,8 +105,14 @@ class NoOpKVConnector:
     def update_state_after_alloc(self, seq, block_ids, num_external_tokens):
         pass
 
+    def admit(self, seqs, caller):
+        return None
+
     def request_finished(self, seq, block_ids):
         return False, None
+
+    def abort_held(self, request_id):
+        return []
 
     def poll(self):
         return ConnectorEvents()

@@ -8,13 +8,19 @@ decode holds a finished turn's blocks for the next turn's prefill), backends (["
 kv_load_timeout (s, our own deadline for a whole load), kv_log_interval (s).
 Side channel: VLLM_NIXL_SIDE_CHANNEL_HOST (default localhost) and VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600;
 0 picks a free port, which then travels in kv_transfer_params as remote_port).
+Trust (docs/security.md, "KV handoff"): kv_side_channel_secret (else SPLITSERVE_KV_SECRET; the CLI's
+--kv-side-channel-secret), the shared secret of the side channel's HMAC handshake; kv_allowed_peers (else
+SPLITSERVE_KV_ALLOWED_PEERS; --kv-allowed-peers), the hosts/CIDRs decode may contact, default loopback only;
+kv_lease_budget_fraction (default 0.25), the share of prefill's KV blocks one caller may hold under leases.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from token_engine.kv_connector.peers import DEFAULT_ALLOWED_PEERS, AllowedPeers
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("fail", "recompute")
@@ -32,6 +38,9 @@ class NixlConnectorConfig:
     decoder_ttl_s: float = 480.0
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600
+    side_channel_secret: bytes | None = field(default=None, repr=False)
+    allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS
+    lease_budget_fraction: float = 0.25
 
 
 def _number(extra: dict, key: str, default: float, low: float, high: float) -> float:
@@ -75,6 +84,18 @@ def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig
             raise ValueError
     except ValueError:
         raise ValueError(f"VLLM_NIXL_SIDE_CHANNEL_PORT must be a port number, got {port_text!r}") from None
+    secret = extra.get("kv_side_channel_secret", env.get("SPLITSERVE_KV_SECRET") or None)
+    if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+        raise ValueError("the KV side-channel secret (kv_side_channel_secret / SPLITSERVE_KV_SECRET) must be a "
+                         "string of at least 16 characters")
+    peers = extra.get("kv_allowed_peers", env.get("SPLITSERVE_KV_ALLOWED_PEERS") or None)
+    if peers is not None and not (isinstance(peers, str) or (
+            isinstance(peers, list) and all(isinstance(p, str) for p in peers))):
+        raise ValueError("kv_connector_extra_config.kv_allowed_peers must be a list of hosts/CIDRs or a "
+                         "comma-separated string")
+    entries = DEFAULT_ALLOWED_PEERS if peers is None else tuple(
+        e.strip() for e in (peers.split(",") if isinstance(peers, str) else peers) if e.strip())
+    AllowedPeers(entries)  # a bad entry is a ValueError naming it
     return NixlConnectorConfig(
         engine_id=engine_id, kv_role=role, load_failure_policy=policy,
         lease_duration_s=_number(extra, "kv_lease_duration", 30.0, 0, 86400),
@@ -83,4 +104,7 @@ def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig
         bidirectional=bidirectional,
         decoder_ttl_s=_number(extra, "decoder_kv_blocks_ttl", 480.0, 0, 86400),
         side_channel_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
-        side_channel_port=port)
+        side_channel_port=port,
+        side_channel_secret=secret.encode() if secret else None,
+        allowed_peers=entries,
+        lease_budget_fraction=_number(extra, "kv_lease_budget_fraction", 0.25, 0, 1))

@@ -3,10 +3,12 @@ leases and serves its side channel; decode fetches the peer's publication, READs
 lease, and reports the outcome. Everything advances in `poll()`; nothing here blocks the engine loop.
 
 A load goes: fetching peer (first contact, restarted peer, or a closed link: publication + a kept-open
-side-channel link, on a worker thread) -> reading -> done. Reading posts the NIXL READ (own deadline) and,
-in the same breath, asks the peer over the open link to pin the lease to us (side_channel.py): the
-confirmation's round trip overlaps the copy instead of following it. The load is done when the READ is
-DONE and the pin answered "held" (or "read": our own READ notification ended it). Peer metadata, the NIXL
+side-channel link, on a worker thread) -> verifying -> reading -> done. Verifying presents our claim (every
+block id and the token hash we were given) and asks the peer to pin the lease to us over the open link; the
+producer is the authority and answers "held" (pinned) only when the claim is exactly its lease
+(leases.claim_mismatch), "refused" otherwise. Only then is the NIXL READ posted (own deadline, never past the
+pin), so no byte of a block the lease does not hold is ever read. The load is done when the READ is DONE:
+the blocks hold KV the producer vouched for, for exactly these tokens. Peer metadata, the NIXL
 remote agent and the link are cached per (host, port) and reused by every later load. Any failure ends a
 load with a reason (the caller applies kv_load_failure_policy), but never while its READ may still write
 into the local blocks.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notification, parse_notification
 from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport
+from token_engine.kv_connector.peers import AllowedPeers
 from token_engine.kv_connector.side_channel import PeerLink, SideChannelError, SideChannelServer, open_link
 
 log = logging.getLogger("token_engine.kv_transfer")
@@ -49,7 +52,8 @@ class RemoteKV:
     port: int
     request_id: str
     epoch: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # every block id of the lease, as claimed
+    token_hash: str = ""  # which tokens the blocks hold KV for, as claimed (the producer refuses "")
 
     @property
     def incarnation(self) -> int:
@@ -80,7 +84,8 @@ class _Load:
     local_ids: list[int]
     started: float
     deadline: float
-    state: str = "fetching"  # -> "reading"
+    first: int = 0  # the READ covers remote.block_ids[first:first + len(local_ids)] (the rest is cached here)
+    state: str = "fetching"  # -> "verifying" -> "reading"
     peer: str = ""
     read_id: int = 0
     future: Future | None = None
@@ -88,8 +93,9 @@ class _Load:
     descriptors: int = 0
     cancelled: bool = False
     read_done: bool = False  # the READ ended (DONE or failed): nothing writes into local_ids any more
-    status: str | None = None  # the peer's answer to our pin/status question
+    status: str | None = None  # the peer's answer to our claim
     asked_at: float = 0.0
+    pinned_until: float = 0.0  # the peer vouched for the claim and pinned the lease until then
     failure: tuple[str, str] | None = None  # (error, reason), reported once read_done
 
     @property
@@ -110,8 +116,11 @@ class _Peer:
 class KVHandoff:
     def __init__(self, engine_id: str, kv_pool, lease_duration_s: float = 30.0, load_timeout_s: float = 10.0,
                  side_channel_host: str = "127.0.0.1", side_channel_port: int = 0, log_interval_s: float = 10.0,
-                 clock=time.monotonic, fingerprint: str = ""):
+                 clock=time.monotonic, fingerprint: str = "", secret: bytes | None = None,
+                 allowed_peers: AllowedPeers | None = None):
         self.engine_id = engine_id
+        self._secret = secret or None
+        self.allowed_peers = allowed_peers if allowed_peers is not None else AllowedPeers()
         self.load_timeout_s = load_timeout_s
         self.fingerprint = fingerprint
         self._clock = clock
@@ -120,7 +129,7 @@ class KVHandoff:
         pub = self.transport.publication(engine_id, self.leases.incarnation)
         pub.fingerprint = fingerprint
         self.side_channel = SideChannelServer(pub, self.leases.status, host=side_channel_host,
-                                              port=side_channel_port, lease_pin=self.leases.pin)
+                                              port=side_channel_port, lease_pin=self.leases.pin, secret=self._secret)
         self.stats = TransferLog(log_interval_s, clock)
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-side-channel-client")
         self._loads: dict[str, _Load] = {}
@@ -142,8 +151,9 @@ class KVHandoff:
 
     # -- prefill side -----------------------------------------------------------------------------------
 
-    def hold(self, request_id: str, block_ids: list[int], duration_s: float | None = None) -> KVLease:
-        lease = self.leases.grant(request_id, block_ids, duration_s)
+    def hold(self, request_id: str, block_ids: list[int], duration_s: float | None = None, token_hash: str = "",
+             caller: str | None = None) -> KVLease:
+        lease = self.leases.grant(request_id, block_ids, duration_s, token_hash, caller)
         self._wake.set()  # the peer's first READ needs our progress (no NIXL progress thread)
         return lease
 
@@ -152,18 +162,19 @@ class KVHandoff:
 
     # -- decode side ------------------------------------------------------------------------------------
 
-    def start_load(self, request_id: str, remote: RemoteKV, local_ids: list[int]) -> None:
-        """Begin pulling `remote`'s blocks into `local_ids`; the outcome comes from a later `poll()`."""
+    def start_load(self, request_id: str, remote: RemoteKV, local_ids: list[int], first: int = 0) -> None:
+        """Begin pulling `remote.block_ids[first:first + len(local_ids)]` into `local_ids` (the claim is all of
+        `remote`); the outcome comes from a later `poll()`."""
         with self._lock:
-            self._start_load(request_id, remote, local_ids)
+            self._start_load(request_id, remote, local_ids, first)
         self._wake.set()
 
-    def _start_load(self, request_id: str, remote: RemoteKV, local_ids: list[int]) -> None:
+    def _start_load(self, request_id: str, remote: RemoteKV, local_ids: list[int], first: int) -> None:
         if request_id in self._loads:
             raise KVTransferError(f"request {request_id} already loading", "bad_request")
-        if len(local_ids) != len(remote.block_ids):
-            raise KVTransferError(f"{len(remote.block_ids)} remote blocks for {len(local_ids)} local blocks",
-                                  "bad_request")
+        if not local_ids or first < 0 or first + len(local_ids) > len(remote.block_ids):
+            raise KVTransferError(f"{len(local_ids)} local blocks from block {first} of "
+                                  f"{len(remote.block_ids)} remote blocks", "bad_request")
         if (remote.request_id, remote.epoch) in self._consumed:
             # A second READ of one lease could see recycled blocks that the first READ already freed.
             raise KVTransferError("these remote blocks were already loaded once", "bad_request")
@@ -172,7 +183,7 @@ class KVHandoff:
                for ld in self._loads.values()):
             raise KVTransferError("these remote blocks are already being loaded", "bad_request")
         now = self._clock()
-        load = _Load(request_id, remote, list(local_ids), now, now + self.load_timeout_s)
+        load = _Load(request_id, remote, list(local_ids), now, now + self.load_timeout_s, first)
         self._loads[request_id] = load
         peer = self._peers.get(addr)
         if peer is not None and not peer.link.alive():
@@ -181,7 +192,7 @@ class KVHandoff:
         if peer is not None and peer.incarnation == remote.incarnation:
             self._begin(load, peer, self._pending)
         else:
-            load.future = self._workers.submit(open_link, remote.host, remote.port)
+            load.future = self._connect(remote)
 
     def cancel_load(self, request_id: str) -> None:
         """Abort a load; its outcome still comes from poll() so blocks are freed only once no READ writes them."""
@@ -207,7 +218,7 @@ class KVHandoff:
         with self._lock:
             addr = (remote.host, remote.port)
             if addr not in self._peers and addr not in self._connecting and not self._closed:
-                self._connecting[addr] = (remote, self._workers.submit(open_link, remote.host, remote.port))
+                self._connecting[addr] = (remote, self._connect(remote))
                 self._wake.set()
         return False
 
@@ -224,6 +235,10 @@ class KVHandoff:
             except KVTransferError as e:
                 log.warning("%s notification to %s failed: %s", kind, peer.agent, e)
                 return False
+
+    def _connect(self, remote: RemoteKV) -> Future:
+        return self._workers.submit(open_link, remote.host, remote.port, secret=self._secret,
+                                    allowed=self.allowed_peers)
 
     def loading(self) -> int:
         return len(self._loads)
@@ -333,17 +348,18 @@ class KVHandoff:
         for ans in answers:
             load = peer.waiting.pop((ans.request_id, ans.epoch), None)
             if load is None:
-                continue  # the load already ended (its READ failed, say)
-            if ans.status == "gone":
-                self.stats.metrics.stale_reads.inc()
-                load.failure = load.failure or (
-                    "lease ended before the READ completed: blocks may have been recycled", "stale")
-            elif ans.status == "held" and not load.read_done and ans.pinned_s <= 0:
-                continue  # held now but not pinned (older peer): ask again once the READ is done
-            elif ans.status == "held" and not load.read_done:
-                # Pinned only so long: a READ running past it could see recycled blocks.
-                self.transport.shorten_deadline(load.read_id, load.asked_at + ans.pinned_s)
+                continue  # the load already ended (cancelled, timed out)
             load.status = ans.status
+            if ans.status == "refused":
+                load.failure = load.failure or (
+                    "the prefill engine does not hold these blocks for these tokens under this lease", "refused")
+            elif ans.status != "held" or ans.pinned_s <= 0:
+                # gone (expired, unknown, another reader's) or not pinned: its blocks may be recycled
+                self.stats.metrics.stale_reads.inc()
+                load.failure = load.failure or ("the lease is no longer held: its blocks may have been recycled",
+                                                "stale")
+            else:
+                load.pinned_until = load.asked_at + ans.pinned_s
 
     def _on_notification(self, agent: str, msg: bytes, out: HandoffPoll) -> None:
         n = parse_notification(msg)
@@ -371,24 +387,32 @@ class KVHandoff:
                 self._fail(load, out, "cancelled", "cancelled")
                 return
             self._begin(load, peer, out)
-        elif load.state == "reading" and load.read_done:
-            if load.failure is None and load.status is None and load.lease not in self._waiting_keys(load):
-                self._ask(load, pin_s=0.0)  # an unpinned "held" came before the READ ended: confirm now
+        elif load.state == "verifying":
             if load.failure is not None:
                 self._fail(load, out, *load.failure)
                 return
-            if load.status in ("held", "read"):
-                self._loads.pop(load.request_id)
+            if load.pinned_until:
                 if load.cancelled:
-                    out.loads.append(LoadOutcome(load.request_id, False, "cancelled", "cancelled"))
+                    self._send_abort(load)  # pinned to us: let prefill free it now
+                    self._fail(load, out, "cancelled", "cancelled")
                     return
-                seconds = now - load.started
-                self.stats.record(load.bytes, load.descriptors, seconds)
-                out.loads.append(LoadOutcome(load.request_id, True, bytes=load.bytes, descriptors=load.descriptors,
-                                             seconds=seconds))
+                self._post_read(load, out)
                 return
+        elif load.state == "reading" and load.read_done:
+            if load.failure is not None:
+                self._fail(load, out, *load.failure)
+                return
+            self._loads.pop(load.request_id)
+            if load.cancelled:
+                out.loads.append(LoadOutcome(load.request_id, False, "cancelled", "cancelled"))
+                return
+            seconds = now - load.started
+            self.stats.record(load.bytes, load.descriptors, seconds)
+            out.loads.append(LoadOutcome(load.request_id, True, bytes=load.bytes, descriptors=load.descriptors,
+                                         seconds=seconds))
+            return
         if load.request_id in self._loads and now > load.deadline and (load.state != "reading" or load.read_done):
-            # a running READ has its own deadline inside the transport; fetching/confirming are bounded here
+            # a running READ has its own deadline inside the transport; fetching/verifying are bounded here
             self._fail(load, out, f"KV load did not finish within {self.load_timeout_s:.1f} s", "timeout")
 
     def _adopt_peer(self, load: _Load, out: HandoffPoll) -> _Peer | None:
@@ -397,6 +421,8 @@ class KVHandoff:
         try:
             return self._adopt(load.remote, future)
         except (SideChannelError, KVTransferError) as e:
+            log.warning("KV peer %s:%s for %s: %s", load.remote.host, load.remote.port, load.request_id,
+                        getattr(e, "detail", e))
             self._fail(load, out, str(e), getattr(e, "reason", "side_channel"))
             return None
 
@@ -432,21 +458,25 @@ class KVHandoff:
         return peer
 
     def _begin(self, load: _Load, peer: _Peer, out: HandoffPoll) -> None:
-        """Ask the peer to pin the lease, and post the READ without waiting for the answer."""
-        rem = load.remote
+        """Present our claim and ask the peer to pin the lease; the READ waits for its "held"."""
         load.peer = peer.agent
-        load.state = "reading"
+        load.state = "verifying"
         if not self._ask(load, pin_s=max(0.0, load.deadline - self._clock()) + PIN_MARGIN_S):
-            load.read_done = True  # nothing was posted
             self._fail(load, out, *load.failure)
-            return
+
+    def _post_read(self, load: _Load, out: HandoffPoll) -> None:
+        """The producer vouched for the claim and pinned the lease: READ the part we do not have cached,
+        never past the pin (a READ running past it could see recycled blocks)."""
+        rem = load.remote
+        load.state = "reading"
+        remote_ids = list(rem.block_ids[load.first:load.first + len(load.local_ids)])
         try:
             load.read_id = self.transport.start_read(
-                load.peer, load.local_ids, list(rem.block_ids), format_notification("read", rem.request_id, rem.epoch),
-                max(0.001, load.deadline - self._clock()))
+                load.peer, load.local_ids, remote_ids, format_notification("read", rem.request_id, rem.epoch),
+                max(0.001, min(load.deadline, load.pinned_until) - self._clock()))
         except KVTransferError as e:
             load.read_done = True
-            self._send_abort(load)  # we may have pinned it: let prefill free it now
+            self._send_abort(load)  # pinned to us: let prefill free it now
             self._fail(load, out, str(e), e.reason)
             if e.reason == "disconnect":
                 self._forget_peer(load.peer)
@@ -458,7 +488,8 @@ class KVHandoff:
             load.failure = load.failure or ("could not confirm the lease: side channel link lost", "side_channel")
             return False
         try:
-            peer.link.ask(load.remote.request_id, load.remote.epoch, self.transport.agent_name, pin_s)
+            peer.link.ask(load.remote.request_id, load.remote.epoch, self.transport.agent_name, pin_s,
+                          load.remote.block_ids, load.remote.token_hash)
         except SideChannelError as e:
             load.failure = load.failure or (f"could not confirm the lease: {e}", "side_channel")
             self._drop_link(addr, str(e))
@@ -466,10 +497,6 @@ class KVHandoff:
         load.asked_at = self._clock()
         peer.waiting[load.lease] = load
         return True
-
-    def _waiting_keys(self, load: _Load):
-        peer = self._peers.get((load.remote.host, load.remote.port))
-        return peer.waiting if peer is not None else {}
 
     def _send_abort(self, load: _Load) -> None:
         """Tell prefill we will never read, so it frees the blocks now rather than at lease expiry."""

@@ -14,9 +14,13 @@ Notifications (NIXL notification payloads, untrusted):
   waiting for expiry.
 A lease that sees neither expires after `kv_lease_duration` seconds and its blocks are freed.
 
-Pinning (side channel `lease_status` with pin_s): decode asks while posting its READ. A held lease is then
-pinned to that reader: it cannot expire for pinned_s seconds, and only that reader's `read`/`abort` ends
-it, so "held at the pin" proves the READ saw the lease's blocks. A second reader gets "gone".
+Claims and pinning (side channel `lease_status` with pin_s): before it READs, decode presents its claim, the
+block ids and token hash it was given for the lease, and asks to pin it. The producer is the authority:
+`claim_mismatch` (the one place a claim is checked, for pull and push modes alike) refuses any claim whose
+block ids are not exactly the lease's or whose token hash is not the one prefill computed, so a caller cannot
+point a lease of its own at another request's blocks. A matching held lease is then pinned to that reader:
+it cannot expire for pinned_s seconds, and only that reader's `read`/`abort` ends it, so a READ posted after
+"held" sees the lease's blocks and nothing recycled. A second reader gets "gone".
 """
 
 from __future__ import annotations
@@ -39,6 +43,18 @@ class KVLease:
     block_ids: list[int]
     expires_at: float
     reader: str = ""  # the decode agent the lease is pinned to, once pinned
+    token_hash: str = ""  # which tokens the blocks hold KV for (nixl.token_hash), as prefill computed it
+    caller: str | None = None  # who asked for the prefill (lease budgets), None for in-process callers
+
+
+def claim_mismatch(lease: KVLease, block_ids, token_hash: str) -> str | None:
+    """Why a reader's claim on `lease` is refused, or None when it names exactly the lease's blocks and tokens.
+    A lease granted without a token hash vouches for nothing and refuses every claim."""
+    if not lease.token_hash or not isinstance(token_hash, str) or token_hash != lease.token_hash:
+        return "token hash does not match the lease"
+    if block_ids is None or list(block_ids) != lease.block_ids:
+        return "block ids do not match the lease"
+    return None
 
 
 @dataclass(frozen=True)
@@ -88,11 +104,13 @@ class LeaseTable:
         self._read_by: OrderedDict[tuple[str, int], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def grant(self, request_id: str, block_ids: list[int], duration_s: float | None = None) -> KVLease:
+    def grant(self, request_id: str, block_ids: list[int], duration_s: float | None = None, token_hash: str = "",
+              caller: str | None = None) -> KVLease:
         with self._lock:
             self._counter += 1
             epoch = (self.incarnation << 32) | self._counter
-            lease = KVLease(request_id, epoch, list(block_ids), self._clock() + (duration_s or self.duration_s))
+            lease = KVLease(request_id, epoch, list(block_ids), self._clock() + (duration_s or self.duration_s),
+                            token_hash=token_hash, caller=caller)
             self._leases[(request_id, epoch)] = lease
             return lease
 
@@ -118,15 +136,19 @@ class LeaseTable:
             lease.expires_at = max(lease.expires_at, self._clock() + self.duration_s * 2 / 3)
             return True
 
-    def pin(self, request_id: str, epoch: int, reader: str, pin_s: float) -> tuple[str, float]:
-        """Status as `status`, and a held lease is pinned to `reader` for up to pin_s (capped) seconds:
-        returns (status, seconds actually pinned). Pinned to another reader: ("gone", 0)."""
+    def pin(self, request_id: str, epoch: int, reader: str, pin_s: float, block_ids=None,
+            token_hash: str = "") -> tuple[str, float]:
+        """Check `reader`'s claim (block ids + token hash) and pin a held lease to it for up to pin_s (capped)
+        seconds: returns (status, seconds actually pinned). "refused": the lease exists but the claim does not
+        match it (nothing changes); pinned to another reader: ("gone", 0)."""
         with self._lock:
             lease = self._leases.get((request_id, epoch))
             if lease is None:
                 return ("read" if self._read_by.get((request_id, epoch)) == reader else "gone"), 0.0
             if lease.reader and lease.reader != reader:
                 return "gone", 0.0
+            if claim_mismatch(lease, block_ids, token_hash) is not None:
+                return "refused", 0.0
             if not pin_s > 0:
                 return "held", 0.0
             pinned = min(pin_s, max(self.duration_s, MIN_PIN_CAP_S))
@@ -171,7 +193,13 @@ class LeaseTable:
             return min((lease.expires_at for lease in self._leases.values()), default=None)
 
     def held_blocks(self) -> int:
-        return sum(len(lease.block_ids) for lease in self._leases.values())
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self._leases.values())
+
+    def find(self, request_id: str) -> list[KVLease]:
+        """The leases held under one request id (abort by id: the caller knows no epoch)."""
+        with self._lock:
+            return [lease for (rid, _), lease in self._leases.items() if rid == request_id]
 
     def __len__(self) -> int:
         return len(self._leases)

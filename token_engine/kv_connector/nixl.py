@@ -20,6 +20,15 @@ we return carries `remote_token_hash` (sha256 of the held token ids), and a prom
 hash the same (a template that drops reasoning from history, say) is recomputed instead. vLLM has no such
 guard and silently decodes from KV of other tokens (vllm#43094). Params without the hash are not reused.
 
+Trust (docs/security.md, "KV handoff"): kv_transfer_params come from the caller. A load must present the
+lease's exact block ids and its token hash (mandatory, and checked here against this prompt); the producer
+checks both against what it recorded for the lease before decode READs anything (handoff.py), so loaded KV
+(and what it then publishes in the prefix cache) is KV the producer vouched for, for exactly these tokens.
+Refusals are the caller's fault (KV_PARAMS_REFUSED, 400). Decode contacts only allowed peers (peers.py); the
+side channel authenticates with a shared secret when one is set. A caller may hold at most
+kv_lease_budget_fraction of prefill's blocks under leases (and in-flight prefills for remote decode) at once
+(KV_BUDGET_EXHAUSTED, 429); `abort_held` releases a lease whose decode hop failed.
+
 Both sides publish a fingerprint of their weights and KV config (fingerprint.py); a load from a peer whose
 fingerprint differs fails (reason "model_mismatch") and the failure policy applies. While a decode request
 waits for its remote KV before the load starts (no free blocks yet), `poll()` sends the peer heartbeats
@@ -35,13 +44,16 @@ import time
 from array import array
 from collections import OrderedDict
 
-from token_engine.kv_connector.base import ConnectorEvents
+from token_engine.kv_connector.base import KV_BUDGET_EXHAUSTED, ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
 from token_engine.kv_connector.fingerprint import model_fingerprint
 from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+from token_engine.kv_connector.peers import AllowedPeers, is_loopback_host
 
 log = logging.getLogger("token_engine.kv_transfer")
 MAX_REMOTE_BLOCKS = 1 << 20
+TOKEN_HASH_CHARS = 32
+REFUSED_REASONS = frozenset({"refused", "not_allowed", "invalid"})  # the caller's params, not the infrastructure
 
 
 class BadTransferParams(ValueError):
@@ -87,9 +99,12 @@ def parse_remote(params: dict, prompt_token_ids: list[int], block_size: int) -> 
     if echoed is not None and echoed != prompt_token_ids:
         raise BadTransferParams("kv_transfer_params.prompt_token_ids differ from the request's prompt")
     held_hash = params.get("remote_token_hash")
-    if held_hash is not None and held_hash != token_hash(prompt_token_ids[:num_tokens]):
+    if not isinstance(held_hash, str) or len(held_hash) != TOKEN_HASH_CHARS:
+        raise BadTransferParams("kv_transfer_params.remote_token_hash missing or malformed: without it the "
+                                "peer's KV cannot be tied to this prompt")
+    if held_hash != token_hash(prompt_token_ids[:num_tokens]):
         raise BadTransferParams("the peer holds KV for other tokens than this prompt's first remote_num_tokens")
-    return RemoteKV(engine_id, host, port, request_id, epoch, tuple(blocks)), num_tokens
+    return RemoteKV(engine_id, host, port, request_id, epoch, tuple(blocks), held_hash), num_tokens
 
 
 class NixlConnector:
@@ -107,6 +122,11 @@ class NixlConnector:
         self.heartbeats_sent = 0
         self._lease_epochs: dict[str, int] = {}  # prefill: seq_id -> epoch of its lease
         self._turn_holds: OrderedDict[str, int] = OrderedDict()  # decode: turns held for a next prefill, oldest first
+        # Lease budgets (engine thread only): blocks each caller holds under leases or has reserved for a
+        # prefill in flight; seq_id -> (caller, reserved blocks) until the prefill finishes.
+        self._caller_blocks: dict[str, int] = {}
+        self._reserved: dict[str, tuple[str, int]] = {}
+        self.lease_budget_blocks = 0  # set once the pool is known
 
     # -- worker side ------------------------------------------------------------------------------------
 
@@ -117,16 +137,20 @@ class NixlConnector:
         host = self.config.side_channel_host
         bind_host = "127.0.0.1" if host == "localhost" else host
         self.fingerprint = model_fingerprint(self._model_dir, str(kv_pool.dtype).removeprefix("torch."), block_size)
+        self.lease_budget_blocks = max(1, int(self.config.lease_budget_fraction * kv_pool.shape[0]))
         self.handoff = KVHandoff(
             self.config.engine_id, kv_pool, lease_duration_s=self.config.lease_duration_s,
             load_timeout_s=self.config.load_timeout_s, side_channel_host=bind_host,
             side_channel_port=self.config.side_channel_port, log_interval_s=self.config.log_interval_s,
-            fingerprint=self.fingerprint)
+            fingerprint=self.fingerprint, secret=self.config.side_channel_secret,
+            allowed_peers=AllowedPeers(self.config.allowed_peers))
         if host in ("0.0.0.0", ""):
             self._advertised_host = socket.gethostbyname(socket.gethostname())
-        log.info("NixlConnector %s (%s, policy %s): side channel %s:%d, lease %.0f s", self.config.engine_id,
-                 self.config.kv_role, self.load_failure_policy, self._advertised_host,
-                 self.handoff.side_channel.port, self.config.lease_duration_s)
+        warn_if_exposed(bind_host, self.handoff.side_channel.port, self.config.side_channel_secret)
+        log.info("NixlConnector %s (%s, policy %s): side channel %s:%d (%s), lease %.0f s, peers %s",
+                 self.config.engine_id, self.config.kv_role, self.load_failure_policy, self._advertised_host,
+                 self.handoff.side_channel.port, "authenticated" if self.config.side_channel_secret else "open",
+                 self.config.lease_duration_s, ",".join(self.config.allowed_peers))
 
     # -- decode: loading remote KV ----------------------------------------------------------------------
 
@@ -178,21 +202,50 @@ class NixlConnector:
             return
         first = num_computed // self.block_size  # cached blocks are full blocks
         count = -(-num_external_tokens // self.block_size)
-        remote_ids = list(remote.block_ids[first:first + count])
         local_ids = block_ids[first:first + count]
-        remote = RemoteKV(remote.engine_id, remote.host, remote.port, remote.request_id, remote.epoch,
-                          tuple(remote_ids))
-        try:
-            self.handoff.start_load(seq.seq_id, remote, local_ids)
+        try:  # the claim is the whole lease; the READ skips what the local prefix cache already holds
+            self.handoff.start_load(seq.seq_id, remote, local_ids, first)
         except Exception as e:  # noqa: BLE001 - any refusal is a failed load, never an engine crash
             log.warning("KV load for %s refused: %s", seq.seq_id, e)
             self._failed_now[seq.seq_id] = f"load refused: {e}"
 
     # -- prefill: holding KV for a remote decode --------------------------------------------------------
 
+    def admit(self, seqs, caller: str | None) -> str | None:
+        """Reserve a caller's share of blocks for prefills whose KV will be held for a remote decode; refuse
+        when the caller already holds its budget (a caller holding nothing may always run one request)."""
+        wanted = [(seq, -(-seq.prompt_len // self.block_size)) for seq in seqs
+                  if seq.kv_transfer_params and seq.kv_transfer_params.get("do_remote_decode")
+                  and not seq.kv_transfer_params.get("do_remote_prefill")]
+        if caller is None or not wanted or self.handoff is None:
+            return None
+        held = self._caller_blocks.get(caller, 0)
+        need = sum(blocks for _, blocks in wanted)
+        if held and held + need > self.lease_budget_blocks:
+            return (f"{KV_BUDGET_EXHAUSTED}: this caller already holds {held} KV blocks for remote decode and "
+                    f"may hold {self.lease_budget_blocks}; retry once decode has read them (or abort them)")
+        for seq, blocks in wanted:
+            self._reserved[seq.seq_id] = (caller, blocks)
+        self._caller_blocks[caller] = held + need
+        return None
+
+    def _charge(self, caller: str | None, blocks: int) -> None:
+        if caller is None:
+            return
+        left = self._caller_blocks.get(caller, 0) + blocks
+        if left > 0:
+            self._caller_blocks[caller] = left
+        else:
+            self._caller_blocks.pop(caller, None)
+
+    def _lease_ended(self, lease) -> None:
+        self._charge(lease.caller, -len(lease.block_ids))
+
     def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._planned.pop(seq.seq_id, None)
         self._awaiting.pop(seq.seq_id, None)
+        caller, reserved = self._reserved.pop(seq.seq_id, (None, 0))
+        self._charge(caller, -reserved)
         params = seq.kv_transfer_params
         if not params:
             return False, None
@@ -207,9 +260,11 @@ class NixlConnector:
             return False, None
         if not params.get("do_remote_decode") or not ended_well:
             return False, None
-        return self._hold(seq, block_ids, min(seq.num_computed_tokens, seq.prompt_len), None, for_prefill=False)
+        return self._hold(seq, block_ids, min(seq.num_computed_tokens, seq.prompt_len), None, for_prefill=False,
+                          caller=caller)
 
-    def _hold(self, seq, block_ids: list[int], num_tokens: int, duration_s, for_prefill: bool):
+    def _hold(self, seq, block_ids: list[int], num_tokens: int, duration_s, for_prefill: bool,
+              caller: str | None = None):
         if num_tokens <= 0 or self.handoff is None:
             return False, None
         if seq.seq_id in self._lease_epochs:
@@ -218,7 +273,9 @@ class NixlConnector:
             log.warning("request id %s already holds KV for a peer; not holding it twice", seq.seq_id)
             return False, None
         held = block_ids[:-(-num_tokens // self.block_size)]
-        lease = self.handoff.hold(seq.seq_id, held, duration_s)
+        held_hash = token_hash(seq.token_ids[:num_tokens])
+        lease = self.handoff.hold(seq.seq_id, held, duration_s, held_hash, caller)
+        self._charge(caller, len(held))
         self._lease_epochs[seq.seq_id] = lease.epoch
         if for_prefill:
             self._turn_holds[seq.seq_id] = lease.epoch
@@ -234,7 +291,7 @@ class NixlConnector:
             "tp_size": 1,
             "remote_num_tokens": num_tokens,
             "remote_lease_epoch": lease.epoch,
-            "remote_token_hash": token_hash(seq.token_ids[:num_tokens]),
+            "remote_token_hash": held_hash,
         }
 
     def release_turn_hold(self) -> str | None:
@@ -249,6 +306,25 @@ class NixlConnector:
                 return seq_id
         return None
 
+    def abort_held(self, request_id: str) -> list[str]:
+        """Release the leases held under a request id (and its n > 1 children) that no decode has pinned: a
+        decode hop that failed need not keep prefill's blocks for the whole lease. A pinned lease is being
+        read; its READ notification frees it."""
+        if self.handoff is None:
+            return []
+        freed = []
+        for seq_id, epoch in list(self._lease_epochs.items()):
+            if seq_id != request_id and not (seq_id.startswith(request_id + "-")
+                                             and seq_id[len(request_id) + 1:].isdigit()):
+                continue
+            lease = self.handoff.leases.release(seq_id, epoch, reader="")
+            if lease is not None:
+                del self._lease_epochs[seq_id]
+                self._turn_holds.pop(seq_id, None)
+                self._lease_ended(lease)
+                freed.append(seq_id)
+        return freed
+
     def _abandon(self, params: dict, seq) -> None:
         try:
             remote, _ = parse_remote(params, seq.prompt_token_ids, self.block_size)
@@ -261,6 +337,7 @@ class NixlConnector:
     def poll(self) -> ConnectorEvents:
         events = ConnectorEvents()
         events.failed_recving |= set(self._failed_now)
+        events.refused_recving |= set(self._failed_now)  # params refused before any contact
         events.failure_reasons.update(self._failed_now)
         self._failed_now = {}
         if self.handoff is None:
@@ -272,10 +349,13 @@ class NixlConnector:
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
                 del self._lease_epochs[lease.request_id]
                 events.finished_sending.add(lease.request_id)
+                self._lease_ended(lease)
         for outcome in polled.loads:
             (events.finished_recving if outcome.ok else events.failed_recving).add(outcome.request_id)
             if not outcome.ok:
                 events.failure_reasons[outcome.request_id] = f"{outcome.reason}: {outcome.error}"
+                if outcome.reason in REFUSED_REASONS:
+                    events.refused_recving.add(outcome.request_id)
         return events
 
     def _send_heartbeats(self) -> None:
@@ -307,3 +387,15 @@ class NixlConnector:
         if self.handoff is not None:
             self.handoff.close()
             self.handoff = None
+
+
+def warn_if_exposed(bind_host: str, port: int, secret: bytes | None) -> bool:
+    """A side channel reachable beyond loopback without a secret hands this engine's NIXL metadata (enough to
+    READ its KV pool) and its leases to anyone on the network: say so loudly at startup."""
+    if secret or is_loopback_host(bind_host):
+        return False
+    log.warning("SECURITY: the KV side channel listens on %s:%d beyond loopback WITHOUT a secret: any host that "
+                "reaches it gets this engine's NIXL metadata and can query and pin its KV leases. Set the same "
+                "--kv-side-channel-secret (or SPLITSERVE_KV_SECRET) on every engine, and restrict the port to "
+                "engine peers (docs/security.md)", bind_host or "*", port)
+    return True

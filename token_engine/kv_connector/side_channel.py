@@ -12,30 +12,64 @@ costs no TCP connect and no thread start on either side:
   pinned from then on means the blocks were not recycled while the READ ran. Answered from this server's
   thread, so it does not wait for prefill's next engine step.
 Everything received is validated: the peer is untrusted, and a wrong base address or geometry would make
-NIXL read the wrong bytes without complaint.
+NIXL read the wrong bytes without complaint. The pin carries decode's claim (block ids + token hash), which
+the producer checks against the lease (leases.claim_mismatch) and answers "refused" when it differs.
+
+Authentication (a shared secret: `--kv-side-channel-secret` / SPLITSERVE_KV_SECRET): the first frames of a
+connection are an HMAC-SHA256 challenge-response in both directions. The client sends `{"op": "auth",
+"nonce": Nc}`; the server answers `{"nonce": Ns, "proof": HMAC(K, server|Nc|Ns)}`; the client checks it and
+sends `{"op": "auth", "proof": HMAC(K, client|Ns|Nc)}`. A server with a secret drops a connection whose
+first frame is anything else, or whose proof is wrong, before it reads another frame; a client with a
+secret refuses a server that cannot prove it knows the secret (it never trusts an unproven publication).
+Connections are bounded: at most MAX_PER_ADDRESS per client address and MAX_CONNECTIONS in all; when full,
+the oldest connection that has not authenticated (then the longest idle one) is closed to make room, so
+idle or half-open connections cannot lock new peers out. A connection must authenticate (or, without a
+secret, send its first request) within HANDSHAKE_TIMEOUT_S and is closed after IDLE_TIMEOUT_S idle.
+Errors a caller could see are generic (UNREACHABLE): they never tell an open port from a closed one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import secrets
 import select
 import socket
 import struct
 import threading
+import time
 
 import msgspec
 
 from token_engine.kv_connector.descriptors import DTYPE_SIZES, KVGeometry, PoolLayout
+from token_engine.kv_connector.peers import AllowedPeers, PeerNotAllowed
+
+log = logging.getLogger("token_engine.kv_transfer")
 
 MAX_FRAME_BYTES = 1 << 20
 MAX_METADATA_BYTES = 256 << 10
 MAX_BLOCKS = 1 << 24
 SOCKET_TIMEOUT_S = 5.0
-IDLE_TIMEOUT_S = 600.0  # a kept-open connection with no request for this long is closed by the server
+HANDSHAKE_TIMEOUT_S = 5.0  # a new connection authenticates (or sends its first request) within this
+IDLE_TIMEOUT_S = 120.0  # a kept-open connection with no request for this long is closed by the server
 MAX_CONNECTIONS = 256
+MAX_PER_ADDRESS = 16
+NONCE_BYTES = 32
+_SERVER_LABEL = b"splitserve-kv-side-channel-server\x00"
+_CLIENT_LABEL = b"splitserve-kv-side-channel-client\x00"
+UNREACHABLE = "could not reach the KV peer's side channel (unreachable, not a side channel, or it refused us)"
+NOT_ALLOWED = "remote_host is not an allowed KV peer (--kv-allowed-peers)"
 
 
 class SideChannelError(Exception):
-    """The peer's side channel is unreachable or sent something we refuse to use."""
+    """The peer's side channel is unreachable or sent something we refuse to use. `str()` is what a caller
+    may see (generic on first contact); `detail` is for the operator's log."""
+
+    def __init__(self, message: str, detail: str | None = None, reason: str = "side_channel"):
+        super().__init__(message)
+        self.detail = detail or message
+        self.reason = reason
 
 
 class WireGeometry(msgspec.Struct, forbid_unknown_fields=True):
@@ -66,10 +100,24 @@ class SideChannelRequest(msgspec.Struct, forbid_unknown_fields=True):
     epoch: int = 0
     reader: str = ""
     pin_s: float = 0.0
+    block_ids: list[int] | None = None  # the claim: every block id decode was given for the lease
+    token_hash: str = ""  # the claim: the token hash decode was given (and checked against its prompt)
+    nonce: str = ""  # auth: the client's challenge (hex)
+    proof: str = ""  # auth: the client's answer to the server's challenge (hex)
+
+
+class AuthAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    nonce: str  # the server's challenge (hex)
+    proof: str  # HMAC over the client's challenge: the server knows the secret
+
+
+STATUSES = ("held", "read", "gone", "refused")
 
 
 class LeaseStatus(msgspec.Struct, forbid_unknown_fields=True):
-    status: str  # "held" | "read" (ended by this reader's READ) | "gone" (expired, unknown, other reader)
+    # "held" | "read" (ended by this reader's READ) | "gone" (expired, unknown, other reader) |
+    # "refused" (the claim does not match the lease)
+    status: str
     request_id: str = ""
     epoch: int = 0
     pinned_s: float = 0.0  # how long the lease is pinned to the asking reader (pin requests only)
@@ -79,6 +127,18 @@ _encoder = msgspec.json.Encoder()
 _pub_decoder = msgspec.json.Decoder(AgentPublication)
 _req_decoder = msgspec.json.Decoder(SideChannelRequest)
 _status_decoder = msgspec.json.Decoder(LeaseStatus)
+_auth_decoder = msgspec.json.Decoder(AuthAnswer)
+
+
+def _proof(secret: bytes, label: bytes, first: bytes, second: bytes) -> str:
+    return hmac.new(secret, label + first + second, hashlib.sha256).hexdigest()
+
+
+def _unhex_nonce(text: str) -> bytes:
+    nonce = bytes.fromhex(text)
+    if len(nonce) != NONCE_BYTES:
+        raise ValueError("bad nonce length")
+    return nonce
 
 
 def validate_publication(pub: AgentPublication) -> PoolLayout:
@@ -128,49 +188,87 @@ def _recv_frame(sock: socket.socket) -> bytes:
     return _recv_exact(sock, n)
 
 
-def _ask(host: str, port: int, request: SideChannelRequest, decoder, timeout_s: float):
+def _check_port(port) -> None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise SideChannelError(f"bad side-channel port {port!r}")
+        raise SideChannelError(f"bad side-channel port {port!r}", reason="bad_request")
+
+
+def _connect(host: str, port: int, timeout_s: float, secret: bytes | None,
+             allowed: AllowedPeers | None) -> socket.socket:
+    """A connected, authenticated (when `secret`) socket to an allowed peer. Blocking: off the engine loop.
+    Every failure after the allowlist is the same generic error; the detail goes to the log."""
+    _check_port(port)
+    allowed = allowed if allowed is not None else AllowedPeers()
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        family, sockaddr = allowed.resolve(host, port)
+    except PeerNotAllowed:
+        raise SideChannelError(NOT_ALLOWED, f"{host}:{port} is not on the allowlist {allowed!r}",
+                               reason="not_allowed") from None
+    except OSError as e:
+        raise SideChannelError(UNREACHABLE, f"{host}:{port}: {e}") from e
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(sockaddr)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if secret:
+            _client_handshake(sock, secret)
+        return sock
+    except (OSError, ValueError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        sock.close()
+        raise SideChannelError(UNREACHABLE, f"{host}:{port}: {getattr(e, 'detail', None) or e}") from e
+
+
+def _client_handshake(sock: socket.socket, secret: bytes) -> None:
+    mine = secrets.token_bytes(NONCE_BYTES)
+    _send_frame(sock, _encoder.encode(SideChannelRequest(op="auth", nonce=mine.hex())))
+    answer = _auth_decoder.decode(_recv_frame(sock))
+    theirs = _unhex_nonce(answer.nonce)
+    if not hmac.compare_digest(answer.proof, _proof(secret, _SERVER_LABEL, mine, theirs)):
+        raise SideChannelError("the peer could not prove it knows the side-channel secret")
+    _send_frame(sock, _encoder.encode(SideChannelRequest(op="auth", proof=_proof(secret, _CLIENT_LABEL, theirs, mine))))
+
+
+def _ask(host: str, port: int, request: SideChannelRequest, decoder, timeout_s: float,
+         secret: bytes | None = None, allowed: AllowedPeers | None = None):
+    sock = _connect(host, port, timeout_s, secret, allowed)
+    try:
+        with sock:
             _send_frame(sock, _encoder.encode(request))
             return decoder.decode(_recv_frame(sock))
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise SideChannelError(f"side channel {host}:{port}: {e}") from e
+    except (OSError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SideChannelError(UNREACHABLE, f"{host}:{port}: {e}") from e
 
 
-def fetch_publication(host: str, port: int, timeout_s: float = SOCKET_TIMEOUT_S) -> tuple[AgentPublication, PoolLayout]:
+def fetch_publication(host: str, port: int, timeout_s: float = SOCKET_TIMEOUT_S, secret: bytes | None = None,
+                      allowed: AllowedPeers | None = None) -> tuple[AgentPublication, PoolLayout]:
     """Ask a peer's side channel for its publication; validated before it is returned."""
-    pub = _ask(host, port, SideChannelRequest(op="publication"), _pub_decoder, timeout_s)
+    pub = _ask(host, port, SideChannelRequest(op="publication"), _pub_decoder, timeout_s, secret, allowed)
     return pub, validate_publication(pub)
 
 
 def fetch_lease_status(host: str, port: int, request_id: str, epoch: int, reader: str,
-                       timeout_s: float = SOCKET_TIMEOUT_S) -> str:
+                       timeout_s: float = SOCKET_TIMEOUT_S, secret: bytes | None = None,
+                       allowed: AllowedPeers | None = None) -> str:
     req = SideChannelRequest(op="lease_status", request_id=request_id, epoch=epoch, reader=reader)
-    status = _ask(host, port, req, _status_decoder, timeout_s).status
-    if status not in ("held", "read", "gone"):
+    status = _ask(host, port, req, _status_decoder, timeout_s, secret, allowed).status
+    if status not in STATUSES:
         raise SideChannelError(f"bad lease status {status!r}")
     return status
 
 
-def open_link(host: str, port: int, timeout_s: float = SOCKET_TIMEOUT_S) -> tuple[AgentPublication, PoolLayout, "PeerLink"]:
-    """Connect to a peer's side channel, fetch and validate its publication, and keep the connection open
-    for lease queries. Blocking: run it off the engine loop."""
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise SideChannelError(f"bad side-channel port {port!r}")
+def open_link(host: str, port: int, timeout_s: float = SOCKET_TIMEOUT_S, secret: bytes | None = None,
+              allowed: AllowedPeers | None = None) -> tuple[AgentPublication, PoolLayout, "PeerLink"]:
+    """Connect to an allowed peer's side channel (authenticated when `secret`), fetch and validate its
+    publication, and keep the connection open for lease queries. Blocking: run it off the engine loop."""
+    sock = _connect(host, port, timeout_s, secret, allowed)
     try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as e:
-        raise SideChannelError(f"side channel {host}:{port}: {e}") from e
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _send_frame(sock, _encoder.encode(SideChannelRequest(op="publication")))
         pub = _pub_decoder.decode(_recv_frame(sock))
         layout = validate_publication(pub)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError, SideChannelError) as e:
         sock.close()
-        raise SideChannelError(f"side channel {host}:{port}: {e}") from e
+        raise SideChannelError(UNREACHABLE, f"{host}:{port}: {getattr(e, 'detail', None) or e}") from e
     return pub, layout, PeerLink(sock)
 
 
@@ -188,8 +286,12 @@ class PeerLink:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def ask(self, request_id: str, epoch: int, reader: str, pin_s: float = 0.0) -> None:
-        payload = _encoder.encode(SideChannelRequest("lease_status", request_id, epoch, reader, pin_s))
+    def ask(self, request_id: str, epoch: int, reader: str, pin_s: float = 0.0, block_ids=None,
+            token_hash: str = "") -> None:
+        """Queue a lease question; with pin_s > 0 it is decode's claim (block ids + token hash) and pin."""
+        payload = _encoder.encode(SideChannelRequest(
+            "lease_status", request_id, epoch, reader, pin_s,
+            list(block_ids) if block_ids is not None else None, token_hash))
         self._out += struct.pack("!I", len(payload)) + payload
         self._flush()
 
@@ -233,7 +335,7 @@ class PeerLink:
                 ans = _status_decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise self._broken(f"bad answer: {e}") from e
-            if ans.status not in ("held", "read", "gone") or not 0 <= ans.pinned_s < 1e6:
+            if ans.status not in STATUSES or not 0 <= ans.pinned_s < 1e6:
                 raise self._broken(f"bad lease status {ans.status!r}")
             out.append(ans)
         return out
@@ -264,19 +366,41 @@ class PeerLink:
             self._sock.close()
 
 
+class _Conn:
+    """One accepted connection, as the server's connection limits see it."""
+
+    __slots__ = ("sock", "addr", "last", "authed", "busy")
+
+    def __init__(self, sock: socket.socket, addr: str):
+        self.sock = sock
+        self.addr = addr
+        self.last = time.monotonic()
+        self.authed = False  # authenticated (with a secret) or served one valid request (without)
+        self.busy = False  # a request is being answered
+
+    def kick(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv, which then closes it
+        except OSError:
+            pass
+
+
 class SideChannelServer:
     """Serves one publication on a TCP port in a daemon thread; each connection is handled in its own thread
-    so that a slow client cannot block others, and may carry many requests (decode keeps one open)."""
+    so that a slow client cannot block others, and may carry many requests (decode keeps one open).
+    With `secret`, every connection must pass the HMAC handshake before anything else is read."""
 
     def __init__(self, publication: AgentPublication, lease_status=None, host: str = "127.0.0.1", port: int = 0,
-                 lease_pin=None):
+                 lease_pin=None, secret: bytes | None = None):
         self._payload = _encoder.encode(publication)
         self._lease_status = lease_status  # (request_id, epoch, reader) -> status; must be thread-safe
-        self._lease_pin = lease_pin  # (request_id, epoch, reader, pin_s) -> (status, pinned_s); thread-safe
-        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._open: set[socket.socket] = set()  # kept-open connections, closed with the server
-        self._open_lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # (request_id, epoch, reader, pin_s, block_ids, token_hash) -> (status, pinned_s); thread-safe
+        self._lease_pin = lease_pin
+        self._secret = secret or None
+        self._conns: set[_Conn] = set()
+        self._conns_lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(64)
@@ -285,28 +409,80 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._accept_loop, name="kv-side-channel", daemon=True)
         self._thread.start()
 
+    @property
+    def authenticated(self) -> bool:
+        return self._secret is not None
+
+    def connection_count(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                sock, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._connections.acquire(blocking=False):
-                conn.close()  # too many open connections: refuse rather than start unbounded threads
+            conn = _Conn(sock, addr[0])
+            with self._conns_lock:
+                admitted = self._make_room(conn.addr)
+                if admitted:
+                    self._conns.add(conn)
+            if not admitted:
+                sock.close()  # every connection is mid-request: refuse rather than start unbounded threads
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with self._open_lock:
-            self._open.add(conn)
+    def _make_room(self, addr: str) -> bool:
+        """Under the lock: whether a new connection from `addr` fits, closing the stalest one if needed
+        (not yet authenticated first, then the longest idle; never one answering a request)."""
+        same = [c for c in self._conns if c.addr == addr]
+        if len(same) >= MAX_PER_ADDRESS:
+            pool = same
+        elif len(self._conns) >= MAX_CONNECTIONS:
+            pool = list(self._conns)
+        else:
+            return True
+        idle = [c for c in pool if not c.busy]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: (c.authed, c.last))
+        self._conns.discard(victim)
+        victim.kick()
+        return True
+
+    def _handshake(self, conn: socket.socket, deadline: float) -> None:
+        """Server half of the HMAC challenge-response; raises (and the connection is dropped) on anything
+        but a correct client proof, before any other frame is read."""
+        hello = _req_decoder.decode(self._recv_by(conn, deadline))
+        if hello.op != "auth" or not hello.nonce:
+            raise SideChannelError("unauthenticated side-channel client")
+        theirs = _unhex_nonce(hello.nonce)
+        mine = secrets.token_bytes(NONCE_BYTES)
+        _send_frame(conn, _encoder.encode(AuthAnswer(mine.hex(), _proof(self._secret, _SERVER_LABEL, theirs, mine))))
+        answer = _req_decoder.decode(self._recv_by(conn, deadline))
+        if answer.op != "auth" or not hmac.compare_digest(answer.proof, _proof(self._secret, _CLIENT_LABEL, mine, theirs)):
+            raise SideChannelError("side-channel client failed authentication")
+
+    @staticmethod
+    def _recv_by(conn: socket.socket, deadline: float) -> bytes:
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        return _recv_frame(conn)
+
+    def _serve(self, c: _Conn) -> None:
+        conn = c.sock
         try:
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+                if self._secret is not None:
+                    self._handshake(conn, deadline)
+                    c.authed = True
                 while not self._closed:
-                    conn.settimeout(IDLE_TIMEOUT_S)
+                    conn.settimeout(IDLE_TIMEOUT_S if c.authed else max(0.001, deadline - time.monotonic()))
                     header = conn.recv(4, socket.MSG_PEEK)
                     if not header:
                         return
+                    c.busy = True
                     conn.settimeout(SOCKET_TIMEOUT_S)  # a started frame must arrive whole, promptly
                     req = _req_decoder.decode(_recv_frame(conn))
                     if req.op == "publication":
@@ -314,18 +490,19 @@ class SideChannelServer:
                     elif req.op == "lease_status" and self._lease_status is not None:
                         pinned_s = 0.0
                         if req.pin_s > 0 and self._lease_pin is not None:
-                            status, pinned_s = self._lease_pin(req.request_id, req.epoch, req.reader, req.pin_s)
+                            status, pinned_s = self._lease_pin(req.request_id, req.epoch, req.reader, req.pin_s,
+                                                               req.block_ids, req.token_hash)
                         else:
                             status = self._lease_status(req.request_id, req.epoch, req.reader)
                         _send_frame(conn, _encoder.encode(LeaseStatus(status, req.request_id, req.epoch, pinned_s)))
                     else:
                         return
-        except (OSError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError):
-            return  # a bad client gets a closed connection, nothing else
+                    c.authed, c.busy, c.last = True, False, time.monotonic()
+        except (OSError, ValueError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError):
+            return  # a bad or unauthenticated client gets a closed connection, nothing else
         finally:
-            with self._open_lock:
-                self._open.discard(conn)
-            self._connections.release()
+            with self._conns_lock:
+                self._conns.discard(c)
 
     def close(self) -> None:
         self._closed = True
@@ -335,9 +512,6 @@ class SideChannelServer:
             pass
         self._sock.close()
         self._thread.join(timeout=2)
-        with self._open_lock:  # clients' kept-open links see EOF now, not a server that no longer answers
-            for conn in self._open:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        with self._conns_lock:  # clients' kept-open links see EOF now, not a server that no longer answers
+            for c in self._conns:
+                c.kick()
