@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
-from token_engine.kv_connector.loopback_peer import LoopbackPeer, expected_block, make_pool
+from token_engine.kv_connector.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -70,7 +70,7 @@ def handoff_once(h: KVHandoff, peer: LoopbackPeer, rid: str, remote_ids: list[in
                  decode_device: str) -> tuple[float, int]:
     """Seconds from start_load to the confirmed outcome (what a decode engine waits for), and descriptors."""
     epoch = peer.hold(rid, remote_ids)
-    remote = RemoteKV(peer.engine_id, "127.0.0.1", peer.port, rid, epoch, tuple(remote_ids))
+    remote = RemoteKV(peer.engine_id, "127.0.0.1", peer.port, rid, epoch, tuple(remote_ids), PEER_TOKEN_HASH)
     t0 = time.perf_counter()
     h.start_load(rid, remote, local_ids)
     while True:

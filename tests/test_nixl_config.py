@@ -4,7 +4,7 @@ import pytest
 
 from token_engine.kv_connector.config import parse_nixl_config
 from token_engine.kv_connector.metrics import TransferLog
-from token_engine.kv_connector.nixl import BadTransferParams, parse_remote
+from token_engine.kv_connector.nixl import BadTransferParams, parse_remote, token_hash
 
 
 def test_vllm_shaped_config_is_read():
@@ -52,7 +52,7 @@ def test_bad_side_channel_port_env():
 
 GOOD = {"do_remote_prefill": True, "remote_block_ids": [4, 5, 6], "remote_engine_id": "p", "remote_host": "h",
         "remote_port": 5600, "remote_request_id": "r", "remote_lease_epoch": (3 << 32) | 1, "tp_size": 1,
-        "remote_num_tokens": 10}
+        "remote_num_tokens": 10, "remote_token_hash": token_hash(list(range(10)))}
 
 
 def test_remote_params_parse_flat_and_grouped_block_ids():
@@ -67,7 +67,7 @@ def test_remote_params_parse_flat_and_grouped_block_ids():
     {"remote_block_ids": [4, 5]}, {"remote_block_ids": [4, -5, 6]}, {"remote_block_ids": "4,5,6"},
     {"remote_block_ids": [[4], [5, 6]]}, {"remote_port": 0}, {"remote_port": True}, {"remote_host": None},
     {"remote_lease_epoch": -1}, {"tp_size": 2}, {"remote_num_tokens": 11}, {"remote_num_tokens": 0},
-    {"prompt_token_ids": [0] * 10},
+    {"prompt_token_ids": [0] * 10}, {"remote_token_hash": None}, {"remote_token_hash": token_hash([0] * 10)},
 ])
 def test_remote_params_reject_untrusted_garbage(change):
     with pytest.raises(BadTransferParams):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
-from token_engine.kv_connector.loopback_peer import LoopbackPeer, expected_block, make_pool
+from token_engine.kv_connector.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 from token_engine.kv_connector.nixl_transport import NixlTransport
 from token_engine.kv_connector.side_channel import fetch_publication
 
@@ -43,7 +43,7 @@ def _wait_peer(peer: LoopbackPeer, cond):
 
 
 def _remote(peer: LoopbackPeer, rid: str, blocks: list[int], epoch: int) -> RemoteKV:
-    return RemoteKV(peer.engine_id, "127.0.0.1", peer.port, rid, epoch, tuple(blocks))
+    return RemoteKV(peer.engine_id, "127.0.0.1", peer.port, rid, epoch, tuple(blocks), PEER_TOKEN_HASH)
 
 
 def _blocks_match(pool, local_ids, remote_ids, seed=1):

@@ -138,14 +138,17 @@ def test_every_granted_block_is_freed_exactly_once(ops):
     assert free == set(range(64)) and len(t) == 0 and t.held_blocks() == 0
 
 
+H = "ab" * 16  # the token hash the leases below were granted for
+
+
 def test_pinned_lease_outlives_its_expiry_and_only_its_reader_ends_it():
     clock = FakeClock()
     t = LeaseTable(10, incarnation=3, clock=clock)
-    lease = t.grant("r", [1, 2], duration_s=1)
-    assert t.pin("r", lease.epoch, "decode-a", 5.0) == ("held", 5.0)
+    lease = t.grant("r", [1, 2], duration_s=1, token_hash=H)
+    assert t.pin("r", lease.epoch, "decode-a", 5.0, [1, 2], H) == ("held", 5.0)
     clock.now += 3  # past the lease's own expiry, within the pin
     assert t.expire() == []
-    assert t.pin("r", lease.epoch, "decode-b", 5.0) == ("gone", 0.0)  # one reader per lease
+    assert t.pin("r", lease.epoch, "decode-b", 5.0, [1, 2], H) == ("gone", 0.0)  # one reader per lease
     assert t.status("r", lease.epoch, "decode-b") == "gone"
     assert t.on_read("r", lease.epoch, "decode-b") is None  # another reader's READ must not free our blocks
     assert t.release("r", lease.epoch, reader="decode-b") is None
@@ -156,10 +159,10 @@ def test_pinned_lease_outlives_its_expiry_and_only_its_reader_ends_it():
 def test_pin_is_capped_and_a_pin_past_its_time_expires():
     clock = FakeClock()
     t = LeaseTable(10, incarnation=3, clock=clock)
-    lease = t.grant("r", [1])
-    status, pinned = t.pin("r", lease.epoch, "d", float("inf"))
+    lease = t.grant("r", [1], token_hash=H)
+    status, pinned = t.pin("r", lease.epoch, "d", float("inf"), [1], H)
     assert status == "held" and pinned == 60.0  # max(lease duration, 60 s)
-    assert t.pin("r", lease.epoch, "d", float("nan")) == ("held", 0.0)
+    assert t.pin("r", lease.epoch, "d", float("nan"), [1], H) == ("held", 0.0)
     clock.now += 61
     assert t.expire() == [lease]
-    assert t.pin("r", lease.epoch, "d", 1.0) == ("gone", 0.0)
+    assert t.pin("r", lease.epoch, "d", 1.0, [1], H) == ("gone", 0.0)

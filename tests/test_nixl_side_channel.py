@@ -122,7 +122,7 @@ def test_one_kept_open_link_carries_the_publication_and_many_pinned_queries():
 
     pins = []
 
-    def pin(rid, epoch, reader, pin_s):
+    def pin(rid, epoch, reader, pin_s, block_ids, token_hash):
         pins.append((rid, epoch, reader, pin_s))
         return ("held", min(pin_s, 2.0)) if rid != "dead" else ("gone", 0.0)
 

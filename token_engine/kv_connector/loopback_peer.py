@@ -3,7 +3,7 @@ a `KVHandoff` serving it, and a line protocol on stdin/stdout so a parent proces
 
 Commands (one JSON object per line on stdin), answers (one line on stdout prefixed with `PEER `, because
 NIXL and UCX also write to stdout):
-  {"op": "hold", "request_id": "r1", "blocks": [3, 4, 5]}   -> {"epoch": E}   (optional "lease_s")
+  {"op": "hold", "request_id": "r1", "blocks": [3, 4, 5]}   -> {"epoch": E}   (optional "lease_s", "token_hash")
   {"op": "release", "request_id": "r1", "epoch": E}         -> {"released": true|false}
   {"op": "state"}                                           -> {"leases": n, "held_blocks": n, "freed": [..]}
   {"op": "exit"}
@@ -22,6 +22,7 @@ import time
 
 import torch
 
+PEER_TOKEN_HASH = "0123456789abcdef" * 2  # the token hash a hold vouches for unless told another
 
 def fill_pattern(kv_pool: torch.Tensor, seed: int) -> None:
     """Each block gets a distinct, exactly representable pattern (small integers survive bf16)."""
@@ -79,8 +80,10 @@ class LoopbackPeer:
         self.proc.stdin.flush()
         return self._answer()
 
-    def hold(self, request_id: str, blocks: list[int], lease_s: float | None = None) -> int:
-        return self.ask(op="hold", request_id=request_id, blocks=blocks, lease_s=lease_s)["epoch"]
+    def hold(self, request_id: str, blocks: list[int], lease_s: float | None = None,
+             token_hash: str = PEER_TOKEN_HASH) -> int:
+        return self.ask(op="hold", request_id=request_id, blocks=blocks, lease_s=lease_s,
+                        token_hash=token_hash)["epoch"]
 
     def state(self) -> dict:
         return self.ask(op="state")
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lease", type=float, default=30.0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--poll-interval", type=float, default=0.0005)
+    ap.add_argument("--secret", default=None, help="side-channel secret (default: $SPLITSERVE_KV_SECRET)")
     args = ap.parse_args(argv)
 
     pool = make_pool(args.blocks, args.layers, args.block_size, args.heads, args.head_dim, args.dtype, args.device)
@@ -134,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         cpu = make_pool(args.blocks, args.layers, args.block_size, args.heads, args.head_dim, args.dtype)
         fill_pattern(cpu, args.seed)
         pool.copy_(cpu)
-    handoff = KVHandoff(args.engine_id, pool, lease_duration_s=args.lease, side_channel_port=args.port)
+    import os
+
+    secret = args.secret or os.environ.get("SPLITSERVE_KV_SECRET")
+    handoff = KVHandoff(args.engine_id, pool, lease_duration_s=args.lease, side_channel_port=args.port,
+                        secret=secret.encode() if secret else None)
     commands: queue.Queue = queue.Queue()
 
     def read_stdin() -> None:
@@ -155,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         op = cmd.get("op")
         if op == "hold":
-            lease = handoff.hold(cmd["request_id"], cmd["blocks"], cmd.get("lease_s"))
+            lease = handoff.hold(cmd["request_id"], cmd["blocks"], cmd.get("lease_s"),
+                                 cmd.get("token_hash") or PEER_TOKEN_HASH)
             _say({"epoch": lease.epoch})
         elif op == "release":
             _say({"released": handoff.release_hold(cmd["request_id"], cmd["epoch"]) is not None})
