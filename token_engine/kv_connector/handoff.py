@@ -33,7 +33,9 @@ from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notific
 from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport
 from token_engine.kv_connector.peers import AllowedPeers
-from token_engine.kv_connector.side_channel import PeerLink, SideChannelError, SideChannelServer, open_link
+from token_engine.kv_connector.descriptors import PoolLayout
+from token_engine.kv_connector.side_channel import (
+    AgentPublication, PeerLink, SideChannelError, SideChannelServer, open_link)
 
 log = logging.getLogger("token_engine.kv_transfer")
 CONSUMED_MEMORY = 8192
@@ -105,11 +107,17 @@ class _Load:
 
 @dataclass
 class _Peer:
-    """A known prefill peer: its NIXL agent and the kept-open side-channel link, with loads awaiting answers."""
+    """A known prefill peer: its NIXL agent and the kept-open side-channel link, with loads awaiting answers.
+    The NIXL remote agent is added only when first needed (a verified READ, a notification): a caller whose
+    claims are refused never makes this engine create a UCX endpoint, and an endpoint created and dropped
+    unused leaves the peer retrying its connection back to us."""
 
     agent: str
     incarnation: int
     link: PeerLink
+    publication: AgentPublication | None = None
+    layout: PoolLayout | None = None
+    added: bool = False
     waiting: dict[tuple[str, int], _Load] = field(default_factory=dict)
 
 
@@ -228,7 +236,7 @@ class KVHandoff:
             if peer is None or peer.incarnation != remote.incarnation:
                 return False
             try:
-                self.transport.send_notif(peer.agent, format_notification(kind, remote.request_id, remote.epoch))
+                self.transport.send_notif(self._agent(peer), format_notification(kind, remote.request_id, remote.epoch))
                 self._flush_until = self._clock() + NOTIF_FLUSH_S
                 self._wake.set()
                 return True
@@ -441,7 +449,7 @@ class KVHandoff:
                     f"peer {pub.engine_id} serves a different model or KV config (fingerprint "
                     f"{pub.fingerprint or 'none'} != ours {self.fingerprint or 'none'}): its KV is not ours to use",
                     "model_mismatch")
-            agent = self.transport.add_peer(pub, layout)
+            agent = pub.agent_name
         except BaseException:
             if link is not None:
                 link.close()
@@ -453,9 +461,17 @@ class KVHandoff:
             return old
         if old is not None:
             self._drop_link(addr, "peer reconnected")
-        peer = _Peer(agent, pub.incarnation, link)
+        peer = _Peer(agent, pub.incarnation, link, pub, layout, added=self.transport.peer_incarnation(agent)
+                     == pub.incarnation)
         self._peers[addr] = peer
         return peer
+
+    def _agent(self, peer: _Peer) -> str:
+        """The peer's NIXL agent name, adding its metadata first if not done yet (KVTransferError if refused)."""
+        if not peer.added:
+            self.transport.add_peer(peer.publication, peer.layout)
+            peer.added = True
+        return peer.agent
 
     def _begin(self, load: _Load, peer: _Peer, out: HandoffPoll) -> None:
         """Present our claim and ask the peer to pin the lease; the READ waits for its "held"."""
@@ -471,6 +487,10 @@ class KVHandoff:
         load.state = "reading"
         remote_ids = list(rem.block_ids[load.first:load.first + len(load.local_ids)])
         try:
+            peer = self._peers.get((rem.host, rem.port))
+            if peer is None or peer.agent != load.peer:
+                raise KVTransferError("side channel link lost before the READ", "side_channel")
+            self._agent(peer)
             load.read_id = self.transport.start_read(
                 load.peer, load.local_ids, remote_ids, format_notification("read", rem.request_id, rem.epoch),
                 max(0.001, min(load.deadline, load.pinned_until) - self._clock()))
@@ -501,6 +521,9 @@ class KVHandoff:
     def _send_abort(self, load: _Load) -> None:
         """Tell prefill we will never read, so it frees the blocks now rather than at lease expiry."""
         try:
+            peer = self._peers.get((load.remote.host, load.remote.port))
+            if peer is not None and peer.agent == load.peer:
+                self._agent(peer)
             self.transport.send_notif(load.peer, format_notification("abort", load.remote.request_id, load.remote.epoch))
             self._flush_until = self._clock() + NOTIF_FLUSH_S
         except KVTransferError as e:
