@@ -41,12 +41,6 @@ class AllowedPeers:
         if not self.networks and not self.hostnames:
             raise ValueError("the KV peer allowlist is empty")
 
-    @classmethod
-    def parse(cls, value: str | list[str] | None) -> "AllowedPeers":
-        if value is None:
-            return cls()
-        return cls(value.split(",") if isinstance(value, str) else value)
-
     def address_allowed(self, address: str) -> bool:
         try:
             ip = ipaddress.ip_address(address.split("%", 1)[0])
