@@ -21,7 +21,6 @@ import torch
 from tests.engine_harness import ServerThread, engine_config, write_tiny_qwen3
 from token_engine.engine import LLMEngine
 from token_engine.kv_connector import side_channel
-from token_engine.kv_connector.nixl import token_hash
 from token_engine.sequence import SamplingOptions
 
 SECRET = "probe-secret-0123456789abcdef"
