@@ -8,9 +8,11 @@
 - nixl_transport.py: one NIXL agent (UCX, no progress thread), READs with our own deadlines, one error path.
 - descriptors.py: pool geometry; consecutive block runs merged into single descriptors.
 - side_channel.py: length-prefixed msgspec JSON over TCP (kept-open links): agent metadata, pool address,
-  geometry, model fingerprint, lease status and pin.
+  geometry, model fingerprint, lease claim and pin; HMAC handshake with a shared secret; bounded connections.
 - fingerprint.py: model weights + KV config fingerprint; engines that differ refuse each other's KV.
-- leases.py: prefill leases keyed by (request id, epoch); notification formats.
+- leases.py: prefill leases keyed by (request id, epoch), each with the block ids and token hash it vouches
+  for (`claim_mismatch`: the one place a reader's claim is checked); notification formats.
+- peers.py: the allowlist of producer peers decode may contact (SSRF guard), default loopback.
 - metrics.py: Prometheus metrics (vLLM's nixl names) and the periodic "KV transfer" log line.
 - preflight.py: `token-engine preflight`; loopback_peer.py: a prefill-like peer process for it, tests, bench.
 """
