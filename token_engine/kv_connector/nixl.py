@@ -121,6 +121,7 @@ class NixlConnector:
         self.heartbeat_interval_s = self.config.lease_duration_s / 3
         self.heartbeats_sent = 0
         self._lease_epochs: dict[str, int] = {}  # prefill: seq_id -> epoch of its lease
+        self._lease_requests: dict[str, str] = {}  # seq_id -> its request's id (abort by request id)
         self._turn_holds: OrderedDict[str, int] = OrderedDict()  # decode: turns held for a next prefill, oldest first
         # Lease budgets (engine thread only): blocks each caller holds under leases or has reserved for a
         # prefill in flight; seq_id -> (caller, reserved blocks) until the prefill finishes.
@@ -277,6 +278,7 @@ class NixlConnector:
         lease = self.handoff.hold(seq.seq_id, held, duration_s, held_hash, caller)
         self._charge(caller, len(held))
         self._lease_epochs[seq.seq_id] = lease.epoch
+        self._lease_requests[seq.seq_id] = seq.request_id
         if for_prefill:
             self._turn_holds[seq.seq_id] = lease.epoch
         return True, {
@@ -303,6 +305,7 @@ class NixlConnector:
             # reader "": refused while a prefill's READ has pinned the lease (its end frees it through poll)
             if self.handoff.leases.release(seq_id, epoch, reader="") is not None:
                 self._lease_epochs.pop(seq_id, None)
+                self._lease_requests.pop(seq_id, None)
                 return seq_id
         return None
 
@@ -313,13 +316,10 @@ class NixlConnector:
         if self.handoff is None:
             return []
         freed = []
-        for seq_id, epoch in list(self._lease_epochs.items()):
-            if seq_id != request_id and not (seq_id.startswith(request_id + "-")
-                                             and seq_id[len(request_id) + 1:].isdigit()):
-                continue
-            lease = self.handoff.leases.release(seq_id, epoch, reader="")
+        for seq_id in [s for s, rid in self._lease_requests.items() if rid == request_id]:
+            lease = self.handoff.leases.release(seq_id, self._lease_epochs[seq_id], reader="")
             if lease is not None:
-                del self._lease_epochs[seq_id]
+                del self._lease_epochs[seq_id], self._lease_requests[seq_id]
                 self._turn_holds.pop(seq_id, None)
                 self._lease_ended(lease)
                 freed.append(seq_id)
@@ -348,6 +348,7 @@ class NixlConnector:
             self._turn_holds.pop(lease.request_id, None)
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
                 del self._lease_epochs[lease.request_id]
+                self._lease_requests.pop(lease.request_id, None)
                 events.finished_sending.add(lease.request_id)
                 self._lease_ended(lease)
         for outcome in polled.loads:
