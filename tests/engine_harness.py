@@ -4,7 +4,11 @@ port in a thread, a plain greedy loop over the model to compare against, and blo
 from __future__ import annotations
 
 from tests.shared_paths import FIXTURES as FIXTURES_DIR
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,3 +128,44 @@ def finish_request(engine: LLMEngine, others, rid: str, prompt: list[int], optio
     engine.add_request(rid, prompt, options, kv_transfer_params=params, on_update=on_update)
     step_until([engine, *others], lambda: "u" in done)
     return tokens, done["u"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """`token-engine serve` as its own process on 127.0.0.1 (a P/D prefill engine: NIXL between processes),
+    small enough for CI: 128-token context, 4-token blocks, `blocks` KV blocks."""
+
+    def __init__(self, model_dir, kv_transfer_config: dict, side_channel_port: int, env: dict | None = None,
+                 blocks: int = 64):
+        self.port = free_port()
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "OMP_NUM_THREADS": "1",
+               **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+             "--num-gpu-blocks-override", str(blocks), "--log-level", "warning",
+             "--kv-transfer-config", json.dumps(kv_transfer_config)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        deadline = time.monotonic() + 180  # hang guard only: a loaded 2-core box needs ~15 s
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
+            try:
+                if self.client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "engine process did not come up"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stderr.close()

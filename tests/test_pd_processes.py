@@ -5,27 +5,15 @@ restarted (same engine id and side-channel port) to check both failure policies 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
 
-from tests.engine_harness import ServerThread, engine_config, write_tiny_qwen3
+from tests.engine_harness import EngineProcess, ServerThread, engine_config, free_port, write_tiny_qwen3
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 PROMPT = [1500 + 37 * i for i in range(29)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_config(engine_id: str, policy: str = "fail") -> dict:
@@ -33,27 +21,9 @@ def kv_config(engine_id: str, policy: str = "fail") -> dict:
             "kv_load_failure_policy": policy}
 
 
-class PrefillProcess:
+class PrefillProcess(EngineProcess):
     def __init__(self, model_dir, side_channel_port: int):
-        self.port = free_port()
-        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
-             "--num-gpu-blocks-override", "64", "--log-level", "warning",
-             "--kv-transfer-config", json.dumps(kv_config("prefill-proc"))],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
-        deadline = time.monotonic() + 180  # hang guard only: a loaded 2-core box needs ~15 s
-        while True:
-            assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prefill engine did not come up"
-            time.sleep(0.1)
+        super().__init__(model_dir, kv_config("prefill-proc"), side_channel_port)
 
     def prefill(self, prompt: list[int]) -> dict:
         r = self.client.post("/inference/v1/generate", json={
@@ -62,13 +32,6 @@ class PrefillProcess:
                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}})
         assert r.status_code == 200, r.text
         return r.json()["kv_transfer_params"]
-
-    def kill(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.proc.stderr.close()
 
 
 @pytest.fixture(scope="module")

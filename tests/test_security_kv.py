@@ -5,12 +5,8 @@ addresses only. Every attack ends with both engines' KV blocks and leases back t
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests.engine_harness import ServerThread, engine_config, write_tiny_qwen3
+from tests.engine_harness import EngineProcess, ServerThread, engine_config, free_port, write_tiny_qwen3
 from token_engine.engine import LLMEngine
 from token_engine.kv_connector import side_channel
 from token_engine.sequence import SamplingOptions
@@ -27,12 +23,6 @@ SECRET = "probe-secret-0123456789abcdef"
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 BLOCKS = 64  # prefill pool, 4-token blocks: a caller may hold a quarter (16 blocks) under leases
 HANG_GUARD_S = 60  # only stops a broken test from hanging; no assertion depends on time
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(seed: int, n: int = 28) -> list[int]:
@@ -44,31 +34,13 @@ def kv_config(engine_id: str, **extra) -> dict:
             "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
 
 
-class PrefillProcess:
-    """`token-engine serve` as its own process: the producer whose KV and leases the attacks aim at."""
+class PrefillProcess(EngineProcess):
+    """The producer whose KV and leases the attacks aim at; it knows the side-channel secret."""
 
     def __init__(self, model_dir):
-        self.port = free_port()
         self.side_port = free_port()
-        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port), "OMP_NUM_THREADS": "1",
-               "SPLITSERVE_KV_SECRET": SECRET}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
-             "--num-gpu-blocks-override", str(BLOCKS), "--log-level", "warning",
-             "--kv-transfer-config", json.dumps(kv_config("prefill-probe"))],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prefill engine did not come up"
-            time.sleep(0.1)
+        super().__init__(model_dir, kv_config("prefill-probe"), self.side_port, {"SPLITSERVE_KV_SECRET": SECRET},
+                         blocks=BLOCKS)
 
     def prefill(self, tokens: list[int], rid: str, client: httpx.Client | None = None) -> httpx.Response:
         return (client or self.client).post("/inference/v1/generate", headers={"X-Request-Id": rid}, json={
@@ -86,12 +58,6 @@ class PrefillProcess:
     def kv(self) -> dict:
         return self.client.get("/debug/kv_cache").json()
 
-    def close(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +77,7 @@ def stack(tmp_path_factory):
         with ServerThread(decode_cfg) as decode, ServerThread(wrong_cfg) as wrong:
             yield {"prefill": prefill, "decode": decode, "wrong": wrong, "reference": reference}
     finally:
-        prefill.close()
+        prefill.kill()
         mp.undo()
         torch.set_num_threads(threads)
 
