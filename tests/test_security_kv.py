@@ -5,6 +5,7 @@ addresses only. Every attack ends with both engines' KV blocks and leases back t
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -369,3 +370,23 @@ def _publication() -> side_channel.AgentPublication:
         base_addr=0x7F0000000000, mem_type="DRAM", device_id=0,
         geometry=side_channel.WireGeometry(64, 2, 16, 2, 16, "bfloat16"))
 
+
+
+def test_cli_flags_and_variables_reach_the_connector(tmp_path):
+    from token_engine.cli import build_parser, engine_config_from_args
+    from token_engine.kv_connector.config import parse_nixl_config
+
+    argv = ["serve", str(tmp_path), "--kv-transfer-config", json.dumps(kv_config("cli")),
+            "--kv-side-channel-secret", SECRET, "--kv-allowed-peers", "10.0.0.0/8, prefill.svc.cluster.local"]
+    cfg = parse_nixl_config(engine_config_from_args(build_parser().parse_args(argv)).kv_transfer_config, env={})
+    assert cfg.side_channel_secret == SECRET.encode()
+    assert cfg.allowed_peers == ("10.0.0.0/8", "prefill.svc.cluster.local")
+    assert SECRET not in repr(cfg)  # never in a log line that prints the config
+    env_cfg = parse_nixl_config(kv_config("env"), env={"SPLITSERVE_KV_SECRET": SECRET,
+                                                       "SPLITSERVE_KV_ALLOWED_PEERS": "192.168.7.0/24"})
+    assert env_cfg.side_channel_secret == SECRET.encode() and env_cfg.allowed_peers == ("192.168.7.0/24",)
+    assert parse_nixl_config(kv_config("default"), env={}).allowed_peers == ("127.0.0.0/8", "::1/128")
+    for bad in ({"kv_side_channel_secret": "short"}, {"kv_allowed_peers": "10.0.0.0/33"},
+                {"kv_allowed_peers": "not a host!"}, {"kv_allowed_peers": ""}, {"kv_lease_budget_fraction": 0}):
+        with pytest.raises(ValueError):
+            parse_nixl_config(kv_config("bad", **bad), env={})
