@@ -64,7 +64,8 @@ def probe(a) -> dict:
     n = 2 * a.large_blocks + 1
     pool = make_pool(n, a.layers, a.block_size, a.heads, a.head_dim, a.dtype, a.decode_device)
     transport = NixlTransport(f"preflight-decode-{os.getpid()}", pool)  # pool first: CUDA ordering rule
-    pub, layout = fetch_publication("127.0.0.1", a.probe_port)
+    secret = os.environ.get("SPLITSERVE_KV_SECRET")  # the loopback peer reads the same variable
+    pub, layout = fetch_publication("127.0.0.1", a.probe_port, secret=secret.encode() if secret else None)
     peer = transport.add_peer(pub, layout)
     bb = layout.geometry.block_bytes
     big = a.large_blocks
