@@ -251,7 +251,7 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     import msgspec
 
     from render_service.parsers.pipeline import Pipeline
-    from render_service.parsers.stream_derender import StreamRuntime, derender_chat_stream
+    from render_service.derender_stream import StreamRuntime, derender_chat_stream
     from render_service.derender import pipeline_config
     from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
     from render_service.render import load_render_config

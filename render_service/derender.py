@@ -11,31 +11,25 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from msgspec import UNSET
 
+from render_service.choice_shapes import chat_message, completion_pipeline_config
 from render_service.errors import ApiError, bad_request
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.parsers.base import ToolSpec
-from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, derender_all
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
     DerenderChatRequest,
     DerenderCompletionRequest,
-    FunctionCall,
     GenerateResponse,
-    ToolCall,
     UsageInfo,
 )
-from render_service.render import MAX_N, RenderConfig, check_model, reasoning_keys, resolve_chat_template_kwargs
+from render_service.render import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
 
 PARSER_NEEDS_CHAT_REQUEST = (
     "chat_request is required when a tool or reasoning parser is configured because plain detokenization "
@@ -221,30 +215,6 @@ def returns_token_ids(chat_request: ChatCompletionRequest | None, pcfg: Pipeline
         pcfg.include_reasoning or (pcfg.reasoning_parser is None and pcfg.tool_parser is None)))
 
 
-def put_reasoning(message: Any, reasoning: str | None, field: str) -> None:
-    """Set a ChatMessage's or DeltaMessage's reasoning under the server's ``--reasoning-field``:
-    the one place batch derender, streaming derender and the gateway name the key."""
-    keys = reasoning_keys(field)
-    message.reasoning = reasoning if "reasoning" in keys else UNSET
-    if "reasoning_content" in keys:
-        message.reasoning_content = reasoning
-
-
-def delta_message(delta: ChoiceDelta, reasoning_field: str) -> DeltaMessage:
-    """A pipeline step's delta as an OpenAI stream delta (content, reasoning under the configured key, tool
-    calls): shared by streaming derender and the gateway."""
-    message = DeltaMessage(content=delta.content)
-    put_reasoning(message, delta.reasoning, reasoning_field)
-    if delta.tool_calls:
-        message.tool_calls = [
-            DeltaToolCall(index=c["index"], id=c.get("id"), type=c.get("type"),
-                          function=DeltaFunctionCall(name=c["function"].get("name"),
-                                                     arguments=c["function"].get("arguments")))
-            for c in delta.tool_calls
-        ]
-    return message
-
-
 def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any = None) -> ChatCompletionResponse:
     model = check_model(req.model, config)
     gen = req.generate_response
@@ -259,16 +229,7 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
         pcfg = pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index)
         pipeline = Pipeline(config.tokenizer, pcfg)
         fields, state = derender_all(pipeline, choice.token_ids, prompt_ids)
-        message = ChatMessage(content=fields["content"])
-        put_reasoning(message, fields["reasoning"], config.reasoning_field)
-        if pcfg.reasoning_parser is None and pcfg.tool_parser is None and fields["content"] is None:
-            message.content = ""  # plain detokenization: vLLM answers "" for no text, never null
-        if fields["tool_calls"]:
-            message.tool_calls = [
-                ToolCall(id=c["id"], type="function",
-                         function=FunctionCall(name=c["function"]["name"] or "", arguments=c["function"]["arguments"]))
-                for c in fields["tool_calls"]
-            ]
+        message = chat_message(fields, pcfg, config.reasoning_field)
         choices.append(ChatCompletionChoice(
             index=choice.index,
             message=message,
@@ -318,16 +279,12 @@ def derender_completion(
         for ids in req.prompt_token_ids:
             _check_prompt_ids(ids, config)
     creq: CompletionRequest | None = req.completion_request
-    skip = creq.skip_special_tokens if creq is not None else True
-    spaces = creq.spaces_between_special_tokens if creq is not None else True
     choices = []
     completion_tokens = 0
     for r, gen in enumerate(responses):
         prompt_ids = req.prompt_token_ids[r] if req.prompt_token_ids is not None else gen.prompt_token_ids
         for choice in gen.choices:
-            pcfg = PipelineConfig(request_id=gen.request_id, choice_index=choice.index, skip_special_tokens=skip,
-                                  spaces_between_special_tokens=spaces,
-                                  hidden_token_ids=frozenset(config.bundle.eos_token_ids))
+            pcfg = completion_pipeline_config(config, creq, request_id=gen.request_id, choice_index=choice.index)
             fields, _ = derender_all(Pipeline(config.tokenizer, pcfg), choice.token_ids, prompt_ids)
             completion_tokens += len(choice.token_ids)
             choices.append(CompletionChoice(

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from render_service import metrics
 from render_service.derender import derender_chat, derender_completion
-from render_service.parsers.stream_derender import StreamRuntime, derender_chat_stream, derender_completion_stream
+from render_service.derender_stream import StreamRuntime, derender_chat_stream, derender_completion_stream
 from render_service.errors import ApiError, bad_request, error_body, from_decode_error
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.protocol import (

@@ -238,7 +238,7 @@ def test_logprobs_repair_a_character_split_across_chunks_with_the_carried_contex
     import msgspec
 
     from render_service.parsers.detokenizer import _bytes_to_unicode
-    from render_service.parsers.stream_derender import StreamRuntime, derender_completion_stream
+    from render_service.derender_stream import StreamRuntime, derender_completion_stream
     from render_service.protocol import DerenderCompletionStreamRequest
     from render_service.render import load_render_config
 
@@ -267,7 +267,7 @@ def test_plain_path_continues_from_vllm_recorded_state_mid_stream():
     matches vLLM's recording; the answer keeps vLLM's window fields current for a vLLM client."""
     import msgspec
 
-    from render_service.parsers.stream_derender import StreamRuntime, derender_chat_stream
+    from render_service.derender_stream import StreamRuntime, derender_chat_stream
     from render_service.protocol import DerenderChatStreamRequest
     from render_service.render import load_render_config
 

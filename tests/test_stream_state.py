@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from render_service.errors import ApiError
-from render_service.parsers.stream_derender import STATE_KEY, StreamRuntime, derender_chat_stream
+from render_service.derender_stream import derender_chat_stream
+from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from render_service.protocol import DerenderChatStreamRequest
 from render_service.render import load_render_config
 from render_service.streaming_cache.codec import (
@@ -176,7 +177,7 @@ def test_bad_states_are_400(state):
 
 def test_hostile_values_inside_a_well_formed_unsigned_state_are_refused():
     from render_service.streaming_cache.codec import encode_state as enc
-    from render_service.parsers.stream_derender import _binding
+    from render_service.streaming_cache.session import binding as _binding
     from render_service.derender import pipeline_config
     from render_service.protocol import ChatCompletionRequest
 

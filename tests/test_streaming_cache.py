@@ -12,7 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from render_service.parsers.stream_derender import STATE_KEY, StreamRuntime, derender_chat_stream
+from render_service.derender_stream import derender_chat_stream
+from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from render_service.protocol import DerenderChatStreamRequest
 from render_service.render import load_render_config
 from render_service.streaming_cache.cache import StreamingCache, history_key

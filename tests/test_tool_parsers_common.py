@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from render_service.parsers.base import TextPiece, ToolCallPiece, ToolParserConfig, ToolSpec
-from render_service.parsers.tool_registry import get_tool_parser, tool_parser_names
+from render_service.parsers.registry import get_tool_parser, tool_parser_names
 from render_service.parsers.tools_common import (
     JsonScan,
     find_tag,

@@ -14,34 +14,29 @@ from typing import Any
 
 import msgspec
 
+from render_service.choice_shapes import chat_message, completion_pipeline_config, delta_message, put_reasoning
 from render_service.derender import (
-    delta_message,
     pipeline_config,
-    put_reasoning,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
     tokens_as_token_ids,
 )
 from render_service.gateway.stop_strings import StopMatcher, stop_list
-from render_service.parsers.openai_stream import merge_deltas
-from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, PipelineConfig
+from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, merge_deltas
 from render_service.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
-    FunctionCall,
     GenerateRequest,
     GenerateStreamChoice,
-    ToolCall,
     UsageInfo,
 )
 from render_service.render import RenderConfig
@@ -305,18 +300,7 @@ class ChatResponder(_Responder):
         for key in sorted(self.choices):
             out = self.choices[key]
             fields = self.accumulators.get(key, MessageAccumulator()).message(self.forced_tools)
-            message = ChatMessage(content=fields["content"])
-            put_reasoning(message, fields["reasoning"], self.config.reasoning_field)
-            cfg = out.pipeline.config
-            if cfg.reasoning_parser is None and cfg.tool_parser is None and message.content is None:
-                message.content = ""  # plain detokenization: "" for no text, never null (as derender)
-            if fields["tool_calls"]:
-                message.tool_calls = [
-                    ToolCall(id=c["id"], type="function",
-                             function=FunctionCall(name=c["function"]["name"] or "",
-                                                   arguments=c["function"]["arguments"]))
-                    for c in fields["tool_calls"]
-                ]
+            message = chat_message(fields, out.pipeline.config, self.config.reasoning_field)
             logprobs = None
             if self.req.logprobs:
                 logprobs = {"content": self.logprobs.get(key, []), "refusal": None}
@@ -342,11 +326,7 @@ class CompletionResponder(_Responder):
         self.first_of_prompt: set[int] = set()
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
-        pcfg = PipelineConfig(
-            request_id=gen.request_id, choice_index=key, skip_special_tokens=self.req.skip_special_tokens,
-            spaces_between_special_tokens=self.req.spaces_between_special_tokens,
-            hidden_token_ids=frozenset(self.config.bundle.eos_token_ids),
-        )
+        pcfg = completion_pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids)
 

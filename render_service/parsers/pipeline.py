@@ -74,6 +74,32 @@ class ChoiceDelta(msgspec.Struct):
         return self.content is None and self.reasoning is None and not self.tool_calls
 
 
+def merge_deltas(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:
+    """Concatenate two deltas of one chunk (a feed and the finish flush)."""
+    if b.is_empty():
+        return a
+    if a.is_empty():
+        return b
+    calls = [dict(c, function=dict(c["function"])) for c in a.tool_calls]
+    for tc in b.tool_calls:
+        prev = next((c for c in calls if c["index"] == tc["index"]), None)
+        if prev is None:
+            calls.append(tc)
+            continue
+        if "id" in tc:
+            prev["id"], prev["type"] = tc["id"], "function"
+        fn = tc.get("function", {})
+        if fn.get("name") is not None:
+            prev["function"]["name"] = fn["name"]
+        if fn.get("arguments") is not None:
+            prev["function"]["arguments"] = prev["function"].get("arguments", "") + fn["arguments"]
+    return ChoiceDelta(
+        content=(a.content or "") + b.content if b.content is not None else a.content,
+        reasoning=(a.reasoning or "") + b.reasoning if b.reasoning is not None else a.reasoning,
+        tool_calls=calls,
+    )
+
+
 _ALNUM = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 

@@ -1,47 +1,59 @@
 """Parser lookup by the names vLLM's flags use (``--reasoning-parser``, ``--tool-call-parser``).
 
-Tool parser families are registered in ``tool_registry`` (owned with the ``tools_*.py`` files); this module
-adds the reasoning parsers and lets tests or plugins register extra tool parsers at runtime.
+Tool parser families are imported on first use, so a server loads only the parser it runs; tests and
+plugins may register extra tool parsers at runtime.
 """
 
 from __future__ import annotations
 
+import importlib
+
+from render_service.parsers.base import ToolParser
 from render_service.parsers.reasoning import REASONING_PARSERS, ThinkReasoningParser
 
-_EXTRA_TOOL_PARSERS: dict[str, type] = {}
+# name -> (module, class), the names as vLLM's ``--tool-call-parser`` spells them
+_TOOL_PARSERS: dict[str, tuple[str, str]] = {
+    "hermes": ("render_service.parsers.tools_hermes", "HermesToolParser"),
+    "qwen3_coder": ("render_service.parsers.tools_qwen3_coder", "Qwen3CoderToolParser"),
+    "qwen3_xml": ("render_service.parsers.tools_qwen3_coder", "Qwen3CoderToolParser"),
+    "llama3_json": ("render_service.parsers.tools_json", "Llama3JsonToolParser"),
+    "mistral": ("render_service.parsers.tools_mistral", "MistralToolParser"),
+    "deepseek_v31": ("render_service.parsers.tools_deepseek", "DeepSeekV31ToolParser"),
+    "pythonic": ("render_service.parsers.tools_pythonic", "PythonicToolParser"),
+    "kimi_k2": ("render_service.parsers.tools_kimi", "KimiK2ToolParser"),
+}
+_EXTRA_TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 
 
-class UnknownParserError(ValueError):
-    pass
+class UnknownParserError(KeyError, ValueError):
+    """An unknown parser name. A ValueError for configuration checks, a KeyError for lookups."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
-def register_tool_parser(cls: type, name: str | None = None) -> None:
+def register_tool_parser(cls: type[ToolParser], name: str | None = None) -> None:
     """Register a parser class at runtime (plugins, tests)."""
     _EXTRA_TOOL_PARSERS[name or cls.name] = cls
 
 
-def _tool_registry():
-    # imported lazily: the tool families are a separate module set that a server may not load at all
-    from render_service.parsers import tool_registry
-
-    return tool_registry
-
-
 def tool_parser_names() -> list[str]:
-    try:
-        names = set(_tool_registry().tool_parser_names())
-    except ImportError:
-        names = set()
-    return sorted(names | set(_EXTRA_TOOL_PARSERS))
+    return sorted(set(_TOOL_PARSERS) | set(_EXTRA_TOOL_PARSERS))
 
 
-def get_tool_parser(name: str) -> type:
-    if name in _EXTRA_TOOL_PARSERS:
-        return _EXTRA_TOOL_PARSERS[name]
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered under ``name``; UnknownParserError (listing the known names) if none."""
+    extra = _EXTRA_TOOL_PARSERS.get(name)
+    if extra is not None:
+        return extra
     try:
-        return _tool_registry().get_tool_parser(name)
-    except (KeyError, ImportError) as exc:
-        raise UnknownParserError(f"tool call parser {name!r} is not available: {exc}") from None
+        module, cls = _TOOL_PARSERS[name]
+    except KeyError:
+        known = ", ".join(tool_parser_names())
+        raise UnknownParserError(f"tool call parser {name!r} is not available: unknown tool call parser {name!r}; "
+                                 f"known: {known}") from None
+    parser: type[ToolParser] = getattr(importlib.import_module(module), cls)
+    return parser
 
 
 def get_reasoning_parser(name: str) -> type[ThinkReasoningParser]:

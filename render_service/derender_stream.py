@@ -1,0 +1,204 @@
+"""Streaming derender: one generate SSE event in, ``{chunk, stream_state}`` out (vLLM's request shape).
+
+The per-chunk work of ``/v1/chat/completions/derender`` and ``/v1/completions/derender`` with stream=true:
+check the chunk, find the pipeline, step it, and wrap the delta as an OpenAI stream chunk. Which
+``stream_state`` shapes are accepted, and what the answer's looks like, is ``streaming_cache.session``'s job.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from render_service.choice_shapes import completion_pipeline_config, delta_message
+from render_service.derender import (
+    PARSER_NEEDS_CHAT_REQUEST,
+    check_fingerprint,
+    fingerprint_sent,
+    pipeline_config,
+    resolve_chat_logprobs,
+    resolve_completion_logprobs,
+    returns_token_ids,
+    tokens_as_token_ids,
+)
+from render_service.errors import bad_request
+from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, merge_deltas
+from render_service.protocol import (
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DerenderChatStreamRequest,
+    DerenderChatStreamResponse,
+    DerenderCompletionStreamRequest,
+    DerenderCompletionStreamResponse,
+    GenerateStreamResponse,
+    UsageInfo,
+)
+from render_service.render import RenderConfig, check_model
+from render_service.streaming_cache.session import (
+    LOGPROB_CONTEXT,
+    Session,
+    StreamRuntime,
+    answer_state,
+    binding,
+    open_session,
+)
+
+__all__ = ["StreamRuntime", "derender_chat_stream", "derender_completion_stream"]
+
+_PIPELINES: OrderedDict[bytes, tuple[Pipeline, bytes]] = OrderedDict()
+_PIPELINES_MAX = 1024
+
+
+def _pipeline_for(cfg: PipelineConfig, tokenizer: Any) -> tuple[Pipeline, bytes]:
+    """Pipelines hold only configuration (states travel separately), so one per stream is reused."""
+    key = msgspec.msgpack.encode(cfg) + id(tokenizer).to_bytes(8, "little")
+    hit = _PIPELINES.get(key)
+    if hit is not None and hit[0].tokenizer is tokenizer:
+        _PIPELINES.move_to_end(key)
+        return hit
+    made = (Pipeline(tokenizer, cfg), binding(cfg, tokenizer))
+    _PIPELINES[key] = made
+    if len(_PIPELINES) > _PIPELINES_MAX:
+        _PIPELINES.popitem(last=False)
+    return made
+
+
+def _check_chunk(chunk: GenerateStreamResponse, config: RenderConfig) -> list[int]:
+    if len(chunk.choices) > 1:
+        raise bad_request("streaming derender expects at most one choice per chunk; send one call per choice",
+                          "generate_chunk")
+    if not chunk.choices:
+        return []
+    ids = chunk.choices[0].token_ids or []
+    if len(ids) > config.max_model_len:
+        raise bad_request(f"generate_chunk token_ids exceed max_model_len ({config.max_model_len})", "generate_chunk")
+    vocab = config.tokenizer.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise bad_request(f"token id {t} is out of vocabulary", "generate_chunk")
+    return ids
+
+
+def _usage(chunk: GenerateStreamResponse, prompt_tokens: int | None) -> UsageInfo | None:
+    u = chunk.usage
+    if u is None:
+        return None
+    prompt = prompt_tokens if prompt_tokens is not None else u.prompt_tokens
+    completion = u.completion_tokens or 0
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _step(session: Session, ids: list[int], finish_reason: str | None) -> ChoiceDelta:
+    pipeline, state = session.pipeline, session.state
+    try:
+        delta = pipeline.feed(state, ids) if ids else ChoiceDelta()
+        if finish_reason is not None:
+            delta = merge_deltas(delta, pipeline.finish(state))
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+        # Only a client-crafted state can drive a stage into an impossible corner: refuse it, never a 500.
+        raise bad_request(f"stream_state is inconsistent with this stream: {type(exc).__name__}", "stream_state") from None
+    return delta
+
+
+# ------------------------------------------------------------------------------------------- chat
+
+
+def derender_chat_stream(
+    req: DerenderChatStreamRequest, config: RenderConfig, runtime: StreamRuntime, headers: Any = None
+) -> DerenderChatStreamResponse:
+    model = check_model(req.model, config)
+    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers), config)
+    chunk = req.generate_chunk
+    ids = _check_chunk(chunk, config)
+    if config.has_parsers and req.chat_request is None:
+        raise bad_request(PARSER_NEEDS_CHAT_REQUEST, "chat_request")
+    if req.prompt_token_ids is not None and len(req.prompt_token_ids) > config.max_model_len:
+        raise bad_request(f"prompt_token_ids length exceeds max_model_len ({config.max_model_len})", "prompt_token_ids")
+    request_id = chunk.request_id or ""
+    out_chunk = ChatCompletionStreamResponse(
+        id=request_id, created=int(time.time()), model=model, choices=[],
+        usage=_usage(chunk, req.prompt_tokens), metrics=chunk.metrics,
+    )
+    if not chunk.choices:
+        # A usage-only event: nothing to parse, the state goes back unchanged.
+        return DerenderChatStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
+    choice = chunk.choices[0]
+    pcfg = pipeline_config(config, req.chat_request, request_id=request_id, choice_index=choice.index)
+    pipeline, state_binding = _pipeline_for(pcfg, config.tokenizer)
+    # forced tool choice parses even without a configured parser
+    parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None or pipeline.tools is not None
+    prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
+    session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len,
+                           parser_path)
+    delta = _step(session, ids, choice.finish_reason)
+    state = session.state
+    message = delta_message(delta, config.reasoning_field)
+    if not state.role_sent:
+        message.role = "assistant"
+        state.role_sent = True
+    logprobs = None
+    if choice.logprobs is not None and pcfg.include_reasoning:
+        context = list(state.logprob_context)
+        logprobs = resolve_chat_logprobs(choice.logprobs, config.tokenizer, context,
+                                         tokens_as_token_ids(req.chat_request, config))
+        state.logprob_context = context[-LOGPROB_CONTEXT:]
+    finish = pipeline.finish_reason(state, choice.finish_reason) if choice.finish_reason is not None else None
+    out_chunk.choices = [ChatCompletionStreamChoice(
+        index=choice.index, delta=message, logprobs=logprobs, finish_reason=finish,
+        stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+        token_ids=ids if returns_token_ids(req.chat_request, pcfg) else None,
+    )]
+    return DerenderChatStreamResponse(
+        chunk=out_chunk, stream_state=answer_state(session, state_binding, runtime, ids, parser_path)
+    )
+
+
+# ------------------------------------------------------------------------------------ completions
+
+
+def derender_completion_stream(
+    req: DerenderCompletionStreamRequest, config: RenderConfig, runtime: StreamRuntime, headers: Any = None
+) -> DerenderCompletionStreamResponse:
+    model = check_model(req.model, config)
+    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers), config)
+    chunk = req.generate_chunk
+    ids = _check_chunk(chunk, config)
+    request_id = chunk.request_id or ""
+    out_chunk = CompletionStreamResponse(
+        id=request_id, created=int(time.time()), model=model, choices=[],
+        usage=_usage(chunk, req.prompt_tokens), metrics=chunk.metrics,
+    )
+    if not chunk.choices:
+        return DerenderCompletionStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
+    choice = chunk.choices[0]
+    creq = req.completion_request
+    pcfg = completion_pipeline_config(config, creq, request_id=request_id, choice_index=choice.index)
+    pipeline, state_binding = _pipeline_for(pcfg, config.tokenizer)
+    prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
+    session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len, False)
+    delta = _step(session, ids, choice.finish_reason)
+    session.state.role_sent = True
+    logprobs = None
+    if choice.logprobs is not None:
+        state = session.state
+        context = list(state.logprob_context)
+        logprobs = resolve_completion_logprobs(choice.logprobs, config.tokenizer, context, state.logprob_text_offset,
+                                               tokens_as_token_ids(creq, config))
+        state.logprob_context = context[-LOGPROB_CONTEXT:]
+        if logprobs is not None:
+            state.logprob_text_offset += sum(len(t) for t in logprobs["tokens"])
+    out_chunk.choices = [CompletionStreamChoice(
+        index=choice.index, text=delta.content or "",
+        logprobs=logprobs,
+        finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+    )]
+    return DerenderCompletionStreamResponse(
+        chunk=out_chunk, stream_state=answer_state(session, state_binding, runtime, ids, False)
+    )
+

@@ -1,0 +1,178 @@
+"""The ``stream_state`` shapes a streaming derender call accepts, and the one it answers with.
+
+Our own state travels as a compact token (``codec``): O(chunk) work and constant bytes per call, on any
+replica. Callers that send vLLM's history-carrying state (``vllm_state``) keep working: their pipeline is
+found in the streaming cache (O(chunk)) or rebuilt once by replaying the history, and their history fields
+are kept up to date in the answer, so a vLLM-written client echoes it back unchanged.
+
+An answer's ``stream_state`` is a dict: ``{"splitserve_state": <token>, "role_sent": bool}`` plus vLLM's
+fields only when the caller sent vLLM-shaped state (or the server runs with SPLITSERVE_STREAM_STATE_VLLM_FIELDS=1).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from render_service.errors import bad_request
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState
+from render_service.streaming_cache.cache import StreamingCache, history_key
+from render_service.streaming_cache.codec import (
+    StreamStateError,
+    binding_for,
+    decode_state,
+    encode_state,
+    secret_from_env,
+)
+from render_service.streaming_cache.vllm_state import (
+    VLLM_DEFAULTS,
+    VllmStreamState,
+    adopt_plain,
+    is_vllm_shaped,
+    plain_window,
+    read_vllm_state,
+    replay,
+)
+
+STATE_KEY = "splitserve_state"
+# Sampled ids carried for logprob U+FFFD repair across chunks (vLLM: 4).
+LOGPROB_CONTEXT = 4
+VLLM_FIELDS_ENV = "SPLITSERVE_STREAM_STATE_VLLM_FIELDS"
+
+
+class StreamRuntime:
+    """Per-process streaming derender settings: the state secret and the cache of live pipelines.
+
+    ``always_vllm_fields`` (env SPLITSERVE_STREAM_STATE_VLLM_FIELDS=1): answer every stream, from its first
+    chunk, with vLLM's history fields as well, for clients that re-validate stream_state into vLLM's model and
+    drop unknown keys (they then continue through the cache or by replay, at vLLM's O(history) bytes).
+    """
+
+    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache | None = None,
+                 always_vllm_fields: bool | None = None) -> None:
+        self.secret = secret_from_env(secret)
+        self.cache = cache if cache is not None else StreamingCache()
+        if always_vllm_fields is None:
+            always_vllm_fields = os.environ.get(VLLM_FIELDS_ENV, "").lower() in ("1", "true", "yes")
+        self.always_vllm_fields = always_vllm_fields
+
+
+def binding(cfg: PipelineConfig, tokenizer: Any) -> bytes:
+    """What a state token is bound to: the pipeline configuration and the vocabulary size."""
+    return binding_for(msgspec.msgpack.encode(cfg), tokenizer.vocab_size)
+
+
+class Session:
+    """One call's pipeline, its state and where the state came from."""
+
+    def __init__(self, pipeline: Pipeline, state: PipelineState, vllm: VllmStreamState | None,
+                 incoming: dict[str, Any] | None) -> None:
+        self.pipeline = pipeline
+        self.state = state
+        self.vllm = vllm  # set when the caller sent vLLM-shaped state: keep its history fields current
+        self.incoming = incoming
+
+
+def _state_from_token(pipeline: Pipeline, token: Any, binding: bytes, runtime: StreamRuntime) -> PipelineState:
+    try:
+        raw = decode_state(token, binding, runtime.secret)
+        state = pipeline.restore_state(raw)
+    except (StreamStateError, msgspec.ValidationError) as exc:
+        raise bad_request(f"invalid stream_state: {exc}", "stream_state") from None
+    _check_bounds(state)
+    return state
+
+
+def _check_bounds(state: PipelineState) -> None:
+    d = state.detok
+    ok = (
+        len(d.pending) <= 4096
+        and len(d.window) <= 64
+        and 0 <= d.prefix_offset <= d.read_offset <= len(d.window)
+        and state.tokens >= 0
+        and 0 <= state.tool_calls <= 4096
+        and len(state.model_call_ids) <= 4096
+        and len(state.logprob_context) <= LOGPROB_CONTEXT
+        and state.logprob_text_offset >= 0
+    )
+    if not ok:
+        raise bad_request("invalid stream_state: values out of range", "stream_state")
+
+
+def open_session(
+    pipeline: Pipeline, incoming: Any, prompt_ids: list[int] | None, binding: bytes,
+    runtime: StreamRuntime, max_model_len: int, parser_path: bool,
+) -> Session:
+    """The pipeline state the caller's ``stream_state`` stands for (any accepted shape), or a 400."""
+    if incoming is None:
+        state = pipeline.initial_state(prompt_ids)
+        if runtime.always_vllm_fields:
+            return Session(pipeline, state, VllmStreamState(), {})
+        return Session(pipeline, state, None, None)
+    if isinstance(incoming, str):
+        return Session(pipeline, _state_from_token(pipeline, incoming, binding, runtime), None, None)
+    if not isinstance(incoming, dict):
+        raise bad_request("stream_state must be an object (echo back the stream_state of the previous answer)",
+                          "stream_state")
+    vllm = (read_vllm_state(incoming, pipeline.tokenizer.vocab_size, max_model_len)
+            if is_vllm_shaped(incoming) else None)
+    if STATE_KEY in incoming:
+        state = _state_from_token(pipeline, incoming[STATE_KEY], binding, runtime)
+        return Session(pipeline, state, vllm, incoming)
+    if vllm is None:
+        raise bad_request(f"stream_state has neither {STATE_KEY!r} nor vLLM's history fields: it was lost on the way "
+                          f"back; echo stream_state unchanged, or run the server with {VLLM_FIELDS_ENV}=1",
+                          "stream_state")
+    cfg = pipeline.config
+    if parser_path and vllm.role_sent and not vllm.output_token_ids:
+        # vLLM itself never answers like this after a chunk with tokens: our key was dropped on the way back.
+        raise bad_request(
+            f"stream_state lost its {STATE_KEY!r} key (role already sent, no history): echo stream_state back "
+            f"unchanged, or run the server with {VLLM_FIELDS_ENV}=1 to carry vLLM's history fields",
+            "stream_state")
+    if not parser_path:
+        return Session(pipeline, adopt_plain(pipeline, vllm, prompt_ids), vllm, incoming)
+    if not vllm.output_token_ids:
+        state = pipeline.initial_state(prompt_ids)
+        state.role_sent = vllm.role_sent
+        return Session(pipeline, state, vllm, incoming)
+    key = history_key(cfg.request_id, cfg.choice_index, binding, vllm.output_token_ids)
+    cached = runtime.cache.take(key)
+    if cached is not None:
+        state = pipeline.restore_state(msgspec.msgpack.decode(cached))
+    else:
+        state = replay(pipeline, vllm, prompt_ids)
+    return Session(pipeline, state, vllm, incoming)
+
+
+def answer_state(session: Session, binding: bytes, runtime: StreamRuntime, new_ids: list[int],
+                 parser_path: bool) -> dict[str, Any]:
+    """The ``stream_state`` of the answer: our token, plus vLLM's fields kept current for a vLLM caller."""
+    state = session.state
+    out: dict[str, Any] = {}
+    vllm = session.vllm
+    if vllm is not None:
+        out.update(VLLM_DEFAULTS)
+        out.update(session.incoming or {})
+        if parser_path:
+            history = vllm.output_token_ids + new_ids if new_ids else vllm.output_token_ids
+            lens = vllm.output_chunk_lens + [len(new_ids)] if new_ids else vllm.output_chunk_lens
+            out["output_token_ids"] = history
+            out["output_chunk_lens"] = lens
+            out["tools_streamed"] = state.tool_calls > 0
+            out["last_tool_call_ids"] = [
+                session.pipeline.call_id_for(state, i) for i in range(state.tool_calls)
+            ]
+            cfg = session.pipeline.config
+            if not state.finished and STATE_KEY not in (session.incoming or {}):
+                # A caller that drops our key needs the cache. Keep a copy for the next chunk: the caller
+                # may retry this one, so the stored bytes stay untouched.
+                runtime.cache.put(history_key(cfg.request_id, cfg.choice_index, binding, history),
+                                  msgspec.msgpack.encode(state))
+        else:
+            out.update(plain_window(session.pipeline, state))
+    out[STATE_KEY] = encode_state(state, binding, runtime.secret)
+    out["role_sent"] = state.role_sent
+    return out

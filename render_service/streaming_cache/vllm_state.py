@@ -1,0 +1,108 @@
+"""vLLM's own ``stream_state`` shape (``DerenderStreamState``): read strictly, adopted, and kept current.
+
+Callers written against vLLM send its history-carrying state (``output_token_ids``, ``output_chunk_lens``,
+``prev_tokens`` ...). This module is the one definition of that shape: it validates what arrives (types and
+bounds, before any use), turns vLLM's plain-path window into our detokenizer state, rebuilds a pipeline
+from vLLM's history on a cache miss, and writes vLLM's window fields back into an answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from render_service.errors import bad_request
+from render_service.parsers.detokenizer import _bytes_to_unicode, byte_level_token_bytes
+from render_service.parsers.pipeline import Pipeline, PipelineState
+
+# vLLM's bound on its detokenizer window in stream_state.
+MAX_PREV_TOKENS = 1024
+MAX_PREV_TOKEN_CHARS = 256
+MAX_TOOL_CALL_IDS = 4096
+_BYTE_TO_CHAR = _bytes_to_unicode()
+
+
+class VllmStreamState(msgspec.Struct):
+    """vLLM's DerenderStreamState: its fields in vLLM's order, with vLLM's defaults."""
+
+    prev_tokens: list[str] = []
+    prefix_offset: int = 0
+    read_offset: int = 0
+    role_sent: bool = False
+    # vLLM's logprob repair fields: carried back to a vLLM client unchanged, never read here (ours travel
+    # in our own state), so any value passes.
+    logprob_context_token_ids: Any = []
+    logprob_text_offset: Any = 0
+    output_token_ids: list[int] = []
+    output_chunk_lens: list[int] = []
+    tools_streamed: bool = False
+    last_tool_call_ids: list[str] = []
+
+
+# Every key a vLLM client expects in an answer, with its default, in vLLM's order.
+VLLM_DEFAULTS: dict[str, Any] = msgspec.structs.asdict(VllmStreamState())
+
+# Any one of these keys marks an incoming state as vLLM-shaped.
+VLLM_HISTORY_KEYS = ("output_token_ids", "output_chunk_lens", "prev_tokens")
+
+
+def is_vllm_shaped(incoming: dict[str, Any]) -> bool:
+    return any(k in incoming for k in VLLM_HISTORY_KEYS)
+
+
+def read_vllm_state(raw: dict[str, Any], vocab_size: int, max_model_len: int) -> VllmStreamState:
+    """The client's vLLM-shaped state, or a 400 naming what is wrong with it."""
+    try:
+        st = msgspec.convert(raw, VllmStreamState)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid stream_state: {exc}", "stream_state") from None
+    if len(st.prev_tokens) > MAX_PREV_TOKENS or any(len(t) > MAX_PREV_TOKEN_CHARS for t in st.prev_tokens):
+        raise bad_request(f"stream_state.prev_tokens exceeds {MAX_PREV_TOKENS} entries", "stream_state")
+    if not 0 <= st.prefix_offset <= st.read_offset <= len(st.prev_tokens):
+        raise bad_request("stream_state offsets are out of range", "stream_state")
+    if len(st.output_token_ids) > max_model_len:
+        raise bad_request(f"stream_state.output_token_ids exceeds max_model_len ({max_model_len})", "stream_state")
+    if any(n <= 0 for n in st.output_chunk_lens) or sum(st.output_chunk_lens) != len(st.output_token_ids):
+        raise bad_request("stream_state.output_chunk_lens must be positive and sum to len(output_token_ids)",
+                          "stream_state")
+    if any(not 0 <= t < vocab_size for t in st.output_token_ids):
+        raise bad_request("stream_state.output_token_ids holds an id outside the vocabulary", "stream_state")
+    if len(st.last_tool_call_ids) > MAX_TOOL_CALL_IDS:
+        raise bad_request("stream_state.last_tool_call_ids is too long", "stream_state")
+    return st
+
+
+def replay(pipeline: Pipeline, st: VllmStreamState, prompt_ids: list[int] | None) -> PipelineState:
+    """Rebuild the pipeline from vLLM's history, one producer chunk at a time (a cache miss)."""
+    state = pipeline.initial_state(prompt_ids)
+    ids = st.output_token_ids
+    pos = 0
+    for n in st.output_chunk_lens:
+        pipeline.feed(state, ids[pos:pos + n])
+        pos += n
+    state.role_sent = st.role_sent
+    return state
+
+
+def adopt_plain(pipeline: Pipeline, st: VllmStreamState, prompt_ids: list[int] | None) -> PipelineState:
+    """vLLM's plain-path window as our detokenizer state (no history needed)."""
+    state = pipeline.initial_state(prompt_ids if not st.prev_tokens and not st.role_sent else None)
+    if st.prev_tokens or st.role_sent:
+        if pipeline.detok.is_byte_level:
+            state.detok.pending = b"".join(byte_level_token_bytes(t) for t in st.prev_tokens[st.read_offset:])
+        else:
+            state.detok.window = list(st.prev_tokens)
+            state.detok.prefix_offset = st.prefix_offset
+            state.detok.read_offset = st.read_offset
+    state.role_sent = st.role_sent
+    return state
+
+
+def plain_window(pipeline: Pipeline, state: PipelineState) -> dict[str, Any]:
+    """Our detokenizer state as vLLM's plain-path window fields."""
+    d = state.detok
+    if pipeline.detok.is_byte_level:
+        pending = "".join(_BYTE_TO_CHAR[b] for b in d.pending)
+        return {"prev_tokens": [pending] if pending else [], "prefix_offset": 0, "read_offset": 0}
+    return {"prev_tokens": list(d.window), "prefix_offset": d.prefix_offset, "read_offset": d.read_offset}
