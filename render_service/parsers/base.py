@@ -14,7 +14,7 @@ path, one allocation per request); a caller that needs the old state keeps a cop
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Protocol, Union
+from typing import Any, ClassVar, Literal, Protocol
 
 import msgspec
 
@@ -40,7 +40,7 @@ class ToolCallPiece(msgspec.Struct, frozen=True):
     id: str | None = None
 
 
-Piece = Union[TextPiece, ToolCallPiece]
+Piece = TextPiece | ToolCallPiece
 
 
 class ToolSpec(msgspec.Struct, frozen=True):

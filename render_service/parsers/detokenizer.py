@@ -100,7 +100,7 @@ class _TokenTables:
         return b
 
 
-_TABLES: "weakref.WeakKeyDictionary[Any, _TokenTables]" = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary[Any, _TokenTables] = weakref.WeakKeyDictionary()
 
 
 def token_tables(tokenizer: Any) -> _TokenTables:

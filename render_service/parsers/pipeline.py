@@ -321,7 +321,8 @@ class MessageAccumulator:
         if delta.reasoning is not None:
             self.reasoning.append(delta.reasoning)
         for tc in delta.tool_calls:
-            call = self.calls.setdefault(tc["index"], {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            call = self.calls.setdefault(
+                tc["index"], {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
             if "id" in tc:
                 call["id"] = tc["id"]
             fn = tc.get("function", {})

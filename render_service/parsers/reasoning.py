@@ -17,6 +17,7 @@ as the single added token. Batch is the fold of the stream, so the two never dis
 from __future__ import annotations
 
 import functools
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import msgspec
@@ -26,14 +27,19 @@ from render_service.parsers.base import ReasoningParserConfig, TextPiece
 THINK_START = "<think>"
 THINK_END = "</think>"
 
-# Modes of ThinkState.mode
-AWAIT_START = 0  # reasoning; nothing but whitespace seen yet, a leading <think> is still removable
-REASONING = 1
-CONTENT = 2
+class ThinkMode(IntEnum):
+    """Where a think-tag stream is. Travels in stream_state as its int."""
+
+    AWAIT_START = 0  # reasoning; nothing but whitespace seen yet, a leading <think> is still removable
+    REASONING = 1
+    CONTENT = 2
+
+
+AWAIT_START, REASONING, CONTENT = ThinkMode  # module-level names: the hot loops compare against globals
 
 
 class ThinkState(msgspec.Struct, omit_defaults=True):
-    mode: int = AWAIT_START
+    mode: ThinkMode = AWAIT_START
     held: str = ""  # text that may still turn out to be (part of) a tag
 
 
@@ -74,7 +80,8 @@ class ThinkReasoningParser:
 
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
         self.config = config
-        self._markers: tuple[str, ...] = (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,)
+        self._markers: tuple[str, ...] = (
+            (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,))
         firsts = {m[0] for m in self._markers}
         # Text without this character holds no marker and no start of one (None: the markers start differently).
         self._marker_first: str | None = firsts.pop() if len(firsts) == 1 else None

@@ -8,36 +8,33 @@ Text between and after calls is not content. See docs/tool_parsers.md for where 
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import ClassVar
 
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.tools_common import (
-    DONE,
-    MALFORMED,
-    MORE,
-    OBJ_START,
-    CallObject,
-    Count,
-    HeldTextToolParser,
-    PieceSink,
-    feed_call_object,
-    find_tag,
-    is_partial_tag,
-    mode_field,
-    require,
-)
+from render_service.parsers.call_object import DONE, MALFORMED, MORE, OBJ_START, CallObject, feed_call_object
+from render_service.parsers.tags import find_tag, is_partial_tag
+from render_service.parsers.tools_common import Count, HeldTextToolParser, PieceSink, require
 
 START = "<tool_call>"
 END = "</tool_call>"
 ARG_KEYS = ("arguments", "parameters")
 
-CONTENT, CALL, AFTER_CALL = range(3)
+class HermesMode(IntEnum):
+    """Where a hermes stream is: plain content, inside a <tool_call>, or just past one (in stream_state: its int)."""
+
+    CONTENT = 0
+    CALL = 1
+    AFTER_CALL = 2
+
+
+CONTENT, CALL, AFTER_CALL = HermesMode  # module-level names: the hot loops compare against globals
 
 
 class HermesState(msgspec.Struct):
-    mode: mode_field(3) = CONTENT
+    mode: HermesMode = CONTENT
     held: str = ""
     # calls whose name went out; also the index of the call in progress
     calls: Count = 0
@@ -75,7 +72,7 @@ class HermesToolParser(HeldTextToolParser):
         state.raw = START
         state.call = CallObject()
 
-    def _end_call(self, state: HermesState, next_mode: int) -> None:
+    def _end_call(self, state: HermesState, next_mode: HermesMode) -> None:
         state.calls += 1
         state.mode = next_mode
         state.raw = ""

@@ -8,33 +8,36 @@ as the model's raw text. Text after the calls is dropped.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import ClassVar
 
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.tools_common import (
-    DONE,
-    MALFORMED,
-    MORE,
-    CallObject,
-    Count,
-    HeldTextToolParser,
-    PieceSink,
-    feed_call_object,
-    mode_field,
-    require,
-    skip_whitespace,
-)
+from render_service.parsers.call_object import DONE, MALFORMED, MORE, CallObject, feed_call_object
+from render_service.parsers.tags import skip_whitespace
+from render_service.parsers.tools_common import Count, HeldTextToolParser, PieceSink, require
 
 PYTHON_TAG = "<|python_tag|>"
 ARG_KEYS = ("parameters", "arguments")
 
-START, OBJECT, SEPARATOR, CONTENT_ONLY, DROP = range(5)
+class Llama3JsonMode(IntEnum):
+    """Where a llama3_json stream is. Travels in stream_state as its int."""
+
+    START = 0
+    OBJECT = 1
+    SEPARATOR = 2
+    CONTENT_ONLY = 3
+    DROP = 4
+
+
+(
+    START, OBJECT, SEPARATOR, CONTENT_ONLY, DROP
+) = Llama3JsonMode  # module-level names: the hot loops compare against globals
 
 
 class Llama3JsonState(msgspec.Struct):
-    mode: mode_field(5) = START
+    mode: Llama3JsonMode = START
     held: str = ""
     calls: Count = 0
     # leading whitespace, the python tag and the first object's text until its name is known

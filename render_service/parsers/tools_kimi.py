@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from render_service.parsers.tools_common import SectionedToolParser
+from render_service.parsers.tools_sectioned import SectionedToolParser
 
 
 class KimiK2ToolParser(SectionedToolParser):

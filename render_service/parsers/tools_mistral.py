@@ -9,39 +9,48 @@ by string-aware brace matching. Text after the calls is dropped.
 from __future__ import annotations
 
 import re
+from enum import IntEnum
 from typing import ClassVar
 
 import msgspec
 
 from render_service.parsers.base import Piece
+from render_service.parsers.call_object import DONE, MORE, CallObject, feed_call_object
+from render_service.parsers.json_scan import JsonScan, scan_json_value
+from render_service.parsers.tags import find_tag, skip_whitespace
 from render_service.parsers.tools_common import (
-    DONE,
     MAX_NAME_CHARS,
-    MORE,
-    CallObject,
     Count,
     HeldTextToolParser,
-    JsonScan,
     PieceSink,
-    feed_call_object,
-    mode_field,
     require,
-    find_tag,
-    scan_json_value,
-    skip_whitespace,
 )
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 ARG_KEYS = ("arguments", "parameters")
 
-CONTENT, AFTER_MARKER, ARRAY_ITEM, OBJECT, ARRAY_SEP, V11_NAME, V11_ARGS = range(7)
+class MistralMode(IntEnum):
+    """Where a mistral stream is (pre-v11 JSON array, or v11 name/args). Travels in stream_state as its int."""
+
+    CONTENT = 0
+    AFTER_MARKER = 1
+    ARRAY_ITEM = 2
+    OBJECT = 3
+    ARRAY_SEP = 4
+    V11_NAME = 5
+    V11_ARGS = 6
+
+
+(
+    CONTENT, AFTER_MARKER, ARRAY_ITEM, OBJECT, ARRAY_SEP, V11_NAME, V11_ARGS
+) = MistralMode  # module-level names: the hot loops compare against globals
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 class MistralState(msgspec.Struct):
-    mode: mode_field(7) = CONTENT
+    mode: MistralMode = CONTENT
     held: str = ""
     calls: Count = 0
     # text since the marker until the first call's name is known
@@ -83,7 +92,7 @@ class MistralToolParser(HeldTextToolParser):
         state.call = None
         state.mode = CONTENT
 
-    def _end_call(self, state: MistralState, next_mode: int) -> None:
+    def _end_call(self, state: MistralState, next_mode: MistralMode) -> None:
         state.calls += 1
         state.raw = ""
         state.call = None

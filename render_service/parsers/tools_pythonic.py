@@ -12,23 +12,38 @@ from __future__ import annotations
 import ast
 import re
 import unicodedata
+from enum import IntEnum
 from typing import ClassVar, Literal
 
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.tools_common import (
-    MAX_NAME_CHARS,
-    Count,
-    HeldTextToolParser,
-    PieceSink,
-    dumps,
-    json_string_fragment,
-    mode_field,
-    skip_whitespace,
-)
+from render_service.parsers.json_scan import dumps, json_string_fragment
+from render_service.parsers.tags import skip_whitespace
+from render_service.parsers.tools_common import MAX_NAME_CHARS, Count, HeldTextToolParser, PieceSink
 
-START, LIST_ITEM, NAME, ARGS, KEYWORD, VALUE_START, STR_VALUE, BUF_VALUE, AFTER_VALUE, AFTER_CALL, CONTENT_ONLY, DROP = range(12)
+
+class PythonicMode(IntEnum):
+    """Where a pythonic ``[f(a=1), g()]`` stream is. Travels in stream_state as its int."""
+
+    START = 0
+    LIST_ITEM = 1
+    NAME = 2
+    ARGS = 3
+    KEYWORD = 4
+    VALUE_START = 5
+    STR_VALUE = 6
+    BUF_VALUE = 7
+    AFTER_VALUE = 8
+    AFTER_CALL = 9
+    CONTENT_ONLY = 10
+    DROP = 11
+
+
+(
+    START, LIST_ITEM, NAME, ARGS, KEYWORD, VALUE_START, STR_VALUE, BUF_VALUE, AFTER_VALUE, AFTER_CALL,
+    CONTENT_ONLY, DROP
+) = PythonicMode  # module-level names: the hot loops compare against globals
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _KEYWORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -102,7 +117,7 @@ def _string_close(text: str, quote: str) -> int:
 
 
 class PythonicState(msgspec.Struct):
-    mode: mode_field(12) = START
+    mode: PythonicMode = START
     held: str = ""
     calls: Count = 0
     # leading whitespace and "[" until the first call's name is known

@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import ast
 import json
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import msgspec
 
 from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.json_scan import dumps, json_string_fragment
+from render_service.parsers.tags import find_tag, is_partial_tag, skip_whitespace
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     Count,
     HeldTextToolParser,
     PieceSink,
-    dumps,
-    find_tag,
-    is_partial_tag,
-    json_string_fragment,
-    mode_field,
-    skip_whitespace,
     tools_by_name,
 )
 
@@ -45,7 +42,20 @@ TOOL_CALL_END = "</tool_call>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
 
-CONTENT, CALL_OPEN, FUNC_NAME, IN_FUNC, PARAM_NAME, PARAM_VALUE = range(6)
+class Qwen3CoderMode(IntEnum):
+    """Where a qwen3_coder XML stream is. Travels in stream_state as its int."""
+
+    CONTENT = 0
+    CALL_OPEN = 1
+    FUNC_NAME = 2
+    IN_FUNC = 3
+    PARAM_NAME = 4
+    PARAM_VALUE = 5
+
+
+(
+    CONTENT, CALL_OPEN, FUNC_NAME, IN_FUNC, PARAM_NAME, PARAM_VALUE
+) = Qwen3CoderMode  # module-level names: the hot loops compare against globals
 
 STRING_TYPES = frozenset({"string", "str", "text", "varchar", "char", "enum"})
 INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
@@ -55,7 +65,7 @@ STRUCTURED_PREFIXES = ("object", "array", "dict", "list", "tuple", "arr")
 
 
 class Qwen3CoderState(msgspec.Struct):
-    mode: mode_field(6) = CONTENT
+    mode: Qwen3CoderMode = CONTENT
     held: str = ""
     calls: Count = 0
     # text since the opening tag, kept only until the function name is known (see hermes)
