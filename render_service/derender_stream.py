@@ -101,7 +101,8 @@ def _step(session: Session, ids: list[int], finish_reason: str | None) -> Choice
             delta = merge_deltas(delta, pipeline.finish(state))
     except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
         # Only a client-crafted state can drive a stage into an impossible corner: refuse it, never a 500.
-        raise bad_request(f"stream_state is inconsistent with this stream: {type(exc).__name__}", "stream_state") from None
+        raise bad_request(f"stream_state is inconsistent with this stream: {type(exc).__name__}",
+                          "stream_state") from None
     return delta
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 import contextlib
 import glob
 import json
@@ -11,10 +10,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
 
@@ -237,8 +237,8 @@ def test_logprobs_repair_a_character_split_across_chunks_with_the_carried_contex
     carries the character (the sampled ids of earlier chunks travel in stream_state)."""
     import msgspec
 
-    from render_service.parsers.detokenizer import _bytes_to_unicode
     from render_service.derender_stream import StreamRuntime, derender_completion_stream
+    from render_service.parsers.detokenizer import _bytes_to_unicode
     from render_service.protocol import DerenderCompletionStreamRequest
     from render_service.render import load_render_config
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 from functools import lru_cache
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from render_service.bundle import load_bundle
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.tokenizer import TextTokenizer
+from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
 

@@ -3,7 +3,6 @@ around the delta) equal the full chunk structs encoded one by one, for every del
 
 from __future__ import annotations
 
-from tests.shared_paths import QWEN3_FIXTURE_DIR
 import dataclasses
 import random
 from functools import lru_cache
@@ -16,6 +15,7 @@ from tokenizers import Tokenizer
 from render_service.gateway.responses import ChatResponder, coalesce, sse
 from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
 from render_service.render import load_render_config, render_chat
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 QWEN = QWEN3_FIXTURE_DIR
 if not QWEN.exists():
@@ -141,7 +141,7 @@ def test_reads_with_stop_strings_or_logprobs_keep_every_event_apart(request_fiel
     one_by_one, batched = responders("reasoning", **request_fields)
     rnd = random.Random(3)
     engine_events = events(output_ids(), rnd, "length")
-    for i, choice in enumerate(engine_events):
+    for choice in engine_events:
         choice.logprobs = [[{"token_id": t, "logprob": -1.0}] for t in choice.token_ids] \
             if request_fields.get("logprobs") else None
     singly = b"".join(one_by_one.stream_events(0, msgspec.structs.replace(c)) for c in engine_events)

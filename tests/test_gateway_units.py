@@ -16,7 +16,6 @@ from render_service.gateway.pools import ReplicaPool, prefix_key
 from render_service.gateway.stop_strings import StopMatcher
 from render_service.protocol import GenerateRequest, SamplingParams
 
-
 # ------------------------------------------------------------------------------------ stop strings
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -23,6 +21,7 @@ from render_service.parsers.pipeline import (
     derender_all,
     tool_call_id,
 )
+from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
 

@@ -3,10 +3,8 @@ reasoning -> tool parser -> deltas): stream fold == batch for random chunkings, 
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -17,6 +15,7 @@ from render_service.bundle import load_bundle
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.detokenizer import _bytes_to_unicode
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, PipelineConfig, derender_all
+from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 from functools import lru_cache
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +15,7 @@ from render_service.parsers.reasoning import (
     Qwen3ReasoningParser,
     reasoning_open_at_prompt_end,
 )
+from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
 

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 import base64
 from functools import lru_cache
-from pathlib import Path
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.errors import ApiError
 from render_service.derender_stream import derender_chat_stream
-from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
+from render_service.errors import ApiError
+from render_service.parsers.detokenizer import DetokenizerState
+from render_service.parsers.pipeline import PipelineState
 from render_service.protocol import DerenderChatStreamRequest
 from render_service.render import load_render_config
 from render_service.streaming_cache.codec import (
@@ -26,8 +25,8 @@ from render_service.streaming_cache.codec import (
     encode_state,
     secret_from_env,
 )
-from render_service.parsers.detokenizer import DetokenizerState
-from render_service.parsers.pipeline import PipelineState
+from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
+from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
 
@@ -176,10 +175,10 @@ def test_bad_states_are_400(state):
 
 
 def test_hostile_values_inside_a_well_formed_unsigned_state_are_refused():
-    from render_service.streaming_cache.codec import encode_state as enc
-    from render_service.streaming_cache.session import binding as _binding
     from render_service.derender import pipeline_config
     from render_service.protocol import ChatCompletionRequest
+    from render_service.streaming_cache.codec import encode_state as enc
+    from render_service.streaming_cache.session import binding as _binding
 
     pcfg = pipeline_config(config(), msgspec.convert(CHAT, ChatCompletionRequest), request_id="gen-1", choice_index=0)
     bind = _binding(pcfg, config().tokenizer)

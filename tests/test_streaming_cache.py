@@ -3,20 +3,19 @@ miss, with identical output either way (hits, misses, evictions, expiry, two ser
 
 from __future__ import annotations
 
-from tests.shared_paths import SHARED as SHARED_DIR
 import glob
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import msgspec
 import pytest
 
 from render_service.derender_stream import derender_chat_stream
-from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from render_service.protocol import DerenderChatStreamRequest
 from render_service.render import load_render_config
 from render_service.streaming_cache.cache import StreamingCache, history_key
+from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
+from tests.shared_paths import SHARED as SHARED_DIR
 from tests.test_derender_stream import PARSER_FLAGS, render_server
 
 SHARED = SHARED_DIR

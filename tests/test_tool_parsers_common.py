@@ -9,14 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from render_service.parsers.base import TextPiece, ToolCallPiece, ToolParserConfig, ToolSpec
+from render_service.parsers.json_scan import JsonScan, json_string_safe_end, scan_json_value
 from render_service.parsers.registry import get_tool_parser, tool_parser_names
-from render_service.parsers.tools_common import (
-    JsonScan,
-    find_tag,
-    json_string_safe_end,
-    partial_tag_len,
-    scan_json_value,
-)
+from render_service.parsers.tags import find_tag, partial_tag_len
 
 WEATHER_TOOLS = ToolParserConfig(
     tools=[

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import QWEN3_FIXTURE_DIR
 import json
 
 from hypothesis import given, settings
@@ -11,6 +10,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from render_service.parsers.base import ToolCallPiece
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.test_tool_parsers_common import (
     ARG_TEXT,
     args_of,
@@ -224,8 +224,8 @@ def hermes_outputs(draw):
     text = prefix
     for i in range(n):
         args = draw(st.dictionaries(st.sampled_from(["city", "q", "text", "n"]), st.one_of(ARG_TEXT, st.integers(), st.booleans(), st.none(), st.lists(ARG_TEXT, max_size=3)), max_size=3))
-        calls.append(("f%d" % i, args))
-        body = json.dumps({"name": "f%d" % i, "arguments": args}, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+        calls.append((f"f{i}", args))
+        body = json.dumps({"name": f"f{i}", "arguments": args}, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
         text += "<tool_call>\n" + body + "\n</tool_call>" + draw(st.sampled_from(["", "\n", "\n\n"]))
     return text, prefix, calls
 

@@ -7,7 +7,15 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_tool_parsers_common import ARG_TEXT, args_of, assert_split_invariant, names_of, parse, parse_chunks, run_pieces
+from tests.test_tool_parsers_common import (
+    ARG_TEXT,
+    args_of,
+    assert_split_invariant,
+    names_of,
+    parse,
+    parse_chunks,
+    run_pieces,
+)
 
 SB, CB, AB, CE, SE = "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>"
 

@@ -6,7 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from render_service.parsers.tools_pythonic import decode_python_string_body, python_string_safe_end
-from tests.test_tool_parsers_common import ARG_TEXT, args_of, assert_split_invariant, names_of, parse, parse_chunks, run_pieces
+from tests.test_tool_parsers_common import (
+    ARG_TEXT,
+    args_of,
+    assert_split_invariant,
+    names_of,
+    parse,
+    parse_chunks,
+    run_pieces,
+)
 
 
 def test_two_calls_with_literal_arguments():

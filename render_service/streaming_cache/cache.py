@@ -17,7 +17,8 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def history_key(request_id: str, choice_index: int, binding: bytes, token_ids: list[int]) -> tuple:
