@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 FINGERPRINT_HEADER = "x-render-fingerprint"
-FINGERPRINT_KEY = "render_fingerprint"
 # Bumped when the meaning of a fingerprint input changes.
 FINGERPRINT_VERSION = "fp1"
 

@@ -13,7 +13,7 @@ path), aborts over one shared ``httpx.AsyncClient``; both are created lazily in 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import httpx
 import msgspec
@@ -293,7 +293,3 @@ class SseEvents:
         """The end of the body: an event that lacked its blank line."""
         rest, self.buffer = self.buffer.strip(), b""
         return [rest[5:].strip()] if rest.startswith(b"data:") else []
-
-
-def request_body(payload: Any) -> bytes:
-    return msgspec.json.encode(payload)

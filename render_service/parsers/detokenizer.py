@@ -131,8 +131,8 @@ class IncrementalDetokenizer:
         if self.tables.is_byte_level or not prompt_token_ids:
             # Byte-level text of a token never depends on its neighbours; the prompt tail is irrelevant.
             return DetokenizerState()
-        tail = [self._token_string(t) for t in prompt_token_ids[-(PROMPT_SEED_TOKENS + 2):]]
-        tail = [t for t in tail if t is not None]
+        strings = [self._token_string(t) for t in prompt_token_ids[-(PROMPT_SEED_TOKENS + 2):]]
+        tail = [t for t in strings if t is not None]
         read = len(tail)
         return DetokenizerState(window=tail, prefix_offset=max(read - PROMPT_SEED_TOKENS, 0), read_offset=read)
 

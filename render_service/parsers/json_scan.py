@@ -98,10 +98,6 @@ def scan_json_value(scan: JsonScan, buf: str, pos: int, end: int, stop_at_angle:
     return end
 
 
-def finish_primitive(scan: JsonScan) -> None:
-    """At the end of output a primitive has nothing more to wait for."""
-    if scan.primitive:
-        scan.done = True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,7 +133,8 @@ def json_string_safe_end(raw: str) -> int:
 
 
 def decode_json_string_body(raw: str) -> str:
-    return json.loads('"' + raw + '"')
+    decoded: str = json.loads('"' + raw + '"')
+    return decoded
 
 
 def json_string_fragment(text: str) -> str:

@@ -10,6 +10,7 @@ msgspec struct (``PipelineState``) that ``streaming_cache.codec`` serializes int
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -166,7 +167,7 @@ class Pipeline:
     ) -> PipelineState:
         """``reasoning_open_at_start``: a render-side hint; otherwise derived from the prompt tail."""
         reasoning_state = None
-        if self.reasoning is not None:
+        if self.reasoning is not None and self.reasoning_cls is not None:
             is_open = reasoning_open_at_start
             if is_open is None:
                 is_open = reasoning_open_at_prompt_end(prompt_token_ids, self.tokenizer, self.reasoning_cls)
@@ -206,8 +207,9 @@ class Pipeline:
         text = self.detok.step(state.detok, token_ids)
         if not text:
             return ChoiceDelta()
+        pieces: list[TextPiece]
         if self.reasoning is None:
-            pieces: list[Piece] = [TextPiece("content", text)]
+            pieces = [TextPiece("content", text)]
         else:
             pieces = self.reasoning.feed(state.reasoning, text)
         if self.tools is None and len(pieces) == 1:
@@ -224,12 +226,13 @@ class Pipeline:
             return ChoiceDelta()
         state.finished = True
         pieces: list[Piece] = list(self.reasoning.finish(state.reasoning)) if self.reasoning is not None else []
-        pieces = self._through_tools(state, pieces)
-        if self.tools is not None:
-            pieces.extend(self.tools.finish(state.tools))
-        return self._delta(state, pieces)
+        if self.tools is None:
+            return self._delta(state, pieces)
+        flushed = list(self._through_tools(state, pieces))
+        flushed.extend(self.tools.finish(state.tools))
+        return self._delta(state, flushed)
 
-    def _through_tools(self, state: PipelineState, pieces: list[Piece]) -> list[Piece]:
+    def _through_tools(self, state: PipelineState, pieces: Sequence[Piece]) -> Sequence[Piece]:
         if self.tools is None:
             return pieces
         out: list[Piece] = []
@@ -240,7 +243,7 @@ class Pipeline:
                 out.append(p)
         return out
 
-    def _delta(self, state: PipelineState, pieces: list[Piece]) -> ChoiceDelta:
+    def _delta(self, state: PipelineState, pieces: Sequence[Piece]) -> ChoiceDelta:
         content: list[str] = []
         reasoning: list[str] = []
         calls: dict[int, dict[str, Any]] = {}

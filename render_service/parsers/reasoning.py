@@ -220,7 +220,7 @@ def reasoning_open_at_prompt_end(
         return None
     start_id = tokenizer.token_to_id(parser_cls.start_tag)
     end_id = tokenizer.token_to_id(parser_cls.end_tag)
-    special = getattr(tokenizer, "special_token_ids", set())
+    special: set[int] = getattr(tokenizer, "special_token_ids", set())
     for i in range(len(prompt_token_ids) - 1, max(len(prompt_token_ids) - 64, -1), -1):
         t = prompt_token_ids[i]
         if t == end_id:

@@ -1,7 +1,6 @@
 """Parser lookup by the names vLLM's flags use (``--reasoning-parser``, ``--tool-call-parser``).
 
-Tool parser families are imported on first use, so a server loads only the parser it runs; tests and
-plugins may register extra tool parsers at runtime.
+Tool parser families are imported on first use, so a server loads only the parser it runs.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "pythonic": ("render_service.parsers.tools_pythonic", "PythonicToolParser"),
     "kimi_k2": ("render_service.parsers.tools_kimi", "KimiK2ToolParser"),
 }
-_EXTRA_TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 
 
 class UnknownParserError(KeyError, ValueError):
@@ -32,26 +30,17 @@ class UnknownParserError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def register_tool_parser(cls: type[ToolParser], name: str | None = None) -> None:
-    """Register a parser class at runtime (plugins, tests)."""
-    _EXTRA_TOOL_PARSERS[name or cls.name] = cls
-
-
 def tool_parser_names() -> list[str]:
-    return sorted(set(_TOOL_PARSERS) | set(_EXTRA_TOOL_PARSERS))
+    return sorted(_TOOL_PARSERS)
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered under ``name``; UnknownParserError (listing the known names) if none."""
-    extra = _EXTRA_TOOL_PARSERS.get(name)
-    if extra is not None:
-        return extra
     try:
         module, cls = _TOOL_PARSERS[name]
     except KeyError:
         known = ", ".join(tool_parser_names())
-        raise UnknownParserError(f"tool call parser {name!r} is not available: unknown tool call parser {name!r}; "
-                                 f"known: {known}") from None
+        raise UnknownParserError(f"unknown tool call parser {name!r}; known: {known}") from None
     parser: type[ToolParser] = getattr(importlib.import_module(module), cls)
     return parser
 
@@ -62,7 +51,3 @@ def get_reasoning_parser(name: str) -> type[ThinkReasoningParser]:
     except KeyError:
         known = ", ".join(sorted(REASONING_PARSERS))
         raise UnknownParserError(f"unknown reasoning parser {name!r}; known: {known}") from None
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(REASONING_PARSERS)

@@ -9,7 +9,7 @@ from render_service.parsers.tools_common import WHITESPACE
 
 
 @functools.lru_cache(maxsize=64)
-def _partial_tag_pattern(tags: tuple[str, ...]) -> tuple[re.Pattern, int]:
+def _partial_tag_pattern(tags: tuple[str, ...]) -> tuple[re.Pattern[str], int]:
     # every proper prefix of every tag, anchored at the end of the text; the leftmost match is the longest
     prefixes = {t[:k] for t in tags for k in range(1, len(t))}
     alternation = "|".join(re.escape(p) for p in sorted(prefixes, key=len, reverse=True))
@@ -29,12 +29,12 @@ def find_tag(buf: str, start: int, tags: tuple[str, ...]) -> tuple[int, str | No
     When there is none: (the end of the text that is certainly not part of a tag, None); the rest may be
     the beginning of a tag and must be held back.
     """
-    best, best_tag = -1, None
+    best, best_tag = -1, ""
     for tag in tags:
         i = buf.find(tag, start)
         if i != -1 and (best == -1 or i < best or (i == best and len(tag) > len(best_tag))):
             best, best_tag = i, tag
-    if best_tag is not None:
+    if best != -1:
         return best, best_tag
     return len(buf) - partial_tag_len(buf, start, tags), None
 

@@ -11,7 +11,7 @@ feed is O(new text + held-back suffix) however long a call's arguments grow.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -79,9 +79,13 @@ class HeldTextToolParser:
     def initial_state(self) -> msgspec.Struct:
         return self.State()
 
-    def feed(self, state, text: str) -> list[Piece]:
+    def feed(self, state: Any, text: str) -> list[Piece]:
         sink = PieceSink()
         buf = state.held + text
         state.held = ""
         self._run(state, buf, sink)
         return sink.pieces
+
+    def _run(self, state: Any, buf: str, sink: PieceSink) -> None:
+        """Walk ``buf`` once, emitting into ``sink`` and holding back in ``state`` what is not decided yet."""
+        raise NotImplementedError

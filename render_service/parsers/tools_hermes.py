@@ -9,7 +9,7 @@ Text between and after calls is not content. See docs/tool_parsers.md for where 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import msgspec
 
@@ -110,7 +110,7 @@ class HermesToolParser(HeldTextToolParser):
                 else:
                     state.mode = CONTENT
             else:
-                call = state.call
+                call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
                 end = pos + 1 if literal_angle else n
                 stop, outcome = feed_call_object(
                     call, buf, pos, end, sink, state.calls, ARG_KEYS, not literal_angle

@@ -9,7 +9,7 @@ as the model's raw text. Text after the calls is dropped.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import msgspec
 
@@ -55,7 +55,7 @@ class Llama3JsonToolParser(HeldTextToolParser):
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()
         unconfirmed = state.mode == START or (state.mode == SEPARATOR and state.calls == 0)
-        if unconfirmed or (state.mode == OBJECT and not state.call.name_emitted):
+        if unconfirmed or (state.mode == OBJECT and not cast(CallObject, state.call).name_emitted):
             self._release(state, sink, state.held)
         state.held = ""
         state.raw = ""
@@ -117,7 +117,7 @@ class Llama3JsonToolParser(HeldTextToolParser):
                 else:
                     self._release(state, sink)
             else:
-                call = state.call
+                call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
                 stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import msgspec
 
@@ -75,7 +75,7 @@ class MistralToolParser(HeldTextToolParser):
             if state.calls == 0:
                 sink.content(state.held)
         elif state.mode in (AFTER_MARKER, ARRAY_ITEM, V11_NAME) or (
-            state.mode == OBJECT and not state.call.name_emitted
+            state.mode == OBJECT and not cast(CallObject, state.call).name_emitted
         ):
             self._release(state, sink, state.held)
         state.held = ""
@@ -143,7 +143,7 @@ class MistralToolParser(HeldTextToolParser):
                 else:
                     self._release(state, sink)
             elif mode == OBJECT:
-                call = state.call
+                call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
                 stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop
@@ -192,7 +192,7 @@ class MistralToolParser(HeldTextToolParser):
                 state.mode = V11_ARGS
                 sink.name(state.calls, name)
             else:  # V11_ARGS
-                scan = state.scan
+                scan = cast(JsonScan, state.scan)  # the state's __post_init__ requires it in this mode
                 if not scan.started:
                     pos = skip_whitespace(buf, pos)
                     if pos >= n:

@@ -55,7 +55,7 @@ _OCTAL = frozenset("01234567")
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
-def _decode_escape(m: re.Match) -> str:
+def _decode_escape(m: re.Match[str]) -> str:
     esc = m.group(1)
     head = esc[0]
     if head in _SIMPLE_ESCAPES and len(esc) == 1:
@@ -248,7 +248,7 @@ class PythonicToolParser(HeldTextToolParser):
                         self._start_buffered(state)
                         continue
                     sink.arguments(index, self._key(state) + '"')
-                    state.quote = c
+                    state.quote = c  # type: ignore[assignment]  # c is a quote here
                     pos += 1
                     state.mode = STR_VALUE
                 else:
@@ -327,13 +327,13 @@ class PythonicToolParser(HeldTextToolParser):
                     if state.in_quote and not buf.startswith(run, i):
                         i += 1  # a lone quote inside a triple-quoted string
                         continue
-                    state.in_quote = "" if state.in_quote else run
+                    state.in_quote = "" if state.in_quote else run  # type: ignore[assignment]  # a triple quote
                     i += 3
                     continue
                 if state.in_quote == c:
                     state.in_quote = ""
                 elif not state.in_quote:
-                    state.in_quote = c
+                    state.in_quote = c  # type: ignore[assignment]  # c is a quote here
             elif c == "\\":
                 if state.in_quote:
                     state.escape = True

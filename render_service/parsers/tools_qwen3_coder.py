@@ -79,7 +79,7 @@ class Qwen3CoderState(msgspec.Struct):
     value_started: bool = False
 
 
-def _schema_type(parameters: dict | None, param: str) -> tuple[str | None, bool]:
+def _schema_type(parameters: dict[str, Any] | None, param: str) -> tuple[str | None, bool]:
     """(declared type, nullable) of ``param``; (None, False) when the schema does not declare it."""
     if not isinstance(parameters, dict):
         return None, False

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def history_key(request_id: str, choice_index: int, binding: bytes, token_ids: list[int]) -> tuple:
+def history_key(request_id: str, choice_index: int, binding: bytes, token_ids: list[int]) -> tuple[Any, ...]:
     """Key of the state after ``token_ids``: hashing a C array of the ids keeps this cheap."""
     try:
         raw = array("q", token_ids).tobytes()
@@ -38,7 +38,7 @@ class StreamingCache:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[tuple, tuple[float, Any]] = OrderedDict()
+        self._entries: OrderedDict[tuple[Any, ...], tuple[float, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -47,7 +47,7 @@ class StreamingCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, key: tuple) -> Any | None:
+    def take(self, key: tuple[Any, ...]) -> Any | None:
         """Check an entry out (it leaves the cache); None on a miss or when it expired."""
         now = self._clock()
         with self._lock:
@@ -58,7 +58,7 @@ class StreamingCache:
             self.hits += 1
             return item[1]
 
-    def put(self, key: tuple, value: Any) -> None:
+    def put(self, key: tuple[Any, ...], value: Any) -> None:
         now = self._clock()
         with self._lock:
             self._entries[key] = (now, value)
@@ -68,7 +68,7 @@ class StreamingCache:
                 self._entries.popitem(last=False)
                 self.evictions += 1
 
-    def discard(self, key: tuple) -> None:
+    def discard(self, key: tuple[Any, ...]) -> None:
         with self._lock:
             self._entries.pop(key, None)
 

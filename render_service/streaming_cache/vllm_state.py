@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from render_service.errors import bad_request
-from render_service.parsers.detokenizer import _bytes_to_unicode, byte_level_token_bytes
+from render_service.parsers.detokenizer import _bytes_to_unicode, pending_bytes_from_token_strings
 from render_service.parsers.pipeline import Pipeline, PipelineState
 
 # vLLM's bound on its detokenizer window in stream_state.
@@ -90,7 +90,7 @@ def adopt_plain(pipeline: Pipeline, st: VllmStreamState, prompt_ids: list[int] |
     state = pipeline.initial_state(prompt_ids if not st.prev_tokens and not st.role_sent else None)
     if st.prev_tokens or st.role_sent:
         if pipeline.detok.is_byte_level:
-            state.detok.pending = b"".join(byte_level_token_bytes(t) for t in st.prev_tokens[st.read_offset:])
+            state.detok.pending = pending_bytes_from_token_strings(st.prev_tokens[st.read_offset:])
         else:
             state.detok.window = list(st.prev_tokens)
             state.detok.prefix_offset = st.prefix_offset
