@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -28,6 +28,9 @@ from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredT
 from render_service.parsers.reasoning import reasoning_open_at_prompt_end
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 
+# How the request's tool_choice reaches the pipeline (derender.pipeline_config resolves it).
+ToolChoiceMode = Literal["none", "auto", "required", "named"]
+
 
 class PipelineConfig(msgspec.Struct, frozen=True):
     """Everything a pipeline needs that is not token IDs; derived from the chat request each call."""
@@ -37,8 +40,7 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     reasoning_parser: str | None = None
     tool_parser: str | None = None
     tools: list[ToolSpec] = []
-    # "none" | "auto" | "required" | "named" (then named_function holds the forced name)
-    tool_choice: str = "none"
+    tool_choice: ToolChoiceMode = "none"  # "named": named_function holds the forced name
     named_function: str | None = None
     enable_thinking: bool = True
     include_reasoning: bool = True
