@@ -5,7 +5,6 @@ restarted (same engine id and side-channel port) to check both failure policies 
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 import torch

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 
 from token_engine.kv_cache import BlockManager
 from token_engine.kv_connector.base import (
-    KV_LOAD_FAILED, KV_PARAMS_REFUSED, ConnectorEvents, KVConnector, NoOpKVConnector)
+    KV_LOAD_FAILED,
+    KV_PARAMS_REFUSED,
+    ConnectorEvents,
+    KVConnector,
+    NoOpKVConnector,
+)
 from token_engine.sequence import Sequence, SequenceStatus
 
 

@@ -294,8 +294,9 @@ async def generate(request: Request) -> Response:
         return error_response(f"Request id {request_id} already running.", 400, "request_id")
     state.active.add(request_id)
     gen = Generation(state, req, request_id, n)
+    caller = request.client.host if request.client else None
     state.engine.add_request(request_id, req.token_ids, options, n, req.priority, req.cache_salt,
-                             req.kv_transfer_params, gen.on_update, caller=request.client.host if request.client else None)
+                             req.kv_transfer_params, gen.on_update, caller=caller)
     if req.stream:
         return GenerationStream(gen)
 

@@ -29,13 +29,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from token_engine.kv_connector.descriptors import PoolLayout
 from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notification, parse_notification
 from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport
 from token_engine.kv_connector.peers import AllowedPeers
-from token_engine.kv_connector.descriptors import PoolLayout
 from token_engine.kv_connector.side_channel import (
-    AgentPublication, PeerLink, SideChannelError, SideChannelServer, open_link)
+    AgentPublication,
+    PeerLink,
+    SideChannelError,
+    SideChannelServer,
+    open_link,
+)
 
 log = logging.getLogger("token_engine.kv_transfer")
 CONSUMED_MEMORY = 8192

@@ -34,9 +34,9 @@ class AllowedPeers:
                 continue
             try:
                 self.networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
+            except ValueError as e:
                 if not _HOSTNAME.fullmatch(entry) or len(entry) > 253:
-                    raise ValueError(f"kv allowed peer {entry!r} is neither a CIDR, an address nor a host name")
+                    raise ValueError(f"kv allowed peer {entry!r} is neither a CIDR, an address nor a host name") from e
                 self.hostnames.add(entry.lower().rstrip("."))
         if not self.networks and not self.hostnames:
             raise ValueError("the KV peer allowlist is empty")
@@ -70,7 +70,7 @@ class AllowedPeers:
         except (OSError, UnicodeError) as e:
             raise OSError(f"cannot resolve {host!r}: {e}") from e
         for family, _, _, _, sockaddr in infos:
-            if listed or self.address_allowed(sockaddr[0]):
+            if listed or self.address_allowed(str(sockaddr[0])):
                 return family, sockaddr
         raise PeerNotAllowed("remote_host is not an allowed KV peer")
 

@@ -454,14 +454,16 @@ class SideChannelServer:
     def _handshake(self, conn: socket.socket, deadline: float) -> None:
         """Server half of the HMAC challenge-response; raises (and the connection is dropped) on anything
         but a correct client proof, before any other frame is read."""
+        secret = self._secret
+        assert secret is not None  # only called when a secret is configured
         hello = _req_decoder.decode(self._recv_by(conn, deadline))
         if hello.op != "auth" or not hello.nonce:
             raise SideChannelError("unauthenticated side-channel client")
         theirs = _unhex_nonce(hello.nonce)
         mine = secrets.token_bytes(NONCE_BYTES)
-        _send_frame(conn, _encoder.encode(AuthAnswer(mine.hex(), _proof(self._secret, _SERVER_LABEL, theirs, mine))))
+        _send_frame(conn, _encoder.encode(AuthAnswer(mine.hex(), _proof(secret, _SERVER_LABEL, theirs, mine))))
         answer = _req_decoder.decode(self._recv_by(conn, deadline))
-        if answer.op != "auth" or not hmac.compare_digest(answer.proof, _proof(self._secret, _CLIENT_LABEL, mine, theirs)):
+        if answer.op != "auth" or not hmac.compare_digest(answer.proof, _proof(secret, _CLIENT_LABEL, mine, theirs)):
             raise SideChannelError("side-channel client failed authentication")
 
     @staticmethod
