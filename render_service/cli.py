@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from render_service.ops.cli_args import json_object_arg
+from splitserve_common.cli_args import json_object_arg
 
 logger = logging.getLogger("render_service.cli")
 
@@ -114,16 +114,19 @@ def build_gateway(args: argparse.Namespace) -> Any:
 
 
 def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
-    """uvicorn that drains on SIGTERM (see render_service.ops.lifecycle); one Lifecycle per process."""
+    """uvicorn that drains on SIGTERM (see splitserve_common.lifecycle); one Lifecycle per process."""
     import uvicorn
 
-    from render_service.ops.lifecycle import DrainingServer, Lifecycle, wrap_app
-    from render_service.ops.openapi import render_openapi
+    from render_service.gateway.latency import GatewayLatency
+    from render_service.openapi import render_openapi
     from render_service.server import version
+    from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
 
     lifecycle = Lifecycle(args.shutdown_grace_seconds)
-    openapi = render_openapi(version(), gateway=bool(args.engine or args.prefill or args.decode))
-    app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi)
+    gateway = bool(args.engine or args.prefill or args.decode)
+    openapi = render_openapi(version(), gateway=gateway)
+    app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi,
+                   timing=GatewayLatency() if gateway else None)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, log_config=None,
         loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=2,
@@ -142,7 +145,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from render_service.ops.logs import configure_logging
+    from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     if args.workers < 1:

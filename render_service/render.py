@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from render_service.errors import ApiError, bad_request, model_not_found
-from render_service.ops.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
+from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

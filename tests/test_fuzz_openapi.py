@@ -1,7 +1,7 @@
 """schemathesis against each server's OpenAPI document (render service, gateway, engine), on real loopback
 servers: no response >= 500, every status, content type and JSON body as the document declares.
 
-The documents come from render_service.ops.openapi (generated from the msgspec wire structs), the same
+The documents come from render_service.openapi and token_engine.openapi (generated from the msgspec wire structs), the same
 ones the servers publish at /openapi.json. A bounded profile: a few examples per operation.
 """
 
@@ -22,8 +22,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from render_service.ops.lifecycle import Lifecycle, wrap_app
-from render_service.ops.openapi import engine_openapi, render_openapi
+from render_service.openapi import render_openapi
+from splitserve_common.lifecycle import Lifecycle, wrap_app
+from token_engine.openapi import engine_openapi
 from render_service.gateway.flow import Gateway
 from render_service.render import load_render_config
 from render_service.server import create_app

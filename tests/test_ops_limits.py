@@ -11,7 +11,7 @@ import pytest
 
 import render_service.server
 import token_engine.server
-from render_service.ops import limits
+from splitserve_common import limits
 from tests.engine_harness import ServerThread, engine_config, write_tiny_qwen3
 from tests.render_harness import RenderServer, qwen3_config
 

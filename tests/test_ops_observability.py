@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from render_service.ops.logs import JsonFormatter, TextFormatter, request_id_var
+from splitserve_common.logs import JsonFormatter, TextFormatter, request_id_var
 from tests.gateway_harness import LOOP_START, write_scripted_qwen3
 from tests.ops_harness import start_engine, start_gateway, wait_idle
 

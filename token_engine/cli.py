@@ -6,7 +6,7 @@ import argparse
 import socket
 import sys
 
-from render_service.ops.cli_args import json_object_arg
+from splitserve_common.cli_args import json_object_arg
 from token_engine.engine import EngineConfig
 
 
@@ -113,9 +113,9 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
           shutdown_grace_seconds: float = 30.0) -> None:
     import uvicorn
 
-    from render_service.ops.lifecycle import DrainingServer, Lifecycle, wrap_app
-    from render_service.ops.openapi import engine_openapi
+    from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
     from token_engine.engine import AsyncEngine, LLMEngine
+    from token_engine.openapi import engine_openapi
     from token_engine.server import VERSION, build_app
 
     engine = AsyncEngine(LLMEngine(config))
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                   tokenizer_dir=args.tokenizer, seed=args.seed, dtype=args.dtype)
         print(path)
         return 0
-    from render_service.ops.logs import configure_logging
+    from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     try:

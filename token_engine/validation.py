@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from msgspec import UNSET
 
-from render_service.ops.limits import kv_transfer_params_violation
+from splitserve_common.limits import kv_transfer_params_violation
 from token_engine.protocol import GenerateRequest
 from token_engine.sequence import SamplingOptions
 from token_engine.structured import GrammarError, parse_structured_outputs

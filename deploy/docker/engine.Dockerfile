@@ -5,6 +5,7 @@
 FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY splitserve_common splitserve_common
 COPY render_service render_service
 COPY token_engine token_engine
 COPY bench bench

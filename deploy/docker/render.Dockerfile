@@ -3,6 +3,7 @@
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY splitserve_common splitserve_common
 COPY render_service render_service
 COPY token_engine token_engine
 COPY bench bench

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 from prometheus_client import Counter
 
 from render_service.errors import bad_request
-from render_service.ops.limits import kv_transfer_params_violation
+from splitserve_common.limits import kv_transfer_params_violation
 
 logger = logging.getLogger("render_service.gateway.conversations")
 

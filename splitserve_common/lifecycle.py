@@ -18,12 +18,11 @@ import re
 import signal
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import uvicorn
 
-from render_service.ops.http_metrics import GATEWAY_ENDPOINTS, gateway_histograms
-from render_service.ops.logs import request_id_var
+from splitserve_common.logs import request_id_var
 
 logger = logging.getLogger("splitserve.ops")
 access_logger = logging.getLogger("splitserve.access")
@@ -34,6 +33,18 @@ UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 DRAINING_BODY = (b'{"error":{"message":"The server is shutting down; retry on another replica",'
                  b'"type":"ServiceUnavailableError","param":null,"code":503}}')
+
+
+class RequestTiming(Protocol):
+    """Latency observer for chosen paths (the gateway's histograms): ``endpoint`` names the path's label, or
+    None when the path is not timed; the middleware then reports the first byte of a successful stream and
+    the end of a successful response."""
+
+    def endpoint(self, path: str) -> str | None: ...
+
+    def stream_started(self, endpoint: str, seconds: float) -> None: ...
+
+    def finished(self, endpoint: str, seconds: float) -> None: ...
 
 
 class Lifecycle:
@@ -74,11 +85,12 @@ def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 class OpsMiddleware:
     def __init__(self, app: Any, lifecycle: Lifecycle, *, access_log: bool = True,
-                 openapi: bytes | None = None) -> None:
+                 openapi: bytes | None = None, timing: RequestTiming | None = None) -> None:
         self.app = app
         self.lifecycle = lifecycle
         self.access_log = access_log
-        self.openapi = openapi  # served at GET /openapi.json (see render_service.ops.openapi)
+        self.openapi = openapi  # served at GET /openapi.json (see splitserve_common.openapi)
+        self.timing = timing
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -90,7 +102,8 @@ class OpsMiddleware:
         echoed = request_id.encode()
         status = 0
         counted = path not in UNCOUNTED_PATHS
-        gateway_endpoint = GATEWAY_ENDPOINTS.get(path)
+        timing = self.timing
+        timed = timing.endpoint(path) if timing is not None else None
         streaming = False
         started = time.perf_counter()
 
@@ -100,8 +113,8 @@ class OpsMiddleware:
                 status = message["status"]
                 streaming = any(k == b"content-type" and v.startswith(b"text/event-stream")
                                 for k, v in message.get("headers", []))
-                if gateway_endpoint and streaming and status == 200:
-                    gateway_histograms()[0].labels(gateway_endpoint).observe(time.perf_counter() - started)
+                if timing is not None and timed and streaming and status == 200:
+                    timing.stream_started(timed, time.perf_counter() - started)
                 headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
                 message = {**message, "headers": headers + [(b"x-request-id", echoed)]}
             await send(message)
@@ -120,8 +133,8 @@ class OpsMiddleware:
             finally:
                 if counted:
                     self.lifecycle.in_flight -= 1
-            if gateway_endpoint and status == 200:
-                gateway_histograms()[1].labels(gateway_endpoint).observe(time.perf_counter() - started)
+            if timing is not None and timed and status == 200:
+                timing.finished(timed, time.perf_counter() - started)
         finally:
             if self.access_log:
                 level = logging.INFO if counted else logging.DEBUG
@@ -171,6 +184,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def wrap_app(app: Any, lifecycle: Lifecycle, *, access_log: bool = True,
-             openapi: dict | None = None) -> OpsMiddleware:
+             openapi: dict | None = None, timing: RequestTiming | None = None) -> OpsMiddleware:
     body = json.dumps(openapi).encode() if openapi is not None else None
-    return OpsMiddleware(app, lifecycle, access_log=access_log, openapi=body)
+    return OpsMiddleware(app, lifecycle, access_log=access_log, openapi=body, timing=timing)

@@ -1,0 +1,50 @@
+"""The render tier's and the gateway's OpenAPI operations, from the msgspec structs at their wire boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve_common.openapi import Operation, build_openapi
+
+
+def render_operations() -> list[Operation]:
+    from render_service import protocol as p
+
+    return [
+        Operation("/v1/chat/completions/render", "post", "Chat request to engine-ready token IDs",
+                  (p.ChatCompletionRequest,), p.GenerateRequest),
+        Operation("/v1/completions/render", "post", "Completion request to engine-ready token IDs",
+                  (p.CompletionRequest,), list[p.GenerateRequest]),
+        Operation("/v1/chat/completions/derender", "post", "Engine output to a chat completion (batch or one chunk)",
+                  (p.DerenderChatRequest, p.DerenderChatStreamRequest),
+                  (p.ChatCompletionResponse, p.DerenderChatStreamResponse)),
+        Operation("/v1/completions/derender", "post", "Engine output to a completion (batch or one chunk)",
+                  (p.DerenderCompletionRequest, p.DerenderCompletionStreamRequest),
+                  (p.CompletionResponse, p.DerenderCompletionStreamResponse)),
+        Operation("/tokenize", "post", "Tokenize a prompt or a conversation", (p.TokenizeRequest,), p.TokenizeResponse),
+        Operation("/detokenize", "post", "Token IDs to text", (p.DetokenizeRequest,), p.DetokenizeResponse),
+        Operation("/v1/models", "get", "Served model names", response=p.ModelList),
+        Operation("/health", "get", "Readiness: 200 when serving, 503 while draining"),
+        Operation("/version", "get", "Version and render fingerprint", response=dict[str, str]),
+        Operation("/metrics", "get", "Prometheus metrics", text=True),
+    ]
+
+
+def gateway_operations() -> list[Operation]:
+    from render_service import protocol as p
+
+    return render_operations() + [
+        Operation("/v1/chat/completions", "post", "OpenAI chat completions over the engine pools",
+                  (p.ChatCompletionRequest,), p.ChatCompletionResponse, stream=p.ChatCompletionStreamResponse),
+        Operation("/v1/completions", "post", "OpenAI completions over the engine pools",
+                  (p.CompletionRequest,), p.CompletionResponse, stream=p.CompletionStreamResponse),
+        Operation("/gateway/status", "get", "Engine pools, replicas and counters", response=dict[str, Any]),
+    ]
+
+
+def render_openapi(version: str, gateway: bool) -> dict[str, Any]:
+    from render_service.protocol import ErrorResponse
+
+    if gateway:
+        return build_openapi("splitserve gateway", version, gateway_operations(), ErrorResponse)
+    return build_openapi("splitserve render service", version, render_operations(), ErrorResponse)
