@@ -18,7 +18,7 @@ install: $(BIN)/python
 	$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 xgrammar==0.2.9
 
 demo: install
-	$(BIN)/python -m render_service.demo
+	$(BIN)/python -m splitserve_demo
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider

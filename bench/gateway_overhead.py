@@ -74,7 +74,7 @@ def tokenizer_dir(builtin: bool = False) -> tuple[Path, str]:
             return path, str(path)
     from render_service.default_bundle import default_bundle_dir
 
-    return default_bundle_dir(with_weights=False), "built-in default bundle (Qwen3 tokenizer, our template)"
+    return default_bundle_dir(), "built-in default bundle (Qwen3 tokenizer, our template)"
 
 
 def free_port() -> int:

@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.model is None:
         from render_service.default_bundle import default_bundle_dir
+        from token_engine.bundle_weights import with_random_weights
 
-        args.model = str(default_bundle_dir(with_weights=True))
+        args.model = str(with_random_weights(default_bundle_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="soak-logs-"))
     servers: list[Proc] = []
     try:

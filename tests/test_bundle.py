@@ -15,7 +15,7 @@ import pytest
 
 from render_service.bundle import BundleError, derive_max_model_len, load_bundle
 from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildError, default_bundle_dir
-from render_service.tokenizer import byte_level_bpe_spec
+from render_service.byte_level import byte_level_bpe_spec
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_DIR = QWEN3_FIXTURE_DIR
@@ -113,11 +113,13 @@ def test_cli_prints_the_path(built, cache):
     assert out.strip() == str(built), err
 
 
-def test_weights_variant_has_tensors_matching_the_config(built):
+def test_engine_cli_adds_weights_matching_the_config(built, cache):
     pytest.importorskip("torch")
     from safetensors import safe_open
 
-    path = default_bundle_dir(with_weights=True)
+    env = {**os.environ, "SPLITSERVE_CACHE": str(cache)}
+    path = Path(subprocess.run([sys.executable, "-m", "token_engine.cli", "with-random-weights", str(built)], cwd=REPO,
+                               env=env, check=True, capture_output=True, text=True).stdout.strip())
     assert path != built
     assert json.loads((path / "config.json").read_text()) == json.loads((built / "config.json").read_text())
     assert (path / "tokenizer.json").read_bytes() == (built / "tokenizer.json").read_bytes()

@@ -237,13 +237,13 @@ def test_logprobs_repair_a_character_split_across_chunks_with_the_carried_contex
     carries the character (the sampled ids of earlier chunks travel in stream_state)."""
     import msgspec
 
+    from render_service.byte_level import BYTE_TO_CHAR
     from render_service.derender_stream import StreamRuntime, derender_completion_stream
-    from render_service.parsers.detokenizer import _bytes_to_unicode
     from render_service.protocol import DerenderCompletionStreamRequest
     from render_service.render import load_render_config
 
     cfg = load_render_config(QWEN, served_model_names=["m"])
-    table = _bytes_to_unicode()
+    table = BYTE_TO_CHAR
     ids = cfg.tokenizer.encode("a") + [cfg.tokenizer.token_to_id(table[b]) for b in "😀".encode()]
     rt, state, tokens, offsets, texts = StreamRuntime(), None, [], [], []
     for t in ids:

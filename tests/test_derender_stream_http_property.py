@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from render_service.parsers.detokenizer import _bytes_to_unicode
+from render_service.byte_level import BYTE_TO_CHAR
 from tests.derender_http import (
     CHAT,
     EOS,
@@ -50,7 +50,7 @@ COMBINATIONS = {
 def spelled(text: str, rng: random.Random) -> list[int]:
     """Token ids for ``text``: random pieces, each tokenized normally or spelled with single-byte tokens."""
     tok = qwen3_bundle().tokenizer
-    table = _bytes_to_unicode()
+    table = BYTE_TO_CHAR
     ids, i = [], 0
     while i < len(text):
         j = rng.randint(i + 1, min(len(text), i + 10))

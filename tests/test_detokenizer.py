@@ -152,9 +152,9 @@ def test_out_of_vocab_id_yields_no_text():
 
 
 def _byte_token(b: int) -> str:
-    from render_service.parsers.detokenizer import _bytes_to_unicode
+    from render_service.byte_level import BYTE_TO_CHAR
 
-    return _bytes_to_unicode()[b]
+    return BYTE_TO_CHAR[b]
 
 
 @lru_cache(maxsize=1)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from render_service.bundle import load_bundle
 from render_service.parsers.base import ToolSpec
-from render_service.parsers.detokenizer import _bytes_to_unicode
+from render_service.byte_level import BYTE_TO_CHAR
 from render_service.parsers.pipeline import (
     MessageAccumulator,
     Pipeline,
@@ -39,7 +39,7 @@ def qwen():
 def byte_ids(text: str) -> list[int]:
     """``text`` spelled with single-byte tokens: tags and emoji split across tokens."""
     tok = qwen()
-    table = _bytes_to_unicode()
+    table = BYTE_TO_CHAR
     return [tok.token_to_id(table[b]) for b in text.encode()]
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from render_service.bundle import load_bundle
 from render_service.parsers.base import ToolSpec
-from render_service.parsers.detokenizer import _bytes_to_unicode
+from render_service.byte_level import BYTE_TO_CHAR
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, PipelineConfig, derender_all
 from tests.shared_paths import SHARED as SHARED_DIR
 
@@ -106,7 +106,7 @@ def test_vector_stream_fold_equals_batch(name):
     pipeline = pipeline_for(name)
     tok = qwen()
     batch, _ = derender_all(pipeline, tok.encode(text))
-    byte_table = _bytes_to_unicode()
+    byte_table = BYTE_TO_CHAR
 
     @settings(max_examples=15, deadline=None)
     @given(st.data())

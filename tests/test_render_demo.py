@@ -10,7 +10,7 @@ from tests.render_harness import QWEN3_DIR
 
 
 def _run_demo(*args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "render_service.demo", *args],
+    result = subprocess.run([sys.executable, "-m", "splitserve_demo", *args],
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.rstrip().endswith("all servers stopped.")

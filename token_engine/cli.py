@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--overrides", type=json_object_arg, default=None, help="config.json keys to override, as JSON")
+
+    w = sub.add_parser("with-random-weights",
+                       help="print a cached copy of a weightless bundle (tokenizer + config) with random weights")
+    w.add_argument("bundle", help="model directory with config.json (e.g. the render tier's default bundle)")
+    w.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -145,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         path = write_random_model(args.out, arch=args.arch, preset=args.preset, overrides=args.overrides,
                                   tokenizer_dir=args.tokenizer, seed=args.seed, dtype=args.dtype)
         print(path)
+        return 0
+    if args.command == "with-random-weights":
+        from token_engine.bundle_weights import with_random_weights
+
+        print(with_random_weights(args.bundle, seed=args.seed))
         return 0
     from splitserve_common.logs import configure_logging
 

@@ -13,7 +13,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 
-# Kept apart from render_service/protocol.py on purpose: each tier deploys alone (engine decodes any tier's).
+# Kept apart from the render tier's protocol on purpose: each tier deploys alone (engine decodes any tier's).
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False

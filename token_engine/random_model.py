@@ -238,13 +238,7 @@ def write_random_model(out_dir, arch: str = "qwen3", preset: str = "tiny", overr
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config, generation = random_model_config(arch, preset, overrides, dtype)
-    torch_dtype = parse_dtype(dtype)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: random_tensor(name, shape, generator).to(torch_dtype).contiguous()
-        for name, shape in checkpoint_shapes(config).items()
-    }
-    _save_tensors(out, tensors, max_shard_bytes)
+    write_random_weights(out, config, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer_dir is not None:
@@ -252,6 +246,18 @@ def write_random_model(out_dir, arch: str = "qwen3", preset: str = "tiny", overr
             if path.is_file() and path.name not in _NOT_TOKENIZER_FILES and not path.name.endswith(".safetensors"):
                 shutil.copyfile(path, out / path.name)
     return out
+
+
+def write_random_weights(out: Path, config: dict, seed: int = 0, dtype: str = "bfloat16",
+                         max_shard_bytes: int | None = None) -> None:
+    """Random safetensors for the tensors ``config`` describes (config.json itself is left alone)."""
+    torch_dtype = parse_dtype(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: random_tensor(name, shape, generator).to(torch_dtype).contiguous()
+        for name, shape in checkpoint_shapes(config).items()
+    }
+    _save_tensors(out, tensors, max_shard_bytes)
 
 
 def _save_tensors(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:

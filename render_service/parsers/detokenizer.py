@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 
+from render_service.byte_level import byte_level_token_bytes
+
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: the prompt tail that seeds the window.
 PROMPT_SEED_TOKENS = 5
 REPLACEMENT = "\ufffd"
@@ -40,34 +42,6 @@ class DetokenizerState(msgspec.Struct, omit_defaults=True):
     window: list[str] = []
     prefix_offset: int = 0
     read_offset: int = 0
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte <-> printable-character map used by ByteLevel tokenizers."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
-
-
-def byte_level_token_bytes(token: str) -> bytes:
-    """What the ByteLevel decoder turns one token string into (unmapped characters pass as UTF-8)."""
-    out = bytearray()
-    for ch in token:
-        b = _CHAR_TO_BYTE.get(ch)
-        if b is None:
-            out += ch.encode("utf-8")
-        else:
-            out.append(b)
-    return bytes(out)
 
 
 class _TokenTables:

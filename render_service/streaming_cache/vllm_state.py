@@ -13,14 +13,14 @@ from typing import Any
 import msgspec
 
 from render_service.errors import bad_request
-from render_service.parsers.detokenizer import _bytes_to_unicode, pending_bytes_from_token_strings
+from render_service.byte_level import BYTE_TO_CHAR
+from render_service.parsers.detokenizer import pending_bytes_from_token_strings
 from render_service.parsers.pipeline import Pipeline, PipelineState
 
 # vLLM's bound on its detokenizer window in stream_state.
 MAX_PREV_TOKENS = 1024
 MAX_PREV_TOKEN_CHARS = 256
 MAX_TOOL_CALL_IDS = 4096
-_BYTE_TO_CHAR = _bytes_to_unicode()
 
 
 class VllmStreamState(msgspec.Struct):
@@ -103,6 +103,6 @@ def plain_window(pipeline: Pipeline, state: PipelineState) -> dict[str, Any]:
     """Our detokenizer state as vLLM's plain-path window fields."""
     d = state.detok
     if pipeline.detok.is_byte_level:
-        pending = "".join(_BYTE_TO_CHAR[b] for b in d.pending)
+        pending = "".join(BYTE_TO_CHAR[b] for b in d.pending)
         return {"prev_tokens": [pending] if pending else [], "prefix_offset": 0, "read_offset": 0}
     return {"prev_tokens": list(d.window), "prefix_offset": d.prefix_offset, "read_offset": d.read_offset}

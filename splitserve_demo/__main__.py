@@ -1,7 +1,7 @@
 """``make demo``: start the whole stack on the built-in default model and send it requests.
 
-1. Builds (once, then cached) the default bundle with random weights: Qwen3's real tokenizer, our chat
-   template, a tiny Qwen3-architecture model.
+1. Builds (once, then cached) the render tier's default bundle (Qwen3's real tokenizer, our chat template,
+   a tiny Qwen3-architecture config), then asks the engine's CLI for a copy with random weights.
 2. Starts a tokens-only engine (``token-engine serve``) and the render tier with the gateway attached
    (``render-service serve --engine URL``), each a subprocess on a free loopback port.
 3. Shows each hop on its own: /render (chat -> token IDs), /derender (a reply's token IDs -> a chat message
@@ -125,10 +125,11 @@ def show_gateway(client: httpx.Client, model: str) -> None:
 
 def run(model_dir: str | None, timeout_s: float) -> None:
     if model_dir is None:
-        from render_service.default_bundle import default_bundle_dir
-
         print("preparing the built-in default model (built once, then cached) ...", flush=True)
-        model_dir = str(default_bundle_dir(with_weights=True))
+        bundle = subprocess.run([sys.executable, "-m", "render_service.default_bundle", "--print-path"],
+                                check=True, capture_output=True, text=True).stdout.strip()
+        model_dir = subprocess.run([sys.executable, "-m", "token_engine.cli", "with-random-weights", bundle],
+                                   check=True, capture_output=True, text=True).stdout.strip()
     has_weights = any(Path(model_dir).glob("*.safetensors"))
     engine_port, gateway_port = free_port(), free_port()
     procs: list[subprocess.Popen] = []
