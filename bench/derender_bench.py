@@ -254,7 +254,7 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     from render_service.derender_stream import StreamRuntime, derender_chat_stream
     from render_service.derender import pipeline_config
     from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
-    from render_service.render import load_render_config
+    from render_service.render_config import load_render_config
 
     config = load_render_config(str(QWEN), served_model_names=[MODEL], reasoning_parser="qwen3",
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)

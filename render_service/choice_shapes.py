@@ -23,7 +23,7 @@ from render_service.protocol import (
     FunctionCall,
     ToolCall,
 )
-from render_service.render import RenderConfig, reasoning_keys
+from render_service.render_config import RenderConfig, reasoning_keys
 
 
 def completion_pipeline_config(config: RenderConfig, creq: CompletionRequest | None, *, request_id: str,

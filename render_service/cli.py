@@ -160,7 +160,7 @@ def serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         started = time.perf_counter()
-        from render_service.render import load_render_config
+        from render_service.render_config import load_render_config
         from render_service.server import create_app
 
         model_dir, default_name = resolve_model_dir(args.model)

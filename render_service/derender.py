@@ -29,7 +29,8 @@ from render_service.protocol import (
     GenerateResponse,
     UsageInfo,
 )
-from render_service.render import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
+from render_service.render_config import MAX_N, RenderConfig, check_model, reasoning_keys, resolve_chat_template_kwargs
+from render_service.tool_choice import parse_tool_choice
 
 PARSER_NEEDS_CHAT_REQUEST = (
     "chat_request is required when a tool or reasoning parser is configured because plain detokenization "
@@ -132,23 +133,6 @@ def _check_prompt_ids(ids: list[int] | None, config: RenderConfig) -> None:
 # ------------------------------------------------------------------------------------ pipeline seam
 
 
-def _tool_choice(chat_request: ChatCompletionRequest) -> tuple[str, str | None]:
-    """("none" | "auto" | "required" | "named", the named function); 400 for a malformed choice."""
-    choice = chat_request.tool_choice
-    if choice is None:
-        return ("auto" if chat_request.tools else "none"), None
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise bad_request(f"Invalid tool_choice {choice!r}", "tool_choice")
-        return choice, None
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str):
-        raise bad_request("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}",
-                          "tool_choice")
-    return "named", name
-
-
 def _tool_specs(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
     specs = []
     for tool in tools or []:
@@ -183,7 +167,7 @@ def pipeline_config(
             hidden_token_ids=eos,
         )
     kwargs = resolve_chat_template_kwargs(chat_request, config)
-    tool_choice, named = _tool_choice(chat_request)
+    tool_choice, named = parse_tool_choice(chat_request)
     if tool_choice == "auto" and not config.enable_auto_tool_choice:
         tool_choice = "none"
     return PipelineConfig(

@@ -38,7 +38,7 @@ from render_service.protocol import (
     GenerateStreamResponse,
     UsageInfo,
 )
-from render_service.render import RenderConfig, check_model
+from render_service.render_config import RenderConfig, check_model
 from render_service.streaming_cache.session import (
     LOGPROB_CONTEXT,
     Session,

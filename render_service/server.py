@@ -43,14 +43,8 @@ from render_service.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from render_service.render import (
-    RenderConfig,
-    add_special_tokens,
-    check_model,
-    render_chat,
-    render_chat_prompt,
-    render_completion,
-)
+from render_service.render_config import RenderConfig, check_model
+from render_service.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 
 logger = logging.getLogger("render_service.server")
 

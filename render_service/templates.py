@@ -39,14 +39,6 @@ class TemplateError(ValueError):
 # Names a message's reasoning may arrive under; templates read the first one.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
-# Arguments of HF's apply_chat_template that it consumes itself: a template never sees them.
-_HF_CALL_ARGUMENTS = frozenset({
-    "conversation", "chat_template", "tokenize", "sanitize_control_tokens", "padding", "truncation",
-    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
-# Arguments vLLM refuses to take from a request's chat_template_kwargs.
-_FORBIDDEN_REQUEST_KWARGS = ("chat_template", "tokenize")
-
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 # Text-only render tier: these content part types carry text; anything else is refused.
@@ -698,26 +690,6 @@ def convert_developer_role(messages: list[dict[str, Any]], template: ChatTemplat
     if not needs_merge:
         return converted
     return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
-
-
-def merge_template_kwargs(defaults: Mapping[str, Any] | None, request: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Server ``--default-chat-template-kwargs`` under the request's ``chat_template_kwargs``."""
-    return {**(defaults or {}), **(request or {})}
-
-
-def resolve_template_kwargs(template: ChatTemplate, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The kwargs that reach the template, as vLLM resolves them.
-
-    ``chat_template``/``tokenize`` from a request are refused; names the template never reads and
-    HF's own call arguments are dropped.
-    """
-    if not isinstance(kwargs, Mapping):
-        raise TemplateError("chat_template_kwargs must be an object")
-    forbidden = sorted(k for k in _FORBIDDEN_REQUEST_KWARGS if k in kwargs)
-    if forbidden:
-        raise TemplateError(f"Found unexpected chat template kwargs from request: {forbidden}")
-    accepted = template.variables
-    return {k: v for k, v in kwargs.items() if k in accepted and k not in _HF_CALL_ARGUMENTS}
 
 
 def assistant_token_mask(token_offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

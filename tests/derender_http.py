@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import httpx
 
-from render_service.render import RenderConfig, build_render_config
+from render_service.render_config import RenderConfig, build_render_config
 from tests.render_harness import RenderServer, qwen3_bundle
 
 MODEL = "qwen3-0.6b"

@@ -20,7 +20,7 @@ import httpx
 import uvicorn
 
 from render_service.bundle import load_bundle
-from render_service.render import RenderConfig, build_render_config
+from render_service.render_config import RenderConfig, build_render_config
 from render_service.server import create_app
 
 FIXTURES = FIXTURES_DIR

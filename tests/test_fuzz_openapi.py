@@ -26,7 +26,7 @@ from render_service.openapi import render_openapi
 from splitserve_common.lifecycle import Lifecycle, wrap_app
 from token_engine.openapi import engine_openapi
 from render_service.gateway.flow import Gateway
-from render_service.render import load_render_config
+from render_service.render_config import load_render_config
 from render_service.server import create_app
 from tests.engine_harness import engine_config
 from tests.gateway_harness import write_scripted_qwen3

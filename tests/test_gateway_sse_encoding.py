@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 
 from render_service.gateway.responses import ChatResponder, coalesce, sse
 from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
-from render_service.render import load_render_config, render_chat
+from render_service.render import render_chat
+from render_service.render_config import load_render_config
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 QWEN = QWEN3_FIXTURE_DIR

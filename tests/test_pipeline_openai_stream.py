@@ -14,7 +14,8 @@ from render_service.gateway.responses import ChatResponder
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
-from render_service.render import RenderConfig, load_render_config, render_chat
+from render_service.render import render_chat
+from render_service.render_config import RenderConfig, load_render_config
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 EOS = 151645

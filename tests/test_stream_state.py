@@ -15,7 +15,7 @@ from render_service.errors import ApiError
 from render_service.parsers.detokenizer import DetokenizerState
 from render_service.parsers.pipeline import PipelineState
 from render_service.protocol import DerenderChatStreamRequest
-from render_service.render import load_render_config
+from render_service.render_config import load_render_config
 from render_service.streaming_cache.codec import (
     MAX_STATE_CHARS,
     Envelope,

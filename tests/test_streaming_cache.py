@@ -12,7 +12,7 @@ import pytest
 
 from render_service.derender_stream import derender_chat_stream
 from render_service.protocol import DerenderChatStreamRequest
-from render_service.render import load_render_config
+from render_service.render_config import load_render_config
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from tests.shared_paths import SHARED as SHARED_DIR

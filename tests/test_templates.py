@@ -18,10 +18,8 @@ from render_service.templates import (
     convert_developer_role,
     default_template_source,
     detect_content_format,
-    merge_template_kwargs,
     prepare_messages,
     prepare_tools,
-    resolve_template_kwargs,
 )
 from tests.conversations import CONVERSATIONS, Conversation, by_name
 
@@ -361,22 +359,35 @@ def test_special_tokens_are_template_variables_and_kwargs_override_them(sides):
     assert template.render([{"role": "user", "content": ""}], eos_token="END").startswith("END|")
 
 
+def _own_template_config(sides, **flags):
+    from render_service.render_config import build_render_config
+
+    return build_render_config(sides["own"].bundle, served_model_names=["m"], **flags)
+
+
+def _rendered_text(config, **request) -> str:
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render import render_chat
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **request)
+    return config.tokenizer.decode(render_chat(req, config).token_ids, skip_special_tokens=False)
+
+
 def test_default_kwargs_merge_under_request_kwargs(sides):
-    template = sides["own"].template
-    messages = prepare_messages([{"role": "user", "content": "hi"}])
-    server_defaults = {"enable_thinking": False, "unused_flag": 1}
-    only_defaults = resolve_template_kwargs(template, merge_template_kwargs(server_defaults, None))
-    assert only_defaults == {"enable_thinking": False}
-    assert template.render(messages, add_generation_prompt=True, **only_defaults).endswith("<think>\n\n</think>\n\n")
-    request_wins = resolve_template_kwargs(template, merge_template_kwargs(server_defaults, {"enable_thinking": True}))
-    assert request_wins == {"enable_thinking": True}
-    assert template.render(messages, add_generation_prompt=True, **request_wins).endswith("<|im_start|>assistant\n")
+    # The rule production runs (render_config.resolve_chat_template_kwargs), through render_chat.
+    config = _own_template_config(sides, default_chat_template_kwargs={"enable_thinking": False, "unused_flag": 1})
+    assert _rendered_text(config).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    request_wins = _rendered_text(config, chat_template_kwargs={"enable_thinking": True})
+    assert request_wins.endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("key", ["tokenize", "chat_template"])
-def test_request_kwargs_that_vllm_refuses(sides, key):
-    with pytest.raises(TemplateError, match="unexpected chat template kwargs"):
-        resolve_template_kwargs(sides["own"].template, {key: True})
+@pytest.mark.parametrize("key", ["tokenize", "chat_template", "messages", "conversation"])
+def test_request_kwargs_that_are_refused(sides, key):
+    from render_service.errors import ApiError
+
+    with pytest.raises(ApiError, match=f"chat_template_kwargs may not set '{key}'") as raised:
+        _rendered_text(_own_template_config(sides), chat_template_kwargs={key: True})
+    assert raised.value.status == 400 and raised.value.param == "chat_template_kwargs"
 
 
 # ----------------------------------------------------------------------------- OpenAI messages -> template messages
@@ -522,7 +533,7 @@ def test_recorded_vllm_chat_renders_give_the_same_token_ids(sides, path):
     body = json.loads(path.read_text(encoding="utf-8"))["body"]
     expected = _recorded_response(path)["body"]
     side = sides["qwen3"]
-    kwargs = resolve_template_kwargs(side.template, body.get("chat_template_kwargs") or {})
+    kwargs = body.get("chat_template_kwargs") or {}
     text = side.template.render(prepare_messages(body["messages"]), tools=prepare_tools(body.get("tools")),
                                 add_generation_prompt=body.get("add_generation_prompt", True), **kwargs)
     assert side.bundle.tokenizer.encode(text) == expected["token_ids"]

@@ -39,7 +39,7 @@ from render_service.protocol import (
     GenerateStreamChoice,
     UsageInfo,
 )
-from render_service.render import RenderConfig
+from render_service.render_config import RenderConfig
 
 _encode = msgspec.json.Encoder().encode
 

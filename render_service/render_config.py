@@ -1,0 +1,190 @@
+"""The render configuration: everything render and derender need, built once per process from a model
+bundle and the server's flags (``load_render_config`` / ``build_render_config``), plus the per-request rules
+both read off it (the served model name, the chat template kwargs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from render_service.errors import bad_request, model_not_found
+from render_service.protocol import ChatCompletionRequest
+from render_service.templates import ChatTemplate
+
+# vLLM's VLLM_MAX_N_SEQUENCES default.
+MAX_N = 16384
+# generation_config.json keys vLLM takes as sampling defaults (max_new_tokens becomes max_tokens).
+GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+# --reasoning-field: the key(s) chat responses carry reasoning under (vLLM renamed it in 0.11).
+REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
+
+
+def reasoning_keys(field: str) -> tuple[str, ...]:
+    """The response key(s) reasoning text goes under for a --reasoning-field value."""
+    return ("reasoning", "reasoning_content") if field == "both" else (field,)
+
+
+@dataclass
+class RenderConfig:
+    """Everything render and derender need, built once per process."""
+
+    bundle: Any  # render_service.bundle.ModelBundle
+    served_model_names: list[str]
+    template: ChatTemplate | None
+    fingerprint: str
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    trust_request_chat_template: bool = False
+    max_model_len: int = 0
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    template_special_tokens: dict[str, str] = field(default_factory=dict)
+    reasoning_parser_cls: Any = None
+    # Output shape only (not in the fingerprint): the chat reasoning key(s), and vLLM's "token_id:N" logprobs.
+    reasoning_field: str = "reasoning"
+    return_tokens_as_token_ids: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.bundle.tokenizer
+
+    @property
+    def has_parsers(self) -> bool:
+        return bool(self.reasoning_parser or self.tool_call_parser)
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults vLLM reads from generation_config.json (``max_new_tokens`` -> ``max_tokens``)."""
+    out = {}
+    for key in GENERATION_CONFIG_KEYS:
+        value = generation_config.get(key)
+        if value is not None:
+            out["max_tokens" if key == "max_new_tokens" else key] = value
+    return out
+
+
+def template_special_tokens(bundle: Any) -> dict[str, str]:
+    """The named special tokens a template may read (``eos_token`` ...), from tokenizer_config.json."""
+    known = getattr(bundle, "template_special_tokens", None)
+    if known is not None:
+        return dict(known)
+    out = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = bundle.tokenizer_config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def check_model(model: str | None, config: RenderConfig) -> str:
+    """The served name to answer with; 404 when the request names a model we do not serve."""
+    if model is None or model == "":
+        return config.model_name
+    if model not in config.served_model_names:
+        raise model_not_found(model)
+    return model
+
+
+def resolve_chat_template_kwargs(req: ChatCompletionRequest, config: RenderConfig) -> dict[str, Any]:
+    """Server defaults (--default-chat-template-kwargs) under the request's own chat_template_kwargs."""
+    kwargs = dict(config.default_chat_template_kwargs)
+    if req.chat_template_kwargs:
+        kwargs.update(req.chat_template_kwargs)
+    for forbidden in ("chat_template", "tokenize", "messages", "conversation"):
+        if forbidden in kwargs:
+            raise bad_request(f"chat_template_kwargs may not set {forbidden!r}", "chat_template_kwargs")
+    return kwargs
+
+
+def load_render_config(model_dir: str, *, max_model_len: int | None = None, **settings: Any) -> RenderConfig:
+    """Load the bundle in ``model_dir`` and build the per-process configuration (ValueError on bad settings)."""
+    from render_service.bundle import load_bundle
+
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError("--max-model-len must be positive")
+    settings.setdefault("served_model_names", None)
+    return build_render_config(load_bundle(model_dir, max_model_len=max_model_len), **settings)
+
+
+def build_render_config(
+    bundle: Any,
+    *,
+    served_model_names: list[str] | None = None,
+    chat_template: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    trust_request_chat_template: bool = False,
+    reasoning_field: str = "reasoning",
+    return_tokens_as_token_ids: bool = False,
+) -> RenderConfig:
+    """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
+    from pathlib import Path
+
+    from render_service.fingerprint import config_fingerprint
+
+    source = bundle.chat_template
+    if chat_template is not None:
+        # vLLM's --chat-template: a file path, else the template text itself.
+        path = Path(chat_template)
+        source = path.read_text(encoding="utf-8") if len(chat_template) < 4096 and path.is_file() else chat_template
+    special = template_special_tokens(bundle)
+    template = ChatTemplate(source, special) if source else None
+    reasoning_cls = None
+    if reasoning_parser:
+        from render_service.parsers.registry import get_reasoning_parser
+
+        reasoning_cls = get_reasoning_parser(reasoning_parser)
+    if tool_call_parser:
+        from render_service.parsers.registry import get_tool_parser
+
+        get_tool_parser(tool_call_parser)  # unknown name -> error at startup, not per request
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if reasoning_field not in REASONING_FIELDS:
+        raise ValueError(f"--reasoning-field must be one of {', '.join(REASONING_FIELDS)}")
+    tokenizer_sha = getattr(bundle, "tokenizer_sha256", None) or _tokenizer_sha256(Path(bundle.path) / "tokenizer.json")
+    kwargs = dict(default_chat_template_kwargs or {})
+    fingerprint = config_fingerprint(
+        tokenizer_sha256=tokenizer_sha,
+        chat_template=source,
+        reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        default_chat_template_kwargs=kwargs,
+    )
+    names = list(served_model_names or []) or [str(bundle.path)]
+    return RenderConfig(
+        bundle=bundle,
+        served_model_names=names,
+        template=template,
+        fingerprint=fingerprint,
+        default_chat_template_kwargs=kwargs,
+        reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        trust_request_chat_template=trust_request_chat_template,
+        max_model_len=int(bundle.max_model_len),
+        generation_defaults=generation_defaults(bundle.generation_config),
+        template_special_tokens=special,
+        reasoning_parser_cls=reasoning_cls,
+        reasoning_field=reasoning_field,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+    )
+
+
+def _tokenizer_sha256(path: Any) -> str:
+    from render_service.fingerprint import file_sha256
+
+    return file_sha256(path)
