@@ -5,6 +5,7 @@ default bundle's builder."""
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 
 def _gpt2_byte_to_char() -> dict[int, str]:
@@ -104,7 +105,7 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def byte_level_bpe_spec(ranks: dict[bytes, int], split_regex: str, added_tokens: list[dict] = (),
+def byte_level_bpe_spec(ranks: dict[bytes, int], split_regex: str, added_tokens: Sequence[dict] = (),
                        normalizer: dict | None = None) -> dict:
     """A tokenizer.json (as a dict, in ``tokenizers``' key order) for tiktoken-style ranks.
 

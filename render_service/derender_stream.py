@@ -19,12 +19,10 @@ from render_service.derender import (
     check_fingerprint,
     fingerprint_sent,
     pipeline_config,
-    resolve_chat_logprobs,
-    resolve_completion_logprobs,
     returns_token_ids,
-    tokens_as_token_ids,
 )
 from render_service.errors import bad_request
+from render_service.logprobs import resolve_chat_logprobs, resolve_completion_logprobs, tokens_as_token_ids
 from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, merge_deltas
 from render_service.protocol import (
     ChatCompletionStreamChoice,

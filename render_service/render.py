@@ -271,7 +271,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         raise bad_request("top_logprobs must be non-negative", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    tool_choice = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
+    tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     token_ids, kwargs = render_chat_prompt(req, config)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
@@ -284,7 +284,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         config.tool_call_parser is not None and bool(req.tools) and tool_choice != "none"
     )
     skip_special = req.skip_special_tokens and not keep_special
-    structured = _structured_outputs(req) or tool_choice_structured_outputs(req, tool_choice)
+    structured = _structured_outputs(req) or tool_choice_structured_outputs(req.tools, tool_choice, named)
     params = build_sampling_params(
         req, config, max_tokens=max_tokens, logprobs=req.top_logprobs if req.logprobs else None,
         skip_special_tokens=skip_special, structured_outputs=structured,

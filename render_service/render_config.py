@@ -10,6 +10,7 @@ from typing import Any
 from render_service.errors import bad_request, model_not_found
 from render_service.protocol import ChatCompletionRequest
 from render_service.templates import ChatTemplate
+from render_service.tokenizer import RenderTokenizer
 
 # vLLM's VLLM_MAX_N_SEQUENCES default.
 MAX_N = 16384
@@ -53,7 +54,7 @@ class RenderConfig:
         return self.served_model_names[0]
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> RenderTokenizer:
         return self.bundle.tokenizer
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import msgspec
 from tokenizers import Tokenizer
@@ -19,6 +19,23 @@ from tokenizers import Tokenizer
 from render_service.byte_level import byte_level_ranks
 from render_service.tiktoken_fast_path import NotProvable, TiktokenEncoder, build_tiktoken_encoder, self_check_corpus
 from render_service.tokenizer_json import read_merges, read_tokenizer_spec
+
+
+class RenderTokenizer(Protocol):
+    """What render, derender and the parsers rely on (``TextTokenizer`` is the implementation)."""
+
+    hf: Tokenizer  # the ``tokenizers`` object underneath (the detokenizer's tables read its decoder)
+    vocab_size: int
+    special_token_ids: set[int]
+    is_byte_level: bool
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
 
 
 class TokenizerError(ValueError):

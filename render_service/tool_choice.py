@@ -29,7 +29,7 @@ def parse_tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
     return NAMED, name
 
 
-def check_render_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool) -> str:
+def check_render_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool) -> tuple[str, str | None]:
     """The effective tool_choice at render, where vLLM also refuses what the server or tools cannot honour.
 
     ``auto_tool_choice``: --enable-auto-tool-choice together with a --tool-call-parser."""
@@ -40,18 +40,18 @@ def check_render_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool)
         raise bad_request('When using `tool_choice` "required", `tools` must be set.', "tool_choice")
     if choice == NAMED and not any(((t or {}).get("function") or {}).get("name") == name for t in req.tools or []):
         raise bad_request(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
-    return choice
+    return choice, name
 
 
-def tool_choice_structured_outputs(req: ChatCompletionRequest, choice: str) -> dict[str, Any] | None:
+def tool_choice_structured_outputs(tools: list[dict[str, Any]] | None, choice: str,
+                                   name: str | None) -> dict[str, Any] | None:
     """Named and "required" tool choice constrain the output to the tool's JSON, as vLLM does."""
     if choice == NAMED:
-        name = req.tool_choice["function"]["name"]
-        tool = next(t for t in req.tools if (t.get("function") or {}).get("name") == name)
+        tool = next(t for t in tools or [] if (t.get("function") or {}).get("name") == name)
         return {"json": tool["function"].get("parameters") or {"type": "object", "properties": {}}}
     if choice == "required":
         variants = []
-        for tool in req.tools or []:
+        for tool in tools or []:
             fn = tool.get("function") or {}
             variants.append({
                 "properties": {

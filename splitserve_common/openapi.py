@@ -76,12 +76,12 @@ def _schemas(types: list[Any]) -> tuple[dict[Any, Any], dict[str, Any]]:
         return dict(zip(types, schemas)), components
     except TypeError:
         by_type: dict[Any, Any] = {}
-        components: dict[str, Any] = {}
+        shared: dict[str, Any] = {}
         for t in types:
             try:
                 (schema,), parts = msgspec.json.schema_components([t], ref_template=REF)
             except TypeError:
                 schema, parts = {"type": "object"}, {}
             by_type[t] = schema
-            components.update(parts)
-        return by_type, components
+            shared.update(parts)
+        return by_type, shared

@@ -15,13 +15,9 @@ from typing import Any
 import msgspec
 
 from render_service.choice_shapes import chat_message, completion_pipeline_config, delta_message, put_reasoning
-from render_service.derender import (
-    pipeline_config,
-    resolve_chat_logprobs,
-    resolve_completion_logprobs,
-    tokens_as_token_ids,
-)
+from render_service.derender import pipeline_config
 from render_service.gateway.stop_strings import StopMatcher, stop_list
+from render_service.logprobs import resolve_chat_logprobs, resolve_completion_logprobs, tokens_as_token_ids
 from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, merge_deltas
 from render_service.protocol import (
     ChatCompletionChoice,

@@ -1,0 +1,200 @@
+"""Logprobs on the render side: the engine's entries (integer token ids, either of vLLM's two shapes) checked
+against their bounds and resolved to OpenAI's chat and completions shapes (token text, UTF-8 bytes)."""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+from render_service.errors import bad_request
+from render_service.render_config import RenderConfig
+from render_service.tokenizer import RenderTokenizer
+
+
+
+class ChatLogprob(TypedDict, total=False):
+    """One token of OpenAI chat logprobs; ``token_id`` is ours (absent with vLLM's "token_id:N" strings)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    token_id: int | None
+    top_logprobs: list[ChatLogprob]  # the sampled token's alternatives (absent on an alternative)
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(TypedDict, total=False):
+    """The legacy completions shape, plus ``token_ids`` parallel to ``tokens`` (absent as for chat)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+    token_ids: list[int | None]
+
+
+# vLLM's ModelConfig.max_logprobs default: the most top_logprobs an entry may carry.
+MAX_TOP_LOGPROBS = 20
+# Preceding sampled ids used to repair a token that decodes to a partial UTF-8 character (vLLM: 4).
+LOGPROB_CONTEXT_TOKENS = 4
+
+
+def check_logprobs_bounds(logprobs: Any, index: int, config: RenderConfig) -> None:
+    """400 unless a choice's engine logprobs fit the bounds (an object; at most max_model_len entries of
+    at most MAX_TOP_LOGPROBS alternatives each)."""
+    if logprobs is None:
+        return
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if content is None:
+        if isinstance(logprobs, dict):
+            return
+        raise bad_request(f"logprobs of choice {index} must be an object", "logprobs")
+    if not isinstance(content, list):
+        raise bad_request(f"logprobs.content of choice {index} must be a list", "logprobs")
+    if len(content) > config.max_model_len:
+        raise bad_request(f"logprobs.content length ({len(content)}) in choice {index} exceeds max_model_len "
+                          f"({config.max_model_len}).")
+    for entry in content:
+        if not isinstance(entry, dict):
+            raise bad_request(f"logprobs.content entries of choice {index} must be objects", "logprobs")
+        top = entry.get("top_logprobs") or []
+        if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs count in choice {index} exceeds max_logprobs ({MAX_TOP_LOGPROBS}).",
+                              "logprobs")
+
+
+def _entry_token_id(entry: dict[str, Any]) -> int | None:
+    """Integer id from either shape: ``{"token_id": N}`` (0.32+) or ``{"token": "token_id:N"}`` (older)."""
+    tid = entry.get("token_id")
+    if type(tid) is int:
+        return tid
+    tok = entry.get("token")
+    if isinstance(tok, str) and tok.startswith("token_id:"):
+        try:
+            return int(tok[len("token_id:"):])
+        except ValueError:
+            return None
+    return None
+
+
+def _logprob(entry: dict[str, Any]) -> float:
+    value = entry.get("logprob", -9999.0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -9999.0
+
+
+def _token_text(tokenizer: RenderTokenizer, token_id: int, context: list[int]) -> str:
+    """One token's text, with vLLM's byte-fallback repair.
+
+    A token that decodes to a partial UTF-8 character (ending in U+FFFD) is decoded again after up to 4
+    preceding sampled ids. If that completes the character, the token carries the whole character
+    (the earlier partial tokens' text); if it never completes, the token's text is "".
+    """
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if not text.endswith("\ufffd"):
+        return text
+    for size in range(1, min(len(context), LOGPROB_CONTEXT_TOKENS) + 1):
+        window = context[-size:]
+        full = tokenizer.decode(window + [token_id], skip_special_tokens=False)
+        if full.endswith("\ufffd"):
+            continue
+        clean_end = len(window)
+        while clean_end > 0 and tokenizer.decode([window[clean_end - 1]], skip_special_tokens=False).endswith("\ufffd"):
+            clean_end -= 1
+        prefix = tokenizer.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+    return ""
+
+
+def tokens_as_token_ids(request: Any, config: RenderConfig) -> bool:
+    """vLLM's rule: the request's ``return_tokens_as_token_ids`` if set, else the server flag."""
+    asked = getattr(request, "return_tokens_as_token_ids", None) if request is not None else None
+    return config.return_tokens_as_token_ids if asked is None else bool(asked)
+
+
+# One resolved logprob: (token id or None, token string, logprob).
+_Resolved = tuple[int | None, str, float]
+
+
+def _resolved_entries(
+    logprobs: Any, tokenizer: RenderTokenizer, context: list[int] | None = None, as_token_ids: bool = False
+) -> list[tuple[_Resolved, list[_Resolved]]] | None:
+    """``context``: earlier sampled ids (streaming carries them across chunks); extended in place.
+    ``as_token_ids``: token strings are vLLM's ``"token_id:N"`` instead of decoded text."""
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    if not isinstance(content, list):
+        return None
+    out = []
+    context = context if context is not None else []
+    vocab = tokenizer.vocab_size
+    for entry in content:
+        tid = _entry_token_id(entry)
+        if tid is None or not 0 <= tid < vocab:
+            tid = None
+            token = entry.get("token") if isinstance(entry.get("token"), str) else ""
+        else:
+            token = f"token_id:{tid}" if as_token_ids else _token_text(tokenizer, tid, context)
+            context.append(tid)
+        top = []
+        for alt in entry.get("top_logprobs") or []:
+            if not isinstance(alt, dict):
+                continue
+            aid = _entry_token_id(alt)
+            if aid is not None and 0 <= aid < vocab:
+                atok = f"token_id:{aid}" if as_token_ids else _token_text(tokenizer, aid, context[:-1])
+            else:
+                raw = alt.get("token")
+                aid, atok = None, (raw if isinstance(raw, str) else "")
+            top.append((aid, atok, _logprob(alt)))
+        out.append(((tid, token, _logprob(entry)), top))
+    return out
+
+
+def _chat_logprob(tid: int | None, token: str, logprob: float, as_token_ids: bool) -> ChatLogprob:
+    item: ChatLogprob = {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    if not as_token_ids:
+        item["token_id"] = tid  # ours: the integer id next to the decoded text (vLLM gives only the text)
+    return item
+
+
+def resolve_chat_logprobs(logprobs: Any, tokenizer: RenderTokenizer, context: list[int] | None = None,
+                          as_token_ids: bool = False) -> ChatLogprobs | None:
+    """Generate logprobs (token ids) -> OpenAI chat logprobs (token strings, UTF-8 bytes, integer ids)."""
+    entries = _resolved_entries(logprobs, tokenizer, context, as_token_ids)
+    if entries is None:
+        return None
+    content = []
+    for sampled, top in entries:
+        item = _chat_logprob(*sampled, as_token_ids)
+        item["top_logprobs"] = [_chat_logprob(*alt, as_token_ids) for alt in top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def resolve_completion_logprobs(
+    logprobs: Any, tokenizer: RenderTokenizer, context: list[int] | None = None, text_offset: int = 0,
+    as_token_ids: bool = False,
+) -> CompletionLogprobs | None:
+    """Generate logprobs -> the legacy completions shape (text_offset, token_logprobs, tokens, top_logprobs),
+    plus ``token_ids`` (integer ids parallel to ``tokens``) unless vLLM's ``"token_id:N"`` strings were asked for."""
+    entries = _resolved_entries(logprobs, tokenizer, context, as_token_ids)
+    if entries is None:
+        return None
+    offsets, offset = [], text_offset
+    for (_, tok, _), _ in entries:
+        offsets.append(offset)
+        offset += len(tok)
+    out: CompletionLogprobs = {
+        "text_offset": offsets,
+        "token_logprobs": [lp for (_, _, lp), _ in entries],
+        "tokens": [tok for (_, tok, _), _ in entries],
+        "top_logprobs": [{t: l for _, t, l in top} for _, top in entries],
+    }
+    if not as_token_ids:
+        out["token_ids"] = [tid for (tid, _, _), _ in entries]
+    return out
