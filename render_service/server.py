@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -138,152 +139,196 @@ class RenderApp(Starlette):
         await super().__call__(scope, receive, send)
 
 
-def create_app(
-    config: RenderConfig, *, api_key: str | None = None, stream_state_secret: str | None = None,
-    gateway: Any = None,
-) -> Starlette:
-    """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
-    # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
-    stream_runtime = StreamRuntime(stream_state_secret)
-    created = int(time.time())
-    server_version = version()
-    key_header = f"Bearer {api_key}".encode() if api_key else None
-    # The fingerprint also rides on a response header, for callers that keep headers but not body keys.
-    render_headers = {FINGERPRINT_HEADER: config.fingerprint}
+Handler = Callable[[Request], Awaitable[Response]]
 
-    async def read_json_body(request: Request) -> bytes:
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != JSON:
-            raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+
+@dataclass
+class ServerState:
+    """One app's configuration and what its handlers share (``app.state.server``)."""
+
+    config: RenderConfig
+    stream_runtime: StreamRuntime
+    key_header: bytes | None = None  # b"Bearer KEY" when --api-key is set
+    created: int = field(default_factory=lambda: int(time.time()))
+    version: str = field(default_factory=version)
+
+    @property
+    def render_headers(self) -> dict[str, str]:
+        # The fingerprint also rides on a response header, for callers that keep headers but not body keys.
+        return {FINGERPRINT_HEADER: self.config.fingerprint}
+
+
+def _state(request: Request) -> ServerState:
+    return request.scope["app"].state.server
+
+
+async def read_json_body(request: Request) -> bytes:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != JSON:
+        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
             raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
-    def check_auth(request: Request) -> None:
-        if key_header is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, key_header):
-            raise ApiError("Unauthorized: missing or invalid API key", 401)
 
-    def endpoint(
-        name: str, handler: Callable[[Request], Awaitable[Response]], *, auth: bool = True
-    ) -> Callable[[Request], Awaitable[Response]]:
-        """Wraps a handler with auth, the error envelope and metrics."""
+def check_auth(request: Request) -> None:
+    key_header = _state(request).key_header
+    if key_header is None:
+        return
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, key_header):
+        raise ApiError("Unauthorized: missing or invalid API key", 401)
 
-        async def run(request: Request) -> Response:
-            started = time.perf_counter()
-            try:
-                if auth:
-                    check_auth(request)
-                response = await handler(request)
-            except ApiError as exc:
-                response = error_response(exc)
-            except ClientDisconnect:
-                response = Response(b"", status_code=499)  # nobody is listening; nginx's code for it
-            except Exception:
-                logger.exception("internal error on %s", name)
-                response = error_response(ApiError("Internal server error", 500))
-            metrics.observe_request(name, response.status_code, time.perf_counter() - started)
-            return response
 
-        return run
+def endpoint(name: str, handler: Handler, *, auth: bool = True) -> Handler:
+    """Wraps a handler with auth, the error envelope and metrics."""
 
-    # ---------------------------------------------------------------------------------- handlers
+    async def run(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            if auth:
+                check_auth(request)
+            response = await handler(request)
+        except ApiError as exc:
+            response = error_response(exc)
+        except ClientDisconnect:
+            response = Response(b"", status_code=499)  # nobody is listening; nginx's code for it
+        except Exception:
+            logger.exception("internal error on %s", name)
+            response = error_response(ApiError("Internal server error", 500))
+        metrics.observe_request(name, response.status_code, time.perf_counter() - started)
+        return response
 
-    async def chat_render(request: Request) -> Response:
-        req = decode(await read_json_body(request), ChatCompletionRequest)
-        result = render_chat(req, config, request_id=request.headers.get("x-request-id"))
-        metrics.PROMPT_TOKENS.inc(len(result.token_ids))
-        return json_response(result, headers=render_headers)
+    return run
 
-    async def completion_render(request: Request) -> Response:
-        req = decode(await read_json_body(request), CompletionRequest)
-        results = render_completion(req, config, request_id=request.headers.get("x-request-id"))
-        metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
-        return json_response(results, headers=render_headers)
 
-    def derender_route(
-        batch_type: type, derender_batch: Callable[..., Any], stream_type: type, derender_stream: Callable[..., Any]
-    ) -> Callable[[Request], Awaitable[Response]]:
-        """A derender endpoint: a body with ``stream: true`` is one streamed chunk, any other a whole response."""
+# -------------------------------------------------------------------------------------- handlers
 
-        async def derender(request: Request) -> Response:
-            body = await read_json_body(request)
-            if decode(body, DerenderStreamProbe).stream:
-                stream_req = decode(body, stream_type)
-                return json_response(derender_stream(stream_req, config, stream_runtime, request.headers))
-            req = decode(body, batch_type)
-            result = derender_batch(req, config, request.headers)
-            metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
-            return json_response(result)
 
-        return derender
+async def chat_render(request: Request) -> Response:
+    state = _state(request)
+    req = decode(await read_json_body(request), ChatCompletionRequest)
+    result = render_chat(req, state.config, request_id=request.headers.get("x-request-id"))
+    metrics.PROMPT_TOKENS.inc(len(result.token_ids))
+    return json_response(result, headers=state.render_headers)
 
-    chat_derender = derender_route(DerenderChatRequest, derender_chat, DerenderChatStreamRequest, derender_chat_stream)
-    completion_derender = derender_route(
-        DerenderCompletionRequest, derender_completion, DerenderCompletionStreamRequest, derender_completion_stream
-    )
 
-    async def tokenize(request: Request) -> Response:
-        req = decode(await read_json_body(request), TokenizeRequest)
-        check_model(req.model, config)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("tokenize takes exactly one of `prompt` or `messages`")
-        if req.prompt is not None:
-            ids = config.tokenizer.encode(req.prompt)
-            if req.add_special_tokens is not False:
-                ids = add_special_tokens(ids, config)
-        else:
-            chat = ChatCompletionRequest(
-                messages=req.messages, tools=req.tools, chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-            )
-            ids, _ = render_chat_prompt(chat, config)  # the same path as /render
-            if req.add_special_tokens:
-                ids = add_special_tokens(ids, config)
-        strs = None
-        if req.return_token_strs:
-            strs = [config.tokenizer.id_to_token(t) or "" for t in ids]
-        return json_response(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
-                                              token_strs=strs))
+async def completion_render(request: Request) -> Response:
+    state = _state(request)
+    req = decode(await read_json_body(request), CompletionRequest)
+    results = render_completion(req, state.config, request_id=request.headers.get("x-request-id"))
+    metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
+    return json_response(results, headers=state.render_headers)
 
-    async def detokenize(request: Request) -> Response:
-        req = decode(await read_json_body(request), DetokenizeRequest)
-        check_model(req.model, config)
-        vocab = config.tokenizer.vocab_size
-        for t in req.tokens:
-            if not 0 <= t < vocab:
-                raise bad_request(f"Token id {t} is out of vocabulary", "tokens")
-        return json_response(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
 
-    async def models(request: Request) -> Response:
-        cards = [
-            ModelCard(id=name, created=created, root=str(config.bundle.path), max_model_len=config.max_model_len,
-                      permission=[ModelPermission(id=f"modelperm-{name}", created=created)])
-            for name in config.served_model_names
-        ]
-        return json_response(ModelList(data=cards))
+async def _derender(request: Request, batch_type: type, derender_batch: Callable[..., Any], stream_type: type,
+                    derender_stream: Callable[..., Any]) -> Response:
+    """A derender endpoint: a body with ``stream: true`` is one streamed chunk, any other a whole response."""
+    state = _state(request)
+    body = await read_json_body(request)
+    if decode(body, DerenderStreamProbe).stream:
+        stream_req = decode(body, stream_type)
+        return json_response(derender_stream(stream_req, state.config, state.stream_runtime, request.headers))
+    req = decode(body, batch_type)
+    result = derender_batch(req, state.config, request.headers)
+    metrics.COMPLETION_TOKENS.inc(result.usage.completion_tokens or 0)
+    return json_response(result)
 
-    async def health(request: Request) -> Response:
-        return Response(b"", status_code=200)
 
-    async def version_endpoint(request: Request) -> Response:
-        return json_response({"version": server_version, "render_fingerprint": config.fingerprint})
+async def chat_derender(request: Request) -> Response:
+    return await _derender(request, DerenderChatRequest, derender_chat, DerenderChatStreamRequest,
+                           derender_chat_stream)
 
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(metrics.render_metrics(), media_type=metrics.CONTENT_TYPE_LATEST)
 
-    own_routes = [
+async def completion_derender(request: Request) -> Response:
+    return await _derender(request, DerenderCompletionRequest, derender_completion, DerenderCompletionStreamRequest,
+                           derender_completion_stream)
+
+
+async def tokenize(request: Request) -> Response:
+    config = _state(request).config
+    req = decode(await read_json_body(request), TokenizeRequest)
+    check_model(req.model, config)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("tokenize takes exactly one of `prompt` or `messages`")
+    if req.prompt is not None:
+        ids = config.tokenizer.encode(req.prompt)
+        if req.add_special_tokens is not False:
+            ids = add_special_tokens(ids, config)
+    else:
+        chat = ChatCompletionRequest(
+            messages=req.messages, tools=req.tools, chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )
+        ids, _ = render_chat_prompt(chat, config)  # the same path as /render
+        if req.add_special_tokens:
+            ids = add_special_tokens(ids, config)
+    strs = None
+    if req.return_token_strs:
+        strs = [config.tokenizer.id_to_token(t) or "" for t in ids]
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
+                                          token_strs=strs))
+
+
+async def detokenize(request: Request) -> Response:
+    config = _state(request).config
+    req = decode(await read_json_body(request), DetokenizeRequest)
+    check_model(req.model, config)
+    vocab = config.tokenizer.vocab_size
+    for t in req.tokens:
+        if not 0 <= t < vocab:
+            raise bad_request(f"Token id {t} is out of vocabulary", "tokens")
+    return json_response(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    config = state.config
+    cards = [
+        ModelCard(id=name, created=state.created, root=str(config.bundle.path), max_model_len=config.max_model_len,
+                  permission=[ModelPermission(id=f"modelperm-{name}", created=state.created)])
+        for name in config.served_model_names
+    ]
+    return json_response(ModelList(data=cards))
+
+
+async def health(request: Request) -> Response:
+    return Response(b"", status_code=200)
+
+
+async def version_endpoint(request: Request) -> Response:
+    state = _state(request)
+    return json_response({"version": state.version, "render_fingerprint": state.config.fingerprint})
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(metrics.render_metrics(), media_type=metrics.CONTENT_TYPE_LATEST)
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(f"Not found: {request.method} {request.url.path}", 404))
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(f"Method {request.method} not allowed on {request.url.path}", 405))
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(ApiError("Internal server error", 500))
+
+
+def own_routes() -> list[Route]:
+    return [
         Route("/v1/chat/completions/render", endpoint("chat_render", chat_render), methods=["POST"]),
         Route("/v1/completions/render", endpoint("completion_render", completion_render), methods=["POST"]),
         Route("/v1/chat/completions/derender", endpoint("chat_derender", chat_derender), methods=["POST"]),
@@ -295,23 +340,21 @@ def create_app(
         Route("/version", endpoint("version", version_endpoint, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_endpoint, auth=False), methods=["GET"]),
     ]
-    routes = list(own_routes)
 
+
+def create_app(
+    config: RenderConfig, *, api_key: str | None = None, stream_state_secret: str | None = None,
+    gateway: Any = None,
+) -> Starlette:
+    """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
+    # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
+    state = ServerState(config, StreamRuntime(stream_state_secret),
+                        key_header=f"Bearer {api_key}".encode() if api_key else None)
+    routes = own_routes()
     if gateway is not None:
         from render_service.gateway.routes import gateway_routes
 
         routes += gateway_routes(gateway, config, endpoint, read_json_body, decode)
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return error_response(ApiError(f"Not found: {request.method} {request.url.path}", 404))
-
-    async def method_not_allowed(request: Request, exc: Exception) -> Response:
-        return error_response(ApiError(f"Method {request.method} not allowed on {request.url.path}", 405))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return error_response(ApiError("Internal server error", 500))
-
     app = RenderApp(
         routes=routes,
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
@@ -322,6 +365,6 @@ def create_app(
         for method in route.methods or ()
         if method != "HEAD"
     }
+    app.state.server = state
     app.state.render_config = config
     return app
-
