@@ -20,9 +20,8 @@ from render_service.protocol import (
     StreamOptions,
 )
 from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
-from render_service.templates import (
-    ChatTemplate, TemplateError, convert_developer_role, prepare_messages, prepare_tools,
-)
+from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+from render_service.templates import ChatTemplate, TemplateError
 from render_service.tool_choice import check_render_tool_choice, tool_choice_structured_outputs
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 

@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 
 from render_service.bundle import load_bundle
-from render_service.templates import (
-    ChatTemplate,
-    TemplateError,
-    assistant_token_mask,
-    compile_template,
-    convert_developer_role,
-    default_template_source,
-    detect_content_format,
-    prepare_messages,
-    prepare_tools,
-)
+from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+from render_service.template_analysis import detect_content_format
+from render_service.template_sandbox import compile_template
+from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask, default_template_source
 from tests.conversations import CONVERSATIONS, Conversation, by_name
 
 transformers = pytest.importorskip("transformers")

@@ -1,0 +1,225 @@
+"""OpenAI request messages and tools -> what a chat template receives, as vLLM prepares them: content shaped
+for the template's content format (text parts only), tool calls with mapping arguments, tools in vLLM's
+model_dump shape, and the developer role folded into system where the template lacks it."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from render_service.template_sandbox import TemplateError
+
+if TYPE_CHECKING:
+    from render_service.templates import ChatTemplate
+
+# Text-only render tier: these content part types carry text; anything else is refused.
+_TEXT_PART_FIELDS = {
+    "text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking",
+}
+
+
+def prepare_messages(openai_messages: Iterable[Any], content_format: str = "string") -> list[dict[str, Any]]:
+    """OpenAI chat messages -> template messages, as vLLM 0.32 prepares them.
+
+    ``content_format="string"`` (templates that treat content as text, like Qwen's): text parts are
+    joined with "\\n" and a missing content becomes "". ``"openai"`` (templates that loop over parts,
+    see ``detect_content_format``): content stays a list of ``{"type": "text", "text": ...}`` parts.
+    Tool-call arguments become a mapping (a JSON-object string is parsed; anything else is {}), an
+    empty ``tool_calls`` list is dropped, ``reasoning`` (or the older ``reasoning_content``) is set
+    under both names, ``name``, ``task`` and a tool's ``tool_call_id`` are kept. Non-text parts are
+    refused: the render tier is text-only.
+    """
+    if content_format not in ("string", "openai"):
+        raise TemplateError(f"Unknown chat template content format {content_format!r}")
+    if not isinstance(openai_messages, (list, tuple)):
+        raise TemplateError("messages must be a list of message objects")
+    out = []
+    for index, message in enumerate(openai_messages):
+        if not isinstance(message, Mapping):
+            raise TemplateError(f"messages[{index}] must be an object")
+        out.append(_prepare_message(message, index, content_format))
+    return out
+
+
+def _prepare_message(message: Mapping[str, Any], index: int, content_format: str) -> dict[str, Any]:
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise TemplateError(f"messages[{index}].role must be a non-empty string")
+    texts = _content_texts(message.get("content"), index)
+    if role == "system":
+        texts = _without_billing_header(texts)
+    if content_format == "string":
+        prepared: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+    else:
+        prepared = {"role": role, "content": [{"type": "text", "text": t} for t in texts]}
+    if role == "assistant":
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            calls = _prepare_tool_calls(tool_calls, index)
+            if calls:  # vLLM drops an empty list: the template takes the plain assistant path
+                prepared["tool_calls"] = calls
+        reasoning = message.get("reasoning")
+        if reasoning is None:
+            reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise TemplateError(f"messages[{index}].reasoning must be a string")
+            prepared["reasoning"] = reasoning
+            prepared["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        prepared["tool_call_id"] = message["tool_call_id"]
+        if content_format == "openai":
+            # vLLM flattens a tool result's text parts for every template: most expect a string there.
+            prepared["content"] = "\n".join(texts)
+    if isinstance(message.get("name"), str):
+        prepared["name"] = message["name"]
+    if isinstance(message.get("task"), str):
+        prepared["task"] = message["task"]
+    if role == "developer":
+        prepared["tools"] = message.get("tools")
+    return prepared
+
+
+def _content_texts(content: Any, index: int) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, (list, tuple)):
+        raise TemplateError(f"messages[{index}].content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise TemplateError(f"messages[{index}].content parts must be objects")
+        kind = part.get("type")
+        if kind not in _TEXT_PART_FIELDS:
+            raise TemplateError(
+                f"Unsupported content part type {kind!r} in messages[{index}]: this server is text-only "
+                f"(supported: {', '.join(sorted(_TEXT_PART_FIELDS))})"
+            )
+        text = part.get(_TEXT_PART_FIELDS[kind])
+        if text is None:
+            continue  # vLLM skips a text part with no text
+        if not isinstance(text, str):
+            raise TemplateError(f"messages[{index}].content part text must be a string")
+        texts.append(text)
+    return texts
+
+
+_CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(texts: list[str]) -> list[str]:
+    # vLLM 0.32 drops Claude Code's per-request attribution line from system text: it changes on
+    # every request and would defeat prefix caching.
+    out = []
+    for text in texts:
+        if text.startswith(_CLAUDE_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        out.append(text)
+    return out
+
+
+def _prepare_tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
+    if not isinstance(tool_calls, (list, tuple)):
+        raise TemplateError(f"messages[{index}].tool_calls must be a list")
+    prepared = []
+    for call in tool_calls:
+        if not isinstance(call, Mapping):
+            raise TemplateError(f"messages[{index}]: assistant tool_calls entries must be objects.")
+        if call.get("type", "function") != "function" or not isinstance(call.get("function"), Mapping):
+            raise TemplateError(f"messages[{index}]: chat completions only support assistant tool_calls of type "
+                                "'function'.")
+        function = dict(call["function"])
+        if not isinstance(function.get("name"), str):
+            raise TemplateError(f"messages[{index}].tool_calls[].function.name must be a string")
+        function["arguments"] = _arguments_mapping(function.get("arguments"))
+        prepared.append({**call, "function": function})
+    return prepared
+
+
+def _arguments_mapping(arguments: Any) -> dict:
+    # Templates expect a mapping (HF's convention). As vLLM 0.32 does, anything that is not a JSON
+    # object (empty, malformed, an array, a number) becomes {} so that the conversation can go on.
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict) and arguments else {}
+
+
+def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI tool declarations -> what the template receives, in vLLM 0.32's shape.
+
+    vLLM hands templates ``tool.model_dump()``: ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` with None where absent, ``strict``/``defer_loading`` only when
+    given, other keys dropped.
+    """
+    if openai_tools is None:
+        return None
+    if not isinstance(openai_tools, (list, tuple)):
+        raise TemplateError("tools must be a list")
+    prepared = []
+    for index, tool in enumerate(openai_tools):
+        if not isinstance(tool, Mapping):
+            raise TemplateError(f"tools[{index}] must be an object")
+        if tool.get("type", "function") != "function":
+            raise TemplateError(f"tools[{index}].type must be 'function'")
+        function = tool.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise TemplateError(f"tools[{index}].function.name must be a string")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise TemplateError(f"tools[{index}].function.description must be a string")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], Mapping):
+            raise TemplateError(f"tools[{index}].function.parameters must be an object")
+        fn = {"name": function["name"], "description": function.get("description"),
+              "parameters": function.get("parameters")}
+        defer_loading = function.get("defer_loading", tool.get("defer_loading"))
+        for key, value in (("strict", function.get("strict")), ("defer_loading", defer_loading)):
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise TemplateError(f"tools[{index}].function.{key} must be a boolean")
+                fn[key] = value
+        entry: dict[str, Any] = {"type": "function", "function": fn}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        prepared.append(entry)
+    return prepared
+
+
+def convert_developer_role(messages: list[dict[str, Any]], template: ChatTemplate) -> list[dict[str, Any]]:
+    """For templates that do not know the developer role, vLLM turns it into one leading system message."""
+    if template.supports_developer_role or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    converted = []
+    for m in messages:
+        if m.get("role") == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        converted.append(m)
+    system_texts: list[str] = []
+    others = []
+    needs_merge = False
+    for i, m in enumerate(converted):
+        if m["role"] != "system":
+            others.append(m)
+            continue
+        if i > 0 or system_texts:
+            needs_merge = True
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, dict) else p
+                for p in content if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if content:
+            system_texts.append(content)
+    if not needs_merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]

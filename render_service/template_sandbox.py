@@ -1,0 +1,165 @@
+"""The Jinja environment chat templates run in, as transformers builds it: an immutable sandbox with
+``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, a ``{% generation %}`` block tag (assistant masks),
+HF's globals and filters, and bounds on what a template may cost (output size, powers, namespaces)."""
+
+from __future__ import annotations
+
+import json
+from contextvars import ContextVar
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(ValueError):
+    """The template failed to render this conversation (a client error: 400)."""
+
+
+# (rendered blocks so far, generation spans) while a render with spans is running.
+_GENERATION_TRACKER: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "generation_tracker", default=None
+)
+
+
+class GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body and records its character span."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_mark_generation"), [], [], body).set_lineno(lineno)
+
+    def _mark_generation(self, caller: Any) -> str:
+        text = caller()
+        tracking = _GENERATION_TRACKER.get()
+        if tracking is not None:
+            # Same rule as HF: the span starts after everything emitted before the block.
+            blocks, spans = tracking
+            start = sum(len(b) for b in blocks)
+            spans.append((start, start + len(text)))
+        return text
+
+
+def _raise_exception(message: Any) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; HF's does not, and exposes these options.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _CallOnlyDict:
+    # `dict(...)` in templates without handing the sandbox the dict type itself.
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _SafeNamespace(jinja2.utils.Namespace):
+    # Underscore attributes on a namespace are a route to CPython internals.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _SafeNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _SafeNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
+            )
+
+
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+# Bounds on what one render may build: a template (a request's own, or a model's) must not be able to
+# exhaust memory with `'x' * 10**12` or `2 ** 10**9`. HF has no such bounds; real templates never
+# come near them.
+MAX_RENDERED_CHARS = 64 * 1024 * 1024
+_MAX_POWER_EXPONENT = 4096
+
+
+class ChatSandbox(ImmutableSandboxedEnvironment):
+    """HF's sandbox, with shortcuts that give the same answers faster, and bounds on runaway output."""
+
+    _attribute_safety: dict[tuple[type, str], bool] = {}
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
+                        and len(seq) * count > MAX_RENDERED_CHARS:
+                    raise jinja2.exceptions.SecurityError("the template builds a sequence that is too large")
+        elif operator == "**" and isinstance(right, int) and abs(right) > _MAX_POWER_EXPONENT \
+                and isinstance(left, int) and abs(left) > 1:
+            raise jinja2.exceptions.SecurityError("the template computes a number that is too large")
+        return super().call_binop(context, operator, left, right)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        # A plain dict has no attributes beyond dict's own, so Jinja's getattr would fail and fall back
+        # to obj[attribute]; all template data is rebuilt as plain dicts, so go there directly.
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        # The sandbox's verdict depends only on the object's type and the attribute's name (isinstance
+        # tests and name rules), so remember it: loops ask about loop.index0 or str.startswith each turn.
+        key = (type(obj), attr)
+        safe = self._attribute_safety.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._attribute_safety) < 4096:  # `|attr(name)` can make names from data: stay bounded
+                self._attribute_safety[key] = safe
+        return safe
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ChatSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _CallOnlyDict()
+    env.globals["namespace"] = _SafeNamespace
+    return env
+
+
+_ENVIRONMENT = _make_environment()
+
+
+@lru_cache(maxsize=64)
+def compile_template(source: str) -> jinja2.Template:
+    """Compile once per distinct source string (requests may name their own template)."""
+    try:
+        return _ENVIRONMENT.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"Invalid chat template (line {exc.lineno}): {exc.message}") from exc
