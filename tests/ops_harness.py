@@ -17,13 +17,14 @@ from tests.gateway_harness import free_port
 
 
 class Server:
-    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_path)
         self.log_file = open(self.log_path, "wb")
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        self.proc = subprocess.Popen(argv, env=full_env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=self.log_file)
 
     def wait_healthy(self, limit_s: float = 180) -> "Server":
         deadline = time.monotonic() + limit_s  # hang guard only
