@@ -399,8 +399,8 @@ def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) ->
     from render_service.gateway.flow import engine_request
     from render_service.gateway.responses import ChatResponder
     from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice, GenerateStreamResponse
-    from render_service.render_config import load_render_config
     from render_service.render import render_chat
+    from render_service.render_config import load_render_config
 
     config = load_render_config(str(model_dir), served_model_names=["bench"], reasoning_parser="qwen3",
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)

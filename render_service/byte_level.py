@@ -5,7 +5,7 @@ default bundle's builder."""
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _gpt2_byte_to_char() -> dict[int, str]:

@@ -5,7 +5,8 @@ model_dump shape, and the developer role folded into system where the template l
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from render_service.template_sandbox import TemplateError
 

@@ -29,7 +29,7 @@ from render_service.protocol import (
     GenerateResponse,
     UsageInfo,
 )
-from render_service.render_config import MAX_N, RenderConfig, check_model, reasoning_keys, resolve_chat_template_kwargs
+from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
 from render_service.logprobs import (
     check_logprobs_bounds,
     resolve_chat_logprobs,

@@ -10,7 +10,6 @@ from render_service.render_config import RenderConfig
 from render_service.tokenizer import RenderTokenizer
 
 
-
 class ChatLogprob(TypedDict, total=False):
     """One token of OpenAI chat logprobs; ``token_id`` is ours (absent with vLLM's "token_id:N" strings)."""
 
@@ -193,7 +192,7 @@ def resolve_completion_logprobs(
         "text_offset": offsets,
         "token_logprobs": [lp for (_, _, lp), _ in entries],
         "tokens": [tok for (_, tok, _), _ in entries],
-        "top_logprobs": [{t: l for _, t, l in top} for _, top in entries],
+        "top_logprobs": [{t: lp for _, t, lp in top} for _, top in entries],
     }
     if not as_token_ids:
         out["token_ids"] = [tid for (tid, _, _), _ in entries]

@@ -44,8 +44,8 @@ from render_service.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from render_service.render_config import RenderConfig, check_model
 from render_service.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
+from render_service.render_config import RenderConfig, check_model
 
 logger = logging.getLogger("render_service.server")
 

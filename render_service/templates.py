@@ -29,7 +29,6 @@ import jinja2.utils
 from render_service.template_analysis import detect_content_format, template_variables
 from render_service.template_sandbox import _GENERATION_TRACKER, MAX_RENDERED_CHARS, TemplateError, compile_template
 
-
 # Names a message's reasoning may arrive under; templates read the first one.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 

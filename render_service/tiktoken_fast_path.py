@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import re
 import unicodedata
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from tokenizers import Tokenizer
 
@@ -42,7 +42,7 @@ def _normalizer_is_nfc(spec: dict) -> bool:
 def _split_regex(spec: dict) -> str:
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
-    if len(steps) != 2:
+    if not isinstance(steps, list) or len(steps) != 2:
         raise NotProvable("pre_tokenizer is not Split + ByteLevel")
     split, byte_level = steps
     if split.get("type") != "Split" or "Regex" not in (split.get("pattern") or {}):
@@ -104,6 +104,8 @@ def _check_merges_are_lower_rank_splits(pairs: list[tuple[str, str]], ranks: dic
     """The one merge of each token is the split tiktoken's BPE reaches: then both libraries merge alike."""
     for a, b in pairs:
         left, right = token_string_to_bytes(a), token_string_to_bytes(b)
+        if left is None or right is None:
+            raise NotProvable(f"merge {a!r} + {b!r} is not byte-level")
         token = left + right
         if lower_rank_split(token, ranks[token], ranks) != [left, right]:
             raise NotProvable(f"merge {a!r} + {b!r} is not the split tiktoken would reach")

@@ -18,7 +18,8 @@ import re
 import signal
 import time
 import uuid
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import uvicorn
 

@@ -32,7 +32,8 @@ CHAT = {
     "max_tokens": 64,
 }
 # What a trained model might answer; the demo tokenizes it, as an engine would produce it, and derenders it.
-REPLY = "<think>\nThe user asks for the capital of South Korea. That is Seoul.\n</think>\n\nThe capital of South Korea is Seoul."
+REPLY = ("<think>\nThe user asks for the capital of South Korea. That is Seoul.\n</think>\n\n"
+         "The capital of South Korea is Seoul.")
 
 
 def free_port() -> int:

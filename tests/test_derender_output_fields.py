@@ -1,6 +1,6 @@
 """--reasoning-field and logprob token forms over HTTP: batch and streaming derender, chat and completions,
 and the gateway (one shared setting on RenderConfig, one code path: choice_shapes.put_reasoning and
-logprobs.tokens_as_token_ids).
+logprobs.tokens_as_token_ids)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from render_service.bundle import load_bundle
-from render_service.parsers.base import ToolSpec
 from render_service.byte_level import BYTE_TO_CHAR
+from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import (
     MessageAccumulator,
     Pipeline,

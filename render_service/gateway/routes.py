@@ -32,8 +32,8 @@ from render_service.protocol import (
     GenerateRequest,
     GenerateStreamChoice,
 )
-from render_service.render_config import RenderConfig
 from render_service.render import render_chat, render_completion
+from render_service.render_config import RenderConfig
 
 logger = logging.getLogger("render_service.gateway.routes")
 
