@@ -14,12 +14,16 @@ from render_service.parsers.reasoning import REASONING_PARSERS, ThinkReasoningPa
 _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "hermes": ("render_service.parsers.tools_hermes", "HermesToolParser"),
     "qwen3_coder": ("render_service.parsers.tools_qwen3_coder", "Qwen3CoderToolParser"),
-    "qwen3_xml": ("render_service.parsers.tools_qwen3_coder", "Qwen3CoderToolParser"),
+    "qwen3_xml": ("render_service.parsers.tools_qwen3_xml", "Qwen3XmlToolParser"),
     "llama3_json": ("render_service.parsers.tools_json", "Llama3JsonToolParser"),
     "mistral": ("render_service.parsers.tools_mistral", "MistralToolParser"),
     "deepseek_v31": ("render_service.parsers.tools_deepseek", "DeepSeekV31ToolParser"),
     "pythonic": ("render_service.parsers.tools_pythonic", "PythonicToolParser"),
     "kimi_k2": ("render_service.parsers.tools_kimi", "KimiK2ToolParser"),
+    "glm45": ("render_service.parsers.tools_glm", "Glm45ToolParser"),
+    "glm47": ("render_service.parsers.tools_glm", "Glm47ToolParser"),
+    "minimax_m2": ("render_service.parsers.tools_minimax", "MiniMaxM2ToolParser"),
+    "seed_oss": ("render_service.parsers.tools_seed_oss", "SeedOssToolParser"),
 }
 
 

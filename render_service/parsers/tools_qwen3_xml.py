@@ -1,0 +1,41 @@
+"""qwen3_xml: Qwen3-Coder / Qwen3.5 XML calls, on the shared XML engine (``tools_xml``).
+
+    <tool_call>
+    <function=NAME>
+    <parameter=K>
+    V
+    </parameter>
+    </function>
+    </tool_call>
+
+The markup of ``qwen3_coder``; what this name adds is upstream qwen3_xml's robustness: text after the calls is
+content, a literal ``</parameter>`` inside a value stays in the value unless structure follows, a cut-off call
+is closed, and values are typed by the whole schema (``anyOf``, type lists, nullable). A bare ``<function=``
+outside ``<tool_call>`` also starts a call.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
+
+QWEN3_XML_FORMAT = XmlFormat(
+    block_open="<tool_call>",
+    block_end="</tool_call>",
+    call_open="<function=",
+    head_ends=(">",),
+    head_consumed=(">",),
+    call_end="</function>",
+    key_open="<parameter=",
+    key_end=">",
+    value_open=None,
+    value_end="</parameter>",
+    trim="newline",
+    bare_call_open=True,
+)
+
+
+class Qwen3XmlToolParser(XmlToolParser):
+    name: ClassVar[str] = "qwen3_xml"
+    FORMAT: ClassVar[XmlFormat] = QWEN3_XML_FORMAT

@@ -1,0 +1,36 @@
+"""seed_oss: Seed-OSS calls (Qwen3-Coder's markup inside ``<seed:tool_call>``).
+
+    <seed:tool_call>
+    <function=NAME>
+    <parameter=K>V</parameter>
+    </function>
+    </seed:tool_call>
+
+Values lose one leading and one trailing newline (upstream's rule); a parameter the schema does not declare
+stays a string.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
+
+SEED_OSS_FORMAT = XmlFormat(
+    block_open="<seed:tool_call>",
+    block_end="</seed:tool_call>",
+    call_open="<function=",
+    head_ends=(">",),
+    head_consumed=(">",),
+    call_end="</function>",
+    key_open="<parameter=",
+    key_end=">",
+    value_open=None,
+    value_end="</parameter>",
+    trim="newline",
+)
+
+
+class SeedOssToolParser(XmlToolParser):
+    name: ClassVar[str] = "seed_oss"
+    FORMAT: ClassVar[XmlFormat] = SEED_OSS_FORMAT

@@ -1,0 +1,433 @@
+"""One streaming engine for the XML-style call formats whose values are text (GLM, MiniMax-M2, Seed-OSS,
+Qwen3 XML). A family is a ``XmlFormat``: its tags and a few rules; the state machine is shared.
+
+    content  BLOCK_OPEN  [CALL_OPEN] NAME HEAD_END  (KEY_OPEN key KEY_END [VALUE_OPEN] value VALUE_END)*
+             CALL_END  [more calls]  BLOCK_END  content ...
+
+Streaming rules (both invariants of docs/tool_parsers.md hold for every chunking):
+
+* arguments are ``json.dumps``-shaped: ``{`` with the name, ``"key": value`` per parameter, ``}`` at the call's
+  end; a string-typed value streams as it arrives (escaped per character), any other value is held until its
+  end tag and converted by the tool's schema (``tool_schema``). A call cut off by the end of output is closed
+  (open string quoted, ``}``), so every call's arguments are a JSON object and equal the concatenated deltas;
+* a value ends at VALUE_END only when what follows (after whitespace) is structural: the next key, the call's
+  or block's end, another call, or the end of output. Otherwise the tag is part of the value (a coding agent
+  writing XML). A value missing its VALUE_END is closed by a structural CALL_END;
+* nothing generated is lost: text before, between and after calls is content (whitespace right after a call
+  is layout), a block or call that turns out not to be one is returned as content, stray text between
+  parameters is content. Only the markup itself and layout whitespace disappear.
+
+Work per feed is O(new text + held suffix): the held suffix is a possible partial tag, an unfinished name or
+key (bounded), the whitespace-and-tag lookahead after a value's end tag (bounded), or trailing whitespace of a
+value that the trim rule may drop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+
+from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers import tool_schema
+from render_service.parsers.tools_common import (
+    MAX_NAME_CHARS,
+    WHITESPACE,
+    Count,
+    PieceSink,
+    dumps,
+    find_tag,
+    is_partial_tag,
+    json_string_fragment,
+    mode_field,
+    require,
+    skip_whitespace,
+    tools_by_name,
+)
+
+CONTENT, BLOCK, HEAD, CALL, KEY, VALUE_OPEN, VALUE = range(7)
+_IN_CALL = (CALL, KEY, VALUE_OPEN, VALUE)
+
+MAX_KEY_CHARS = 256
+# Whitespace allowed between a value's end tag and the structural tag that confirms it.
+MAX_LOOKAHEAD_WS = 64
+
+YES, NO, WAIT = range(3)
+
+
+class XmlFormat(msgspec.Struct, frozen=True):
+    """The tags and rules of one family."""
+
+    block_open: str
+    block_end: str
+    call_open: str | None  # None: the block is the call (GLM), the name follows the block opener
+    head_ends: tuple[str, ...]  # what ends the name
+    head_consumed: tuple[str, ...]  # which of head_ends belong to the name's markup (others start the body)
+    call_end: str
+    key_open: str
+    key_end: str
+    value_open: str | None
+    value_end: str
+    # "none": values keep every character; "newline": one leading and one trailing newline are layout;
+    # "strip": leading and trailing whitespace are layout (typed values are always read stripped)
+    trim: str = "newline"
+    # a parameter the schema does not declare: "string" (raw text) or "json" (a literal if it parses)
+    undeclared: str = "string"
+    bare_call_open: bool = False  # a CALL_OPEN outside any block starts a call (Qwen3's fallback)
+    quoted_names: bool = False  # name="x" / name='x'
+    skip_escaped_newlines: bool = False  # GLM-4.7 may write a literal \n between </arg_key> and <arg_value>
+
+    @property
+    def content_openers(self) -> tuple[str, ...]:
+        if self.bare_call_open and self.call_open:
+            return (self.block_open, self.call_open)
+        return (self.block_open,)
+
+    @property
+    def value_terms(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.value_end, self.call_end, self.block_end)))
+
+    def followers(self, tag: str) -> tuple[str, ...]:
+        """What may follow ``tag`` when it really ends a value (besides the end of output)."""
+        openers = tuple(t for t in (self.block_open, self.call_open) if t)
+        if tag == self.value_end:
+            return tuple(dict.fromkeys((self.key_open, self.call_end, self.block_end) + openers))
+        if tag == self.call_end and self.call_end != self.block_end:
+            return tuple(dict.fromkeys((self.block_end, self.key_open) + openers))
+        return openers
+
+
+class XmlCallState(msgspec.Struct):
+    mode: mode_field(7) = CONTENT
+    held: str = ""
+    calls: Count = 0  # calls started so far; the index of the call in progress
+    raw: str = ""  # markup since the block opener, kept until the block's first call is named
+    block_calls: Count = 0  # calls in the current block
+    after_call: bool = False  # whitespace right after a call or block is layout
+    function: str = ""
+    params: Count = 0
+    key: str = ""
+    string_value: bool = True  # the current value streams as a JSON string (else held in value_parts)
+    value_started: bool = False  # the value's leading layout is behind us
+    value_parts: list[str] = []
+
+    def __post_init__(self) -> None:
+        require(len(self.held) <= 65536 and len(self.raw) <= 65536, "held text within bounds")
+        require(self.mode not in _IN_CALL or bool(self.function), "a call in progress has a name")
+        require(not self.value_parts or (self.mode == VALUE and not self.string_value), "a held value only inside one")
+
+
+def _strip_quotes(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+class XmlToolParser:
+    """Base for the families; subclasses set ``name`` and ``FORMAT``."""
+
+    name: ClassVar[str]
+    FORMAT: ClassVar[XmlFormat]
+    State: ClassVar[type[msgspec.Struct]] = XmlCallState
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.tools = tools_by_name(config.tools if config is not None else [])
+        f = self.FORMAT
+        self._content_openers = f.content_openers
+        self._value_terms = f.value_terms
+        self._block_tags = tuple(t for t in (f.call_open, f.block_end, f.block_open) if t)
+        self._call_tags = tuple(dict.fromkeys(
+            t for t in (f.key_open, f.call_end, f.block_end, f.call_open, f.block_open) if t))
+        self._followers = {tag: f.followers(tag) for tag in self._value_terms}
+
+    def initial_state(self) -> XmlCallState:
+        return XmlCallState()
+
+    def feed(self, state: XmlCallState, text: str) -> list[Piece]:
+        sink = PieceSink()
+        buf = state.held + text if state.held else text
+        state.held = ""
+        self._run(state, buf, sink, final=False)
+        return sink.pieces
+
+    def finish(self, state: XmlCallState) -> list[Piece]:
+        sink = PieceSink()
+        buf, state.held = state.held, ""
+        self._run(state, buf, sink, final=True)
+        rest, state.held = state.held, ""
+        mode = state.mode
+        if mode in (CONTENT, CALL):
+            sink.content(rest)
+        elif mode == BLOCK:
+            sink.content((state.raw if state.block_calls == 0 else "") + rest)
+        elif mode == HEAD:
+            sink.content(state.raw + rest)  # a call cut off before its name is complete is not a call
+        elif mode == KEY:
+            sink.content(rest)  # an unfinished key: its text is kept, as content
+        elif mode == VALUE_OPEN:
+            self._start_value(state, sink)
+            self._end_value(state, sink)
+            sink.content(rest)
+        elif mode == VALUE:
+            self._value_text(state, sink, rest)
+            self._end_value(state, sink)
+        if mode in _IN_CALL:
+            self._end_call(state, sink)
+        state.mode = CONTENT
+        state.raw = ""
+        return sink.pieces
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def _types(self, state: XmlCallState) -> frozenset[str] | None:
+        tool = self.tools.get(state.function)
+        return tool_schema.param_types(tool.parameters if tool else None, state.key)
+
+    def _end_call(self, state: XmlCallState, sink: PieceSink) -> None:
+        sink.arguments(state.calls, "}")
+        state.calls += 1
+        state.block_calls += 1
+        state.raw = ""
+        state.function = ""
+        state.key = ""
+
+    def _release(self, state: XmlCallState, sink: PieceSink) -> None:
+        """The opener was not a call after all: its text is content, and scanning goes on from here."""
+        sink.content(state.raw)
+        state.raw = ""
+        state.mode = CONTENT
+        state.after_call = False
+
+    def _verify(self, buf: str, at: int, tag: str, final: bool) -> int:
+        """Is the end tag ending at ``at`` structural? YES, NO, or WAIT for more text."""
+        pos = skip_whitespace(buf, at)
+        if pos - at > MAX_LOOKAHEAD_WS:
+            return YES
+        if pos >= len(buf):
+            return YES if final else WAIT
+        rest = buf[pos:pos + 64]
+        followers = self._followers[tag]
+        if any(rest.startswith(f) for f in followers):
+            return YES
+        if not final and is_partial_tag(rest, followers):
+            return WAIT
+        return NO
+
+    def _trim_tail(self, text: str) -> str:
+        trim = self.FORMAT.trim
+        if trim == "newline":
+            return text[:-1] if text.endswith("\n") else text
+        if trim == "strip":
+            return text.rstrip(WHITESPACE)
+        return text
+
+    def _start_value(self, state: XmlCallState, sink: PieceSink) -> None:
+        types = self._types(state)
+        undeclared_text = types is None and self.FORMAT.undeclared == "string"
+        state.string_value = undeclared_text or tool_schema.streams_as_string(types)
+        state.value_started = False
+        state.value_parts = []
+        if state.string_value:
+            sink.arguments(state.calls, self._key_prefix(state) + '"')
+
+    def _key_prefix(self, state: XmlCallState) -> str:
+        return (", " if state.params else "") + dumps(state.key) + ": "
+
+    def _value_text(self, state: XmlCallState, sink: PieceSink, text: str) -> None:
+        if not text:
+            return
+        if state.string_value:
+            sink.arguments(state.calls, json_string_fragment(text))
+        else:
+            state.value_parts.append(text)
+
+    def _end_value(self, state: XmlCallState, sink: PieceSink) -> None:
+        if state.string_value:
+            sink.arguments(state.calls, '"')
+        else:
+            text = "".join(state.value_parts)
+            types = self._types(state)
+            if types is None:
+                value = tool_schema.convert(text, None, self.FORMAT.undeclared)
+            else:
+                value = tool_schema.convert(text if types & {"string"} else text.strip(), types)
+            sink.arguments(state.calls, self._key_prefix(state) + dumps(value))
+            state.value_parts = []
+        state.params += 1
+        state.string_value = True
+
+    def _run(self, state: XmlCallState, buf: str, sink: PieceSink, final: bool) -> None:
+        f = self.FORMAT
+        pos, n = 0, len(buf)
+        while pos < n:
+            mode = state.mode
+            if mode == CONTENT:
+                if state.after_call:
+                    pos = skip_whitespace(buf, pos)
+                    if pos >= n:
+                        return
+                    state.after_call = False
+                at, tag = find_tag(buf, pos, self._content_openers)
+                sink.content(buf[pos:at])
+                if tag is None:
+                    state.held = buf[at:]
+                    return
+                pos = at + len(tag)
+                state.raw = tag
+                state.block_calls = 0
+                state.mode = HEAD if (f.call_open is None or tag == f.call_open) else BLOCK
+            elif mode == BLOCK:
+                start = pos
+                pos = skip_whitespace(buf, pos)
+                if state.block_calls == 0:
+                    state.raw += buf[start:pos]
+                if pos >= n:
+                    return
+                if f.call_open and buf.startswith(f.call_open, pos):
+                    state.raw += f.call_open if state.block_calls == 0 else ""
+                    pos += len(f.call_open)
+                    state.mode = HEAD
+                elif buf.startswith(f.block_end, pos):
+                    pos += len(f.block_end)  # an empty block is markup only
+                    state.raw = ""
+                    state.mode = CONTENT
+                    state.after_call = True
+                elif buf.startswith(f.block_open, pos):
+                    if state.block_calls == 0:
+                        state.raw += f.block_open
+                    pos += len(f.block_open)
+                elif is_partial_tag(buf[pos:pos + 64], self._block_tags):
+                    state.held = buf[pos:]
+                    return
+                elif state.block_calls == 0:
+                    self._release(state, sink)
+                else:
+                    state.mode = CONTENT  # text after the block's calls without its end tag: content
+            elif mode == HEAD:
+                at, tag = find_tag(buf, pos, f.head_ends)
+                if tag is None or at - pos > MAX_NAME_CHARS:
+                    if at - pos > MAX_NAME_CHARS or n - pos > MAX_NAME_CHARS + 64:
+                        self._release(state, sink)
+                        continue
+                    state.held = buf[pos:]
+                    return
+                name = buf[pos:at].strip()
+                if f.quoted_names:
+                    name = _strip_quotes(name).strip()
+                if not name or any(c in name for c in "<>\n"):
+                    self._release(state, sink)
+                    continue
+                pos = at + len(tag) if tag in f.head_consumed else at
+                state.raw = ""
+                state.function = name
+                state.params = 0
+                state.mode = CALL
+                sink.name(state.calls, name)
+                sink.arguments(state.calls, "{")
+            elif mode == CALL:
+                pos = skip_whitespace(buf, pos)
+                if pos >= n:
+                    return
+                if buf.startswith(f.key_open, pos):
+                    pos += len(f.key_open)
+                    state.mode = KEY
+                elif buf.startswith(f.call_end, pos) or buf.startswith(f.block_end, pos):
+                    closes_block = buf.startswith(f.block_end, pos)
+                    pos += len(f.block_end) if closes_block else len(f.call_end)
+                    self._end_call(state, sink)
+                    if closes_block or f.call_open is None:
+                        state.mode = CONTENT
+                        state.after_call = True
+                    else:
+                        state.mode = BLOCK
+                elif (f.call_open and buf.startswith(f.call_open, pos)) or buf.startswith(f.block_open, pos):
+                    # the next call begins without this one's end tag: this one ends here
+                    self._end_call(state, sink)
+                    state.mode = BLOCK if f.call_open and buf.startswith(f.call_open, pos) else CONTENT
+                elif is_partial_tag(buf[pos:pos + 64], self._call_tags):
+                    state.held = buf[pos:]
+                    return
+                else:
+                    # stray text between parameters is the model's, not markup: content
+                    lt = buf.find("<", pos + 1)
+                    stop = n if lt == -1 else lt
+                    sink.content(buf[pos:stop])
+                    pos = stop
+            elif mode == KEY:
+                at, tag = find_tag(buf, pos, (f.key_end,))
+                if (tag is None and n - pos > MAX_KEY_CHARS) or (tag is not None and at - pos > MAX_KEY_CHARS):
+                    sink.content(f.key_open)  # not a key after all: the text goes on as the call's body
+                    state.mode = CALL
+                    continue
+                if tag is None:
+                    state.held = buf[pos:]
+                    return
+                key = buf[pos:at].strip()
+                state.key = _strip_quotes(key).strip() if f.quoted_names else key
+                pos = at + len(tag)
+                if f.value_open is None:
+                    state.mode = VALUE
+                    self._start_value(state, sink)
+                else:
+                    state.mode = VALUE_OPEN
+            elif mode == VALUE_OPEN:
+                while True:
+                    pos = skip_whitespace(buf, pos)
+                    if f.skip_escaped_newlines and buf.startswith("\\n", pos):
+                        pos += 2
+                        continue
+                    break
+                if pos >= n:
+                    return
+                if buf.startswith(f.value_open, pos):
+                    pos += len(f.value_open)
+                    state.mode = VALUE
+                    self._start_value(state, sink)
+                elif is_partial_tag(buf[pos:pos + 64], (f.value_open, "\\n")):
+                    state.held = buf[pos:]
+                    return
+                else:
+                    # a key without its value: an empty value, and the text goes on as the call's body
+                    self._start_value(state, sink)
+                    self._end_value(state, sink)
+                    state.mode = CALL
+            else:  # VALUE
+                if not state.value_started:
+                    if f.trim == "newline":
+                        state.value_started = True
+                        if buf[pos] == "\n":
+                            pos += 1
+                            continue
+                    elif f.trim == "strip":
+                        pos = skip_whitespace(buf, pos)
+                        if pos >= n:
+                            return
+                        state.value_started = True
+                    else:
+                        state.value_started = True
+                at, tag = find_tag(buf, pos, self._value_terms)
+                if tag is None:
+                    if final:
+                        self._value_text(state, sink, self._trim_tail(buf[pos:]))
+                        self._end_value(state, sink)
+                        state.mode = CALL
+                        return
+                    safe = pos + len(self._trim_tail(buf[pos:at]))  # trailing layout may still be dropped
+                    self._value_text(state, sink, buf[pos:safe])
+                    state.held = buf[safe:]
+                    return
+                verdict = self._verify(buf, at + len(tag), tag, final)
+                if verdict == NO:
+                    self._value_text(state, sink, buf[pos:at + len(tag)])
+                    pos = at + len(tag)
+                    continue
+                body = buf[pos:at]
+                kept = self._trim_tail(body)
+                if verdict == WAIT:
+                    self._value_text(state, sink, kept)
+                    state.held = buf[pos + len(kept):]
+                    return
+                self._value_text(state, sink, kept)
+                self._end_value(state, sink)
+                state.mode = CALL
+                pos = at + len(tag) if tag == f.value_end else at
