@@ -143,7 +143,16 @@ class XmlToolParser:
     def initial_state(self) -> XmlCallState:
         return XmlCallState()
 
+    def _coerce(self, state: XmlCallState) -> None:
+        """A client-sent state in a mode this family does not have (the state struct is shared) is read as
+        the nearest one it has, so a forged state never makes the parser raise."""
+        if state.mode == BLOCK and self.FORMAT.call_open is None:
+            state.mode = CONTENT
+        elif state.mode == VALUE_OPEN and self.FORMAT.value_open is None:
+            state.mode = VALUE
+
     def feed(self, state: XmlCallState, text: str) -> list[Piece]:
+        self._coerce(state)
         sink = PieceSink()
         buf = state.held + text if state.held else text
         state.held = ""
@@ -151,6 +160,7 @@ class XmlToolParser:
         return sink.pieces
 
     def finish(self, state: XmlCallState) -> list[Piece]:
+        self._coerce(state)
         sink = PieceSink()
         buf, state.held = state.held, ""
         self._run(state, buf, sink, final=True)
