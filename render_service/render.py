@@ -206,6 +206,26 @@ def build_sampling_params(
 # ---------------------------------------------------------------------------------------------- chat
 
 
+def _native_forced_call_prefix(config: RenderConfig, choice: str, named: str | None, token_ids: list[int]) -> str:
+    """For tool parser families whose models write XML calls (GLM, MiniMax-M2, Seed-OSS, Qwen3 XML), "required"
+    and named tool choice end the prompt with the opening of a call in the model's own syntax (closing an open
+    think block first) instead of constraining the output to JSON, which those models do not write."""
+    from render_service.parsers.pipeline import native_forced_tool_choice
+
+    if not native_forced_tool_choice(config.tool_call_parser, choice):
+        return ""
+    from render_service.parsers.registry import get_tool_parser
+
+    prefix = get_tool_parser(config.tool_call_parser).forced_call_prefix(named if choice == "named" else None)
+    cls = config.reasoning_parser_cls
+    if cls is not None:
+        from render_service.parsers.reasoning import reasoning_open_at_prompt_end
+
+        if reasoning_open_at_prompt_end(token_ids, config.tokenizer, cls) is True:
+            prefix = cls.end_tag + prefix
+    return prefix
+
+
 def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatTemplate:
     if req.chat_template is not None:
         if not config.trust_request_chat_template:
@@ -272,6 +292,9 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     token_ids, kwargs = render_chat_prompt(req, config)
+    forced_prefix = _native_forced_call_prefix(config, tool_choice, named, token_ids)
+    if forced_prefix:
+        token_ids = token_ids + config.tokenizer.encode(forced_prefix)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     max_tokens = resolve_max_tokens(requested, len(token_ids), config)
@@ -283,7 +306,8 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         config.tool_call_parser is not None and bool(req.tools) and tool_choice != "none"
     )
     skip_special = req.skip_special_tokens and not keep_special
-    structured = _structured_outputs(req) or tool_choice_structured_outputs(req.tools, tool_choice, named)
+    structured = _structured_outputs(req) or (
+        None if forced_prefix else tool_choice_structured_outputs(req.tools, tool_choice, named))
     params = build_sampling_params(
         req, config, max_tokens=max_tokens, logprobs=req.top_logprobs if req.logprobs else None,
         skip_special_tokens=skip_special, structured_outputs=structured,
@@ -291,7 +315,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     reasoning_ended = None
     reasoning_kwargs = None
     if config.reasoning_parser:
-        reasoning_ended = prompt_ends_reasoning(token_ids, config)
+        reasoning_ended = True if forced_prefix else prompt_ends_reasoning(token_ids, config)
         reasoning_kwargs = {"chat_template_kwargs": {
             **kwargs,
             "add_generation_prompt": req.add_generation_prompt,

@@ -123,6 +123,13 @@ def tool_call_id(request_id: str, choice_index: int, call_index: int, style: str
     return f"chatcmpl-tool-{digest.hex()[:32]}"
 
 
+def native_forced_tool_choice(tool_parser: str | None, tool_choice: str) -> bool:
+    """Whether "required" / named tool choice is written in the model's own call syntax (render ended the
+    prompt with the call's opening, ``forced_call_prefix``) instead of grammar-constrained JSON."""
+    return tool_choice in ("required", "named") and bool(tool_parser) and hasattr(
+        get_tool_parser(tool_parser), "forced_call_prefix")
+
+
 def call_id_style(tool_parser: str | None) -> str:
     """The configured parser family's id style; forced tool choice on that server uses it too."""
     if not tool_parser:
@@ -154,6 +161,8 @@ class Pipeline:
     @staticmethod
     def _make_tool_parser(config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
+        if native_forced_tool_choice(config.tool_parser, config.tool_choice):
+            return get_tool_parser(config.tool_parser)(tcfg)
         if config.tool_choice == "named" and config.named_function:
             return NamedToolChoiceParser(tcfg, config.named_function)
         if config.tool_choice == "required":
@@ -169,6 +178,9 @@ class Pipeline:
     ) -> PipelineState:
         """``reasoning_open_at_start``: a render-side hint; otherwise derived from the prompt tail."""
         reasoning_state = None
+        forced = native_forced_tool_choice(self.config.tool_parser, self.config.tool_choice)
+        if forced:
+            reasoning_open_at_start = False  # render closed reasoning and opened the call in the prompt
         if self.reasoning is not None and self.reasoning_cls is not None:
             is_open = reasoning_open_at_start
             if is_open is None:
@@ -182,7 +194,8 @@ class Pipeline:
         return PipelineState(
             detok=self.detok.initial_state(prompt_token_ids),
             reasoning=reasoning_state,
-            tools=self.tools.initial_state() if self.tools is not None else None,
+            tools=(self.tools.forced_state(self.config.named_function if self.config.tool_choice == "named" else None)
+                   if forced else self.tools.initial_state()) if self.tools is not None else None,
         )
 
     def restore_state(self, raw: Any) -> PipelineState:

@@ -38,7 +38,10 @@ GLM_FORMAT = XmlFormat(
 class Glm45ToolParser(XmlToolParser):
     name: ClassVar[str] = "glm45"
     FORMAT: ClassVar[XmlFormat] = GLM_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<tool_call>"
+    FORCED_NAMED: ClassVar[str] = "<tool_call>{name}\n"
 
 
 class Glm47ToolParser(Glm45ToolParser):
     name: ClassVar[str] = "glm47"
+    FORCED_NAMED: ClassVar[str] = "<tool_call>{name}"  # GLM-4.7's template writes no newline after the name

@@ -35,3 +35,5 @@ MINIMAX_M2_FORMAT = XmlFormat(
 class MiniMaxM2ToolParser(XmlToolParser):
     name: ClassVar[str] = "minimax_m2"
     FORMAT: ClassVar[XmlFormat] = MINIMAX_M2_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<minimax:tool_call>\n"
+    FORCED_NAMED: ClassVar[str] = "<minimax:tool_call>\n<invoke name=\"{name}\">\n"

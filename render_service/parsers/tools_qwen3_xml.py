@@ -39,3 +39,5 @@ QWEN3_XML_FORMAT = XmlFormat(
 class Qwen3XmlToolParser(XmlToolParser):
     name: ClassVar[str] = "qwen3_xml"
     FORMAT: ClassVar[XmlFormat] = QWEN3_XML_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<tool_call>\n"
+    FORCED_NAMED: ClassVar[str] = "<tool_call>\n<function={name}>\n"

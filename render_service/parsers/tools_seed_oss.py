@@ -34,3 +34,5 @@ SEED_OSS_FORMAT = XmlFormat(
 class SeedOssToolParser(XmlToolParser):
     name: ClassVar[str] = "seed_oss"
     FORMAT: ClassVar[XmlFormat] = SEED_OSS_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<seed:tool_call>\n"
+    FORCED_NAMED: ClassVar[str] = "<seed:tool_call>\n<function={name}>\n"

@@ -110,9 +110,12 @@ class XmlCallState(msgspec.Struct):
     string_value: bool = True  # the current value streams as a JSON string (else held in value_parts)
     value_started: bool = False  # the value's leading layout is behind us
     value_parts: list[str] = []
+    # forced tool choice: the call opening that render put at the end of the prompt, read before the output
+    prefix: str = ""
 
     def __post_init__(self) -> None:
-        require(len(self.held) <= 65536 and len(self.raw) <= 65536, "held text within bounds")
+        require(len(self.held) <= 65536 and len(self.raw) <= 65536 and len(self.prefix) <= 1024,
+                "held text within bounds")
         require(self.mode not in _IN_CALL or bool(self.function), "a call in progress has a name")
         require(not self.value_parts or (self.mode == VALUE and not self.string_value), "a held value only inside one")
 
@@ -129,6 +132,8 @@ class XmlToolParser:
     name: ClassVar[str]
     FORMAT: ClassVar[XmlFormat]
     State: ClassVar[type[msgspec.Struct]] = XmlCallState
+    FORCED_REQUIRED: ClassVar[str]
+    FORCED_NAMED: ClassVar[str]  # str.format template with {name}
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.tools = tools_by_name(config.tools if config is not None else [])
@@ -143,6 +148,19 @@ class XmlToolParser:
     def initial_state(self) -> XmlCallState:
         return XmlCallState()
 
+    # forced tool choice in the model's own syntax ----------------------------------------------------
+    # "required" / named tool choice do not constrain the output to JSON for these families (their models
+    # write XML, vllm#39056): render ends the prompt with the opening of a call instead, the model writes the
+    # rest in its own markup, and the parser starts as if it had read that opening.
+
+    @classmethod
+    def forced_call_prefix(cls, name: str | None) -> str:
+        """The text render appends to the prompt: a block opener ("required") or a named call's head."""
+        return cls.FORCED_REQUIRED if name is None else cls.FORCED_NAMED.format(name=name)
+
+    def forced_state(self, name: str | None) -> XmlCallState:
+        return XmlCallState(prefix=self.forced_call_prefix(name))
+
     def _coerce(self, state: XmlCallState) -> None:
         """A client-sent state in a mode this family does not have (the state struct is shared) is read as
         the nearest one it has, so a forged state never makes the parser raise."""
@@ -156,13 +174,16 @@ class XmlToolParser:
         sink = PieceSink()
         buf = state.held + text if state.held else text
         state.held = ""
+        if state.prefix:
+            buf, state.prefix = state.prefix + buf, ""
         self._run(state, buf, sink, final=False)
         return sink.pieces
 
     def finish(self, state: XmlCallState) -> list[Piece]:
         self._coerce(state)
         sink = PieceSink()
-        buf, state.held = state.held, ""
+        buf, state.held = state.prefix + state.held, ""
+        state.prefix = ""
         self._run(state, buf, sink, final=True)
         rest, state.held = state.held, ""
         mode = state.mode

@@ -1,0 +1,113 @@
+"""Forced tool choice ("required", named) in the model's own call syntax for the XML families: render ends the
+prompt with the opening of a call (closing an open think block first) and constrains nothing to JSON; derender
+reads the model's continuation with the family's parser, as if it had written the opening itself.
+
+Real components: our render and derender functions, Qwen3's real tokenizer with Qwen3-Coder's real template
+(qwen3_xml) and GLM-4.7's real template with the GLM test tokenizer (tests/family_bundles.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from render_service.derender import pipeline_config
+from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
+from render_service.protocol import ChatCompletionRequest
+from render_service.render import build_render_config, render_chat
+from render_service.bundle import load_bundle
+from tests.family_bundles import TEMPLATES, write_family_bundle
+from tests.shared_paths import QWEN3_FIXTURE_DIR
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def request(tool_choice, **extra) -> ChatCompletionRequest:
+    return msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                            "tools": [WEATHER, TIME], "tool_choice": tool_choice, **extra}, ChatCompletionRequest)
+
+
+@pytest.fixture(scope="module")
+def qwen3_xml_config():
+    bundle = load_bundle(QWEN3_FIXTURE_DIR)
+    return build_render_config(bundle, served_model_names=["m"], reasoning_parser="qwen3", tool_call_parser="qwen3_xml",
+                               chat_template=(TEMPLATES / "qwen3-coder.jinja").read_text(encoding="utf-8"))
+
+
+def derender(config, req, gen, output: str, one_token: bool = False) -> dict:
+    pcfg = pipeline_config(config, req, request_id=gen.request_id, choice_index=0)
+    pipeline = Pipeline(config.tokenizer, pcfg)
+    ids = config.tokenizer.encode(output)
+    if not one_token:
+        return derender_all(pipeline, ids, prompt_token_ids=gen.token_ids,
+                            reasoning_open_at_start=None if gen.reasoning_ended is None else not gen.reasoning_ended)[0]
+    state = pipeline.initial_state(gen.token_ids)
+    acc = MessageAccumulator()
+    for t in ids:
+        state = pipeline.restore_state(msgspec.msgpack.decode(msgspec.msgpack.encode(state)))
+        acc.add(pipeline.feed(state, [t]))
+    acc.add(pipeline.finish(state))
+    return acc.message(True)
+
+
+def test_named_choice_opens_the_named_call_in_the_prompt_and_constrains_nothing(qwen3_xml_config):
+    config = qwen3_xml_config
+    req = request({"type": "function", "function": {"name": "get_weather"}})
+    gen = render_chat(req, config)
+    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n")
+    assert gen.sampling_params.structured_outputs is None
+    assert gen.reasoning_ended is True
+    output = "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    batch = derender(config, req, gen, output)
+    assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+    assert batch["content"] == "" and batch["reasoning"] is None
+    assert derender(config, req, gen, output, one_token=True) == batch
+
+
+def test_required_choice_opens_a_block_and_the_model_picks_the_call(qwen3_xml_config):
+    config = qwen3_xml_config
+    req = request("required")
+    gen = render_chat(req, config)
+    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith("assistant\n<tool_call>\n")
+    assert gen.sampling_params.structured_outputs is None
+    output = "<function=get_time>\n</function>\n</tool_call>"
+    batch = derender(config, req, gen, output)
+    assert [c["function"] for c in batch["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
+    assert derender(config, req, gen, output, one_token=True) == batch
+
+
+def test_a_cut_off_forced_call_still_has_object_arguments(qwen3_xml_config):
+    config = qwen3_xml_config
+    req = request({"type": "function", "function": {"name": "get_weather"}})
+    gen = render_chat(req, config)
+    batch = derender(config, req, gen, "<parameter=city>\nOs")
+    assert json.loads(batch["tool_calls"][0]["function"]["arguments"]) == {"city": "Os"}
+
+
+def test_hermes_keeps_the_json_grammar():
+    bundle = load_bundle(QWEN3_FIXTURE_DIR)
+    config = build_render_config(bundle, served_model_names=["m"], tool_call_parser="hermes")
+    gen = render_chat(request("required"), config)
+    assert gen.sampling_params.structured_outputs is not None
+
+
+@pytest.mark.slow
+def test_glm47_closes_the_open_think_block_before_the_call(tmp_path):
+    bundle = load_bundle(write_family_bundle("glm47", tmp_path / "glm"))
+    config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="glm47", tool_call_parser="glm47",
+                                 chat_template=(TEMPLATES / "glm-4.7-flash.jinja").read_text(encoding="utf-8"))
+    req = request({"type": "function", "function": {"name": "get_weather"}})
+    gen = render_chat(req, config)
+    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith(
+        "<|assistant|><think></think><tool_call>get_weather")
+    output = "<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+    batch = derender(config, req, gen, output)
+    assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert batch["reasoning"] is None
+    assert derender(config, req, gen, output, one_token=True) == batch
