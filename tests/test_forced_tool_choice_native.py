@@ -111,3 +111,13 @@ def test_glm47_closes_the_open_think_block_before_the_call(tmp_path):
     assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert batch["reasoning"] is None
     assert derender(config, req, gen, output, one_token=True) == batch
+
+
+def test_tool_choice_none_leaves_the_markup_in_content(qwen3_xml_config):
+    config = qwen3_xml_config
+    req = request("none")
+    gen = render_chat(req, config)
+    assert gen.sampling_params.structured_outputs is None
+    output = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+    batch = derender(config, req, gen, output)
+    assert batch["tool_calls"] == [] and batch["content"] == output

@@ -9,17 +9,17 @@ from __future__ import annotations
 import functools
 import json
 
-import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from render_service.bundle import load_bundle
 from render_service.parsers.base import ReasoningParserConfig, ToolSpec
-from render_service.parsers.pipeline import MessageAccumulator, Pipeline, PipelineConfig, derender_all
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.parsers.reasoning import reasoning_open_at_prompt_end
 from render_service.parsers.registry import get_reasoning_parser, reasoning_parser_names
 from tests.family_bundles import write_family_bundle
+from tests.test_pipeline import stream_fold
 from tests.test_reasoning_parsers import run
 
 
@@ -126,18 +126,6 @@ def bundles_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("family-pipeline"))
 
 
-def stream(pipeline: Pipeline, ids, cuts, prompt) -> dict:
-    state = pipeline.initial_state(prompt)
-    acc = MessageAccumulator()
-    start = 0
-    for c in [*cuts, len(ids)]:
-        state = pipeline.restore_state(msgspec.msgpack.decode(msgspec.msgpack.encode(state)))
-        acc.add(pipeline.feed(state, ids[start:c]))
-        start = c
-    acc.add(pipeline.finish(state))
-    return acc.message()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(SCENARIOS))
 def test_one_token_streaming_equals_batch_with_the_familys_tokens(bundles_root, family):
@@ -148,8 +136,8 @@ def test_one_token_streaming_equals_batch_with_the_familys_tokens(bundles_root, 
     prompt = tok.encode(prompt_tail) if prompt_tail else None
     ids = tok.encode(text)
     batch, _ = derender_all(pipeline, ids, prompt_token_ids=prompt)
-    assert stream(pipeline, ids, list(range(1, len(ids))), prompt) == batch
-    assert stream(pipeline, ids, [len(ids) // 3, len(ids) // 2], prompt) == batch
+    assert stream_fold(pipeline, ids, list(range(1, len(ids))), prompt) == batch
+    assert stream_fold(pipeline, ids, [len(ids) // 3, len(ids) // 2], prompt) == batch
     assert "eather" in (batch["reasoning"] or "")
     assert batch["tool_calls"][0]["function"]["name"] == "get_weather"
     for call in batch["tool_calls"]:

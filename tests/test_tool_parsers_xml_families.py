@@ -23,6 +23,7 @@ from render_service.parsers.base import ToolCallPiece, ToolParserConfig, ToolSpe
 from render_service.parsers.tool_registry import get_tool_parser
 from tests.test_tool_parsers_common import (
     ARG_TEXT,
+    _mutate,
     WEATHER_TOOLS,
     args_of,
     names_of,
@@ -308,25 +309,6 @@ def test_property_adversarial_token_soup_keeps_both_invariants(family, data):
     text = "".join(data.draw(st.lists(st.sampled_from(VOCABULARY[family]), max_size=30)))
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
     check_all(family, text, cuts=cuts)
-
-
-def _mutate(value, draw):
-    if isinstance(value, msgspec.Struct):
-        for field in value.__struct_fields__:
-            setattr(value, field, _mutate(getattr(value, field), draw))
-        return value
-    if not draw(st.booleans()):
-        return value
-    if isinstance(value, bool):
-        return draw(st.booleans())
-    if isinstance(value, int):
-        return draw(st.integers(0, 8))
-    if isinstance(value, str):
-        return "".join(draw(st.lists(st.sampled_from(["<", ">", "x", "\n", "</parameter>", "<tool_call>", "\""]),
-                                     max_size=5)))
-    if isinstance(value, list):
-        return draw(st.lists(st.sampled_from(["x", "", "1"]), max_size=3))
-    return value
 
 
 @settings(max_examples=60, deadline=None)

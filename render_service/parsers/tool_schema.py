@@ -147,20 +147,24 @@ def _finite(value: Any, depth: int = 0) -> bool:
     return value is None or isinstance(value, (str, int, bool))
 
 
-def _as_structured(text: str, want: type) -> Any:
+def _literals(text: str):
+    """What ``text`` reads as: JSON first, then a Python literal (what models write: single quotes, True)."""
     for parse in (json.loads, ast.literal_eval):
         try:
             value = parse(text)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             continue
-        if isinstance(value, tuple):
-            value = list(value)
         if isinstance(value, str) and parse is json.loads:
             # a JSON string holding the object ('"{\"a\": 1}"'): decode once more
             try:
                 value = json.loads(value)
             except ValueError:
                 continue
+        yield list(value) if isinstance(value, tuple) else value
+
+
+def _as_structured(text: str, want: type) -> Any:
+    for value in _literals(text):
         if isinstance(value, want) and _finite(value):
             return value
     raise ValueError(text)
@@ -204,14 +208,7 @@ def convert(text: str, types: frozenset[str] | None, undeclared: str = "string")
 
 
 def _any_literal(text: str) -> Any:
-    stripped = text.strip()
-    for parse in (json.loads, ast.literal_eval):
-        try:
-            value = parse(stripped)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-        if isinstance(value, tuple):
-            value = list(value)
+    for value in _literals(text.strip()):
         if _finite(value):
             return value
     return text

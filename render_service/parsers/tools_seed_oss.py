@@ -14,21 +14,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import msgspec
+
+from render_service.parsers.tools_qwen3_xml import QWEN3_XML_FORMAT
 from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
 
-SEED_OSS_FORMAT = XmlFormat(
-    block_open="<seed:tool_call>",
-    block_end="</seed:tool_call>",
-    call_open="<function=",
-    head_ends=(">",),
-    head_consumed=(">",),
-    call_end="</function>",
-    key_open="<parameter=",
-    key_end=">",
-    value_open=None,
-    value_end="</parameter>",
-    trim="newline",
-)
+SEED_OSS_FORMAT = msgspec.structs.replace(
+    QWEN3_XML_FORMAT, block_open="<seed:tool_call>", block_end="</seed:tool_call>", bare_call_open=False)
 
 
 class SeedOssToolParser(XmlToolParser):
