@@ -356,3 +356,15 @@ def test_registry_names_match_upstream():
     for family in FAMILIES:
         assert get_tool_parser(family).name == family
     assert re.fullmatch(r"[a-z0-9_]+", "minimax_m2")
+
+
+@pytest.mark.parametrize("family", ("minimax_m2", "seed_oss", "qwen3_xml"))
+def test_a_block_opener_followed_by_a_page_of_whitespace_is_content_in_every_chunking(family):
+    opener = write_call(family, "get_time", []).split("\n")[0]
+    text = opener + "\n" * 600 + write_call(family, "get_time", [])[len(opener):]
+    r = check_all(family, text, cuts=[len(opener) + 100, len(opener) + 550])
+    parser = get_tool_parser(family)(WEATHER_TOOLS)
+    state = parser.initial_state()
+    parser.feed(state, opener + "\n" * 600)
+    assert len(msgspec.msgpack.encode(state)) < 1024  # the state stays bounded
+    assert r.content is not None

@@ -49,6 +49,8 @@ CONTENT, BLOCK, HEAD, CALL, KEY, VALUE_OPEN, VALUE = range(7)
 _IN_CALL = (CALL, KEY, VALUE_OPEN, VALUE)
 
 MAX_KEY_CHARS = 256
+# Whitespace (and the call opener) allowed between a block opener and its first call.
+MAX_BLOCK_LAYOUT = 512
 # Whitespace allowed between a value's end tag and the structural tag that confirms it.
 MAX_LOOKAHEAD_WS = 64
 
@@ -312,6 +314,11 @@ class XmlToolParser:
                 pos = skip_whitespace(buf, pos)
                 if state.block_calls == 0:
                     state.raw += buf[start:pos]
+                    if len(state.raw) > MAX_BLOCK_LAYOUT:
+                        # an opener followed by a page of whitespace is not a block: its text is content
+                        # (decided before the next text is read, so every chunking decides alike)
+                        self._release(state, sink)
+                        continue
                 if pos >= n:
                     return
                 if f.call_open and buf.startswith(f.call_open, pos):
