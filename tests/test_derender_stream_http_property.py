@@ -1,5 +1,5 @@
 """Streaming derender over HTTP, end to end: batch equals the fold of the streamed chunks for random chunkings
-(tags and emoji spelled byte by byte across chunks) on five parser combinations; role chunk first, one finish
+(tags and emoji spelled byte by byte across chunks) on nine parser combinations; role chunk first, one finish
 chunk, usage (per chunk and final), n>1 choice indexes and token id echo."""
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ COMBINATIONS = {
     "qwen3+pythonic": (
         {"reasoning_parser": "qwen3", "tool_call_parser": "pythonic"},
         '<think>x 😀</think>[get_weather(city="Paris 🌧")]'),
+    # the XML families over Qwen3's tokenizer: their tags are spelled with ordinary sub-tokens here
+    "qwen3+qwen3_xml": (
+        {"reasoning_parser": "qwen3", "tool_call_parser": "qwen3_xml"},
+        '<think>\nplan 😀\n</think>\n\nSure.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis 🌧\n'
+        '</parameter>\n</function>\n</tool_call>\nDone.'),
+    "glm45": (
+        {"reasoning_parser": "glm45", "tool_call_parser": "glm45"},
+        '<think>plan 😀</think>\nSure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris 🌧'
+        '</arg_value>\n</tool_call>'),
+    "minimax_m2": (
+        {"reasoning_parser": "minimax_m2", "tool_call_parser": "minimax_m2"},
+        'plan 😀\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris 🌧'
+        '</parameter>\n</invoke>\n</minimax:tool_call>'),
+    "seed_oss": (
+        {"reasoning_parser": "seed_oss", "tool_call_parser": "seed_oss"},
+        '<seed:think>plan 😀</seed:think>Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris 🌧'
+        '</parameter>\n</function>\n</seed:tool_call>'),
 }
 
 
