@@ -368,3 +368,13 @@ def test_a_block_opener_followed_by_a_page_of_whitespace_is_content_in_every_chu
     parser.feed(state, opener + "\n" * 600)
     assert len(msgspec.msgpack.encode(state)) < 1024  # the state stays bounded
     assert r.content is not None
+
+
+def test_minimax_trailing_whitespace_hold_back_is_bounded_and_chunking_independent():
+    text = write_call("minimax_m2", "send", [("text", "a" + " " * 200 + "b" + " " * 300)])
+    r = check_all("minimax_m2", text, cuts=[40, 90, 260, 400])
+    assert args_of(r) == [{"text": "a" + " " * 200 + "b" + " " * 236}]  # 64 trailing blanks are layout
+    parser = get_tool_parser("minimax_m2")(WEATHER_TOOLS)
+    state = parser.initial_state()
+    parser.feed(state, text[: text.index("b") + 300])
+    assert len(state.held) <= 64

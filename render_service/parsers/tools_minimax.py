@@ -7,7 +7,8 @@
     </minimax:tool_call>
 
 Names and keys may be quoted with ``"`` or ``'`` (or not at all); values lose their leading and trailing
-whitespace (upstream strips them); a parameter the schema does not declare stays a string.
+whitespace (upstream strips them; we drop at most 64 trailing whitespace characters, so what streaming
+holds back stays bounded); a parameter the schema does not declare stays a string.
 """
 
 from __future__ import annotations

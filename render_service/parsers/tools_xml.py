@@ -51,6 +51,8 @@ _IN_CALL = (CALL, KEY, VALUE_OPEN, VALUE)
 MAX_KEY_CHARS = 256
 # Whitespace (and the call opener) allowed between a block opener and its first call.
 MAX_BLOCK_LAYOUT = 512
+# Trailing whitespace of a value that "strip" trimming may still drop (held back while streaming).
+MAX_TRAILING_WS = 64
 # Whitespace allowed between a value's end tag and the structural tag that confirms it.
 MAX_LOOKAHEAD_WS = 64
 
@@ -251,7 +253,9 @@ class XmlToolParser:
         if trim == "newline":
             return text[:-1] if text.endswith("\n") else text
         if trim == "strip":
-            return text.rstrip(WHITESPACE)
+            # at most MAX_TRAILING_WS characters are layout: what streaming holds back stays bounded
+            run = len(text) - len(text.rstrip(WHITESPACE))
+            return text[:len(text) - min(run, MAX_TRAILING_WS)]
         return text
 
     def _start_value(self, state: XmlCallState, sink: PieceSink) -> None:
