@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             us = measure(toks[FAMILIES[f][3]], f, outputs[f], 1)
             rows[f]["us_per_token"] = min(rows[f]["us_per_token"], us)
     base = rows["hermes"]["us_per_token"]
-    for f, row in rows.items():
+    for row in rows.values():
         row["us_per_token"] = round(row["us_per_token"], 2)
         row["vs_hermes"] = round(row["us_per_token"] / base, 2)
     result = {

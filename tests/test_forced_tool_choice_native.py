@@ -9,16 +9,15 @@ Real components: our render and derender functions, Qwen3's real tokenizer with 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import msgspec
 import pytest
 
+from render_service.bundle import load_bundle
 from render_service.derender import pipeline_config
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
 from render_service.protocol import ChatCompletionRequest
 from render_service.render import build_render_config, render_chat
-from render_service.bundle import load_bundle
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 

@@ -114,7 +114,7 @@ SCENARIOS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(family: str, root: str):
     from pathlib import Path
 

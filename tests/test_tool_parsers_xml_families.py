@@ -23,8 +23,8 @@ from render_service.parsers.base import ToolCallPiece, ToolParserConfig, ToolSpe
 from render_service.parsers.tool_registry import get_tool_parser
 from tests.test_tool_parsers_common import (
     ARG_TEXT,
-    _mutate,
     WEATHER_TOOLS,
+    _mutate,
     args_of,
     names_of,
     parse,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _TYPE_ALIASES = {
@@ -147,7 +148,7 @@ def _finite(value: Any, depth: int = 0) -> bool:
     return value is None or isinstance(value, (str, int, bool))
 
 
-def _literals(text: str):
+def _literals(text: str) -> Iterator[Any]:
     """What ``text`` reads as: JSON first, then a Python literal (what models write: single quotes, True)."""
     for parse in (json.loads, ast.literal_eval):
         try:
@@ -170,7 +171,7 @@ def _as_structured(text: str, want: type) -> Any:
     raise ValueError(text)
 
 
-_CONVERTERS = {
+_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "integer": _as_int,
     "number": _as_number,
     "boolean": _as_bool,

@@ -24,12 +24,13 @@ value that the trim rule may drop.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from enum import IntEnum
+from typing import ClassVar
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers import tool_schema
+from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     WHITESPACE,
@@ -39,13 +40,25 @@ from render_service.parsers.tools_common import (
     find_tag,
     is_partial_tag,
     json_string_fragment,
-    mode_field,
     require,
     skip_whitespace,
     tools_by_name,
 )
 
-CONTENT, BLOCK, HEAD, CALL, KEY, VALUE_OPEN, VALUE = range(7)
+
+class XmlMode(IntEnum):
+    """Where an XML-family stream is. Travels in stream_state as its int."""
+
+    CONTENT = 0  # outside any call
+    BLOCK = 1  # inside a block opener, between calls
+    HEAD = 2  # reading a call's name
+    CALL = 3  # inside a call, between parameters
+    KEY = 4  # reading a parameter's key
+    VALUE_OPEN = 5  # between a key and its value's opening tag (GLM)
+    VALUE = 6  # inside a value
+
+
+CONTENT, BLOCK, HEAD, CALL, KEY, VALUE_OPEN, VALUE = XmlMode  # the hot loop compares against globals
 _IN_CALL = (CALL, KEY, VALUE_OPEN, VALUE)
 
 MAX_KEY_CHARS = 256
@@ -102,7 +115,7 @@ class XmlFormat(msgspec.Struct, frozen=True):
 
 
 class XmlCallState(msgspec.Struct):
-    mode: mode_field(7) = CONTENT
+    mode: XmlMode = CONTENT
     held: str = ""
     calls: Count = 0  # calls started so far; the index of the call in progress
     raw: str = ""  # markup since the block opener, kept until the block's first call is named
@@ -421,11 +434,12 @@ class XmlToolParser:
                     break
                 if pos >= n:
                     return
-                if buf.startswith(f.value_open, pos):
-                    pos += len(f.value_open)
+                value_open = f.value_open or ""
+                if buf.startswith(value_open, pos):
+                    pos += len(value_open)
                     state.mode = VALUE
                     self._start_value(state, sink)
-                elif is_partial_tag(buf[pos:pos + 64], (f.value_open, "\\n")):
+                elif is_partial_tag(buf[pos:pos + 64], (value_open, "\\n")):
                     state.held = buf[pos:]
                     return
                 else:
