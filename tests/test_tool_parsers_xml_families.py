@@ -231,6 +231,11 @@ def test_an_opener_that_is_not_a_call_is_content(family):
     text = f"The tag {opener} <b>is</b> how calls start."
     r = check_all(family, text)
     assert r.calls == [] and r.content == text
+    if family.startswith("glm"):
+        # released as soon as the text cannot be a name, not after a wait
+        parser = get_tool_parser(family)(WEATHER_TOOLS)
+        pieces = parser.feed(parser.initial_state(), f"The tag {opener} <b>is")
+        assert "".join(p.text for p in pieces if not isinstance(p, ToolCallPiece)).startswith(f"The tag {opener} ")
 
 
 def test_qwen3_xml_agrees_with_qwen3_coder_on_well_formed_calls():

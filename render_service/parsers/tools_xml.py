@@ -24,6 +24,7 @@ value that the trim rule may drop.
 
 from __future__ import annotations
 
+import re
 from enum import IntEnum
 from typing import ClassVar
 
@@ -70,6 +71,8 @@ MAX_TRAILING_WS = 64
 MAX_LOOKAHEAD_WS = 64
 
 YES, NO, WAIT = range(3)
+
+_NOT_IN_NAME = re.compile(r"[<>\n]")
 
 
 class XmlFormat(msgspec.Struct, frozen=True):
@@ -360,6 +363,10 @@ class XmlToolParser:
                     state.mode = CONTENT  # text after the block's calls without its end tag: content
             elif mode == HEAD:
                 at, tag = find_tag(buf, pos, f.head_ends)
+                if _NOT_IN_NAME.search(buf, pos, at) is not None:
+                    # a name never holds these: prose after an opener is content at once, not after a wait
+                    self._release(state, sink)
+                    continue
                 if tag is None or at - pos > MAX_NAME_CHARS:
                     if at - pos > MAX_NAME_CHARS or n - pos > MAX_NAME_CHARS + 64:
                         self._release(state, sink)
