@@ -17,7 +17,7 @@ from render_service.bundle import load_bundle
 from render_service.parsers.base import ReasoningParserConfig, ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.parsers.reasoning import reasoning_open_at_prompt_end
-from render_service.parsers.registry import get_reasoning_parser, reasoning_parser_names
+from render_service.parsers.registry import REASONING_PARSERS, get_reasoning_parser
 from tests.family_bundles import write_family_bundle
 from tests.test_pipeline import stream_fold
 from tests.test_reasoning_parsers import run
@@ -28,8 +28,7 @@ def parser(name, **config):
 
 
 def test_upstream_names_are_registered():
-    assert {"glm45", "glm47", "minimax_m2", "minimax_m2_append_think", "seed_oss", "qwen3"} <= set(
-        reasoning_parser_names())
+    assert {"glm45", "glm47", "minimax_m2", "minimax_m2_append_think", "seed_oss", "qwen3"} <= set(REASONING_PARSERS)
 
 
 @pytest.mark.parametrize("name", ["glm45", "glm47", "minimax_m2"])

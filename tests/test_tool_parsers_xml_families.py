@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from render_service.parsers import tool_schema
 from render_service.parsers.base import ToolCallPiece, ToolParserConfig, ToolSpec
-from render_service.parsers.tool_registry import get_tool_parser
+from render_service.parsers.registry import get_tool_parser
 from tests.test_tool_parsers_common import (
     ARG_TEXT,
     WEATHER_TOOLS,

@@ -126,7 +126,7 @@ def tool_call_id(request_id: str, choice_index: int, call_index: int, style: str
 def native_forced_tool_choice(tool_parser: str | None, tool_choice: str) -> bool:
     """Whether "required" / named tool choice is written in the model's own call syntax (render ended the
     prompt with the call's opening, ``forced_call_prefix``) instead of grammar-constrained JSON."""
-    return tool_choice in ("required", "named") and bool(tool_parser) and hasattr(
+    return tool_choice in ("required", "named") and tool_parser is not None and hasattr(
         get_tool_parser(tool_parser), "forced_call_prefix")
 
 
@@ -161,7 +161,7 @@ class Pipeline:
     @staticmethod
     def _make_tool_parser(config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
-        if native_forced_tool_choice(config.tool_parser, config.tool_choice):
+        if config.tool_parser is not None and native_forced_tool_choice(config.tool_parser, config.tool_choice):
             return get_tool_parser(config.tool_parser)(tcfg)
         if config.tool_choice == "named" and config.named_function:
             return NamedToolChoiceParser(tcfg, config.named_function)

@@ -32,17 +32,14 @@ import msgspec
 
 from render_service.parsers import tool_schema
 from render_service.parsers.base import Piece, ToolParserConfig
+from render_service.parsers.json_scan import dumps, json_string_fragment
+from render_service.parsers.tags import find_tag, is_partial_tag, skip_whitespace
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     WHITESPACE,
     Count,
     PieceSink,
-    dumps,
-    find_tag,
-    is_partial_tag,
-    json_string_fragment,
     require,
-    skip_whitespace,
     tools_by_name,
 )
 
@@ -130,6 +127,7 @@ class XmlCallState(msgspec.Struct):
     string_value: bool = True  # the current value streams as a JSON string (else held in value_parts)
     value_started: bool = False  # the value's leading layout is behind us
     value_parts: list[str] = []
+    stray: bool = False  # inside text between parameters that is not markup (content up to the next "<")
     # forced tool choice: the call opening that render put at the end of the prompt, read before the output
     prefix: str = ""
 
@@ -235,6 +233,7 @@ class XmlToolParser:
         return tool_schema.param_types(tool.parameters if tool else None, state.key)
 
     def _end_call(self, state: XmlCallState, sink: PieceSink) -> None:
+        state.stray = False
         sink.arguments(state.calls, "}")
         state.calls += 1
         state.block_calls += 1
@@ -387,6 +386,14 @@ class XmlToolParser:
                 sink.name(state.calls, name)
                 sink.arguments(state.calls, "{")
             elif mode == CALL:
+                if state.stray:
+                    # stray text runs to the next "<", its whitespace included, however it is chunked
+                    lt = buf.find("<", pos)
+                    stop = n if lt == -1 else lt
+                    sink.content(buf[pos:stop])
+                    pos = stop
+                    state.stray = lt == -1
+                    continue
                 pos = skip_whitespace(buf, pos)
                 if pos >= n:
                     return
@@ -411,10 +418,9 @@ class XmlToolParser:
                     return
                 else:
                     # stray text between parameters is the model's, not markup: content
-                    lt = buf.find("<", pos + 1)
-                    stop = n if lt == -1 else lt
-                    sink.content(buf[pos:stop])
-                    pos = stop
+                    sink.content(buf[pos])
+                    pos += 1
+                    state.stray = True
             elif mode == KEY:
                 at, tag = find_tag(buf, pos, (f.key_end,))
                 if (tag is None and n - pos > MAX_KEY_CHARS) or (tag is not None and at - pos > MAX_KEY_CHARS):
