@@ -25,7 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from render_service.tokenizer import remember_merge_proof
+from render_service.tiktoken_fast_path import remember_merge_proof
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
