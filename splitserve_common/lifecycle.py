@@ -93,7 +93,7 @@ class OpsMiddleware:
         self.openapi = openapi  # served at GET /openapi.json (see splitserve_common.openapi)
         self.timing = timing
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -108,7 +108,7 @@ class OpsMiddleware:
         streaming = False
         started = time.perf_counter()
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: dict[str, Any]) -> None:
             nonlocal status, streaming
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -185,6 +185,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def wrap_app(app: Any, lifecycle: Lifecycle, *, access_log: bool = True,
-             openapi: dict | None = None, timing: RequestTiming | None = None) -> OpsMiddleware:
+             openapi: dict[str, Any] | None = None, timing: RequestTiming | None = None) -> OpsMiddleware:
     body = json.dumps(openapi).encode() if openapi is not None else None
     return OpsMiddleware(app, lifecycle, access_log=access_log, openapi=body, timing=timing)

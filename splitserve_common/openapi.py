@@ -38,7 +38,8 @@ def build_openapi(title: str, version: str, operations: list[Operation], error_t
     def schema_of(shapes: Any) -> dict[str, Any]:
         if isinstance(shapes, tuple):
             return by_type[shapes[0]] if len(shapes) == 1 else {"anyOf": [by_type[t] for t in shapes]}
-        return by_type[shapes]
+        schema: dict[str, Any] = by_type[shapes]
+        return schema
     error = {"description": "OpenAI-style error", "content": {"application/json": {"schema": by_type[error_type]}}}
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
