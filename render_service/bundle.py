@@ -164,21 +164,26 @@ def template_special_tokens(tokenizer_config: dict) -> dict[str, str]:
     return tokens
 
 
-def load_bundle(path: str | Path, max_model_len: int | None = None, *, fast_tokenizer: bool = True) -> ModelBundle:
+def load_bundle(path: str | Path, max_model_len: int | None = None, *, fast_tokenizer: bool = True,
+                tokenizer_path: str | Path | None = None) -> ModelBundle:
+    """The bundle in ``path``; the tokenizer, its config and the chat templates from ``tokenizer_path`` when
+    given (vLLM's --tokenizer), config.json and generation_config.json from ``path`` either way."""
     root = Path(path)
-    if not root.is_dir():
-        raise BundleError(f"{root} is not a directory")
-    tokenizer_file = root / "tokenizer.json"
+    tok_root = Path(tokenizer_path) if tokenizer_path is not None else root
+    for directory in dict.fromkeys([root, tok_root]):
+        if not directory.is_dir():
+            raise BundleError(f"{directory} is not a directory")
+    tokenizer_file = tok_root / "tokenizer.json"
     if not tokenizer_file.exists():
-        raise BundleError(f"{root} has no tokenizer.json")
-    tok_cfg = _read_json_object(root / "tokenizer_config.json")
+        raise BundleError(f"{tok_root} has no tokenizer.json")
+    tok_cfg = _read_json_object(tok_root / "tokenizer_config.json")
     config = _read_json_object(root / "config.json")
     gen_cfg = _read_json_object(root / "generation_config.json")
     try:
         tokenizer = TextTokenizer.from_file(tokenizer_file, tok_cfg, fast=fast_tokenizer)
     except TokenizerError as exc:
         raise BundleError(f"{tokenizer_file}: {exc}") from exc
-    templates = load_chat_templates(root, tok_cfg)
+    templates = load_chat_templates(tok_root, tok_cfg)
     return ModelBundle(
         path=root,
         tokenizer=tokenizer,

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from splitserve_common import vllm_flags
 from splitserve_common.cli_args import json_object_arg
 
 logger = logging.getLogger("render_service.cli")
+NOOP_FLAGS = (vllm_flags.TRUST_REMOTE_CODE,)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
                        help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
-    serve.add_argument("--workers", type=int, default=1, help="server processes sharing the port")
+    serve.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
+    serve.add_argument("--renderer-num-workers", type=int, default=None, metavar="N",
+                       help="vLLM's render thread pool size: here N server processes, unless --workers is given")
+    serve.add_argument("--tokenizer", default=None,
+                       help="directory or model id of the tokenizer and chat template (default: the model's)")
+    serve.add_argument("--revision", default=None, help="model revision (branch, tag or commit) for a model id")
+    vllm_flags.add_uvicorn_log_level(serve)
+    vllm_flags.add_noop_flags(serve, NOOP_FLAGS)
     gw = serve.add_argument_group("gateway", "serve /v1/chat/completions and /v1/completions over engine pools")
     gw.add_argument("--engine", action="extend", nargs="+", default=None, metavar="URL",
                     help="collocated engine replica(s); a host with several addresses is one replica per address")
@@ -87,10 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model_dir(model: str | None) -> tuple[str, str]:
-    """(directory, default served name). vLLM names a model by the argument exactly as given."""
+def resolve_model_dir(model: str | None, revision: str | None = None) -> tuple[str, str]:
+    """(directory, default served name). vLLM names a model by the argument exactly as given; a model id is
+    found in the Hugging Face cache, else downloaded (tokenizer and configs only)."""
     if model is not None:
-        return model, model
+        from splitserve_common.hf_cache import resolve_model
+
+        return resolve_model(model, revision, weights=False).directory, model
     from render_service.default_bundle import default_bundle_dir
 
     directory = default_bundle_dir()
@@ -128,7 +140,8 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi,
                    timing=GatewayLatency() if gateway else None)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, log_config=None,
+        app, host=args.host, port=args.port, log_level=vllm_flags.uvicorn_log_level(args), access_log=False,
+        log_config=None,
         loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=2,
     )
     return DrainingServer(config, lifecycle)
@@ -148,9 +161,14 @@ def serve(args: argparse.Namespace) -> int:
     from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    if args.workers is None:  # vLLM's --renderer-num-workers maps onto our processes (threads would share a GIL)
+        args.workers = args.renderer_num_workers or 1
+        if args.renderer_num_workers:
+            logger.info("--renderer-num-workers %d: serving with %d worker processes", args.workers, args.workers)
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
+    vllm_flags.log_noop_flags(args, NOOP_FLAGS, logger)
     metrics_dir = None
     if args.workers > 1:
         # Must be set before prometheus_client is imported (render_service.server imports it).
@@ -163,9 +181,11 @@ def serve(args: argparse.Namespace) -> int:
         from render_service.render_config import load_render_config
         from render_service.server import create_app
 
-        model_dir, default_name = resolve_model_dir(args.model)
+        model_dir, default_name = resolve_model_dir(args.model, args.revision)
+        tokenizer_dir = resolve_model_dir(args.tokenizer)[0] if args.tokenizer else None
         config = load_render_config(
             model_dir,
+            tokenizer_dir=tokenizer_dir,
             served_model_names=args.served_model_name or [default_name],
             chat_template=args.chat_template,
             default_chat_template_kwargs=args.default_chat_template_kwargs,

@@ -107,14 +107,17 @@ def resolve_chat_template_kwargs(req: ChatCompletionRequest, config: RenderConfi
     return kwargs
 
 
-def load_render_config(model_dir: str, *, max_model_len: int | None = None, **settings: Any) -> RenderConfig:
-    """Load the bundle in ``model_dir`` and build the per-process configuration (ValueError on bad settings)."""
+def load_render_config(model_dir: str, *, max_model_len: int | None = None, tokenizer_dir: str | None = None,
+                       **settings: Any) -> RenderConfig:
+    """Load the bundle in ``model_dir`` (its tokenizer and templates from ``tokenizer_dir`` when given, as
+    vLLM's --tokenizer) and build the per-process configuration (ValueError on bad settings)."""
     from render_service.bundle import load_bundle
 
     if max_model_len is not None and max_model_len < 1:
         raise ValueError("--max-model-len must be positive")
     settings.setdefault("served_model_names", None)
-    return build_render_config(load_bundle(model_dir, max_model_len=max_model_len), **settings)
+    bundle = load_bundle(model_dir, max_model_len=max_model_len, tokenizer_path=tokenizer_dir)
+    return build_render_config(bundle, **settings)
 
 
 def build_render_config(

@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 
+from splitserve_common import vllm_flags
 from splitserve_common.cli_args import json_object_arg
+from splitserve_common.hf_cache import ModelNotFound, resolve_model
 from token_engine.engine import EngineConfig
+
+log = logging.getLogger("token_engine.cli")
+
+# vLLM flags that configure what this engine never does: it never sees text and runs no model code.
+NOOP_FLAGS = (
+    vllm_flags.NoOpFlag("--reasoning-parser", "the render tier parses reasoning; the engine never sees text", True),
+    vllm_flags.NoOpFlag("--tool-call-parser", "the render tier parses tool calls; the engine never sees text", True),
+    vllm_flags.NoOpFlag("--enable-auto-tool-choice", "tool choice is the render tier's"),
+    vllm_flags.TRUST_REMOTE_CODE,
+    vllm_flags.NoOpFlag("--enable-scale-out", "/inference/v1/generate is always served"),
+    vllm_flags.NoOpFlag("--disable-log-stats", "the engine logs no periodic stats; /metrics is unchanged"),
+    vllm_flags.NoOpFlag("--enable-server-load-tracking", "GET /load always counts requests in flight"),
+)
+KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float", "fp8", "fp8_e4m3", "fp8_e5m2"]
+LOGPROBS_MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
 def _positive_int(text: str) -> int:
@@ -60,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="json: one object per line (ts, level, logger, msg, request_id, fields)")
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests and held KV leases may take before exit")
+    _add_vllm_flags(s)
 
     pf = sub.add_parser("preflight", add_help=False,
                         help="check the KV transfer path (NIXL/UCX) between two local agents; --help for options")
@@ -81,7 +100,79 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def _add_vllm_flags(s: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags: those that map onto this engine, then the no-ops; see docs/token-engine.md."""
+    s.add_argument("--revision", default=None, help="model revision (branch, tag or commit) for a model id")
+    s.add_argument("--tokenizer", default=None,
+                   help="directory or model id whose tokenizer.json gives structured outputs the vocabulary "
+                        "(default: the model's)")
+    s.add_argument("--generation-config", default="auto",
+                   help="'auto': EOS ids from the model's generation_config.json; 'vllm': from config.json only; "
+                        "or a directory holding the generation_config.json to use")
+    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                   help="priority: lower 'priority' first, then arrival; fcfs: arrival only, and a request with "
+                        "a non-zero priority is refused as vLLM does (default: priority order, which is "
+                        "arrival order when every priority is 0)")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill is always chunked under --max-num-batched-tokens (the flag is accepted)")
+    s.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache is kept in the model dtype: 'auto' or that dtype's name")
+    s.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                   help="raw_logprobs only: logprobs are the model's log-softmax before sampling parameters")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it arrives (id, prompt length, sampling parameters)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    vllm_flags.add_uvicorn_log_level(s)
+    vllm_flags.add_parallel_flags(s)
+    vllm_flags.add_noop_flags(s, NOOP_FLAGS)
+
+
+def vllm_flag_errors(args: argparse.Namespace) -> str | None:
+    """One line refusing a vLLM flag value this engine cannot honour, or None."""
+    error = vllm_flags.parallelism_error(args, "the engine")
+    if error:
+        return error
+    if args.logprobs_mode != "raw_logprobs":
+        return (f"--logprobs-mode {args.logprobs_mode} is not supported: logprobs are always raw_logprobs "
+                f"(the model's log-softmax before temperature, penalties and top-k/top-p)")
+    if args.kv_cache_dtype.startswith("fp8"):
+        return f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache is kept in the model dtype"
+    return None
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """The model (and --tokenizer) as a directory: a model id is looked up in the Hugging Face cache, else
+    downloaded. A model id is served under that id by default, as vLLM does (ModelNotFound on failure)."""
+    model = resolve_model(args.model, args.revision, weights=True)
+    args.model = model.directory
+    if model.from_hub and not args.served_model_name:
+        args.served_model_name = [model.name]
+    if args.tokenizer:
+        args.tokenizer = resolve_model(args.tokenizer, None, weights=False).directory
+
+
+def check_model_dir(args: argparse.Namespace) -> None:
+    """A model directory the engine can load, and a --kv-cache-dtype it can keep (ValueError, one line)."""
+    from pathlib import Path
+
+    from token_engine.loader import checkpoint_files
+    from token_engine.models import parse_dtype, read_arch
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"{args.model} has no config.json (not a Hugging Face model directory)")
+    checkpoint_files(args.model)  # FileNotFoundError: no safetensors weights
+    if args.generation_config not in ("auto", "vllm"):
+        if not (Path(args.generation_config) / "generation_config.json").is_file():
+            raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there")
+    if args.kv_cache_dtype != "auto":
+        dtype = read_arch(args.model, dtype=None if args.dtype == "auto" else args.dtype).dtype
+        if parse_dtype(args.kv_cache_dtype) != dtype:
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported with a "
+                             f"{str(dtype).removeprefix('torch.')} model: the KV cache is kept in the model dtype "
+                             f"(use auto)")
+
+
+def check_kv_transfer_config(args: argparse.Namespace) -> None:
     if args.kv_transfer_config and args.kv_transfer_config.get("kv_connector") == "NixlConnector":
         from token_engine.kv_connector.config import parse_nixl_config
 
@@ -93,6 +184,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if extra:
             args.kv_transfer_config = {**args.kv_transfer_config, "kv_connector_extra_config": extra}
         parse_nixl_config(args.kv_transfer_config)  # a bad key is a one-line error here, not a traceback later
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    check_kv_transfer_config(args)
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
@@ -110,12 +205,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
         kv_transfer_config=args.kv_transfer_config,
+        tokenizer=getattr(args, "tokenizer", None),
+        generation_config=getattr(args, "generation_config", "auto"),
     )
 
 
 def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | None = None,
           enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info",
-          shutdown_grace_seconds: float = 30.0) -> None:
+          shutdown_grace_seconds: float = 30.0, access_log: bool = True, log_requests: bool = False,
+          scheduling_policy: str | None = None) -> None:
     import uvicorn
 
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
@@ -125,16 +223,38 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
 
     engine = AsyncEngine(LLMEngine(config))
     engine.start()
-    app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
+    try:
+        sock = sock if sock is not None else _bind(host, port)
+    except OSError:
+        engine.shutdown()
+        raise
+    app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
+                    log_requests=log_requests, scheduling_policy=scheduling_policy)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
-    server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, openapi=engine_openapi(VERSION)), host=host, port=port, log_level=log_level,
+    server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, access_log=access_log,
+                                                    openapi=engine_openapi(VERSION)),
+                                           host=host, port=port, log_level=log_level,
                                            access_log=False, log_config=None, timeout_graceful_shutdown=2),
                             lifecycle)
     try:
-        server.run(sockets=[sock] if sock is not None else None)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound once the engine is up: a port in use is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)") from None
+    sock.listen(2048)
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,14 +279,30 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    # Everything that can be wrong with the command line or the model is one line on stderr, exit 2.
     try:
+        error = vllm_flag_errors(args)
+        if error:
+            raise ValueError(error)
+        check_kv_transfer_config(args)
+        resolve_model_args(args)
+        check_model_dir(args)
+        vllm_flags.log_noop_flags(args, NOOP_FLAGS, log)
+        if args.enable_chunked_prefill is False:
+            log.info("--no-enable-chunked-prefill: accepted; prefill is always chunked under "
+                     "--max-num-batched-tokens (outputs are the same)")
         config = engine_config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2
-    serve(config, args.host, args.port, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-          logprobs_format=args.generate_logprobs_format, log_level=args.log_level,
-          shutdown_grace_seconds=args.shutdown_grace_seconds)
+    try:
+        serve(config, args.host, args.port, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+              logprobs_format=args.generate_logprobs_format, log_level=vllm_flags.uvicorn_log_level(args),
+              shutdown_grace_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
+              log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy)
+    except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
+        print(f"token-engine: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

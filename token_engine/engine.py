@@ -51,6 +51,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs
     kv_transfer_config: dict | None = None
     structured_outputs_compile_timeout_s: float = 10.0  # a grammar compiling longer fails its request (400)
+    tokenizer: str | None = None  # where structured outputs read tokenizer.json (vLLM's --tokenizer); default model
+    generation_config: str = "auto"  # EOS ids: "auto" (the model's), "vllm" (config.json only) or a directory
 
     @property
     def model_name(self) -> str:
@@ -104,6 +106,7 @@ def decide_num_blocks(config: EngineConfig, arch, max_model_len: int) -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, connector: KVConnector | None = None):
         from token_engine.models import load_model
+        from token_engine.models.arch import read_eos_token_ids
 
         self.config = config
         if config.max_num_batched_tokens < config.max_num_seqs:
@@ -129,9 +132,10 @@ class LLMEngine:
                                   cuda_graphs=not config.enforce_eager)
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = frozenset(arch.eos_token_ids)
-        # The vocabulary is read from the model directory on the first structured request only.
-        self.grammars = GrammarCompiler(config.model, arch.vocab_size, sorted(self.eos_token_ids),
+        self.eos_token_ids = frozenset(arch.eos_token_ids if config.generation_config == "auto"
+                                       else read_eos_token_ids(config.model, config.generation_config))
+        # The vocabulary is read from the model (or --tokenizer) directory on the first structured request only.
+        self.grammars = GrammarCompiler(config.tokenizer or config.model, arch.vocab_size, sorted(self.eos_token_ids),
                                         config.structured_outputs_compile_timeout_s)
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)

@@ -402,7 +402,12 @@ class SideChannelServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:  # one line for the operator, naming the knob (see kv_connector/config.py)
+            self._sock.close()
+            raise OSError(f"the NIXL side channel cannot listen on {host}:{port} ({exc.strerror or exc}): set "
+                          f"VLLM_NIXL_SIDE_CHANNEL_PORT (and VLLM_NIXL_SIDE_CHANNEL_HOST) to a free address") from None
         self._sock.listen(64)
         self.host, self.port = self._sock.getsockname()[:2]
         self._closed = False

@@ -120,3 +120,17 @@ def read_arch(model_dir: str | Path, dtype=None) -> ModelArch:
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
     return arch_from_config(config, gen, dtype)
+
+
+def read_eos_token_ids(model_dir: str | Path, generation_config: str = "auto") -> list[int]:
+    """EOS ids as vLLM's --generation-config picks them: "auto" adds the model's generation_config.json to
+    config.json's, "vllm" takes config.json's alone, any other value is the directory of the file to use."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    source = None if generation_config == "vllm" else Path(model_dir if generation_config == "auto" else generation_config)
+    gen: dict = {}
+    if source is not None:
+        path = source / "generation_config.json"
+        if generation_config != "auto" and not path.is_file():
+            raise ValueError(f"--generation-config {generation_config}: no generation_config.json there")
+        gen = json.loads(path.read_text()) if path.is_file() else {}
+    return _eos_ids(gen.get("eos_token_id"), config.get("eos_token_id"))
