@@ -259,10 +259,16 @@ def _raw_request(port: int, body: dict) -> socket.socket:
     return sock
 
 
-def _wait_until_running(llm, request_id: str) -> None:
+def _running_under(llm, request_id: str) -> list:
+    """The engine's requests answered as ``request_id`` (the engine runs each under id + "-" + 8 hex)."""
+    return [state for rid, state in list(llm.requests.items())
+            if rid.rsplit("-", 1)[0] == request_id and len(rid.rsplit("-", 1)[1]) == 8]
+
+
+def _wait_until_running(llm, request_id: str, count: int = 1) -> None:
     for _ in range(400):  # bounded
-        state = llm.requests.get(request_id)
-        if state is not None and any(s.num_output_tokens for s in state.seqs):
+        states = _running_under(llm, request_id)
+        if len(states) >= count and all(any(s.num_output_tokens for s in st.seqs) for st in states):
             return
         time.sleep(0.025)
     raise AssertionError(f"{request_id} never started")

@@ -124,6 +124,19 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class WeightVersion(msgspec.Struct):
+    """vLLM's per-choice label of the weights that produced output tokens [start, end). The engine loads its
+    weights once, so one range, labelled "default" as vLLM does until a version is set."""
+
+    version: str
+    start: int
+    end: int
+
+
+def weight_versions(num_tokens: int) -> list[WeightVersion]:
+    return [WeightVersion("default", 0, num_tokens)] if num_tokens else []
+
+
 class GenerateResponseChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
@@ -131,6 +144,7 @@ class GenerateResponseChoice(msgspec.Struct):
     stop_reason: int | None = None
     logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
     routed_experts: str | None = None
+    weight_versions: list[WeightVersion] = msgspec.field(default_factory=list)
 
 
 class GenerateResponse(msgspec.Struct):
@@ -153,6 +167,7 @@ class GenerateStreamChoice(msgspec.Struct):
     stop_reason: int | None = None
     logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
     routed_experts: str | None = None
+    weight_versions: list[WeightVersion] | UnsetType = UNSET  # the choice's last event only, as vLLM
 
 
 class GenerateStreamResponse(msgspec.Struct):

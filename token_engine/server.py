@@ -3,6 +3,11 @@
 The handlers decode and validate (msgspec + validation.py), hand the request to the AsyncEngine thread and
 turn its RequestUpdates into a GenerateResponse or SSE chunks. A client that goes away aborts its request,
 so its blocks return to the pool.
+
+Request ids, as vLLM: the response carries ``generate-tokens-`` + the caller's id, which need not be unique
+(RL callers sample one rendered request k times; clients retry). Inside, each request runs under that id plus
+``-`` and 8 random hex digits, which is also the id its KV blocks and leases go by; aborting the caller's id
+aborts every request running under it.
 """
 
 from __future__ import annotations
@@ -98,7 +103,28 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     default_logprobs_format: str = "ids"
     created: int = field(default_factory=lambda: int(time.time()))
-    active: set[str] = field(default_factory=set)
+    log_requests: bool = False  # --enable-log-requests: a line when each request arrives
+    scheduling_policy: str | None = None  # "fcfs" refuses non-zero priorities as vLLM does
+    running: dict[str, set[str]] = field(default_factory=dict)  # caller's id -> engine ids running under it
+
+    def start(self, request_id: str) -> str:
+        """A fresh engine id for a request answered as ``request_id`` (vLLM's 8-hex-digit suffix)."""
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        self.running.setdefault(request_id, set()).add(engine_id)
+        return engine_id
+
+    def end(self, request_id: str, engine_id: str) -> bool:
+        """Forget a finished request; whether it was still running."""
+        ids = self.running.get(request_id)
+        if ids is None or engine_id not in ids:
+            return False
+        ids.discard(engine_id)
+        if not ids:
+            del self.running[request_id]
+        return True
+
+    def load(self) -> int:
+        return sum(len(ids) for ids in self.running.values())
 
 
 async def _read_json(request: Request, type_):
@@ -137,7 +163,8 @@ class Generation:
     def __init__(self, state: ServerState, req: p.GenerateRequest, request_id: str, n: int):
         self.state = state
         self.req = req
-        self.request_id = request_id
+        self.request_id = request_id  # what the caller sees
+        self.engine_id = state.start(request_id)  # what the engine, its KV blocks and leases go by
         self.n = n
         self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
@@ -152,12 +179,11 @@ class Generation:
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self.state.engine.abort_request(self.request_id)
+            self.state.engine.abort_request(self.engine_id)
 
     def finish(self, completion_tokens: int | None = None, outcome: str = "aborted") -> None:
         self.done = True
-        if self.request_id in self.state.active:
-            self.state.active.discard(self.request_id)
+        if self.state.end(self.request_id, self.engine_id):
             # One line per request, key=value, for log pipelines.
             log.info("request_id=%s prompt_tokens=%d completion_tokens=%s n=%d stream=%s outcome=%s ms=%.1f",
                      self.request_id, len(self.req.token_ids), completion_tokens, self.n, bool(self.req.stream),
@@ -189,7 +215,7 @@ class Generation:
         choices = [
             p.GenerateResponseChoice(
                 index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop", stop_reason=stop_reasons[i],
-                logprobs=self.choice_logprobs(logprobs[i]))
+                logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i])))
             for i in range(self.n)
         ]
         body = p.GenerateResponse(
@@ -231,6 +257,8 @@ class Generation:
                         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason,
                         logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
+                    if d.finish_reason is not None:
+                        choice.weight_versions = p.weight_versions(counts[d.index])
                     if update.kv_transfer_params is not None and d is update.deltas[-1]:
                         # the caller learns what is held for it only from the final event (as non-streaming)
                         chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
@@ -286,16 +314,19 @@ async def generate(request: Request) -> Response:
         return error_response(exc.message, exc.status, exc.param)
     except GrammarError as exc:
         return error_response(exc.message, 400, exc.param)
+    if req.priority != 0 and state.scheduling_policy == "fcfs":
+        return error_response(f"Got priority {req.priority} but Priority scheduling is not enabled.", 400,
+                              "priority")
     if not state.engine.is_alive():
         return error_response("the engine is not running", 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
-    request_id = REQUEST_ID_PREFIX + suffix
-    if request_id in state.active:
-        return error_response(f"Request id {request_id} already running.", 400, "request_id")
-    state.active.add(request_id)
-    gen = Generation(state, req, request_id, n)
+    gen = Generation(state, req, REQUEST_ID_PREFIX + suffix, n)
+    if state.log_requests:
+        log.info("received request_id=%s engine_id=%s prompt_tokens=%d n=%d stream=%s sampling_params=%s",
+                 gen.request_id, gen.engine_id, len(req.token_ids), n, bool(req.stream),
+                 msgspec.json.encode(req.sampling_params).decode())
     caller = request.client.host if request.client else None
-    state.engine.add_request(request_id, req.token_ids, options, n, req.priority, req.cache_salt,
+    state.engine.add_request(gen.engine_id, req.token_ids, options, n, req.priority, req.cache_salt,
                              req.kv_transfer_params, gen.on_update, caller=caller)
     if req.stream:
         return GenerationStream(gen)
@@ -322,15 +353,25 @@ async def abort_requests(request: Request) -> Response:
     except RequestError as exc:
         return error_response(exc.message, exc.status, exc.param)
     for rid in body.request_ids:
+        # The id the response carried, or the caller's own (header or body); every request running under
+        # it ends (duplicates included), and an engine id aborts just its request.
+        names = (rid,) if rid.startswith(REQUEST_ID_PREFIX) else (rid, REQUEST_ID_PREFIX + rid)
+        for name in names:
+            for engine_id in list(state.running.get(name, ())):
+                state.engine.abort_request(engine_id)
         state.engine.abort_request(rid)
-        if not rid.startswith(REQUEST_ID_PREFIX):  # also the id as the caller sent it (header or body)
-            state.engine.abort_request(REQUEST_ID_PREFIX + rid)
     return Response(status_code=200)
 
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     return Response(status_code=200 if state.engine.is_alive() else 503)
+
+
+async def load(request: Request) -> Response:
+    """vLLM's GET /load: generate requests in flight (always tracked here)."""
+    state: ServerState = request.app.state.server
+    return JSONResponse({"server_load": state.load()})
 
 
 async def models(request: Request) -> Response:
@@ -392,12 +433,15 @@ def _guarded(handler):
 
 
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
-              default_logprobs_format: str = "ids") -> Starlette:
+              default_logprobs_format: str = "ids", *, log_requests: bool = False,
+              scheduling_policy: str | None = None) -> Starlette:
     routes = [
         Route("/inference/v1/generate", _guarded(generate), methods=["POST"]),
         Route("/inference/v1/abort_requests", _guarded(abort_requests), methods=["POST"]),
         Route("/abort_requests", _guarded(abort_requests), methods=["POST"]),
         Route("/health", _guarded(health), methods=["GET"]),
+        Route("/ping", _guarded(health), methods=["GET", "POST"]),  # SageMaker's health check, as vLLM
+        Route("/load", _guarded(load), methods=["GET"]),
         Route("/v1/models", _guarded(models), methods=["GET"]),
         Route("/metrics", _guarded(metrics), methods=["GET"]),
         Route("/version", _guarded(version), methods=["GET"]),
@@ -405,5 +449,6 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
     ]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
-                                   default_logprobs_format)
+                                   default_logprobs_format, log_requests=log_requests,
+                                   scheduling_policy=scheduling_policy)
     return app

@@ -10,6 +10,10 @@ streamed, asks for one token (``max_tokens = 1``, no ``min_tokens``) and sets
 ``kv_transfer_params.do_remote_decode``; the decode call carries the kv_transfer_params prefill
 returned (plus ``prompt_token_ids``, so decode can check it pulls KV for the same prompt). Both
 hops share the X-Request-Id. Prefill replicas are chosen by prefix affinity, decode by load.
+
+The X-Request-Id sent to engines is the rendered request id plus 8 hex digits of the client request
+(``EngineCall.tag``): clients may send one id on concurrent requests (RL sampling, retries), engines abort
+every request under an id, and one client going away must abort its own engine requests only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,15 +77,21 @@ class GatewayStats:
 class EngineCall:
     """The engine requests one client request has in flight, so that they can be aborted."""
 
-    live: dict[str, str] = field(default_factory=dict)  # X-Request-Id sent -> replica url
+    live: dict[str, str] = field(default_factory=dict)  # engine request id (before the tag) -> replica url
     conversation: bytes | None = None  # key of the client's conversation_id (P/D multi-turn KV reuse)
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # tells this call's engine requests apart
+
+    def wire_id(self, rid: str) -> str:
+        """The X-Request-Id an engine request goes by: unique to this client request."""
+        return f"{rid}-{self.tag}"
 
     def take(self, request_id: str | None = None) -> list[tuple[str, list[str]]]:
         """(url, engine ids) to abort: every live call, or those of one rendered prompt; forgets them."""
         out = []
         for rid, url in list(self.live.items()):
             if request_id is None or rid == request_id or rid.startswith(request_id + "-retry"):
-                out.append((url, [ENGINE_REQUEST_PREFIX + rid, rid]))
+                wire = self.wire_id(rid)
+                out.append((url, [ENGINE_REQUEST_PREFIX + wire, wire]))
                 del self.live[rid]
         return out
 
@@ -160,12 +171,13 @@ class Gateway:
         reuse = next_turn_prefill_params(held) if held is not None else None  # pull the conversation's last turn
         try:
             try:
-                response = await self.client.generate(replica.url, _encode(prefill_request(gen, reuse)), rid)
+                response = await self.client.generate(replica.url, _encode(prefill_request(gen, reuse)),
+                                                      call.wire_id(rid))
             except (EngineUnavailable, EngineRejected) as exc:
                 if reuse is None:
                     raise
                 rid = prefill_fell_back(call, rid, replica.url, exc)  # reuse failed: recompute, same replica
-                response = await self.client.generate(replica.url, _encode(prefill_request(gen)), rid)
+                response = await self.client.generate(replica.url, _encode(prefill_request(gen)), call.wire_id(rid))
         except EngineUnavailable:
             self._failed(pool, replica)
             raise
@@ -188,7 +200,7 @@ class Gateway:
         call.live[rid] = replica.url
         events = None
         try:
-            events = await self.client.open_stream(replica.url, body, rid)
+            events = await self.client.open_stream(replica.url, body, call.wire_id(rid))
             first = await events.next_batch()
             if first is None:  # [DONE] and not one event: this engine did not serve the request
                 raise EngineUnavailable(f"{replica.url}: stream ended without an event")
