@@ -337,6 +337,7 @@ def own_routes() -> list[Route]:
         Route("/detokenize", endpoint("detokenize", detokenize), methods=["POST"]),
         Route("/v1/models", endpoint("models", models), methods=["GET"]),
         Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
+        Route("/ping", endpoint("ping", health, auth=False), methods=["GET", "POST"]),  # SageMaker's, as vLLM
         Route("/version", endpoint("version", version_endpoint, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_endpoint, auth=False), methods=["GET"]),
     ]

@@ -304,6 +304,52 @@ def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(stack,
         assert wait_until_idle(stack["prefill"].url)["num_held_by_connector"] == 0
 
 
+def test_one_request_id_on_concurrent_requests_serves_both_and_a_disconnect_aborts_only_its_own(stack, mode):
+    # RL callers sample one request k times under one id, clients retry with theirs: vLLM serves all of them.
+    url = stack[mode].url + "/v1/completions"
+    headers = {"x-request-id": f"shared-id-{mode}"}
+    body = {"model": "tiny", "prompt": [LOOP_START], "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+        with b.stream("POST", url, json={**body, "max_tokens": 60}, headers=headers) as kept:
+            assert kept.status_code == 200
+            kept_lines = kept.iter_lines()
+            assert next(line for line in kept_lines if line.startswith("data: {"))
+            with a.stream("POST", url, json={**body, "max_tokens": 400}, headers=headers) as dropped:
+                assert dropped.status_code == 200
+                assert next(line for line in dropped.iter_lines() if line.startswith("data: {"))
+            # the dropped one went away: the gateway aborts its engine request, not the other one's
+            events = [json.loads(line[6:]) for line in kept_lines if line.startswith("data: {")]
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"], finishes
+    assert events[-1]["usage"]["completion_tokens"] == 60
+    state = wait_until_idle(stack["decode"].url)
+    assert state["num_free_blocks"] == state["num_blocks"] and state["num_running"] == 0
+
+
+def test_sagemaker_invocations_dispatch_on_the_body_shape_and_ping_answers(stack, mode):
+    with httpx.Client(base_url=stack[mode].url, timeout=120) as http:
+        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+        chat = http.post("/invocations", json={"model": "tiny", "messages": USER, "temperature": 0, **NO_THINKING})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["object"] == "chat.completion"
+        assert chat.json()["choices"][0]["message"]["content"] == PLAIN_TEXT
+        completion = http.post("/invocations", json={"model": "tiny", "prompt": [LOOP_START], "max_tokens": 3,
+                                                     "temperature": 0})
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["object"] == "text_completion"
+        assert completion.json()["usage"]["completion_tokens"] == 3
+        with http.stream("POST", "/invocations", json={"model": "tiny", "prompt": [LOOP_START], "max_tokens": 2,
+                                                       "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.read().endswith(b"data: [DONE]\n\n")
+        neither = http.post("/invocations", json={"model": "tiny", "input": "hi"})
+        assert neither.status_code == 400
+        assert neither.json()["error"]["message"].startswith("Cannot find suitable handler for request.")
+        bad_chat = http.post("/invocations", json={"model": "tiny", "messages": "not a list"})
+        assert bad_chat.status_code == 400 and "messages" in bad_chat.json()["error"]["message"]
+
+
 def test_a_client_that_reads_slowly_holds_back_its_stream_and_loses_nothing(stack, mode):
     """A client that stops reading fills the kernel's buffers, then the gateway's: the relay stops reading the
     engine until the client catches up (slow_client_waits counts it), and the stream the client finally

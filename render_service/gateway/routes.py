@@ -45,18 +45,18 @@ Handler = Callable[[Request], Awaitable[Response]]
 def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[str, Handler], Handler],
                    read_body: Callable[[Request], Awaitable[bytes]],
                    decode: Callable[[bytes, type], Any]) -> list[Route]:
-    """The two routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics)."""
+    """The routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics)."""
 
-    async def chat(request: Request) -> Response:
-        req = decode(await read_body(request), ChatCompletionRequest)
+    async def chat(request: Request, body: bytes | None = None) -> Response:
+        req = decode(await read_body(request) if body is None else body, ChatCompletionRequest)
         _check_supported(req)
         conversation = conversation_key(req.conversation_id, request.headers)
         gen = render_chat(req, config, request_id=request.headers.get("x-request-id"))
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
 
-    async def completions(request: Request) -> Response:
-        req = decode(await read_body(request), CompletionRequest)
+    async def completions(request: Request, body: bytes | None = None) -> Response:
+        req = decode(await read_body(request) if body is None else body, CompletionRequest)
         _check_supported(req)
         gens = render_completion(req, config, request_id=request.headers.get("x-request-id"))
         response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
@@ -64,14 +64,38 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
         conversation = conversation_key(req.conversation_id, request.headers)
         return await respond(request, gateway, gens, responder, bool(req.stream), conversation)
 
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one inference path, as vLLM's: a chat request if the body has ``messages``, else a
+        completion request if it has ``prompt`` (vLLM tries ChatCompletionRequest, then CompletionRequest)."""
+        body = await read_body(request)
+        shape = decode(body, InvocationShape)
+        if shape.has("messages"):
+            return await chat(request, body)
+        if shape.has("prompt"):
+            return await completions(request, body)
+        raise bad_request("Cannot find suitable handler for request. Expected one of: "
+                          "['ChatCompletionRequest', 'CompletionRequest']")
+
     async def status(request: Request) -> Response:
         return Response(_encode(gateway.snapshot()), media_type="application/json")
 
     return [
         Route("/v1/chat/completions", endpoint("chat_completions", chat), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
+        Route("/invocations", endpoint("invocations", invocations), methods=["POST"]),
         Route("/gateway/status", endpoint("gateway_status", status), methods=["GET"]),
     ]
+
+
+class InvocationShape(msgspec.Struct):
+    """Just enough of an /invocations body to pick its endpoint (the rest is decoded there)."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+
+    def has(self, key: str) -> bool:
+        raw = memoryview(getattr(self, key))
+        return len(raw) > 0 and raw != b"null"
 
 
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
