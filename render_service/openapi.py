@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve_common.openapi import Operation, build_openapi
+from splitserve_common.openapi import Operation, build_openapi, ping_operations
 
 
 def render_operations() -> list[Operation]:
@@ -25,6 +25,7 @@ def render_operations() -> list[Operation]:
         Operation("/detokenize", "post", "Token IDs to text", (p.DetokenizeRequest,), p.DetokenizeResponse),
         Operation("/v1/models", "get", "Served model names", response=p.ModelList),
         Operation("/health", "get", "Readiness: 200 when serving, 503 while draining"),
+        *ping_operations(),
         Operation("/version", "get", "Version and render fingerprint", response=dict[str, str]),
         Operation("/metrics", "get", "Prometheus metrics", text=True),
     ]
@@ -38,6 +39,8 @@ def gateway_operations() -> list[Operation]:
                   (p.ChatCompletionRequest,), p.ChatCompletionResponse, stream=p.ChatCompletionStreamResponse),
         Operation("/v1/completions", "post", "OpenAI completions over the engine pools",
                   (p.CompletionRequest,), p.CompletionResponse, stream=p.CompletionStreamResponse),
+        Operation("/invocations", "post", "SageMaker's inference path: a chat body (messages) or a completion (prompt)",
+                  (p.ChatCompletionRequest, p.CompletionRequest), (p.ChatCompletionResponse, p.CompletionResponse)),
         Operation("/gateway/status", "get", "Engine pools, replicas and counters", response=dict[str, Any]),
     ]
 

@@ -29,7 +29,7 @@ logger = logging.getLogger("splitserve.ops")
 access_logger = logging.getLogger("splitserve.access")
 
 # Probes and scrapes are neither work nor refused while draining (Prometheus should see the drain).
-UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
+UNCOUNTED_PATHS = frozenset({"/health", "/ping", "/load", "/metrics"})
 # A client's id is echoed and logged: keep it to a sane length and alphabet.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 DRAINING_BODY = (b'{"error":{"message":"The server is shutting down; retry on another replica",'

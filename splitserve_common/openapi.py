@@ -26,6 +26,11 @@ class Operation:
     text: bool = False  # 200 body is text (metrics)
 
 
+def ping_operations() -> list[Operation]:
+    """SageMaker's health check, which vLLM serves on GET and POST: as /health."""
+    return [Operation("/ping", method, "SageMaker's health check: as /health") for method in ("get", "post")]
+
+
 def build_openapi(title: str, version: str, operations: list[Operation], error_type: type) -> dict[str, Any]:
     types: list[Any] = [error_type]
     for op in operations:
@@ -56,7 +61,7 @@ def build_openapi(title: str, version: str, operations: list[Operation], error_t
         if content:
             ok["content"] = content
         responses: dict[str, Any] = {"200": ok, "4XX": error}
-        if op.path == "/health" or op.method == "post":
+        if op.path in ("/health", "/ping") or op.method == "post":
             responses["503"] = {"description": "Draining or unavailable", **(
                 {"content": error["content"]} if op.method == "post" else {})}
         entry: dict[str, Any] = {"summary": op.summary, "operationId": op.method + op.path.replace("/", "_"),

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import torch
@@ -94,6 +96,25 @@ class ServerThread:
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+
+@contextmanager
+def single_threaded_server(config: EngineConfig, **app_kw) -> Iterator[ServerThread]:
+    """A ServerThread with torch on one thread: tiny matmuls, where thread hand-offs cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ServerThread(config, **app_kw) as srv:
+            yield srv
+    finally:
+        torch.set_num_threads(threads)
+
+
+def idle_client(server: ServerThread) -> Iterator[httpx.Client]:
+    """A client for one test, which must leave the block pool as it found it."""
+    with server.client() as c:
+        yield c
+    assert wait_for_idle_blocks(server.llm) == server.llm.num_blocks
 
 
 def wait_for_idle_blocks(llm: LLMEngine, attempts: int = 400) -> int:

@@ -9,9 +9,8 @@ import threading
 
 import httpx
 import pytest
-import torch
 
-from tests.engine_harness import ServerThread, engine_config, wait_for_idle_blocks, write_tiny_qwen3
+from tests.engine_harness import ServerThread, engine_config, idle_client, single_threaded_server, write_tiny_qwen3
 
 PROMPT = [9707, 11, 1246, 525, 498, 30, 358, 1079, 264, 1273, 13]
 MAX_MODEL_LEN = 256
@@ -24,18 +23,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with ServerThread(engine_config(model_dir, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256)) as srv:
+    with single_threaded_server(engine_config(model_dir, max_model_len=MAX_MODEL_LEN,
+                                              num_gpu_blocks_override=256)) as srv:
         yield srv
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
 def client(server):
-    with server.client() as c:
-        yield c
-    assert wait_for_idle_blocks(server.llm) == server.llm.num_blocks
+    yield from idle_client(server)
 
 
 class Stream(threading.Thread):

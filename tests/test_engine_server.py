@@ -8,10 +8,9 @@ import socket
 import time
 
 import pytest
-import torch
 
-from tests.engine_harness import FIXTURES, ServerThread, engine_config, greedy_reference, wait_for_idle_blocks, \
-    write_tiny_qwen3
+from tests.engine_harness import FIXTURES, ServerThread, engine_config, greedy_reference, idle_client, \
+    single_threaded_server, wait_for_idle_blocks, write_tiny_qwen3
 
 MODEL_NAME = "qwen3-0.6b"  # what the recorded render output names
 MAX_MODEL_LEN = 48  # short: every default max_tokens runs to the end of the window
@@ -19,21 +18,15 @@ MAX_MODEL_LEN = 48  # short: every default max_tokens runs to the end of the win
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: thread hand-offs cost more than they save on a shared box
     model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
     config = engine_config(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN)
-    with ServerThread(config) as srv:
+    with single_threaded_server(config) as srv:
         yield srv
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
 def client(server):
-    with server.client() as c:
-        yield c
-    # Every test leaves the pool as it found it.
-    assert wait_for_idle_blocks(server.llm) == server.llm.num_blocks
+    yield from idle_client(server)  # every test leaves the pool as it found it
 
 
 def generate(client, body: dict, **kw):

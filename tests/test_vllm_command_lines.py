@@ -10,12 +10,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.gateway_harness import Process, free_port
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from token_engine.models.arch import read_eos_token_ids
 from token_engine.random_model import write_random_model
@@ -23,12 +23,6 @@ from token_engine.random_model import write_random_model
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ENGINE = [sys.executable, "-m", "token_engine.cli", "serve"]
 RENDER = [sys.executable, "-m", "render_service.cli", "serve"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cached_repo(hub: Path, repo_id: str) -> Path:
@@ -113,29 +107,6 @@ def test_engine_names_the_side_channel_variable_when_its_port_is_taken(hub):
     assert last.startswith("token-engine: ") and "VLLM_NIXL_SIDE_CHANNEL_PORT" in last, last
 
 
-def wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 180  # hang guard: a loaded 2-core box needs ~15 s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited"
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
-
-
-def stop(proc: subprocess.Popen) -> str:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    return proc.stderr.read()
-
-
 def test_engine_serves_a_cached_model_id_with_a_vllm_manifests_flags(hub, tmp_path):
     port = free_port()
     argv = ENGINE + [
@@ -149,25 +120,24 @@ def test_engine_serves_a_cached_model_id_with_a_vllm_manifests_flags(hub, tmp_pa
         "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
         "--trust-remote-code", "--enable-scale-out", "--disable-log-stats",
     ]
-    proc = subprocess.Popen(argv, env=offline_env(hub), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = Process(argv, port, offline_env(hub))  # waits (bounded) for /health
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url)
-        with httpx.Client(base_url=url, timeout=60) as client:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
             assert client.get("/v1/models").json()["data"][0]["id"] == "Org/Tiny"  # served by the id, as vLLM
             r = client.post("/inference/v1/generate", json={"token_ids": [1, 2, 3], "model": "Org/Tiny",
                                                             "request_id": "logged-1",
                                                             "sampling_params": {"max_tokens": 3, "ignore_eos": True}})
             assert r.status_code == 200, r.text
             assert len(r.json()["choices"][0]["token_ids"]) == 3
+        log = server.log_tail(1 << 20)
     finally:
-        log = stop(proc)
+        server.stop()
     assert "Traceback" not in log, log
     for flag in ("--reasoning-parser qwen3", "--tool-call-parser hermes", "--enable-auto-tool-choice",
                  "--trust-remote-code", "--enable-scale-out", "--disable-log-stats"):
         assert f"{flag}: accepted for vLLM compatibility, no effect" in log, (flag, log)
     assert "received request_id=generate-tokens-logged-1" in log  # --enable-log-requests
-    assert '"GET /v1/models' not in log  # --disable-uvicorn-access-log
+    assert "POST /inference/v1/generate 200" not in log  # --disable-uvicorn-access-log (else an info line)
 
 
 def test_generation_config_picks_the_eos_ids_as_vllm(tmp_path):
@@ -186,17 +156,16 @@ def test_render_serves_a_cached_model_id_with_a_separate_tokenizer_and_vllm_flag
     argv = RENDER + ["Org/Qwen3-Config", "--tokenizer", "Org/Qwen3-Tokenizer", "--renderer-num-workers", "2",
                      "--trust-remote-code", "--uvicorn-log-level", "warning", "--host", "127.0.0.1",
                      "--port", str(port)]
-    proc = subprocess.Popen(argv, env=offline_env(hub), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = Process(argv, port, offline_env(hub))
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url)
-        with httpx.Client(base_url=url, timeout=60) as client:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
             assert client.get("/v1/models").json()["data"][0]["id"] == "Org/Qwen3-Config"
             r = client.post("/tokenize", json={"model": "Org/Qwen3-Config", "prompt": "Hello world"})
             assert r.status_code == 200, r.text
             assert r.json()["tokens"] == [9707, 1879]  # the Qwen3 tokenizer, from the --tokenizer repo
+        log = server.log_tail(1 << 20)
     finally:
-        log = stop(proc)
+        server.stop()
     assert "Traceback" not in log, log
     assert "--trust-remote-code: accepted for vLLM compatibility, no effect" in log
     assert "--renderer-num-workers 2: serving with 2 worker processes" in log

@@ -6,11 +6,14 @@ import argparse
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from splitserve_common import vllm_flags
 from splitserve_common.cli_args import json_object_arg
-from splitserve_common.hf_cache import ModelNotFound, resolve_model
-from token_engine.engine import EngineConfig
+from splitserve_common.hf_cache import resolve_model
+
+if TYPE_CHECKING:
+    from token_engine.engine import EngineConfig
 
 log = logging.getLogger("token_engine.cli")
 
@@ -187,6 +190,8 @@ def check_kv_transfer_config(args: argparse.Namespace) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from token_engine.engine import EngineConfig  # torch: not imported for a command line refused early
+
     check_kv_transfer_config(args)
     return EngineConfig(
         model=args.model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve_common.openapi import Operation, build_openapi
+from splitserve_common.openapi import Operation, build_openapi, ping_operations
 
 
 def engine_operations() -> list[Operation]:
@@ -15,6 +15,8 @@ def engine_operations() -> list[Operation]:
                   (p.GenerateRequest,), p.GenerateResponse, stream=p.GenerateStreamResponse),
         Operation("/inference/v1/abort_requests", "post", "Abort requests by id", (p.AbortRequest,)),
         Operation("/health", "get", "Readiness: 200 when serving, 503 while draining or when the engine died"),
+        *ping_operations(),
+        Operation("/load", "get", "Generate requests in flight (vLLM's server_load)", response=dict[str, int]),
         Operation("/v1/models", "get", "The served model", response=dict[str, Any]),
         Operation("/version", "get", "Version", response=dict[str, str]),
         Operation("/metrics", "get", "Prometheus metrics (vLLM names)", text=True),
