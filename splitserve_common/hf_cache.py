@@ -4,7 +4,8 @@ found in the local hub cache, else downloaded through ``huggingface_hub`` when a
 The cache is the hub's own layout, read here without huggingface_hub so that the render tier resolves a
 cached model offline and without the package: ``<cache>/models--Org--Name/refs/<revision>`` holds a commit
 hash, ``snapshots/<hash>/`` the files. The cache directory is ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
-``XDG_CACHE_HOME/huggingface/hub`` (``~/.cache/huggingface/hub``). ``HF_HUB_OFFLINE=1`` never downloads.
+``XDG_CACHE_HOME/huggingface/hub`` (``~/.cache/huggingface/hub``). ``HF_HUB_OFFLINE=1`` never downloads;
+``HF_ENDPOINT`` names a hub mirror.
 """
 
 from __future__ import annotations
@@ -82,23 +83,27 @@ def resolve_model(model: str, revision: str | None = None, *, weights: bool = Tr
         raise ModelNotFound(f"model directory {model} does not exist")
     cache = hub_cache_dir(env)
     snapshot = cached_snapshot(model, revision, cache)
-    if snapshot is not None:
-        return ResolvedModel(str(snapshot), model, True)
     where = f"{model}" + (f" (revision {revision})" if revision else "")
+    # A snapshot the render tier fetched holds no weights: the engine completes it when it can.
+    complete = snapshot is not None and (not weights or any(snapshot.glob("*.safetensors")))
+    if snapshot is not None and (complete or hub_offline(env)):
+        return ResolvedModel(str(snapshot), model, True)
     if hub_offline(env):
         raise ModelNotFound(f"{where} is neither a directory nor in the Hugging Face cache {cache}, and "
                             f"HF_HUB_OFFLINE is set (set HF_HUB_CACHE or HF_HOME to the cache that holds it)")
-    return ResolvedModel(_download(model, revision, cache, weights, where), model, True)
+    endpoint = (os.environ if env is None else env).get("HF_ENDPOINT")  # a mirror; read now, not at import
+    return ResolvedModel(_download(model, revision, cache, weights, where, endpoint), model, True)
 
 
-def _download(repo_id: str, revision: str | None, cache: Path, weights: bool, where: str) -> str:
+def _download(repo_id: str, revision: str | None, cache: Path, weights: bool, where: str,
+              endpoint: str | None) -> str:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise ModelNotFound(f"{where} is not in the Hugging Face cache {cache}, and huggingface_hub (needed to "
                             f"download it) is not installed") from None
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=str(cache),
+        return snapshot_download(repo_id, revision=revision, cache_dir=str(cache), endpoint=endpoint,
                                  allow_patterns=WEIGHT_FILES if weights else TOKENIZER_FILES)
     except Exception as exc:  # noqa: BLE001 - no network, unknown repo, gated model: one line either way
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

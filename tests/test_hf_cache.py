@@ -3,6 +3,7 @@ models--Org--Name/refs/<revision> -> snapshots/<commit>/, found through HF_HUB_C
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,30 @@ def test_a_file_is_not_a_model(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelNotFound, match="is a file"):
         resolve_model(str(tmp_path / "weights.bin"), env={"HF_HUB_OFFLINE": "1"})
+
+
+def closed_endpoint() -> str:
+    """A loopback URL nothing listens on: a download attempt fails at once and never leaves the machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_model_neither_cached_nor_downloadable_is_one_line(tmp_path):
+    with pytest.raises(ModelNotFound) as exc:
+        resolve_model("Org/Tiny", env={"HF_HUB_CACHE": str(tmp_path), "HF_ENDPOINT": closed_endpoint()})
+    message = str(exc.value)
+    assert "could not be downloaded" in message and str(tmp_path) in message and "\n" not in message
+
+
+def test_a_snapshot_without_weights_serves_render_and_is_completed_for_the_engine(tmp_path):
+    repo = lay_out_cache(tmp_path)  # config.json only, as the render tier fetches a repository
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_ENDPOINT": closed_endpoint()}
+    assert resolve_model("Org/Tiny", weights=False, env=env).directory == str(repo / "snapshots" / MAIN)
+    # The engine asks the hub for the weights (unreachable here: huggingface_hub falls back to the snapshot);
+    # offline it takes what is there, and then names what is missing ("no safetensors weights").
+    assert resolve_model("Org/Tiny", weights=True, env=env).directory == str(repo / "snapshots" / MAIN)
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    assert resolve_model("Org/Tiny", weights=True, env=offline).directory == str(repo / "snapshots" / MAIN)
+    (repo / "snapshots" / MAIN / "model.safetensors").write_bytes(b"")
+    assert resolve_model("Org/Tiny", weights=True, env=env).directory == str(repo / "snapshots" / MAIN)
