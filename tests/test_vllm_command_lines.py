@@ -70,6 +70,9 @@ def test_engine_refuses_what_it_cannot_honour_with_one_line(hub, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "no-weights").mkdir()
     (tmp_path / "no-weights" / "config.json").write_text("{}")
+    (tmp_path / "corrupt").mkdir()
+    shutil.copy(hub / "models--Org--Tiny" / "snapshots" / COMMIT / "config.json", tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not safetensors")
     env = offline_env(hub)
     cases = {
         "-tp 2": (["Org/Tiny", "-tp", "2"], "--tensor-parallel-size 2 (-tp) is not supported"),
@@ -82,6 +85,7 @@ def test_engine_refuses_what_it_cannot_honour_with_one_line(hub, tmp_path):
         "bad revision": (["Org/Tiny", "--revision", "v9"], "(revision v9)"),
         "no config": ([str(tmp_path / "empty")], "has no config.json"),
         "no weights": ([str(tmp_path / "no-weights")], "no safetensors weights"),
+        "corrupt weights": ([str(tmp_path / "corrupt"), "--max-model-len", "64"], "SafetensorError"),
     }
     results = run_all([(ENGINE + argv, env) for argv, _ in cases.values()])
     for (name, (_, words)), result in zip(cases.items(), results):

@@ -226,7 +226,14 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     from token_engine.openapi import engine_openapi
     from token_engine.server import VERSION, build_app
 
-    engine = AsyncEngine(LLMEngine(config))
+    try:
+        llm = LLMEngine(config)
+    except (ValueError, OSError):
+        raise
+    except Exception as exc:  # a corrupt checkpoint (SafetensorError), a device that fails: one line as well
+        log.debug("engine start-up failed", exc_info=True)
+        raise ValueError(f"cannot start the engine on {config.model}: {type(exc).__name__}: {exc}") from None
+    engine = AsyncEngine(llm)
     engine.start()
     try:
         sock = sock if sock is not None else _bind(host, port)
