@@ -1,6 +1,5 @@
 """vLLM's request-id contract on a real engine server: one id on concurrent requests runs them all (as vLLM's
-internal suffix does) and an abort by that id ends all of them; plus /ping, /load, weight_versions and the
-fcfs policy's refusal of priorities."""
+internal suffix does) and an abort by that id ends all of them; plus /ping, /load and weight_versions."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from tests.engine_harness import ServerThread, engine_config, idle_client, single_threaded_server, write_tiny_qwen3
+from tests.engine_harness import engine_config, idle_client, single_threaded_server, write_tiny_qwen3
 
 PROMPT = [9707, 11, 1246, 525, 498, 30, 358, 1079, 264, 1273, 13]
 MAX_MODEL_LEN = 256
@@ -134,13 +133,3 @@ def test_choices_carry_weight_versions_batch_and_stream(client):
     choices = [c for e in events for c in e["choices"]]
     assert choices[-1]["weight_versions"] == [{"version": "default", "start": 0, "end": 4}]
     assert all("weight_versions" not in c for c in choices[:-1])  # the last event of a choice only, as vLLM
-
-
-def test_fcfs_policy_refuses_a_priority_like_vllm(model_dir):
-    config = engine_config(model_dir, max_model_len=64, num_gpu_blocks_override=32)
-    with ServerThread(config, scheduling_policy="fcfs") as srv, srv.client() as c:
-        r = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "priority": 3, "sampling_params": {}})
-        assert r.status_code == 400
-        assert r.json()["error"]["message"] == "Got priority 3 but Priority scheduling is not enabled."
-        r = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})
-        assert r.status_code == 200

@@ -121,7 +121,8 @@ def _add_vllm_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV cache is kept in the model dtype: 'auto' or that dtype's name")
     s.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
-                   help="raw_logprobs only: logprobs are the model's log-softmax before sampling parameters")
+                   help="raw_logprobs: the model's log-softmax before sampling parameters; raw_logits: its logits "
+                        "(the processed_* modes are refused)")
     s.add_argument("--enable-log-requests", action="store_true",
                    help="log each request as it arrives (id, prompt length, sampling parameters)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
@@ -135,9 +136,9 @@ def vllm_flag_errors(args: argparse.Namespace) -> str | None:
     error = vllm_flags.parallelism_error(args, "the engine")
     if error:
         return error
-    if args.logprobs_mode != "raw_logprobs":
-        return (f"--logprobs-mode {args.logprobs_mode} is not supported: logprobs are always raw_logprobs "
-                f"(the model's log-softmax before temperature, penalties and top-k/top-p)")
+    if args.logprobs_mode.startswith("processed"):
+        return (f"--logprobs-mode {args.logprobs_mode} is not supported: use raw_logprobs (the model's log-softmax "
+                f"before temperature, penalties and top-k/top-p) or raw_logits")
     if args.kv_cache_dtype.startswith("fp8"):
         return f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache is kept in the model dtype"
     return None
@@ -212,6 +213,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_transfer_config=args.kv_transfer_config,
         tokenizer=getattr(args, "tokenizer", None),
         generation_config=getattr(args, "generation_config", "auto"),
+        logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
     )
 
 

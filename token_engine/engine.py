@@ -53,6 +53,7 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float = 10.0  # a grammar compiling longer fails its request (400)
     tokenizer: str | None = None  # where structured outputs read tokenizer.json (vLLM's --tokenizer); default model
     generation_config: str = "auto"  # EOS ids: "auto" (the model's), "vllm" (config.json only) or a directory
+    logprobs_mode: str = "raw_logprobs"  # or "raw_logits": what sampled-token logprobs carry (vLLM's flag)
 
     @property
     def model_name(self) -> str:
@@ -131,7 +132,7 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   cuda_graphs=not config.enforce_eager)
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids if config.generation_config == "auto"
                                        else read_eos_token_ids(config.model, config.generation_config))
         # The vocabulary is read from the model (or --tokenizer) directory on the first structured request only.

@@ -3,7 +3,7 @@
 Order (as vLLM v1): structured-outputs grammar mask -> logit bias / allowed ids / min_tokens masking ->
 penalties -> greedy argmax or temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
 Logprobs are the raw model log-softmax (vLLM's default `raw_logprobs`), before any of that processing,
-the grammar mask included.
+the grammar mask included; with `--logprobs-mode raw_logits` the raw logits themselves (same ranks).
 
 Seeded rows draw their noise from their own generator, one draw of vocab size per step, so a seeded
 request yields the same tokens whatever else shares its batch.
@@ -44,9 +44,15 @@ def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> lis
     return out
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits")  # vLLM's processed_* would need the processed logits kept
+
+
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode {logprobs_mode} is not supported (one of {', '.join(LOGPROBS_MODES)})")
         self.seed = seed
+        self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
         self._device_generators: dict[str, torch.Generator] = {}
@@ -72,7 +78,9 @@ class Sampler:
         want = [i for i, r in enumerate(rows) if r.options.logprobs is not None]
         if want:
             idx = torch.tensor(want, device=device)
-            log_probs = raw.index_select(0, idx).log_softmax(dim=1)
+            log_probs = raw.index_select(0, idx)
+            if self.logprobs_mode == "raw_logprobs":
+                log_probs = log_probs.log_softmax(dim=1)
             k = max(rows[i].options.logprobs for i in want)
             entries = logprobs_of(log_probs, tokens.index_select(0, idx), k)
             for i, entry in zip(want, entries):

@@ -314,6 +314,9 @@ async def generate(request: Request) -> Response:
         return error_response(exc.message, exc.status, exc.param)
     except GrammarError as exc:
         return error_response(exc.message, 400, exc.param)
+    if req.return_token_logprobs and state.engine.engine.config.logprobs_mode == "raw_logits":
+        return error_response("return_token_logprobs needs --logprobs-mode raw_logprobs (the server runs "
+                              "raw_logits)", 400, "return_token_logprobs")
     if req.priority != 0 and state.scheduling_policy == "fcfs":
         return error_response(f"Got priority {req.priority} but Priority scheduling is not enabled.", 400,
                               "priority")
