@@ -7,7 +7,7 @@ so its blocks return to the pool.
 Request ids, as vLLM: the response carries ``generate-tokens-`` + the caller's id, which need not be unique
 (RL callers sample one rendered request k times; clients retry). Inside, each request runs under that id plus
 ``-`` and 8 random hex digits, which is also the id its KV blocks and leases go by; aborting the caller's id
-aborts every request running under it.
+aborts every request running under it and releases the KV a finished one still holds for a peer.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import math
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -46,6 +47,7 @@ LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
 MAX_REQUEST_BYTES = 64 << 20  # a 128k-token prompt is about 1 MB of JSON
 JSON = "application/json"
 REQUEST_ID_PREFIX = "generate-tokens-"
+HELD_IDS = 8192  # caller ids remembered for their held KV; a failed decode hop aborts within seconds
 
 
 def _clamp(value: float) -> float:
@@ -106,6 +108,9 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests: a line when each request arrives
     scheduling_policy: str | None = None  # "fcfs" refuses non-zero priorities as vLLM does
     running: dict[str, set[str]] = field(default_factory=dict)  # caller's id -> engine ids running under it
+    # caller's id -> engine ids of finished requests whose KV the connector may still hold for a peer (P/D
+    # prefill): an abort by the caller's id releases those leases too. The newest HELD_IDS only.
+    holding: OrderedDict[str, set[str]] = field(default_factory=OrderedDict)
 
     def start(self, request_id: str) -> str:
         """A fresh engine id for a request answered as ``request_id`` (vLLM's 8-hex-digit suffix)."""
@@ -122,6 +127,16 @@ class ServerState:
         if not ids:
             del self.running[request_id]
         return True
+
+    def held_for_peer(self, request_id: str, engine_id: str) -> None:
+        self.holding.setdefault(request_id, set()).add(engine_id)
+        self.holding.move_to_end(request_id)
+        while len(self.holding) > HELD_IDS:
+            self.holding.popitem(last=False)
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """Every engine id an abort of ``request_id`` reaches: running requests, then held KV."""
+        return [*self.running.get(request_id, ()), *self.holding.pop(request_id, ())]
 
     def load(self) -> int:
         return sum(len(ids) for ids in self.running.values())
@@ -209,6 +224,8 @@ class Generation:
                     stop_reasons[d.index] = d.stop_reason
             if update.finished:
                 break
+        if update.kv_transfer_params is not None:
+            self.state.held_for_peer(self.request_id, self.engine_id)
         self.finish(sum(len(t) for t in tokens), "error" if update.error else ",".join(r or "stop" for r in reasons))
         if update.error:
             return error_response(update.error, error_status(update.error))
@@ -272,6 +289,8 @@ class Generation:
                     first = False
                     yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                 if update.finished:
+                    if update.kv_transfer_params is not None:
+                        self.state.held_for_peer(self.request_id, self.engine_id)
                     self.finish(sum(counts), "finished")
                     if include_usage:
                         chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[],
@@ -360,7 +379,7 @@ async def abort_requests(request: Request) -> Response:
         # it ends (duplicates included), and an engine id aborts just its request.
         names = (rid,) if rid.startswith(REQUEST_ID_PREFIX) else (rid, REQUEST_ID_PREFIX + rid)
         for name in names:
-            for engine_id in list(state.running.get(name, ())):
+            for engine_id in state.engine_ids(name):
                 state.engine.abort_request(engine_id)
         state.engine.abort_request(rid)
     return Response(status_code=200)
