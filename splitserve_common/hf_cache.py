@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,19 +37,23 @@ class ResolvedModel:
     from_hub: bool  # resolved from a model id (cache or download), not a local directory
 
 
-def hub_cache_dir(env: dict[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def hub_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    values = _environ(env)
+    if values.get("HF_HUB_CACHE"):
+        return Path(values["HF_HUB_CACHE"]).expanduser()
+    if values.get("HF_HOME"):
+        return Path(values["HF_HOME"]).expanduser() / "hub"
+    xdg = values.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "huggingface" / "hub"
 
 
-def hub_offline(env: dict[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return any(env.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+def hub_offline(env: Mapping[str, str] | None = None) -> bool:
+    values = _environ(env)
+    return any(values.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def looks_like_repo_id(model: str) -> bool:
@@ -72,7 +77,7 @@ def cached_snapshot(repo_id: str, revision: str | None = None, cache_dir: Path |
 
 
 def resolve_model(model: str, revision: str | None = None, *, weights: bool = True,
-                  env: dict[str, str] | None = None) -> ResolvedModel:
+                  env: Mapping[str, str] | None = None) -> ResolvedModel:
     """A local directory as is; else a model id from the cache, else downloaded (ModelNotFound otherwise)."""
     path = Path(model).expanduser()
     if path.is_dir():
@@ -91,7 +96,7 @@ def resolve_model(model: str, revision: str | None = None, *, weights: bool = Tr
     if hub_offline(env):
         raise ModelNotFound(f"{where} is neither a directory nor in the Hugging Face cache {cache}, and "
                             f"HF_HUB_OFFLINE is set (set HF_HUB_CACHE or HF_HOME to the cache that holds it)")
-    endpoint = (os.environ if env is None else env).get("HF_ENDPOINT")  # a mirror; read now, not at import
+    endpoint = _environ(env).get("HF_ENDPOINT")  # a mirror; read now, not at import
     return ResolvedModel(_download(model, revision, cache, weights, where, endpoint), model, True)
 
 

@@ -65,4 +65,4 @@ def add_uvicorn_log_level(parser: argparse.ArgumentParser) -> None:
 
 
 def uvicorn_log_level(args: argparse.Namespace) -> str:
-    return args.uvicorn_log_level or args.log_level
+    return str(args.uvicorn_log_level or args.log_level)

@@ -126,10 +126,9 @@ def read_eos_token_ids(model_dir: str | Path, generation_config: str = "auto") -
     """EOS ids as vLLM's --generation-config picks them: "auto" adds the model's generation_config.json to
     config.json's, "vllm" takes config.json's alone, any other value is the directory of the file to use."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    source = None if generation_config == "vllm" else Path(model_dir if generation_config == "auto" else generation_config)
     gen: dict = {}
-    if source is not None:
-        path = source / "generation_config.json"
+    if generation_config != "vllm":
+        path = Path(model_dir if generation_config == "auto" else generation_config) / "generation_config.json"
         if generation_config != "auto" and not path.is_file():
             raise ValueError(f"--generation-config {generation_config}: no generation_config.json there")
         gen = json.loads(path.read_text()) if path.is_file() else {}
