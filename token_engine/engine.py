@@ -24,6 +24,7 @@ from token_engine.sampler import Sampler, SamplingRow, logprobs_of
 from token_engine.scheduler import Scheduler
 from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
 from token_engine.structured import GrammarCompiler, GrammarState
+from token_engine.structured.pool import PoolLimits
 from token_engine.validation import EngineLimits
 
 log = logging.getLogger("token_engine")
@@ -51,6 +52,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs
     kv_transfer_config: dict | None = None
     structured_outputs_compile_timeout_s: float = 10.0  # a grammar compiling longer fails its request (400)
+    structured_outputs_compile_workers: int = 2  # killable compile processes (structured/pool.py)
 
     @property
     def model_name(self) -> str:
@@ -132,7 +134,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         # The vocabulary is read from the model directory on the first structured request only.
         self.grammars = GrammarCompiler(config.model, arch.vocab_size, sorted(self.eos_token_ids),
-                                        config.structured_outputs_compile_timeout_s)
+                                        config.structured_outputs_compile_timeout_s,
+                                        pool_limits=PoolLimits(workers=config.structured_outputs_compile_workers))
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
         self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
@@ -346,6 +349,7 @@ class LLMEngine:
         return list(results.values())
 
     def shutdown(self) -> None:
+        self.grammars.close()  # kills compile workers; a compile still waited for fails with a 503
         self.connector.shutdown()
 
 

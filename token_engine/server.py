@@ -280,12 +280,13 @@ async def generate(request: Request) -> Response:
             return error_response(f"The model `{req.model}` does not exist.", 404, "model")
         options, n = validate_generate_request(req, state.engine.engine.limits)
         if options.structured is not None:  # compiled here, off the engine thread, in bounded time
-            grammar = await state.engine.engine.grammars.compile_async(options.structured)
+            client = request.client.host if request.client else "unknown"  # compile caps are per peer
+            grammar = await state.engine.engine.grammars.compile_async(options.structured, client)
             options = dataclasses.replace(options, grammar=grammar)
     except RequestError as exc:
         return error_response(exc.message, exc.status, exc.param)
-    except GrammarError as exc:
-        return error_response(exc.message, 400, exc.param)
+    except GrammarError as exc:  # 400; 429 over a compile cap; 503 while shutting down
+        return error_response(exc.message, exc.status, exc.param)
     if not state.engine.is_alive():
         return error_response("the engine is not running", 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
