@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import threading
 
 from splitserve_common.cli_args import json_object_arg
 from token_engine.engine import EngineConfig
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-format", default="text", choices=["json", "text"],
                    help="json: one object per line (ts, level, logger, msg, request_id, fields)")
+    s.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                   help="seconds a grammar may compile before its worker is killed and the request gets a 400")
+    s.add_argument("--structured-outputs-compile-workers", type=_positive_int, default=2,
+                   help="grammar-compile worker processes (one client may use all but one of them)")
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests and held KV leases may take before exit")
 
@@ -110,6 +115,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
         kv_transfer_config=args.kv_transfer_config,
+        structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout,
+        structured_outputs_compile_workers=args.structured_outputs_compile_workers,
     )
 
 
@@ -128,6 +135,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
+    _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
     server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, openapi=engine_openapi(VERSION)), host=host, port=port, log_level=log_level,
                                            access_log=False, log_config=None, timeout_graceful_shutdown=2),
                             lifecycle)
@@ -135,6 +143,18 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
         server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.shutdown()
+
+
+def _stop_compiles_when_draining(lifecycle, grammars) -> None:
+    """A grammar compile is not admitted work yet: on SIGTERM it ends at once with a 503 (another replica
+    can take the request) instead of holding the drain for up to its time limit."""
+    start_draining = lifecycle.start_draining
+
+    def drain() -> None:  # runs in the signal handler: the close, which takes locks, on a thread of its own
+        start_draining()
+        threading.Thread(target=grammars.close, name="structured-close", daemon=True).start()
+
+    lifecycle.start_draining = drain
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,6 +122,8 @@ async def _read_json(request: Request, type_):
         raise RequestError(f"Invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"Invalid JSON body: {exc}") from None
+    except RecursionError:  # msgspec stops at the interpreter's recursion limit (about 1000 levels)
+        raise RequestError("Invalid JSON body: nested too deeply") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
