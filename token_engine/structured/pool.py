@@ -36,7 +36,7 @@ WORKER_START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) on a loaded mac
 @dataclass(frozen=True)
 class PoolLimits:
     workers: int = 2
-    per_client_pending: int = 4  # compiles one client may have waiting or running
+    per_client_pending: int = 16  # compiles one client may have waiting or running (fairness keeps others first)
     max_pending: int = 64  # compiles everybody together may have waiting or running
     queue_timeout_s: float = 10.0  # how long a job may wait for a free worker
 
