@@ -137,14 +137,18 @@ class _Worker:
             raise TimeoutError
         return self._channel.recv_bytes()
 
-    def kill(self) -> None:
+    def stop(self) -> None:
+        """Kills the process only: its dispatcher, which may be waiting on the socket, sees EOF and closes it."""
         if not self._killed:
             self._killed = True
             try:
                 os.kill(self.pid, signal.SIGKILL)  # alive until now: workers only exit when killed or closed
             except ProcessLookupError:
                 pass
-            self._channel.close()
+
+    def kill(self) -> None:  # the dispatcher's own thread only
+        self.stop()
+        self._channel.close()
 
 
 class CompilePool:
@@ -206,8 +210,8 @@ class CompilePool:
             self._cond.notify_all()
         for job in queued:
             self._fail(job, CompilerClosed("structured_outputs: the engine is shutting down."))
-        for w in workers:  # a dispatcher waiting on one sees its socket close and ends
-            w.kill()
+        for w in workers:  # a dispatcher waiting on one sees EOF and ends
+            w.stop()
         with self._zygote_lock:
             self._zygote.kill()
         deadline = time.monotonic() + timeout_s
