@@ -15,6 +15,7 @@ is 10000), and the items all repeats add up to.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from token_engine.structured.spec import GrammarError, GuideSpec
@@ -25,6 +26,7 @@ MAX_JSON_DEPTH = 64  # also checked while a spec is read (spec.py), before any r
 @dataclass(frozen=True)
 class CompileLimits:
     max_spec_bytes: int = 512 << 10  # schema / regex / grammar / choice text (a large tool set is ~100 KB)
+    max_regex_bytes: int = 64 << 10  # each regex: the `regex` kind, every schema pattern
     max_nesting_depth: int = MAX_JSON_DEPTH  # JSON containers; regex and EBNF groups
     max_repetition: int = 1000  # one {m,n} repeat times the repeats around it
     max_repeated_items: int = 16384  # what all repeats of a regex or grammar add up to
@@ -63,9 +65,9 @@ def check_bounds(spec: GuideSpec, limits: CompileLimits = DEFAULT_LIMITS) -> Non
     if size > limits.max_spec_bytes:
         raise _refuse(spec.kind, "the size in bytes", size, limits.max_spec_bytes, "max_spec_bytes")
     if spec.kind == "regex":
-        _check_repeats(spec.value, "regex", limits, _regex_tokens)
+        _check_repeats(spec.value, "regex", limits, _REGEX_TOKENS)
     elif spec.kind == "grammar":
-        _check_repeats(spec.value, "grammar", limits, _ebnf_tokens)
+        _check_repeats(spec.value, "grammar", limits, _EBNF_TOKENS)
     elif spec.kind == "choice":
         count = len(json.loads(spec.value))
         if count > limits.max_enum_values:
@@ -96,14 +98,14 @@ def _check_json_spec(root, kind: str, limits: CompileLimits) -> None:
         values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
         pattern = node.get("pattern")
         if isinstance(pattern, str):  # a schema's pattern, or a structural tag's {"type": "regex", ...}
-            _check_repeats(pattern, kind, limits, _regex_tokens)
+            _check_repeats(pattern, kind, limits, _REGEX_TOKENS)
         pattern_props = node.get("patternProperties")
         if isinstance(pattern_props, dict):
             for key in pattern_props:
-                _check_repeats(key, kind, limits, _regex_tokens)
+                _check_repeats(key, kind, limits, _REGEX_TOKENS)
         grammar = node.get("grammar")
         if node.get("type") == "grammar" and isinstance(grammar, str):  # structural tag grammar items
-            _check_repeats(grammar, kind, limits, _ebnf_tokens)
+            _check_repeats(grammar, kind, limits, _EBNF_TOKENS)
     if properties > limits.max_properties:
         raise _refuse(kind, "the number of properties", properties, limits.max_properties, "max_properties")
     if values > limits.max_enum_values:
@@ -112,116 +114,66 @@ def _check_json_spec(root, kind: str, limits: CompileLimits) -> None:
 
 
 # ---- repeats in regexes and EBNF ------------------------------------------------------------------------
-# Both are read as a stream of tokens: "(" and ")" open and close a group, ("rep", n) repeats the item
-# before it n times (n = the upper bound, or the lower one when unbounded: xgrammar expands `{m,}` into m
-# copies plus a star), and anything else is one item. `*`, `+`, `?` cost nothing extra.
+# Both are read as a stream of tokens: "(" and ")" open and close a group, a repeat repeats the item before
+# it n times (n = the upper bound, or the lower one when unbounded), and anything else is items.
+# `*`, `+`, `?`, `|` cost nothing extra.
 
-def _repeat_count(text: str, i: int) -> tuple[int, int] | None:
-    """(count, index after) for a `{m}`, `{m,}`, `{m,n}` (or EBNF's `{,n}`) at text[i], else None."""
-    j = text.find("}", i)
-    if j < 0:
-        return None
-    body = text[i + 1:j].replace(" ", "")
-    lo, comma, hi = body.partition(",")
-    if not (lo.isdigit() or (comma and lo == "")) or not (hi.isdigit() or hi == ""):
-        return None
-    if not lo and not hi:
-        return None
-    # very long digit strings would be slow to convert: anything over 9 digits is over every limit anyway
-    count = int((hi or lo)[:10])
-    return count, j + 1
+_REPEAT = r"\{\s*(?P<lo>\d*)\s*(?:(?P<comma>,)\s*(?P<hi>\d*)\s*)?\}"
+_CLASS = r"\[\^?\]?(?:\\.|[^\]\\])*\]?"
+# Only what matters is matched (in C): groups, repeats, and the escapes, classes, strings and comments that
+# could hide a "(" or "{"; the plain text between two matches counts as that many items.
+_REGEX_TOKENS = re.compile(rf"(?P<rep>{_REPEAT})|(?P<open>\()|(?P<close>\))|(?P<item>\\.|{_CLASS})", re.S)
+_EBNF_TOKENS = re.compile(
+    rf"(?P<rep>{_REPEAT})|(?P<open>\()|(?P<close>\))|(?P<item>\"(?:\\.|[^\"\\])*\"?|{_CLASS})|(?P<skip>#[^\n]*)",
+    re.S)
 
 
-def _skip_class(text: str, i: int) -> int:
-    """Index after the character class that opens at text[i] ('[')."""
-    j = i + 1
-    if j < len(text) and text[j] == "^":
-        j += 1
-    if j < len(text) and text[j] == "]":
-        j += 1
-    while j < len(text) and text[j] != "]":
-        j += 2 if text[j] == "\\" else 1
-    return j + 1
+def _tokens(text: str, pattern: re.Pattern):
+    """("open"|"close"|"rep"|"item", how many) per token of text."""
+    end = 0
+    for m in pattern.finditer(text):
+        if m.start() > end:
+            yield "item", m.start() - end
+        end = m.end()
+        kind = m.lastgroup
+        if kind == "rep":
+            lo, hi = m.group("lo"), m.group("hi")
+            if not lo and not hi:
+                yield "item", 1  # `{}` or `{,}`: not a repeat
+                continue
+            # xgrammar expands `{m,}` into m copies and a star; over 9 digits is over every limit anyway
+            yield "rep", int((hi or lo)[:10])
+        elif kind != "skip":
+            yield kind, 1
+    if len(text) > end:
+        yield "item", len(text) - end
 
 
-def _regex_tokens(text: str):
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            yield "item"
-            i += 2
-        elif c == "[":
-            yield "item"
-            i = _skip_class(text, i)
-        elif c in "()":
-            yield c
-            i += 1
-        elif c == "{" and (rep := _repeat_count(text, i)) is not None:
-            yield ("rep", rep[0])
-            i = rep[1]
-        elif c in "*+?|^$":
-            i += 1
-        else:
-            yield "item"
-            i += 1
-
-
-def _ebnf_tokens(text: str):
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == "#":  # comment to the end of the line
-            end = text.find("\n", i)
-            i = n if end < 0 else end + 1
-        elif c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            yield "item"
-            i = j + 1
-        elif c == "[":
-            yield "item"
-            i = _skip_class(text, i)
-        elif c in "()":
-            yield c
-            i += 1
-        elif c == "{" and (rep := _repeat_count(text, i)) is not None:
-            yield ("rep", rep[0])
-            i = rep[1]
-        elif c.isalnum() or c in "_-.":
-            j = i
-            while j < n and (text[j].isalnum() or text[j] in "_-."):
-                j += 1
-            yield "item"
-            i = j
-        else:  # whitespace, ::=, |, *, +, ?, and whatever the library will refuse by itself
-            i += 1
-
-
-def _check_repeats(text: str, kind: str, limits: CompileLimits, tokens) -> None:
+def _check_repeats(text: str, kind: str, limits: CompileLimits, pattern: re.Pattern) -> None:
+    if pattern is _REGEX_TOKENS and len(text) > limits.max_regex_bytes:
+        raise _refuse(kind, "the size of a regex in characters", len(text), limits.max_regex_bytes,
+                      "max_regex_bytes")
     # Per open group: [items so far, largest repeat product inside, the last item's (items, product)].
     groups: list[list] = [[0, 1, None]]
     extra = 0  # items that repeats add, in all
-    for tok in tokens(text):
+    for tok, count in _tokens(text, pattern):
         top = groups[-1]
-        if tok == "(":
+        if tok == "open":
             if len(groups) > limits.max_nesting_depth:
                 raise _refuse(kind, "the group nesting depth", len(groups), limits.max_nesting_depth,
                               "max_nesting_depth")
             groups.append([0, 1, None])
-        elif tok == ")":
+        elif tok == "close":
             if len(groups) == 1:
                 continue  # unbalanced: the library says so
             inner = groups.pop()
             groups[-1][2] = (max(inner[0], 1), inner[1])
             groups[-1][0] += max(inner[0], 1)
             groups[-1][1] = max(groups[-1][1], inner[1])
-        elif isinstance(tok, tuple):
+        elif tok == "rep":
             if top[2] is None:
                 continue  # a repeat of nothing: the library says so
             items, product = top[2]
-            count = tok[1]
             product *= max(count, 1)
             if product > limits.max_repetition:
                 what = "a repeat count" if product == count else "a repeat count times the repeats around it"
@@ -233,6 +185,6 @@ def _check_repeats(text: str, kind: str, limits: CompileLimits, tokens) -> None:
             if extra > limits.max_repeated_items:
                 raise _refuse(kind, "the number of items repeats add", extra, limits.max_repeated_items,
                               "max_repeated_items")
-        else:
-            top[0] += 1
+        else:  # items; a repeat after a run of characters repeats its last one
+            top[0] += count
             top[2] = (1, 1)

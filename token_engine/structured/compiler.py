@@ -88,7 +88,8 @@ class GrammarCompiler:
             except asyncio.TimeoutError:
                 raise GrammarError("structured_outputs: the vocabulary did not load within "
                                    f"{VOCAB_LOAD_TIMEOUT_S:g} s.") from None
-        future = self._grammar_future(spec, client)
+        # the bounds check reads up to max_spec_bytes in Python: off the event loop, like the compile
+        future = await asyncio.to_thread(self._grammar_future, spec, client)
         try:
             # The pool always ends the future (compile limit, queue limit, close); this bound is a backstop.
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._wait_limit_s())
