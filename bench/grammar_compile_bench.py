@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     import xgrammar
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from render_service.default_bundle import default_bundle_dir
     from token_engine.structured import GrammarCompiler, parse_structured_outputs

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from token_engine.structured.spec import GrammarError, GuideSpec
@@ -49,7 +50,7 @@ def check_json_depth(value, limit: int = MAX_JSON_DEPTH, what: str = "json") -> 
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict):
-            children = node.values()
+            children: Iterable = node.values()
         elif isinstance(node, list):
             children = node
         else:

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from token_engine.structured.bounds import DEFAULT_LIMITS, CompileLimits, check_bounds
-from token_engine.structured.pool import CompileBusy, CompilePool, CompilerClosed, PoolLimits, start_zygote
+from token_engine.structured.pool import (
+    DEFAULT_POOL_LIMITS,
+    CompileBusy,
+    CompilePool,
+    CompilerClosed,
+    PoolLimits,
+    start_zygote,
+)
 from token_engine.structured.spec import GrammarError, GuideSpec
 from token_engine.structured.worker import choice_grammar, library_message
 
@@ -38,7 +45,7 @@ class GrammarCompiler:
 
     def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: list[int],
                  compile_timeout_s: float = 10.0, limits: CompileLimits = DEFAULT_LIMITS,
-                 pool_limits: PoolLimits = PoolLimits()):
+                 pool_limits: PoolLimits = DEFAULT_POOL_LIMITS):
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)

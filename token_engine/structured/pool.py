@@ -41,6 +41,9 @@ class PoolLimits:
     queue_timeout_s: float = 10.0  # how long a job may wait for a free worker
 
 
+DEFAULT_POOL_LIMITS = PoolLimits()
+
+
 class CompileBusy(GrammarError):
     """Over a compile cap: retry later (429). Never cached."""
 
@@ -64,7 +67,7 @@ class _Job:
     released: bool = False
 
 
-def start_zygote() -> "_Zygote":
+def start_zygote() -> _Zygote:
     return _Zygote()
 
 
@@ -98,7 +101,7 @@ class _Zygote:
             self.kill()
             raise GrammarError(reply[1:].decode(errors="replace"))
 
-    def fork(self) -> "_Worker":
+    def fork(self) -> _Worker:
         ours, theirs = socket.socketpair()
         try:
             with self._lock:
@@ -152,8 +155,8 @@ class _Worker:
 
 
 class CompilePool:
-    def __init__(self, zygote: "_Zygote", vocabulary_json: bytes, deserialize, compile_timeout_s: float,
-                 limits: PoolLimits = PoolLimits()):
+    def __init__(self, zygote: _Zygote, vocabulary_json: bytes, deserialize, compile_timeout_s: float,
+                 limits: PoolLimits = DEFAULT_POOL_LIMITS):
         self.compile_timeout_s = compile_timeout_s  # read per job: tests and operators may change it
         self.limits = limits
         self.per_client_running = max(1, limits.workers - 1)
