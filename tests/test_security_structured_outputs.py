@@ -284,11 +284,11 @@ def test_sigterm_during_a_compile_stops_the_engine_promptly(model_dir, tmp_path)
             time.sleep(1.0)  # compiling now, for up to 30 s
             started = time.monotonic()
             engine.proc.send_signal(signal.SIGTERM)
-            engine.proc.wait(20)
+            engine.proc.wait(40)
             stopped_s = time.monotonic() - started
             assert pending.result(30) in (503, None)  # the compile was stopped, not waited for
         assert engine.proc.returncode == 0
-        assert stopped_s < 10, stopped_s
+        assert stopped_s < 20, (stopped_s, engine.log_path.read_text()[-3000:])
         assert wait_until_dead(children) == children
     finally:
         engine.kill()
