@@ -132,6 +132,9 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
 
     engine = AsyncEngine(LLMEngine(config))
     engine.start()
+    # The first structured request must not wait 10-30 s for the vocabulary and the compile workers: in P/D
+    # that wait would run into the prefill's KV lease.
+    engine.engine.grammars.warm_up()
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))

@@ -103,6 +103,15 @@ class GrammarCompiler:
         except asyncio.TimeoutError:
             raise CompileBusy("structured_outputs: the grammar compile did not finish in time; retry later.") from None
 
+    def warm_up(self) -> None:
+        """Starts loading the vocabulary and the compile workers now, in the background, so the first
+        structured request does not wait for them (a no-op without tokenizer.json: that request says why)."""
+        if (self.model_dir / "tokenizer.json").is_file():
+            try:
+                self._pool()
+            except CompilerClosed:
+                pass
+
     def worker_pids(self) -> list[int]:
         pool = self._pool_future
         if pool is None or not pool.done() or pool.exception() is not None:
