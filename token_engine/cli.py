@@ -6,6 +6,7 @@ import argparse
 import logging
 import socket
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from splitserve_common import vllm_flags
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-format", default="text", choices=["json", "text"],
                    help="json: one object per line (ts, level, logger, msg, request_id, fields)")
+    s.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                   help="seconds a grammar may compile before its worker is killed and the request gets a 400")
+    s.add_argument("--structured-outputs-compile-workers", type=_positive_int, default=2,
+                   help="grammar-compile worker processes (one client may use all but one of them)")
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests and held KV leases may take before exit")
     _add_vllm_flags(s)
@@ -214,6 +219,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tokenizer=getattr(args, "tokenizer", None),
         generation_config=getattr(args, "generation_config", "auto"),
         logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
+        structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout,
+        structured_outputs_compile_workers=args.structured_outputs_compile_workers,
     )
 
 
@@ -237,6 +244,9 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
         raise ValueError(f"cannot start the engine on {config.model}: {type(exc).__name__}: {exc}") from None
     engine = AsyncEngine(llm)
     engine.start()
+    # The first structured request must not wait 10-30 s for the vocabulary and the compile workers: in P/D
+    # that wait would run into the prefill's KV lease.
+    engine.engine.grammars.warm_up()
     try:
         sock = sock if sock is not None else _bind(host, port)
     except OSError:
@@ -246,6 +256,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
                     log_requests=log_requests, scheduling_policy=scheduling_policy)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
+    _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
     server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, access_log=access_log,
                                                     openapi=engine_openapi(VERSION)),
                                            host=host, port=port, log_level=log_level,
@@ -269,6 +280,18 @@ def _bind(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)") from None
     sock.listen(2048)
     return sock
+
+
+def _stop_compiles_when_draining(lifecycle, grammars) -> None:
+    """A grammar compile is not admitted work yet: on SIGTERM it ends at once with a 503 (another replica
+    can take the request) instead of holding the drain for up to its time limit."""
+    start_draining = lifecycle.start_draining
+
+    def drain() -> None:  # runs in the signal handler: the close, which takes locks, on a thread of its own
+        start_draining()
+        threading.Thread(target=grammars.close, name="structured-close", daemon=True).start()
+
+    lifecycle.start_draining = drain
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from token_engine.sampler import Sampler, SamplingRow, logprobs_of
 from token_engine.scheduler import Scheduler
 from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
 from token_engine.structured import GrammarCompiler, GrammarState
+from token_engine.structured.pool import PoolLimits
 from token_engine.validation import EngineLimits
 
 log = logging.getLogger("token_engine")
@@ -54,6 +55,7 @@ class EngineConfig:
     tokenizer: str | None = None  # where structured outputs read tokenizer.json (vLLM's --tokenizer); default model
     generation_config: str = "auto"  # EOS ids: "auto" (the model's), "vllm" (config.json only) or a directory
     logprobs_mode: str = "raw_logprobs"  # or "raw_logits": what sampled-token logprobs carry (vLLM's flag)
+    structured_outputs_compile_workers: int = 2  # killable compile processes (structured/pool.py)
 
     @property
     def model_name(self) -> str:
@@ -137,7 +139,8 @@ class LLMEngine:
                                        else read_eos_token_ids(config.model, config.generation_config))
         # The vocabulary is read from the model (or --tokenizer) directory on the first structured request only.
         self.grammars = GrammarCompiler(config.tokenizer or config.model, arch.vocab_size, sorted(self.eos_token_ids),
-                                        config.structured_outputs_compile_timeout_s)
+                                        config.structured_outputs_compile_timeout_s,
+                                        pool_limits=PoolLimits(workers=config.structured_outputs_compile_workers))
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
         self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
@@ -351,6 +354,7 @@ class LLMEngine:
         return list(results.values())
 
     def shutdown(self) -> None:
+        self.grammars.close()  # kills compile workers; a compile still waited for fails with a 503
         self.connector.shutdown()
 
 

@@ -163,6 +163,8 @@ async def _read_json(request: Request, type_):
         raise RequestError(f"Invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"Invalid JSON body: {exc}") from None
+    except RecursionError:  # msgspec stops at the interpreter's recursion limit (about 1000 levels)
+        raise RequestError("Invalid JSON body: nested too deeply") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -327,12 +329,13 @@ async def generate(request: Request) -> Response:
             return error_response(f"The model `{req.model}` does not exist.", 404, "model")
         options, n = validate_generate_request(req, state.engine.engine.limits)
         if options.structured is not None:  # compiled here, off the engine thread, in bounded time
-            grammar = await state.engine.engine.grammars.compile_async(options.structured)
+            client = request.client.host if request.client else "unknown"  # compile caps are per peer
+            grammar = await state.engine.engine.grammars.compile_async(options.structured, client)
             options = dataclasses.replace(options, grammar=grammar)
     except RequestError as exc:
         return error_response(exc.message, exc.status, exc.param)
-    except GrammarError as exc:
-        return error_response(exc.message, 400, exc.param)
+    except GrammarError as exc:  # 400; 429 over a compile cap; 503 while shutting down
+        return error_response(exc.message, exc.status, exc.param)
     if req.return_token_logprobs and state.engine.engine.config.logprobs_mode == "raw_logits":
         return error_response("return_token_logprobs needs --logprobs-mode raw_logprobs (the server runs "
                               "raw_logits)", 400, "return_token_logprobs")

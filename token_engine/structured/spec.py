@@ -15,7 +15,10 @@ OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespac
 
 
 class GrammarError(ValueError):
-    """A structured-outputs request the engine cannot honour: always the client's (400)."""
+    """A structured-outputs request the engine cannot honour: the client's (400), or a cap the client hit
+    (429) or a shutdown (503) in the subclasses of pool.py."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = PARAM):
         super().__init__(message)
@@ -33,13 +36,19 @@ class GuideSpec:
 
 
 def _canonical_json(value, what: str) -> str:
+    from token_engine.structured.bounds import MAX_JSON_DEPTH, check_json_depth
+
     if isinstance(value, str):
         try:
             value = json.loads(value)
+        except RecursionError:
+            raise GrammarError(f"structured_outputs.{what} nests deeper than {MAX_JSON_DEPTH} levels "
+                               "(max_nesting_depth).") from None
         except ValueError as exc:
             raise GrammarError(f"structured_outputs.{what} is not valid JSON: {exc}") from None
     if not isinstance(value, (dict, bool)):
         raise GrammarError(f"structured_outputs.{what} must be a JSON object (or its JSON text).")
+    check_json_depth(value, MAX_JSON_DEPTH, what)  # before json.dumps, which recurses
     # Key order is kept: properties are generated in the order the schema lists them.
     return json.dumps(value, separators=(",", ":"))
 
