@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 
@@ -24,8 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve /inference/v1/generate for a model directory")
     s.add_argument("model", help="Hugging Face model directory (config.json + safetensors)")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    # vLLM's default (every interface), so manifests written for vLLM reach us; without --api-key it warns.
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, /ping, /load, "
+                        "/version, /metrics (several keys: any one; default: $VLLM_API_KEY)")
+    s.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request line and headers are not complete this long after "
+                        "it opened or its next request began (slow or half-sent headers)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API answers to; the first is reported (default: the model path)")
     s.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -115,21 +123,29 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | None = None,
           enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info",
-          shutdown_grace_seconds: float = 30.0) -> None:
+          shutdown_grace_seconds: float = 30.0, api_keys: list[str] | None = None,
+          header_timeout_s: float = 10.0) -> None:
     import uvicorn
 
+    from splitserve_common.auth import ApiKeys, warn_if_open
+    from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
     from token_engine.engine import AsyncEngine, LLMEngine
     from token_engine.openapi import engine_openapi
     from token_engine.server import VERSION, build_app
 
+    keys = ApiKeys(api_keys)
+    connection_settings = uvicorn_connection_settings(header_timeout_s)
+    warn_if_open("token-engine", host, keys, logging.getLogger("token_engine.cli"))
     engine = AsyncEngine(LLMEngine(config))
     engine.start()
-    app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format)
+    app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
+                    api_keys=keys)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
     server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, openapi=engine_openapi(VERSION)), host=host, port=port, log_level=log_level,
-                                           access_log=False, log_config=None, timeout_graceful_shutdown=2),
+                                           access_log=False, log_config=None, timeout_graceful_shutdown=2,
+                                           **connection_settings),
                             lifecycle)
     try:
         server.run(sockets=[sock] if sock is not None else None)
@@ -156,17 +172,21 @@ def main(argv: list[str] | None = None) -> int:
 
         print(with_random_weights(args.bundle, seed=args.seed))
         return 0
+    from splitserve_common.auth import api_keys_from
+    from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     try:
         config = engine_config_from_args(args)
+        uvicorn_connection_settings(args.http_header_timeout)  # a bad timeout is one line here, not a traceback
     except ValueError as exc:
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2
     serve(config, args.host, args.port, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
           logprobs_format=args.generate_logprobs_format, log_level=args.log_level,
-          shutdown_grace_seconds=args.shutdown_grace_seconds)
+          shutdown_grace_seconds=args.shutdown_grace_seconds, api_keys=api_keys_from(args.api_key),
+          header_timeout_s=args.http_header_timeout)
     return 0
 
 

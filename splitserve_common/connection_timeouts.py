@@ -1,0 +1,117 @@
+"""How long an HTTP connection may hold a server's socket without sending a whole request head.
+
+uvicorn closes a keep-alive connection that stays idle after a response (``timeout_keep_alive``), but arms
+no timer on a fresh connection, nor on one whose next request has started and stalls: a client that sends
+nothing, or half a header and then a byte a minute (slowloris), holds its connection forever, and a few
+thousand of them exhaust the server's file descriptors. ``header_deadline_protocol`` returns uvicorn's own
+HTTP protocol class with one more timer: from the moment a connection opens, or the first byte of its next
+request arrives, the request line and headers must be complete within ``header_timeout_s`` and at most
+``max_header_bytes`` long, else the connection is closed. Once the head is in, the application owns the
+request (bodies and streamed responses have their own bounds: the body size cap, the engines' timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+# vLLM's variable for uvicorn's keep-alive timeout, with vLLM's default
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+DEFAULT_KEEP_ALIVE_S = 5.0
+
+_HEADERS_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
+                      b"content-length: 32\r\nconnection: close\r\n\r\nRequest header fields too large\n")
+
+
+class HeaderDeadline:
+    """Mixin over uvicorn's H11Protocol or HttpToolsProtocol (both keep the current request in ``cycle``)."""
+
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    max_header_bytes = DEFAULT_MAX_HEADER_BYTES
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0
+
+    def _between_requests(self) -> bool:
+        cycle = self.cycle  # type: ignore[attr-defined]
+        return cycle is None or cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)  # type: ignore
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        transport = self.transport  # type: ignore[attr-defined]
+        if self._between_requests() and not transport.is_closing():
+            transport.close()
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        waiting = self._between_requests()
+        if waiting:
+            self._arm()  # a no-op when armed: later bytes never extend the deadline
+        super().data_received(data)  # type: ignore[misc]
+        if not waiting or not self._between_requests():
+            self._disarm()  # a request's head is complete: the application has it now
+            return
+        # keep-alive idleness after a response is uvicorn's own timer; from the next request's first byte on, ours
+        self._head_bytes += len(data)
+        if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():  # type: ignore
+            self._disarm()
+            self.transport.write(_HEADERS_TOO_LARGE)  # type: ignore[attr-defined]
+            self.transport.close()  # type: ignore[attr-defined]
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        # idle between requests: uvicorn's keep-alive timer runs; ours starts with the next request's bytes
+        self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+def header_deadline_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                             max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> type:
+    """uvicorn's HTTP/1.1 protocol (httptools when installed, as uvicorn's "auto", else h11) with the header
+    deadline; pass it as ``uvicorn.Config(http=...)``."""
+    if header_timeout_s <= 0:
+        raise ValueError("the HTTP header timeout must be positive")
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools missing
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
+                {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})
+
+
+def keep_alive_timeout_s() -> float:
+    """uvicorn's keep-alive timeout: $VLLM_HTTP_TIMEOUT_KEEP_ALIVE (as vLLM), else 5 s."""
+    text = os.environ.get(KEEP_ALIVE_ENV)
+    if not text:
+        return DEFAULT_KEEP_ALIVE_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{KEEP_ALIVE_ENV} must be a number of seconds, not {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"{KEEP_ALIVE_ENV} must be positive")
+    return value
+
+
+def uvicorn_connection_settings(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict[str, Any]:
+    """The ``uvicorn.Config`` keyword arguments that bound idle and half-sent connections."""
+    return {"http": header_deadline_protocol(header_timeout_s), "timeout_keep_alive": keep_alive_timeout_s(),
+            "h11_max_incomplete_event_size": DEFAULT_MAX_HEADER_BYTES}
