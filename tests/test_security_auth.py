@@ -230,3 +230,23 @@ def test_a_header_sent_in_pieces_within_the_timeout_is_served(stack):
         sock.sendall(head[20:] + body)
         sock.settimeout(60)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_gateway_aborts_carry_the_engine_key(stack, caplog):
+    """The abort hop (httpx, not the generate pool) presents the key too; a refused abort is logged."""
+    import asyncio
+
+    from render_service.gateway.engine_client import EngineClient
+
+    async def abort(client: EngineClient) -> None:
+        try:
+            await client.abort(stack["engine"].url, ["nobody"])
+        finally:
+            await client.aclose()
+
+    caplog.set_level(logging.INFO, logger="render_service.gateway.engine_client")
+    asyncio.run(abort(EngineClient(api_key=KEY)))
+    assert not [r for r in caplog.records if "refused" in r.getMessage()]
+    asyncio.run(abort(EngineClient()))
+    (refused,) = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert refused.levelno == logging.WARNING and "401" in refused.getMessage()

@@ -126,9 +126,14 @@ class EngineClient:
         """Best effort: the engine also aborts when our connection closes."""
         body = msgspec.json.encode({"request_ids": request_ids})
         try:
-            await self.client.post(base_url + ABORT_PATH, content=body, headers=self._headers, timeout=5.0)
+            response = await self.client.post(base_url + ABORT_PATH, content=body, headers=self._headers,
+                                              timeout=5.0)
         except httpx.HTTPError as exc:
             logger.info("abort on %s failed: %s", base_url, exc)
+            return
+        if response.status_code in (401, 403):  # every abort would fail the same way: say why
+            logger.warning("abort on %s refused (HTTP %d): the gateway's --engine-api-key is not a key of that "
+                           "engine", base_url, response.status_code)
 
 
 class EngineEvents:
