@@ -4,7 +4,7 @@ uvicorn closes a keep-alive connection that stays idle after a response (``timeo
 no timer on a fresh connection, nor on one whose next request has started and stalls: a client that sends
 nothing, or half a header and then a byte a minute (slowloris), holds its connection forever, and a few
 thousand of them exhaust the server's file descriptors. ``header_deadline_protocol`` returns uvicorn's own
-HTTP protocol class with one more timer: from the moment a connection opens, or the first byte of its next
+HTTP protocol class with one more deadline: from the moment a connection opens, or the first byte of its next
 request arrives, the request line and headers must be complete within ``header_timeout_s`` and at most
 ``max_header_bytes`` long, else the connection is closed. Once the head is in, the application owns the
 request (bodies and streamed responses have their own bounds: the body size cap, the engines' timeouts).
@@ -27,60 +27,74 @@ _HEADERS_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-
 
 
 class HeaderDeadline:
-    """Mixin over uvicorn's H11Protocol or HttpToolsProtocol (both keep the current request in ``cycle``)."""
+    """Mixin over uvicorn's H11Protocol or HttpToolsProtocol (both keep the current request in ``cycle`` and
+    the server's open connections in ``connections``).
+
+    A request only stamps the time its head began (one float); one sweep per server, a few times per
+    timeout, closes the connections whose head is overdue. A timer per request would cost more than the
+    rest of this class on the per-chunk derender path.
+    """
 
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     max_header_bytes = DEFAULT_MAX_HEADER_BYTES
-    _head_timer: asyncio.TimerHandle | None = None
+    _head_since: float | None = None  # loop time the current request head began; None while a request runs
     _head_bytes = 0
 
     def _between_requests(self) -> bool:
         cycle = self.cycle  # type: ignore[attr-defined]
         return cycle is None or cycle.response_complete
 
-    def _arm(self) -> None:
-        if self._head_timer is None:
-            self._head_bytes = 0
-            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)  # type: ignore
-
-    def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        transport = self.transport  # type: ignore[attr-defined]
-        if self._between_requests() and not transport.is_closing():
-            transport.close()
-
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        self._arm()
+        self._head_since = self.loop.time()  # type: ignore[attr-defined]
+        _HeadSweep.ensure(self.loop, self.connections, self.header_timeout_s)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
-        waiting = self._between_requests()
-        if waiting:
-            self._arm()  # a no-op when armed: later bytes never extend the deadline
+        if self._head_since is None and self._between_requests():
+            # the next request's first bytes (idleness after a response is uvicorn's keep-alive timer)
+            self._head_since = self.loop.time()  # type: ignore[attr-defined]
+            self._head_bytes = 0
         super().data_received(data)  # type: ignore[misc]
-        if not waiting or not self._between_requests():
-            self._disarm()  # a request's head is complete: the application has it now
+        if self._head_since is None:
             return
-        # keep-alive idleness after a response is uvicorn's own timer; from the next request's first byte on, ours
+        if not self._between_requests():
+            self._head_since = None  # the head is complete: the application has the request now
+            return
         self._head_bytes += len(data)
         if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():  # type: ignore
-            self._disarm()
             self.transport.write(_HEADERS_TOO_LARGE)  # type: ignore[attr-defined]
             self.transport.close()  # type: ignore[attr-defined]
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # type: ignore[misc]
-        # idle between requests: uvicorn's keep-alive timer runs; ours starts with the next request's bytes
-        self._disarm()
+    def head_overdue(self, now: float) -> bool:
+        since = self._head_since
+        return since is not None and now - since >= self.header_timeout_s and self._between_requests()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)  # type: ignore[misc]
+
+class _HeadSweep:
+    """One periodic check per server (its set of connections), running while it has connections."""
+
+    _running: dict[int, "_HeadSweep"] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set, timeout_s: float) -> None:
+        self.loop = loop
+        self.connections = connections
+        self.interval_s = min(1.0, timeout_s / 4)  # closes within timeout + interval
+        self.loop.call_later(self.interval_s, self.sweep)
+
+    @classmethod
+    def ensure(cls, loop: asyncio.AbstractEventLoop, connections: set, timeout_s: float) -> None:
+        if id(connections) not in cls._running:
+            cls._running[id(connections)] = cls(loop, connections, timeout_s)
+
+    def sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.connections):
+            if isinstance(conn, HeaderDeadline) and conn.head_overdue(now) and not conn.transport.is_closing():
+                conn.transport.close()  # type: ignore[attr-defined]
+        if self.connections:
+            self.loop.call_later(self.interval_s, self.sweep)
+        else:
+            del self._running[id(self.connections)]
 
 
 def header_deadline_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
