@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
+from splitserve_common.connection_timeouts import add_header_timeout_argument
 
 logger = logging.getLogger("render_service.cli")
 ENGINE_API_KEY_ENV = "SPLITSERVE_ENGINE_API_KEY"
@@ -52,12 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="logprob tokens as vLLM's 'token_id:N' strings unless a request says otherwise "
                             "(default: decoded text plus integer token_id)")
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on every endpoint but /health, /version, /metrics "
-                            "(several keys: any one; default: $VLLM_API_KEY)")
-    serve.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="close a connection whose request line and headers are not complete this long after "
-                            "it opened or its next request began (slow or half-sent headers)")
+    add_api_key_argument(serve, "/health, /version, /metrics")
+    add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
                        help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")

@@ -22,6 +22,13 @@ PUBLIC_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics", "
 API_KEY_ENV = "VLLM_API_KEY"
 
 
+def add_api_key_argument(parser: Any, open_paths: str) -> None:
+    """``--api-key KEY [KEY ...]`` as vLLM's (read with ``api_keys_from``)."""
+    parser.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on every endpoint but {open_paths} "
+                             f"(several keys: any one; default: ${API_KEY_ENV})")
+
+
 def api_keys_from(flag_values: list[str] | None, env: str = API_KEY_ENV) -> list[str]:
     """The keys of a server: its --api-key values, else the environment variable (vLLM's VLLM_API_KEY)."""
     if flag_values:

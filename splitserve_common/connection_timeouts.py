@@ -111,6 +111,12 @@ def header_deadline_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                 {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})
 
 
+def add_header_timeout_argument(parser: Any) -> None:
+    parser.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="close a connection whose request line and headers are not complete this long after "
+                             "it opened or its next request began (slow or half-sent headers)")
+
+
 def keep_alive_timeout_s() -> float:
     """uvicorn's keep-alive timeout: $VLLM_HTTP_TIMEOUT_KEEP_ALIVE (as vLLM), else 5 s."""
     text = os.environ.get(KEEP_ALIVE_ENV)

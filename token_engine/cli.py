@@ -7,7 +7,9 @@ import logging
 import socket
 import sys
 
+from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
+from splitserve_common.connection_timeouts import add_header_timeout_argument
 from token_engine.engine import EngineConfig
 
 
@@ -28,12 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     # vLLM's default (every interface), so manifests written for vLLM reach us; without --api-key it warns.
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, /ping, /load, "
-                        "/version, /metrics (several keys: any one; default: $VLLM_API_KEY)")
-    s.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="close a connection whose request line and headers are not complete this long after "
-                        "it opened or its next request began (slow or half-sent headers)")
+    add_api_key_argument(s, "/health, /ping, /load, /version, /metrics")
+    add_header_timeout_argument(s)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API answers to; the first is reported (default: the model path)")
     s.add_argument("--max-model-len", type=_positive_int, default=None)
