@@ -98,14 +98,19 @@ class _HeadSweep:
 
 
 def header_deadline_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                             max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> type:
-    """uvicorn's HTTP/1.1 protocol (httptools when installed, as uvicorn's "auto", else h11) with the header
-    deadline; pass it as ``uvicorn.Config(http=...)``."""
+                             max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, http: str = "auto") -> type:
+    """uvicorn's HTTP/1.1 protocol (``http``: "httptools", "h11", or "auto" as uvicorn: httptools when
+    installed) with the header deadline; pass it as ``uvicorn.Config(http=...)``."""
     if header_timeout_s <= 0:
         raise ValueError("the HTTP header timeout must be positive")
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools missing
+    base: type | None = None
+    if http in ("auto", "httptools"):
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:  # httptools missing
+            if http == "httptools":
+                raise
+    if base is None:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
                 {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})

@@ -250,3 +250,40 @@ def test_gateway_aborts_carry_the_engine_key(stack, caplog):
     asyncio.run(abort(EngineClient()))
     (refused,) = [r for r in caplog.records if "refused" in r.getMessage()]
     assert refused.levelno == logging.WARNING and "401" in refused.getMessage()
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_the_deadline_holds_on_either_uvicorn_protocol(http):
+    """uvicorn falls back to h11 where httptools is missing: the deadline must hold there too."""
+    import threading
+
+    import uvicorn
+
+    from splitserve_common.connection_timeouts import header_deadline_protocol
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, http=header_deadline_protocol(0.5, http=http), lifespan="off",
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+        thread.start()
+        try:
+            for _ in range(400):
+                if server.started:
+                    break
+                time.sleep(0.025)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # a whole request is served
+                sock.settimeout(10)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                sock.sendall(b"GET / HTTP/1.1\r\nho")  # its successor stalls mid-header
+                closed, received, _ = _closed_within(sock, 10)
+                assert closed and received == b""
+        finally:
+            server.should_exit = True
+            thread.join(30)
