@@ -10,7 +10,7 @@ import pytest
 from tests.test_deploy import OVERLAYS, _deployments, _objects
 
 ENGINE_KEY = ("splitserve-engine-api-key", "api-key")
-KV_SECRET = ("splitserve-kv-secret", "secret")
+KV_SECRET = ("splitserve-kv-secret", "kv-side-channel-secret")
 STREAM_STATE = ("splitserve-stream-state", "secret")
 NAMESPACE = {"kubernetes.io/metadata.name": "splitserve"}
 
