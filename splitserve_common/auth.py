@@ -14,7 +14,8 @@ import hmac
 import ipaddress
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # Reachable without a key, as vLLM's own list: probes, load reports, the version, Prometheus scrapes and
 # the API description. Everything else (unknown paths included) needs the key: a new route is guarded by default.
@@ -88,7 +89,7 @@ class ApiKeyGuard:
         self.public_paths = public_paths
         self.body = unauthorized_body
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.keys and scope.get("path") not in self.public_paths:
             authorization = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             if not self.keys.accepts(authorization):

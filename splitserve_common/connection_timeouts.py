@@ -35,24 +35,30 @@ class HeaderDeadline:
     rest of this class on the per-chunk derender path.
     """
 
+    # set by uvicorn's protocol classes
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+    connections: set[Any]
+
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     max_header_bytes = DEFAULT_MAX_HEADER_BYTES
     _head_since: float | None = None  # loop time the current request head began; None while a request runs
     _head_bytes = 0
 
     def _between_requests(self) -> bool:
-        cycle = self.cycle  # type: ignore[attr-defined]
+        cycle = self.cycle
         return cycle is None or cycle.response_complete
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        self._head_since = self.loop.time()  # type: ignore[attr-defined]
-        _HeadSweep.ensure(self.loop, self.connections, self.header_timeout_s)  # type: ignore[attr-defined]
+        self._head_since = self.loop.time()
+        _HeadSweep.ensure(self.loop, self.connections, self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._head_since is None and self._between_requests():
             # the next request's first bytes (idleness after a response is uvicorn's keep-alive timer)
-            self._head_since = self.loop.time()  # type: ignore[attr-defined]
+            self._head_since = self.loop.time()
             self._head_bytes = 0
         super().data_received(data)  # type: ignore[misc]
         if self._head_since is None:
@@ -61,9 +67,9 @@ class HeaderDeadline:
             self._head_since = None  # the head is complete: the application has the request now
             return
         self._head_bytes += len(data)
-        if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():  # type: ignore
-            self.transport.write(_HEADERS_TOO_LARGE)  # type: ignore[attr-defined]
-            self.transport.close()  # type: ignore[attr-defined]
+        if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+            self.transport.write(_HEADERS_TOO_LARGE)
+            self.transport.close()
 
     def head_overdue(self, now: float) -> bool:
         since = self._head_since
@@ -73,16 +79,16 @@ class HeaderDeadline:
 class _HeadSweep:
     """One periodic check per server (its set of connections), running while it has connections."""
 
-    _running: dict[int, "_HeadSweep"] = {}
+    _running: dict[int, _HeadSweep] = {}
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set, timeout_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set[Any], timeout_s: float) -> None:
         self.loop = loop
         self.connections = connections
         self.interval_s = min(1.0, timeout_s / 4)  # closes within timeout + interval
         self.loop.call_later(self.interval_s, self.sweep)
 
     @classmethod
-    def ensure(cls, loop: asyncio.AbstractEventLoop, connections: set, timeout_s: float) -> None:
+    def ensure(cls, loop: asyncio.AbstractEventLoop, connections: set[Any], timeout_s: float) -> None:
         if id(connections) not in cls._running:
             cls._running[id(connections)] = cls(loop, connections, timeout_s)
 
@@ -90,11 +96,25 @@ class _HeadSweep:
         now = self.loop.time()
         for conn in list(self.connections):
             if isinstance(conn, HeaderDeadline) and conn.head_overdue(now) and not conn.transport.is_closing():
-                conn.transport.close()  # type: ignore[attr-defined]
+                conn.transport.close()
         if self.connections:
             self.loop.call_later(self.interval_s, self.sweep)
         else:
             del self._running[id(self.connections)]
+
+
+def _uvicorn_protocol(http: str) -> type[asyncio.Protocol]:
+    if http != "h11":
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+            return HttpToolsProtocol
+        except ImportError:  # httptools missing: uvicorn's "auto" falls back to h11 too
+            if http == "httptools":
+                raise
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
 
 
 def header_deadline_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
@@ -103,15 +123,7 @@ def header_deadline_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     installed) with the header deadline; pass it as ``uvicorn.Config(http=...)``."""
     if header_timeout_s <= 0:
         raise ValueError("the HTTP header timeout must be positive")
-    base: type | None = None
-    if http in ("auto", "httptools"):
-        try:
-            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-        except ImportError:  # httptools missing
-            if http == "httptools":
-                raise
-    if base is None:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    base = _uvicorn_protocol(http)
     return type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
                 {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})
 
