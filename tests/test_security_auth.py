@@ -252,6 +252,26 @@ def test_gateway_aborts_carry_the_engine_key(stack, caplog):
     assert refused.levelno == logging.WARNING and "401" in refused.getMessage()
 
 
+def test_the_prefill_hop_carries_the_engine_key(stack):
+    """P/D's prefill hop is the plain (non-streaming) generate call: keyed, it is served; unkeyed, it fails as
+    a replica failure naming the flag (the flow then tries another replica or answers 503)."""
+    import asyncio
+
+    import msgspec
+
+    from render_service.gateway.engine_client import EngineClient, EngineUnavailable
+
+    async def prefill(client: EngineClient):
+        try:
+            return await client.generate(stack["engine"].url, msgspec.json.encode(GENERATE), "prefill-hop")
+        finally:
+            await client.aclose()
+
+    assert len(asyncio.run(prefill(EngineClient(api_key=KEY))).choices[0].token_ids) == 2
+    with pytest.raises(EngineUnavailable, match="--engine-api-key"):
+        asyncio.run(prefill(EngineClient()))
+
+
 @pytest.mark.parametrize("http", ["h11", "httptools"])
 def test_the_deadline_holds_on_either_uvicorn_protocol(http):
     """uvicorn falls back to h11 where httptools is missing: the deadline must hold there too."""
