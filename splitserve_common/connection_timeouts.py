@@ -56,14 +56,18 @@ class HeaderDeadline:
         _HeadSweep.ensure(self.loop, self.connections, self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._head_since is None and self._between_requests():
-            # the next request's first bytes (idleness after a response is uvicorn's keep-alive timer)
-            self._head_since = self.loop.time()
-            self._head_bytes = 0
+        # (the per-request path: the cycle checks are inlined)
+        if self._head_since is None:
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                # the next request's first bytes (idleness after a response is uvicorn's keep-alive timer)
+                self._head_since = self.loop.time()
+                self._head_bytes = 0
         super().data_received(data)  # type: ignore[misc]
         if self._head_since is None:
             return
-        if not self._between_requests():
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
             self._head_since = None  # the head is complete: the application has the request now
             return
         self._head_bytes += len(data)
