@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from splitserve_common import vllm_flags
+from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
+from splitserve_common.connection_timeouts import add_header_timeout_argument
 
 logger = logging.getLogger("render_service.cli")
 NOOP_FLAGS = (vllm_flags.TRUST_REMOTE_CODE,)
+ENGINE_API_KEY_ENV = "SPLITSERVE_ENGINE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="logprob tokens as vLLM's 'token_id:N' strings unless a request says otherwise "
                             "(default: decoded text plus integer token_id)")
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY)")
+    add_api_key_argument(serve, "/health, /version, /metrics")
+    add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
                        help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill engine replica(s) (disaggregated, with --decode)")
     gw.add_argument("--decode", action="extend", nargs="+", default=None, metavar="URL",
                     help="decode engine replica(s) (disaggregated, with --prefill)")
+    gw.add_argument("--engine-api-key", default=os.environ.get(ENGINE_API_KEY_ENV), metavar="KEY",
+                    help="sent as 'Authorization: Bearer KEY' on every engine call: the engines' --api-key "
+                         f"(default: ${ENGINE_API_KEY_ENV})")
     gw.add_argument("--engine-block-size", type=int, default=16, help="the engines' KV block size")
     gw.add_argument("--prefix-affinity-blocks", type=int, default=4,
                     help="leading KV blocks of the prompt that key replica affinity (0: load only)")
@@ -114,6 +120,7 @@ def build_gateway(args: argparse.Namespace) -> Any:
     """The gateway when engine pools were given, else None (ValueError on a bad combination)."""
     if not (args.engine or args.prefill or args.decode):
         return None
+    from render_service.gateway.engine_client import EngineClient
     from render_service.gateway.flow import Gateway, GatewaySettings
 
     settings = GatewaySettings(
@@ -122,7 +129,8 @@ def build_gateway(args: argparse.Namespace) -> Any:
         dns_refresh_s=args.dns_refresh_interval, conversation_ttl_s=args.conversation_kv_blocks_ttl,
         max_conversations=args.max_conversations,
     )
-    return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings)
+    return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings,
+                   client=EngineClient(api_key=args.engine_api_key))
 
 
 def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
@@ -132,6 +140,7 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     from render_service.gateway.latency import GatewayLatency
     from render_service.openapi import render_openapi
     from render_service.server import version
+    from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
 
     lifecycle = Lifecycle(args.shutdown_grace_seconds)
@@ -141,8 +150,8 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
                    timing=GatewayLatency() if gateway else None)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=vllm_flags.uvicorn_log_level(args), access_log=False,
-        log_config=None,
-        loop="auto", http="auto", lifespan="off", timeout_graceful_shutdown=2,
+        log_config=None, loop="auto", lifespan="off", timeout_graceful_shutdown=2,
+        **uvicorn_connection_settings(args.http_header_timeout),
     )
     return DrainingServer(config, lifecycle)
 
@@ -158,6 +167,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from splitserve_common.auth import ApiKeys, api_keys_from, warn_if_open
+    from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
@@ -169,6 +180,14 @@ def serve(args: argparse.Namespace) -> int:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
     vllm_flags.log_noop_flags(args, NOOP_FLAGS, logger)
+    try:
+        uvicorn_connection_settings(args.http_header_timeout)
+    except ValueError as exc:
+        print(f"render-service: {exc}", file=sys.stderr)
+        return 2
+    api_keys = api_keys_from(args.api_key)
+    gateway_mode = bool(args.engine or args.prefill or args.decode)
+    warn_if_open("the gateway" if gateway_mode else "render-service", args.host, ApiKeys(api_keys), logger)
     metrics_dir = None
     if args.workers > 1:
         # Must be set before prometheus_client is imported (render_service.server imports it).
@@ -198,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
         gateway = build_gateway(args)
-        app = create_app(config, api_key=args.api_key, stream_state_secret=args.stream_state_secret,
+        app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
                          gateway=gateway)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
                     time.perf_counter() - started, config.fingerprint, config.max_model_len)

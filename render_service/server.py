@@ -10,7 +10,6 @@ logged with its traceback and answered 500 (a bug of ours), never left hanging.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from render_service.protocol import (
 )
 from render_service.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 from render_service.render_config import RenderConfig, check_model
+from splitserve_common.auth import ApiKeys
 
 logger = logging.getLogger("render_service.server")
 
@@ -148,7 +148,7 @@ class ServerState:
 
     config: RenderConfig
     stream_runtime: StreamRuntime
-    key_header: bytes | None = None  # b"Bearer KEY" when --api-key is set
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(None))  # --api-key: one or several (rotation)
     created: int = field(default_factory=lambda: int(time.time()))
     version: str = field(default_factory=version)
 
@@ -180,11 +180,8 @@ async def read_json_body(request: Request) -> bytes:
 
 
 def check_auth(request: Request) -> None:
-    key_header = _state(request).key_header
-    if key_header is None:
-        return
-    given = request.headers.get("authorization", "").encode()
-    if not hmac.compare_digest(given, key_header):
+    keys = _state(request).api_keys
+    if keys and not keys.accepts(request.headers.get("authorization")):
         raise ApiError("Unauthorized: missing or invalid API key", 401)
 
 
@@ -344,13 +341,12 @@ def own_routes() -> list[Route]:
 
 
 def create_app(
-    config: RenderConfig, *, api_key: str | None = None, stream_state_secret: str | None = None,
+    config: RenderConfig, *, api_key: str | list[str] | None = None, stream_state_secret: str | None = None,
     gateway: Any = None,
 ) -> Starlette:
     """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
-    state = ServerState(config, StreamRuntime(stream_state_secret),
-                        key_header=f"Bearer {api_key}".encode() if api_key else None)
+    state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key))
     routes = own_routes()
     if gateway is not None:
         from render_service.gateway.routes import gateway_routes

@@ -10,7 +10,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from splitserve_common import vllm_flags
+from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
+from splitserve_common.connection_timeouts import add_header_timeout_argument
 from splitserve_common.hf_cache import resolve_model
 
 if TYPE_CHECKING:
@@ -46,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve /inference/v1/generate for a model directory")
     s.add_argument("model", help="Hugging Face model directory (config.json + safetensors)")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    # vLLM's default (every interface), so manifests written for vLLM reach us; without --api-key it warns.
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)
+    add_api_key_argument(s, "/health, /ping, /load, /version, /metrics")
+    add_header_timeout_argument(s)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API answers to; the first is reported (default: the model path)")
     s.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -227,14 +232,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | None = None,
           enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info",
           shutdown_grace_seconds: float = 30.0, access_log: bool = True, log_requests: bool = False,
-          scheduling_policy: str | None = None) -> None:
+          scheduling_policy: str | None = None, api_keys: list[str] | None = None,
+          header_timeout_s: float = 10.0) -> None:
     import uvicorn
 
+    from splitserve_common.auth import ApiKeys, warn_if_open
+    from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
     from token_engine.engine import AsyncEngine, LLMEngine
     from token_engine.openapi import engine_openapi
     from token_engine.server import VERSION, build_app
 
+    keys = ApiKeys(api_keys)
+    connection_settings = uvicorn_connection_settings(header_timeout_s)
+    warn_if_open("token-engine", host, keys, log)
     try:
         llm = LLMEngine(config)
     except (ValueError, OSError):
@@ -253,14 +264,15 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
         engine.shutdown()
         raise
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
-                    log_requests=log_requests, scheduling_policy=scheduling_policy)
+                    log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
     _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
     server = DrainingServer(uvicorn.Config(wrap_app(app, lifecycle, access_log=access_log,
                                                     openapi=engine_openapi(VERSION)),
                                            host=host, port=port, log_level=log_level,
-                                           access_log=False, log_config=None, timeout_graceful_shutdown=2),
+                                           access_log=False, log_config=None, timeout_graceful_shutdown=2,
+                                           **connection_settings),
                             lifecycle)
     try:
         server.run(sockets=[sock])
@@ -313,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(with_random_weights(args.bundle, seed=args.seed))
         return 0
+    from splitserve_common.auth import api_keys_from
+    from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
@@ -329,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("--no-enable-chunked-prefill: accepted; prefill is always chunked under "
                      "--max-num-batched-tokens (outputs are the same)")
         config = engine_config_from_args(args)
+        uvicorn_connection_settings(args.http_header_timeout)  # a bad timeout is one line here, not a traceback
     except (ValueError, OSError) as exc:
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2
@@ -336,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(config, args.host, args.port, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
               logprobs_format=args.generate_logprobs_format, log_level=vllm_flags.uvicorn_log_level(args),
               shutdown_grace_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
-              log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy)
+              log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy,
+              api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout)
     except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from splitserve_common.auth import ApiKeyGuard, ApiKeys
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
 from token_engine.kv_connector.base import KV_BUDGET_EXHAUSTED, KV_LOAD_FAILED, KV_PARAMS_REFUSED
@@ -457,9 +459,13 @@ def _guarded(handler):
     return guarded
 
 
+UNAUTHORIZED_BODY = p.error_body("Unauthorized: missing or invalid API key", 401, type_="UnauthorizedError")
+
+
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids", *, log_requests: bool = False,
-              scheduling_policy: str | None = None) -> Starlette:
+              scheduling_policy: str | None = None, api_keys: ApiKeys | None = None) -> Starlette:
+    """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one."""
     routes = [
         Route("/inference/v1/generate", _guarded(generate), methods=["POST"]),
         Route("/inference/v1/abort_requests", _guarded(abort_requests), methods=["POST"]),
@@ -472,7 +478,9 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
         Route("/version", _guarded(version), methods=["GET"]),
         Route("/debug/kv_cache", _guarded(kv_cache_debug), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
+    guard = [Middleware(ApiKeyGuard, keys=api_keys, unauthorized_body=UNAUTHORIZED_BODY)] if api_keys else []
+    app = Starlette(routes=routes, middleware=guard,
+                    exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format, log_requests=log_requests,
                                    scheduling_policy=scheduling_policy)

@@ -8,6 +8,10 @@ path), aborts over one shared ``httpx.AsyncClient``; both are created lazily in 
   event. Nothing reached the client yet, so another replica may be tried.
 * ``EngineRejected``: a 4xx; the engine's error body goes to the client with the same status.
 * ``EngineStreamBroken``: the stream failed after events were delivered; only an error event is left.
+
+With an engine API key, every call carries ``Authorization: Bearer KEY``. An engine that refuses the
+gateway's credentials (401/403) is the gateway's misconfiguration, not the client's: it is an
+``EngineUnavailable`` naming the flag to set, never the engine's 401 handed to a client whose own key is fine.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ class EngineStreamBroken(Exception):
 class EngineClient:
     """Engine calls: generate (plain and streamed) on the lean HTTP/1.1 pool, aborts on httpx."""
 
-    def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float | None = 600.0) -> None:
+    def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float | None = 600.0,
+                 api_key: str | None = None) -> None:
+        self._headers = {**JSON_HEADERS, **({"authorization": f"Bearer {api_key}"} if api_key else {})}
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=60.0)
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
@@ -95,7 +101,7 @@ class EngineClient:
         """Non-streaming generate (the prefill hop)."""
         try:
             response = await self.pool.post(base_url + GENERATE_PATH, body,
-                                            {**JSON_HEADERS, "x-request-id": request_id})
+                                            {**self._headers, "x-request-id": request_id})
             content = await response.read()
         except HttpError as exc:
             raise EngineUnavailable(f"{base_url}: {exc}") from None
@@ -107,7 +113,7 @@ class EngineClient:
 
     async def open_stream(self, base_url: str, body: bytes, request_id: str) -> "EngineEvents":
         """Start a streaming generate: the status is checked, the events are read from what is returned."""
-        headers = {**JSON_HEADERS, "x-request-id": request_id, "accept": "text/event-stream"}
+        headers = {**self._headers, "x-request-id": request_id, "accept": "text/event-stream"}
         try:
             response = await self.pool.post(base_url + GENERATE_PATH, body, headers)
             if response.status != 200:
@@ -120,9 +126,14 @@ class EngineClient:
         """Best effort: the engine also aborts when our connection closes."""
         body = msgspec.json.encode({"request_ids": request_ids})
         try:
-            await self.client.post(base_url + ABORT_PATH, content=body, headers=JSON_HEADERS, timeout=5.0)
+            response = await self.client.post(base_url + ABORT_PATH, content=body, headers=self._headers,
+                                              timeout=5.0)
         except httpx.HTTPError as exc:
             logger.info("abort on %s failed: %s", base_url, exc)
+            return
+        if response.status_code in (401, 403):  # every abort would fail the same way: say why
+            logger.warning("abort on %s refused (HTTP %d): the gateway's --engine-api-key is not a key of that "
+                           "engine", base_url, response.status_code)
 
 
 class EngineEvents:
@@ -243,6 +254,10 @@ class EngineEvents:
 def _check_status(base_url: str, status: int, body: bytes) -> None:
     if status == 200:
         return
+    if status in (401, 403):
+        raise EngineUnavailable(f"{base_url} refused the gateway's credentials (HTTP {status}): start the gateway "
+                                "with --engine-api-key (or $SPLITSERVE_ENGINE_API_KEY) set to a key the engines "
+                                "take with --api-key")
     if 400 <= status < 500 and status not in (408, 429):
         raise EngineRejected(status, body)
     raise EngineUnavailable(f"{base_url}: HTTP {status}: {body[:300].decode(errors='replace')}")

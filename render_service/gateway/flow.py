@@ -158,7 +158,7 @@ class Gateway:
                 last_error = exc
                 logger.warning("engine attempt %d for %s failed: %s", attempt + 1, gen.request_id, exc)
             except NoReplica as exc:
-                last_error = exc
+                last_error = last_error or exc  # what the replicas said beats "all were tried"
                 break
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 

@@ -44,11 +44,12 @@ import time
 from array import array
 from collections import OrderedDict
 
+from splitserve_common.auth import is_loopback
 from token_engine.kv_connector.base import KV_BUDGET_EXHAUSTED, ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
 from token_engine.kv_connector.fingerprint import model_fingerprint
 from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
-from token_engine.kv_connector.peers import AllowedPeers, is_loopback_host
+from token_engine.kv_connector.peers import AllowedPeers
 
 log = logging.getLogger("token_engine.kv_transfer")
 MAX_REMOTE_BLOCKS = 1 << 20
@@ -393,7 +394,7 @@ class NixlConnector:
 def warn_if_exposed(bind_host: str, port: int, secret: bytes | None) -> bool:
     """A side channel reachable beyond loopback without a secret hands this engine's NIXL metadata (enough to
     READ its KV pool) and its leases to anyone on the network: say so loudly at startup."""
-    if secret or is_loopback_host(bind_host):
+    if secret or is_loopback(bind_host):
         return False
     log.warning("SECURITY: the KV side channel listens on %s:%d beyond loopback WITHOUT a secret: any host that "
                 "reaches it gets this engine's NIXL metadata and can query and pin its KV leases. Set the same "

@@ -76,13 +76,3 @@ class AllowedPeers:
 
     def __repr__(self) -> str:
         return ",".join([str(n) for n in self.networks] + sorted(self.hostnames))
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether a listen address stays on this machine ("localhost" included)."""
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
