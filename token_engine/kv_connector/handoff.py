@@ -383,7 +383,7 @@ class KVHandoff:
                 self._on_notification(agent, msg, out)
         for done in self.producer.progress(reads if result is not None else {}, out.freed):
             if done.ok:
-                self.stats.record_push(done.bytes, done.seconds, "prefill")
+                self.stats.record_push(done.bytes, done.seconds, "prefill", done.writes)
             else:
                 self.stats.record_failure("push_" + done.reason.split(":")[0].replace(" ", "_")[:32])
             out.pushes.append(done)

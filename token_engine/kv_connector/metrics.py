@@ -84,8 +84,9 @@ class TransferLog:
         self.descriptors += descriptors
         self.seconds.append(seconds)
 
-    def record_push(self, nbytes: int, seconds: float, side: str) -> None:
+    def record_push(self, nbytes: int, seconds: float, side: str, writes: int = 0) -> None:
         self._count("push", side, nbytes, seconds)
+        self.totals["push_writes_" + side] = self.totals.get("push_writes_" + side, 0) + writes
         self.totals["pushes_" + side] = self.totals.get("pushes_" + side, 0) + 1
         self.totals["push_bytes_" + side] = self.totals.get("push_bytes_" + side, 0) + nbytes
         self.totals["push_seconds_" + side] = self.totals.get("push_seconds_" + side, 0.0) + seconds

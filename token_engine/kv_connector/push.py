@@ -57,6 +57,7 @@ class PushTarget:
     failure: str = ""
     bytes: int = 0
     descriptors: int = 0
+    writes: int = 0
     started: float = 0.0
     final_at: float = 0.0  # when the last WRITE was posted: push's handoff time runs from here to DONE
 
@@ -80,6 +81,7 @@ class PushDone:
     descriptors: int = 0
     seconds: float = 0.0
     reason: str = ""
+    writes: int = 0
 
 
 class PushProducer:
@@ -240,18 +242,19 @@ class PushProducer:
             torch.cuda.current_stream().synchronize()  # the step's KV writes have landed before the WRITE reads
         wid = self.transport.start_write(target.agent, local, remote, notif, max(0.001, target.window_end - now))
         target.inflight.add(wid)
+        target.writes += 1
         target.written = upto - target.first
 
     def _end(self, target: PushTarget, source: PushSource | None, freed: list[KVLease], ok: bool) -> PushDone:
         self._targets.pop(target.request_id, None)
         if not ok:
             log.warning("push of %s to %s failed: %s", target.request_id, target.agent, target.failure)
-            if target.verified:
-                try:
-                    self.transport.send_notif(target.agent, format_notification("pushfail", target.request_id,
-                                                                                target.epoch))
-                except KVTransferError as e:
-                    log.info("pushfail notification to %s failed: %s", target.agent, e)
+            try:  # tell decode now, rather than let it wait for its deadline
+                self.transport.add_peer(target.publication, target.layout)
+                self.transport.send_notif(target.agent, format_notification("pushfail", target.request_id,
+                                                                            target.epoch))
+            except KVTransferError as e:
+                log.info("pushfail notification to %s failed: %s", target.agent, e)
         if source is not None and source.lease is not None:
             # pushed (or never will be): the held blocks go back; pinned to decode, so end it as that reader
             lease = self.leases.on_read(*source.lease, target.agent) if ok else \
@@ -261,7 +264,7 @@ class PushProducer:
             self._sources.pop(target.request_id, None)
         return PushDone(target.request_id, ok, target.bytes, target.descriptors,
                         self._clock() - (target.final_at or target.started),
-                        "" if ok else target.failure)
+                        "" if ok else target.failure, target.writes)
 
     def close(self) -> None:
         with self._lock:
