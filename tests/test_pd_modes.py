@@ -28,7 +28,7 @@ def push_config(engine_id: str) -> dict:
     return {"kv_connector": "NixlPushConnector", "kv_role": "kv_both", "engine_id": engine_id,
             "kv_load_failure_policy": "fail",
             "kv_connector_extra_config": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 5,
-                                          "kv_load_timeout": 4}}
+                                          "kv_load_timeout": 5}}
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import logging
 
 from token_engine.kv_connector.handoff import RemoteKV
 from token_engine.kv_connector.nixl import BadTransferParams, NixlConnector, token_hash
+from token_engine.kv_connector.push import WINDOW_MARGIN_S
 
 log = logging.getLogger("token_engine.kv_transfer")
 MAX_REQUEST_ID_CHARS = 256
@@ -54,6 +55,9 @@ def parse_push(params: dict, prompt_token_ids: list[int]) -> RemoteKV:
 class NixlPushConnector(NixlConnector):
     def __init__(self, kv_transfer_config: dict, engine_config=None):
         super().__init__(kv_transfer_config, engine_config)
+        if self.config.load_timeout_s <= 2 * WINDOW_MARGIN_S:
+            raise ValueError(f"kv_connector_extra_config.kv_load_timeout must exceed {2 * WINDOW_MARGIN_S:g} s in "
+                             "push mode: prefill stops writing that long before decode's deadline")
         self._pushing: dict = {}  # prefill: seq_id -> Sequence whose KV is pushed as it is computed
         self._push_planned: dict[str, tuple[RemoteKV | None, int, str]] = {}  # decode: seq_id -> plan
 
@@ -119,8 +123,10 @@ class NixlPushConnector(NixlConnector):
     def poll(self):
         if self.handoff is not None:
             for seq_id, seq in self._pushing.items():
+                # preempted: blocks an earlier WRITE read from may be reused meanwhile, so that push fails
                 self.handoff.push_source(seq_id, seq.block_table, seq.prompt_token_ids,
-                                         min(seq.num_computed_tokens, seq.prompt_len))
+                                         min(seq.num_computed_tokens, seq.prompt_len),
+                                         aborted=seq.num_preemptions > 0)
         return super().poll()
 
     def has_inflight_transfers(self) -> bool:
