@@ -113,6 +113,7 @@ class _Load:
     epoch: int = 0
     num_tokens: int = 0
     cancel_sent: bool = False
+    answers_due: int = 0  # push: side-channel answers still to come (registration, withdrawal)
 
     @property
     def lease(self) -> tuple[str, int]:
@@ -419,6 +420,9 @@ class KVHandoff:
                 continue  # the load already ended (cancelled, timed out)
             load.status = ans.status
             if load.push:
+                load.answers_due -= 1
+                if load.answers_due > 0:  # the withdrawal's answer follows the registration's
+                    peer.waiting[load.lease] = load
                 self._on_push_answer(load, ans.status)
                 continue
             if ans.status == "refused":
@@ -433,9 +437,11 @@ class KVHandoff:
                 load.pinned_until = load.asked_at + ans.pinned_s
 
     def _on_push_answer(self, load: _Load, status: str) -> None:
-        if load.cancel_sent:  # answer to our withdrawal: "gone" means no WRITE of it will ever land
+        if load.cancel_sent and load.answers_due == 0:  # our withdrawal's: "gone" = no WRITE will ever land
             if status == "gone":
                 load.read_done = True
+        elif load.cancel_sent:
+            pass  # the registration's answer; the withdrawal's decides
         elif status == "held":
             load.state = "reading"  # registered: the producer WRITEs, then notifies
         else:
@@ -588,6 +594,7 @@ class KVHandoff:
             self._fail(load, out, f"could not register the reservation: {e}", "side_channel")
             return
         peer.waiting[load.lease] = load
+        load.answers_due += 1
 
     def _withdraw(self, load: _Load) -> None:
         """Push, request aborted: ask the producer to drop the reservation; its blocks are freed on "gone",
@@ -599,6 +606,7 @@ class KVHandoff:
         try:
             peer.link.cancel_push(load.remote.request_id, load.epoch, self.transport.agent_name)
             peer.waiting[load.lease] = load
+            load.answers_due += 1
         except SideChannelError as e:
             self._drop_link((load.remote.host, load.remote.port), str(e))
 
