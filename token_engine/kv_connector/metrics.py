@@ -42,7 +42,8 @@ class KVTransferMetrics:
         self.handoff_bytes = Counter("splitserve:kv_handoff_bytes", "KV bytes handed off, by mode and side",
                                      ["mode", "side"], registry=r)
         self.handoff_seconds = Counter("splitserve:kv_handoff_seconds", "Seconds spent in KV handoffs, by mode "
-                                       "and side (see the help of splitserve:kv_handoffs)", ["mode", "side"], registry=r)
+                                       "and side (see the help of splitserve:kv_handoffs)", ["mode", "side"],
+                                       registry=r)
         self.held_blocks = Gauge("splitserve:kv_leased_blocks", "Prefill blocks held for decode under a lease",
                                  registry=r)
 

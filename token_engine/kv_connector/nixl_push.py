@@ -39,8 +39,8 @@ def parse_push(params: dict, prompt_token_ids: list[int]) -> RemoteKV:
             raise BadTransferParams(f"kv_transfer_params.{key} missing or not a {typ.__name__}")
         return v
 
-    engine_id, host, request_id = need("remote_engine_id", str), need("remote_host", str), need("remote_request_id", str)
-    port = need("remote_port", int)
+    engine_id, host = need("remote_engine_id", str), need("remote_host", str)
+    request_id, port = need("remote_request_id", str), need("remote_port", int)
     if not 0 < port < 65536 or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS or len(engine_id) > 256:
         raise BadTransferParams("kv_transfer_params.remote_port or remote_request_id out of range")
     if params.get("tp_size", 1) != 1:
@@ -91,6 +91,7 @@ class NixlPushConnector(NixlConnector):
             return
         first = num_computed // self.block_size
         local_ids = block_ids[first:-(-seq.prompt_len // self.block_size)]
+        assert self.handoff is not None  # bound before any request
         try:
             self.handoff.start_push(seq.seq_id, remote, local_ids, first, seq.prompt_len)
         except Exception as e:  # noqa: BLE001 - any refusal is a failed load, never an engine crash

@@ -27,9 +27,15 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from token_engine.kv_connector.descriptors import PoolLayout
 from token_engine.kv_connector.leases import KVLease, LeaseTable, claim_mismatch, format_notification
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport, ReadResult
-from token_engine.kv_connector.side_channel import SideChannelError, SideChannelRequest, validate_publication
+from token_engine.kv_connector.side_channel import (
+    AgentPublication,
+    SideChannelError,
+    SideChannelRequest,
+    validate_publication,
+)
 
 log = logging.getLogger("token_engine.kv_transfer")
 MAX_TARGETS = 4096
@@ -47,8 +53,8 @@ class PushTarget:
     num_tokens: int
     token_hash: str
     window_end: float
-    publication: object = None
-    layout: object = None
+    publication: AgentPublication
+    layout: PoolLayout
     verified: bool = False
     written: int = 0  # how many of block_ids have a WRITE posted
     inflight: set[int] = field(default_factory=set)
@@ -208,19 +214,19 @@ class PushProducer:
             self.transport.add_peer(target.publication, target.layout)
             target.verified = True
         total = target.first + len(target.block_ids)
-        final = source.lease is not None
-        if final and not target.final_posted and not target.inflight:
+        held = source.lease
+        if held is not None and not target.final_posted and not target.inflight:
             # pin the lease to decode with the same claim check: it cannot expire or be released under the WRITE
-            lease = next((x for x in self.leases.find(source.lease[0]) if x.epoch == source.lease[1]), None)
+            lease = next((x for x in self.leases.find(held[0]) if x.epoch == held[1]), None)
             if lease is None:
                 raise KVTransferError("the prefill lease ended before the push", "stale")
-            status, _ = self.leases.pin(source.lease[0], source.lease[1], target.agent,
+            status, _ = self.leases.pin(held[0], held[1], target.agent,
                                         max(0.001, target.window_end - now), lease.block_ids, target.token_hash)
             if status != "held":
                 raise KVTransferError(f"lease {status} for this reservation", "refused")
             self._post(target, source, total, format_notification("pushed", target.request_id, target.epoch), now)
             target.final_posted, target.final_at = True, now
-        elif not final:
+        elif held is None:
             ready = min(source.computed // bs, total - 1)  # the last block always goes with the notification
             if ready > target.first + target.written:
                 self._post(target, source, ready, b"", now)
