@@ -3,10 +3,13 @@ process (two NIXL agents, real UCX WRITEs over loopback), stepped by one loop. D
 its blocks, prefill WRITEs each finished chunk and notifies; the trust checks (token hash, producer identity)
 and the failure paths must leave both engines' blocks idle. Process-level runs: test_pd_modes.py."""
 
+import threading
+import time
+
 import pytest
 import torch
 
-from tests.engine_harness import engine_config, finish_request, step_until, write_tiny_qwen3
+from tests.engine_harness import EngineProcess, engine_config, finish_request, free_port, step_until, write_tiny_qwen3
 from token_engine.engine import LLMEngine
 from token_engine.kv_connector.leases import format_notification
 from token_engine.kv_connector.nixl_transport import NixlTransport
@@ -24,12 +27,16 @@ def push_config(engine_id: str, policy: str = "fail") -> dict:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def model(tmp_path_factory):
+    return write_tiny_qwen3(tmp_path_factory.mktemp("push") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def engines(model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
-    model = write_tiny_qwen3(tmp_path_factory.mktemp("push") / "tiny")
     # 16-token chunks: a 61-token prompt prefills in 4 steps, each finished chunk is pushed as it completes
     p = LLMEngine(engine_config(model, kv_transfer_config=push_config("push-prefill"), max_num_batched_tokens=16,
                                 max_num_seqs=4))
@@ -162,3 +169,33 @@ def test_prefill_aborted_mid_push_fails_the_decode_load(engines):
     step_until([p, d], lambda: "done" in dec)
     assert dec["done"].error.startswith("KV handoff failed: push_failed"), dec["done"].error
     idle(p, d)
+
+
+def test_decode_process_killed_after_registering_leaves_prefill_idle(engines, model):
+    """A decode engine process registers its reservation and dies: prefill's WRITE fails (or the window
+    passes), and the blocks it held for the push return."""
+    p = engines[0]
+    decode = EngineProcess(model, push_config("push-decode-proc"), free_port())
+    params = {**push_params(p, "p-6"), "remote_host": "127.0.0.1"}
+    body = {"token_ids": PROMPT[:37], "sampling_params": {"temperature": 0.0, "max_tokens": 4},
+            "kv_transfer_params": params}
+    caller = threading.Thread(target=lambda: _post_quietly(decode, body), daemon=True)
+    caller.start()
+    targets = p.connector.handoff.producer._targets
+    step_until([p], lambda: "p-6" in targets)
+    decode.kill()
+    _, pu = finish_request(p, [], "p-6", PROMPT[:37], PREFILL_ONLY, {"do_remote_decode": True})
+    assert pu.error is None
+    deadline = time.monotonic() + 20
+    while (p.scheduler.held_by_connector or p.num_free_blocks() != p.num_blocks) and time.monotonic() < deadline:
+        p.step()
+        time.sleep(0.005)
+    assert not p.scheduler.held_by_connector and p.num_free_blocks() == p.num_blocks and not targets
+    caller.join(10)
+
+
+def _post_quietly(engine: EngineProcess, body: dict) -> None:
+    try:
+        engine.client.post("/inference/v1/generate", json=body)
+    except Exception:  # noqa: BLE001 - the engine is killed under this call
+        pass
