@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "decoder_kv_blocks_ttl (480 s by default). 0 disables reuse")
     gw.add_argument("--max-conversations", type=int, default=10000,
                     help="conversations whose held KV params the gateway keeps (least recent dropped first)")
+    gw.add_argument("--pd-transfer-mode", default="pull", choices=["pull", "push"],
+                    help="P/D: pull (prefill, then decode READs its KV) or push (engines run NixlPushConnector: "
+                         "both legs at once, prefill WRITEs into the blocks decode reserved)")
+    gw.add_argument("--pd-min-uncached-tokens", type=int, default=0, metavar="N",
+                    help="P/D: send a request to decode alone when fewer than N of its prompt tokens are uncached "
+                         "there (estimated from the prompts routed to that replica); 0 always disaggregates")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["json", "text"],
                        help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -127,7 +133,8 @@ def build_gateway(args: argparse.Namespace) -> Any:
         block_size=args.engine_block_size, affinity_blocks=args.prefix_affinity_blocks,
         retries=args.engine_retries, load_factor=args.prefix_affinity_load_factor,
         dns_refresh_s=args.dns_refresh_interval, conversation_ttl_s=args.conversation_kv_blocks_ttl,
-        max_conversations=args.max_conversations,
+        max_conversations=args.max_conversations, pd_transfer_mode=args.pd_transfer_mode,
+        pd_min_uncached_tokens=args.pd_min_uncached_tokens,
     )
     return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings,
                    client=EngineClient(api_key=args.engine_api_key))

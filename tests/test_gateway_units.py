@@ -181,3 +181,48 @@ def test_pd_fans_n_out_into_single_sequence_calls_with_distinct_seeds():
     assert [(s.prompt_index, s.first, s.count) for s in split] == [(0, 0, 1), (0, 1, 1), (0, 2, 1), (1, 0, 1), (1, 1, 1)]
     assert [s.gen.sampling_params.seed for s in split[:3]] == [7, 8, 9]
     assert len({s.gen.request_id for s in split}) == 5  # one engine request id per call
+
+
+# ---- conditional disaggregation: the per-decode-replica prefix record (gateway/pd.py)
+
+
+def test_prefix_record_counts_leading_blocks_it_routed_there_before():
+    from render_service.gateway.pd import PrefixRecord
+
+    record = PrefixRecord(block_size=4)
+    first = list(range(100, 110))  # two full blocks and a partial one
+    record.record("http://d1", record.chain(first))
+    follow_up = first[:8] + [7, 7, 7, 7, 7]
+    assert record.cached_tokens("http://d1", record.chain(follow_up)) == 8
+    assert record.cached_tokens("http://d2", record.chain(follow_up)) == 0  # another replica saw nothing
+    # a block is keyed with everything before it: the same tokens after another prefix are not cached
+    assert record.cached_tokens("http://d1", record.chain([1, 2, 3, 4] + first[4:8])) == 0
+    record.forget("http://d1")
+    assert record.cached_tokens("http://d1", record.chain(first)) == 0
+
+
+def test_prefix_record_is_bounded_per_replica_least_recently_used_out():
+    from render_service.gateway.pd import PrefixRecord
+
+    record = PrefixRecord(block_size=2, capacity=3)
+    old, new = [1, 2, 3, 4], [9, 8, 7, 6, 5, 4]
+    record.record("r", record.chain(old))
+    record.record("r", record.chain(new))
+    assert record.cached_tokens("r", record.chain(new)) == 6
+    assert record.cached_tokens("r", record.chain(old)) == 0
+
+
+def test_push_dispatch_settings_are_checked_and_reach_the_gateway():
+    import pytest
+
+    from render_service.cli import build_gateway, build_parser
+    from render_service.gateway.flow import Gateway, GatewaySettings
+
+    args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode", "http://d:1",
+                                      "--pd-transfer-mode", "push", "--pd-min-uncached-tokens", "256"])
+    gw = build_gateway(args)
+    assert (gw.settings.pd_transfer_mode, gw.settings.pd_min_uncached_tokens) == ("push", 256)
+    with pytest.raises(ValueError, match="pd-transfer-mode"):
+        Gateway(prefill=["http://p:1"], decode=["http://d:1"], settings=GatewaySettings(pd_transfer_mode="both"))
+    with pytest.raises(ValueError, match="pd-min-uncached-tokens"):
+        Gateway(prefill=["http://p:1"], decode=["http://d:1"], settings=GatewaySettings(pd_min_uncached_tokens=-1))

@@ -39,6 +39,7 @@ from render_service.gateway.conversations import (
     DEFAULT_CAPACITY, DEFAULT_TTL_S, ConversationCache, HeldTurn, next_turn_prefill_params, preferred_replica,
     prefill_fell_back,
 )
+from render_service.gateway.pd import PrefixRecord, kv_identity, push_decode_params
 from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
 from render_service.protocol import GenerateRequest, GenerateStreamResponse, SamplingParams
 
@@ -61,6 +62,8 @@ class GatewaySettings:
     dns_refresh_s: float = 10.0
     conversation_ttl_s: float = DEFAULT_TTL_S  # decode's held KV kept per conversation_id (P/D), this long
     max_conversations: int = DEFAULT_CAPACITY
+    pd_transfer_mode: str = "pull"  # "push": both legs at once (engines run NixlPushConnector)
+    pd_min_uncached_tokens: int = 0  # below this many uncached prompt tokens (estimated), decode alone serves
 
 
 @dataclass
@@ -100,6 +103,12 @@ class NoReplica(Exception):
     """Every attempt failed or no replica was left to try."""
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    """A leg we no longer wait for: its failure was handled (or does not matter); keep asyncio quiet."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Gateway:
     def __init__(self, *, engines: list[str] | None = None, prefill: list[str] | None = None,
                  decode: list[str] | None = None, settings: GatewaySettings | None = None,
@@ -111,6 +120,8 @@ class Gateway:
             raise ValueError("disaggregated serving needs both --prefill and --decode")
         if not engines and not prefill:
             raise ValueError("the gateway needs --engine, or --prefill and --decode")
+        if s.pd_transfer_mode not in ("pull", "push") or s.pd_min_uncached_tokens < 0:
+            raise ValueError("--pd-transfer-mode is pull or push; --pd-min-uncached-tokens >= 0")
         if s.block_size < 1 or s.affinity_blocks < 0 or s.retries < 0 or s.load_factor < 1:
             raise ValueError("gateway settings out of range (block size >= 1, retries >= 0, load factor >= 1)")
         self.disaggregated = bool(prefill)
@@ -125,6 +136,8 @@ class Gateway:
         self.stats = GatewayStats()
         self.conversations = ConversationCache(s.max_conversations, s.conversation_ttl_s)
         self._background: set[asyncio.Task] = set()
+        self.prefixes = PrefixRecord(s.block_size)  # what each decode replica was sent (conditional P/D)
+        self.kv_identities: dict[str, tuple[str, str, int]] = {}  # prefill url -> its KV side channel (push)
 
     @property
     def mode(self) -> str:
@@ -150,9 +163,7 @@ class Gateway:
             try:
                 if self.disaggregated:
                     turn, held = held, None  # a held lease is offered to one prefill attempt only
-                    body = await self._prefill(gen, rid, key, tried["prefill"], call, turn)
-                    return await self._start("decode", None, body, rid, tried["decode"], call,
-                                             turn.decode_url if turn else None)
+                    return await self._disaggregated(gen, rid, key, tried, call, turn, stream_body)
                 return await self._start("engine", key, stream_body, rid, tried["engine"], call)
             except EngineUnavailable as exc:
                 last_error = exc
@@ -162,10 +173,83 @@ class Gateway:
                 break
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 
-    async def _prefill(self, gen: GenerateRequest, rid: str, key: int | None, tried: set[str],
-                       call: EngineCall, held: HeldTurn | None = None) -> bytes:
+    async def _disaggregated(self, gen: GenerateRequest, rid: str, key: int | None, tried: dict[str, set[str]],
+                             call: EngineCall, turn: HeldTurn | None, stream_body: bytes) -> "LiveStream":
+        """Decode alone when little of the prompt is uncached there; else prefill then decode (pull), or both
+        legs at once (push: decode reserves and registers its blocks while prefill computes)."""
+        s = self.settings
+        conditional = s.pd_min_uncached_tokens > 0
+        decode = self._pick(self.pools["decode"], key if conditional else None, tried["decode"],
+                            turn.decode_url if turn else None, mark=False)  # marked tried when it fails
+        hashes = self.prefixes.chain(gen.token_ids) if conditional else []
+        if conditional and len(gen.token_ids) - self.prefixes.cached_tokens(decode.url, hashes) \
+                < s.pd_min_uncached_tokens:
+            metrics.PD_DECISIONS.labels(path="decode_only").inc()
+            try:
+                live = await self._start("decode", None, stream_body, rid, tried["decode"], call, replica=decode)
+            except EngineUnavailable:
+                tried["decode"].add(decode.url)
+                raise
+            self.prefixes.record(decode.url, hashes)
+            return live
+        prefill = self._pick(self.pools["prefill"], key, tried["prefill"])
+        identity = self.kv_identities.get(prefill.url) if s.pd_transfer_mode == "push" else None
+        if identity is not None:
+            metrics.PD_DECISIONS.labels(path="push").inc()
+            live = await self._push(gen, rid, prefill, decode, identity, call, turn, tried["decode"])
+        else:  # pull, or push before this prefill replica's side channel is known (its first response says)
+            metrics.PD_DECISIONS.labels(path="pull").inc()
+            kv, prid = await self._prefill(gen, rid, prefill, call, turn)
+            live = await self._decode(_encode(decode_request(gen, kv)), rid, decode, prefill, prid, call,
+                                     tried["decode"])
+        if conditional:
+            self.prefixes.record(decode.url, hashes)
+        return live
+
+    async def _push(self, gen: GenerateRequest, rid: str, prefill: Replica, decode: Replica,
+                    identity: tuple[str, str, int], call: EngineCall, turn: HeldTurn | None,
+                    tried: set[str]) -> "LiveStream":
+        """Both legs at once; whichever fails first before decode's first event ends the other."""
+        prid = f"{rid}-prefill"  # both are live together: call.live needs distinct ids
+        body = _encode(decode_request(gen, push_decode_params(identity, ENGINE_REQUEST_PREFIX + prid)))
+        p_task = asyncio.ensure_future(self._prefill(gen, prid, prefill, call, turn, keep_rid=True))
+        d_task = asyncio.ensure_future(self._decode(body, rid, decode, prefill, prid, call, tried))
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and p_task.exception() is not None and not d_task.done():
+                self.kv_identities.pop(prefill.url, None)  # maybe restarted elsewhere: learn it again
+                d_task.cancel()  # closes decode's stream: it withdraws its reservation
+                await asyncio.gather(d_task, return_exceptions=True)
+                raise p_task.exception()
+            live = await d_task
+        except BaseException:
+            p_task.add_done_callback(_retrieve)
+            if d_task.done() and not d_task.cancelled() and d_task.exception() is not None:
+                # decode failed: once prefill is done, release what it holds for the reservation at once
+                p_task.add_done_callback(lambda _: self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + prid, prid]))
+            elif not p_task.done():
+                p_task.cancel()
+            raise
+        self._background.add(p_task)  # prefill's response (after its push) only tells us its identity
+        p_task.add_done_callback(self._background.discard)
+        p_task.add_done_callback(_retrieve)
+        return live
+
+    async def _decode(self, body: bytes, rid: str, decode: Replica, prefill: Replica, prid: str,
+                      call: EngineCall, tried: set[str]) -> "LiveStream":
+        """The decode leg; if it fails before its first event, the prefill's held KV is released at once
+        (not at lease expiry) and the error names decode."""
+        try:
+            return await self._start("decode", None, body, rid, tried, call, replica=decode)
+        except EngineUnavailable as exc:
+            tried.add(decode.url)
+            self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + prid, prid])
+            raise EngineUnavailable(f"decode replica failed: {exc}") from None
+
+    async def _prefill(self, gen: GenerateRequest, rid: str, replica: Replica, call: EngineCall,
+                       held: HeldTurn | None = None, keep_rid: bool = False) -> tuple[dict, str]:
+        """The prefill leg: (its kv_transfer_params, the request id it ran under)."""
         pool = self.pools["prefill"]
-        replica = self._pick(pool, key, tried)
         pool.acquire(replica)
         call.live[rid] = replica.url
         reuse = next_turn_prefill_params(held) if held is not None else None  # pull the conversation's last turn
@@ -176,7 +260,11 @@ class Gateway:
             except (EngineUnavailable, EngineRejected) as exc:
                 if reuse is None:
                     raise
-                rid = prefill_fell_back(call, rid, replica.url, exc)  # reuse failed: recompute, same replica
+                retry_rid = prefill_fell_back(call, rid, replica.url, exc)  # reuse failed: recompute, same replica
+                if keep_rid:  # push: decode registered for this id (the failed request has ended)
+                    call.live[rid] = call.live.pop(retry_rid)
+                else:
+                    rid = retry_rid
                 response = await self.client.generate(replica.url, _encode(prefill_request(gen)), call.wire_id(rid))
         except EngineUnavailable:
             self._failed(pool, replica)
@@ -190,12 +278,15 @@ class Gateway:
             pool.mark_failed(replica)
             raise EngineUnavailable(f"prefill engine {replica.url} returned no kv_transfer_params "
                                     f"(is it started with --kv-transfer-config?)")
-        return _encode(decode_request(gen, kv))
+        identity = kv_identity(kv)
+        if identity is not None:
+            self.kv_identities[replica.url] = identity
+        return kv, rid
 
     async def _start(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
-                     call: EngineCall, prefer: str | None = None) -> "LiveStream":
+                     call: EngineCall, prefer: str | None = None, replica: Replica | None = None) -> "LiveStream":
         pool = self.pools[pool_name]
-        replica = self._pick(pool, key, tried, prefer)
+        replica = replica or self._pick(pool, key, tried, prefer)
         pool.acquire(replica)
         call.live[rid] = replica.url
         events = None
@@ -218,16 +309,20 @@ class Gateway:
         return live
 
     def _failed(self, pool: ReplicaPool, replica: Replica) -> None:
+        if pool.name == "decode":
+            self.prefixes.forget(replica.url)
         self.stats.engine_failures += 1
         metrics.ENGINE_FAILURES.labels(pool=pool.name).inc()
         pool.mark_failed(replica)
 
     @staticmethod
-    def _pick(pool: ReplicaPool, key: int | None, tried: set[str], prefer: str | None = None) -> Replica:
+    def _pick(pool: ReplicaPool, key: int | None, tried: set[str], prefer: str | None = None,
+              mark: bool = True) -> Replica:
         replica = (preferred_replica(pool, prefer, tried) if prefer else None) or pool.choose(key, frozenset(tried))
         if replica is None:
             raise NoReplica(f"every {pool.name} replica has been tried")
-        tried.add(replica.url)
+        if mark:
+            tried.add(replica.url)
         return replica
 
     # ------------------------------------------------------------------------------------- aborts
@@ -235,11 +330,14 @@ class Gateway:
     def abort_soon(self, call: EngineCall, request_id: str | None = None) -> None:
         """Fire-and-forget aborts for what is still live (safe from a cancelled task's cleanup)."""
         for url, ids in call.take(request_id):
-            self.stats.aborts += 1
-            metrics.ABORTS.inc()
-            task = asyncio.get_running_loop().create_task(self.client.abort(url, ids))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._abort_later(url, ids)
+
+    def _abort_later(self, url: str, ids: list[str]) -> None:
+        self.stats.aborts += 1
+        metrics.ABORTS.inc()
+        task = asyncio.get_running_loop().create_task(self.client.abort(url, ids))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def snapshot(self) -> dict:
         return {"mode": self.mode, "pools": {name: p.snapshot() for name, p in self.pools.items()},

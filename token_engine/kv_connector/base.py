@@ -136,6 +136,7 @@ class NoOpKVConnector:
 # kv_connector name (as in --kv-transfer-config) -> "module:Class"; imported lazily so NIXL stays optional.
 KV_CONNECTORS: dict[str, str] = {
     "NixlConnector": "token_engine.kv_connector.nixl:NixlConnector",
+    "NixlPushConnector": "token_engine.kv_connector.nixl_push:NixlPushConnector",
 }
 
 

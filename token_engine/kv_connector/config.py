@@ -1,4 +1,5 @@
-"""`--kv-transfer-config` for the NixlConnector, read as vLLM reads it (reference/vllm-renderer-api.md §9.1).
+"""`--kv-transfer-config` for the NixlConnector (pull) and NixlPushConnector (push), read as vLLM reads it
+(reference/vllm-renderer-api.md §9.1).
 
 Top level: kv_connector, kv_role (kv_producer | kv_consumer | kv_both; like vLLM, the role does not restrict
 what an engine does: the caller decides who prefills), kv_load_failure_policy (fail | recompute; also
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from token_engine.kv_connector.peers import DEFAULT_ALLOWED_PEERS, AllowedPeers
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+CONNECTORS = {"NixlConnector": "pull", "NixlPushConnector": "push"}  # as upstream: NixlConnector pulls
 POLICIES = ("fail", "recompute")
 
 
@@ -41,6 +43,7 @@ class NixlConnectorConfig:
     side_channel_secret: bytes | None = field(default=None, repr=False)
     allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS
     lease_budget_fraction: float = 0.25
+    mode: str = "pull"  # "push" for NixlPushConnector
 
 
 def _number(extra: dict, key: str, default: float, low: float, high: float) -> float:
@@ -53,8 +56,8 @@ def _number(extra: dict, key: str, default: float, low: float, high: float) -> f
 def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig:
     """Validate the JSON; every error is a ValueError naming the key, so the CLI can print it and exit."""
     env = os.environ if env is None else env
-    if cfg.get("kv_connector") != "NixlConnector":
-        raise ValueError(f"kv_connector must be 'NixlConnector', got {cfg.get('kv_connector')!r}")
+    if cfg.get("kv_connector") not in CONNECTORS:
+        raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}, got {cfg.get('kv_connector')!r}")
     role = cfg.get("kv_role", "kv_both")
     if role not in ROLES:
         raise ValueError(f"kv_role must be one of {ROLES}, got {role!r}")
@@ -107,4 +110,5 @@ def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig
         side_channel_port=port,
         side_channel_secret=secret.encode() if secret else None,
         allowed_peers=entries,
-        lease_budget_fraction=_number(extra, "kv_lease_budget_fraction", 0.25, 0, 1))
+        lease_budget_fraction=_number(extra, "kv_lease_budget_fraction", 0.25, 0, 1),
+        mode=CONNECTORS[cfg["kv_connector"]])

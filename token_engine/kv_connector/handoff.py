@@ -22,6 +22,7 @@ without NIXL's own locking), and everything observed is queued for the engine's 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import select
 import threading
@@ -34,6 +35,7 @@ from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notific
 from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport
 from token_engine.kv_connector.peers import AllowedPeers
+from token_engine.kv_connector.push import PushDone, PushProducer
 from token_engine.kv_connector.side_channel import (
     AgentPublication,
     PeerLink,
@@ -82,6 +84,7 @@ class LoadOutcome:
 class HandoffPoll:
     freed: list[KVLease] = field(default_factory=list)  # prefill: leases whose blocks may now be freed
     loads: list[LoadOutcome] = field(default_factory=list)  # decode: loads that finished or failed
+    pushes: list[PushDone] = field(default_factory=list)  # prefill: pushes that completed or failed
 
 
 @dataclass
@@ -104,10 +107,17 @@ class _Load:
     asked_at: float = 0.0
     pinned_until: float = 0.0  # the peer vouched for the claim and pinned the lease until then
     failure: tuple[str, str] | None = None  # (error, reason), reported once read_done
+    # push mode: decode reserved local_ids under `epoch` for prompt blocks [first, ...) of remote.request_id
+    # (num_tokens tokens, remote.token_hash) and waits for the producer's `pushed` notification
+    push: bool = False
+    epoch: int = 0
+    num_tokens: int = 0
+    cancel_sent: bool = False
+    answers_due: int = 0  # push: side-channel answers still to come (registration, withdrawal)
 
     @property
     def lease(self) -> tuple[str, int]:
-        return self.remote.request_id, self.remote.epoch
+        return (self.remote.request_id, self.epoch) if self.push else (self.remote.request_id, self.remote.epoch)
 
 
 @dataclass
@@ -130,7 +140,7 @@ class KVHandoff:
     def __init__(self, engine_id: str, kv_pool, lease_duration_s: float = 30.0, load_timeout_s: float = 10.0,
                  side_channel_host: str = "127.0.0.1", side_channel_port: int = 0, log_interval_s: float = 10.0,
                  clock=time.monotonic, fingerprint: str = "", secret: bytes | None = None,
-                 allowed_peers: AllowedPeers | None = None):
+                 allowed_peers: AllowedPeers | None = None, block_size: int = 16, token_hash=None):
         self.engine_id = engine_id
         self._secret = secret or None
         self.allowed_peers = allowed_peers if allowed_peers is not None else AllowedPeers()
@@ -141,8 +151,11 @@ class KVHandoff:
         self.transport = NixlTransport(engine_id, kv_pool, clock=clock)
         pub = self.transport.publication(engine_id, self.leases.incarnation)
         pub.fingerprint = fingerprint
+        self._publication = pub  # sent with push reservations: the producer WRITEs into this agent's pool
+        self.producer = PushProducer(self.transport, self.leases, block_size, fingerprint, token_hash, clock)
         self.side_channel = SideChannelServer(pub, self.leases.status, host=side_channel_host,
-                                              port=side_channel_port, lease_pin=self.leases.pin, secret=self._secret)
+                                              port=side_channel_port, lease_pin=self.leases.pin, secret=self._secret,
+                                              push=self._on_push_request)
         self.stats = TransferLog(log_interval_s, clock)
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-side-channel-client")
         self._loads: dict[str, _Load] = {}
@@ -150,6 +163,8 @@ class KVHandoff:
         self._connecting: dict[tuple[str, int], tuple[RemoteKV, Future]] = {}  # background first contacts
         self._flush_until = 0.0  # a notification was sent: with no progress thread it moves only when we poll
         self._consumed: dict[tuple[str, int], None] = {}  # (remote request id, epoch) already loaded here
+        self._push_loads: dict[tuple[str, int], _Load] = {}  # decode: (prefill request id, our epoch) -> load
+        self._push_epochs = itertools.count(1)
         self._pending = HandoffPoll()  # observed by start_load or the poller, handed out by the next poll()
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -172,6 +187,17 @@ class KVHandoff:
 
     def release_hold(self, request_id: str, epoch: int) -> KVLease | None:
         return self.leases.release(request_id, epoch)
+
+    def _on_push_request(self, req) -> tuple[str, float]:
+        answer = self.producer.on_request(req)
+        self._wake.set()
+        return answer
+
+    def push_source(self, request_id: str, block_ids: list[int], prompt: list[int], computed: int,
+                    lease: tuple[str, int] | None = None, aborted: bool = False) -> None:
+        """Prefill (push mode): what the request has computed so far; `lease` once it finished and is held."""
+        self.producer.update_source(request_id, block_ids, prompt, computed, lease, aborted)
+        self._wake.set()
 
     # -- decode side ------------------------------------------------------------------------------------
 
@@ -206,6 +232,30 @@ class KVHandoff:
             self._begin(load, peer, self._pending)
         else:
             load.future = self._connect(remote)
+
+    def start_push(self, request_id: str, remote: RemoteKV, local_ids: list[int], first: int,
+                   num_tokens: int) -> None:
+        """Push mode: reserve `local_ids` for prompt blocks [first, ...) of the producer's request
+        `remote.request_id` (num_tokens tokens, hash remote.token_hash), register them on its side channel,
+        and report the load done when the producer's `pushed` notification arrives."""
+        with self._lock:
+            if request_id in self._loads or not local_ids or first < 0:
+                raise KVTransferError(f"request {request_id} already loading or nothing to reserve", "bad_request")
+            now = self._clock()
+            load = _Load(request_id, remote, list(local_ids), now, now + self.load_timeout_s, first, push=True,
+                         epoch=(self.incarnation << 32) | next(self._push_epochs), num_tokens=num_tokens)
+            self._loads[request_id] = load
+            self._push_loads[load.lease] = load
+            addr = (remote.host, remote.port)
+            peer = self._peers.get(addr)
+            if peer is not None and not peer.link.alive():
+                self._drop_link(addr, "side channel closed")
+                peer = None
+            if peer is not None:
+                self._begin(load, peer, self._pending)
+            else:
+                load.future = self._connect(remote)
+        self._wake.set()
 
     def cancel_load(self, request_id: str) -> None:
         """Abort a load; its outcome still comes from poll() so blocks are freed only once no READ writes them."""
@@ -258,7 +308,7 @@ class KVHandoff:
 
     def busy(self) -> bool:
         """True while the engine loop should poll about every millisecond."""
-        return (bool(self._loads) or len(self.leases) > 0 or bool(self._connecting)
+        return (bool(self._loads) or len(self.leases) > 0 or bool(self._connecting) or self.producer.busy()
                 or self._clock() < self._flush_until)
 
     # -- progress ---------------------------------------------------------------------------------------
@@ -332,6 +382,12 @@ class KVHandoff:
                 self._remember_consumed(load.remote)
             for agent, msg in result.notifications:
                 self._on_notification(agent, msg, out)
+        for done in self.producer.progress(reads if result is not None else {}, out.freed):
+            if done.ok:
+                self.stats.record_push(done.bytes, done.seconds, "prefill", done.writes)
+            else:
+                self.stats.record_failure("push_" + done.reason.split(":")[0].replace(" ", "_")[:32])
+            out.pushes.append(done)
         for addr, peer in list(self._peers.items()):
             if peer.waiting:
                 self._collect_answers(addr, peer)
@@ -363,6 +419,12 @@ class KVHandoff:
             if load is None:
                 continue  # the load already ended (cancelled, timed out)
             load.status = ans.status
+            if load.push:
+                load.answers_due -= 1
+                if load.answers_due > 0:  # the withdrawal's answer follows the registration's
+                    peer.waiting[load.lease] = load
+                self._on_push_answer(load, ans.status)
+                continue
             if ans.status == "refused":
                 load.failure = load.failure or (
                     "the prefill engine does not hold these blocks for these tokens under this lease", "refused")
@@ -373,6 +435,19 @@ class KVHandoff:
                                                 "stale")
             else:
                 load.pinned_until = load.asked_at + ans.pinned_s
+
+    def _on_push_answer(self, load: _Load, status: str) -> None:
+        if load.cancel_sent and load.answers_due == 0:  # our withdrawal's: "gone" = no WRITE will ever land
+            if status == "gone":
+                load.read_done = True
+        elif load.cancel_sent:
+            pass  # the registration's answer; the withdrawal's decides
+        elif status == "held":
+            load.state = "reading"  # registered: the producer WRITEs, then notifies
+        else:
+            load.read_done = True  # refused: nothing was registered, nothing will be written
+            load.failure = load.failure or (
+                "the prefill engine refused the reservation (other tokens, a duplicate, or full)", "push_refused")
 
     def _on_notification(self, agent: str, msg: bytes, out: HandoffPoll) -> None:
         n = parse_notification(msg)
@@ -388,6 +463,17 @@ class KVHandoff:
             lease = self.leases.release(n.request_id, n.epoch, reader=agent)
             if lease is not None:
                 out.freed.append(lease)
+        else:  # pushed / pushfail: only from the producer this reservation was registered with
+            load = self._push_loads.get((n.request_id, n.epoch))
+            if load is None or load.peer != agent or load.state not in ("verifying", "reading") or load.read_done:
+                log.warning("ignoring %s notification from %s for a reservation it does not hold", n.kind, agent)
+                return
+            load.read_done = True
+            if n.kind == "pushed":
+                load.bytes = len(load.local_ids) * self.transport.layout.geometry.block_bytes
+                load.descriptors = 1
+            else:
+                load.failure = load.failure or ("the prefill engine could not push the KV", "push_failed")
 
     def _advance(self, load: _Load, out: HandoffPoll) -> None:
         now = self._clock()
@@ -396,11 +482,15 @@ class KVHandoff:
             if peer is None:
                 return
             if load.cancelled:
-                self._send_abort(load)
+                if not load.push:  # push: nothing registered yet
+                    self._send_abort(load)
                 self._fail(load, out, "cancelled", "cancelled")
                 return
             self._begin(load, peer, out)
-        elif load.state == "verifying":
+        elif load.push and load.state in ("verifying", "reading") and not load.read_done:
+            if load.cancelled and not load.cancel_sent:
+                self._withdraw(load)
+        elif load.state == "verifying" and not load.push:
             if load.failure is not None:
                 self._fail(load, out, *load.failure)
                 return
@@ -411,20 +501,25 @@ class KVHandoff:
                     return
                 self._post_read(load, out)
                 return
-        elif load.state == "reading" and load.read_done:
+        elif load.read_done and (load.state == "reading" or load.push):
             if load.failure is not None:
                 self._fail(load, out, *load.failure)
                 return
             self._loads.pop(load.request_id)
+            self._push_loads.pop(load.lease, None)
             if load.cancelled:
                 out.loads.append(LoadOutcome(load.request_id, False, "cancelled", "cancelled"))
                 return
             seconds = now - load.started
-            self.stats.record(load.bytes, load.descriptors, seconds)
+            if load.push:
+                self.stats.record_push(load.bytes, seconds, "decode")
+            else:
+                self.stats.record(load.bytes, load.descriptors, seconds)
             out.loads.append(LoadOutcome(load.request_id, True, bytes=load.bytes, descriptors=load.descriptors,
                                          seconds=seconds))
             return
-        if load.request_id in self._loads and now > load.deadline and (load.state != "reading" or load.read_done):
+        if load.request_id in self._loads and now > load.deadline and (
+                load.state != "reading" or load.read_done or load.push):
             # a running READ has its own deadline inside the transport; fetching/verifying are bounded here
             self._fail(load, out, f"KV load did not finish within {self.load_timeout_s:.1f} s", "timeout")
 
@@ -446,7 +541,7 @@ class KVHandoff:
             if pub.engine_id != remote.engine_id:
                 raise KVTransferError(f"side channel serves engine {pub.engine_id!r}, expected "
                                       f"{remote.engine_id!r}", "bad_peer")
-            if pub.incarnation != remote.incarnation:
+            if remote.epoch and pub.incarnation != remote.incarnation:
                 # The engine restarted since it granted this lease: its blocks are gone.
                 raise KVTransferError("prefill engine restarted since the lease was granted", "stale")
             if pub.fingerprint != self.fingerprint:
@@ -482,8 +577,38 @@ class KVHandoff:
         """Present our claim and ask the peer to pin the lease; the READ waits for its "held"."""
         load.peer = peer.agent
         load.state = "verifying"
+        if load.push:
+            self._register(load, peer, out)
+            return
         if not self._ask(load, pin_s=max(0.0, load.deadline - self._clock()) + PIN_MARGIN_S):
             self._fail(load, out, *load.failure)
+
+    def _register(self, load: _Load, peer: _Peer, out: HandoffPoll) -> None:
+        """Push: register our reservation on the producer's side channel; it may WRITE until our deadline."""
+        try:
+            peer.link.register_push(load.remote.request_id, load.epoch, self.transport.agent_name,
+                                    max(0.001, load.deadline - self._clock()), load.local_ids, load.remote.token_hash,
+                                    load.first, load.num_tokens, self._publication)
+        except SideChannelError as e:
+            self._drop_link((load.remote.host, load.remote.port), str(e))
+            self._fail(load, out, f"could not register the reservation: {e}", "side_channel")
+            return
+        peer.waiting[load.lease] = load
+        load.answers_due += 1
+
+    def _withdraw(self, load: _Load) -> None:
+        """Push, request aborted: ask the producer to drop the reservation; its blocks are freed on "gone",
+        a pushed/pushfail notification, or our deadline (after which the producer posts nothing)."""
+        load.cancel_sent = True
+        peer = self._peers.get((load.remote.host, load.remote.port))
+        if peer is None or peer.agent != load.peer:
+            return
+        try:
+            peer.link.cancel_push(load.remote.request_id, load.epoch, self.transport.agent_name)
+            peer.waiting[load.lease] = load
+            load.answers_due += 1
+        except SideChannelError as e:
+            self._drop_link((load.remote.host, load.remote.port), str(e))
 
     def _post_read(self, load: _Load, out: HandoffPoll) -> None:
         """The producer vouched for the claim and pinned the lease: READ the part we do not have cached,
@@ -536,6 +661,7 @@ class KVHandoff:
 
     def _fail(self, load: _Load, out: HandoffPoll, error: str, reason: str) -> None:
         self._loads.pop(load.request_id, None)
+        self._push_loads.pop(load.lease, None)
         peer = self._peers.get((load.remote.host, load.remote.port))
         if peer is not None and peer.waiting.get(load.lease) is load:
             del peer.waiting[load.lease]
@@ -553,6 +679,10 @@ class KVHandoff:
         for load in peer.waiting.values():
             load.failure = load.failure or (f"could not confirm the lease: {why}", "side_channel")
         peer.waiting.clear()
+        for load in self._loads.values():
+            if load.push and load.peer == peer.agent:
+                # the producer may still be WRITING (a link closed by its limits): free at our deadline
+                load.failure = load.failure or (f"side channel to the prefill engine lost: {why}", "side_channel")
 
     def _forget_peer(self, agent: str) -> None:
         self.transport.remove_peer(agent)
@@ -578,5 +708,6 @@ class KVHandoff:
                     future.result()[2].close()
             for addr in list(self._peers):
                 self._drop_link(addr, "closing")
+            self.producer.close()
             self.transport.close()
         return self.leases.release_all()

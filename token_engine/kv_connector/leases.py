@@ -32,6 +32,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 MAX_NOTIF_BYTES = 1024
+# read/HB/abort: decode -> prefill (pull); pushed/pushfail: prefill -> decode (push mode: the WRITEs into the
+# reservation <request id>:<epoch> are complete / will never complete)
+NOTIFICATION_KINDS = ("read", "HB", "abort", "pushed", "pushfail")
 READ_RECORDS = 8192  # leases ended by a READ that decode may still ask about
 MIN_PIN_CAP_S = 60.0  # a pin may outlast the lease duration up to this (decode's load deadline), no longer
 
@@ -59,7 +62,7 @@ def claim_mismatch(lease: KVLease, block_ids, token_hash: str) -> str | None:
 
 @dataclass(frozen=True)
 class LeaseNotification:
-    kind: str  # "read" | "HB" | "abort"
+    kind: str  # one of NOTIFICATION_KINDS
     request_id: str
     epoch: int
 
@@ -82,7 +85,7 @@ def parse_notification(msg: bytes) -> LeaseNotification | None:
         text = msg.decode()
         kind, rest = text.split(":", 1)
         request_id, epoch = rest.rsplit(":", 1)
-        if kind not in ("read", "HB", "abort") or not request_id or not epoch.isdigit():
+        if kind not in NOTIFICATION_KINDS or not request_id or not epoch.isdigit():
             return None
         return LeaseNotification(kind, request_id, int(epoch))
     except (UnicodeDecodeError, ValueError):

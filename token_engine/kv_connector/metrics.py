@@ -34,6 +34,16 @@ class KVTransferMetrics:
         self.stale_reads = Counter(
             "splitserve:kv_stale_reads", "Decode READs refused because the lease had ended (blocks may be recycled)",
             registry=r)
+        # both modes, by side: pull counts decode's READs; push counts prefill's finished pushes ("prefill":
+        # bytes WRITTEN, time from the last WRITE posted to DONE, the part after compute) and decode's landed
+        # reservations ("decode": time from reservation to the producer's notification)
+        self.handoffs = Counter("splitserve:kv_handoffs", "KV handoffs completed, by mode and side",
+                                ["mode", "side"], registry=r)
+        self.handoff_bytes = Counter("splitserve:kv_handoff_bytes", "KV bytes handed off, by mode and side",
+                                     ["mode", "side"], registry=r)
+        self.handoff_seconds = Counter("splitserve:kv_handoff_seconds", "Seconds spent in KV handoffs, by mode "
+                                       "and side (see the help of splitserve:kv_handoffs)", ["mode", "side"],
+                                       registry=r)
         self.held_blocks = Gauge("splitserve:kv_leased_blocks", "Prefill blocks held for decode under a lease",
                                  registry=r)
 
@@ -64,6 +74,7 @@ class TransferLog:
         m.xfer_seconds.observe(seconds)
         m.xfer_bytes.observe(nbytes)
         m.xfer_descriptors.observe(descriptors)
+        self._count("pull", "decode", nbytes, seconds)
         t = self.totals
         t["reads"] += 1
         t["bytes"] += nbytes
@@ -73,6 +84,19 @@ class TransferLog:
         self.bytes += nbytes
         self.descriptors += descriptors
         self.seconds.append(seconds)
+
+    def record_push(self, nbytes: int, seconds: float, side: str, writes: int = 0) -> None:
+        self._count("push", side, nbytes, seconds)
+        self.totals["push_writes_" + side] = self.totals.get("push_writes_" + side, 0) + writes
+        self.totals["pushes_" + side] = self.totals.get("pushes_" + side, 0) + 1
+        self.totals["push_bytes_" + side] = self.totals.get("push_bytes_" + side, 0) + nbytes
+        self.totals["push_seconds_" + side] = self.totals.get("push_seconds_" + side, 0.0) + seconds
+
+    def _count(self, mode: str, side: str, nbytes: int, seconds: float) -> None:
+        m = self.metrics
+        m.handoffs.labels(mode=mode, side=side).inc()
+        m.handoff_bytes.labels(mode=mode, side=side).inc(nbytes)
+        m.handoff_seconds.labels(mode=mode, side=side).inc(seconds)
 
     def record_failure(self, reason: str) -> None:
         self.metrics.failures.labels(reason=reason).inc()

@@ -145,12 +145,13 @@ class NixlConnector:
             load_timeout_s=self.config.load_timeout_s, side_channel_host=bind_host,
             side_channel_port=self.config.side_channel_port, log_interval_s=self.config.log_interval_s,
             fingerprint=self.fingerprint, secret=self.config.side_channel_secret,
-            allowed_peers=AllowedPeers(self.config.allowed_peers))
+            allowed_peers=AllowedPeers(self.config.allowed_peers), block_size=block_size, token_hash=token_hash)
         if host in ("0.0.0.0", ""):
             self._advertised_host = socket.gethostbyname(socket.gethostname())
         warn_if_exposed(bind_host, self.handoff.side_channel.port, self.config.side_channel_secret)
-        log.info("NixlConnector %s (%s, policy %s): side channel %s:%d (%s), lease %.0f s, peers %s",
-                 self.config.engine_id, self.config.kv_role, self.load_failure_policy, self._advertised_host,
+        log.info("%s %s (%s, policy %s): side channel %s:%d (%s), lease %.0f s, peers %s",
+                 type(self).__name__, self.config.engine_id, self.config.kv_role, self.load_failure_policy,
+                 self._advertised_host,
                  self.handoff.side_channel.port, "authenticated" if self.config.side_channel_secret else "open",
                  self.config.lease_duration_s, ",".join(self.config.allowed_peers))
 
@@ -347,6 +348,7 @@ class NixlConnector:
         polled = self.handoff.poll()
         for lease in polled.freed:
             self._turn_holds.pop(lease.request_id, None)
+            self.handoff.producer.drop_source(lease.request_id)
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
                 del self._lease_epochs[lease.request_id]
                 self._lease_requests.pop(lease.request_id, None)

@@ -180,6 +180,16 @@ class NixlTransport:
                    timeout_s: float) -> int:
         """Post a READ of `remote_ids` on `peer` into `local_ids`; `notif` reaches the peer once it is done.
         Returns a read id whose outcome a later `poll()` reports."""
+        return self._start("READ", peer, local_ids, remote_ids, notif, timeout_s)
+
+    def start_write(self, peer: str, local_ids: list[int], remote_ids: list[int], notif: bytes,
+                    timeout_s: float) -> int:
+        """Post a WRITE of our `local_ids` into `remote_ids` on `peer` (push mode); `notif` (may be empty)
+        reaches the peer after the bytes. Its outcome comes from `poll()` like a READ's, under the same id space."""
+        return self._start("WRITE", peer, local_ids, remote_ids, notif, timeout_s)
+
+    def _start(self, op: str, peer: str, local_ids: list[int], remote_ids: list[int], notif: bytes,
+               timeout_s: float) -> int:
         p = self._peers.get(peer)
         if p is None:
             raise KVTransferError(f"unknown peer {peer!r}", "bad_peer")
@@ -190,11 +200,11 @@ class NixlTransport:
         started = self._clock()
         local = _nixl_call("local descs", self._agent.get_xfer_descs, local_descs, self.layout.mem_type)
         remote = _nixl_call("remote descs", self._agent.get_xfer_descs, remote_descs, p.layout.mem_type)
-        handle = _nixl_call("initialize READ", self._agent.initialize_xfer, "READ", local, remote, peer, notif)
+        handle = _nixl_call(f"initialize {op}", self._agent.initialize_xfer, op, local, remote, peer, notif)
         read = _InflightRead(next(self._ids), peer, handle, started + timeout_s, started,
                              int(local_descs[:, 1].sum()), len(local_descs))
         try:
-            _nixl_call("post READ", self._agent.transfer, handle)
+            _nixl_call(f"post {op}", self._agent.transfer, handle)
         except KVTransferError:
             self._release(read)
             raise

@@ -104,6 +104,11 @@ class SideChannelRequest(msgspec.Struct, forbid_unknown_fields=True):
     token_hash: str = ""  # the claim: the token hash decode was given (and checked against its prompt)
     nonce: str = ""  # auth: the client's challenge (hex)
     proof: str = ""  # auth: the client's answer to the server's challenge (hex)
+    # push mode (op "push_register"): decode's reservation of block_ids for prompt blocks [first, ...) of
+    # request_id, holding KV for its first num_tokens tokens (token_hash); `publication` is decode's agent
+    first: int = 0
+    num_tokens: int = 0
+    publication: AgentPublication | None = None
 
 
 class AuthAnswer(msgspec.Struct, forbid_unknown_fields=True):
@@ -289,9 +294,22 @@ class PeerLink:
     def ask(self, request_id: str, epoch: int, reader: str, pin_s: float = 0.0, block_ids=None,
             token_hash: str = "") -> None:
         """Queue a lease question; with pin_s > 0 it is decode's claim (block ids + token hash) and pin."""
-        payload = _encoder.encode(SideChannelRequest(
-            "lease_status", request_id, epoch, reader, pin_s,
-            list(block_ids) if block_ids is not None else None, token_hash))
+        self._queue(SideChannelRequest("lease_status", request_id, epoch, reader, pin_s,
+                                       list(block_ids) if block_ids is not None else None, token_hash))
+
+    def register_push(self, request_id: str, epoch: int, reader: str, pin_s: float, block_ids: list[int],
+                      token_hash: str, first: int, num_tokens: int, publication: AgentPublication) -> None:
+        """Queue decode's push reservation (answered "held" when prefill accepted it, else "refused")."""
+        self._queue(SideChannelRequest("push_register", request_id, epoch, reader, pin_s, list(block_ids),
+                                       token_hash, first=first, num_tokens=num_tokens, publication=publication))
+
+    def cancel_push(self, request_id: str, epoch: int, reader: str) -> None:
+        """Queue the withdrawal of a reservation: "gone" once prefill will never write into it, "held" while
+        a WRITE of it is still in flight (a `pushfail` notification follows when it ends)."""
+        self._queue(SideChannelRequest("push_cancel", request_id, epoch, reader))
+
+    def _queue(self, request: SideChannelRequest) -> None:
+        payload = _encoder.encode(request)
         self._out += struct.pack("!I", len(payload)) + payload
         self._flush()
 
@@ -391,11 +409,12 @@ class SideChannelServer:
     With `secret`, every connection must pass the HMAC handshake before anything else is read."""
 
     def __init__(self, publication: AgentPublication, lease_status=None, host: str = "127.0.0.1", port: int = 0,
-                 lease_pin=None, secret: bytes | None = None):
+                 lease_pin=None, secret: bytes | None = None, push=None):
         self._payload = _encoder.encode(publication)
         self._lease_status = lease_status  # (request_id, epoch, reader) -> status; must be thread-safe
         # (request_id, epoch, reader, pin_s, block_ids, token_hash) -> (status, pinned_s); thread-safe
         self._lease_pin = lease_pin
+        self._push = push  # (SideChannelRequest) -> (status, pinned_s) for push_register / push_cancel; thread-safe
         self._secret = secret or None
         self._conns: set[_Conn] = set()
         self._conns_lock = threading.Lock()
@@ -501,6 +520,9 @@ class SideChannelServer:
                                                                req.block_ids, req.token_hash)
                         else:
                             status = self._lease_status(req.request_id, req.epoch, req.reader)
+                        _send_frame(conn, _encoder.encode(LeaseStatus(status, req.request_id, req.epoch, pinned_s)))
+                    elif req.op in ("push_register", "push_cancel") and self._push is not None:
+                        status, pinned_s = self._push(req)
                         _send_frame(conn, _encoder.encode(LeaseStatus(status, req.request_id, req.epoch, pinned_s)))
                     else:
                         return
