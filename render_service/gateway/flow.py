@@ -211,7 +211,7 @@ class Gateway:
                     tried: set[str]) -> "LiveStream":
         """Both legs at once; whichever fails first before decode's first event ends the other."""
         prid = f"{rid}-prefill"  # both are live together: call.live needs distinct ids
-        body = _encode(decode_request(gen, push_decode_params(identity, ENGINE_REQUEST_PREFIX + prid)))
+        body = _encode(decode_request(gen, push_decode_params(identity, ENGINE_REQUEST_PREFIX + call.wire_id(prid))))
         p_task = asyncio.ensure_future(self._prefill(gen, prid, prefill, call, turn, keep_rid=True))
         d_task = asyncio.ensure_future(self._decode(body, rid, decode, prefill, prid, call, tried))
         try:
@@ -226,7 +226,8 @@ class Gateway:
             p_task.add_done_callback(_retrieve)
             if d_task.done() and not d_task.cancelled() and d_task.exception() is not None:
                 # decode failed: once prefill is done, release what it holds for the reservation at once
-                p_task.add_done_callback(lambda _: self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + prid, prid]))
+                wire = call.wire_id(prid)
+                p_task.add_done_callback(lambda _: self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + wire, wire]))
             elif not p_task.done():
                 p_task.cancel()
             raise
@@ -243,7 +244,7 @@ class Gateway:
             return await self._start("decode", None, body, rid, tried, call, replica=decode)
         except EngineUnavailable as exc:
             tried.add(decode.url)
-            self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + prid, prid])
+            self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + call.wire_id(prid), call.wire_id(prid)])
             raise EngineUnavailable(f"decode replica failed: {exc}") from None
 
     async def _prefill(self, gen: GenerateRequest, rid: str, replica: Replica, call: EngineCall,
