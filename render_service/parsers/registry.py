@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 
 from render_service.parsers.base import ToolParser
+from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
 from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS
 
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {**_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS}
-from render_service.parsers.harmony import HarmonyParser
 
 # name -> (module, class), the names as vLLM's ``--tool-call-parser`` spells them
 _TOOL_PARSERS: dict[str, tuple[str, str]] = {
