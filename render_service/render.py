@@ -255,6 +255,11 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
     if violation:
         raise bad_request(*violation)
     kwargs = resolve_chat_template_kwargs(req, config)
+    if config.harmony:  # gpt-oss (/tokenize; render_chat takes its own Harmony branch)
+        from render_service.harmony.render import render_harmony_request
+
+        choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
+        return render_harmony_request(req, config, choice)[0], kwargs
     template = chat_template_for(req, config)
     try:
         # As vLLM: content shaped for the template, developer role folded into system where the
@@ -291,6 +296,8 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
+    if config.harmony:
+        return _render_harmony_chat(req, config, tool_choice, request_id)
     token_ids, kwargs = render_chat_prompt(req, config)
     forced_prefix = _native_forced_call_prefix(config, tool_choice, named, token_ids)
     if forced_prefix:
@@ -330,6 +337,29 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         reasoning_ended=reasoning_ended,
         reasoning_parser_kwargs=reasoning_kwargs,
     )
+
+
+def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
+                         request_id: str | None) -> GenerateRequest:
+    """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/)."""
+    from render_service.harmony.render import render_harmony_request
+
+    if not req.messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
+    if violation:
+        raise bad_request(*violation)
+    token_ids, structured = render_harmony_request(req, config, tool_choice)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _check_prompt_length(len(token_ids), config, requested)
+    params = build_sampling_params(
+        req, config, max_tokens=resolve_max_tokens(requested, len(token_ids), config),
+        logprobs=req.top_logprobs if req.logprobs else None,
+        skip_special_tokens=False,  # the derender parser reads Harmony's markers
+        structured_outputs=structured,
+    )
+    return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id or req.request_id),
+                             token_ids=token_ids, sampling_params=params, model=check_model(req.model, config))
 
 
 def prompt_ends_reasoning(token_ids: list[int], config: RenderConfig) -> bool:

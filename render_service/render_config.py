@@ -48,6 +48,8 @@ class RenderConfig:
     # Output shape only (not in the fingerprint): the chat reasoning key(s), and vLLM's "token_id:N" logprobs.
     reasoning_field: str = "reasoning"
     return_tokens_as_token_ids: bool = False
+    # gpt-oss: prompts are Harmony (render_service/harmony/), not a chat template
+    harmony: bool = False
 
     @property
     def model_name(self) -> str:
@@ -137,7 +139,13 @@ def build_render_config(
     from pathlib import Path
 
     from render_service.fingerprint import config_fingerprint
+    from render_service.harmony.encoding import harmony_renderer_id, is_harmony_tokenizer
 
+    harmony = is_harmony_tokenizer(bundle.tokenizer)
+    if harmony:
+        from render_service.harmony.render import harmony_parser_flags
+
+        reasoning_parser, tool_call_parser = harmony_parser_flags(reasoning_parser, tool_call_parser)
     source = bundle.chat_template
     if chat_template is not None:
         # vLLM's --chat-template: a file path, else the template text itself.
@@ -162,7 +170,7 @@ def build_render_config(
     kwargs = dict(default_chat_template_kwargs or {})
     fingerprint = config_fingerprint(
         tokenizer_sha256=tokenizer_sha,
-        chat_template=source,
+        chat_template=harmony_renderer_id() if harmony else source,
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
@@ -185,6 +193,7 @@ def build_render_config(
         reasoning_parser_cls=reasoning_cls,
         reasoning_field=reasoning_field,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
+        harmony=harmony,
     )
 
 

@@ -132,6 +132,15 @@ class TextTokenizer:
             return self._fast.encode(text)
         return self._hf_encode(text)
 
+    def encode_ordinary(self, text: str) -> list[int] | None:
+        """``text``'s IDs with added tokens taken as plain text (tiktoken's encode_ordinary); None off the fast
+        path (``tokenizers`` always matches added tokens)."""
+        if self._fast is None:
+            return None
+        if not text.isascii():
+            text.encode("utf-8")  # lone surrogates raise, as in encode
+        return self._fast._encode_ordinary(text)
+
     def _hf_encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 

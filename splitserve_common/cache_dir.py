@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -44,3 +45,16 @@ def _remove_abandoned_builds(final: Path, older_than_s: float = 3600) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
         except OSError:
             pass
+
+
+def build_once(final: Path, write: Callable[[Path], None]) -> Path:
+    """``final``, built first by ``write(tmp)`` unless it exists (OSError when the cache is not writable)."""
+    if final.is_dir():
+        return final
+    tmp = start_build(final)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, final)

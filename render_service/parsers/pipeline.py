@@ -25,7 +25,8 @@ from render_service.parsers.base import (
 )
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredToolChoiceParser
-from render_service.parsers.reasoning import reasoning_open_at_prompt_end
+from render_service.parsers.harmony import HarmonyParser
+from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 
 # How the request's tool_choice reaches the pipeline (derender.pipeline_config resolves it).
@@ -150,12 +151,15 @@ class Pipeline:
             ),
         )
         self.reasoning_cls = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
-        self.reasoning = (
+        self.reasoning: ThinkReasoningParser | HarmonyParser | None = (
             self.reasoning_cls(ReasoningParserConfig(enable_thinking=config.enable_thinking))
             if self.reasoning_cls
             else None
         )
         self.tools = self._make_tool_parser(config)
+        if self.reasoning_cls is HarmonyParser:
+            # one stage for reasoning and calls (gpt-oss's Harmony: render_service/parsers/harmony.py)
+            self.reasoning, self.tools = HarmonyParser.for_pipeline(config), None
         self.id_style = call_id_style(config.tool_parser)
 
     @staticmethod
@@ -177,17 +181,20 @@ class Pipeline:
         self, prompt_token_ids: list[int] | None = None, reasoning_open_at_start: bool | None = None
     ) -> PipelineState:
         """``reasoning_open_at_start``: a render-side hint; otherwise derived from the prompt tail."""
-        reasoning_state = None
+        reasoning_state: msgspec.Struct | None = None
         forced = native_forced_tool_choice(self.config.tool_parser, self.config.tool_choice)
         if forced:
             reasoning_open_at_start = False  # render closed reasoning and opened the call in the prompt
-        if self.reasoning is not None and self.reasoning_cls is not None:
+        think_cls = self.reasoning_cls
+        if isinstance(self.reasoning, HarmonyParser):
+            reasoning_state = self.reasoning.initial_state(prompt_token_ids, self.tokenizer)
+        elif self.reasoning is not None and think_cls is not None and not issubclass(think_cls, HarmonyParser):
             is_open = reasoning_open_at_start
             if is_open is None:
-                is_open = reasoning_open_at_prompt_end(prompt_token_ids, self.tokenizer, self.reasoning_cls)
+                is_open = reasoning_open_at_prompt_end(prompt_token_ids, self.tokenizer, think_cls)
             parser = self.reasoning
             if is_open is not None:
-                parser = self.reasoning_cls(
+                parser = think_cls(
                     ReasoningParserConfig(reasoning_open_at_start=is_open, enable_thinking=self.config.enable_thinking)
                 )
             reasoning_state = parser.initial_state()
@@ -222,7 +229,7 @@ class Pipeline:
         text = self.detok.step(state.detok, token_ids)
         if not text:
             return ChoiceDelta()
-        pieces: list[TextPiece]
+        pieces: Sequence[Piece]
         if self.reasoning is None:
             pieces = [TextPiece("content", text)]
         else:
@@ -230,6 +237,8 @@ class Pipeline:
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.
             (p,) = pieces
+            if isinstance(p, ToolCallPiece):
+                return self._delta(state, pieces)
             if p.channel == "content":
                 return ChoiceDelta(content=p.text)
             return ChoiceDelta(reasoning=p.text) if self.config.include_reasoning else ChoiceDelta()

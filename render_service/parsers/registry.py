@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 from render_service.parsers.base import ToolParser
+from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
 from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS
@@ -28,6 +29,7 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "glm47": ("render_service.parsers.tools_glm", "Glm47ToolParser"),
     "minimax_m2": ("render_service.parsers.tools_minimax", "MiniMaxM2ToolParser"),
     "seed_oss": ("render_service.parsers.tools_seed_oss", "SeedOssToolParser"),
+    "openai": ("render_service.parsers.harmony", "HarmonyToolCalls"),  # gpt-oss; parsed by the Harmony stage
 }
 
 
@@ -53,7 +55,9 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     return parser
 
 
-def get_reasoning_parser(name: str) -> type[ThinkReasoningParser]:
+def get_reasoning_parser(name: str) -> type[ThinkReasoningParser] | type[HarmonyParser]:
+    if name == "openai_gptoss":  # gpt-oss's Harmony stage (reasoning and tool calls in one)
+        return HarmonyParser
     try:
         return REASONING_PARSERS[name]
     except KeyError:

@@ -1,0 +1,364 @@
+"""Chat requests -> Harmony prompts for gpt-oss bundles.
+
+The request is mapped to Harmony messages the way vLLM's gpt-oss path maps it (``harmony_utils``:
+``build_harmony_preamble``, ``parse_chat_inputs_to_harmony_messages``, ``auto_drop_analysis_messages``):
+
+- a system message: model identity, reasoning effort (``reasoning_effort``, else ``chat_template_kwargs``),
+  knowledge cutoff, the conversation start date, and the valid channels (``commentary`` only when the
+  request declares tools);
+- a developer message when there are instructions (the first message, if it is system or developer) or
+  tools (rendered by Harmony as its TypeScript-like ``namespace functions``);
+- user turns; assistant turns as ``final`` text, ``analysis`` reasoning and ``commentary`` calls to
+  ``functions.NAME``; tool results from ``functions.NAME`` to the assistant (the name found by
+  ``tool_call_id``); analysis before the last final answer is dropped.
+
+The messages are built here as Harmony's conversation JSON (msgspec, no pydantic) and openai-harmony's Rust
+renderer turns them into token IDs: the reference rendering, so the ids are the reference's by construction
+(tests/test_harmony_render.py checks the mapping against conversations built with openai-harmony's own
+Python API). Forced tool choice and structured outputs render the start of the message the constraint is
+for (see ``generation_prefix``), so the constrained tokens are a well-formed Harmony message body.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+from typing import Any
+
+import msgspec
+
+from render_service.errors import bad_request
+from render_service.harmony.encoding import (
+    CALL,
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    MESSAGE,
+    START,
+    harmony_encoding,
+)
+
+REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
+# Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
+START_DATE_VARS = ("SPLITSERVE_SYSTEM_START_DATE", "VLLM_SYSTEM_START_DATE")
+CHANNELS = ["analysis", "commentary", "final"]
+_JSON = msgspec.json.Encoder()
+
+
+def _flatten(content: Any, where: str) -> str | None:
+    """A message's text: a string, or its text parts joined (gpt-oss reads no images or audio)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", "messages")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"{where}: gpt-oss takes text only, not a {kind!r} content part", "messages")
+    return "".join(texts)
+
+
+def _tool_name(name: Any) -> str:
+    # As vLLM's sanitize_harmony_tool_name: a name never smuggles Harmony markers into a header.
+    if not isinstance(name, str):
+        return ""
+    name = name.strip()
+    return name.split("<|", 1)[0].strip() if "<|" in name else name
+
+
+def _text(role: str, text: str, **fields: Any) -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}], **fields}
+
+
+def reasoning_effort(req: Any, kwargs: dict[str, Any]) -> str | None:
+    effort = req.reasoning_effort if req.reasoning_effort is not None else kwargs.get("reasoning_effort")
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of low, medium, high for gpt-oss, not {effort!r}",
+                          "reasoning_effort")
+    return REASONING_EFFORTS[effort]
+
+
+def conversation_start_date(kwargs: dict[str, Any]) -> str:
+    given = kwargs.get("conversation_start_date")
+    if given is not None:
+        if not isinstance(given, str) or len(given) > 64:
+            raise bad_request("conversation_start_date must be a short string", "chat_template_kwargs")
+        return given
+    for var in START_DATE_VARS:
+        if os.environ.get(var):
+            return os.environ[var]
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict:
+    content: dict[str, Any] = {
+        "model_identity": "You are ChatGPT, a large language model trained by OpenAI.",
+        "reasoning_effort": "Medium",
+        "knowledge_cutoff": "2024-06",
+    }
+    for key in ("model_identity", "knowledge_cutoff"):
+        value = kwargs.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise bad_request(f"chat_template_kwargs.{key} must be a string", "chat_template_kwargs")
+            content[key] = value
+    effort = reasoning_effort(req, kwargs)
+    if effort is not None:
+        content["reasoning_effort"] = effort
+    content["conversation_start_date"] = conversation_start_date(kwargs)
+    # vLLM: the commentary channel is announced only when custom tools may be called.
+    channels = CHANNELS if with_tools else [c for c in CHANNELS if c != "commentary"]
+    content["channel_config"] = {"valid_channels": channels, "channel_required": True}
+    content["type"] = "system_content"
+    return {"role": "system", "content": [content]}
+
+
+def _function_tools(tools: list[dict[str, Any]]) -> list[dict]:
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}]: only function tools are supported", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"tools[{i}].function.name is required", "tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+        entry: dict[str, Any] = {"name": fn["name"], "description": fn.get("description") or ""}
+        if params is not None:
+            entry["parameters"] = params
+        out.append(entry)
+    return out
+
+
+def developer_message(instructions: str | None, tools: list[dict[str, Any]] | None) -> dict:
+    content: dict[str, Any] = {}
+    if instructions is not None:
+        content["instructions"] = instructions
+    if tools:
+        content["tools"] = {"functions": {"name": "functions", "tools": _function_tools(tools)}}
+    content["type"] = "developer_content"
+    return {"role": "developer", "content": [content]}
+
+
+def conversation_messages(chat: list[dict[str, Any]]) -> list[dict]:
+    """vLLM's parse_chat_inputs_to_harmony_messages, then its auto_drop_analysis_messages."""
+    names = {}
+    for msg in chat:
+        for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
+            if isinstance(call, dict):
+                names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
+    out: list[dict] = []
+    for i, msg in enumerate(chat):
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        out.extend(_harmony_messages(msg, names, f"messages[{i}]"))
+    last_final = max((i for i, m in enumerate(out) if m["role"] == "assistant" and m.get("channel") == "final"),
+                     default=-1)
+    return [m for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
+
+
+def _harmony_messages(msg: dict[str, Any], names: dict, where: str) -> list[dict]:
+    role = msg.get("role")
+    reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise bad_request(f"{where}.reasoning must be a string", "messages")
+    if role == "assistant":
+        out = []
+        content = _flatten(msg.get("content"), where)
+        calls = msg.get("tool_calls") or []
+        if calls:
+            if content:  # a preamble: commentary without a recipient
+                out.append(_text("assistant", content, channel="commentary"))
+            if reasoning:
+                out.append(_text("assistant", reasoning, channel="analysis"))
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict):
+                    raise bad_request(f"{where}.tool_calls[{j}].function is required", "messages")
+                arguments = fn.get("arguments") or ""
+                if not isinstance(arguments, str):
+                    raise bad_request(f"{where}.tool_calls[{j}].function.arguments must be a string", "messages")
+                # vLLM writes content type "json" (not "<|constrain|>json") for earlier calls.
+                out.append(_text("assistant", arguments, channel="commentary",
+                                 recipient=f"functions.{_tool_name(fn.get('name'))}", content_type="json"))
+            return out
+        if reasoning:
+            out.append(_text("assistant", reasoning, channel="analysis"))
+        if content:
+            out.append(_text("assistant", content, channel="final"))
+        return out
+    if role == "tool":
+        name = names.get(msg.get("tool_call_id"), "")
+        content = _flatten(msg.get("content"), where) or ""
+        return [{"role": "tool", "name": f"functions.{name}", "content": [{"type": "text", "text": content}],
+                 "channel": "commentary", "recipient": "assistant"}]
+    if role in ("system", "developer"):
+        # Only the first one is the preamble's instructions; later ones become developer instructions.
+        instructions = _flatten(msg.get("content"), where)
+        return [developer_message(instructions, None)] if instructions is not None else []
+    if role == "user":
+        return [_text("user", _flatten(msg.get("content"), where) or "")]
+    raise bad_request(f"{where}.role {role!r} is not one of system, developer, user, assistant, tool", "messages")
+
+
+def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list[dict]:
+    chat = list(req.messages)
+    instructions = None
+    if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer"):
+        instructions = _flatten(chat[0].get("content"), "messages[0]")
+        chat = chat[1:]
+    tools = req.tools if with_tools else None
+    messages = [system_message(req, kwargs, with_tools)]
+    if instructions or tools:
+        messages.append(developer_message(instructions, tools))
+    messages.extend(conversation_messages(chat))
+    return messages
+
+
+def generation_prefix(tool_choice: str, named: str | None, json_output: bool) -> str:
+    """What the prompt says of the reply's first message beyond ``<|start|>assistant``.
+
+    A forced call opens the commentary message to the tool (as gpt-oss writes calls itself), so the tool's
+    JSON-schema constraint applies to exactly its arguments; structured output opens the final message, so
+    the schema constrains the answer (our engine's grammar cannot wait for Harmony's end of reasoning, which
+    is a header, not one token: the reply skips analysis).
+    """
+    if tool_choice == "named" and named:
+        return f"<|channel|>commentary to=functions.{_tool_name(named)} <|constrain|>json<|message|>"
+    if json_output:
+        return "<|channel|>final<|message|>"
+    return ""
+
+
+class HarmonyRenderer:
+    """Token IDs for Harmony messages.
+
+    System and developer messages (model identity, channels, the tools' TypeScript namespace) go through
+    openai-harmony's renderer and are cached by their JSON: requests of one deployment repeat them. Every
+    other message has a fixed shape that is assembled here from marker ids and the bundle's own tiktoken
+    ``encode_ordinary`` (openai-harmony encodes ~4 us/token; ours is several times faster). Each text piece is
+    encoded on its own, as openai-harmony does, and message text never becomes a marker.
+    """
+
+    def __init__(self, tokenizer: Any, cache_size: int = 256) -> None:
+        self.encoding = harmony_encoding(tokenizer)
+        fast = tokenizer.encode_ordinary if getattr(tokenizer, "fast_path", False) else None
+        self.ordinary = fast or (lambda text: self.encoding.encode(text, disallowed_special=()))
+        self.encode_with_markers = tokenizer.encode
+        self._cached = functools.lru_cache(maxsize=cache_size)(self._render_preamble)
+
+    def _render_preamble(self, conversation_json: str) -> tuple[int, ...]:
+        ids = self.encoding._inner.render_conversation(conversation_json=conversation_json,
+                                                       config={"auto_drop_analysis": False})
+        return tuple(ids)
+
+    def preamble(self, messages: list[dict]) -> tuple[int, ...]:
+        try:
+            return self._cached(_JSON.encode({"messages": messages}).decode())
+        except Exception as exc:  # openai_harmony.HarmonyError: say a schema Harmony cannot render
+            raise bad_request(f"Harmony cannot render these instructions or tools: {exc}", "tools") from None
+
+    def message(self, msg: dict, out: list[int]) -> None:
+        role = msg["role"]
+        if role in ("system", "developer"):
+            out.extend(self.preamble([msg]))  # a later instructions message: openai-harmony renders it
+            return
+        ordinary = self.ordinary
+        out.append(START)
+        out.extend(ordinary(msg["name"] if role == "tool" else role))
+        recipient = msg.get("recipient")
+        if recipient is not None and recipient != "all":
+            out.extend(ordinary(f" to={recipient}"))
+        channel = msg.get("channel")
+        if channel is not None:
+            out.append(CHANNEL)
+            out.extend(ordinary(channel))
+        content_type = msg.get("content_type")
+        if content_type is not None:
+            if content_type.startswith("<|constrain|>"):
+                out.extend(ordinary(" "))
+                out.append(CONSTRAIN)
+                if content_type != "<|constrain|>":
+                    out.extend(ordinary(content_type[len("<|constrain|>"):]))
+            else:
+                out.extend(ordinary(f" {content_type}"))
+        out.append(MESSAGE)
+        for part in msg["content"]:
+            out.extend(ordinary(part["text"]))
+        out.append(CALL if role == "assistant" and recipient is not None else END)
+
+    def render(self, messages: list[dict], prefix: str = "") -> list[int]:
+        """The conversation for completion by the assistant (``<|start|>assistant`` + ``prefix``)."""
+        split = 2 if len(messages) > 1 and messages[1]["role"] == "developer" else 1
+        head = messages[:split]
+        out = list(self.preamble(head))
+        for msg in messages[split:]:
+            self.message(msg, out)
+        out.append(START)
+        out.extend(self.ordinary("assistant"))
+        if prefix:
+            out.extend(self.encode_with_markers(prefix))
+        return out
+
+
+_RENDERERS: dict[int, HarmonyRenderer] = {}
+
+
+def renderer_for(tokenizer: Any) -> HarmonyRenderer:
+    renderer = _RENDERERS.get(id(tokenizer))
+    if renderer is None or renderer.encode_with_markers != tokenizer.encode:
+        renderer = _RENDERERS[id(tokenizer)] = HarmonyRenderer(tokenizer)
+    return renderer
+
+
+def render_harmony_chat(req: Any, tokenizer: Any, kwargs: dict[str, Any], tool_choice: str,
+                        named: str | None, json_output: bool) -> list[int]:
+    """The prompt's token IDs (``tool_choice`` as render's _check_tool_choice resolved it)."""
+    with_tools = bool(req.tools) and tool_choice != "none"
+    messages = harmony_messages(req, kwargs, with_tools)
+    return renderer_for(tokenizer).render(messages, generation_prefix(tool_choice, named, json_output))
+
+
+def render_harmony_request(req: Any, config: Any, tool_choice: str) -> tuple[list[int], dict[str, Any] | None]:
+    """render_chat's Harmony branch: (prompt ids, the structured-outputs constraint the prompt was opened for).
+
+    Named tool choice constrains the arguments to the tool's schema after the opened call; response_format /
+    structured_outputs constrain the opened final answer. "required" with one tool is that tool named; with
+    several it is left to the model (no single message opens "any of these calls").
+    """
+    from render_service.render import _structured_outputs
+    from render_service.render_config import resolve_chat_template_kwargs
+
+    kwargs = resolve_chat_template_kwargs(req, config)
+    structured = _structured_outputs(req)
+    named = None
+    if tool_choice == "required" and len(req.tools) == 1:  # one tool to call: the same as naming it
+        named = req.tools[0]["function"]["name"]
+    elif tool_choice == "named":
+        named = req.tool_choice["function"]["name"]
+    if named is not None:
+        tool = next(t for t in req.tools if (t.get("function") or {}).get("name") == named)
+        structured = {"json": tool["function"].get("parameters") or {"type": "object", "properties": {}}}
+    ids = render_harmony_chat(req, config.tokenizer, kwargs, "named" if named else tool_choice, named,
+                              structured is not None)
+    return ids, structured
+
+
+def harmony_parser_flags(reasoning_parser: str | None, tool_call_parser: str | None) -> tuple[str, str | None]:
+    """A gpt-oss bundle's parsers: Harmony's own (vLLM's names), whatever the flags left unset."""
+    if reasoning_parser not in (None, "openai_gptoss"):
+        raise ValueError(f"this is a gpt-oss (Harmony) bundle: --reasoning-parser must be openai_gptoss, "
+                         f"not {reasoning_parser}")
+    if tool_call_parser not in (None, "openai"):
+        raise ValueError(f"this is a gpt-oss (Harmony) bundle: --tool-call-parser must be openai, "
+                         f"not {tool_call_parser}")
+    return "openai_gptoss", tool_call_parser
