@@ -115,11 +115,8 @@ class ServerState:
     holding: OrderedDict[str, set[str]] = field(default_factory=OrderedDict)
 
     def start(self, request_id: str) -> str:
-        """The engine id for a request answered as ``request_id``: that id itself while no other request runs or
-        holds KV under it (so a push-mode decode can name the prefill request in advance), else the id plus
-        vLLM's 8-hex-digit suffix."""
-        taken = request_id in self.running or request_id in self.holding
-        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if taken else request_id
+        """A fresh engine id for a request answered as ``request_id`` (vLLM's 8-hex-digit suffix)."""
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         self.running.setdefault(request_id, set()).add(engine_id)
         return engine_id
 

@@ -150,12 +150,16 @@ class PushProducer:
 
     def update_source(self, request_id: str, block_ids: list[int], prompt: list[int], computed: int,
                       lease: tuple[str, int] | None = None, aborted: bool = False) -> None:
+        source = PushSource(list(block_ids), prompt, computed, lease, aborted)
         with self._lock:
-            self._sources[request_id] = PushSource(list(block_ids), prompt, computed, lease, aborted)
+            # Decode names the id its caller gave; the engine server runs it under that id + "-" + 8 hex digits.
+            for key in _source_keys(request_id):
+                self._sources[key] = source
 
     def drop_source(self, request_id: str) -> None:
         with self._lock:
-            self._sources.pop(request_id, None)
+            for key in _source_keys(request_id):
+                self._sources.pop(key, None)
 
     def busy(self) -> bool:
         return bool(self._targets)
@@ -276,3 +280,11 @@ class PushProducer:
         with self._lock:
             self._targets.clear()
             self._sources.clear()
+
+
+def _source_keys(request_id: str) -> tuple[str, ...]:
+    """The engine id, and the caller's id when the engine id carries the server's 8-hex-digit suffix."""
+    head, sep, tail = request_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        return request_id, head
+    return (request_id,)
