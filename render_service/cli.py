@@ -193,8 +193,6 @@ def serve(args: argparse.Namespace) -> int:
         print(f"render-service: {exc}", file=sys.stderr)
         return 2
     api_keys = api_keys_from(args.api_key)
-    gateway_mode = bool(args.engine or args.prefill or args.decode)
-    warn_if_open("the gateway" if gateway_mode else "render-service", args.host, ApiKeys(api_keys), logger)
     metrics_dir = None
     if args.workers > 1:
         # Must be set before prometheus_client is imported (render_service.server imports it).
@@ -228,6 +226,9 @@ def serve(args: argparse.Namespace) -> int:
                          gateway=gateway)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
                     time.perf_counter() - started, config.fingerprint, config.max_model_len)
+        # Warned once the server is about to listen: a refused command line stays one line on stderr.
+        warn_if_open("the gateway" if gateway is not None else "render-service", args.host, ApiKeys(api_keys),
+                     logger)
         if args.workers == 1:
             _uvicorn_server(app, args).run()
             return 0

@@ -245,7 +245,6 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
 
     keys = ApiKeys(api_keys)
     connection_settings = uvicorn_connection_settings(header_timeout_s)
-    warn_if_open("token-engine", host, keys, log)
     try:
         llm = LLMEngine(config)
     except (ValueError, OSError):
@@ -263,6 +262,8 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     except OSError:
         engine.shutdown()
         raise
+    # Warned once the engine is up and about to listen: a refused start stays one line on stderr.
+    warn_if_open("token-engine", host, keys, log)
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
                     log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
