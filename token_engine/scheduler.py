@@ -205,8 +205,13 @@ class Scheduler:
             break  # seq preempted itself: it was the last one
 
         # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            num_scheduled = self._admit(self.waiting[0], budget, out)
+        i = 0
+        while not out.preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if not seq.block_table and not self.connector.may_start(seq):
+                i += 1  # its caller holds its share of leased KV: it waits, the ones behind it may start
+                continue
+            num_scheduled = self._admit(i, budget, out)
             if num_scheduled is None:
                 break
             budget -= num_scheduled
@@ -215,8 +220,9 @@ class Scheduler:
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         return ScheduledSequence(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
-        """Start (or resume) the head of the waiting queue; the tokens it got, or None if it must wait."""
+    def _admit(self, index: int, budget: int, out: SchedulerOutput) -> int | None:
+        """Start (or resume) waiting[index]; the tokens it got, or None if it must wait."""
+        seq = self.waiting[index]
         cached: list[int] = []
         external, load_async = 0, False
         fresh = not seq.block_table
@@ -251,7 +257,7 @@ class Scheduler:
                 self.bm.free_blocks(seq)
                 self._remote_checked.discard(seq.seq_id)
             return None
-        self.waiting.pop(0)
+        self.waiting.pop(index)
         if external:
             self.connector.update_state_after_alloc(seq, list(seq.block_table), external)
         if load_async:

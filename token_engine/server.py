@@ -31,7 +31,7 @@ from starlette.routing import Route
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
-from token_engine.kv_connector.base import KV_BUDGET_EXHAUSTED, KV_LOAD_FAILED, KV_PARAMS_REFUSED
+from token_engine.kv_connector.base import KV_LOAD_FAILED, KV_PARAMS_REFUSED
 from token_engine.scheduler import GRAMMAR_VIOLATION
 from token_engine.sequence import TokenLogprob
 from token_engine.structured import GrammarError
@@ -64,8 +64,6 @@ def error_status(engine_error: str) -> int:
         return 502
     if engine_error.startswith(KV_PARAMS_REFUSED):  # the caller's kv_transfer_params: not the lease's
         return 400
-    if engine_error.startswith(KV_BUDGET_EXHAUSTED):
-        return 429
     return 400 if engine_error == GRAMMAR_VIOLATION else 500
 
 

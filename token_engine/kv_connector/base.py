@@ -42,7 +42,6 @@ KV_LOAD_FAILED = "KV handoff failed"
 # that is not allowed): the caller's fault, 400.
 KV_PARAMS_REFUSED = "KV handoff refused"
 # Prefix when a caller already holds its share of the prefill engine's KV under leases: 429.
-KV_BUDGET_EXHAUSTED = "KV lease budget exhausted"
 
 
 @runtime_checkable
@@ -59,8 +58,13 @@ class KVConnector(Protocol):
     def update_state_after_alloc(self, seq: "Sequence", block_ids: list[int], num_external_tokens: int) -> None: ...
 
     def admit(self, seqs: "list[Sequence]", caller: str | None) -> str | None:
-        """Before a request is queued: None to accept it, else why it is refused (KV_BUDGET_EXHAUSTED...).
+        """Before a request is queued: None to accept it, else why it is refused.
         `caller` names who asked (the client address), None for in-process callers."""
+        ...
+
+    def may_start(self, seq: "Sequence") -> bool:
+        """Before the scheduler first gives a queued sequence KV blocks: False keeps it waiting (its caller
+        holds its share of leased KV); the scheduler asks again on a later step and starts others meanwhile."""
         ...
 
     def request_finished(self, seq: "Sequence", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -107,6 +111,9 @@ class NoOpKVConnector:
 
     def admit(self, seqs, caller):
         return None
+
+    def may_start(self, seq):
+        return True
 
     def request_finished(self, seq, block_ids):
         return False, None

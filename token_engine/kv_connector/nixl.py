@@ -26,8 +26,8 @@ checks both against what it recorded for the lease before decode READs anything 
 (and what it then publishes in the prefix cache) is KV the producer vouched for, for exactly these tokens.
 Refusals are the caller's fault (KV_PARAMS_REFUSED, 400). Decode contacts only allowed peers (peers.py); the
 side channel authenticates with a shared secret when one is set. A caller may hold at most
-kv_lease_budget_fraction of prefill's blocks under leases (and in-flight prefills for remote decode) at once
-(KV_BUDGET_EXHAUSTED, 429); `abort_held` releases a lease whose decode hop failed.
+kv_lease_budget_fraction of prefill's blocks under leases (and in-flight prefills for remote decode) at once;
+its further prefills wait in the queue (may_start); `abort_held` releases a lease whose decode hop failed.
 
 Both sides publish a fingerprint of their weights and KV config (fingerprint.py); a load from a peer whose
 fingerprint differs fails (reason "model_mismatch") and the failure policy applies. While a decode request
@@ -45,7 +45,7 @@ from array import array
 from collections import OrderedDict
 
 from splitserve_common.auth import is_loopback
-from token_engine.kv_connector.base import KV_BUDGET_EXHAUSTED, ConnectorEvents
+from token_engine.kv_connector.base import ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
 from token_engine.kv_connector.fingerprint import model_fingerprint
 from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
@@ -128,6 +128,7 @@ class NixlConnector:
         # prefill in flight; seq_id -> (caller, reserved blocks) until the prefill finishes.
         self._caller_blocks: dict[str, int] = {}
         self._reserved: dict[str, tuple[str, int]] = {}
+        self._callers: dict[str, str] = {}  # queued prefill seq_id -> its caller, until may_start reserves
         self.lease_budget_blocks = 0  # set once the pool is known
 
     # -- worker side ------------------------------------------------------------------------------------
@@ -215,22 +216,32 @@ class NixlConnector:
     # -- prefill: holding KV for a remote decode --------------------------------------------------------
 
     def admit(self, seqs, caller: str | None) -> str | None:
-        """Reserve a caller's share of blocks for prefills whose KV will be held for a remote decode; refuse
-        when the caller already holds its budget (a caller holding nothing may always run one request)."""
-        wanted = [(seq, -(-seq.prompt_len // self.block_size)) for seq in seqs
-                  if seq.kv_transfer_params and seq.kv_transfer_params.get("do_remote_decode")
-                  and not seq.kv_transfer_params.get("do_remote_prefill")]
-        if caller is None or not wanted or self.handoff is None:
+        """Remember who asked for prefills whose KV will be held for a remote decode: the lease budget
+        charges that caller when the scheduler starts them (may_start)."""
+        if caller is None or self.handoff is None:
             return None
-        held = self._caller_blocks.get(caller, 0)
-        need = sum(blocks for _, blocks in wanted)
-        if held and held + need > self.lease_budget_blocks:
-            return (f"{KV_BUDGET_EXHAUSTED}: this caller already holds {held} KV blocks for remote decode and "
-                    f"may hold {self.lease_budget_blocks}; retry once decode has read them (or abort them)")
-        for seq, blocks in wanted:
-            self._reserved[seq.seq_id] = (caller, blocks)
-        self._caller_blocks[caller] = held + need
+        for seq in seqs:
+            params = seq.kv_transfer_params
+            if params and params.get("do_remote_decode") and not params.get("do_remote_prefill"):
+                self._callers[seq.seq_id] = caller
         return None
+
+    def may_start(self, seq) -> bool:
+        """Whether a fresh prefill may start now: False while its caller already holds its budget of blocks
+        under leases or reserved for prefills in flight (a caller holding nothing may always run one). Such a
+        request waits in the queue, holding no KV, until decode reads the caller's leases or they expire, so
+        a caller cannot hold most of the KV and a busy gateway is slowed, never refused."""
+        caller = self._callers.get(seq.seq_id)
+        if caller is None or seq.seq_id in self._reserved:
+            return True
+        held = self._caller_blocks.get(caller, 0)
+        need = -(-seq.prompt_len // self.block_size)
+        if held and held + need > self.lease_budget_blocks:
+            return False
+        del self._callers[seq.seq_id]
+        self._reserved[seq.seq_id] = (caller, need)
+        self._caller_blocks[caller] = held + need
+        return True
 
     def _charge(self, caller: str | None, blocks: int) -> None:
         if caller is None:
@@ -247,6 +258,7 @@ class NixlConnector:
     def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._planned.pop(seq.seq_id, None)
         self._awaiting.pop(seq.seq_id, None)
+        self._callers.pop(seq.seq_id, None)
         caller, reserved = self._reserved.pop(seq.seq_id, (None, 0))
         self._charge(caller, -reserved)
         params = seq.kv_transfer_params
