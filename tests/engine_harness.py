@@ -157,6 +157,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The device of engine processes: cpu (CI); SPLITSERVE_TEST_DEVICE=cuda runs the same P/D tests with both
+# engines on one GPU (NIXL moving VRAM), as the GPU machine checks them.
+TEST_DEVICE = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")
+
+
 class EngineProcess:
     """`token-engine serve` as its own process on 127.0.0.1 (a P/D prefill engine: NIXL between processes),
     small enough for CI: 128-token context, 4-token blocks, `blocks` KV blocks."""
@@ -168,7 +173,8 @@ class EngineProcess:
                **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "token_engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+             "--port", str(self.port), "--device", TEST_DEVICE, "--dtype", "float32", "--max-model-len", "128",
+             "--block-size", "4",
              "--num-gpu-blocks-override", str(blocks), "--log-level", "warning",
              "--kv-transfer-config", json.dumps(kv_transfer_config)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -78,7 +78,7 @@ async def run(gw: Gateway, prompt: list[int], rid: str, conversation: bytes | No
 
 
 def decisions(path: str) -> float:
-    return REGISTRY.get_sample_value("splitserve_gateway_pd_decisions_total", {"path": path}) or 0.0
+    return REGISTRY.get_sample_value("splitserve:gateway_pd_decisions_total", {"path": path}) or 0.0
 
 
 def state(engine: EngineProcess) -> dict:
