@@ -143,7 +143,7 @@ def _finite(value: Any, depth: int = 0) -> bool:
         return False
     if isinstance(value, dict):
         return all(isinstance(k, str) and _finite(v, depth + 1) for k, v in value.items())
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):  # a Python literal's tuple serialises as a JSON array
         return all(_finite(v, depth + 1) for v in value)
     return value is None or isinstance(value, (str, int, bool))
 

@@ -152,6 +152,8 @@ class XmlToolParser:
     State: ClassVar[type[msgspec.Struct]] = XmlCallState
     FORCED_REQUIRED: ClassVar[str]
     FORCED_NAMED: ClassVar[str]  # str.format template with {name}
+    # "required" / named tool choice written in the model's own syntax (False: the JSON-grammar path)
+    native_forced_choice: ClassVar[bool] = True
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.tools = tools_by_name(config.tools if config is not None else [])
