@@ -9,8 +9,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.parsers.base import ToolParserConfig, ToolSpec
 from render_service.parsers import tool_schema
+from render_service.parsers.base import ToolParserConfig, ToolSpec
 from render_service.parsers.pipeline import native_forced_tool_choice
 from render_service.parsers.tools_qwen3_coder import Qwen3CoderToolParser
 from tests.test_tool_parsers_common import (
