@@ -47,8 +47,14 @@ def test_truncated_arguments_are_closed():
 # --- issue 16 item 7: an unparsable block never disappears ---------------------------------------------
 
 
+def test_arguments_that_are_not_an_object_give_empty_arguments_and_content():
+    # the name went out at the separator and is never taken back: {} and the model's text as content
+    r = parse("deepseek_v31", f"Sure.{B}{CB}get_weather{SEP}[1, 2]{CE}{E}")
+    assert names_of(r) == ["get_weather"] and args_of(r) == [{}] and r.content == "Sure.[1, 2]"
+
+
 def test_a_block_that_is_not_a_call_is_content_with_its_markers():
-    for bad in (f"{CB}get_weather{SEP}[1, 2]{CE}", f"{CB}get_weather{CE}", f"{CB}get weather{{oops{CE}"):
+    for bad in (f"{CB}get_weather{CE}", f"{CB}get weather{{oops{CE}"):
         text = f"Sure.{B}{bad}{E}"
         r = parse("deepseek_v31", text)
         assert r.calls == [] and r.content == "Sure." + bad, bad

@@ -1,11 +1,11 @@
 """A tool call written as a JSON object, ``{"name": "f", "arguments": {...}}`` (hermes, llama3_json, mistral
 pre-v11), read incrementally.
 
-The name is held until the arguments are known to be an object (their first character), so a call whose
-arguments are a list, a number or a plain string is never announced: the caller returns its text as content.
-The arguments then stream as the model's raw text through ``json_guard``, which keeps them valid JSON; a
-string holding the object (``"arguments": "{\\"a\\": 1}"``) is decoded once and guarded the same way. Other
-members of the envelope (``"id": ...``) are the model's text too: they go to content.
+The name is announced as soon as it is complete (vLLM's chunking). The arguments then stream as the model's
+raw text through ``json_guard``, which keeps them valid JSON; a string holding the object
+(``"arguments": "{\\"a\\": 1}"``) is decoded once and guarded the same way. Arguments that are not an
+object (a list, a number, a plain string) cannot be a call's arguments: the call gets ``{}`` and their text
+goes to content. Other members of the envelope (``"id": ...``) are the model's text too: content.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class CallObject(msgspec.Struct, omit_defaults=True):
     def __post_init__(self) -> None:
         if len(self.pending_args) + len(self.held_content) > MAX_UNANNOUNCED + 2048 or len(self.str_hold) > 16:
             raise ValueError("inconsistent call object state")
-        if self.name_emitted and not self.name:
-            raise ValueError("inconsistent call object state: announced without a name")
+        if self.name_emitted != bool(self.name):
+            raise ValueError("inconsistent call object state: a name exactly when announced")
 
 
 def _read_string(buf: str, pos: int, end: int) -> int:
@@ -129,11 +129,18 @@ def _emit_content(obj: CallObject, sink: PieceSink, text: str) -> None:
         obj.held_content += text
 
 
-def _start_args(obj: CallObject, sink: PieceSink, index: int) -> None:
+def _start_args(obj: CallObject) -> None:
     obj.args_started = True
     obj.guard = ArgsGuard()
-    if obj.name and not obj.name_emitted:
-        _announce(obj, sink, index)
+
+
+def _not_object_args(obj: CallObject, sink: PieceSink, index: int, quote: str) -> None:
+    """Arguments that are not an object: the call gets ``{}``, the value (skipped as JSON) goes to content."""
+    obj.args_started = True
+    _emit_args(obj, sink, index, "{}")
+    obj.scan = JsonScan(started=True, in_string=True) if quote else JsonScan()
+    _emit_content(obj, sink, quote)
+    obj.phase = SKIP
 
 
 def _guard_args(obj: CallObject, sink: PieceSink, index: int, text: str, pos: int, end: int) -> tuple[int, int]:
@@ -161,15 +168,14 @@ def unannounced_size(obj: CallObject) -> int:
 
 
 def finish_call_object(obj: CallObject, sink: PieceSink, index: int) -> bool:
-    """The output ended inside the object. Closes what was announced; a call whose name was read but whose
-    arguments never began is announced with ``{}``. Returns False when there is no call (the caller returns
-    the object's text as content)."""
+    """The object ends here (the output ended, a closing tag, a syntax error). Completes the announced call's
+    arguments: an open object is closed, arguments that never began are ``{}``. Returns False when there is no
+    call (no name was read: the caller returns the object's text as content)."""
     if not obj.name_emitted:
-        if not obj.name or obj.args_started:
-            return False
-        _announce(obj, sink, index)
+        return False
+    if not obj.args_started:
+        obj.args_started = True
         sink.arguments(index, "{}")
-        return True
     _close_args(obj, sink, index)
     return True
 
@@ -212,8 +218,8 @@ def feed_call_object(
                 i += 1
             elif phase == KEY_OR_END:
                 if c == "}":
-                    if obj.name and not obj.name_emitted and not obj.args_started:
-                        _announce(obj, sink, index)
+                    if obj.name_emitted and not obj.args_started:
+                        obj.args_started = True
                         sink.arguments(index, "{}")
                     return i + 1, DONE
                 if c != '"':
@@ -238,10 +244,12 @@ def feed_call_object(
                         obj.phase = ARGS_STR_PEEK
                         i += 1
                     elif c == "{":
-                        _start_args(obj, sink, index)
+                        _start_args(obj)
                         obj.phase = ARGS
+                    elif obj.name_emitted:
+                        _not_object_args(obj, sink, index, "")
                     else:
-                        return i, MALFORMED  # arguments that are not an object: not a call
+                        return i, MALFORMED  # non-object arguments before any name: not a call
                 else:
                     obj.scan = JsonScan()
                     obj.phase = SKIP
@@ -266,8 +274,7 @@ def feed_call_object(
                 if not name.strip() or len(name) > MAX_NAME_CHARS:
                     return q, MALFORMED
                 obj.name = name
-                if obj.args_started:
-                    _announce(obj, sink, index)
+                _announce(obj, sink, index)
                 obj.phase = KEY_OR_END
         elif phase == ARGS:
             stop, status = _guard_args(obj, sink, index, buf, i, end)
@@ -290,18 +297,18 @@ def feed_call_object(
                 return i, ANGLE
         elif phase == ARGS_STR_PEEK:
             if buf[i] == "{":
-                _start_args(obj, sink, index)
+                _start_args(obj)
                 obj.phase = ARGS_STR_DECODE
             elif buf[i] == '"':
                 # "arguments": "" is a call without arguments
                 obj.args_started = True
-                if obj.name and not obj.name_emitted:
-                    _announce(obj, sink, index)
                 _emit_args(obj, sink, index, "{}")
                 obj.phase = KEY_OR_END
                 i += 1
+            elif obj.name_emitted:
+                _not_object_args(obj, sink, index, '"')  # a plain string: its text is content
             else:
-                return i, MALFORMED  # a plain string is not an arguments object: not a call
+                return i, MALFORMED
         else:  # ARGS_STR_DECODE / ARGS_STR_REST: arguments serialised as a string holding JSON, decoded once
             held = obj.str_hold
             text = held + buf[i:end]

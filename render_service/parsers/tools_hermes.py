@@ -159,7 +159,7 @@ class HermesToolParser(HeldTextToolParser):
                         state.held = buf[pos:]
                         return
                 elif outcome in (DONE, MALFORMED):
-                    if call.name_emitted:
+                    if finish_call_object(call, sink, state.calls):  # completes a call that broke off
                         self._end_call(state)
                     else:
                         self._release(state, sink)

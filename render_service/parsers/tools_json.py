@@ -140,6 +140,7 @@ class Llama3JsonToolParser(HeldTextToolParser):
                 elif not call.name_emitted:
                     self._release(state, sink)
                 else:
+                    finish_call_object(call, sink, state.calls)  # completes a call that broke off
                     state.calls += 1
                     state.call = None
                     state.raw = ""

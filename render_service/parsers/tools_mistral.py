@@ -183,7 +183,7 @@ class MistralToolParser(HeldTextToolParser):
                     if stop < n:
                         state.held = buf[pos:]
                         return
-                elif call.name_emitted:
+                elif finish_call_object(call, sink, state.calls):  # completes a call that broke off
                     self._end_call(state, ARRAY_SEP if outcome == DONE else CONTENT)
                     state.after_call = False  # what broke the call off is the model's text
                 else:

@@ -1,11 +1,11 @@
 """Calls framed by special-token markers: section begin, (call begin, name, separator, arguments, call end)*,
 section end (deepseek_v31, kimi_k2).
 
-The name is announced once the arguments are known to be an object (their first character is ``{``, or the
-call ends with none: ``{}``); arguments then stream as the model's raw text through ``json_guard``, so they
-always end as a JSON object. The markers end a call wherever they appear (they are special tokens). Nothing
-the model wrote is dropped: text before, between and after calls is content (whitespace right after a call
-or marker is layout), and a call that is not one (no separator, arguments that are not an object, a name the
+The name is announced at the separator (vLLM's chunking); arguments then stream as the model's raw text
+through ``json_guard``, so they always end as a JSON object (``{}`` when there are none, or when what follows
+the separator is not an object: that text is content). The markers end a call wherever they appear (they are
+special tokens). Nothing the model wrote is dropped: text before, between and after calls is content
+(whitespace right after a call or marker is layout), and a call that is not one (no separator, a name the
 format cannot carry) is returned as content with its markers.
 """
 
@@ -17,7 +17,14 @@ from typing import ClassVar, cast
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.json_guard import GUARD_DONE, GUARD_ERROR, ArgsGuard, close_guard, feed_guard
+from render_service.parsers.json_guard import (
+    GUARD_DONE,
+    GUARD_ERROR,
+    ArgsGuard,
+    close_guard,
+    feed_guard,
+)
+from render_service.parsers.json_guard import START as GUARD_START
 from render_service.parsers.tags import find_tag, is_partial_tag, skip_whitespace
 from render_service.parsers.tools_common import MAX_NAME_CHARS, Count, HeldTextToolParser, PieceSink, require
 
@@ -41,16 +48,13 @@ class SectionedState(msgspec.Struct, omit_defaults=True):
     held: str = ""
     calls: Count = 0
     raw: str = ""  # the current call's text since its begin marker, until it is announced
-    name: str = ""  # read, not announced yet
-    call_id: str = ""  # the model's own id for it (kimi), or ""
     guard: ArgsGuard | None = None
     after_call: bool = False  # whitespace right after a call or marker is layout
     stray: bool = False  # inside text that is not markup (content runs to the next marker)
 
     def __post_init__(self) -> None:
         require((self.mode == SEC_ARGS) == (self.guard is not None), "a guard exactly while in arguments")
-        require(len(self.raw) <= 2 * MAX_NAME_CHARS + 256 and len(self.name) <= MAX_NAME_CHARS
-                and len(self.call_id) <= MAX_NAME_CHARS, "held text within bounds")
+        require(len(self.raw) <= MAX_NAME_CHARS + 256, "held text within bounds")
 
 
 class SectionedToolParser(HeldTextToolParser):
@@ -75,19 +79,13 @@ class SectionedToolParser(HeldTextToolParser):
     def finish(self, state: SectionedState) -> list[Piece]:
         sink = PieceSink()
         mode = state.mode
-        if mode == SEC_ARGS and not state.name:
-            # announced: a partial marker held back is argument text after all
+        if mode == SEC_ARGS:
+            # a partial marker held back is argument text after all
             guard = cast(ArgsGuard, state.guard)
             stop, emitted, status = feed_guard(guard, state.held, 0, len(state.held))
             sink.arguments(state.calls, emitted)
             self._close(state, sink)
-            if status != GUARD_DONE or stop < len(state.held):
-                sink.content(state.held[stop:])
-        elif mode == SEC_ARGS and state.held.strip():
-            sink.content(state.raw + state.held)  # arguments that begin with something else: not a call
-        elif mode == SEC_ARGS:
-            self._announce(state, sink)  # the name and separator were written, the arguments never began
-            sink.arguments(state.calls, "{}")
+            sink.content(state.held[stop:])
             state.calls += 1
         elif mode == SEC_NAME:
             sink.content(state.raw + state.held)
@@ -97,18 +95,11 @@ class SectionedToolParser(HeldTextToolParser):
                 state.calls += 1
         state.held = ""
         state.raw = ""
-        state.name = ""
         state.guard = None
         state.mode = SEC_CONTENT
         return sink.pieces
 
     # -----------------------------------------------------------------------------------------------------
-
-    def _announce(self, state: SectionedState, sink: PieceSink) -> None:
-        sink.name(state.calls, state.name, state.call_id or None)
-        state.name = ""
-        state.call_id = ""
-        state.raw = ""
 
     def _close(self, state: SectionedState, sink: PieceSink) -> None:
         """Close the arguments (a cut or broken object is completed; what the guard dropped is content)."""
@@ -123,8 +114,6 @@ class SectionedToolParser(HeldTextToolParser):
         """Not a call: its text (markers included) is content, up to its end marker."""
         sink.content(state.raw + text)
         state.raw = ""
-        state.name = ""
-        state.call_id = ""
         state.guard = None
         state.mode = SEC_JUNK
 
@@ -191,36 +180,29 @@ class SectionedToolParser(HeldTextToolParser):
                     self._release(state, sink, text)
                     pos = at
                     continue
-                state.raw += text + tag
-                state.name, state.call_id = read[0], read[1] or ""
+                sink.name(state.calls, read[0], read[1])
+                state.raw = ""
                 state.guard = ArgsGuard()
                 state.mode = SEC_ARGS
                 pos = at + len(tag)
-            elif state.name:  # SEC_ARGS, not announced: what do the arguments begin with?
-                start = pos
-                pos = skip_whitespace(buf, pos)
-                state.raw += buf[start:pos]
-                if len(state.raw) > 2 * MAX_NAME_CHARS:
-                    self._release(state, sink, "")  # a page of whitespace after the separator: not a call
-                    continue
-                if pos >= n:
-                    return
-                rest = buf[pos:pos + 64]
-                if any(rest.startswith(t) for t in ends):
-                    self._announce(state, sink)
-                    sink.arguments(state.calls, "{}")
-                    state.guard = None
-                    state.mode = SEC_AFTER_ARGS
-                elif buf[pos] == "{":
-                    self._announce(state, sink)
-                elif is_partial_tag(rest, ends):
-                    state.held = buf[pos:]
-                    return
-                else:
-                    self._release(state, sink, "")  # arguments that are not an object: not a call
-            else:  # SEC_ARGS, announced
+            else:  # SEC_ARGS
+                guard = cast(ArgsGuard, state.guard)  # the state's __post_init__ requires it in this mode
+                if guard.phase == GUARD_START:  # what do the arguments begin with?
+                    pos = skip_whitespace(buf, pos)
+                    if pos >= n:
+                        return
+                    rest = buf[pos:pos + 64]
+                    if buf[pos] != "{":
+                        if is_partial_tag(rest, ends) and not any(rest.startswith(t) for t in ends):
+                            state.held = buf[pos:]
+                            return
+                        # no arguments ({}), or not an object ({}, and the text is content)
+                        self._close(state, sink)
+                        state.mode = SEC_AFTER_ARGS
+                        state.stray = not any(rest.startswith(t) for t in ends)
+                        state.after_call = not state.stray
+                        continue
                 at, tag = find_tag(buf, pos, ends)
-                guard = cast(ArgsGuard, state.guard)
                 stop, emitted, status = feed_guard(guard, buf, pos, at)
                 sink.arguments(state.calls, emitted)
                 if status != GUARD_DONE and status != GUARD_ERROR and tag is None:
