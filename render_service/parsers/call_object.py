@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
+from typing import cast
 
 import msgspec
 
@@ -20,6 +21,7 @@ from render_service.parsers.json_guard import (
     GUARD_ERROR,
     GUARD_MORE,
     ArgsGuard,
+    GuardStatus,
     close_guard,
     feed_guard,
 )
@@ -143,11 +145,11 @@ def _not_object_args(obj: CallObject, sink: PieceSink, index: int, quote: str) -
     obj.phase = SKIP
 
 
-def _guard_args(obj: CallObject, sink: PieceSink, index: int, text: str, pos: int, end: int) -> tuple[int, int]:
-    """Feed arguments text through the guard; (position, guard status)."""
-    guard = obj.guard
-    assert guard is not None
-    stop, emitted, status = feed_guard(guard, text, pos, end)
+def _guard_args(
+    obj: CallObject, sink: PieceSink, index: int, text: str, pos: int, end: int
+) -> tuple[int, GuardStatus]:
+    """Feed arguments text through the guard; (position, guard status). A broken object is closed."""
+    stop, emitted, status = feed_guard(cast(ArgsGuard, obj.guard), text, pos, end)
     _emit_args(obj, sink, index, emitted)
     if status == GUARD_ERROR:
         _close_args(obj, sink, index)
@@ -277,7 +279,14 @@ def feed_call_object(
                 _announce(obj, sink, index)
                 obj.phase = KEY_OR_END
         elif phase == ARGS:
-            stop, status = _guard_args(obj, sink, index, buf, i, end)
+            stop, emitted, status = feed_guard(cast(ArgsGuard, obj.guard), buf, i, end)  # set with the phase
+            if emitted:
+                if obj.name_emitted:
+                    sink.arguments(index, emitted)
+                else:
+                    obj.pending_args += emitted
+            if status == GUARD_ERROR:
+                _close_args(obj, sink, index)
             i = stop
             if status == GUARD_DONE:
                 obj.guard = None

@@ -161,10 +161,15 @@ def feed_guard(g: ArgsGuard, buf: str, pos: int, end: int) -> tuple[int, str, Gu
     GUARD_MORE: everything up to ``end`` consumed. GUARD_DONE: the object closed just before the position.
     GUARD_ERROR: buf[position] cannot continue the object (not consumed); ``close_guard`` completes it.
     """
-    out: list[str] = []
-    i = pos
+    if g.phase == STRING and not g.esc:
+        # the hot path: a chunk of string text with nothing special in it streams as it is
+        m = _STRING_SPECIAL.search(buf, pos, end)
+        if m is None:
+            return end, buf[pos:end], GUARD_MORE
     if g.failed:
         return pos, "", GUARD_ERROR
+    out: list[str] = []
+    i = pos
     while i < end:
         phase = g.phase
         if phase == STRING or phase == KEY:

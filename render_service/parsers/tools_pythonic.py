@@ -22,8 +22,8 @@ import msgspec
 
 from render_service.parsers.base import Piece
 from render_service.parsers.json_scan import dumps, json_string_fragment
-from render_service.parsers.tool_schema import json_safe
 from render_service.parsers.tags import skip_whitespace
+from render_service.parsers.tool_schema import json_safe
 from render_service.parsers.tools_common import MAX_NAME_CHARS, Count, HeldTextToolParser, PieceSink
 
 
