@@ -27,7 +27,7 @@ from render_service.parsers.call_object import (
     feed_call_object,
     finish_call_object,
 )
-from render_service.parsers.tags import find_tag, is_partial_tag, skip_whitespace
+from render_service.parsers.tags import find_tag, is_partial_tag, skip_layout, skip_whitespace
 from render_service.parsers.tools_common import Count, HeldTextToolParser, PieceSink, require
 
 START = "<tool_call>"
@@ -113,10 +113,9 @@ class HermesToolParser(HeldTextToolParser):
             mode = state.mode
             if mode == CONTENT:
                 if state.after_call:
-                    pos = skip_whitespace(buf, pos)
+                    pos = skip_layout(state, buf, pos)
                     if pos >= n:
                         return
-                    state.after_call = False
                 at, tag = find_tag(buf, pos, (START,))
                 sink.content(buf[pos:at])
                 if tag is None:

@@ -26,7 +26,7 @@ from render_service.parsers.call_object import (
     finish_call_object,
 )
 from render_service.parsers.json_guard import GUARD_DONE, GUARD_ERROR, ArgsGuard, close_guard, feed_guard
-from render_service.parsers.tags import find_tag, skip_whitespace
+from render_service.parsers.tags import find_tag, skip_layout, skip_whitespace
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     Count,
@@ -131,10 +131,9 @@ class MistralToolParser(HeldTextToolParser):
             mode = state.mode
             if mode == CONTENT:
                 if state.after_call:
-                    pos = skip_whitespace(buf, pos)
+                    pos = skip_layout(state, buf, pos)
                     if pos >= n:
                         return
-                    state.after_call = False
                 at, tag = find_tag(buf, pos, (TOOL_CALLS,))
                 sink.content(buf[pos:at])
                 if tag is None:
