@@ -85,6 +85,8 @@ class CallObject(msgspec.Struct, omit_defaults=True):
             raise ValueError("inconsistent call object state")
         if self.name_emitted != bool(self.name):
             raise ValueError("inconsistent call object state: a name exactly when announced")
+        if (self.phase in (ARGS, ARGS_STR_DECODE)) and self.guard is None:
+            raise ValueError("inconsistent call object state: arguments without their guard")
 
 
 def _read_string(buf: str, pos: int, end: int) -> int:

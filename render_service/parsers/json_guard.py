@@ -66,8 +66,10 @@ class ArgsGuard(msgspec.Struct, omit_defaults=True):
     failed: bool = False
 
     def __post_init__(self) -> None:
+        # a client-sent state (stream_state) that decodes must never make feed_guard raise
         if (len(self.stack) > MAX_DEPTH or len(self.pending) > MAX_HELD + 8 or len(self.esc) > 6
-                or self.stack.strip("{[") or self.scalar_at > len(self.pending)):
+                or self.stack.strip("{[") or self.scalar_at > len(self.pending)
+                or (self.phase in (START, DONE)) != (not self.stack)):
             raise ValueError("inconsistent arguments guard state")
 
 
