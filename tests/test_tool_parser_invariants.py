@@ -19,7 +19,7 @@ from tests.tool_parser_invariants import FAMILIES, check_parser, check_pipeline,
 
 NAMES = sorted(FAMILIES)
 CUTS = st.lists(st.integers(0, 400), max_size=8)
-FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def test_adversarial_soup_keeps_both_invariants(name, data, cuts):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_pipeline_one_token_streaming_equals_batch_and_keeps_both_invariants(name, data):
     family = FAMILIES[name]
