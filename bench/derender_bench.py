@@ -16,6 +16,15 @@ CPU per chunk.
 vLLM is started with /work/shared/peers/vllm-render/start.sh from ``--vllm-venv`` (bench/.peers/vllm);
 ``--vllm-tokens ""`` skips it. vLLM points not measured are extrapolated with its measured exponent and
 marked ``"extrapolated": true``. Results: bench/results/derender_bench.json.
+
+Before/after a change, in-process only (no servers), this tree against another checkout measured alternately in
+fresh processes (the same bench code, the other tree's ``render_service``), ratios of the best of each:
+
+    .venv/bin/python -m bench.derender_bench --baseline-tree /tmp/main-checkout --rounds 5 \
+        --out bench/results/derender_bench_vs_main.json
+
+Besides the reasoning + content + call stream above, that mode also times an arguments-heavy stream (a hermes
+call whose string argument is most of the output), where the tool parser does nearly all the work.
 """
 
 from __future__ import annotations
@@ -247,6 +256,80 @@ def run_stream(client: httpx.Client, server: Server, ids: list[int], prompt_ids:
 # ------------------------------------------------------------------------------------- in-process
 
 
+def build_args_output(tok, n: int) -> list[int]:
+    """N token ids, nearly all inside one hermes call's string argument (the tool parser's worst case)."""
+    head = tok.encode('<think>\nok\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Seoul", '
+                      '"note": "')
+    tail = tok.encode('"}}\n</tool_call>')
+    body = tok.encode((CONTENT + 'quote \\" and {braces} ') * (n // 20 + 2))[: n - len(head) - len(tail) - 1]
+    return head + body + tail + [tok.token_to_id("<|im_end|>")]
+
+
+def pipeline_us_per_token(pipeline, ids: list[int], prompt_ids: list[int], repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        state = pipeline.initial_state(prompt_ids)
+        t0 = time.process_time()
+        for t in ids:
+            pipeline.feed(state, [t])
+        pipeline.finish(state)
+        best = min(best, time.process_time() - t0)
+    return round(1e6 * best / len(ids), 2)
+
+
+def in_process_standalone(n: int) -> dict:
+    """in_process() without a server: the prompt is rendered in-process. Also the arguments-heavy stream."""
+    import msgspec
+
+    from render_service.bundle import load_bundle
+    from render_service.derender import pipeline_config
+    from render_service.parsers.pipeline import Pipeline
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render import render_chat_prompt
+    from render_service.render_config import load_render_config
+
+    tok = load_bundle(QWEN).tokenizer
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Seoul? Use the tool."}],
+            "tools": TOOLS}
+    config = load_render_config(str(QWEN), served_model_names=[MODEL], reasoning_parser="qwen3",
+                                tool_call_parser="hermes", enable_auto_tool_choice=True)
+    req = msgspec.convert(chat, ChatCompletionRequest)
+    prompt_ids = render_chat_prompt(req, config)[0]
+    out = in_process(tok, build_output(tok, n), prompt_ids, chat)
+    pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id="args", choice_index=0))
+    out["args_heavy_pipeline_us_per_token"] = pipeline_us_per_token(pipeline, build_args_output(tok, n), prompt_ids)
+    import render_service
+
+    out["render_service"] = str(Path(render_service.__file__).parent)
+    return out
+
+
+_CHILD = """
+import json, sys, importlib.util
+sys.path.insert(0, sys.argv[1])
+spec = importlib.util.spec_from_file_location("derender_bench_child", sys.argv[2])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+print(json.dumps(bench.in_process_standalone(int(sys.argv[3]))))
+"""
+
+
+def compare_trees(baseline: Path, n: int, rounds: int) -> dict:
+    """This tree and ``baseline`` alternately, each round a fresh process per tree; the best of each wins."""
+    runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
+    for _ in range(rounds):
+        for name, tree in (("baseline", baseline), ("ours", ROOT)):
+            done = subprocess.run([sys.executable, "-c", _CHILD, str(tree), __file__, str(n)], check=True,
+                                  capture_output=True, text=True, cwd=str(tree))
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(name, runs[name][-1], flush=True)
+    keys = ("pipeline_us_per_token", "handler_us_per_chunk_incl_json", "args_heavy_pipeline_us_per_token")
+    best = {name: {k: min(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
+    return {"tokens": n, "rounds": rounds, "baseline_tree": str(baseline), "best": best,
+            "ratio_ours_over_baseline": {k: round(best["ours"][k] / best["baseline"][k], 3) for k in keys},
+            "runs": runs}
+
+
 def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     import msgspec
 
@@ -260,14 +343,7 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)
     pcfg = pipeline_config(config, msgspec.convert(chat, ChatCompletionRequest), request_id="inproc", choice_index=0)
     pipeline = Pipeline(config.tokenizer, pcfg)
-    best = float("inf")
-    for _ in range(3):
-        state = pipeline.initial_state(prompt_ids)
-        t0 = time.process_time()
-        for t in ids:
-            pipeline.feed(state, [t])
-        pipeline.finish(state)
-        best = min(best, time.process_time() - t0)
+    pipeline_cost = pipeline_us_per_token(pipeline, ids, prompt_ids)
     # the streaming derender handler without HTTP: decode request, restore state, feed, encode answer
     runtime = StreamRuntime()
     decoder = msgspec.json.Decoder(DerenderChatStreamRequest)
@@ -283,7 +359,7 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
         encoded = encoder.encode(out)
         state = out.stream_state
     handler = time.process_time() - t0
-    return {"tokens": len(ids), "pipeline_us_per_token": round(1e6 * best / len(ids), 2),
+    return {"tokens": len(ids), "pipeline_us_per_token": pipeline_cost,
             "handler_us_per_chunk_incl_json": round(1e6 * handler / len(ids), 2),
             "answer_bytes_last": len(encoded)}
 
@@ -336,11 +412,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-tokens", default="500,1000,2000", help='comma list; "" skips vLLM')
     ap.add_argument("--vllm-venv", default=str(ROOT / "bench/.peers/vllm"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/derender_bench.json"))
+    ap.add_argument("--baseline-tree", default=None,
+                    help="only compare in-process costs with this other checkout (e.g. main), alternately")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--vllm-from", default=None,
                     help="reuse the vLLM section of an earlier results file from this machine instead of re-running it")
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.tokens.split(",") if x]
     vllm_ns = [int(x) for x in a.vllm_tokens.split(",") if x]
+    if a.baseline_tree:
+        result = {"command": " ".join([sys.executable, "-m", "bench.derender_bench", *(argv or sys.argv[1:])]),
+                  "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                              "loadavg_at_start": os.getloadavg(),
+                              "note": "shared 2-core development machine; other sessions ran at the same time"},
+                  "parsers": "qwen3 + hermes", "chunking": "1 token per feed",
+                  "in_process_vs_baseline": compare_trees(Path(a.baseline_tree).resolve(), max(ns), a.rounds)}
+        result["machine"]["loadavg_at_end"] = os.getloadavg()
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["in_process_vs_baseline"]["ratio_ours_over_baseline"], indent=2))
+        return 0
 
     from render_service.bundle import load_bundle
 

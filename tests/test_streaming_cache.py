@@ -155,18 +155,22 @@ def test_state_written_by_vllm_is_continued_correctly():
     vllm_state = json.load(open(files[k]))["body"]["stream_state"]
     rt = StreamRuntime()
     state = vllm_state
+    ours_args = theirs_args = ""
     for i in range(k + 1, len(files)):
         ans = call(steps()[i], state, rt)
         want = json.load(open(files[i]))["body"]["chunk"]["choices"][0]
         got = ans["chunk"]["choices"][0]
         strip = lambda d: {kk: vv for kk, vv in d.items() if vv is not None and kk != "tool_calls"}
         assert strip(got["delta"]) == strip(want["delta"])
-        assert [tc["function"].get("arguments") for tc in got["delta"].get("tool_calls") or []] == \
-               [tc["function"].get("arguments") for tc in want["delta"].get("tool_calls") or []]
+        # arguments may lag vLLM's by the member head the guard holds (docs/tool_parsers.md), never lead
+        ours_args += "".join(tc["function"].get("arguments") or "" for tc in got["delta"].get("tool_calls") or [])
+        theirs_args += "".join(tc["function"].get("arguments") or "" for tc in want["delta"].get("tool_calls") or [])
+        assert theirs_args.startswith(ours_args) and len(theirs_args) - len(ours_args) <= len(', "city": ')
         assert got["finish_reason"] == want["finish_reason"]
         # vLLM's fields stay current, so a vLLM client can echo the answer unchanged (even to vLLM)
         assert ans["stream_state"]["output_token_ids"][-1] == steps()[i]["generate_chunk"]["choices"][0]["token_ids"][-1]
         state = ans["stream_state"]
+    assert ours_args == theirs_args
     # one replay for vLLM's state; after that our compact key (kept alongside) continues without the cache
     assert (rt.cache.misses, rt.cache.hits) == (1, 0)
 

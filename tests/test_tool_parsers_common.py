@@ -227,7 +227,7 @@ def test_forged_state_is_rejected_or_handled_never_crashes(name, cut, data):
 
 # a call opened up to the start of a long argument value, and a chunk of that value to repeat
 LONG_ARGUMENT = {
-    "hermes": ('<tool_call>\n{"name": "write_file", "arguments": {"content": "', 'x } { </tool_call> "" \\" 東 😀 '),
+    "hermes": ('<tool_call>\n{"name": "write_file", "arguments": {"content": "', 'x } { </tool_call> \\"\\" \\" 東 😀 '),
     "qwen3_coder": ("<tool_call>\n<function=write_file>\n<parameter=content>\n", "x } { </tool_call> </param \n 東 😀 "),
     "llama3_json": ('{"name": "write_file", "parameters": {"content": "', 'x } { ; \\" 東 😀 '),
     "mistral": ('[TOOL_CALLS]write_file{"content": "', 'x } { [TOOL_CALLS] \\" 東 😀 '),

@@ -25,10 +25,11 @@ def test_v_t30_multi_line_arguments_are_kept_raw():
     assert r.calls == [{"name": "get_weather", "arguments": '{\n  "city": "Tokyo"\n}', "id": None}]
 
 
-def test_two_calls_and_text_after_section_is_dropped():
+def test_two_calls_and_text_after_section_is_content():
+    # issue 16 item 3: the whitespace right after the section is layout, the text is the model's
     r = parse("deepseek_v31", f"{B}{CB}a{SEP}{{}}{CE}\n{CB}b{SEP}{{\"x\": 1}}{CE}{E} done")
     assert names_of(r) == ["a", "b"] and args_of(r) == [{}, {"x": 1}]
-    assert r.content is None
+    assert r.content == "done"
 
 
 def test_empty_arguments_become_empty_object():
@@ -39,8 +40,38 @@ def test_call_without_section_marker_still_parses():
     assert names_of(parse("deepseek_v31", f"{CB}get_time{SEP}{{}}{CE}")) == ["get_time"]
 
 
-def test_truncated_arguments_keep_streamed_prefix():
-    assert parse("deepseek_v31", f'{B}{CB}get_weather{SEP}{{"city": "To').calls[0]["arguments"] == '{"city": "To'
+def test_truncated_arguments_are_closed():
+    assert parse("deepseek_v31", f'{B}{CB}get_weather{SEP}{{"city": "To').calls[0]["arguments"] == '{"city": "To"}'
+
+
+# --- issue 16 item 7: an unparsable block never disappears ---------------------------------------------
+
+
+def test_arguments_that_are_not_an_object_give_empty_arguments_and_content():
+    # the name went out at the separator and is never taken back: {} and the model's text as content
+    r = parse("deepseek_v31", f"Sure.{B}{CB}get_weather{SEP}[1, 2]{CE}{E}")
+    assert names_of(r) == ["get_weather"] and args_of(r) == [{}] and r.content == "Sure.[1, 2]"
+
+
+def test_a_block_that_is_not_a_call_is_content_with_its_markers():
+    for bad in (f"{CB}get_weather{CE}", f"{CB}get weather{{oops{CE}"):
+        text = f"Sure.{B}{bad}{E}"
+        r = parse("deepseek_v31", text)
+        assert r.calls == [] and r.content == "Sure." + bad, bad
+        assert parse_chunks("deepseek_v31", list(text)) == r
+
+
+def test_a_section_with_only_prose_keeps_the_prose():
+    # the case where the whole output used to vanish (content null)
+    r = parse("deepseek_v31", f"{B}I cannot call a tool for that.")
+    assert r.calls == [] and r.content == "I cannot call a tool for that."
+    r = parse("deepseek_v31", f"{B}no call here{E} ok")
+    assert r.content == "no call hereok"
+
+
+def test_broken_arguments_close_and_the_rest_is_content():
+    r = parse("deepseek_v31", f'{B}{CB}get_weather{SEP}{{"city": "Tokyo", oops}}{CE}{E}')
+    assert args_of(r) == [{"city": "Tokyo"}] and r.content == "oops}"
 
 
 def test_partial_marker_at_end_is_content():

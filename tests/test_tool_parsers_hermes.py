@@ -112,9 +112,25 @@ def test_v_t11_arguments_serialised_as_a_string_are_decoded_once():
         assert parse_chunks("hermes", [text[:i], text[i:]]) == r
 
 
-def test_string_arguments_that_are_not_json_stay_a_json_string():
-    text = '<tool_call>\n{"name": "send", "arguments": "hello"}\n</tool_call>'
-    assert parse("hermes", text).calls[0]["arguments"] == '"hello"'
+def test_arguments_that_are_not_an_object_give_empty_arguments_and_content():
+    # issue 16: never hand out arguments that are not a JSON object. The name went out when it was complete
+    # (vLLM's chunking) and is never taken back: the call gets {} and the model's value is content.
+    for args, content in (('"hello"', '"hello"'), ("[1, 2]", "[1, 2]"), ("42", "42")):
+        text = f'<tool_call>\n{{"name": "send", "arguments": {args}}}\n</tool_call>'
+        r = parse("hermes", text)
+        assert names_of(r) == ["send"] and args_of(r) == [{}] and r.content == content
+        assert parse_chunks("hermes", list(text)) == r
+
+
+def test_string_arguments_that_look_like_json_but_are_not_stay_valid():
+    # issue 16 item 5: "{hello world}" / "[oops" used to be emitted verbatim (invalid JSON)
+    r = parse("hermes", '<tool_call>\n{"name": "send", "arguments": "{hello world}"}\n</tool_call>')
+    assert names_of(r) == ["send"] and args_of(r) == [{}]
+    assert r.content == "hello world}"  # what could not be arguments is content, not lost
+    r = parse("hermes", '<tool_call>\n{"name": "send", "arguments": "[oops"}\n</tool_call>')
+    assert args_of(r) == [{}] and r.content == '"[oops"'
+    r = parse("hermes", '<tool_call>\n{"name": "send", "arguments": "{\\"text\\": \\"hi\\"}"}\n</tool_call>')
+    assert args_of(r) == [{"text": "hi"}]  # a string holding an object is still decoded once (V-T11)
 
 
 def test_v_t12_whitespace_before_the_call_is_content():
@@ -123,9 +139,12 @@ def test_v_t12_whitespace_before_the_call_is_content():
     assert r.content == "\n\n" and args_of(r) == [{"city": "Paris"}]
 
 
-def test_v_c04_text_after_a_complete_call_is_not_content():
+def test_v_c04_text_after_a_complete_call_is_content():
+    # issue 16 item 3: nothing the model wrote is lost; the whitespace right after a call is layout
     r = parse("hermes", V_T01 + "\nAlso")
-    assert r.content is None and args_of(r) == [{"city": "Paris"}]
+    assert r.content == "Also" and args_of(r) == [{"city": "Paris"}]
+    r = parse("hermes", "A " + V_T01 + "\n between \n" + V_T01 + "\n")
+    assert r.content == "A between \n" and len(r.calls) == 2
 
 
 def test_call_without_arguments_gets_empty_object():
@@ -161,10 +180,14 @@ def test_truncated_before_name_flushes_raw_text_as_content():
     assert r.content == text and r.calls == []
 
 
-def test_truncated_inside_arguments_keeps_streamed_prefix_and_invents_nothing():
+def test_truncated_inside_arguments_is_closed():
+    # issue 16: a call cut by max_tokens still ends with a JSON object (the open string and object closed)
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     r = parse("hermes", text)
-    assert r.calls == [{"name": "get_weather", "arguments": '{"city": "Par', "id": None}]
+    assert r.calls == [{"name": "get_weather", "arguments": '{"city": "Par"}', "id": None}]
+    # a member cut before its value: the object closes without it, the model's text is content
+    r = parse("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "da')
+    assert args_of(r) == [{"city": "Paris"}] and r.content == ', "da'
 
 
 def test_partial_start_tag_at_the_end_is_released_as_content():

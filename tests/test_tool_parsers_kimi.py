@@ -7,6 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from render_service.parsers.base import ToolParserConfig, ToolSpec
 from tests.test_tool_parsers_common import (
     ARG_TEXT,
     args_of,
@@ -78,3 +79,31 @@ def test_property_random_splits_give_the_same_calls_as_one_feed(calls, prefix, c
     whole = assert_split_invariant("kimi_k2", text, cuts)
     assert args_of(whole) == calls and whole.content == (prefix or None)
     assert [c["id"] for c in whole.calls] == [f"functions.f{i}:{i}" for i in range(len(calls))]
+
+
+# --- issue 16 item 4: ids that are not functions.NAME:IDX -------------------------------------------------
+
+ONE_TOOL = ToolParserConfig(tools=[ToolSpec(name="get_weather", parameters={"type": "object"})])
+TWO_TOOLS = ToolParserConfig(tools=[ToolSpec(name="get_weather"), ToolSpec(name="get_time")])
+
+
+def _call(call_id: str) -> str:
+    return f'{SB}{CB}{call_id}{AB}{{"city": "Oslo"}}{CE}{SE}'
+
+
+def test_a_bare_counter_takes_the_only_tools_name():
+    r = parse("kimi_k2", _call("0"), ONE_TOOL)
+    assert r.calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}', "id": "functions.get_weather:0"}]
+
+
+def test_a_malformed_id_naming_a_declared_tool_takes_that_name():
+    r = parse("kimi_k2", _call("functions.get_time.0"), TWO_TOOLS)
+    assert names_of(r) == ["get_time"] and r.calls[0]["id"] == "functions.get_time:0"
+
+
+def test_an_ambiguous_id_is_content_never_a_call_named_0():
+    for call_id, tools in (("0", TWO_TOOLS), ("functions.x.0", TWO_TOOLS), ("functions.x.0", ONE_TOOL)):
+        text = "Hi " + _call(call_id)
+        r = parse("kimi_k2", text, tools)
+        assert r.calls == [], call_id
+        assert r.content == f'Hi {CB}{call_id}{AB}{{"city": "Oslo"}}{CE}'

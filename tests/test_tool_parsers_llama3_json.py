@@ -46,9 +46,20 @@ def test_json_answer_without_name_is_content():
     assert parse("llama3_json", text).content == text
 
 
-def test_text_after_the_calls_is_dropped():
+def test_text_after_the_calls_is_content():
+    # issue 16 item 3: the whitespace right after a call is layout, the prose is the model's
     r = parse("llama3_json", '{"name": "get_time", "parameters": {}} and then some prose')
-    assert r.content is None and names_of(r) == ["get_time"]
+    assert r.content == "and then some prose" and names_of(r) == ["get_time"]
+
+
+def test_malformed_arguments_close_and_the_rest_is_content():
+    # issue 16 item 8: the stream used to end with arguments that do not parse
+    text = '{"name": "get_weather", "parameters": {"city": "Paris", oops}} more'
+    r = parse("llama3_json", text)
+    assert args_of(r) == [{"city": "Paris"}] and r.content == "oops}} more"
+    assert parse_chunks("llama3_json", list(text)) == r
+    r = parse("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par')
+    assert args_of(r) == [{"city": "Par"}]
 
 
 def test_truncated_before_the_name_is_content():

@@ -32,8 +32,8 @@ def test_nested_literals_none_tuples_and_negative_numbers():
 
 
 def test_string_escapes_decode_to_json_and_stream_before_the_quote_closes():
-    pieces = run_pieces("pythonic", ["[send(text='東京 \\'q\\' \\n \\x41\\u00e9\\N{BULLET}", " more"])
-    streamed = "".join(p.arguments or "" for p in pieces)
+    pieces = run_pieces("pythonic", ["[send(text='東京 \\'q\\' \\n \\x41\\u00e9\\N{BULLET}", " more"])[:-1]
+    streamed = "".join(p.arguments or "" for p in pieces)  # before finish closes the cut call
     assert streamed == '{"text": "東京 \'q\' \\n Aé• more'
 
 
@@ -53,14 +53,36 @@ def test_leading_text_means_content():
     assert parse("pythonic", text).content == text
 
 
-def test_text_after_the_list_is_dropped():
+def test_text_after_the_list_is_content():
+    # issue 16 item 3: the whitespace right after the list is layout, the rest is the model's
     r = parse("pythonic", "[get_time()] and more")
-    assert r.content is None and names_of(r) == ["get_time"]
+    assert r.content == "and more" and names_of(r) == ["get_time"]
 
 
-def test_positional_arguments_stop_the_call_after_its_name():
-    r = parse("pythonic", "[f(1, 2)]")
-    assert names_of(r) == ["f"] and r.calls[0]["arguments"] == ""
+def test_positional_arguments_close_the_call_and_the_rest_is_content():
+    r = parse("pythonic", "[f(a=1, 2)]")
+    assert names_of(r) == ["f"] and args_of(r) == [{"a": 1}] and r.content == "2)]"
+
+
+# --- issue 16 item 6 -------------------------------------------------------------------------------------
+
+
+def test_non_finite_numbers_are_kept_as_text_not_infinity():
+    r = parse("pythonic", "[f(big=1e999, neg=-1e999, ok=1.5)]")
+    assert r.calls[0]["arguments"] == '{"big": "1e999", "neg": "-1e999", "ok": 1.5}'
+    assert args_of(r) == [{"big": "1e999", "neg": "-1e999", "ok": 1.5}]  # strict JSON: no Infinity
+
+
+def test_a_bytes_literal_does_not_drop_the_calls_after_it():
+    r = parse("pythonic", "[f(data=b'\\x00ab', tags={1, 2}), g(x=1)]")
+    assert names_of(r) == ["f", "g"]
+    assert args_of(r) == [{"data": "b'\\x00ab'", "tags": "{1, 2}"}, {"x": 1}]
+
+
+def test_a_call_cut_by_max_tokens_is_closed():
+    for text, args in (("[f(a='abc", {"a": "abc"}), ("[f(a=[1, 2", {"a": "[1, 2"}), ("[f(a=1, b=", {"a": 1}),
+                       ("[f(a=12", {"a": 12}), ("[f(", {})):
+        assert args_of(parse("pythonic", text)) == [args], text
 
 
 def test_python_string_safe_end_never_splits_an_escape():

@@ -1,14 +1,30 @@
 """A tool call written as a JSON object, ``{"name": "f", "arguments": {...}}`` (hermes, llama3_json, mistral
-pre-v11), read incrementally: the name is held until complete, the arguments stream as the model's raw text.
+pre-v11), read incrementally.
+
+The name is announced as soon as it is complete (vLLM's chunking). The arguments then stream as the model's
+raw text through ``json_guard``, which keeps them valid JSON; a string holding the object
+(``"arguments": "{\\"a\\": 1}"``) is decoded once and guarded the same way. Arguments that are not an
+object (a list, a number, a plain string) cannot be a call's arguments: the call gets ``{}`` and their text
+goes to content. Other members of the envelope (``"id": ...``) are the model's text too: content.
 """
 
 from __future__ import annotations
 
 import re
 from enum import IntEnum
+from typing import cast
 
 import msgspec
 
+from render_service.parsers.json_guard import (
+    GUARD_DONE,
+    GUARD_ERROR,
+    GUARD_MORE,
+    ArgsGuard,
+    GuardStatus,
+    close_guard,
+    feed_guard,
+)
 from render_service.parsers.json_scan import JsonScan, decode_json_string_body, json_string_safe_end, scan_json_value
 from render_service.parsers.tools_common import MAX_NAME_CHARS, WHITESPACE, PieceSink
 
@@ -26,15 +42,16 @@ class CallPhase(IntEnum):
     ARGS_STR_PEEK = 7
     ARGS_STR_DECODE = 8
     SKIP = 9
+    ARGS_STR_REST = 10  # the rest of an arguments string after its object ended or broke: content
 
 
 (
-    OBJ_START, KEY_OR_END, KEY, COLON, VALUE_START, NAME, ARGS, ARGS_STR_PEEK, ARGS_STR_DECODE, SKIP
+    OBJ_START, KEY_OR_END, KEY, COLON, VALUE_START, NAME, ARGS, ARGS_STR_PEEK, ARGS_STR_DECODE, SKIP, ARGS_STR_REST
 ) = CallPhase  # module-level names: the hot loops compare against globals
 
-# feed_call_object outcomes
+
 class CallOutcome(IntEnum):
-    """What feed_call_object reports (never serialized). Travels in stream_state as its int."""
+    """What feed_call_object reports (never serialized)."""
 
     MORE = 0
     DONE = 1
@@ -45,20 +62,31 @@ class CallOutcome(IntEnum):
 MORE, DONE, MALFORMED, ANGLE = CallOutcome  # module-level names: the hot loops compare against globals
 
 MAX_KEY_CHARS = 64
+# Text held while a call is not announced yet (arguments written before the name, envelope members): beyond
+# this the object is not treated as a call.
+MAX_UNANNOUNCED = 8192
 _UNESCAPED_QUOTE = re.compile(r'["\\]')
 
 
-class CallObject(msgspec.Struct):
-    """Progress through one call object. The arguments value is streamed as the model's raw text; only the
-    name (and arguments that arrive before the name, which is rare) is held."""
-
+class CallObject(msgspec.Struct, omit_defaults=True):
     phase: CallPhase = OBJ_START
     value_key: str = ""
+    name: str = ""  # read, not necessarily announced
     name_emitted: bool = False
     args_started: bool = False
-    pending_args: str = ""
+    pending_args: str = ""  # guarded arguments written before the name
+    held_content: str = ""  # envelope members read before the call was announced
     str_hold: str = ""
-    scan: JsonScan = msgspec.field(default_factory=JsonScan)
+    scan: JsonScan | None = None  # an envelope member being skipped
+    guard: ArgsGuard | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.pending_args) + len(self.held_content) > MAX_UNANNOUNCED + 2048 or len(self.str_hold) > 16:
+            raise ValueError("inconsistent call object state")
+        if self.name_emitted != bool(self.name):
+            raise ValueError("inconsistent call object state: a name exactly when announced")
+        if (self.phase in (ARGS, ARGS_STR_DECODE)) and self.guard is None:
+            raise ValueError("inconsistent call object state: arguments without their guard")
 
 
 def _read_string(buf: str, pos: int, end: int) -> int:
@@ -76,14 +104,84 @@ def _read_string(buf: str, pos: int, end: int) -> int:
             return -1
 
 
+def _announce(obj: CallObject, sink: PieceSink, index: int) -> None:
+    obj.name_emitted = True
+    sink.name(index, obj.name)
+    if obj.pending_args:
+        sink.arguments(index, obj.pending_args)
+        obj.pending_args = ""
+    if obj.held_content:
+        sink.content(obj.held_content)
+        obj.held_content = ""
+
+
 def _emit_args(obj: CallObject, sink: PieceSink, index: int, text: str) -> None:
     if not text:
         return
-    obj.args_started = True
     if obj.name_emitted:
         sink.arguments(index, text)
     else:
         obj.pending_args += text
+
+
+def _emit_content(obj: CallObject, sink: PieceSink, text: str) -> None:
+    if not text:
+        return
+    if obj.name_emitted:
+        sink.content(text)
+    else:
+        obj.held_content += text
+
+
+def _start_args(obj: CallObject) -> None:
+    obj.args_started = True
+    obj.guard = ArgsGuard()
+
+
+def _not_object_args(obj: CallObject, sink: PieceSink, index: int, quote: str) -> None:
+    """Arguments that are not an object: the call gets ``{}``, the value (skipped as JSON) goes to content."""
+    obj.args_started = True
+    _emit_args(obj, sink, index, "{}")
+    obj.scan = JsonScan(started=True, in_string=True) if quote else JsonScan()
+    _emit_content(obj, sink, quote)
+    obj.phase = SKIP
+
+
+def _guard_args(
+    obj: CallObject, sink: PieceSink, index: int, text: str, pos: int, end: int
+) -> tuple[int, GuardStatus]:
+    """Feed arguments text through the guard; (position, guard status). A broken object is closed."""
+    stop, emitted, status = feed_guard(cast(ArgsGuard, obj.guard), text, pos, end)
+    _emit_args(obj, sink, index, emitted)
+    if status == GUARD_ERROR:
+        _close_args(obj, sink, index)
+    return stop, status
+
+
+def _close_args(obj: CallObject, sink: PieceSink, index: int) -> None:
+    if obj.guard is None:
+        return
+    closing, dropped = close_guard(obj.guard)
+    _emit_args(obj, sink, index, closing)
+    _emit_content(obj, sink, dropped)
+    obj.guard = None
+
+
+def unannounced_size(obj: CallObject) -> int:
+    return len(obj.pending_args) + len(obj.held_content)
+
+
+def finish_call_object(obj: CallObject, sink: PieceSink, index: int) -> bool:
+    """The object ends here (the output ended, a closing tag, a syntax error). Completes the announced call's
+    arguments: an open object is closed, arguments that never began are ``{}``. Returns False when there is no
+    call (no name was read: the caller returns the object's text as content)."""
+    if not obj.name_emitted:
+        return False
+    if not obj.args_started:
+        obj.args_started = True
+        sink.arguments(index, "{}")
+    _close_args(obj, sink, index)
+    return True
 
 
 def feed_call_object(
@@ -100,9 +198,11 @@ def feed_call_object(
 
     MORE: everything up to ``end`` consumed except a short suffix the caller must hold back and feed again
     (returned position < end only when a key or name string is unfinished: those are re-read whole).
-    DONE: the object closed just before the returned position. MALFORMED: the text at the returned position
-    cannot continue a call object. ANGLE: a ``<`` outside any string at the returned position (the caller
-    decides whether it starts a tag; if not, it feeds that one character again with stop_at_angle False).
+    DONE: the object closed just before the returned position (announced: ``obj.name_emitted``; an object
+    without a name is not a call). MALFORMED: the text at the returned position cannot continue the object;
+    if the call was announced its arguments are already closed. ANGLE: a ``<`` outside any string in the
+    envelope at the returned position (the caller decides whether it starts a tag; if not, it feeds that one
+    character again with stop_at_angle False).
     """
     i = pos
     while i < end:
@@ -123,7 +223,8 @@ def feed_call_object(
             elif phase == KEY_OR_END:
                 if c == "}":
                     if obj.name_emitted and not obj.args_started:
-                        _emit_args(obj, sink, index, "{}")
+                        obj.args_started = True
+                        sink.arguments(index, "{}")
                     return i + 1, DONE
                 if c != '"':
                     return i, MALFORMED
@@ -131,26 +232,32 @@ def feed_call_object(
                 i += 1
             elif phase == COLON:
                 if c != ":":
+                    _emit_content(obj, sink, f'"{obj.value_key}"')  # a key without its value: the model's text
                     return i, MALFORMED
                 obj.phase = VALUE_START
                 i += 1
             else:
                 key = obj.value_key
-                if key == "name":
-                    if c != '"' or obj.name_emitted:
+                if key == "name" and not obj.name:
+                    if c != '"':
                         return i, MALFORMED
                     obj.phase = NAME
                     i += 1
                 elif key in arg_keys and not obj.args_started:
-                    obj.scan = JsonScan()
                     if c == '"':
                         obj.phase = ARGS_STR_PEEK
                         i += 1
-                    else:
+                    elif c == "{":
+                        _start_args(obj)
                         obj.phase = ARGS
+                    elif obj.name_emitted:
+                        _not_object_args(obj, sink, index, "")
+                    else:
+                        return i, MALFORMED  # non-object arguments before any name: not a call
                 else:
                     obj.scan = JsonScan()
                     obj.phase = SKIP
+                    _emit_content(obj, sink, f'"{key}": ')
         elif phase == KEY or phase == NAME:
             q = _read_string(buf, i, end)
             if q == -1:
@@ -168,32 +275,52 @@ def feed_call_object(
                     name = decode_json_string_body(raw)
                 except ValueError:
                     return q, MALFORMED
-                if not name or len(name) > MAX_NAME_CHARS:
+                if not name.strip() or len(name) > MAX_NAME_CHARS:
                     return q, MALFORMED
-                obj.name_emitted = True
-                sink.name(index, name)
-                if obj.pending_args:
-                    sink.arguments(index, obj.pending_args)
-                    obj.pending_args = ""
+                obj.name = name
+                _announce(obj, sink, index)
                 obj.phase = KEY_OR_END
-        elif phase == ARGS or phase == SKIP:
-            stop = scan_json_value(obj.scan, buf, i, end, stop_at_angle)
-            if phase == ARGS:
-                _emit_args(obj, sink, index, buf[i:stop])
+        elif phase == ARGS:
+            stop, emitted, status = feed_guard(cast(ArgsGuard, obj.guard), buf, i, end)  # set with the phase
+            if emitted:
+                if obj.name_emitted:
+                    sink.arguments(index, emitted)
+                else:
+                    obj.pending_args += emitted
+            if status == GUARD_ERROR:
+                _close_args(obj, sink, index)
             i = stop
-            if obj.scan.done:
+            if status == GUARD_DONE:
+                obj.guard = None
+                obj.phase = KEY_OR_END
+            elif status == GUARD_ERROR:
+                return i, MALFORMED
+        elif phase == SKIP:
+            scan = obj.scan if obj.scan is not None else JsonScan()
+            obj.scan = scan
+            stop = scan_json_value(scan, buf, i, end, stop_at_angle)
+            _emit_content(obj, sink, buf[i:stop])
+            i = stop
+            if scan.done:
+                obj.scan = None
                 obj.phase = KEY_OR_END
             elif i < end:
                 return i, ANGLE
         elif phase == ARGS_STR_PEEK:
-            if buf[i] in "{[":
+            if buf[i] == "{":
+                _start_args(obj)
                 obj.phase = ARGS_STR_DECODE
+            elif buf[i] == '"':
+                # "arguments": "" is a call without arguments
+                obj.args_started = True
+                _emit_args(obj, sink, index, "{}")
+                obj.phase = KEY_OR_END
+                i += 1
+            elif obj.name_emitted:
+                _not_object_args(obj, sink, index, '"')  # a plain string: its text is content
             else:
-                # a plain string stays what it is: its raw JSON text, quotes included
-                _emit_args(obj, sink, index, '"')
-                obj.scan = JsonScan(started=True, in_string=True)
-                obj.phase = ARGS
-        else:  # ARGS_STR_DECODE: arguments serialised as a string holding JSON are decoded once
+                return i, MALFORMED
+        else:  # ARGS_STR_DECODE / ARGS_STR_REST: arguments serialised as a string holding JSON, decoded once
             held = obj.str_hold
             text = held + buf[i:end]
             q = _read_string(text, 0, len(text))
@@ -204,9 +331,21 @@ def feed_call_object(
             else:
                 body, obj.str_hold = text[:q], ""
                 i = i + (q - len(held)) + 1
-                obj.phase = KEY_OR_END
             try:
-                _emit_args(obj, sink, index, decode_json_string_body(body))
+                decoded = decode_json_string_body(body)
             except ValueError:
-                return i, MALFORMED
+                decoded = body  # an invalid escape: the text as written
+            if phase == ARGS_STR_REST:
+                _emit_content(obj, sink, decoded)
+            else:
+                stop, status = _guard_args(obj, sink, index, decoded, 0, len(decoded))
+                if status != GUARD_MORE:
+                    if status == GUARD_DONE:
+                        obj.guard = None
+                    _emit_content(obj, sink, decoded[stop:])
+                    obj.phase = ARGS_STR_REST
+            if q != -1:
+                if obj.phase == ARGS_STR_DECODE:
+                    _close_args(obj, sink, index)  # the string ended before its object did
+                obj.phase = KEY_OR_END
     return end, MORE

@@ -127,8 +127,10 @@ def tool_call_id(request_id: str, choice_index: int, call_index: int, style: str
 def native_forced_tool_choice(tool_parser: str | None, tool_choice: str) -> bool:
     """Whether "required" / named tool choice is written in the model's own call syntax (render ended the
     prompt with the call's opening, ``forced_call_prefix``) instead of grammar-constrained JSON."""
-    return tool_choice in ("required", "named") and tool_parser is not None and hasattr(
-        get_tool_parser(tool_parser), "forced_call_prefix")
+    if tool_choice not in ("required", "named") or tool_parser is None:
+        return False
+    cls = get_tool_parser(tool_parser)
+    return hasattr(cls, "forced_call_prefix") and getattr(cls, "native_forced_choice", True)
 
 
 def call_id_style(tool_parser: str | None) -> str:

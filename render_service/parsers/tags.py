@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 from render_service.parsers.tools_common import WHITESPACE
 
@@ -43,6 +44,15 @@ def skip_whitespace(buf: str, pos: int) -> int:
     n = len(buf)
     while pos < n and buf[pos] in WHITESPACE:
         pos += 1
+    return pos
+
+
+def skip_layout(state: Any, buf: str, pos: int) -> int:
+    """Right after a call, whitespace is layout: skip it; ``state.after_call`` clears at the first other
+    character (so a chunk of only whitespace keeps skipping)."""
+    pos = skip_whitespace(buf, pos)
+    if pos < len(buf):
+        state.after_call = False
     return pos
 
 

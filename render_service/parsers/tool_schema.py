@@ -135,16 +135,16 @@ def _as_bool(text: str) -> bool:
     raise ValueError(text)
 
 
-def _finite(value: Any, depth: int = 0) -> bool:
+def json_safe(value: Any, depth: int = 0) -> bool:
     """True when json.dumps gives strict JSON (no NaN/Infinity), so arguments always parse."""
     if isinstance(value, float):
         return math.isfinite(value)
     if depth > 64:
         return False
     if isinstance(value, dict):
-        return all(isinstance(k, str) and _finite(v, depth + 1) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_finite(v, depth + 1) for v in value)
+        return all(isinstance(k, str) and json_safe(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):  # a Python literal's tuple serialises as a JSON array
+        return all(json_safe(v, depth + 1) for v in value)
     return value is None or isinstance(value, (str, int, bool))
 
 
@@ -166,7 +166,7 @@ def _literals(text: str) -> Iterator[Any]:
 
 def _as_structured(text: str, want: type) -> Any:
     for value in _literals(text):
-        if isinstance(value, want) and _finite(value):
+        if isinstance(value, want) and json_safe(value):
             return value
     raise ValueError(text)
 
@@ -210,6 +210,6 @@ def convert(text: str, types: frozenset[str] | None, undeclared: str = "string")
 
 def _any_literal(text: str) -> Any:
     for value in _literals(text.strip()):
-        if _finite(value):
+        if json_safe(value):
             return value
     return text

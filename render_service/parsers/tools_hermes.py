@@ -1,9 +1,12 @@
 """hermes: ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` per call (Qwen2.5, Qwen3, Hermes).
 
-Streaming follows vLLM's current hermes parser: content is the text before the first call; the name goes out
-once it is complete; arguments stream as the model's raw text after ``"arguments":``, delimited by
-string-aware brace matching, so a ``</tool_call>`` or a brace inside a string value does not end the call.
-Text between and after calls is not content. See docs/tool_parsers.md for where batch differs from vLLM.
+Streaming follows vLLM's current hermes parser where it can: the name goes out once complete (and once the
+arguments are known to be an object), arguments stream as the model's raw text after ``"arguments":``,
+delimited by string-aware brace matching, so a ``</tool_call>`` or a brace inside a string value does not end
+the call. Unlike vLLM, the arguments are guarded (``json_guard``: always a JSON object at the end) and nothing
+the model wrote is dropped: text before, between and after calls is content (whitespace right after a call is
+layout), a block that is not a call is content, text inside a call after its object is content. See
+docs/tool_parsers.md.
 """
 
 from __future__ import annotations
@@ -14,16 +17,27 @@ from typing import ClassVar, cast
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.call_object import DONE, MALFORMED, MORE, OBJ_START, CallObject, feed_call_object
-from render_service.parsers.tags import find_tag, is_partial_tag
+from render_service.parsers.call_object import (
+    DONE,
+    MALFORMED,
+    MAX_UNANNOUNCED,
+    MORE,
+    OBJ_START,
+    CallObject,
+    feed_call_object,
+    finish_call_object,
+)
+from render_service.parsers.tags import find_tag, is_partial_tag, skip_layout, skip_whitespace
 from render_service.parsers.tools_common import Count, HeldTextToolParser, PieceSink, require
 
 START = "<tool_call>"
 END = "</tool_call>"
 ARG_KEYS = ("arguments", "parameters")
 
+
 class HermesMode(IntEnum):
-    """Where a hermes stream is: plain content, inside a <tool_call>, or just past one (in stream_state: its int)."""
+    """Where a hermes stream is: plain content, inside a <tool_call>, or inside one past its object (in
+    stream_state: its int)."""
 
     CONTENT = 0
     CALL = 1
@@ -33,18 +47,21 @@ class HermesMode(IntEnum):
 CONTENT, CALL, AFTER_CALL = HermesMode  # module-level names: the hot loops compare against globals
 
 
-class HermesState(msgspec.Struct):
+class HermesState(msgspec.Struct, omit_defaults=True):
     mode: HermesMode = CONTENT
     held: str = ""
-    # calls whose name went out; also the index of the call in progress
+    # calls announced so far; also the index of the call in progress
     calls: Count = 0
-    # the current call's text since its start tag, kept only until its name is known so that a call that
-    # turns out malformed before anything was emitted can still be returned as content
+    # the current call's text since its start tag, kept only until the call is announced so that a block
+    # that turns out not to be a call can still be returned as content
     raw: str = ""
     call: CallObject | None = None
+    after_call: bool = False  # whitespace right after a call is layout
+    stray: bool = False  # inside text that follows a call's object within its tags (content up to the tag)
 
     def __post_init__(self) -> None:
         require((self.mode == CALL) == (self.call is not None), "a call object exactly while in a call")
+        require(len(self.raw) <= MAX_UNANNOUNCED + 4096, "unannounced call text within bounds")
 
 
 class HermesToolParser(HeldTextToolParser):
@@ -53,16 +70,19 @@ class HermesToolParser(HeldTextToolParser):
 
     def finish(self, state: HermesState) -> list[Piece]:
         sink = PieceSink()
-        if state.mode == CONTENT:
-            if state.calls == 0:
+        if state.mode == CALL:
+            call = cast(CallObject, state.call)
+            if finish_call_object(call, sink, state.calls):
+                state.calls += 1
                 sink.content(state.held)
-        elif state.mode == CALL and state.call is not None and not state.call.name_emitted:
-            self._release(state, sink, state.held)
-        # A call cut off after its name keeps what was streamed: we never invent closing braces.
+            else:
+                sink.content(state.raw + state.held)
+        else:
+            sink.content(state.held)
         state.held = ""
         state.raw = ""
         state.call = None
-        state.mode = AFTER_CALL if state.calls else CONTENT
+        state.mode = CONTENT
         return sink.pieces
 
     # -----------------------------------------------------------------------------------------------------
@@ -72,16 +92,16 @@ class HermesToolParser(HeldTextToolParser):
         state.raw = START
         state.call = CallObject()
 
-    def _end_call(self, state: HermesState, next_mode: HermesMode) -> None:
+    def _end_call(self, state: HermesState) -> None:
         state.calls += 1
-        state.mode = next_mode
+        state.mode = AFTER_CALL
+        state.stray = False
         state.raw = ""
         state.call = None
 
-    def _release(self, state: HermesState, sink: PieceSink, extra: str = "") -> None:
-        """A call that never got a name is not a call: its text is content (if content is still open)."""
-        if state.calls == 0:
-            sink.content(state.raw + extra)
+    def _release(self, state: HermesState, sink: PieceSink) -> None:
+        """A block that is not a call: its text is content, and scanning goes on from here."""
+        sink.content(state.raw)
         state.mode = CONTENT
         state.raw = ""
         state.call = None
@@ -90,25 +110,38 @@ class HermesToolParser(HeldTextToolParser):
         pos, n = 0, len(buf)
         literal_angle = False
         while pos < n:
-            if state.mode == CONTENT:
+            mode = state.mode
+            if mode == CONTENT:
+                if state.after_call:
+                    pos = skip_layout(state, buf, pos)
+                    if pos >= n:
+                        return
                 at, tag = find_tag(buf, pos, (START,))
-                if state.calls == 0:
-                    sink.content(buf[pos:at])
+                sink.content(buf[pos:at])
                 if tag is None:
                     state.held = buf[at:]
                     return
                 pos = at + len(START)
                 self._start_call(state)
-            elif state.mode == AFTER_CALL:
+            elif mode == AFTER_CALL:
+                if not state.stray:
+                    pos = skip_whitespace(buf, pos)
+                    if pos >= n:
+                        return
                 at, tag = find_tag(buf, pos, (END, START))
+                if at > pos:
+                    sink.content(buf[pos:at])  # the model's text after the object, inside the call's tags
+                    state.stray = True
                 if tag is None:
                     state.held = buf[at:]
                     return
                 pos = at + len(tag)
+                state.stray = False
                 if tag == START:
                     self._start_call(state)
                 else:
                     state.mode = CONTENT
+                    state.after_call = True
             else:
                 call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
                 end = pos + 1 if literal_angle else n
@@ -118,14 +151,15 @@ class HermesToolParser(HeldTextToolParser):
                 literal_angle = False
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop
-                if outcome == MORE:
+                if not call.name_emitted and len(state.raw) > MAX_UNANNOUNCED:
+                    self._release(state, sink)  # too long to still be a call's envelope
+                elif outcome == MORE:
                     if stop < end:
                         state.held = buf[pos:]
                         return
                 elif outcome in (DONE, MALFORMED):
-                    # after the object (or where it broke) only a closing or next opening tag matters
-                    if call.name_emitted:
-                        self._end_call(state, AFTER_CALL)
+                    if finish_call_object(call, sink, state.calls):  # completes a call that broke off
+                        self._end_call(state)
                     else:
                         self._release(state, sink)
                 # ANGLE: a "<" outside any string; is it a tag?
@@ -134,11 +168,9 @@ class HermesToolParser(HeldTextToolParser):
                     state.raw += START
                     pos += len(START)
                 elif buf.startswith(END, pos) or buf.startswith(START, pos):
-                    # the call ends here, complete or not; an unnamed one is content
-                    if call.name_emitted:
-                        self._end_call(state, CONTENT)
-                        if buf.startswith(END, pos):
-                            pos += len(END)
+                    # the call ends here, complete or not
+                    if finish_call_object(call, sink, state.calls):
+                        self._end_call(state)
                     else:
                         self._release(state, sink)
                 elif is_partial_tag(buf[pos:], (END, START)):

@@ -3,7 +3,8 @@ several calls separated by ``;``.
 
 Tool mode is decided by the start of the output, as vLLM's streaming parser does: an output that begins with
 ``{`` or ``<|python_tag|>`` (leading whitespace allowed) is calls, anything else is content. Arguments stream
-as the model's raw text. Text after the calls is dropped.
+as the model's raw text, guarded (``json_guard``) so they always end as a JSON object. Text after the calls
+(and after a call that broke off) is content: nothing the model wrote is dropped.
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ from typing import ClassVar, cast
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.call_object import DONE, MALFORMED, MORE, CallObject, feed_call_object
+from render_service.parsers.call_object import (
+    DONE,
+    MAX_UNANNOUNCED,
+    MORE,
+    CallObject,
+    feed_call_object,
+    finish_call_object,
+)
 from render_service.parsers.tags import skip_whitespace
 from render_service.parsers.tools_common import Count, HeldTextToolParser, PieceSink, require
 
 PYTHON_TAG = "<|python_tag|>"
 ARG_KEYS = ("parameters", "arguments")
+
 
 class Llama3JsonMode(IntEnum):
     """Where a llama3_json stream is. Travels in stream_state as its int."""
@@ -28,7 +37,7 @@ class Llama3JsonMode(IntEnum):
     OBJECT = 1
     SEPARATOR = 2
     CONTENT_ONLY = 3
-    DROP = 4
+    DROP = 4  # no longer entered (text after the calls is content); a state that has it reads as CONTENT_ONLY
 
 
 (
@@ -36,16 +45,17 @@ class Llama3JsonMode(IntEnum):
 ) = Llama3JsonMode  # module-level names: the hot loops compare against globals
 
 
-class Llama3JsonState(msgspec.Struct):
+class Llama3JsonState(msgspec.Struct, omit_defaults=True):
     mode: Llama3JsonMode = START
     held: str = ""
     calls: Count = 0
-    # leading whitespace, the python tag and the first object's text until its name is known
+    # leading whitespace, the python tag and the current object's text until it is announced
     raw: str = ""
     call: CallObject | None = None
 
     def __post_init__(self) -> None:
         require((self.mode == OBJECT) == (self.call is not None), "a call object exactly while in one")
+        require(len(self.raw) <= MAX_UNANNOUNCED + 4096, "unannounced call text within bounds")
 
 
 class Llama3JsonToolParser(HeldTextToolParser):
@@ -54,22 +64,24 @@ class Llama3JsonToolParser(HeldTextToolParser):
 
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()
-        unconfirmed = state.mode == START or (state.mode == SEPARATOR and state.calls == 0)
-        if unconfirmed or (state.mode == OBJECT and not cast(CallObject, state.call).name_emitted):
-            self._release(state, sink, state.held)
+        if state.mode == OBJECT:
+            if finish_call_object(cast(CallObject, state.call), sink, state.calls):
+                state.calls += 1
+                sink.content(state.held)
+            else:
+                sink.content(state.raw + state.held)
+        else:
+            sink.content(state.raw + state.held)
         state.held = ""
         state.raw = ""
         state.call = None
-        state.mode = DROP if state.calls else CONTENT_ONLY
+        state.mode = CONTENT_ONLY
         return sink.pieces
 
-    def _release(self, state: Llama3JsonState, sink: PieceSink, extra: str = "") -> None:
-        """Not a call after all: what was held is content, and so is the rest (unless calls came before)."""
-        if state.calls == 0:
-            sink.content(state.raw + extra)
-            state.mode = CONTENT_ONLY
-        else:
-            state.mode = DROP
+    def _release(self, state: Llama3JsonState, sink: PieceSink) -> None:
+        """Not a call after all: what was held is content, and so is the rest."""
+        sink.content(state.raw)
+        state.mode = CONTENT_ONLY
         state.raw = ""
         state.call = None
 
@@ -81,10 +93,8 @@ class Llama3JsonToolParser(HeldTextToolParser):
         pos, n = 0, len(buf)
         while pos < n:
             mode = state.mode
-            if mode == CONTENT_ONLY:
+            if mode == CONTENT_ONLY or mode == DROP:
                 sink.content(buf[pos:])
-                return
-            if mode == DROP:
                 return
             if mode == START:
                 start = pos
@@ -115,23 +125,24 @@ class Llama3JsonToolParser(HeldTextToolParser):
                 elif buf[pos] == "{":
                     self._start_object(state)
                 else:
-                    self._release(state, sink)
+                    self._release(state, sink)  # the text after the calls is content
             else:
                 call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
                 stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop
-                if outcome == MORE:
+                if not call.name_emitted and len(state.raw) > MAX_UNANNOUNCED:
+                    self._release(state, sink)
+                elif outcome == MORE:
                     if stop < n:
                         state.held = buf[pos:]
                         return
-                elif outcome == DONE and call.name_emitted:
-                    state.calls += 1
-                    state.call = None
-                    state.mode = SEPARATOR
-                elif outcome in (DONE, MALFORMED) and not call.name_emitted:
+                elif not call.name_emitted:
                     self._release(state, sink)
-                else:  # malformed after the name went out: the rest is not ours to interpret
+                else:
+                    finish_call_object(call, sink, state.calls)  # completes a call that broke off
                     state.calls += 1
                     state.call = None
-                    state.mode = DROP
+                    state.raw = ""
+                    # a complete call may be followed by more; one that broke off leaves the rest to content
+                    state.mode = SEPARATOR if outcome == DONE else CONTENT_ONLY

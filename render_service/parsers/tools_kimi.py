@@ -3,15 +3,22 @@
     <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{ARGS}
     <|tool_call_end|>...<|tool_calls_section_end|>
 
-The model names each call ``functions.NAME:IDX``: that is the call's id (ToolCallPiece.id), and the name is
-the part before ``:`` after the last ``.``. Arguments are the raw text, trimmed of surrounding whitespace.
+The model names each call ``functions.NAME:IDX``: that is the call's id (ToolCallPiece.id) and NAME its name
+(``NAME:IDX`` without the prefix is accepted too). Anything else in that place (a bare counter ``0``, a
+malformed ``functions.x.0``) names the call only when the request's tools make it unambiguous: the one tool
+whose name appears in it, or the only tool when it names none; the id is then ``functions.NAME:INDEX`` in the
+model's own style. Otherwise the call is not one and its text is content.
 """
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from render_service.parsers.tools_sectioned import SectionedToolParser
+
+_CALL_ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_\-.]+):([0-9]+)")
+_WORD = re.compile(r"[A-Za-z0-9_\-]+")
 
 
 class KimiK2ToolParser(SectionedToolParser):
@@ -22,9 +29,19 @@ class KimiK2ToolParser(SectionedToolParser):
     NAME_END = "<|tool_call_argument_begin|>"
     CALL_END = "<|tool_call_end|>"
     SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
-    TRIM_ARGUMENTS = True
 
-    def read_name(self, text: str) -> tuple[str, str | None]:
+    def read_name(self, text: str, index: int) -> tuple[str, str | None] | None:
         call_id = text.strip()
-        name = call_id.split(":", 1)[0].rsplit(".", 1)[-1].strip()
-        return name, call_id or None
+        m = _CALL_ID.fullmatch(call_id)
+        if m is not None:
+            return m.group(1), call_id
+        declared = [t.name for t in self.config.tools]
+        words = {w for w in _WORD.findall(call_id) if w != "functions" and not w.isdigit()}
+        named = [name for name in declared if name in words]
+        if len(named) == 1:
+            name = named[0]
+        elif not words and len(declared) == 1:
+            name = declared[0]  # a bare counter: the request has one tool
+        else:
+            return None
+        return name, f"functions.{name}:{index}"

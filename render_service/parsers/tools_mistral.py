@@ -2,8 +2,10 @@
 ``[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`` or, from v11, one ``name{arguments}`` per marker
 ``[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g{...}`` (v13 writes ``[TOOL_CALLS]f[ARGS]{...}``; both are accepted).
 
-Content is the text before the first marker; arguments stream as the model's raw JSON text, their end found
-by string-aware brace matching. Text after the calls is dropped.
+Content is the text before, between and after the calls (whitespace right after a call is layout); arguments
+stream as the model's raw JSON text, their end found by string-aware brace matching and guarded
+(``json_guard``) so they always end as a JSON object. A v11 name is announced once its arguments begin with
+``{``; a marker followed by anything else is content.
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ from typing import ClassVar, cast
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.call_object import DONE, MORE, CallObject, feed_call_object
-from render_service.parsers.json_scan import JsonScan, scan_json_value
-from render_service.parsers.tags import find_tag, skip_whitespace
+from render_service.parsers.call_object import (
+    DONE,
+    MAX_UNANNOUNCED,
+    MORE,
+    CallObject,
+    feed_call_object,
+    finish_call_object,
+)
+from render_service.parsers.json_guard import GUARD_DONE, GUARD_ERROR, ArgsGuard, close_guard, feed_guard
+from render_service.parsers.tags import find_tag, skip_layout, skip_whitespace
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     Count,
@@ -49,18 +58,21 @@ class MistralMode(IntEnum):
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
-class MistralState(msgspec.Struct):
+class MistralState(msgspec.Struct, omit_defaults=True):
     mode: MistralMode = CONTENT
     held: str = ""
     calls: Count = 0
-    # text since the marker until the first call's name is known
+    # text since the marker until the call is announced
     raw: str = ""
     call: CallObject | None = None
-    scan: JsonScan | None = None
+    guard: ArgsGuard | None = None  # a v11 call's arguments
+    name: str = ""  # a v11 name read but not announced yet (its arguments have not begun)
+    after_call: bool = False  # whitespace right after a call is layout
 
     def __post_init__(self) -> None:
         require((self.mode == OBJECT) == (self.call is not None), "a call object exactly while in one")
-        require((self.mode == V11_ARGS) == (self.scan is not None), "a scan exactly while in arguments")
+        require((self.mode == V11_ARGS) == (self.guard is not None), "a guard exactly while in arguments")
+        require(len(self.raw) <= MAX_UNANNOUNCED + 4096 and len(self.name) <= MAX_NAME_CHARS, "held text bounded")
 
 
 class MistralToolParser(HeldTextToolParser):
@@ -71,42 +83,59 @@ class MistralToolParser(HeldTextToolParser):
 
     def finish(self, state: MistralState) -> list[Piece]:
         sink = PieceSink()
-        if state.mode == CONTENT:
-            if state.calls == 0:
-                sink.content(state.held)
-        elif state.mode in (AFTER_MARKER, ARRAY_ITEM, V11_NAME) or (
-            state.mode == OBJECT and not cast(CallObject, state.call).name_emitted
-        ):
-            self._release(state, sink, state.held)
+        mode = state.mode
+        if mode == OBJECT and finish_call_object(cast(CallObject, state.call), sink, state.calls):
+            state.calls += 1
+            sink.content(state.held)
+        elif mode == V11_ARGS and not state.name:
+            self._close_v11(state, sink)
+            sink.content(state.held)
+        elif mode in (CONTENT, ARRAY_SEP):
+            sink.content(state.held)
+        else:
+            sink.content(state.raw + state.held)
         state.held = ""
         state.raw = ""
+        state.name = ""
         state.call = None
-        state.scan = None
+        state.guard = None
         state.mode = CONTENT
         return sink.pieces
 
-    def _release(self, state: MistralState, sink: PieceSink, extra: str = "") -> None:
-        if state.calls == 0:
-            sink.content(state.raw + extra)
+    def _release(self, state: MistralState, sink: PieceSink) -> None:
+        """Not a call after all: the text since the marker is content, and scanning goes on from here."""
+        sink.content(state.raw)
         state.raw = ""
+        state.name = ""
         state.call = None
+        state.guard = None
         state.mode = CONTENT
 
     def _end_call(self, state: MistralState, next_mode: MistralMode) -> None:
         state.calls += 1
         state.raw = ""
         state.call = None
-        state.scan = None
+        state.guard = None
         state.mode = next_mode
+        state.after_call = next_mode == CONTENT
+
+    def _close_v11(self, state: MistralState, sink: PieceSink) -> None:
+        closing, dropped = close_guard(cast(ArgsGuard, state.guard))
+        sink.arguments(state.calls, closing)
+        sink.content(dropped)
+        self._end_call(state, CONTENT)
 
     def _run(self, state: MistralState, buf: str, sink: PieceSink) -> None:
         pos, n = 0, len(buf)
         while pos < n:
             mode = state.mode
             if mode == CONTENT:
+                if state.after_call:
+                    pos = skip_layout(state, buf, pos)
+                    if pos >= n:
+                        return
                 at, tag = find_tag(buf, pos, (TOOL_CALLS,))
-                if state.calls == 0:
-                    sink.content(buf[pos:at])
+                sink.content(buf[pos:at])
                 if tag is None:
                     state.held = buf[at:]
                     return
@@ -131,15 +160,15 @@ class MistralToolParser(HeldTextToolParser):
             elif mode == ARRAY_ITEM:
                 start = pos
                 pos = skip_whitespace(buf, pos)
-                if not state.calls:
-                    state.raw += buf[start:pos]
+                state.raw += buf[start:pos]
                 if pos >= n:
                     return
                 if buf[pos] == "{":
                     state.call = CallObject()
                     state.mode = OBJECT
-                elif state.calls:
-                    state.mode = CONTENT  # end of the array (or junk): nothing more to parse here
+                elif state.calls and buf[pos] == "]":
+                    pos += 1  # a trailing comma, then the array's end
+                    self._end_array(state)
                 else:
                     self._release(state, sink)
             elif mode == OBJECT:
@@ -147,12 +176,15 @@ class MistralToolParser(HeldTextToolParser):
                 stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop
-                if outcome == MORE:
+                if not call.name_emitted and len(state.raw) > MAX_UNANNOUNCED:
+                    self._release(state, sink)
+                elif outcome == MORE:
                     if stop < n:
                         state.held = buf[pos:]
                         return
-                elif call.name_emitted:
+                elif finish_call_object(call, sink, state.calls):  # completes a call that broke off
                     self._end_call(state, ARRAY_SEP if outcome == DONE else CONTENT)
+                    state.after_call = False  # what broke the call off is the model's text
                 else:
                     self._release(state, sink)
             elif mode == ARRAY_SEP:
@@ -162,8 +194,11 @@ class MistralToolParser(HeldTextToolParser):
                 if buf[pos] == ",":
                     pos += 1
                     state.mode = ARRAY_ITEM
+                elif buf[pos] == "]":
+                    pos += 1
+                    self._end_array(state)
                 else:
-                    state.mode = CONTENT  # "]" or anything else ends the array
+                    state.mode = CONTENT  # anything else ends the array: it is the model's text
             elif mode == V11_NAME:
                 brace = buf.find("{", pos, pos + MAX_NAME_CHARS + 1)
                 bracket = buf.find("[", pos, pos + MAX_NAME_CHARS + 1)
@@ -186,19 +221,37 @@ class MistralToolParser(HeldTextToolParser):
                 if not _NAME.fullmatch(name):
                     self._release(state, sink)
                     continue
-                pos = at + (len(ARGS) if at == bracket else 0)
-                state.raw = ""
-                state.scan = JsonScan()
+                end = at + (len(ARGS) if at == bracket else 0)
+                state.raw += buf[pos:end]
+                pos = end
+                state.name = name
+                state.guard = ArgsGuard()
                 state.mode = V11_ARGS
-                sink.name(state.calls, name)
             else:  # V11_ARGS
-                scan = cast(JsonScan, state.scan)  # the state's __post_init__ requires it in this mode
-                if not scan.started:
+                guard = cast(ArgsGuard, state.guard)  # the state's __post_init__ requires it in this mode
+                if state.name:
+                    # announced once the arguments are known to be an object
+                    start = pos
                     pos = skip_whitespace(buf, pos)
+                    state.raw += buf[start:pos]
                     if pos >= n:
                         return
-                stop = scan_json_value(scan, buf, pos, n, False)
-                sink.arguments(state.calls, buf[pos:stop])
+                    if buf[pos] != "{":
+                        self._release(state, sink)
+                        continue
+                    sink.name(state.calls, state.name)
+                    state.name = ""
+                    state.raw = ""
+                stop, emitted, status = feed_guard(guard, buf, pos, n)
+                sink.arguments(state.calls, emitted)
                 pos = stop
-                if scan.done:
+                if status == GUARD_DONE:
                     self._end_call(state, CONTENT)
+                elif status == GUARD_ERROR:
+                    self._close_v11(state, sink)
+                    state.after_call = False  # the rest is the model's text
+
+    def _end_array(self, state: MistralState) -> None:
+        state.raw = ""
+        state.mode = CONTENT
+        state.after_call = True

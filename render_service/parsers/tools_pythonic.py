@@ -4,7 +4,10 @@
 Tool mode is decided by the start of the output (``[``, leading whitespace allowed), as in vLLM's streaming
 parser; otherwise everything is content. Arguments become ``json.dumps(dict, ensure_ascii=False)`` of the
 literal values, streamed in order: string values as they arrive (decoded from Python escapes and re-escaped
-for JSON), other literals when complete (they go through ``ast.literal_eval``). Text after the list is dropped.
+for JSON), other literals when complete (they go through ``ast.literal_eval``). A literal JSON cannot carry
+(``1e999``, ``b'x'``, a set, a name) becomes its source text, as a string, so no call is lost and arguments
+are always JSON. A call that breaks off (a positional argument, a syntax error) or is cut by the end of output
+is closed; text after the list, and after a call that broke off, is content.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import msgspec
 from render_service.parsers.base import Piece
 from render_service.parsers.json_scan import dumps, json_string_fragment
 from render_service.parsers.tags import skip_whitespace
+from render_service.parsers.tool_schema import json_safe
 from render_service.parsers.tools_common import MAX_NAME_CHARS, Count, HeldTextToolParser, PieceSink
 
 
@@ -37,12 +41,13 @@ class PythonicMode(IntEnum):
     AFTER_VALUE = 8
     AFTER_CALL = 9
     CONTENT_ONLY = 10
-    DROP = 11
+    DROP = 11  # no longer entered (the rest is content); a state that has it reads as CONTENT_ONLY
+    AFTER_LIST = 12  # after "]": whitespace is layout, the rest is content
 
 
 (
     START, LIST_ITEM, NAME, ARGS, KEYWORD, VALUE_START, STR_VALUE, BUF_VALUE, AFTER_VALUE, AFTER_CALL,
-    CONTENT_ONLY, DROP
+    CONTENT_ONLY, DROP, AFTER_LIST
 ) = PythonicMode  # module-level names: the hot loops compare against globals
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -138,24 +143,62 @@ class PythonicToolParser(HeldTextToolParser):
 
     def finish(self, state: PythonicState) -> list[Piece]:
         sink = PieceSink()
-        if state.calls == 0 and state.mode in (START, LIST_ITEM, NAME):
-            sink.content(state.raw + state.held)
+        mode, held, index = state.mode, state.held, state.calls
+        if mode in (START, LIST_ITEM, NAME):
+            sink.content(state.raw + held)
+        elif mode in (ARGS, AFTER_VALUE, KEYWORD):
+            self._close_call(state, sink)
+            sink.content(held)  # an unfinished keyword is the model's text
+        elif mode == VALUE_START:
+            self._close_call(state, sink)
+            sink.content(f"{state.keyword}={held}")
+        elif mode == STR_VALUE:
+            # the output ended inside a string: what was written is the value
+            sink.arguments(index, json_string_fragment(decode_python_string_body(held)) + '"')
+            state.params += 1
+            self._close_call(state, sink)
+        elif mode == BUF_VALUE:
+            state.value += held
+            self._emit_literal(state, sink, index)
+            self._close_call(state, sink)
+        else:
+            sink.content(held)
         state.held = ""
         state.raw = ""
         state.value = ""
-        state.mode = DROP if state.calls else CONTENT_ONLY
+        state.mode = CONTENT_ONLY
         return sink.pieces
 
     # -----------------------------------------------------------------------------------------------------
 
     def _not_calls(self, state: PythonicState, sink: PieceSink) -> None:
-        """What looked like a call list is not one: before any call it is content, after one it is dropped."""
-        if state.calls == 0:
-            sink.content(state.raw)
-            state.mode = CONTENT_ONLY
-        else:
-            state.mode = DROP
+        """What looked like a call list (or its next item) is not one: the text is content, and so is the rest."""
+        sink.content(state.raw)
+        state.mode = CONTENT_ONLY
         state.raw = ""
+
+    def _close_call(self, state: PythonicState, sink: PieceSink) -> None:
+        sink.arguments(state.calls, "{}" if state.params == 0 else "}")
+        state.calls += 1
+
+    def _break_off(self, state: PythonicState, sink: PieceSink) -> None:
+        """The call cannot go on (a positional argument, a syntax error): it is closed as it stands and the
+        rest of the output, from here, is content."""
+        self._close_call(state, sink)
+        state.mode = CONTENT_ONLY
+
+    def _emit_literal(self, state: PythonicState, sink: PieceSink, index: int) -> None:
+        """A non-string value: the literal, or (when JSON cannot carry it) its source text as a string."""
+        source = state.value.strip()
+        state.value = ""
+        try:
+            value = ast.literal_eval(source)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            value = source
+        if not json_safe(value):
+            value = source
+        sink.arguments(index, self._key(state) + dumps(value))
+        state.params += 1
 
     def _key(self, state: PythonicState) -> str:
         return ("{" if state.params == 0 else ", ") + dumps(state.keyword) + ": "
@@ -166,12 +209,10 @@ class PythonicToolParser(HeldTextToolParser):
         while pos < n:
             mode = state.mode
             index = state.calls
-            if mode == CONTENT_ONLY:
+            if mode == CONTENT_ONLY or mode == DROP:
                 sink.content(buf[pos:])
                 return
-            if mode == DROP:
-                return
-            if mode in (START, LIST_ITEM, ARGS, AFTER_VALUE, AFTER_CALL, VALUE_START):
+            if mode in (START, LIST_ITEM, ARGS, AFTER_VALUE, AFTER_CALL, VALUE_START, AFTER_LIST):
                 start = pos
                 pos = skip_whitespace(buf, pos)
                 if state.calls == 0 and mode in (START, LIST_ITEM):
@@ -179,6 +220,9 @@ class PythonicToolParser(HeldTextToolParser):
                 if pos >= n:
                     return
             c = buf[pos]
+            if mode == AFTER_LIST:
+                state.mode = CONTENT_ONLY  # the text after the list is the model's
+                continue
             if mode == START:
                 if c != "[":
                     self._not_calls(state, sink)
@@ -219,21 +263,21 @@ class PythonicToolParser(HeldTextToolParser):
                 elif _KEYWORD.match(c):
                     state.mode = KEYWORD
                 else:
-                    state.mode = DROP  # positional arguments have no JSON form
+                    self._break_off(state, sink)  # positional arguments have no JSON form
             elif mode == KEYWORD:
                 m = _KEYWORD.match(buf, pos)
                 if m is None:
-                    state.mode = DROP
+                    self._break_off(state, sink)
                     continue
                 after = skip_whitespace(buf, m.end())
                 if after >= n:
                     if n - pos > MAX_NAME_CHARS:
-                        state.mode = DROP
+                        self._break_off(state, sink)
                         continue
                     state.held = buf[pos:]
                     return
                 if buf[after] != "=" or buf.startswith("==", after):
-                    state.mode = DROP
+                    self._break_off(state, sink)  # a positional argument that is a name
                     continue
                 state.keyword = m.group(0)
                 pos = after + 1
@@ -271,16 +315,7 @@ class PythonicToolParser(HeldTextToolParser):
                 if state.mode == BUF_VALUE:
                     state.held = buf[pos:]
                     return
-                try:
-                    value = ast.literal_eval(state.value.strip())
-                    text = dumps(value)
-                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-                    state.mode = DROP
-                    continue
-                finally:
-                    state.value = ""
-                sink.arguments(index, self._key(state) + text)
-                state.params += 1
+                self._emit_literal(state, sink, index)
             elif mode == AFTER_VALUE:
                 if c == ",":
                     pos += 1
@@ -288,13 +323,16 @@ class PythonicToolParser(HeldTextToolParser):
                 elif c == ")":
                     state.mode = ARGS
                 else:
-                    state.mode = DROP
+                    self._break_off(state, sink)
             else:  # AFTER_CALL
                 if c == ",":
                     pos += 1
                     state.mode = LIST_ITEM
+                elif c == "]":
+                    pos += 1
+                    state.mode = AFTER_LIST
                 else:
-                    state.mode = DROP  # "]" ends the list; anything after it is not ours
+                    state.mode = CONTENT_ONLY  # the list ends without its "]": the rest is the model's text
 
     def _start_buffered(self, state: PythonicState) -> None:
         state.mode = BUF_VALUE

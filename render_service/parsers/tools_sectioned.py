@@ -1,36 +1,60 @@
 """Calls framed by special-token markers: section begin, (call begin, name, separator, arguments, call end)*,
-section end (deepseek_v31, kimi_k2). Arguments are the model's raw text between separator and call end.
+section end (deepseek_v31, kimi_k2).
+
+The name is announced at the separator (vLLM's chunking); arguments then stream as the model's raw text
+through ``json_guard``, so they always end as a JSON object (``{}`` when there are none, or when what follows
+the separator is not an object: that text is content). The markers end a call wherever they appear (they are
+special tokens). Nothing the model wrote is dropped: text before, between and after calls is content
+(whitespace right after a call or marker is layout), and a call that is not one (no separator, a name the
+format cannot carry) is returned as content with its markers.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import msgspec
 
 from render_service.parsers.base import Piece
-from render_service.parsers.tags import find_tag
-from render_service.parsers.tools_common import MAX_NAME_CHARS, Count, HeldTextToolParser, PieceSink
+from render_service.parsers.json_guard import (
+    GUARD_DONE,
+    GUARD_ERROR,
+    ArgsGuard,
+    close_guard,
+    feed_guard,
+)
+from render_service.parsers.json_guard import START as GUARD_START
+from render_service.parsers.tags import find_tag, is_partial_tag, skip_whitespace
+from render_service.parsers.tools_common import MAX_NAME_CHARS, Count, HeldTextToolParser, PieceSink, require
 
 
 class SectionMode(IntEnum):
     """Where a marker-framed stream is. Travels in stream_state as its int."""
 
     SEC_CONTENT = 0
-    SEC_SECTION = 1
+    SEC_SECTION = 1  # inside a section, between calls
     SEC_NAME = 2
     SEC_ARGS = 3
+    SEC_AFTER_ARGS = 4  # after a call's arguments object, before its end marker
+    SEC_JUNK = 5  # a call that is not one: its text up to its end marker is content
 
 
-SEC_CONTENT, SEC_SECTION, SEC_NAME, SEC_ARGS = SectionMode  # module-level names: the hot loops compare against globals
+SEC_CONTENT, SEC_SECTION, SEC_NAME, SEC_ARGS, SEC_AFTER_ARGS, SEC_JUNK = SectionMode
 
 
-class SectionedState(msgspec.Struct):
+class SectionedState(msgspec.Struct, omit_defaults=True):
     mode: SectionMode = SEC_CONTENT
     held: str = ""
     calls: Count = 0
-    args_started: bool = False
+    raw: str = ""  # the current call's text since its begin marker, until it is announced
+    guard: ArgsGuard | None = None
+    after_call: bool = False  # whitespace right after a call or marker is layout
+    stray: bool = False  # inside text that is not markup (content runs to the next marker)
+
+    def __post_init__(self) -> None:
+        require((self.mode == SEC_ARGS) == (self.guard is not None), "a guard exactly while in arguments")
+        require(len(self.raw) <= MAX_NAME_CHARS + 256, "held text within bounds")
 
 
 class SectionedToolParser(HeldTextToolParser):
@@ -43,84 +67,149 @@ class SectionedToolParser(HeldTextToolParser):
     NAME_END: ClassVar[str]
     CALL_END: ClassVar[str]
     SECTION_END: ClassVar[tuple[str, ...]]
-    # strip whitespace around the arguments (kimi does, deepseek keeps the raw text)
-    TRIM_ARGUMENTS: ClassVar[bool] = False
 
-    def read_name(self, text: str) -> tuple[str, str | None]:
-        """(function name, the model's own call id or None) from the text between call begin and separator."""
-        return text.strip(), None
+    def read_name(self, text: str, index: int) -> tuple[str, str | None] | None:
+        """(function name, the model's own call id or None) from the text between call begin and separator;
+        None when the text names no call."""
+        name = text.strip()
+        if not name or any(c in name for c in "\n{}<>"):
+            return None
+        return name, None
 
     def finish(self, state: SectionedState) -> list[Piece]:
         sink = PieceSink()
-        if state.mode == SEC_CONTENT and state.calls == 0:
+        mode = state.mode
+        if mode == SEC_ARGS:
+            # a partial marker held back is argument text after all
+            guard = cast(ArgsGuard, state.guard)
+            stop, emitted, status = feed_guard(guard, state.held, 0, len(state.held))
+            sink.arguments(state.calls, emitted)
+            self._close(state, sink)
+            sink.content(state.held[stop:])
+            state.calls += 1
+        elif mode == SEC_NAME:
+            sink.content(state.raw + state.held)
+        else:
             sink.content(state.held)
-        # a call cut off inside its name or arguments stays as streamed; nothing is invented
+            if mode == SEC_AFTER_ARGS:
+                state.calls += 1
         state.held = ""
+        state.raw = ""
+        state.guard = None
         state.mode = SEC_CONTENT
         return sink.pieces
 
-    def _end_call(self, state: SectionedState, sink: PieceSink, next_mode: SectionMode) -> None:
-        if not state.args_started:
-            sink.arguments(state.calls, "{}")
+    # -----------------------------------------------------------------------------------------------------
+
+    def _close(self, state: SectionedState, sink: PieceSink) -> None:
+        """Close the arguments (a cut or broken object is completed; what the guard dropped is content)."""
+        guard = state.guard
+        if guard is not None:
+            closing, dropped = close_guard(guard)
+            sink.arguments(state.calls, closing)
+            sink.content(dropped)
+        state.guard = None
+
+    def _release(self, state: SectionedState, sink: PieceSink, text: str) -> None:
+        """Not a call: its text (markers included) is content, up to its end marker."""
+        sink.content(state.raw + text)
+        state.raw = ""
+        state.guard = None
+        state.mode = SEC_JUNK
+
+    def _end_call(self, state: SectionedState, tag: str) -> None:
         state.calls += 1
-        state.mode = next_mode
+        state.mode = SEC_CONTENT if tag in self.SECTION_END else SEC_SECTION
+        state.after_call = True
+        state.stray = False
 
     def _run(self, state: SectionedState, buf: str, sink: PieceSink) -> None:
         pos, n = 0, len(buf)
+        ends = (self.CALL_END,) + self.SECTION_END
         while pos < n:
             mode = state.mode
-            if mode == SEC_CONTENT:
-                at, tag = find_tag(buf, pos, self.SECTION_BEGIN + (self.CALL_BEGIN,))
-                if state.calls == 0:
+            if mode in (SEC_CONTENT, SEC_SECTION, SEC_AFTER_ARGS, SEC_JUNK):
+                if state.after_call and not state.stray:
+                    pos = skip_whitespace(buf, pos)
+                    if pos >= n:
+                        return
+                if mode == SEC_CONTENT:
+                    tags = self.SECTION_BEGIN + (self.CALL_BEGIN,)
+                elif mode == SEC_SECTION:
+                    tags = (self.CALL_BEGIN,) + self.SECTION_END + self.SECTION_BEGIN + (self.CALL_END,)
+                else:
+                    tags = ends + (self.CALL_BEGIN,)
+                at, tag = find_tag(buf, pos, tags)
+                if at > pos:
                     sink.content(buf[pos:at])
+                    state.stray = mode != SEC_CONTENT
+                    state.after_call = False
                 if tag is None:
                     state.held = buf[at:]
                     return
                 pos = at + len(tag)
-                state.mode = SEC_NAME if tag == self.CALL_BEGIN else SEC_SECTION
-            elif mode == SEC_SECTION:
-                at, tag = find_tag(buf, pos, (self.CALL_BEGIN,) + self.SECTION_END + self.SECTION_BEGIN)
-                if tag is None:
-                    state.held = buf[at:]
-                    return
-                pos = at + len(tag)
+                state.stray = False
+                state.after_call = True
                 if tag == self.CALL_BEGIN:
+                    if mode == SEC_AFTER_ARGS:
+                        state.calls += 1  # the next call begins without this one's end marker
+                    state.raw = tag
                     state.mode = SEC_NAME
+                    state.after_call = False
+                elif mode == SEC_JUNK and tag == self.CALL_END:
+                    sink.content(tag)  # the end of a call that was not one: its text is content
+                    state.mode = SEC_SECTION
+                elif mode == SEC_AFTER_ARGS:
+                    self._end_call(state, tag)
                 elif tag in self.SECTION_END:
                     state.mode = SEC_CONTENT
+                elif tag in self.SECTION_BEGIN:
+                    state.mode = SEC_SECTION
+                # a stray call end marker between calls is markup
             elif mode == SEC_NAME:
-                at, tag = find_tag(buf, pos, (self.NAME_END, self.CALL_END) + self.SECTION_END)
+                at, tag = find_tag(buf, pos, (self.NAME_END, self.CALL_BEGIN) + ends)
                 if tag is None:
                     if n - pos > MAX_NAME_CHARS:
-                        state.mode = SEC_SECTION  # not a name: skip this call
-                        pos = n
-                        continue
+                        self._release(state, sink, buf[pos:])  # not a name: the text is content
+                        return
                     state.held = buf[pos:]
                     return
-                name, call_id = self.read_name(buf[pos:at])
-                pos = at + len(tag)
-                if tag != self.NAME_END or not name:
-                    state.mode = SEC_SECTION if tag == self.CALL_END else SEC_CONTENT
+                text = buf[pos:at]
+                read = self.read_name(text, state.calls) if tag == self.NAME_END else None
+                if read is None:
+                    self._release(state, sink, text)
+                    pos = at
                     continue
-                sink.name(state.calls, name, call_id)
-                state.args_started = False
+                sink.name(state.calls, read[0], read[1])
+                state.raw = ""
+                state.guard = ArgsGuard()
                 state.mode = SEC_ARGS
-            else:  # SEC_ARGS
-                at, tag = find_tag(buf, pos, (self.CALL_END,) + self.SECTION_END)
-                chunk = buf[pos:at]
-                if self.TRIM_ARGUMENTS:
-                    if not state.args_started:
-                        chunk = chunk.lstrip()
-                    kept = chunk.rstrip()
-                    # trailing whitespace is dropped at the end tag, held back before it
-                    held_from = at if tag is not None else at - (len(chunk) - len(kept))
-                else:
-                    kept, held_from = chunk, at
-                if kept:
-                    state.args_started = True
-                    sink.arguments(state.calls, kept)
-                if tag is None:
-                    state.held = buf[held_from:]
-                    return
                 pos = at + len(tag)
-                self._end_call(state, sink, SEC_SECTION if tag == self.CALL_END else SEC_CONTENT)
+            else:  # SEC_ARGS
+                guard = cast(ArgsGuard, state.guard)  # the state's __post_init__ requires it in this mode
+                if guard.phase == GUARD_START:  # what do the arguments begin with?
+                    pos = skip_whitespace(buf, pos)
+                    if pos >= n:
+                        return
+                    rest = buf[pos:pos + 64]
+                    if buf[pos] != "{":
+                        if is_partial_tag(rest, ends) and not any(rest.startswith(t) for t in ends):
+                            state.held = buf[pos:]
+                            return
+                        # no arguments ({}), or not an object ({}, and the text is content)
+                        self._close(state, sink)
+                        state.mode = SEC_AFTER_ARGS
+                        state.stray = not any(rest.startswith(t) for t in ends)
+                        state.after_call = not state.stray
+                        continue
+                at, tag = find_tag(buf, pos, ends)
+                stop, emitted, status = feed_guard(guard, buf, pos, at)
+                sink.arguments(state.calls, emitted)
+                if status != GUARD_DONE and status != GUARD_ERROR and tag is None:
+                    state.held = buf[at:]
+                    return
+                self._close(state, sink)
+                state.mode = SEC_AFTER_ARGS
+                state.after_call = True
+                state.stray = status == GUARD_ERROR
+                pos = stop if status in (GUARD_DONE, GUARD_ERROR) else at

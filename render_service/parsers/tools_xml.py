@@ -33,7 +33,7 @@ import msgspec
 from render_service.parsers import tool_schema
 from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.json_scan import dumps, json_string_fragment
-from render_service.parsers.tags import find_tag, is_partial_tag, skip_whitespace
+from render_service.parsers.tags import find_tag, is_partial_tag, skip_layout, skip_whitespace
 from render_service.parsers.tools_common import (
     MAX_NAME_CHARS,
     WHITESPACE,
@@ -152,6 +152,8 @@ class XmlToolParser:
     State: ClassVar[type[msgspec.Struct]] = XmlCallState
     FORCED_REQUIRED: ClassVar[str]
     FORCED_NAMED: ClassVar[str]  # str.format template with {name}
+    # "required" / named tool choice written in the model's own syntax (False: the JSON-grammar path)
+    native_forced_choice: ClassVar[bool] = True
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.tools = tools_by_name(config.tools if config is not None else [])
@@ -315,10 +317,9 @@ class XmlToolParser:
             mode = state.mode
             if mode == CONTENT:
                 if state.after_call:
-                    pos = skip_whitespace(buf, pos)
+                    pos = skip_layout(state, buf, pos)
                     if pos >= n:
                         return
-                    state.after_call = False
                 at, tag = find_tag(buf, pos, self._content_openers)
                 sink.content(buf[pos:at])
                 if tag is None:

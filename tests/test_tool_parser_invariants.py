@@ -1,0 +1,54 @@
+"""Issue 16's two invariants as hypothesis properties, for every tool-parser family in
+``tests/tool_parser_invariants.FAMILIES``: generated outputs (prose, calls, prose; half of them cut anywhere,
+as max_tokens cuts) and adversarial token soups, through the parser alone (any chunking, one character at a
+time) and through the whole derender pipeline over the real Qwen3 tokenizer's IDs (batch == one-token
+streaming with stream_state round trips, cut at any token).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from render_service.bundle import load_bundle
+from tests.shared_paths import QWEN3_FIXTURE_DIR
+from tests.tool_parser_invariants import FAMILIES, check_parser, check_pipeline, outputs, token_soup
+
+NAMES = sorted(FAMILIES)
+CUTS = st.lists(st.integers(0, 400), max_size=8)
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@functools.cache
+def qwen3():
+    return load_bundle(str(QWEN3_FIXTURE_DIR)).tokenizer
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FAST
+@given(data=st.data(), cuts=CUTS)
+def test_generated_outputs_keep_both_invariants(name, data, cuts):
+    family = FAMILIES[name]
+    check_parser(family, data.draw(outputs(family)), cuts)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FAST
+@given(data=st.data(), cuts=CUTS)
+def test_adversarial_soup_keeps_both_invariants(name, data, cuts):
+    family = FAMILIES[name]
+    check_parser(family, data.draw(token_soup(family)), cuts)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_pipeline_one_token_streaming_equals_batch_and_keeps_both_invariants(name, data):
+    family = FAMILIES[name]
+    text = data.draw(st.one_of(outputs(family), token_soup(family)))
+    ids = qwen3().encode(text)
+    ids = ids[: data.draw(st.integers(0, len(ids)))] if data.draw(st.booleans()) else ids  # cut by max_tokens
+    check_pipeline(family, qwen3(), ids)

@@ -1,0 +1,223 @@
+"""The two invariants every tool parser keeps (issue 16), as reusable checks and hypothesis strategies.
+
+1. At the end every emitted call's ``arguments`` is a JSON object, and the concatenated argument deltas of a
+   streamed call equal its final arguments (streaming one token at a time == batch).
+2. Nothing the model generated is lost: every character of the output is in content, reasoning or a tool call
+   (name, id, arguments), markup aside. Checked on letters and digits (case-folded multiset), after removing
+   the family's markup strings and escape sequences from the output.
+
+Checks run at two levels: the parser alone (one feed == any chunking == one character per feed, each state
+through a msgpack round trip), and the whole derender pipeline over real Qwen3 token IDs (batch derender ==
+one-token streaming with stream_state round trips), outputs cut anywhere (``max_tokens``) included.
+
+To check a new family: describe it with a ``ToolFamily`` (how its model writes calls, its markup, the pieces
+adversarial outputs are built from) and add it to ``FAMILIES``; ``tests/test_tool_parser_invariants.py`` then
+runs every property on it. A family with its own test file can call ``check_parser`` / ``check_pipeline`` and
+draw from ``outputs(family)`` / ``token_soup(family)`` directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+from render_service.parsers.base import ToolParserConfig
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
+from tests.test_tool_parsers_common import ARG_TEXT, WEATHER_TOOLS, Folded, parse, parse_chunks, split_at
+
+Call = tuple[str, dict[str, Any]]  # (name, arguments as JSON values)
+
+
+@dataclass(frozen=True)
+class ToolFamily:
+    """How one tool-parser family's model writes calls, for generated and adversarial outputs."""
+
+    name: str  # the registry name (--tool-call-parser)
+    write: Callable[[list[Call]], str]  # a well-formed output holding these calls
+    markup: tuple[str, ...]  # strings that are markup, not the model's message
+    vocabulary: tuple[str, ...]  # pieces adversarial outputs are built from (tags, fragments, punctuation)
+    calls_first: bool = False  # the format is only recognised at the very start of the output
+    tools: ToolParserConfig = field(default=WEATHER_TOOLS)
+
+
+# --- writers ---------------------------------------------------------------------------------------------
+
+def _args(a: dict[str, Any]) -> str:
+    return json.dumps(a, ensure_ascii=False)
+
+
+def _text_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
+def write_hermes(calls: list[Call]) -> str:
+    return "\n".join(f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}\n</tool_call>'
+                     for n, a in calls)
+
+
+def write_qwen3_xml(calls: list[Call]) -> str:
+    out = []
+    for n, a in calls:
+        body = "".join(f"<parameter={k}>\n{_text_value(v)}\n</parameter>\n" for k, v in a.items())
+        out.append(f"<tool_call>\n<function={n}>\n{body}</function>\n</tool_call>")
+    return "\n".join(out)
+
+
+def write_llama3_json(calls: list[Call]) -> str:
+    return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {_args(a)}}}' for n, a in calls)
+
+
+def write_mistral(calls: list[Call]) -> str:
+    return "".join(f"[TOOL_CALLS]{n}{_args(a)}" for n, a in calls)
+
+
+DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+        "<|tool_calls_section_end|>")
+
+
+def write_deepseek_v31(calls: list[Call]) -> str:
+    b, cb, sep, ce, e = DS
+    return b + "".join(f"{cb}{n}{sep}{_args(a)}{ce}" for n, a in calls) + e
+
+
+def write_kimi_k2(calls: list[Call]) -> str:
+    sb, cb, ab, ce, se = KIMI
+    return sb + "".join(f"{cb}functions.{n}:{i}{ab}{_args(a)}{ce}" for i, (n, a) in enumerate(calls)) + se
+
+
+def write_pythonic(calls: list[Call]) -> str:
+    return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls) + "]"
+
+
+_JSON_KEYS = ('"name"', '"arguments"', '"parameters"')
+_QWEN_XML = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
+
+FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
+    ToolFamily("hermes", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
+               ("<tool_call>", "</tool_call>", "<tool_", "{", "}", "[", "]", '"', "\\", ":", ",", '"name"',
+                '"arguments"', '"parameters"', '"get_time"', " ", "\n", "x", "1", "<", '\\"', "\\u00e9", "😀",
+                "tru", "null", '"{')),
+    ToolFamily("qwen3_coder", write_qwen3_xml, _QWEN_XML,
+               (*_QWEN_XML, "get_weather", "city", "days", ">", "\n", " ", "x", "3", "<", "</param", "null",
+                "😀", "{", "}")),
+    ToolFamily("qwen3_xml", write_qwen3_xml, _QWEN_XML,
+               (*_QWEN_XML, "get_weather", "city", "days", ">", "\n", " ", "x", "3", "<", "</param", "null",
+                "😀")),
+    ToolFamily("llama3_json", write_llama3_json, ("<|python_tag|>", *_JSON_KEYS),
+               ("<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":", ",", ";", '"name"', '"parameters"',
+                '"f"', " ", "\n", "x", "1", "null"), calls_first=True),
+    ToolFamily("mistral", write_mistral, ("[TOOL_CALLS]", "[ARGS]", *_JSON_KEYS),
+               ("[TOOL_CALLS]", "[ARGS]", "[", "]", "{", "}", '"', "\\", ":", ",", '"name"', '"arguments"', "f",
+                " ", "x", "1")),
+    ToolFamily("deepseek_v31", write_deepseek_v31, DS,
+               (*DS, "<｜tool", "f", "{", "}", '"', ":", " ", "\n", "x", "1", "[")),
+    ToolFamily("kimi_k2", write_kimi_k2, (*KIMI, "<|tool_call_section_begin|>", "functions"),
+               (*KIMI, "<|tool_call", "functions.get_time:0", "functions.f.0", "0", ":", ".", "{", "}", '"',
+                " ", "\n", "x")),
+    ToolFamily("pythonic", write_pythonic, ("None", "True", "False"),
+               ("[", "]", "(", ")", "f", "g", "a", "=", "'", '"', "'''", "\\", ",", " ", "1", "None", "\\n",
+                "\\x4", "{", "}", "😀", "b'", "1e999"), calls_first=True),
+]}
+
+
+# --- strategies ------------------------------------------------------------------------------------------
+
+_KEYS = st.sampled_from(["city", "days", "metric", "content", "q", "note"])
+_VALUES = st.one_of(ARG_TEXT, st.integers(-10**6, 10**6), st.booleans(), st.none(),
+                    st.lists(st.integers(0, 9), max_size=3), st.dictionaries(st.sampled_from(["k", "v"]), ARG_TEXT,
+                                                                            max_size=2))
+CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "get_time", "write_file", "unknown_tool"]),
+                           st.dictionaries(_KEYS, _VALUES, max_size=3)), min_size=1, max_size=3)
+PROSE = st.text(alphabet=st.sampled_from(list("Ok, sure. 東😀\n<>/=")), max_size=12)
+
+
+@st.composite
+def outputs(draw: st.DrawFn, family: ToolFamily) -> str:
+    """A realistic output (prose, calls, prose), half of them cut anywhere as max_tokens would."""
+    before = "" if family.calls_first and draw(st.booleans()) else draw(PROSE)
+    text = before + family.write(draw(CALLS)) + draw(PROSE)
+    if draw(st.booleans()):
+        text = text[: draw(st.integers(0, len(text)))]
+    return text
+
+
+@st.composite
+def token_soup(draw: st.DrawFn, family: ToolFamily) -> str:
+    """Random sequences of the format's pieces: mostly malformed, which is where hold-back bugs live."""
+    return "".join(draw(st.lists(st.sampled_from(family.vocabulary), max_size=30)))
+
+
+# --- checks ----------------------------------------------------------------------------------------------
+
+_ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|.)", re.S)
+
+
+def _letters(text: str) -> collections.Counter[str]:
+    return collections.Counter(c for c in text.casefold() if c.isalnum())
+
+
+def assert_arguments_are_objects(calls: list[dict[str, Any]]) -> None:
+    for call in calls:
+        assert isinstance(json.loads(call["arguments"]), dict), call
+
+
+def assert_nothing_lost(family: ToolFamily, text: str, seen: list[str]) -> None:
+    raw = _ESCAPE.sub(" ", text)
+    for tag in sorted(family.markup, key=len, reverse=True):
+        raw = raw.replace(tag, " ")
+    missing = _letters(raw) - _letters(" ".join(seen))
+    assert not missing, f"{family.name} lost {dict(missing)} of {text!r}: {seen}"
+
+
+def _seen_of_calls(calls: list[dict[str, Any]]) -> list[str]:
+    seen = []
+    for call in calls:
+        seen += [call.get("name") or "", call.get("id") or "", call["arguments"]]
+        seen.append(json.dumps(json.loads(call["arguments"]), ensure_ascii=False))
+    return seen
+
+
+def check_parser(family: ToolFamily, text: str, cuts: list[int]) -> Folded:
+    """The parser alone: one feed == random chunks == one character per feed; both invariants."""
+    whole = parse(family.name, text, family.tools)
+    assert parse_chunks(family.name, split_at(text, cuts), family.tools) == whole
+    assert parse_chunks(family.name, list(text), family.tools) == whole
+    assert_arguments_are_objects(whole.calls)
+    assert_nothing_lost(family, text, [whole.content or "", *_seen_of_calls(whole.calls)])
+    return whole
+
+
+def _stream_one_token_at_a_time(pipeline: Pipeline, ids: list[int]) -> dict[str, Any]:
+    import msgspec
+
+    from render_service.parsers.pipeline import MessageAccumulator
+
+    state = pipeline.initial_state(None, False)
+    acc = MessageAccumulator()
+    for i in ids:
+        state = pipeline.restore_state(msgspec.msgpack.decode(msgspec.msgpack.encode(state)))
+        acc.add(pipeline.feed(state, [i]))
+    acc.add(pipeline.finish(state))
+    return acc.message()
+
+
+def check_pipeline(family: ToolFamily, tokenizer: Any, ids: list[int]) -> dict[str, Any]:
+    """Derender over real token IDs: batch == one-token streaming (state round trips); both invariants."""
+    config = PipelineConfig(request_id="inv", tool_parser=family.name, tool_choice="auto",
+                            tools=list(family.tools.tools), skip_special_tokens=False)
+    pipeline = Pipeline(tokenizer, config)
+    batch, _ = derender_all(pipeline, ids, None, False)
+    assert _stream_one_token_at_a_time(pipeline, ids) == batch
+    calls = [{"name": c["function"]["name"], "id": c["id"], "arguments": c["function"]["arguments"]}
+             for c in batch["tool_calls"]]
+    assert_arguments_are_objects(calls)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert_nothing_lost(family, text, [batch["content"] or "", batch["reasoning"] or "", *_seen_of_calls(calls)])
+    return batch
