@@ -8,8 +8,9 @@ emits open / delta / close steps that each API renders as its own events. Batch 
 sequencer over the whole output, so batch is the fold of the stream by construction.
 
 Whitespace-only text between blocks (a newline between two tool calls) opens no block: it is held (bounded) until
-non-whitespace text follows, and dropped if another kind of block comes first or the output ends. Which text
-ends up in a block is therefore independent of how the output was chunked.
+non-whitespace text follows, and dropped if another kind of block comes first or the output ends; a text block
+right after a reasoning block starts at its first non-whitespace character (Qwen3 writes a blank line after
+``</think>``). Which text ends up in a block is therefore independent of how the output was chunked.
 """
 
 from __future__ import annotations
@@ -130,8 +131,11 @@ def sequence(state: BlockState, segs: Sequence[Segment]) -> list[Step]:
             elif not seg.text.strip() and len(state.held) + len(seg.text) <= MAX_HELD_WHITESPACE:
                 state.held += seg.text
             else:
+                text = state.held + seg.text
+                if blocks and blocks[-1].kind == "reasoning":
+                    text = text.lstrip()  # the blank line a template puts after </think> is not the answer's
                 index = _open(state, BlockInfo("text"), out)
-                out.append(Step("delta", index, state.held + seg.text))
+                out.append(Step("delta", index, text))
                 state.held = ""
         elif seg.kind == "reasoning":
             state.held = ""
