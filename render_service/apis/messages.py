@@ -251,6 +251,7 @@ def to_chat(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionR
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
+        ignore_eos=req.ignore_eos,
         response_format=response_format,
         stream=bool(req.stream),
         stream_options=StreamOptions(include_usage=True) if req.stream else None,

@@ -33,6 +33,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
+    ignore_eos: bool = False
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):

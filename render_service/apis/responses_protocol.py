@@ -48,6 +48,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    ignore_eos: bool = False
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
