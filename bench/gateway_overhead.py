@@ -321,22 +321,43 @@ async def stream_direct(client: httpx.AsyncClient, url: str, token_ids: list[int
     return events
 
 
-async def stream_gateway(client: httpx.AsyncClient, url: str, max_tokens: int) -> int:
-    body = {"model": "bench", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+# The same conversation in each API's request (ignore_eos: vLLM's extension, accepted by all three here).
+API_TARGETS = {"gateway_responses": "responses", "gateway_messages": "messages"}
+
+
+def gateway_request(api: str, max_tokens: int) -> tuple[str, dict]:
+    if api == "responses":
+        return "/v1/responses", {"model": "bench", "input": MESSAGES, "max_output_tokens": max_tokens,
+                                 "temperature": 0.0, "ignore_eos": True, "stream": True, "store": False}
+    if api == "messages":
+        return "/v1/messages", {"model": "bench", "system": MESSAGES[0]["content"], "messages": MESSAGES[1:],
+                                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                                "thinking": {"type": "adaptive"}}
+    return "/v1/chat/completions", {"model": "bench", "messages": MESSAGES, "max_tokens": max_tokens,
+                                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+
+
+def process_of(target: str) -> str:
+    """The server process a target's requests run in (the API targets are the chat gateway's process)."""
+    return "gateway" if target in API_TARGETS else target
+
+
+async def stream_gateway(client: httpx.AsyncClient, url: str, max_tokens: int, api: str = "chat") -> int:
+    path, body = gateway_request(api, max_tokens)
     events = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", url + path, json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 events += 1
-                if '"error"' in line[:20]:
+                if '"error"' in line[:30]:
                     raise RuntimeError(line)
     return events
 
 
 async def run_phase(url: str, chat: bool, n: int, concurrency: int, max_tokens: int,
-                    token_ids: list[int]) -> tuple[float, int]:
+                    token_ids: list[int], api: str = "chat") -> tuple[float, int]:
     """(wall seconds, data events the client received)."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -348,7 +369,7 @@ async def run_phase(url: str, chat: bool, n: int, concurrency: int, max_tokens: 
             while queue:
                 queue.pop()
                 if chat:
-                    got = await stream_gateway(client, url, max_tokens)
+                    got = await stream_gateway(client, url, max_tokens, api)
                 else:
                     got = await stream_direct(client, url, token_ids, max_tokens)
                 events += got  # (not `events += await ...`: that reads events before the await)
@@ -363,7 +384,7 @@ def measure(target: str, url: str, n: int, concurrency: int, max_tokens: int, pr
     before = {name: cpu_seconds(p.pid) for name, p in procs.items()}
     try:
         wall, events = asyncio.run(run_phase(url, target.startswith("gateway"), n, concurrency, max_tokens,
-                                             token_ids))
+                                             token_ids, API_TARGETS.get(target, "chat")))
     except Exception as exc:
         raise SystemExit(f"{target} (max_tokens {max_tokens}) failed: {type(exc).__name__}: {exc}") from exc
     after = {name: cpu_seconds(p.pid) for name, p in procs.items()}
@@ -377,10 +398,11 @@ def measure(target: str, url: str, n: int, concurrency: int, max_tokens: int, pr
 def overhead(phases: list[dict], target: str, n: int, t: int) -> dict:
     """Per-request and per-token CPU of the process serving ``target``, from one round's phases."""
     by = {(p["target"], p["max_tokens"]): p for p in phases}
-    others = [p for p in phases if p["target"] != target]
-    idle_rate = sum(p["cpu_s"][target] for p in others) / sum(p["wall_s"] for p in others)
-    short = by[(target, 1)]["cpu_s"][target] - idle_rate * by[(target, 1)]["wall_s"]
-    long = by[(target, t)]["cpu_s"][target] - idle_rate * by[(target, t)]["wall_s"]
+    proc = process_of(target)
+    others = [p for p in phases if process_of(p["target"]) != proc]  # phases that leave this process idle
+    idle_rate = sum(p["cpu_s"][proc] for p in others) / sum(p["wall_s"] for p in others)
+    short = by[(target, 1)]["cpu_s"][proc] - idle_rate * by[(target, 1)]["wall_s"]
+    long = by[(target, t)]["cpu_s"][proc] - idle_rate * by[(target, t)]["wall_s"]
     return {"per_request_us": round(short / n * 1e6, 1), "per_token_us": round((long - short) / (n * (t - 1)) * 1e6, 1),
             "idle_cpu_per_s": round(idle_rate, 5)}
 
@@ -436,13 +458,35 @@ def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) ->
     events = [msgspec.json.encode({"request_id": "x", "choices": [{"index": 0, "token_ids": [rnd.randrange(150000)],
                                                                      "finish_reason": None}]}) for _ in range(tokens)]
     decode_event = msgspec.json.Decoder(GenerateStreamResponse).decode
-    responder = ChatResponder(gen, req, config)
-    started = time.process_time()
-    for raw in events:
-        for choice in decode_event(raw).choices:
-            responder.stream_events(0, choice)
-    token_us = (time.process_time() - started) / tokens * 1e6
-    return {"per_request": per_request, "derender_and_encode_us_per_token": round(token_us, 1)}
+    def per_token(responder) -> float:
+        started = time.process_time()
+        for raw in events:
+            for choice in decode_event(raw).choices:
+                responder.stream_events(0, choice)
+        return round((time.process_time() - started) / tokens * 1e6, 1)
+
+    from render_service.apis.messages import render_messages
+    from render_service.apis.messages_protocol import MessagesRequest
+    from render_service.apis.responses import render_responses
+    from render_service.apis.responses_output import ResponsesShape
+    from render_service.apis.responses_protocol import ResponsesRequest
+    from render_service.gateway.api_responders import MessagesResponder, ResponsesResponder
+
+    _, rbody = gateway_request("responses", tokens)
+    rreq = msgspec.convert(rbody, ResponsesRequest)
+    rgen, rchat = render_responses(rreq, config, stateless=False)
+    _, mbody = gateway_request("messages", tokens)
+    mreq = msgspec.convert(mbody, MessagesRequest)
+    mgen, mchat = render_messages(mreq, config)
+    apis = {
+        "chat": per_token(ChatResponder(gen, req, config)),
+        "responses": per_token(ResponsesResponder(config, rgen, rchat, ResponsesShape(
+            rgen.request_id or "", "bench", rreq, len(rgen.token_ids)))),
+        "messages": per_token(MessagesResponder(config, mgen, mchat, "bench")),
+    }
+    return {"per_request": per_request, "derender_and_encode_us_per_token": apis["chat"],
+            "derender_and_encode_us_per_token_by_api": apis,
+            "api_over_chat_in_process": {k: round(v / apis["chat"], 2) for k, v in apis.items()}}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -506,6 +550,8 @@ def main() -> int:
             rendered = httpx.post(urls["gateway"] + "/v1/chat/completions/render",
                                   json={"model": "bench", "messages": MESSAGES}, timeout=60).json()
             token_ids = rendered["token_ids"]
+            for name in API_TARGETS:  # Responses and Messages, served by the same gateway process as chat
+                urls[name] = urls["gateway"]
             targets = list(urls)
             for target in targets:  # warm every path (imports, pipelines, connection pools)
                 measure(target, urls[target], 2 * args.concurrency, args.concurrency, 8, procs, token_ids)
@@ -551,13 +597,20 @@ def main() -> int:
         "targets": {"per_request_us": 1000, "per_token_us": 50},
         "meets_targets": gw["per_request_us"] <= 1000 and gw["per_token_us"] <= 50,
         "in_process": in_process,
+        # Responses and Messages against chat, the same gateway process and engine, in this run (target <= 1.3)
+        "api_over_chat_per_token": {api: round(median[name]["per_token_us"] / gw["per_token_us"], 2)
+                                    for name, api in API_TARGETS.items()} if gw["per_token_us"] > 0 else None,
+        "api_over_chat_per_request": {api: round(median[name]["per_request_us"] / gw["per_request_us"], 2)
+                                      for name, api in API_TARGETS.items()} if gw["per_request_us"] > 0 else None,
         "per_round": per_round,
         "phases": rounds,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("median", "gateway_over_floor", "meets_targets")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("median", "gateway_over_floor", "meets_targets", "api_over_chat_per_token",
+                                             "api_over_chat_per_request")}, indent=2))
+    print(json.dumps(result["in_process"], indent=2))
     return 0
 
 

@@ -99,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--pd-min-uncached-tokens", type=int, default=0, metavar="N",
                     help="P/D: send a request to decode alone when fewer than N of its prompt tokens are uncached "
                          "there (estimated from the prompts routed to that replica); 0 always disaggregates")
+    gw.add_argument("--responses-store-path", default=None, metavar="FILE",
+                    help="SQLite file of stored Responses (store / previous_response_id); default: "
+                         "responses.sqlite3 in the local cache directory")
+    gw.add_argument("--responses-store-dsn", default=os.environ.get("SPLITSERVE_RESPONSES_STORE_DSN"), metavar="DSN",
+                    help="PostgreSQL DSN (postgresql://user:pass@host/db) for stored Responses shared by several "
+                         "gateway replicas, instead of SQLite (default: $SPLITSERVE_RESPONSES_STORE_DSN)")
+    gw.add_argument("--responses-store-max-entries", type=int, default=100_000,
+                    help="stored Responses kept at most (the oldest go first)")
+    gw.add_argument("--responses-store-ttl", type=float, default=30 * 24 * 3600.0, metavar="SECONDS",
+                    help="stored Responses older than this are dropped (default 30 days)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["json", "text"],
                        help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -135,6 +145,8 @@ def build_gateway(args: argparse.Namespace) -> Any:
         dns_refresh_s=args.dns_refresh_interval, conversation_ttl_s=args.conversation_kv_blocks_ttl,
         max_conversations=args.max_conversations, pd_transfer_mode=args.pd_transfer_mode,
         pd_min_uncached_tokens=args.pd_min_uncached_tokens,
+        responses_store_path=args.responses_store_path, responses_store_dsn=args.responses_store_dsn,
+        responses_store_max_entries=args.responses_store_max_entries, responses_store_ttl_s=args.responses_store_ttl,
     )
     return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings,
                    client=EngineClient(api_key=args.engine_api_key))

@@ -21,6 +21,7 @@ def render_operations() -> list[Operation]:
         Operation("/v1/completions/derender", "post", "Engine output to a completion (batch or one chunk)",
                   (p.DerenderCompletionRequest, p.DerenderCompletionStreamRequest),
                   (p.CompletionResponse, p.DerenderCompletionStreamResponse)),
+        *api_operations(),
         Operation("/tokenize", "post", "Tokenize a prompt or a conversation", (p.TokenizeRequest,), p.TokenizeResponse),
         Operation("/detokenize", "post", "Token IDs to text", (p.DetokenizeRequest,), p.DetokenizeResponse),
         Operation("/v1/models", "get", "Served model names", response=p.ModelList),
@@ -28,6 +29,29 @@ def render_operations() -> list[Operation]:
         *ping_operations(),
         Operation("/version", "get", "Version and render fingerprint", response=dict[str, str]),
         Operation("/metrics", "get", "Prometheus metrics", text=True),
+    ]
+
+
+def api_operations() -> list[Operation]:
+    """Responses and Messages render/derender (render_service/apis/)."""
+    from render_service import protocol as p
+    from render_service.apis import messages_protocol as m
+    from render_service.apis import responses_protocol as r
+    from render_service.apis.errors import AnthropicErrorBody, OpenAIErrorBody
+
+    return [
+        Operation("/v1/responses/render", "post", "Responses request to engine-ready token IDs",
+                  (r.ResponsesRequest,), p.GenerateRequest, error=OpenAIErrorBody),
+        Operation("/v1/responses/derender", "post", "Engine output to a Responses response (batch or one chunk)",
+                  (r.DerenderResponsesRequest, r.DerenderResponsesStreamRequest),
+                  (r.ResponseObject, r.DerenderResponsesStreamResponse), error=OpenAIErrorBody),
+        Operation("/v1/messages/render", "post", "Anthropic Messages request to engine-ready token IDs",
+                  (m.MessagesRequest,), p.GenerateRequest, error=AnthropicErrorBody),
+        Operation("/v1/messages/derender", "post", "Engine output to an Anthropic message (batch or one chunk)",
+                  (m.DerenderMessagesRequest, m.DerenderMessagesStreamRequest),
+                  (m.MessageObject, m.DerenderMessagesStreamResponse), error=AnthropicErrorBody),
+        Operation("/v1/messages/count_tokens", "post", "Prompt token count of a Messages request",
+                  (m.CountTokensRequest,), m.CountTokensResponse, error=AnthropicErrorBody),
     ]
 
 

@@ -325,7 +325,9 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 def own_routes() -> list[Route]:
-    return [
+    from render_service.apis.endpoints import api_routes
+
+    return api_routes(endpoint) + [
         Route("/v1/chat/completions/render", endpoint("chat_render", chat_render), methods=["POST"]),
         Route("/v1/completions/render", endpoint("completion_render", completion_render), methods=["POST"]),
         Route("/v1/chat/completions/derender", endpoint("chat_derender", chat_derender), methods=["POST"]),

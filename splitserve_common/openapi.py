@@ -24,6 +24,7 @@ class Operation:
     response: Any = None  # the 200 JSON body type (a tuple: one of several); None: no JSON body
     stream: Any = None  # the type of each SSE event when the request asks for a stream
     text: bool = False  # 200 body is text (metrics)
+    error: Any = None  # the 4xx body type when it is not the document's (an API with its own error shape)
 
 
 def ping_operations() -> list[Operation]:
@@ -36,7 +37,7 @@ def build_openapi(title: str, version: str, operations: list[Operation], error_t
     for op in operations:
         types += list(op.request)
         types += list(op.response) if isinstance(op.response, tuple) else [op.response]
-        types += [op.stream]
+        types += [op.stream, op.error]
     types = [t for t in dict.fromkeys(types) if t is not None]
     by_type, components = _schemas(types)
 
@@ -60,7 +61,9 @@ def build_openapi(title: str, version: str, operations: list[Operation], error_t
             content["text/plain"] = {"schema": {"type": "string"}}
         if content:
             ok["content"] = content
-        responses: dict[str, Any] = {"200": ok, "4XX": error}
+        own_error = {"description": "The API's own error shape",
+                     "content": {"application/json": {"schema": by_type[op.error]}}} if op.error is not None else None
+        responses: dict[str, Any] = {"200": ok, "4XX": own_error or error}
         if op.path in ("/health", "/ping") or op.method == "post":
             responses["503"] = {"description": "Draining or unavailable", **(
                 {"content": error["content"]} if op.method == "post" else {})}

@@ -64,6 +64,11 @@ class GatewaySettings:
     max_conversations: int = DEFAULT_CAPACITY
     pd_transfer_mode: str = "pull"  # "push": both legs at once (engines run NixlPushConnector)
     pd_min_uncached_tokens: int = 0  # below this many uncached prompt tokens (estimated), decode alone serves
+    # stored Responses (gateway/response_store.py): SQLite at this path (None: the cache directory), or PostgreSQL
+    responses_store_path: str | None = None
+    responses_store_dsn: str | None = None
+    responses_store_max_entries: int = 100_000
+    responses_store_ttl_s: float = 30 * 24 * 3600.0
 
 
 @dataclass

@@ -79,11 +79,18 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
     async def status(request: Request) -> Response:
         return Response(_encode(gateway.snapshot()), media_type="application/json")
 
+    from render_service.gateway.api_routes import api_gateway_routes
+    from render_service.gateway.response_store import open_store
+
+    s = gateway.settings
+    store = open_store(s.responses_store_path, s.responses_store_dsn, s.responses_store_max_entries,
+                       s.responses_store_ttl_s)
     return [
         Route("/v1/chat/completions", endpoint("chat_completions", chat), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
         Route("/invocations", endpoint("invocations", invocations), methods=["POST"]),
         Route("/gateway/status", endpoint("gateway_status", status), methods=["GET"]),
+        *api_gateway_routes(gateway, config, endpoint, store),  # /v1/responses, /v1/messages (gateway/api_routes.py)
     ]
 
 

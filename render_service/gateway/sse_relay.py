@@ -169,14 +169,22 @@ class SseRelay:
         """The last write: what was held, usage (or the error event), [DONE], and the body's end."""
         self.complete = True
         data = self.held
-        if error is None:
+        final_bytes = getattr(self.responder, "final_bytes", None)
+        if final_bytes is not None:  # Responses and Messages end their streams their own way (no [DONE])
+            try:
+                data += final_bytes(error)
+            except Exception:
+                logger.exception("the closing events of stream %s failed", self.responder.response_id)
+        elif error is None:
             usage = self.responder.usage_chunk()
             if usage is not None:
                 data += sse(usage)
         else:
             data += b"data: " + error_body(error) + b"\n\n"
+        if final_bytes is None:
+            data += DONE
         try:
-            self._write(data + DONE, False)
+            self._write(data, False)
         except Exception:  # nothing more can reach this client
             logger.exception("the last write of stream %s failed", self.responder.response_id)
         self._wake_watcher()

@@ -1,0 +1,292 @@
+"""Anthropic Messages requests -> the equivalent chat request -> ``render_chat``.
+
+The content-block mapping is vLLM's (``/v1/messages`` and ``/v1/messages/render``), so prompts render to the same
+token IDs as upstream's: system text blocks joined, ``tool_use`` blocks as assistant tool calls, ``tool_result``
+blocks as tool messages ahead of the user's remaining text, ``thinking`` blocks as the assistant's reasoning.
+Two places follow Anthropic's semantics instead of upstream's (docs/apis.md):
+
+* an assistant message last in ``messages`` is a **prefill**: the model continues it (the chat request sets
+  ``continue_final_message``), where upstream closes that turn and opens a new one;
+* ``thinking`` switches the template's thinking (absent or ``disabled``: off; ``enabled``/``adaptive``: on) and
+  ``budget_tokens`` is a real budget: it rides to the gateway, which ends reasoning when it is spent
+  (``gateway/thinking_budget.py``); upstream only records it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from render_service.apis.messages_protocol import CountTokensRequest, MessagesRequest
+from render_service.errors import bad_request
+from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
+from render_service.render import render_chat, render_chat_prompt
+from render_service.render_config import RenderConfig
+
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def new_message_id(given: str | None = None) -> str:
+    return given if given else f"msg_{os.urandom(12).hex()}"
+
+
+def _system_text(system: Any, messages: list[Any]) -> str:
+    """Top-level system (a string or text blocks) and any system-role messages, joined as vLLM joins them."""
+    parts: list[str] = []
+    if isinstance(system, str):
+        parts.append(system)
+    elif isinstance(system, list):
+        for i, block in enumerate(system):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise bad_request(f"system[{i}] must be a text block", "system")
+            if not block["text"].startswith(BILLING_HEADER):  # per-request hash: would defeat prefix caching
+                parts.append(block["text"])
+    elif system is not None:
+        raise bad_request("system must be a string or a list of text blocks", "system")
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") == "system":
+            texts = _block_texts(message.get("content"), "messages")
+            parts.extend(t for t in texts if not t.startswith(BILLING_HEADER))
+    return "".join(parts)
+
+
+def _block_texts(content: Any, where: str) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: content must be a string or a list of content blocks", where)
+    out = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise bad_request(f"{where}[{i}] must be a content block object", where)
+        if block.get("type") == "text" and isinstance(block.get("text"), str):
+            out.append(block["text"])
+        elif block.get("type") in ("image", "document"):
+            raise bad_request(f"{where}[{i}]: {block['type']} blocks are not supported (this render tier is text-only)",
+                              where)
+        else:
+            raise bad_request(f"{where}[{i}] must be a text block", where)
+    return out
+
+
+def _tool_result(block: dict[str, Any], where: str, known: set[str]) -> dict[str, Any]:
+    tool_use_id = block.get("tool_use_id")
+    if not isinstance(tool_use_id, str) or tool_use_id not in known:
+        raise bad_request(f"{where}: tool_result block(s) provided without a matching tool_use block "
+                          f"(tool_use_id {tool_use_id!r})", where)
+    content = block.get("content")
+    text = "" if content is None else "\n".join(_block_texts(content, f"{where}.content"))
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+
+
+def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The chat messages a Messages request means (vLLM's conversion, checked)."""
+    if not isinstance(req.messages, list) or not req.messages:
+        raise bad_request("messages: at least one message is required", "messages")
+    out: list[dict[str, Any]] = []
+    system = _system_text(req.system, req.messages)
+    if system:
+        out.append({"role": "system", "content": system})
+    known: set[str] = set()
+    for m, message in enumerate(req.messages):
+        where = f"messages[{m}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role = message.get("role")
+        if role == "system":
+            continue
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", where)
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{where}.content must be a string or a list of content blocks", where)
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
+        for b, block in enumerate(content):
+            at = f"{where}.content[{b}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                if block["text"]:
+                    texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                        or not isinstance(block.get("input", {}), dict):
+                    raise bad_request(f"{at}: tool_use needs a string id and name and an object input", at)
+                known.add(block["id"])
+                calls.append({"id": block["id"], "type": "function",
+                              "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                out.append(_tool_result(block, at, known))
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                reasoning.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                pass  # opaque by design: nothing to render
+            elif kind in ("image", "document"):
+                raise bad_request(f"{at}: {kind} blocks are not supported (this render tier is text-only)", at)
+            else:
+                raise bad_request(f"{at}: content block type {kind!r} is not valid in a {role} message", at)
+        msg: dict[str, Any] = {"role": role}
+        if reasoning:
+            msg["reasoning"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        if texts:
+            msg["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+        elif not calls and not reasoning:
+            continue  # only tool results (already out) or nothing: as vLLM, no empty message
+        out.append(msg)
+    return out
+
+
+def thinking_switch(req: MessagesRequest | CountTokensRequest) -> tuple[bool, int | None]:
+    """(thinking on, its token budget). Anthropic's semantics: thinking is opt-in."""
+    thinking = req.thinking
+    if thinking is None:
+        return False, None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return False, None
+    if kind == "adaptive":
+        return True, None
+    if kind != "enabled":
+        raise bad_request("thinking.type must be 'enabled', 'disabled' or 'adaptive'", "thinking")
+    budget = thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        raise bad_request("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
+    max_tokens = getattr(req, "max_tokens", None)
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad_request(f"`max_tokens` must be greater than `thinking.budget_tokens` ({budget} >= {max_tokens})",
+                          "thinking.budget_tokens")
+    return True, budget
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(f"tools[{i}]: only client tools (name, input_schema) are supported, not {kind!r}",
+                              "tools")
+        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+            raise bad_request(f"tools[{i}] needs a string name and an object input_schema", "tools")
+        schema = dict(tool["input_schema"])
+        schema.setdefault("type", "object")
+        out.append({"type": "function", "function": {
+            "name": tool["name"], "description": tool.get("description"), "parameters": schema}})
+    return out
+
+
+def chat_tool_choice(choice: dict[str, Any] | None, tools: list[Any] | None) -> tuple[Any, bool]:
+    """(chat tool_choice, parallel tool calls)."""
+    if choice is None:
+        return ("auto" if tools else None), True
+    if not isinstance(choice, dict):
+        raise bad_request("tool_choice must be an object", "tool_choice")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise bad_request("tool_choice.type must be 'auto', 'any', 'tool' (with a name) or 'none'", "tool_choice")
+
+
+def _template_kwargs(req: MessagesRequest | CountTokensRequest, config: RenderConfig, thinking: bool
+                     ) -> dict[str, Any] | None:
+    kwargs = dict(req.chat_template_kwargs or {})
+    cls = config.reasoning_parser_cls
+    if cls is not None and not config.harmony:
+        kwargs.setdefault(cls.thinking_kwarg, thinking)
+    return kwargs or None
+
+
+def _prefill(messages: list[dict[str, Any]]) -> bool:
+    """An assistant message last is a prefill to continue (Anthropic's semantics)."""
+    last = messages[-1]
+    if last["role"] != "assistant":
+        return False
+    if last.get("tool_calls") or not last.get("content"):
+        raise bad_request("the final assistant message must end with text to be continued", "messages")
+    content = last["content"]
+    text = content if isinstance(content, str) else content[-1]["text"]
+    if text != text.rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace", "messages")
+    return True
+
+
+def to_chat(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionRequest, int | None]:
+    """(the chat request, the thinking budget)."""
+    if req.max_tokens is None:
+        raise bad_request("max_tokens: Field required", "max_tokens")
+    if req.max_tokens < 1:
+        raise bad_request("max_tokens must be at least 1", "max_tokens")
+    thinking, budget = thinking_switch(req)
+    messages = chat_messages(req)
+    prefill = _prefill(messages)
+    choice, parallel = chat_tool_choice(req.tool_choice, req.tools)
+    response_format = None
+    fmt = (req.output_config or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    effort = (req.output_config or {}).get("effort")
+    chat = ChatCompletionRequest(
+        messages=messages,
+        model=req.model,
+        tools=chat_tools(req.tools),
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        max_tokens=req.max_tokens,
+        stop=list(req.stop_sequences) if req.stop_sequences else None,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        ignore_eos=req.ignore_eos,
+        response_format=response_format,
+        stream=bool(req.stream),
+        stream_options=StreamOptions(include_usage=True) if req.stream else None,
+        chat_template_kwargs=_template_kwargs(req, config, thinking),
+        reasoning_effort=effort if isinstance(effort, str) else None,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        kv_transfer_params=req.kv_transfer_params,
+    )
+    return chat, budget
+
+
+def render_messages(req: MessagesRequest, config: RenderConfig, *, request_id: str | None = None
+                    ) -> tuple[GenerateRequest, ChatCompletionRequest]:
+    """The engine request (``sampling_params.thinking_token_budget`` set from the budget) and its chat request."""
+    chat, budget = to_chat(req, config)
+    gen = render_chat(chat, config)
+    params = gen.sampling_params
+    if budget is not None:
+        params = msgspec.structs.replace(params, thinking_token_budget=budget)
+    gen = msgspec.structs.replace(gen, request_id=new_message_id(request_id or req.request_id), sampling_params=params,
+                                  kv_transfer_params=req.kv_transfer_params)
+    return gen, chat
+
+
+def count_tokens(req: CountTokensRequest, config: RenderConfig) -> int:
+    """The prompt's token count, rendered exactly as a Messages request with these fields would be."""
+    thinking, _ = thinking_switch(req)
+    messages = chat_messages(req)
+    prefill = messages[-1]["role"] == "assistant" and _prefill(messages)
+    choice, parallel = chat_tool_choice(req.tool_choice, req.tools)
+    chat = ChatCompletionRequest(
+        messages=messages, model=req.model, tools=chat_tools(req.tools), tool_choice=choice,
+        parallel_tool_calls=parallel, chat_template_kwargs=_template_kwargs(req, config, thinking),
+        add_generation_prompt=not prefill, continue_final_message=prefill,
+    )
+    ids, _ = render_chat_prompt(chat, config)
+    return len(ids)

@@ -1,0 +1,258 @@
+"""Responses requests -> the equivalent chat request -> ``render_chat``: one render path for every API.
+
+The mapping is what OpenAI's Responses API means by each field (and what vLLM's ``/v1/responses`` does):
+``instructions`` become the system message, input items become chat messages (consecutive reasoning, assistant
+message and ``function_call`` items fold into one assistant turn; ``function_call_output`` becomes a tool
+message), function tools and ``tool_choice`` become chat's, ``text.format`` becomes ``response_format``.
+Anything the render tier cannot honour (non-function tools, images, background mode) is a 400 in OpenAI's
+error shape. ``previous_response_id`` is resolved by the gateway (its store) before this runs; the stateless
+``/v1/responses/render`` refuses it, as upstream does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from render_service.apis.errors import coded
+from render_service.apis.responses_protocol import ResponsesRequest
+from render_service.errors import bad_request
+from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
+from render_service.render import render_chat
+from render_service.render_config import RenderConfig
+
+TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+
+
+def new_response_id(given: str | None = None) -> str:
+    """``resp_<hex>`` (vLLM: ``resp_`` + random_uuid()); a caller's id is kept as it is."""
+    return given if given else f"resp_{os.urandom(16).hex()}"
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """The text of a content value: a string, or a list of text parts (anything else is refused)."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content parts", where)
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise bad_request(f"{where}[{i}] must be an object", where)
+        kind = part.get("type")
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            out.append(part["refusal"])
+        elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{where}[{i}]: {kind} is not supported (this render tier is text-only)", where)
+        else:
+            raise bad_request(f"{where}[{i}] has unknown content part type {kind!r}", where)
+    return out
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    texts = _texts(content, where)
+    return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+
+
+class _Turns:
+    """Chat messages being built; assistant-side items fold into the open assistant turn."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.assistant: dict[str, Any] | None = None
+        self.call_ids: set[str] = set()
+
+    def _turn(self, fresh: bool) -> dict[str, Any]:
+        if self.assistant is None or fresh:
+            self.flush()
+            self.assistant = {"role": "assistant", "content": ""}
+        return self.assistant
+
+    def flush(self) -> None:
+        if self.assistant is not None:
+            self.messages.append(self.assistant)
+            self.assistant = None
+
+    def reasoning(self, text: str) -> None:
+        turn = self.assistant
+        fresh = turn is None or bool(turn["content"]) or "tool_calls" in turn or "reasoning" in turn
+        self._turn(fresh)["reasoning"] = text
+
+    def assistant_text(self, content: str | list[dict[str, Any]]) -> None:
+        turn = self.assistant
+        fresh = turn is None or bool(turn["content"]) or "tool_calls" in turn
+        self._turn(fresh)["content"] = content
+
+    def call(self, call_id: str, name: str, arguments: str) -> None:
+        self._turn(False).setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        self.call_ids.add(call_id)
+
+    def other(self, message: dict[str, Any]) -> None:
+        self.flush()
+        self.messages.append(message)
+
+
+def input_messages(items: Any, known_call_ids: set[str] | None = None) -> list[dict[str, Any]]:
+    """Responses input (a string or items) as chat messages; 400 for unknown items or orphan tool outputs."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise bad_request("input must be a string or a list of input items", "input")
+    turns = _Turns()
+    if known_call_ids:
+        turns.call_ids |= known_call_ids
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise bad_request(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", where)
+            content = _content(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                turns.assistant_text(content)
+            else:
+                turns.other({"role": role, "content": content})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            turns.reasoning("".join(_texts(parts, f"{where}.content")))
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
+                raise bad_request(f"{where}: a function_call needs string call_id, name and arguments", where)
+            turns.call(call_id, name, arguments)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in turns.call_ids:
+                raise bad_request(f"No tool call found for function call output with call_id {call_id!r}.", where)
+            output = item.get("output")
+            text = "".join(_texts(output, f"{where}.output")) if not isinstance(output, str) else output
+            turns.other({"role": "tool", "tool_call_id": call_id, "content": text})
+        else:
+            raise bad_request(f"{where} has unknown input item type {kind!r}", where)
+    turns.flush()
+    return turns.messages
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(f"tools[{i}]: only function tools are supported, not {kind!r}", "tools")
+        if not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools[{i}].name must be a string", "tools")
+        fn = {"name": tool["name"], "description": tool.get("description"), "parameters": tool.get("parameters")}
+        if isinstance(tool.get("strict"), bool):
+            fn["strict"] = tool["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+                      "tool_choice")
+
+
+def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not fmt:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format.schema must be an object", "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"]}}
+    if kind in ("json_object", "text"):
+        return {"type": kind}
+    raise bad_request(f"Unsupported text.format type {kind!r}", "text")
+
+
+def _check(req: ResponsesRequest) -> None:
+    if req.background:
+        raise bad_request("background responses are not supported", "background")
+    if req.prompt is not None:
+        raise bad_request("prompt templates are not supported", "prompt")
+    if req.conversation is not None:
+        raise bad_request("conversations are not supported; use previous_response_id", "conversation")
+    if req.input is None:
+        raise bad_request("input is required", "input")
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise bad_request("max_output_tokens must be at least 1", "max_output_tokens")
+    if req.truncation not in (None, "auto", "disabled"):
+        raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
+
+
+def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str, Any]] | None = None
+            ) -> ChatCompletionRequest:
+    """The chat request a Responses request means (``history``: the stored conversation it continues)."""
+    _check(req)
+    known = {c["id"] for m in history or () for c in m.get("tool_calls") or () if isinstance(c, dict)}
+    messages = [*(history or ()), *input_messages(req.input, known)]
+    if req.instructions:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = (req.reasoning or {}).get("effort")
+    if effort == "none" and config.reasoning_parser_cls is not None and not config.harmony:
+        kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, False)  # no thinking asked for
+        effort = None
+    return ChatCompletionRequest(
+        messages=messages,
+        model=req.model,
+        tools=chat_tools(req.tools),
+        tool_choice=chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        seed=req.seed,
+        ignore_eos=req.ignore_eos,
+        response_format=response_format(req.text),
+        stream=bool(req.stream),
+        stream_options=StreamOptions(include_usage=True) if req.stream else None,
+        chat_template_kwargs=kwargs or None,
+        reasoning_effort=effort if isinstance(effort, str) else None,
+        truncate_prompt_tokens=-1 if req.truncation == "auto" else None,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        kv_transfer_params=req.kv_transfer_params,
+        user=req.user,
+    )
+
+
+def render_responses(req: ResponsesRequest, config: RenderConfig, *, request_id: str | None = None,
+                     history: list[dict[str, Any]] | None = None, stateless: bool = True
+                     ) -> tuple[GenerateRequest, ChatCompletionRequest]:
+    """The engine request for a Responses request and the chat request it was rendered as.
+
+    ``stateless`` (/v1/responses/render): ``previous_response_id`` is refused, as upstream's render does."""
+    if stateless and req.previous_response_id is not None:
+        raise coded(bad_request("previous_response_id is not supported by the stateless render endpoint; inline "
+                                "the conversation's items in input", "previous_response_id"),
+                    "unsupported_parameter")
+    chat = to_chat(req, config, history)
+    gen = render_chat(chat, config)
+    gen = msgspec.structs.replace(gen, request_id=new_response_id(request_id or req.request_id),
+                                  kv_transfer_params=req.kv_transfer_params)
+    return gen, chat

@@ -1,0 +1,248 @@
+"""/v1/responses and /v1/messages through real gateway processes and real engine processes, with the official
+`openai` and `anthropic` packages unchanged: tools, reasoning, streaming and not, collocated and P/D (NIXL),
+stored responses (SQLite; PostgreSQL shared by two gateways where its server is installed), the thinking
+budget, prefill continuation, each API's errors.
+
+The engines run the scripted tiny Qwen3 of gateway_harness.py: a prompt ending in "\\n" (thinking on) makes it
+think "Need weather" and call get_weather(city=Paris); "\\n\\n" (the closed think block of thinking off) makes
+it say PLAIN_TEXT.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.gateway_harness import PLAIN_TEXT, TOOL_SCRIPT, engine_process, gateway_process, write_scripted_qwen3
+from tests.pg_harness import PostgresServer
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}]
+MESSAGES_TOOLS = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
+ASK = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway_apis")
+    model = write_scripted_qwen3(root / "tiny")
+    procs, pg = [], None
+    try:
+        prefill = engine_process(model, kv_engine_id="api-prefill", wait=False)
+        procs.append(prefill)
+        decode = engine_process(model, kv_engine_id="api-decode", wait=False)
+        procs.append(decode)
+        for p in (prefill, decode):
+            p.wait_healthy()
+        try:
+            pg = PostgresServer()
+        except pytest.skip.Exception:
+            pg = None
+        colloc = gateway_process(model, ["--engine", decode.url, "--responses-store-path", str(root / "r.sqlite3")])
+        procs.append(colloc)
+        shared = ["--responses-store-dsn", pg.dsn] if pg else ["--responses-store-path", str(root / "d.sqlite3")]
+        disagg = gateway_process(model, ["--prefill", prefill.url, "--decode", decode.url, *shared])
+        procs.append(disagg)
+        replica = gateway_process(model, ["--engine", decode.url, *shared]) if pg else None
+        if replica:
+            procs.append(replica)
+        yield {"collocated": colloc, "disaggregated": disagg, "replica": replica, "pg": pg}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        if pg is not None:
+            pg.stop()
+
+
+@pytest.fixture(params=["collocated", "disaggregated"])
+def mode(request):
+    return request.param
+
+
+def oai(stack, name) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack[name].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def claude(stack, name) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack[name].url, api_key="unused", max_retries=0, timeout=120)
+
+
+def items(response) -> list[dict]:
+    """Output items without their per-response ids (item ids and call ids derive from the response id)."""
+    out = []
+    for item in response.output:
+        d = item.to_dict()
+        d.pop("id", None)
+        d.pop("call_id", None)
+        out.append({k: v for k, v in d.items() if v is not None and not k.startswith("parsed")})
+    return out
+
+
+def blocks(message) -> list[dict]:
+    """Content blocks without what derives from the message id (tool_use ids, thinking signatures)."""
+    return [{k: v for k, v in b.to_dict().items() if k not in ("id", "signature")} for b in message.content]
+
+
+# ------------------------------------------------------------------------------------------ Responses
+
+
+def test_responses_tool_call_with_reasoning(stack, mode):
+    r = oai(stack, mode).responses.create(model="tiny", input=ASK, tools=RESPONSES_TOOLS, temperature=0)
+    assert r.status == "completed" and r.id.startswith("resp_")
+    reasoning, call = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Need weather"
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert r.usage.output_tokens == len(TOOL_SCRIPT) and r.usage.input_tokens > 50
+
+
+def test_responses_stream_folds_to_the_created_response(stack, mode):
+    c = oai(stack, mode)
+    batch = c.responses.create(model="tiny", input=ASK, tools=RESPONSES_TOOLS, temperature=0, store=False)
+    with c.responses.stream(model="tiny", input=ASK, tools=RESPONSES_TOOLS, temperature=0, store=False) as stream:
+        types = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in types and "response.function_call_arguments.delta" in types
+    assert items(final) == items(batch)
+    plain = c.responses.create(model="tiny", input="Hi", reasoning={"effort": "none"}, store=False)
+    assert plain.output_text == PLAIN_TEXT
+    assert plain.output[0].type == "message"
+
+
+def test_responses_max_output_tokens_is_incomplete(stack):
+    r = oai(stack, "collocated").responses.create(model="tiny", input="Hi", reasoning={"effort": "none"},
+                                                  max_output_tokens=3, store=False)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == "Hello world,"
+
+
+def test_stored_responses_continue_retrieve_and_delete(stack, mode):
+    c = oai(stack, mode)
+    first = c.responses.create(model="tiny", input=ASK, tools=RESPONSES_TOOLS)
+    call = first.output[-1]
+    assert c.responses.retrieve(first.id).output[-1].call_id == call.call_id
+    follow = c.responses.create(model="tiny", previous_response_id=first.id, tools=RESPONSES_TOOLS,
+                                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens > first.usage.input_tokens + len(TOOL_SCRIPT)  # the history was rendered
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model="tiny", previous_response_id=first.id, input="again")
+    assert err.value.code == "previous_response_not_found" and err.value.param == "previous_response_id"
+    unstored = c.responses.create(model="tiny", input="Hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+
+
+def test_streamed_response_is_stored(stack):
+    c = oai(stack, "collocated")
+    with c.responses.stream(model="tiny", input="Hi", reasoning={"effort": "none"}) as stream:
+        final = stream.get_final_response()
+    assert c.responses.retrieve(final.id).output_text == PLAIN_TEXT
+
+
+def test_replicas_share_stored_responses_through_postgres(stack):
+    if stack["pg"] is None:
+        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
+    first = oai(stack, "disaggregated").responses.create(model="tiny", input="Hi", reasoning={"effort": "none"})
+    assert oai(stack, "replica").responses.retrieve(first.id).output_text == PLAIN_TEXT
+    follow = oai(stack, "replica").responses.create(model="tiny", input="More?", previous_response_id=first.id,
+                                                    reasoning={"effort": "none"})
+    assert follow.usage.input_tokens > first.usage.input_tokens
+
+
+def test_responses_bad_input_is_an_openai_400(stack):
+    c = oai(stack, "collocated")
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model="tiny", input=[{"type": "computer_call", "id": "x"}])
+    assert "unknown input item type" in err.value.message
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(model="tiny", input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}])
+
+
+# ------------------------------------------------------------------------------------------- Messages
+
+
+def test_messages_thinking_and_tool_use(stack, mode):
+    c = claude(stack, mode)
+    m = c.messages.create(model="tiny", max_tokens=64, messages=[{"role": "user", "content": ASK}],
+                          tools=MESSAGES_TOOLS, thinking={"type": "enabled", "budget_tokens": 40})
+    assert m.stop_reason == "tool_use" and m.id.startswith("msg_")
+    thinking, tool = m.content
+    assert thinking.type == "thinking" and thinking.thinking == "Need weather" and thinking.signature
+    assert tool.type == "tool_use" and tool.name == "get_weather" and tool.input == {"city": "Paris"}
+    assert m.usage.output_tokens == len(TOOL_SCRIPT)
+    with c.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": ASK}],
+                           tools=MESSAGES_TOOLS, thinking={"type": "enabled", "budget_tokens": 40}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert blocks(final) == blocks(m)
+    assert final.stop_reason == "tool_use"
+    # the tool's result goes back as a tool_result block: the conversation renders and the model answers
+    again = c.messages.create(model="tiny", max_tokens=64, tools=MESSAGES_TOOLS, messages=[
+        {"role": "user", "content": ASK}, {"role": "assistant", "content": [b.to_dict() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "sunny"}]}])
+    assert again.usage.input_tokens > m.usage.input_tokens
+
+
+def test_messages_text_stop_sequences_and_max_tokens(stack, mode):
+    c = claude(stack, mode)
+    m = c.messages.create(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "Hi"}])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == PLAIN_TEXT and m.stop_reason == "end_turn"
+    m = c.messages.create(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "Hi"}],
+                          stop_sequences=["blue"])
+    assert m.content[0].text == "Hello world, the sky is " and m.stop_reason == "stop_sequence"
+    assert m.stop_sequence == "blue"
+    m = c.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+    with c.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "Hi"}],
+                           stop_sequences=["blue"]) as stream:
+        assert stream.get_final_text() == "Hello world, the sky is "
+
+
+def test_messages_thinking_budget_ends_reasoning(stack, mode):
+    """budget_tokens 2: the engine stops after "<think>Need"; the gateway closes the think block and continues
+    (the scripted model answers PLAIN_TEXT after "</think>\\n\\n"), one message."""
+    c = claude(stack, mode)
+    kwargs = dict(model="tiny", max_tokens=40, messages=[{"role": "user", "content": ASK}], tools=MESSAGES_TOOLS,
+                  thinking={"type": "enabled", "budget_tokens": 2})
+    m = c.messages.create(**kwargs)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", "Need"), ("text", PLAIN_TEXT)]
+    assert m.stop_reason == "end_turn"
+    with c.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert blocks(final) == blocks(m)
+
+
+def test_messages_assistant_prefill_is_continued(stack):
+    m = claude(stack, "collocated").messages.create(model="tiny", max_tokens=30, messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello world,"}])
+    assert m.content[0].text == PLAIN_TEXT[len("Hello world,"):]  # the continuation, not a new turn
+
+
+def test_count_tokens_and_anthropic_errors(stack):
+    c = claude(stack, "collocated")
+    n = c.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=MESSAGES_TOOLS)
+    m = c.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
+                          tools=MESSAGES_TOOLS)
+    assert n.input_tokens == m.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        c.messages.create(model="tiny", max_tokens=10, thinking={"type": "enabled", "budget_tokens": 10},
+                          messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError):
+        c.messages.create(model="tiny", max_tokens=10, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_missing", "content": "x"}]}])
+    r = httpx.post(stack["collocated"].url + "/v1/messages", json={"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"}], "kv_transfer_params": {"remote_host": "10.0.0.1"}}, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"
