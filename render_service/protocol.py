@@ -309,21 +309,6 @@ class DerenderCompletionRequest(msgspec.Struct):
     render_fingerprint: str | None = None
 
 
-class DerenderStreamState(msgspec.Struct):
-    """vLLM's ``stream_state``; the streaming derender (parsers package) owns its meaning."""
-
-    prev_tokens: list[str] = []
-    prefix_offset: int = 0
-    read_offset: int = 0
-    role_sent: bool = False
-    logprob_context_token_ids: list[int] = []
-    logprob_text_offset: int = 0
-    output_token_ids: list[int] = []
-    output_chunk_lens: list[int] = []
-    tools_streamed: bool = False
-    last_tool_call_ids: list[str] = []
-
-
 class DerenderChatStreamRequest(msgspec.Struct):
     stream: Literal[True]
     generate_chunk: GenerateStreamResponse
