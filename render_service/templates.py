@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any, Mapping
 
 import jinja2
@@ -256,8 +255,3 @@ def assistant_token_mask(token_offsets: list[tuple[int, int]], spans: list[tuple
         if end > spans[span][0]:
             mask[i] = 1
     return mask
-
-
-def default_template_source() -> str:
-    """Our own ChatML template (Qwen3 special tokens, tools, <think> reasoning, enable_thinking)."""
-    return resources.files("render_service").joinpath("default_template.jinja").read_text(encoding="utf-8")

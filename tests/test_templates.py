@@ -13,7 +13,8 @@ from render_service.bundle import load_bundle
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.template_analysis import detect_content_format
 from render_service.template_sandbox import compile_template
-from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask, default_template_source
+from render_service.default_bundle import default_template_source
+from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask
 from tests.conversations import CONVERSATIONS, Conversation, by_name
 
 transformers = pytest.importorskip("transformers")

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from splitserve_common.cache_dir import cache_root
+
 # o200k_base has 199,998 ordinary tokens; the specials start right after.
 O200K_BASE_TOKENS = 199998
 # sha256 of o200k_base.tiktoken, as openai-harmony (and tiktoken) check it.
@@ -102,8 +104,7 @@ def ranks_from_tokenizer(tokenizer: Any) -> dict[bytes, int]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPLITSERVE_CACHE") or str(Path.home() / ".cache" / "splitserve")
-    return Path(root) / "tiktoken"
+    return cache_root() / "tiktoken"
 
 
 def ensure_tiktoken_dir(tokenizer: Any) -> Path:
