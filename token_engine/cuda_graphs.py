@@ -58,10 +58,6 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.memory_pool = None
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.batch_sizes[-1]
-
     def _static_meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],

@@ -433,10 +433,6 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._accept_loop, name="kv-side-channel", daemon=True)
         self._thread.start()
 
-    @property
-    def authenticated(self) -> bool:
-        return self._secret is not None
-
     def connection_count(self) -> int:
         with self._conns_lock:
             return len(self._conns)
