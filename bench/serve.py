@@ -22,7 +22,6 @@ import numpy as np
 from bench.datasets import SampleRequest
 from bench.metrics import RequestOutput, calculate_metrics, format_summary, ttft_by_turn
 
-CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 
 

@@ -15,7 +15,6 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -25,7 +24,7 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 
-from render_service.template_analysis import detect_content_format, template_variables
+from render_service.template_analysis import detect_content_format
 from render_service.template_sandbox import _GENERATION_TRACKER, MAX_RENDERED_CHARS, TemplateError, compile_template
 
 # Names a message's reasoning may arrive under; templates read the first one.
@@ -107,17 +106,9 @@ class ChatTemplate:
         self._special = dict(special_tokens or {})
 
     @property
-    def variables(self) -> frozenset[str]:
-        return template_variables(self.source)
-
-    @property
     def content_format(self) -> str:
         """How vLLM would hand this template message content: "string" or "openai" (parts)."""
         return detect_content_format(self.source)
-
-    @property
-    def has_generation_blocks(self) -> bool:
-        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
 
     @property
     def supports_developer_role(self) -> bool:

@@ -126,7 +126,6 @@ class HarmonyParser:
 
     name: ClassVar[str] = "openai_gptoss"
     State: ClassVar[type[msgspec.Struct]] = HarmonyState
-    handles_tool_calls: ClassVar[bool] = True
 
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig(), *, tool_calls: bool = False,
                  forced_call: str | None = None) -> None:
