@@ -36,7 +36,7 @@ from render_service.logprobs import (
     resolve_completion_logprobs,
     tokens_as_token_ids,
 )
-from render_service.tool_choice import parse_tool_choice
+from render_service.tool_choice import forces_a_call, parse_tool_choice
 
 PARSER_NEEDS_CHAT_REQUEST = (
     "chat_request is required when a tool or reasoning parser is configured because plain detokenization "
@@ -133,8 +133,7 @@ def pipeline_config(
     """The seam: a derender request (and this server's parser flags) as one pipeline configuration."""
     eos = frozenset(config.bundle.eos_token_ids)
     # "required"/named tool choice needs no --tool-call-parser: render constrained the output to the tools' JSON.
-    forced = chat_request is not None and bool(chat_request.tools) and (
-        chat_request.tool_choice == "required" or isinstance(chat_request.tool_choice, dict))
+    forced = chat_request is not None and bool(chat_request.tools) and forces_a_call(chat_request)
     if chat_request is None or not (config.has_parsers or forced):
         # Plain detokenization honours the request's skip_special_tokens (default true). The stop
         # token itself never becomes text (vLLM's engine does not detokenize it either).

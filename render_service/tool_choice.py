@@ -29,6 +29,12 @@ def parse_tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
     return NAMED, name
 
 
+def forces_a_call(req: ChatCompletionRequest) -> bool:
+    """Named or "required" tool choice: render constrained the output to a call, so derender parses it even
+    without a --tool-call-parser, and an empty content is "" rather than null (vLLM)."""
+    return req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+
+
 def check_render_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool) -> tuple[str, str | None]:
     """The effective tool_choice at render, where vLLM also refuses what the server or tools cannot honour.
 
