@@ -45,6 +45,7 @@ from render_service.streaming_cache.session import (
     binding,
     open_session,
 )
+from render_service.tokenizer import RenderTokenizer
 
 __all__ = ["StreamRuntime", "derender_chat_stream", "derender_completion_stream"]
 
@@ -52,7 +53,7 @@ _PIPELINES: OrderedDict[bytes, tuple[Pipeline, bytes]] = OrderedDict()
 _PIPELINES_MAX = 1024
 
 
-def _pipeline_for(cfg: PipelineConfig, tokenizer: Any) -> tuple[Pipeline, bytes]:
+def _pipeline_for(cfg: PipelineConfig, tokenizer: RenderTokenizer) -> tuple[Pipeline, bytes]:
     """Pipelines hold only configuration (states travel separately), so one per stream is reused."""
     key = msgspec.msgpack.encode(cfg) + id(tokenizer).to_bytes(8, "little")
     hit = _PIPELINES.get(key)

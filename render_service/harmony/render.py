@@ -24,7 +24,8 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -38,6 +39,9 @@ from render_service.harmony.encoding import (
     START,
     harmony_encoding,
 )
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import TextTokenizer
 
 REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
 # Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
@@ -249,10 +253,12 @@ class HarmonyRenderer:
     encoded on its own, as openai-harmony does, and message text never becomes a marker.
     """
 
-    def __init__(self, tokenizer: Any, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: TextTokenizer, cache_size: int = 256) -> None:
         self.encoding = harmony_encoding(tokenizer)
-        fast = tokenizer.encode_ordinary if getattr(tokenizer, "fast_path", False) else None
-        self.ordinary = fast or (lambda text: self.encoding.encode(text, disallowed_special=()))
+        # encode_ordinary answers None only off the fast path
+        self.ordinary: Callable[[str], list[int]] = (
+            cast("Callable[[str], list[int]]", tokenizer.encode_ordinary) if tokenizer.fast_path
+            else lambda text: self.encoding.encode(text, disallowed_special=()))
         self.encode_with_markers = tokenizer.encode
         self._cached = functools.lru_cache(maxsize=cache_size)(self._render_preamble)
 
@@ -313,14 +319,14 @@ class HarmonyRenderer:
 _RENDERERS: dict[int, HarmonyRenderer] = {}
 
 
-def renderer_for(tokenizer: Any) -> HarmonyRenderer:
+def renderer_for(tokenizer: TextTokenizer) -> HarmonyRenderer:
     renderer = _RENDERERS.get(id(tokenizer))
     if renderer is None or renderer.encode_with_markers != tokenizer.encode:
         renderer = _RENDERERS[id(tokenizer)] = HarmonyRenderer(tokenizer)
     return renderer
 
 
-def render_harmony_chat(req: Any, tokenizer: Any, kwargs: dict[str, Any], tool_choice: str,
+def render_harmony_chat(req: Any, tokenizer: TextTokenizer, kwargs: dict[str, Any], tool_choice: str,
                         named: str | None, json_output: bool) -> list[int]:
     """The prompt's token IDs (``tool_choice`` as render's _check_tool_choice resolved it)."""
     with_tools = bool(req.tools) and tool_choice != "none"

@@ -30,7 +30,7 @@ its text becomes content. A header still open at the end carries no message and 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -40,6 +40,9 @@ from render_service.parsers.base import (
     TextPiece,
     ToolCallPiece,
 )
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
 
 MESSAGE = "<|message|>"
 START = "<|start|>"
@@ -148,7 +151,8 @@ class HarmonyParser:
 
     # state ---------------------------------------------------------------------------------------------
 
-    def initial_state(self, prompt_token_ids: list[int] | None = None, tokenizer: Any = None) -> HarmonyState:
+    def initial_state(self, prompt_token_ids: list[int] | None = None,
+                      tokenizer: RenderTokenizer | None = None) -> HarmonyState:
         """Where the prompt left off: normally a header after ``<|start|>assistant``; a message body when
         render opened one (forced tool call, structured final answer)."""
         state = HarmonyState()
@@ -273,13 +277,13 @@ def _partial_end_len(text: str) -> int:
     return 0
 
 
-def _prompt_tail(prompt_token_ids: list[int], tokenizer: Any, window: int = 96) -> str | None:
+def _prompt_tail(prompt_token_ids: list[int], tokenizer: RenderTokenizer, window: int = 96) -> str | None:
     """The prompt's text from its last ``<|start|>`` (None when the window holds none)."""
     start_id = tokenizer.token_to_id(START)
     tail = prompt_token_ids[-window:]
     for i in range(len(tail) - 1, -1, -1):
         if tail[i] == start_id:
-            return str(tokenizer.decode(tail[i:], skip_special_tokens=False))
+            return tokenizer.decode(tail[i:], skip_special_tokens=False)
     return None
 
 
