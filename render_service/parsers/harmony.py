@@ -30,6 +30,7 @@ its text becomes content. A header still open at the end carries no message and 
 from __future__ import annotations
 
 import re
+from enum import IntEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -53,17 +54,34 @@ MAX_NAME = 256
 MAX_CALLS = 1024  # calls per reply; more are content (and a client's state cannot claim more)
 _LONGEST_END = max(len(m) for m in BODY_ENDS)
 
-HEADER, BODY = 0, 1
-REASONING, CONTENT, CALL, DROP = 0, 1, 2, 3
+
+class HarmonyMode(IntEnum):
+    """Reading a message's header or its body (in stream_state: its int)."""
+
+    HEADER = 0
+    BODY = 1
+
+
+class HarmonyTarget(IntEnum):
+    """Where the current message's body goes (in stream_state: its int)."""
+
+    REASONING = 0
+    CONTENT = 1
+    CALL = 2
+    DROP = 3
+
+
+HEADER, BODY = HarmonyMode  # module-level names: the hot loop compares against globals
+REASONING, CONTENT, CALL, DROP = HarmonyTarget
 
 _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT_RE = re.compile(r"(?:^|\s)to=([^\s<]+)")
 
 
 class HarmonyState(msgspec.Struct, omit_defaults=True):
-    mode: Annotated[int, msgspec.Meta(ge=0, le=1)] = HEADER
+    mode: HarmonyMode = HEADER
     header: Annotated[str, msgspec.Meta(max_length=MAX_HEADER)] = ""
-    target: Annotated[int, msgspec.Meta(ge=0, le=3)] = CONTENT
+    target: HarmonyTarget = CONTENT
     held: Annotated[str, msgspec.Meta(max_length=_LONGEST_END)] = ""
     calls: Annotated[int, msgspec.Meta(ge=0, le=MAX_CALLS)] = 0
     # a call the prompt opened (forced tool choice) whose name is announced with the first output
