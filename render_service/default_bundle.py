@@ -25,6 +25,7 @@ import json
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from render_service.byte_level import byte_level_bpe_spec
 from render_service.tiktoken_fast_path import remember_merge_proof
@@ -77,7 +78,7 @@ def parse_tiktoken_ranks(data: bytes) -> dict[bytes, int]:
     return ranks
 
 
-def _added_token_entries() -> list[dict]:
+def _added_token_entries() -> list[dict[str, Any]]:
     # Key order is the one tokenizers writes.
     return [
         {"id": QWEN3_FIRST_ADDED_ID + i, "content": content, "single_word": False, "lstrip": False,
@@ -97,7 +98,7 @@ def default_template_source() -> str:
     return resources.files("render_service").joinpath("default_template.jinja").read_text(encoding="utf-8")
 
 
-def qwen3_tokenizer_config(chat_template: str) -> dict:
+def qwen3_tokenizer_config(chat_template: str) -> dict[str, Any]:
     added = {
         str(entry["id"]): {key: entry[key] for key in ("content", "lstrip", "normalized", "rstrip", "single_word",
                                                         "special")}
@@ -121,7 +122,7 @@ def qwen3_tokenizer_config(chat_template: str) -> dict:
     }
 
 
-def tiny_qwen3_config() -> dict:
+def tiny_qwen3_config() -> dict[str, Any]:
     """A Qwen3 small enough for CPU tests, with Qwen3's vocabulary and special IDs."""
     return {
         "architectures": ["Qwen3ForCausalLM"],
@@ -152,7 +153,7 @@ def tiny_qwen3_config() -> dict:
     }
 
 
-def qwen3_generation_config() -> dict:
+def qwen3_generation_config() -> dict[str, Any]:
     return {
         "bos_token_id": 151643,
         "do_sample": True,
@@ -164,7 +165,7 @@ def qwen3_generation_config() -> dict:
     }
 
 
-def _write_json(path: Path, value: dict) -> None:
+def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

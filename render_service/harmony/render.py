@@ -72,11 +72,11 @@ def _tool_name(name: Any) -> str:
     # As vLLM's sanitize_harmony_tool_name: a name never smuggles Harmony markers into a header.
     if not isinstance(name, str):
         return ""
-    name = name.strip()
-    return name.split("<|", 1)[0].strip() if "<|" in name else name
+    text = name.strip()
+    return text.split("<|", 1)[0].strip() if "<|" in text else text
 
 
-def _text(role: str, text: str, **fields: Any) -> dict:
+def _text(role: str, text: str, **fields: Any) -> dict[str, Any]:
     return {"role": role, "content": [{"type": "text", "text": text}], **fields}
 
 
@@ -102,7 +102,7 @@ def conversation_start_date(kwargs: dict[str, Any]) -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
-def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict:
+def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict[str, Any]:
     content: dict[str, Any] = {
         "model_identity": "You are ChatGPT, a large language model trained by OpenAI.",
         "reasoning_effort": "Medium",
@@ -125,7 +125,7 @@ def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict:
     return {"role": "system", "content": [content]}
 
 
-def _function_tools(tools: list[dict[str, Any]]) -> list[dict]:
+def _function_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
@@ -143,7 +143,7 @@ def _function_tools(tools: list[dict[str, Any]]) -> list[dict]:
     return out
 
 
-def developer_message(instructions: str | None, tools: list[dict[str, Any]] | None) -> dict:
+def developer_message(instructions: str | None, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     content: dict[str, Any] = {}
     if instructions is not None:
         content["instructions"] = instructions
@@ -153,14 +153,14 @@ def developer_message(instructions: str | None, tools: list[dict[str, Any]] | No
     return {"role": "developer", "content": [content]}
 
 
-def conversation_messages(chat: list[dict[str, Any]]) -> list[dict]:
+def conversation_messages(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """vLLM's parse_chat_inputs_to_harmony_messages, then its auto_drop_analysis_messages."""
-    names = {}
+    names: dict[Any, str] = {}  # call id (a client may send none) -> function name
     for msg in chat:
         for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
             if isinstance(call, dict):
                 names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(chat):
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
@@ -170,7 +170,7 @@ def conversation_messages(chat: list[dict[str, Any]]) -> list[dict]:
     return [m for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
 
 
-def _harmony_messages(msg: dict[str, Any], names: dict, where: str) -> list[dict]:
+def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) -> list[dict[str, Any]]:
     role = msg.get("role")
     reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
@@ -214,7 +214,7 @@ def _harmony_messages(msg: dict[str, Any], names: dict, where: str) -> list[dict
     raise bad_request(f"{where}.role {role!r} is not one of system, developer, user, assistant, tool", "messages")
 
 
-def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list[dict]:
+def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
     chat = list(req.messages)
     instructions = None
     if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer"):
@@ -267,13 +267,13 @@ class HarmonyRenderer:
                                                        config={"auto_drop_analysis": False})
         return tuple(ids)
 
-    def preamble(self, messages: list[dict]) -> tuple[int, ...]:
+    def preamble(self, messages: list[dict[str, Any]]) -> tuple[int, ...]:
         try:
             return self._cached(_JSON.encode({"messages": messages}).decode())
         except Exception as exc:  # openai_harmony.HarmonyError: say a schema Harmony cannot render
             raise bad_request(f"Harmony cannot render these instructions or tools: {exc}", "tools") from None
 
-    def message(self, msg: dict, out: list[int]) -> None:
+    def message(self, msg: dict[str, Any], out: list[int]) -> None:
         role = msg["role"]
         if role in ("system", "developer"):
             out.extend(self.preamble([msg]))  # a later instructions message: openai-harmony renders it
@@ -302,7 +302,7 @@ class HarmonyRenderer:
             out.extend(ordinary(part["text"]))
         out.append(CALL if role == "assistant" and recipient is not None else END)
 
-    def render(self, messages: list[dict], prefix: str = "") -> list[int]:
+    def render(self, messages: list[dict[str, Any]], prefix: str = "") -> list[int]:
         """The conversation for completion by the assistant (``<|start|>assistant`` + ``prefix``)."""
         split = 2 if len(messages) > 1 and messages[1]["role"] == "developer" else 1
         head = messages[:split]

@@ -475,7 +475,8 @@ class KVHandoff:
                 out.freed.append(lease)
         else:  # pushed / pushfail: only from the producer this reservation was registered with
             load = self._push_loads.get((n.request_id, n.epoch))
-            if load is None or load.peer != agent or load.state not in (LoadPhase.VERIFYING, LoadPhase.READING) or load.read_done:
+            if (load is None or load.peer != agent or load.state not in (LoadPhase.VERIFYING, LoadPhase.READING)
+                    or load.read_done):
                 log.warning("ignoring %s notification from %s for a reservation it does not hold", n.kind, agent)
                 return
             load.read_done = True
@@ -664,7 +665,8 @@ class KVHandoff:
             peer = self._peers.get((load.remote.host, load.remote.port))
             if peer is not None and peer.agent == load.peer:
                 self._agent(peer)
-            self.transport.send_notif(load.peer, format_notification("abort", load.remote.request_id, load.remote.epoch))
+            self.transport.send_notif(load.peer,
+                                      format_notification("abort", load.remote.request_id, load.remote.epoch))
             self._flush_until = self._clock() + NOTIF_FLUSH_S
         except KVTransferError as e:
             log.info("abort notification to %s failed (lease will expire): %s", load.peer, e)
