@@ -283,6 +283,13 @@ def test_other_parser_flags_are_refused_for_gpt_oss():
     assert build_render_config(gpt_oss_bundle()).reasoning_parser == "openai_gptoss"  # picked from the bundle
 
 
+def test_an_unknown_reasoning_parser_lists_openai_gptoss_among_the_known():
+    from render_service.parsers.registry import UnknownParserError, get_reasoning_parser
+
+    with pytest.raises(UnknownParserError, match="openai_gptoss"):
+        get_reasoning_parser("gpt-oss")
+
+
 def test_fingerprint_names_the_harmony_renderer():
     from render_service.fingerprint import config_fingerprint
 
