@@ -231,6 +231,11 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens_details: dict[str, Any] | None = None
     completion_tokens_details: dict[str, Any] | None = None
 
+    @classmethod
+    def counted(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class GenerateResponseChoice(msgspec.Struct):
     """One choice of a generate response, older (<=0.31) or newer (0.32+, ``text``/``sampling_mask``) shape."""

@@ -95,8 +95,7 @@ class ChoiceOutput:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo.counted(prompt_tokens, completion_tokens)
 
 
 class _Responder:
