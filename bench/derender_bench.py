@@ -43,7 +43,8 @@ from pathlib import Path
 import httpx
 
 # The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else Path(__file__).resolve().parents[2] / "shared"
+SHARED = (Path("/work/shared") if Path("/work/shared/fixtures").exists()
+          else Path(__file__).resolve().parents[2] / "shared")
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = SHARED / "fixtures/qwen3-0.6b"
@@ -333,9 +334,9 @@ def compare_trees(baseline: Path, n: int, rounds: int) -> dict:
 def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     import msgspec
 
-    from render_service.parsers.pipeline import Pipeline
-    from render_service.derender_stream import StreamRuntime, derender_chat_stream
     from render_service.derender import pipeline_config
+    from render_service.derender_stream import StreamRuntime, derender_chat_stream
+    from render_service.parsers.pipeline import Pipeline
     from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
     from render_service.render_config import load_render_config
 
@@ -350,7 +351,7 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     encoder = msgspec.json.Encoder()
     state = None
     t0 = time.process_time()
-    for k, t in enumerate(ids):
+    for t in ids:
         body = encoder.encode({"stream": True, "model": MODEL, "stream_state": state, "prompt_tokens": len(prompt_ids),
                                "prompt_token_ids": prompt_ids, "chat_request": chat, "generate_chunk": {
                                    "request_id": "inproc", "choices": [{"index": 0, "token_ids": [t],

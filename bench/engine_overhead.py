@@ -4,8 +4,9 @@ bookkeeping) against the model-only step (CUDA-graph replay or eager forward, pl
     python -m bench.engine_overhead --preset qwen2.5-7b --batches 1,8,32,128 --context 512 --out $OUT/x.json
     python -m bench.engine_overhead --device cpu --preset tiny --batches 1,4 --context 32     # dry run
 
-Each batch: `batch` requests (greedy unless --temperature) with the same `context`-token prompt (prefix-cached after the first),
-stepped until all decode, then timed. Wall clock around synchronized steps (the host work is the point).
+Each batch: `batch` requests (greedy unless --temperature) with the same `context`-token prompt (prefix-cached
+after the first), stepped until all decode, then timed. Wall clock around synchronized steps (the host work is
+the point).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         running = list(engine.scheduler.running)
         scheduled = [ScheduledSequence(s, 1, True) for s in running]
 
-        def model_only():
+        def model_only(scheduled=scheduled):
             runner.execute(scheduled)  # writes the same slots each time: the KV values are rewritten unchanged
 
         model_ms = timed_ms(model_only, args.device, args.iters)

@@ -207,7 +207,7 @@ async def serve_floor(port: int, engine_port: int) -> None:
             self.transport = transport
             self.client = None
 
-        def begin(self, client: "ClientSide", body: bytes) -> None:
+        def begin(self, client: ClientSide, body: bytes) -> None:
             self.client, self.body, self.head, self.buf, self.tail = client, body, True, b"", b""
             self.transport.write(_request_head(body) + body)
 

@@ -38,7 +38,6 @@ import time
 
 import torch
 
-
 DEVICE = "cuda"
 
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -173,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     oss = build_render_config(load_bundle(gpt_oss_bundle_dir()), served_model_names=["gpt-oss"],
                               tool_call_parser="openai", enable_auto_tool_choice=True)
     encoding = harmony_encoding(oss.tokenizer)
-    result: dict = {"machine": platform.machine(), "python": platform.python_version(), "render_us": {},
-                    "prompt_tokens": {}, "derender": {}}
+    result: dict = {"machine": platform.machine(), "python": platform.python_version(),
+                    "command": "python -m bench.harmony_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "conditions": "shared 2-core box (other sessions running); CPU times in one process, both "
+                                  "models in the same run, so read the ratios",
+                    "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+                    "render_us": {}, "prompt_tokens": {}, "derender": {}}
     for name, body in CONVERSATIONS.items():
         kwargs = {"chat_template_kwargs": {"conversation_start_date": "2026-12-01"}}
         reqs = {"qwen3": ChatCompletionRequest(model="qwen3", **body),
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     d["gpt-oss / qwen3 pipeline"] = d["gpt-oss"]["pipeline_us_per_token"] / d["qwen3"]["pipeline_us_per_token"]
     d["gpt-oss / qwen3 handler"] = (d["gpt-oss"]["stream_handler_us_per_chunk"]
                                     / d["qwen3"]["stream_handler_us_per_chunk"])
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0

@@ -154,7 +154,7 @@ def format_summary(result: dict, selected: list[str], percentiles: list[float]) 
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
     def row(label: str, value, fmt: str = "{:<10.2f}") -> None:
-        lines.append("{:<40} ".format(label) + (fmt.format(value) if value is not None else "n/a"))
+        lines.append(f"{label:<40} " + (fmt.format(value) if value is not None else "n/a"))
 
     row("Successful requests:", result["completed"], "{:<10}")
     row("Failed requests:", result["failed"], "{:<10}")

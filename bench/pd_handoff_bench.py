@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             seconds, descs = [], set()
             for i in range(args.requests):
                 if case == "contiguous":
-                    r0, l0 = rng.randrange(0, pool_blocks - blocks_per_req), rng.randrange(0, pool_blocks - blocks_per_req)
+                    r0 = rng.randrange(0, pool_blocks - blocks_per_req)
+                    l0 = rng.randrange(0, pool_blocks - blocks_per_req)
                     remote_ids = list(range(r0, r0 + blocks_per_req))
                     local_ids = list(range(l0, l0 + blocks_per_req))
                 else:

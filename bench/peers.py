@@ -62,7 +62,8 @@ def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, worker
     """Start ``render-service serve`` with the same flags vLLM's start.sh uses."""
     log = log or PEERS_DIR / f"ours-render-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    flags = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"] if parsers else []
+    flags = (["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+             if parsers else [])
     cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model_dir), "--served-model-name",
            served_model_name, "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
            "--log-level", "warning", "--disable-uvicorn-access-log", *flags]

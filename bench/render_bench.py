@@ -64,7 +64,7 @@ def nonrepetitive_text(rng: random.Random, words: int) -> str:
     vowels = ["a", "e", "i", "o", "u", "ai", "ea", "io", "ou", "y"]
     codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck", "ng", "x"]
     out = []
-    for i in range(words):
+    for _ in range(words):
         roll = rng.random()
         if roll < 0.80:
             word = "".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(1, 3)))
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary, "runs": runs,
         }
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out = Path(args.out) if args.out else RESULTS / f"render_bench_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+        out = Path(args.out) if args.out else RESULTS / f"render_bench_{stamp}.json"
         out.write_text(json.dumps(report, indent=1) + "\n")
         print("SUMMARY " + json.dumps(summary), flush=True)
         print(f"# wrote {out}", flush=True)

@@ -22,7 +22,6 @@ import numpy as np
 from bench.datasets import SampleRequest
 from bench.metrics import RequestOutput, calculate_metrics, format_summary, ttft_by_turn
 
-CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 
 
@@ -140,7 +139,8 @@ async def stream_one(client: httpx.AsyncClient, run: ServeRun, payload: dict, pr
     return out
 
 
-async def run_conversation(client: httpx.AsyncClient, run: ServeRun, req: SampleRequest, progress) -> list[RequestOutput]:
+async def run_conversation(client: httpx.AsyncClient, run: ServeRun, req: SampleRequest,
+                           progress) -> list[RequestOutput]:
     """One request, or in multi-turn mode a conversation whose turns go one after another, each carrying
     the previous answers (so turn k>1 can hit the engine's prefix cache)."""
     if not run.chat:

@@ -137,12 +137,14 @@ class Target:
 # ------------------------------------------------------------------------------------------- workloads
 
 
-def chat_with_tokens(client: httpx.Client, model: str, target_tokens: int, tools: bool, seed: int = 7) -> tuple[dict, int]:
+def chat_with_tokens(client: httpx.Client, model: str, target_tokens: int, tools: bool,
+                     seed: int = 7) -> tuple[dict, int]:
     """A one-message chat whose rendered prompt is within 1% of ``target_tokens``, tools and template included
     (a target below the template-and-tools floor gets the floor)."""
 
     def render(words: int) -> tuple[dict, int]:
-        body = {"model": model, "messages": [{"role": "user", "content": nonrepetitive_text(random.Random(seed), words)}]}
+        text = nonrepetitive_text(random.Random(seed), words)
+        body = {"model": model, "messages": [{"role": "user", "content": text}]}
         if tools:
             body["tools"] = SIZING_TOOLS
         response = client.post(RENDER_PATH, json=body)
@@ -195,7 +197,8 @@ async def closed_loop(target: Target, path: str, payload: bytes, concurrency: in
         "server_cpu_ms_per_render": round(1e3 * cpu / done, 3) if cpu is not None and done else None,
         "server_cores_used": round(cpu / wall, 3) if cpu is not None else None,
         "lat_p50_ms": round(1e3 * latencies[len(latencies) // 2], 2) if latencies else None,
-        "lat_p99_ms": round(1e3 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 2) if latencies else None,
+        "lat_p99_ms": (round(1e3 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 2)
+                       if latencies else None),
     }
 
 
@@ -355,7 +358,8 @@ def measure(target: Target, model: str, tokenizer, args, log) -> dict:
                                        min_wall_s=args.duration / 2)
                 derender_rows.append({"parser_config": config, **row})
                 log(f"{target.label} derender {config:9} chunk={k:<3} cpu {row['server_cpu_ms_per_token']} ms/token "
-                    f"{row['request_bytes_per_chunk']:.0f} B up / {row['response_bytes_per_chunk']:.0f} B down per chunk")
+                    f"{row['request_bytes_per_chunk']:.0f} B up / {row['response_bytes_per_chunk']:.0f} B down "
+                    "per chunk")
         section["derender"] = derender_rows
     section["recommendation"] = recommendation_for(section, args)
     return section
@@ -389,7 +393,8 @@ def format_tables(report: dict) -> str:
         for r in s["render"]:
             lines.append(f"{'':<10}{r['prompt_tokens']:>8}{str(r['tools']):>7}{r['rps']:>10.1f}"
                          f"{str(r['server_cpu_ms_per_render']):>10}{str(r['lat_p50_ms']):>10}")
-        lines.append(f"{'derender':<10}{'config':>10}{'chunk':>6}{'cpu ms/tok':>12}{'B up/chunk':>12}{'B down/chunk':>13}")
+        lines.append(f"{'derender':<10}{'config':>10}{'chunk':>6}{'cpu ms/tok':>12}{'B up/chunk':>12}"
+                     f"{'B down/chunk':>13}")
         for r in s["derender"]:
             lines.append(f"{'':<10}{r['parser_config']:>10}{r['chunk_tokens']:>6}{str(r['server_cpu_ms_per_token']):>12}"
                          f"{r['request_bytes_per_chunk']:>12.0f}{r['response_bytes_per_chunk']:>13.0f}")
@@ -403,7 +408,8 @@ def format_tables(report: dict) -> str:
             lines.append(f"RECOMMENDATION ({s['label']}): {rec['worker_processes']} worker processes in "
                          f"{rec['replicas']} replica(s) of {rec['workers_per_replica']} for {b['target_render_rps']} "
                          f"renders/s of {b['prompt_len']} tokens (tools={b['tools']}) + {b['target_streams']} parsed "
-                         f"streams at {b['stream_tokens_per_s']} tok/s ({b['parser_config']}, chunk {b['chunk_tokens']}), "
+                         f"streams at {b['stream_tokens_per_s']} tok/s ({b['parser_config']}, "
+                         f"chunk {b['chunk_tokens']}), "
                          f"headroom {b['headroom']}: {rec['render_cores']} + {rec['stream_cores']} cores, "
                          f"{rec['cores_with_headroom']} with headroom")
     return "\n".join(lines)

@@ -39,9 +39,9 @@ _INSANE_MODEL_MAX_LENGTH = 1 << 40
 class ModelBundle:
     path: Path
     tokenizer: TextTokenizer
-    tokenizer_config: dict
-    config: dict
-    generation_config: dict
+    tokenizer_config: dict[str, Any]
+    config: dict[str, Any]
+    generation_config: dict[str, Any]
     chat_template: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     max_model_len: int = 0
@@ -64,7 +64,7 @@ class ModelBundle:
         return self.chat_template
 
 
-def _read_json_object(path: Path, required: bool = False) -> dict:
+def _read_json_object(path: Path, required: bool = False) -> dict[str, Any]:
     if not path.exists():
         if required:
             raise BundleError(f"{path.parent} has no {path.name}")
@@ -98,7 +98,7 @@ def _named_templates(value: Any, source: Path) -> dict[str, str]:
     raise BundleError(f"chat_template in {source} is neither a string nor a list of {{name, template}}")
 
 
-def load_chat_templates(root: Path, tokenizer_config: dict) -> dict[str, str]:
+def load_chat_templates(root: Path, tokenizer_config: dict[str, Any]) -> dict[str, str]:
     templates = _named_templates(tokenizer_config.get("chat_template"), root / "tokenizer_config.json")
     json_file = root / "chat_template.json"
     if json_file.exists():
@@ -128,7 +128,7 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def derive_eos_token_ids(generation_config: dict, config: dict, tokenizer_config: dict,
+def derive_eos_token_ids(generation_config: dict[str, Any], config: dict[str, Any], tokenizer_config: dict[str, Any],
                          tokenizer: TextTokenizer) -> list[int]:
     """generation_config's EOS IDs, else config's, else the ID of tokenizer_config's eos_token."""
     for source in (generation_config, config, config.get("text_config") or {}):
@@ -140,7 +140,7 @@ def derive_eos_token_ids(generation_config: dict, config: dict, tokenizer_config
     return [eos_id] if eos_id is not None else []
 
 
-def derive_max_model_len(config: dict, tokenizer_config: dict, override: int | None = None) -> int:
+def derive_max_model_len(config: dict[str, Any], tokenizer_config: dict[str, Any], override: int | None = None) -> int:
     """The explicit override, else the config's context length capped by a sane model_max_length."""
     if override is not None and override != 0:  # 0 meant "unset" to the first loader
         if isinstance(override, bool) or not isinstance(override, int) or override < 0:
@@ -155,7 +155,7 @@ def derive_max_model_len(config: dict, tokenizer_config: dict, override: int | N
     return context
 
 
-def template_special_tokens(tokenizer_config: dict) -> dict[str, str]:
+def template_special_tokens(tokenizer_config: dict[str, Any]) -> dict[str, str]:
     tokens = {}
     for name in TEMPLATE_SPECIAL_TOKEN_NAMES:
         content = _token_content(tokenizer_config.get(name))

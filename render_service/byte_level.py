@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 
 def _gpt2_byte_to_char() -> dict[int, str]:
@@ -105,8 +106,8 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def byte_level_bpe_spec(ranks: dict[bytes, int], split_regex: str, added_tokens: Sequence[dict] = (),
-                       normalizer: dict | None = None) -> dict:
+def byte_level_bpe_spec(ranks: dict[bytes, int], split_regex: str, added_tokens: Sequence[dict[str, Any]] = (),
+                       normalizer: dict[str, Any] | None = None) -> dict[str, Any]:
     """A tokenizer.json (as a dict, in ``tokenizers``' key order) for tiktoken-style ranks.
 
     The inverse of the fast path: vocab through the byte map, one merge per multi-byte token.

@@ -144,7 +144,7 @@ def _prepare_tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
     return prepared
 
 
-def _arguments_mapping(arguments: Any) -> dict:
+def _arguments_mapping(arguments: Any) -> dict[str, Any]:
     # Templates expect a mapping (HF's convention). As vLLM 0.32 does, anything that is not a JSON
     # object (empty, malformed, an array, a number) becomes {} so that the conversation can go on.
     if isinstance(arguments, str) and arguments:

@@ -269,7 +269,7 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
                 os._exit(0)
         children[pid] = (number, time.monotonic())
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(_signum: int, _frame: Any) -> None:
         nonlocal stopping
         stopping = True
         for pid in list(children):

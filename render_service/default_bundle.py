@@ -22,14 +22,14 @@ import argparse
 import base64
 import hashlib
 import json
-import shutil
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from render_service.byte_level import byte_level_bpe_spec
 from render_service.tiktoken_fast_path import remember_merge_proof
-from splitserve_common.cache_dir import cache_root, publish, start_build
+from splitserve_common.cache_dir import build_once, cache_root
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 
@@ -55,15 +55,6 @@ QWEN3_ADDED_TOKENS = (
 QWEN3_FIRST_ADDED_ID = 151643
 QWEN3_SPECIAL_COUNT = 14
 
-# Used only until render_service/default_template.jinja exists: plain ChatML, no tools or reasoning.
-PLACEHOLDER_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
 class BundleBuildError(RuntimeError):
     """The default bundle cannot be built here (a missing package, or a result that fails its check)."""
 
@@ -87,7 +78,7 @@ def parse_tiktoken_ranks(data: bytes) -> dict[bytes, int]:
     return ranks
 
 
-def _added_token_entries() -> list[dict]:
+def _added_token_entries() -> list[dict[str, Any]]:
     # Key order is the one tokenizers writes.
     return [
         {"id": QWEN3_FIRST_ADDED_ID + i, "content": content, "single_word": False, "lstrip": False,
@@ -102,15 +93,12 @@ def qwen3_tokenizer_json(ranks: dict[bytes, int]) -> bytes:
     return json.dumps(spec, indent=2, ensure_ascii=False).encode("utf-8")
 
 
-def chat_template_source() -> tuple[str, bool]:
-    """(our chat template, whether it is the placeholder because default_template.jinja is missing)."""
-    try:
-        return resources.files("render_service").joinpath("default_template.jinja").read_text(encoding="utf-8"), False
-    except FileNotFoundError:
-        return PLACEHOLDER_TEMPLATE, True
+def default_template_source() -> str:
+    """Our own ChatML template (Qwen3 special tokens, tools, <think> reasoning, enable_thinking)."""
+    return resources.files("render_service").joinpath("default_template.jinja").read_text(encoding="utf-8")
 
 
-def qwen3_tokenizer_config(chat_template: str) -> dict:
+def qwen3_tokenizer_config(chat_template: str) -> dict[str, Any]:
     added = {
         str(entry["id"]): {key: entry[key] for key in ("content", "lstrip", "normalized", "rstrip", "single_word",
                                                         "special")}
@@ -134,7 +122,7 @@ def qwen3_tokenizer_config(chat_template: str) -> dict:
     }
 
 
-def tiny_qwen3_config() -> dict:
+def tiny_qwen3_config() -> dict[str, Any]:
     """A Qwen3 small enough for CPU tests, with Qwen3's vocabulary and special IDs."""
     return {
         "architectures": ["Qwen3ForCausalLM"],
@@ -165,7 +153,7 @@ def tiny_qwen3_config() -> dict:
     }
 
 
-def qwen3_generation_config() -> dict:
+def qwen3_generation_config() -> dict[str, Any]:
     return {
         "bos_token_id": 151643,
         "do_sample": True,
@@ -177,7 +165,7 @@ def qwen3_generation_config() -> dict:
     }
 
 
-def _write_json(path: Path, value: dict) -> None:
+def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -208,21 +196,13 @@ def _content_key(tiktoken_bytes: bytes, chat_template: str) -> str:
 def default_bundle_dir() -> Path:
     """The cached default bundle's directory, built first if needed (a few seconds, once)."""
     tiktoken_bytes = qwen_tiktoken_bytes()
-    chat_template, _ = chat_template_source()
+    chat_template = default_template_source()
     final = cache_root() / "bundles" / f"{BUNDLE_NAME}-{_content_key(tiktoken_bytes, chat_template)}"
-    if final.is_dir():
-        return final
     try:
-        tmp = start_build(final)
+        return build_once(final, lambda tmp: write_bundle_files(tmp, tiktoken_bytes, chat_template))
     except OSError as exc:
         raise BundleBuildError(f"cannot write the bundle cache {final.parent} ({exc}); "
                                "point SPLITSERVE_CACHE at a writable directory") from exc
-    try:
-        write_bundle_files(tmp, tiktoken_bytes, chat_template)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return publish(tmp, final)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,12 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_path:
         print(path)
         return 0
-    _, placeholder = chat_template_source()
     print(f"default bundle: {path}")
     for entry in sorted(path.iterdir()):
         print(f"  {entry.name:32} {entry.stat().st_size:>12,} bytes")
-    if placeholder:
-        print("note: render_service/default_template.jinja is missing; a placeholder ChatML template is used")
     return 0
 
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-
 from render_service.choice_shapes import chat_message, completion_pipeline_config
 from render_service.errors import ApiError, bad_request
 from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.logprobs import (
+    check_logprobs_bounds,
+    resolve_chat_logprobs,
+    resolve_completion_logprobs,
+    tokens_as_token_ids,
+)
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.protocol import (
@@ -30,13 +35,7 @@ from render_service.protocol import (
     UsageInfo,
 )
 from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
-from render_service.logprobs import (
-    check_logprobs_bounds,
-    resolve_chat_logprobs,
-    resolve_completion_logprobs,
-    tokens_as_token_ids,
-)
-from render_service.tool_choice import parse_tool_choice
+from render_service.tool_choice import forces_a_call, parse_tool_choice
 
 PARSER_NEEDS_CHAT_REQUEST = (
     "chat_request is required when a tool or reasoning parser is configured because plain detokenization "
@@ -65,7 +64,7 @@ def fingerprint_sent(body_value: str | None, headers: Any, response: GenerateRes
     if body_value is not None:
         return body_value
     if headers is not None:
-        value = headers.get(FINGERPRINT_HEADER)
+        value: str | None = headers.get(FINGERPRINT_HEADER)
         if value:
             return value
     if response is not None:
@@ -133,8 +132,7 @@ def pipeline_config(
     """The seam: a derender request (and this server's parser flags) as one pipeline configuration."""
     eos = frozenset(config.bundle.eos_token_ids)
     # "required"/named tool choice needs no --tool-call-parser: render constrained the output to the tools' JSON.
-    forced = chat_request is not None and bool(chat_request.tools) and (
-        chat_request.tool_choice == "required" or isinstance(chat_request.tool_choice, dict))
+    forced = chat_request is not None and bool(chat_request.tools) and forces_a_call(chat_request)
     if chat_request is None or not (config.has_parsers or forced):
         # Plain detokenization honours the request's skip_special_tokens (default true). The stop
         # token itself never becomes text (vLLM's engine does not detokenize it either).
@@ -192,7 +190,7 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
     for choice in gen.choices:
         pcfg = pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index)
         pipeline = Pipeline(config.tokenizer, pcfg)
-        fields, state = derender_all(pipeline, choice.token_ids, prompt_ids)
+        fields, state = derender_all(pipeline, choice.token_ids or [], prompt_ids)  # non-empty: _check_bounds
         message = chat_message(fields, pcfg, config.reasoning_field)
         choices.append(ChatCompletionChoice(
             index=choice.index,
@@ -210,8 +208,7 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
+        usage=UsageInfo.counted(prompt_tokens, completion_tokens),
         prompt_logprobs=gen.prompt_logprobs,
         kv_transfer_params=gen.kv_transfer_params,
         metrics=gen.metrics,
@@ -243,14 +240,15 @@ def derender_completion(
         for ids in req.prompt_token_ids:
             _check_prompt_ids(ids, config)
     creq: CompletionRequest | None = req.completion_request
-    choices = []
+    choices: list[CompletionChoice] = []
     completion_tokens = 0
     for r, gen in enumerate(responses):
         prompt_ids = req.prompt_token_ids[r] if req.prompt_token_ids is not None else gen.prompt_token_ids
         for choice in gen.choices:
             pcfg = completion_pipeline_config(config, creq, request_id=gen.request_id, choice_index=choice.index)
-            fields, _ = derender_all(Pipeline(config.tokenizer, pcfg), choice.token_ids, prompt_ids)
-            completion_tokens += len(choice.token_ids)
+            ids = choice.token_ids or []  # non-empty: _check_bounds
+            fields, _ = derender_all(Pipeline(config.tokenizer, pcfg), ids, prompt_ids)
+            completion_tokens += len(ids)
             choices.append(CompletionChoice(
                 # vLLM numbers completion choices with one running index across all responses.
                 index=len(choices),
@@ -270,8 +268,7 @@ def derender_completion(
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
+        usage=UsageInfo.counted(prompt_tokens, completion_tokens),
         kv_transfer_params=kv,
         metrics=first.metrics if len(responses) == 1 else None,
     )

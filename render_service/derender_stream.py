@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -45,14 +45,16 @@ from render_service.streaming_cache.session import (
     binding,
     open_session,
 )
+from render_service.tokenizer import RenderTokenizer
 
 __all__ = ["StreamRuntime", "derender_chat_stream", "derender_completion_stream"]
 
 _PIPELINES: OrderedDict[bytes, tuple[Pipeline, bytes]] = OrderedDict()
 _PIPELINES_MAX = 1024
+_Chunk = TypeVar("_Chunk", ChatCompletionStreamResponse, CompletionStreamResponse)
 
 
-def _pipeline_for(cfg: PipelineConfig, tokenizer: Any) -> tuple[Pipeline, bytes]:
+def _pipeline_for(cfg: PipelineConfig, tokenizer: RenderTokenizer) -> tuple[Pipeline, bytes]:
     """Pipelines hold only configuration (states travel separately), so one per stream is reused."""
     key = msgspec.msgpack.encode(cfg) + id(tokenizer).to_bytes(8, "little")
     hit = _PIPELINES.get(key)
@@ -64,6 +66,14 @@ def _pipeline_for(cfg: PipelineConfig, tokenizer: Any) -> tuple[Pipeline, bytes]
     if len(_PIPELINES) > _PIPELINES_MAX:
         _PIPELINES.popitem(last=False)
     return made
+
+
+def _checked(req: DerenderChatStreamRequest | DerenderCompletionStreamRequest, config: RenderConfig,
+             headers: Any) -> tuple[str, GenerateStreamResponse, list[int]]:
+    """What every streaming derender call checks first: (the model to answer as, the engine chunk, its ids)."""
+    model = check_model(req.model, config)
+    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers), config)
+    return model, req.generate_chunk, _check_chunk(req.generate_chunk, config)
 
 
 def _check_chunk(chunk: GenerateStreamResponse, config: RenderConfig) -> list[int]:
@@ -88,7 +98,13 @@ def _usage(chunk: GenerateStreamResponse, prompt_tokens: int | None) -> UsageInf
         return None
     prompt = prompt_tokens if prompt_tokens is not None else u.prompt_tokens
     completion = u.completion_tokens or 0
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo.counted(prompt, completion)
+
+
+def _envelope(cls: type[_Chunk], chunk: GenerateStreamResponse, model: str, prompt_tokens: int | None) -> _Chunk:
+    """The answer's chunk before its choice: the engine chunk's id, usage and metrics."""
+    return cls(id=chunk.request_id or "", created=int(time.time()), model=model, choices=[],
+               usage=_usage(chunk, prompt_tokens), metrics=chunk.metrics)
 
 
 def _step(session: Session, ids: list[int], finish_reason: str | None) -> ChoiceDelta:
@@ -110,19 +126,13 @@ def _step(session: Session, ids: list[int], finish_reason: str | None) -> Choice
 def derender_chat_stream(
     req: DerenderChatStreamRequest, config: RenderConfig, runtime: StreamRuntime, headers: Any = None
 ) -> DerenderChatStreamResponse:
-    model = check_model(req.model, config)
-    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers), config)
-    chunk = req.generate_chunk
-    ids = _check_chunk(chunk, config)
+    model, chunk, ids = _checked(req, config, headers)
     if config.has_parsers and req.chat_request is None:
         raise bad_request(PARSER_NEEDS_CHAT_REQUEST, "chat_request")
     if req.prompt_token_ids is not None and len(req.prompt_token_ids) > config.max_model_len:
         raise bad_request(f"prompt_token_ids length exceeds max_model_len ({config.max_model_len})", "prompt_token_ids")
     request_id = chunk.request_id or ""
-    out_chunk = ChatCompletionStreamResponse(
-        id=request_id, created=int(time.time()), model=model, choices=[],
-        usage=_usage(chunk, req.prompt_tokens), metrics=chunk.metrics,
-    )
+    out_chunk = _envelope(ChatCompletionStreamResponse, chunk, model, req.prompt_tokens)
     if not chunk.choices:
         # A usage-only event: nothing to parse, the state goes back unchanged.
         return DerenderChatStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
@@ -163,15 +173,9 @@ def derender_chat_stream(
 def derender_completion_stream(
     req: DerenderCompletionStreamRequest, config: RenderConfig, runtime: StreamRuntime, headers: Any = None
 ) -> DerenderCompletionStreamResponse:
-    model = check_model(req.model, config)
-    check_fingerprint(fingerprint_sent(req.render_fingerprint, headers), config)
-    chunk = req.generate_chunk
-    ids = _check_chunk(chunk, config)
+    model, chunk, ids = _checked(req, config, headers)
     request_id = chunk.request_id or ""
-    out_chunk = CompletionStreamResponse(
-        id=request_id, created=int(time.time()), model=model, choices=[],
-        usage=_usage(chunk, req.prompt_tokens), metrics=chunk.metrics,
-    )
+    out_chunk = _envelope(CompletionStreamResponse, chunk, model, req.prompt_tokens)
     if not chunk.choices:
         return DerenderCompletionStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
     choice = chunk.choices[0]

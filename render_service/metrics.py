@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the server)
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 
 # Render of a 9k-token prompt takes a few ms; derender of long outputs tens of ms.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -29,7 +34,7 @@ DERENDER_LATENCY = Histogram(
 PROMPT_TOKENS = Counter("splitserve_render_prompt_tokens_total", "Prompt tokens produced by render.")
 COMPLETION_TOKENS = Counter("splitserve_derender_completion_tokens_total", "Output tokens turned into text.")
 
-_request_children: dict[tuple[str, int], object] = {}
+_request_children: dict[tuple[str, int], Counter] = {}
 
 
 def observe_request(endpoint: str, status: int, seconds: float) -> None:
@@ -52,6 +57,6 @@ def render_metrics() -> bytes:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=directory)
+        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
     return generate_latest()

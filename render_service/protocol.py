@@ -231,6 +231,11 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens_details: dict[str, Any] | None = None
     completion_tokens_details: dict[str, Any] | None = None
 
+    @classmethod
+    def counted(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class GenerateResponseChoice(msgspec.Struct):
     """One choice of a generate response, older (<=0.31) or newer (0.32+, ``text``/``sampling_mask``) shape."""
@@ -307,21 +312,6 @@ class DerenderCompletionRequest(msgspec.Struct):
     completion_request: CompletionRequest | None = None
     prompt_token_ids: list[list[int] | None] | None = None
     render_fingerprint: str | None = None
-
-
-class DerenderStreamState(msgspec.Struct):
-    """vLLM's ``stream_state``; the streaming derender (parsers package) owns its meaning."""
-
-    prev_tokens: list[str] = []
-    prefix_offset: int = 0
-    read_offset: int = 0
-    role_sent: bool = False
-    logprob_context_token_ids: list[int] = []
-    logprob_text_offset: int = 0
-    output_token_ids: list[int] = []
-    output_chunk_lens: list[int] = []
-    tools_streamed: bool = False
-    last_tool_call_ids: list[str] = []
 
 
 class DerenderChatStreamRequest(msgspec.Struct):

@@ -5,12 +5,15 @@ both read off it (the served model name, the chat template kwargs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from render_service.errors import bad_request, model_not_found
 from render_service.protocol import ChatCompletionRequest
 from render_service.templates import ChatTemplate
 from render_service.tokenizer import RenderTokenizer
+
+if TYPE_CHECKING:
+    from render_service.bundle import ModelBundle
 
 # vLLM's VLLM_MAX_N_SEQUENCES default.
 MAX_N = 16384
@@ -32,7 +35,7 @@ def reasoning_keys(field: str) -> tuple[str, ...]:
 class RenderConfig:
     """Everything render and derender need, built once per process."""
 
-    bundle: Any  # render_service.bundle.ModelBundle
+    bundle: ModelBundle
     served_model_names: list[str]
     template: ChatTemplate | None
     fingerprint: str

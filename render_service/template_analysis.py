@@ -1,21 +1,14 @@
-"""What a chat template reads, found from its AST: the variables chat_template_kwargs can reach, and
-whether it wants message content as a string or as a list of parts (vLLM's content format detection)."""
+"""What a chat template reads, found from its AST: whether it wants message content as a string or as a list
+of parts (vLLM's content format detection)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
 import jinja2
-import jinja2.meta
 import jinja2.nodes
 
 from render_service.template_sandbox import _ENVIRONMENT
-
-
-@lru_cache(maxsize=64)
-def template_variables(source: str) -> frozenset[str]:
-    """Variables the template reads from its context (what chat_template_kwargs can reach)."""
-    return frozenset(jinja2.meta.find_undeclared_variables(_ENVIRONMENT.parse(source)))
 
 
 def _strip_wrappers(node: jinja2.nodes.Node) -> jinja2.nodes.Node:

@@ -38,7 +38,7 @@ class GenerationBlocks(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_mark_generation"), [], [], body).set_lineno(lineno)
 
     def _mark_generation(self, caller: Any) -> str:
-        text = caller()
+        text: str = caller()
         tracking = _GENERATION_TRACKER.get()
         if tracking is not None:
             # Same rule as HF: the span starts after everything emitted before the block.
@@ -64,10 +64,10 @@ def _strftime_now(format: str) -> str:
 
 class _CallOnlyDict:
     # `dict(...)` in templates without handing the sandbox the dict type itself.
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 

@@ -15,10 +15,9 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -26,7 +25,7 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 
-from render_service.template_analysis import detect_content_format, template_variables
+from render_service.template_analysis import detect_content_format
 from render_service.template_sandbox import _GENERATION_TRACKER, MAX_RENDERED_CHARS, TemplateError, compile_template
 
 # Names a message's reasoning may arrive under; templates read the first one.
@@ -64,7 +63,7 @@ def _plain(value: Any) -> Any:
     return f"<{kind.__name__}>"
 
 
-def _alias_reasoning(message: dict) -> dict:
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     if reasoning is None:
         return message
@@ -72,7 +71,7 @@ def _alias_reasoning(message: dict) -> dict:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
-def _template_messages(messages: Any) -> list[dict]:
+def _template_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)):
         raise TemplateError("messages must be a list of message objects")
     if not messages:
@@ -108,17 +107,9 @@ class ChatTemplate:
         self._special = dict(special_tokens or {})
 
     @property
-    def variables(self) -> frozenset[str]:
-        return template_variables(self.source)
-
-    @property
     def content_format(self) -> str:
         """How vLLM would hand this template message content: "string" or "openai" (parts)."""
         return detect_content_format(self.source)
-
-    @property
-    def has_generation_blocks(self) -> bool:
-        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
 
     @property
     def supports_developer_role(self) -> bool:
@@ -170,7 +161,7 @@ class ChatTemplate:
             text = _cut_at_continue_tag(text, final_text)
         return RenderedChat(text, spans)
 
-    def _tag_final_message(self, chat: list[dict], continue_final_message: bool | str) -> str:
+    def _tag_final_message(self, chat: list[dict[str, Any]], continue_final_message: bool | str) -> str:
         key = continue_final_message if isinstance(continue_final_message, str) else "content"
         final = chat[-1].get(key)
         if final is None:
@@ -186,7 +177,7 @@ class ChatTemplate:
         if isinstance(final, (list, tuple)):
             for part in reversed(final):
                 if isinstance(part, dict) and "text" in part:
-                    final_text = part["text"]
+                    final_text: str = part["text"]
                     part["text"] = part["text"] + _CONTINUE_TAG
                     return final_text
             raise TemplateError(
@@ -198,7 +189,7 @@ class ChatTemplate:
             chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
         return final
 
-    def _run(self, context: dict, track_generation: bool) -> tuple[str, list[tuple[int, int]]]:
+    def _run(self, context: dict[str, Any], track_generation: bool) -> tuple[str, list[tuple[int, int]]]:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
@@ -236,7 +227,7 @@ def _cut_at_continue_tag(text: str, final_text: str) -> str:
     return text[:at].rstrip()
 
 
-def _check_tools(tools: Any) -> list | None:
+def _check_tools(tools: Any) -> list[Any] | None:
     if tools is None:
         return None
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):
@@ -256,8 +247,3 @@ def assistant_token_mask(token_offsets: list[tuple[int, int]], spans: list[tuple
         if end > spans[span][0]:
             mask[i] = 1
     return mask
-
-
-def default_template_source() -> str:
-    """Our own ChatML template (Qwen3 special tokens, tools, <think> reasoning, enable_thinking)."""
-    return resources.files("render_service").joinpath("default_template.jinja").read_text(encoding="utf-8")

@@ -11,6 +11,7 @@ import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -23,7 +24,7 @@ class NotProvable(Exception):
     """The tokenizer.json is outside the shape whose tiktoken equivalence we can prove."""
 
 
-def _normalizer_is_nfc(spec: dict) -> bool:
+def _normalizer_is_nfc(spec: dict[str, Any]) -> bool:
     """True for NFC, False for no normalizer; anything else is not provable."""
     normalizer = spec.get("normalizer")
     if normalizer is None:
@@ -39,7 +40,7 @@ def _normalizer_is_nfc(spec: dict) -> bool:
     raise NotProvable(f"normalizer {kind}")
 
 
-def _split_regex(spec: dict) -> str:
+def _split_regex(spec: dict[str, Any]) -> str:
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
     if not isinstance(steps, list) or len(steps) != 2:
@@ -53,10 +54,11 @@ def _split_regex(spec: dict) -> str:
         raise NotProvable("second pre_tokenizer step is not ByteLevel(use_regex=false)")
     if byte_level.get("add_prefix_space"):
         raise NotProvable("ByteLevel adds a prefix space")
-    return split["pattern"]["Regex"]
+    pattern: str = split["pattern"]["Regex"]
+    return pattern
 
 
-def _check_bpe_model(model: dict) -> None:
+def _check_bpe_model(model: dict[str, Any]) -> None:
     if model.get("type") != "BPE":
         raise NotProvable(f"model {model.get('type')}")
     if model.get("dropout") or model.get("byte_fallback"):
@@ -75,7 +77,7 @@ def _check_ranks(ranks: dict[bytes, int] | None) -> dict[bytes, int]:
     return ranks
 
 
-def _merge_strings(merges: list) -> list[tuple[str, str]]:
+def _merge_strings(merges: list[Any]) -> list[tuple[str, str]]:
     pairs = []
     for merge in merges:
         pair = merge.split(" ", 1) if isinstance(merge, str) else merge
@@ -183,20 +185,21 @@ class NfcLikeTokenizers:
     normalizer, which is exact but ~40x slower.
     """
 
-    def __init__(self, hf_normalizer) -> None:
+    def __init__(self, hf_normalizer: Any) -> None:
         self._hf_normalize = hf_normalizer.normalize_str
 
     def __call__(self, text: str) -> str:
         if text.isascii() or unicodedata.is_normalized("NFC", text):
             return text
-        return self._hf_normalize(text)
+        normalized: str = self._hf_normalize(text)
+        return normalized
 
 
 class TiktokenEncoder:
     """HF's encode pipeline on tiktoken: added tokens out first, then normalize, regex split, byte BPE."""
 
-    def __init__(self, encoding, raw_added: dict[str, int], normalized_added: dict[str, int],
-                 normalize=None) -> None:
+    def __init__(self, encoding: Any, raw_added: dict[str, int], normalized_added: dict[str, int],
+                 normalize: Callable[[str], str] | None = None) -> None:
         self._encode_ordinary = encoding.encode_ordinary
         self._raw = AddedTokenSplitter(raw_added)
         self._normalized = AddedTokenSplitter(normalized_added)
@@ -218,14 +221,14 @@ class TiktokenEncoder:
         return ids
 
 
-def _prove_merges_are_ranks(merges: list, vocab: dict[str, int], ranks: dict[bytes, int]) -> None:
+def _prove_merges_are_ranks(merges: list[Any], vocab: dict[str, int], ranks: dict[bytes, int]) -> None:
     pairs = _merge_strings(merges)
     _check_merges_follow_ranks(pairs, vocab)
     _check_merges_are_lower_rank_splits(pairs, ranks)
 
 
-def build_tiktoken_encoder(spec: dict, hf: Tokenizer, ranks: dict[bytes, int] | None,
-                           load_merges: Callable[[], list], sha256: str | None = None) -> TiktokenEncoder:
+def build_tiktoken_encoder(spec: dict[str, Any], hf: Tokenizer, ranks: dict[bytes, int] | None,
+                           load_merges: Callable[[], list[Any]], sha256: str | None = None) -> TiktokenEncoder:
     """A TiktokenEncoder proved equivalent to ``hf`` on ``spec``; raises NotProvable otherwise.
 
     The merge proof is the slow part (~2 s for 151k tokens, and the merges must be parsed): it is

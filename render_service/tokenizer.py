@@ -10,8 +10,9 @@ anything short of that keeps ``tokenizers``. ``fast_path`` / ``fast_path_reason`
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import msgspec
 from tokenizers import Tokenizer
@@ -47,8 +48,8 @@ class TokenizerError(ValueError):
 class TextTokenizer:
     """The tokenizer interface the rest of the render tier uses."""
 
-    def __init__(self, hf: Tokenizer, special_token_ids: set[int], *, spec: dict | None = None,
-                 load_merges: Callable[[], list] | None = None, sha256: str | None = None,
+    def __init__(self, hf: Tokenizer, special_token_ids: set[int], *, spec: dict[str, Any] | None = None,
+                 load_merges: Callable[[], list[Any]] | None = None, sha256: str | None = None,
                  fast: bool = True) -> None:
         # Truncation or padding set in a tokenizer.json would silently change encode; the render tier
         # checks lengths itself.
@@ -75,7 +76,7 @@ class TextTokenizer:
         elif fast:
             self.fast_path_reason = "tokenizers (no tokenizer.json spec given)"
 
-    def _try_fast_path(self, spec: dict, ranks: dict[bytes, int] | None, load_merges: Callable[[], list],
+    def _try_fast_path(self, spec: dict[str, Any], ranks: dict[bytes, int] | None, load_merges: Callable[[], list[Any]],
                        sha256: str | None) -> None:
         try:
             fast = build_tiktoken_encoder(spec, self.hf, ranks, load_merges, sha256)
@@ -91,8 +92,8 @@ class TextTokenizer:
         self.fast_path_reason = "tiktoken (byte-level BPE proved equal to tokenizers; self-check passed)"
 
     @classmethod
-    def from_file(cls, path: str | Path, tokenizer_config: dict | None = None, *, fast: bool = True,
-                  ) -> "TextTokenizer":
+    def from_file(cls, path: str | Path, tokenizer_config: dict[str, Any] | None = None, *, fast: bool = True,
+                  ) -> TextTokenizer:
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
@@ -100,8 +101,8 @@ class TextTokenizer:
         return cls.from_bytes(data, tokenizer_config, fast=fast)
 
     @classmethod
-    def from_bytes(cls, data: bytes, tokenizer_config: dict | None = None, *, fast: bool = True,
-                   ) -> "TextTokenizer":
+    def from_bytes(cls, data: bytes, tokenizer_config: dict[str, Any] | None = None, *, fast: bool = True,
+                   ) -> TextTokenizer:
         """Load a tokenizer.json's content (its sha256 goes into the configuration fingerprint)."""
         try:
             hf = Tokenizer.from_str(data.decode("utf-8"))
@@ -139,7 +140,8 @@ class TextTokenizer:
             return None
         if not text.isascii():
             text.encode("utf-8")  # lone surrogates raise, as in encode
-        return self._fast._encode_ordinary(text)
+        ids: list[int] = self._fast._encode_ordinary(text)
+        return ids
 
     def _hf_encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -179,9 +181,10 @@ class TextTokenizer:
             raise TypeError("token_bytes needs a byte-level BPE tokenizer")
         if self._id_bytes is None:
             self._id_bytes = self._byte_table(self._ranks)
-        if not 0 <= token_id < len(self._id_bytes) or self._id_bytes[token_id] is None:
+        raw = self._id_bytes[token_id] if 0 <= token_id < len(self._id_bytes) else None
+        if raw is None:
             raise ValueError(f"token id {token_id} is not in the vocabulary")
-        return self._id_bytes[token_id]
+        return raw
 
     def _byte_table(self, ranks: dict[bytes, int]) -> list[bytes | None]:
         size = max([*ranks.values(), *self._added_content, -1]) + 1

@@ -19,21 +19,21 @@ class _ModelJson(msgspec.Struct):
 
 class _TokenizerJson(msgspec.Struct):
     model: _ModelJson = msgspec.field(default_factory=_ModelJson)
-    normalizer: dict | None = None
-    pre_tokenizer: dict | None = None
-    decoder: dict | None = None
-    added_tokens: list[dict] = []
+    normalizer: dict[str, Any] | None = None
+    pre_tokenizer: dict[str, Any] | None = None
+    decoder: dict[str, Any] | None = None
+    added_tokens: list[dict[str, Any]] = []
 
 
 class _MergesModelJson(msgspec.Struct):
-    merges: list = []
+    merges: list[Any] = []
 
 
 class _MergesJson(msgspec.Struct):
     model: _MergesModelJson = msgspec.field(default_factory=_MergesModelJson)
 
 
-def read_tokenizer_spec(data: bytes) -> dict:
+def read_tokenizer_spec(data: bytes) -> dict[str, Any]:
     """tokenizer.json as a dict without ``model.merges`` (parsing them would double the load time)."""
     parsed = msgspec.json.decode(data, type=_TokenizerJson)
     spec = msgspec.structs.asdict(parsed)
@@ -41,5 +41,5 @@ def read_tokenizer_spec(data: bytes) -> dict:
     return spec
 
 
-def read_merges(data: bytes) -> list:
+def read_merges(data: bytes) -> list[Any]:
     return msgspec.json.decode(data, type=_MergesJson).model.merges

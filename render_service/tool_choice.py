@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from render_service.errors import bad_request
+from render_service.parsers.pipeline import ToolChoiceMode
 from render_service.protocol import ChatCompletionRequest
 
-NAMED = "named"
+NAMED: Final = "named"
+_STRING_MODES: dict[str, ToolChoiceMode] = {"auto": "auto", "none": "none", "required": "required"}
 
 
-def parse_tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
+def parse_tool_choice(req: ChatCompletionRequest) -> tuple[ToolChoiceMode, str | None]:
     """("none" | "auto" | "required" | "named", the named function); 400 for a malformed choice.
 
     No choice means "auto" when tools are given, else "none"."""
@@ -18,9 +20,10 @@ def parse_tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
     if choice is None:
         return ("auto" if req.tools else "none"), None
     if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
+        mode = _STRING_MODES.get(choice)
+        if mode is None:
             raise bad_request(f"Invalid tool_choice {choice!r}", "tool_choice")
-        return choice, None
+        return mode, None
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
@@ -29,7 +32,13 @@ def parse_tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
     return NAMED, name
 
 
-def check_render_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool) -> tuple[str, str | None]:
+def forces_a_call(req: ChatCompletionRequest) -> bool:
+    """Named or "required" tool choice: render constrained the output to a call, so derender parses it even
+    without a --tool-call-parser, and an empty content is "" rather than null (vLLM)."""
+    return req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+
+
+def check_render_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool) -> tuple[ToolChoiceMode, str | None]:
     """The effective tool_choice at render, where vLLM also refuses what the server or tools cannot honour.
 
     ``auto_tool_choice``: --enable-auto-tool-choice together with a --tool-call-parser."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -20,7 +21,7 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def config(**flags: Any) -> RenderConfig:
     """The Qwen3 fixture bundle (loaded once) under these server flags."""
     return build_render_config(qwen3_bundle(), served_model_names=[MODEL], **flags)

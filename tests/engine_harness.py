@@ -3,7 +3,6 @@ port in a thread, a plain greedy loop over the model to compare against, and blo
 
 from __future__ import annotations
 
-from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import json
 import os
 import socket
@@ -19,6 +18,7 @@ import httpx
 import torch
 import uvicorn
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 from token_engine.attention import allocate_kv_pool, build_metadata
 from token_engine.engine import AsyncEngine, EngineConfig, LLMEngine
 from token_engine.random_model import write_random_model
@@ -78,7 +78,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.engine.start()
         self.thread.start()
         for _ in range(400):  # bounded wait for the listener

@@ -10,7 +10,6 @@ not repeat a token (a bigram model cannot tell two occurrences apart).
 
 from __future__ import annotations
 
-from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 from token_engine.random_model import write_random_model
 
 FIXTURES = FIXTURES_DIR

@@ -26,7 +26,7 @@ class Server:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(argv, env=full_env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=self.log_file)
 
-    def wait_healthy(self, limit_s: float = 180) -> "Server":
+    def wait_healthy(self, limit_s: float = 180) -> Server:
         deadline = time.monotonic() + limit_s  # hang guard only
         while True:
             if self.proc.poll() is not None:

@@ -6,7 +6,6 @@ shared by every test file that asks for it.
 
 from __future__ import annotations
 
-from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import dataclasses
 import functools
 import json
@@ -22,6 +21,7 @@ import uvicorn
 from render_service.bundle import load_bundle
 from render_service.render_config import RenderConfig, build_render_config
 from render_service.server import create_app
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 
 FIXTURES = FIXTURES_DIR
 if not FIXTURES.exists():
@@ -31,12 +31,12 @@ VLLM_PAIRS = FIXTURES / "vllm-0.32-render"
 PARSER_FLAGS = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qwen3_bundle():
     return load_bundle(str(QWEN3_DIR))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qwen3_config(parsers: bool = False, max_model_len: int | None = None) -> RenderConfig:
     """The fixture model as the recorded vLLM server served it, sharing one loaded bundle."""
     flags = PARSER_FLAGS if parsers else {}
@@ -60,7 +60,7 @@ class RenderServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.client = httpx.Client(base_url=self.url, timeout=30)
 
-    def __enter__(self) -> "RenderServer":
+    def __enter__(self) -> RenderServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from token_engine.attention import allocate_kv_pool, build_metadata, paged_attention, store_kv
 

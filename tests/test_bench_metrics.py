@@ -5,8 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from bench.metrics import (RequestOutput, calculate_metrics, format_summary, parse_goodput, parse_percentiles,
-                           ttft_by_turn)
+from bench.metrics import (
+    RequestOutput,
+    calculate_metrics,
+    format_summary,
+    parse_goodput,
+    parse_percentiles,
+    ttft_by_turn,
+)
 from bench.serve import arrival_delays
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import QWEN3_FIXTURE_DIR
 import hashlib
 import json
 import os
@@ -14,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from render_service.bundle import BundleError, derive_max_model_len, load_bundle
-from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildError, default_bundle_dir
 from render_service.byte_level import byte_level_bpe_spec
+from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildError, default_bundle_dir
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_DIR = QWEN3_FIXTURE_DIR

@@ -9,8 +9,16 @@ import time
 
 import pytest
 
-from tests.engine_harness import FIXTURES, ServerThread, engine_config, greedy_reference, idle_client, \
-    single_threaded_server, wait_for_idle_blocks, write_tiny_qwen3
+from tests.engine_harness import (
+    FIXTURES,
+    ServerThread,
+    engine_config,
+    greedy_reference,
+    idle_client,
+    single_threaded_server,
+    wait_for_idle_blocks,
+    write_tiny_qwen3,
+)
 
 MODEL_NAME = "qwen3-0.6b"  # what the recorded render output names
 MAX_MODEL_LEN = 48  # short: every default max_tokens runs to the end of the window

@@ -22,15 +22,15 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from render_service.openapi import render_openapi
-from splitserve_common.lifecycle import Lifecycle, wrap_app
-from token_engine.openapi import engine_openapi
 from render_service.gateway.flow import Gateway
+from render_service.openapi import render_openapi
 from render_service.render_config import load_render_config
 from render_service.server import create_app
+from splitserve_common.lifecycle import Lifecycle, wrap_app
 from tests.engine_harness import engine_config
 from tests.gateway_harness import write_scripted_qwen3
 from token_engine.engine import AsyncEngine, LLMEngine
+from token_engine.openapi import engine_openapi
 from token_engine.server import build_app
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

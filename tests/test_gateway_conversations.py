@@ -15,7 +15,11 @@ import torch
 
 from render_service.errors import ApiError
 from render_service.gateway.conversations import (
-    MAX_CONVERSATION_ID_CHARS, ConversationCache, conversation_key, next_turn_prefill_params, preferred_replica,
+    MAX_CONVERSATION_ID_CHARS,
+    ConversationCache,
+    conversation_key,
+    next_turn_prefill_params,
+    preferred_replica,
 )
 from render_service.gateway.pools import ReplicaPool
 from tests.engine_harness import ServerThread, engine_config
@@ -334,7 +338,7 @@ def test_a_chat_turn_whose_template_drops_the_think_block_is_recomputed_and_corr
 
 
 def test_a_held_lease_gone_from_decode_falls_back_to_a_recompute(pd):
-    prefill, decode = pd["prefill"], pd["decode"]
+    decode = pd["decode"]
     prompt1 = [6000 + 29 * i for i in range(15)]
     held_before = set(decode.llm.scheduler.held_by_connector)
     out1 = complete(pd, prompt1, "gone")

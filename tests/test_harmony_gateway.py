@@ -118,6 +118,15 @@ def test_named_tool_choice_gives_a_harmony_call(client):
     assert choice.finish_reason == "stop"  # named tool choice, as vLLM
 
 
+def test_required_tool_choice_with_one_tool_gives_a_harmony_call(client):
+    resp = client.chat.completions.create(model="gpt-oss-tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=32,
+                                          temperature=0, tool_choice="required")
+    choice = resp.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""  # forced: "" beside the call
+
+
 def test_structured_output_is_the_final_answer(client):
     resp = client.chat.completions.create(model="gpt-oss-tiny", messages=MESSAGES, max_tokens=32, temperature=0,
                                           response_format={"type": "json_object"})

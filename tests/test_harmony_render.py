@@ -163,6 +163,9 @@ def reference_ids(body: dict) -> list[int]:
                 Role.DEVELOPER, DeveloperContent.new().with_instructions(content)))
         else:
             messages.append(Message.from_role_and_content(Role.USER, content or ""))
+    # vLLM's auto_drop_analysis_messages: every analysis message before the last final answer goes. openai-harmony
+    # 0.0.8's own auto_drop_analysis stops at the *first* final answer (openai/harmony PR #96), so the reference
+    # applies vLLM's rule first; test_earlier_turns_lose_their_analysis pins where the two differ.
     last_final = max((i for i, m in enumerate(messages) if m.author.role == Role.ASSISTANT and m.channel == "final"),
                      default=-1)
     messages = [m for i, m in enumerate(messages) if not (i < last_final and m.channel == "analysis")]
@@ -216,6 +219,17 @@ def test_prompt_text_shows_the_settings():
     assert "# Valid channels: analysis, final." in plain and "<|start|>developer" not in plain
 
 
+def test_earlier_turns_lose_their_analysis():
+    # The Harmony format drops the chain of thought of every answered turn, not only of the first one (where
+    # openai-harmony 0.0.8's own auto_drop_analysis stops); the turn still open keeps its analysis.
+    tok = gpt_oss_bundle().tokenizer
+    text = tok.decode(render_chat(_request(CONVERSATIONS[19]), gpt_oss_config()).token_ids, skip_special_tokens=False)
+    assert "thinking" not in text and all(f"answer {i}" in text for i in range(5))
+    open_turn = tok.decode(render_chat(_request(CONVERSATIONS[9]), gpt_oss_config()).token_ids,
+                           skip_special_tokens=False)
+    assert "<|channel|>analysis<|message|>Partial thought so far<|end|>" in open_turn
+
+
 def test_message_text_never_becomes_a_marker():
     ids = render_chat(_request(CONVERSATIONS[16]), gpt_oss_config()).token_ids
     assert ids.count(START) == 3  # system, user, the assistant's turn: the user's "<|start|>" stays text
@@ -267,6 +281,13 @@ def test_other_parser_flags_are_refused_for_gpt_oss():
     with pytest.raises(ValueError, match="openai"):
         build_render_config(gpt_oss_bundle(), tool_call_parser="hermes")
     assert build_render_config(gpt_oss_bundle()).reasoning_parser == "openai_gptoss"  # picked from the bundle
+
+
+def test_an_unknown_reasoning_parser_lists_openai_gptoss_among_the_known():
+    from render_service.parsers.registry import UnknownParserError, get_reasoning_parser
+
+    with pytest.raises(UnknownParserError, match="openai_gptoss"):
+        get_reasoning_parser("gpt-oss")
 
 
 def test_fingerprint_names_the_harmony_renderer():

@@ -5,7 +5,6 @@ two chunks over cached KV, and a batch of sequences decoding over shuffled, non-
 generation must equal transformers' greedy `generate` token for token.
 """
 
-from tests.shared_paths import FIXTURES as FIXTURES_DIR
 import json
 import random
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.shared_paths import FIXTURES as FIXTURES_DIR
 from token_engine.attention import allocate_kv_pool, build_metadata
 from token_engine.layers import RopeSpec, rope_inv_freq, rope_spec_from_config
 from token_engine.loader import checkpoint_files
@@ -179,7 +179,6 @@ def test_prefill_in_two_chunks_attends_to_cached_kv(pair, name):
 def test_batched_decode_over_shuffled_block_tables_matches(pair, name):
     ours, ref = pair(name)
     vocab = ours.arch.vocab_size
-    g = torch.Generator().manual_seed(6)
     final = {s: prompt(vocab, n, 10 + s) for s, n in enumerate((11, 23, 7, 15))}
     prompt_lens = {0: 5, 1: 17, 2: 1, 3: 9}
     # one transformers forward per final sequence gives the expected logits of every step (causal)

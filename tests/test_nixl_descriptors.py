@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from token_engine.kv_connector.descriptors import (
-    KVGeometry, PoolLayout, block_runs, geometry_of, layout_of, read_descriptors)
+    KVGeometry,
+    PoolLayout,
+    block_runs,
+    geometry_of,
+    layout_of,
+    read_descriptors,
+)
 
 
 def _layout(base: int, blocks: int = 64, layers: int = 2) -> PoolLayout:

@@ -2,7 +2,8 @@
 
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from token_engine.kv_connector.leases import LeaseTable, format_notification, parse_notification
 

@@ -8,8 +8,14 @@ import msgspec
 import pytest
 
 from token_engine.kv_connector.side_channel import (
-    AgentPublication, SideChannelError, SideChannelServer, WireGeometry, fetch_lease_status, fetch_publication,
-    validate_publication)
+    AgentPublication,
+    SideChannelError,
+    SideChannelServer,
+    WireGeometry,
+    fetch_lease_status,
+    fetch_publication,
+    validate_publication,
+)
 
 
 def _pub(**over) -> AgentPublication:

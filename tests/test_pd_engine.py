@@ -181,7 +181,7 @@ def test_bad_transfer_params_fail_clearly_or_recompute_exactly(engines, short_le
     assert du.error is None and tokens == expected
     # the prefill leases of refused loads are not read: they end by expiry (not waited for here) or abort
     for e in (d, r):
-        step_until([e, p], until=lambda: e.num_free_blocks() == e.num_blocks and not e.requests)
+        step_until([e, p], until=lambda e=e: e.num_free_blocks() == e.num_blocks and not e.requests)
 
 
 def test_same_request_id_is_not_held_twice(engines):
@@ -221,17 +221,17 @@ def _soak(p, d):
         params = {}
         for rid, prompt in prompts.items():
             p.add_request(rid, prompt, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True},
-                          on_update=lambda u, rid=rid: params.__setitem__(rid, u) if u.finished else None)
+                          on_update=lambda u, rid=rid, params=params: params.__setitem__(rid, u) if u.finished else None)
             if rng.random() < 0.1:
                 p.abort_request(rid)
-        step_until([p], until=lambda: len(params) == len(prompts))
+        step_until([p], until=lambda params=params, prompts=prompts: len(params) == len(prompts))
         finished = set()
         for rid, u in params.items():
             if u.kv_transfer_params is None or not u.kv_transfer_params.get("do_remote_prefill"):
                 continue  # aborted on the prefill side
             d.add_request(rid, prompts[rid], SamplingOptions(temperature=0.0, max_tokens=rng.randint(1, 4)),
                           kv_transfer_params=u.kv_transfer_params,
-                          on_update=lambda u, rid=rid: finished.add(rid) if u.finished else None)
+                          on_update=lambda u, rid=rid, finished=finished: finished.add(rid) if u.finished else None)
         for _ in range(rng.randint(0, 3)):
             p.step()
             d.step()

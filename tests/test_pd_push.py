@@ -11,6 +11,7 @@ import torch
 
 from tests.engine_harness import EngineProcess, engine_config, finish_request, free_port, step_until, write_tiny_qwen3
 from token_engine.engine import LLMEngine
+from token_engine.kv_connector.handoff import LoadPhase
 from token_engine.kv_connector.leases import format_notification
 from token_engine.kv_connector.nixl_transport import NixlTransport
 from token_engine.kv_connector.side_channel import validate_publication
@@ -123,7 +124,7 @@ def test_completion_from_another_agent_is_ignored(engines):
     dec, pre = {}, {}
     start(d, "d-3", PROMPT[:33], GREEDY, push_params(p, "p-3"), dec)
     step_until([d], lambda: bool(d.connector.handoff._push_loads)
-               and next(iter(d.connector.handoff._push_loads.values())).state == "reading")
+               and next(iter(d.connector.handoff._push_loads.values())).state == LoadPhase.READING)
     (rid, epoch), = d.connector.handoff._push_loads
     pool = torch.zeros(4, *d.runner.kv_pool.shape[1:], dtype=d.runner.kv_pool.dtype)
     rogue = NixlTransport("rogue-agent", pool)

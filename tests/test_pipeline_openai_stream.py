@@ -139,3 +139,25 @@ def test_n2_choices_each_get_role_and_finish_with_their_index():
         assert sum(1 for m in mine if m["delta"].get("role")) == 1
         assert mine[-1]["finish_reason"] == "stop"
         assert "".join(m["delta"].get("content") or "" for m in mine[1:]) == "b"
+
+
+def test_forced_tool_choice_answers_empty_content_as_batch_derender_does():
+    # Named tool choice (a JSON grammar after the reasoning): the gateway's non-streaming answer and batch
+    # derender read the same rule (tool_choice.forces_a_call): content "" beside the call, never null (vLLM).
+    from render_service.derender import derender_chat
+    from render_service.protocol import DerenderChatRequest
+
+    cfg, tok = parser_config(), parser_config().tokenizer
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = responder(cfg, stream=False, tool_choice=named)
+    ids = tok.encode('<think>r</think>{"city": "Paris"}') + [EOS]
+    r.accumulate(0, GenerateStreamChoice(index=0, token_ids=ids, finish_reason="stop"))
+    gateway = msgspec.to_builtins(r.response())["choices"][0]["message"]
+    assert gateway["content"] == "" and gateway["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    batch = derender_chat(msgspec.convert({
+        "generate_response": {"request_id": r.gens[0].request_id, "choices": [
+            {"index": 0, "token_ids": ids, "finish_reason": "stop"}]},
+        "chat_request": {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "tool_choice": named},
+    }, DerenderChatRequest), cfg)
+    assert msgspec.to_builtins(batch)["choices"][0]["message"] == gateway

@@ -82,8 +82,8 @@ def test_workers_serve_one_port_and_share_metrics(two_worker_server):
         assert r.status_code == 200
         assert r.json()["model"] == "qwen3-0.6b"
     text = client.get("/metrics").text
-    line = next(l for l in text.splitlines()
-                if l.startswith('splitserve_render_requests_total{endpoint="chat_render",status="200"}'))
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith('splitserve_render_requests_total{endpoint="chat_render",status="200"}'))
     assert float(line.rsplit(" ", 1)[1]) == 20.0  # summed over both workers, whichever answers the scrape
 
 

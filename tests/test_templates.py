@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import QWEN3_FIXTURE_DIR
 import json
 import shutil
 from pathlib import Path
@@ -11,10 +10,12 @@ import pytest
 
 from render_service.bundle import load_bundle
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+from render_service.default_bundle import default_template_source
 from render_service.template_analysis import detect_content_format
 from render_service.template_sandbox import compile_template
-from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask, default_template_source
+from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask
 from tests.conversations import CONVERSATIONS, Conversation, by_name
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 transformers = pytest.importorskip("transformers")
 

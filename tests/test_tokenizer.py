@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.shared_paths import QWEN3_FIXTURE_DIR
 import json
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ from tokenizers import Tokenizer
 from render_service.byte_level import byte_level_bpe_spec
 from render_service.tiktoken_fast_path import self_check_corpus
 from render_service.tokenizer import TextTokenizer, TokenizerError
+from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 QWEN3_DIR = QWEN3_FIXTURE_DIR
 QWEN3_TOKENIZER = QWEN3_DIR / "tokenizer.json"

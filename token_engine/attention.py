@@ -53,10 +53,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
     def host_lists(self) -> tuple[list[int], list[int]]:
         """(query_start_loc, seq_lens) as Python lists, computed once per step."""
         if self._host is None:

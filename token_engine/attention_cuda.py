@@ -145,11 +145,11 @@ def _decode_merge_kernel(
     d = tl.arange(0, HEAD_DIM)
     base = (i * NUM_HEADS + head) * num_splits
     m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))
-    l = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
+    denom = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     acc = tl.load(acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 

@@ -13,7 +13,7 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-from splitserve_common.cache_dir import publish, start_build
+from splitserve_common.cache_dir import build_once
 
 
 def _content_key(bundle: Path) -> str:
@@ -33,15 +33,11 @@ def with_random_weights(bundle_dir: str | Path, seed: int = 0) -> Path:
         return bundle
     config = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
     final = bundle.parent / f"{bundle.name}-weights-{_content_key(bundle)}"
-    if final.is_dir():
-        return final
-    tmp = start_build(final)
-    try:
+
+    def write(tmp: Path) -> None:
         for path in bundle.iterdir():
             if path.is_file():
                 shutil.copyfile(path, tmp / path.name)
         write_random_weights(tmp, config, seed=seed, dtype="bfloat16")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return publish(tmp, final)
+
+    return build_once(final, write)

@@ -18,6 +18,8 @@ stale table row names, and their output is dropped). The pool must not be reallo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from token_engine.attention import AttentionMetadata
@@ -56,11 +58,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.memory_pool = None
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.batch_sizes[-1]
+        self.memory_pool: Any = None  # torch's graph pool handle, shared by every captured size
 
     def _static_meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -99,10 +99,6 @@ class BlockManager:
         self.prefix_hits += num_hit_tokens
 
     # ---- allocation -------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= len(self.free)
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give seq room for num_new_tokens past its computed tokens; False (and no change) if out of blocks."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -151,9 +147,3 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        self.cached.clear()
-        for b in range(self.num_blocks):
-            if self.ref_counts[b] == 0:
-                self.block_hash[b] = None

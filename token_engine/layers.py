@@ -159,6 +159,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         inv_freq, self.attention_scaling = rope_inv_freq(spec, head_dim, max_position_embeddings)
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def reset_buffers(self) -> None:

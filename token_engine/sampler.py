@@ -33,11 +33,14 @@ def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> lis
     """TokenLogprob per row of log_probs [N, V] for token_ids [N], with the top-k alternatives."""
     chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
     ranks = (log_probs > chosen[:, None]).sum(dim=1) + 1
+    top_vals: list[list[float]]
+    top_ids: list[list[int]]
     if k > 0:
-        top_vals, top_ids = log_probs.topk(k, dim=1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        values, ids = log_probs.topk(k, dim=1)
+        top_vals, top_ids = values.tolist(), ids.tolist()
     else:
-        top_vals = top_ids = [[] for _ in range(log_probs.shape[0])]
+        top_vals = [[] for _ in range(log_probs.shape[0])]
+        top_ids = [[] for _ in range(log_probs.shape[0])]
     out = []
     for i, (tid, lp, rank) in enumerate(zip(token_ids.tolist(), chosen.tolist(), ranks.tolist())):
         out.append(TokenLogprob(tid, lp, rank, list(zip(top_ids[i], top_vals[i]))))
@@ -75,16 +78,15 @@ class Sampler:
 
         token_list = tokens.tolist()
         logprob_out: list[TokenLogprob | None] = [None] * batch
-        want = [i for i, r in enumerate(rows) if r.options.logprobs is not None]
+        want = {i: r.options.logprobs for i, r in enumerate(rows) if r.options.logprobs is not None}
         if want:
-            idx = torch.tensor(want, device=device)
+            idx = torch.tensor(list(want), device=device)
             log_probs = raw.index_select(0, idx)
             if self.logprobs_mode == "raw_logprobs":
                 log_probs = log_probs.log_softmax(dim=1)
-            k = max(rows[i].options.logprobs for i in want)
-            entries = logprobs_of(log_probs, tokens.index_select(0, idx), k)
-            for i, entry in zip(want, entries):
-                entry.top = entry.top[: rows[i].options.logprobs]
+            entries = logprobs_of(log_probs, tokens.index_select(0, idx), max(want.values()))
+            for (i, top), entry in zip(want.items(), entries):
+                entry.top = entry.top[:top]
                 logprob_out[i] = entry
         return token_list, logprob_out
 

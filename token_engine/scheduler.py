@@ -36,10 +36,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 GRAMMAR_VIOLATION = ("structured_outputs: the sampled token is not allowed by the grammar (another constraint, "
                      "such as allowed_token_ids or min_tokens, left no token the grammar accepts)")
@@ -93,9 +89,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_remote)
-
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End seq; its blocks go back unless the connector holds them for a peer."""

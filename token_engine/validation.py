@@ -44,7 +44,8 @@ def _finite(name: str, value: float) -> float:
 
 def _int_range(name: str, value: int, lo: int, hi: int, what: str | None = None) -> int:
     if not lo <= value <= hi:
-        raise RequestError(f"{name} must be {what or f'between {lo} and {hi}'}, got {value}.", f"sampling_params.{name}")
+        raise RequestError(f"{name} must be {what or f'between {lo} and {hi}'}, got {value}.",
+                           f"sampling_params.{name}")
     return value
 
 
@@ -72,7 +73,8 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     if mode is not UNSET and mode != "tokens":
         if mode == "text":
             raise RequestError("output_mode 'text' needs a tokenizer; this is a tokens-only engine.", "output_mode")
-        raise RequestError(f"output_mode must be 'tokens', got {'null' if mode is None else repr(mode)}.", "output_mode")
+        raise RequestError(f"output_mode must be 'tokens', got {'null' if mode is None else repr(mode)}.",
+                           "output_mode")
     if req.features is not None or req.content_parts:
         raise RequestError("multimodal inputs (features, content_parts) are not supported by this engine.",
                            "features" if req.features is not None else "content_parts")
@@ -151,7 +153,8 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     logit_bias: tuple[tuple[int, float], ...] = ()
     if sp.logit_bias:
         if len(sp.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries.", "sampling_params.logit_bias")
+            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries.",
+                               "sampling_params.logit_bias")
         _check_token_ids("logit_bias", list(sp.logit_bias), limits.vocab_size, "sampling_params.logit_bias")
         for v in sp.logit_bias.values():
             _finite("logit_bias", v)
@@ -160,7 +163,8 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     if sp.allowed_token_ids is not None:
         if not sp.allowed_token_ids:
             raise RequestError("allowed_token_ids must not be empty.", "sampling_params.allowed_token_ids")
-        _check_token_ids("allowed_token_ids", sp.allowed_token_ids, limits.vocab_size, "sampling_params.allowed_token_ids")
+        _check_token_ids("allowed_token_ids", sp.allowed_token_ids, limits.vocab_size,
+                         "sampling_params.allowed_token_ids")
         allowed = tuple(sp.allowed_token_ids)
 
     options = SamplingOptions(

@@ -36,6 +36,7 @@ from render_service.protocol import (
     UsageInfo,
 )
 from render_service.render_config import RenderConfig
+from render_service.tool_choice import forces_a_call
 
 _encode = msgspec.json.Encoder().encode
 
@@ -94,8 +95,7 @@ class ChoiceOutput:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo.counted(prompt_tokens, completion_tokens)
 
 
 class _Responder:
@@ -183,7 +183,7 @@ class ChatResponder(_Responder):
         super().__init__([gen], config, gen.model or config.model_name, gen.request_id, gen.stream_options)
         self.req = req
         self.stops = stop_list(req.stop)
-        self.forced_tools = isinstance(req.tool_choice, dict) or req.tool_choice == "required"
+        self.forced_tools = forces_a_call(req)
         self.accumulators: dict[int, MessageAccumulator] = {}
         self.logprobs: dict[int, list[Any]] = {}
         self.first_chunk = True

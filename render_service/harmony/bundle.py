@@ -19,6 +19,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from render_service.byte_level import byte_level_bpe_spec
 from render_service.default_bundle import BundleBuildError, _write_json, tiny_qwen3_config
@@ -75,7 +76,7 @@ def o200k_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def added_token_entries() -> list[dict]:
+def added_token_entries() -> list[dict[str, Any]]:
     return [
         {"id": i, "content": special_token_text(i), "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True}
@@ -88,7 +89,7 @@ def gpt_oss_tokenizer_json(ranks: dict[bytes, int]) -> bytes:
     return json.dumps(spec, indent=2, ensure_ascii=False).encode("utf-8")
 
 
-def gpt_oss_tokenizer_config() -> dict:
+def gpt_oss_tokenizer_config() -> dict[str, Any]:
     return {
         "added_tokens_decoder": {
             str(e["id"]): {k: e[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}

@@ -19,7 +19,12 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from splitserve_common.cache_dir import cache_root
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
 
 # o200k_base has 199,998 ordinary tokens; the specials start right after.
 O200K_BASE_TOKENS = 199998
@@ -60,7 +65,7 @@ def special_token_text(token_id: int) -> str:
     return NAMED_SPECIALS.get(token_id) or f"<|reserved_{token_id}|>"
 
 
-def is_harmony_tokenizer(tokenizer: Any) -> bool:
+def is_harmony_tokenizer(tokenizer: RenderTokenizer) -> bool:
     """The tokenizer spells Harmony's markers at Harmony's ids (gpt-oss's tokenizer.json does)."""
     try:
         return all(tokenizer.token_to_id(NAMED_SPECIALS[i]) == i for i in MARKER_IDS)
@@ -92,7 +97,7 @@ def tiktoken_file_bytes(ranks: dict[bytes, int]) -> bytes:
     return data
 
 
-def ranks_from_tokenizer(tokenizer: Any) -> dict[bytes, int]:
+def ranks_from_tokenizer(tokenizer: RenderTokenizer) -> dict[bytes, int]:
     from render_service.byte_level import byte_level_ranks
 
     ranks = byte_level_ranks(tokenizer.hf.get_vocab(with_added_tokens=False))
@@ -102,11 +107,10 @@ def ranks_from_tokenizer(tokenizer: Any) -> dict[bytes, int]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPLITSERVE_CACHE") or str(Path.home() / ".cache" / "splitserve")
-    return Path(root) / "tiktoken"
+    return cache_root() / "tiktoken"
 
 
-def ensure_tiktoken_dir(tokenizer: Any) -> Path:
+def ensure_tiktoken_dir(tokenizer: RenderTokenizer) -> Path:
     """A directory holding o200k_base.tiktoken for openai-harmony (written once from the tokenizer)."""
     given = os.environ.get(ENCODINGS_BASE_VAR)
     if given and (Path(given) / TIKTOKEN_FILE).is_file():
@@ -128,7 +132,7 @@ _LOCK = threading.Lock()
 _ENCODING: Any = None
 
 
-def harmony_encoding(tokenizer: Any) -> Any:
+def harmony_encoding(tokenizer: RenderTokenizer) -> Any:
     """openai-harmony's HARMONY_GPT_OSS encoding, loaded once per process from local files only."""
     global _ENCODING
     with _LOCK:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -38,6 +39,9 @@ from render_service.harmony.encoding import (
     START,
     harmony_encoding,
 )
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import TextTokenizer
 
 REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
 # Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
@@ -68,11 +72,11 @@ def _tool_name(name: Any) -> str:
     # As vLLM's sanitize_harmony_tool_name: a name never smuggles Harmony markers into a header.
     if not isinstance(name, str):
         return ""
-    name = name.strip()
-    return name.split("<|", 1)[0].strip() if "<|" in name else name
+    text = name.strip()
+    return text.split("<|", 1)[0].strip() if "<|" in text else text
 
 
-def _text(role: str, text: str, **fields: Any) -> dict:
+def _text(role: str, text: str, **fields: Any) -> dict[str, Any]:
     return {"role": role, "content": [{"type": "text", "text": text}], **fields}
 
 
@@ -98,7 +102,7 @@ def conversation_start_date(kwargs: dict[str, Any]) -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
-def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict:
+def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict[str, Any]:
     content: dict[str, Any] = {
         "model_identity": "You are ChatGPT, a large language model trained by OpenAI.",
         "reasoning_effort": "Medium",
@@ -121,7 +125,7 @@ def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict:
     return {"role": "system", "content": [content]}
 
 
-def _function_tools(tools: list[dict[str, Any]]) -> list[dict]:
+def _function_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
@@ -139,7 +143,7 @@ def _function_tools(tools: list[dict[str, Any]]) -> list[dict]:
     return out
 
 
-def developer_message(instructions: str | None, tools: list[dict[str, Any]] | None) -> dict:
+def developer_message(instructions: str | None, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     content: dict[str, Any] = {}
     if instructions is not None:
         content["instructions"] = instructions
@@ -149,14 +153,14 @@ def developer_message(instructions: str | None, tools: list[dict[str, Any]] | No
     return {"role": "developer", "content": [content]}
 
 
-def conversation_messages(chat: list[dict[str, Any]]) -> list[dict]:
+def conversation_messages(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """vLLM's parse_chat_inputs_to_harmony_messages, then its auto_drop_analysis_messages."""
-    names = {}
+    names: dict[Any, str] = {}  # call id (a client may send none) -> function name
     for msg in chat:
         for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
             if isinstance(call, dict):
                 names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(chat):
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
@@ -166,7 +170,7 @@ def conversation_messages(chat: list[dict[str, Any]]) -> list[dict]:
     return [m for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
 
 
-def _harmony_messages(msg: dict[str, Any], names: dict, where: str) -> list[dict]:
+def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) -> list[dict[str, Any]]:
     role = msg.get("role")
     reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
@@ -210,7 +214,7 @@ def _harmony_messages(msg: dict[str, Any], names: dict, where: str) -> list[dict
     raise bad_request(f"{where}.role {role!r} is not one of system, developer, user, assistant, tool", "messages")
 
 
-def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list[dict]:
+def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
     chat = list(req.messages)
     instructions = None
     if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer"):
@@ -249,10 +253,12 @@ class HarmonyRenderer:
     encoded on its own, as openai-harmony does, and message text never becomes a marker.
     """
 
-    def __init__(self, tokenizer: Any, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: TextTokenizer, cache_size: int = 256) -> None:
         self.encoding = harmony_encoding(tokenizer)
-        fast = tokenizer.encode_ordinary if getattr(tokenizer, "fast_path", False) else None
-        self.ordinary = fast or (lambda text: self.encoding.encode(text, disallowed_special=()))
+        # encode_ordinary answers None only off the fast path
+        self.ordinary: Callable[[str], list[int]] = (
+            cast("Callable[[str], list[int]]", tokenizer.encode_ordinary) if tokenizer.fast_path
+            else lambda text: self.encoding.encode(text, disallowed_special=()))
         self.encode_with_markers = tokenizer.encode
         self._cached = functools.lru_cache(maxsize=cache_size)(self._render_preamble)
 
@@ -261,13 +267,13 @@ class HarmonyRenderer:
                                                        config={"auto_drop_analysis": False})
         return tuple(ids)
 
-    def preamble(self, messages: list[dict]) -> tuple[int, ...]:
+    def preamble(self, messages: list[dict[str, Any]]) -> tuple[int, ...]:
         try:
             return self._cached(_JSON.encode({"messages": messages}).decode())
         except Exception as exc:  # openai_harmony.HarmonyError: say a schema Harmony cannot render
             raise bad_request(f"Harmony cannot render these instructions or tools: {exc}", "tools") from None
 
-    def message(self, msg: dict, out: list[int]) -> None:
+    def message(self, msg: dict[str, Any], out: list[int]) -> None:
         role = msg["role"]
         if role in ("system", "developer"):
             out.extend(self.preamble([msg]))  # a later instructions message: openai-harmony renders it
@@ -296,7 +302,7 @@ class HarmonyRenderer:
             out.extend(ordinary(part["text"]))
         out.append(CALL if role == "assistant" and recipient is not None else END)
 
-    def render(self, messages: list[dict], prefix: str = "") -> list[int]:
+    def render(self, messages: list[dict[str, Any]], prefix: str = "") -> list[int]:
         """The conversation for completion by the assistant (``<|start|>assistant`` + ``prefix``)."""
         split = 2 if len(messages) > 1 and messages[1]["role"] == "developer" else 1
         head = messages[:split]
@@ -313,14 +319,14 @@ class HarmonyRenderer:
 _RENDERERS: dict[int, HarmonyRenderer] = {}
 
 
-def renderer_for(tokenizer: Any) -> HarmonyRenderer:
+def renderer_for(tokenizer: TextTokenizer) -> HarmonyRenderer:
     renderer = _RENDERERS.get(id(tokenizer))
     if renderer is None or renderer.encode_with_markers != tokenizer.encode:
         renderer = _RENDERERS[id(tokenizer)] = HarmonyRenderer(tokenizer)
     return renderer
 
 
-def render_harmony_chat(req: Any, tokenizer: Any, kwargs: dict[str, Any], tool_choice: str,
+def render_harmony_chat(req: Any, tokenizer: TextTokenizer, kwargs: dict[str, Any], tool_choice: str,
                         named: str | None, json_output: bool) -> list[int]:
     """The prompt's token IDs (``tool_choice`` as render's _check_tool_choice resolved it)."""
     with_tools = bool(req.tools) and tool_choice != "none"

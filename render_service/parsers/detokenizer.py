@@ -15,11 +15,14 @@ incomplete when the output ends is dropped, never flushed.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from render_service.byte_level import byte_level_token_bytes
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: the prompt tail that seeds the window.
 PROMPT_SEED_TOKENS = 5
@@ -47,7 +50,7 @@ class DetokenizerState(msgspec.Struct, omit_defaults=True):
 class _TokenTables:
     """Per-tokenizer lookup tables, filled lazily and shared by every request."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: RenderTokenizer) -> None:
         hf = tokenizer.hf
         self.hf = hf
         flag = getattr(tokenizer, "is_byte_level", None)
@@ -74,10 +77,10 @@ class _TokenTables:
         return b
 
 
-_TABLES: weakref.WeakKeyDictionary[Any, _TokenTables] = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary[RenderTokenizer, _TokenTables] = weakref.WeakKeyDictionary()
 
 
-def token_tables(tokenizer: Any) -> _TokenTables:
+def token_tables(tokenizer: RenderTokenizer) -> _TokenTables:
     tables = _TABLES.get(tokenizer)
     if tables is None:
         tables = _TokenTables(tokenizer)
@@ -88,7 +91,7 @@ def token_tables(tokenizer: Any) -> _TokenTables:
 class IncrementalDetokenizer:
     """Configured once per request; ``step`` turns a chunk of token IDs into newly completed text."""
 
-    def __init__(self, tokenizer: Any, config: DetokenizerConfig = DetokenizerConfig()) -> None:
+    def __init__(self, tokenizer: RenderTokenizer, config: DetokenizerConfig = DetokenizerConfig()) -> None:
         self.config = config
         self.tables = token_tables(tokenizer)
         hidden = set(config.hidden_token_ids)

@@ -30,7 +30,8 @@ its text becomes content. A header still open at the end carries no message and 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from enum import IntEnum
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -41,6 +42,9 @@ from render_service.parsers.base import (
     ToolCallPiece,
 )
 
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
+
 MESSAGE = "<|message|>"
 START = "<|start|>"
 # what ends a message body (<|start|> too: a model that skipped <|end|> starts the next header)
@@ -50,17 +54,34 @@ MAX_NAME = 256
 MAX_CALLS = 1024  # calls per reply; more are content (and a client's state cannot claim more)
 _LONGEST_END = max(len(m) for m in BODY_ENDS)
 
-HEADER, BODY = 0, 1
-REASONING, CONTENT, CALL, DROP = 0, 1, 2, 3
+
+class HarmonyMode(IntEnum):
+    """Reading a message's header or its body (in stream_state: its int)."""
+
+    HEADER = 0
+    BODY = 1
+
+
+class HarmonyTarget(IntEnum):
+    """Where the current message's body goes (in stream_state: its int)."""
+
+    REASONING = 0
+    CONTENT = 1
+    CALL = 2
+    DROP = 3
+
+
+HEADER, BODY = HarmonyMode  # module-level names: the hot loop compares against globals
+REASONING, CONTENT, CALL, DROP = HarmonyTarget
 
 _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT_RE = re.compile(r"(?:^|\s)to=([^\s<]+)")
 
 
 class HarmonyState(msgspec.Struct, omit_defaults=True):
-    mode: Annotated[int, msgspec.Meta(ge=0, le=1)] = HEADER
+    mode: HarmonyMode = HEADER
     header: Annotated[str, msgspec.Meta(max_length=MAX_HEADER)] = ""
-    target: Annotated[int, msgspec.Meta(ge=0, le=3)] = CONTENT
+    target: HarmonyTarget = CONTENT
     held: Annotated[str, msgspec.Meta(max_length=_LONGEST_END)] = ""
     calls: Annotated[int, msgspec.Meta(ge=0, le=MAX_CALLS)] = 0
     # a call the prompt opened (forced tool choice) whose name is announced with the first output
@@ -126,7 +147,6 @@ class HarmonyParser:
 
     name: ClassVar[str] = "openai_gptoss"
     State: ClassVar[type[msgspec.Struct]] = HarmonyState
-    handles_tool_calls: ClassVar[bool] = True
 
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig(), *, tool_calls: bool = False,
                  forced_call: str | None = None) -> None:
@@ -149,7 +169,8 @@ class HarmonyParser:
 
     # state ---------------------------------------------------------------------------------------------
 
-    def initial_state(self, prompt_token_ids: list[int] | None = None, tokenizer: Any = None) -> HarmonyState:
+    def initial_state(self, prompt_token_ids: list[int] | None = None,
+                      tokenizer: RenderTokenizer | None = None) -> HarmonyState:
         """Where the prompt left off: normally a header after ``<|start|>assistant``; a message body when
         render opened one (forced tool call, structured final answer)."""
         state = HarmonyState()
@@ -274,13 +295,13 @@ def _partial_end_len(text: str) -> int:
     return 0
 
 
-def _prompt_tail(prompt_token_ids: list[int], tokenizer: Any, window: int = 96) -> str | None:
+def _prompt_tail(prompt_token_ids: list[int], tokenizer: RenderTokenizer, window: int = 96) -> str | None:
     """The prompt's text from its last ``<|start|>`` (None when the window holds none)."""
     start_id = tokenizer.token_to_id(START)
     tail = prompt_token_ids[-window:]
     for i in range(len(tail) - 1, -1, -1):
         if tail[i] == start_id:
-            return str(tokenizer.decode(tail[i:], skip_special_tokens=False))
+            return tokenizer.decode(tail[i:], skip_special_tokens=False)
     return None
 
 

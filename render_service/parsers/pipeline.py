@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -28,6 +28,9 @@ from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredT
 from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
 
 # How the request's tool_choice reaches the pipeline (derender.pipeline_config resolves it).
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
@@ -141,7 +144,7 @@ def call_id_style(tool_parser: str | None) -> str:
 
 
 class Pipeline:
-    def __init__(self, tokenizer: Any, config: PipelineConfig) -> None:
+    def __init__(self, tokenizer: RenderTokenizer, config: PipelineConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.detok = IncrementalDetokenizer(

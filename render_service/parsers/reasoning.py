@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import functools
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
 from render_service.parsers.base import ReasoningParserConfig, TextPiece
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -208,7 +211,7 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
 
 
 def reasoning_open_at_prompt_end(
-    prompt_token_ids: list[int] | None, tokenizer: Any, parser_cls: type[ThinkReasoningParser]
+    prompt_token_ids: list[int] | None, tokenizer: RenderTokenizer, parser_cls: type[ThinkReasoningParser]
 ) -> bool | None:
     """What the prompt's tail says about reasoning at the start of the output.
 
@@ -220,7 +223,7 @@ def reasoning_open_at_prompt_end(
         return None
     start_id = tokenizer.token_to_id(parser_cls.start_tag)
     end_id = tokenizer.token_to_id(parser_cls.end_tag)
-    special: set[int] = getattr(tokenizer, "special_token_ids", set())
+    special = tokenizer.special_token_ids
     for i in range(len(prompt_token_ids) - 1, max(len(prompt_token_ids) - 64, -1), -1):
         t = prompt_token_ids[i]
         if t == end_id:

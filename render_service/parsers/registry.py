@@ -61,5 +61,5 @@ def get_reasoning_parser(name: str) -> type[ThinkReasoningParser] | type[Harmony
     try:
         return REASONING_PARSERS[name]
     except KeyError:
-        known = ", ".join(sorted(REASONING_PARSERS))
+        known = ", ".join(sorted([*REASONING_PARSERS, "openai_gptoss"]))
         raise UnknownParserError(f"unknown reasoning parser {name!r}; known: {known}") from None

@@ -12,7 +12,7 @@ fields only when the caller sent vLLM-shaped state (or the server runs with SPLI
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -35,6 +35,9 @@ from render_service.streaming_cache.vllm_state import (
     read_vllm_state,
     replay,
 )
+
+if TYPE_CHECKING:
+    from render_service.tokenizer import RenderTokenizer
 
 STATE_KEY = "splitserve_state"
 # Sampled ids carried for logprob U+FFFD repair across chunks (vLLM: 4).
@@ -59,7 +62,7 @@ class StreamRuntime:
         self.always_vllm_fields = always_vllm_fields
 
 
-def binding(cfg: PipelineConfig, tokenizer: Any) -> bytes:
+def binding(cfg: PipelineConfig, tokenizer: RenderTokenizer) -> bytes:
     """What a state token is bound to: the pipeline configuration and the vocabulary size."""
     return binding_for(msgspec.msgpack.encode(cfg), tokenizer.vocab_size)
 

@@ -49,25 +49,25 @@ class KVConnector(Protocol):
     # "fail": error the request; "recompute": compute the prompt locally instead (vLLM's names).
     load_failure_policy: str
 
-    def bind_kv_pool(self, kv_pool: "torch.Tensor", block_size: int) -> None: ...
+    def bind_kv_pool(self, kv_pool: torch.Tensor, block_size: int) -> None: ...
 
-    def get_num_new_matched_tokens(self, seq: "Sequence", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens beyond num_computed_tokens a peer can provide, whether loading them is asynchronous)."""
         ...
 
-    def update_state_after_alloc(self, seq: "Sequence", block_ids: list[int], num_external_tokens: int) -> None: ...
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None: ...
 
-    def admit(self, seqs: "list[Sequence]", caller: str | None) -> str | None:
+    def admit(self, seqs: list[Sequence], caller: str | None) -> str | None:
         """Before a request is queued: None to accept it, else why it is refused.
         `caller` names who asked (the client address), None for in-process callers."""
         ...
 
-    def may_start(self, seq: "Sequence") -> bool:
+    def may_start(self, seq: Sequence) -> bool:
         """Before the scheduler first gives a queued sequence KV blocks: False keeps it waiting (its caller
         holds its share of leased KV); the scheduler asks again on a later step and starts others meanwhile."""
         ...
 
-    def request_finished(self, seq: "Sequence", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> tuple[bool, dict | None]:
         """(delay_free: keep the blocks until finished_sending, kv_transfer_params for the response)."""
         ...
 

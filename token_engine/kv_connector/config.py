@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from token_engine.kv_connector.peers import DEFAULT_ALLOWED_PEERS, AllowedPeers
@@ -53,7 +54,7 @@ def _number(extra: dict, key: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def parse_nixl_config(cfg: dict, env: dict | None = None) -> NixlConnectorConfig:
+def parse_nixl_config(cfg: dict, env: Mapping[str, str] | None = None) -> NixlConnectorConfig:
     """Validate the JSON; every error is a ValueError naming the key, so the CLI can print it and exit."""
     env = os.environ if env is None else env
     if cfg.get("kv_connector") not in CONNECTORS:

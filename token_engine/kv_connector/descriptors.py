@@ -30,7 +30,7 @@ class KVGeometry:
     def block_bytes(self) -> int:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
 
-    def compatible_with(self, other: "KVGeometry") -> bool:
+    def compatible_with(self, other: KVGeometry) -> bool:
         return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype) == (
             other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.dtype)
 

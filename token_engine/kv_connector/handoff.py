@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 
 from token_engine.kv_connector.descriptors import PoolLayout
 from token_engine.kv_connector.leases import KVLease, LeaseTable, format_notification, parse_notification
@@ -87,6 +88,15 @@ class HandoffPoll:
     pushes: list[PushDone] = field(default_factory=list)  # prefill: pushes that completed or failed
 
 
+class LoadPhase(Enum):
+    """Where a decode-side load is: fetching the peer's publication, verifying our claim, reading (or, in push
+    mode, registered and waiting for the producer's WRITEs)."""
+
+    FETCHING = "fetching"
+    VERIFYING = "verifying"
+    READING = "reading"
+
+
 @dataclass
 class _Load:
     request_id: str
@@ -95,7 +105,7 @@ class _Load:
     started: float
     deadline: float
     first: int = 0  # the READ covers remote.block_ids[first:first + len(local_ids)] (the rest is cached here)
-    state: str = "fetching"  # -> "verifying" -> "reading"
+    state: LoadPhase = LoadPhase.FETCHING
     peer: str = ""
     read_id: int = 0
     future: Future | None = None
@@ -369,7 +379,7 @@ class KVHandoff:
         if result is not None:
             reads = {r.read_id: r for r in result.reads}
             for load in list(self._loads.values()):
-                r = reads.get(load.read_id) if load.state == "reading" and not load.read_done else None
+                r = reads.get(load.read_id) if load.state == LoadPhase.READING and not load.read_done else None
                 if r is None:
                     continue
                 load.read_done = True
@@ -443,7 +453,7 @@ class KVHandoff:
         elif load.cancel_sent:
             pass  # the registration's answer; the withdrawal's decides
         elif status == "held":
-            load.state = "reading"  # registered: the producer WRITEs, then notifies
+            load.state = LoadPhase.READING  # registered: the producer WRITEs, then notifies
         else:
             load.read_done = True  # refused: nothing was registered, nothing will be written
             load.failure = load.failure or (
@@ -465,7 +475,8 @@ class KVHandoff:
                 out.freed.append(lease)
         else:  # pushed / pushfail: only from the producer this reservation was registered with
             load = self._push_loads.get((n.request_id, n.epoch))
-            if load is None or load.peer != agent or load.state not in ("verifying", "reading") or load.read_done:
+            if (load is None or load.peer != agent or load.state not in (LoadPhase.VERIFYING, LoadPhase.READING)
+                    or load.read_done):
                 log.warning("ignoring %s notification from %s for a reservation it does not hold", n.kind, agent)
                 return
             load.read_done = True
@@ -477,7 +488,7 @@ class KVHandoff:
 
     def _advance(self, load: _Load, out: HandoffPoll) -> None:
         now = self._clock()
-        if load.state == "fetching" and load.future is not None and load.future.done():
+        if load.state == LoadPhase.FETCHING and load.future is not None and load.future.done():
             peer = self._adopt_peer(load, out)
             if peer is None:
                 return
@@ -487,10 +498,10 @@ class KVHandoff:
                 self._fail(load, out, "cancelled", "cancelled")
                 return
             self._begin(load, peer, out)
-        elif load.push and load.state in ("verifying", "reading") and not load.read_done:
+        elif load.push and load.state in (LoadPhase.VERIFYING, LoadPhase.READING) and not load.read_done:
             if load.cancelled and not load.cancel_sent:
                 self._withdraw(load)
-        elif load.state == "verifying" and not load.push:
+        elif load.state == LoadPhase.VERIFYING and not load.push:
             if load.failure is not None:
                 self._fail(load, out, *load.failure)
                 return
@@ -501,7 +512,7 @@ class KVHandoff:
                     return
                 self._post_read(load, out)
                 return
-        elif load.read_done and (load.state == "reading" or load.push):
+        elif load.read_done and (load.state == LoadPhase.READING or load.push):
             if load.failure is not None:
                 self._fail(load, out, *load.failure)
                 return
@@ -519,7 +530,7 @@ class KVHandoff:
                                          seconds=seconds))
             return
         if load.request_id in self._loads and now > load.deadline and (
-                load.state != "reading" or load.read_done or load.push):
+                load.state != LoadPhase.READING or load.read_done or load.push):
             # a running READ has its own deadline inside the transport; fetching/verifying are bounded here
             self._fail(load, out, f"KV load did not finish within {self.load_timeout_s:.1f} s", "timeout")
 
@@ -576,7 +587,7 @@ class KVHandoff:
     def _begin(self, load: _Load, peer: _Peer, out: HandoffPoll) -> None:
         """Present our claim and ask the peer to pin the lease; the READ waits for its "held"."""
         load.peer = peer.agent
-        load.state = "verifying"
+        load.state = LoadPhase.VERIFYING
         if load.push:
             self._register(load, peer, out)
             return
@@ -614,7 +625,7 @@ class KVHandoff:
         """The producer vouched for the claim and pinned the lease: READ the part we do not have cached,
         never past the pin (a READ running past it could see recycled blocks)."""
         rem = load.remote
-        load.state = "reading"
+        load.state = LoadPhase.READING
         remote_ids = list(rem.block_ids[load.first:load.first + len(load.local_ids)])
         try:
             peer = self._peers.get((rem.host, rem.port))
@@ -654,7 +665,8 @@ class KVHandoff:
             peer = self._peers.get((load.remote.host, load.remote.port))
             if peer is not None and peer.agent == load.peer:
                 self._agent(peer)
-            self.transport.send_notif(load.peer, format_notification("abort", load.remote.request_id, load.remote.epoch))
+            self.transport.send_notif(load.peer,
+                                      format_notification("abort", load.remote.request_id, load.remote.epoch))
             self._flush_until = self._clock() + NOTIF_FLUSH_S
         except KVTransferError as e:
             log.info("abort notification to %s failed (lease will expire): %s", load.peer, e)

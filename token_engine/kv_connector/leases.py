@@ -191,10 +191,6 @@ class LeaseTable:
             self._leases.clear()
             return out
 
-    def next_expiry(self) -> float | None:
-        with self._lock:
-            return min((lease.expires_at for lease in self._leases.values()), default=None)
-
     def held_blocks(self) -> int:
         with self._lock:
             return sum(len(lease.block_ids) for lease in self._leases.values())

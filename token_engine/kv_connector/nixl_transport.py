@@ -211,12 +211,6 @@ class NixlTransport:
         self._inflight[read.read_id] = read
         return read.read_id
 
-    def shorten_deadline(self, read_id: int, deadline: float) -> None:
-        """The peer pins the blocks only so long: a READ still running after that may see recycled memory."""
-        read = self._inflight.get(read_id)
-        if read is not None:
-            read.deadline = min(read.deadline, deadline)
-
     def send_notif(self, peer: str, msg: bytes) -> None:
         _nixl_call("send notification", self._agent.send_notif, peer, msg)
 

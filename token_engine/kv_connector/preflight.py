@@ -154,7 +154,8 @@ def report(r: dict) -> str:
         f"KV transfer preflight: {r['verdict']}: {r['why']}",
         f"  protocol (UCX_PROTO_INFO): {', '.join(r['protocols']) or 'not reported'}",
         f"  first READ (wire-up):      {r['first_read_ms']:.2f} ms",
-        f"  1 block ({r['block_bytes'] / 1e6:.2f} MB):        {r['one_block_ms']:.3f} ms, {r['one_block_gbps']:.2f} GB/s",
+        f"  1 block ({r['block_bytes'] / 1e6:.2f} MB):        {r['one_block_ms']:.3f} ms, "
+        f"{r['one_block_gbps']:.2f} GB/s",
         f"  large run ({r['large_bytes'] / 1e6:.1f} MB), contiguous: {r['contiguous_ms']:.2f} ms, "
         f"{r['contiguous_gbps']:.2f} GB/s, {r['contiguous_descriptors']} descriptor(s)",
         f"  same bytes, scattered:     {r['scattered_ms']:.2f} ms, {r['scattered_gbps']:.2f} GB/s, "

@@ -263,7 +263,7 @@ def fetch_lease_status(host: str, port: int, request_id: str, epoch: int, reader
 
 
 def open_link(host: str, port: int, timeout_s: float = SOCKET_TIMEOUT_S, secret: bytes | None = None,
-              allowed: AllowedPeers | None = None) -> tuple[AgentPublication, PoolLayout, "PeerLink"]:
+              allowed: AllowedPeers | None = None) -> tuple[AgentPublication, PoolLayout, PeerLink]:
     """Connect to an allowed peer's side channel (authenticated when `secret`), fetch and validate its
     publication, and keep the connection open for lease queries. Blocking: run it off the engine loop."""
     sock = _connect(host, port, timeout_s, secret, allowed)
@@ -432,10 +432,6 @@ class SideChannelServer:
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kv-side-channel", daemon=True)
         self._thread.start()
-
-    @property
-    def authenticated(self) -> bool:
-        return self._secret is not None
 
     def connection_count(self) -> int:
         with self._conns_lock:

@@ -8,7 +8,8 @@ int32 bitmask); xgrammar's CPU kernel applies it to CPU logits, plain torch ops 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -56,12 +57,13 @@ class GrammarState:
 
 def apply_grammars_(logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
     """Set to -inf, in place, every logit the row's grammar does not allow next (rows without one untouched)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
-    if not rows:
+    active = {i: g for i, g in enumerate(grammars) if g is not None and g.active}
+    if not active:
         return
+    rows = list(active)
     bitmask = torch.full((len(grammars), -(-logits.shape[1] // _BITS)), -1, dtype=torch.int32)  # -1: all allowed
-    for i in rows:
-        grammars[i].fill_bitmask(bitmask, i)
+    for i, grammar in active.items():
+        grammar.fill_bitmask(bitmask, i)
     if logits.device.type == "cpu":
         import xgrammar
 
