@@ -52,17 +52,6 @@ class ModelBundle:
     # sha256 of tokenizer.json's bytes, for the configuration fingerprint.
     tokenizer_sha256: str = ""
 
-    def select_chat_template(self, name: str | None = None, has_tools: bool = False) -> str | None:
-        """The template HF's ``get_chat_template`` picks: by name, else ``tool_use`` with tools, else default."""
-        if name is not None:
-            if name not in self.chat_templates:
-                raise BundleError(f"the model has no chat template named {name!r}; "
-                                  f"it has {sorted(self.chat_templates)}")
-            return self.chat_templates[name]
-        if has_tools and "tool_use" in self.chat_templates:
-            return self.chat_templates["tool_use"]
-        return self.chat_template
-
 
 def _read_json_object(path: Path, required: bool = False) -> dict[str, Any]:
     if not path.exists():

@@ -238,6 +238,8 @@ def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatT
             return ChatTemplate(req.chat_template, config.template_special_tokens)
         except TemplateError as exc:
             raise bad_request(str(exc), "chat_template") from None
+    if req.tools and config.tool_template is not None:
+        return config.tool_template
     if config.template is None:
         raise bad_request(
             "As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "

@@ -39,6 +39,9 @@ class RenderConfig:
     served_model_names: list[str]
     template: ChatTemplate | None
     fingerprint: str
+    # The bundle's template named "tool_use", used for requests with tools (HF's get_chat_template, vLLM); None
+    # without one, or when --chat-template replaced the bundle's templates.
+    tool_template: ChatTemplate | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -156,6 +159,8 @@ def build_render_config(
         source = path.read_text(encoding="utf-8") if len(chat_template) < 4096 and path.is_file() else chat_template
     special = template_special_tokens(bundle)
     template = ChatTemplate(source, special) if source else None
+    tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None
+    tool_template = ChatTemplate(tool_source, special) if tool_source else None
     reasoning_cls = None
     if reasoning_parser:
         from render_service.parsers.registry import get_reasoning_parser
@@ -173,7 +178,8 @@ def build_render_config(
     kwargs = dict(default_chat_template_kwargs or {})
     fingerprint = config_fingerprint(
         tokenizer_sha256=tokenizer_sha,
-        chat_template=harmony_renderer_id() if harmony else source,
+        chat_template=harmony_renderer_id() if harmony else
+        (source or "") + (f"\n{{# tool_use #}}\n{tool_source}" if tool_source else ""),
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
@@ -185,6 +191,7 @@ def build_render_config(
         served_model_names=names,
         template=template,
         fingerprint=fingerprint,
+        tool_template=tool_template,
         default_chat_template_kwargs=kwargs,
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,

@@ -217,10 +217,6 @@ def test_named_chat_templates(tiny_dir):
     bundle = load_bundle(tiny_dir)
     assert bundle.chat_template == "D"
     assert bundle.chat_templates == {"default": "D", "tool_use": "T"}
-    assert bundle.select_chat_template(has_tools=True) == "T"
-    assert bundle.select_chat_template("tool_use") == "T"
-    with pytest.raises(BundleError):
-        bundle.select_chat_template("nope")
 
 
 def test_chat_template_json_and_additional_templates(tiny_dir):

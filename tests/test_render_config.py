@@ -91,3 +91,19 @@ def test_named_and_required_tool_choice_constrain_the_output():
     schema = required.sampling_params.structured_outputs["json"]
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["f"]}
+
+
+def test_requests_with_tools_render_with_the_bundles_tool_use_template():
+    """HF's get_chat_template and vLLM pick the template named tool_use when tools are sent; --chat-template
+    replaces every named template."""
+    bundle = dataclasses.replace(qwen3_config(False).bundle, chat_templates={
+        "default": "PLAIN {{ messages[0].content }}", "tool_use": "TOOLS {{ tools | length }}"})
+    bundle = dataclasses.replace(bundle, chat_template="PLAIN {{ messages[0].content }}")
+    config = build_render_config(bundle)
+    tokenizer = config.tokenizer
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert tokenizer.decode(_render(config).token_ids) == "PLAIN Hi"
+    assert tokenizer.decode(_render(config, tools=tools, tool_choice="none").token_ids) == "TOOLS 1"
+    assert config.fingerprint != build_render_config(dataclasses.replace(bundle, chat_templates={})).fingerprint
+    overridden = build_render_config(bundle, chat_template="MINE")
+    assert tokenizer.decode(_render(overridden, tools=tools, tool_choice="none").token_ids) == "MINE"
