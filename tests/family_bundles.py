@@ -121,6 +121,15 @@ def _qwen3_tokenizer_json() -> dict:
     return json.loads((QWEN3_FIXTURE_DIR / "tokenizer.json").read_text(encoding="utf-8"))
 
 
+def _fill_gaps(vocab: dict[str, int]) -> None:
+    """Real vocabularies are contiguous (unused ids are reserved tokens): so are these, with placeholders that no
+    merge builds. Without them an id past the entry count looks out of range to a detokenizer."""
+    used = set(vocab.values())
+    for i in range(max(used) + 1):
+        if i not in used:
+            vocab[f"<|test_reserved_{i}|>"] = i
+
+
 def _tokenizer_json(specials, keep_below: int | None, shift: int) -> dict:
     spec = json.loads(json.dumps(_qwen3_tokenizer_json()))
     model = spec["model"]
@@ -131,6 +140,7 @@ def _tokenizer_json(specials, keep_below: int | None, shift: int) -> dict:
     # tokenizers keeps an added token's id only when the model's vocab has the token at that id; otherwise it
     # numbers added tokens on from the vocab's size. So the specials go into the vocab too (ids may leave gaps).
     vocab.update({c: i for i, c, _ in specials})
+    _fill_gaps(vocab)
     spec["added_tokens"] = [
         {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
          "special": s} for i, c, s in specials
@@ -141,7 +151,7 @@ def _tokenizer_json(specials, keep_below: int | None, shift: int) -> dict:
 def _cached_tokenizer_bytes(family: str) -> bytes:
     """Building the file takes seconds: it is kept under $SPLITSERVE_CACHE/test-tokenizers by content key."""
     _, specials, keep_below, shift, _, _ = FAMILIES[family]
-    key = hashlib.sha256(json.dumps([specials, keep_below, shift, "specials-in-vocab"]).encode()
+    key = hashlib.sha256(json.dumps([specials, keep_below, shift, "specials-in-vocab", "no-gaps"]).encode()
                          + (QWEN3_FIXTURE_DIR / "tokenizer.json").read_bytes()[:4096]).hexdigest()[:16]
     cache = Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "test-tokenizers"
     path = cache / f"{family}-{key}.json"
@@ -171,7 +181,7 @@ def _ranks_tokenizer_bytes(family: str) -> bytes:
     from render_service.byte_level import byte_level_bpe_spec
 
     _, encoding, regular, specials, _, _, _ = RANKS_FAMILIES[family]
-    key = hashlib.sha256(json.dumps([encoding, regular, specials, CL100K_SPLIT_REGEX, 2]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([encoding, regular, specials, CL100K_SPLIT_REGEX, 3]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "test-tokenizers"
     path = cache / f"{family}-{key}.json"
     try:
@@ -192,6 +202,7 @@ def _ranks_tokenizer_bytes(family: str) -> bytes:
             ranks[token] = r
     spec = byte_level_bpe_spec(ranks, CL100K_SPLIT_REGEX, _added(specials), normalizer=None)
     spec["model"]["vocab"].update({c: i for i, c, _ in specials})  # keeps their ids (see _tokenizer_json)
+    _fill_gaps(spec["model"]["vocab"])
     data = json.dumps(spec, ensure_ascii=False).encode("utf-8")
     try:
         cache.mkdir(parents=True, exist_ok=True)
