@@ -14,6 +14,10 @@ Special-token ids:
   </think> 200051, <minimax:tool_call> 200052, </minimax:tool_call> 200053 (corroborated in public code).
 * Seed-OSS: <seed:bos> 0 (corroborated); <seed:pad> 1, <seed:eos> 2 and the think / budget / tool-call tags
   3..8 are ASSUMED (the searchable sources do not list them). Qwen's BPE ids are shifted up by 9.
+* Magistral (tekken v13): Qwen3's BPE shifted up by 1000 (tekken's first 1000 ids are control tokens) with
+  mistral-common's control tokens at their ids: <unk> 0, <s> 1, </s> 2, [INST] 3 .. [TOOL_CONTENT] 19 (its
+  DEPRECATED_SPECIAL_TOKENS table), [AUDIO] 24, [ARGS] 32, [CALL_ID] 33, [THINK] 34, [/THINK] 35 (a v13 tekken
+  tokenizer_config as published for Mistral's reasoning models).
 * Kimi-K2 (thinking): Qwen3's BPE (ids below 151643) with Kimi's specials at Kimi's ids: [BOS] 163584 ..
   <|im_middle|> 163601, <think> 163606, </think> 163607 (the ids vLLM's and several public Kimi tokenizer
   ports list). Marked special as Kimi's tokenizer_config marks them, <think>/</think> ASSUMED non-special.
@@ -75,6 +79,15 @@ KIMI_SPECIALS = [
     (163604, "<|media_end|>", True), (163605, "<|media_pad|>", True), (163606, "<think>", False),
     (163607, "</think>", False), (163838, "[UNK]", True), (163839, "[PAD]", True),
 ]
+MAGISTRAL_SPECIALS = [
+    (0, "<unk>", True), (1, "<s>", True), (2, "</s>", True), (3, "[INST]", True), (4, "[/INST]", True),
+    (5, "[AVAILABLE_TOOLS]", True), (6, "[/AVAILABLE_TOOLS]", True), (7, "[TOOL_RESULTS]", True),
+    (8, "[/TOOL_RESULTS]", True), (9, "[TOOL_CALLS]", True), (10, "[IMG]", True), (11, "<pad>", True),
+    (12, "[IMG_BREAK]", True), (13, "[IMG_END]", True), (14, "[PREFIX]", True), (15, "[MIDDLE]", True),
+    (16, "[SUFFIX]", True), (17, "[SYSTEM_PROMPT]", True), (18, "[/SYSTEM_PROMPT]", True),
+    (19, "[TOOL_CONTENT]", True), (24, "[AUDIO]", True), (32, "[ARGS]", True), (33, "[CALL_ID]", True),
+    (34, "[THINK]", True), (35, "[/THINK]", True),
+]
 LLAMA4_SPECIALS = [
     (200000, "<|begin_of_text|>", True), (200001, "<|end_of_text|>", True), (200002, "<|fim_prefix|>", True),
     (200003, "<|fim_middle|>", True), (200004, "<|fim_suffix|>", True), (200005, "<|header_start|>", True),
@@ -110,6 +123,8 @@ FAMILIES = {
                    {"bos_token": "]~!b[", "eos_token": "[e~[", "pad_token": "]!p~["}, [200020]),
     "seed_oss": ("seed-oss.jinja", SEED_SPECIALS, None, 9,
                  {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>", "pad_token": "<seed:pad>"}, [2]),
+    "magistral": ("magistral-v13-think.jinja", MAGISTRAL_SPECIALS, 151643, 1000,
+                  {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, [2]),
     "kimi_k2": ("kimi-k2-thinking.jinja", KIMI_SPECIALS, 151643, 0,
                 {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"},
                 [163585, 163586]),
@@ -282,7 +297,7 @@ def write_family_bundle(family: str, root: Path) -> Path:
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
-    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe"}.get(family, family)
+    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3"}.get(family, family)
     (root / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072}),
                                       encoding="utf-8")
     return root

@@ -1,10 +1,11 @@
-"""Kimi-K2 thinking, Llama 4 and Granite 4: render with the models' real chat templates
+"""Kimi-K2 thinking, Llama 4, Granite 4 and Magistral: render with the models' real chat templates
 (tests/fixtures/templates, sources in its README) gives the token IDs of transformers' apply_chat_template on
 the shared conversations (tools, tool results, multi-turn, reasoning kept or dropped as the template does).
 
 The tokenizers are TEST tokenizers with each family's special tokens at their real ids (tests/family_bundles.py):
-Kimi on Qwen3's BPE, Llama 4 on Llama 3's ranks (quicktok-v1), Granite 4 on cl100k's ranks (quicktok-v1); no
-package ships these models' own tokenizers.
+Kimi on Qwen3's BPE, Llama 4 on Llama 3's ranks (quicktok-v1), Granite 4 on cl100k's ranks (quicktok-v1),
+Magistral on Qwen3's BPE above tekken's 1000 control ids; no package ships these models' own tokenizers.
+Magistral's template is the one mistral-common generates for a v13 tekken tokenizer with thinking.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 # loading each test tokenizer twice (ours and transformers') takes seconds on a loaded 2-core machine
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("kimi_k2", "llama4", "granite4")
+FAMILIES = ("kimi_k2", "llama4", "granite4", "magistral")
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +64,15 @@ def test_granite4_writes_hermes_style_calls(sides):
     messages, kwargs = _inputs(by_name("tool_call_arguments_dict"))
     text = side.template.render(messages, **kwargs)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {' in text
+
+
+def test_magistral_writes_thinking_chunks_and_v13_calls(sides):
+    side = sides["magistral"]
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "use the tool"},
+                                                  {"type": "text", "text": "Checking."}]}]
+    text = side.template.render(messages)
+    assert "[THINK]use the tool[/THINK]Checking." in text
+    assert side.our_ids(messages) == side.hf_ids(messages)
+    messages, kwargs = _inputs(by_name("tool_call_arguments_dict"))
+    assert "[TOOL_CALLS]get_weather[ARGS]{" in side.template.render(messages, **kwargs)

@@ -52,6 +52,9 @@ SCENARIOS = {
                 "<|tool_call_end|><|tool_calls_section_end|>"),
     "llama4": ("llama4", None, "llama4_pythonic", None,
                "<|python_start|>[get_weather(city='Seoul', days=3), get_time()]<|python_end|>"),
+    "magistral": ("magistral", "mistral", "mistral", None,
+                  "[THINK]Need Seoul's weather.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]"
+                  "{\"city\": \"Seoul\", \"days\": 3}"),
     "granite4": ("granite4", "granite", "granite4", None,
                  "Here is my thought process:\nNeed Seoul's weather.\nHere is my response:\nChecking.\n<tool_call>\n"
                  "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Seoul\", \"days\": 3}}\n</tool_call>"),
@@ -62,7 +65,7 @@ SCENARIOS = {
 def bundles(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("new-families")
     return {name: load_bundle(write_family_bundle(name, root / name)) for name in ("deepseek_v4", "kimi_k2",
-                                                                                     "llama4", "granite4")}
+                                                                                     "llama4", "granite4", "magistral")}
 
 
 @pytest.mark.parametrize("family", sorted(SCENARIOS))
@@ -143,6 +146,7 @@ def test_named_choice_opens_a_dsml_invoke_after_closing_the_think_block(bundles,
 @pytest.mark.parametrize("template, model_type, family, expected", [
     ("kimi-k2-thinking.jinja", None, "kimi-k2", ("kimi_k2", "kimi_k2")),
     ("llama-4.jinja", None, "llama-4", (None, "llama4_json")),
+    ("magistral-v13-think.jinja", None, "magistral", ("mistral", "mistral")),
     ("granite-4.0.jinja", None, "granite-4", (None, "granite4")),
     ("glm-4.6.jinja", None, "glm-4.5", ("glm45", "glm45")),
     ("glm-4.7-flash.jinja", None, "glm-4.7", ("glm47", "glm47")),
