@@ -99,6 +99,21 @@ def test_deepseek_v4_tokenizer_spells_dsml_with_its_own_token(bundles):
     assert tok.token_to_id("<think>") == 128821 and tok.token_to_id("</think>") == 128822
 
 
+def test_deepseek_v4_detokenizes_byte_level_like_tokenizers(bundles):
+    # DeepSeek's vocab also spells its three specials in plain text; the rest is byte-level, so the fast
+    # byte path applies. Token by token it must give what tokenizers' decode gives, emoji split across tokens
+    # and added tokens included.
+    from render_service.parsers.detokenizer import DetokenizerConfig, IncrementalDetokenizer
+
+    tok = bundles["deepseek_v4"].tokenizer
+    assert tok.is_byte_level
+    text = f"<think>计划 😀🌧 naïve</think>答案 \n\t<{DSML}tool_calls><\uff5cend\u2581of\u2581sentence\uff5c>"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, DetokenizerConfig(skip_special_tokens=False))
+    state = detok.initial_state(None)
+    assert "".join(detok.step(state, [t]) for t in ids) == tok.hf.decode(ids, skip_special_tokens=False)
+
+
 def test_deepseek_v4_chat_mode_prompt_closes_reasoning(bundles):
     tok = bundles["deepseek_v4"].tokenizer
     cls = get_reasoning_parser("deepseek_v4")

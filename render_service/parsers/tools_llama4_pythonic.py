@@ -42,6 +42,8 @@ class Llama4PythonicToolParser:
         return Llama4PythonicState()
 
     def feed(self, state: Llama4PythonicState, text: str) -> list[Piece]:
+        if not state.held and "<" not in text:  # the per-token common case: no marker can start here
+            return self.inner.feed(state.inner, text) if text else []
         buf = state.held + text if state.held else text
         state.held = ""
         kept: list[str] = []
