@@ -203,3 +203,28 @@ def test_auto_on_an_unknown_model_is_a_startup_error_naming_the_choices(tmp_path
     assert "'mystery'" in result.stderr
     for family in FAMILIES:  # the message names every choice
         assert family.name in result.stderr
+
+
+def test_required_choice_opens_a_dsml_block_and_none_leaves_the_markup_in_content(bundles):
+    bundle = bundles["deepseek_v4"]
+    config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
+                                 tool_call_parser="deepseek_v4", enable_auto_tool_choice=True,
+                                 chat_template=V4_STAND_IN_TEMPLATE)
+    from render_service.derender import pipeline_config
+
+    output = (f"<{DSML}invoke name=\"get_weather\">\n<{DSML}parameter name=\"city\" string=\"true\">Oslo"
+              f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>")
+    for choice in ("required", "none"):
+        req = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                               "tools": [WEATHER], "tool_choice": choice}, ChatCompletionRequest)
+        gen = render_chat(req, config)
+        prompt = config.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id=gen.request_id, choice_index=0))
+        batch, _ = derender_all(pipeline, config.tokenizer.encode(output), prompt_token_ids=gen.token_ids,
+                                reasoning_open_at_start=False)
+        if choice == "required":
+            assert prompt.endswith(f"</think><{DSML}tool_calls>\n")
+            assert [c["function"]["name"] for c in batch["tool_calls"]] == ["get_weather"]
+        else:
+            assert prompt.endswith("<\uff5cAssistant\uff5c></think>")
+            assert batch["tool_calls"] == [] and batch["content"] == output
