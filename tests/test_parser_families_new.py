@@ -79,6 +79,7 @@ def test_deepseek_v4_ends_reasoning_at_a_dsml_block_and_reads_both_switches():
     assert cls.enable_thinking_from({"thinking": False}) is False
     assert cls.enable_thinking_from({"enable_thinking": False}) is False
     assert cls.enable_thinking_from({}) is True  # the prompt's tail (<think> / </think>) decides
+    assert cls.enable_thinking_from({"reasoning_effort": "none"}) is False
 
 
 def test_mistral_v_r16():
@@ -146,9 +147,14 @@ def test_dsml_string_attribute_decides_how_a_value_reads(version):
     assert collect(tools(version), list(text)) == (content, calls)
 
 
-def test_dsml_string_true_stays_text_whatever_the_schema_says():
-    text = dsml_block("deepseek_v4", dsml_call("get_weather", [("days", True, "5")]))
-    assert json.loads(collect(tools("deepseek_v4"), [text])[1][0][1]) == {"days": "5"}
+def test_dsml_the_schema_decides_declared_parameters_the_attribute_the_rest():
+    # vLLM 0.33 coerces to the schema too: string="true" on an integer parameter still gives the integer
+    text = dsml_block("deepseek_v4", dsml_call("get_weather", [("days", True, "5"), ("n", True, "5")]))
+    assert json.loads(collect(tools("deepseek_v4"), [text])[1][0][1]) == {"days": 5, "n": "5"}
+    # no attribute reads as string="false" (upstream's engine parser)
+    bare = f"<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n<{DSML}parameter name=\"n\">7</{DSML}parameter>\n" \
+           f"<{DSML}parameter name=\"s\">not json</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>"
+    assert json.loads(collect(tools("deepseek_v4"), [bare])[1][0][1]) == {"n": 7, "s": "not json"}
 
 
 def test_dsml_v32_wrapper_is_not_v4s():

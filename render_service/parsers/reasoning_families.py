@@ -97,6 +97,8 @@ class DeepSeekV4ReasoningParser(ThinkReasoningParser):
         # vLLM's V4 renderer reads ``thinking`` or ``enable_thinking``. Off only when the request says so: the
         # prompt's tail (``<think>`` for thinking, ``</think>`` for chat) decides everything else.
         kwargs = chat_template_kwargs or {}
+        if kwargs.get("reasoning_effort") == "none":
+            return False  # vLLM 0.33: reasoning_effort "none" is chat mode
         for key in ("thinking", "enable_thinking"):
             if key in kwargs and not kwargs[key]:
                 return False

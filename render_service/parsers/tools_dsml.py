@@ -7,10 +7,10 @@
     </｜DSML｜invoke>
     </｜DSML｜tool_calls>
 
-The model says per parameter how to read it: ``string="true"`` is raw text (streamed as a JSON string whatever
-the schema says, as upstream), ``string="false"`` is JSON, typed by the tool's schema when it declares the
-parameter and read as a JSON literal (else its text) when it does not. Values keep every character (upstream
-does not strip them). Everything else is the XML engine's (``tools_xml``): both invariants, text around calls
+A parameter the tool's schema declares is typed by the schema (as vLLM 0.33's parser, which coerces every value
+to the schema after reading it); for one it does not declare, the model's ``string`` attribute decides:
+``"true"`` is raw text, ``"false"`` (or no attribute) a JSON literal, else its text. Values keep every character
+(upstream does not strip them). Everything else is the XML engine's (``tools_xml``): both invariants, text around calls
 is content, a cut-off call is closed.
 """
 

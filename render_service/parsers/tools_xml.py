@@ -284,10 +284,11 @@ class XmlToolParser:
         return text
 
     def _start_value(self, state: XmlCallState, sink: PieceSink) -> None:
-        if state.value_kind != BY_SCHEMA:
+        types = self._types(state)
+        if state.value_kind != BY_SCHEMA and types is None:
+            # the schema decides a declared parameter; DSML's string attribute decides an undeclared one
             state.string_value = state.value_kind == STRING_ATTR
         else:
-            types = self._types(state)
             undeclared_text = types is None and self.FORMAT.undeclared == "string"
             state.string_value = undeclared_text or tool_schema.streams_as_string(types)
         state.value_started = False
@@ -445,10 +446,11 @@ class XmlToolParser:
                     state.held = buf[pos:]
                     return
                 key = buf[pos:at].strip()
-                attr = _KEY_WITH_STRING_ATTR.fullmatch(key) if f.string_attr else None
-                if attr is not None:
-                    key = attr.group(2)
-                    state.value_kind = STRING_ATTR if attr.group(3) == "true" else JSON_ATTR
+                if f.string_attr:
+                    # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
+                    attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
+                    key = attr.group(2) if attr is not None else key
+                    state.value_kind = STRING_ATTR if attr is not None and attr.group(3) == "true" else JSON_ATTR
                 state.key = _strip_quotes(key).strip() if f.quoted_names else key
                 pos = at + len(tag)
                 if f.value_open is None:
