@@ -149,6 +149,10 @@ def build_render_config(
 
     harmony = is_harmony_tokenizer(bundle.tokenizer)
     source = bundle.chat_template
+    if source is None and chat_template is None:
+        from render_service.builtin_templates import builtin_template_source
+
+        source = builtin_template_source((bundle.config or {}).get("model_type"))  # DeepSeek-V4: no Jinja upstream
     if chat_template is not None:
         # vLLM's --chat-template: a file path, else the template text itself.
         path = Path(chat_template)

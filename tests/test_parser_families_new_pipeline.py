@@ -123,10 +123,6 @@ def test_deepseek_v4_chat_mode_prompt_closes_reasoning(bundles):
 
 # --- forced tool choice in DSML ---------------------------------------------------------------------------
 
-# A STAND-IN template with DeepSeek-V4's prompt shape (the model ships a Python encoder, no Jinja template).
-V4_STAND_IN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}<\uff5cUser\uff5c>{{ m.content }}"
-                        "{% endif %}{% endfor %}<\uff5cAssistant\uff5c>{% if thinking %}<think>{% else %}</think>{% endif %}")
-
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}}}}
 
@@ -135,7 +131,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 def test_named_choice_opens_a_dsml_invoke_after_closing_the_think_block(bundles, thinking):
     bundle = bundles["deepseek_v4"]
     config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
-                                 tool_call_parser="deepseek_v4", chat_template=V4_STAND_IN_TEMPLATE)
+                                 tool_call_parser="deepseek_v4")  # the built-in V4 template
     req = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
                            "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                            "chat_template_kwargs": {"thinking": thinking}}, ChatCompletionRequest)
@@ -208,8 +204,7 @@ def test_auto_on_an_unknown_model_is_a_startup_error_naming_the_choices(tmp_path
 def test_required_choice_opens_a_dsml_block_and_none_leaves_the_markup_in_content(bundles):
     bundle = bundles["deepseek_v4"]
     config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
-                                 tool_call_parser="deepseek_v4", enable_auto_tool_choice=True,
-                                 chat_template=V4_STAND_IN_TEMPLATE)
+                                 tool_call_parser="deepseek_v4", enable_auto_tool_choice=True)
     from render_service.derender import pipeline_config
 
     output = (f"<{DSML}invoke name=\"get_weather\">\n<{DSML}parameter name=\"city\" string=\"true\">Oslo"
@@ -226,5 +221,5 @@ def test_required_choice_opens_a_dsml_block_and_none_leaves_the_markup_in_conten
             assert prompt.endswith(f"</think><{DSML}tool_calls>\n")
             assert [c["function"]["name"] for c in batch["tool_calls"]] == ["get_weather"]
         else:
-            assert prompt.endswith("<\uff5cAssistant\uff5c></think>")
+            assert prompt.endswith("<\uff5cAssistant\uff5c><think>")  # thinking is on by default
             assert batch["tool_calls"] == [] and batch["content"] == output
