@@ -215,6 +215,18 @@ def test_llama4_pythonic_drops_the_python_markers():
     assert collect(tools("llama4_pythonic"), ["It is sunny."]) == ("It is sunny.", [])
 
 
+@pytest.mark.parametrize("cut, arguments", [
+    ("[get_weather(", "{}"), ("[get_weather(city='Par", '{"city": "Par"}'),
+    ("[get_weather(city='Paris', days=3", '{"city": "Paris"}'), ("[get_weather(city='Paris', days=3,", None),
+])
+def test_llama4_pythonic_closes_a_cut_off_call(cut, arguments):
+    _, calls = collect(tools("llama4_pythonic"), ["<|python_start|>" + cut])
+    assert isinstance(json.loads(calls[0][1]), dict)
+    if arguments is not None:
+        assert calls[0][1] == arguments
+    assert collect(tools("llama4_pythonic"), list("<|python_start|>" + cut)) == ("", calls)
+
+
 def test_llama4_json_is_llama3_json():
     assert get_tool_parser("llama4_json") is get_tool_parser("llama3_json")  # one class upstream too
     content, calls = collect(tools("llama4_json"), ['{"name": "get_time", "parameters": {}}'])
@@ -271,11 +283,7 @@ def test_property_invariants_for_every_chunking_and_every_cut(family, prose, cal
     assert [(n, json.loads(a)) for n, a in got] == [("get_weather", {"city": v, "days": d}) for v, d in calls]
     for segment in kept:  # nothing lost: the model's prose is content, in order
         assert segment in content
-    # cut off anywhere: every call's arguments are still a JSON object. llama4_pythonic hands the list to the
-    # pythonic parser, whose closing of a cut-off call belongs to the parser-hardening issue (16): not asserted
-    # here until that lands.
-    if family == "llama4_pythonic":
-        return
+    # cut off anywhere: every call's arguments are still a JSON object
     end = cut_at % (len(text) + 1)
     for _, args in collect(tools(family), [text[:end]])[1]:
         assert isinstance(json.loads(args), dict)
