@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-BUILTIN_TEMPLATES = {"deepseek_v4": "deepseek_v4_template.jinja"}
+BUILTIN_TEMPLATES = {"deepseek_v4": "deepseek_v4_template.jinja", "deepseek_v32": "deepseek_v32_template.jinja"}
 
 
 def builtin_template_source(model_type: str | None) -> str | None:

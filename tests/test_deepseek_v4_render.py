@@ -1,6 +1,7 @@
-"""DeepSeek-V4 render: our template (render_service/deepseek_v4_template.jinja) gives the token ids of DeepSeek's
-own prompt encoder (tests/fixtures/deepseek_v4, vLLM 0.33's copy) called the way vLLM's V4 tokenizer calls it,
-on the shared conversations with thinking on and off, and with DeepSeek-V4's real tokenizer.
+"""DeepSeek-V4 and V3.2 render: our templates (render_service/deepseek_v4_template.jinja, deepseek_v32_template.jinja)
+give the token ids of DeepSeek's own prompt encoders (tests/fixtures/deepseek_v4, vLLM 0.33's copies) called the
+way vLLM's V4 / V3.2 tokenizers call them, on the shared conversations with thinking on and off, with
+DeepSeek-V4's real tokenizer (for V3.2 a test tokenizer: no package ships V3's vocabulary).
 
 DeepSeek-V4 ships no Jinja template, so transformers' apply_chat_template has nothing to run; the encoder is the
 model's reference, as the template is for the other families.
@@ -106,3 +107,55 @@ def test_render_chat_ends_with_the_thinking_switch_and_derender_reads_the_tail(c
     gen = render_chat(req, config)
     assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith(tail)
     assert gen.reasoning_ended is (not kwargs == {})
+
+
+# --- DeepSeek-V3.2 -----------------------------------------------------------------------------------------
+
+V32_ORACLE_PATH = ORACLE_PATH.parent / "deepseek_v32_encoding.py"
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("deepseek_v32_encoding_fixture", V32_ORACLE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    root = write_family_bundle("deepseek_v4", tmp_path_factory.mktemp("dsv32") / "b")
+    (root / "config.json").write_text('{"model_type": "deepseek_v32", "max_position_embeddings": 131072}')
+    config = build_render_config(load_bundle(root), served_model_names=["m"], reasoning_parser="auto",
+                                 tool_call_parser="auto")
+    return module, config
+
+
+def vllm_v32_prompt(oracle, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+    """vLLM 0.33's V3.2 apply_chat_template (vllm/tokenizers/deepseek_v32.py), restated."""
+    thinking = kwargs.get("thinking", False) or kwargs.get("enable_thinking", False)
+    messages = [copy.deepcopy(m) for m in messages]
+    if tools:
+        messages.insert(0, {"role": "system", "tools": tools})
+    return oracle.encode_messages(messages, thinking_mode="thinking" if thinking else "chat",
+                                  drop_thinking=messages[-1]["role"] == "user")
+
+
+@pytest.mark.parametrize("switches", [{}, {"thinking": True}, {"enable_thinking": True}],
+                         ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
+def test_v32_token_ids_equal_deepseeks_encoder(v32, switches):
+    oracle, config = v32
+    assert (config.reasoning_parser, config.tool_call_parser) == ("deepseek_v4", "deepseek_v32")
+    tok = config.tokenizer
+    rendered = 0
+    for conv in CONVERSATIONS:
+        if conv.kwargs.get("continue_final_message"):
+            continue
+        messages, kwargs = _inputs(conv)
+        tools = kwargs.pop("tools", None)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("enable_thinking", "documents")} | switches
+        try:
+            reference = vllm_v32_prompt(oracle, messages, tools, kwargs)
+        except Exception:  # noqa: BLE001 - the encoder refuses it: ours must too
+            with pytest.raises(Exception):  # noqa: B017
+                config.template.render(messages, tools=tools, **kwargs)
+            continue
+        ours = config.template.render(messages, tools=tools, **kwargs)
+        assert tok.encode(ours) == tok.encode(reference), conv.name
+        rendered += 1
+    assert rendered >= 10
