@@ -89,6 +89,9 @@ class ThinkReasoningParser:
     implicit_end_markers: ClassVar[tuple[str, ...]] = ()
     start_tag: ClassVar[str] = THINK_START
     end_tag: ClassVar[str] = THINK_END
+    # True where a reply is content until the model opens reasoning (Magistral's [THINK], Granite's phrase):
+    # text held back before that point is content, not reasoning
+    starts_in_content: ClassVar[bool] = False
 
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
         self.config = config
@@ -122,7 +125,7 @@ class ThinkReasoningParser:
         state.held = ""
         out: list[TextPiece] = []
         if state.mode == AWAIT_START:
-            buf = self._await_start(state, buf)
+            buf = self._opening(state, buf, out)
             if state.mode == AWAIT_START:
                 return out
         if state.mode == REASONING:
@@ -135,9 +138,15 @@ class ThinkReasoningParser:
         held, state.held = state.held, ""
         if not held:
             return []
-        return [TextPiece("content" if state.mode == CONTENT else "reasoning", held)]
+        as_content = state.mode == CONTENT or (state.mode == AWAIT_START and self.starts_in_content)
+        return [TextPiece("content" if as_content else "reasoning", held)]
 
     # ------------------------------------------------------------------------------------------------
+
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        """Before reasoning opened: returns the text after the opening (mode REASONING or CONTENT then), or
+        holds what may still open it (mode stays AWAIT_START). Families that start in content emit into ``out``."""
+        return self._await_start(state, buf)
 
     def _await_start(self, state: ThinkState, buf: str) -> str:
         stripped = buf.lstrip()

@@ -19,7 +19,6 @@ from typing import Any
 
 from render_service.parsers.base import TextPiece
 from render_service.parsers.reasoning import (
-    AWAIT_START,
     CONTENT,
     REASONING,
     ThinkReasoningParser,
@@ -34,6 +33,7 @@ RESPONSE_PHRASES = ("Here is my response:", "Here's my response:")
 class GraniteReasoningParser(ThinkReasoningParser):
     name = "granite"
     thinking_kwarg = "thinking"
+    starts_in_content = True
     start_tag = THINK_PHRASES[0]
     end_tag = RESPONSE_PHRASES[0]
 
@@ -41,38 +41,20 @@ class GraniteReasoningParser(ThinkReasoningParser):
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
         return True  # the reply's opening says whether Granite thought (vLLM's parser reads no switch)
 
-    def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
-        if state.mode == CONTENT and not state.held:
-            return [TextPiece("content", text)] if text else []
-        buf = state.held + text if state.held else text
-        state.held = ""
-        out: list[TextPiece] = []
-        if state.mode == AWAIT_START:
-            stripped = buf.lstrip()
-            opened = next((p for p in THINK_PHRASES if stripped.startswith(p)), None)
-            if opened is not None:
-                state.mode = REASONING
-                buf = stripped[len(opened):]
-            elif any(p.startswith(stripped) for p in THINK_PHRASES):
-                state.held = buf  # whitespace and part of the opening phrase so far
-                return out
-            else:
-                state.mode = CONTENT  # not a thinking reply: all of it is content
-        if state.mode == REASONING:
-            buf = self._until_response(state, buf, out)
-        if state.mode == CONTENT and buf:
-            out.append(TextPiece("content", buf))
-        return out
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        stripped = buf.lstrip()
+        opened = next((p for p in THINK_PHRASES if stripped.startswith(p)), None)
+        if opened is not None:
+            state.mode = REASONING
+            return stripped[len(opened):]
+        if any(p.startswith(stripped) for p in THINK_PHRASES):
+            state.held = buf  # whitespace and part of the opening phrase so far
+            return ""
+        state.mode = CONTENT  # not a thinking reply: all of it is content
+        return buf
 
-    def finish(self, state: ThinkState) -> list[TextPiece]:
-        held, state.held = state.held, ""
-        if not held:
-            return []
-        # a reply that stopped inside the opening phrase never opened reasoning: its text is content
-        return [TextPiece("reasoning" if state.mode == REASONING else "content", held)]
-
-    @staticmethod
-    def _until_response(state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+    def _reasoning(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        """Reasoning up to the first response phrase (either spelling); the rest is content."""
         found = [(at, p) for p in RESPONSE_PHRASES if (at := buf.find(p)) >= 0]
         if found:
             at, phrase = min(found)

@@ -17,14 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from render_service.parsers.base import TextPiece
-from render_service.parsers.reasoning import (
-    AWAIT_START,
-    CONTENT,
-    REASONING,
-    ThinkReasoningParser,
-    ThinkState,
-    _partial_suffix_len,
-)
+from render_service.parsers.reasoning import REASONING, ThinkReasoningParser, ThinkState, _partial_suffix_len
 
 BEGIN_THINK = "[THINK]"
 END_THINK = "[/THINK]"
@@ -38,39 +31,13 @@ class MistralReasoningParser(ThinkReasoningParser):
     start_tag = BEGIN_THINK
     end_tag = END_THINK
 
+    starts_in_content = True
+
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
         return True  # Magistral thinks when its system prompt asks it to; the output's tags say whether it did
 
-    def initial_state(self) -> ThinkState:
-        cfg = self.config
-        if not cfg.enable_thinking or not cfg.reasoning_open_at_start:
-            return ThinkState(mode=CONTENT)
-        return ThinkState(mode=AWAIT_START)
-
-    def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
-        if state.mode == CONTENT and not state.held:
-            return [TextPiece("content", text)] if text else []
-        buf = state.held + text if state.held else text
-        state.held = ""
-        out: list[TextPiece] = []
-        if state.mode == AWAIT_START:
-            buf = self._before_think(state, buf, out)
-            if state.mode == AWAIT_START:
-                return out
-        if state.mode == REASONING:
-            buf = self._reasoning(state, buf, out)
-        if state.mode == CONTENT and buf:
-            out.append(TextPiece("content", buf))
-        return out
-
-    def finish(self, state: ThinkState) -> list[TextPiece]:
-        held, state.held = state.held, ""
-        if not held:
-            return []
-        return [TextPiece("reasoning" if state.mode == REASONING else "content", held)]
-
-    def _before_think(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
         """Content up to [THINK] (stray [/THINK] dropped); returns the text after [THINK] once it opened."""
         content: list[str] = []
         pos = 0
