@@ -168,13 +168,18 @@ def _cached_tokenizer_bytes(family: str) -> bytes:
     _, specials, keep_below, shift, _, _ = FAMILIES[family]
     key = hashlib.sha256(json.dumps([specials, keep_below, shift, "specials-in-vocab", "no-gaps"]).encode()
                          + (QWEN3_FIXTURE_DIR / "tokenizer.json").read_bytes()[:4096]).hexdigest()[:16]
+    return _cached_json(f"{family}-{key}.json", lambda: _tokenizer_json(specials, keep_below, shift))
+
+
+def _cached_json(name: str, build) -> bytes:
+    """The bytes of ``build()`` as JSON, kept under $SPLITSERVE_CACHE/test-tokenizers (best effort)."""
     cache = Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "test-tokenizers"
-    path = cache / f"{family}-{key}.json"
+    path = cache / name
     try:
         return path.read_bytes()
     except OSError:
         pass
-    data = json.dumps(_tokenizer_json(specials, keep_below, shift), ensure_ascii=False).encode("utf-8")
+    data = json.dumps(build(), ensure_ascii=False).encode("utf-8")
     try:
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache)
@@ -193,19 +198,15 @@ def _added(specials) -> list[dict]:
 
 def _ranks_tokenizer_bytes(family: str) -> bytes:
     """tokenizer.json from quicktok-v1's ranks plus the family's specials (cached: building merges takes ~10 s)."""
-    from render_service.byte_level import byte_level_bpe_spec
-
     _, encoding, regular, specials, _, _, _ = RANKS_FAMILIES[family]
     key = hashlib.sha256(json.dumps([encoding, regular, specials, CL100K_SPLIT_REGEX, 3]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "test-tokenizers"
-    path = cache / f"{family}-{key}.json"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
+    return _cached_json(f"{family}-{key}.json", lambda: _ranks_tokenizer_spec(encoding, regular, specials))
+
+
+def _ranks_tokenizer_spec(encoding: str, regular: int, specials) -> dict:
     import quicktok
 
-    from render_service.byte_level import lower_rank_split
+    from render_service.byte_level import byte_level_bpe_spec, lower_rank_split
 
     enc = quicktok.get_encoding(encoding)
     ranks: dict[bytes, int] = {}
@@ -218,16 +219,7 @@ def _ranks_tokenizer_bytes(family: str) -> bytes:
     spec = byte_level_bpe_spec(ranks, CL100K_SPLIT_REGEX, _added(specials), normalizer=None)
     spec["model"]["vocab"].update({c: i for i, c, _ in specials})  # keeps their ids (see _tokenizer_json)
     _fill_gaps(spec["model"]["vocab"])
-    data = json.dumps(spec, ensure_ascii=False).encode("utf-8")
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return data
+    return spec
 
 
 def _write_tokenizer_config(root: Path, specials, template: str | None, extras: dict) -> None:
