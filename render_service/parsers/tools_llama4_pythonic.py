@@ -6,10 +6,7 @@ rest goes to the ``pythonic`` parser, whose rules then hold unchanged: tool mode
 ``[``, keyword arguments only, literals converted to JSON. Upstream strips ``<|python_start|>`` only at the
 very start; a marker elsewhere would reach its Python parser and fail the whole list.
 
-A call cut off by the end of output is closed here (``{}`` for a call with no arguments yet, the open string's
-quote and the object's ``}`` otherwise), so its arguments are a JSON object (the first invariant of the
-parser-hardening issue). The arguments streamed so far are followed with ``json_scan``'s depth and in-string
-flags; once ``pythonic`` closes cut-off calls itself, this sees every object complete and adds nothing.
+Both invariants of the parser-hardening issue come from ``pythonic`` (a cut-off call is closed there).
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from typing import ClassVar
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolCallPiece, ToolParserConfig
-from render_service.parsers.json_scan import JsonScan, scan_json_value
+from render_service.parsers.base import Piece, ToolParserConfig
 from render_service.parsers.tags import find_tag
 from render_service.parsers.tools_pythonic import PythonicState, PythonicToolParser
 
@@ -31,8 +27,6 @@ _MARKERS = (PYTHON_START, PYTHON_END)
 class Llama4PythonicState(msgspec.Struct):
     held: str = ""  # a possible partial marker
     inner: PythonicState = msgspec.field(default_factory=PythonicState)
-    call: int = -1  # the index of the last call that was named (-1: none yet)
-    args: JsonScan = msgspec.field(default_factory=JsonScan)  # how far that call's arguments got
 
     def __post_init__(self) -> None:
         if len(self.held) >= len(PYTHON_START):
@@ -51,7 +45,7 @@ class Llama4PythonicToolParser:
 
     def feed(self, state: Llama4PythonicState, text: str) -> list[Piece]:
         if not state.held and "<" not in text:  # the per-token common case: no marker can start here
-            return self._follow(state, self.inner.feed(state.inner, text)) if text else []
+            return self.inner.feed(state.inner, text) if text else []
         buf = state.held + text if state.held else text
         state.held = ""
         kept: list[str] = []
@@ -64,28 +58,9 @@ class Llama4PythonicToolParser:
                 break
             pos = at + len(tag)
         clean = "".join(kept)
-        return self._follow(state, self.inner.feed(state.inner, clean)) if clean else []
+        return self.inner.feed(state.inner, clean) if clean else []
 
     def finish(self, state: Llama4PythonicState) -> list[Piece]:
         held, state.held = state.held, ""
         pieces = self.inner.feed(state.inner, held) if held else []
-        pieces = self._follow(state, pieces + self.inner.finish(state.inner))
-        scan = state.args
-        if state.call >= 0 and not scan.done:
-            closing = "{}" if not scan.started else ('"' if scan.in_string else "") + "}" * max(scan.depth, 1)
-            pieces.append(ToolCallPiece(index=state.call, arguments=closing))
-            scan.done = True
-        return pieces
-
-    @staticmethod
-    def _follow(state: Llama4PythonicState, pieces: list[Piece]) -> list[Piece]:
-        """Track the last call's arguments (O(their new text)), to close it if the output stops inside it."""
-        for p in pieces:
-            if not isinstance(p, ToolCallPiece):
-                continue
-            if p.name is not None:
-                state.call = p.index
-                state.args = JsonScan()
-            if p.arguments and p.index == state.call and not state.args.done:
-                scan_json_value(state.args, p.arguments, 0, len(p.arguments), False)
-        return pieces
+        return pieces + self.inner.finish(state.inner)
