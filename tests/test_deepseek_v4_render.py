@@ -148,3 +148,15 @@ def test_v32_token_ids_equal_deepseeks_encoder(v32, switches):
     oracle, config = v32
     assert (config.reasoning_parser, config.tool_call_parser) == ("deepseek_v4", "deepseek_v32")
     assert_renders_like(config, lambda m, t, k: vllm_v32_prompt(oracle, m, t, k), switches)
+
+
+def test_the_requests_reasoning_effort_reaches_the_template(config):
+    def prompt(**extra) -> str:
+        req = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Hi"}], **extra},
+                              ChatCompletionRequest)
+        return config.tokenizer.decode(render_chat(req, config).token_ids, skip_special_tokens=False)
+
+    assert "Reasoning Effort: Absolute maximum" in prompt()  # thinking on: "high" unless asked otherwise
+    assert "Reasoning Effort: Beyond maximum" in prompt(reasoning_effort="max")
+    assert "Reasoning Effort" not in prompt(reasoning_effort="low")
+    assert prompt(reasoning_effort="none").endswith("<\uff5cAssistant\uff5c></think>")
