@@ -6,7 +6,9 @@ Unlike the ``<think>`` family, a Magistral reply starts as content: reasoning is
 * content before ``[THINK]`` stays content; a stray ``[/THINK]`` there is dropped (vLLM drops the first in batch
   and every one that arrives as its own token in streaming; we drop every one, in both modes);
 * after ``[THINK]``, text is reasoning up to the first ``[/THINK]``, then content (no more tag processing);
-* a reply cut off inside ``[THINK]`` is reasoning.
+* a reply cut off inside ``[THINK]`` is reasoning;
+* a prompt that already opened ``[THINK]`` is not read as "reasoning open" (Magistral's templates never end
+  the prompt that way; the reply would be content until a ``[THINK]``).
 
 Tags are matched on text with the usual hold-back, so a tag split across chunks behaves like the single
 control token mistral_common decodes it from.
