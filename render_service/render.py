@@ -273,6 +273,9 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
         }
+        if req.reasoning_effort is not None:
+            # vLLM 0.33 hands the request's reasoning_effort to the template too (DeepSeek-V4's reads it)
+            arguments["reasoning_effort"] = req.reasoning_effort
         # As in vLLM, chat_template_kwargs override the request's own template arguments.
         arguments.update(kwargs)
         text = template.render(messages, **arguments)

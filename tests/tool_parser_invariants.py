@@ -96,6 +96,47 @@ def write_pythonic(calls: list[Call]) -> str:
     return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls) + "]"
 
 
+def write_dsml(block: str) -> Callable[[list[Call]], str]:
+    def write(calls: list[Call]) -> str:
+        d = "\uff5cDSML\uff5c"
+        invokes = "".join(
+            f'<{d}invoke name="{n}">\n' + "".join(
+                f'<{d}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">{_text_value(v)}'
+                f"</{d}parameter>\n" for k, v in a.items()) + f"</{d}invoke>\n" for n, a in calls)
+        return f"<{d}{block}>\n{invokes}</{d}{block}>"
+    return write
+
+
+def write_glm(calls: list[Call]) -> str:
+    return "".join(f"<tool_call>{n}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_text_value(v)}</arg_value>\n"
+                                                for k, v in a.items()) + "</tool_call>" for n, a in calls)
+
+
+def write_minimax(calls: list[Call]) -> str:
+    invokes = "".join(f'<invoke name="{n}">\n' + "".join(f'<parameter name="{k}">{_text_value(v)}</parameter>\n'
+                                                        for k, v in a.items()) + "</invoke>\n" for n, a in calls)
+    return f"<minimax:tool_call>\n{invokes}</minimax:tool_call>"
+
+
+def write_seed_oss(calls: list[Call]) -> str:
+    return "".join(f"<seed:tool_call>\n<function={n}>\n" + "".join(
+        f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</seed:tool_call>"
+        for n, a in calls)
+
+
+def write_llama4_pythonic(calls: list[Call]) -> str:
+    return "<|python_start|>" + write_pythonic(calls) + "<|python_end|>"
+
+
+_DSML_TAGS = tuple(f"{o}\uff5cDSML\uff5c{t}" for o in ("<", "</")
+                   for t in ("tool_calls>", "function_calls>", "invoke name=", "invoke>", "parameter name=",
+                             "parameter>"))
+_GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+_MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<parameter name=",
+            "</parameter>")
+_SEED = ("<seed:tool_call>", "</seed:tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
+
+
 _JSON_KEYS = ('"name"', '"arguments"', '"parameters"')
 _QWEN_XML = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
@@ -124,6 +165,29 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("pythonic", write_pythonic, ("None", "True", "False"),
                ("[", "]", "(", ")", "f", "g", "a", "=", "'", '"', "'''", "\\", ",", " ", "1", "None", "\\n",
                 "\\x4", "{", "}", "😀", "b'", "1e999"), calls_first=True),
+    # issue 17's families (and the XML families of the session before)
+    ToolFamily("deepseek_v4", write_dsml("tool_calls"), (*_DSML_TAGS, 'string="true"', 'string="false"'),
+               (*_DSML_TAGS, 'string="true">', 'string="false">', '"get_weather">', '"city" ', "\n", " ", "x",
+                "3", "<", "{", "}", "null", "😀")),
+    ToolFamily("deepseek_v32", write_dsml("function_calls"), (*_DSML_TAGS, 'string="true"', 'string="false"'),
+               (*_DSML_TAGS, 'string="true">', 'string="false">', '"get_time">', '"days" ', "\n", " ", "x", "3",
+                "<", "null")),
+    ToolFamily("granite4", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
+               ("<tool_call>", "</tool_call>", "{", "}", "[", "]", '"', "\\", ":", ",", '"name"', '"arguments"',
+                '"get_time"', " ", "\n", "x", "1", "<", "null", '"{')),
+    ToolFamily("llama4_json", write_llama3_json, ("<|python_tag|>", *_JSON_KEYS),
+               ("<|python_tag|>", "{", "}", '"', ":", ",", ";", '"name"', '"parameters"', '"f"', " ", "x", "1"),
+               calls_first=True),
+    ToolFamily("llama4_pythonic", write_llama4_pythonic,
+               ("None", "True", "False", "<|python_start|>", "<|python_end|>"),
+               ("<|python_start|>", "<|python_end|>", "<|python", "[", "]", "(", ")", "f", "a", "=", "'", ",", " ",
+                "1", "None", "{", "}", "😀"), calls_first=True),
+    ToolFamily("glm45", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<", "null", "😀")),
+    ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
+    ToolFamily("minimax_m2", write_minimax, _MINIMAX,
+               (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),
+    ToolFamily("seed_oss", write_seed_oss, _SEED,
+               (*_SEED, "get_weather>", "city>", "\n", " ", "x", "3", "<", "null", "😀")),
 ]}
 
 

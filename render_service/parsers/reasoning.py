@@ -69,6 +69,12 @@ def _partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
+def _first_marker(buf: str, pos: int, markers: tuple[str, ...]) -> int:
+    """Where the first of ``markers`` starts in ``buf[pos:]``, or -1."""
+    found = [at for at in (buf.find(m, pos) for m in markers) if at >= 0]
+    return min(found) if found else -1
+
+
 class ThinkReasoningParser:
     """``<think>`` / ``</think>`` parser; subclasses set the name and the implicit-end rule."""
 
@@ -78,13 +84,20 @@ class ThinkReasoningParser:
     thinking_kwarg: ClassVar[str] = "enable_thinking"
     thinking_default: ClassVar[bool] = True
     implicit_end_at_tool_call: ClassVar[bool] = False
+    # Markers that end reasoning where the model starts a tool-call section without closing its think block
+    # (Kimi-K2, DeepSeek-V4); the marker stays in the content for the tool parser.
+    implicit_end_markers: ClassVar[tuple[str, ...]] = ()
     start_tag: ClassVar[str] = THINK_START
     end_tag: ClassVar[str] = THINK_END
+    # True where a reply is content until the model opens reasoning (Magistral's [THINK], Granite's phrase):
+    # text held back before that point is content, not reasoning
+    starts_in_content: ClassVar[bool] = False
 
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
         self.config = config
         self._markers: tuple[str, ...] = (
-            (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,))
+            (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,)
+        ) + self.implicit_end_markers
         firsts = {m[0] for m in self._markers}
         # Text without this character holds no marker and no start of one (None: the markers start differently).
         self._marker_first: str | None = firsts.pop() if len(firsts) == 1 else None
@@ -112,7 +125,7 @@ class ThinkReasoningParser:
         state.held = ""
         out: list[TextPiece] = []
         if state.mode == AWAIT_START:
-            buf = self._await_start(state, buf)
+            buf = self._opening(state, buf, out)
             if state.mode == AWAIT_START:
                 return out
         if state.mode == REASONING:
@@ -125,9 +138,15 @@ class ThinkReasoningParser:
         held, state.held = state.held, ""
         if not held:
             return []
-        return [TextPiece("content" if state.mode == CONTENT else "reasoning", held)]
+        as_content = state.mode == CONTENT or (state.mode == AWAIT_START and self.starts_in_content)
+        return [TextPiece("content" if as_content else "reasoning", held)]
 
     # ------------------------------------------------------------------------------------------------
+
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        """Before reasoning opened: returns the text after the opening (mode REASONING or CONTENT then), or
+        holds what may still open it (mode stays AWAIT_START). Families that start in content emit into ``out``."""
+        return self._await_start(state, buf)
 
     def _await_start(self, state: ThinkState, buf: str) -> str:
         stripped = buf.lstrip()
@@ -145,6 +164,13 @@ class ThinkReasoningParser:
         pos = 0
         while True:
             end = buf.find(self.end_tag, pos)
+            if self.implicit_end_markers:
+                implicit = _first_marker(buf, pos, self.implicit_end_markers)
+                if implicit >= 0 and (end < 0 or implicit < end):
+                    if implicit:
+                        out.append(TextPiece("reasoning", buf[:implicit]))
+                    state.mode = CONTENT
+                    return buf[implicit:]
             call = buf.find("<tool_call>", pos) if self.implicit_end_at_tool_call else -1
             if call >= 0 and (end < 0 or call < end):
                 verdict = self._tool_call_verdict(buf, call)

@@ -10,6 +10,15 @@ All but one are the ``<think>`` state machine of ``reasoning.py`` with their own
 * ``seed_oss``: ``<seed:think>``/``</seed:think>``; ``<seed:cot_budget_reflect>`` blocks stay reasoning text.
 * ``minimax_m2_append_think``: no split: everything is content, with ``<think>`` put back in front of the
   first text (the prompt's ``<think>`` that the model did not write), so clients see the raw block inline.
+* ``kimi_k2`` (Kimi-K2 thinking): ``<think>``/``</think>``, switch ``thinking`` (default on); reasoning also ends
+  where the model opens a tool-call section (``<|tool_calls_section_begin|>``) inside its think block.
+* ``deepseek_v4`` (DeepSeek-V3.2 / V4): the ``deepseek_v3`` switch (``thinking``, also ``enable_thinking``); the
+  templates write ``<think>`` (thinking) or ``</think>`` (chat) at the end of the prompt, which the prompt-tail
+  rule reads; reasoning also ends at a DSML tool-call block (``<｜DSML｜tool_calls>``, V3.2's
+  ``<｜DSML｜function_calls>``) written inside the think block.
+
+``mistral`` (Magistral) and ``granite`` have their own state machines: ``reasoning_mistral`` and
+``reasoning_granite``.
 """
 
 from __future__ import annotations
@@ -67,7 +76,37 @@ class SeedOssReasoningParser(ThinkReasoningParser):
     end_tag = "</seed:think>"
 
 
+class KimiK2ReasoningParser(ThinkReasoningParser):
+    name = "kimi_k2"
+    thinking_kwarg = "thinking"
+    thinking_default = True
+    implicit_end_markers = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+
+
+DSML_TOOL_CALLS = "<\uff5cDSML\uff5ctool_calls>"  # DeepSeek-V4's block opener (fullwidth bars)
+DSML_FUNCTION_CALLS = "<\uff5cDSML\uff5cfunction_calls>"  # DeepSeek-V3.2's
+
+
+class DeepSeekV4ReasoningParser(ThinkReasoningParser):
+    name = "deepseek_v4"
+    thinking_kwarg = "thinking"
+    implicit_end_markers = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        # vLLM's V4 renderer reads ``thinking`` or ``enable_thinking``. Off only when the request says so: the
+        # prompt's tail (``<think>`` for thinking, ``</think>`` for chat) decides everything else.
+        kwargs = chat_template_kwargs or {}
+        if kwargs.get("reasoning_effort") == "none":
+            return False  # vLLM 0.33: reasoning_effort "none" is chat mode
+        for key in ("thinking", "enable_thinking"):
+            if key in kwargs and not kwargs[key]:
+                return False
+        return True
+
+
 FAMILY_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     cls.name: cls for cls in (Glm45ReasoningParser, Glm47ReasoningParser, MiniMaxM2ReasoningParser,
-                              MiniMaxM2AppendThinkReasoningParser, SeedOssReasoningParser)
+                              MiniMaxM2AppendThinkReasoningParser, SeedOssReasoningParser,
+                              KimiK2ReasoningParser, DeepSeekV4ReasoningParser)
 }

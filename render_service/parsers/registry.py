@@ -12,8 +12,13 @@ from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
 from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS
+from render_service.parsers.reasoning_granite import GraniteReasoningParser
+from render_service.parsers.reasoning_mistral import MistralReasoningParser
 
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {**_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS}
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+    **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS,
+    MistralReasoningParser.name: MistralReasoningParser, GraniteReasoningParser.name: GraniteReasoningParser,
+}
 
 # name -> (module, class), the names as vLLM's ``--tool-call-parser`` spells them
 _TOOL_PARSERS: dict[str, tuple[str, str]] = {
@@ -29,6 +34,11 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "glm47": ("render_service.parsers.tools_glm", "Glm47ToolParser"),
     "minimax_m2": ("render_service.parsers.tools_minimax", "MiniMaxM2ToolParser"),
     "seed_oss": ("render_service.parsers.tools_seed_oss", "SeedOssToolParser"),
+    "deepseek_v32": ("render_service.parsers.tools_dsml", "DeepSeekV32ToolParser"),
+    "deepseek_v4": ("render_service.parsers.tools_dsml", "DeepSeekV4ToolParser"),
+    "llama4_json": ("render_service.parsers.tools_json", "Llama3JsonToolParser"),  # one class upstream too
+    "llama4_pythonic": ("render_service.parsers.tools_llama4_pythonic", "Llama4PythonicToolParser"),
+    "granite4": ("render_service.parsers.tools_granite4", "Granite4ToolParser"),
     "openai": ("render_service.parsers.harmony", "HarmonyToolCalls"),  # gpt-oss; parsed by the Harmony stage
 }
 

@@ -69,6 +69,10 @@ MAX_LOOKAHEAD_WS = 64
 
 YES, NO, WAIT = range(3)
 
+# XmlCallState.value_kind: how the current value reads (DSML's string attribute; by the schema otherwise)
+BY_SCHEMA, STRING_ATTR, JSON_ATTR = range(3)
+_KEY_WITH_STRING_ATTR = re.compile(r"""\s*(["']?)(.*?)\1\s+string\s*=\s*["']?(true|false)["']?\s*""", re.DOTALL)
+
 _NOT_IN_NAME = re.compile(r"[<>\n]")
 
 
@@ -93,6 +97,8 @@ class XmlFormat(msgspec.Struct, frozen=True):
     bare_call_open: bool = False  # a CALL_OPEN outside any block starts a call (Qwen3's fallback)
     quoted_names: bool = False  # name="x" / name='x'
     skip_escaped_newlines: bool = False  # GLM-4.7 may write a literal \n between </arg_key> and <arg_value>
+    # the key carries string="true|false" after its quoted name (DeepSeek's DSML): true is raw text, false JSON
+    string_attr: bool = False
 
     @property
     def content_openers(self) -> tuple[str, ...]:
@@ -128,6 +134,7 @@ class XmlCallState(msgspec.Struct):
     value_started: bool = False  # the value's leading layout is behind us
     value_parts: list[str] = []
     stray: bool = False  # inside text between parameters that is not markup (content up to the next "<")
+    value_kind: int = msgspec.field(default=BY_SCHEMA)  # BY_SCHEMA, STRING_ATTR or JSON_ATTR
     # forced tool choice: the call opening that render put at the end of the prompt, read before the output
     prefix: str = ""
 
@@ -136,6 +143,7 @@ class XmlCallState(msgspec.Struct):
                 "held text within bounds")
         require(self.mode not in _IN_CALL or bool(self.function), "a call in progress has a name")
         require(not self.value_parts or (self.mode == VALUE and not self.string_value), "a held value only inside one")
+        require(self.value_kind in (BY_SCHEMA, STRING_ATTR, JSON_ATTR), "a known value kind")
 
 
 def _strip_quotes(text: str) -> str:
@@ -277,8 +285,12 @@ class XmlToolParser:
 
     def _start_value(self, state: XmlCallState, sink: PieceSink) -> None:
         types = self._types(state)
-        undeclared_text = types is None and self.FORMAT.undeclared == "string"
-        state.string_value = undeclared_text or tool_schema.streams_as_string(types)
+        if state.value_kind != BY_SCHEMA and types is None:
+            # the schema decides a declared parameter; DSML's string attribute decides an undeclared one
+            state.string_value = state.value_kind == STRING_ATTR
+        else:
+            undeclared_text = types is None and self.FORMAT.undeclared == "string"
+            state.string_value = undeclared_text or tool_schema.streams_as_string(types)
         state.value_started = False
         state.value_parts = []
         if state.string_value:
@@ -302,13 +314,15 @@ class XmlToolParser:
             text = "".join(state.value_parts)
             types = self._types(state)
             if types is None:
-                value = tool_schema.convert(text, None, self.FORMAT.undeclared)
+                undeclared = "json" if state.value_kind == JSON_ATTR else self.FORMAT.undeclared
+                value = tool_schema.convert(text, None, undeclared)
             else:
                 value = tool_schema.convert(text if types & {"string"} else text.strip(), types)
             sink.arguments(state.calls, self._key_prefix(state) + dumps(value))
             state.value_parts = []
         state.params += 1
         state.string_value = True
+        state.value_kind = BY_SCHEMA
 
     def _run(self, state: XmlCallState, buf: str, sink: PieceSink, final: bool) -> None:
         f = self.FORMAT
@@ -432,6 +446,11 @@ class XmlToolParser:
                     state.held = buf[pos:]
                     return
                 key = buf[pos:at].strip()
+                if f.string_attr:
+                    # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
+                    attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
+                    key = attr.group(2) if attr is not None else key
+                    state.value_kind = STRING_ATTR if attr is not None and attr.group(3) == "true" else JSON_ATTR
                 state.key = _strip_quotes(key).strip() if f.quoted_names else key
                 pos = at + len(tag)
                 if f.value_open is None:
