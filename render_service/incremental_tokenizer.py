@@ -1,0 +1,170 @@
+"""Prompt tokenization whose cost follows what is new in the prompt.
+
+Agents resend a growing conversation every turn. ``IncrementalEncoder`` cuts the rendered prompt at the
+tokenizer's added tokens (``<|im_start|>``, ``<tool_response>``, ...), looks each piece between them up in
+a bytes-bounded LRU keyed by the piece's text, and tokenizes only the pieces it has not seen.
+
+Why the pieces are independent (``independence_violation`` checks each step on the loaded tokenizer):
+``tokenizers`` itself first cuts the text at every added token that matches on raw text (leftmost, then
+longest), and runs the rest of its pipeline (normalizer, normalized added tokens, pre-tokenizer, model) on
+each piece separately. So encode(a + T + b) == encode(a) + [id(T)] + encode(b) whenever the cut at T is one
+``tokenizers`` makes, which holds when the cutter matches the same token set the same way and no step looks
+beyond its piece. The steps that could: an added token that strips whitespace or matches single words only
+(it reaches into its neighbours), a Metaspace pre-tokenizer with ``prepend_scheme: first`` (it treats the
+piece at offset 0 differently), BPE dropout (random), and anything of a type we have not checked. The
+tiktoken fast path (tiktoken_fast_path.TiktokenEncoder) is built the same way and cuts with the same
+splitter class over the same tokens. The property tests in tests/test_incremental_tokenizer.py check the
+result against ``tokenizers`` and transformers on every tokenizer kind above.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+from render_service.tokenizer import TextTokenizer
+
+# Pre-tokenizers and normalizers that act on each piece alone (tokenizers 0.2x); Metaspace is checked further.
+PIECEWISE_PRE_TOKENIZERS = frozenset({
+    "ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "BertPreTokenizer",
+    "CharDelimiterSplit", "UnicodeScripts", "Metaspace", "Sequence",
+})
+PIECEWISE_NORMALIZERS = frozenset({
+    "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents", "Replace", "Prepend", "BertNormalizer",
+    "Precompiled", "Nmt", "ByteLevel", "Sequence",
+})
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+# Rough CPython sizes: a list slot plus an int object per token id, a str header, a dict/LRU slot per entry.
+_BYTES_PER_ID = 36
+_ENTRY_OVERHEAD = 200
+
+
+def _step_violation(step: dict[str, Any] | None, allowed: frozenset[str], kind: str) -> str | None:
+    if not step:
+        return None
+    name = step.get("type")
+    if name not in allowed:
+        return f"{kind} {name} is not known to act on each piece alone"
+    if name == "Sequence":
+        for inner in step.get("pretokenizers") or step.get("normalizers") or []:
+            violation = _step_violation(inner, allowed, kind)
+            if violation:
+                return violation
+    if name == "Metaspace" and step.get("prepend_scheme", "always") == "first":
+        return "Metaspace prepends its replacement to the first piece only (prepend_scheme: first)"
+    return None
+
+
+def independence_violation(tokenizer: TextTokenizer) -> str | None:
+    """None when pieces cut at raw-matched added tokens tokenize independently; else why not."""
+    spec = tokenizer.pipeline_spec
+    if spec is None:
+        return "the tokenizer.json could not be read as a plain spec"
+    if getattr(tokenizer.hf, "encode_special_tokens", False):
+        return "encode_special_tokens is set (added tokens are not cut out)"
+    for token in tokenizer.hf.get_added_tokens_decoder().values():
+        if not token.normalized and (token.lstrip or token.rstrip or token.single_word):
+            return f"added token {token.content!r} strips whitespace or matches single words"
+    model = spec.get("model") or {}
+    if model.get("dropout"):
+        return "BPE dropout is random"
+    return (_step_violation(spec.get("normalizer"), PIECEWISE_NORMALIZERS, "normalizer")
+            or _step_violation(spec.get("pre_tokenizer"), PIECEWISE_PRE_TOKENIZERS, "pre_tokenizer"))
+
+
+class SegmentCache:
+    """Token ids of prompt pieces, least recently used dropped first once ``max_bytes`` (estimated) is reached.
+
+    Keyed by the piece's text: a dict hashes it and compares it in full on a hit, so a hit is never a
+    collision. One per process (not shared between workers).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("the render cache size must be >= 0 bytes")
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_bytes // 8  # one huge piece must not flush everything else
+        self._entries: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, text: str) -> list[int] | None:
+        entry = self._entries.get(text)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(text)
+        self.hits += 1
+        return entry[0]
+
+    def put(self, text: str, ids: list[int]) -> None:
+        size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + _BYTES_PER_ID * len(ids)
+        if size > self.max_entry_bytes or text in self._entries:
+            return
+        self._entries[text] = (ids, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+            self.evictions += 1
+
+
+class IncrementalEncoder:
+    """``encode(text)``: the tokenizer's ids for a whole prompt, tokenizing only pieces not seen before.
+
+    ``enabled`` is False (and ``reason`` says why) when the cache is off or the tokenizer's pieces are not
+    provably independent; ``encode`` is then the tokenizer's own.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.tokenizer = tokenizer
+        self.cache = SegmentCache(cache_bytes)
+        violation = None if cache_bytes else "the render cache is off (--render-cache-bytes 0)"
+        violation = violation or independence_violation(tokenizer)
+        self.enabled = violation is None
+        self.reason = violation or "pieces between added tokens are tokenized once and cached"
+        raw = {tok.content: i for i, tok in tokenizer.hf.get_added_tokens_decoder().items()
+               if tok.content and not tok.normalized}
+        self._added_ids = raw
+        # Longest first: at one position Python's alternation takes the first branch that matches, so this
+        # is the leftmost-longest match tokenizers' own added-token trie makes (as tiktoken_fast_path's).
+        longest_first = sorted(raw, key=len, reverse=True)
+        self._cutter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if raw else None
+        self.hit_tokens = 0  # since the last take_counts (the metrics read them after each render)
+        self.miss_tokens = 0
+
+    def take_counts(self) -> tuple[int, int]:
+        """(tokens served from the cache, tokens tokenized) since the last call."""
+        counts = self.hit_tokens, self.miss_tokens
+        self.hit_tokens = self.miss_tokens = 0
+        return counts
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled or self._cutter is None:
+            return self.tokenizer.encode(text)
+        cache = self.cache
+        added = self._added_ids
+        encode = self.tokenizer.encode
+        ids: list[int] = []
+        missed = 0
+        # split() with a group alternates [piece, token, piece, token, ..., piece]
+        parts = self._cutter.split(text)
+        for i, part in enumerate(parts):
+            if i & 1:
+                ids.append(added[part])
+            elif part:
+                cached = cache.get(part)
+                if cached is None:
+                    cached = encode(part)
+                    cache.put(part, cached)
+                    missed += len(cached)
+                ids.extend(cached)
+        self.miss_tokens += missed
+        self.hit_tokens += len(ids) - missed
+        return ids
