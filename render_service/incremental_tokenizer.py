@@ -23,6 +23,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
 from render_service.tokenizer import TextTokenizer
 
 # Pre-tokenizers and normalizers that act on each piece alone (tokenizers 0.2x); Metaspace is checked further.
@@ -85,7 +87,7 @@ class SegmentCache:
             raise ValueError("the render cache size must be >= 0 bytes")
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_bytes // 8  # one huge piece must not flush everything else
-        self._entries: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[list[int], bytes, int]] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -94,25 +96,40 @@ class SegmentCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, text: str) -> list[int] | None:
+    def get(self, text: str) -> tuple[list[int], bytes] | None:
+        """(ids, their JSON array's inside: b"1,2,3") of a piece seen before, else None."""
         entry = self._entries.get(text)
         if entry is None:
             self.misses += 1
             return None
         self._entries.move_to_end(text)
         self.hits += 1
-        return entry[0]
+        return entry[0], entry[1]
 
-    def put(self, text: str, ids: list[int]) -> None:
-        size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + _BYTES_PER_ID * len(ids)
+    def put(self, text: str, ids: list[int], json: bytes) -> None:
+        size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + (_BYTES_PER_ID + 8) * len(ids)
         if size > self.max_entry_bytes or text in self._entries:
             return
-        self._entries[text] = (ids, size)
+        self._entries[text] = (ids, json, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, (_, dropped) = self._entries.popitem(last=False)
+            _, (_, _, dropped) = self._entries.popitem(last=False)
             self.bytes -= dropped
             self.evictions += 1
+
+
+class PromptIds(list[int]):
+    """A prompt's token ids, plus their JSON made of the cached pieces' JSON (``json_array``): a 128k-token
+    prompt's ids then cost a join to write instead of 128k integer conversions. Any list operation that
+    builds a new list (``ids + more``) gives a plain list, whose JSON is written the usual way."""
+
+    __slots__ = ("json_parts",)
+
+    def json_array(self) -> msgspec.Raw:
+        return msgspec.Raw(b"[" + b",".join(self.json_parts) + b"]")
+
+
+_encode_json = msgspec.json.Encoder().encode
 
 
 class IncrementalEncoder:
@@ -151,20 +168,26 @@ class IncrementalEncoder:
         cache = self.cache
         added = self._added_ids
         encode = self.tokenizer.encode
-        ids: list[int] = []
+        ids = PromptIds()
+        json_parts: list[bytes] = []
         missed = 0
         # split() with a group alternates [piece, token, piece, token, ..., piece]
-        parts = self._cutter.split(text)
-        for i, part in enumerate(parts):
+        for i, part in enumerate(self._cutter.split(text)):
             if i & 1:
-                ids.append(added[part])
+                token = added[part]
+                ids.append(token)
+                json_parts.append(b"%d" % token)
             elif part:
                 cached = cache.get(part)
                 if cached is None:
-                    cached = encode(part)
-                    cache.put(part, cached)
-                    missed += len(cached)
-                ids.extend(cached)
+                    piece_ids = encode(part)
+                    cached = piece_ids, _encode_json(piece_ids)[1:-1]
+                    cache.put(part, *cached)
+                    missed += len(piece_ids)
+                ids.extend(cached[0])
+                if cached[1]:
+                    json_parts.append(cached[1])
+        ids.json_parts = json_parts
         self.miss_tokens += missed
         self.hit_tokens += len(ids) - missed
         return ids

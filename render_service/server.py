@@ -29,6 +29,7 @@ from render_service.derender import derender_chat, derender_completion
 from render_service.derender_stream import StreamRuntime, derender_chat_stream, derender_completion_stream
 from render_service.errors import ApiError, bad_request, error_body, from_decode_error
 from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.incremental_tokenizer import PromptIds
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +40,7 @@ from render_service.protocol import (
     DerenderStreamProbe,
     DetokenizeRequest,
     DetokenizeResponse,
+    GenerateRequest,
     ModelCard,
     ModelList,
     ModelPermission,
@@ -214,6 +216,13 @@ def endpoint(name: str, handler: Handler, *, auth: bool = True) -> Handler:
 # -------------------------------------------------------------------------------------- handlers
 
 
+def _encode_generate_request(gen: GenerateRequest) -> bytes:
+    """Its JSON; prompt ids that came from the piece cache are written from the pieces' JSON."""
+    if isinstance(gen.token_ids, PromptIds):
+        return _encode(msgspec.structs.replace(gen, token_ids=gen.token_ids.json_array()))
+    return _encode(gen)
+
+
 def _observe_prompt_cache(config: RenderConfig) -> None:
     encoder = config.prompt_encoder
     if encoder is not None:
@@ -229,7 +238,7 @@ async def chat_render(request: Request) -> Response:
         result = render_chat(decode(body, ChatCompletionRequest), state.config, request_id=request_id)
         metrics.PROMPT_TOKENS.inc(len(result.token_ids))
         _observe_prompt_cache(state.config)
-        return _encode(result)
+        return _encode_generate_request(result)
 
     payload = await state.render_queue.run("chat_render", len(body), job)
     return Response(payload, media_type=JSON, headers=state.render_headers)
@@ -244,7 +253,7 @@ async def completion_render(request: Request) -> Response:
         results = render_completion(decode(body, CompletionRequest), state.config, request_id=request_id)
         metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
         _observe_prompt_cache(state.config)
-        return _encode(results)
+        return b"[" + b",".join(_encode_generate_request(r) for r in results) + b"]"
 
     payload = await state.render_queue.run("completion_render", len(body), job)
     return Response(payload, media_type=JSON, headers=state.render_headers)
