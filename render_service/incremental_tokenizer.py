@@ -124,6 +124,7 @@ class PromptIds(list[int]):
     builds a new list (``ids + more``) gives a plain list, whose JSON is written the usual way."""
 
     __slots__ = ("json_parts",)
+    json_parts: list[bytes]
 
     def json_array(self) -> msgspec.Raw:
         return msgspec.Raw(b"[" + b",".join(self.json_parts) + b"]")
