@@ -181,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--render-cache-bytes", type=int, default=None, help="ours: --render-cache-bytes")
     ap.add_argument("--out", default=str(RESULTS / "agent_render_bench.json"))
+    ap.add_argument("--profile-only", action="store_true", help="only the in-process stage profile (no servers)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.profile_only:
+        print(json.dumps({str(size): profile_stages(size) for size in sizes}, indent=1))
+        return 0
     agents = [int(a) for a in args.agents.split(",")]
     unrelated = [int(u) for u in args.unrelated.split(",")]
     max_len = max(sizes) * 2
@@ -284,15 +288,73 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
             print(f"# {size} unrelated {name}: {fresh[name]}", flush=True)
         base = baseline_encode_ms(texts_b)
         fresh["baseline"] = base
-        details[str(size)] = {"growing": growing, "unrelated": fresh}
+        details[str(size)] = {"growing": growing, "unrelated": fresh, "profile_in_process": profile_stages(size)}
         summary[str(size)] = ratios(growing, fresh, base)
         print(f"# {size} summary {json.dumps(summary[str(size)])}", flush=True)
     return {"summary": summary, "details": details}
 
 
+def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
+    """Where one render's time goes, in this process (best of ``repeats``, thread CPU ms), for the last turn of a
+    growing trace of ``size`` tokens: every stage of the /render job, tokenizing both as a miss and as a hit."""
+    import msgspec
+
+    from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render import render_chat
+    from render_service.render_config import load_render_config
+    from render_service.server import _encode_generate_request
+
+    config = load_render_config(str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * size,
+                                reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    tokenizer = config.tokenizer
+    messages, tools, _ = trace_to(size, 99, AgentTraceSpec(result_chars=(size // 30, size // 10)),
+                                  lambda m, t: len(render_chat(ChatCompletionRequest(messages=m, tools=t), config)
+                                                   .token_ids))
+    body = msgspec.json.encode(chat_body(MODEL, messages, tools))
+    decoder = msgspec.json.Decoder(ChatCompletionRequest)
+    req = decoder.decode(body)
+    template = config.template
+    prepared = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
+    prepared_tools = prepare_tools(req.tools)
+    text = template.render(prepared, tools=prepared_tools, add_generation_prompt=True)
+    gen = render_chat(req, config)
+    plain = msgspec.structs.replace(gen, token_ids=list(gen.token_ids))
+    encode_json = msgspec.json.Encoder().encode
+
+    def best(fn: Any) -> float:
+        spent = []
+        for _ in range(repeats):
+            started = time.thread_time()
+            fn()
+            spent.append(time.thread_time() - started)
+        return round(1e3 * min(spent), 3)
+
+    return {
+        "prompt_tokens": len(gen.token_ids), "messages": len(messages), "body_bytes": len(body), "chars": len(text),
+        "ms": {
+            "json_decode_request": best(lambda: decoder.decode(body)),
+            "prepare_messages_and_tools": best(lambda: (convert_developer_role(
+                prepare_messages(req.messages, template.content_format), template), prepare_tools(req.tools))),
+            "chat_template": best(lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True)),
+            "tokenize_miss_fast_path": best(lambda: tokenizer.encode(text)),
+            "tokenize_miss_tokenizers": best(lambda: tokenizer.hf.encode(text, add_special_tokens=False)),
+            "tokenize_hit_piece_cache": best(lambda: config.prompt_encoder.encode(text)),
+            "json_encode_response_ints": best(lambda: encode_json(plain)),
+            "json_encode_response_cached_pieces": best(lambda: _encode_generate_request(gen)),
+            "render_chat_all_hits": best(lambda: render_chat(req, config)),
+            "whole_job_all_hits": best(lambda: _encode_generate_request(render_chat(decoder.decode(body), config))),
+        },
+    }
+
+
 def check_same_ids(clients: dict[str, httpx.Client], body: bytes) -> None:
-    ids = {name: c.post(RENDER_PATH, content=body, headers={"content-type": "application/json"}).json()["token_ids"]
-           for name, c in clients.items()}
+    ids = {}
+    for name, c in clients.items():
+        r = c.post(RENDER_PATH, content=body, headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise SystemExit(f"{name} answered {r.status_code}: {r.text[:500]}")
+        ids[name] = r.json()["token_ids"]
     first = next(iter(ids.values()))
     for name, got in ids.items():
         if got != first:

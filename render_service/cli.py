@@ -9,6 +9,7 @@ replaced from the already-loaded parent. Threads would not help: the GIL caps th
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -247,6 +248,10 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; prompt cache: %s)", model_dir,
                     time.perf_counter() - started, config.fingerprint, config.max_model_len,
                     config.prompt_encoder.reason if config.prompt_encoder is not None else "none")
+        # What was loaded lives as long as the process: keep it out of the garbage collector's full passes
+        # (the vocabulary alone made each one cost ~15 ms, paid by whichever request triggered it), and
+        # out of copy-on-write faults in forked workers.
+        gc.freeze()
         # Warned once the server is about to listen: a refused command line stays one line on stderr.
         warn_if_open("the gateway" if gateway is not None else "render-service", args.host, ApiKeys(api_keys),
                      logger)

@@ -181,20 +181,39 @@ def test_cache_off_is_the_tokenizers_own_encode(qwen_fast):
 # ------------------------------------------------------------------------------------------- the cache
 
 def test_cache_stays_under_its_byte_bound_and_drops_least_recent_first():
-    cache = SegmentCache(8000)
+    cache = SegmentCache(16000)
     for i in range(200):
-        cache.put(f"piece {i} " * 5, list(range(20)))
+        cache.put(f"piece {i} " * 5, tuple(range(20)), b"")
         assert cache.bytes <= cache.max_bytes
     assert cache.evictions > 0
     assert cache.get("piece 0 " * 5) is None  # the oldest went first
-    assert cache.get("piece 199 " * 5) == list(range(20))
+    assert cache.get("piece 199 " * 5) == (tuple(range(20)), b"")
 
 
 def test_cache_skips_a_piece_too_large_to_share_the_cache():
     cache = SegmentCache(8000)
-    cache.put("small", [1])
-    cache.put("x" * 5000, [2] * 10)  # over an eighth of the cache
-    assert cache.get("x" * 5000) is None and cache.get("small") == [1]
+    cache.put("small", (1,), b"1")
+    cache.put("x" * 5000, (2,) * 10, b"")  # over an eighth of the cache
+    assert cache.get("x" * 5000) is None and cache.get("small") == ((1,), b"1")
+
+
+def test_cached_ids_leave_the_garbage_collectors_tracking(qwen_fast):
+    import gc
+
+    encoder = IncrementalEncoder(qwen_fast)
+    encoder.encode("<|im_start|>user\nsome words here<|im_end|>\n")
+    gc.collect()
+    assert not any(gc.is_tracked(ids) for ids, _, _ in encoder.cache._entries.values())
+
+
+def test_prompt_ids_write_the_same_json_as_plain_ints(qwen_fast):
+    import msgspec
+
+    encoder = IncrementalEncoder(qwen_fast)
+    text = "<|im_start|>system\nhi<|im_end|>\n<|im_start|>user\n<tool_response>\nx y z\n</tool_response><|im_end|>"
+    for _ in range(2):  # miss, then hit
+        ids = encoder.encode(text)
+        assert bytes(ids.json_array()) == msgspec.json.encode(ref(qwen_fast, text))
 
 
 def test_hits_and_misses_are_counted_in_tokens(qwen_fast):
