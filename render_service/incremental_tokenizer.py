@@ -20,6 +20,7 @@ result against ``tokenizers`` and transformers on every tokenizer kind above.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -90,6 +91,7 @@ class SegmentCache:
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_bytes // 8  # one huge piece must not flush everything else
         self._entries: OrderedDict[str, tuple[tuple[int, ...], bytes, int]] = OrderedDict()
+        self._lock = threading.Lock()  # the two render lanes share the cache
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -100,24 +102,28 @@ class SegmentCache:
 
     def get(self, text: str) -> tuple[tuple[int, ...], bytes] | None:
         """(ids, their JSON array's inside: b"1,2,3") of a piece seen before, else None."""
-        entry = self._entries.get(text)
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(text)
-        self.hits += 1
+        with self._lock:
+            entry = self._entries.get(text)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(text)
+            self.hits += 1
         return entry[0], entry[1]
 
     def put(self, text: str, ids: tuple[int, ...], json: bytes) -> None:
         size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + (_BYTES_PER_ID + 8) * len(ids)
-        if size > self.max_entry_bytes or text in self._entries:
+        if size > self.max_entry_bytes:
             return
-        self._entries[text] = (ids, json, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, _, dropped) = self._entries.popitem(last=False)
-            self.bytes -= dropped
-            self.evictions += 1
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = (ids, json, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self.bytes -= dropped
+                self.evictions += 1
 
 
 class PromptIds(list[int]):
@@ -161,8 +167,9 @@ class IncrementalEncoder:
 
     def take_counts(self) -> tuple[int, int]:
         """(tokens served from the cache, tokens tokenized) since the last call."""
-        counts = self.hit_tokens, self.miss_tokens
-        self.hit_tokens = self.miss_tokens = 0
+        with self.cache._lock:
+            counts = self.hit_tokens, self.miss_tokens
+            self.hit_tokens = self.miss_tokens = 0
         return counts
 
     def encode(self, text: str) -> list[int]:
@@ -191,6 +198,7 @@ class IncrementalEncoder:
                 if cached[1]:
                     json_parts.append(cached[1])
         ids.json_parts = json_parts
-        self.miss_tokens += missed
-        self.hit_tokens += len(ids) - missed
+        with self.cache._lock:  # counted from both render lanes
+            self.miss_tokens += missed
+            self.hit_tokens += len(ids) - missed
         return ids

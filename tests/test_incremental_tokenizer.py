@@ -240,3 +240,28 @@ def test_min_tokens_bounds_long_runs_and_decomposed_text(qwen_fast):
                  "\u1100\u1161\u11a8" * 20_000, "x\u0301" * 30_000):
         bound = qwen_fast.min_tokens(text)
         assert 0 < bound <= len(ref(qwen_fast, text))
+
+
+def test_two_render_lanes_share_one_cache_safely(qwen_fast):
+    """The interactive and bulk lanes encode at once through one small, evicting cache."""
+    import threading
+
+    encoder = IncrementalEncoder(qwen_fast, 6000)
+    texts = [f"<|im_start|>user\nquestion {i} {'words ' * (i % 7)}<|im_end|>\n<tool_response>\nr{i}\n</tool_response>"
+             for i in range(40)]
+    expected = [ref(qwen_fast, t) for t in texts]
+    failures: list[int] = []
+
+    def lane(offset: int) -> None:
+        for round_no in range(30):
+            i = (round_no * 7 + offset) % len(texts)
+            if encoder.encode(texts[i]) != expected[i]:
+                failures.append(i)
+
+    threads = [threading.Thread(target=lane, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and encoder.cache.evictions > 0
+    assert encoder.cache.bytes <= encoder.cache.max_bytes
