@@ -77,8 +77,9 @@ def start_vllm(venv: Path, version: str, model: Path, port: int, max_len: int, l
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env).pid
 
 
-def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None) -> int:
+def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None, max_len: int) -> int:
     cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model), "--served-model-name", MODEL,
+           "--max-model-len", str(max_len),
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--log-level", "warning",
            "--disable-uvicorn-access-log", *PARSER_FLAGS]
     if cache_bytes is not None:
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
     servers: dict[str, dict[str, Any]] = {}
     port = peers.free_port()
-    servers["ours"] = {"port": port, "pid": start_ours(model, port, logs / "ours.log", args.render_cache_bytes)}
+    servers["ours"] = {"port": port, "pid": start_ours(model, port, logs / "ours.log", args.render_cache_bytes,
+                                                                     max_len)}
     if not args.skip_vllm:
         for version, given, defaults in (("0.32", args.vllm032, DEFAULT_VLLM032),
                                          ("0.33", args.vllm033, DEFAULT_VLLM033)):

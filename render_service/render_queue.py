@@ -1,16 +1,16 @@
 """Where render work runs, how much of it may wait, and what an operator sees of both.
 
-The event loop only moves bytes: render work (JSON decode, chat template, tokenizing, JSON encode) runs on
-worker threads, so /health, /metrics and streaming derender keep answering while a prompt renders, and
-requests that wait are counted (they wait here, not unseen in the loop's ready queue or socket buffers).
-Two lanes of one thread each: bodies under ``bulk_bytes`` take the interactive lane, bigger ones the bulk
-lane, so a multi-megabyte prompt never queues small renders behind it. The tokenizers release the GIL while
-they work; what holds it (Jinja, msgspec) is short and is preempted every few milliseconds.
+Bodies under ``bulk_bytes`` render on the event loop, one after another: a hop to a thread costs more than a
+small render (and, on a busy machine, a scheduling delay per hop), and such a render holds the loop for a
+few milliseconds at most. Larger bodies render on the *bulk* lane, a thread of its own, so a multi-megabyte
+prompt never stalls ``/health``, ``/metrics``, derender or the small renders of other clients (the
+tokenizers release the GIL while they work; what holds it, Jinja and msgspec, is preempted every few ms).
 
-Admission: with ``max_queued``, a request that would wait behind ``max_queued`` others is answered 429 with
-``Retry-After`` (the expected drain time of the queue in whole seconds, at least 1), before its body is
-decoded. The gateway renders its small bodies inline (``inline_below``): its loop is busy relaying streams,
-and a hop to a thread would make a short render wait for the GIL behind them.
+Every render is admitted first: it counts as waiting until its work starts. A small render yields to the loop
+once before it starts, so requests that arrived together are all admitted (and counted) before the first of
+them runs; while renders run back to back, what arrives meanwhile waits in that count. With ``max_queued``, a
+render that finds ``max_queued`` others waiting is answered 429 with ``Retry-After`` (the expected drain time
+in whole seconds, at least 1) before its body is decoded.
 """
 
 from __future__ import annotations
@@ -38,45 +38,46 @@ class RenderQueue:
             raise ValueError("--max-queued-requests must be >= 0")
         self.max_queued = max_queued
         self.bulk_bytes = bulk_bytes
-        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"render-{name}")
-                       for name in ("interactive", "bulk")}
-        self._lock = threading.Lock()  # the counters change on the loop thread and on the lane threads
+        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="render-bulk")
+        self._lock = threading.Lock()  # the counters change on the loop thread and on the bulk thread
         self.waiting = 0
         self.running = 0
         self._work_s = 0.002  # moving average of one job's time, for Retry-After
 
     def retry_after_s(self) -> int:
-        return max(1, math.ceil(self.waiting * self._work_s / len(self._lanes)))
+        return max(1, math.ceil(self.waiting * self._work_s))
 
-    async def run(self, endpoint: str, size: int, job: Callable[[], T], *, inline_below: int = 0) -> T:
-        """``job()``'s result, run on a lane (or inline for a body under ``inline_below`` bytes); 429 when the
+    async def run(self, endpoint: str, size: int, job: Callable[[], T]) -> T:
+        """``job()``'s result, run inline or on the bulk lane (bodies of ``bulk_bytes`` and more); 429 when the
         queue is full. Exceptions of ``job`` propagate."""
-        if size < inline_below:
-            return self._timed(endpoint, 0.0, job)
         if self.max_queued is not None and self.waiting >= self.max_queued:
             metrics.RENDER_REJECTED.labels(reason="queue_full").inc()
             raise ApiError(
                 f"The render queue is full ({self.waiting} requests waiting); retry later or on another replica.",
                 429, headers={"Retry-After": str(self.retry_after_s())})
-        lane = self._lanes["bulk" if size >= self.bulk_bytes else "interactive"]
         queued_at = time.perf_counter()
-        with self._lock:
-            self.waiting += 1
-            metrics.RENDER_QUEUE_DEPTH.set(self.waiting)
-        future = lane.submit(self._from_queue, endpoint, queued_at, job)
+        self._waits(+1)
+        if size < self.bulk_bytes:
+            try:
+                await asyncio.sleep(0)
+            finally:
+                self._waits(-1)
+            return self._timed(endpoint, time.perf_counter() - queued_at, job)
+        future = self._bulk.submit(self._from_queue, endpoint, queued_at, job)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             if future.cancel():  # it never started: it no longer waits
-                with self._lock:
-                    self.waiting -= 1
-                    metrics.RENDER_QUEUE_DEPTH.set(self.waiting)
+                self._waits(-1)
             raise
 
-    def _from_queue(self, endpoint: str, queued_at: float, job: Callable[[], T]) -> T:
+    def _waits(self, change: int) -> None:
         with self._lock:
-            self.waiting -= 1
+            self.waiting += change
             metrics.RENDER_QUEUE_DEPTH.set(self.waiting)
+
+    def _from_queue(self, endpoint: str, queued_at: float, job: Callable[[], T]) -> T:
+        self._waits(-1)
         return self._timed(endpoint, time.perf_counter() - queued_at, job)
 
     def _timed(self, endpoint: str, waited_s: float, job: Callable[[], T]) -> T:
@@ -96,5 +97,4 @@ class RenderQueue:
                 metrics.RENDER_IN_FLIGHT.set(self.running)
 
     def shutdown(self) -> None:
-        for lane in self._lanes.values():
-            lane.shutdown(wait=False, cancel_futures=True)
+        self._bulk.shutdown(wait=False, cancel_futures=True)

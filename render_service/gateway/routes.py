@@ -36,7 +36,7 @@ from render_service.protocol import (
 )
 from render_service.render import render_chat, render_completion
 from render_service.render_config import RenderConfig
-from render_service.render_queue import BULK_BODY_BYTES, RenderQueue
+from render_service.render_queue import RenderQueue
 
 logger = logging.getLogger("render_service.gateway.routes")
 
@@ -48,8 +48,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[str, Handler], Handler],
                    read_body: Callable[[Request], Awaitable[bytes]],
                    decode: Callable[[bytes, type], Any], render_queue: RenderQueue | None = None) -> list[Route]:
-    """The routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics). Renders of large bodies
-    run on ``render_queue``'s bulk lane; small ones inline (the loop is busy relaying streams)."""
+    """The routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics). Renders go through the
+    server's ``render_queue`` (large bodies off the event loop, admission and saturation metrics)."""
     queue = render_queue or RenderQueue()
 
     async def chat(request: Request, body: bytes | None = None) -> Response:
@@ -62,7 +62,7 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
             _check_supported(req)
             return req, render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
 
-        req, gen = await queue.run("chat_completions", len(body), render, inline_below=BULK_BODY_BYTES)
+        req, gen = await queue.run("chat_completions", len(body), render)
         conversation = conversation_key(req.conversation_id, request.headers)
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
@@ -78,7 +78,7 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
                 raise bad_request("kv_transfer_params are set by the gateway, not by clients", "kv_transfer_params")
             return req, render_completion(req, config, request_id=request_id)
 
-        req, gens = await queue.run("completions", len(body), render, inline_below=BULK_BODY_BYTES)
+        req, gens = await queue.run("completions", len(body), render)
         response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
         responder = CompletionResponder(gens, req, config, response_id)
         conversation = conversation_key(req.conversation_id, request.headers)
