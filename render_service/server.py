@@ -283,11 +283,16 @@ async def completion_derender(request: Request) -> Response:
                            derender_completion_stream)
 
 
-async def tokenize(request: Request) -> Response:
+async def _queued(request: Request, endpoint: str, work: Callable[[bytes, RenderConfig], bytes]) -> Response:
+    """A body's JSON answer computed on the render queue (large bodies off the event loop)."""
     state = _state(request)
     body = await read_json_body(request)
-    return Response(await state.render_queue.run("tokenize", len(body), lambda: _tokenize(body, state.config)),
+    return Response(await state.render_queue.run(endpoint, len(body), lambda: work(body, state.config)),
                     media_type=JSON)
+
+
+async def tokenize(request: Request) -> Response:
+    return await _queued(request, "tokenize", _tokenize)
 
 
 def _tokenize(body: bytes, config: RenderConfig) -> bytes:
@@ -316,10 +321,7 @@ def _tokenize(body: bytes, config: RenderConfig) -> bytes:
 
 
 async def detokenize(request: Request) -> Response:
-    state = _state(request)
-    body = await read_json_body(request)
-    return Response(await state.render_queue.run("detokenize", len(body), lambda: _detokenize(body, state.config)),
-                    media_type=JSON)
+    return await _queued(request, "detokenize", _detokenize)
 
 
 def _detokenize(body: bytes, config: RenderConfig) -> bytes:
