@@ -175,9 +175,14 @@ class IncrementalEncoder:
     def encode(self, text: str) -> list[int]:
         if not self.enabled or self._cutter is None:
             return self.tokenizer.encode(text)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")  # lone surrogates: the same ValueError as the tokenizer's encode
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"text is not valid Unicode (lone surrogate at index {exc.start})") from None
         cache = self.cache
         added = self._added_ids
-        encode = self.tokenizer.encode
+        encode = self.tokenizer.encode_between_added
         ids = PromptIds()
         json_parts: list[bytes] = []
         missed = 0

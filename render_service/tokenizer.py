@@ -167,6 +167,14 @@ class TextTokenizer:
         longest = max([len(raw) for raw in self._ranks] + [len(c) for c in self._added_content.values()])
         return longest, 4 if steps else 1
 
+    def encode_between_added(self, text: str) -> list[int]:
+        """``encode(text)`` for text already cut at the raw-matched added tokens (none left in it), and
+        already checked for lone surrogates: the prompt piece cache's miss path, without the per-call
+        checks and the added-token scan ``encode`` repeats."""
+        if self._fast is not None:
+            return self._fast.encode_segment(text)
+        return self._hf_encode(text)
+
     def encode_ordinary(self, text: str) -> list[int] | None:
         """``text``'s IDs with added tokens taken as plain text (tiktoken's encode_ordinary); None off the fast
         path (``tokenizers`` always matches added tokens)."""
