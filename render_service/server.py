@@ -1,10 +1,11 @@
 """The render server: a Starlette app over render.py and derender.py.
 
 Bodies are decoded and encoded with msgspec (a 9k-token prompt's JSON must not go through Python's
-json module). Render work (render, /tokenize, /detokenize) runs on the render queue's threads
-(render_queue.py): the event loop keeps answering /health and derender while a prompt renders, requests
-that wait are counted, and a full queue answers 429. Derender stays on the loop: its work per chunk is
-small and bounded. One process is one core's worth of work; the CLI starts several for several cores.
+json module). Render work (render, /tokenize, /detokenize) goes through the render queue
+(render_queue.py): large bodies on a thread of their own, so the event loop keeps answering /health and
+derender while a huge prompt tokenizes; requests that wait are counted, and a full queue answers 429.
+Derender stays on the loop: its work per chunk is small and bounded. One process is one core's worth of
+work; the CLI starts several for several cores.
 
 Every failure a client can cause is answered with vLLM's error envelope and a 4xx; anything else is
 logged with its traceback and answered 500 (a bug of ours), never left hanging.
