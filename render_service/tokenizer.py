@@ -75,7 +75,7 @@ class TextTokenizer:
         self._id_bytes: list[bytes | None] | None = None
         self._fast: TiktokenEncoder | None = None
         # What incremental tokenization's independence proof reads (None: the file was not plain JSON).
-        self.pipeline_spec: dict | None = None if spec is None else {
+        self.pipeline_spec: dict[str, Any] | None = None if spec is None else {
             "normalizer": spec.get("normalizer"), "pre_tokenizer": spec.get("pre_tokenizer"),
             "model": {k: v for k, v in model.items() if k not in ("vocab", "merges")}}
         self._max_token_bytes, self._shrink = self._length_bound_terms(spec)
@@ -155,7 +155,7 @@ class TextTokenizer:
             return 0
         return len(text) // (self._max_token_bytes * (1 if text.isascii() else self._shrink))
 
-    def _length_bound_terms(self, spec: dict | None) -> tuple[int, int]:
+    def _length_bound_terms(self, spec: dict[str, Any] | None) -> tuple[int, int]:
         """(longest token in bytes, how much the normalizer may shrink UTF-8); (0, 1) when unproved."""
         if self._ranks is None or spec is None:
             return 0, 1
