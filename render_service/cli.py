@@ -9,6 +9,7 @@ replaced from the already-loaded parent. Threads would not help: the GIL caps th
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="logprob tokens as vLLM's 'token_id:N' strings unless a request says otherwise "
                             "(default: decoded text plus integer token_id)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--render-cache-bytes", type=int, default=None, metavar="BYTES",
+                       help="per worker process: token ids of prompt pieces seen before (agents resend their "
+                            "conversation every turn), least recently used dropped first; 0 disables "
+                            "(default 256 MiB)")
+    serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                       help="per worker process: renders allowed to wait for a render thread; more are answered "
+                            "429 with Retry-After (default: no bound)")
     add_api_key_argument(serve, "/health, /version, /metrics")
     add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
@@ -232,12 +240,18 @@ def serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             reasoning_field=args.reasoning_field,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            render_cache_bytes=args.render_cache_bytes,
         )
         gateway = build_gateway(args)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
-                         gateway=gateway)
-        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d)", model_dir,
-                    time.perf_counter() - started, config.fingerprint, config.max_model_len)
+                         gateway=gateway, max_queued_requests=args.max_queued_requests)
+        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; prompt cache: %s)", model_dir,
+                    time.perf_counter() - started, config.fingerprint, config.max_model_len,
+                    config.prompt_encoder.reason if config.prompt_encoder is not None else "none")
+        # What was loaded lives as long as the process: keep it out of the garbage collector's full passes
+        # (the vocabulary alone made each one cost ~15 ms, paid by whichever request triggered it), and
+        # out of copy-on-write faults in forked workers.
+        gc.freeze()
         # Warned once the server is about to listen: a refused command line stays one line on stderr.
         warn_if_open("the gateway" if gateway is not None else "render-service", args.host, ApiKeys(api_keys),
                      logger)

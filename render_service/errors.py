@@ -20,6 +20,7 @@ ERROR_TYPES = {
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
+    429: "TooManyRequestsError",
     500: "InternalServerError",
 }
 
@@ -27,12 +28,14 @@ ERROR_TYPES = {
 class ApiError(Exception):
     """An error answered to the client with ``status`` (4xx unless it is a bug of ours)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.type = type or ERROR_TYPES.get(status, "BadRequestError")
+        self.headers = headers  # e.g. Retry-After on a 429
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

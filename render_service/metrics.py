@@ -13,6 +13,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the server)
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -34,7 +35,41 @@ DERENDER_LATENCY = Histogram(
 PROMPT_TOKENS = Counter("splitserve_render_prompt_tokens_total", "Prompt tokens produced by render.")
 COMPLETION_TOKENS = Counter("splitserve_derender_completion_tokens_total", "Output tokens turned into text.")
 
+# Saturation (render_queue.py): what waits, what runs, how long each render's own work takes.
+RENDER_QUEUE_DEPTH = Gauge("splitserve_render_queue_depth", "Render requests waiting for a render thread.",
+                           multiprocess_mode="livesum")
+RENDER_IN_FLIGHT = Gauge("splitserve_render_in_flight", "Render requests being rendered now.",
+                         multiprocess_mode="livesum")
+RENDER_QUEUE_WAIT = Histogram("splitserve_render_queue_wait_seconds",
+                              "Time a render request waited for a render thread.", buckets=LATENCY_BUCKETS)
+RENDER_WORK = Histogram("splitserve_render_work_seconds",
+                        "Time of one request's render work (decode, template, tokenize, encode), queueing excluded.",
+                        ["endpoint"], buckets=LATENCY_BUCKETS)
+RENDER_REJECTED = Counter("splitserve_render_rejected_total", "Render requests refused with 429.", ["reason"])
+# The prompt piece cache (incremental_tokenizer.py), in tokens: hit / (hit + miss) is the share not tokenized.
+PROMPT_CACHE_TOKENS = Counter("splitserve_render_prompt_cache_tokens_total",
+                              "Prompt tokens served from the piece cache (hit) or tokenized (miss).", ["result"])
+
 _request_children: dict[tuple[str, int], Counter] = {}
+_work_children: dict[str, Histogram] = {}
+
+
+def observe_render_work(endpoint: str, seconds: float) -> None:
+    child = _work_children.get(endpoint)
+    if child is None:
+        child = _work_children[endpoint] = RENDER_WORK.labels(endpoint=endpoint)
+    child.observe(seconds)
+
+
+_PROMPT_CACHE_HIT = PROMPT_CACHE_TOKENS.labels(result="hit")
+_PROMPT_CACHE_MISS = PROMPT_CACHE_TOKENS.labels(result="miss")
+
+
+def observe_prompt_cache(hit_tokens: int, miss_tokens: int) -> None:
+    if hit_tokens:
+        _PROMPT_CACHE_HIT.inc(hit_tokens)
+    if miss_tokens:
+        _PROMPT_CACHE_MISS.inc(miss_tokens)
 
 
 def observe_request(endpoint: str, status: int, seconds: float) -> None:

@@ -21,6 +21,7 @@ from render_service.protocol import (
 )
 from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.templates import ChatTemplate, TemplateError
 from render_service.tool_choice import check_render_tool_choice, tool_choice_structured_outputs
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
@@ -196,8 +197,8 @@ def build_sampling_params(
         structured_outputs=structured_outputs,
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids or None,
-        # vLLM hands kv_transfer_params to the KV connector through extra_args.
-        extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
+        # vLLM hands kv_transfer_params to the KV connector through extra_args (less the render tier's keys).
+        extra_args={"kv_transfer_params": kv} if (kv := engine_kv_params(req.kv_transfer_params)) else None,
         bad_words=list(req.bad_words or []),
         skip_reading_prefix_cache=False,
     )
@@ -224,6 +225,20 @@ def _native_forced_call_prefix(config: RenderConfig, choice: str, named: str | N
         if reasoning_open_at_prompt_end(token_ids, config.tokenizer, cls) is True:
             prefix = cls.end_tag + prefix
     return prefix
+
+
+def _forced_prefix_rendered(config: RenderConfig, choice: str, named: str | None, token_ids: list[int]) -> str:
+    """The native forced-call prefix when ids rendered elsewhere end with it (our render tier wrote it), else ""
+    (vLLM's render does not write it; the call is then constrained to JSON as vLLM does)."""
+    from render_service.parsers.pipeline import native_forced_tool_choice
+
+    if not native_forced_tool_choice(config.tool_call_parser, choice):
+        return ""
+    from render_service.parsers.registry import get_tool_parser
+
+    prefix = get_tool_parser(config.tool_call_parser).forced_call_prefix(named if choice == "named" else None)
+    tail = config.tokenizer.encode(prefix)
+    return prefix if tail and token_ids[-len(tail):] == tail else ""
 
 
 def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatTemplate:
@@ -284,12 +299,28 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
         # The template ran on client data and choked on it (say, a number where it expects text).
         raise bad_request(f"The chat template failed on this request: {type(exc).__name__}: {exc}", "messages") from None
-    ids = config.tokenizer.encode(text)
-    return ids, kwargs
+    return encode_prompt(text, config), kwargs
 
 
-def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id: str | None = None) -> GenerateRequest:
-    """``request_id``: the caller's X-Request-Id header, if any."""
+def encode_prompt(text: str, config: RenderConfig) -> list[int]:
+    """The prompt's ids, through the piece cache; a prompt whose length alone proves that it cannot fit the
+    context is refused before any tokenizing (a multi-megabyte prompt would cost seconds of CPU)."""
+    at_least = config.tokenizer.min_tokens(text)
+    if at_least >= config.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, your prompt "
+            f"({len(text)} characters) contains at least {at_least} input tokens, which exceeds this limit even "
+            f"without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+        )
+    encoder = config.prompt_encoder
+    return encoder.encode(text) if encoder is not None else config.tokenizer.encode(text)
+
+
+def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id: str | None = None,
+                render_fingerprint: str | None = None) -> GenerateRequest:
+    """``request_id``: the caller's X-Request-Id header, if any; ``render_fingerprint``: its
+    x-render-fingerprint header (for ids it rendered already, prerendered.py)."""
     model = check_model(req.model, config)
     _check_common(req)
     if req.max_tokens is not None and req.max_tokens < 1:
@@ -303,10 +334,20 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     if config.harmony:
         return _render_harmony_chat(req, config, tool_choice, request_id)
-    token_ids, kwargs = render_chat_prompt(req, config)
-    forced_prefix = _native_forced_call_prefix(config, tool_choice, named, token_ids)
-    if forced_prefix:
-        token_ids = token_ids + config.tokenizer.encode(forced_prefix)
+    given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
+    if given is None:
+        token_ids, kwargs = render_chat_prompt(req, config)
+        forced_prefix = _native_forced_call_prefix(config, tool_choice, named, token_ids)
+        if forced_prefix:
+            token_ids = token_ids + config.tokenizer.encode(forced_prefix)
+    else:  # messages and tools still shape the parsers and the response: checked as if rendered
+        if not req.messages:
+            raise bad_request("messages must contain at least one message", "messages")
+        violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
+        if violation:
+            raise bad_request(*violation)
+        token_ids, kwargs = given, resolve_chat_template_kwargs(req, config)
+        forced_prefix = _forced_prefix_rendered(config, tool_choice, named, token_ids)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     max_tokens = resolve_max_tokens(requested, len(token_ids), config)
@@ -441,7 +482,7 @@ def render_completion(
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids = config.tokenizer.encode(prompt)
+            ids = encode_prompt(prompt, config)
             if req.add_special_tokens:
                 ids = add_special_tokens(ids, config)
         else:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from render_service.errors import bad_request, model_not_found
 from render_service.protocol import ChatCompletionRequest
 from render_service.templates import ChatTemplate
-from render_service.tokenizer import RenderTokenizer
+from render_service.tokenizer import RenderTokenizer, TextTokenizer
 
 if TYPE_CHECKING:
     from render_service.bundle import ModelBundle
@@ -56,6 +56,8 @@ class RenderConfig:
     return_tokens_as_token_ids: bool = False
     # gpt-oss: prompts are Harmony (render_service/harmony/), not a chat template
     harmony: bool = False
+    # Prompt text -> ids through the per-process piece cache (incremental_tokenizer.py); None: the tokenizer's.
+    prompt_encoder: Any = None
 
     @property
     def model_name(self) -> str:
@@ -140,6 +142,7 @@ def build_render_config(
     trust_request_chat_template: bool = False,
     reasoning_field: str = "reasoning",
     return_tokens_as_token_ids: bool = False,
+    render_cache_bytes: int | None = None,
 ) -> RenderConfig:
     """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
@@ -198,6 +201,12 @@ def build_render_config(
         default_chat_template_kwargs=kwargs,
     )
     names = list(served_model_names or []) or [str(bundle.path)]
+    prompt_encoder = None
+    if isinstance(bundle.tokenizer, TextTokenizer):
+        from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
+
+        prompt_encoder = IncrementalEncoder(
+            bundle.tokenizer, DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes)
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -216,6 +225,7 @@ def build_render_config(
         reasoning_field=reasoning_field,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         harmony=harmony,
+        prompt_encoder=prompt_encoder,
     )
 
 

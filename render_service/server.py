@@ -1,8 +1,11 @@
 """The render server: a Starlette app over render.py and derender.py.
 
 Bodies are decoded and encoded with msgspec (a 9k-token prompt's JSON must not go through Python's
-json module). Handlers run the CPU-bound work inline on the event loop: one process is one core's
-worth of work, and the CLI starts several processes for several cores.
+json module). Render work (render, /tokenize, /detokenize) goes through the render queue
+(render_queue.py): large bodies on a thread of their own, so the event loop keeps answering /health and
+derender while a huge prompt tokenizes; requests that wait are counted, and a full queue answers 429.
+Derender stays on the loop: its work per chunk is small and bounded. One process is one core's worth of
+work; the CLI starts several for several cores.
 
 Every failure a client can cause is answered with vLLM's error envelope and a 4xx; anything else is
 logged with its traceback and answered 500 (a bug of ours), never left hanging.
@@ -27,6 +30,7 @@ from render_service.derender import derender_chat, derender_completion
 from render_service.derender_stream import StreamRuntime, derender_chat_stream, derender_completion_stream
 from render_service.errors import ApiError, bad_request, error_body, from_decode_error
 from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.incremental_tokenizer import PromptIds
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +41,7 @@ from render_service.protocol import (
     DerenderStreamProbe,
     DetokenizeRequest,
     DetokenizeResponse,
+    GenerateRequest,
     ModelCard,
     ModelList,
     ModelPermission,
@@ -45,6 +50,7 @@ from render_service.protocol import (
 )
 from render_service.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 from render_service.render_config import RenderConfig, check_model
+from render_service.render_queue import RenderQueue
 from splitserve_common.auth import ApiKeys
 
 logger = logging.getLogger("render_service.server")
@@ -74,7 +80,7 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
 
 
 def error_response(error: ApiError) -> Response:
-    return Response(error_body(error), status_code=error.status, media_type=JSON)
+    return Response(error_body(error), status_code=error.status, media_type=JSON, headers=error.headers)
 
 
 def version() -> str:
@@ -149,6 +155,7 @@ class ServerState:
     config: RenderConfig
     stream_runtime: StreamRuntime
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(None))  # --api-key: one or several (rotation)
+    render_queue: RenderQueue = field(default_factory=RenderQueue)
     created: int = field(default_factory=lambda: int(time.time()))
     version: str = field(default_factory=version)
 
@@ -210,20 +217,47 @@ def endpoint(name: str, handler: Handler, *, auth: bool = True) -> Handler:
 # -------------------------------------------------------------------------------------- handlers
 
 
+def _encode_generate_request(gen: GenerateRequest) -> bytes:
+    """Its JSON; prompt ids that came from the piece cache are written from the pieces' JSON."""
+    if isinstance(gen.token_ids, PromptIds):
+        return _encode(msgspec.structs.replace(gen, token_ids=gen.token_ids.json_array()))
+    return _encode(gen)
+
+
+def _observe_prompt_cache(config: RenderConfig) -> None:
+    encoder = config.prompt_encoder
+    if encoder is not None:
+        metrics.observe_prompt_cache(*encoder.take_counts())
+
+
 async def chat_render(request: Request) -> Response:
     state = _state(request)
-    req = decode(await read_json_body(request), ChatCompletionRequest)
-    result = render_chat(req, state.config, request_id=request.headers.get("x-request-id"))
-    metrics.PROMPT_TOKENS.inc(len(result.token_ids))
-    return json_response(result, headers=state.render_headers)
+    body = await read_json_body(request)
+    request_id = request.headers.get("x-request-id")
+
+    def job() -> bytes:
+        result = render_chat(decode(body, ChatCompletionRequest), state.config, request_id=request_id)
+        metrics.PROMPT_TOKENS.inc(len(result.token_ids))
+        _observe_prompt_cache(state.config)
+        return _encode_generate_request(result)
+
+    payload = await state.render_queue.run("chat_render", len(body), job)
+    return Response(payload, media_type=JSON, headers=state.render_headers)
 
 
 async def completion_render(request: Request) -> Response:
     state = _state(request)
-    req = decode(await read_json_body(request), CompletionRequest)
-    results = render_completion(req, state.config, request_id=request.headers.get("x-request-id"))
-    metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
-    return json_response(results, headers=state.render_headers)
+    body = await read_json_body(request)
+    request_id = request.headers.get("x-request-id")
+
+    def job() -> bytes:
+        results = render_completion(decode(body, CompletionRequest), state.config, request_id=request_id)
+        metrics.PROMPT_TOKENS.inc(sum(len(r.token_ids) for r in results))
+        _observe_prompt_cache(state.config)
+        return b"[" + b",".join(_encode_generate_request(r) for r in results) + b"]"
+
+    payload = await state.render_queue.run("completion_render", len(body), job)
+    return Response(payload, media_type=JSON, headers=state.render_headers)
 
 
 async def _derender(request: Request, batch_type: type, derender_batch: Callable[..., Any], stream_type: type,
@@ -250,9 +284,20 @@ async def completion_derender(request: Request) -> Response:
                            derender_completion_stream)
 
 
+async def _queued(request: Request, endpoint: str, work: Callable[[bytes, RenderConfig], bytes]) -> Response:
+    """A body's JSON answer computed on the render queue (large bodies off the event loop)."""
+    state = _state(request)
+    body = await read_json_body(request)
+    return Response(await state.render_queue.run(endpoint, len(body), lambda: work(body, state.config)),
+                    media_type=JSON)
+
+
 async def tokenize(request: Request) -> Response:
-    config = _state(request).config
-    req = decode(await read_json_body(request), TokenizeRequest)
+    return await _queued(request, "tokenize", _tokenize)
+
+
+def _tokenize(body: bytes, config: RenderConfig) -> bytes:
+    req = decode(body, TokenizeRequest)
     check_model(req.model, config)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("tokenize takes exactly one of `prompt` or `messages`")
@@ -272,19 +317,22 @@ async def tokenize(request: Request) -> Response:
     strs = None
     if req.return_token_strs:
         strs = [config.tokenizer.id_to_token(t) or "" for t in ids]
-    return json_response(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
-                                          token_strs=strs))
+    return _encode(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
+                                    token_strs=strs))
 
 
 async def detokenize(request: Request) -> Response:
-    config = _state(request).config
-    req = decode(await read_json_body(request), DetokenizeRequest)
+    return await _queued(request, "detokenize", _detokenize)
+
+
+def _detokenize(body: bytes, config: RenderConfig) -> bytes:
+    req = decode(body, DetokenizeRequest)
     check_model(req.model, config)
     vocab = config.tokenizer.vocab_size
     for t in req.tokens:
         if not 0 <= t < vocab:
             raise bad_request(f"Token id {t} is out of vocabulary", "tokens")
-    return json_response(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+    return _encode(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
 
 
 async def models(request: Request) -> Response:
@@ -344,16 +392,17 @@ def own_routes() -> list[Route]:
 
 def create_app(
     config: RenderConfig, *, api_key: str | list[str] | None = None, stream_state_secret: str | None = None,
-    gateway: Any = None,
+    gateway: Any = None, max_queued_requests: int | None = None,
 ) -> Starlette:
     """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
-    state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key))
+    state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key),
+                        render_queue=RenderQueue(max_queued_requests))
     routes = own_routes()
     if gateway is not None:
         from render_service.gateway.routes import gateway_routes
 
-        routes += gateway_routes(gateway, config, endpoint, read_json_body, decode)
+        routes += gateway_routes(gateway, config, endpoint, read_json_body, decode, state.render_queue)
     app = RenderApp(
         routes=routes,
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},

@@ -210,14 +210,20 @@ class TiktokenEncoder:
         for segment, added_id in self._raw.split(text):
             if added_id is not None:
                 ids.append(added_id)
-                continue
-            if self._normalize is not None:
-                segment = self._normalize(segment)
-            for piece, piece_id in self._normalized.split(segment):
-                if piece_id is not None:
-                    ids.append(piece_id)
-                else:
-                    ids.extend(self._encode_ordinary(piece))
+            else:
+                ids.extend(self.encode_segment(segment))
+        return ids
+
+    def encode_segment(self, segment: str) -> list[int]:
+        """The ids of text that holds no raw-matched added token (a piece ``encode`` cuts out)."""
+        if self._normalize is not None:
+            segment = self._normalize(segment)
+        ids: list[int] = []
+        for piece, piece_id in self._normalized.split(segment):
+            if piece_id is not None:
+                ids.append(piece_id)
+            else:
+                ids.extend(self._encode_ordinary(piece))
         return ids
 
 

@@ -32,11 +32,17 @@ class RenderTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def min_tokens(self, text: str) -> int: ...
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_to_id(self, token: str) -> int | None: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
+
+
+# Texts longer than this are tokenized with the GIL released (a render thread then leaves the event loop free).
+GIL_FREE_ENCODE_CHARS = 64 * 1024
 
 
 class TokenizerError(ValueError):
@@ -74,6 +80,11 @@ class TextTokenizer:
         self._ranks = ranks if self.is_byte_level else None
         self._id_bytes: list[bytes | None] | None = None
         self._fast: TiktokenEncoder | None = None
+        # What incremental tokenization's independence proof reads (None: the file was not plain JSON).
+        self.pipeline_spec: dict[str, Any] | None = None if spec is None else {
+            "normalizer": spec.get("normalizer"), "pre_tokenizer": spec.get("pre_tokenizer"),
+            "model": {k: v for k, v in model.items() if k not in ("vocab", "merges")}}
+        self._max_token_bytes, self._shrink = self._length_bound_terms(spec)
         self.fast_path = False
         self.fast_path_reason = "tokenizers (fast path disabled by the caller)"
         if fast and spec is not None:
@@ -139,6 +150,37 @@ class TextTokenizer:
             return self._fast.encode(text)
         return self._hf_encode(text)
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` that costs no tokenizing (0 where none is proved).
+
+        Byte-level BPE: every token stands for at most ``max_token_bytes`` bytes of the normalized text; a
+        character is at least one byte, and NFC shrinks UTF-8 by at most 3x (U+0390's decomposition is 6
+        bytes, the character 2; 4 is used). ASCII is its own NFC.
+        """
+        if not self._max_token_bytes:
+            return 0
+        return len(text) // (self._max_token_bytes * (1 if text.isascii() else self._shrink))
+
+    def _length_bound_terms(self, spec: dict[str, Any] | None) -> tuple[int, int]:
+        """(longest token in bytes, how much the normalizer may shrink UTF-8); (0, 1) when unproved."""
+        if self._ranks is None or spec is None:
+            return 0, 1
+        normalizer = spec.get("normalizer")
+        steps = (normalizer or {}).get("normalizers") if (normalizer or {}).get("type") == "Sequence" \
+            else [normalizer] if normalizer else []
+        if any((step or {}).get("type") != "NFC" for step in steps or []):
+            return 0, 1
+        longest = max([len(raw) for raw in self._ranks] + [len(c) for c in self._added_content.values()])
+        return longest, 4 if steps else 1
+
+    def encode_between_added(self, text: str) -> list[int]:
+        """``encode(text)`` for text already cut at the raw-matched added tokens (none left in it), and
+        already checked for lone surrogates: the prompt piece cache's miss path, without the per-call
+        checks and the added-token scan ``encode`` repeats."""
+        if self._fast is not None:
+            return self._fast.encode_segment(text)
+        return self._hf_encode(text)
+
     def encode_ordinary(self, text: str) -> list[int] | None:
         """``text``'s IDs with added tokens taken as plain text (tiktoken's encode_ordinary); None off the fast
         path (``tokenizers`` always matches added tokens)."""
@@ -150,6 +192,8 @@ class TextTokenizer:
         return ids
 
     def _hf_encode(self, text: str) -> list[int]:
+        if len(text) > GIL_FREE_ENCODE_CHARS:  # encode holds the GIL throughout, encode_batch lets it go
+            return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

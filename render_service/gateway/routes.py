@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from render_service.errors import ApiError, bad_request, error_body
+from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.gateway import metrics
 from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
@@ -26,6 +27,7 @@ from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoRep
 from render_service.gateway.merged import SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
+from render_service.prerendered import RENDER_KEYS
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +36,7 @@ from render_service.protocol import (
 )
 from render_service.render import render_chat, render_completion
 from render_service.render_config import RenderConfig
+from render_service.render_queue import RenderQueue
 
 logger = logging.getLogger("render_service.gateway.routes")
 
@@ -44,21 +47,38 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[str, Handler], Handler],
                    read_body: Callable[[Request], Awaitable[bytes]],
-                   decode: Callable[[bytes, type], Any]) -> list[Route]:
-    """The routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics)."""
+                   decode: Callable[[bytes, type], Any], render_queue: RenderQueue | None = None) -> list[Route]:
+    """The routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics). Renders go through the
+    server's ``render_queue`` (large bodies off the event loop, admission and saturation metrics)."""
+    queue = render_queue or RenderQueue()
 
     async def chat(request: Request, body: bytes | None = None) -> Response:
-        req = decode(await read_body(request) if body is None else body, ChatCompletionRequest)
-        _check_supported(req)
+        body = await read_body(request) if body is None else body
+        request_id = request.headers.get("x-request-id")
+        fingerprint = request.headers.get(FINGERPRINT_HEADER)
+
+        def render() -> tuple[ChatCompletionRequest, GenerateRequest]:
+            req = decode(body, ChatCompletionRequest)
+            _check_supported(req)
+            return req, render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
+
+        req, gen = await queue.run("chat_completions", len(body), render)
         conversation = conversation_key(req.conversation_id, request.headers)
-        gen = render_chat(req, config, request_id=request.headers.get("x-request-id"))
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
 
     async def completions(request: Request, body: bytes | None = None) -> Response:
-        req = decode(await read_body(request) if body is None else body, CompletionRequest)
-        _check_supported(req)
-        gens = render_completion(req, config, request_id=request.headers.get("x-request-id"))
+        body = await read_body(request) if body is None else body
+        request_id = request.headers.get("x-request-id")
+
+        def render() -> tuple[CompletionRequest, list[GenerateRequest]]:
+            req = decode(body, CompletionRequest)
+            _check_supported(req)
+            if req.kv_transfer_params is not None:
+                raise bad_request("kv_transfer_params are set by the gateway, not by clients", "kv_transfer_params")
+            return req, render_completion(req, config, request_id=request_id)
+
+        req, gens = await queue.run("completions", len(body), render)
         response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
         responder = CompletionResponder(gens, req, config, response_id)
         conversation = conversation_key(req.conversation_id, request.headers)
@@ -110,8 +130,10 @@ def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("echo is not supported by the gateway", "echo")
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported by the gateway", "prompt_logprobs")
-    if req.kv_transfer_params is not None:
-        raise bad_request("kv_transfer_params are set by the gateway, not by clients", "kv_transfer_params")
+    # Only the render tier's own keys (ids rendered already, prerendered.py); the gateway sets the engines'.
+    if req.kv_transfer_params is not None and not set(req.kv_transfer_params) <= RENDER_KEYS:
+        raise bad_request("kv_transfer_params are set by the gateway, not by clients (except prompt_token_ids "
+                          "and render_fingerprint: a prompt rendered already)", "kv_transfer_params")
 
 
 # ------------------------------------------------------------------------------------ driving

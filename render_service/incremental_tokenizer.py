@@ -1,0 +1,209 @@
+"""Prompt tokenization whose cost follows what is new in the prompt.
+
+Agents resend a growing conversation every turn. ``IncrementalEncoder`` cuts the rendered prompt at the
+tokenizer's added tokens (``<|im_start|>``, ``<tool_response>``, ...), looks each piece between them up in
+a bytes-bounded LRU keyed by the piece's text, and tokenizes only the pieces it has not seen.
+
+Why the pieces are independent (``independence_violation`` checks each step on the loaded tokenizer):
+``tokenizers`` itself first cuts the text at every added token that matches on raw text (leftmost, then
+longest), and runs the rest of its pipeline (normalizer, normalized added tokens, pre-tokenizer, model) on
+each piece separately. So encode(a + T + b) == encode(a) + [id(T)] + encode(b) whenever the cut at T is one
+``tokenizers`` makes, which holds when the cutter matches the same token set the same way and no step looks
+beyond its piece. The steps that could: an added token that strips whitespace or matches single words only
+(it reaches into its neighbours), a Metaspace pre-tokenizer with ``prepend_scheme: first`` (it treats the
+piece at offset 0 differently), BPE dropout (random), and anything of a type we have not checked. The
+tiktoken fast path (tiktoken_fast_path.TiktokenEncoder) is built the same way and cuts with the same
+splitter class over the same tokens. The property tests in tests/test_incremental_tokenizer.py check the
+result against ``tokenizers`` and transformers on every tokenizer kind above.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from render_service.tokenizer import TextTokenizer
+
+# Pre-tokenizers and normalizers that act on each piece alone (tokenizers 0.2x); Metaspace is checked further.
+PIECEWISE_PRE_TOKENIZERS = frozenset({
+    "ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "BertPreTokenizer",
+    "CharDelimiterSplit", "UnicodeScripts", "Metaspace", "Sequence",
+})
+PIECEWISE_NORMALIZERS = frozenset({
+    "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents", "Replace", "Prepend", "BertNormalizer",
+    "Precompiled", "Nmt", "ByteLevel", "Sequence",
+})
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+# Rough CPython sizes: a list slot plus an int object per token id, a str header, a dict/LRU slot per entry.
+_BYTES_PER_ID = 36
+_ENTRY_OVERHEAD = 200
+
+
+def _step_violation(step: dict[str, Any] | None, allowed: frozenset[str], kind: str) -> str | None:
+    if not step:
+        return None
+    name = step.get("type")
+    if name not in allowed:
+        return f"{kind} {name} is not known to act on each piece alone"
+    if name == "Sequence":
+        for inner in step.get("pretokenizers") or step.get("normalizers") or []:
+            violation = _step_violation(inner, allowed, kind)
+            if violation:
+                return violation
+    if name == "Metaspace" and step.get("prepend_scheme", "always") == "first":
+        return "Metaspace prepends its replacement to the first piece only (prepend_scheme: first)"
+    return None
+
+
+def independence_violation(tokenizer: TextTokenizer) -> str | None:
+    """None when pieces cut at raw-matched added tokens tokenize independently; else why not."""
+    spec = tokenizer.pipeline_spec
+    if spec is None:
+        return "the tokenizer.json could not be read as a plain spec"
+    if getattr(tokenizer.hf, "encode_special_tokens", False):
+        return "encode_special_tokens is set (added tokens are not cut out)"
+    for token in tokenizer.hf.get_added_tokens_decoder().values():
+        if not token.normalized and (token.lstrip or token.rstrip or token.single_word):
+            return f"added token {token.content!r} strips whitespace or matches single words"
+    model = spec.get("model") or {}
+    if model.get("dropout"):
+        return "BPE dropout is random"
+    return (_step_violation(spec.get("normalizer"), PIECEWISE_NORMALIZERS, "normalizer")
+            or _step_violation(spec.get("pre_tokenizer"), PIECEWISE_PRE_TOKENIZERS, "pre_tokenizer"))
+
+
+class SegmentCache:
+    """Token ids of prompt pieces, least recently used dropped first once ``max_bytes`` (estimated) is reached.
+
+    Keyed by the piece's text: a dict hashes it and compares it in full on a hit, so a hit is never a
+    collision. One per process (not shared between workers). Ids are kept as tuples: a tuple of ints drops
+    out of the garbage collector's tracking, a list never does, and a full collection would otherwise walk
+    every cached id (about half a second for a few million).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("the render cache size must be >= 0 bytes")
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_bytes // 8  # one huge piece must not flush everything else
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], bytes, int]] = OrderedDict()
+        self._lock = threading.Lock()  # the two render lanes share the cache
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, text: str) -> tuple[tuple[int, ...], bytes] | None:
+        """(ids, their JSON array's inside: b"1,2,3") of a piece seen before, else None."""
+        with self._lock:
+            entry = self._entries.get(text)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(text)
+            self.hits += 1
+        return entry[0], entry[1]
+
+    def put(self, text: str, ids: tuple[int, ...], json: bytes) -> None:
+        size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + (_BYTES_PER_ID + 8) * len(ids)
+        if size > self.max_entry_bytes:
+            return
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = (ids, json, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self.bytes -= dropped
+                self.evictions += 1
+
+
+class PromptIds(list[int]):
+    """A prompt's token ids, plus their JSON made of the cached pieces' JSON (``json_array``): a 128k-token
+    prompt's ids then cost a join to write instead of 128k integer conversions. Any list operation that
+    builds a new list (``ids + more``) gives a plain list, whose JSON is written the usual way."""
+
+    __slots__ = ("json_parts",)
+    json_parts: list[bytes]
+
+    def json_array(self) -> msgspec.Raw:
+        return msgspec.Raw(b"[" + b",".join(self.json_parts) + b"]")
+
+
+_encode_json = msgspec.json.Encoder().encode
+
+
+class IncrementalEncoder:
+    """``encode(text)``: the tokenizer's ids for a whole prompt, tokenizing only pieces not seen before.
+
+    ``enabled`` is False (and ``reason`` says why) when the cache is off or the tokenizer's pieces are not
+    provably independent; ``encode`` is then the tokenizer's own.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.tokenizer = tokenizer
+        self.cache = SegmentCache(cache_bytes)
+        violation = None if cache_bytes else "the render cache is off (--render-cache-bytes 0)"
+        violation = violation or independence_violation(tokenizer)
+        self.enabled = violation is None
+        self.reason = violation or "pieces between added tokens are tokenized once and cached"
+        raw = {tok.content: i for i, tok in tokenizer.hf.get_added_tokens_decoder().items()
+               if tok.content and not tok.normalized}
+        self._added_ids = raw
+        # Longest first: at one position Python's alternation takes the first branch that matches, so this
+        # is the leftmost-longest match tokenizers' own added-token trie makes (as tiktoken_fast_path's).
+        longest_first = sorted(raw, key=len, reverse=True)
+        self._cutter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if raw else None
+        self.hit_tokens = 0  # since the last take_counts (the metrics read them after each render)
+        self.miss_tokens = 0
+
+    def take_counts(self) -> tuple[int, int]:
+        """(tokens served from the cache, tokens tokenized) since the last call."""
+        with self.cache._lock:
+            counts = self.hit_tokens, self.miss_tokens
+            self.hit_tokens = self.miss_tokens = 0
+        return counts
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled or self._cutter is None:
+            return self.tokenizer.encode(text)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")  # lone surrogates: the same ValueError as the tokenizer's encode
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"text is not valid Unicode (lone surrogate at index {exc.start})") from None
+        cache = self.cache
+        added = self._added_ids
+        encode = self.tokenizer.encode_between_added
+        ids = PromptIds()
+        json_parts: list[bytes] = []
+        missed = 0
+        # split() with a group alternates [piece, token, piece, token, ..., piece]
+        for i, part in enumerate(self._cutter.split(text)):
+            if i & 1:
+                token = added[part]
+                ids.append(token)
+                json_parts.append(b"%d" % token)
+            elif part:
+                cached = cache.get(part)
+                if cached is None:
+                    piece_ids = tuple(encode(part))
+                    cached = piece_ids, _encode_json(piece_ids)[1:-1]
+                    cache.put(part, *cached)
+                    missed += len(piece_ids)
+                ids.extend(cached[0])
+                if cached[1]:
+                    json_parts.append(cached[1])
+        ids.json_parts = json_parts
+        with self.cache._lock:  # counted from both render lanes
+            self.miss_tokens += missed
+            self.hit_tokens += len(ids) - missed
+        return ids

@@ -1,0 +1,267 @@
+"""Incremental prompt tokenization: ids identical to ``tokenizers`` (and, through render, to transformers'
+apply_chat_template) on every chunking, cache hit or miss; pieces cut only where independence is proved."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from render_service.incremental_tokenizer import IncrementalEncoder, SegmentCache, independence_violation
+from render_service.tokenizer import TextTokenizer
+from tests.shared_paths import QWEN3_FIXTURE_DIR
+
+QWEN3_TOKENIZER = QWEN3_FIXTURE_DIR / "tokenizer.json"
+PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def qwen_fast() -> TextTokenizer:
+    tok = TextTokenizer.from_file(QWEN3_TOKENIZER)
+    assert tok.fast_path
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen_hf() -> TextTokenizer:
+    tok = TextTokenizer.from_file(QWEN3_TOKENIZER, fast=False)
+    assert not tok.fast_path
+    return tok
+
+
+def _wrap(tokenizer: Tokenizer) -> TextTokenizer:
+    return TextTokenizer.from_bytes(tokenizer.to_str().encode("utf-8"), fast=False)
+
+
+def _word_vocab() -> dict[str, int]:
+    words = ["[UNK]", "a", "b", "c", "ab", "abc", "the", "▁", "▁a", "▁the", "▁b", "hello", "##b", "##c", "x", "é"]
+    return {w: i for i, w in enumerate(words)}
+
+
+@pytest.fixture(scope="module")
+def gpt2_style() -> TextTokenizer:
+    """Byte-level BPE that adds a prefix space to every piece (GPT-2 / RoBERTa style)."""
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|sep|>", special=True, normalized=False)])
+    return _wrap(tok)
+
+
+@pytest.fixture(scope="module")
+def bert_style() -> TextTokenizer:
+    """WordPiece under BERT's normalizer (lowercase, accents stripped) and pre-tokenizer."""
+    tok = Tokenizer(models.WordPiece(vocab=_word_vocab(), unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.add_special_tokens([AddedToken("[SEP]", special=True, normalized=False)])
+    return _wrap(tok)
+
+
+def _metaspace(scheme: str) -> TextTokenizer:
+    tok = Tokenizer(models.WordLevel(vocab=_word_vocab(), unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    tok.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
+    return _wrap(tok)
+
+
+def ref(tokenizer: TextTokenizer, text: str) -> list[int]:
+    return tokenizer.hf.encode(text, add_special_tokens=False).ids
+
+
+# ----------------------------------------------------------------------------------------------- text
+
+ADDED = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+         "</tool_response>", "<|endoftext|>"]
+EDGES = ["\u0338", "e\u0301", "\u0301", "\u1100\u1161\u11a8", "\u0390", "\u03b9\u0308\u0301", "\r\n", "\n\n\n",
+         "  ", "\t", "\u00a0", "\u200d", "👨\u200d👩\u200d👧", "🏳️\u200d🌈", "'s", "'LL", "123456", "\ufeff",
+         "\U00011a99\u0596", "<", ">", "<|", "|>", "<think", "think>", "ﬅ", "İ", "ß"]
+fragments = st.one_of(
+    st.text(st.characters(exclude_categories=("Cs",)), max_size=24),
+    st.sampled_from(ADDED),
+    st.sampled_from(EDGES),
+    st.text(alphabet="ab <>|/\n", max_size=12),
+)
+texts = st.lists(fragments, max_size=14).map("".join)
+
+
+# --------------------------------------------------------------------------------------- equality
+
+@PROPERTY
+@given(parts=st.lists(texts, min_size=1, max_size=5))
+def test_qwen_fast_path_equals_tokenizers_on_every_chunking(qwen_fast, parts):
+    """A conversation grown piece by piece through one cache: every prefix, miss then hit, equals tokenizers."""
+    encoder = IncrementalEncoder(qwen_fast, 1 << 20)
+    assert encoder.enabled
+    text = ""
+    for part in parts:
+        text += part
+        expected = ref(qwen_fast, text)
+        assert encoder.encode(text) == expected
+        assert encoder.encode(text) == expected  # every piece a hit now
+
+
+@PROPERTY
+@given(parts=st.lists(texts, min_size=1, max_size=4))
+def test_qwen_tokenizers_path_equals_tokenizers_on_every_chunking(qwen_hf, parts):
+    encoder = IncrementalEncoder(qwen_hf, 1 << 20)
+    text = ""
+    for part in parts:
+        text += part
+        assert encoder.encode(text) == ref(qwen_hf, text)
+
+
+@PROPERTY
+@given(texts=st.lists(texts, min_size=2, max_size=6))
+def test_one_cache_shared_by_unrelated_texts_stays_exact(qwen_fast, texts):
+    encoder = IncrementalEncoder(qwen_fast, 4096)  # small: entries are evicted between texts
+    for text in texts + texts[::-1]:
+        assert encoder.encode(text) == ref(qwen_fast, text)
+
+
+@pytest.mark.parametrize("kind", ["gpt2_style", "bert_style"])
+@PROPERTY
+@given(data=st.data())
+def test_other_pipelines_proved_independent_equal_tokenizers(request, kind, data):
+    tokenizer = request.getfixturevalue(kind)
+    sep = "<|sep|>" if kind == "gpt2_style" else "[SEP]"
+    pieces = data.draw(st.lists(st.one_of(texts, st.just(sep), st.sampled_from(["Hello ", " the", "ÉAB c", "x"])),
+                                max_size=10))
+    encoder = IncrementalEncoder(tokenizer, 1 << 20)
+    assert encoder.enabled, encoder.reason
+    text = "".join(pieces)
+    assert encoder.encode(text) == ref(tokenizer, text)
+    assert encoder.encode(text) == ref(tokenizer, text)
+
+
+def test_nfc_composition_stops_at_added_tokens_as_in_tokenizers(qwen_fast, qwen_hf):
+    """'>' + U+0338 composes to U+226F under NFC; after an added token the mark starts a new piece in both."""
+    text = "<think>\u0338 a>\u0338 </think>\u0338<|im_end|>e\u0301"
+    for tokenizer in (qwen_fast, qwen_hf):
+        assert IncrementalEncoder(tokenizer).encode(text) == ref(tokenizer, text)
+    assert unicodedata.normalize("NFC", ">\u0338") == "\u226f"
+
+
+# -------------------------------------------------------------------------------- the proof's refusals
+
+def test_metaspace_first_is_refused_and_cutting_would_be_wrong():
+    """prepend_scheme 'first' treats the piece at offset 0 alone: cut pieces would each get the ▁."""
+    first = _metaspace("first")
+    assert "prepend_scheme: first" in independence_violation(first)
+    encoder = IncrementalEncoder(first)
+    assert not encoder.enabled
+    text = "the<s>the"
+    naive = ref(first, "the") + [first.hf.token_to_id("<s>")] + ref(first, "the")
+    assert naive != ref(first, text)  # why the proof matters
+    assert encoder.encode(text) == ref(first, text)
+    always = _metaspace("always")
+    assert independence_violation(always) is None
+    assert IncrementalEncoder(always).encode(text) == ref(always, text)
+
+
+def test_added_token_that_strips_whitespace_is_refused_and_cutting_would_be_wrong():
+    tok = Tokenizer(models.WordLevel(vocab=_word_vocab(), unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<s>", special=True, normalized=False, lstrip=True)])
+    stripping = _wrap(tok)
+    assert "strips whitespace" in independence_violation(stripping)
+    assert not IncrementalEncoder(stripping).enabled
+
+
+def test_cache_off_is_the_tokenizers_own_encode(qwen_fast):
+    encoder = IncrementalEncoder(qwen_fast, 0)
+    assert not encoder.enabled and "off" in encoder.reason
+    assert encoder.encode("<|im_start|>user\nhi<|im_end|>") == ref(qwen_fast, "<|im_start|>user\nhi<|im_end|>")
+    assert len(encoder.cache) == 0
+
+
+# ------------------------------------------------------------------------------------------- the cache
+
+def test_cache_stays_under_its_byte_bound_and_drops_least_recent_first():
+    cache = SegmentCache(16000)
+    for i in range(200):
+        cache.put(f"piece {i} " * 5, tuple(range(20)), b"")
+        assert cache.bytes <= cache.max_bytes
+    assert cache.evictions > 0
+    assert cache.get("piece 0 " * 5) is None  # the oldest went first
+    assert cache.get("piece 199 " * 5) == (tuple(range(20)), b"")
+
+
+def test_cache_skips_a_piece_too_large_to_share_the_cache():
+    cache = SegmentCache(8000)
+    cache.put("small", (1,), b"1")
+    cache.put("x" * 5000, (2,) * 10, b"")  # over an eighth of the cache
+    assert cache.get("x" * 5000) is None and cache.get("small") == ((1,), b"1")
+
+
+def test_cached_ids_leave_the_garbage_collectors_tracking(qwen_fast):
+    import gc
+
+    encoder = IncrementalEncoder(qwen_fast)
+    encoder.encode("<|im_start|>user\nsome words here<|im_end|>\n")
+    gc.collect()
+    assert not any(gc.is_tracked(ids) for ids, _, _ in encoder.cache._entries.values())
+
+
+def test_prompt_ids_write_the_same_json_as_plain_ints(qwen_fast):
+    import msgspec
+
+    encoder = IncrementalEncoder(qwen_fast)
+    text = "<|im_start|>system\nhi<|im_end|>\n<|im_start|>user\n<tool_response>\nx y z\n</tool_response><|im_end|>"
+    for _ in range(2):  # miss, then hit
+        ids = encoder.encode(text)
+        assert bytes(ids.json_array()) == msgspec.json.encode(ref(qwen_fast, text))
+
+
+def test_hits_and_misses_are_counted_in_tokens(qwen_fast):
+    encoder = IncrementalEncoder(qwen_fast)
+    text = "<|im_start|>user\nsome words here<|im_end|>\n"
+    n = len(ref(qwen_fast, text))
+    encoder.encode(text)
+    hit, miss = encoder.take_counts()
+    assert hit + miss == n and miss > 0
+    encoder.encode(text)
+    assert encoder.take_counts() == (n, 0)
+
+
+# --------------------------------------------------------------------------- the length bound (no tokenizing)
+
+@PROPERTY
+@given(text=texts)
+def test_min_tokens_never_exceeds_the_real_count(qwen_fast, text):
+    assert qwen_fast.min_tokens(text) <= len(ref(qwen_fast, text))
+
+
+def test_min_tokens_bounds_long_runs_and_decomposed_text(qwen_fast):
+    for text in ("a" * 100_000, " " * 50_000, "=" * 70_000, "\u03b9\u0308\u0301" * 20_000,
+                 "\u1100\u1161\u11a8" * 20_000, "x\u0301" * 30_000):
+        bound = qwen_fast.min_tokens(text)
+        assert 0 < bound <= len(ref(qwen_fast, text))
+
+
+def test_two_render_lanes_share_one_cache_safely(qwen_fast):
+    """The interactive and bulk lanes encode at once through one small, evicting cache."""
+    import threading
+
+    encoder = IncrementalEncoder(qwen_fast, 6000)
+    texts = [f"<|im_start|>user\nquestion {i} {'words ' * (i % 7)}<|im_end|>\n<tool_response>\nr{i}\n</tool_response>"
+             for i in range(40)]
+    expected = [ref(qwen_fast, t) for t in texts]
+    failures: list[int] = []
+
+    def lane(offset: int) -> None:
+        for round_no in range(30):
+            i = (round_no * 7 + offset) % len(texts)
+            if encoder.encode(texts[i]) != expected[i]:
+                failures.append(i)
+
+    threads = [threading.Thread(target=lane, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and encoder.cache.evictions > 0
+    assert encoder.cache.bytes <= encoder.cache.max_bytes
