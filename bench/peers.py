@@ -2,7 +2,8 @@
 
 The recipe (install.sh, start.sh, vllm_cpu_cli.py) lives in ``$SPLITSERVE_VLLM_PEER_DIR`` (default
 /work/shared/peers/vllm-render); vLLM is installed into ``bench/.peers/vllm`` (gitignored, ~3.4 GB,
-about 2 minutes). Also: helpers to start our own server and to read a process tree's CPU time.
+about 2 minutes). vLLM 0.33 (install033.sh) is looked for in ``$SPLITSERVE_VLLM033``, else /work/peers/vllm033,
+else ``bench/.peers/vllm033``. Also: helpers to start our own server and to read a process tree's CPU time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "bench" / ".peers"
 VLLM_VENV = PEERS_DIR / "vllm"
 PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", "/work/shared/peers/vllm-render"))
+# vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else these in order.
+VLLM033_VENVS = ([Path(os.environ["SPLITSERVE_VLLM033"])] if os.environ.get("SPLITSERVE_VLLM033")
+                 else [Path("/work/peers/vllm033"), PEERS_DIR / "vllm033"])
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -35,6 +39,11 @@ def vllm_installed(venv: Path = VLLM_VENV) -> bool:
     if not python.exists():
         return False
     return subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+
+
+def vllm033_venv() -> Path | None:
+    """The first of VLLM033_VENVS with a python in it, or None."""
+    return next((venv for venv in VLLM033_VENVS if (venv / "bin" / "python").exists()), None)
 
 
 def install_vllm(venv: Path = VLLM_VENV) -> None:

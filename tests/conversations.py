@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from render_service.chat_messages import prepare_messages, prepare_tools
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -246,3 +248,13 @@ def by_name(name: str) -> Conversation:
         if conversation.name == name:
             return conversation
     raise KeyError(name)
+
+
+def template_inputs(conv: Conversation) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A conversation as a template receives it: prepared messages, and its kwargs with tools and documents."""
+    kwargs = dict(conv.kwargs)
+    if conv.tools is not None:
+        kwargs["tools"] = prepare_tools(conv.tools)
+    if conv.documents is not None:
+        kwargs["documents"] = conv.documents
+    return prepare_messages(conv.messages), kwargs

@@ -1,7 +1,9 @@
 """DeepSeek-V4 and V3.2 render: our templates (render_service/deepseek_v4_template.jinja, deepseek_v32_template.jinja)
-give the token ids of DeepSeek's own prompt encoders (tests/fixtures/deepseek_v4, vLLM 0.33's copies) called the
-way vLLM's V4 / V3.2 tokenizers call them, on the shared conversations with thinking on and off, with
-DeepSeek-V4's real tokenizer (for V3.2 a test tokenizer: no package ships V3's vocabulary).
+give the prompt text of DeepSeek's own prompt encoders, called the way vLLM 0.33's V4 / V3.2 tokenizers call them,
+on the shared conversations with thinking on and off (the same text, so the same token ids). The encoders' prompts
+are recorded from vLLM 0.33 by tests/fixtures/deepseek_v4/record.py; where vLLM 0.33 is installed (bench.peers), the
+recording is checked against its encoders live. The bundles carry DeepSeek-V4's real tokenizer (for V3.2 a test
+tokenizer: no package ships V3's vocabulary).
 
 DeepSeek-V4 ships no Jinja template, so transformers' apply_chat_template has nothing to run; the encoder is the
 model's reference, as the template is for the other families.
@@ -9,30 +11,26 @@ model's reference, as the template is for the other families.
 
 from __future__ import annotations
 
-import copy
-import importlib.util
-from pathlib import Path
+import json
+from typing import Any
 
 import msgspec
 import pytest
 
+from bench import peers
 from render_service.bundle import load_bundle
 from render_service.protocol import ChatCompletionRequest
 from render_service.render import render_chat
 from render_service.render_config import build_render_config
-from tests.conversations import CONVERSATIONS
 from tests.family_bundles import write_family_bundle
-from tests.test_templates import _inputs
+from tests.fixtures.deepseek_v4 import record
+from tests.fixtures.deepseek_v4.record import V4, V32, Family, setting_id
 
-ORACLE_PATH = Path(__file__).resolve().parent / "fixtures" / "deepseek_v4" / "deepseek_v4_encoding.py"
+RERECORD = f"conversations or settings changed since the recording: re-record with `.venv/bin/python -m {record.__name__}`"
 
 
-@pytest.fixture(scope="module")
-def oracle():
-    spec = importlib.util.spec_from_file_location("deepseek_v4_encoding_fixture", ORACLE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def recorded(family: Family) -> dict[str, Any]:
+    return json.loads(family.fixture.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -41,61 +39,29 @@ def config(tmp_path_factory):
     return build_render_config(bundle, served_model_names=["m"], reasoning_parser="auto", tool_call_parser="auto")
 
 
-def vllm_v4_prompt(oracle, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
-    """vLLM 0.33's V4 apply_chat_template (vllm/tokenizers/deepseek_v4.py), restated: the switches, the tools
-    put into the first system message, then DeepSeek's encoder."""
-    thinking = bool(kwargs.get("thinking")) or bool(kwargs.get("enable_thinking"))
-    if "thinking" not in kwargs and "enable_thinking" not in kwargs:
-        thinking = True
-    mode = "thinking" if thinking else "chat"
-    messages = [copy.deepcopy(m) for m in messages]
-    if tools:
-        at = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
-        if at is None:
-            messages.insert(0, {"role": "system"})
-            at = 0
-        messages[at]["tools"] = tools
-    effort = kwargs.get("reasoning_effort")
-    if not isinstance(effort, str):
-        effort = "high" if thinking else None
-    elif effort == "none":
-        mode, effort = "chat", None
-    elif effort in ("low", "minimal", "medium"):
-        effort = "low"
-    elif effort != "max":
-        effort = "high"
-    return oracle.encode_messages(messages, thinking_mode=mode, drop_thinking=kwargs.get("drop_thinking", True),
-                                  reasoning_effort=effort)
+@pytest.mark.parametrize("switches", V4.settings, ids=setting_id)
+def test_prompts_equal_deepseeks_encoder(config, switches):
+    assert_renders_like(config, V4, switches)
 
 
-SWITCHES = [{}, {"thinking": False}, {"enable_thinking": True, "reasoning_effort": "max"},
-            {"reasoning_effort": "none"}, {"thinking": True, "drop_thinking": False}]
-
-
-@pytest.mark.parametrize("switches", SWITCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
-def test_token_ids_equal_deepseeks_encoder(config, oracle, switches):
-    assert_renders_like(config, lambda m, t, k: vllm_v4_prompt(oracle, m, t, k), switches)
-
-
-def assert_renders_like(config, reference_prompt, switches: dict) -> None:
-    """Our template's token ids equal the encoder's on every shared conversation it renders (at least 10); where
-    the encoder refuses a conversation, so must we."""
-    tok = config.tokenizer
+def assert_renders_like(config, family: Family, switches: dict) -> None:
+    """On every shared conversation (at least 10 rendered) our template gives the encoder's recorded prompt text;
+    where the encoder refused a conversation, so must we."""
+    recording = recorded(family)
+    assert setting_id(switches) in recording["settings"], RERECORD
     rendered = 0
-    for conv in CONVERSATIONS:
-        if conv.kwargs.get("continue_final_message"):
-            continue  # the generic cut after the final message (ChatTemplate, as transformers) is not the encoder's
-        messages, kwargs = _inputs(conv)
-        tools = kwargs.pop("tools", None)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("enable_thinking", "documents")} | switches
-        try:
-            reference = reference_prompt(messages, tools, kwargs)
-        except Exception:  # noqa: BLE001 - the encoder refuses it (e.g. an empty developer turn): ours must too
+    for case in record.cases():
+        entry = recording["cases"].get(case.name)
+        assert entry is not None and entry["inputs"] == case.digest, f"{case.name}: {RERECORD}"
+        reference = entry["prompts"][setting_id(switches)]
+        kwargs = case.kwargs | switches
+        if isinstance(reference, dict):  # the encoder refuses it (e.g. a thinking turn without reasoning)
             with pytest.raises(Exception):  # noqa: B017
-                config.template.render(messages, tools=tools, **kwargs)
+                config.template.render(case.messages, tools=case.tools, **kwargs)
             continue
-        ours = config.template.render(messages, tools=tools, **kwargs)
-        assert tok.encode(ours) == tok.encode(reference), conv.name
+        reference_text = recording["texts"][reference]
+        ours = config.template.render(case.messages, tools=case.tools, **kwargs)
+        assert ours == reference_text, case.name  # the same text: the same token ids, with any tokenizer
         rendered += 1
     assert rendered >= 10
 
@@ -117,37 +83,33 @@ def test_render_chat_ends_with_the_thinking_switch_and_derender_reads_the_tail(c
 
 # --- DeepSeek-V3.2 -----------------------------------------------------------------------------------------
 
-V32_ORACLE_PATH = ORACLE_PATH.parent / "deepseek_v32_encoding.py"
-
-
 @pytest.fixture(scope="module")
 def v32(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("deepseek_v32_encoding_fixture", V32_ORACLE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     root = write_family_bundle("deepseek_v4", tmp_path_factory.mktemp("dsv32") / "b")
     (root / "config.json").write_text('{"model_type": "deepseek_v32", "max_position_embeddings": 131072}')
-    config = build_render_config(load_bundle(root), served_model_names=["m"], reasoning_parser="auto",
-                                 tool_call_parser="auto")
-    return module, config
+    return build_render_config(load_bundle(root), served_model_names=["m"], reasoning_parser="auto",
+                               tool_call_parser="auto")
 
 
-def vllm_v32_prompt(oracle, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
-    """vLLM 0.33's V3.2 apply_chat_template (vllm/tokenizers/deepseek_v32.py), restated."""
-    thinking = kwargs.get("thinking", False) or kwargs.get("enable_thinking", False)
-    messages = [copy.deepcopy(m) for m in messages]
-    if tools:
-        messages.insert(0, {"role": "system", "tools": tools})
-    return oracle.encode_messages(messages, thinking_mode="thinking" if thinking else "chat",
-                                  drop_thinking=messages[-1]["role"] == "user")
+@pytest.mark.parametrize("switches", V32.settings, ids=setting_id)
+def test_v32_prompts_equal_deepseeks_encoder(v32, switches):
+    assert (v32.reasoning_parser, v32.tool_call_parser) == ("deepseek_v4", "deepseek_v32")
+    assert_renders_like(v32, V32, switches)
 
 
-@pytest.mark.parametrize("switches", [{}, {"thinking": True}, {"enable_thinking": True}],
-                         ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
-def test_v32_token_ids_equal_deepseeks_encoder(v32, switches):
-    oracle, config = v32
-    assert (config.reasoning_parser, config.tool_call_parser) == ("deepseek_v4", "deepseek_v32")
-    assert_renders_like(config, lambda m, t, k: vllm_v32_prompt(oracle, m, t, k), switches)
+# --- the recording against vLLM 0.33 itself -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", [V4, V32], ids=lambda f: f.encoder)
+def test_the_recording_is_what_vllm_033s_encoders_give(family):
+    venv = peers.vllm033_venv()
+    if venv is None:
+        pytest.skip(f"no vLLM 0.33 venv in {[str(v) for v in peers.VLLM033_VENVS]} (set $SPLITSERVE_VLLM033)")
+    want = recorded(family)
+    version = record.vllm_version(venv)
+    if version != want["vllm"]:
+        pytest.skip(f"{venv} has vLLM {version}; the recording is {want['vllm']}'s")
+    assert record.record(family, record.load_encoder(venv, family), version) == want, RERECORD
 
 
 def test_the_requests_reasoning_effort_reaches_the_template(config):

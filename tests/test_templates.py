@@ -14,7 +14,7 @@ from render_service.default_bundle import default_template_source
 from render_service.template_analysis import detect_content_format
 from render_service.template_sandbox import compile_template
 from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask
-from tests.conversations import CONVERSATIONS, Conversation, by_name
+from tests.conversations import CONVERSATIONS, Conversation, by_name, template_inputs
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 transformers = pytest.importorskip("transformers")
@@ -59,12 +59,7 @@ def sides(own_bundle_dir) -> dict[str, Side]:
 
 
 def _inputs(conv: Conversation) -> tuple[list[dict], dict]:
-    kwargs = dict(conv.kwargs)
-    if conv.tools is not None:
-        kwargs["tools"] = prepare_tools(conv.tools)
-    if conv.documents is not None:
-        kwargs["documents"] = conv.documents
-    return prepare_messages(conv.messages), kwargs
+    return template_inputs(conv)
 
 
 def test_there_are_at_least_thirty_conversations():
