@@ -67,23 +67,28 @@ def requests(reasoning: str | None):
                             thinking=thinking))
 
 
-def batch(cfg, ids, rreq, mreq, finish="stop"):
-    gen = GenerateResponse(request_id=RID, choices=[GenerateResponseChoice(token_ids=ids, finish_reason=finish)])
-    resp = derender_responses(DerenderResponsesRequest(generate_response=gen, responses_request=rreq), cfg)
-    msg = derender_messages(DerenderMessagesRequest(generate_response=gen, messages_request=mreq), cfg)
+def batch(cfg, ids, rreq, mreq, finish="stop", prompt_ids=None, request_id=RID):
+    gen = GenerateResponse(request_id=request_id, choices=[GenerateResponseChoice(token_ids=ids,
+                                                                                  finish_reason=finish)])
+    resp = derender_responses(DerenderResponsesRequest(generate_response=gen, responses_request=rreq,
+                                                       prompt_token_ids=prompt_ids), cfg)
+    msg = derender_messages(DerenderMessagesRequest(generate_response=gen, messages_request=mreq,
+                                                    prompt_token_ids=prompt_ids), cfg)
     return msgspec.to_builtins(resp), msgspec.to_builtins(msg)
 
 
-def stream(cfg, chunks, rreq, mreq, finish="stop"):
+def stream(cfg, chunks, rreq, mreq, finish="stop", prompt_ids=None, request_id=RID):
     """Every chunk through both streaming derenders (state round-tripped as JSON); their events."""
     revents, mevents, rstate, mstate, sizes = [], [], None, None, []
     for i, ids in enumerate(chunks):
-        chunk = GenerateStreamResponse(request_id=RID, choices=[GenerateStreamChoice(
+        chunk = GenerateStreamResponse(request_id=request_id, choices=[GenerateStreamChoice(
             token_ids=ids, finish_reason=finish if i == len(chunks) - 1 else None)])
         r = derender_responses_stream(DerenderResponsesStreamRequest(
-            stream=True, generate_chunk=chunk, responses_request=rreq, stream_state=rstate), cfg, RUNTIME)
+            stream=True, generate_chunk=chunk, responses_request=rreq, stream_state=rstate,
+            prompt_token_ids=prompt_ids), cfg, RUNTIME)
         m = derender_messages_stream(DerenderMessagesStreamRequest(
-            stream=True, generate_chunk=chunk, messages_request=mreq, stream_state=mstate), cfg, RUNTIME)
+            stream=True, generate_chunk=chunk, messages_request=mreq, stream_state=mstate,
+            prompt_token_ids=prompt_ids), cfg, RUNTIME)
         rstate, mstate = r.stream_state, m.stream_state
         sizes.append((len(rstate), len(mstate)))
         revents += msgspec.to_builtins(r.events)

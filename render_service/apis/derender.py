@@ -97,7 +97,8 @@ def messages_pipeline_request(req: MessagesRequest | None, config: RenderConfig)
     if config.reasoning_parser_cls is not None and not config.harmony:
         kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, thinking)
     return ChatCompletionRequest(messages=[], tools=messages_api.chat_tools(req.tools), tool_choice=choice,
-                                 parallel_tool_calls=parallel, chat_template_kwargs=kwargs or None)
+                                 parallel_tool_calls=parallel, chat_template_kwargs=kwargs or None,
+                                 include_reasoning=messages_api.shows_thinking(thinking, config))
 
 
 def _pipeline(config: RenderConfig, chat: ChatCompletionRequest | None, request_id: str, index: int,
@@ -137,7 +138,8 @@ def derender_responses(req: DerenderResponsesRequest, config: RenderConfig, head
     shape = ResponsesShape(_response_id(req.response_id, req.responses_request, gen.request_id), model,
                            req.responses_request, _prompt_tokens(req.prompt_tokens, prompt_ids))
     status, incomplete = status_of(finish_reason)
-    return shape.response(status, shape.items(blocks, texts, status), shape.usage(len(choice.token_ids)), incomplete)
+    usage = shape.usage(len(choice.token_ids), pipeline.reasoning_tokens(pstate))
+    return shape.response(status, shape.items(blocks, texts, status), usage, incomplete)
 
 
 def derender_messages(req: DerenderMessagesRequest, config: RenderConfig, headers: Any = None) -> MessageObject:
@@ -151,7 +153,12 @@ def derender_messages(req: DerenderMessagesRequest, config: RenderConfig, header
     blocks, texts, pstate = fold(pipeline, choice.token_ids, prompt_ids)
     shape = MessagesShape(gen.request_id, model, _prompt_tokens(req.prompt_tokens, prompt_ids))
     return shape.message(blocks, texts, pipeline.finish_reason(pstate, choice.finish_reason), choice.stop_reason,
-                         len(choice.token_ids))
+                         len(choice.token_ids), thinking_tokens(pipeline, pstate))
+
+
+def thinking_tokens(pipeline: SegmentPipeline, state: PipelineState) -> int | None:
+    """Anthropic's thinking tokens when a reasoning parser counts them (else the field is left out)."""
+    return pipeline.thinking_tokens(state) if state.reasoning_count is not None else None
 
 
 def _response_id(given: str | None, req: ResponsesRequest | None, fallback: str) -> str:
@@ -252,7 +259,8 @@ def derender_responses_stream(req: DerenderResponsesStreamRequest, config: Rende
     events += shape.step_events(steps, state.blocks, texts, state.seq, closing)
     state.seq = _next_seq(events, state.seq)
     if finish_reason is not None:
-        events.append(shape.end_event(finish_reason, state.blocks, texts, call.pstate.tokens, state.seq))
+        usage = shape.usage(call.pstate.tokens, call.pipeline.reasoning_tokens(call.pstate))
+        events.append(shape.end_event(finish_reason, state.blocks, texts, usage, state.seq))
         state.seq += 1
         OUTPUT_TEXTS.discard((state.key,))
     else:
@@ -294,5 +302,6 @@ def derender_messages_stream(req: DerenderMessagesStreamRequest, config: RenderC
     events += shape.step_events(call.feed(), state.blocks)
     finish_reason = call.finish_reason()
     if finish_reason is not None:
-        events += shape.end_events(finish_reason, call.choice.stop_reason, call.pstate.tokens)
+        events += shape.end_events(finish_reason, call.choice.stop_reason, call.pstate.tokens,
+                                   thinking_tokens(call.pipeline, call.pstate))
     return DerenderMessagesStreamResponse(events=events, stream_state=call.answer_state(runtime))

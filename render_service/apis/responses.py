@@ -19,6 +19,7 @@ import msgspec
 from render_service.apis.errors import coded
 from render_service.apis.responses_protocol import ResponsesRequest
 from render_service.errors import bad_request
+from render_service.harmony.render import REASONING_EFFORTS
 from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 from render_service.render import render_chat
 from render_service.render_config import RenderConfig
@@ -214,6 +215,9 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
     if effort == "none" and config.reasoning_parser_cls is not None and not config.harmony:
         kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, False)  # no thinking asked for
         effort = None
+    if config.harmony and effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)} for gpt-oss (it always "
+                          f"reasons), not {effort!r}", "reasoning.effort")
     return ChatCompletionRequest(
         messages=messages,
         model=req.model,

@@ -29,6 +29,7 @@ from render_service.apis.responses_protocol import (
     OutputItem,
     OutputItemEvent,
     OutputText,
+    OutputTokensDetails,
     ReasoningDeltaEvent,
     ReasoningDoneEvent,
     ReasoningItem,
@@ -104,9 +105,10 @@ class ResponsesShape:
             usage=usage, user=req.user, metadata=dict(req.metadata or {}),
         )
 
-    def usage(self, output_tokens: int) -> ResponseUsage:
+    def usage(self, output_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
         return ResponseUsage(input_tokens=self.prompt_tokens, output_tokens=output_tokens,
-                             total_tokens=self.prompt_tokens + output_tokens)
+                             total_tokens=self.prompt_tokens + output_tokens,
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens))
 
     # events -----------------------------------------------------------------------------------------
 
@@ -164,15 +166,15 @@ class ResponsesShape:
                                    output_index=block, item=self.item(block, info, text, status)))
         return out
 
-    def end_event(self, finish_reason: str | None, blocks: BlockState, texts: BlockTexts, output_tokens: int,
+    def end_event(self, finish_reason: str | None, blocks: BlockState, texts: BlockTexts, usage: ResponseUsage,
                   seq: int) -> ResponseLifecycleEvent:
         status, incomplete = status_of(finish_reason)
-        response = self.response(status, self.items(blocks, texts, status), self.usage(output_tokens), incomplete)
+        response = self.response(status, self.items(blocks, texts, status), usage, incomplete)
         return ResponseLifecycleEvent(type=f"response.{status}", sequence_number=seq, response=response)
 
-    def failed_event(self, message: str, blocks: BlockState, texts: BlockTexts, output_tokens: int,
+    def failed_event(self, message: str, blocks: BlockState, texts: BlockTexts, usage: ResponseUsage,
                      seq: int) -> ResponseLifecycleEvent:
-        response = self.response("failed", self.items(blocks, texts, "incomplete"), self.usage(output_tokens),
+        response = self.response("failed", self.items(blocks, texts, "incomplete"), usage,
                                  error=ResponseError("server_error", message))
         return ResponseLifecycleEvent(type="response.failed", sequence_number=seq, response=response)
 
