@@ -129,6 +129,23 @@ def test_responses_max_output_tokens_is_incomplete(stack):
     assert r.output_text == "Hello world,"
 
 
+def test_responses_text_logprobs(stack, mode):
+    c = oai(stack, mode)
+    kwargs = dict(model="tiny", input="Hi", reasoning={"effort": "none"}, top_logprobs=2, store=False,
+                  include=["message.output_text.logprobs"])
+    part = c.responses.create(**kwargs).output[0].content[0]
+    assert part.text == PLAIN_TEXT and "".join(lp.token for lp in part.logprobs) == PLAIN_TEXT
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    deltas = []
+    with c.responses.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += event.logprobs
+        final = stream.get_final_response()
+    assert [lp.token for lp in deltas] == [lp.token for lp in final.output[0].content[0].logprobs]
+    assert [lp.token for lp in deltas] == [lp.token for lp in part.logprobs]
+
+
 def test_stored_responses_continue_retrieve_and_delete(stack, mode):
     c = oai(stack, mode)
     first = c.responses.create(model="tiny", input=ASK, tools=RESPONSES_TOOLS)

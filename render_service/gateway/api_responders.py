@@ -30,10 +30,12 @@ from render_service.apis.segments import (
     segments,
     sequence,
 )
+from render_service.apis.text_logprobs import TextLogprobs
 from render_service.derender import pipeline_config
 from render_service.errors import ApiError
 from render_service.gateway.responses import coalesce
 from render_service.gateway.stop_strings import StopMatcher
+from render_service.logprobs import tokens_as_token_ids
 from render_service.parsers.harmony import BODY as HARMONY_BODY
 from render_service.parsers.harmony import REASONING as HARMONY_REASONING
 from render_service.parsers.harmony import HarmonyState
@@ -63,7 +65,10 @@ class ApiChoice:
         self.pipeline = SegmentPipeline(config.tokenizer, pcfg)
         self.state = self.pipeline.initial_state(gen.token_ids)
         self.blocks = BlockState()
-        self.texts = BlockTexts()
+        # Responses' message.output_text.logprobs (the request asked the engine for logprobs)
+        self.text_logprobs = TextLogprobs(config.tokenizer, tokens_as_token_ids(None, config)) \
+            if chat.logprobs else None
+        self.texts = BlockTexts(self.text_logprobs)
         stops = [s for s in chat.stop or () if s] if isinstance(chat.stop, list) else []
         self.matcher = StopMatcher(stops) if stops else None
         self.tokens = 0
@@ -71,10 +76,16 @@ class ApiChoice:
         self.stop_reason: Any = None
         self.done = False
 
-    def step(self, ids: list[int], engine_finish: str | None, engine_stop: Any = None) -> list[Step]:
+    def step(self, ids: list[int], engine_finish: str | None, engine_stop: Any = None, logprobs: Any = None
+             ) -> list[Step]:
         pipeline, state = self.pipeline, self.state
         self.tokens += len(ids)
-        segs = segments(pipeline.feed(state, ids)) if ids else []
+        routed: list[Step] = []
+        if self.text_logprobs is not None:  # token by token, each logprob to the text it made
+            routed = self.text_logprobs.feed(pipeline, state, self.blocks, ids, logprobs) if ids else []
+            segs = []
+        else:
+            segs = segments(pipeline.feed(state, ids)) if ids else []
         if engine_finish is not None:
             segs = segs + segments(pipeline.finish(state))
         finish_reason, stop = engine_finish, engine_stop
@@ -88,6 +99,8 @@ class ApiChoice:
             self.done = True
             self.finish_reason = pipeline.finish_reason(state, finish_reason)
             self.stop_reason = stop
+        if self.text_logprobs is not None:
+            steps = routed + self.text_logprobs.end(steps, self.blocks)
         self.texts.add(steps)
         return steps
 
@@ -226,7 +239,7 @@ class _ApiResponder:
 
     def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
         if not self.out.done:
-            self.out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+            self.out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason, choice.logprobs)
 
     def stream_batch(self, items: list[tuple[int, GenerateStreamChoice]]) -> bytes:
         if len(items) > 1 and not self.stops:
@@ -270,7 +283,7 @@ class ResponsesResponder(_ApiResponder):
         if not self.started:
             self.started = True
             head = self._emit(self.shape.start_events(self.seq))
-        steps = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+        steps = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason, choice.logprobs)
         closing = status_of(out.finish_reason)[0] if out.done else "completed"
         body = self._emit(self.shape.step_events(steps, out.blocks, out.texts, self.seq, closing))
         if out.done:

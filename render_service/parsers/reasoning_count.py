@@ -18,7 +18,8 @@ and kept in step with it:
 
 ``reasoning`` is what OpenAI's ``output_tokens_details.reasoning_tokens`` reports; ``reasoning +
 delimiters`` is Anthropic's ``output_tokens_details.thinking_tokens`` ("including the thinking-block delimiter
-tokens"). The state is a few integers and, for Harmony, the open header's ids (bounded), so it rides in
+tokens"). ``markup`` counts the header and end tokens of Harmony's other messages (what no output text comes
+from). The state is a few integers and, for Harmony, the open header's ids (bounded), so it rides in
 ``stream_state``.
 """
 
@@ -47,6 +48,7 @@ class ReasoningCount(msgspec.Struct, array_like=True):
     since_marker: Annotated[int, msgspec.Meta(ge=-1)] = -1  # think: tokens counted from the last implicit marker
     reasoning: _Count = 0
     delimiters: _Count = 0
+    markup: _Count = 0  # Harmony: header and end tokens of the other messages (no output text of their own)
 
 
 class ThinkTokenCounter:
@@ -122,6 +124,8 @@ class HarmonyTokenCounter:
                 if t in self.body_ends:
                     if count.open:
                         count.delimiters += 1
+                    else:
+                        count.markup += 1
                     count.body = count.open = False
                     count.header = [t] if t == self.start else []
                 elif count.open:
@@ -131,6 +135,8 @@ class HarmonyTokenCounter:
                 count.open = channel == "analysis" and recipient in (None, "assistant", "all")
                 if count.open:
                     count.delimiters += len(count.header) + 1
+                else:
+                    count.markup += len(count.header) + 1
                 count.body, count.header = True, []
             elif len(count.header) < MAX_HEADER_TOKENS:
                 count.header.append(t)
