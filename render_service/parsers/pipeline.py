@@ -26,6 +26,7 @@ from render_service.parsers.base import (
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredToolChoiceParser
 from render_service.parsers.harmony import HarmonyParser
+from render_service.parsers.reasoning import CONTENT as THINK_CONTENT
 from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
@@ -251,7 +252,8 @@ class Pipeline:
             pieces = [TextPiece("content", text)]
         else:
             pieces = self.reasoning.feed(state.reasoning, text)
-            if count is not None and count.open:
+            if count is not None and count.open and state.reasoning.mode == THINK_CONTENT:
+                # a think family's reasoning ended without its end tag token (Harmony's modes never read so)
                 self.counter.sync(count, state.reasoning)  # type: ignore[union-attr]
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.

@@ -68,6 +68,20 @@ class ThinkTokenCounter:
     def feed(self, count: ReasoningCount, ids: list[int]) -> None:
         """Before the text stage sees the chunk's text (``sync`` follows it)."""
         end = self.end
+        if len(ids) == 1:  # the per-token case
+            t = ids[0]
+            if t == end:
+                count.delimiters += 1
+                count.open = count.tracking = False
+            elif t == self.start:
+                count.delimiters += 1
+            else:
+                count.reasoning += 1
+                if t == self.implicit:
+                    count.since_marker = 1
+                elif count.since_marker >= 0:
+                    count.since_marker += 1
+            return
         if end is not None and end in ids:
             k = ids.index(end)
             starts = ids[:k].count(self.start) if self.start is not None else 0
