@@ -26,7 +26,6 @@ from render_service.parsers.base import (
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredToolChoiceParser
 from render_service.parsers.harmony import HarmonyParser
-from render_service.parsers.reasoning import CONTENT as THINK_CONTENT
 from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
@@ -172,6 +171,7 @@ class Pipeline:
             self.counter = HarmonyTokenCounter(tokenizer)
         elif self.reasoning_cls is not None and issubclass(self.reasoning_cls, ThinkReasoningParser):
             self.counter = ThinkTokenCounter(self.reasoning_cls, tokenizer)
+        self.think_counter = self.counter if isinstance(self.counter, ThinkTokenCounter) else None
         self.id_style = call_id_style(config.tool_parser)
 
     @staticmethod
@@ -243,6 +243,10 @@ class Pipeline:
         state.tokens += len(token_ids)
         count = state.reasoning_count
         if count is not None and count.tracking:
+            if len(token_ids) > 1 and self.think_counter is not None and self.think_counter.spelled_tags:
+                # tags of ordinary sub-tokens: the text stage says which token ended reasoning; feed it each
+                counted = self._counted_per_token(state, count, token_ids)
+                return self._delta(state, self._through_tools(state, counted)) if counted else ChoiceDelta()
             self.counter.feed(count, token_ids)  # type: ignore[union-attr]  # set with the count
         text = self.detok.step(state.detok, token_ids)
         if not text:
@@ -252,9 +256,9 @@ class Pipeline:
             pieces = [TextPiece("content", text)]
         else:
             pieces = self.reasoning.feed(state.reasoning, text)
-            if count is not None and count.open and state.reasoning.mode == THINK_CONTENT:
-                # a think family's reasoning ended without its end tag token (Harmony's modes never read so)
-                self.counter.sync(count, state.reasoning)  # type: ignore[union-attr]
+            if count is not None and count.tracking and self.think_counter is not None \
+                    and self.think_counter.needs_sync(count, state.reasoning.mode):
+                self.think_counter.sync(count, state.reasoning)  # reasoning opened or ended by text alone
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.
             (p,) = pieces
@@ -264,6 +268,22 @@ class Pipeline:
                 return ChoiceDelta(content=p.text)
             return ChoiceDelta(reasoning=p.text) if self.config.include_reasoning else ChoiceDelta()
         return self._delta(state, self._through_tools(state, pieces))
+
+    def _counted_per_token(self, state: PipelineState, count: ReasoningCount, token_ids: list[int]) -> list[Piece]:
+        """The detokenizer and reasoning stages one token at a time (the same text: both are incremental), so the
+        reasoning count does not depend on how tokens were chunked."""
+        counter, reasoning = self.think_counter, self.reasoning
+        assert counter is not None and reasoning is not None
+        pieces: list[Piece] = []
+        for token in token_ids:
+            if count.tracking:
+                counter.feed(count, [token])
+            text = self.detok.step(state.detok, [token])
+            if text:
+                pieces.extend(reasoning.feed(state.reasoning, text))
+                if count.tracking and counter.needs_sync(count, state.reasoning.mode):
+                    counter.sync(count, state.reasoning)
+        return pieces
 
     def finish(self, state: PipelineState) -> ChoiceDelta:
         """End of output: flush every stage. Idempotent."""

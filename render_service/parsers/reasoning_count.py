@@ -11,7 +11,8 @@ and kept in step with it:
   ``<think>`` in the prompt (vLLM counts nothing then). Reasoning that ends without the end marker token
   (qwen3's implicit end at ``<tool_call><function=``, an end tag spelled with ordinary sub-tokens) is found
   from the text stage: the tokens from the implicit marker on are not reasoning; for a spelled-out end tag
-  the chunk's last token closed it (exact when chunks are single tokens, as engines stream them).
+  the chunk's last token closed it, and the pipeline feeds such families a token at a time while counting, so
+  the count does not depend on the chunking either.
 * Harmony (gpt-oss): the body tokens of ``analysis`` messages without a recipient (the text stage's
   reasoning); their header and end marker tokens are delimiters. (vLLM also counts tool-call arguments on
   ``commentary`` and the header's channel name.)
@@ -31,7 +32,7 @@ import msgspec
 
 from render_service.parsers.harmony import BODY, MAX_HEADER, HarmonyState, parse_header
 from render_service.parsers.harmony import REASONING as HARMONY_REASONING
-from render_service.parsers.reasoning import CONTENT, ThinkReasoningParser, ThinkState
+from render_service.parsers.reasoning import AWAIT_START, CONTENT, REASONING, ThinkReasoningParser, ThinkState
 
 # A header longer than this many tokens is not one (the text stage gives up at MAX_HEADER characters).
 MAX_HEADER_TOKENS = MAX_HEADER // 2
@@ -60,13 +61,28 @@ class ThinkTokenCounter:
         # the text stage's implicit end (qwen3: "<tool_call>" followed by "<function=") as a token, if it is one
         self.implicit = tokenizer.token_to_id("<tool_call>") if parser_cls.implicit_end_at_tool_call else None
         self.emits_reasoning = getattr(parser_cls, "emits_reasoning", True)
+        self.starts_in_content = parser_cls.starts_in_content
+        # a tag the text stage finds in text only: the pipeline feeds the stages a token at a time while counting
+        self.spelled_tags = self.end is None or (self.starts_in_content and self.start is None)
 
     def initial(self, text_state: Any) -> ReasoningCount:
-        is_open = self.emits_reasoning and isinstance(text_state, ThinkState) and text_state.mode != CONTENT
-        return ReasoningCount(tracking=is_open, open=is_open)
+        if not self.emits_reasoning or not isinstance(text_state, ThinkState) or text_state.mode == CONTENT:
+            return ReasoningCount()
+        if text_state.mode == AWAIT_START and self.starts_in_content:
+            return ReasoningCount(tracking=True)  # content until the model opens reasoning (mistral, granite)
+        return ReasoningCount(tracking=True, open=True)
 
     def feed(self, count: ReasoningCount, ids: list[int]) -> None:
         """Before the text stage sees the chunk's text (``sync`` follows it)."""
+        if not count.open:  # waiting for the opening tag
+            if self.start is None or self.start not in ids:
+                return
+            k = ids.index(self.start)
+            count.open = True
+            count.delimiters += 1
+            ids = ids[k + 1:]
+            if not ids:
+                return
         end = self.end
         if len(ids) == 1:  # the per-token case
             t = ids[0]
@@ -99,9 +115,23 @@ class ThinkTokenCounter:
         elif count.since_marker >= 0:
             count.since_marker += len(ids)
 
+    @staticmethod
+    def needs_sync(count: ReasoningCount, mode: int) -> bool:
+        """Whether the text stage's mode says what the tokens did not: reasoning opened or ended by text."""
+        return mode == CONTENT if count.open else mode != AWAIT_START
+
     def sync(self, count: ReasoningCount, text_state: Any) -> None:
-        """After the text stage: reasoning it ended without the end marker token."""
-        if not isinstance(text_state, ThinkState) or text_state.mode != CONTENT:
+        """After the text stage: reasoning it opened or ended without the marker token."""
+        if not isinstance(text_state, ThinkState):
+            return
+        if not count.open:
+            if text_state.mode == CONTENT:  # the reply did not open reasoning (granite): nothing to count
+                count.tracking = False
+            elif text_state.mode == REASONING:  # an opening of ordinary sub-tokens: the last token completed it
+                count.open = True
+                count.delimiters += 1
+            return
+        if text_state.mode != CONTENT:
             return
         if count.since_marker >= 0:  # ended at the implicit marker: it and what followed are content
             count.reasoning -= min(count.since_marker, count.reasoning)
@@ -156,9 +186,6 @@ class HarmonyTokenCounter:
                 count.header.append(t)
             else:  # no header is this long: the text stage reads it as content
                 count.body, count.open, count.header = True, False, []
-
-    def sync(self, count: ReasoningCount, text_state: Any) -> None:
-        return None
 
 
 TokenCounter = ThinkTokenCounter | HarmonyTokenCounter
