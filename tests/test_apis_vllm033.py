@@ -3,15 +3,15 @@ GenerateRequest's token ids, sampling params and fields agree, except where docs
 departure is checked to be exactly what it says), and except what both APIs inherit from chat render (the
 same fields differ between our chat render and vLLM's for the equivalent chat request: docs/compatibility.md).
 
-Needs vLLM 0.33 (``$SPLITSERVE_VLLM033_VENV``, else bench/.peers/vllm033; /work/shared/peers/vllm-render/
-install033.sh installs it); skips without it (CI installs no peers). Qwen3 fixture, qwen3 + hermes parsers.
+Needs vLLM 0.33 where ``bench.peers.vllm033_venv()`` finds it (``$SPLITSERVE_VLLM033``, else /work/peers/vllm033,
+else bench/.peers/vllm033; /work/shared/peers/vllm-render/install033.sh installs it); skips without it (CI
+installs no peers). Qwen3 fixture, qwen3 + hermes parsers.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +22,6 @@ from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 pytestmark = pytest.mark.slow  # vLLM's render server takes ~30-90 s to start on a shared 2-core machine
 
-VLLM033 = Path(os.environ.get("SPLITSERVE_VLLM033_VENV") or peers.PEERS_DIR / "vllm033")
 MODEL = "qwen3-0.6b"
 W = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "parameters": W}]
@@ -36,12 +35,13 @@ RESPONSES_FIELDS = {"reasoning_ended", "parse_context", "extra_args"}
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    if not (VLLM033 / "bin" / "vllm").exists():
-        pytest.skip(f"vLLM 0.33 peer not installed in {VLLM033} (set SPLITSERVE_VLLM033_VENV; "
-                    "shared/peers/vllm-render/install033.sh)")
+    venv = peers.vllm033_venv()
+    if venv is None:
+        pytest.skip(f"vLLM 0.33 peer not installed in any of {', '.join(map(str, peers.VLLM033_VENVS))} (set "
+                    "SPLITSERVE_VLLM033; shared/peers/vllm-render/install033.sh)")
     port = peers.free_port()
     log = tmp_path_factory.mktemp("vllm033") / "render.log"
-    cmd = [str(VLLM033 / "bin" / "vllm"), "launch", "render", str(QWEN3_FIXTURE_DIR), "--served-model-name", MODEL,
+    cmd = [str(venv / "bin" / "vllm"), "launch", "render", str(QWEN3_FIXTURE_DIR), "--served-model-name", MODEL,
            "--host", "127.0.0.1", "--port", str(port), "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
            "--tool-call-parser", "hermes", "--disable-uvicorn-access-log"]
     with open(log, "wb") as out:
