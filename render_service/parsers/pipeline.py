@@ -225,8 +225,9 @@ class Pipeline:
             if state.reasoning is None:
                 raise msgspec.ValidationError("stream state lacks the reasoning parser state")
             state.reasoning = msgspec.convert(state.reasoning, self.reasoning_cls.State)
-            if state.reasoning_count is None:
-                raise msgspec.ValidationError("stream state lacks the reasoning token count")
+            if state.reasoning_count is None and self.counter is not None:
+                # a state from before the count existed: count from here on (usage only; the output is the same)
+                state.reasoning_count = self.counter.initial(state.reasoning)
         elif state.reasoning is not None or state.reasoning_count is not None:
             raise msgspec.ValidationError("stream state has reasoning state but no reasoning parser is configured")
         if self.tools is not None:
