@@ -67,26 +67,36 @@ def requests(reasoning: str | None):
                             thinking=thinking))
 
 
-def batch(cfg, ids, rreq, mreq, finish="stop"):
-    gen = GenerateResponse(request_id=RID, choices=[GenerateResponseChoice(token_ids=ids, finish_reason=finish)])
-    resp = derender_responses(DerenderResponsesRequest(generate_response=gen, responses_request=rreq), cfg)
-    msg = derender_messages(DerenderMessagesRequest(generate_response=gen, messages_request=mreq), cfg)
+def batch(cfg, ids, rreq, mreq, finish="stop", prompt_ids=None, request_id=RID):
+    gen = GenerateResponse(request_id=request_id, choices=[GenerateResponseChoice(token_ids=ids,
+                                                                                  finish_reason=finish)])
+    resp = derender_responses(DerenderResponsesRequest(generate_response=gen, responses_request=rreq,
+                                                       prompt_token_ids=prompt_ids), cfg)
+    msg = derender_messages(DerenderMessagesRequest(generate_response=gen, messages_request=mreq,
+                                                    prompt_token_ids=prompt_ids), cfg)
     return msgspec.to_builtins(resp), msgspec.to_builtins(msg)
 
 
-def stream(cfg, chunks, rreq, mreq, finish="stop"):
-    """Every chunk through both streaming derenders (state round-tripped as JSON); their events."""
+def stream(cfg, chunks, rreq, mreq, finish="stop", prompt_ids=None, request_id=RID, logprobs=None):
+    """Every chunk through both streaming derenders (state round-tripped as JSON; Messages skipped when ``mreq`` is
+    None); their events. ``logprobs``: each chunk's engine logprobs."""
     revents, mevents, rstate, mstate, sizes = [], [], None, None, []
     for i, ids in enumerate(chunks):
-        chunk = GenerateStreamResponse(request_id=RID, choices=[GenerateStreamChoice(
-            token_ids=ids, finish_reason=finish if i == len(chunks) - 1 else None)])
+        chunk = GenerateStreamResponse(request_id=request_id, choices=[GenerateStreamChoice(
+            token_ids=ids, finish_reason=finish if i == len(chunks) - 1 else None,
+            logprobs=logprobs[i] if logprobs else None)])
         r = derender_responses_stream(DerenderResponsesStreamRequest(
-            stream=True, generate_chunk=chunk, responses_request=rreq, stream_state=rstate), cfg, RUNTIME)
-        m = derender_messages_stream(DerenderMessagesStreamRequest(
-            stream=True, generate_chunk=chunk, messages_request=mreq, stream_state=mstate), cfg, RUNTIME)
-        rstate, mstate = r.stream_state, m.stream_state
-        sizes.append((len(rstate), len(mstate)))
+            stream=True, generate_chunk=chunk, responses_request=rreq, stream_state=rstate,
+            prompt_token_ids=prompt_ids), cfg, RUNTIME)
+        rstate = r.stream_state
         revents += msgspec.to_builtins(r.events)
+        if mreq is None:
+            continue
+        m = derender_messages_stream(DerenderMessagesStreamRequest(
+            stream=True, generate_chunk=chunk, messages_request=mreq, stream_state=mstate,
+            prompt_token_ids=prompt_ids), cfg, RUNTIME)
+        mstate = m.stream_state
+        sizes.append((len(rstate), len(mstate)))
         mevents += msgspec.to_builtins(m.events)
     return revents, mevents, sizes
 

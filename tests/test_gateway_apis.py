@@ -10,7 +10,10 @@ it say PLAIN_TEXT.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
+import threading
 
 import anthropic
 import httpx
@@ -44,15 +47,19 @@ def stack(tmp_path_factory):
             pg = PostgresServer()
         except pytest.skip.Exception:
             pg = None
-        colloc = gateway_process(model, ["--engine", decode.url, "--responses-store-path", str(root / "r.sqlite3")])
+        sqlite_store = ["--responses-store-path", str(root / "r.sqlite3")]
+        colloc = gateway_process(model, ["--engine", decode.url, *sqlite_store])
         procs.append(colloc)
+        twin = gateway_process(model, ["--engine", decode.url, *sqlite_store])  # a second gateway on the file
+        procs.append(twin)
         shared = ["--responses-store-dsn", pg.dsn] if pg else ["--responses-store-path", str(root / "d.sqlite3")]
         disagg = gateway_process(model, ["--prefill", prefill.url, "--decode", decode.url, *shared])
         procs.append(disagg)
         replica = gateway_process(model, ["--engine", decode.url, *shared]) if pg else None
         if replica:
             procs.append(replica)
-        yield {"collocated": colloc, "disaggregated": disagg, "replica": replica, "pg": pg}
+        yield {"collocated": colloc, "twin": twin, "disaggregated": disagg, "replica": replica, "pg": pg,
+               "sqlite": root / "r.sqlite3"}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -122,6 +129,23 @@ def test_responses_max_output_tokens_is_incomplete(stack):
     assert r.output_text == "Hello world,"
 
 
+def test_responses_text_logprobs(stack, mode):
+    c = oai(stack, mode)
+    kwargs = dict(model="tiny", input="Hi", reasoning={"effort": "none"}, top_logprobs=2, store=False,
+                  include=["message.output_text.logprobs"])
+    part = c.responses.create(**kwargs).output[0].content[0]
+    assert part.text == PLAIN_TEXT and "".join(lp.token for lp in part.logprobs) == PLAIN_TEXT
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    deltas = []
+    with c.responses.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += event.logprobs
+        final = stream.get_final_response()
+    assert [lp.token for lp in deltas] == [lp.token for lp in final.output[0].content[0].logprobs]
+    assert [lp.token for lp in deltas] == [lp.token for lp in part.logprobs]
+
+
 def test_stored_responses_continue_retrieve_and_delete(stack, mode):
     c = oai(stack, mode)
     first = c.responses.create(model="tiny", input=ASK, tools=RESPONSES_TOOLS)
@@ -157,6 +181,85 @@ def test_replicas_share_stored_responses_through_postgres(stack):
     follow = oai(stack, "replica").responses.create(model="tiny", input="More?", previous_response_id=first.id,
                                                     reasoning={"effort": "none"})
     assert follow.usage.input_tokens > first.usage.input_tokens
+
+
+class StoreLock:
+    """Holds the response store's table locked from outside the gateways (a slow store), until released."""
+
+    def __init__(self, stack, backend: str) -> None:
+        self.backend, self.stack = backend, stack
+        self.released = threading.Event()
+        self.locked = threading.Event()
+        self.thread = threading.Thread(target=self._hold, daemon=True)
+        self.thread.start()
+        assert self.locked.wait(30), "could not lock the store"
+
+    def _hold(self) -> None:
+        if self.backend == "sqlite":
+            conn = sqlite3.connect(str(self.stack["sqlite"]), isolation_level=None, timeout=30)
+            conn.execute("BEGIN EXCLUSIVE")  # WAL: writers wait, readers read
+            self.locked.set()
+            self.released.wait(60)
+            conn.execute("ROLLBACK")
+            conn.close()
+            return
+
+        async def hold() -> None:
+            import asyncpg
+
+            conn = await asyncpg.connect(self.stack["pg"].dsn)
+            async with conn.transaction():
+                await conn.execute("LOCK TABLE splitserve_responses IN EXCLUSIVE MODE")  # writes wait
+                self.locked.set()
+                await asyncio.to_thread(self.released.wait, 60)
+            await conn.close()
+
+        asyncio.run(hold())
+
+    def release(self) -> None:
+        self.released.set()
+        self.thread.join(30)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_streamed_response_is_stored_before_its_last_event(stack, backend):
+    """The store is slow (its table locked from outside): response.completed waits for it, and a read or a
+    follow-up sent to another gateway on the same store right after that event finds the response. The lock is
+    released once the client has seen the last event, or 3 s after the first text (time for the rest of this
+    13-token answer and an early last event to arrive), whichever comes first."""
+    if backend == "postgres" and stack["pg"] is None:
+        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
+    first, second = ("collocated", "twin") if backend == "sqlite" else ("disaggregated", "replica")
+    oai(stack, first).responses.create(model="tiny", input="Hi", reasoning={"effort": "none"})  # the table exists
+    lock = StoreLock(stack, backend)
+    text_started, completed = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def client() -> None:
+        body = {"model": "tiny", "input": "Hi", "reasoning": {"effort": "none"}, "stream": True}
+        with httpx.stream("POST", stack[first].url + "/v1/responses", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                event = json.loads(line[6:]) if line.startswith("data: ") else {}
+                if event.get("type") == "response.output_text.delta":
+                    text_started.set()
+                if event.get("type") == "response.completed":
+                    seen["id"] = event["response"]["id"]
+                    seen["released"] = lock.released.is_set()
+                    seen["read"] = httpx.get(f"{stack[second].url}/v1/responses/{seen['id']}", timeout=30).status_code
+                    completed.set()
+
+    reader = threading.Thread(target=client, daemon=True)
+    reader.start()
+    try:
+        assert text_started.wait(60)
+        completed.wait(3.0)
+    finally:
+        lock.release()
+    reader.join(60)
+    assert seen["released"] and seen["read"] == 200, seen  # never ahead of the store
+    follow = oai(stack, second).responses.create(model="tiny", input="More?", previous_response_id=seen["id"],
+                                                 reasoning={"effort": "none"})
+    assert follow.previous_response_id == seen["id"]
 
 
 def test_responses_bad_input_is_an_openai_400(stack):

@@ -12,6 +12,7 @@ import json
 import shutil
 import sys
 
+import anthropic
 import openai
 import pytest
 from safetensors.torch import load_file
@@ -139,3 +140,45 @@ def test_completions_render_and_derender(client):
                                      max_tokens=40, temperature=0)
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].text.endswith('{"city": "Paris"}')  # markers skipped, as skip_special_tokens asks
+
+
+# ------------------------------------------------------------------------------- Responses and Messages
+
+
+def claude(client) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=str(client.base_url).rstrip("/").removesuffix("/v1"), api_key="none",
+                               max_retries=0, timeout=120)
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+MESSAGES_WEATHER = {"name": "get_weather", "description": "Weather of a city",
+                    "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_responses_call_streamed_and_not(client):
+    kwargs = dict(model="gpt-oss-tiny", input="Weather in Paris?", tools=[RESPONSES_WEATHER], temperature=0,
+                  max_output_tokens=64, store=False)
+    r = client.responses.create(**kwargs)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert r.status == "completed"
+    assert r.usage.output_tokens == len(encode(REPLY)) + 1 and r.usage.output_tokens_details.reasoning_tokens == 0
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [(o.type, o.name, o.arguments) for o in r.output]
+
+
+def test_messages_call_and_a_budget_spent_in_the_header(client):
+    c = claude(client)
+    kwargs = dict(model="gpt-oss-tiny", max_tokens=40, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  tools=[MESSAGES_WEATHER], extra_body={"temperature": 0})
+    m = c.messages.create(**kwargs, thinking={"type": "enabled", "budget_tokens": 30})
+    (tool,) = m.content
+    assert tool.type == "tool_use" and tool.input == {"city": "Paris"} and m.stop_reason == "tool_use"
+    # budget 2: the engine stops inside the call's header ("<|channel|>commentary"); the gateway drops it and
+    # opens the final answer, where the scripted model goes on from <|message|> with its JSON
+    budgeted = dict(kwargs, thinking={"type": "enabled", "budget_tokens": 2})
+    m = c.messages.create(**budgeted)
+    assert [(b.type, b.text) for b in m.content] == [("text", '{"city": "Paris"}')] and m.stop_reason == "end_turn"
+    with c.messages.stream(**budgeted) as stream:
+        assert stream.get_final_text() == '{"city": "Paris"}'

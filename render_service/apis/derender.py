@@ -47,9 +47,11 @@ from render_service.apis.segments import (
     segments,
     sequence,
 )
+from render_service.apis.text_logprobs import TextLogprobs, fold_with_logprobs, wants_logprobs
 from render_service.derender import _check_bounds, check_fingerprint, fingerprint_sent, pipeline_config
 from render_service.derender_stream import _check_chunk
 from render_service.errors import bad_request
+from render_service.logprobs import check_logprobs_bounds, tokens_as_token_ids
 from render_service.parsers.pipeline import PipelineState
 from render_service.protocol import ChatCompletionRequest, GenerateResponse
 from render_service.render_config import RenderConfig, check_model
@@ -97,7 +99,8 @@ def messages_pipeline_request(req: MessagesRequest | None, config: RenderConfig)
     if config.reasoning_parser_cls is not None and not config.harmony:
         kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, thinking)
     return ChatCompletionRequest(messages=[], tools=messages_api.chat_tools(req.tools), tool_choice=choice,
-                                 parallel_tool_calls=parallel, chat_template_kwargs=kwargs or None)
+                                 parallel_tool_calls=parallel, chat_template_kwargs=kwargs or None,
+                                 include_reasoning=messages_api.shows_thinking(thinking, config))
 
 
 def _pipeline(config: RenderConfig, chat: ChatCompletionRequest | None, request_id: str, index: int,
@@ -132,12 +135,18 @@ def derender_responses(req: DerenderResponsesRequest, config: RenderConfig, head
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else gen.prompt_token_ids
     pipeline = _pipeline(config, responses_pipeline_request(req.responses_request, config), gen.request_id,
                          choice.index, "responses_request")
-    blocks, texts, pstate = fold(pipeline, choice.token_ids, prompt_ids)
+    router = _text_logprobs(req.responses_request, config)
+    if router is not None:
+        check_logprobs_bounds(choice.logprobs, choice.index, config)
+        blocks, texts, pstate = fold_with_logprobs(pipeline, choice.token_ids, prompt_ids, choice.logprobs, router)
+    else:
+        blocks, texts, pstate = fold(pipeline, choice.token_ids, prompt_ids)
     finish_reason = pipeline.finish_reason(pstate, choice.finish_reason)
     shape = ResponsesShape(_response_id(req.response_id, req.responses_request, gen.request_id), model,
                            req.responses_request, _prompt_tokens(req.prompt_tokens, prompt_ids))
     status, incomplete = status_of(finish_reason)
-    return shape.response(status, shape.items(blocks, texts, status), shape.usage(len(choice.token_ids)), incomplete)
+    usage = shape.usage(len(choice.token_ids), pipeline.reasoning_tokens(pstate))
+    return shape.response(status, shape.items(blocks, texts, status), usage, incomplete)
 
 
 def derender_messages(req: DerenderMessagesRequest, config: RenderConfig, headers: Any = None) -> MessageObject:
@@ -151,7 +160,19 @@ def derender_messages(req: DerenderMessagesRequest, config: RenderConfig, header
     blocks, texts, pstate = fold(pipeline, choice.token_ids, prompt_ids)
     shape = MessagesShape(gen.request_id, model, _prompt_tokens(req.prompt_tokens, prompt_ids))
     return shape.message(blocks, texts, pipeline.finish_reason(pstate, choice.finish_reason), choice.stop_reason,
-                         len(choice.token_ids))
+                         len(choice.token_ids), thinking_tokens(pipeline, pstate))
+
+
+def thinking_tokens(pipeline: SegmentPipeline, state: PipelineState) -> int | None:
+    """Anthropic's thinking tokens when a reasoning parser counts them (else the field is left out)."""
+    return pipeline.thinking_tokens(state) if state.reasoning_count is not None else None
+
+
+def _text_logprobs(req: ResponsesRequest | None, config: RenderConfig) -> TextLogprobs | None:
+    """The router of message.output_text.logprobs, when the Responses request asked for them."""
+    if req is None or not wants_logprobs(req.include):
+        return None
+    return TextLogprobs(config.tokenizer, tokens_as_token_ids(None, config))
 
 
 def _response_id(given: str | None, req: ResponsesRequest | None, fallback: str) -> str:
@@ -197,6 +218,7 @@ class _StreamCall:
     def __init__(self, req: DerenderResponsesStreamRequest | DerenderMessagesStreamRequest,
                  api_req: ResponsesRequest | MessagesRequest | None, chat: ChatCompletionRequest | None,
                  api: bytes, config: RenderConfig, runtime: StreamRuntime, headers: Any) -> None:
+        self.config = config
         self.model = check_model(req.model or (api_req.model if api_req is not None else None), config)
         check_fingerprint(fingerprint_sent(req.render_fingerprint, headers), config)
         if req.stream_state is not None and not isinstance(req.stream_state, str):
@@ -215,9 +237,18 @@ class _StreamCall:
         self.bind = binding_for(api, binding(self.pipeline.config, config.tokenizer))
         self.state, self.pstate = _restore(req.stream_state, self.pipeline, self.bind, runtime, self.prompt_ids)
 
-    def feed(self) -> list[Any]:
+    def feed(self, router: TextLogprobs | None = None) -> list[Any]:
         assert self.choice is not None
-        return _feed(self.pipeline, self.pstate, self.ids, self.choice.finish_reason, self.state.blocks)
+        if router is None:
+            return _feed(self.pipeline, self.pstate, self.ids, self.choice.finish_reason, self.state.blocks)
+        check_logprobs_bounds(self.choice.logprobs, self.choice.index, self.config)
+        blocks = self.state.blocks
+        try:
+            steps = router.feed(self.pipeline, self.pstate, blocks, self.ids, self.choice.logprobs)
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+            raise bad_request(f"stream_state is inconsistent with this stream: {type(exc).__name__}",
+                              "stream_state") from None
+        return steps + router.end(_feed(self.pipeline, self.pstate, [], self.choice.finish_reason, blocks), blocks)
 
     def finish_reason(self) -> str | None:
         assert self.choice is not None
@@ -237,7 +268,7 @@ def derender_responses_stream(req: DerenderResponsesStreamRequest, config: Rende
     if call.choice is None:  # a usage-only event: nothing to derender, the state goes back unchanged
         return DerenderResponsesStreamResponse(events=[], stream_state=req.stream_state)
     state = call.state
-    texts = _texts_for(state)
+    texts = _texts_for(state, _text_logprobs(api_req, config))
     shape = ResponsesShape(_response_id(req.response_id, api_req, call.request_id), call.model, api_req,
                            call.prompt_tokens)
     events: list[Any] = []
@@ -245,14 +276,15 @@ def derender_responses_stream(req: DerenderResponsesStreamRequest, config: Rende
         state.started = True
         events += shape.start_events(state.seq)
         state.seq += len(events)
-    steps = call.feed()
+    steps = call.feed(texts.logprobs)
     texts.add(steps)
     finish_reason = call.finish_reason()
     closing = status_of(finish_reason)[0] if finish_reason else "completed"
     events += shape.step_events(steps, state.blocks, texts, state.seq, closing)
     state.seq = _next_seq(events, state.seq)
     if finish_reason is not None:
-        events.append(shape.end_event(finish_reason, state.blocks, texts, call.pstate.tokens, state.seq))
+        usage = shape.usage(call.pstate.tokens, call.pipeline.reasoning_tokens(call.pstate))
+        events.append(shape.end_event(finish_reason, state.blocks, texts, usage, state.seq))
         state.seq += 1
         OUTPUT_TEXTS.discard((state.key,))
     else:
@@ -264,11 +296,12 @@ def _next_seq(events: list[Any], seq: int) -> int:
     return max(seq, events[-1].sequence_number + 1) if events else seq
 
 
-def _texts_for(state: ApiStreamState) -> BlockTexts:
-    """The stream's accumulated texts: new on its first chunk, else from this replica's cache."""
+def _texts_for(state: ApiStreamState, router: TextLogprobs | None) -> BlockTexts:
+    """The stream's accumulated texts (and text logprobs): new on its first chunk, else from this replica's
+    cache."""
     if not state.key:
         state.key = os.urandom(12).hex()
-        return BlockTexts()
+        return BlockTexts(router)
     held = OUTPUT_TEXTS.take((state.key,))
     if held is None or held[0] != state.seq:
         raise bad_request(
@@ -294,5 +327,6 @@ def derender_messages_stream(req: DerenderMessagesStreamRequest, config: RenderC
     events += shape.step_events(call.feed(), state.blocks)
     finish_reason = call.finish_reason()
     if finish_reason is not None:
-        events += shape.end_events(finish_reason, call.choice.stop_reason, call.pstate.tokens)
+        events += shape.end_events(finish_reason, call.choice.stop_reason, call.pstate.tokens,
+                                   thinking_tokens(call.pipeline, call.pstate))
     return DerenderMessagesStreamResponse(events=events, stream_state=call.answer_state(runtime))

@@ -202,6 +202,12 @@ def chat_tool_choice(choice: dict[str, Any] | None, tools: list[Any] | None) -> 
     raise bad_request("tool_choice.type must be 'auto', 'any', 'tool' (with a name) or 'none'", "tool_choice")
 
 
+def shows_thinking(thinking: bool, config: RenderConfig) -> bool:
+    """Whether thinking blocks are output. gpt-oss always reasons (Harmony has no switch): with thinking off its
+    analysis is generated but not shown, as Anthropic's API shows no thinking unless asked."""
+    return thinking or not config.harmony
+
+
 def _template_kwargs(req: MessagesRequest | CountTokensRequest, config: RenderConfig, thinking: bool
                      ) -> dict[str, Any] | None:
     kwargs = dict(req.chat_template_kwargs or {})
@@ -260,6 +266,7 @@ def to_chat(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionR
         add_generation_prompt=not prefill,
         continue_final_message=prefill,
         kv_transfer_params=req.kv_transfer_params,
+        include_reasoning=shows_thinking(thinking, config),
     )
     return chat, budget
 

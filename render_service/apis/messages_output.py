@@ -16,6 +16,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from msgspec import UNSET, UnsetType
+
 from render_service.apis.messages_protocol import (
     BlockDeltaEvent,
     BlockStartEvent,
@@ -29,6 +31,7 @@ from render_service.apis.messages_protocol import (
     MessageStartEvent,
     MessageStopEvent,
     MessagesUsage,
+    OutputTokensDetails,
     PingEvent,
     SignatureDelta,
     TextBlock,
@@ -69,13 +72,14 @@ class MessagesShape:
         return ToolUseBlock(info.call_id, info.name, parse_arguments(text))
 
     def message(self, blocks: BlockState, texts: BlockTexts, finish_reason: str | None, stop: Any,
-                output_tokens: int) -> MessageObject:
+                output_tokens: int, thinking_tokens: int | None = None) -> MessageObject:
         reason, sequence = stop_reason(finish_reason, stop)
         return MessageObject(
             id=self.message_id, model=self.model,
             content=[self.block(i, info, texts.text(i)) for i, info in enumerate(blocks.blocks)],
             stop_reason=reason, stop_sequence=sequence,
-            usage=MessagesUsage(input_tokens=self.prompt_tokens, output_tokens=output_tokens),
+            usage=MessagesUsage(input_tokens=self.prompt_tokens, output_tokens=output_tokens,
+                                output_tokens_details=_details(thinking_tokens)),
         )
 
     def start_events(self) -> list[Any]:
@@ -104,9 +108,16 @@ class MessagesShape:
         return out
 
     @staticmethod
-    def end_events(finish_reason: str | None, stop: Any, output_tokens: int) -> list[Any]:
+    def end_events(finish_reason: str | None, stop: Any, output_tokens: int, thinking_tokens: int | None = None
+                   ) -> list[Any]:
         reason, sequence = stop_reason(finish_reason, stop)
-        return [MessageDeltaEvent(MessageDeltaBody(reason, sequence), DeltaUsage(output_tokens)), MessageStopEvent()]
+        usage = DeltaUsage(output_tokens, _details(thinking_tokens))
+        return [MessageDeltaEvent(MessageDeltaBody(reason, sequence), usage), MessageStopEvent()]
+
+
+def _details(thinking_tokens: int | None) -> OutputTokensDetails | UnsetType:
+    """Anthropic's ``output_tokens_details`` (thinking tokens), given when a reasoning parser counts them."""
+    return UNSET if thinking_tokens is None else OutputTokensDetails(thinking_tokens)
 
 
 def _delta(kind: str, text: str) -> TextDelta | ThinkingDelta | InputJsonDelta:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from render_service.protocol import GenerateResponse, GenerateStreamResponse
 
@@ -71,11 +72,16 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
 ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock
 
 
+class OutputTokensDetails(msgspec.Struct):
+    thinking_tokens: int  # reasoning tokens and their delimiters, as Anthropic counts them
+
+
 class MessagesUsage(msgspec.Struct):
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int | None = None
     cache_read_input_tokens: int | None = None
+    output_tokens_details: OutputTokensDetails | UnsetType = UNSET  # with a reasoning parser, once known
 
 
 class MessageObject(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
@@ -136,6 +142,7 @@ class MessageDeltaBody(msgspec.Struct):
 
 class DeltaUsage(msgspec.Struct):
     output_tokens: int
+    output_tokens_details: OutputTokensDetails | UnsetType = UNSET
 
 
 class MessageDeltaEvent(msgspec.Struct, tag_field="type", tag="message_delta"):

@@ -18,7 +18,10 @@ import msgspec
 
 from render_service.apis.errors import coded
 from render_service.apis.responses_protocol import ResponsesRequest
+from render_service.apis.text_logprobs import wants_logprobs
 from render_service.errors import bad_request
+from render_service.harmony.render import REASONING_EFFORTS
+from render_service.logprobs import MAX_TOP_LOGPROBS
 from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 from render_service.render import render_chat
 from render_service.render_config import RenderConfig
@@ -199,6 +202,8 @@ def _check(req: ResponsesRequest) -> None:
         raise bad_request("max_output_tokens must be at least 1", "max_output_tokens")
     if req.truncation not in (None, "auto", "disabled"):
         raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
 
 
 def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str, Any]] | None = None
@@ -214,6 +219,9 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
     if effort == "none" and config.reasoning_parser_cls is not None and not config.harmony:
         kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, False)  # no thinking asked for
         effort = None
+    if config.harmony and effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)} for gpt-oss (it always "
+                          f"reasons), not {effort!r}", "reasoning.effort")
     return ChatCompletionRequest(
         messages=messages,
         model=req.model,
@@ -228,6 +236,10 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
         repetition_penalty=req.repetition_penalty,
         seed=req.seed,
         ignore_eos=req.ignore_eos,
+        # message.output_text.logprobs: the engine's logprobs with top_logprobs alternatives (OpenAI's semantics:
+        # top_logprobs alone asks for nothing)
+        logprobs=wants_logprobs(req.include),
+        top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req.include) else 0,
         response_format=response_format(req.text),
         stream=bool(req.stream),
         stream_options=StreamOptions(include_usage=True) if req.stream else None,

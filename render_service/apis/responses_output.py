@@ -29,6 +29,7 @@ from render_service.apis.responses_protocol import (
     OutputItem,
     OutputItemEvent,
     OutputText,
+    OutputTokensDetails,
     ReasoningDeltaEvent,
     ReasoningDoneEvent,
     ReasoningItem,
@@ -72,19 +73,21 @@ class ResponsesShape:
 
     # items ------------------------------------------------------------------------------------------
 
-    def item(self, block: int, info: BlockInfo, text: str, status: str) -> OutputItem:
+    def item(self, block: int, info: BlockInfo, text: str, status: str, logprobs: list[Any] | None = None
+             ) -> OutputItem:
         iid = item_id(self.response_id, block, info.kind)
         if info.kind == "reasoning":
             return ReasoningItem(id=iid, content=[ReasoningText(text)] if text or status != "in_progress" else [],
                                  status=status)
         if info.kind == "text":
-            return MessageItem(id=iid, status=status, content=[OutputText(text)] if status != "in_progress" else [])
+            return MessageItem(id=iid, status=status, content=[OutputText(text, logprobs=logprobs or [])]
+                               if status != "in_progress" else [])
         return FunctionCallItem(id=iid, call_id=info.call_id, name=info.name, arguments=text, status=status)
 
     def items(self, blocks: BlockState, texts: BlockTexts, status: str) -> list[OutputItem]:
         """Every block as a finished item; the last carries ``status`` (incomplete when output was cut short)."""
         last = len(blocks.blocks) - 1
-        return [self.item(i, info, texts.text(i), status if i == last else "completed")
+        return [self.item(i, info, texts.text(i), status if i == last else "completed", texts.logprobs_of(i))
                 for i, info in enumerate(blocks.blocks)]
 
     def response(self, status: str, output: list[OutputItem], usage: ResponseUsage | None,
@@ -104,9 +107,10 @@ class ResponsesShape:
             usage=usage, user=req.user, metadata=dict(req.metadata or {}),
         )
 
-    def usage(self, output_tokens: int) -> ResponseUsage:
+    def usage(self, output_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
         return ResponseUsage(input_tokens=self.prompt_tokens, output_tokens=output_tokens,
-                             total_tokens=self.prompt_tokens + output_tokens)
+                             total_tokens=self.prompt_tokens + output_tokens,
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens))
 
     # events -----------------------------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class ResponsesShape:
             info = blocks.blocks[step.block]
             iid = item_id(self.response_id, step.block, info.kind)
             if step.op == "delta":
-                out.append(self._delta(info.kind, iid, step.block, step.text, seq + len(out)))
+                out.append(self._delta(info.kind, iid, step, seq + len(out)))
                 continue
             if step.op == "open":
                 added = self.item(step.block, info, "", "in_progress")
@@ -136,23 +140,30 @@ class ResponsesShape:
                 continue
             text = texts.text(step.block)
             status = closing_status if step.block == len(blocks.blocks) - 1 else "completed"
-            out.extend(self._closing(info, iid, step.block, text, status, seq + len(out)))
+            out.extend(self._closing(info, iid, step.block, text, status, seq + len(out),
+                                     texts.logprobs_of(step.block)))
         return out
 
     @staticmethod
-    def _delta(kind: str, iid: str, block: int, text: str, seq: int) -> Any:
+    def _delta(kind: str, iid: str, step: Step, seq: int) -> Any:
         if kind == "text":
-            return TextDeltaEvent(sequence_number=seq, item_id=iid, output_index=block, delta=text)
+            if step.logprobs:
+                return TextDeltaEvent(sequence_number=seq, item_id=iid, output_index=step.block, delta=step.text,
+                                      logprobs=step.logprobs)
+            return TextDeltaEvent(sequence_number=seq, item_id=iid, output_index=step.block, delta=step.text)
         if kind == "reasoning":
-            return ReasoningDeltaEvent(sequence_number=seq, item_id=iid, output_index=block, delta=text)
-        return ArgumentsDeltaEvent(sequence_number=seq, item_id=iid, output_index=block, delta=text)
+            return ReasoningDeltaEvent(sequence_number=seq, item_id=iid, output_index=step.block, delta=step.text)
+        return ArgumentsDeltaEvent(sequence_number=seq, item_id=iid, output_index=step.block, delta=step.text)
 
-    def _closing(self, info: BlockInfo, iid: str, block: int, text: str, status: str, seq: int) -> list[Any]:
+    def _closing(self, info: BlockInfo, iid: str, block: int, text: str, status: str, seq: int,
+                 logprobs: list[Any]) -> list[Any]:
         out: list[Any] = []
         if info.kind == "text":
-            out.append(TextDoneEvent(sequence_number=seq, item_id=iid, output_index=block, text=text))
+            out.append(TextDoneEvent(sequence_number=seq, item_id=iid, output_index=block, text=text,
+                                     logprobs=logprobs))
             out.append(ContentPartEvent(type="response.content_part.done", sequence_number=seq + 1, item_id=iid,
-                                        output_index=block, content_index=0, part=OutputText(text)))
+                                        output_index=block, content_index=0,
+                                        part=OutputText(text, logprobs=logprobs)))
         elif info.kind == "reasoning":
             out.append(ReasoningDoneEvent(sequence_number=seq, item_id=iid, output_index=block, text=text))
             out.append(ContentPartEvent(type="response.content_part.done", sequence_number=seq + 1, item_id=iid,
@@ -161,18 +172,18 @@ class ResponsesShape:
             out.append(ArgumentsDoneEvent(sequence_number=seq, item_id=iid, output_index=block, name=info.name,
                                           arguments=text))
         out.append(OutputItemEvent(type="response.output_item.done", sequence_number=seq + len(out),
-                                   output_index=block, item=self.item(block, info, text, status)))
+                                   output_index=block, item=self.item(block, info, text, status, logprobs)))
         return out
 
-    def end_event(self, finish_reason: str | None, blocks: BlockState, texts: BlockTexts, output_tokens: int,
+    def end_event(self, finish_reason: str | None, blocks: BlockState, texts: BlockTexts, usage: ResponseUsage,
                   seq: int) -> ResponseLifecycleEvent:
         status, incomplete = status_of(finish_reason)
-        response = self.response(status, self.items(blocks, texts, status), self.usage(output_tokens), incomplete)
+        response = self.response(status, self.items(blocks, texts, status), usage, incomplete)
         return ResponseLifecycleEvent(type=f"response.{status}", sequence_number=seq, response=response)
 
-    def failed_event(self, message: str, blocks: BlockState, texts: BlockTexts, output_tokens: int,
+    def failed_event(self, message: str, blocks: BlockState, texts: BlockTexts, usage: ResponseUsage,
                      seq: int) -> ResponseLifecycleEvent:
-        response = self.response("failed", self.items(blocks, texts, "incomplete"), self.usage(output_tokens),
+        response = self.response("failed", self.items(blocks, texts, "incomplete"), usage,
                                  error=ResponseError("server_error", message))
         return ResponseLifecycleEvent(type="response.failed", sequence_number=seq, response=response)
 

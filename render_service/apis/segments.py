@@ -97,11 +97,13 @@ class BlockState(msgspec.Struct, omit_defaults=True):
 
 
 class Step(msgspec.Struct, array_like=True, frozen=True):
-    """``open`` (a block starts), ``delta`` (text for it), ``close`` (it is complete)."""
+    """``open`` (a block starts), ``delta`` (text for it), ``close`` (it is complete). ``logprobs``: a text
+    delta's tokens' logprobs, when Responses asked for them (``text_logprobs.py``)."""
 
     op: Literal["open", "delta", "close"]
     block: int
     text: str = ""
+    logprobs: list[Any] | None = None
 
 
 def _open(state: BlockState, info: BlockInfo, out: list[Step]) -> int:
@@ -171,12 +173,14 @@ def check_block_state(state: BlockState, max_blocks: int = 4096) -> bool:
 
 
 class BlockTexts:
-    """Each block's text, accumulated from the steps (for batch output, the gateway, and closing events)."""
+    """Each block's text, accumulated from the steps (for batch output, the gateway, and closing events), and
+    when Responses asked for them, the text blocks' logprobs (a ``text_logprobs.TextLogprobs``)."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "logprobs")
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: Any = None) -> None:
         self.parts: list[list[str]] = []
+        self.logprobs = logprobs
 
     def add(self, steps: Sequence[Step]) -> None:
         for step in steps:
@@ -185,6 +189,9 @@ class BlockTexts:
                     self.parts.append([])
             elif step.op == "delta":
                 self.parts[step.block].append(step.text)
+
+    def logprobs_of(self, block: int) -> list[Any]:
+        return self.logprobs.of(block) if self.logprobs is not None else []
 
     def text(self, block: int) -> str:
         parts = self.parts[block] if block < len(self.parts) else []

@@ -9,11 +9,13 @@ Stop strings (Messages' ``stop_sequences``) are matched on text blocks as they l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
+from render_service.apis.derender import thinking_tokens
 from render_service.apis.messages_output import MessagesShape
 from render_service.apis.messages_protocol import MessageObject
 from render_service.apis.responses_output import ResponsesShape, status_of
@@ -28,15 +30,26 @@ from render_service.apis.segments import (
     segments,
     sequence,
 )
+from render_service.apis.text_logprobs import TextLogprobs
 from render_service.derender import pipeline_config
 from render_service.errors import ApiError
 from render_service.gateway.responses import coalesce
 from render_service.gateway.stop_strings import StopMatcher
+from render_service.logprobs import tokens_as_token_ids
+from render_service.parsers.harmony import BODY as HARMONY_BODY
+from render_service.parsers.harmony import REASONING as HARMONY_REASONING
+from render_service.parsers.harmony import HarmonyState
 from render_service.parsers.reasoning import CONTENT, ThinkState
 from render_service.protocol import ChatCompletionRequest, GenerateRequest, GenerateStreamChoice
 from render_service.render_config import RenderConfig
 
 _encode = msgspec.json.Encoder().encode
+# gpt-oss: what ends an analysis message and opens the final answer (a budget spent in reasoning)
+HARMONY_FINAL_HEADER = "<|start|>assistant<|channel|>final<|message|>"
+HARMONY_ANALYSIS_TO_FINAL = "<|end|>" + HARMONY_FINAL_HEADER
+HARMONY_BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+# How long a stored response's last stream event waits for the store (then it goes out anyway, logged).
+STORE_WAIT_S = 30.0
 
 
 def sse_event(event: Any, name: str) -> bytes:
@@ -52,21 +65,27 @@ class ApiChoice:
         self.pipeline = SegmentPipeline(config.tokenizer, pcfg)
         self.state = self.pipeline.initial_state(gen.token_ids)
         self.blocks = BlockState()
-        self.texts = BlockTexts()
+        # Responses' message.output_text.logprobs (the request asked the engine for logprobs)
+        self.text_logprobs = TextLogprobs(config.tokenizer, tokens_as_token_ids(None, config)) \
+            if chat.logprobs else None
+        self.texts = BlockTexts(self.text_logprobs)
         stops = [s for s in chat.stop or () if s] if isinstance(chat.stop, list) else []
         self.matcher = StopMatcher(stops) if stops else None
         self.tokens = 0
-        self.reasoning_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.done = False
 
-    def step(self, ids: list[int], engine_finish: str | None, engine_stop: Any = None) -> list[Step]:
+    def step(self, ids: list[int], engine_finish: str | None, engine_stop: Any = None, logprobs: Any = None
+             ) -> list[Step]:
         pipeline, state = self.pipeline, self.state
         self.tokens += len(ids)
-        segs = segments(pipeline.feed(state, ids)) if ids else []
-        if ids and isinstance(state.reasoning, ThinkState) and state.reasoning.mode != CONTENT:
-            self.reasoning_tokens += len(ids)  # still thinking after this event
+        routed: list[Step] = []
+        if self.text_logprobs is not None:  # token by token, each logprob to the text it made
+            routed = self.text_logprobs.feed(pipeline, state, self.blocks, ids, logprobs) if ids else []
+            segs = []
+        else:
+            segs = segments(pipeline.feed(state, ids)) if ids else []
         if engine_finish is not None:
             segs = segs + segments(pipeline.finish(state))
         finish_reason, stop = engine_finish, engine_stop
@@ -80,8 +99,23 @@ class ApiChoice:
             self.done = True
             self.finish_reason = pipeline.finish_reason(state, finish_reason)
             self.stop_reason = stop
+        if self.text_logprobs is not None:
+            steps = routed + self.text_logprobs.end(steps, self.blocks)
         self.texts.add(steps)
         return steps
+
+    def reasoning_tokens(self) -> int:
+        return self.pipeline.reasoning_tokens(self.state)
+
+    def forget_header(self) -> None:
+        """gpt-oss: an unfinished message header the continuation drops (it produced no output)."""
+        if isinstance(self.state.reasoning, HarmonyState):
+            self.state.reasoning.header = ""
+        if self.state.reasoning_count is not None:
+            self.state.reasoning_count.header = []
+
+    def thinking_tokens(self) -> int | None:
+        return thinking_tokens(self.pipeline, self.state)
 
     def _stops(self, segs: list[Segment], ending: bool) -> tuple[list[Segment], str | None]:
         assert self.matcher is not None
@@ -107,10 +141,13 @@ class ApiChoice:
 class ThinkingBudget:
     """Anthropic's ``thinking.budget_tokens``, enforced by the gateway (no engine flag needed): the engine call
     asks for at most ``budget`` tokens; when it stops there (``length``) short of the request's ``max_tokens``, the
-    gateway ends the phase itself. If the model is still thinking, the reasoning parser's end tag (``</think>``
-    and a blank line) is appended as output, exactly as if the model had written it; then a continuation call
-    (prompt + everything generated so far) produces the rest, with the remaining ``max_tokens``. One message,
-    one stream, to the client."""
+    gateway ends the phase itself. If the model is still thinking, the tokens that end reasoning are appended as
+    output, exactly as if the model had written them: the reasoning parser's end tag and a blank line
+    (``</think>\\n\\n``), or for gpt-oss the end of the analysis message and the start of the final answer
+    (``<|end|><|start|>assistant<|channel|>final<|message|>``; a budget that ran out inside a message header
+    drops that unfinished header, which the client never sees, and opens the final answer in its place). Then a
+    continuation call (prompt + everything generated so far) produces the rest, with the remaining
+    ``max_tokens``. One message, one stream, to the client."""
 
     def __init__(self, config: RenderConfig, gen: GenerateRequest, budget: int) -> None:
         self.config = config
@@ -129,19 +166,40 @@ class ThinkingBudget:
 
     def plan_next(self, out: ApiChoice) -> list[int]:
         """The tokens that close reasoning (if still open), and the continuation request (``next_gen``)."""
-        closing: list[int] = []
-        state = out.state.reasoning
-        cls = self.config.reasoning_parser_cls
-        if isinstance(state, ThinkState) and state.mode != CONTENT and cls is not None:
-            closing = self.config.tokenizer.encode(cls.end_tag + "\n\n")
+        closing = self._harmony_closing(out) if self.config.harmony else self._think_closing(out)
         self.generated.extend(closing)
-        remaining = self.max_tokens - len(self.generated)
+        remaining = self.max_tokens - out.tokens - len(closing)
         params = msgspec.structs.replace(self.base.sampling_params, max_tokens=max(remaining, 1),
                                          thinking_token_budget=None)
         self.next_gen = msgspec.structs.replace(self.base, token_ids=self.base.token_ids + self.generated,
                                                 sampling_params=params, reasoning_ended=True,
                                                 request_id=f"{self.base.request_id}-c")
         return closing
+
+    def _think_closing(self, out: ApiChoice) -> list[int]:
+        state = out.state.reasoning
+        cls = self.config.reasoning_parser_cls
+        if isinstance(state, ThinkState) and state.mode != CONTENT and cls is not None:
+            return list(self.config.tokenizer.encode(cls.end_tag + "\n\n"))
+        return []
+
+    def _harmony_closing(self, out: ApiChoice) -> list[int]:
+        state = out.state.reasoning
+        encode = self.config.tokenizer.encode
+        if not isinstance(state, HarmonyState):
+            return []
+        if state.mode == HARMONY_BODY:
+            return list(encode(HARMONY_ANALYSIS_TO_FINAL)) if state.target == HARMONY_REASONING else []
+        # in a header: the unfinished header goes (engine context and parser alike), the final answer opens
+        ends = self.harmony_body_ends()
+        kept = max((i + 1 for i, t in enumerate(self.generated) if t in ends), default=0)
+        del self.generated[kept:]
+        out.forget_header()
+        return list(encode(HARMONY_FINAL_HEADER if kept else HARMONY_FINAL_HEADER[len("<|start|>assistant"):]))
+
+    def harmony_body_ends(self) -> set[int]:
+        tokenizer = self.config.tokenizer
+        return {t for t in map(tokenizer.token_to_id, HARMONY_BODY_ENDS) if t is not None}
 
     def take_next(self) -> GenerateRequest | None:
         """The continuation to run once the current engine stream has ended (None: the message is complete)."""
@@ -157,7 +215,7 @@ class _ApiResponder:
     stops: list[str]
 
     def __init__(self, config: RenderConfig, gen: GenerateRequest, chat: ChatCompletionRequest,
-                 on_done: Callable[[Any], None] | None) -> None:
+                 on_done: Callable[[Any], Awaitable[None] | None] | None) -> None:
         self.config = config
         self.gen = gen
         self.response_id = gen.request_id or ""
@@ -168,6 +226,7 @@ class _ApiResponder:
         self.started = False
         self.on_done = on_done  # the finished object (the gateway stores Responses)
         self.final: Any = None
+        self.storing: Awaitable[None] | None = None  # what on_done started (the store's write)
 
     def span_done(self, prompt_index: int, first: int, count: int) -> bool:
         return self.out.done
@@ -180,7 +239,7 @@ class _ApiResponder:
 
     def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
         if not self.out.done:
-            self.out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+            self.out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason, choice.logprobs)
 
     def stream_batch(self, items: list[tuple[int, GenerateStreamChoice]]) -> bytes:
         if len(items) > 1 and not self.stops:
@@ -193,13 +252,20 @@ class _ApiResponder:
     def _finished(self, obj: Any) -> Any:
         self.final = obj
         if self.on_done is not None:
-            self.on_done(obj)
+            self.storing = self.on_done(obj)
         return obj
+
+    def before_last_write(self) -> Awaitable[None] | None:
+        """What the stream's last event waits for: a stored response is in the store before the client sees
+        ``response.completed``, so a follow-up sent anywhere right after finds it (bounded by STORE_WAIT_S)."""
+        if self.storing is None:
+            return None
+        return asyncio.wait_for(asyncio.shield(self.storing), STORE_WAIT_S)
 
 
 class ResponsesResponder(_ApiResponder):
     def __init__(self, config: RenderConfig, gen: GenerateRequest, chat: ChatCompletionRequest, shape: ResponsesShape,
-                 on_done: Callable[[Any], None] | None = None) -> None:
+                 on_done: Callable[[Any], Awaitable[None] | None] | None = None) -> None:
         super().__init__(config, gen, chat, on_done)
         self.shape = shape
         self.response_id = shape.response_id
@@ -217,7 +283,7 @@ class ResponsesResponder(_ApiResponder):
         if not self.started:
             self.started = True
             head = self._emit(self.shape.start_events(self.seq))
-        steps = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+        steps = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason, choice.logprobs)
         closing = status_of(out.finish_reason)[0] if out.done else "completed"
         body = self._emit(self.shape.step_events(steps, out.blocks, out.texts, self.seq, closing))
         if out.done:
@@ -226,18 +292,18 @@ class ResponsesResponder(_ApiResponder):
 
     def final_bytes(self, error: ApiError | None) -> bytes:
         out = self.out
+        usage = self.shape.usage(out.tokens, out.reasoning_tokens())
         if error is not None:
-            event = self.shape.failed_event(error.message, out.blocks, out.texts, out.tokens, self.seq)
+            event = self.shape.failed_event(error.message, out.blocks, out.texts, usage, self.seq)
         else:
-            event = self.shape.end_event(out.finish_reason, out.blocks, out.texts, out.tokens, self.seq)
+            event = self.shape.end_event(out.finish_reason, out.blocks, out.texts, usage, self.seq)
         self._finished(event.response)
         return self._emit([event])
 
     def response(self) -> ResponseObject:
         out = self.out
         status, incomplete = status_of(out.finish_reason)
-        usage = self.shape.usage(out.tokens)
-        usage.output_tokens_details.reasoning_tokens = out.reasoning_tokens
+        usage = self.shape.usage(out.tokens, out.reasoning_tokens())
         return self._finished(self.shape.response(status, self.shape.items(out.blocks, out.texts, status), usage,
                                                   incomplete))
 
@@ -274,7 +340,7 @@ class MessagesResponder(_ApiResponder):
         events += self.shape.step_events(steps, out.blocks)
         if out.done:
             self.all_done = True
-            events += self.shape.end_events(out.finish_reason, out.stop_reason, out.tokens)
+            events += self.shape.end_events(out.finish_reason, out.stop_reason, out.tokens, out.thinking_tokens())
         return b"".join([sse_event(e, type(e).__struct_config__.tag) for e in events])  # type: ignore[arg-type]
 
     def final_bytes(self, error: ApiError | None) -> bytes:
@@ -286,4 +352,5 @@ class MessagesResponder(_ApiResponder):
 
     def response(self) -> MessageObject:
         out = self.out
-        return self._finished(self.shape.message(out.blocks, out.texts, out.finish_reason, out.stop_reason, out.tokens))
+        return self._finished(self.shape.message(out.blocks, out.texts, out.finish_reason, out.stop_reason, out.tokens,
+                                                 out.thinking_tokens()))

@@ -61,10 +61,11 @@ class StoreWriter:
         self.store = store
         self.pending: dict[str, asyncio.Task[None]] = {}
 
-    def write_soon(self, response_id: str, stored: StoredResponse) -> None:
+    def write_soon(self, response_id: str, stored: StoredResponse) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._write(response_id, stored))
         self.pending[response_id] = task
         task.add_done_callback(lambda _: self.pending.pop(response_id, None))
+        return task
 
     async def _write(self, response_id: str, stored: StoredResponse) -> None:
         try:
@@ -197,7 +198,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
         budget_tokens = gen.sampling_params.thinking_token_budget
         gen = _engine_ready(gen)
         model = req.model or config.model_name
-        if budget_tokens is not None and config.reasoning_parser_cls is not None and not config.harmony:
+        if budget_tokens is not None and config.reasoning_parser_cls is not None:
             budget = ThinkingBudget(config, gen, budget_tokens)
             responder = MessagesResponder(config, gen, chat, model, budget)
             return await _respond_phased(request, gateway, budget, responder, bool(req.stream))
@@ -216,15 +217,17 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
     ]
 
 
-def _storer(writer: StoreWriter, chat: ChatCompletionRequest, req: ResponsesRequest) -> Callable[[Any], None]:
-    """The conversation as the next turn will render it: without this request's instructions (not carried over)."""
+def _storer(writer: StoreWriter, chat: ChatCompletionRequest, req: ResponsesRequest
+            ) -> Callable[[Any], asyncio.Task[None] | None]:
+    """The conversation as the next turn will render it: without this request's instructions (not carried over).
+    Returns the write, which a stream's last event waits for (``ResponsesResponder.before_last_write``)."""
     messages = chat.messages[1:] if req.instructions else list(chat.messages)
 
-    def store(response: Any) -> None:
+    def store(response: Any) -> asyncio.Task[None] | None:
         if response.status == "failed":
-            return
+            return None
         history = [*messages, assistant_turn(response.output)]
-        writer.write_soon(response.id, StoredResponse(msgspec.Raw(_encode(response)), history))
+        return writer.write_soon(response.id, StoredResponse(msgspec.Raw(_encode(response)), history))
 
     return store
 

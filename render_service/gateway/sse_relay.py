@@ -84,6 +84,7 @@ class SseRelay:
         self.complete = False  # the last write is out (or handed to the drain), or the client is gone
         self.pending: list[dict] = []  # writes queued behind a send that is waiting for the client
         self.draining: asyncio.Task | None = None
+        self.finishing: asyncio.Task | None = None  # the last write, waiting for before_last_write
         self._send: Send | None = None
         self._watcher: asyncio.Task | None = None
         self._watching = False
@@ -112,6 +113,8 @@ class SseRelay:
         finally:
             if not self.complete:  # the client went away mid-stream, or shutdown
                 self._client_gone()
+            if self.finishing is not None:
+                await asyncio.gather(self.finishing, return_exceptions=True)
             if self.draining is not None:
                 await asyncio.gather(self.draining, return_exceptions=True)
 
@@ -183,6 +186,21 @@ class SseRelay:
             data += b"data: " + error_body(error) + b"\n\n"
         if final_bytes is None:
             data += DONE
+        before = getattr(self.responder, "before_last_write", None)
+        waiting = before() if before is not None else None
+        if waiting is not None:  # e.g. a stored response: its last event goes out once the store has it
+            self.finishing = asyncio.get_running_loop().create_task(self._last_write_after(waiting, data))
+            return
+        self._last_write(data)
+
+    async def _last_write_after(self, waiting: Awaitable[Any], data: bytes) -> None:
+        try:
+            await waiting
+        except Exception:
+            logger.exception("stream %s: the wait before its last event failed", self.responder.response_id)
+        self._last_write(data)
+
+    def _last_write(self, data: bytes) -> None:
         try:
             self._write(data, False)
         except Exception:  # nothing more can reach this client

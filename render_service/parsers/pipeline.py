@@ -27,6 +27,7 @@ from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerSta
 from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredToolChoiceParser
 from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
+from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class PipelineState(msgspec.Struct, omit_defaults=True):
     tool_calls: int = 0  # calls started so far (their indexes are 0..tool_calls-1)
     model_call_ids: list[str] = []  # ids the model's own format supplied, by call index ("" = minted)
     tokens: int = 0  # completion tokens fed so far
+    reasoning_count: ReasoningCount | None = None  # with a reasoning parser: its tokens (parsers/reasoning_count.py)
     finished: bool = False
     # streaming logprobs: the last sampled ids (U+FFFD repair across chunks) and the completions text offset
     logprob_context: list[int] = []
@@ -162,9 +164,14 @@ class Pipeline:
             else None
         )
         self.tools = self._make_tool_parser(config)
+        self.counter: TokenCounter | None = None
         if self.reasoning_cls is HarmonyParser:
             # one stage for reasoning and calls (gpt-oss's Harmony: render_service/parsers/harmony.py)
             self.reasoning, self.tools = HarmonyParser.for_pipeline(config), None
+            self.counter = HarmonyTokenCounter(tokenizer)
+        elif self.reasoning_cls is not None and issubclass(self.reasoning_cls, ThinkReasoningParser):
+            self.counter = ThinkTokenCounter(self.reasoning_cls, tokenizer)
+        self.think_counter = self.counter if isinstance(self.counter, ThinkTokenCounter) else None
         self.id_style = call_id_style(config.tool_parser)
 
     @staticmethod
@@ -206,6 +213,7 @@ class Pipeline:
         return PipelineState(
             detok=self.detok.initial_state(prompt_token_ids),
             reasoning=reasoning_state,
+            reasoning_count=self.counter.initial(reasoning_state) if self.counter is not None else None,
             tools=(self.tools.forced_state(self.config.named_function if self.config.tool_choice == "named" else None)
                    if forced else self.tools.initial_state()) if self.tools is not None else None,
         )
@@ -217,7 +225,10 @@ class Pipeline:
             if state.reasoning is None:
                 raise msgspec.ValidationError("stream state lacks the reasoning parser state")
             state.reasoning = msgspec.convert(state.reasoning, self.reasoning_cls.State)
-        elif state.reasoning is not None:
+            if state.reasoning_count is None and self.counter is not None:
+                # a state from before the count existed: count from here on (usage only; the output is the same)
+                state.reasoning_count = self.counter.initial(state.reasoning)
+        elif state.reasoning is not None or state.reasoning_count is not None:
             raise msgspec.ValidationError("stream state has reasoning state but no reasoning parser is configured")
         if self.tools is not None:
             if state.tools is None:
@@ -231,6 +242,13 @@ class Pipeline:
 
     def feed(self, state: PipelineState, token_ids: list[int]) -> ChoiceDelta:
         state.tokens += len(token_ids)
+        count = state.reasoning_count
+        if count is not None and count.tracking:
+            if len(token_ids) > 1 and self.think_counter is not None and self.think_counter.spelled_tags:
+                # tags of ordinary sub-tokens: the text stage says which token ended reasoning; feed it each
+                counted = self._counted_per_token(state, count, token_ids)
+                return self._delta(state, self._through_tools(state, counted)) if counted else ChoiceDelta()
+            self.counter.feed(count, token_ids)  # type: ignore[union-attr]  # set with the count
         text = self.detok.step(state.detok, token_ids)
         if not text:
             return ChoiceDelta()
@@ -239,6 +257,9 @@ class Pipeline:
             pieces = [TextPiece("content", text)]
         else:
             pieces = self.reasoning.feed(state.reasoning, text)
+            if count is not None and count.tracking and self.think_counter is not None \
+                    and self.think_counter.needs_sync(count, state.reasoning.mode):
+                self.think_counter.sync(count, state.reasoning)  # reasoning opened or ended by text alone
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.
             (p,) = pieces
@@ -248,6 +269,22 @@ class Pipeline:
                 return ChoiceDelta(content=p.text)
             return ChoiceDelta(reasoning=p.text) if self.config.include_reasoning else ChoiceDelta()
         return self._delta(state, self._through_tools(state, pieces))
+
+    def _counted_per_token(self, state: PipelineState, count: ReasoningCount, token_ids: list[int]) -> list[Piece]:
+        """The detokenizer and reasoning stages one token at a time (the same text: both are incremental), so the
+        reasoning count does not depend on how tokens were chunked."""
+        counter, reasoning = self.think_counter, self.reasoning
+        assert counter is not None and reasoning is not None
+        pieces: list[Piece] = []
+        for token in token_ids:
+            if count.tracking:
+                counter.feed(count, [token])
+            text = self.detok.step(state.detok, [token])
+            if text:
+                pieces.extend(reasoning.feed(state.reasoning, text))
+                if count.tracking and counter.needs_sync(count, state.reasoning.mode):
+                    counter.sync(count, state.reasoning)
+        return pieces
 
     def finish(self, state: PipelineState) -> ChoiceDelta:
         """End of output: flush every stage. Idempotent."""
@@ -320,6 +357,20 @@ class Pipeline:
         if index < len(state.model_call_ids) and state.model_call_ids[index]:
             return state.model_call_ids[index]
         return tool_call_id(self.config.request_id, self.config.choice_index, index, self.id_style)
+
+    # usage ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def reasoning_tokens(state: PipelineState) -> int:
+        """Output tokens of reasoning text so far (OpenAI's ``reasoning_tokens``)."""
+        count = state.reasoning_count
+        return count.reasoning if count is not None else 0
+
+    @staticmethod
+    def thinking_tokens(state: PipelineState) -> int:
+        """Reasoning tokens and their delimiters (Anthropic's ``thinking_tokens``)."""
+        count = state.reasoning_count
+        return count.reasoning + count.delimiters if count is not None else 0
 
     # finish_reason ----------------------------------------------------------------------------------
 

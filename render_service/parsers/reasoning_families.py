@@ -47,6 +47,7 @@ class MiniMaxM2ReasoningParser(ThinkReasoningParser):
 
 class MiniMaxM2AppendThinkReasoningParser(ThinkReasoningParser):
     name = "minimax_m2_append_think"
+    emits_reasoning = False  # everything is content (usage counts no reasoning tokens)
 
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
