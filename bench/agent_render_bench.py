@@ -12,6 +12,7 @@ tree (nanoseconds, every thread), read before and after each request of one sequ
 Each body goes to every server in turn (ours, 0.32, 0.33, and with --ab-tree ours from another checkout), so
 all of them render under the same machine load, and each starts its request after sitting idle while the
 others worked (caches cold; on this box that alone doubles a small render's CPU time, see --pause-ms).
+--order server sends every body to one server, then to the next: each then works back to back (warm).
 Encode baselines on the text the servers render, for the unrelated bodies:
   cold  in a process of its own (bench/encode_worker.py) that sits idle in the same rotation, one encode per
         body, thread CPU of the encode alone: measured like a server's request (the comparison for target b);
@@ -24,7 +25,7 @@ Servers: ours (``render-service serve``, --workers 1: one process, so one piece 
 hermes tool parsers, on a copy of the Qwen3-0.6B fixture whose max_position_embeddings is raised to fit.
 
 usage: python -m bench.agent_render_bench [--sizes 8192,32768,131072] [--vllm032 VENV] [--vllm033 VENV]
-                                         [--ab-tree CHECKOUT --ab-label NAME] [--pause-ms MS]
+                                         [--ab-tree CHECKOUT --ab-label NAME] [--pause-ms MS] [--order rotate|server]
 Results: bench/results/agent_render_bench.json (or --out).
 """
 
@@ -102,8 +103,8 @@ def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None, max_l
 
 def git_commit(tree: Path) -> str:
     out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!bench/results"], capture_output=True, text=True).stdout.strip()
     return out.stdout.strip() + ("+uncommitted" if dirty else "")
 
 
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-label", default="base")
     ap.add_argument("--pause-ms", type=float, default=0.0,
                     help="idle this long before each request (0: the rotation's own idling only)")
+    ap.add_argument("--order", choices=["rotate", "server"], default="rotate",
+                    help="rotate: each body to every server in turn (all under the same load, all starting cold); "
+                         "server: all bodies to one server, then the next (back to back: warm)")
     ap.add_argument("--out", default=str(RESULTS / "agent_render_bench.json"))
     ap.add_argument("--profile-only", action="store_true", help="only the in-process stage profile (no servers)")
     args = ap.parse_args(argv)
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, info in servers.items():
             info["startup_s"] = round(peers.wait_healthy(f"http://127.0.0.1:{info['port']}", info["pid"]), 1)
             print(f"# {name}: healthy after {info['startup_s']} s", flush=True)
-        report = run(servers, sizes, agents, unrelated, args.pause_ms / 1e3)
+        report = run(servers, sizes, agents, unrelated, args.pause_ms / 1e3, args.order)
     finally:
         for info in servers.values():
             peers.stop_tree(info["pid"])
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, "-m", "bench.agent_render_bench", *(argv or sys.argv[1:])]),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
         "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-        "pause_ms": args.pause_ms,
+        "pause_ms": args.pause_ms, "order": args.order,
         "note": "one shared machine (other sessions ran at the same time; loadavg per size in details); the client "
                 "shares its cores",
         "servers": {k: {kk: vv for kk, vv in v.items() if kk != "pid"} for k, v in servers.items()},
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int], unrelated: list[int],
-        pause_s: float = 0.0) -> dict:
+        pause_s: float = 0.0, order: str = "rotate") -> dict:
     from render_service.bundle import load_bundle
     from render_service.chat_messages import prepare_messages, prepare_tools
     from render_service.templates import ChatTemplate
@@ -297,7 +301,7 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
         for size, n_agents, n_unrelated in zip(sizes, agents, unrelated, strict=True):
             load = [round(x, 2) for x in os.getloadavg()]
             growing, fresh, base = run_size(clients, cpus, workers, text_of, count, size, n_agents, n_unrelated,
-                                            pause_s)
+                                            pause_s, order)
             details[str(size)] = {"loadavg_at_start": load, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
                                   "growing": growing, "unrelated": fresh, "profile_in_process": profile_stages(size)}
             summary[str(size)] = ratios(growing, fresh, base)
@@ -310,7 +314,7 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
 
 def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers: dict[str, EncodeWorker],
              text_of: Any, count: Any, size: int, n_agents: int, n_unrelated: int, pause_s: float,
-             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+             order: str = "rotate") -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     servers = list(clients)
     # tool results scaled so that about 20 turns reach ``size`` (file reads of a few hundred to a few
     # thousand tokens at 32k-128k)
@@ -330,11 +334,11 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
             if turn < len(bodies):
                 turns.append((agent, bodies[turn]))
     check_same_ids(clients, turns[-1][1])
-    # Each body goes to every server in turn, so all of them see the same machine load over time.
+    # Each body goes to every server in turn, so all of them see the same machine load over time (or, with
+    # --order server, each server gets every body back to back).
     rows: dict[str, list[tuple[float, float, int]]] = {name: [] for name in servers}
-    for _, body in turns:
-        for name in servers:
-            rows[name].append(measure(clients[name], cpus[name], body, pause_s))
+    for name, body in in_order(servers, [body for _, body in turns], order):
+        rows[name].append(measure(clients[name], cpus[name], body, pause_s))
     growing: dict[str, Any] = {}
     for name in servers:
         growing[name] = summarize([r for r in rows[name] if size / 2 < r[2] <= size])
@@ -351,14 +355,17 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
     rows = {name: [] for name in servers}
     encodes: list[dict[str, Any]] = []
     cold: dict[str, list[float]] = {kind: [] for kind in workers}
-    for body, text in zip(bodies_b, texts_b, strict=True):
-        for name in servers:
+    texts = dict(zip(bodies_b, texts_b, strict=True))
+    for name, body in in_order([*servers, *(f"encode:{kind}" for kind in workers), "encode:warm"], bodies_b, order):
+        kind = name.removeprefix("encode:")
+        if name in rows:
             rows[name].append(measure(clients[name], cpus[name], body, pause_s))
-        for kind, worker in workers.items():  # in the rotation: idle while the servers worked, as they were
+        elif kind in workers:  # idle while the servers worked, as they were
             if pause_s:
                 time.sleep(pause_s)
-            cold[kind].append(worker.encode_ms(text)[0])
-        encodes.append(baseline_encode_ms([text]))  # warm: right after, best of 3
+            cold[kind].append(workers[kind].encode_ms(texts[body])[0])
+        else:
+            encodes.append(baseline_encode_ms([texts[body]]))  # warm: right after, best of 3
     fresh: dict[str, Any] = {}
     for name in servers:
         fresh[name] = summarize(rows[name])
@@ -371,6 +378,13 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
     fresh["baseline"] = base
     print(f"# {size} encode baselines: {base}", flush=True)
     return growing, fresh, base
+
+
+def in_order(names: list[str], bodies: list[bytes], order: str) -> list[tuple[str, bytes]]:
+    """(who, body) in send order: every body to each in turn (rotate), or all bodies to each in turn (server)."""
+    if order == "server":
+        return [(name, body) for name in names for body in bodies]
+    return [(name, body) for body in bodies for name in names]
 
 
 def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
