@@ -102,26 +102,46 @@ class SegmentCache:
 
     def get(self, text: str) -> tuple[tuple[int, ...], bytes] | None:
         """(ids, their JSON array's inside: b"1,2,3") of a piece seen before, else None."""
+        entry = self.get_many([text])[0]
+        return None if entry is None else (entry[0], entry[1])
+
+    def get_many(self, texts: list[str]) -> list[tuple[tuple[int, ...], bytes, int] | None]:
+        """The entry (ids, JSON, size) of each text seen before, else None (always for ""); one lock for all
+        of them (a prompt has hundreds of pieces)."""
+        entries = self._entries
+        get = entries.get
+        touch = entries.move_to_end
+        found: list[tuple[tuple[int, ...], bytes, int] | None] = []
+        append = found.append
+        hits = misses = 0
         with self._lock:
-            entry = self._entries.get(text)
-            if entry is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(text)
-            self.hits += 1
-        return entry[0], entry[1]
+            for text in texts:
+                entry = get(text) if text else None
+                if entry is not None:
+                    touch(text)
+                    hits += 1
+                elif text:
+                    misses += 1
+                append(entry)
+            self.hits += hits
+            self.misses += misses
+        return found
 
     def put(self, text: str, ids: tuple[int, ...], json: bytes) -> None:
-        size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + (_BYTES_PER_ID + 8) * len(ids)
-        if size > self.max_entry_bytes:
-            return
+        self.put_many([(text, ids, json)])
+
+    def put_many(self, pieces: list[tuple[str, tuple[int, ...], bytes]]) -> None:
+        """Keeps (text, ids, JSON) of each piece that fits, dropping the least recently used past the bound."""
+        entries = self._entries
         with self._lock:
-            if text in self._entries:
-                return
-            self._entries[text] = (ids, json, size)
-            self.bytes += size
+            for text, ids, json in pieces:
+                size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + (_BYTES_PER_ID + 8) * len(ids)
+                if size > self.max_entry_bytes or text in entries:
+                    continue
+                entries[text] = (ids, json, size)
+                self.bytes += size
             while self.bytes > self.max_bytes:
-                _, (_, _, dropped) = self._entries.popitem(last=False)
+                _, (_, _, dropped) = entries.popitem(last=False)
                 self.bytes -= dropped
                 self.evictions += 1
 
@@ -139,6 +159,18 @@ class PromptIds(list[int]):
 
 
 _encode_json = msgspec.json.Encoder().encode
+_EMPTY_ENTRY: tuple[tuple[int, ...], bytes, int] = ((), b"", 0)
+
+
+def _check_unicode(piece: str, text: str) -> None:
+    try:
+        piece.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # the index in the whole prompt, as the tokenizer's encode says
+            raise ValueError(f"text is not valid Unicode (lone surrogate at index {exc.start})") from None
+        raise
 
 
 class IncrementalEncoder:
@@ -158,6 +190,7 @@ class IncrementalEncoder:
         raw = {tok.content: i for i, tok in tokenizer.hf.get_added_tokens_decoder().items()
                if tok.content and not tok.normalized}
         self._added_ids = raw
+        self._added_json = {content: (token_id, b"%d" % token_id) for content, token_id in raw.items()}
         # Longest first: at one position Python's alternation takes the first branch that matches, so this
         # is the leftmost-longest match tokenizers' own added-token trie makes (as tiktoken_fast_path's).
         longest_first = sorted(raw, key=len, reverse=True)
@@ -175,35 +208,48 @@ class IncrementalEncoder:
     def encode(self, text: str) -> list[int]:
         if not self.enabled or self._cutter is None:
             return self.tokenizer.encode(text)
-        if not text.isascii():
-            try:
-                text.encode("utf-8")  # lone surrogates: the same ValueError as the tokenizer's encode
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"text is not valid Unicode (lone surrogate at index {exc.start})") from None
         cache = self.cache
-        added = self._added_ids
-        encode = self.tokenizer.encode_between_added
-        ids = PromptIds()
-        json_parts: list[bytes] = []
+        # split() with a group alternates [piece, token, piece, token, ..., piece]: pieces at even places
+        parts = self._cutter.split(text)
+        pieces = parts[0::2]
+        entries = cache.get_many(pieces)
+        fresh: list[tuple[str, tuple[int, ...], bytes]] = []
         missed = 0
-        # split() with a group alternates [piece, token, piece, token, ..., piece]
-        for i, part in enumerate(self._cutter.split(text)):
-            if i & 1:
-                token = added[part]
-                ids.append(token)
-                json_parts.append(b"%d" % token)
-            elif part:
-                cached = cache.get(part)
-                if cached is None:
-                    piece_ids = tuple(encode(part))
-                    cached = piece_ids, _encode_json(piece_ids)[1:-1]
-                    cache.put(part, *cached)
+        for k, entry in enumerate(entries):
+            if entry is None:
+                piece = pieces[k]
+                if piece:
+                    if not piece.isascii():
+                        # Lone surrogates: the tokenizer's ValueError. Only new pieces need the check: a hit
+                        # is a piece that passed it, and added tokens are valid text.
+                        _check_unicode(piece, text)
+                    piece_ids = tuple(self.tokenizer.encode_between_added(piece))
+                    piece_json = _encode_json(piece_ids)[1:-1]
+                    fresh.append((piece, piece_ids, piece_json))
                     missed += len(piece_ids)
-                ids.extend(cached[0])
-                if cached[1]:
-                    json_parts.append(cached[1])
+                    entries[k] = (piece_ids, piece_json, 0)
+                else:  # between two adjacent added tokens, or at either end
+                    entries[k] = _EMPTY_ENTRY
+        if fresh:
+            cache.put_many(fresh)  # outside the lookup: another lane keeps finding hits meanwhile
+        ids = PromptIds()
+        extend = ids.extend
+        json_parts: list[bytes] = []
+        add_json = json_parts.append
+        added = self._added_json
+        tokens = iter(parts[1::2])
+        for entry in entries:
+            piece_ids, piece_json, _ = entry or _EMPTY_ENTRY  # (every entry is filled in by now)
+            extend(piece_ids)
+            if piece_json:
+                add_json(piece_json)
+            token = next(tokens, None)
+            if token is not None:
+                token_id, token_json = added[token]
+                ids.append(token_id)
+                add_json(token_json)
         ids.json_parts = json_parts
-        with self.cache._lock:  # counted from both render lanes
+        with cache._lock:  # counted from both render lanes
             self.miss_tokens += missed
             self.hit_tokens += len(ids) - missed
         return ids

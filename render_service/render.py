@@ -332,9 +332,9 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
-    if config.harmony:
-        return _render_harmony_chat(req, config, tool_choice, request_id)
     given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
+    if config.harmony:
+        return _render_harmony_chat(req, config, tool_choice, request_id, given)
     if given is None:
         token_ids, kwargs = render_chat_prompt(req, config)
         forced_prefix = _native_forced_call_prefix(config, tool_choice, named, token_ids)
@@ -386,16 +386,18 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
 
 
 def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
-                         request_id: str | None) -> GenerateRequest:
-    """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/)."""
-    from render_service.harmony.render import render_harmony_request
+                         request_id: str | None, given: list[int] | None) -> GenerateRequest:
+    """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/); ``given``: ids
+    rendered already (prerendered.py), used where they end as our render would."""
+    from render_service.harmony.render import prerendered_harmony_ids, render_harmony_request
 
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
     if violation:
         raise bad_request(*violation)
-    token_ids, structured = render_harmony_request(req, config, tool_choice)
+    prerendered = prerendered_harmony_ids(req, config, tool_choice, given) if given is not None else None
+    token_ids, structured = prerendered or render_harmony_request(req, config, tool_choice)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     params = build_sampling_params(

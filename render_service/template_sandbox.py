@@ -5,6 +5,7 @@ HF's globals and filters, and bounds on what a template may cost (output size, p
 from __future__ import annotations
 
 import json
+import types
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
@@ -52,9 +53,15 @@ def _raise_exception(message: Any) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+# What json.dumps builds for HF's default options, built once (templates call tojson per tool and tool call).
+_TOJSON_DEFAULT = json.JSONEncoder(ensure_ascii=False)
+
+
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes HTML characters; HF's does not, and exposes these options.
+    if ensure_ascii is False and indent is None and separators is None and sort_keys is False:
+        return _TOJSON_DEFAULT.encode(x)
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -93,6 +100,9 @@ class _SafeNamespace(jinja2.utils.Namespace):
 
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+# The sandbox wraps these bound str methods (a format string can reach attributes); never shortcut them.
+_STR_FORMAT_METHODS = frozenset({"format", "format_map"})
+_METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
 
 
 # Bounds on what one render may build: a template (a request's own, or a model's) must not be able to
@@ -122,12 +132,34 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
     def getattr(self, obj: Any, attribute: str) -> Any:
         # A plain dict has no attributes beyond dict's own, so Jinja's getattr would fail and fall back
         # to obj[attribute]; all template data is rebuilt as plain dicts, so go there directly.
-        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
             try:
                 return obj[attribute]
             except KeyError:
                 return self.undefined(obj=obj, name=attribute)
+        # An attribute this type was found safe to read before (loop.index0, str.startswith, ...): the
+        # sandbox's own checks would pass again, except its str.format wrapping, which is kept.
+        if self._attribute_safety.get((kind, attribute)) and attribute not in _STR_FORMAT_METHODS:
+            try:
+                value = getattr(obj, attribute)
+            except AttributeError:
+                pass  # the sandbox then tries obj[attribute]
+            else:
+                if not isinstance(value, _METHOD_TYPES) or value.__name__ not in _STR_FORMAT_METHODS:
+                    return value
         return super().getattr(obj, attribute)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's)
+        # A bound method of a str ('x'.strip, .split, .startswith): the sandbox would find it safely
+        # callable and context.call would call it plainly (it takes no context); str.format is wrapped by
+        # getattr into a function, so never arrives here as a builtin method, and is excluded anyway.
+        if type(__obj) is types.BuiltinMethodType and type(__obj.__self__) is str \
+                and __obj.__name__ not in _STR_FORMAT_METHODS:
+            kwargs.pop("_loop_vars", None)
+            kwargs.pop("_block_vars", None)
+            return __obj(*args, **kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         # The sandbox's verdict depends only on the object's type and the attribute's name (isinstance

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import jinja2
@@ -106,12 +107,12 @@ class ChatTemplate:
         self._template = compile_template(source)
         self._special = dict(special_tokens or {})
 
-    @property
+    @cached_property
     def content_format(self) -> str:
         """How vLLM would hand this template message content: "string" or "openai" (parts)."""
         return detect_content_format(self.source)
 
-    @property
+    @cached_property
     def supports_developer_role(self) -> bool:
         # vLLM's test: the template names the role in quotes.
         return '"developer"' in self.source or "'developer'" in self.source

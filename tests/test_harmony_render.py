@@ -299,3 +299,44 @@ def test_fingerprint_names_the_harmony_renderer():
                                   tool_call_parser="openai", enable_auto_tool_choice=True,
                                   default_chat_template_kwargs={})
     assert config.fingerprint == expected
+
+
+# ------------------------------------------------------------------------- prompts rendered already
+
+def test_ids_rendered_already_are_used_not_rendered_again():
+    """A router that rendered for prefix routing passes the ids on (prerendered.py): ours with its fingerprint,
+    vLLM's without. Different messages with those ids give those ids: nothing was rendered again."""
+    config = gpt_oss_config()
+    other = render_chat(_request(CONVERSATIONS[3]), config).token_ids
+    for kv in ({"prompt_token_ids": other, "render_fingerprint": config.fingerprint}, {"prompt_token_ids": other}):
+        got = render_chat(_request(CONVERSATIONS[0], kv_transfer_params={**kv, "do_remote_decode": True}), config)
+        assert got.token_ids == other
+        assert got.sampling_params.extra_args == {"kv_transfer_params": {"do_remote_decode": True}}
+    with pytest.raises(ApiError) as err:
+        render_chat(_request(CONVERSATIONS[0], kv_transfer_params={"prompt_token_ids": other,
+                                                                    "render_fingerprint": "fp1-0123456789abcdef"}),
+                    config)
+    assert err.value.status == 400 and err.value.param == "kv_transfer_params.render_fingerprint"
+
+
+def test_ids_rendered_already_must_open_the_constrained_message_else_it_is_rendered_here():
+    """A forced call or structured output opens its message at the prompt's end; our render wrote that opening,
+    vLLM's does not, so ids without it are rendered again here (with the constraint that needs it)."""
+    config = gpt_oss_config()
+    named = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER, SEARCH],
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    ours = render_chat(_request(named), config)
+    reused = render_chat(_request(named, kv_transfer_params={"prompt_token_ids": ours.token_ids}), config)
+    assert reused.token_ids == ours.token_ids
+    assert reused.sampling_params.structured_outputs == ours.sampling_params.structured_outputs
+    plain = render_chat(_request({**named, "tool_choice": "auto"}), config).token_ids  # vLLM's shape: no opening
+    again = render_chat(_request(named, kv_transfer_params={"prompt_token_ids": plain}), config)
+    assert again.token_ids == ours.token_ids != plain
+
+
+def test_requests_with_ids_rendered_already_are_checked_as_if_rendered():
+    given = render_chat(_request(CONVERSATIONS[0]), gpt_oss_config()).token_ids
+    with pytest.raises(ApiError) as err:
+        render_chat(_request(CONVERSATIONS[0], reasoning_effort="none", kv_transfer_params={"prompt_token_ids": given}),
+                    gpt_oss_config())
+    assert err.value.status == 400 and err.value.param == "reasoning_effort"

@@ -227,6 +227,21 @@ def test_hits_and_misses_are_counted_in_tokens(qwen_fast):
     assert encoder.take_counts() == (n, 0)
 
 
+def test_lone_surrogates_are_refused_as_the_tokenizer_refuses_them(qwen_fast):
+    """Only new pieces are checked (a hit passed the check once); the error still names the index in the whole
+    prompt, as the tokenizer's own encode does."""
+    encoder = IncrementalEncoder(qwen_fast)
+    good = "<|im_start|>user\nhé, ok<|im_end|>\n"
+    encoder.encode(good)
+    for bad in (good + "<|im_start|>user\nx \ud800 y<|im_end|>", "\udc00" + good, good + "é\ud83d"):
+        with pytest.raises(ValueError) as ours:
+            encoder.encode(bad)
+        with pytest.raises(ValueError) as theirs:
+            qwen_fast.encode(bad)
+        assert str(ours.value) == str(theirs.value)
+    assert encoder.encode(good) == ref(qwen_fast, good)
+
+
 # --------------------------------------------------------------------------- the length bound (no tokenizing)
 
 @PROPERTY

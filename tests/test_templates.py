@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jinja2
 import pytest
 
 from render_service.bundle import load_bundle
@@ -274,6 +275,41 @@ def test_template_syntax_error_is_template_error():
 def test_sandbox_refusals_are_template_errors(source):
     with pytest.raises(TemplateError):
         ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+
+
+SANDBOX_PROBES = [
+    "{% for m in messages %}{{ loop.index0 }}{{ m.content.strip().startswith('h') }}{{ 'x,y'.split(',')|length }}"
+    "{% endfor %}",
+    "{{ 'a{}b'.format(messages|length) }}{{ '{a[role]}'.format_map({'a': messages[0]}) }}",
+    "{{ '{0.__class__}'.format(messages[0]) }}",
+    "{{ '{0.__class__.__mro__}'.format(messages) }}",
+    "{{ messages.__class__.__mro__ }}",
+    "{{ messages[0].content.__class__.__base__ }}",
+    "{{ messages[0].content.strip.__call__() }}",
+    "{{ (messages[0].content.strip).__self__ }}{{ '{0}'.format.__self__ }}",
+    "{% for m in messages %}{{ loop.__class__.__init__ }}{% endfor %}",
+    "{% set xs = [] %}{{ xs.append(1) }}",
+]
+
+
+@pytest.mark.parametrize("source", SANDBOX_PROBES)
+def test_sandbox_shortcuts_answer_as_jinjas_sandbox_however_often_asked(source):
+    """The sandbox remembers attributes found safe and calls str methods directly; what a template may reach
+    (str.format's wrapping included) must stay what Jinja's own immutable sandbox allows, warm or cold."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    vanilla = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "ok"}]
+    try:
+        expected = vanilla.from_string(source).render(messages=messages)
+    except jinja2.exceptions.SecurityError as exc:
+        expected = f"refused: {exc}"
+    for _ in range(3):
+        try:
+            got = ChatTemplate(source).render(messages)
+        except TemplateError as exc:
+            got = f"refused: {exc}"
+        assert got == expected
 
 
 @pytest.mark.parametrize("source, message", [

@@ -341,10 +341,19 @@ def render_harmony_request(req: Any, config: Any, tool_choice: str) -> tuple[lis
     structured_outputs constrain the opened final answer. "required" with one tool is that tool named; with
     several it is left to the model (no single message opens "any of these calls").
     """
-    from render_service.render import _structured_outputs
     from render_service.render_config import resolve_chat_template_kwargs
 
     kwargs = resolve_chat_template_kwargs(req, config)
+    named, structured = harmony_constraint(req, tool_choice)
+    ids = render_harmony_chat(req, config.tokenizer, kwargs, "named" if named else tool_choice, named,
+                              structured is not None)
+    return ids, structured
+
+
+def harmony_constraint(req: Any, tool_choice: str) -> tuple[str | None, dict[str, Any] | None]:
+    """(the tool a reply must call, the structured-outputs constraint) of a request, as its prompt opens them."""
+    from render_service.render import _structured_outputs
+
     structured = _structured_outputs(req)
     named = None
     if tool_choice == "required" and len(req.tools) == 1:  # one tool to call: the same as naming it
@@ -354,9 +363,26 @@ def render_harmony_request(req: Any, config: Any, tool_choice: str) -> tuple[lis
     if named is not None:
         tool = next(t for t in req.tools if (t.get("function") or {}).get("name") == named)
         structured = {"json": tool["function"].get("parameters") or {"type": "object", "properties": {}}}
-    ids = render_harmony_chat(req, config.tokenizer, kwargs, "named" if named else tool_choice, named,
-                              structured is not None)
-    return ids, structured
+    return named, structured
+
+
+def prerendered_harmony_ids(req: Any, config: Any, tool_choice: str, given: list[int],
+                            ) -> tuple[list[int], dict[str, Any] | None] | None:
+    """``given`` (a prompt rendered already, prerendered.py) in place of render_harmony_request's render, when
+    it ends as ours would: a prompt that opens a constrained message (a forced call, structured output) must
+    end with that opening, which our render tier writes and vLLM's does not; None means render here. The
+    request is still mapped to Harmony messages, so what render refuses is refused alike."""
+    from render_service.render_config import resolve_chat_template_kwargs
+
+    named, structured = harmony_constraint(req, tool_choice)
+    choice = "named" if named else tool_choice
+    harmony_messages(req, resolve_chat_template_kwargs(req, config), bool(req.tools) and choice != "none")
+    prefix = generation_prefix(choice, named, structured is not None)
+    if prefix:
+        tail = renderer_for(config.tokenizer).encode_with_markers(prefix)
+        if given[-len(tail):] != tail:
+            return None
+    return given, structured
 
 
 def harmony_parser_flags(reasoning_parser: str | None, tool_call_parser: str | None) -> tuple[str, str | None]:
