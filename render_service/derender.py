@@ -76,7 +76,7 @@ def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> No
     """Resource bounds, checked before any decoding (client-supplied sizes are untrusted)."""
     if len(responses) > MAX_N:
         raise bad_request(f"generate_responses count ({len(responses)}) exceeds server maximum ({MAX_N}).")
-    vocab = config.tokenizer.vocab_size
+    vocab = config.output_vocab_size
     for gen in responses:
         if gen.output_mode not in (None, "tokens"):
             raise bad_request(
@@ -95,7 +95,8 @@ def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> No
                                   f"({config.max_model_len}).")
             if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; find the culprit only on failure
                 bad = next(t for t in ids if not 0 <= t < vocab)
-                raise bad_request(f"token id {bad} in choice {choice.index} is out of vocabulary", "token_ids")
+                raise bad_request(f"token id {bad} in choice {choice.index} is outside the model's vocabulary "
+                                  f"(0..{vocab - 1})", "token_ids")
             check_logprobs_bounds(choice.logprobs, choice.index, config)
         if gen.prompt_logprobs is not None and isinstance(gen.prompt_logprobs, list) \
                 and len(gen.prompt_logprobs) > config.max_model_len:

@@ -85,10 +85,10 @@ def _check_chunk(chunk: GenerateStreamResponse, config: RenderConfig) -> list[in
     ids = chunk.choices[0].token_ids or []
     if len(ids) > config.max_model_len:
         raise bad_request(f"generate_chunk token_ids exceed max_model_len ({config.max_model_len})", "generate_chunk")
-    vocab = config.tokenizer.vocab_size
-    for t in ids:
-        if not 0 <= t < vocab:
-            raise bad_request(f"token id {t} is out of vocabulary", "generate_chunk")
+    vocab = config.output_vocab_size
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise bad_request(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})", "generate_chunk")
     return ids
 
 
@@ -143,7 +143,7 @@ def derender_chat_stream(
     parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None or pipeline.tools is not None
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
     session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len,
-                           parser_path)
+                           parser_path, vocab_size=config.output_vocab_size)
     delta = _step(session, ids, choice.finish_reason)
     state = session.state
     message = delta_message(delta, config.reasoning_field)
@@ -183,7 +183,8 @@ def derender_completion_stream(
     pcfg = completion_pipeline_config(config, creq, request_id=request_id, choice_index=choice.index)
     pipeline, state_binding = _pipeline_for(pcfg, config.tokenizer)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
-    session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len, False)
+    session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len, False,
+                           vocab_size=config.output_vocab_size)
     delta = _step(session, ids, choice.finish_reason)
     session.state.role_sent = True
     logprobs = None

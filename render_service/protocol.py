@@ -195,8 +195,11 @@ class CompletionRequest(msgspec.Struct):
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
-    """Render output and /inference/v1/generate input. Key order and null-valued keys match vLLM 0.32.
+    """Render output and /inference/v1/generate input. Key order and null-valued keys match vLLM 0.33.
 
+    0.33's shape: a request's ``kv_transfer_params`` at the top level (0.32 put a chat request's in
+    ``sampling_params.extra_args``; engines of both releases copy the top-level value there) and
+    ``parse_context`` (the chat context 0.33's ``output_mode: "derender"`` parses with; null for completions).
     ``render_fingerprint`` is ours (vLLM's engine ignores unknown keys): the hash of the render
     configuration, for derender to check (render_service.fingerprint).
     """
@@ -212,6 +215,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     reasoning_parser_kwargs: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text"] = "tokens"
+    parse_context: dict[str, Any] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None

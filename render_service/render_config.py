@@ -71,6 +71,23 @@ class RenderConfig:
     def has_parsers(self) -> bool:
         return bool(self.reasoning_parser or self.tool_call_parser)
 
+    @property
+    def output_vocab_size(self) -> int:
+        """Token ids an engine may send back: the model's vocab_size (config.json), which is often larger than
+        the tokenizer's (Qwen3: 151936 rows, 151669 tokens). Ids in between decode to nothing, as in vLLM."""
+        return max(self.tokenizer.vocab_size, model_vocab_size(getattr(self.bundle, "config", None)))
+
+
+def model_vocab_size(config: Any) -> int:
+    """config.json's vocab_size (or its text_config's, for multimodal configs); 0 when it names none."""
+    if not isinstance(config, dict):
+        return 0
+    for source in (config, config.get("text_config")):
+        value = source.get("vocab_size") if isinstance(source, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
 
 def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
     """The sampling defaults vLLM reads from generation_config.json (``max_new_tokens`` -> ``max_tokens``)."""

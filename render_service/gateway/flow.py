@@ -251,6 +251,12 @@ class Gateway:
             tried.add(decode.url)
             self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + call.wire_id(prid), call.wire_id(prid)])
             raise EngineUnavailable(f"decode replica failed: {exc}") from None
+        except EngineRejected as exc:  # decode refused the request: nobody will pull what prefill holds for it
+            self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + call.wire_id(prid), call.wire_id(prid)])
+            if exc.param() == "kv_transfer_params":  # prefill's params, not the client's: the fleet is mismatched
+                raise EngineStreamBroken(f"decode replica {decode.url} refused prefill {prefill.url}'s "
+                                         f"kv_transfer_params: {exc.message()}") from None
+            raise
 
     async def _prefill(self, gen: GenerateRequest, rid: str, replica: Replica, call: EngineCall,
                        held: HeldTurn | None = None, keep_rid: bool = False) -> tuple[dict, str]:
@@ -383,7 +389,8 @@ class LiveStream:
             on_batch(events)
 
         def end(error: Exception | None) -> None:
-            self._release(failed=error is not None)
+            # An engine refusing the request (a 4xx error event) is healthy: the client's request was wrong.
+            self._release(failed=error is not None and not isinstance(error, EngineRejected))
             on_end(error)
 
         self._events.push(batch if self._call.conversation else on_batch, end)

