@@ -31,12 +31,13 @@ needs_vllm033 = pytest.mark.skipif(
 
 
 class Peer:
-    """A started peer server: its URL, and its log for failure messages."""
+    """A started peer server: its URL, and its log for failure messages (``model``: an engine's model dir)."""
 
-    def __init__(self, url: str, pid: int, log: Path) -> None:
+    def __init__(self, url: str, pid: int, log: Path, model: Path | None = None) -> None:
         self.url = url
         self.pid = pid
         self.log = log
+        self.model = model
 
     def post(self, path: str, body: dict, **kw) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=120, **kw)
@@ -48,13 +49,22 @@ class Peer:
             return ""
 
 
-def _started(url: str, pid: int, log: Path, timeout_s: float = 600) -> Peer:
+def _started(url: str, pid: int, log: Path, timeout_s: float = 600, model: Path | None = None) -> Peer:
     try:
         peers.wait_healthy(url, pid, timeout_s)
     except RuntimeError as exc:
         peers.stop_tree(pid)
         raise RuntimeError(f"{exc}\n{log.read_text(errors='replace')[-3000:] if log.exists() else ''}") from None
-    return Peer(url, pid, log)
+    return Peer(url, pid, log, model)
+
+
+def write_tiny_qwen3_head_dim_32(out_dir: Path) -> Path:
+    """A tiny random float32 Qwen3 with the real Qwen3 tokenizer and head_dim 32 (vLLM's CPU attention refuses
+    the default tiny model's 16). Its config says 4096 positions; the engines run it with a smaller context."""
+    from token_engine.random_model import write_random_model
+
+    return write_random_model(out_dir, arch="qwen3", preset="tiny", overrides={"head_dim": 32},
+                              tokenizer_dir=QWEN3_FIXTURE_DIR, dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +89,27 @@ def vllm033_render(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm033") / "render.log"
     proc = peers.start_vllm033(QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM033, log=log)
     peer = _started(f"http://127.0.0.1:{port}", proc.pid, log)
+    yield peer
+    peers.stop_tree(proc.pid)
+    proc.wait(timeout=30)
+
+
+VLLM_ENGINE_MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def vllm032_engine(tmp_path_factory):
+    """vLLM 0.32's tokens-only CPU engine (served as "tiny", --max-model-len 512) on a tiny random Qwen3;
+    ``.model`` is the model directory, for our engine and render tier to load the same weights."""
+    if not peers.vllm_present(VLLM032):
+        pytest.skip(f"vLLM 0.32 peer not installed in {VLLM032}")
+    root = tmp_path_factory.mktemp("vllm032-engine")
+    model = write_tiny_qwen3_head_dim_32(root / "tiny32")
+    port = peers.free_port()
+    log = root / "engine.log"
+    proc = peers.start_vllm_engine(model, port, venv=VLLM032, log=log, max_model_len=VLLM_ENGINE_MAX_MODEL_LEN,
+                                   env={"OMP_NUM_THREADS": "1"})
+    peer = _started(f"http://127.0.0.1:{port}", proc.pid, log, timeout_s=900, model=model)
     yield peer
     peers.stop_tree(proc.pid)
     proc.wait(timeout=30)
