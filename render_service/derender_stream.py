@@ -16,6 +16,7 @@ import msgspec
 from render_service.choice_shapes import completion_pipeline_config, delta_message
 from render_service.derender import (
     PARSER_NEEDS_CHAT_REQUEST,
+    asks_weight_versions,
     check_fingerprint,
     fingerprint_sent,
     pipeline_config,
@@ -102,9 +103,10 @@ def _usage(chunk: GenerateStreamResponse, prompt_tokens: int | None) -> UsageInf
 
 
 def _envelope(cls: type[_Chunk], chunk: GenerateStreamResponse, model: str, prompt_tokens: int | None) -> _Chunk:
-    """The answer's chunk before its choice: the engine chunk's id, usage and metrics."""
+    """The answer's chunk before its choice: the engine chunk's id, usage, metrics and kv_transfer_params (vLLM
+    0.33's key; decode's end of turn)."""
     return cls(id=chunk.request_id or "", created=int(time.time()), model=model, choices=[],
-               usage=_usage(chunk, prompt_tokens), metrics=chunk.metrics)
+               usage=_usage(chunk, prompt_tokens), metrics=chunk.metrics, kv_transfer_params=chunk.kv_transfer_params)
 
 
 def _step(session: Session, ids: list[int], finish_reason: str | None) -> ChoiceDelta:
@@ -161,6 +163,7 @@ def derender_chat_stream(
         index=choice.index, delta=message, logprobs=logprobs, finish_reason=finish,
         stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
         token_ids=ids if returns_token_ids(req.chat_request, pcfg) else None,
+        weight_versions=choice.weight_versions if asks_weight_versions(req.chat_request) else None,
     )]
     return DerenderChatStreamResponse(
         chunk=out_chunk, stream_state=answer_state(session, state_binding, runtime, ids, parser_path)
@@ -201,6 +204,7 @@ def derender_completion_stream(
         logprobs=logprobs,
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+        weight_versions=choice.weight_versions if asks_weight_versions(creq) else None,
     )]
     return DerenderCompletionStreamResponse(
         chunk=out_chunk, stream_state=answer_state(session, state_binding, runtime, ids, False)

@@ -140,6 +140,7 @@ class ChatCompletionRequest(msgspec.Struct):
     return_tokens_as_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
+    return_weight_versions: bool = False  # vLLM 0.33: each choice says which weights sampled which tokens
     user: str | None = None
     request_id: str | None = None
     conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
@@ -185,6 +186,7 @@ class CompletionRequest(msgspec.Struct):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    return_weight_versions: bool = False
     user: str | None = None
     request_id: str | None = None
     conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
@@ -281,6 +283,7 @@ class GenerateStreamChoice(msgspec.Struct):
     logprobs: Any = None
     routed_experts: str | None = None
     text: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # on a choice's last event
 
 
 class GenerateStreamResponse(msgspec.Struct):
@@ -382,6 +385,7 @@ class ChatCompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM 0.33; set with return_weight_versions
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -411,6 +415,7 @@ class CompletionChoice(msgspec.Struct):
     prompt_logprobs: Any = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -457,6 +462,7 @@ class ChatCompletionStreamChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM 0.33: a choice's last chunk, when asked
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -470,6 +476,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM 0.33: the final chunk's (decode's end of turn)
 
 
 class CompletionStreamChoice(msgspec.Struct):
@@ -480,6 +487,7 @@ class CompletionStreamChoice(msgspec.Struct):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 class CompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -491,6 +499,7 @@ class CompletionStreamResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DerenderChatStreamResponse(msgspec.Struct):
