@@ -480,7 +480,7 @@ def parse_context(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
 # --------------------------------------------------------------------------------------- completions
 
 
-def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
     """vLLM's accepted prompt shapes: str, [str, ...], [int, ...], [[int, ...], ...]."""
     if isinstance(prompt, str):
         return [prompt]
@@ -518,7 +518,7 @@ def render_completion(
         raise bad_request("logprobs must be non-negative", "logprobs")
     prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if req.echo else None)
     requested = 1 if echo_only else req.max_tokens
-    prompts = _completion_prompts(req.prompt)
+    prompts = completion_prompts(req.prompt)
     violation = prompts_limit_violation(len(prompts))
     if violation:
         raise bad_request(*violation)

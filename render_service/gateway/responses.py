@@ -23,7 +23,12 @@ import msgspec
 from render_service.choice_shapes import chat_message, completion_pipeline_config, delta_message, put_reasoning
 from render_service.derender import pipeline_config
 from render_service.gateway.stop_strings import StopMatcher, stop_list
-from render_service.logprobs import resolve_chat_logprobs, resolve_completion_logprobs, tokens_as_token_ids
+from render_service.logprobs import (
+    PromptLogprobs,
+    resolve_chat_logprobs,
+    resolve_completion_logprobs,
+    tokens_as_token_ids,
+)
 from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, merge_deltas
 from render_service.protocol import (
     ChatCompletionChoice,
@@ -41,6 +46,7 @@ from render_service.protocol import (
     GenerateStreamChoice,
     UsageInfo,
 )
+from render_service.render import completion_prompts
 from render_service.render_config import RenderConfig
 from render_service.tool_choice import forces_a_call
 
@@ -174,6 +180,7 @@ class _Responder:
         self.eos_token_id = primary_eos_token_id(config)
         self.counts_reasoning = False  # chat with a reasoning parser: usage has completion_tokens_details
         self.weight_versions = False
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its resolved prompt logprobs
 
     def choice(self, prompt_index: int, index: int) -> tuple[int, ChoiceOutput, bool]:
         """(global choice index, its output, whether it is new)."""
@@ -235,6 +242,13 @@ class _Responder:
     def choice_usage(self, prompt_tokens: int, out: ChoiceOutput) -> UsageInfo:
         """``continuous_usage_stats``: one choice's counts so far."""
         return _usage(prompt_tokens, out.tokens, self.reasoning_tokens([out]))
+
+    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+        """The engines' prompt logprobs of the prompts that asked for them, resolved to token text."""
+        for prompt_index, entries in raw.items():
+            self.prompt_logprobs[prompt_index] = PromptLogprobs(
+                entries, self.gens[prompt_index].token_ids, self.config.tokenizer,
+                tokens_as_token_ids(request, self.config))
 
     def finished_choice(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> None:
         """What the engine's last event of a choice carries beyond tokens."""
@@ -362,6 +376,9 @@ class ChatResponder(_Responder):
                 chunk.prompt_token_ids = self.gens[0].token_ids
         return chunk
 
+    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+        super().prompt_logprobs_from(raw, self.req)
+
     def _ending(self, chunk: ChatCompletionStreamResponse, out: ChoiceOutput) -> None:
         c = chunk.choices[0]
         c.finish_reason, c.stop_reason, c.weight_versions = out.finish_reason, out.stop_reason, out.weight_versions
@@ -393,9 +410,11 @@ class ChatResponder(_Responder):
             choices.append(ChatCompletionChoice(index=key, message=message, logprobs=logprobs,
                                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                                                 token_ids=out.token_ids, weight_versions=out.weight_versions))
+        prompt = self.prompt_logprobs.get(0)
         return ChatCompletionResponse(
             id=self.response_id, created=self.created, model=self.model, choices=choices, usage=self.final_usage(),
             system_fingerprint=self.fingerprint,
+            prompt_logprobs=prompt.response_entries() if prompt is not None else None,
             prompt_token_ids=self.gens[0].token_ids if self.return_token_ids else None,
         )
 
@@ -409,6 +428,10 @@ class CompletionResponder(_Responder):
         self.req = req
         self.stops = stop_list(req.stop)
         self.weight_versions = req.return_weight_versions
+        # echo: each choice starts with its prompt; max_tokens 0 (lm-eval's loglikelihood shape) keeps only that
+        self.echo = bool(req.echo)
+        self.echo_only = self.echo and req.max_tokens == 0
+        self.echoed: set[int] = set()
         self.texts: dict[int, list[str]] = {}
         self.logprobs: dict[int, dict[str, list]] = {}
         self.first_of_prompt: set[int] = set()
@@ -418,6 +441,9 @@ class CompletionResponder(_Responder):
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
+    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+        super().prompt_logprobs_from(raw, self.req)
+
     def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
         if choice.logprobs is None or self.req.logprobs is None:
             return None
@@ -426,6 +452,29 @@ class CompletionResponder(_Responder):
         if resolved and resolved["tokens"]:
             out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
         return resolved
+
+    def _echo(self, key: int, prompt_index: int, out: ChoiceOutput, text: str, logprobs: Any) -> tuple[str, Any]:
+        """The first output of a choice with ``echo``: its prompt's text (and logprobs) before the model's (vLLM's
+        rule: the text prompt as sent, a token prompt decoded); with max_tokens 0 the prompt's alone."""
+        if not self.echo or key in self.echoed:
+            return ("", None) if self.echo_only else (text, logprobs)
+        self.echoed.add(key)
+        prompt = completion_prompts(self.req.prompt)[prompt_index]
+        prompt_text = prompt if isinstance(prompt, str) else self.config.tokenizer.decode(prompt,
+                                                                                         skip_special_tokens=False)
+        if self.req.logprobs is None:
+            return prompt_text + ("" if self.echo_only else text), None
+        resolved = self.prompt_logprobs.get(prompt_index)
+        head = resolved.echoed(self.req.logprobs) if resolved is not None else None
+        if head is None or self.echo_only:
+            return prompt_text + ("" if self.echo_only else text), head if self.echo_only else logprobs
+        # the model's tokens follow the prompt's: their offsets (these and every later event's) move past it
+        shift = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+        out.text_offset += shift
+        if logprobs is not None:
+            logprobs = {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]}
+            head = {name: head[name] + logprobs[name] for name in head}  # type: ignore[literal-required]
+        return prompt_text + text, head
 
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
         return b"".join(map(sse, self.stream_chunks(prompt_index, choice)))
@@ -440,9 +489,10 @@ class CompletionResponder(_Responder):
             self.all_done = self.finished()
             self.finished_choice(out, choice)
         logprobs = self._logprobs(out, choice)
-        if not (delta.content or out.done or logprobs is not None or (self.return_token_ids and ids)):
+        text, logprobs = self._echo(key, prompt_index, out, delta.content or "", logprobs)
+        if not (text or out.done or logprobs is not None or (self.return_token_ids and ids)):
             return []
-        c = CompletionStreamChoice(index=key, text=delta.content or "", logprobs=logprobs)
+        c = CompletionStreamChoice(index=key, text=text, logprobs=logprobs)
         if out.done:
             c.finish_reason, c.stop_reason, c.weight_versions = out.finish_reason, out.stop_reason, out.weight_versions
         if self.return_token_ids:
@@ -464,9 +514,9 @@ class CompletionResponder(_Responder):
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
         if out.done:
             self.finished_choice(out, choice)
-        if delta.content:
-            self.texts.setdefault(key, []).append(delta.content)
-        logprobs = self._logprobs(out, choice)
+        text, logprobs = self._echo(key, prompt_index, out, delta.content or "", self._logprobs(out, choice))
+        if text:
+            self.texts.setdefault(key, []).append(text)
         if logprobs is not None:
             acc = self.logprobs.setdefault(key, {name: [] for name in logprobs})
             for name in acc:
@@ -481,9 +531,11 @@ class CompletionResponder(_Responder):
             if self.req.logprobs is not None:
                 logprobs = self.logprobs.get(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
                                                    "top_logprobs": []})
+            prompt = self.prompt_logprobs.get(prompt_index)
             choices.append(CompletionChoice(
                 index=key, text="".join(self.texts.get(key, [])), logprobs=logprobs, finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason, token_ids=out.token_ids,
+                prompt_logprobs=prompt.response_entries() if prompt is not None else None,
                 prompt_token_ids=self.gens[prompt_index].token_ids if self.return_token_ids else None,
                 weight_versions=out.weight_versions,
             ))
