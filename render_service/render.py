@@ -23,7 +23,7 @@ from render_service.render_config import MAX_N, RenderConfig, check_model, resol
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.templates import ChatTemplate, TemplateError
-from render_service.tool_choice import check_render_tool_choice, tool_choice_structured_outputs
+from render_service.tool_choice import check_render_tool_choice, tool_call_constraint
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 
 # vLLM's RequestOutputKind: DELTA for streaming requests, else FINAL_ONLY (the generate server overwrites it).
@@ -369,8 +369,9 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         config.tool_call_parser is not None and bool(req.tools) and tool_choice != "none"
     )
     skip_special = req.skip_special_tokens and not keep_special
-    structured = _structured_outputs(req) or (
-        None if forced_prefix else tool_choice_structured_outputs(req.tools, tool_choice, named))
+    structured = _structured_outputs(req) if forced_prefix else tool_call_constraint(
+        config.tool_call_parser, req.tools, tool_choice, named, req.parallel_tool_calls, _structured_outputs(req),
+        config.tool_strict_level)
     params = build_sampling_params(
         req, config, max_tokens=max_tokens, logprobs=req.top_logprobs if req.logprobs else None,
         skip_special_tokens=skip_special, structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
