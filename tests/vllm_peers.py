@@ -9,6 +9,7 @@ start on a shared 2-core machine), on the Qwen3 fixture with the qwen3 reasoning
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,7 @@ class Peer:
         self.pid = pid
         self.log = log
         self.model = model
+        self.nixl = False  # an engine running vLLM's NixlConnector
 
     def post(self, path: str, body: dict, **kw) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=120, **kw)
@@ -97,19 +99,29 @@ def vllm033_render(tmp_path_factory):
 VLLM_ENGINE_MAX_MODEL_LEN = 512
 
 
+def has_nixl(venv: Path) -> bool:
+    return any(venv.glob("lib/python3*/site-packages/nixl/__init__.py"))
+
+
 @pytest.fixture(scope="session")
 def vllm032_engine(tmp_path_factory):
     """vLLM 0.32's tokens-only CPU engine (served as "tiny", --max-model-len 512) on a tiny random Qwen3;
-    ``.model`` is the model directory, for our engine and render tier to load the same weights."""
+    ``.model`` is the model directory, for our engine and render tier to load the same weights. Where the peer
+    has nixl, the engine runs vLLM's NixlConnector (``.nixl``; CPU KV buffers) and can be a P/D prefill."""
     if not peers.vllm_present(VLLM032):
         pytest.skip(f"vLLM 0.32 peer not installed in {VLLM032}")
     root = tmp_path_factory.mktemp("vllm032-engine")
     model = write_tiny_qwen3_head_dim_32(root / "tiny32")
     port = peers.free_port()
     log = root / "engine.log"
+    nixl = has_nixl(VLLM032)
+    extra = ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                                 "kv_buffer_device": "cpu"})] if nixl else []
+    env = {"OMP_NUM_THREADS": "1", **({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(peers.free_port())} if nixl else {})}
     proc = peers.start_vllm_engine(model, port, venv=VLLM032, log=log, max_model_len=VLLM_ENGINE_MAX_MODEL_LEN,
-                                   env={"OMP_NUM_THREADS": "1"})
+                                   extra=extra, env=env)
     peer = _started(f"http://127.0.0.1:{port}", proc.pid, log, timeout_s=900, model=model)
+    peer.nixl = nixl
     yield peer
     peers.stop_tree(proc.pid)
     proc.wait(timeout=30)
