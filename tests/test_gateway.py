@@ -310,7 +310,8 @@ def test_engine_4xx_reaches_the_client_with_its_status(stack, mode):
 def test_bad_bodies_get_a_4xx_error_envelope(stack, mode):
     url = stack[mode].url
     for body in (b"{", b'{"messages": 3}', b'{"messages": [], "model": "tiny"}',
-                 b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "kv_transfer_params": {"remote_host": "h"}}'):
+                 b'{"messages": [{"role": "user", "content": "x"}], "echo": true}', b'{"prompt": "x", "max_tokens": 0}',
+                 b'{"prompt": "x", "kv_transfer_params": {"remote_host": "h"}}'):
         path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
         r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
         assert 400 <= r.status_code < 500, (body, r.text)
