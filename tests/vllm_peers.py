@@ -69,31 +69,29 @@ def write_tiny_qwen3_head_dim_32(out_dir: Path) -> Path:
                               tokenizer_dir=QWEN3_FIXTURE_DIR, dtype="float32")
 
 
+def _render_peer(tmp_path_factory, venv: Path, name: str, start):
+    """Start a render server with ``start(port, log) -> pid``, yield it, stop its process tree."""
+    if not peers.vllm_present(venv):
+        pytest.skip(f"vLLM peer {name} not installed in {venv}")
+    port = peers.free_port()
+    log = tmp_path_factory.mktemp(name) / "render.log"
+    pid = start(port, log)
+    yield _started(f"http://127.0.0.1:{port}", pid, log)
+    peers.stop_tree(pid)
+
+
 @pytest.fixture(scope="session")
 def vllm032_render(tmp_path_factory):
     """vLLM 0.32's render server with the qwen3 and hermes parsers (the shared start.sh)."""
-    if not peers.vllm_present(VLLM032):
-        pytest.skip(f"vLLM 0.32 peer not installed in {VLLM032}")
-    port = peers.free_port()
-    log = tmp_path_factory.mktemp("vllm032") / "render.log"
-    pid = peers.start_vllm(QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM032, log=log)
-    peer = _started(f"http://127.0.0.1:{port}", pid, log)
-    yield peer
-    peers.stop_tree(pid)
+    yield from _render_peer(tmp_path_factory, VLLM032, "vllm032", lambda port, log: peers.start_vllm(
+        QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM032, log=log))
 
 
 @pytest.fixture(scope="session")
 def vllm033_render(tmp_path_factory):
     """vLLM 0.33's render server with the qwen3 and hermes parsers."""
-    if not peers.vllm_present(VLLM033):
-        pytest.skip(f"vLLM 0.33 peer not installed in {VLLM033}")
-    port = peers.free_port()
-    log = tmp_path_factory.mktemp("vllm033") / "render.log"
-    proc = peers.start_vllm033(QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM033, log=log)
-    peer = _started(f"http://127.0.0.1:{port}", proc.pid, log)
-    yield peer
-    peers.stop_tree(proc.pid)
-    proc.wait(timeout=30)
+    yield from _render_peer(tmp_path_factory, VLLM033, "vllm033", lambda port, log: peers.start_vllm033(
+        QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM033, log=log).pid)
 
 
 VLLM_ENGINE_MAX_MODEL_LEN = 512
