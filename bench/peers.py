@@ -88,7 +88,8 @@ def start_vllm033(model_dir: str | Path, port: int, venv: Path, *, parsers: bool
     """vLLM 0.33's render server (its stock ``vllm launch render``, GPU-less with VLLM_TARGET_DEVICE=cpu)."""
     log = log or PEERS_DIR / f"vllm033-render-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    flags = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"] if parsers else []
+    flags = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"] \
+        if parsers else []
     cmd = [str(venv / "bin" / "vllm"), "launch", "render", str(model_dir), "--served-model-name", "qwen3-0.6b",
            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *flags, *(extra or [])]
     with open(log, "wb") as handle:

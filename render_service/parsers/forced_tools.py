@@ -196,7 +196,9 @@ CALL_SYNTAX_PARSERS = frozenset({"hermes", "qwen3_coder", "qwen3_xml", "deepseek
 UNDECIDED, JSON_SHAPE, CALL_SYNTAX = 0, 1, 2
 
 
-class EitherShapeState(msgspec.Struct, omit_defaults=True):
+class EitherShapeState(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """(unknown fields refused: a state of the JSON-only parsers from before is a 400, never read as a fresh start)"""
+
     mode: int = UNDECIDED
     held: str = ""  # leading whitespace, until the first other character decides the shape
     inner: Any = None  # the deciding parser's state
