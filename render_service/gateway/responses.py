@@ -8,7 +8,7 @@ into one message, so the two agree by construction.
 
 What ``vllm serve`` adds over derender is added here too: ``system_fingerprint`` (the render configuration's
 fingerprint) on non-streamed responses and on a stream's last chunk(s), ``completion_tokens_details.
-reasoning_tokens`` when a reasoning parser is configured (the tokens between its start and end markers),
+reasoning_tokens`` when a reasoning parser is configured (the pipeline's count, parsers/reasoning_count.py),
 ``stop_reason`` null when the model's own EOS token ended a choice, and per-choice ``weight_versions`` when the
 request asks for them (``return_weight_versions``).
 """
@@ -58,44 +58,11 @@ def sse(payload: Any) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
 
 
-class ReasoningCounter:
-    """vLLM's ``count_reasoning_tokens`` for think-tag parsers, fed as tokens arrive: tokens inside the
-    start/end markers (a depth counter, so stray end markers never go negative)."""
-
-    __slots__ = ("start", "end", "depth", "count")
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
-        self.depth = 0
-        self.count = 0
-
-    def feed(self, ids: list[int]) -> None:
-        for t in ids:
-            if t == self.start:
-                self.depth += 1
-            elif t == self.end:
-                self.depth = max(self.depth - 1, 0)
-            elif self.depth:
-                self.count += 1
-
-
-def reasoning_counter(config: RenderConfig) -> ReasoningCounter | None:
-    """A counter for the configured reasoning parser's markers when both are single tokens (else vLLM's
-    parsers count nothing either)."""
-    cls = config.reasoning_parser_cls
-    start_tag, end_tag = getattr(cls, "start_tag", None), getattr(cls, "end_tag", None)
-    if not (isinstance(start_tag, str) and isinstance(end_tag, str)):
-        return None
-    start, end = config.tokenizer.token_to_id(start_tag), config.tokenizer.token_to_id(end_tag)
-    return None if start is None or end is None else ReasoningCounter(start, end)
-
-
 class ChoiceOutput:
     """One choice: its pipeline state, stop-string matcher, token count and finish."""
 
     def __init__(self, pipeline: Pipeline, prompt_ids: list[int], stops: list[str], include_stop: bool,
-                 keep_token_ids: bool, eos_token_id: int | None = None,
-                 reasoning: ReasoningCounter | None = None) -> None:
+                 keep_token_ids: bool, eos_token_id: int | None = None) -> None:
         self.pipeline = pipeline
         self.state = pipeline.initial_state(prompt_ids)
         self.matcher = StopMatcher(stops, include_stop) if stops else None
@@ -107,7 +74,6 @@ class ChoiceOutput:
         self.stop_reason: int | str | None = None
         self.done = False
         self.eos_token_id = eos_token_id  # vllm serve reports no stop_reason when the model's EOS stopped it
-        self.reasoning = reasoning
         self.weight_versions: list[dict[str, Any]] | None = None
 
     def step(self, ids: list[int], engine_finish: str | None, engine_stop_reason: Any = None) -> ChoiceDelta:
@@ -116,8 +82,6 @@ class ChoiceOutput:
         self.tokens += len(ids)
         if self.token_ids is not None:
             self.token_ids.extend(ids)
-        if self.reasoning is not None:
-            self.reasoning.feed(ids)
         delta = pipeline.feed(state, ids) if ids else ChoiceDelta()
         if engine_finish is not None:
             delta = merge_deltas(delta, pipeline.finish(state))
@@ -234,7 +198,7 @@ class _Responder:
     def reasoning_tokens(self, outputs: Any) -> int | None:
         if not self.counts_reasoning:
             return None
-        return sum(c.reasoning.count for c in outputs if c.reasoning is not None)
+        return sum(c.pipeline.reasoning_tokens(c.state) for c in outputs)
 
     def final_usage(self) -> UsageInfo:
         return _usage(self.prompt_tokens, self.completion_tokens(), self.reasoning_tokens(self.choices.values()))
@@ -276,7 +240,6 @@ class ChatResponder(_Responder):
         self.stops = stop_list(req.stop)
         self.forced_tools = forces_a_call(req)
         self.counts_reasoning = config.reasoning_parser is not None
-        self._reasoning_counter = reasoning_counter(config) if self.counts_reasoning else None
         self.weight_versions = req.return_weight_versions
         self.accumulators: dict[int, MessageAccumulator] = {}
         self.logprobs: dict[int, list[Any]] = {}
@@ -286,10 +249,8 @@ class ChatResponder(_Responder):
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
         pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
-        counter = self._reasoning_counter
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
-                            self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id,
-                            None if counter is None else ReasoningCounter(counter.start, counter.end))
+                            self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
     def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
         if choice.logprobs is None or not self.req.logprobs:
