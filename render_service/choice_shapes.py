@@ -9,6 +9,7 @@ batch derender, streaming derender and the gateway share.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from msgspec import UNSET
@@ -68,9 +69,23 @@ def chat_message(fields: dict[str, Any], pcfg: PipelineConfig, reasoning_field: 
     if pcfg.reasoning_parser is None and pcfg.tool_parser is None and message.content is None:
         message.content = ""  # plain detokenization: vLLM answers "" for no text, never null
     if fields["tool_calls"]:
+        ascii_only = pcfg.tool_parser == "openai"  # vLLM's Harmony path: json.dumps with its defaults
         message.tool_calls = [
             ToolCall(id=c["id"], type="function",
-                     function=FunctionCall(name=c["function"]["name"] or "", arguments=c["function"]["arguments"]))
+                     function=FunctionCall(name=c["function"]["name"] or "",
+                                           arguments=final_arguments(c["function"]["arguments"], ascii_only)))
             for c in fields["tool_calls"]
         ]
     return message
+
+
+def final_arguments(raw: str, ascii_only: bool = False) -> str:
+    """A non-streamed call's arguments as vLLM's parsers give them: the model's JSON re-serialized with
+    ``json.dumps`` (``{"k": v}`` spacing, key order kept, non-ASCII as is), so clients that compare or cache
+    the string see vLLM's. Streams carry the model's own text (so do both, in vLLM); arguments that are not
+    one JSON value (a call cut off by max_tokens) stay as written."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return json.dumps(value, ensure_ascii=ascii_only)

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None)
     serve.add_argument("--tool-call-parser", default=None)
     serve.add_argument("--enable-auto-tool-choice", action="store_true")
+    serve.add_argument("--tool-strict-level", default="auto", choices=["auto", "function", "parameter"],
+                       help="vLLM's floor for constraining tool calls (hermes): auto = forced calls' syntax, "
+                            "arguments only for strict tools; function = every request with tools; parameter "
+                            "= also every tool's arguments, as if each were strict")
     serve.add_argument("--reasoning-field", default="reasoning", choices=["reasoning", "reasoning_content", "both"],
                        help="chat key(s) for reasoning text: 'reasoning' (vLLM >= 0.11), the older "
                             "'reasoning_content', or both; batch, streaming derender and the gateway alike")
@@ -241,6 +245,7 @@ def serve(args: argparse.Namespace) -> int:
             reasoning_field=args.reasoning_field,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             render_cache_bytes=args.render_cache_bytes,
+            tool_strict_level=args.tool_strict_level,
         )
         gateway = build_gateway(args)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,

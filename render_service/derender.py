@@ -76,7 +76,7 @@ def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> No
     """Resource bounds, checked before any decoding (client-supplied sizes are untrusted)."""
     if len(responses) > MAX_N:
         raise bad_request(f"generate_responses count ({len(responses)}) exceeds server maximum ({MAX_N}).")
-    vocab = config.tokenizer.vocab_size
+    vocab = config.output_vocab_size
     for gen in responses:
         if gen.output_mode not in (None, "tokens"):
             raise bad_request(
@@ -95,7 +95,8 @@ def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> No
                                   f"({config.max_model_len}).")
             if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; find the culprit only on failure
                 bad = next(t for t in ids if not 0 <= t < vocab)
-                raise bad_request(f"token id {bad} in choice {choice.index} is out of vocabulary", "token_ids")
+                raise bad_request(f"token id {bad} in choice {choice.index} is outside the model's vocabulary "
+                                  f"(0..{vocab - 1})", "token_ids")
             check_logprobs_bounds(choice.logprobs, choice.index, config)
         if gen.prompt_logprobs is not None and isinstance(gen.prompt_logprobs, list) \
                 and len(gen.prompt_logprobs) > config.max_model_len:
@@ -171,6 +172,12 @@ def pipeline_config(
 # ---------------------------------------------------------------------------------------------- chat
 
 
+def asks_weight_versions(request: ChatCompletionRequest | CompletionRequest | None) -> bool:
+    """vLLM 0.33's ``return_weight_versions``: the engine's per-choice spans are passed on only when asked
+    (vLLM's own derender leaves the key null either way; its ``vllm serve`` passes them on when asked)."""
+    return bool(request is not None and request.return_weight_versions)
+
+
 def returns_token_ids(chat_request: ChatCompletionRequest | None, pcfg: PipelineConfig) -> bool:
     """vLLM: ``return_token_ids`` echoes a choice's ids, except while parsed reasoning is hidden."""
     return bool(chat_request is not None and chat_request.return_token_ids and (
@@ -200,6 +207,7 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
             finish_reason=pipeline.finish_reason(state, choice.finish_reason),
             stop_reason=choice.stop_reason,
             token_ids=choice.token_ids if returns_token_ids(req.chat_request, pcfg) else None,
+            weight_versions=choice.weight_versions if asks_weight_versions(req.chat_request) else None,
         ))
     prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else 0
     completion_tokens = sum(len(c.token_ids or ()) for c in gen.choices)
@@ -257,6 +265,7 @@ def derender_completion(
                                                      as_token_ids=tokens_as_token_ids(creq, config)),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
+                weight_versions=choice.weight_versions if asks_weight_versions(creq) else None,
             ))
     prompt_tokens = sum(req.prompt_tokens or ())
     first = responses[0]

@@ -16,6 +16,7 @@ import msgspec
 from render_service.choice_shapes import completion_pipeline_config, delta_message
 from render_service.derender import (
     PARSER_NEEDS_CHAT_REQUEST,
+    asks_weight_versions,
     check_fingerprint,
     fingerprint_sent,
     pipeline_config,
@@ -85,10 +86,10 @@ def _check_chunk(chunk: GenerateStreamResponse, config: RenderConfig) -> list[in
     ids = chunk.choices[0].token_ids or []
     if len(ids) > config.max_model_len:
         raise bad_request(f"generate_chunk token_ids exceed max_model_len ({config.max_model_len})", "generate_chunk")
-    vocab = config.tokenizer.vocab_size
-    for t in ids:
-        if not 0 <= t < vocab:
-            raise bad_request(f"token id {t} is out of vocabulary", "generate_chunk")
+    vocab = config.output_vocab_size
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise bad_request(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})", "generate_chunk")
     return ids
 
 
@@ -102,9 +103,10 @@ def _usage(chunk: GenerateStreamResponse, prompt_tokens: int | None) -> UsageInf
 
 
 def _envelope(cls: type[_Chunk], chunk: GenerateStreamResponse, model: str, prompt_tokens: int | None) -> _Chunk:
-    """The answer's chunk before its choice: the engine chunk's id, usage and metrics."""
+    """The answer's chunk before its choice: the engine chunk's id, usage, metrics and kv_transfer_params (vLLM
+    0.33's key; decode's end of turn)."""
     return cls(id=chunk.request_id or "", created=int(time.time()), model=model, choices=[],
-               usage=_usage(chunk, prompt_tokens), metrics=chunk.metrics)
+               usage=_usage(chunk, prompt_tokens), metrics=chunk.metrics, kv_transfer_params=chunk.kv_transfer_params)
 
 
 def _step(session: Session, ids: list[int], finish_reason: str | None) -> ChoiceDelta:
@@ -143,7 +145,7 @@ def derender_chat_stream(
     parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None or pipeline.tools is not None
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
     session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len,
-                           parser_path)
+                           parser_path, vocab_size=config.output_vocab_size)
     delta = _step(session, ids, choice.finish_reason)
     state = session.state
     message = delta_message(delta, config.reasoning_field)
@@ -161,6 +163,7 @@ def derender_chat_stream(
         index=choice.index, delta=message, logprobs=logprobs, finish_reason=finish,
         stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
         token_ids=ids if returns_token_ids(req.chat_request, pcfg) else None,
+        weight_versions=choice.weight_versions if asks_weight_versions(req.chat_request) else None,
     )]
     return DerenderChatStreamResponse(
         chunk=out_chunk, stream_state=answer_state(session, state_binding, runtime, ids, parser_path)
@@ -183,7 +186,8 @@ def derender_completion_stream(
     pcfg = completion_pipeline_config(config, creq, request_id=request_id, choice_index=choice.index)
     pipeline, state_binding = _pipeline_for(pcfg, config.tokenizer)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
-    session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len, False)
+    session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len, False,
+                           vocab_size=config.output_vocab_size)
     delta = _step(session, ids, choice.finish_reason)
     session.state.role_sent = True
     logprobs = None
@@ -200,6 +204,7 @@ def derender_completion_stream(
         logprobs=logprobs,
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+        weight_versions=choice.weight_versions if asks_weight_versions(creq) else None,
     )]
     return DerenderCompletionStreamResponse(
         chunk=out_chunk, stream_state=answer_state(session, state_binding, runtime, ids, False)

@@ -29,9 +29,9 @@ class CompletionLogprobs(TypedDict, total=False):
     """The legacy completions shape, plus ``token_ids`` parallel to ``tokens`` (absent as for chat)."""
 
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     token_ids: list[int | None]
 
 
@@ -197,3 +197,69 @@ def resolve_completion_logprobs(
     if not as_token_ids:
         out["token_ids"] = [tid for (tid, _, _), _ in entries]
     return out
+
+
+class PromptLogprobs:
+    """An engine's ``prompt_logprobs`` (per prompt position: null, or ``{token id: {logprob, rank, ...}}``,
+    ids as JSON keys) resolved against the prompt's ids: the response's ``prompt_logprobs`` (vLLM's shape, each
+    entry's ``decoded_token`` filled) and, for completions ``echo``, the prompt's part of the legacy logprobs."""
+
+    def __init__(self, raw: Any, prompt_ids: list[int], tokenizer: RenderTokenizer, as_token_ids: bool = False):
+        if not isinstance(raw, list) or len(raw) != len(prompt_ids):
+            raw = [None] * len(prompt_ids)  # an engine that sent none (or the wrong count): nothing to resolve
+        self.entries: list[list[tuple[int, str, float, int | None]] | None] = []
+        self.tokens: list[str] = []
+        context: list[int] = []
+        vocab = tokenizer.vocab_size
+        for tid, entry in zip(prompt_ids, raw):
+            self.tokens.append(f"token_id:{tid}" if as_token_ids else _token_text(tokenizer, tid, context))
+            context.append(tid)
+            if not isinstance(entry, dict):
+                self.entries.append(None)
+                continue
+            alternatives = []
+            for key, value in entry.items():
+                try:
+                    aid = int(key)
+                except (TypeError, ValueError):
+                    continue
+                if not isinstance(value, dict):
+                    continue
+                if as_token_ids or not 0 <= aid < vocab:
+                    text = f"token_id:{aid}"
+                else:
+                    text = _token_text(tokenizer, aid, context[:-1])
+                rank = value.get("rank")
+                alternatives.append((aid, text, _logprob(value), rank if isinstance(rank, int) else None))
+            # the prompt's own token first, then the rest in the engine's (rank) order, as vLLM lists them
+            alternatives.sort(key=lambda a: a[0] != tid)
+            self.entries.append(alternatives)
+        self.prompt_ids = prompt_ids
+        self.as_token_ids = as_token_ids
+
+    def response_entries(self) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: ``{token id: {"logprob", "rank", "decoded_token"}}`` per position."""
+        return [None if e is None else {str(a): {"logprob": lp, "rank": rank, "decoded_token": text}
+                                        for a, text, lp, rank in e} for e in self.entries]
+
+    def echoed(self, top: int, text_offset: int = 0) -> CompletionLogprobs:
+        """The prompt's part of an echoed completion's logprobs (vLLM's ``_create_completion_logprobs`` over the
+        prompt): its token, logprob and ``top`` + 1 alternatives per position; the first position has none."""
+        offsets: list[int] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for token, entry, tid in zip(self.tokens, self.entries, self.prompt_ids):
+            offsets.append(text_offset)
+            text_offset += len(token)
+            if entry is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            own = next((lp for a, _, lp, _ in entry if a == tid), -9999.0)
+            token_logprobs.append(max(own, -9999.0))
+            tops.append({text: max(lp, -9999.0) for _, text, lp, _ in entry[:top + 1]})
+        out: CompletionLogprobs = {"text_offset": offsets, "token_logprobs": token_logprobs,
+                                   "tokens": list(self.tokens), "top_logprobs": tops}
+        if not self.as_token_ids:
+            out["token_ids"] = list[int | None](self.prompt_ids)
+        return out

@@ -140,6 +140,7 @@ class ChatCompletionRequest(msgspec.Struct):
     return_tokens_as_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
+    return_weight_versions: bool = False  # vLLM 0.33: each choice says which weights sampled which tokens
     user: str | None = None
     request_id: str | None = None
     conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
@@ -185,6 +186,7 @@ class CompletionRequest(msgspec.Struct):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    return_weight_versions: bool = False
     user: str | None = None
     request_id: str | None = None
     conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
@@ -195,8 +197,11 @@ class CompletionRequest(msgspec.Struct):
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
-    """Render output and /inference/v1/generate input. Key order and null-valued keys match vLLM 0.32.
+    """Render output and /inference/v1/generate input. Key order and null-valued keys match vLLM 0.33.
 
+    0.33's shape: a request's ``kv_transfer_params`` at the top level (0.32 put a chat request's in
+    ``sampling_params.extra_args``; engines of both releases copy the top-level value there) and
+    ``parse_context`` (the chat context 0.33's ``output_mode: "derender"`` parses with; null for completions).
     ``render_fingerprint`` is ours (vLLM's engine ignores unknown keys): the hash of the render
     configuration, for derender to check (render_service.fingerprint).
     """
@@ -212,6 +217,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     reasoning_parser_kwargs: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text"] = "tokens"
+    parse_context: dict[str, Any] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
@@ -277,6 +283,7 @@ class GenerateStreamChoice(msgspec.Struct):
     logprobs: Any = None
     routed_experts: str | None = None
     text: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # on a choice's last event
 
 
 class GenerateStreamResponse(msgspec.Struct):
@@ -378,6 +385,7 @@ class ChatCompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM 0.33; set with return_weight_versions
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -407,6 +415,7 @@ class CompletionChoice(msgspec.Struct):
     prompt_logprobs: Any = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -453,6 +462,7 @@ class ChatCompletionStreamChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM 0.33: a choice's last chunk, when asked
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -466,6 +476,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM 0.33: the final chunk's (decode's end of turn)
 
 
 class CompletionStreamChoice(msgspec.Struct):
@@ -476,6 +487,7 @@ class CompletionStreamChoice(msgspec.Struct):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 class CompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -487,6 +499,7 @@ class CompletionStreamResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DerenderChatStreamResponse(msgspec.Struct):

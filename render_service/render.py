@@ -23,7 +23,7 @@ from render_service.render_config import MAX_N, RenderConfig, check_model, resol
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.templates import ChatTemplate, TemplateError
-from render_service.tool_choice import check_render_tool_choice, tool_choice_structured_outputs
+from render_service.tool_choice import check_render_tool_choice, tool_call_constraint
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 
 # vLLM's RequestOutputKind: DELTA for streaming requests, else FINAL_ONLY (the generate server overwrites it).
@@ -31,6 +31,8 @@ OUTPUT_KIND_DELTA = 1
 OUTPUT_KIND_FINAL_ONLY = 2
 # Defaults vLLM applies when neither the request nor generation_config.json sets a value.
 SAMPLING_FALLBACKS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+# vLLM's _SAMPLING_EPS: below it the request is greedy, and top_p/top_k/min_p are reset (so not serialized).
+SAMPLING_EPS = 1e-5
 
 
 def new_request_id(prefix: str, given: str | None = None) -> str:
@@ -75,6 +77,11 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("priority must fit in a signed 64-bit integer", "priority")
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise bad_request("seed must fit in a signed 64-bit integer", "seed")
+    if req.prompt_logprobs is not None:
+        if req.prompt_logprobs < -1:
+            raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        if req.stream and req.prompt_logprobs != 0:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
 
 def _check_prompt_length(prompt_len: int, config: RenderConfig, max_tokens: int | None) -> None:
@@ -141,7 +148,10 @@ def build_sampling_params(
     logprobs: int | None,
     skip_special_tokens: bool,
     structured_outputs: dict[str, Any] | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
+    """``prompt_logprobs``: the request's, or (completions with ``echo``) its ``logprobs``; vLLM then skips
+    reading the prefix cache, whose cached positions have no logits."""
     defaults = config.generation_defaults
 
     def pick(name: str) -> Any:
@@ -171,15 +181,17 @@ def build_sampling_params(
             logit_bias[str(token)] = max(-100.0, min(100.0, bias))
     if req.allowed_token_ids:
         _check_token_ids(req.allowed_token_ids, config, "allowed_token_ids")
+    temperature = float(pick("temperature"))
+    greedy = temperature < SAMPLING_EPS  # vLLM resets the truncation knobs: the engine takes the argmax
     return SamplingParams(
         n=req.n or 1,
         presence_penalty=req.presence_penalty if req.presence_penalty is not None else 0.0,
         frequency_penalty=req.frequency_penalty if req.frequency_penalty is not None else 0.0,
         repetition_penalty=float(pick("repetition_penalty")),
-        temperature=float(pick("temperature")),
-        top_p=float(pick("top_p")),
-        top_k=int(pick("top_k")),
-        min_p=float(pick("min_p")),
+        temperature=temperature,
+        top_p=None if greedy else float(pick("top_p")),
+        top_k=None if greedy else int(pick("top_k")),
+        min_p=None if greedy else float(pick("min_p")),
         seed=req.seed,
         stop=stop,
         stop_token_ids=stop_token_ids,
@@ -187,7 +199,7 @@ def build_sampling_params(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -197,10 +209,8 @@ def build_sampling_params(
         structured_outputs=structured_outputs,
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids or None,
-        # vLLM hands kv_transfer_params to the KV connector through extra_args (less the render tier's keys).
-        extra_args={"kv_transfer_params": kv} if (kv := engine_kv_params(req.kv_transfer_params)) else None,
         bad_words=list(req.bad_words or []),
-        skip_reading_prefix_cache=False,
+        skip_reading_prefix_cache=prompt_logprobs is not None,
     )
 
 
@@ -359,21 +369,23 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         config.tool_call_parser is not None and bool(req.tools) and tool_choice != "none"
     )
     skip_special = req.skip_special_tokens and not keep_special
-    structured = _structured_outputs(req) or (
-        None if forced_prefix else tool_choice_structured_outputs(req.tools, tool_choice, named))
+    structured = _structured_outputs(req) if forced_prefix else tool_call_constraint(
+        config.tool_call_parser, req.tools, tool_choice, named, req.parallel_tool_calls, _structured_outputs(req),
+        config.tool_strict_level)
     params = build_sampling_params(
         req, config, max_tokens=max_tokens, logprobs=req.top_logprobs if req.logprobs else None,
-        skip_special_tokens=skip_special, structured_outputs=structured,
+        skip_special_tokens=skip_special, structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
     )
     reasoning_ended = None
     reasoning_kwargs = None
+    template_kwargs = {
+        **kwargs,
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+    }
     if config.reasoning_parser:
         reasoning_ended = True if forced_prefix else prompt_ends_reasoning(token_ids, config)
-        reasoning_kwargs = {"chat_template_kwargs": {
-            **kwargs,
-            "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message,
-        }}
+        reasoning_kwargs = {"chat_template_kwargs": template_kwargs}
     return _generate_request(
         req, config,
         request_id=new_request_id("chatcmpl", request_id or req.request_id),
@@ -382,6 +394,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         model=model,
         reasoning_ended=reasoning_ended,
         reasoning_parser_kwargs=reasoning_kwargs,
+        parse_context=parse_context(req, _parse_context_tools(req), template_kwargs),
     )
 
 
@@ -404,10 +417,11 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
         req, config, max_tokens=resolve_max_tokens(requested, len(token_ids), config),
         logprobs=req.top_logprobs if req.logprobs else None,
         skip_special_tokens=False,  # the derender parser reads Harmony's markers
-        structured_outputs=structured,
+        structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
     )
     return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id or req.request_id),
-                             token_ids=token_ids, sampling_params=params, model=check_model(req.model, config))
+                             token_ids=token_ids, sampling_params=params, model=check_model(req.model, config),
+                             parse_context=parse_context(req, _parse_context_tools(req), {}))
 
 
 def prompt_ends_reasoning(token_ids: list[int], config: RenderConfig) -> bool:
@@ -435,14 +449,39 @@ def _generate_request(
         stream_options=_stream_options(req),
         cache_salt=req.cache_salt,
         priority=req.priority,
+        # vLLM 0.33: top level (0.32 put a chat request's in sampling_params.extra_args; its engine copies the
+        # top-level value there, so 0.32 engines read this shape too)
+        kv_transfer_params=engine_kv_params(req.kv_transfer_params),
         render_fingerprint=config.fingerprint,
     )
+
+
+def _parse_context_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    try:
+        return prepare_tools(req.tools) if req.tools else None
+    except TemplateError as exc:
+        raise bad_request(str(exc), "tools") from None
+
+
+def parse_context(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM 0.33's ``parse_context``: what a generate server needs to parse the output of a chat request."""
+    return {
+        "tools": tools,
+        "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none"),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "include_reasoning": req.include_reasoning,
+        "chat_template_kwargs": template_kwargs,
+        "history_tool_call_cnt": sum(
+            len(m["tool_calls"]) for m in req.messages
+            if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list)),
+    }
 
 
 # --------------------------------------------------------------------------------------- completions
 
 
-def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
     """vLLM's accepted prompt shapes: str, [str, ...], [int, ...], [[int, ...], ...]."""
     if isinstance(prompt, str):
         return [prompt]
@@ -471,11 +510,16 @@ def render_completion(
         raise bad_request("prompt_embeds is not supported by this render server", "prompt_embeds")
     if req.prompt is None:
         raise bad_request("prompt is required", "prompt")
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise bad_request("max_tokens must be at least 1", "max_tokens")
+    # lm-eval-harness's loglikelihood requests: echo, logprobs and max_tokens 0, the prompt's logprobs only.
+    # vLLM generates one token (SamplingParams needs max_tokens >= 1) that the response leaves out.
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    if req.max_tokens is not None and req.max_tokens < 1 and not echo_only:
+        raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}.", "max_tokens")
     if req.logprobs is not None and req.logprobs < 0:
         raise bad_request("logprobs must be non-negative", "logprobs")
-    prompts = _completion_prompts(req.prompt)
+    prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if req.echo else None)
+    requested = 1 if echo_only else req.max_tokens
+    prompts = completion_prompts(req.prompt)
     violation = prompts_limit_violation(len(prompts))
     if violation:
         raise bad_request(*violation)
@@ -490,10 +534,11 @@ def render_completion(
         else:
             _check_token_ids(prompt, config, "prompt")
             ids = list(prompt)
-        _check_prompt_length(len(ids), config, req.max_tokens)
+        _check_prompt_length(len(ids), config, requested)
         params = build_sampling_params(
-            req, config, max_tokens=resolve_max_tokens(req.max_tokens, len(ids), config),
+            req, config, max_tokens=resolve_max_tokens(requested, len(ids), config),
             logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
         )
         out.append(_generate_request(
             req, config,

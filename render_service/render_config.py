@@ -24,6 +24,8 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 # --reasoning-field: the key(s) chat responses carry reasoning under (vLLM renamed it in 0.11).
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
+# vLLM's --tool-strict-level, lowest first.
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
 
 
 def reasoning_keys(field: str) -> tuple[str, ...]:
@@ -58,6 +60,8 @@ class RenderConfig:
     harmony: bool = False
     # Prompt text -> ids through the per-process piece cache (incremental_tokenizer.py); None: the tokenizer's.
     prompt_encoder: Any = None
+    # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/tool_choice.py)
+    tool_strict_level: str = "auto"
 
     @property
     def model_name(self) -> str:
@@ -70,6 +74,23 @@ class RenderConfig:
     @property
     def has_parsers(self) -> bool:
         return bool(self.reasoning_parser or self.tool_call_parser)
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Token ids an engine may send back: the model's vocab_size (config.json), which is often larger than
+        the tokenizer's (Qwen3: 151936 rows, 151669 tokens). Ids in between decode to nothing, as in vLLM."""
+        return max(self.tokenizer.vocab_size, model_vocab_size(getattr(self.bundle, "config", None)))
+
+
+def model_vocab_size(config: Any) -> int:
+    """config.json's vocab_size (or its text_config's, for multimodal configs); 0 when it names none."""
+    if not isinstance(config, dict):
+        return 0
+    for source in (config, config.get("text_config")):
+        value = source.get("vocab_size") if isinstance(source, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +164,7 @@ def build_render_config(
     reasoning_field: str = "reasoning",
     return_tokens_as_token_ids: bool = False,
     render_cache_bytes: int | None = None,
+    tool_strict_level: str = "auto",
 ) -> RenderConfig:
     """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
@@ -187,6 +209,8 @@ def build_render_config(
         get_tool_parser(tool_call_parser)  # unknown name -> error at startup, not per request
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if tool_strict_level not in TOOL_STRICT_LEVELS:
+        raise ValueError(f"--tool-strict-level must be one of {', '.join(TOOL_STRICT_LEVELS)}")
     if reasoning_field not in REASONING_FIELDS:
         raise ValueError(f"--reasoning-field must be one of {', '.join(REASONING_FIELDS)}")
     tokenizer_sha = getattr(bundle, "tokenizer_sha256", None) or _tokenizer_sha256(Path(bundle.path) / "tokenizer.json")
@@ -226,6 +250,7 @@ def build_render_config(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         harmony=harmony,
         prompt_encoder=prompt_encoder,
+        tool_strict_level=tool_strict_level,
     )
 
 

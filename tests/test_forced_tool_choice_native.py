@@ -17,7 +17,7 @@ from render_service.bundle import load_bundle
 from render_service.derender import pipeline_config
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
 from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
+from render_service.render import render_chat, render_chat_prompt
 from render_service.render_config import build_render_config
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
@@ -90,11 +90,51 @@ def test_a_cut_off_forced_call_still_has_object_arguments(qwen3_xml_config):
     assert json.loads(batch["tool_calls"][0]["function"]["arguments"]) == {"city": "Os"}
 
 
-def test_hermes_keeps_the_json_grammar():
-    bundle = load_bundle(QWEN3_FIXTURE_DIR)
-    config = build_render_config(bundle, served_model_names=["m"], tool_call_parser="hermes")
-    gen = render_chat(request("required"), config)
-    assert gen.sampling_params.structured_outputs is not None
+@pytest.fixture(scope="module")
+def hermes_config():
+    return build_render_config(load_bundle(QWEN3_FIXTURE_DIR), served_model_names=["m"], tool_call_parser="hermes",
+                               enable_auto_tool_choice=True)
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_hermes_constrains_a_forced_call_to_its_own_syntax_and_derender_reads_both_shapes(hermes_config, choice):
+    config = hermes_config
+    req = request(choice)
+    gen = render_chat(req, config)
+    # vLLM 0.32's structural tag (tests/test_vllm_render_parity.py holds its text equal to vLLM's own render)
+    tag = json.loads(gen.sampling_params.structured_outputs["structural_tag"])["format"]
+    assert tag["type"] == "tags_with_separator" and tag["stop_after_first"] is isinstance(choice, dict)
+    assert {t["begin"].split('"')[3] for t in tag["tags"]} == (
+        {"get_weather"} if isinstance(choice, dict) else {"get_weather", "get_time"})
+    expected = {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+    for output in (HERMES_CALL, HERMES_CALL.replace("\n", "")):  # the tag's two layouts
+        batch = derender(config, req, gen, output)
+        assert [c["function"] for c in batch["tool_calls"]] == [expected] and batch["content"] == ""
+        assert derender(config, req, gen, output, one_token=True) == batch
+    # the JSON shapes our earlier renders (and servers without a hermes parser) constrained to still parse
+    legacy = '{"city": "Oslo", "days": 2}' if isinstance(choice, dict) else \
+        '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]'
+    batch = derender(config, req, gen, "  " + legacy)
+    assert [c["function"] for c in batch["tool_calls"]] == [expected] and batch["content"] == ""
+    assert derender(config, req, gen, "  " + legacy, one_token=True) == batch
+
+
+def test_an_xml_family_forced_call_from_vllms_render_is_read_whole(qwen3_xml_config):
+    # vLLM constrains the output to the call (a structural tag) instead of opening it in the prompt: without our
+    # opening at the prompt's end, derender reads the model's whole call
+    config = qwen3_xml_config
+    req = request("required")
+    gen = render_chat(req, config)
+    vllm_gen = msgspec.structs.replace(gen, token_ids=render_chat_prompt(req, config)[0], reasoning_ended=None)
+    assert len(vllm_gen.token_ids) < len(gen.token_ids)
+    output = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+    batch = derender(config, req, vllm_gen, output)
+    assert [c["function"] for c in batch["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
+    assert batch["content"] == "" and batch["reasoning"] is None
+    assert derender(config, req, vllm_gen, output, one_token=True) == batch
 
 
 @pytest.mark.slow

@@ -108,10 +108,16 @@ def test_chat_tool_call_with_reasoning(stack, mode):
     assert choice.message.model_extra["reasoning"] == "Need weather"
     assert not choice.message.content
     (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # the model wrote {"city":"Paris"}; vLLM's parsers (and so a non-streamed answer) give json.dumps' spacing
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
     assert call.id.startswith("chatcmpl-tool-")
     assert r.usage.completion_tokens == len(TOOL_SCRIPT) and r.usage.prompt_tokens > 50
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # what vllm serve adds: the tokens between <think> and </think>, the configuration fingerprint, and no
+    # stop_reason for the model's own EOS (<|im_end|>; the engine names it, as vLLM's tokens-only engine does)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2  # "Need", " weather"
+    assert r.system_fingerprint.startswith("fp1-")
+    assert choice.model_extra["stop_reason"] is None
 
 
 def test_chat_stream_folds_to_the_non_streaming_answer(stack, mode):
@@ -125,8 +131,13 @@ def test_chat_stream_folds_to_the_non_streaming_answer(stack, mode):
     (call,) = folded["calls"]
     batch_call = batch.choices[0].message.tool_calls[0]
     assert call["id"].startswith("chatcmpl-tool-")  # ids derive from the request id, which differs here
-    assert (call["name"], call["arguments"]) == (batch_call.function.name, batch_call.function.arguments)
+    # a stream carries the model's own argument text; the non-streamed answer the same JSON, re-serialized
+    assert call["name"] == batch_call.function.name and call["arguments"] == '{"city":"Paris"}'
+    assert json.loads(call["arguments"]) == json.loads(batch_call.function.arguments)
     assert len(chunks) > 3  # really streamed, not one chunk
+    # vllm serve stamps the fingerprint on a choice's last chunk (no usage chunk here) and on no other
+    assert [c.system_fingerprint for c in chunks] == [None] * (len(chunks) - 1) + [batch.system_fingerprint]
+    assert chunks[-1].choices[0].model_extra["stop_reason"] is None
 
 
 def test_plain_chat_with_usage_on_every_chunk(stack, mode):
@@ -139,6 +150,30 @@ def test_plain_chat_with_usage_on_every_chunk(stack, mode):
     assert all(ch.usage is not None for ch in chunks)
     counts = [ch.usage.completion_tokens for ch in chunks[:-1]]
     assert counts == sorted(counts) and counts[-1] == len(PLAIN_SCRIPT)
+    assert all(ch.usage.completion_tokens_details.reasoning_tokens == 0 for ch in chunks)  # thinking off
+    # with a usage chunk, vllm serve stamps the fingerprint there only
+    assert [ch.system_fingerprint is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_weight_versions_for_callers_that_ask(stack, mode):
+    c = client(stack, mode)
+    for stream in (False, True):
+        for asked in (False, True):
+            extra = {**NO_THINKING, **({"return_weight_versions": True} if asked else {})}
+            if stream:
+                chunks = list(c.chat.completions.create(model="tiny", messages=USER, temperature=0, stream=True,
+                                                        extra_body=extra))
+                spans = [ch.choices[0].model_extra.get("weight_versions") for ch in chunks if ch.choices]
+                assert spans[:-1] == [None] * (len(spans) - 1)  # the last chunk of the choice only
+                got = spans[-1]
+            else:
+                got = c.chat.completions.create(model="tiny", messages=USER, temperature=0,
+                                                extra_body=extra).choices[0].model_extra["weight_versions"]
+            assert got == ([{"version": "default", "start": 0, "end": len(PLAIN_SCRIPT)}] if asked else None)
+    r = c.completions.create(model="tiny", prompt=[LOOP_START], max_tokens=3, temperature=0,
+                             extra_body={"return_weight_versions": True})
+    assert r.choices[0].model_extra["weight_versions"] == [{"version": "default", "start": 0, "end": 3}]
+    assert r.choices[0].model_extra["stop_reason"] is None and r.usage.completion_tokens_details is None
 
 
 def test_token_ids_for_callers_that_ask(stack, mode):
@@ -275,7 +310,8 @@ def test_engine_4xx_reaches_the_client_with_its_status(stack, mode):
 def test_bad_bodies_get_a_4xx_error_envelope(stack, mode):
     url = stack[mode].url
     for body in (b"{", b'{"messages": 3}', b'{"messages": [], "model": "tiny"}',
-                 b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "kv_transfer_params": {"remote_host": "h"}}'):
+                 b'{"messages": [{"role": "user", "content": "x"}], "echo": true}', b'{"prompt": "x", "max_tokens": 0}',
+                 b'{"prompt": "x", "kv_transfer_params": {"remote_host": "h"}}'):
         path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
         r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
         assert 400 <= r.status_code < 500, (body, r.text)

@@ -103,4 +103,5 @@ def test_the_render_endpoint_takes_the_ids_and_keeps_them_from_the_engine():
         assert r.status_code == 200, r.text
         gen = r.json()
         assert gen["token_ids"] == ids
-        assert gen["sampling_params"]["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True}}
+        # what goes on to the engine, at the top level (vLLM 0.33's shape): the render keys are gone
+        assert gen["kv_transfer_params"] == {"do_remote_decode": True} and "extra_args" not in gen["sampling_params"]

@@ -85,12 +85,25 @@ def test_skip_special_tokens_follows_the_parser_flags():
 def test_named_and_required_tool_choice_constrain_the_output():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                           "properties": {"x": {"type": "string"}}}}}]
-    named = _render(qwen3_config(True), tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    # a server whose tool parser has no call syntax of its own to constrain (none here): vLLM's JSON shapes
+    plain = config_with()
+    named = _render(plain, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}},
+                    response_format={"type": "json_object"})  # a forced call overrides the requested format
     assert named.sampling_params.structured_outputs == {"json": tools[0]["function"]["parameters"]}
-    required = _render(qwen3_config(True), tools=tools, tool_choice="required")
+    required = _render(plain, tools=tools, tool_choice="required")
     schema = required.sampling_params.structured_outputs["json"]
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["f"]}
+    # hermes: vLLM 0.32's structural tag in the model's call syntax (tests/test_vllm_render_parity.py holds the
+    # text equal to vLLM's own render)
+    import json
+
+    for choice, one in (("required", False), ({"type": "function", "function": {"name": "f"}}, True)):
+        tag = json.loads(_render(qwen3_config(True), tools=tools, tool_choice=choice)
+                         .sampling_params.structured_outputs["structural_tag"])["format"]
+        assert tag["type"] == "tags_with_separator" and tag["at_least_one"] and tag["stop_after_first"] is one
+        assert tag["tags"][0]["begin"] == '<tool_call>\n{"name": "f", "arguments": '
+        assert tag["tags"][0]["content"]["json_schema"] is True  # arguments free: the tool is not strict
 
 
 def test_requests_with_tools_render_with_the_bundles_tool_use_template():

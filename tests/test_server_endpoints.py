@@ -72,22 +72,37 @@ def test_stream_flags_and_output_kind(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
-def test_kv_transfer_params_travel_in_extra_args(server):
+def test_kv_transfer_params_travel_at_the_top_level_as_in_vllm_033(server):
+    # 0.32 put a chat request's params in sampling_params.extra_args; 0.33 (and both releases' engines) the top level
     params = {"do_remote_decode": True, "do_remote_prefill": False}
     body = server.client.post("/v1/chat/completions/render", json={**CHAT, "kv_transfer_params": params}).json()
-    assert body["sampling_params"]["extra_args"] == {"kv_transfer_params": params}
-    assert body["kv_transfer_params"] is None  # vLLM does not copy it to the top level on the chat path
+    assert body["kv_transfer_params"] == params and "extra_args" not in body["sampling_params"]
+    [prompt] = server.client.post("/v1/completions/render", json={"prompt": "Hi", "kv_transfer_params": params}).json()
+    assert prompt["kv_transfer_params"] == params and "extra_args" not in prompt["sampling_params"]
+    assert prompt["parse_context"] is None
 
 
 def test_sampling_params_follow_the_request_over_generation_config(server):
     sp = server.client.post("/v1/chat/completions/render", json={
-        **CHAT, "temperature": 0, "top_k": -1, "n": 2, "ignore_eos": True, "stop": "END", "min_tokens": 3,
+        **CHAT, "temperature": 0.5, "top_k": -1, "n": 2, "ignore_eos": True, "stop": "END", "min_tokens": 3,
         "response_format": {"type": "json_object"}}).json()["sampling_params"]
-    assert sp["temperature"] == 0.0 and sp["top_k"] == -1 and sp["top_p"] == 0.95
+    assert sp["temperature"] == 0.5 and sp["top_k"] == -1 and sp["top_p"] == 0.95
     assert sp["n"] == 2 and sp["ignore_eos"] is True and sp["min_tokens"] == 3
     assert sp["stop"] == ["END"] and sp["output_text_buffer_length"] == 2
     assert sp["stop_token_ids"] == []  # ignore_eos: render must not add EOS ids
     assert sp["structured_outputs"] == {"json_object": True}
+
+
+def test_greedy_requests_leave_out_the_truncation_knobs_as_vllm(server):
+    # vLLM resets top_p/top_k/min_p below temperature 1e-5 (so its render does not write them), even when asked
+    for temperature in (0, 1e-6):
+        sp = server.client.post("/v1/chat/completions/render", json={
+            **CHAT, "temperature": temperature, "top_k": 5, "top_p": 0.5, "min_p": 0.1}).json()["sampling_params"]
+        assert sp["temperature"] == temperature and not {"top_p", "top_k", "min_p"} & set(sp)
+    sp = server.client.post("/v1/completions/render", json={"prompt": "Hi", "temperature": 0}).json()[0]["sampling_params"]
+    assert not {"top_p", "top_k", "min_p"} & set(sp)
+    sp = server.client.post("/v1/completions/render", json={"prompt": "Hi", "temperature": 1e-5}).json()[0]["sampling_params"]
+    assert (sp["top_p"], sp["top_k"], sp["min_p"]) == (0.95, 20, 0.0)  # from generation_config.json
 
 
 def test_tokenize_and_detokenize_round_trip(server, hf):

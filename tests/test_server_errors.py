@@ -173,7 +173,7 @@ def test_derender_rejects_untrusted_token_structures(server):
 
     assert_error(derender([{"index": 0, "token_ids": []}]), 400, contains="choice 0 has empty or null token_ids")
     assert_error(derender([{"index": 0, "token_ids": None}]), 400, contains="empty or null")
-    assert_error(derender([{"index": 0, "token_ids": [151936 + 5]}]), 400, contains="out of vocabulary")
+    assert_error(derender([{"index": 0, "token_ids": [151936 + 5]}]), 400, contains="outside the model's vocabulary")
     assert_error(derender([{"index": 0, "token_ids": [-3]}]), 400)
     assert_error(derender([{"index": 0, "token_ids": [1] * 40961}]), 400, contains="exceeds max_model_len")
     assert_error(derender([{"index": 0, "token_ids": [1]}], prompt_token_ids=[1] * 40961), 400,

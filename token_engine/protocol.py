@@ -41,6 +41,8 @@ class SamplingParams(msgspec.Struct):
     bad_words: list[str] | None = None
     structured_outputs: dict | None = None
     skip_reading_prefix_cache: bool | None = None
+    # vLLM 0.32's render put a chat request's kv_transfer_params here (0.33's goes to the top level): read as such.
+    extra_args: dict[str, Any] | None = None
 
 
 class GenerateRequest(msgspec.Struct):

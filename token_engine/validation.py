@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from msgspec import UNSET
 
 from splitserve_common.limits import kv_transfer_params_violation
+from token_engine.kv_connector.base import foreign_prefill_params
 from token_engine.protocol import GenerateRequest
 from token_engine.sequence import SamplingOptions
 from token_engine.structured import GrammarError, parse_structured_outputs
@@ -58,9 +59,19 @@ def _check_token_ids(name: str, ids: list[int], vocab_size: int, param: str) -> 
 def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tuple[SamplingOptions, int]:
     """(SamplingOptions, n) for req, or RequestError."""
     prompt_len = len(req.token_ids)
+    if req.kv_transfer_params is None and req.sampling_params.extra_args is not None:
+        # vLLM 0.32's render shape: a chat request's kv_transfer_params in sampling_params.extra_args
+        carried = req.sampling_params.extra_args.get("kv_transfer_params")
+        if carried is not None and not isinstance(carried, dict):
+            raise RequestError("sampling_params.extra_args.kv_transfer_params must be an object.",
+                               "sampling_params.extra_args")
+        req.kv_transfer_params = carried
     violation = kv_transfer_params_violation(req.kv_transfer_params)
     if violation:
         raise RequestError(*violation)
+    foreign = foreign_prefill_params(req.kv_transfer_params)
+    if foreign is not None:
+        raise RequestError(foreign, "kv_transfer_params")
     if prompt_len == 0:
         raise RequestError("token_ids must contain at least one token.", "token_ids")
     _check_token_ids("token_ids", req.token_ids, limits.vocab_size, "token_ids")

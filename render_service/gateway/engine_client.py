@@ -6,7 +6,8 @@ path), aborts over one shared ``httpx.AsyncClient``; both are created lazily in 
 
 * ``EngineUnavailable``: connection refused/reset, a 5xx, or a stream that ended before its first
   event. Nothing reached the client yet, so another replica may be tried.
-* ``EngineRejected``: a 4xx; the engine's error body goes to the client with the same status.
+* ``EngineRejected``: a 4xx, or an error event with a 4xx code inside a 200 stream (vLLM's engine refuses
+  some requests that way); the engine's error goes to the client with the same status, never retried.
 * ``EngineStreamBroken``: the stream failed after events were delivered; only an error event is left.
 
 With an engine API key, every call carries ``Authorization: Bearer KEY``. An engine that refuses the
@@ -206,13 +207,14 @@ class EngineEvents:
     def push(self, on_batch: Callable[[list[GenerateStreamResponse]], None],
              on_end: Callable[[Exception | None], None]) -> None:
         """From now on, each read's events go to ``on_batch`` in the connection's data callback; ``on_end``
-        follows once, with None after [DONE] or the failure (EngineStreamBroken / EngineUnavailable). A
+        follows once, with None after [DONE] or the failure (EngineStreamBroken / EngineUnavailable /
+        EngineRejected). A
         ``close()`` from inside ``on_batch`` stops both."""
 
         def chunks(pieces: list[bytes]) -> None:
             try:
                 batch = self._decode(pieces)
-            except (EngineStreamBroken, EngineUnavailable) as exc:
+            except (EngineStreamBroken, EngineUnavailable, EngineRejected) as exc:
                 self.close()
                 on_end(exc)
                 return
@@ -227,7 +229,7 @@ class EngineEvents:
             if not self.done:
                 try:
                     batch = self._ended()
-                except (EngineStreamBroken, EngineUnavailable) as exc:
+                except (EngineStreamBroken, EngineUnavailable, EngineRejected) as exc:
                     on_end(exc)
                     return
                 if batch:
@@ -258,17 +260,41 @@ def _check_status(base_url: str, status: int, body: bytes) -> None:
         raise EngineUnavailable(f"{base_url} refused the gateway's credentials (HTTP {status}): start the gateway "
                                 "with --engine-api-key (or $SPLITSERVE_ENGINE_API_KEY) set to a key the engines "
                                 "take with --api-key")
-    if 400 <= status < 500 and status not in (408, 429):
+    if _is_refusal(status):
         raise EngineRejected(status, body)
     raise EngineUnavailable(f"{base_url}: HTTP {status}: {body[:300].decode(errors='replace')}")
 
 
+def refusal_status(data: bytes) -> int | None:
+    """The 4xx of an error event that refuses the request (vLLM's engine answers a prompt too long, or
+    structured outputs it cannot apply, with HTTP 200 and ``data: {"error": {..., "code": 400}}``); None
+    for any other error event (the engine failed: a 5xx, or no code)."""
+    try:
+        error = msgspec.json.decode(data)["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+    except Exception:
+        return None
+    if isinstance(code, int) and not isinstance(code, bool) and _is_refusal(code):
+        return code
+    return None
+
+
+def _is_refusal(status: int) -> bool:
+    """A 4xx that is the client's fault: the same request fails on every replica (408 and 429 do not)."""
+    return 400 <= status < 500 and status not in (408, 429)
+
+
 def _engine_event(data: bytes, batch: list[GenerateStreamResponse], base_url: str, delivered: bool) -> bool:
-    """Decode one SSE data payload into ``batch``; True for [DONE]. An error event is retryable until an
-    event has reached the caller (events of the same read have not), a broken stream after."""
+    """Decode one SSE data payload into ``batch``; True for [DONE]. An error event with a 4xx code is the
+    client's error, before or after the first event (``EngineRejected``: never retried). Any other error
+    event is retryable until an event has reached the caller (events of the same read have not), a broken
+    stream after."""
     if data == b"[DONE]":
         return True
     if data.startswith(b'{"error"'):
+        status = refusal_status(data)
+        if status is not None:
+            raise EngineRejected(status, data)
         error = EngineRejected(500, data).message()
         if delivered:
             raise EngineStreamBroken(error)

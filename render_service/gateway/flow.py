@@ -11,6 +11,11 @@ streamed, asks for one token (``max_tokens = 1``, no ``min_tokens``) and sets
 returned (plus ``prompt_token_ids``, so decode can check it pulls KV for the same prompt). Both
 hops share the X-Request-Id. Prefill replicas are chosen by prefix affinity, decode by load.
 
+A request that wants its prompt's logprobs (``prompt_logprobs``, or completions ``echo`` with ``logprobs``) is one
+non-streamed call: no engine streams prompt logprobs (vLLM's generate returns them only in a whole response). In
+P/D it goes to a decode replica alone (an engine computes the prompt it was given; a decode that pulled its KV
+has no logits for it). Its events are the response's choices, replayed as one batch (``WholeResponse``).
+
 The X-Request-Id sent to engines is the rendered request id plus 8 hex digits of the client request
 (``EngineCall.tag``): clients may send one id on concurrent requests (RL sampling, retries), engines abort
 every request under an id, and one client going away must abort its own engine requests only.
@@ -41,7 +46,13 @@ from render_service.gateway.conversations import (
 )
 from render_service.gateway.pd import PrefixRecord, kv_identity, push_decode_params
 from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
-from render_service.protocol import GenerateRequest, GenerateStreamResponse, SamplingParams
+from render_service.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamChoice,
+    GenerateStreamResponse,
+    SamplingParams,
+)
 
 logger = logging.getLogger("render_service.gateway.flow")
 
@@ -150,12 +161,14 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------- events
 
-    async def open(self, gen: GenerateRequest, call: EngineCall) -> "LiveStream":
+    async def open(self, gen: GenerateRequest, call: EngineCall) -> "LiveStream | WholeResponse":
         """The engine stream for one rendered prompt, with its first events read: retried on other replicas
         until an engine delivers them, committed to that replica after."""
         for p in self.pools.values():
             p.maybe_refresh()
         key = prefix_key(gen.token_ids, self.settings.block_size, self.settings.affinity_blocks)
+        if gen.sampling_params.prompt_logprobs is not None:
+            return await self._whole(gen, key, call)
         stream_body = _encode(engine_request(gen))
         tried: dict[str, set[str]] = {name: set() for name in self.pools}
         last_error: Exception | None = None
@@ -176,6 +189,35 @@ class Gateway:
             except NoReplica as exc:
                 last_error = last_error or exc  # what the replicas said beats "all were tried"
                 break
+        raise NoReplica(f"no engine replica could serve the request ({last_error})")
+
+    async def _whole(self, gen: GenerateRequest, key: int | None, call: EngineCall) -> "WholeResponse":
+        """One non-streamed generate call (prompt logprobs), retried on other replicas while they fail."""
+        pool = self.pools["decode" if self.disaggregated else "engine"]
+        body = _encode(whole_request(gen))
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        for attempt in range(1 + self.settings.retries):
+            rid = gen.request_id if attempt == 0 else f"{gen.request_id}-retry{attempt}"
+            try:
+                replica = self._pick(pool, key, tried)
+            except NoReplica as exc:
+                last_error = last_error or exc
+                break
+            pool.acquire(replica)
+            call.live[rid] = replica.url
+            try:
+                response = await self.client.generate(replica.url, body, call.wire_id(rid))
+            except EngineUnavailable as exc:
+                self._failed(pool, replica)
+                last_error = exc
+                logger.warning("engine attempt %d for %s failed: %s", attempt + 1, gen.request_id, exc)
+                continue
+            finally:
+                pool.release(replica)
+                call.live.pop(rid, None)
+            pool.mark_ok(replica)
+            return WholeResponse(response)
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 
     async def _disaggregated(self, gen: GenerateRequest, rid: str, key: int | None, tried: dict[str, set[str]],
@@ -251,6 +293,12 @@ class Gateway:
             tried.add(decode.url)
             self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + call.wire_id(prid), call.wire_id(prid)])
             raise EngineUnavailable(f"decode replica failed: {exc}") from None
+        except EngineRejected as exc:  # decode refused the request: nobody will pull what prefill holds for it
+            self._abort_later(prefill.url, [ENGINE_REQUEST_PREFIX + call.wire_id(prid), call.wire_id(prid)])
+            if exc.param() == "kv_transfer_params":  # prefill's params, not the client's: the fleet is mismatched
+                raise EngineStreamBroken(f"decode replica {decode.url} refused prefill {prefill.url}'s "
+                                         f"kv_transfer_params: {exc.message()}") from None
+            raise
 
     async def _prefill(self, gen: GenerateRequest, rid: str, replica: Replica, call: EngineCall,
                        held: HeldTurn | None = None, keep_rid: bool = False) -> tuple[dict, str]:
@@ -383,7 +431,8 @@ class LiveStream:
             on_batch(events)
 
         def end(error: Exception | None) -> None:
-            self._release(failed=error is not None)
+            # An engine refusing the request (a 4xx error event) is healthy: the client's request was wrong.
+            self._release(failed=error is not None and not isinstance(error, EngineRejected))
             on_end(error)
 
         self._events.push(batch if self._call.conversation else on_batch, end)
@@ -407,6 +456,31 @@ class LiveStream:
             self._gateway._failed(self._pool, self._replica)
         self._pool.release(self._replica)
         self._call.live.pop(self._rid, None)
+
+
+class WholeResponse:
+    """A non-streamed generate response in a LiveStream's place: its choices are the first (and only) events,
+    and it carries the prompt's logprobs."""
+
+    def __init__(self, response: GenerateResponse) -> None:
+        self.prompt_logprobs = response.prompt_logprobs
+        self.first = [GenerateStreamResponse(request_id=response.request_id, choices=[
+            GenerateStreamChoice(index=c.index, token_ids=c.token_ids or [], finish_reason=c.finish_reason or "stop",
+                                 stop_reason=c.stop_reason, logprobs=c.logprobs, weight_versions=c.weight_versions)
+            for c in response.choices])]
+
+    def push(self, on_batch: Callable[[list[GenerateStreamResponse]], None],
+             on_end: Callable[[Exception | None], None]) -> None:
+        on_end(None)  # every event was in ``first``
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------- engine requests
@@ -457,6 +531,11 @@ def engine_request(gen: GenerateRequest) -> GenerateRequest:
     )
 
 
+def whole_request(gen: GenerateRequest) -> GenerateRequest:
+    """A request that wants its prompt's logprobs: one non-streamed call (engines stream no prompt logprobs)."""
+    return msgspec.structs.replace(engine_request(gen), stream=False)
+
+
 def prefill_request(gen: GenerateRequest, kv: dict | None = None) -> GenerateRequest:
     sp = _engine_sampling(gen.sampling_params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
     return msgspec.structs.replace(
@@ -469,5 +548,6 @@ def decode_request(gen: GenerateRequest, kv: dict) -> GenerateRequest:
     return msgspec.structs.replace(engine_request(gen), kv_transfer_params={**kv, "prompt_token_ids": gen.token_ids})
 
 
-__all__ = ["Gateway", "GatewaySettings", "EngineCall", "LiveStream", "EngineStream", "plan_streams", "NoReplica", "EngineRejected", "EngineStreamBroken",
-           "engine_request", "prefill_request", "decode_request"]
+__all__ = ["Gateway", "GatewaySettings", "EngineCall", "LiveStream", "WholeResponse", "EngineStream", "plan_streams",
+           "NoReplica", "EngineRejected", "EngineStreamBroken", "engine_request", "whole_request", "prefill_request",
+           "decode_request"]

@@ -15,7 +15,7 @@ import asyncio
 from functools import partial
 from typing import Callable
 
-from render_service.gateway.flow import EngineCall, EngineStream, Gateway, LiveStream
+from render_service.gateway.flow import EngineCall, EngineStream, Gateway, LiveStream, WholeResponse
 from render_service.protocol import GenerateStreamChoice, GenerateStreamResponse
 
 Items = list[tuple[int, GenerateStreamChoice]]
@@ -48,7 +48,7 @@ async def open_merged(gateway: Gateway, planned: list[EngineStream], call: Engin
 class _Stream:
     __slots__ = ("plan", "live", "engine_finished", "ended")
 
-    def __init__(self, plan: EngineStream, live: LiveStream) -> None:
+    def __init__(self, plan: EngineStream, live: LiveStream | WholeResponse) -> None:
         self.plan = plan
         self.live = live
         self.engine_finished: set[int] = set()  # choice indexes the engine finished
@@ -58,8 +58,8 @@ class _Stream:
 class MergedStreams:
     """The opened streams of one response; ``start`` hands their events to one consumer (module docstring)."""
 
-    def __init__(self, gateway: Gateway, call: EngineCall, planned: list[EngineStream], lives: list[LiveStream],
-                 span_done: SpanDone | None) -> None:
+    def __init__(self, gateway: Gateway, call: EngineCall, planned: list[EngineStream],
+                 lives: list[LiveStream | WholeResponse], span_done: SpanDone | None) -> None:
         self.gateway = gateway
         self.call = call
         self.span_done = span_done
@@ -69,6 +69,11 @@ class MergedStreams:
         self._on_choice: Callable[[int, GenerateStreamChoice], None] | None = None
         self._on_items: Callable[[Items], None] | None = None
         self._on_over: Callable[[Exception | None], None] | None = None
+
+    def prompt_logprobs(self) -> dict[int, object]:
+        """Prompt index -> the engine's prompt_logprobs, for the prompts that asked for them."""
+        return {s.plan.prompt_index: s.live.prompt_logprobs for s in self.streams
+                if isinstance(s.live, WholeResponse)}
 
     def start(self, on_choice: Callable[[int, GenerateStreamChoice], None], on_items: Callable[[Items], None],
               on_over: Callable[[Exception | None], None]) -> None:

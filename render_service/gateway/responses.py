@@ -5,6 +5,12 @@ The pipeline (detokenizer -> reasoning parser -> tool parser) and its configurat
 chunk. Stop strings are matched on each choice's content as it leaves the pipeline. The streaming
 path turns each engine event into zero or more chunks; the non-streaming path folds the same deltas
 into one message, so the two agree by construction.
+
+What ``vllm serve`` adds over derender is added here too: ``system_fingerprint`` (the render configuration's
+fingerprint) on non-streamed responses and on a stream's last chunk(s), ``completion_tokens_details.
+reasoning_tokens`` when a reasoning parser is configured (the pipeline's count, parsers/reasoning_count.py),
+``stop_reason`` null when the model's own EOS token ended a choice, and per-choice ``weight_versions`` when the
+request asks for them (``return_weight_versions``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ import msgspec
 from render_service.choice_shapes import chat_message, completion_pipeline_config, delta_message, put_reasoning
 from render_service.derender import pipeline_config
 from render_service.gateway.stop_strings import StopMatcher, stop_list
-from render_service.logprobs import resolve_chat_logprobs, resolve_completion_logprobs, tokens_as_token_ids
+from render_service.logprobs import (
+    PromptLogprobs,
+    resolve_chat_logprobs,
+    resolve_completion_logprobs,
+    tokens_as_token_ids,
+)
 from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, merge_deltas
 from render_service.protocol import (
     ChatCompletionChoice,
@@ -35,6 +46,7 @@ from render_service.protocol import (
     GenerateStreamChoice,
     UsageInfo,
 )
+from render_service.render import completion_prompts
 from render_service.render_config import RenderConfig
 from render_service.tool_choice import forces_a_call
 
@@ -50,7 +62,7 @@ class ChoiceOutput:
     """One choice: its pipeline state, stop-string matcher, token count and finish."""
 
     def __init__(self, pipeline: Pipeline, prompt_ids: list[int], stops: list[str], include_stop: bool,
-                 keep_token_ids: bool) -> None:
+                 keep_token_ids: bool, eos_token_id: int | None = None) -> None:
         self.pipeline = pipeline
         self.state = pipeline.initial_state(prompt_ids)
         self.matcher = StopMatcher(stops, include_stop) if stops else None
@@ -61,6 +73,8 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.done = False
+        self.eos_token_id = eos_token_id  # vllm serve reports no stop_reason when the model's EOS stopped it
+        self.weight_versions: list[dict[str, Any]] | None = None
 
     def step(self, ids: list[int], engine_finish: str | None, engine_stop_reason: Any = None) -> ChoiceDelta:
         """Feed one engine event of this choice; sets ``done`` and the finish when the choice ends."""
@@ -85,6 +99,8 @@ class ChoiceOutput:
                 if tail:
                     delta.content = (delta.content or "") + tail
         if engine_finish is not None:
+            if engine_stop_reason is not None and engine_stop_reason == self.eos_token_id:
+                engine_stop_reason = None  # tokens-only engines name the EOS id; vllm serve says null
             self._finish(pipeline.finish_reason(state, engine_finish), engine_stop_reason)
         return delta
 
@@ -94,8 +110,17 @@ class ChoiceOutput:
         self.stop_reason = stop_reason
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo.counted(prompt_tokens, completion_tokens)
+def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> UsageInfo:
+    usage = UsageInfo.counted(prompt_tokens, completion_tokens)
+    if reasoning_tokens is not None:
+        usage.completion_tokens_details = {"reasoning_tokens": reasoning_tokens}
+    return usage
+
+
+def primary_eos_token_id(config: RenderConfig) -> int | None:
+    """The tokenizer's own EOS token (tokenizer_config.json's eos_token), which vLLM checks before stop_token_ids."""
+    eos = config.template_special_tokens.get("eos_token")
+    return config.tokenizer.token_to_id(eos) if eos else None
 
 
 class _Responder:
@@ -115,6 +140,11 @@ class _Responder:
         self.return_token_ids = bool(gens[0].return_token_ids)
         self.choices: dict[int, ChoiceOutput] = {}
         self.all_done = False  # finished(), kept up to date by the streaming paths as choices end
+        self.fingerprint = config.fingerprint
+        self.eos_token_id = primary_eos_token_id(config)
+        self.counts_reasoning = False  # chat with a reasoning parser: usage has completion_tokens_details
+        self.weight_versions = False
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its resolved prompt logprobs
 
     def choice(self, prompt_index: int, index: int) -> tuple[int, ChoiceOutput, bool]:
         """(global choice index, its output, whether it is new)."""
@@ -165,15 +195,40 @@ class _Responder:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())
 
+    def reasoning_tokens(self, outputs: Any) -> int | None:
+        if not self.counts_reasoning:
+            return None
+        return sum(c.pipeline.reasoning_tokens(c.state) for c in outputs)
+
     def final_usage(self) -> UsageInfo:
-        return _usage(self.prompt_tokens, self.completion_tokens())
+        return _usage(self.prompt_tokens, self.completion_tokens(), self.reasoning_tokens(self.choices.values()))
+
+    def choice_usage(self, prompt_tokens: int, out: ChoiceOutput) -> UsageInfo:
+        """``continuous_usage_stats``: one choice's counts so far."""
+        return _usage(prompt_tokens, out.tokens, self.reasoning_tokens([out]))
+
+    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+        """The engines' prompt logprobs of the prompts that asked for them, resolved to token text."""
+        for prompt_index, entries in raw.items():
+            self.prompt_logprobs[prompt_index] = PromptLogprobs(
+                entries, self.gens[prompt_index].token_ids, self.config.tokenizer,
+                tokens_as_token_ids(request, self.config))
+
+    def finished_choice(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> None:
+        """What the engine's last event of a choice carries beyond tokens."""
+        if self.weight_versions:
+            out.weight_versions = choice.weight_versions
+
+    def last_chunk_fingerprint(self) -> str | None:
+        """vllm serve stamps system_fingerprint on a choice's last chunk, or on the usage chunk when there is one."""
+        return None if self.include_usage else self.fingerprint
 
     def usage_chunk(self) -> ChatCompletionStreamResponse | CompletionStreamResponse | None:
         """The stream's usage-only chunk (stream_options.include_usage), in the endpoint's chunk type."""
         if not self.include_usage:
             return None
         return self.stream_response(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                    usage=self.final_usage())
+                                    usage=self.final_usage(), system_fingerprint=self.fingerprint)
 
 
 class ChatResponder(_Responder):
@@ -184,6 +239,8 @@ class ChatResponder(_Responder):
         self.req = req
         self.stops = stop_list(req.stop)
         self.forced_tools = forces_a_call(req)
+        self.counts_reasoning = config.reasoning_parser is not None
+        self.weight_versions = req.return_weight_versions
         self.accumulators: dict[int, MessageAccumulator] = {}
         self.logprobs: dict[int, list[Any]] = {}
         self.first_chunk = True
@@ -193,7 +250,7 @@ class ChatResponder(_Responder):
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
         pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
-                            self.req.include_stop_str_in_output, self.return_token_ids)
+                            self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
     def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
         if choice.logprobs is None or not self.req.logprobs:
@@ -214,14 +271,14 @@ class ChatResponder(_Responder):
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
         if out.done:
             self.all_done = self.finished()
+            self.finished_choice(out, choice)
         content, reasoning = delta.content, delta.reasoning
         if out.done or delta.tool_calls or (content is not None and reasoning is not None):
             message = _delta_message(delta, self.config.reasoning_field)
             if not out.done:
                 return sse(self._chunk(key, message, out)) if message is not None else b""
             chunk = self._chunk(key, message or DeltaMessage(), out)
-            c = chunk.choices[0]
-            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            self._ending(chunk, out)
             return sse(chunk)
         # The per-token common case, text on one channel: only the text is encoded; the chunk around it
         # is the bytes the full chunk struct encodes to (tests/test_gateway_sse_encoding.py holds them equal).
@@ -247,13 +304,14 @@ class ChatResponder(_Responder):
         delta = out.step(ids, choice.finish_reason, choice.stop_reason)
         if out.done:
             self.all_done = self.finished()
+            self.finished_choice(out, choice)
         logprobs = self._logprobs(out, choice)
         message = _delta_message(delta, self.config.reasoning_field)
         if out.done or message is not None or logprobs is not None:
             chunk = self._chunk(key, message or DeltaMessage(), out, logprobs)
             c = chunk.choices[0]
             if out.done:
-                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+                self._ending(chunk, out)
             if self.return_token_ids:
                 c.token_ids = list(ids)
             chunks.append(chunk)
@@ -272,12 +330,20 @@ class ChatResponder(_Responder):
             choices=[ChatCompletionStreamChoice(index=key, delta=delta, logprobs=logprobs)],
         )
         if self.continuous:
-            chunk.usage = _usage(self.prompt_tokens, out.tokens)
+            chunk.usage = self.choice_usage(self.prompt_tokens, out)
         if self.first_chunk:
             self.first_chunk = False
             if self.return_token_ids:
                 chunk.prompt_token_ids = self.gens[0].token_ids
         return chunk
+
+    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+        super().prompt_logprobs_from(raw, self.req)
+
+    def _ending(self, chunk: ChatCompletionStreamResponse, out: ChoiceOutput) -> None:
+        c = chunk.choices[0]
+        c.finish_reason, c.stop_reason, c.weight_versions = out.finish_reason, out.stop_reason, out.weight_versions
+        chunk.system_fingerprint = self.last_chunk_fingerprint()
 
     # non-streaming --------------------------------------------------------------------------------
 
@@ -286,6 +352,8 @@ class ChatResponder(_Responder):
         if out.done:
             return
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
+        if out.done:
+            self.finished_choice(out, choice)
         self.accumulators.setdefault(key, MessageAccumulator()).add(delta)
         logprobs = self._logprobs(out, choice)
         if logprobs is not None:
@@ -302,9 +370,12 @@ class ChatResponder(_Responder):
                 logprobs = {"content": self.logprobs.get(key, []), "refusal": None}
             choices.append(ChatCompletionChoice(index=key, message=message, logprobs=logprobs,
                                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                                                token_ids=out.token_ids))
+                                                token_ids=out.token_ids, weight_versions=out.weight_versions))
+        prompt = self.prompt_logprobs.get(0)
         return ChatCompletionResponse(
             id=self.response_id, created=self.created, model=self.model, choices=choices, usage=self.final_usage(),
+            system_fingerprint=self.fingerprint,
+            prompt_logprobs=prompt.response_entries() if prompt is not None else None,
             prompt_token_ids=self.gens[0].token_ids if self.return_token_ids else None,
         )
 
@@ -317,6 +388,11 @@ class CompletionResponder(_Responder):
         super().__init__(gens, config, gens[0].model or config.model_name, response_id, gens[0].stream_options)
         self.req = req
         self.stops = stop_list(req.stop)
+        self.weight_versions = req.return_weight_versions
+        # echo: each choice starts with its prompt; max_tokens 0 (lm-eval's loglikelihood shape) keeps only that
+        self.echo = bool(req.echo)
+        self.echo_only = self.echo and req.max_tokens == 0
+        self.echoed: set[int] = set()
         self.texts: dict[int, list[str]] = {}
         self.logprobs: dict[int, dict[str, list]] = {}
         self.first_of_prompt: set[int] = set()
@@ -324,7 +400,10 @@ class CompletionResponder(_Responder):
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
         pcfg = completion_pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
-                            self.req.include_stop_str_in_output, self.return_token_ids)
+                            self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
+
+    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+        super().prompt_logprobs_from(raw, self.req)
 
     def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
         if choice.logprobs is None or self.req.logprobs is None:
@@ -334,6 +413,29 @@ class CompletionResponder(_Responder):
         if resolved and resolved["tokens"]:
             out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
         return resolved
+
+    def _echo(self, key: int, prompt_index: int, out: ChoiceOutput, text: str, logprobs: Any) -> tuple[str, Any]:
+        """The first output of a choice with ``echo``: its prompt's text (and logprobs) before the model's (vLLM's
+        rule: the text prompt as sent, a token prompt decoded); with max_tokens 0 the prompt's alone."""
+        if not self.echo or key in self.echoed:
+            return ("", None) if self.echo_only else (text, logprobs)
+        self.echoed.add(key)
+        prompt = completion_prompts(self.req.prompt)[prompt_index]
+        prompt_text = prompt if isinstance(prompt, str) else self.config.tokenizer.decode(prompt,
+                                                                                         skip_special_tokens=False)
+        if self.req.logprobs is None:
+            return prompt_text + ("" if self.echo_only else text), None
+        resolved = self.prompt_logprobs.get(prompt_index)
+        head = resolved.echoed(self.req.logprobs) if resolved is not None else None
+        if head is None or self.echo_only:
+            return prompt_text + ("" if self.echo_only else text), head if self.echo_only else logprobs
+        # the model's tokens follow the prompt's: their offsets (these and every later event's) move past it
+        shift = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+        out.text_offset += shift
+        if logprobs is not None:
+            logprobs = {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]}
+            head = {name: head[name] + logprobs[name] for name in head}  # type: ignore[literal-required]
+        return prompt_text + text, head
 
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
         return b"".join(map(sse, self.stream_chunks(prompt_index, choice)))
@@ -346,20 +448,24 @@ class CompletionResponder(_Responder):
         delta = out.step(ids, choice.finish_reason, choice.stop_reason)
         if out.done:
             self.all_done = self.finished()
+            self.finished_choice(out, choice)
         logprobs = self._logprobs(out, choice)
-        if not (delta.content or out.done or logprobs is not None or (self.return_token_ids and ids)):
+        text, logprobs = self._echo(key, prompt_index, out, delta.content or "", logprobs)
+        if not (text or out.done or logprobs is not None or (self.return_token_ids and ids)):
             return []
-        c = CompletionStreamChoice(index=key, text=delta.content or "", logprobs=logprobs)
+        c = CompletionStreamChoice(index=key, text=text, logprobs=logprobs)
         if out.done:
-            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            c.finish_reason, c.stop_reason, c.weight_versions = out.finish_reason, out.stop_reason, out.weight_versions
         if self.return_token_ids:
             c.token_ids = list(ids)
             if key not in self.first_of_prompt:
                 self.first_of_prompt.add(key)
                 c.prompt_token_ids = self.gens[prompt_index].token_ids
         chunk = CompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[c])
+        if out.done:
+            chunk.system_fingerprint = self.last_chunk_fingerprint()
         if self.continuous:
-            chunk.usage = _usage(len(self.gens[prompt_index].token_ids), out.tokens)
+            chunk.usage = self.choice_usage(len(self.gens[prompt_index].token_ids), out)
         return [chunk]
 
     def accumulate(self, prompt_index: int, choice: GenerateStreamChoice) -> None:
@@ -367,9 +473,11 @@ class CompletionResponder(_Responder):
         if out.done:
             return
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
-        if delta.content:
-            self.texts.setdefault(key, []).append(delta.content)
-        logprobs = self._logprobs(out, choice)
+        if out.done:
+            self.finished_choice(out, choice)
+        text, logprobs = self._echo(key, prompt_index, out, delta.content or "", self._logprobs(out, choice))
+        if text:
+            self.texts.setdefault(key, []).append(text)
         if logprobs is not None:
             acc = self.logprobs.setdefault(key, {name: [] for name in logprobs})
             for name in acc:
@@ -384,13 +492,16 @@ class CompletionResponder(_Responder):
             if self.req.logprobs is not None:
                 logprobs = self.logprobs.get(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
                                                    "top_logprobs": []})
+            prompt = self.prompt_logprobs.get(prompt_index)
             choices.append(CompletionChoice(
                 index=key, text="".join(self.texts.get(key, [])), logprobs=logprobs, finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason, token_ids=out.token_ids,
+                prompt_logprobs=prompt.response_entries() if prompt is not None else None,
                 prompt_token_ids=self.gens[prompt_index].token_ids if self.return_token_ids else None,
+                weight_versions=out.weight_versions,
             ))
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
-                                  usage=self.final_usage())
+                                  usage=self.final_usage(), system_fingerprint=self.fingerprint)
 
 
 def coalesce(items: list[tuple[int, GenerateStreamChoice]]) -> list[tuple[int, GenerateStreamChoice]]:
@@ -405,7 +516,8 @@ def coalesce(items: list[tuple[int, GenerateStreamChoice]]) -> list[tuple[int, G
             prev = out[at][1]
             out[at] = (prompt_index, GenerateStreamChoice(
                 index=choice.index, token_ids=(prev.token_ids or []) + (choice.token_ids or []),
-                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                weight_versions=choice.weight_versions))
         else:
             out.append((prompt_index, choice))
             at = len(out) - 1

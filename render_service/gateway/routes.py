@@ -24,7 +24,7 @@ from render_service.gateway import metrics
 from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
-from render_service.gateway.merged import SpanDone, open_merged
+from render_service.gateway.merged import MergedStreams, SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
 from render_service.prerendered import RENDER_KEYS
@@ -126,10 +126,8 @@ class InvocationShape(msgspec.Struct):
 
 
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.echo:
-        raise bad_request("echo is not supported by the gateway", "echo")
-    if req.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is not supported by the gateway", "prompt_logprobs")
+    if req.echo and isinstance(req, ChatCompletionRequest):
+        raise bad_request("echo is not supported by the gateway's chat completions (completions support it)", "echo")
     # Only the render tier's own keys (ids rendered already, prerendered.py); the gateway sets the engines'.
     if req.kv_transfer_params is not None and not set(req.kv_transfer_params) <= RENDER_KEYS:
         raise bad_request("kv_transfer_params are set by the gateway, not by clients (except prompt_token_ids "
@@ -155,6 +153,7 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
     except BaseException as exc:
         gateway.abort_soon(call)
         raise engine_error(exc) from None
+    _pass_prompt_logprobs(streams, responder)
     return SseRelay(gateway, call, streams, responder)
 
 
@@ -164,6 +163,7 @@ async def fold(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
     callbacks (as the streamed path writes them, sse_relay.py); this task wakes for the first events and
     the end only."""
     streams = await open_merged(gateway, planned, call, span_done)
+    _pass_prompt_logprobs(streams, responder)
     over: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def on_choice(prompt_index: int, choice: GenerateStreamChoice) -> None:
@@ -192,6 +192,13 @@ async def fold(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
         await over
     finally:
         streams.close()  # nothing once they ended; cancelled (client gone): closes the engine connections
+
+
+def _pass_prompt_logprobs(streams: MergedStreams, responder: ChatResponder | CompletionResponder) -> None:
+    """The prompt logprobs of the prompts that asked for them (only chat and completions requests ask)."""
+    prompt_logprobs = streams.prompt_logprobs()
+    if prompt_logprobs:
+        responder.prompt_logprobs_from(prompt_logprobs)
 
 
 def engine_error(exc: BaseException) -> BaseException:

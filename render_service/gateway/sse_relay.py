@@ -158,13 +158,15 @@ class SseRelay:
             self._finish()
             return
         # Past the first event the status line is gone: an OpenAI-style error object, then [DONE].
+        if isinstance(error, EngineRejected):  # the engine refused the request: its error, as it said it
+            logger.info("stream %s refused by the engine after its first event: %s", self.responder.response_id,
+                        error.message())
+            self._finish(ApiError(error.message(), error.status, error.param()))
+            return
         self.gateway.stats.stream_errors += 1
         metrics.STREAM_ERRORS.inc()
-        status = error.status if isinstance(error, EngineRejected) else 502
-        message = error.message() if isinstance(error, EngineRejected) else str(error)
-        logger.warning("stream %s failed after its first event: %s", self.responder.response_id, message)
-        self._finish(ApiError(f"engine failed mid-stream: {message}", status,
-                              type="BadGatewayError" if status == 502 else None))
+        logger.warning("stream %s failed after its first event: %s", self.responder.response_id, error)
+        self._finish(ApiError(f"engine failed mid-stream: {error}", 502, type="BadGatewayError"))
 
     # ------------------------------------------------------------------------------ writing
 

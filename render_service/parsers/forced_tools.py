@@ -7,13 +7,17 @@
   ``json.dumps(parameters)``; byte-equal between our batch and stream because batch is the stream's fold).
 
 Both scan each character once (a small JSON lexer state), so work is O(new text).
+
+* either shape (``EitherShapeToolChoice``): for tool parser families whose own call syntax does not look like
+  JSON, a forced call is read in that syntax (vLLM 0.32's render constrains hermes and the XML families to it)
+  or in the JSON shapes above, whichever the output starts with.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -181,3 +185,76 @@ class RequiredToolChoiceParser:
         st.name_sent = True
         out.append(ToolCallPiece(index=st.index, name=name, arguments=st.unsent_args or None))
         st.unsent_args = ""
+
+
+# Tool parsers whose own call syntax starts with neither "[" nor "{": a forced call in that syntax (vLLM 0.32's
+# structural tags, our hermes render, our prompt-opened XML calls) is told apart from our JSON shapes by its
+# first character. (llama3_json, pythonic and mistral start like JSON: their forced calls stay JSON.)
+CALL_SYNTAX_PARSERS = frozenset({"hermes", "qwen3_coder", "qwen3_xml", "deepseek_v31", "kimi_k2", "glm45", "glm47",
+                                 "minimax_m2", "seed_oss"})
+
+UNDECIDED, JSON_SHAPE, CALL_SYNTAX = 0, 1, 2
+
+
+class EitherShapeState(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """(unknown fields refused: a state of the JSON-only parsers from before is a 400, never read as a fresh start)"""
+
+    mode: int = UNDECIDED
+    held: str = ""  # leading whitespace, until the first other character decides the shape
+    inner: Any = None  # the deciding parser's state
+
+
+class EitherShapeToolChoice:
+    """A forced call ("required" or named) in whichever shape the model wrote it: the family's own call syntax
+    (what vLLM 0.32's render asks for; parsed as under "auto") or our JSON (``[{"name", "parameters"}, ...]``
+    or the named tool's arguments object, what earlier renders of ours asked for). The first character that
+    is not whitespace decides; until then nothing is emitted."""
+
+    name: ClassVar[str] = "either_shape_tool_choice"
+    State: ClassVar[type[msgspec.Struct]] = EitherShapeState
+
+    def __init__(self, native: Any, as_json: NamedToolChoiceParser | RequiredToolChoiceParser) -> None:
+        self.native = native
+        self.as_json = as_json
+
+    def initial_state(self) -> EitherShapeState:
+        return EitherShapeState()
+
+    def opened_state(self, inner: Any) -> EitherShapeState:
+        """The call was opened in the prompt (our render's XML families): the family's forced state."""
+        return EitherShapeState(mode=CALL_SYNTAX, inner=inner)
+
+    def restore_inner(self, state: EitherShapeState) -> None:
+        """Typed inner state after a stream_state round trip (raises msgspec.ValidationError)."""
+        if state.mode == UNDECIDED:
+            if state.inner is not None or len(state.held) > 4096 or state.held.strip():
+                raise msgspec.ValidationError("undecided forced-call state holds more than whitespace")
+            return
+        if state.mode not in (JSON_SHAPE, CALL_SYNTAX) or state.held:
+            raise msgspec.ValidationError("invalid forced-call state")
+        parser = self.as_json if state.mode == JSON_SHAPE else self.native
+        state.inner = msgspec.convert(state.inner, parser.State)
+
+    def _parser(self, state: EitherShapeState) -> Any:
+        return self.as_json if state.mode == JSON_SHAPE else self.native
+
+    def feed(self, state: EitherShapeState, text: str) -> list[Piece]:
+        if state.mode == UNDECIDED:
+            buf = state.held + text
+            stripped = buf.lstrip()
+            if not stripped:
+                state.held = buf
+                return []
+            state.mode = JSON_SHAPE if stripped[0] in "[{" else CALL_SYNTAX
+            state.held = ""
+            state.inner = self._parser(state).initial_state()
+            text = stripped  # whitespace before the call (either shape) is layout
+        out: list[Piece] = self._parser(state).feed(state.inner, text)
+        return out
+
+    def finish(self, state: EitherShapeState) -> list[Piece]:
+        if state.mode == UNDECIDED:
+            # nothing but whitespace: the JSON parsers' end (a named call with empty arguments)
+            state.mode, state.inner, state.held = JSON_SHAPE, self.as_json.initial_state(), ""
+        out: list[Piece] = self._parser(state).finish(state.inner)
+        return out

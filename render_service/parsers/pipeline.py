@@ -24,7 +24,12 @@ from render_service.parsers.base import (
     ToolSpec,
 )
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
-from render_service.parsers.forced_tools import NamedToolChoiceParser, RequiredToolChoiceParser
+from render_service.parsers.forced_tools import (
+    CALL_SYNTAX_PARSERS,
+    EitherShapeToolChoice,
+    NamedToolChoiceParser,
+    RequiredToolChoiceParser,
+)
 from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
@@ -177,6 +182,10 @@ class Pipeline:
     @staticmethod
     def _make_tool_parser(config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
+        if config.tool_parser in CALL_SYNTAX_PARSERS and config.tool_choice in ("required", "named"):
+            as_json = (NamedToolChoiceParser(tcfg, config.named_function)
+                       if config.tool_choice == "named" and config.named_function else RequiredToolChoiceParser(tcfg))
+            return EitherShapeToolChoice(get_tool_parser(config.tool_parser)(tcfg), as_json)
         if config.tool_parser is not None and native_forced_tool_choice(config.tool_parser, config.tool_choice):
             return get_tool_parser(config.tool_parser)(tcfg)
         if config.tool_choice == "named" and config.named_function:
@@ -194,7 +203,9 @@ class Pipeline:
     ) -> PipelineState:
         """``reasoning_open_at_start``: a render-side hint; otherwise derived from the prompt tail."""
         reasoning_state: msgspec.Struct | None = None
-        forced = native_forced_tool_choice(self.config.tool_parser, self.config.tool_choice)
+        named = self.config.named_function if self.config.tool_choice == "named" else None
+        forced = native_forced_tool_choice(self.config.tool_parser, self.config.tool_choice) and \
+            self._prompt_opened_call(prompt_token_ids, named)
         if forced:
             reasoning_open_at_start = False  # render closed reasoning and opened the call in the prompt
         think_cls = self.reasoning_cls
@@ -210,13 +221,28 @@ class Pipeline:
                     ReasoningParserConfig(reasoning_open_at_start=is_open, enable_thinking=self.config.enable_thinking)
                 )
             reasoning_state = parser.initial_state()
+        tools_state = None
+        if isinstance(self.tools, EitherShapeToolChoice):
+            tools_state = self.tools.opened_state(self.tools.native.forced_state(named)) if forced \
+                else self.tools.initial_state()
+        elif self.tools is not None:
+            tools_state = self.tools.forced_state(named) if forced else self.tools.initial_state()
         return PipelineState(
             detok=self.detok.initial_state(prompt_token_ids),
             reasoning=reasoning_state,
             reasoning_count=self.counter.initial(reasoning_state) if self.counter is not None else None,
-            tools=(self.tools.forced_state(self.config.named_function if self.config.tool_choice == "named" else None)
-                   if forced else self.tools.initial_state()) if self.tools is not None else None,
+            tools=tools_state,
         )
+
+    def _prompt_opened_call(self, prompt_token_ids: list[int] | None, named: str | None) -> bool:
+        """Whether the prompt ends with the family's forced-call opening (our render writes it for the XML
+        families; vLLM's render constrains the output instead). Without the prompt, ours is assumed."""
+        if not prompt_token_ids or self.config.tool_parser is None:
+            return True
+        family: Any = get_tool_parser(self.config.tool_parser)
+        prefix = family.forced_call_prefix(named)
+        tail = self.tokenizer.decode(prompt_token_ids[-(len(prefix) + 8):], skip_special_tokens=False)
+        return bool(tail.endswith(prefix))
 
     def restore_state(self, raw: Any) -> PipelineState:
         """Typed, validated state from decoded plain data (raises msgspec.ValidationError)."""
@@ -234,6 +260,8 @@ class Pipeline:
             if state.tools is None:
                 raise msgspec.ValidationError("stream state lacks the tool parser state")
             state.tools = msgspec.convert(state.tools, type(self.tools).State)
+            if isinstance(self.tools, EitherShapeToolChoice):
+                self.tools.restore_inner(state.tools)
         elif state.tools is not None:
             raise msgspec.ValidationError("stream state has tool parser state but no tool parser is active")
         return state

@@ -106,9 +106,11 @@ def _check_bounds(state: PipelineState) -> None:
 
 def open_session(
     pipeline: Pipeline, incoming: Any, prompt_ids: list[int] | None, binding: bytes,
-    runtime: StreamRuntime, max_model_len: int, parser_path: bool,
+    runtime: StreamRuntime, max_model_len: int, parser_path: bool, vocab_size: int | None = None,
 ) -> Session:
-    """The pipeline state the caller's ``stream_state`` stands for (any accepted shape), or a 400."""
+    """The pipeline state the caller's ``stream_state`` stands for (any accepted shape), or a 400.
+
+    ``vocab_size``: the ids an engine may have sampled (the model's, when larger than the tokenizer's)."""
     if incoming is None:
         state = pipeline.initial_state(prompt_ids)
         if runtime.always_vllm_fields:
@@ -119,7 +121,7 @@ def open_session(
     if not isinstance(incoming, dict):
         raise bad_request("stream_state must be an object (echo back the stream_state of the previous answer)",
                           "stream_state")
-    vllm = (read_vllm_state(incoming, pipeline.tokenizer.vocab_size, max_model_len)
+    vllm = (read_vllm_state(incoming, vocab_size or pipeline.tokenizer.vocab_size, max_model_len)
             if is_vllm_shaped(incoming) else None)
     if STATE_KEY in incoming:
         state = _state_from_token(pipeline, incoming[STATE_KEY], binding, runtime)

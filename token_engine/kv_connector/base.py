@@ -41,7 +41,23 @@ KV_LOAD_FAILED = "KV handoff failed"
 # Prefix when the caller's kv_transfer_params were refused (malformed, not the lease's blocks or tokens, a peer
 # that is not allowed): the caller's fault, 400.
 KV_PARAMS_REFUSED = "KV handoff refused"
-# Prefix when a caller already holds its share of the prefill engine's KV under leases: 429.
+# What our prefill's kv_transfer_params carry and vLLM's NixlConnector's do not (a lease to prove, the tokens held).
+OURS_ONLY_KV_KEYS = ("remote_lease_epoch", "remote_token_hash")
+
+
+def foreign_prefill_params(params: Any) -> str | None:
+    """Why decode-side kv_transfer_params come from another implementation's prefill (vLLM's NixlConnector), or
+    None. Such params name blocks of a peer whose side channel and layout ours cannot read: refused at once with
+    this message (a 400), instead of a pull that could only fail later."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    if not params.get("remote_engine_id") or any(key in params for key in OURS_ONLY_KV_KEYS):
+        return None
+    return (f"{KV_PARAMS_REFUSED}: kv_transfer_params come from another implementation's prefill (vLLM's "
+            f"NixlConnector: remote_engine_id {str(params.get('remote_engine_id'))[:80]!r} without "
+            f"{' or '.join(OURS_ONLY_KV_KEYS)}); a splitserve decode engine pulls KV only from splitserve "
+            "prefill engines. Keep each prefill/decode pair within one implementation (docs/compatibility.md, "
+            "mixed implementations).")
 
 
 @runtime_checkable
