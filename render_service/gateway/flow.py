@@ -18,7 +18,9 @@ has no logits for it). Its events are the response's choices, replayed as one ba
 
 The X-Request-Id sent to engines is the rendered request id plus 8 hex digits of the client request
 (``EngineCall.tag``): clients may send one id on concurrent requests (RL sampling, retries), engines abort
-every request under an id, and one client going away must abort its own engine requests only.
+every request under an id, and one client going away must abort its own engine requests only. A rendered
+id that is not header-safe (a client's body ``request_id`` may be any printable text) is replaced by a
+digest of it (``splitserve_common.request_ids``): no client byte reaches an engine header.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from render_service.protocol import (
     GenerateStreamResponse,
     SamplingParams,
 )
+from splitserve_common.request_ids import engine_header_id
 
 logger = logging.getLogger("render_service.gateway.flow")
 
@@ -101,8 +104,9 @@ class EngineCall:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # tells this call's engine requests apart
 
     def wire_id(self, rid: str) -> str:
-        """The X-Request-Id an engine request goes by: unique to this client request."""
-        return f"{rid}-{self.tag}"
+        """The X-Request-Id an engine request goes by: unique to this client request, and never client bytes
+        that are not header-safe (a digest stands in for those)."""
+        return f"{engine_header_id(rid)}-{self.tag}"
 
     def take(self, request_id: str | None = None) -> list[tuple[str, list[str]]]:
         """(url, engine ids) to abort: every live call, or those of one rendered prompt; forgets them."""
