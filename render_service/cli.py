@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template field in requests")
+    serve.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
+                       help="wall time one chat-template render may take before it is refused with a 400 "
+                            "(default 5)")
     serve.add_argument("--reasoning-parser", default=None)
     serve.add_argument("--tool-call-parser", default=None)
     serve.add_argument("--enable-auto-tool-choice", action="store_true")
@@ -246,6 +249,7 @@ def serve(args: argparse.Namespace) -> int:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             render_cache_bytes=args.render_cache_bytes,
             tool_strict_level=args.tool_strict_level,
+            **({} if args.chat_template_timeout is None else {"chat_template_timeout_s": args.chat_template_timeout}),
         )
         gateway = build_gateway(args)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,

@@ -270,7 +270,8 @@ def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatT
                 "chat_template",
             )
         try:
-            return ChatTemplate(req.chat_template, config.template_special_tokens)
+            return ChatTemplate(req.chat_template, config.template_special_tokens,
+                                time_limit_s=config.chat_template_timeout_s, from_request=True)
         except TemplateError as exc:
             raise bad_request(str(exc), "chat_template") from None
     if req.tools and config.tool_template is not None:
