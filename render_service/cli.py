@@ -264,6 +264,10 @@ def serve(args: argparse.Namespace) -> int:
         # Warned once the server is about to listen: a refused command line stays one line on stderr.
         warn_if_open("the gateway" if gateway is not None else "render-service", args.host, ApiKeys(api_keys),
                      logger)
+        if not app.state.server.stream_runtime.shared_secret:
+            logger.warning("stream_state is signed with a secret drawn for this server alone: another replica "
+                           "cannot continue its streams (a 400). Give every replica the same "
+                           "--stream-state-secret (or SPLITSERVE_STREAM_STATE_SECRET)")
         if args.workers == 1:
             _uvicorn_server(app, args).run()
             return 0

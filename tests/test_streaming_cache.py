@@ -191,7 +191,8 @@ def test_state_written_by_vllm_is_continued_correctly():
 
 @pytest.mark.slow
 def test_stream_alternating_between_two_server_processes():
-    with render_server(*PARSER_FLAGS) as a, render_server(*PARSER_FLAGS) as b:
+    shared = {"SPLITSERVE_STREAM_STATE_SECRET": "replicas-share-this"}  # replicas sign with one secret
+    with render_server(*PARSER_FLAGS, env=shared) as a, render_server(*PARSER_FLAGS, env=shared) as b:
         for keep_ours in (False, True):
             state, out = dict(VLLM_EMPTY), []
             for i, body in enumerate(steps()):

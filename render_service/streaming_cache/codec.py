@@ -7,9 +7,11 @@ Wire form (a short ASCII string, opaque to clients)::
 The envelope holds the format version, a binding (a hash of the request id, choice index and the parser
 configuration, so a state can only continue the stream it came from) and the pipeline state: a few ints,
 short strings and the bytes of an unfinished character. No token history: its size does not grow with the
-output. When a secret is configured (``--stream-state-secret`` / ``SPLITSERVE_STREAM_STATE_SECRET``) every
-state is signed and unsigned or tampered states are refused; any replica with the same secret can continue
-any stream. Everything read is validated (size, structure, bounds) before use: bad state is a 400.
+output. Every state is signed and unsigned or tampered states are refused: with the configured secret
+(``--stream-state-secret`` / ``SPLITSERVE_STREAM_STATE_SECRET``), any replica with the same secret can
+continue any stream; without one, with ``PROCESS_SECRET``, drawn when this module is first imported, so the
+pre-forked workers of one server share it but other servers do not (the server warns at startup).
+Everything read is validated (size, structure, bounds) before use: bad state is a 400.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import binascii
 import hashlib
 import hmac
 import os
+import secrets
 from typing import Any
 
 import msgspec
@@ -31,6 +34,8 @@ VERSION = 2
 # Decoded-size cap: a healthy state is ~100 bytes; parser hold-back buffers may add a few KiB.
 MAX_STATE_CHARS = 64 * 1024
 SECRET_ENV = "SPLITSERVE_STREAM_STATE_SECRET"
+# Signs states when no secret is configured. Drawn at import, in the parent before --workers forks.
+PROCESS_SECRET = secrets.token_bytes(32)
 
 
 class StreamStateError(ValueError):
@@ -72,7 +77,7 @@ def _unb64(text: str) -> bytes:
 
 
 def _sign(secret: bytes, signed_part: str) -> str:
-    return _b64(hmac.new(secret, signed_part.encode("ascii"), hashlib.sha256).digest())
+    return _b64(hmac.digest(secret, signed_part.encode("ascii"), "sha256"))  # OpenSSL's one-shot HMAC
 
 
 def encode_state(state: msgspec.Struct, binding: bytes, secret: bytes | None) -> str:
