@@ -211,6 +211,7 @@ def test_decode_with_another_secret_fails_the_handoff_generically(stack):
     r = generate(stack["wrong"], tokens, params)
     assert r.status_code == 502, r.text
     assert r.json()["error"]["message"] == f"KV handoff failed: side_channel: {side_channel.UNREACHABLE}"
+    assert r.json()["error"]["type"] == "BadGatewayError"  # the peer failed, not this engine
     prefill.abort("wrong-secret")
     assert_idle(stack)
 
