@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sent as 'Authorization: Bearer KEY' on every engine call: the engines' --api-key "
                          f"(default: ${ENGINE_API_KEY_ENV})")
     gw.add_argument("--engine-block-size", type=int, default=16, help="the engines' KV block size")
+    gw.add_argument("--engine-max-num-seqs", type=int, default=256, metavar="N",
+                    help="the engines' --max-num-seqs: P/D refuses n above it (400), as a collocated engine does")
     gw.add_argument("--prefix-affinity-blocks", type=int, default=4,
                     help="leading KV blocks of the prompt that key replica affinity (0: load only)")
     gw.add_argument("--prefix-affinity-load-factor", type=float, default=1.25,
@@ -159,7 +161,7 @@ def build_gateway(args: argparse.Namespace) -> Any:
         retries=args.engine_retries, load_factor=args.prefix_affinity_load_factor,
         dns_refresh_s=args.dns_refresh_interval, conversation_ttl_s=args.conversation_kv_blocks_ttl,
         max_conversations=args.max_conversations, pd_transfer_mode=args.pd_transfer_mode,
-        pd_min_uncached_tokens=args.pd_min_uncached_tokens,
+        pd_min_uncached_tokens=args.pd_min_uncached_tokens, max_num_seqs=args.engine_max_num_seqs,
         responses_store_path=args.responses_store_path, responses_store_dsn=args.responses_store_dsn,
         responses_store_max_entries=args.responses_store_max_entries, responses_store_ttl_s=args.responses_store_ttl,
     )
