@@ -4,9 +4,9 @@ A template is code. A request may bring its own (``--trust-request-chat-template
 on the request's data, so a render is bounded the way the engine bounds a grammar compile: before the work
 where the work's size can be known, and while it runs where it cannot.
 
-- **Time**: every loop iteration and every call a template makes (macros, methods, recursive loops, the
-  functions below) checks the render's deadline (``render_deadline``), so nested loops or runaway
-  recursion end with a 400 instead of holding a worker.
+- **Time**: every loop's start, every item of a long loop, and every call a template makes (macros,
+  methods, recursive loops, the functions below) check the render's deadline (``start_deadline``), so
+  nested loops or runaway recursion end with a 400 instead of holding a worker.
 - **Size before allocating**: string methods and filters that can build far more than they are given
   (``center``, ``ljust``/``rjust``/``zfill``, ``expandtabs``, ``replace``, ``join``, ``format``, ``%``,
   ``indent``, ``+``, ``~``, ``batch``, ``slice``, ``tojson``'s indent) have their output size estimated
@@ -26,8 +26,7 @@ import functools
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any, cast
 
 import jinja2
@@ -40,6 +39,7 @@ from jinja2.exceptions import SecurityError
 MAX_RENDERED_CHARS = 64 * 1024 * 1024
 MAX_SEQUENCE_ITEMS = 1 << 20
 MAX_JSON_INDENT = 64
+UNGUARDED_ITEMS = 4096
 # Wall time of one render: the largest conversation a body may carry renders in about 0.2 s of CPU.
 DEFAULT_RENDER_SECONDS = 5.0
 
@@ -49,14 +49,13 @@ _SEQUENCES: tuple[type, ...] = (list, tuple, set, frozenset, type({}.keys()), ty
 _NUMBER = re.compile(r"\d+")
 
 
-@contextmanager
-def render_deadline(seconds: float) -> Iterator[None]:
-    """Bound the template work done inside the block to ``seconds`` of wall time."""
-    token = _DEADLINE.set(time.monotonic() + seconds)
-    try:
-        yield
-    finally:
-        _DEADLINE.reset(token)
+def start_deadline(seconds: float) -> Token[float]:
+    """Bound the template work from now on to ``seconds`` of wall time; ``end_deadline`` with the token."""
+    return _DEADLINE.set(time.monotonic() + seconds)
+
+
+def end_deadline(token: Token[float]) -> None:
+    _DEADLINE.reset(token)
 
 
 def tick() -> None:
@@ -143,8 +142,18 @@ def bounded_join(parts: Iterable[str]) -> str:
     return "".join(parts)
 
 
-def guard_iteration(iterable: Any) -> Iterator[Any]:
-    """What every ``{% for %}`` iterates: the items of ``iterable``, each one checking the deadline."""
+def guard_iteration(iterable: Any) -> Any:
+    """What every ``{% for %}`` iterates (the filter ``GUARD_FILTER``). Each loop's start checks the deadline
+    (an inner loop: once per outer item); a short list, tuple, dict or string is iterated as it is (at most
+    ``UNGUARDED_ITEMS`` straight-line iterations pass between two checks), anything else item by item."""
+    tick()
+    kind = type(iterable)
+    if (kind is list or kind is tuple or kind is dict or kind is str) and len(iterable) <= UNGUARDED_ITEMS:
+        return iterable
+    return _checked_items(iterable)
+
+
+def _checked_items(iterable: Any) -> Iterator[Any]:
     deadline = _DEADLINE.get()
     for item in iterable:
         if time.monotonic() > deadline:
@@ -328,18 +337,21 @@ def bounded_tojson(dump: Callable[..., str]) -> Callable[..., str]:
 # ----------------------------------------------------------------------------------- the AST rewrite
 
 
+# The filter every rewritten loop goes through: a filter is a plain call in Jinja's code, not the sandbox's.
+GUARD_FILTER = "_guard_iteration"
+
+
 class BoundedTemplate(jinja2.visitor.NodeTransformer):
-    """Rewrites a parsed template so that every ``for`` iterates through ``guard_iteration`` and (with
-    ``concat``) every ``~`` is ``bounded_concat``: both reach the environment's attributes of those names,
-    through calls (which the sandbox's ``call`` checks as well)."""
+    """Rewrites a parsed template so that every ``for`` iterates through ``guard_iteration`` (the filter
+    ``GUARD_FILTER``) and (with ``concat``) every ``~`` is ``bounded_concat``, the environment's attribute of
+    that name, reached through a call (which the sandbox's ``call`` checks as well)."""
 
     def __init__(self, concat: bool) -> None:
         self.concat = concat
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("guard_iteration"), [node.iter], [],
-                                      None, None, lineno=node.lineno)
+        node.iter = jinja2.nodes.Filter(node.iter, GUARD_FILTER, [], [], None, None, lineno=node.lineno)
         return node
 
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:

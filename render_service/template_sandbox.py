@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from render_service.template_budget import (
     CHECKED_FILTERS,
+    GUARD_FILTER,
     BoundedTemplate,
     bounded_concat,
     bounded_join,
@@ -152,7 +153,6 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
     _attribute_safety: dict[tuple[type, str], bool] = {}
     intercepted_binops = frozenset({"*", "**"})
     code_generator_class = GuardedLoopsCodeGenerator
-    guard_iteration = staticmethod(guard_iteration)  # reached by the rewritten loops (environment.<name>)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "**":
@@ -231,6 +231,7 @@ def _make_environment(kind: type[ChatSandbox]) -> ChatSandbox:
         finalize=bounded_str if untrusted else None,
     )
     env.filters["tojson"] = _tojson
+    env.filters[GUARD_FILTER] = guard_iteration  # what the rewritten loops iterate
     if untrusted:
         env.filters.update(CHECKED_FILTERS)
         env.filters["tojson"] = bounded_tojson(_tojson)

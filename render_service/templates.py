@@ -27,7 +27,7 @@ import jinja2.nodes
 import jinja2.utils
 
 from render_service.template_analysis import detect_content_format
-from render_service.template_budget import DEFAULT_RENDER_SECONDS, MAX_RENDERED_CHARS, render_deadline
+from render_service.template_budget import DEFAULT_RENDER_SECONDS, MAX_RENDERED_CHARS, end_deadline, start_deadline
 from render_service.template_sandbox import (
     _GENERATION_TRACKER,
     MAX_TEMPLATE_SOURCE_CHARS,
@@ -206,14 +206,14 @@ class ChatTemplate:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
+        deadline = start_deadline(self.time_limit_s)
         try:
             size = 0
-            with render_deadline(self.time_limit_s):
-                for block in self._template.generate(context):
-                    blocks.append(block)
-                    size += len(block)
-                    if size > MAX_RENDERED_CHARS:
-                        raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+            for block in self._template.generate(context):
+                blocks.append(block)
+                size += len(block)
+                if size > MAX_RENDERED_CHARS:
+                    raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:
@@ -227,6 +227,7 @@ class ChatTemplate:
             blocks.clear()
             raise TemplateError("The chat template needs more memory than this server allows") from None
         finally:
+            end_deadline(deadline)
             _GENERATION_TRACKER.reset(token)
         return "".join(blocks), spans
 
