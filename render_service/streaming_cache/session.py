@@ -57,12 +57,12 @@ class StreamRuntime:
     drop unknown keys (they then continue through the cache or by replay, at vLLM's O(history) bytes).
     """
 
-    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache | None = None,
+    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache[bytes] | None = None,
                  always_vllm_fields: bool | None = None) -> None:
         configured = secret_from_env(secret)
         self.shared_secret = configured is not None
         self.secret = configured if configured is not None else PROCESS_SECRET
-        self.cache = cache if cache is not None else StreamingCache()
+        self.cache: StreamingCache[bytes] = cache if cache is not None else StreamingCache()
         if always_vllm_fields is None:
             always_vllm_fields = os.environ.get(VLLM_FIELDS_ENV, "").lower() in ("1", "true", "yes")
         self.always_vllm_fields = always_vllm_fields
