@@ -36,21 +36,25 @@ SAMPLING_FALLBACKS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.
 SAMPLING_EPS = 1e-5
 
 
-def new_request_id(prefix: str, header: str | None = None, body: str | None = None) -> str:
-    """vLLM's rule: the X-Request-Id header, else the body's request_id, else random_uuid().
+def requested_id(header: str | None, body: str | None) -> str | None:
+    """The id a client asked for: vLLM's rule, the X-Request-Id header, else the body's request_id.
 
     A header id that could not travel in a header as it is counts as absent (the access log ignores it too);
-    a body id that is too long or holds control characters is a 400 (``splitserve_common.request_ids``).
-    vLLM 0.32's random_uuid() is 16 lowercase hex digits (see the recorded fixtures).
-    """
+    a body id that is too long or holds control characters is a 400 (``splitserve_common.request_ids``)."""
     if header and header_safe(header):
-        return f"{prefix}-{header}"
+        return header
     if body:
         violation = body_id_violation(body)
         if violation:
             raise bad_request(violation, "request_id")
-        return f"{prefix}-{body}"
-    return f"{prefix}-{os.urandom(8).hex()}"
+        return body
+    return None
+
+
+def new_request_id(prefix: str, header: str | None = None, body: str | None = None) -> str:
+    """``prefix-`` and the id the client asked for (``requested_id``), else vLLM's random_uuid(): 16
+    lowercase hex digits in vLLM 0.32 (see the recorded fixtures)."""
+    return f"{prefix}-{requested_id(header, body) or os.urandom(8).hex()}"
 
 
 # ------------------------------------------------------------------------------------------- checks

@@ -139,3 +139,22 @@ def test_pd_bounds_n_as_a_collocated_engine_does_before_any_engine_call(stack, s
     assert status == 200, answers
     assert {c["index"] for a in answers for c in a["choices"]} == {0, 1}
     assert_engines_idle(stack)
+
+
+@pytest.mark.parametrize("gateway", ["pd", "collocated"])
+def test_responses_and_messages_apply_the_same_request_id_rules(stack, gateway):
+    url = stack[gateway].url
+    bodies = {"/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 3},
+              "/v1/messages": {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}}
+    for path, body in bodies.items():
+        for bad in ("a\r\nx-injected: 1", "x" * 70_000):
+            r = httpx.post(url + path, json={**body, "request_id": bad}, timeout=120)
+            assert r.status_code == 400, r.text[:300]
+        r = httpx.post(url + path, json={**body, "request_id": "résumé 中文"}, timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["id"] == "résumé 中文"
+    wait_for_log_lines(stack, engine_header_id("résumé 中文") + "-", 2 * (2 if gateway == "pd" else 1))
+    for name in ("prefill", "decode"):
+        assert "x-injected" not in stack[name].log_path.read_text()
+    assert all(header_safe(rid) for rid in engine_generate_ids(stack))
+    assert_engines_idle(stack)
