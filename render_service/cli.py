@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(serve, "/health, /version, /metrics")
     add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
-                       help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
+                       help="key that signs stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
     serve.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
     serve.add_argument("--renderer-num-workers", type=int, default=None, metavar="N",

@@ -10,7 +10,6 @@ and as the pipeline's configuration: a small multiple of that in memory).
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 
 import msgspec
@@ -25,7 +24,8 @@ MAX_PIPELINE_BYTES = 1 << 20
 
 
 class PipelineCache:
-    """(Pipeline, state binding) per configuration: an LRU bounded by entries and by encoded bytes."""
+    """(Pipeline, state binding) per configuration: an LRU bounded by entries and by encoded bytes. Used from
+    the server's event loop only (one thread), like the handlers that call it."""
 
     def __init__(self, max_entries: int = MAX_PIPELINES, max_bytes: int = MAX_PIPELINE_BYTES,
                  max_config_bytes: int = MAX_KEPT_CONFIG_BYTES) -> None:
@@ -33,7 +33,6 @@ class PipelineCache:
         self.max_bytes = max_bytes
         self.max_config_bytes = max_config_bytes
         self._entries: OrderedDict[bytes, tuple[Pipeline, bytes, int]] = OrderedDict()
-        self._lock = threading.Lock()
         self.bytes = 0  # the encoded sizes of the kept configurations
 
     def __len__(self) -> int:
@@ -45,18 +44,16 @@ class PipelineCache:
         if len(encoded) > self.max_config_bytes:
             return Pipeline(tokenizer, cfg), binding_for(encoded, tokenizer.vocab_size)
         key = encoded + id(tokenizer).to_bytes(8, "little")  # small (see above), and hashed in C
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None and hit[0].tokenizer is tokenizer:
-                self._entries.move_to_end(key)
-                return hit[0], hit[1]
+        hit = self._entries.get(key)
+        if hit is not None and hit[0].tokenizer is tokenizer:
+            self._entries.move_to_end(key)
+            return hit[0], hit[1]
         made = Pipeline(tokenizer, cfg), binding_for(encoded, tokenizer.vocab_size)
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.bytes -= old[2]
-            self._entries[key] = (made[0], made[1], len(encoded))
-            self.bytes += len(encoded)
-            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-                self.bytes -= self._entries.popitem(last=False)[1][2]
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[2]
+        self._entries[key] = (made[0], made[1], len(encoded))
+        self.bytes += len(encoded)
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self.bytes -= self._entries.popitem(last=False)[1][2]
         return made
