@@ -1,4 +1,4 @@
-"""stream_state codec: compact, versioned, size-capped, validated, HMAC-signed; bad state is a 400."""
+"""stream_state codec: compact, versioned, size-capped, validated, signed; bad state is a 400."""
 
 from __future__ import annotations
 
