@@ -124,17 +124,18 @@ def test_request_ids_never_reach_an_engine_header_unless_header_safe(stack, gate
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 def test_pd_bounds_n_as_a_collocated_engine_does_before_any_engine_call(stack, stream):
-    before = len(engine_generate_ids(stack))
     for n in (500, MAX_NUM_SEQS + 1):
-        status, [pd] = chat(stack, "pd", stream, {"n": n})
+        status, [pd] = chat(stack, "pd", stream, {"n": n, "request_id": f"pd-n-{n}-{stream}"})
         assert status == 400, pd
-        status, [collocated] = chat(stack, "collocated", stream, {"n": n})
+        status, [collocated] = chat(stack, "collocated", stream, {"n": n, "request_id": f"co-n-{n}-{stream}"})
         assert status == 400, collocated
         assert pd["error"]["message"] == collocated["error"]["message"] == \
             f"n must be between 1 and max_num_seqs ({MAX_NUM_SEQS}), got {n}."
         assert pd["error"]["param"] == "n"
     # the collocated refusals cost one engine call each; the P/D ones none at all (n=500 was 1000 calls)
-    assert len(engine_generate_ids(stack)) - before == 2
+    wait_for_log_lines(stack, f"chatcmpl-co-n-500-{stream}-", 1)
+    wait_for_log_lines(stack, f"chatcmpl-co-n-{MAX_NUM_SEQS + 1}-{stream}-", 1)
+    assert not [rid for rid in engine_generate_ids(stack) if rid.startswith("chatcmpl-pd-n-")]
     status, answers = chat(stack, "pd", stream, {"n": 2})
     assert status == 200, answers
     assert {c["index"] for a in answers for c in a["choices"]} == {0, 1}
