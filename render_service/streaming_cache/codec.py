@@ -90,7 +90,8 @@ def _tag(secret: bytes, payload: bytes) -> str:
         base = _MAC_BASES[secret] = hashlib.blake2b(key=key, digest_size=16, person=b"splitserve-state")
     mac = base.copy()
     mac.update(payload)
-    return str(mac.hexdigest())
+    tag: str = mac.hexdigest()
+    return tag
 
 
 def encode_state(state: msgspec.Struct, binding: bytes, secret: bytes | None) -> str:
