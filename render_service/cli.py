@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template field in requests")
     serve.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
-                       help="wall time one chat-template render may take before it is refused with a 400 "
+                       help="CPU time one chat-template render may take before it is refused with a 400 "
                             "(default 5)")
     serve.add_argument("--reasoning-parser", default=None)
     serve.add_argument("--tool-call-parser", default=None)

@@ -63,7 +63,7 @@ class RenderConfig:
     prompt_encoder: Any = None
     # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/tool_choice.py)
     tool_strict_level: str = "auto"
-    # wall time of one chat-template render (--chat-template-timeout; template_budget)
+    # CPU time of one chat-template render (--chat-template-timeout; template_budget)
     chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS
 
     @property

@@ -4,13 +4,14 @@ A template is code. A request may bring its own (``--trust-request-chat-template
 on the request's data, so a render is bounded the way the engine bounds a grammar compile: before the work
 where the work's size can be known, and while it runs where it cannot.
 
-- **Time**: every loop's start, every item of a long loop, and every call a template makes (macros,
-  methods, recursive loops, the functions below) check the render's deadline (``start_deadline``), so
-  nested loops or runaway recursion end with a 400 instead of holding a worker.
-- **Size before allocating**: string methods and filters that can build far more than they are given
-  (``center``, ``ljust``/``rjust``/``zfill``, ``expandtabs``, ``replace``, ``join``, ``format``, ``%``,
-  ``indent``, ``+``, ``~``, ``batch``, ``slice``, ``tojson``'s indent) have their output size estimated
-  first and are refused over ``MAX_RENDERED_CHARS``; sequences over ``MAX_SEQUENCE_ITEMS`` likewise.
+- **Time**: every loop's start and every item of a long loop check the render's deadline (``DEADLINE``,
+  set around each render); in a request's own template, every call too (macros, methods, recursive loops, the
+  functions below). Nested loops or runaway recursion end with a 400 instead of holding a worker.
+- **Size before allocating** (a request's own template; the model's gets ``*`` and ``**``): string methods
+  and filters that can build far more than they are given (``center``, ``ljust``/``rjust``/``zfill``,
+  ``expandtabs``, ``replace``, ``join``, ``format``, ``%``, ``indent``, ``+``, ``~``, ``batch``, ``slice``,
+  ``tojson``'s indent) have their output size estimated first and are refused over ``MAX_RENDERED_CHARS``;
+  sequences over ``MAX_SEQUENCE_ITEMS`` likewise.
 - **Size of what is printed**: ``{{ x }}`` of a list or dict is its ``str()``, which can dwarf the list
   (a thousand references to one long string): the printed size is estimated by a bounded walk first.
 
@@ -26,7 +27,8 @@ import functools
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
+from types import BuiltinMethodType, FunctionType
 from typing import Any, cast
 
 import jinja2
@@ -40,8 +42,11 @@ MAX_RENDERED_CHARS = 64 * 1024 * 1024
 MAX_SEQUENCE_ITEMS = 1 << 20
 MAX_JSON_INDENT = 64
 UNGUARDED_ITEMS = 4096
-# Wall time of one render: the largest conversation a body may carry renders in about 0.2 s of CPU.
+# CPU time of one render: the largest conversation a body may carry renders in about 0.2 s.
 DEFAULT_RENDER_SECONDS = 5.0
+# Checks of the clock (a system call for a thread's CPU time): every this many calls, or loop items.
+_CALLS_PER_CHECK = 16
+_ITEMS_PER_CHECK = 256
 
 _DEADLINE: ContextVar[float] = ContextVar("chat_template_deadline", default=float("inf"))
 _SCALARS = frozenset({type(None), bool, float})
@@ -49,18 +54,22 @@ _SEQUENCES: tuple[type, ...] = (list, tuple, set, frozenset, type({}.keys()), ty
 _NUMBER = re.compile(r"\d+")
 
 
-def start_deadline(seconds: float) -> Token[float]:
-    """Bound the template work from now on to ``seconds`` of wall time; ``end_deadline`` with the token."""
-    return _DEADLINE.set(time.monotonic() + seconds)
+# The render's deadline in the rendering thread's CPU time (``time.thread_time``): set by ChatTemplate around
+# each render (a token, reset after), read here. CPU time, not wall time: a render stalled by a busy machine
+# or a throttled pod has done no more work, and must not be refused for it.
+DEADLINE = _DEADLINE
+_calls = 0
 
 
-def end_deadline(token: Token[float]) -> None:
-    _DEADLINE.reset(token)
+def past_deadline() -> bool:
+    return time.thread_time() > _DEADLINE.get()
 
 
 def tick() -> None:
-    """A unit of template work: refused once the render is past its deadline."""
-    if time.monotonic() > _DEADLINE.get():
+    """A unit of template work (a call): every ``_CALLS_PER_CHECK``-th one checks the deadline."""
+    global _calls
+    _calls += 1
+    if not _calls % _CALLS_PER_CHECK and past_deadline():
         raise SecurityError("the chat template ran past its time limit")
 
 
@@ -145,8 +154,10 @@ def bounded_join(parts: Iterable[str]) -> str:
 def guard_iteration(iterable: Any) -> Any:
     """What every ``{% for %}`` iterates (the filter ``GUARD_FILTER``). Each loop's start checks the deadline
     (an inner loop: once per outer item); a short list, tuple, dict or string is iterated as it is (at most
-    ``UNGUARDED_ITEMS`` straight-line iterations pass between two checks), anything else item by item."""
-    tick()
+    ``UNGUARDED_ITEMS`` straight-line iterations pass between two checks), anything else is checked every
+    ``_ITEMS_PER_CHECK`` items."""
+    if time.thread_time() > _DEADLINE.get():  # past_deadline(), inlined: every loop of every render runs this
+        raise SecurityError("the chat template ran past its time limit")
     kind = type(iterable)
     if (kind is list or kind is tuple or kind is dict or kind is str) and len(iterable) <= UNGUARDED_ITEMS:
         return iterable
@@ -155,8 +166,8 @@ def guard_iteration(iterable: Any) -> Any:
 
 def _checked_items(iterable: Any) -> Iterator[Any]:
     deadline = _DEADLINE.get()
-    for item in iterable:
-        if time.monotonic() > deadline:
+    for n, item in enumerate(iterable):
+        if not n % _ITEMS_PER_CHECK and time.thread_time() > deadline:
             raise SecurityError("the chat template ran past its time limit")
         yield item
 
@@ -200,15 +211,25 @@ def _int_arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: st
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
+_AMPLIFYING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join", "format",
+                                 "format_map"})
+
+
 def checked_call_args(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """Refuse a call of a string method whose result would exceed the size bound; returns the arguments
     to call with (``join`` gets its items as a list, read once)."""
-    owner = getattr(obj, "__self__", None)
-    if owner is None:  # the sandbox hands out str.format wrapped (functools.update_wrapper)
+    kind = type(obj)
+    if kind is BuiltinMethodType:
+        owner = obj.__self__
+    elif kind is FunctionType:  # the sandbox hands out str.format wrapped (functools.update_wrapper)
         owner = getattr(getattr(obj, "__wrapped__", None), "__self__", None)
+    else:
+        return args  # macros, globals, Jinja's loop
     if type(owner) is not str:
         return args
-    name = getattr(obj, "__name__", "")
+    name = obj.__name__
+    if name not in _AMPLIFYING_METHODS:
+        return args
     if name in ("center", "ljust", "rjust", "zfill"):
         width = _int_arg(args, kwargs, 0, "width", 0)
         if isinstance(width, int):

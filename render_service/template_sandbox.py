@@ -147,8 +147,8 @@ class RequestTemplateCodeGenerator(GuardedLoopsCodeGenerator):
 
 
 class ChatSandbox(ImmutableSandboxedEnvironment):
-    """HF's sandbox, with shortcuts that give the same answers faster, bounded in time (every loop iteration
-    and every call checks the render's deadline) and in what string methods, ``*`` and ``**`` build."""
+    """HF's sandbox, with shortcuts that give the same answers faster, bounded in time (every loop checks the
+    render's deadline) and in what ``*`` and ``**`` build."""
 
     _attribute_safety: dict[tuple[type, str], bool] = {}
     intercepted_binops = frozenset({"*", "**"})
@@ -208,10 +208,10 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
 
 
 class RequestTemplateSandbox(ChatSandbox):
-    """For a request's own template (--trust-request-chat-template): code from a client, so every size it
-    could build is known before it is built: ``+``, ``%``, ``~``, buffer joins, what ``{{ }}`` prints, and
-    the filters that can amplify (template_budget). The model's template is the operator's code running on
-    bounded data, and skips these per-operation costs."""
+    """For a request's own template (--trust-request-chat-template): code from a client, so every call checks
+    the deadline, and every size it could build is known before it is built: string methods, ``+``, ``%``,
+    ``~``, buffer joins, what ``{{ }}`` prints, and the filters that can amplify (template_budget). The
+    model's template is the operator's code running on bounded data, and skips these per-operation costs."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
     code_generator_class = RequestTemplateCodeGenerator

@@ -15,6 +15,7 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,7 +28,7 @@ import jinja2.nodes
 import jinja2.utils
 
 from render_service.template_analysis import detect_content_format
-from render_service.template_budget import DEFAULT_RENDER_SECONDS, MAX_RENDERED_CHARS, end_deadline, start_deadline
+from render_service.template_budget import DEADLINE, DEFAULT_RENDER_SECONDS, MAX_RENDERED_CHARS
 from render_service.template_sandbox import (
     _GENERATION_TRACKER,
     MAX_TEMPLATE_SOURCE_CHARS,
@@ -117,7 +118,7 @@ class ChatTemplate:
         self.source = source
         self._template = compile_template(source, from_request)
         self._special = dict(special_tokens or {})
-        self.time_limit_s = time_limit_s  # one render's wall time (template_budget)
+        self.time_limit_s = time_limit_s  # one render's CPU time (template_budget)
 
     @cached_property
     def content_format(self) -> str:
@@ -206,7 +207,7 @@ class ChatTemplate:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
-        deadline = start_deadline(self.time_limit_s)
+        deadline = DEADLINE.set(time.thread_time() + self.time_limit_s)  # CPU time (template_budget)
         try:
             size = 0
             for block in self._template.generate(context):
@@ -227,7 +228,7 @@ class ChatTemplate:
             blocks.clear()
             raise TemplateError("The chat template needs more memory than this server allows") from None
         finally:
-            end_deadline(deadline)
+            DEADLINE.reset(deadline)
             _GENERATION_TRACKER.reset(token)
         return "".join(blocks), spans
 
