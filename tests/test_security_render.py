@@ -30,6 +30,8 @@ from tests.ops_harness import Server
 from tests.render_harness import RenderServer
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
+pytestmark = pytest.mark.slow  # two server processes and a 1 s deadline per runaway template: 15-25 s
+
 TEMPLATE_TIMEOUT_S = 1.0
 HANG_GUARD_S = 60  # only stops a broken server from hanging the test; no assertion depends on time
 MESSAGES = [{"role": "user", "content": "hi"}]
