@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template field in requests")
+    serve.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
+                       help="CPU time one chat-template render may take before it is refused with a 400 "
+                            "(default 5)")
     serve.add_argument("--reasoning-parser", default=None)
     serve.add_argument("--tool-call-parser", default=None)
     serve.add_argument("--enable-auto-tool-choice", action="store_true")
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(serve, "/health, /version, /metrics")
     add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
-                       help="HMAC-SHA256 key for stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
+                       help="key that signs stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
     serve.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
     serve.add_argument("--renderer-num-workers", type=int, default=None, metavar="N",
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sent as 'Authorization: Bearer KEY' on every engine call: the engines' --api-key "
                          f"(default: ${ENGINE_API_KEY_ENV})")
     gw.add_argument("--engine-block-size", type=int, default=16, help="the engines' KV block size")
+    gw.add_argument("--engine-max-num-seqs", type=int, default=256, metavar="N",
+                    help="the engines' --max-num-seqs: P/D refuses n above it (400), as a collocated engine does")
     gw.add_argument("--prefix-affinity-blocks", type=int, default=4,
                     help="leading KV blocks of the prompt that key replica affinity (0: load only)")
     gw.add_argument("--prefix-affinity-load-factor", type=float, default=1.25,
@@ -156,7 +161,7 @@ def build_gateway(args: argparse.Namespace) -> Any:
         retries=args.engine_retries, load_factor=args.prefix_affinity_load_factor,
         dns_refresh_s=args.dns_refresh_interval, conversation_ttl_s=args.conversation_kv_blocks_ttl,
         max_conversations=args.max_conversations, pd_transfer_mode=args.pd_transfer_mode,
-        pd_min_uncached_tokens=args.pd_min_uncached_tokens,
+        pd_min_uncached_tokens=args.pd_min_uncached_tokens, max_num_seqs=args.engine_max_num_seqs,
         responses_store_path=args.responses_store_path, responses_store_dsn=args.responses_store_dsn,
         responses_store_max_entries=args.responses_store_max_entries, responses_store_ttl_s=args.responses_store_ttl,
     )
@@ -246,6 +251,7 @@ def serve(args: argparse.Namespace) -> int:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             render_cache_bytes=args.render_cache_bytes,
             tool_strict_level=args.tool_strict_level,
+            **({} if args.chat_template_timeout is None else {"chat_template_timeout_s": args.chat_template_timeout}),
         )
         gateway = build_gateway(args)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
@@ -260,6 +266,10 @@ def serve(args: argparse.Namespace) -> int:
         # Warned once the server is about to listen: a refused command line stays one line on stderr.
         warn_if_open("the gateway" if gateway is not None else "render-service", args.host, ApiKeys(api_keys),
                      logger)
+        if not app.state.server.stream_runtime.shared_secret:
+            logger.warning("stream_state is signed with a secret drawn for this server alone: another replica "
+                           "cannot continue its streams (a 400). Give every replica the same "
+                           "--stream-state-secret (or SPLITSERVE_STREAM_STATE_SECRET)")
         if args.workers == 1:
             _uvicorn_server(app, args).run()
             return 0

@@ -8,10 +8,7 @@ check the chunk, find the pipeline, step it, and wrap the delta as an OpenAI str
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Any, TypeVar
-
-import msgspec
 
 from render_service.choice_shapes import completion_pipeline_config, delta_message
 from render_service.derender import (
@@ -24,7 +21,7 @@ from render_service.derender import (
 )
 from render_service.errors import bad_request
 from render_service.logprobs import resolve_chat_logprobs, resolve_completion_logprobs, tokens_as_token_ids
-from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineConfig, merge_deltas
+from render_service.parsers.pipeline import ChoiceDelta, merge_deltas
 from render_service.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -38,35 +35,21 @@ from render_service.protocol import (
     UsageInfo,
 )
 from render_service.render_config import RenderConfig, check_model
+from render_service.streaming_cache.pipelines import PipelineCache
 from render_service.streaming_cache.session import (
     LOGPROB_CONTEXT,
     Session,
     StreamRuntime,
     answer_state,
-    binding,
     open_session,
 )
-from render_service.tokenizer import RenderTokenizer
 
 __all__ = ["StreamRuntime", "derender_chat_stream", "derender_completion_stream"]
 
-_PIPELINES: OrderedDict[bytes, tuple[Pipeline, bytes]] = OrderedDict()
-_PIPELINES_MAX = 1024
+# Pipelines hold only configuration (states travel separately), so one per stream is reused between chunks.
+_PIPELINES = PipelineCache()
+_pipeline_for = _PIPELINES.get
 _Chunk = TypeVar("_Chunk", ChatCompletionStreamResponse, CompletionStreamResponse)
-
-
-def _pipeline_for(cfg: PipelineConfig, tokenizer: RenderTokenizer) -> tuple[Pipeline, bytes]:
-    """Pipelines hold only configuration (states travel separately), so one per stream is reused."""
-    key = msgspec.msgpack.encode(cfg) + id(tokenizer).to_bytes(8, "little")
-    hit = _PIPELINES.get(key)
-    if hit is not None and hit[0].tokenizer is tokenizer:
-        _PIPELINES.move_to_end(key)
-        return hit
-    made = (Pipeline(tokenizer, cfg), binding(cfg, tokenizer))
-    _PIPELINES[key] = made
-    if len(_PIPELINES) > _PIPELINES_MAX:
-        _PIPELINES.popitem(last=False)
-    return made
 
 
 def _checked(req: DerenderChatStreamRequest | DerenderCompletionStreamRequest, config: RenderConfig,

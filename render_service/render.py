@@ -25,6 +25,7 @@ from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.templates import ChatTemplate, TemplateError
 from render_service.tool_choice import check_render_tool_choice, tool_call_constraint
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
+from splitserve_common.request_ids import body_id_violation, header_safe
 
 # vLLM's RequestOutputKind: DELTA for streaming requests, else FINAL_ONLY (the generate server overwrites it).
 OUTPUT_KIND_DELTA = 1
@@ -35,12 +36,25 @@ SAMPLING_FALLBACKS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.
 SAMPLING_EPS = 1e-5
 
 
-def new_request_id(prefix: str, given: str | None = None) -> str:
-    """vLLM's rule: the X-Request-Id header, else the body's request_id, else random_uuid().
+def requested_id(header: str | None, body: str | None) -> str | None:
+    """The id a client asked for: vLLM's rule, the X-Request-Id header, else the body's request_id.
 
-    vLLM 0.32's random_uuid() is 16 lowercase hex digits (see the recorded fixtures).
-    """
-    return f"{prefix}-{given if given else os.urandom(8).hex()}"
+    A header id that could not travel in a header as it is counts as absent (the access log ignores it too);
+    a body id that is too long or holds control characters is a 400 (``splitserve_common.request_ids``)."""
+    if header and header_safe(header):
+        return header
+    if body:
+        violation = body_id_violation(body)
+        if violation:
+            raise bad_request(violation, "request_id")
+        return body
+    return None
+
+
+def new_request_id(prefix: str, header: str | None = None, body: str | None = None) -> str:
+    """``prefix-`` and the id the client asked for (``requested_id``), else vLLM's random_uuid(): 16
+    lowercase hex digits in vLLM 0.32 (see the recorded fixtures)."""
+    return f"{prefix}-{requested_id(header, body) or os.urandom(8).hex()}"
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -260,7 +274,8 @@ def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatT
                 "chat_template",
             )
         try:
-            return ChatTemplate(req.chat_template, config.template_special_tokens)
+            return ChatTemplate(req.chat_template, config.template_special_tokens,
+                                time_limit_s=config.chat_template_timeout_s, from_request=True)
         except TemplateError as exc:
             raise bad_request(str(exc), "chat_template") from None
     if req.tools and config.tool_template is not None:
@@ -388,7 +403,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         reasoning_kwargs = {"chat_template_kwargs": template_kwargs}
     return _generate_request(
         req, config,
-        request_id=new_request_id("chatcmpl", request_id or req.request_id),
+        request_id=new_request_id("chatcmpl", request_id, req.request_id),
         token_ids=token_ids,
         sampling_params=params,
         model=model,
@@ -419,7 +434,7 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
         skip_special_tokens=False,  # the derender parser reads Harmony's markers
         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
     )
-    return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id or req.request_id),
+    return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id, req.request_id),
                              token_ids=token_ids, sampling_params=params, model=check_model(req.model, config),
                              parse_context=parse_context(req, _parse_context_tools(req), {}))
 
@@ -524,7 +539,7 @@ def render_completion(
     if violation:
         raise bad_request(*violation)
     structured = _structured_outputs(req)
-    base_id = new_request_id("cmpl", request_id or req.request_id)
+    base_id = new_request_id("cmpl", request_id, req.request_id)
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):

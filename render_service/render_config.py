@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from render_service.errors import bad_request, model_not_found
 from render_service.protocol import ChatCompletionRequest
+from render_service.template_budget import DEFAULT_RENDER_SECONDS
 from render_service.templates import ChatTemplate
 from render_service.tokenizer import RenderTokenizer, TextTokenizer
 
@@ -62,6 +63,8 @@ class RenderConfig:
     prompt_encoder: Any = None
     # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/tool_choice.py)
     tool_strict_level: str = "auto"
+    # CPU time of one chat-template render (--chat-template-timeout; template_budget)
+    chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS
 
     @property
     def model_name(self) -> str:
@@ -165,6 +168,7 @@ def build_render_config(
     return_tokens_as_token_ids: bool = False,
     render_cache_bytes: int | None = None,
     tool_strict_level: str = "auto",
+    chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS,
 ) -> RenderConfig:
     """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
@@ -194,10 +198,12 @@ def build_render_config(
         # --reasoning-parser / --tool-call-parser auto: the family from the template's markers and model_type
         reasoning_parser, tool_call_parser = resolve_auto(reasoning_parser, tool_call_parser, source,
                                                           (bundle.config or {}).get("model_type"))
+    if not chat_template_timeout_s > 0:
+        raise ValueError("--chat-template-timeout must be positive")
     special = template_special_tokens(bundle)
-    template = ChatTemplate(source, special) if source else None
+    template = ChatTemplate(source, special, time_limit_s=chat_template_timeout_s) if source else None
     tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None
-    tool_template = ChatTemplate(tool_source, special) if tool_source else None
+    tool_template = ChatTemplate(tool_source, special, time_limit_s=chat_template_timeout_s) if tool_source else None
     reasoning_cls = None
     if reasoning_parser:
         from render_service.parsers.registry import get_reasoning_parser
@@ -251,6 +257,7 @@ def build_render_config(
         harmony=harmony,
         prompt_encoder=prompt_encoder,
         tool_strict_level=tool_strict_level,
+        chat_template_timeout_s=chat_template_timeout_s,
     )
 
 

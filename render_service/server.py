@@ -205,6 +205,11 @@ def endpoint(name: str, handler: Handler, *, auth: bool = True) -> Handler:
             response = error_response(exc)
         except ClientDisconnect:
             response = Response(b"", status_code=499)  # nobody is listening; nginx's code for it
+        except MemoryError:
+            # What this request asked for did not fit (the templates and limits bound the usual ways): its
+            # own failure, answered as such, never a 500.
+            logger.warning("request on %s ran out of memory", name)
+            response = error_response(ApiError("The request needs more memory than this server can give it", 400))
         except Exception:
             logger.exception("internal error on %s", name)
             response = error_response(ApiError("Internal server error", 500))

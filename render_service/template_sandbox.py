@@ -1,6 +1,7 @@
 """The Jinja environment chat templates run in, as transformers builds it: an immutable sandbox with
 ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, a ``{% generation %}`` block tag (assistant masks),
-HF's globals and filters, and bounds on what a template may cost (output size, powers, namespaces)."""
+HF's globals and filters, and bounds on what a template may cost: time and the size of what it builds,
+checked as it renders (``template_budget``), powers, namespaces."""
 
 from __future__ import annotations
 
@@ -15,7 +16,26 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from render_service.template_budget import (
+    CHECKED_FILTERS,
+    GUARD_FILTER,
+    BoundedTemplate,
+    bounded_concat,
+    bounded_join,
+    bounded_str,
+    bounded_tojson,
+    check_binop,
+    checked_call_args,
+    guard_iteration,
+    tick,
+)
+
+# A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
+# real chat templates are tens of KB.
+MAX_TEMPLATE_SOURCE_CHARS = 256 * 1024
 
 
 class TemplateError(ValueError):
@@ -105,28 +125,42 @@ _STR_FORMAT_METHODS = frozenset({"format", "format_map"})
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
 
 
-# Bounds on what one render may build: a template (a request's own, or a model's) must not be able to
-# exhaust memory with `'x' * 10**12` or `2 ** 10**9`. HF has no such bounds; real templates never
-# come near them.
-MAX_RENDERED_CHARS = 64 * 1024 * 1024
+# A template (a request's own, or a model's) must not be able to exhaust memory with `'x' * 10**12` or
+# `2 ** 10**9`, nor time with nested loops: template_budget bounds both. HF has no such bounds; real
+# templates never come near them.
 _MAX_POWER_EXPONENT = 4096
 
 
+class GuardedLoopsCodeGenerator(CodeGenerator):
+    """Jinja's code generator over a tree whose loops check the render's deadline (template_budget)."""
+
+    concat_bounded = False
+
+    def visit_Template(self, node: jinja2.nodes.Template, frame: Frame | None = None) -> None:
+        super().visit_Template(BoundedTemplate(self.concat_bounded).visit(node), frame)
+
+
+class RequestTemplateCodeGenerator(GuardedLoopsCodeGenerator):
+    """... and whose ``~`` knows its size before joining."""
+
+    concat_bounded = True
+
+
 class ChatSandbox(ImmutableSandboxedEnvironment):
-    """HF's sandbox, with shortcuts that give the same answers faster, and bounds on runaway output."""
+    """HF's sandbox, with shortcuts that give the same answers faster, bounded in time (every loop checks the
+    render's deadline) and in what ``*`` and ``**`` build."""
 
     _attribute_safety: dict[tuple[type, str], bool] = {}
     intercepted_binops = frozenset({"*", "**"})
+    code_generator_class = GuardedLoopsCodeGenerator
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
-                        and len(seq) * count > MAX_RENDERED_CHARS:
-                    raise jinja2.exceptions.SecurityError("the template builds a sequence that is too large")
-        elif operator == "**" and isinstance(right, int) and abs(right) > _MAX_POWER_EXPONENT \
-                and isinstance(left, int) and abs(left) > 1:
-            raise jinja2.exceptions.SecurityError("the template computes a number that is too large")
+        if operator == "**":
+            if isinstance(right, int) and abs(right) > _MAX_POWER_EXPONENT and isinstance(left, int) \
+                    and abs(left) > 1:
+                raise jinja2.exceptions.SecurityError("the template computes a number that is too large")
+        else:
+            check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
@@ -173,11 +207,34 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return safe
 
 
-def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ChatSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
+class RequestTemplateSandbox(ChatSandbox):
+    """For a request's own template (--trust-request-chat-template): code from a client, so every call checks
+    the deadline, and every size it could build is known before it is built: string methods, ``+``, ``%``,
+    ``~``, buffer joins, what ``{{ }}`` prints, and the filters that can amplify (template_budget). The
+    model's template is the operator's code running on bounded data, and skips these per-operation costs."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = RequestTemplateCodeGenerator
+    bounded_concat = staticmethod(bounded_concat)
+    concat = staticmethod(bounded_join)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's)
+        tick()  # every call checks the deadline: a client's macros may recurse exponentially
+        args = checked_call_args(__obj, args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _make_environment(kind: type[ChatSandbox]) -> ChatSandbox:
+    untrusted = kind is RequestTemplateSandbox
+    env = kind(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols],
+        finalize=bounded_str if untrusted else None,
     )
     env.filters["tojson"] = _tojson
+    env.filters[GUARD_FILTER] = guard_iteration  # what the rewritten loops iterate
+    if untrusted:
+        env.filters.update(CHECKED_FILTERS)
+        env.filters["tojson"] = bounded_tojson(_tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _CallOnlyDict()
@@ -185,13 +242,17 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-_ENVIRONMENT = _make_environment()
+_ENVIRONMENT = _make_environment(ChatSandbox)
+_REQUEST_ENVIRONMENT = _make_environment(RequestTemplateSandbox)
 
 
 @lru_cache(maxsize=64)
-def compile_template(source: str) -> jinja2.Template:
-    """Compile once per distinct source string (requests may name their own template)."""
+def compile_template(source: str, from_request: bool = False) -> jinja2.Template:
+    """Compile once per distinct source string; a request's own template in the stricter sandbox."""
     try:
-        return _ENVIRONMENT.from_string(source)
+        return (_REQUEST_ENVIRONMENT if from_request else _ENVIRONMENT).from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"Invalid chat template (line {exc.lineno}): {exc.message}") from exc
+    except (RecursionError, SyntaxError, MemoryError):
+        # Nesting deeper than Jinja's parser or Python's compiler takes: a client's template, not our fault.
+        raise TemplateError("Invalid chat template: nested too deeply") from None

@@ -15,6 +15,7 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,7 +28,13 @@ import jinja2.nodes
 import jinja2.utils
 
 from render_service.template_analysis import detect_content_format
-from render_service.template_sandbox import _GENERATION_TRACKER, MAX_RENDERED_CHARS, TemplateError, compile_template
+from render_service.template_budget import DEADLINE, DEFAULT_RENDER_SECONDS, MAX_RENDERED_CHARS
+from render_service.template_sandbox import (
+    _GENERATION_TRACKER,
+    MAX_TEMPLATE_SOURCE_CHARS,
+    TemplateError,
+    compile_template,
+)
 
 # Names a message's reasoning may arrive under; templates read the first one.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -100,12 +107,18 @@ class RenderedChat:
 class ChatTemplate:
     """One chat template, compiled once; ``render`` follows HF's apply_chat_template(tokenize=False)."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None,
+                 time_limit_s: float = DEFAULT_RENDER_SECONDS, from_request: bool = False) -> None:
+        """``from_request``: a client's own template (--trust-request-chat-template), run in the stricter
+        sandbox (template_sandbox.RequestTemplateSandbox)."""
         if not isinstance(source, str) or not source.strip():
             raise TemplateError("The chat template is empty.")
+        if from_request and len(source) > MAX_TEMPLATE_SOURCE_CHARS:
+            raise TemplateError(f"The chat template is longer than {MAX_TEMPLATE_SOURCE_CHARS} characters.")
         self.source = source
-        self._template = compile_template(source)
+        self._template = compile_template(source, from_request)
         self._special = dict(special_tokens or {})
+        self.time_limit_s = time_limit_s  # one render's CPU time (template_budget)
 
     @cached_property
     def content_format(self) -> str:
@@ -194,6 +207,7 @@ class ChatTemplate:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
+        deadline = DEADLINE.set(time.thread_time() + self.time_limit_s)  # CPU time (template_budget)
         try:
             size = 0
             for block in self._template.generate(context):
@@ -209,7 +223,12 @@ class ChatTemplate:
                 RecursionError) as exc:
             # A template bug on this input: the client's request cannot be rendered, not a server fault.
             raise TemplateError(f"Chat template failed: {type(exc).__name__}: {exc}") from exc
+        except MemoryError:
+            # Whatever the bounds let through, an allocation that fails is this request's: never a 500.
+            blocks.clear()
+            raise TemplateError("The chat template needs more memory than this server allows") from None
         finally:
+            DEADLINE.reset(deadline)
             _GENERATION_TRACKER.reset(token)
         return "".join(blocks), spans
 

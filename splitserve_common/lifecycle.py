@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
 import time
 import uuid
@@ -24,14 +23,13 @@ from typing import Any, Protocol
 import uvicorn
 
 from splitserve_common.logs import request_id_var
+from splitserve_common.request_ids import header_safe
 
 logger = logging.getLogger("splitserve.ops")
 access_logger = logging.getLogger("splitserve.access")
 
 # Probes and scrapes are neither work nor refused while draining (Prometheus should see the drain).
 UNCOUNTED_PATHS = frozenset({"/health", "/ping", "/load", "/metrics"})
-# A client's id is echoed and logged: keep it to a sane length and alphabet.
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 DRAINING_BODY = (b'{"error":{"message":"The server is shutting down; retry on another replica",'
                  b'"type":"ServiceUnavailableError","param":null,"code":503}}')
 
@@ -80,7 +78,7 @@ def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
     for name, value in headers:
         if name == b"x-request-id":
             text = value.decode("latin-1")
-            return text if _REQUEST_ID.match(text) else None
+            return text if header_safe(text) else None  # echoed and logged: never a client's odd bytes
     return None
 
 

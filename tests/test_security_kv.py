@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -211,6 +212,7 @@ def test_decode_with_another_secret_fails_the_handoff_generically(stack):
     r = generate(stack["wrong"], tokens, params)
     assert r.status_code == 502, r.text
     assert r.json()["error"]["message"] == f"KV handoff failed: side_channel: {side_channel.UNREACHABLE}"
+    assert r.json()["error"]["type"] == "BadGatewayError"  # the peer failed, not this engine
     prefill.abort("wrong-secret")
     assert_idle(stack)
 
@@ -383,6 +385,40 @@ def test_a_connection_that_never_authenticates_is_closed_soon(monkeypatch):
         while server.connection_count():
             assert time.monotonic() < deadline
             time.sleep(0.01)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("secret", [SECRET.encode(), None], ids=["handshake", "first-request"])
+def test_a_frame_dribbled_a_byte_at_a_time_is_cut_off(monkeypatch, secret):
+    """A socket timeout bounds one recv: on main a peer sending a byte every 0.2 s kept its half-sent frame
+    (and the connection, busy, so never evicted) as long as it liked. Now a frame has a deadline as a whole
+    (2 s here, a tenth of what the dribble takes): the server hangs up before the frame is complete, and
+    serves nothing."""
+    monkeypatch.setattr(side_channel, "HANDSHAKE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(side_channel, "SOCKET_TIMEOUT_S", 2.0)
+    server = side_channel.SideChannelServer(_publication(), secret=secret)
+    op = {"op": "auth", "nonce": "ab" * side_channel.NONCE_BYTES} if secret else {"op": "publication"}
+    payload = json.dumps(op).encode()
+    frame = len(payload).to_bytes(4, "big") + payload
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD_S) as sock:
+            sent, closed = 0, False
+            while sent < len(frame) and not closed:
+                try:
+                    sock.sendall(frame[sent:sent + 1])
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+                sent += 1
+                time.sleep(0.2)
+                if select.select([sock], [], [], 0)[0]:
+                    try:
+                        closed = sock.recv(65536) == b""  # an answer would be data: nothing is served
+                    except ConnectionResetError:
+                        closed = True
+                    assert closed, "the server answered a dribbled frame"
+            assert closed and sent < len(frame), f"{sent} of {len(frame)} bytes went through"
     finally:
         server.close()
 

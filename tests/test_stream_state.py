@@ -1,4 +1,4 @@
-"""stream_state codec: compact, versioned, size-capped, validated, HMAC-signed; bad state is a 400."""
+"""stream_state codec: compact, versioned, size-capped, validated, signed; bad state is a 400."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def test_bad_states_are_400(state):
     assert err.value.status == 400
 
 
-def test_hostile_values_inside_a_well_formed_unsigned_state_are_refused():
+def test_hostile_values_inside_a_well_formed_signed_state_are_refused():
     from render_service.derender import pipeline_config
     from render_service.protocol import ChatCompletionRequest
     from render_service.streaming_cache.codec import encode_state as enc
@@ -184,8 +184,11 @@ def test_hostile_values_inside_a_well_formed_unsigned_state_are_refused():
     bind = _binding(pcfg, config().tokenizer)
     bad = {"detok": {"pending": b"", "window": ["x"] * 100, "prefix_offset": 0, "read_offset": 0},
            "reasoning": {"mode": 1, "held": ""}, "tools": {}, "tokens": 1}
-    with pytest.raises(ApiError):
-        call({STATE_KEY: enc(bad, bind, None)})
+    keyed = StreamRuntime(secret="k")  # signed with the tier's secret: validated all the same
+    with pytest.raises(ApiError, match="out of range"):
+        call({STATE_KEY: enc(bad, bind, b"k")}, runtime=keyed)
     wrong_type = dict(bad, detok={"pending": "str", "window": [], "prefix_offset": 0, "read_offset": 0})
-    with pytest.raises(ApiError):
-        call({STATE_KEY: enc(wrong_type, bind, None)})
+    with pytest.raises(ApiError, match="invalid stream_state"):
+        call({STATE_KEY: enc(wrong_type, bind, b"k")}, runtime=keyed)
+    with pytest.raises(ApiError, match="not signed"):  # no secret configured: signed all the same
+        call({STATE_KEY: enc(bad, bind, None)})

@@ -13,7 +13,7 @@ import pytest
 from render_service.derender_stream import derender_chat_stream
 from render_service.protocol import DerenderChatStreamRequest
 from render_service.render_config import load_render_config
-from render_service.streaming_cache.cache import StreamingCache, history_key
+from render_service.streaming_cache.cache import ENTRY_OVERHEAD_BYTES, StreamingCache, history_key
 from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from tests.shared_paths import SHARED as SHARED_DIR
 from tests.test_derender_stream import PARSER_FLAGS, render_server
@@ -49,21 +49,35 @@ def test_take_checks_an_entry_out():
 def test_lru_evicts_the_oldest_beyond_max_entries():
     cache = StreamingCache(max_entries=2)
     for k in "abc":
-        cache.put((k,), k)
+        cache.put((k,), k.encode())
     assert len(cache) == 2 and cache.evictions == 1
-    assert cache.take(("a",)) is None and cache.take(("c",)) == "c"
+    assert cache.take(("a",)) is None and cache.take(("c",)) == b"c"
+
+
+def test_lru_evicts_the_oldest_beyond_max_bytes_and_keeps_nothing_that_cannot_fit():
+    entry = 1000 + ENTRY_OVERHEAD_BYTES
+    cache = StreamingCache(max_entries=100, max_bytes=3 * entry)
+    for k in "abcd":
+        cache.put((k,), k.encode() * 1000)
+    assert len(cache) == 3 and cache.bytes == 3 * entry and cache.evictions == 1
+    assert cache.take(("a",)) is None and cache.take(("b",)) == b"b" * 1000
+    assert cache.bytes == 2 * entry  # a checked-out entry no longer counts
+    cache.put(("big",), b"x" * (3 * entry))  # heavier than the whole cache: not kept, nothing evicted for it
+    assert cache.take(("big",)) is None and len(cache) == 2
+    cache.put(("c",), b"new")  # replacing an entry replaces its weight
+    assert cache.bytes == entry + 3 + ENTRY_OVERHEAD_BYTES
 
 
 def test_ttl_expires_entries():
     clock = FakeClock()
     cache = StreamingCache(max_entries=10, ttl_s=5, clock=clock)
-    cache.put(("a",), 1)
+    cache.put(("a",), b"1")
     clock.now = 6
     assert cache.take(("a",)) is None
-    cache.put(("b",), 2)
+    cache.put(("b",), b"2")
     clock.now = 20
-    cache.put(("c",), 3)  # expiry sweeps the stale entry
-    assert len(cache) == 1
+    cache.put(("c",), b"3")  # expiry sweeps the stale entry
+    assert len(cache) == 1 and cache.bytes == 1 + ENTRY_OVERHEAD_BYTES
 
 
 def test_history_key_depends_on_every_token_and_the_binding():
@@ -177,7 +191,8 @@ def test_state_written_by_vllm_is_continued_correctly():
 
 @pytest.mark.slow
 def test_stream_alternating_between_two_server_processes():
-    with render_server(*PARSER_FLAGS) as a, render_server(*PARSER_FLAGS) as b:
+    shared = {"SPLITSERVE_STREAM_STATE_SECRET": "replicas-share-this"}  # replicas sign with one secret
+    with render_server(*PARSER_FLAGS, env=shared) as a, render_server(*PARSER_FLAGS, env=shared) as b:
         for keep_ours in (False, True):
             state, out = dict(VLLM_EMPTY), []
             for i, body in enumerate(steps()):

@@ -201,7 +201,8 @@ class ErrorResponse(msgspec.Struct):
 
 def error_body(message: str, status: int = 400, param: str | None = None, type_: str | None = None) -> bytes:
     if type_ is None:
+        # 502: a peer engine failed us (a KV handoff), not this engine: typed as the gateway types it
         type_ = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 429: "RateLimitError",
-                 503: "ServiceUnavailableError"}.get(
+                 502: "BadGatewayError", 503: "ServiceUnavailableError"}.get(
             status, "InternalServerError" if status >= 500 else "BadRequestError")
     return msgspec.json.encode(ErrorResponse(ErrorInfo(message, type_, param, status)))

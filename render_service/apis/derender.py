@@ -60,8 +60,19 @@ from render_service.streaming_cache.codec import StreamStateError, binding_for, 
 from render_service.streaming_cache.session import StreamRuntime, binding
 from render_service.streaming_cache.session import _check_bounds as check_pipeline_bounds
 
-# Responses streams' accumulated item texts, per replica (see the module docstring).
-OUTPUT_TEXTS = StreamingCache(max_entries=4096, ttl_s=600.0)
+
+def _held_weight(held: tuple[int, BlockTexts]) -> int:
+    """A stream's held texts: a byte per character (latin-1 text is held at that; other text at 2 or 4), and
+    512 per logprob entry (a token, its bytes and its alternatives)."""
+    texts = held[1]
+    entries = sum(map(len, texts.logprobs.blocks.values())) if texts.logprobs is not None else 0
+    return texts.chars + 512 * entries
+
+
+# Responses streams' accumulated item texts, per replica (see the module docstring), bounded in entries and
+# in weight.
+OUTPUT_TEXTS: StreamingCache[tuple[int, BlockTexts]] = StreamingCache(
+    max_entries=4096, ttl_s=600.0, max_bytes=256 << 20, weigh=_held_weight)
 
 
 class ApiStreamState(msgspec.Struct, omit_defaults=True):

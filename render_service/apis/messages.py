@@ -23,7 +23,7 @@ import msgspec
 from render_service.apis.messages_protocol import CountTokensRequest, MessagesRequest
 from render_service.errors import bad_request
 from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
-from render_service.render import render_chat, render_chat_prompt
+from render_service.render import render_chat, render_chat_prompt, requested_id
 from render_service.render_config import RenderConfig
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -279,8 +279,8 @@ def render_messages(req: MessagesRequest, config: RenderConfig, *, request_id: s
     params = gen.sampling_params
     if budget is not None:
         params = msgspec.structs.replace(params, thinking_token_budget=budget)
-    gen = msgspec.structs.replace(gen, request_id=new_message_id(request_id or req.request_id), sampling_params=params,
-                                  kv_transfer_params=req.kv_transfer_params)
+    gen = msgspec.structs.replace(gen, request_id=new_message_id(requested_id(request_id, req.request_id)),
+                                  sampling_params=params, kv_transfer_params=req.kv_transfer_params)
     return gen, chat
 
 

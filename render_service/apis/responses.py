@@ -23,7 +23,7 @@ from render_service.errors import bad_request
 from render_service.harmony.render import REASONING_EFFORTS
 from render_service.logprobs import MAX_TOP_LOGPROBS
 from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
-from render_service.render import render_chat
+from render_service.render import render_chat, requested_id
 from render_service.render_config import RenderConfig
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -265,6 +265,6 @@ def render_responses(req: ResponsesRequest, config: RenderConfig, *, request_id:
                     "unsupported_parameter")
     chat = to_chat(req, config, history)
     gen = render_chat(chat, config)
-    gen = msgspec.structs.replace(gen, request_id=new_response_id(request_id or req.request_id),
+    gen = msgspec.structs.replace(gen, request_id=new_response_id(requested_id(request_id, req.request_id)),
                                   kv_transfer_params=req.kv_transfer_params)
     return gen, chat

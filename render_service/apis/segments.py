@@ -176,11 +176,12 @@ class BlockTexts:
     """Each block's text, accumulated from the steps (for batch output, the gateway, and closing events), and
     when Responses asked for them, the text blocks' logprobs (a ``text_logprobs.TextLogprobs``)."""
 
-    __slots__ = ("parts", "logprobs")
+    __slots__ = ("chars", "parts", "logprobs")
 
     def __init__(self, logprobs: Any = None) -> None:
         self.parts: list[list[str]] = []
         self.logprobs = logprobs
+        self.chars = 0  # what the texts hold, for a cache that bounds its size
 
     def add(self, steps: Sequence[Step]) -> None:
         for step in steps:
@@ -189,6 +190,7 @@ class BlockTexts:
                     self.parts.append([])
             elif step.op == "delta":
                 self.parts[step.block].append(step.text)
+                self.chars += len(step.text)
 
     def logprobs_of(self, block: int) -> list[Any]:
         return self.logprobs.of(block) if self.logprobs is not None else []

@@ -18,7 +18,9 @@ has no logits for it). Its events are the response's choices, replayed as one ba
 
 The X-Request-Id sent to engines is the rendered request id plus 8 hex digits of the client request
 (``EngineCall.tag``): clients may send one id on concurrent requests (RL sampling, retries), engines abort
-every request under an id, and one client going away must abort its own engine requests only.
+every request under an id, and one client going away must abort its own engine requests only. A rendered
+id that is not header-safe (a client's body ``request_id`` may be any printable text) is replaced by a
+digest of it (``splitserve_common.request_ids``): no client byte reaches an engine header.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from render_service.protocol import (
     GenerateStreamResponse,
     SamplingParams,
 )
+from splitserve_common.request_ids import engine_header_id
 
 logger = logging.getLogger("render_service.gateway.flow")
 
@@ -75,6 +78,7 @@ class GatewaySettings:
     max_conversations: int = DEFAULT_CAPACITY
     pd_transfer_mode: str = "pull"  # "push": both legs at once (engines run NixlPushConnector)
     pd_min_uncached_tokens: int = 0  # below this many uncached prompt tokens (estimated), decode alone serves
+    max_num_seqs: int = 256  # the engines' --max-num-seqs: P/D refuses n above it, as a collocated engine does
     # stored Responses (gateway/response_store.py): SQLite at this path (None: the cache directory), or PostgreSQL
     responses_store_path: str | None = None
     responses_store_dsn: str | None = None
@@ -101,8 +105,9 @@ class EngineCall:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # tells this call's engine requests apart
 
     def wire_id(self, rid: str) -> str:
-        """The X-Request-Id an engine request goes by: unique to this client request."""
-        return f"{rid}-{self.tag}"
+        """The X-Request-Id an engine request goes by: unique to this client request, and never client bytes
+        that are not header-safe (a digest stands in for those)."""
+        return f"{engine_header_id(rid)}-{self.tag}"
 
     def take(self, request_id: str | None = None) -> list[tuple[str, list[str]]]:
         """(url, engine ids) to abort: every live call, or those of one rendered prompt; forgets them."""
@@ -138,8 +143,9 @@ class Gateway:
             raise ValueError("the gateway needs --engine, or --prefill and --decode")
         if s.pd_transfer_mode not in ("pull", "push") or s.pd_min_uncached_tokens < 0:
             raise ValueError("--pd-transfer-mode is pull or push; --pd-min-uncached-tokens >= 0")
-        if s.block_size < 1 or s.affinity_blocks < 0 or s.retries < 0 or s.load_factor < 1:
-            raise ValueError("gateway settings out of range (block size >= 1, retries >= 0, load factor >= 1)")
+        if s.block_size < 1 or s.affinity_blocks < 0 or s.retries < 0 or s.load_factor < 1 or s.max_num_seqs < 1:
+            raise ValueError("gateway settings out of range (block size >= 1, retries >= 0, load factor >= 1, "
+                             "max num seqs >= 1)")
         self.disaggregated = bool(prefill)
 
         def pool(name: str, urls: list[str]) -> ReplicaPool:
@@ -496,6 +502,16 @@ class EngineStream:
     count: int
 
 
+def fanout_violation(gens: list[GenerateRequest], max_num_seqs: int) -> str | None:
+    """P/D runs each of a prompt's n choices as its own prefill and decode call, so no engine sees n: the
+    gateway applies the bound a collocated engine applies to n (its max_num_seqs), in the engine's words."""
+    for gen in gens:
+        n = gen.sampling_params.n or 1
+        if n > max_num_seqs:
+            return f"n must be between 1 and max_num_seqs ({max_num_seqs}), got {n}."
+    return None
+
+
 def plan_streams(gens: list[GenerateRequest], disaggregated: bool) -> list[EngineStream]:
     """One engine call per prompt; in P/D, n > 1 becomes n calls of n = 1 (a prefill lease is pulled by
     one decode sequence; each call prefills again, which the prefill engine's prefix cache absorbs).
@@ -549,5 +565,6 @@ def decode_request(gen: GenerateRequest, kv: dict) -> GenerateRequest:
 
 
 __all__ = ["Gateway", "GatewaySettings", "EngineCall", "LiveStream", "WholeResponse", "EngineStream", "plan_streams",
+           "fanout_violation",
            "NoReplica", "EngineRejected", "EngineStreamBroken", "engine_request", "whole_request", "prefill_request",
            "decode_request"]

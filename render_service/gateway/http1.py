@@ -366,7 +366,10 @@ class Http1Pool:
         key, request_line = _target(url)
         https, host, port = key
         head = [request_line, f"content-length: {len(body)}"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
+        for k, v in headers.items():
+            if "\r" in v or "\n" in v:  # callers pass header-safe values; this is the last line of defence
+                raise ValueError(f"header {k} holds a CR or LF")
+            head.append(f"{k}: {v}")
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
             # the retry takes a fresh connection: other idle ones may be stale too

@@ -23,7 +23,7 @@ from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.gateway import metrics
 from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
-from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, plan_streams
+from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, fanout_violation, plan_streams
 from render_service.gateway.merged import MergedStreams, SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
@@ -141,6 +141,10 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
                   responder: ChatResponder | CompletionResponder, stream: bool,
                   conversation: bytes | None = None) -> Response:
     gateway.stats.requests += 1
+    if gateway.disaggregated:
+        violation = fanout_violation(gens, gateway.settings.max_num_seqs)
+        if violation:
+            raise bad_request(violation, "n")
     planned = plan_streams(gens, gateway.disaggregated)
     # KV reuse across turns needs one decode sequence per turn (with n > 1, which one continues is unknown)
     call = EngineCall(conversation=conversation if gateway.disaggregated and len(planned) == 1 else None)

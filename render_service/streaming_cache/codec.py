@@ -2,14 +2,16 @@
 
 Wire form (a short ASCII string, opaque to clients)::
 
-    ss1.<base64url(msgpack(envelope))>[.<base64url(HMAC-SHA256(secret, "ss1." + payload))>]
+    ss1.<base64url(msgpack(envelope))>.<hex(BLAKE2b-128 keyed with the secret, of msgpack(envelope))>
 
 The envelope holds the format version, a binding (a hash of the request id, choice index and the parser
 configuration, so a state can only continue the stream it came from) and the pipeline state: a few ints,
 short strings and the bytes of an unfinished character. No token history: its size does not grow with the
-output. When a secret is configured (``--stream-state-secret`` / ``SPLITSERVE_STREAM_STATE_SECRET``) every
-state is signed and unsigned or tampered states are refused; any replica with the same secret can continue
-any stream. Everything read is validated (size, structure, bounds) before use: bad state is a 400.
+output. Every state is signed and unsigned or tampered states are refused: with the configured secret
+(``--stream-state-secret`` / ``SPLITSERVE_STREAM_STATE_SECRET``), any replica with the same secret can
+continue any stream; without one, with ``PROCESS_SECRET``, drawn when this module is first imported, so the
+pre-forked workers of one server share it but other servers do not (the server warns at startup).
+Everything read is validated (size, structure, bounds) before use: bad state is a 400.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import binascii
 import hashlib
 import hmac
 import os
+import secrets
 from typing import Any
 
 import msgspec
@@ -31,6 +34,8 @@ VERSION = 2
 # Decoded-size cap: a healthy state is ~100 bytes; parser hold-back buffers may add a few KiB.
 MAX_STATE_CHARS = 64 * 1024
 SECRET_ENV = "SPLITSERVE_STREAM_STATE_SECRET"
+# Signs states when no secret is configured. Drawn at import, in the parent before --workers forks.
+PROCESS_SECRET = secrets.token_bytes(32)
 
 
 class StreamStateError(ValueError):
@@ -71,16 +76,28 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def _sign(secret: bytes, signed_part: str) -> str:
-    return _b64(hmac.new(secret, signed_part.encode("ascii"), hashlib.sha256).digest())
+_MAC_BASES: dict[bytes, Any] = {}  # secret -> a keyed BLAKE2b ready to copy (the key block done once)
+
+
+def _tag(secret: bytes, payload: bytes) -> str:
+    """The state's MAC: keyed BLAKE2b (RFC 7693's MAC mode) of the encoded envelope, 128 bits in hex. On every
+    chunk it is signed and checked, so it is kept to a copy, an update and a digest."""
+    base = _MAC_BASES.get(secret)
+    if base is None:
+        if len(_MAC_BASES) >= 16:  # secrets are one or two per process; tests make more
+            _MAC_BASES.clear()
+        key = hashlib.blake2b(secret, digest_size=32).digest()  # BLAKE2b keys are at most 64 bytes
+        base = _MAC_BASES[secret] = hashlib.blake2b(key=key, digest_size=16, person=b"splitserve-state")
+    mac = base.copy()
+    mac.update(payload)
+    tag: str = mac.hexdigest()
+    return tag
 
 
 def encode_state(state: msgspec.Struct, binding: bytes, secret: bytes | None) -> str:
-    payload = _b64(_encoder.encode(Envelope(VERSION, binding, state)))
-    token = f"{PREFIX}.{payload}"
-    if secret:
-        token = f"{token}.{_sign(secret, token)}"
-    return token
+    raw = _encoder.encode(Envelope(VERSION, binding, state))
+    token = f"{PREFIX}.{_b64(raw)}"
+    return f"{token}.{_tag(secret, raw)}" if secret else token
 
 
 def decode_state(token: Any, binding: bytes, secret: bytes | None) -> Any:
@@ -94,15 +111,17 @@ def decode_state(token: Any, binding: bytes, secret: bytes | None) -> Any:
         raise StreamStateError("stream_state has an unknown format or version")
     if len(parts) not in (2, 3):
         raise StreamStateError("stream_state is malformed")
-    if secret:
-        if len(parts) != 3:
-            raise StreamStateError("stream_state is not signed but this server requires signed state")
-        expected = _sign(secret, f"{parts[0]}.{parts[1]}")
-        if not hmac.compare_digest(expected, parts[2]):
-            raise StreamStateError("stream_state signature does not match (tampered, or signed with another secret)")
+    if secret and len(parts) != 3:
+        raise StreamStateError("stream_state is not signed but this server requires signed state")
     try:
-        env = _decoder.decode(_unb64(parts[1]))
-    except (binascii.Error, ValueError, msgspec.DecodeError) as exc:
+        raw = _unb64(parts[1])
+    except (binascii.Error, ValueError) as exc:
+        raise StreamStateError(f"stream_state is corrupt or truncated: {exc}") from None
+    if secret and not hmac.compare_digest(_tag(secret, raw), parts[2]):
+        raise StreamStateError("stream_state signature does not match (tampered, or signed with another secret)")
+    try:
+        env = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
         raise StreamStateError(f"stream_state is corrupt or truncated: {exc}") from None
     if env.version != VERSION:
         raise StreamStateError(f"stream_state version {env.version} is not supported (this server reads {VERSION})")

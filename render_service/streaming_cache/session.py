@@ -20,6 +20,7 @@ from render_service.errors import bad_request
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from render_service.streaming_cache.codec import (
+    PROCESS_SECRET,
     StreamStateError,
     binding_for,
     decode_state,
@@ -48,15 +49,20 @@ VLLM_FIELDS_ENV = "SPLITSERVE_STREAM_STATE_VLLM_FIELDS"
 class StreamRuntime:
     """Per-process streaming derender settings: the state secret and the cache of live pipelines.
 
+    ``secret``: the configured one (the argument, else SPLITSERVE_STREAM_STATE_SECRET), else this process's
+    own (``codec.PROCESS_SECRET``; ``shared_secret`` is then False): states are signed either way.
+
     ``always_vllm_fields`` (env SPLITSERVE_STREAM_STATE_VLLM_FIELDS=1): answer every stream, from its first
     chunk, with vLLM's history fields as well, for clients that re-validate stream_state into vLLM's model and
     drop unknown keys (they then continue through the cache or by replay, at vLLM's O(history) bytes).
     """
 
-    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache | None = None,
+    def __init__(self, secret: str | bytes | None = None, cache: StreamingCache[bytes] | None = None,
                  always_vllm_fields: bool | None = None) -> None:
-        self.secret = secret_from_env(secret)
-        self.cache = cache if cache is not None else StreamingCache()
+        configured = secret_from_env(secret)
+        self.shared_secret = configured is not None
+        self.secret = configured if configured is not None else PROCESS_SECRET
+        self.cache: StreamingCache[bytes] = cache if cache is not None else StreamingCache()
         if always_vllm_fields is None:
             always_vllm_fields = os.environ.get(VLLM_FIELDS_ENV, "").lower() in ("1", "true", "yes")
         self.always_vllm_fields = always_vllm_fields

@@ -172,9 +172,15 @@ def validate_publication(pub: AgentPublication) -> PoolLayout:
     return PoolLayout(pub.base_addr, geometry, pub.mem_type, pub.device_id)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all of them by ``deadline`` (monotonic): a socket timeout bounds one recv, so a peer
+    sending a byte now and then would otherwise hold the connection as long as it likes."""
     buf = bytearray()
     while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SideChannelError("side channel peer too slow: the frame did not arrive in time")
+        sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise SideChannelError("side channel closed mid-frame")
@@ -186,11 +192,12 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(struct.pack("!I", len(payload)) + payload)
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+def _recv_frame(sock: socket.socket, deadline: float) -> bytes:
+    """One whole frame by ``deadline``; the socket's timeout is left at what remained."""
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4, deadline))
     if n > MAX_FRAME_BYTES:
         raise SideChannelError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
-    return _recv_exact(sock, n)
+    return _recv_exact(sock, n, deadline)
 
 
 def _check_port(port) -> None:
@@ -217,17 +224,17 @@ def _connect(host: str, port: int, timeout_s: float, secret: bytes | None,
         sock.connect(sockaddr)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if secret:
-            _client_handshake(sock, secret)
+            _client_handshake(sock, secret, time.monotonic() + timeout_s)
         return sock
     except (OSError, ValueError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError) as e:
         sock.close()
         raise SideChannelError(UNREACHABLE, f"{host}:{port}: {getattr(e, 'detail', None) or e}") from e
 
 
-def _client_handshake(sock: socket.socket, secret: bytes) -> None:
+def _client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None:
     mine = secrets.token_bytes(NONCE_BYTES)
     _send_frame(sock, _encoder.encode(SideChannelRequest(op="auth", nonce=mine.hex())))
-    answer = _auth_decoder.decode(_recv_frame(sock))
+    answer = _auth_decoder.decode(_recv_frame(sock, deadline))
     theirs = _unhex_nonce(answer.nonce)
     if not hmac.compare_digest(answer.proof, _proof(secret, _SERVER_LABEL, mine, theirs)):
         raise SideChannelError("the peer could not prove it knows the side-channel secret")
@@ -240,7 +247,7 @@ def _ask(host: str, port: int, request: SideChannelRequest, decoder, timeout_s: 
     try:
         with sock:
             _send_frame(sock, _encoder.encode(request))
-            return decoder.decode(_recv_frame(sock))
+            return decoder.decode(_recv_frame(sock, time.monotonic() + timeout_s))
     except (OSError, SideChannelError, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise SideChannelError(UNREACHABLE, f"{host}:{port}: {e}") from e
 
@@ -269,7 +276,7 @@ def open_link(host: str, port: int, timeout_s: float = SOCKET_TIMEOUT_S, secret:
     sock = _connect(host, port, timeout_s, secret, allowed)
     try:
         _send_frame(sock, _encoder.encode(SideChannelRequest(op="publication")))
-        pub = _pub_decoder.decode(_recv_frame(sock))
+        pub = _pub_decoder.decode(_recv_frame(sock, time.monotonic() + timeout_s))
         layout = validate_publication(pub)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError, SideChannelError) as e:
         sock.close()
@@ -488,8 +495,7 @@ class SideChannelServer:
 
     @staticmethod
     def _recv_by(conn: socket.socket, deadline: float) -> bytes:
-        conn.settimeout(max(0.001, deadline - time.monotonic()))
-        return _recv_frame(conn)
+        return _recv_frame(conn, deadline)
 
     def _serve(self, c: _Conn) -> None:
         conn = c.sock
@@ -505,8 +511,9 @@ class SideChannelServer:
                     if not header:
                         return
                     c.busy = True
-                    conn.settimeout(SOCKET_TIMEOUT_S)  # a started frame must arrive whole, promptly
-                    req = _req_decoder.decode(_recv_frame(conn))
+                    # a started frame must arrive whole, promptly (not a byte now and then)
+                    req = _req_decoder.decode(_recv_frame(conn, time.monotonic() + SOCKET_TIMEOUT_S))
+                    conn.settimeout(SOCKET_TIMEOUT_S)  # for the answer
                     if req.op == "publication":
                         _send_frame(conn, self._payload)
                     elif req.op == "lease_status" and self._lease_status is not None:
