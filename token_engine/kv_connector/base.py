@@ -51,6 +51,8 @@ def foreign_prefill_params(params: Any) -> str | None:
     this message (a 400), instead of a pull that could only fail later."""
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         return None
+    if params.get("remote_block_ids") is None:  # push params: they name a producer, not a lease's blocks
+        return None
     if not params.get("remote_engine_id") or any(key in params for key in OURS_ONLY_KV_KEYS):
         return None
     return (f"{KV_PARAMS_REFUSED}: kv_transfer_params come from another implementation's prefill (vLLM's "
