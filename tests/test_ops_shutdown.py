@@ -103,7 +103,7 @@ def test_gateway_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
         assert done.status_code == 200
         assert done.json()["usage"]["completion_tokens"] == 8
         assert done.headers["x-request-id"] == "held-1"
-        assert gateway.proc.wait(60) == 0
+        assert gateway.proc.wait(60) == 0, gateway.log_tail()
         # The engine behind it is untouched and holds no blocks.
         assert httpx.get(engine.url + "/health", timeout=30).status_code == 200
         state = wait_until_idle(engine.url)
@@ -134,7 +134,7 @@ def test_engine_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
         done = held.result()
         assert done.status_code == 200
         assert len(done.json()["choices"][0]["token_ids"]) == 5
-        assert engine.proc.wait(60) == 0
+        assert engine.proc.wait(60) == 0, engine.log_tail()
     finally:
         engine.stop()
 

@@ -31,6 +31,7 @@ log = logging.getLogger("token_engine")
 
 CPU_KV_CACHE_MAX_BYTES = 4 << 30  # as vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
 CUDA_ACTIVATION_RESERVE_BYTES = 2 << 30  # activations, logits and decode graphs live outside the KV pool
+VOCABULARY_LOAD_WAIT_S = 60.0  # shutdown waits this long for the grammar vocabulary's load (a few s, more loaded)
 
 
 @dataclass
@@ -354,7 +355,9 @@ class LLMEngine:
         return list(results.values())
 
     def shutdown(self) -> None:
-        self.grammars.close()  # kills compile workers; a compile still waited for fails with a 503
+        # kills compile workers (a compile still waited for fails with a 503), once a vocabulary load under
+        # way has ended: the process exits after this
+        self.grammars.close(wait_s=VOCABULARY_LOAD_WAIT_S)
         self.connector.shutdown()
 
 

@@ -118,13 +118,18 @@ class GrammarCompiler:
             return []
         return pool.result().worker_pids()
 
-    def close(self) -> None:
-        """Stops the compile workers (what waits fails with a 503); later compiles fail the same way."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stops the compile workers (what waits fails with a 503); later compiles fail the same way.
+        ``wait_s``: how long to wait for a vocabulary load still under way. The process exit must wait for it:
+        an interpreter that finalizes while the loader thread is inside xgrammar's C++ aborts (SIGABRT,
+        "terminate called without an active exception") instead of exiting 0."""
         with self._lock:
             self._closed = True
             pool = self._pool_future
         if pool is not None:  # still loading: the loader sees _closed and starts no workers
             pool.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            if wait_s > 0:
+                concurrent.futures.wait([pool], timeout=wait_s)
 
     # ---- internals ---------------------------------------------------------------------------------
     def _wait_limit_s(self) -> float:
