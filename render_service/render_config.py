@@ -5,6 +5,7 @@ both read off it (the served model name, the chat template kwargs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from render_service.errors import bad_request, model_not_found
@@ -78,7 +79,7 @@ class RenderConfig:
     def has_parsers(self) -> bool:
         return bool(self.reasoning_parser or self.tool_call_parser)
 
-    @property
+    @cached_property  # read on every streamed chunk; the bundle does not change after the config is built
     def output_vocab_size(self) -> int:
         """Token ids an engine may send back: the model's vocab_size (config.json), which is often larger than
         the tokenizer's (Qwen3: 151936 rows, 151669 tokens). Ids in between decode to nothing, as in vLLM."""

@@ -62,6 +62,38 @@ def test_signed_state_refuses_tampering_other_secret_and_unsigned():
         decode_state(encode_state(sample_state(), BIND, None), BIND, b"k1")
 
 
+def test_tokens_read_back_from_the_issued_store_are_checked_like_any_other(monkeypatch):
+    """A token this process signed is read back without a second MAC; the store must not let anything through
+    that the full check would refuse, nor grow without bound."""
+    from render_service.streaming_cache import codec
+
+    state = sample_state()
+    token = encode_state(state, BIND, b"k1")
+    assert token.split(".")[2] in codec._ISSUED
+    assert msgspec.convert(decode_state(token, BIND, b"k1"), PipelineState) == state
+    assert token.split(".")[2] not in codec._ISSUED  # read once: a retry of the chunk takes the full check
+    assert msgspec.convert(decode_state(token, BIND, b"k1"), PipelineState) == state
+
+    with pytest.raises(StreamStateError, match="signature"):  # fresh in the store, but another secret reads it
+        decode_state(encode_state(state, BIND, b"k1"), BIND, b"k2")
+    head, payload, sig = encode_state(state, BIND, b"k1").split(".")
+    other = encode_state(PipelineState(detok=DetokenizerState(), tokens=8), BIND, b"k1").split(".")[1]
+    with pytest.raises(StreamStateError, match="signature"):  # a stored tag over another (valid) payload
+        decode_state(f"{head}.{other}.{sig}", BIND, b"k1")
+    with pytest.raises(StreamStateError, match="another request"):  # the binding is still checked
+        decode_state(encode_state(state, BIND, b"k1"), binding_for("req", 1, "cfg"), b"k1")
+
+    monkeypatch.setattr(codec, "_ISSUED", {})
+    monkeypatch.setattr(codec, "MAX_ISSUED", 8)
+    for i in range(50):
+        encode_state(PipelineState(detok=DetokenizerState(), tokens=i), BIND, b"k1")
+    assert len(codec._ISSUED) <= 8
+    big = PipelineState(detok=DetokenizerState(), model_call_ids=["x" * 3000])
+    token = encode_state(big, BIND, b"k1")
+    assert token.split(".")[2] not in codec._ISSUED  # large states are not kept, and still read back
+    assert msgspec.convert(decode_state(token, BIND, b"k1"), PipelineState) == big
+
+
 @pytest.mark.parametrize(
     "token, message",
     [
