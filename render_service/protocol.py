@@ -243,6 +243,51 @@ class UsageInfo(msgspec.Struct):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+# ------------------------------------------------------------------------------- engine logprobs
+# What a tokens-only engine sends as a choice's ``logprobs``, in either of vLLM's shapes, decoded into one type:
+# 0.32+ ``GenerateLogProbs`` (``token_id`` integers, ``rank``; ``sampled`` with return_token_logprobs) and the
+# older OpenAI chat shape whose ``token`` is the placeholder "token_id:N" (``bytes`` ignored). Which key an entry
+# carries is a value question (logprobs.entry_token_id); a wrong type anywhere is the client's 400.
+
+
+class GenerateTopLogprob(msgspec.Struct, gc=False):
+    """One alternative of a sampled token."""
+
+    token_id: int | None = None
+    token: str | None = None
+    logprob: float = -9999.0  # vLLM's default, and its clamp of -inf
+    rank: int | None = None
+    bytes: list[int] | None = None
+
+
+class GenerateTokenLogprob(msgspec.Struct, gc=False):
+    """One sampled token: its id (either shape), logprob and rank-ordered alternatives."""
+
+    token_id: int | None = None
+    token: str | None = None
+    logprob: float = -9999.0
+    rank: int | None = None
+    bytes: list[int] | None = None
+    top_logprobs: list[GenerateTopLogprob] | None = None
+
+
+class GenerateLogprobs(msgspec.Struct):
+    content: list[GenerateTokenLogprob] | None = None
+    sampled: list[float] | None = None  # vLLM 0.32+ with return_token_logprobs; not read by derender
+
+
+class PromptLogprob(msgspec.Struct, gc=False):
+    """One alternative at a prompt position (vLLM's ``Logprob``); keyed by token id in ``prompt_logprobs``."""
+
+    logprob: float = -9999.0
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: null (the first position, or none asked) or {token id: its logprob}.
+GeneratePromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class GenerateResponseChoice(msgspec.Struct):
     """One choice of a generate response, older (<=0.31) or newer (0.32+, ``text``/``sampling_mask``) shape."""
 
@@ -250,7 +295,7 @@ class GenerateResponseChoice(msgspec.Struct):
     token_ids: list[int] | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
-    logprobs: Any = None
+    logprobs: GenerateLogprobs | None = None
     routed_experts: str | None = None
     text: str | None = None
     sampling_mask: list[int] | None = None
@@ -265,7 +310,7 @@ class GenerateResponse(msgspec.Struct):
     model: str | None = None
     created: int | None = None
     usage: UsageInfo | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: GeneratePromptLogprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     output_mode: str | None = None
@@ -280,7 +325,7 @@ class GenerateStreamChoice(msgspec.Struct):
     token_ids: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: Any = None
+    logprobs: GenerateLogprobs | None = None
     routed_experts: str | None = None
     text: str | None = None
     weight_versions: list[dict[str, Any]] | None = None  # on a choice's last event

@@ -25,8 +25,9 @@ from typing import Any
 import msgspec
 
 from render_service.apis.segments import BlockState, BlockTexts, SegmentPipeline, Step, finish, segments, sequence
-from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, ChatLogprob, resolve_chat_logprobs
+from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, ChatLogprob, resolve_chat_entry
 from render_service.parsers.pipeline import PipelineState
+from render_service.protocol import GenerateLogprobs
 
 INCLUDE = "message.output_text.logprobs"
 MAX_PENDING = 1024  # tokens held back by the parsers that long lose their logprobs (bounded memory)
@@ -64,10 +65,9 @@ class TextLogprobs:
         return self.blocks.get(block, [])
 
     def feed(self, pipeline: SegmentPipeline, state: PipelineState, blocks: BlockState, ids: list[int],
-             logprobs: Any) -> list[Step]:
+             logprobs: GenerateLogprobs | None) -> list[Step]:
         """The steps of ``ids`` (fed one at a time), text deltas carrying their tokens' logprobs."""
-        content = logprobs.get("content") if isinstance(logprobs, dict) else None
-        entries = content if isinstance(content, list) else []
+        entries = (logprobs.content if logprobs is not None else None) or []
         out: list[Step] = []
         for i, token in enumerate(ids):
             before = _claimed(state)
@@ -77,9 +77,7 @@ class TextLogprobs:
                 del self.pending[max(len(self.pending) - (claimed - 1), 0):]
             entry = None
             if claimed <= 0 and i < len(entries):
-                resolved = resolve_chat_logprobs({"content": [entries[i]]}, self.tokenizer, self.context,
-                                                 self.as_token_ids)
-                entry = _entry(resolved["content"][0]) if resolved and resolved["content"] else None
+                entry = _entry(resolve_chat_entry(entries[i], self.tokenizer, self.context, self.as_token_ids))
             del self.context[:-LOGPROB_CONTEXT_TOKENS]
             out += self.route(steps, blocks, entry)
         return out
@@ -112,7 +110,8 @@ class TextLogprobs:
 
 
 def fold_with_logprobs(pipeline: SegmentPipeline, token_ids: list[int], prompt_ids: list[int] | None,
-                       logprobs: Any, router: TextLogprobs) -> tuple[BlockState, BlockTexts, PipelineState]:
+                       logprobs: GenerateLogprobs | None,
+                       router: TextLogprobs) -> tuple[BlockState, BlockTexts, PipelineState]:
     """``segments.fold`` with text logprobs routed (batch derender of a request that asked for them)."""
     pstate = pipeline.initial_state(prompt_ids)
     bstate = BlockState()

@@ -16,7 +16,7 @@ from functools import partial
 from typing import Callable
 
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, LiveStream, WholeResponse
-from render_service.protocol import GenerateStreamChoice, GenerateStreamResponse
+from render_service.protocol import GeneratePromptLogprobs, GenerateStreamChoice, GenerateStreamResponse
 
 Items = list[tuple[int, GenerateStreamChoice]]
 SpanDone = Callable[[int, int, int], bool]  # (prompt index, first choice, count): those choices all ended
@@ -70,7 +70,7 @@ class MergedStreams:
         self._on_items: Callable[[Items], None] | None = None
         self._on_over: Callable[[Exception | None], None] | None = None
 
-    def prompt_logprobs(self) -> dict[int, object]:
+    def prompt_logprobs(self) -> dict[int, GeneratePromptLogprobs | None]:
         """Prompt index -> the engine's prompt_logprobs, for the prompts that asked for them."""
         return {s.plan.prompt_index: s.live.prompt_logprobs for s in self.streams
                 if isinstance(s.live, WholeResponse)}
