@@ -40,7 +40,7 @@ from render_service.parsers.harmony import BODY as HARMONY_BODY
 from render_service.parsers.harmony import REASONING as HARMONY_REASONING
 from render_service.parsers.harmony import HarmonyState
 from render_service.parsers.reasoning import CONTENT, ThinkState
-from render_service.protocol import ChatCompletionRequest, GenerateRequest, GenerateStreamChoice
+from render_service.protocol import ChatCompletionRequest, GenerateLogprobs, GenerateRequest, GenerateStreamChoice
 from render_service.render_config import RenderConfig
 
 _encode = msgspec.json.Encoder().encode
@@ -73,11 +73,11 @@ class ApiChoice:
         self.matcher = StopMatcher(stops) if stops else None
         self.tokens = 0
         self.finish_reason: str | None = None
-        self.stop_reason: Any = None
+        self.stop_reason: int | str | None = None
         self.done = False
 
-    def step(self, ids: list[int], engine_finish: str | None, engine_stop: Any = None, logprobs: Any = None
-             ) -> list[Step]:
+    def step(self, ids: list[int], engine_finish: str | None, engine_stop: int | str | None = None,
+             logprobs: GenerateLogprobs | None = None) -> list[Step]:
         pipeline, state = self.pipeline, self.state
         self.tokens += len(ids)
         routed: list[Step] = []
