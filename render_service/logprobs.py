@@ -3,38 +3,21 @@ against their bounds and resolved to OpenAI's chat and completions shapes (token
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 from render_service.errors import bad_request
-from render_service.protocol import GenerateLogprobs, GeneratePromptLogprobs, GenerateTokenLogprob, GenerateTopLogprob
+from render_service.protocol import (
+    ChatLogprob,
+    ChatLogprobs,
+    CompletionLogprobs,
+    GenerateLogprobs,
+    GeneratePromptLogprobs,
+    GenerateTokenLogprob,
+    GenerateTopLogprob,
+    PromptLogprob,
+)
 from render_service.render_config import RenderConfig
 from render_service.tokenizer import RenderTokenizer
-
-
-class ChatLogprob(TypedDict, total=False):
-    """One token of OpenAI chat logprobs; ``token_id`` is ours (absent with vLLM's "token_id:N" strings)."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-    token_id: int | None
-    top_logprobs: list[ChatLogprob]  # the sampled token's alternatives (absent on an alternative)
-
-
-class ChatLogprobs(TypedDict):
-    content: list[ChatLogprob]
-    refusal: None
-
-
-class CompletionLogprobs(TypedDict, total=False):
-    """The legacy completions shape, plus ``token_ids`` parallel to ``tokens`` (absent as for chat)."""
-
-    text_offset: list[int]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
-    tokens: list[str]
-    top_logprobs: list[dict[str, float] | None]
-    token_ids: list[int | None]
-
 
 # vLLM's ModelConfig.max_logprobs default: the most top_logprobs an entry may carry.
 MAX_TOP_LOGPROBS = 20
@@ -189,6 +172,17 @@ def resolve_completion_logprobs(
     return out
 
 
+def extend_completion_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    """``more``'s entries appended to ``into``'s lists, key by key (both resolved for the same request, so the
+    same keys: ``token_ids`` in both or in neither)."""
+    into["text_offset"] += more["text_offset"]
+    into["token_logprobs"] += more["token_logprobs"]
+    into["tokens"] += more["tokens"]
+    into["top_logprobs"] += more["top_logprobs"]
+    if "token_ids" in into:
+        into["token_ids"] += more["token_ids"]
+
+
 class PromptLogprobs:
     """An engine's ``prompt_logprobs`` (per prompt position: null, or ``{token id: {logprob, rank, ...}}``,
     ids as JSON keys) resolved against the prompt's ids: the response's ``prompt_logprobs`` (vLLM's shape, each
@@ -221,10 +215,10 @@ class PromptLogprobs:
         self.prompt_ids = prompt_ids
         self.as_token_ids = as_token_ids
 
-    def response_entries(self) -> list[dict[str, dict[str, Any]] | None]:
+    def response_entries(self) -> GeneratePromptLogprobs:
         """vLLM's ``prompt_logprobs``: ``{token id: {"logprob", "rank", "decoded_token"}}`` per position."""
-        return [None if e is None else {str(a): {"logprob": lp, "rank": rank, "decoded_token": text}
-                                        for a, text, lp, rank in e} for e in self.entries]
+        return [None if e is None else {a: PromptLogprob(lp, rank, text) for a, text, lp, rank in e}
+                for e in self.entries]
 
     def echoed(self, top: int, text_offset: int = 0) -> CompletionLogprobs:
         """The prompt's part of an echoed completion's logprobs (vLLM's ``_create_completion_logprobs`` over the

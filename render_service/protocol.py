@@ -11,7 +11,7 @@ they appear only when set.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -408,6 +408,36 @@ class ToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
+# ------------------------------------------------------------------------------- output logprobs
+# What the render side answers, built as plain dicts on the per-token path (logprobs.py); typed here so the
+# responses below, their OpenAPI schema and the code that builds them agree.
+
+
+class ChatLogprob(TypedDict, total=False):
+    """One token of OpenAI chat logprobs; ``token_id`` is ours (absent with vLLM's "token_id:N" strings)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    token_id: int | None
+    top_logprobs: list[ChatLogprob]  # the sampled token's alternatives (absent on an alternative)
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(TypedDict, total=False):
+    """The legacy completions shape, plus ``token_ids`` parallel to ``tokens`` (absent as for chat)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+    token_ids: list[int | None]
+
+
 class ChatMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
@@ -425,7 +455,7 @@ class ChatMessage(msgspec.Struct):
 class ChatCompletionChoice(msgspec.Struct):
     index: int
     message: ChatMessage
-    logprobs: Any = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -442,7 +472,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo
     service_tier: str | None = None
     system_fingerprint: str | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: GeneratePromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -453,11 +483,11 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: GeneratePromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     weight_versions: list[dict[str, Any]] | None = None
@@ -503,7 +533,7 @@ class DeltaMessage(msgspec.Struct):
 class ChatCompletionStreamChoice(msgspec.Struct):
     index: int
     delta: DeltaMessage
-    logprobs: Any = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -527,7 +557,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
 class CompletionStreamChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None

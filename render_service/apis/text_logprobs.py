@@ -24,9 +24,9 @@ import msgspec
 
 from render_service.apis.responses_protocol import OutputTextLogprob, OutputTextTopLogprob
 from render_service.apis.segments import BlockState, BlockTexts, SegmentPipeline, Step, finish, segments, sequence
-from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, ChatLogprob, resolve_chat_entry
+from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, resolve_chat_entry
 from render_service.parsers.pipeline import PipelineState
-from render_service.protocol import GenerateLogprobs
+from render_service.protocol import ChatLogprob, GenerateLogprobs
 from render_service.tokenizer import RenderTokenizer
 
 INCLUDE = "message.output_text.logprobs"

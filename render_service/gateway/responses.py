@@ -25,6 +25,7 @@ from render_service.derender import pipeline_config
 from render_service.gateway.stop_strings import StopMatcher, stop_list
 from render_service.logprobs import (
     PromptLogprobs,
+    extend_completion_logprobs,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
     tokens_as_token_ids,
@@ -36,7 +37,10 @@ from render_service.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatLogprob,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
@@ -243,7 +247,7 @@ class ChatResponder(_Responder):
         self.counts_reasoning = config.reasoning_parser is not None
         self.weight_versions = req.return_weight_versions
         self.accumulators: dict[int, MessageAccumulator] = {}
-        self.logprobs: dict[int, list[Any]] = {}
+        self.logprobs: dict[int, list[ChatLogprob]] = {}
         self.first_chunk = True
         # (choice index, "content" or "reasoning") -> the pre-encoded chunk around that text, in parts
         self._envelopes: dict[tuple[int, str], list[bytes]] = {}
@@ -253,7 +257,7 @@ class ChatResponder(_Responder):
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
-    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
+    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> ChatLogprobs | None:
         if choice.logprobs is None or not self.req.logprobs:
             return None
         return resolve_chat_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
@@ -322,7 +326,7 @@ class ChatResponder(_Responder):
             chunks.append(chunk)
         return chunks
 
-    def _chunk(self, key: int, delta: DeltaMessage, out: ChoiceOutput, logprobs: Any = None
+    def _chunk(self, key: int, delta: DeltaMessage, out: ChoiceOutput, logprobs: ChatLogprobs | None = None
                ) -> ChatCompletionStreamResponse:
         if delta.reasoning is None:  # role and empty deltas: the same null key(s) as every other chunk
             put_reasoning(delta, None, self.config.reasoning_field)
@@ -366,7 +370,7 @@ class ChatResponder(_Responder):
             out = self.choices[key]
             fields = self.accumulators.get(key, MessageAccumulator()).message(self.forced_tools)
             message = chat_message(fields, out.pipeline.config, self.config.reasoning_field)
-            logprobs = None
+            logprobs: ChatLogprobs | None = None
             if self.req.logprobs:
                 logprobs = {"content": self.logprobs.get(key, []), "refusal": None}
             choices.append(ChatCompletionChoice(index=key, message=message, logprobs=logprobs,
@@ -395,7 +399,7 @@ class CompletionResponder(_Responder):
         self.echo_only = self.echo and req.max_tokens == 0
         self.echoed: set[int] = set()
         self.texts: dict[int, list[str]] = {}
-        self.logprobs: dict[int, dict[str, list]] = {}
+        self.logprobs: dict[int, CompletionLogprobs] = {}
         self.first_of_prompt: set[int] = set()
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
@@ -406,7 +410,7 @@ class CompletionResponder(_Responder):
     def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None], request: Any = None) -> None:
         super().prompt_logprobs_from(raw, self.req)
 
-    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
+    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> CompletionLogprobs | None:
         if choice.logprobs is None or self.req.logprobs is None:
             return None
         resolved = resolve_completion_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
@@ -415,7 +419,8 @@ class CompletionResponder(_Responder):
             out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
         return resolved
 
-    def _echo(self, key: int, prompt_index: int, out: ChoiceOutput, text: str, logprobs: Any) -> tuple[str, Any]:
+    def _echo(self, key: int, prompt_index: int, out: ChoiceOutput, text: str, logprobs: CompletionLogprobs | None
+              ) -> tuple[str, CompletionLogprobs | None]:
         """The first output of a choice with ``echo``: its prompt's text (and logprobs) before the model's (vLLM's
         rule: the text prompt as sent, a token prompt decoded); with max_tokens 0 the prompt's alone."""
         if not self.echo or key in self.echoed:
@@ -434,8 +439,7 @@ class CompletionResponder(_Responder):
         shift = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
         out.text_offset += shift
         if logprobs is not None:
-            logprobs = {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]}
-            head = {name: head[name] + logprobs[name] for name in head}  # type: ignore[literal-required]
+            extend_completion_logprobs(head, {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]})
         return prompt_text + text, head
 
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
@@ -480,16 +484,18 @@ class CompletionResponder(_Responder):
         if text:
             self.texts.setdefault(key, []).append(text)
         if logprobs is not None:
-            acc = self.logprobs.setdefault(key, {name: [] for name in logprobs})
-            for name in acc:
-                acc[name].extend(logprobs[name])
+            acc = self.logprobs.get(key)
+            if acc is None:  # the first event's lists, built for it alone, take the rest
+                self.logprobs[key] = logprobs
+            else:
+                extend_completion_logprobs(acc, logprobs)
 
     def response(self) -> CompletionResponse:
         choices = []
         for key in sorted(self.choices):
             out = self.choices[key]
             prompt_index = key // self.n
-            logprobs = None
+            logprobs: CompletionLogprobs | None = None
             if self.req.logprobs is not None:
                 logprobs = self.logprobs.get(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
                                                    "top_logprobs": []})
