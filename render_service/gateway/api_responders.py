@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -44,6 +44,7 @@ from render_service.protocol import ChatCompletionRequest, GenerateLogprobs, Gen
 from render_service.render_config import RenderConfig
 
 _encode = msgspec.json.Encoder().encode
+_Final = TypeVar("_Final")  # a finished response object (Responses' or Messages'), handed back as it came
 # gpt-oss: what ends an analysis message and opens the final answer (a budget spent in reasoning)
 HARMONY_FINAL_HEADER = "<|start|>assistant<|channel|>final<|message|>"
 HARMONY_ANALYSIS_TO_FINAL = "<|end|>" + HARMONY_FINAL_HEADER
@@ -249,7 +250,7 @@ class _ApiResponder:
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
         raise NotImplementedError
 
-    def _finished(self, obj: Any) -> Any:
+    def _finished(self, obj: _Final) -> _Final:
         self.final = obj
         if self.on_done is not None:
             self.storing = self.on_done(obj)
@@ -341,7 +342,7 @@ class MessagesResponder(_ApiResponder):
         if out.done:
             self.all_done = True
             events += self.shape.end_events(out.finish_reason, out.stop_reason, out.tokens, out.thinking_tokens())
-        return b"".join([sse_event(e, type(e).__struct_config__.tag) for e in events])  # type: ignore[arg-type]
+        return b"".join([sse_event(e, type(e).__struct_config__.tag) for e in events])
 
     def final_bytes(self, error: ApiError | None) -> bytes:
         if error is None:

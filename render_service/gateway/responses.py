@@ -16,6 +16,7 @@ request asks for them (``return_weight_versions``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -131,6 +132,9 @@ def primary_eos_token_id(config: RenderConfig) -> int | None:
 class _Responder:
     """What chat and completions share: choices per prompt, usage, the finished test."""
 
+    stream_response: type[ChatCompletionStreamResponse] | type[CompletionStreamResponse]  # the endpoint's chunk
+    stops: list[str]  # the request's stop strings
+
     def __init__(self, gens: list[GenerateRequest], config: RenderConfig, model: str, response_id: str,
                  stream_options: Any) -> None:
         self.gens = gens
@@ -200,7 +204,7 @@ class _Responder:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())
 
-    def reasoning_tokens(self, outputs: Any) -> int | None:
+    def reasoning_tokens(self, outputs: Iterable[ChoiceOutput]) -> int | None:
         if not self.counts_reasoning:
             return None
         return sum(c.pipeline.reasoning_tokens(c.state) for c in outputs)
@@ -240,7 +244,7 @@ class ChatResponder(_Responder):
     stream_response = ChatCompletionStreamResponse
 
     def __init__(self, gen: GenerateRequest, req: ChatCompletionRequest, config: RenderConfig) -> None:
-        super().__init__([gen], config, gen.model or config.model_name, gen.request_id, gen.stream_options)
+        super().__init__([gen], config, gen.model or config.model_name, gen.request_id or "", gen.stream_options)
         self.req = req
         self.stops = stop_list(req.stop)
         self.forced_tools = forces_a_call(req)
@@ -253,7 +257,7 @@ class ChatResponder(_Responder):
         self._envelopes: dict[tuple[int, str], list[bytes]] = {}
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
-        pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
+        pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id or "", choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
@@ -403,7 +407,7 @@ class CompletionResponder(_Responder):
         self.first_of_prompt: set[int] = set()
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
-        pcfg = completion_pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
+        pcfg = completion_pipeline_config(self.config, self.req, request_id=gen.request_id or "", choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
@@ -549,7 +553,7 @@ def _envelope(responder: ChatResponder, key: int, channel: str) -> list[bytes]:
     """The SSE event of a delta carrying only ``channel`` text, split where the text goes (twice for
     reasoning under ``--reasoning-field both``): ``encoded_text.join(parts)`` is the event."""
     delta = ChoiceDelta(content=_MARK) if channel == "content" else ChoiceDelta(reasoning=_MARK)
-    message = _delta_message(delta, responder.config.reasoning_field)
+    message = delta_message(delta, responder.config.reasoning_field)
     chunk = ChatCompletionStreamResponse(id=responder.response_id, created=responder.created, model=responder.model,
                                          choices=[ChatCompletionStreamChoice(index=key, delta=message)])
     return sse(chunk).split(_encode(_MARK))
