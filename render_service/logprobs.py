@@ -3,13 +3,13 @@ against their bounds and resolved to OpenAI's chat and completions shapes (token
 
 from __future__ import annotations
 
-from typing import Any
-
 from render_service.errors import bad_request
 from render_service.protocol import (
+    ChatCompletionRequest,
     ChatLogprob,
     ChatLogprobs,
     CompletionLogprobs,
+    CompletionRequest,
     GenerateLogprobs,
     GeneratePromptLogprobs,
     GenerateTokenLogprob,
@@ -77,10 +77,10 @@ def _token_text(tokenizer: RenderTokenizer, token_id: int, context: list[int]) -
     return ""
 
 
-def tokens_as_token_ids(request: Any, config: RenderConfig) -> bool:
+def tokens_as_token_ids(request: ChatCompletionRequest | CompletionRequest | None, config: RenderConfig) -> bool:
     """vLLM's rule: the request's ``return_tokens_as_token_ids`` if set, else the server flag."""
-    asked = getattr(request, "return_tokens_as_token_ids", None) if request is not None else None
-    return config.return_tokens_as_token_ids if asked is None else bool(asked)
+    asked = request.return_tokens_as_token_ids if request is not None else None
+    return config.return_tokens_as_token_ids if asked is None else asked
 
 
 # One resolved logprob: (token id or None, token string, logprob).

@@ -216,7 +216,8 @@ class _Responder:
         """``continuous_usage_stats``: one choice's counts so far."""
         return _usage(prompt_tokens, out.tokens, self.reasoning_tokens([out]))
 
-    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None], request: Any = None) -> None:
+    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
+                             request: ChatCompletionRequest | CompletionRequest | None = None) -> None:
         """The engines' prompt logprobs of the prompts that asked for them, resolved to token text."""
         for prompt_index, entries in raw.items():
             self.prompt_logprobs[prompt_index] = PromptLogprobs(
@@ -346,7 +347,8 @@ class ChatResponder(_Responder):
                 chunk.prompt_token_ids = self.gens[0].token_ids
         return chunk
 
-    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None], request: Any = None) -> None:
+    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
+                             request: ChatCompletionRequest | CompletionRequest | None = None) -> None:
         super().prompt_logprobs_from(raw, self.req)
 
     def _ending(self, chunk: ChatCompletionStreamResponse, out: ChoiceOutput) -> None:
@@ -411,7 +413,8 @@ class CompletionResponder(_Responder):
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
-    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None], request: Any = None) -> None:
+    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
+                             request: ChatCompletionRequest | CompletionRequest | None = None) -> None:
         super().prompt_logprobs_from(raw, self.req)
 
     def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> CompletionLogprobs | None:
