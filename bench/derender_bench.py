@@ -24,7 +24,9 @@ fresh processes (the same bench code, the other tree's ``render_service``), rati
         --out bench/results/derender_bench_vs_main.json
 
 Besides the reasoning + content + call stream above, that mode also times an arguments-heavy stream (a hermes
-call whose string argument is most of the output), where the tool parser does nearly all the work.
+call whose string argument is most of the output), where the tool parser does nearly all the work, the same
+streaming handler with every chunk carrying its token's logprobs (5 alternatives), and the gateway's per-event work
+without HTTP (an engine event decoded, the chat responder's SSE bytes), without and with logprobs.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ QWEN = SHARED / "fixtures/qwen3-0.6b"
 PEER = SHARED / "peers/vllm-render"
 MODEL = "qwen3-0.6b"
 CLK = os.sysconf("SC_CLK_TCK")
+LOGPROBS_TOP = 5  # alternatives per token in the logprobs measurements
 
 TOOLS = [
     {"type": "function", "function": {
@@ -324,7 +327,8 @@ def compare_trees(baseline: Path, n: int, rounds: int) -> dict:
                                   capture_output=True, text=True, cwd=str(tree))
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(name, runs[name][-1], flush=True)
-    keys = ("pipeline_us_per_token", "handler_us_per_chunk_incl_json", "args_heavy_pipeline_us_per_token")
+    keys = ("pipeline_us_per_token", "handler_us_per_chunk_incl_json", "args_heavy_pipeline_us_per_token",
+            "handler_logprobs_us_per_chunk_incl_json", "gateway_us_per_event", "gateway_logprobs_us_per_event")
     best = {name: {k: min(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     return {"tokens": n, "rounds": rounds, "baseline_tree": str(baseline), "best": best,
             "ratio_ours_over_baseline": {k: round(best["ours"][k] / best["baseline"][k], 3) for k in keys},
@@ -335,9 +339,8 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     import msgspec
 
     from render_service.derender import pipeline_config
-    from render_service.derender_stream import StreamRuntime, derender_chat_stream
     from render_service.parsers.pipeline import Pipeline
-    from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
+    from render_service.protocol import ChatCompletionRequest
     from render_service.render_config import load_render_config
 
     config = load_render_config(str(QWEN), served_model_names=[MODEL], reasoning_parser="qwen3",
@@ -345,24 +348,70 @@ def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     pcfg = pipeline_config(config, msgspec.convert(chat, ChatCompletionRequest), request_id="inproc", choice_index=0)
     pipeline = Pipeline(config.tokenizer, pcfg)
     pipeline_cost = pipeline_us_per_token(pipeline, ids, prompt_ids)
-    # the streaming derender handler without HTTP: decode request, restore state, feed, encode answer
-    runtime = StreamRuntime()
-    decoder = msgspec.json.Decoder(DerenderChatStreamRequest)
-    encoder = msgspec.json.Encoder()
-    state = None
+    handler_us, answer_bytes = handler_us_per_chunk(config, ids, prompt_ids, chat)
+    return {"tokens": len(ids), "pipeline_us_per_token": pipeline_cost,
+            "handler_us_per_chunk_incl_json": handler_us, "answer_bytes_last": answer_bytes,
+            "handler_logprobs_us_per_chunk_incl_json": handler_us_per_chunk(config, ids, prompt_ids, chat, True)[0],
+            **gateway_us_per_event(config, ids, chat)}
+
+
+def engine_logprobs(ids: list[int], top: int = LOGPROBS_TOP) -> dict:
+    """An engine chunk's ``logprobs`` in vLLM 0.32+'s shape: each sampled id with ``top`` alternatives."""
+    return {"content": [{"token_id": t, "logprob": -0.25, "rank": 1, "top_logprobs": [
+        {"token_id": t + k, "logprob": -0.25 - k, "rank": k + 1} for k in range(top)]} for t in ids]}
+
+
+def handler_us_per_chunk(config, ids: list[int], prompt_ids: list[int], chat: dict,
+                         logprobs: bool = False) -> tuple[float, int]:
+    """The streaming derender handler without HTTP (decode request, restore state, feed, encode answer): CPU per
+    chunk and the last answer's size. ``logprobs``: every chunk carries its token's logprobs and the request asks
+    for them (decoding the engine's entries, resolving token text)."""
+    import msgspec
+
+    from render_service.derender_stream import StreamRuntime, derender_chat_stream
+    from render_service.protocol import DerenderChatStreamRequest
+
+    if logprobs:
+        chat = {**chat, "logprobs": True, "top_logprobs": LOGPROBS_TOP}
+    runtime, decoder, encoder = StreamRuntime(), msgspec.json.Decoder(DerenderChatStreamRequest), msgspec.json.Encoder()
+    state, encoded = None, b""
     t0 = time.process_time()
     for t in ids:
+        choice: dict = {"index": 0, "token_ids": [t], "finish_reason": None}
+        if logprobs:
+            choice["logprobs"] = engine_logprobs([t])
         body = encoder.encode({"stream": True, "model": MODEL, "stream_state": state, "prompt_tokens": len(prompt_ids),
-                               "prompt_token_ids": prompt_ids, "chat_request": chat, "generate_chunk": {
-                                   "request_id": "inproc", "choices": [{"index": 0, "token_ids": [t],
-                                                                        "finish_reason": None}]}})
+                               "prompt_token_ids": prompt_ids, "chat_request": chat,
+                               "generate_chunk": {"request_id": "inproc", "choices": [choice]}})
         out = derender_chat_stream(decoder.decode(body), config, runtime)
         encoded = encoder.encode(out)
         state = out.stream_state
-    handler = time.process_time() - t0
-    return {"tokens": len(ids), "pipeline_us_per_token": pipeline_cost,
-            "handler_us_per_chunk_incl_json": round(1e6 * handler / len(ids), 2),
-            "answer_bytes_last": len(encoded)}
+    return round(1e6 * (time.process_time() - t0) / len(ids), 2), len(encoded)
+
+
+def gateway_us_per_event(config, ids: list[int], chat: dict) -> dict:
+    """The gateway's per-token work without HTTP: an engine SSE event's JSON decoded as the engine client does,
+    then the chat responder's SSE bytes for it; without logprobs (the hot path) and with them."""
+    import msgspec
+
+    from render_service.gateway.responses import ChatResponder
+    from render_service.protocol import ChatCompletionRequest, GenerateStreamResponse
+    from render_service.render import render_chat
+
+    decode = msgspec.json.Decoder(GenerateStreamResponse).decode
+    out = {}
+    for name, extra in (("gateway_us_per_event", {}),
+                        ("gateway_logprobs_us_per_event", {"logprobs": True, "top_logprobs": LOGPROBS_TOP})):
+        req = msgspec.convert({**chat, "stream": True, **extra}, ChatCompletionRequest)
+        responder = ChatResponder(render_chat(req, config, request_id="chatcmpl-bench"), req, config)
+        events = [msgspec.json.encode({"request_id": "chatcmpl-bench", "choices": [{
+            "index": 0, "token_ids": [t], "finish_reason": "stop" if i == len(ids) - 1 else None,
+            **({"logprobs": engine_logprobs([t])} if extra else {})}]}) for i, t in enumerate(ids)]
+        t0 = time.process_time()
+        for event in events:
+            responder.stream_events(0, decode(event).choices[0])
+        out[name] = round(1e6 * (time.process_time() - t0) / len(ids), 2)
+    return out
 
 
 # ------------------------------------------------------------------------------------- main

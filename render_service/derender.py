@@ -98,8 +98,7 @@ def _check_bounds(responses: list[GenerateResponse], config: RenderConfig) -> No
                 raise bad_request(f"token id {bad} in choice {choice.index} is outside the model's vocabulary "
                                   f"(0..{vocab - 1})", "token_ids")
             check_logprobs_bounds(choice.logprobs, choice.index, config)
-        if gen.prompt_logprobs is not None and isinstance(gen.prompt_logprobs, list) \
-                and len(gen.prompt_logprobs) > config.max_model_len:
+        if gen.prompt_logprobs is not None and len(gen.prompt_logprobs) > config.max_model_len:
             raise bad_request(f"prompt_logprobs length ({len(gen.prompt_logprobs)}) in response '{gen.request_id}' "
                               f"exceeds max_model_len ({config.max_model_len}).")
 

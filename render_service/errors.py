@@ -58,7 +58,9 @@ def error_body(error: ApiError) -> bytes:
     return _encoder.encode(ErrorResponse(error=info))
 
 
-_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_][A-Za-z_0-9]*|\[\d+\])*)`$")
+# msgspec ends a validation message with the path: " - at `$.a.b[0]`", "[...]" for a dict's value, or
+# " - at `key` in `$.a`" for a dict's key.
+_PATH = re.compile(r" - at (?:`key` in )?`\$((?:\.[A-Za-z_][A-Za-z_0-9]*|\[\d+\]|\[\.\.\.\])*)`$")
 
 
 def from_decode_error(exc: msgspec.DecodeError) -> ApiError:

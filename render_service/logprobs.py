@@ -3,37 +3,21 @@ against their bounds and resolved to OpenAI's chat and completions shapes (token
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
-
 from render_service.errors import bad_request
+from render_service.protocol import (
+    ChatCompletionRequest,
+    ChatLogprob,
+    ChatLogprobs,
+    CompletionLogprobs,
+    CompletionRequest,
+    GenerateLogprobs,
+    GeneratePromptLogprobs,
+    GenerateTokenLogprob,
+    GenerateTopLogprob,
+    PromptLogprob,
+)
 from render_service.render_config import RenderConfig
 from render_service.tokenizer import RenderTokenizer
-
-
-class ChatLogprob(TypedDict, total=False):
-    """One token of OpenAI chat logprobs; ``token_id`` is ours (absent with vLLM's "token_id:N" strings)."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-    token_id: int | None
-    top_logprobs: list[ChatLogprob]  # the sampled token's alternatives (absent on an alternative)
-
-
-class ChatLogprobs(TypedDict):
-    content: list[ChatLogprob]
-    refusal: None
-
-
-class CompletionLogprobs(TypedDict, total=False):
-    """The legacy completions shape, plus ``token_ids`` parallel to ``tokens`` (absent as for chat)."""
-
-    text_offset: list[int]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
-    tokens: list[str]
-    top_logprobs: list[dict[str, float] | None]
-    token_ids: list[int | None]
-
 
 # vLLM's ModelConfig.max_logprobs default: the most top_logprobs an entry may carry.
 MAX_TOP_LOGPROBS = 20
@@ -41,47 +25,32 @@ MAX_TOP_LOGPROBS = 20
 LOGPROB_CONTEXT_TOKENS = 4
 
 
-def check_logprobs_bounds(logprobs: Any, index: int, config: RenderConfig) -> None:
-    """400 unless a choice's engine logprobs fit the bounds (an object; at most max_model_len entries of
-    at most MAX_TOP_LOGPROBS alternatives each)."""
-    if logprobs is None:
-        return
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+def check_logprobs_bounds(logprobs: GenerateLogprobs | None, index: int, config: RenderConfig) -> None:
+    """400 unless a choice's engine logprobs fit the bounds: at most max_model_len entries of at most
+    MAX_TOP_LOGPROBS alternatives each (their shape is the decoder's: protocol.GenerateLogprobs)."""
+    content = logprobs.content if logprobs is not None else None
     if content is None:
-        if isinstance(logprobs, dict):
-            return
-        raise bad_request(f"logprobs of choice {index} must be an object", "logprobs")
-    if not isinstance(content, list):
-        raise bad_request(f"logprobs.content of choice {index} must be a list", "logprobs")
+        return
     if len(content) > config.max_model_len:
         raise bad_request(f"logprobs.content length ({len(content)}) in choice {index} exceeds max_model_len "
                           f"({config.max_model_len}).")
     for entry in content:
-        if not isinstance(entry, dict):
-            raise bad_request(f"logprobs.content entries of choice {index} must be objects", "logprobs")
-        top = entry.get("top_logprobs") or []
-        if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
+        if entry.top_logprobs is not None and len(entry.top_logprobs) > MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs count in choice {index} exceeds max_logprobs ({MAX_TOP_LOGPROBS}).",
                               "logprobs")
 
 
-def _entry_token_id(entry: dict[str, Any]) -> int | None:
+def entry_token_id(entry: GenerateTokenLogprob | GenerateTopLogprob) -> int | None:
     """Integer id from either shape: ``{"token_id": N}`` (0.32+) or ``{"token": "token_id:N"}`` (older)."""
-    tid = entry.get("token_id")
-    if type(tid) is int:
-        return tid
-    tok = entry.get("token")
-    if isinstance(tok, str) and tok.startswith("token_id:"):
+    if entry.token_id is not None:
+        return entry.token_id
+    token = entry.token
+    if token is not None and token.startswith("token_id:"):
         try:
-            return int(tok[len("token_id:"):])
+            return int(token[len("token_id:"):])
         except ValueError:
             return None
     return None
-
-
-def _logprob(entry: dict[str, Any]) -> float:
-    value = entry.get("logprob", -9999.0)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -9999.0
 
 
 def _token_text(tokenizer: RenderTokenizer, token_id: int, context: list[int]) -> str:
@@ -108,50 +77,47 @@ def _token_text(tokenizer: RenderTokenizer, token_id: int, context: list[int]) -
     return ""
 
 
-def tokens_as_token_ids(request: Any, config: RenderConfig) -> bool:
+def tokens_as_token_ids(request: ChatCompletionRequest | CompletionRequest | None, config: RenderConfig) -> bool:
     """vLLM's rule: the request's ``return_tokens_as_token_ids`` if set, else the server flag."""
-    asked = getattr(request, "return_tokens_as_token_ids", None) if request is not None else None
-    return config.return_tokens_as_token_ids if asked is None else bool(asked)
+    asked = request.return_tokens_as_token_ids if request is not None else None
+    return config.return_tokens_as_token_ids if asked is None else asked
 
 
 # One resolved logprob: (token id or None, token string, logprob).
 _Resolved = tuple[int | None, str, float]
 
 
+def _resolved(entry: GenerateTokenLogprob | GenerateTopLogprob, tokenizer: RenderTokenizer, context: list[int],
+              as_token_ids: bool) -> _Resolved:
+    """An id inside the vocabulary is resolved to its text (or "token_id:N"); any other entry keeps the engine's
+    token string (an older engine's placeholder), or "" when it sent none."""
+    tid = entry_token_id(entry)
+    if tid is None or not 0 <= tid < tokenizer.vocab_size:
+        return None, entry.token or "", entry.logprob
+    return tid, f"token_id:{tid}" if as_token_ids else _token_text(tokenizer, tid, context), entry.logprob
+
+
+def _resolved_entry(entry: GenerateTokenLogprob, tokenizer: RenderTokenizer, context: list[int],
+                    as_token_ids: bool) -> tuple[_Resolved, list[_Resolved]]:
+    """A sampled token and its alternatives; the token's id joins ``context`` (the alternatives are read
+    after the same preceding ids as the token)."""
+    sampled = _resolved(entry, tokenizer, context, as_token_ids)
+    top = [_resolved(alt, tokenizer, context, as_token_ids) for alt in entry.top_logprobs or ()]
+    if sampled[0] is not None:
+        context.append(sampled[0])
+    return sampled, top
+
+
 def _resolved_entries(
-    logprobs: Any, tokenizer: RenderTokenizer, context: list[int] | None = None, as_token_ids: bool = False
+    logprobs: GenerateLogprobs | None, tokenizer: RenderTokenizer, context: list[int] | None = None,
+    as_token_ids: bool = False,
 ) -> list[tuple[_Resolved, list[_Resolved]]] | None:
     """``context``: earlier sampled ids (streaming carries them across chunks); extended in place.
     ``as_token_ids``: token strings are vLLM's ``"token_id:N"`` instead of decoded text."""
-    if not isinstance(logprobs, dict):
+    if logprobs is None or logprobs.content is None:
         return None
-    content = logprobs.get("content")
-    if not isinstance(content, list):
-        return None
-    out = []
     context = context if context is not None else []
-    vocab = tokenizer.vocab_size
-    for entry in content:
-        tid = _entry_token_id(entry)
-        if tid is None or not 0 <= tid < vocab:
-            tid = None
-            token = entry.get("token") if isinstance(entry.get("token"), str) else ""
-        else:
-            token = f"token_id:{tid}" if as_token_ids else _token_text(tokenizer, tid, context)
-            context.append(tid)
-        top = []
-        for alt in entry.get("top_logprobs") or []:
-            if not isinstance(alt, dict):
-                continue
-            aid = _entry_token_id(alt)
-            if aid is not None and 0 <= aid < vocab:
-                atok = f"token_id:{aid}" if as_token_ids else _token_text(tokenizer, aid, context[:-1])
-            else:
-                raw = alt.get("token")
-                aid, atok = None, (raw if isinstance(raw, str) else "")
-            top.append((aid, atok, _logprob(alt)))
-        out.append(((tid, token, _logprob(entry)), top))
-    return out
+    return [_resolved_entry(entry, tokenizer, context, as_token_ids) for entry in logprobs.content]
 
 
 def _chat_logprob(tid: int | None, token: str, logprob: float, as_token_ids: bool) -> ChatLogprob:
@@ -161,23 +127,30 @@ def _chat_logprob(tid: int | None, token: str, logprob: float, as_token_ids: boo
     return item
 
 
-def resolve_chat_logprobs(logprobs: Any, tokenizer: RenderTokenizer, context: list[int] | None = None,
-                          as_token_ids: bool = False) -> ChatLogprobs | None:
+def resolve_chat_logprobs(logprobs: GenerateLogprobs | None, tokenizer: RenderTokenizer,
+                          context: list[int] | None = None, as_token_ids: bool = False) -> ChatLogprobs | None:
     """Generate logprobs (token ids) -> OpenAI chat logprobs (token strings, UTF-8 bytes, integer ids)."""
     entries = _resolved_entries(logprobs, tokenizer, context, as_token_ids)
     if entries is None:
         return None
-    content = []
-    for sampled, top in entries:
-        item = _chat_logprob(*sampled, as_token_ids)
-        item["top_logprobs"] = [_chat_logprob(*alt, as_token_ids) for alt in top]
-        content.append(item)
-    return {"content": content, "refusal": None}
+    return {"content": [_chat_entry(sampled, top, as_token_ids) for sampled, top in entries], "refusal": None}
+
+
+def resolve_chat_entry(entry: GenerateTokenLogprob, tokenizer: RenderTokenizer, context: list[int],
+                       as_token_ids: bool = False) -> ChatLogprob:
+    """One engine entry -> one chat logprob (``context`` as for resolve_chat_logprobs, extended in place)."""
+    return _chat_entry(*_resolved_entry(entry, tokenizer, context, as_token_ids), as_token_ids)
+
+
+def _chat_entry(sampled: _Resolved, top: list[_Resolved], as_token_ids: bool) -> ChatLogprob:
+    item = _chat_logprob(*sampled, as_token_ids)
+    item["top_logprobs"] = [_chat_logprob(*alt, as_token_ids) for alt in top]
+    return item
 
 
 def resolve_completion_logprobs(
-    logprobs: Any, tokenizer: RenderTokenizer, context: list[int] | None = None, text_offset: int = 0,
-    as_token_ids: bool = False,
+    logprobs: GenerateLogprobs | None, tokenizer: RenderTokenizer, context: list[int] | None = None,
+    text_offset: int = 0, as_token_ids: bool = False,
 ) -> CompletionLogprobs | None:
     """Generate logprobs -> the legacy completions shape (text_offset, token_logprobs, tokens, top_logprobs),
     plus ``token_ids`` (integer ids parallel to ``tokens``) unless vLLM's ``"token_id:N"`` strings were asked for."""
@@ -199,13 +172,25 @@ def resolve_completion_logprobs(
     return out
 
 
+def extend_completion_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    """``more``'s entries appended to ``into``'s lists, key by key (both resolved for the same request, so the
+    same keys: ``token_ids`` in both or in neither)."""
+    into["text_offset"] += more["text_offset"]
+    into["token_logprobs"] += more["token_logprobs"]
+    into["tokens"] += more["tokens"]
+    into["top_logprobs"] += more["top_logprobs"]
+    if "token_ids" in into:
+        into["token_ids"] += more["token_ids"]
+
+
 class PromptLogprobs:
     """An engine's ``prompt_logprobs`` (per prompt position: null, or ``{token id: {logprob, rank, ...}}``,
     ids as JSON keys) resolved against the prompt's ids: the response's ``prompt_logprobs`` (vLLM's shape, each
     entry's ``decoded_token`` filled) and, for completions ``echo``, the prompt's part of the legacy logprobs."""
 
-    def __init__(self, raw: Any, prompt_ids: list[int], tokenizer: RenderTokenizer, as_token_ids: bool = False):
-        if not isinstance(raw, list) or len(raw) != len(prompt_ids):
+    def __init__(self, raw: GeneratePromptLogprobs | None, prompt_ids: list[int], tokenizer: RenderTokenizer,
+                 as_token_ids: bool = False):
+        if raw is None or len(raw) != len(prompt_ids):
             raw = [None] * len(prompt_ids)  # an engine that sent none (or the wrong count): nothing to resolve
         self.entries: list[list[tuple[int, str, float, int | None]] | None] = []
         self.tokens: list[str] = []
@@ -214,33 +199,26 @@ class PromptLogprobs:
         for tid, entry in zip(prompt_ids, raw):
             self.tokens.append(f"token_id:{tid}" if as_token_ids else _token_text(tokenizer, tid, context))
             context.append(tid)
-            if not isinstance(entry, dict):
+            if entry is None:
                 self.entries.append(None)
                 continue
             alternatives = []
-            for key, value in entry.items():
-                try:
-                    aid = int(key)
-                except (TypeError, ValueError):
-                    continue
-                if not isinstance(value, dict):
-                    continue
+            for aid, value in entry.items():
                 if as_token_ids or not 0 <= aid < vocab:
                     text = f"token_id:{aid}"
                 else:
                     text = _token_text(tokenizer, aid, context[:-1])
-                rank = value.get("rank")
-                alternatives.append((aid, text, _logprob(value), rank if isinstance(rank, int) else None))
+                alternatives.append((aid, text, value.logprob, value.rank))
             # the prompt's own token first, then the rest in the engine's (rank) order, as vLLM lists them
             alternatives.sort(key=lambda a: a[0] != tid)
             self.entries.append(alternatives)
         self.prompt_ids = prompt_ids
         self.as_token_ids = as_token_ids
 
-    def response_entries(self) -> list[dict[str, dict[str, Any]] | None]:
+    def response_entries(self) -> GeneratePromptLogprobs:
         """vLLM's ``prompt_logprobs``: ``{token id: {"logprob", "rank", "decoded_token"}}`` per position."""
-        return [None if e is None else {str(a): {"logprob": lp, "rank": rank, "decoded_token": text}
-                                        for a, text, lp, rank in e} for e in self.entries]
+        return [None if e is None else {a: PromptLogprob(lp, rank, text) for a, text, lp, rank in e}
+                for e in self.entries]
 
     def echoed(self, top: int, text_offset: int = 0) -> CompletionLogprobs:
         """The prompt's part of an echoed completion's logprobs (vLLM's ``_create_completion_logprobs`` over the

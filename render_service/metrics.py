@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE_LATEST  # re-exported for the server
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the server)
     CollectorRegistry,
     Counter,
     Gauge,

@@ -11,7 +11,7 @@ they appear only when set.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -243,6 +243,51 @@ class UsageInfo(msgspec.Struct):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+# ------------------------------------------------------------------------------- engine logprobs
+# What a tokens-only engine sends as a choice's ``logprobs``, in either of vLLM's shapes, decoded into one type:
+# 0.32+ ``GenerateLogProbs`` (``token_id`` integers, ``rank``; ``sampled`` with return_token_logprobs) and the
+# older OpenAI chat shape whose ``token`` is the placeholder "token_id:N" (``bytes`` ignored). Which key an entry
+# carries is a value question (logprobs.entry_token_id); a wrong type anywhere is the client's 400.
+
+
+class GenerateTopLogprob(msgspec.Struct, gc=False):
+    """One alternative of a sampled token."""
+
+    token_id: int | None = None
+    token: str | None = None
+    logprob: float = -9999.0  # vLLM's default, and its clamp of -inf
+    rank: int | None = None
+    bytes: list[int] | None = None
+
+
+class GenerateTokenLogprob(msgspec.Struct, gc=False):
+    """One sampled token: its id (either shape), logprob and rank-ordered alternatives."""
+
+    token_id: int | None = None
+    token: str | None = None
+    logprob: float = -9999.0
+    rank: int | None = None
+    bytes: list[int] | None = None
+    top_logprobs: list[GenerateTopLogprob] | None = None
+
+
+class GenerateLogprobs(msgspec.Struct):
+    content: list[GenerateTokenLogprob] | None = None
+    sampled: list[float] | None = None  # vLLM 0.32+ with return_token_logprobs; not read by derender
+
+
+class PromptLogprob(msgspec.Struct, gc=False):
+    """One alternative at a prompt position (vLLM's ``Logprob``); keyed by token id in ``prompt_logprobs``."""
+
+    logprob: float = -9999.0
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: null (the first position, or none asked) or {token id: its logprob}.
+GeneratePromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class GenerateResponseChoice(msgspec.Struct):
     """One choice of a generate response, older (<=0.31) or newer (0.32+, ``text``/``sampling_mask``) shape."""
 
@@ -250,7 +295,7 @@ class GenerateResponseChoice(msgspec.Struct):
     token_ids: list[int] | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
-    logprobs: Any = None
+    logprobs: GenerateLogprobs | None = None
     routed_experts: str | None = None
     text: str | None = None
     sampling_mask: list[int] | None = None
@@ -265,7 +310,7 @@ class GenerateResponse(msgspec.Struct):
     model: str | None = None
     created: int | None = None
     usage: UsageInfo | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: GeneratePromptLogprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     output_mode: str | None = None
@@ -280,7 +325,7 @@ class GenerateStreamChoice(msgspec.Struct):
     token_ids: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: Any = None
+    logprobs: GenerateLogprobs | None = None
     routed_experts: str | None = None
     text: str | None = None
     weight_versions: list[dict[str, Any]] | None = None  # on a choice's last event
@@ -363,6 +408,36 @@ class ToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
+# ------------------------------------------------------------------------------- output logprobs
+# What the render side answers, built as plain dicts on the per-token path (logprobs.py); typed here so the
+# responses below, their OpenAPI schema and the code that builds them agree.
+
+
+class ChatLogprob(TypedDict, total=False):
+    """One token of OpenAI chat logprobs; ``token_id`` is ours (absent with vLLM's "token_id:N" strings)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    token_id: int | None
+    top_logprobs: list[ChatLogprob]  # the sampled token's alternatives (absent on an alternative)
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(TypedDict, total=False):
+    """The legacy completions shape, plus ``token_ids`` parallel to ``tokens`` (absent as for chat)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+    token_ids: list[int | None]
+
+
 class ChatMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
@@ -380,7 +455,7 @@ class ChatMessage(msgspec.Struct):
 class ChatCompletionChoice(msgspec.Struct):
     index: int
     message: ChatMessage
-    logprobs: Any = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -397,7 +472,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo
     service_tier: str | None = None
     system_fingerprint: str | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: GeneratePromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -408,11 +483,11 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: GeneratePromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     weight_versions: list[dict[str, Any]] | None = None
@@ -458,7 +533,7 @@ class DeltaMessage(msgspec.Struct):
 class ChatCompletionStreamChoice(msgspec.Struct):
     index: int
     delta: DeltaMessage
-    logprobs: Any = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -482,7 +557,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
 class CompletionStreamChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -100,7 +101,7 @@ class RawRequest:
 
     __slots__ = ("scope", "headers", "_receive")
 
-    def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]]) -> None:
+    def __init__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[dict]]) -> None:
         self.scope = scope
         self.headers = Headers(scope=scope)
         self._receive = receive
@@ -134,7 +135,7 @@ class RenderApp(Starlette):
 
     fast_routes: dict[tuple[str, str], Callable[[Any], Awaitable[Response]]] = {}
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             handler = self.fast_routes.get((scope["method"], scope["path"]))
             if handler is not None:

@@ -13,7 +13,7 @@ from render_service.apis.responses_output import ResponsesShape
 from render_service.apis.responses_protocol import ResponsesRequest
 from render_service.errors import ApiError
 from render_service.gateway.api_responders import ResponsesResponder
-from render_service.protocol import GenerateStreamChoice
+from render_service.protocol import GenerateLogprobs, GenerateStreamChoice
 from tests.harmony_fixtures import gpt_oss_config
 from tests.test_apis_derender import RID, batch, clean, openai_fold, stream
 from tests.test_apis_families import chunkings, qwen3_config, sse_events
@@ -47,7 +47,7 @@ def check_everywhere(cfg, rreq: ResponsesRequest, ids: list[int], top: int) -> d
         at, events = 0, []
         chunk_entries = []
         for c in chunks:
-            chunk_entries.append({"content": entries[at:at + len(c)]})
+            chunk_entries.append(msgspec.convert({"content": entries[at:at + len(c)]}, GenerateLogprobs))
             at += len(c)
         revents, _, _ = stream(cfg, chunks, rreq, None, prompt_ids=gen.token_ids, logprobs=chunk_entries)
         folded = openai_fold(revents)
@@ -68,7 +68,8 @@ def _batch(cfg, rreq, ids, entries, prompt_ids):
     from render_service.apis.responses_protocol import DerenderResponsesRequest
     from render_service.protocol import GenerateResponse, GenerateResponseChoice
 
-    gen = GenerateResponse(request_id=RID, choices=[GenerateResponseChoice(token_ids=ids, logprobs={"content": entries})])
+    gen = GenerateResponse(request_id=RID, choices=[GenerateResponseChoice(
+        token_ids=ids, logprobs=msgspec.convert({"content": entries}, GenerateLogprobs))])
     return msgspec.to_builtins(derender_responses(DerenderResponsesRequest(
         generate_response=gen, responses_request=rreq, prompt_token_ids=prompt_ids), cfg))
 

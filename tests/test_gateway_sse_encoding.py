@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from render_service.gateway.responses import ChatResponder, coalesce, sse
-from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
+from render_service.protocol import ChatCompletionRequest, GenerateLogprobs, GenerateStreamChoice, GenerateTokenLogprob
 from render_service.render import render_chat
 from render_service.render_config import load_render_config
 from tests.shared_paths import QWEN3_FIXTURE_DIR
@@ -143,7 +143,8 @@ def test_reads_with_stop_strings_or_logprobs_keep_every_event_apart(request_fiel
     rnd = random.Random(3)
     engine_events = events(output_ids(), rnd, "length")
     for choice in engine_events:
-        choice.logprobs = [[{"token_id": t, "logprob": -1.0}] for t in choice.token_ids] \
+        choice.logprobs = GenerateLogprobs(content=[GenerateTokenLogprob(token_id=t, logprob=-1.0)
+                                                    for t in choice.token_ids]) \
             if request_fields.get("logprobs") else None
     singly = b"".join(one_by_one.stream_events(0, msgspec.structs.replace(c)) for c in engine_events)
     assert b"".join(batched.stream_batch(batch) for batch in reads(engine_events, rnd)) == singly
@@ -154,7 +155,7 @@ def test_coalesce_joins_each_choice_and_stops_at_a_finish():
     items = [(0, GenerateStreamChoice(index=0, token_ids=[1])), (0, GenerateStreamChoice(index=1, token_ids=[7])),
              (0, GenerateStreamChoice(index=0, token_ids=[2, 3])),
              (0, GenerateStreamChoice(index=0, token_ids=[4], finish_reason="length")),
-             (0, GenerateStreamChoice(index=1, token_ids=[8], logprobs=[[]])),
+             (0, GenerateStreamChoice(index=1, token_ids=[8], logprobs=GenerateLogprobs(content=[]))),
              (1, GenerateStreamChoice(index=0, token_ids=[9]))]
     merged = coalesce(items)
     assert [(p, c.index, c.token_ids, c.finish_reason) for p, c in merged] == [

@@ -187,6 +187,84 @@ def test_derender_rejects_untrusted_token_structures(server):
     assert_error(r, 400, param="output_mode")
 
 
+# Engine logprobs of the wrong shape, and the path (below the choice) the 400 names.
+MALFORMED_LOGPROBS = [
+    ([1, 2], "logprobs"),
+    ({"content": "x"}, "logprobs.content"),
+    ({"content": [{"token_id": "5", "logprob": -1.0}]}, "logprobs.content[0].token_id"),
+    ({"content": [{"token": 5, "logprob": -1.0}]}, "logprobs.content[0].token"),
+    ({"content": [{"token_id": 5, "logprob": "low"}]}, "logprobs.content[0].logprob"),
+    ({"content": [{"token_id": 5, "logprob": True}]}, "logprobs.content[0].logprob"),
+    ({"content": [{"token_id": 5, "logprob": -1.0, "top_logprobs": [7]}]}, "logprobs.content[0].top_logprobs[0]"),
+    ({"content": [{"token_id": 5, "logprob": -1.0, "top_logprobs": {"5": -1.0}}]},
+     "logprobs.content[0].top_logprobs"),
+]
+# Each derender endpoint that takes engine output: its path, the body around one choice, where the choice sits.
+DERENDER_BODIES = {
+    "chat": ("/v1/chat/completions/derender",
+             lambda c: {"generate_response": {"request_id": "g", "choices": [c]}}, "generate_response.choices[0]."),
+    "chat stream": ("/v1/chat/completions/derender",
+                    lambda c: {"stream": True, "generate_chunk": {"request_id": "g", "choices": [c]}},
+                    "generate_chunk.choices[0]."),
+    "completions": ("/v1/completions/derender",
+                    lambda c: {"generate_responses": [{"request_id": "g", "choices": [c]}]},
+                    "generate_responses[0].choices[0]."),
+    "completions stream": ("/v1/completions/derender",
+                           lambda c: {"stream": True, "generate_chunk": {"request_id": "g", "choices": [c]}},
+                           "generate_chunk.choices[0]."),
+    "responses": ("/v1/responses/derender",
+                  lambda c: {"generate_response": {"request_id": "g", "choices": [c]}}, "generate_response.choices[0]."),
+    "responses stream": ("/v1/responses/derender",
+                         lambda c: {"stream": True, "generate_chunk": {"request_id": "g", "choices": [c]}},
+                         "generate_chunk.choices[0]."),
+}
+
+
+@pytest.mark.parametrize("endpoint", DERENDER_BODIES)
+@pytest.mark.parametrize(("logprobs", "path"), MALFORMED_LOGPROBS)
+def test_malformed_engine_logprobs_are_400_naming_the_field(server, endpoint, logprobs, path):
+    url, body, at = DERENDER_BODIES[endpoint]
+    r = server.client.post(url, json=body({"index": 0, "token_ids": [9707], "logprobs": logprobs}))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == at + path and at + path in error["message"]
+    assert error["type"] == ("invalid_request_error" if endpoint.startswith("responses") else "BadRequestError")
+
+
+def test_malformed_engine_logprobs_are_400_on_messages_in_anthropics_shape(server):
+    r = server.client.post("/v1/messages/derender", json={"generate_response": {"request_id": "g", "choices": [
+        {"index": 0, "token_ids": [9707], "logprobs": {"content": [{"token_id": 5, "logprob": "low"}]}}]}})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "generate_response.choices[0].logprobs.content[0].logprob" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("prompt_logprobs", "path"), [
+    ({"5": {"logprob": -1.0}}, "prompt_logprobs"),
+    ([None, {"x": {"logprob": -1.0}}], "prompt_logprobs[1]"),
+    ([None, {"5": -1.0}], "prompt_logprobs[1][...]"),
+    ([None, {"5": {"logprob": -1.0, "rank": "first"}}], "prompt_logprobs[1][...].rank"),
+])
+def test_malformed_prompt_logprobs_are_400_naming_the_field(server, prompt_logprobs, path):
+    r = server.client.post("/v1/chat/completions/derender", json={"generate_response": {
+        "request_id": "g", "choices": [{"index": 0, "token_ids": [9707]}], "prompt_logprobs": prompt_logprobs}})
+    assert_error(r, 400, contains=path, param="generate_response." + path)
+
+
+def test_well_formed_logprobs_of_both_shapes_and_prompt_logprobs_pass(server):
+    """Ints where floats go, null ranks and missing optional keys are vLLM's shapes, not errors."""
+    r = server.client.post("/v1/chat/completions/derender", json={"chat_request": {**CHAT, "logprobs": True}, "generate_response": {
+        "request_id": "g", "prompt_logprobs": [None, {"9707": {"logprob": -1, "rank": None}}],
+        "choices": [{"index": 0, "token_ids": [9707, 1879], "logprobs": {"content": [
+            {"token_id": 9707, "logprob": -1, "rank": None, "top_logprobs": [{"token_id": 9707, "logprob": -1}]},
+            {"token": "token_id:1879", "logprob": -0.5, "bytes": None, "top_logprobs": []}], "sampled": None}}]}})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["token_id"], e["logprob"]) for e in content] == [("Hello", 9707, -1.0), (" world", 1879, -0.5)]
+    assert answer["prompt_logprobs"] == [None, {"9707": {"logprob": -1.0, "rank": None, "decoded_token": None}}]
+
+
 def test_completions_derender_checks_list_lengths(server):
     gen = {"request_id": "g", "choices": [{"index": 0, "token_ids": [9707]}]}
     r = server.client.post("/v1/completions/derender", json={"generate_responses": []})

@@ -29,6 +29,7 @@ from render_service.apis.responses_protocol import (
     OutputItem,
     OutputItemEvent,
     OutputText,
+    OutputTextLogprob,
     OutputTokensDetails,
     ReasoningDeltaEvent,
     ReasoningDoneEvent,
@@ -73,8 +74,8 @@ class ResponsesShape:
 
     # items ------------------------------------------------------------------------------------------
 
-    def item(self, block: int, info: BlockInfo, text: str, status: str, logprobs: list[Any] | None = None
-             ) -> OutputItem:
+    def item(self, block: int, info: BlockInfo, text: str, status: str,
+             logprobs: list[OutputTextLogprob] | None = None) -> OutputItem:
         iid = item_id(self.response_id, block, info.kind)
         if info.kind == "reasoning":
             return ReasoningItem(id=iid, content=[ReasoningText(text)] if text or status != "in_progress" else [],
@@ -156,7 +157,7 @@ class ResponsesShape:
         return ArgumentsDeltaEvent(sequence_number=seq, item_id=iid, output_index=step.block, delta=step.text)
 
     def _closing(self, info: BlockInfo, iid: str, block: int, text: str, status: str, seq: int,
-                 logprobs: list[Any]) -> list[Any]:
+                 logprobs: list[OutputTextLogprob]) -> list[Any]:
         out: list[Any] = []
         if info.kind == "text":
             out.append(TextDoneEvent(sequence_number=seq, item_id=iid, output_index=block, text=text,

@@ -57,10 +57,28 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 # ------------------------------------------------------------------------------------------- output
 
 
+class OutputTextTopLogprob(msgspec.Struct, gc=False):
+    """An alternative of an output token (OpenAI's ``TopLogprob``)."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class OutputTextLogprob(msgspec.Struct, gc=False):
+    """One output token of an ``output_text`` (OpenAI's ``Logprob``): its text, UTF-8 bytes, logprob and
+    alternatives (``message.output_text.logprobs``; built by ``text_logprobs.py``)."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[OutputTextTopLogprob] = []
+
+
 class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
     text: str
     annotations: list[Any] = []
-    logprobs: list[Any] = []
+    logprobs: list[OutputTextLogprob] = []
 
 
 class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
@@ -186,7 +204,7 @@ class TextDeltaEvent(msgspec.Struct, kw_only=True):
     output_index: int
     content_index: int = 0
     delta: str
-    logprobs: list[Any] = []
+    logprobs: list[OutputTextLogprob] = []
 
 
 class TextDoneEvent(msgspec.Struct, kw_only=True):
@@ -196,7 +214,7 @@ class TextDoneEvent(msgspec.Struct, kw_only=True):
     output_index: int
     content_index: int = 0
     text: str
-    logprobs: list[Any] = []
+    logprobs: list[OutputTextLogprob] = []
 
 
 class ReasoningDeltaEvent(msgspec.Struct, kw_only=True):

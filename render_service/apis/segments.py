@@ -16,12 +16,16 @@ right after a reasoning block starts at its first non-whitespace character (Qwen
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from render_service.apis.responses_protocol import OutputTextLogprob
 from render_service.parsers.base import Piece, TextPiece
 from render_service.parsers.pipeline import ChoiceDelta, Pipeline, PipelineState
+
+if TYPE_CHECKING:  # text_logprobs routes steps, so it imports this module
+    from render_service.apis.text_logprobs import TextLogprobs
 
 BlockKind = Literal["reasoning", "text", "call"]
 # Whitespace held back before a text block opens; past this it opens one (bounded state).
@@ -103,7 +107,7 @@ class Step(msgspec.Struct, array_like=True, frozen=True):
     op: Literal["open", "delta", "close"]
     block: int
     text: str = ""
-    logprobs: list[Any] | None = None
+    logprobs: list[OutputTextLogprob] | None = None
 
 
 def _open(state: BlockState, info: BlockInfo, out: list[Step]) -> int:
@@ -178,7 +182,7 @@ class BlockTexts:
 
     __slots__ = ("chars", "parts", "logprobs")
 
-    def __init__(self, logprobs: Any = None) -> None:
+    def __init__(self, logprobs: TextLogprobs | None = None) -> None:
         self.parts: list[list[str]] = []
         self.logprobs = logprobs
         self.chars = 0  # what the texts hold, for a cache that bounds its size
@@ -192,7 +196,7 @@ class BlockTexts:
                 self.parts[step.block].append(step.text)
                 self.chars += len(step.text)
 
-    def logprobs_of(self, block: int) -> list[Any]:
+    def logprobs_of(self, block: int) -> list[OutputTextLogprob]:
         return self.logprobs.of(block) if self.logprobs is not None else []
 
     def text(self, block: int) -> str:

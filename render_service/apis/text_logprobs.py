@@ -20,13 +20,14 @@ preceding tokens, ``token_id:N`` strings when asked). Entry shape: ``{token, byt
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
+from render_service.apis.responses_protocol import OutputTextLogprob, OutputTextTopLogprob
 from render_service.apis.segments import BlockState, BlockTexts, SegmentPipeline, Step, finish, segments, sequence
-from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, ChatLogprob, resolve_chat_logprobs
+from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, resolve_chat_entry
 from render_service.parsers.pipeline import PipelineState
+from render_service.protocol import ChatLogprob, GenerateLogprobs
+from render_service.tokenizer import RenderTokenizer
 
 INCLUDE = "message.output_text.logprobs"
 MAX_PENDING = 1024  # tokens held back by the parsers that long lose their logprobs (bounded memory)
@@ -36,10 +37,10 @@ def wants_logprobs(include: list[str] | None) -> bool:
     return bool(include) and INCLUDE in (include or ())
 
 
-def _entry(resolved: ChatLogprob) -> dict[str, Any]:
-    return {"token": resolved["token"], "bytes": resolved["bytes"], "logprob": resolved["logprob"],
-            "top_logprobs": [{"token": t["token"], "bytes": t["bytes"], "logprob": t["logprob"]}
-                             for t in resolved.get("top_logprobs") or ()]}
+def _entry(resolved: ChatLogprob) -> OutputTextLogprob:
+    return OutputTextLogprob(resolved["token"], resolved["bytes"], resolved["logprob"],
+                             [OutputTextTopLogprob(t["token"], t["bytes"], t["logprob"])
+                              for t in resolved.get("top_logprobs") or ()])
 
 
 def _claimed(state: PipelineState) -> int:
@@ -53,21 +54,20 @@ class TextLogprobs:
 
     __slots__ = ("tokenizer", "as_token_ids", "blocks", "pending", "context")
 
-    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
+    def __init__(self, tokenizer: RenderTokenizer, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.as_token_ids = as_token_ids
-        self.blocks: dict[int, list[dict[str, Any]]] = {}
-        self.pending: list[dict[str, Any]] = []
+        self.blocks: dict[int, list[OutputTextLogprob]] = {}
+        self.pending: list[OutputTextLogprob] = []
         self.context: list[int] = []  # the last sampled ids, for UTF-8 repair of token strings
 
-    def of(self, block: int) -> list[dict[str, Any]]:
+    def of(self, block: int) -> list[OutputTextLogprob]:
         return self.blocks.get(block, [])
 
     def feed(self, pipeline: SegmentPipeline, state: PipelineState, blocks: BlockState, ids: list[int],
-             logprobs: Any) -> list[Step]:
+             logprobs: GenerateLogprobs | None) -> list[Step]:
         """The steps of ``ids`` (fed one at a time), text deltas carrying their tokens' logprobs."""
-        content = logprobs.get("content") if isinstance(logprobs, dict) else None
-        entries = content if isinstance(content, list) else []
+        entries = (logprobs.content if logprobs is not None else None) or []
         out: list[Step] = []
         for i, token in enumerate(ids):
             before = _claimed(state)
@@ -77,14 +77,12 @@ class TextLogprobs:
                 del self.pending[max(len(self.pending) - (claimed - 1), 0):]
             entry = None
             if claimed <= 0 and i < len(entries):
-                resolved = resolve_chat_logprobs({"content": [entries[i]]}, self.tokenizer, self.context,
-                                                 self.as_token_ids)
-                entry = _entry(resolved["content"][0]) if resolved and resolved["content"] else None
+                entry = _entry(resolve_chat_entry(entries[i], self.tokenizer, self.context, self.as_token_ids))
             del self.context[:-LOGPROB_CONTEXT_TOKENS]
             out += self.route(steps, blocks, entry)
         return out
 
-    def route(self, steps: list[Step], blocks: BlockState, entry: dict[str, Any] | None) -> list[Step]:
+    def route(self, steps: list[Step], blocks: BlockState, entry: OutputTextLogprob | None) -> list[Step]:
         """One token's steps: its entry (and the pending ones) on its first text delta, or pending, or dropped."""
         if entry is not None:
             self.pending.append(entry)
@@ -95,7 +93,7 @@ class TextLogprobs:
             if step.op == "open" and kind != "text":
                 self.pending.clear()  # held whitespace before a reasoning block or a call was dropped
             elif step.op == "open" and step.block and blocks.blocks[step.block - 1].kind == "reasoning":
-                while self.pending and not self.pending[0]["token"].strip():
+                while self.pending and not self.pending[0].token.strip():
                     self.pending.pop(0)  # the blank line after reasoning is not the answer's
             elif step.op == "delta" and kind == "call":
                 self.pending.clear()
@@ -112,7 +110,8 @@ class TextLogprobs:
 
 
 def fold_with_logprobs(pipeline: SegmentPipeline, token_ids: list[int], prompt_ids: list[int] | None,
-                       logprobs: Any, router: TextLogprobs) -> tuple[BlockState, BlockTexts, PipelineState]:
+                       logprobs: GenerateLogprobs | None,
+                       router: TextLogprobs) -> tuple[BlockState, BlockTexts, PipelineState]:
     """``segments.fold`` with text logprobs routed (batch derender of a request that asked for them)."""
     pstate = pipeline.initial_state(prompt_ids)
     bstate = BlockState()

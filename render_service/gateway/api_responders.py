@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -40,10 +40,11 @@ from render_service.parsers.harmony import BODY as HARMONY_BODY
 from render_service.parsers.harmony import REASONING as HARMONY_REASONING
 from render_service.parsers.harmony import HarmonyState
 from render_service.parsers.reasoning import CONTENT, ThinkState
-from render_service.protocol import ChatCompletionRequest, GenerateRequest, GenerateStreamChoice
+from render_service.protocol import ChatCompletionRequest, GenerateLogprobs, GenerateRequest, GenerateStreamChoice
 from render_service.render_config import RenderConfig
 
 _encode = msgspec.json.Encoder().encode
+_Final = TypeVar("_Final")  # a finished response object (Responses' or Messages'), handed back as it came
 # gpt-oss: what ends an analysis message and opens the final answer (a budget spent in reasoning)
 HARMONY_FINAL_HEADER = "<|start|>assistant<|channel|>final<|message|>"
 HARMONY_ANALYSIS_TO_FINAL = "<|end|>" + HARMONY_FINAL_HEADER
@@ -73,11 +74,11 @@ class ApiChoice:
         self.matcher = StopMatcher(stops) if stops else None
         self.tokens = 0
         self.finish_reason: str | None = None
-        self.stop_reason: Any = None
+        self.stop_reason: int | str | None = None
         self.done = False
 
-    def step(self, ids: list[int], engine_finish: str | None, engine_stop: Any = None, logprobs: Any = None
-             ) -> list[Step]:
+    def step(self, ids: list[int], engine_finish: str | None, engine_stop: int | str | None = None,
+             logprobs: GenerateLogprobs | None = None) -> list[Step]:
         pipeline, state = self.pipeline, self.state
         self.tokens += len(ids)
         routed: list[Step] = []
@@ -249,7 +250,7 @@ class _ApiResponder:
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
         raise NotImplementedError
 
-    def _finished(self, obj: Any) -> Any:
+    def _finished(self, obj: _Final) -> _Final:
         self.final = obj
         if self.on_done is not None:
             self.storing = self.on_done(obj)
@@ -341,7 +342,7 @@ class MessagesResponder(_ApiResponder):
         if out.done:
             self.all_done = True
             events += self.shape.end_events(out.finish_reason, out.stop_reason, out.tokens, out.thinking_tokens())
-        return b"".join([sse_event(e, type(e).__struct_config__.tag) for e in events])  # type: ignore[arg-type]
+        return b"".join([sse_event(e, type(e).__struct_config__.tag) for e in events])
 
     def final_bytes(self, error: ApiError | None) -> bytes:
         if error is None:

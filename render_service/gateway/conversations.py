@@ -19,8 +19,8 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from prometheus_client import Counter
 

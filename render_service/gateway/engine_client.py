@@ -18,7 +18,7 @@ gateway's credentials (401/403) is the gateway's misconfiguration, not the clien
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -112,7 +112,7 @@ class EngineClient:
         except msgspec.DecodeError as exc:
             raise EngineUnavailable(f"{base_url}: unreadable generate response: {exc}") from None
 
-    async def open_stream(self, base_url: str, body: bytes, request_id: str) -> "EngineEvents":
+    async def open_stream(self, base_url: str, body: bytes, request_id: str) -> EngineEvents:
         """Start a streaming generate: the status is checked, the events are read from what is returned."""
         headers = {**self._headers, "x-request-id": request_id, "accept": "text/event-stream"}
         try:

@@ -29,22 +29,27 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 
+from render_service.gateway import metrics
+from render_service.gateway.conversations import (
+    DEFAULT_CAPACITY,
+    DEFAULT_TTL_S,
+    ConversationCache,
+    HeldTurn,
+    next_turn_prefill_params,
+    preferred_replica,
+    prefill_fell_back,
+)
 from render_service.gateway.engine_client import (
     EngineClient,
     EngineEvents,
     EngineRejected,
     EngineStreamBroken,
     EngineUnavailable,
-)
-from render_service.gateway import metrics
-from render_service.gateway.conversations import (
-    DEFAULT_CAPACITY, DEFAULT_TTL_S, ConversationCache, HeldTurn, next_turn_prefill_params, preferred_replica,
-    prefill_fell_back,
 )
 from render_service.gateway.pd import PrefixRecord, kv_identity, push_decode_params
 from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
@@ -167,7 +172,7 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------- events
 
-    async def open(self, gen: GenerateRequest, call: EngineCall) -> "LiveStream | WholeResponse":
+    async def open(self, gen: GenerateRequest, call: EngineCall) -> LiveStream | WholeResponse:
         """The engine stream for one rendered prompt, with its first events read: retried on other replicas
         until an engine delivers them, committed to that replica after."""
         for p in self.pools.values():
@@ -197,7 +202,7 @@ class Gateway:
                 break
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 
-    async def _whole(self, gen: GenerateRequest, key: int | None, call: EngineCall) -> "WholeResponse":
+    async def _whole(self, gen: GenerateRequest, key: int | None, call: EngineCall) -> WholeResponse:
         """One non-streamed generate call (prompt logprobs), retried on other replicas while they fail."""
         pool = self.pools["decode" if self.disaggregated else "engine"]
         body = _encode(whole_request(gen))
@@ -227,7 +232,7 @@ class Gateway:
         raise NoReplica(f"no engine replica could serve the request ({last_error})")
 
     async def _disaggregated(self, gen: GenerateRequest, rid: str, key: int | None, tried: dict[str, set[str]],
-                             call: EngineCall, turn: HeldTurn | None, stream_body: bytes) -> "LiveStream":
+                             call: EngineCall, turn: HeldTurn | None, stream_body: bytes) -> LiveStream:
         """Decode alone when little of the prompt is uncached there; else prefill then decode (pull), or both
         legs at once (push: decode reserves and registers its blocks while prefill computes)."""
         s = self.settings
@@ -261,7 +266,7 @@ class Gateway:
 
     async def _push(self, gen: GenerateRequest, rid: str, prefill: Replica, decode: Replica,
                     identity: tuple[str, str, int], call: EngineCall, turn: HeldTurn | None,
-                    tried: set[str]) -> "LiveStream":
+                    tried: set[str]) -> LiveStream:
         """Both legs at once; whichever fails first before decode's first event ends the other."""
         prid = f"{rid}-prefill"  # both are live together: call.live needs distinct ids
         body = _encode(decode_request(gen, push_decode_params(identity, ENGINE_REQUEST_PREFIX + call.wire_id(prid))))
@@ -290,7 +295,7 @@ class Gateway:
         return live
 
     async def _decode(self, body: bytes, rid: str, decode: Replica, prefill: Replica, prid: str,
-                      call: EngineCall, tried: set[str]) -> "LiveStream":
+                      call: EngineCall, tried: set[str]) -> LiveStream:
         """The decode leg; if it fails before its first event, the prefill's held KV is released at once
         (not at lease expiry) and the error names decode."""
         try:
@@ -344,7 +349,7 @@ class Gateway:
         return kv, rid
 
     async def _start(self, pool_name: str, key: int | None, body: bytes, rid: str, tried: set[str],
-                     call: EngineCall, prefer: str | None = None, replica: Replica | None = None) -> "LiveStream":
+                     call: EngineCall, prefer: str | None = None, replica: Replica | None = None) -> LiveStream:
         pool = self.pools[pool_name]
         replica = replica or self._pick(pool, key, tried, prefer)
         pool.acquire(replica)

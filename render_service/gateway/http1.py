@@ -18,7 +18,7 @@ import functools
 import ssl
 import time
 from collections import defaultdict
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -128,7 +128,7 @@ class Response:
     """Status and headers read; the body is read once, pulled (``next_chunks``, ``read``) or pushed
     (``push_chunks``), or both: pulled first, then pushed from where the pulls stopped."""
 
-    def __init__(self, pool: "Http1Pool", key: tuple, conn: _Conn, status: int, headers: dict[str, str]):
+    def __init__(self, pool: Http1Pool, key: tuple, conn: _Conn, status: int, headers: dict[str, str]):
         self._pool = pool
         self._key = key
         self._conn: _Conn | None = conn
@@ -199,7 +199,7 @@ class Response:
             yield chunks
 
     def push_chunks(self, on_chunks: Callable[[list[bytes]], None],
-                    on_end: Callable[["HttpError | None"], None]) -> None:
+                    on_end: Callable[[HttpError | None], None]) -> None:
         """From now on, hand the body's chunks to ``on_chunks`` in the connection's data callback, as they
         arrive: no task wakes up per event. ``on_end`` follows once: None after the last chunk (the
         connection is back in the pool by then), an HttpError if the body broke. Closing the response

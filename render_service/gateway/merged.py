@@ -12,18 +12,18 @@ all ended is aborted and closed at once. The consumer hears once that it is over
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, LiveStream, WholeResponse
-from render_service.protocol import GenerateStreamChoice, GenerateStreamResponse
+from render_service.protocol import GeneratePromptLogprobs, GenerateStreamChoice, GenerateStreamResponse
 
 Items = list[tuple[int, GenerateStreamChoice]]
 SpanDone = Callable[[int, int, int], bool]  # (prompt index, first choice, count): those choices all ended
 
 
 async def open_merged(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
-                      span_done: SpanDone | None) -> "MergedStreams":
+                      span_done: SpanDone | None) -> MergedStreams:
     """Open every planned stream (concurrently) up to its first events; a failure closes the others."""
     if len(planned) == 1:
         return MergedStreams(gateway, call, planned, [await gateway.open(planned[0].gen, call)], span_done)
@@ -40,9 +40,14 @@ async def open_merged(gateway: Gateway, planned: list[EngineStream], call: Engin
                 if not t.cancelled() and t.exception() is None:
                     t.result().close()
     for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()
+        error = None if t.cancelled() else t.exception()
+        if error is not None:
+            raise error
     return MergedStreams(gateway, call, planned, [t.result() for t in tasks], span_done)
+
+
+def _not_started(*_: object) -> None:
+    raise RuntimeError("MergedStreams: an event arrived before start()")
 
 
 class _Stream:
@@ -66,11 +71,12 @@ class MergedStreams:
         self.streams = [_Stream(plan, live) for plan, live in zip(planned, lives)]
         self.remaining = len(self.streams)
         self.over = False
-        self._on_choice: Callable[[int, GenerateStreamChoice], None] | None = None
-        self._on_items: Callable[[Items], None] | None = None
-        self._on_over: Callable[[Exception | None], None] | None = None
+        # the consumer's callbacks, given to start()
+        self._on_choice: Callable[[int, GenerateStreamChoice], None] = _not_started
+        self._on_items: Callable[[Items], None] = _not_started
+        self._on_over: Callable[[Exception | None], None] = _not_started
 
-    def prompt_logprobs(self) -> dict[int, object]:
+    def prompt_logprobs(self) -> dict[int, GeneratePromptLogprobs | None]:
         """Prompt index -> the engine's prompt_logprobs, for the prompts that asked for them."""
         return {s.plan.prompt_index: s.live.prompt_logprobs for s in self.streams
                 if isinstance(s.live, WholeResponse)}

@@ -219,7 +219,7 @@ async def _resolve(host: str, port: int) -> list[str]:
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     seen: list[str] = []
     for info in infos:
-        address = info[4][0]
+        address = str(info[4][0])  # an IPv4/IPv6 address string (typeshed allows an int for other families)
         if address not in seen:
             seen.append(address)
     return seen

@@ -16,6 +16,7 @@ request asks for them (``return_weight_versions``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -25,6 +26,7 @@ from render_service.derender import pipeline_config
 from render_service.gateway.stop_strings import StopMatcher, stop_list
 from render_service.logprobs import (
     PromptLogprobs,
+    extend_completion_logprobs,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
     tokens_as_token_ids,
@@ -36,12 +38,16 @@ from render_service.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatLogprob,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    GeneratePromptLogprobs,
     GenerateRequest,
     GenerateStreamChoice,
     UsageInfo,
@@ -126,6 +132,9 @@ def primary_eos_token_id(config: RenderConfig) -> int | None:
 class _Responder:
     """What chat and completions share: choices per prompt, usage, the finished test."""
 
+    stream_response: type[ChatCompletionStreamResponse] | type[CompletionStreamResponse]  # the endpoint's chunk
+    stops: list[str]  # the request's stop strings
+
     def __init__(self, gens: list[GenerateRequest], config: RenderConfig, model: str, response_id: str,
                  stream_options: Any) -> None:
         self.gens = gens
@@ -195,7 +204,7 @@ class _Responder:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())
 
-    def reasoning_tokens(self, outputs: Any) -> int | None:
+    def reasoning_tokens(self, outputs: Iterable[ChoiceOutput]) -> int | None:
         if not self.counts_reasoning:
             return None
         return sum(c.pipeline.reasoning_tokens(c.state) for c in outputs)
@@ -207,7 +216,8 @@ class _Responder:
         """``continuous_usage_stats``: one choice's counts so far."""
         return _usage(prompt_tokens, out.tokens, self.reasoning_tokens([out]))
 
-    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
+                             request: ChatCompletionRequest | CompletionRequest | None = None) -> None:
         """The engines' prompt logprobs of the prompts that asked for them, resolved to token text."""
         for prompt_index, entries in raw.items():
             self.prompt_logprobs[prompt_index] = PromptLogprobs(
@@ -235,24 +245,24 @@ class ChatResponder(_Responder):
     stream_response = ChatCompletionStreamResponse
 
     def __init__(self, gen: GenerateRequest, req: ChatCompletionRequest, config: RenderConfig) -> None:
-        super().__init__([gen], config, gen.model or config.model_name, gen.request_id, gen.stream_options)
+        super().__init__([gen], config, gen.model or config.model_name, gen.request_id or "", gen.stream_options)
         self.req = req
         self.stops = stop_list(req.stop)
         self.forced_tools = forces_a_call(req)
         self.counts_reasoning = config.reasoning_parser is not None
         self.weight_versions = req.return_weight_versions
         self.accumulators: dict[int, MessageAccumulator] = {}
-        self.logprobs: dict[int, list[Any]] = {}
+        self.logprobs: dict[int, list[ChatLogprob]] = {}
         self.first_chunk = True
         # (choice index, "content" or "reasoning") -> the pre-encoded chunk around that text, in parts
         self._envelopes: dict[tuple[int, str], list[bytes]] = {}
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
-        pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
+        pcfg = pipeline_config(self.config, self.req, request_id=gen.request_id or "", choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
-    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
+    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> ChatLogprobs | None:
         if choice.logprobs is None or not self.req.logprobs:
             return None
         return resolve_chat_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
@@ -321,7 +331,7 @@ class ChatResponder(_Responder):
             chunks.append(chunk)
         return chunks
 
-    def _chunk(self, key: int, delta: DeltaMessage, out: ChoiceOutput, logprobs: Any = None
+    def _chunk(self, key: int, delta: DeltaMessage, out: ChoiceOutput, logprobs: ChatLogprobs | None = None
                ) -> ChatCompletionStreamResponse:
         if delta.reasoning is None:  # role and empty deltas: the same null key(s) as every other chunk
             put_reasoning(delta, None, self.config.reasoning_field)
@@ -337,7 +347,8 @@ class ChatResponder(_Responder):
                 chunk.prompt_token_ids = self.gens[0].token_ids
         return chunk
 
-    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
+                             request: ChatCompletionRequest | CompletionRequest | None = None) -> None:
         super().prompt_logprobs_from(raw, self.req)
 
     def _ending(self, chunk: ChatCompletionStreamResponse, out: ChoiceOutput) -> None:
@@ -365,7 +376,7 @@ class ChatResponder(_Responder):
             out = self.choices[key]
             fields = self.accumulators.get(key, MessageAccumulator()).message(self.forced_tools)
             message = chat_message(fields, out.pipeline.config, self.config.reasoning_field)
-            logprobs = None
+            logprobs: ChatLogprobs | None = None
             if self.req.logprobs:
                 logprobs = {"content": self.logprobs.get(key, []), "refusal": None}
             choices.append(ChatCompletionChoice(index=key, message=message, logprobs=logprobs,
@@ -394,18 +405,19 @@ class CompletionResponder(_Responder):
         self.echo_only = self.echo and req.max_tokens == 0
         self.echoed: set[int] = set()
         self.texts: dict[int, list[str]] = {}
-        self.logprobs: dict[int, dict[str, list]] = {}
+        self.logprobs: dict[int, CompletionLogprobs] = {}
         self.first_of_prompt: set[int] = set()
 
     def new_choice(self, gen: GenerateRequest, key: int) -> ChoiceOutput:
-        pcfg = completion_pipeline_config(self.config, self.req, request_id=gen.request_id, choice_index=key)
+        pcfg = completion_pipeline_config(self.config, self.req, request_id=gen.request_id or "", choice_index=key)
         return ChoiceOutput(Pipeline(self.config.tokenizer, pcfg), gen.token_ids, self.stops,
                             self.req.include_stop_str_in_output, self.return_token_ids, self.eos_token_id)
 
-    def prompt_logprobs_from(self, raw: dict[int, Any], request: Any = None) -> None:
+    def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
+                             request: ChatCompletionRequest | CompletionRequest | None = None) -> None:
         super().prompt_logprobs_from(raw, self.req)
 
-    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> Any:
+    def _logprobs(self, out: ChoiceOutput, choice: GenerateStreamChoice) -> CompletionLogprobs | None:
         if choice.logprobs is None or self.req.logprobs is None:
             return None
         resolved = resolve_completion_logprobs(choice.logprobs, self.config.tokenizer, out.logprob_context,
@@ -414,7 +426,8 @@ class CompletionResponder(_Responder):
             out.text_offset = resolved["text_offset"][-1] + len(resolved["tokens"][-1])
         return resolved
 
-    def _echo(self, key: int, prompt_index: int, out: ChoiceOutput, text: str, logprobs: Any) -> tuple[str, Any]:
+    def _echo(self, key: int, prompt_index: int, out: ChoiceOutput, text: str, logprobs: CompletionLogprobs | None
+              ) -> tuple[str, CompletionLogprobs | None]:
         """The first output of a choice with ``echo``: its prompt's text (and logprobs) before the model's (vLLM's
         rule: the text prompt as sent, a token prompt decoded); with max_tokens 0 the prompt's alone."""
         if not self.echo or key in self.echoed:
@@ -433,8 +446,7 @@ class CompletionResponder(_Responder):
         shift = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
         out.text_offset += shift
         if logprobs is not None:
-            logprobs = {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]}
-            head = {name: head[name] + logprobs[name] for name in head}  # type: ignore[literal-required]
+            extend_completion_logprobs(head, {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]})
         return prompt_text + text, head
 
     def stream_events(self, prompt_index: int, choice: GenerateStreamChoice) -> bytes:
@@ -479,16 +491,18 @@ class CompletionResponder(_Responder):
         if text:
             self.texts.setdefault(key, []).append(text)
         if logprobs is not None:
-            acc = self.logprobs.setdefault(key, {name: [] for name in logprobs})
-            for name in acc:
-                acc[name].extend(logprobs[name])
+            acc = self.logprobs.get(key)
+            if acc is None:  # the first event's lists, built for it alone, take the rest
+                self.logprobs[key] = logprobs
+            else:
+                extend_completion_logprobs(acc, logprobs)
 
     def response(self) -> CompletionResponse:
         choices = []
         for key in sorted(self.choices):
             out = self.choices[key]
             prompt_index = key // self.n
-            logprobs = None
+            logprobs: CompletionLogprobs | None = None
             if self.req.logprobs is not None:
                 logprobs = self.logprobs.get(key, {"text_offset": [], "token_logprobs": [], "tokens": [],
                                                    "top_logprobs": []})
@@ -542,7 +556,7 @@ def _envelope(responder: ChatResponder, key: int, channel: str) -> list[bytes]:
     """The SSE event of a delta carrying only ``channel`` text, split where the text goes (twice for
     reasoning under ``--reasoning-field both``): ``encoded_text.join(parts)`` is the event."""
     delta = ChoiceDelta(content=_MARK) if channel == "content" else ChoiceDelta(reasoning=_MARK)
-    message = _delta_message(delta, responder.config.reasoning_field)
+    message = delta_message(delta, responder.config.reasoning_field)
     chunk = ChatCompletionStreamResponse(id=responder.response_id, created=responder.created, model=responder.model,
                                          choices=[ChatCompletionStreamChoice(index=key, delta=message)])
     return sse(chunk).split(_encode(_MARK))

@@ -5,16 +5,17 @@ task, every event also costs a wake-up and the resumption of each frame between 
 client write, which measured as the larger share of the gateway's CPU per streamed token
 (bench/gateway_overhead.py). So after the first events (awaited, so that a failure before them is still an
 HTTP error with its status) the rest is pushed (``merged.MergedStreams``): the engine connection's data
-callback runs the derender and the ASGI ``send``. ``send`` is driven in place (``start_send``): it returns without waiting unless the
-client has fallen behind; only then does a task finish the write, and the engine reads pause until the
-client has caught up, so a slow client holds back its own engine streams and nothing else.
+callback runs the derender and the ASGI ``send``. ``send`` is driven in place (``start_send``): it returns
+without waiting unless the client has fallen behind; only then does a task finish the write, and the engine
+reads pause until the client has caught up, so a slow client holds back its own engine streams and nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from render_service.errors import ApiError, error_body
 from render_service.gateway import metrics
