@@ -311,7 +311,8 @@ def test_ids_rendered_already_are_used_not_rendered_again():
     for kv in ({"prompt_token_ids": other, "render_fingerprint": config.fingerprint}, {"prompt_token_ids": other}):
         got = render_chat(_request(CONVERSATIONS[0], kv_transfer_params={**kv, "do_remote_decode": True}), config)
         assert got.token_ids == other
-        assert got.kv_transfer_params == {"do_remote_decode": True}  # vLLM 0.33's place, the ids consumed
+        # vLLM 0.33's shape: the request's own kv_transfer_params at the top level, its ids taken out
+        assert got.kv_transfer_params == {"do_remote_decode": True} and got.sampling_params.extra_args is None
     with pytest.raises(ApiError) as err:
         render_chat(_request(CONVERSATIONS[0], kv_transfer_params={"prompt_token_ids": other,
                                                                     "render_fingerprint": "fp1-0123456789abcdef"}),
