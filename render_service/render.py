@@ -264,10 +264,10 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
         raise bad_request(*violation)
     kwargs = resolve_chat_template_kwargs(req, config)
     if config.harmony:  # gpt-oss (/tokenize; render_chat takes its own Harmony branch)
-        from render_service.harmony.render import render_harmony_request
+        from render_service.harmony.render import render_harmony_chat
 
         choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
-        return render_harmony_request(req, config, choice)[0], kwargs
+        return render_harmony_chat(req, config.tokenizer, kwargs, choice), kwargs
     template = chat_template_for(req, config)
     try:
         # As vLLM: content shaped for the template, developer role folded into system where the
@@ -325,7 +325,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
     if config.harmony:
-        return _render_harmony_chat(req, config, tool_choice, request_id, given)
+        return _render_harmony_chat(req, config, tool_choice, named, request_id, given)
     if given is None:
         token_ids, kwargs = render_chat_prompt(req, config)
     else:  # messages and tools still shape the parsers and the response: checked as if rendered
@@ -376,10 +376,10 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     )
 
 
-def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
+def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
                          request_id: str | None, given: list[int] | None) -> GenerateRequest:
     """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/); ``given``: ids
-    rendered already (prerendered.py), used where they end as our render would."""
+    rendered already (prerendered.py)."""
     from render_service.harmony.render import prerendered_harmony_ids, render_harmony_request
 
     if not req.messages:
@@ -387,14 +387,15 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
     if violation:
         raise bad_request(*violation)
-    prerendered = prerendered_harmony_ids(req, config, tool_choice, given) if given is not None else None
-    token_ids, structured = prerendered or render_harmony_request(req, config, tool_choice)
+    token_ids, structured = prerendered_harmony_ids(req, config, tool_choice, named, given) if given is not None \
+        else render_harmony_request(req, config, tool_choice, named)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     params = build_sampling_params(
         req, config, max_tokens=resolve_max_tokens(requested, len(token_ids), config),
         logprobs=req.top_logprobs if req.logprobs else None,
-        skip_special_tokens=False,  # the derender parser reads Harmony's markers
+        # as vLLM (its Harmony parsers read token ids; ours decodes with markers whatever this says)
+        skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
     )
     return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id, req.request_id),

@@ -59,7 +59,7 @@ def any_text(excludes: list[str]) -> Node:
     return {"type": "any_text", "excludes": list(excludes), "max_tokens": None, "max_chars": None}
 
 
-def tag(begin: str, content: Node, end: str) -> Node:
+def tag(begin: str, content: Node, end: str | list[str]) -> Node:
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
@@ -233,6 +233,44 @@ def _glm_value(prop: Any) -> Node:
     return json_schema({"type": kind})
 
 
+# gpt-oss (Harmony): a reply is an optional analysis message, an optional commentary preamble, then the constrained
+# message. A call may name its recipient before or after the channel, in any of three channels, with or without
+# <|constrain|>; a message ends at <|end|> or at a stop token (the "" end: <|call|>, <|return|>).
+HARMONY_END: Final = ["<|end|>", ""]
+HARMONY_JSON: Final = (" json", " <|constrain|>json")
+HARMONY_CALL_CHANNELS: Final = ("<|channel|>commentary", "<|channel|>analysis", "<|channel|>final")
+
+
+def harmony(tools: list[TagTool], choice: TagChoice) -> Node:
+    """gpt-oss's calls, and under "auto" a final answer instead."""
+    openings = (" to=functions.{name}{channel}{constrain}<|message|>",
+                "{channel} to=functions.{name}{constrain}<|message|>")
+    messages = [tag(opening.format(name=t.name, channel=channel, constrain=constrain), json_schema(t.schema),
+                    list(HARMONY_END))
+                for t in tools for opening in openings for constrain in HARMONY_JSON
+                for channel in HARMONY_CALL_CHANNELS]
+    if choice == "auto":
+        messages += [tag(f"<|channel|>final{constrain}<|message|>", any_text([]), list(HARMONY_END))
+                     for constrain in (*HARMONY_JSON, "")]
+    return harmony_reply(one_of(messages), preamble=True)
+
+
+def harmony_answer(answer: Node) -> Node:
+    """A requested format as gpt-oss's final message (a JSON one announced as such, either spelling)."""
+    if answer.get("type") == "json_schema":
+        return harmony_reply(one_of([tag(f"<|channel|>final{constrain}<|message|>", answer, list(HARMONY_END))
+                                     for constrain in HARMONY_JSON]), preamble=False)
+    return harmony_reply(tag("<|channel|>final<|message|>", answer, list(HARMONY_END)), preamble=False)
+
+
+def harmony_reply(last: Node, preamble: bool) -> Node:
+    def optional(channel: str) -> Node:
+        message = tag(f"<|channel|>{channel}<|message|>", any_text([]), "<|end|>")
+        return {"type": "optional", "content": sequence(message, const("<|start|>assistant"))}
+
+    return sequence(optional("analysis"), *([optional("commentary")] if preamble else []), last)
+
+
 Builder = Callable[[list[TagTool], TagChoice], Node]
 
 
@@ -257,4 +295,5 @@ FAMILIES: Final[dict[str, TagFamily]] = {
     "minimax_m2": TagFamily(minimax),
     "deepseek_v32": TagFamily(_dsml("function_calls")),
     "deepseek_v4": TagFamily(_dsml("tool_calls")),
+    "openai": TagFamily(harmony),
 }

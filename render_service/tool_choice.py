@@ -175,7 +175,7 @@ def tool_call_constraint(tool_parser: str | None, tools: list[dict[str, Any]] | 
 
 def output_format(requested: dict[str, Any]) -> dict[str, Any] | None:
     """A requested constraint as the structural-tag element vLLM puts next to the calls; None for one we
-    cannot express without xgrammar (a Lark grammar, a structural tag of the client's)."""
+    cannot express without xgrammar (a Lark grammar, the legacy ``structures`` form of a structural tag)."""
     if requested.get("json_object"):
         return json_schema({"type": "object"})
     if requested.get("json") is not None:
@@ -194,7 +194,15 @@ def output_format(requested: dict[str, Any]) -> dict[str, Any] | None:
     ebnf = requested.get("grammar")
     if isinstance(ebnf, str) and not grammar_is_lark(ebnf):
         return grammar(ebnf)
-    return None
+    tag = requested.get("structural_tag")
+    try:
+        parsed = json.loads(tag) if isinstance(tag, str) else tag
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    fmt = parsed.get("format")
+    return fmt if isinstance(fmt, dict) else None
 
 
 def grammar_is_lark(text: str) -> bool:

@@ -6,8 +6,8 @@ a response format next to the calls) is recorded in tests/fixtures/vllm_tool_con
 answer the same, byte for byte (a structural tag is compared as the JSON text vLLM writes). Where the peers are
 installed (tests/vllm_peers.py), the slow tests ask the live servers again.
 
-gpt-oss (``openai``) is the one parser that differs: its Harmony render opens the forced message in the prompt
-(docs/compatibility.md says why); only its parity with vLLM for the other cases is not asserted here.
+gpt-oss (``openai``) runs on the gpt-oss test bundle (render_service/harmony/bundle.py), whose config says
+``model_type: gpt_oss`` to vLLM.
 
 Then, per family, a forced call written the way vLLM's constraint makes the model write it: the text is checked to
 be in the language of vLLM's recorded constraint by our engine's grammar compiler (xgrammar, as the engine runs
@@ -24,6 +24,7 @@ import pytest
 
 from render_service.bundle import load_bundle
 from render_service.derender import pipeline_config
+from render_service.harmony.bundle import gpt_oss_bundle_dir
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
 from render_service.protocol import ChatCompletionRequest
 from render_service.render import render_chat
@@ -32,8 +33,9 @@ from tests import vllm_tool_constraints as recorded
 from tests.vllm_peers import VLLM032, VLLM033, needs_vllm032, needs_vllm033
 
 VERSIONS = ("0.32", "0.33")
-# gpt-oss renders through Harmony (render_service/harmony/): not the structural tags this file holds equal
-COMPARED = [p for p in recorded.PARSERS if p != "openai"]
+COMPARED = list(recorded.PARSERS)
+QWEN3_STOPS = [151645, 151643]
+GPT_OSS_STOPS = [200002, 199999, 200012]  # <|return|>, <|endoftext|>, <|call|>
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +45,16 @@ def bundle_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def configs(bundle_dir):
-    bundle = load_bundle(str(bundle_dir))
+    bundles = {"qwen3": load_bundle(str(bundle_dir))}
     cache: dict[tuple[str, str], object] = {}
 
     def config(parser: str, strict_level: str = "auto"):
         if (parser, strict_level) not in cache:
+            if parser == "openai" and "gpt-oss" not in bundles:
+                bundles["gpt-oss"] = load_bundle(str(gpt_oss_bundle_dir()))
             cache[parser, strict_level] = build_render_config(
-                bundle, served_model_names=[recorded.MODEL], tool_call_parser=parser, enable_auto_tool_choice=True,
-                tool_strict_level=strict_level)
+                bundles["gpt-oss" if parser == "openai" else "qwen3"], served_model_names=[recorded.MODEL],
+                tool_call_parser=parser, enable_auto_tool_choice=True, tool_strict_level=strict_level)
         return cache[parser, strict_level]
 
     return config
@@ -103,8 +107,8 @@ def test_the_cases_tell_the_families_apart():
     recording = recorded.load_recording("0.32")["parsers"]
     named = {p: json.dumps(recording[p]["named"]["structured_outputs"]) for p in COMPARED}
     # qwen3_coder/xml, llama3/4_json, glm45/47 share a family, and pythonic, seed_oss, llama4_pythonic and granite4
-    # vLLM's JSON: 11 different constraints for 17 parsers
-    assert len(set(named.values())) == 11
+    # vLLM's JSON: 12 different constraints for 18 parsers
+    assert len(set(named.values())) == 12
     one_call = recording["qwen3_coder"]["required_one_call"]["structured_outputs"]["structural_tag"]
     assert '"stop_after_first": true' in one_call
     assert '"type": "or"' in recording["glm47"]["auto_strict_regex"]["structured_outputs"]["structural_tag"]
@@ -117,8 +121,6 @@ def test_the_cases_tell_the_families_apart():
 def _live(configs, venv: Path, parser: str, tmp_path: Path) -> None:
     bundle = recorded.write_tool_parser_bundle(tmp_path / "m")
     answers = recorded.record_parser(venv, parser, bundle, tmp_path)
-    if parser == "openai":
-        return  # started and answered; Harmony's differences are documented, not asserted
     assert differences(configs(parser), answers) == {}
 
 
@@ -163,6 +165,9 @@ NAMED_CALLS = {
 NAMED_CALLS |= {"qwen3_xml": NAMED_CALLS["qwen3_coder"], "llama4_json": NAMED_CALLS["llama3_json"],
                 "glm45": NAMED_CALLS["glm47"], "seed_oss": ARGS, "llama4_pythonic": ARGS, "granite4": ARGS,
                 "deepseek_v4": NAMED_CALLS["deepseek_v32"].replace("function_calls", "tool_calls")}
+HARMONY_CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>' + ARGS
+# gpt-oss reasons first; its reply is one message (the tag has no list of calls), ended by the <|call|> stop token
+NAMED_CALLS["openai"] = "<|channel|>analysis<|message|>Oslo.<|end|><|start|>assistant" + HARMONY_CALL
 TIME = '{"name": "get_time", '
 # parser -> two calls (get_time, then get_weather with ARGS) for "required"
 REQUIRED_CALLS = {
@@ -187,28 +192,40 @@ REQUIRED_CALLS = {
 REQUIRED_CALLS |= {"qwen3_xml": REQUIRED_CALLS["qwen3_coder"], "llama4_json": REQUIRED_CALLS["llama3_json"],
                    "glm45": REQUIRED_CALLS["glm47"], "seed_oss": REQUIRED_CALLS["pythonic"],
                    "llama4_pythonic": REQUIRED_CALLS["pythonic"], "granite4": REQUIRED_CALLS["pythonic"],
-                   "deepseek_v4": REQUIRED_CALLS["deepseek_v32"].replace("function_calls", "tool_calls")}
+                   "deepseek_v4": REQUIRED_CALLS["deepseek_v32"].replace("function_calls", "tool_calls"),
+                   "openai": " to=functions.get_weather<|channel|>commentary json<|message|>" + ARGS}
 
 
 @pytest.fixture(scope="module")
 def grammars(bundle_dir):
-    """Our engine's grammar compiler on the same vocabulary (Qwen3's, 151,936 rows)."""
+    """Our engine's grammar compilers, per parser: the same vocabulary as the render (Qwen3's 151,936 rows;
+    gpt-oss's 201,088 for ``openai``, loaded on first use)."""
     from token_engine.structured import GrammarCompiler
 
-    compiler = GrammarCompiler(bundle_dir, 151936, [151645, 151643])
+    compilers: dict[str, GrammarCompiler] = {}
+
+    def compiler(parser: str) -> tuple[GrammarCompiler, list[int]]:
+        key = "gpt-oss" if parser == "openai" else "qwen3"
+        if key not in compilers:
+            compilers[key] = GrammarCompiler(gpt_oss_bundle_dir(), 201088, GPT_OSS_STOPS) if key == "gpt-oss" \
+                else GrammarCompiler(bundle_dir, 151936, QWEN3_STOPS)
+        return compilers[key], GPT_OSS_STOPS if key == "gpt-oss" else QWEN3_STOPS
+
     yield compiler
-    compiler.close()
+    for c in compilers.values():
+        c.close()
 
 
-def in_constraint(grammars, tokenizer, structured: dict, text: str) -> bool:
-    """Whether the engine, holding the output to ``structured``, accepts ``text`` and then the stop token."""
+def in_constraint(grammars, parser: str, tokenizer, structured: dict, text: str) -> bool:
+    """Whether the engine, holding the output to ``structured``, accepts ``text`` and then a stop token."""
     from token_engine.structured import parse_structured_outputs
     from token_engine.structured.matcher import GrammarState
 
-    state = GrammarState(grammars.compile(parse_structured_outputs(structured)), [151645, 151643])
+    compiler, stops = grammars(parser)
+    state = GrammarState(compiler.compile(parse_structured_outputs(structured)), stops)
     for token in tokenizer.encode(text):
         state.accept(token)
-    state.accept(151645)
+    state.accept(stops[-1])
     return not state.violated and state.terminated
 
 
@@ -231,16 +248,30 @@ def test_a_forced_call_in_vllms_shape_derenders(configs, grammars, parser, choic
     config = configs(parser)
     text = (NAMED_CALLS if choice == "named" else REQUIRED_CALLS)[parser]
     vllms = recorded.load_recording("0.32")["parsers"][parser][choice]["structured_outputs"]
-    assert in_constraint(grammars, config.tokenizer, vllms, text), "not what vLLM's constraint lets the model write"
-    assert not in_constraint(grammars, config.tokenizer, vllms, "It is sunny in Oslo.")  # the call is forced
+    assert in_constraint(grammars, parser, config.tokenizer, vllms, text), "not what vLLM's constraint allows"
+    assert not in_constraint(grammars, parser, config.tokenizer, vllms, "It is sunny in Oslo.")  # the call is forced
     req = msgspec.convert(recorded.body(choice), ChatCompletionRequest)
     prompt_ids = render_chat(req, config).token_ids
     batch = derendered(config, req, prompt_ids, text, one_token=False)
     expected = [{"name": "get_weather", "arguments": ARGS}]
-    if choice == "required":
+    if choice == "required" and parser != "openai":
         expected.insert(0, {"name": "get_time", "arguments": "{}"})
     assert [c["function"] for c in batch["tool_calls"]] == expected
     assert not batch["content"]
+    assert derendered(config, req, prompt_ids, text, one_token=True) == batch
+
+
+def test_a_gpt_oss_json_answer_in_vllms_shape_derenders(configs, grammars):
+    # a response format on gpt-oss: the reply may reason, then it is the final message, announced as JSON
+    config = configs("openai")
+    vllms = recorded.load_recording("0.32")["parsers"]["openai"]["auto_json_object"]["structured_outputs"]
+    text = '<|channel|>analysis<|message|>JSON.<|end|><|start|>assistant<|channel|>final <|constrain|>json<|message|>{"a": 1}'
+    assert in_constraint(grammars, "openai", config.tokenizer, vllms, text)
+    assert not in_constraint(grammars, "openai", config.tokenizer, vllms, HARMONY_CALL)
+    req = msgspec.convert(recorded.body("auto_json_object"), ChatCompletionRequest)
+    prompt_ids = render_chat(req, config).token_ids
+    batch = derendered(config, req, prompt_ids, text, one_token=False)
+    assert (batch["reasoning"], batch["content"], batch["tool_calls"]) == ("JSON.", '{"a": 1}', [])
     assert derendered(config, req, prompt_ids, text, one_token=True) == batch
 
 
@@ -278,6 +309,7 @@ COMPILED_CASES = ("required_shapes", "required_shapes_strict", "auto_strict_rege
                   "auto_strict_grammar", "auto_json_object", "auto_one_call")
 
 
+@pytest.mark.slow  # ~10-15 s of compiles on a shared 2-core machine (the forced-call tests above compile theirs)
 def test_our_engine_compiles_the_constraints_render_writes(configs, grammars):
     from token_engine.structured import parse_structured_outputs
 
@@ -289,5 +321,5 @@ def test_our_engine_compiles_the_constraints_render_writes(configs, grammars):
             if structured is None or key in seen:
                 continue
             seen.add(key)
-            grammars.compile(parse_structured_outputs(structured))  # a GrammarError fails the test
+            grammars(parser)[0].compile(parse_structured_outputs(structured))  # a GrammarError fails the test
     assert len(seen) > 40
