@@ -30,6 +30,8 @@ from render_service.structural_tags import (
     one_of,
     regex,
     structural_tag_text,
+    tag,
+    triggered,
 )
 
 NAMED: Final = "named"
@@ -175,7 +177,7 @@ def tool_call_constraint(tool_parser: str | None, tools: list[dict[str, Any]] | 
 
 def output_format(requested: dict[str, Any]) -> dict[str, Any] | None:
     """A requested constraint as the structural-tag element vLLM puts next to the calls; None for one we
-    cannot express without xgrammar (a Lark grammar, the legacy ``structures`` form of a structural tag)."""
+    cannot express without xgrammar (a Lark grammar)."""
     if requested.get("json_object"):
         return json_schema({"type": "object"})
     if requested.get("json") is not None:
@@ -201,8 +203,23 @@ def output_format(requested: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not isinstance(parsed, dict):
         return None
+    if "structures" in parsed:  # the legacy form: calls triggered in text, each a begin, a JSON schema, an end
+        return _legacy_structures(parsed)
     fmt = parsed.get("format")
     return fmt if isinstance(fmt, dict) else None
+
+
+def _legacy_structures(parsed: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's conversion of a ``{"structures": [...], "triggers": [...]}`` tag into triggered tags; None for a
+    malformed one (left for the engine to refuse)."""
+    structures, triggers = parsed.get("structures"), parsed.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        return None
+    if not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+               and "schema" in s for s in structures):
+        return None
+    return triggered(list(triggers), [tag(s["begin"], json_schema(s["schema"]), s["end"]) for s in structures],
+                     False, [])
 
 
 def grammar_is_lark(text: str) -> bool:

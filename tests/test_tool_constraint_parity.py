@@ -275,6 +275,29 @@ def test_a_gpt_oss_json_answer_in_vllms_shape_derenders(configs, grammars):
     assert derendered(config, req, prompt_ids, text, one_token=True) == batch
 
 
+# a structural tag in its legacy form, and what vLLM 0.32/0.33 make of it (structured_outputs_to_format, run in
+# each peer): triggered tags
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<f="],
+              "structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}]}
+LEGACY_AS_VLLM = {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+    {"type": "tag", "begin": "<f=a>", "content": {"type": "json_schema", "json_schema": {"type": "object"},
+                                                 "style": "json", "any_order": False, "max_whitespace_cnt": None,
+                                                 "excludes": []}, "end": "</f>"}],
+    "at_least_one": False, "stop_after_first": False, "excludes": []}
+
+
+def test_a_legacy_structural_tag_is_converted_as_vllm_and_compiles(configs, grammars):
+    from token_engine.structured import parse_structured_outputs
+
+    strict_auto = {**recorded.body("auto_strict"), "structured_outputs": {"structural_tag": json.dumps(LEGACY_TAG)}}
+    for parser in ("hermes", "openai"):  # or-ed with a strict tool's calls; gpt-oss: also its Harmony answer
+        structured = render_chat(msgspec.convert(strict_auto, ChatCompletionRequest), configs(parser)) \
+            .sampling_params.structured_outputs
+        fmt = json.loads(structured["structural_tag"])["format"]
+        assert json.dumps(LEGACY_AS_VLLM) in json.dumps(fmt)
+        grammars(parser)[0].compile(parse_structured_outputs(structured))  # a GrammarError fails the test
+
+
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json", "mistral", "kimi_k2", "glm47",
                                     "deepseek_v4"])
 def test_our_earlier_json_shapes_still_derender(configs, parser):
