@@ -8,6 +8,7 @@ fixtures/vllm-0.32-render/; deliberate differences are listed in docs/compatibil
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -149,9 +150,29 @@ def _structured_outputs(req: ChatCompletionRequest | CompletionRequest) -> dict[
         if schema is None:
             raise bad_request("response_format.json_schema.schema is required", "response_format")
         return {"json": schema}
+    if kind == "structural_tag":
+        return {"structural_tag": _structural_tag_text(fmt)}
     if kind in (None, "text"):
         return None
     raise bad_request(f"Unsupported response_format type {kind!r}", "response_format")
+
+
+def _structural_tag_text(fmt: dict[str, Any]) -> str:
+    """A ``structural_tag`` response format as vLLM passes it on (``json.dumps`` of its model): the legacy
+    ``structures``/``triggers`` form, else xgrammar's ``format``. The engine compiles (or refuses) it."""
+    invalid = bad_request("Invalid response_format structural_tag specification.", "response_format")
+    structures, triggers = fmt.get("structures"), fmt.get("triggers")
+    if structures is not None or triggers is not None:
+        if not isinstance(structures, list) or not isinstance(triggers, list) \
+                or not all(isinstance(t, str) for t in triggers) \
+                or not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                           and isinstance(s.get("schema"), dict) for s in structures):
+            raise invalid
+        legacy = [{"begin": s["begin"], "schema": s["schema"], "end": s["end"]} for s in structures]
+        return json.dumps({"type": "structural_tag", "structures": legacy, "triggers": triggers})
+    if "format" not in fmt:
+        raise invalid
+    return json.dumps({"type": "structural_tag", "format": fmt["format"]})
 
 
 def build_sampling_params(

@@ -613,6 +613,50 @@ def test_an_invalid_schema_through_the_gateway_is_the_engines_400(gateway):
     assert "nonsense" in exc.value.message
 
 
+# response_format structural tags in both of vLLM's forms, passed on as vLLM's render writes them (checked against
+# 0.33's render server: the json.dumps of the format's model); the engine compiles them
+STRUCTURAL_FORMATS = {
+    "format": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<answer>", "content": {"type": "const_string", "value": "yes"}, "end": "</answer>"}},
+    "legacy": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": {"type": "object", "properties": {"k": {"enum": [1]}}, "required": ["k"]},
+         "end": "</f>"}]},
+}
+
+
+def test_a_structural_tag_response_format_in_either_form_constrains_the_reply(gateway):
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render import _structured_outputs
+
+    req = ChatCompletionRequest(messages=USER, response_format=STRUCTURAL_FORMATS["legacy"])
+    assert _structured_outputs(req) == {"structural_tag": '{"type": "structural_tag", "structures": [{"begin": '
+                                        '"<f=a>", "schema": {"type": "object", "properties": {"k": {"enum": [1]}}, '
+                                        '"required": ["k"]}, "end": "</f>"}], "triggers": ["<f="]}'}
+    client = gateway_client(gateway)
+    r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40,
+                                       extra_body=NO_THINKING, response_format=STRUCTURAL_FORMATS["format"])
+    # this model writes a character a token: 20 of them, then the stop token the completed tag leaves
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("<answer>yes</answer>", "stop")
+    r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=60,
+                                       extra_body=NO_THINKING, response_format=STRUCTURAL_FORMATS["legacy"])
+    text = r.choices[0].message.content  # free text; a call once the model writes the trigger
+    for call in re.findall(r"<f=a>(.*?)</f>", text, re.S):
+        assert json.loads(call) == {"k": 1}
+
+
+@pytest.mark.parametrize("fmt", [{"type": "structural_tag"}, {"type": "structural_tag", "triggers": ["<f="]},
+                                 {"type": "structural_tag", "triggers": ["<f="],
+                                  "structures": [{"begin": "<f=a>", "end": "</f>"}]},
+                                 {"type": "structural_tag", "format": {"type": "nonsense"}}])
+def test_a_malformed_structural_tag_response_format_is_a_400(gateway, fmt):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:  # render's 400, or the engine's for a format it cannot compile
+        gateway_client(gateway).chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=20,
+                                                        extra_body=NO_THINKING, response_format=fmt)
+    assert exc.value.status_code == 400
+
+
 def test_the_engine_is_idle_after_the_forced_tool_calls(gateway):
     from tests.gateway_harness import wait_until_idle
 
