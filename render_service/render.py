@@ -8,6 +8,7 @@ fixtures/vllm-0.32-render/; deliberate differences are listed in docs/compatibil
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -23,7 +24,7 @@ from render_service.render_config import MAX_N, RenderConfig, check_model, resol
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.templates import ChatTemplate, TemplateError
-from render_service.tool_choice import check_render_tool_choice, tool_call_constraint
+from render_service.tool_choice import PARSERS_LEAVING_SPECIAL_TOKENS, check_render_tool_choice, tool_call_constraint
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 from splitserve_common.request_ids import body_id_violation, header_safe
 
@@ -149,9 +150,29 @@ def _structured_outputs(req: ChatCompletionRequest | CompletionRequest) -> dict[
         if schema is None:
             raise bad_request("response_format.json_schema.schema is required", "response_format")
         return {"json": schema}
+    if kind == "structural_tag":
+        return {"structural_tag": _structural_tag_text(fmt)}
     if kind in (None, "text"):
         return None
     raise bad_request(f"Unsupported response_format type {kind!r}", "response_format")
+
+
+def _structural_tag_text(fmt: dict[str, Any]) -> str:
+    """A ``structural_tag`` response format as vLLM passes it on (``json.dumps`` of its model): the legacy
+    ``structures``/``triggers`` form, else xgrammar's ``format``. The engine compiles (or refuses) it."""
+    invalid = bad_request("Invalid response_format structural_tag specification.", "response_format")
+    structures, triggers = fmt.get("structures"), fmt.get("triggers")
+    if structures is not None or triggers is not None:
+        if not isinstance(structures, list) or not isinstance(triggers, list) \
+                or not all(isinstance(t, str) for t in triggers) \
+                or not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                           and isinstance(s.get("schema"), dict) for s in structures):
+            raise invalid
+        legacy = [{"begin": s["begin"], "schema": s["schema"], "end": s["end"]} for s in structures]
+        return json.dumps({"type": "structural_tag", "structures": legacy, "triggers": triggers})
+    if "format" not in fmt:
+        raise invalid
+    return json.dumps({"type": "structural_tag", "format": fmt["format"]})
 
 
 def build_sampling_params(
@@ -231,40 +252,6 @@ def build_sampling_params(
 # ---------------------------------------------------------------------------------------------- chat
 
 
-def _native_forced_call_prefix(config: RenderConfig, choice: str, named: str | None, token_ids: list[int]) -> str:
-    """For tool parser families whose models write XML calls (GLM, MiniMax-M2, Seed-OSS, Qwen3 XML), "required"
-    and named tool choice end the prompt with the opening of a call in the model's own syntax (closing an open
-    think block first) instead of constraining the output to JSON, which those models do not write."""
-    from render_service.parsers.pipeline import native_forced_tool_choice
-
-    if not native_forced_tool_choice(config.tool_call_parser, choice):
-        return ""
-    from render_service.parsers.registry import get_tool_parser
-
-    prefix = get_tool_parser(config.tool_call_parser).forced_call_prefix(named if choice == "named" else None)
-    cls = config.reasoning_parser_cls
-    if cls is not None:
-        from render_service.parsers.reasoning import reasoning_open_at_prompt_end
-
-        if reasoning_open_at_prompt_end(token_ids, config.tokenizer, cls) is True:
-            prefix = cls.end_tag + prefix
-    return prefix
-
-
-def _forced_prefix_rendered(config: RenderConfig, choice: str, named: str | None, token_ids: list[int]) -> str:
-    """The native forced-call prefix when ids rendered elsewhere end with it (our render tier wrote it), else ""
-    (vLLM's render does not write it; the call is then constrained to JSON as vLLM does)."""
-    from render_service.parsers.pipeline import native_forced_tool_choice
-
-    if not native_forced_tool_choice(config.tool_call_parser, choice):
-        return ""
-    from render_service.parsers.registry import get_tool_parser
-
-    prefix = get_tool_parser(config.tool_call_parser).forced_call_prefix(named if choice == "named" else None)
-    tail = config.tokenizer.encode(prefix)
-    return prefix if tail and token_ids[-len(tail):] == tail else ""
-
-
 def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatTemplate:
     if req.chat_template is not None:
         if not config.trust_request_chat_template:
@@ -298,10 +285,10 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
         raise bad_request(*violation)
     kwargs = resolve_chat_template_kwargs(req, config)
     if config.harmony:  # gpt-oss (/tokenize; render_chat takes its own Harmony branch)
-        from render_service.harmony.render import render_harmony_request
+        from render_service.harmony.render import render_harmony_chat
 
         choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
-        return render_harmony_request(req, config, choice)[0], kwargs
+        return render_harmony_chat(req, config.tokenizer, kwargs, choice), kwargs
     template = chat_template_for(req, config)
     try:
         # As vLLM: content shaped for the template, developer role folded into system where the
@@ -359,12 +346,9 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
     if config.harmony:
-        return _render_harmony_chat(req, config, tool_choice, request_id, given)
+        return _render_harmony_chat(req, config, tool_choice, named, request_id, given)
     if given is None:
         token_ids, kwargs = render_chat_prompt(req, config)
-        forced_prefix = _native_forced_call_prefix(config, tool_choice, named, token_ids)
-        if forced_prefix:
-            token_ids = token_ids + config.tokenizer.encode(forced_prefix)
     else:  # messages and tools still shape the parsers and the response: checked as if rendered
         if not req.messages:
             raise bad_request("messages must contain at least one message", "messages")
@@ -372,21 +356,21 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         if violation:
             raise bad_request(*violation)
         token_ids, kwargs = given, resolve_chat_template_kwargs(req, config)
-        forced_prefix = _forced_prefix_rendered(config, tool_choice, named, token_ids)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     max_tokens = resolve_max_tokens(requested, len(token_ids), config)
 
     # vLLM's parser adjust_request: the engine must keep special tokens so that markers (<think>,
     # <tool_call>, ...) reach the parsers. A reasoning parser always asks for it (qwen3 in 0.32);
-    # a tool parser when tools may be called.
+    # most tool parsers when tools may be called.
     keep_special = config.reasoning_parser is not None or (
-        config.tool_call_parser is not None and bool(req.tools) and tool_choice != "none"
+        config.tool_call_parser is not None and config.tool_call_parser not in PARSERS_LEAVING_SPECIAL_TOKENS
+        and bool(req.tools) and tool_choice != "none"
     )
     skip_special = req.skip_special_tokens and not keep_special
-    structured = _structured_outputs(req) if forced_prefix else tool_call_constraint(
+    structured = tool_call_constraint(
         config.tool_call_parser, req.tools, tool_choice, named, req.parallel_tool_calls, _structured_outputs(req),
-        config.tool_strict_level)
+        config.tool_strict_level, requested_explicitly=req.structured_outputs is not None)
     params = build_sampling_params(
         req, config, max_tokens=max_tokens, logprobs=req.top_logprobs if req.logprobs else None,
         skip_special_tokens=skip_special, structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
@@ -399,7 +383,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         "continue_final_message": req.continue_final_message,
     }
     if config.reasoning_parser:
-        reasoning_ended = True if forced_prefix else prompt_ends_reasoning(token_ids, config)
+        reasoning_ended = prompt_ends_reasoning(token_ids, config)
         reasoning_kwargs = {"chat_template_kwargs": template_kwargs}
     return _generate_request(
         req, config,
@@ -413,10 +397,10 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     )
 
 
-def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
+def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
                          request_id: str | None, given: list[int] | None) -> GenerateRequest:
     """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/); ``given``: ids
-    rendered already (prerendered.py), used where they end as our render would."""
+    rendered already (prerendered.py)."""
     from render_service.harmony.render import prerendered_harmony_ids, render_harmony_request
 
     if not req.messages:
@@ -424,14 +408,15 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
     if violation:
         raise bad_request(*violation)
-    prerendered = prerendered_harmony_ids(req, config, tool_choice, given) if given is not None else None
-    token_ids, structured = prerendered or render_harmony_request(req, config, tool_choice)
+    token_ids, structured = prerendered_harmony_ids(req, config, tool_choice, named, given) if given is not None \
+        else render_harmony_request(req, config, tool_choice, named)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     params = build_sampling_params(
         req, config, max_tokens=resolve_max_tokens(requested, len(token_ids), config),
         logprobs=req.top_logprobs if req.logprobs else None,
-        skip_special_tokens=False,  # the derender parser reads Harmony's markers
+        # as vLLM (its Harmony parsers read token ids; ours decodes with markers whatever this says)
+        skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
     )
     return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id, req.request_id),

@@ -84,9 +84,11 @@ def test_responses_named_tool_choice_and_json_schema_become_structured_outputs(c
     chat = chat_ids(config, messages=[{"role": "user", "content": "x"}], tools=CHAT_TOOLS,
                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert gen.token_ids == chat.token_ids
-    # the named function's constraint is chat's (for hermes, vLLM 0.32's structural tag in the model's syntax)
+    # the server's hermes parser: vLLM's structural tag for the one named call (tests/test_tool_constraint_parity.py)
     assert gen.sampling_params.structured_outputs == chat.sampling_params.structured_outputs
-    assert "structural_tag" in gen.sampling_params.structured_outputs
+    tag = json.loads(gen.sampling_params.structured_outputs["structural_tag"])["format"]
+    assert [t["begin"] for t in tag["tags"]] == ['<tool_call>\n{"name": "get_weather", "arguments": ',
+                                                 '<tool_call>{"name": "get_weather", "arguments": ']
     fmt = {"format": {"type": "json_schema", "name": "w", "schema": WEATHER_SCHEMA}}
     gen, _ = render_responses(ResponsesRequest(input="x", text=fmt), config)
     assert gen.sampling_params.structured_outputs == {"json": WEATHER_SCHEMA}

@@ -1,6 +1,6 @@
-"""Forced tool choice ("required", named) in the model's own call syntax for the XML families: render ends the
-prompt with the opening of a call (closing an open think block first) and constrains nothing to JSON; derender
-reads the model's continuation with the family's parser, as if it had written the opening itself.
+"""Forced tool choice ("required", named) in the model's own call syntax: render constrains the output to vLLM's
+structural tag for the family (tests/test_tool_constraint_parity.py holds the tag to vLLM's bytes); derender reads
+the whole call with the family's parser, and still reads a call an earlier render of ours opened in the prompt.
 
 Real components: our render and derender functions, Qwen3's real tokenizer with Qwen3-Coder's real template
 (qwen3_xml) and GLM-4.7's real template with the GLM test tokenizer (tests/family_bundles.py).
@@ -17,7 +17,7 @@ from render_service.bundle import load_bundle
 from render_service.derender import pipeline_config
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
 from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat, render_chat_prompt
+from render_service.render import render_chat
 from render_service.render_config import build_render_config
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
@@ -55,28 +55,35 @@ def derender(config, req, gen, output: str, one_token: bool = False) -> dict:
     return acc.message(True)
 
 
-def test_named_choice_opens_the_named_call_in_the_prompt_and_constrains_nothing(qwen3_xml_config):
+def structural_tag(gen) -> dict:
+    return json.loads(gen.sampling_params.structured_outputs["structural_tag"])["format"]
+
+
+def test_named_choice_constrains_to_the_named_call_and_derender_reads_it(qwen3_xml_config):
     config = qwen3_xml_config
     req = request({"type": "function", "function": {"name": "get_weather"}})
     gen = render_chat(req, config)
-    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith(
-        "<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n")
-    assert gen.sampling_params.structured_outputs is None
-    assert gen.reasoning_ended is True
-    output = "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    tag = structural_tag(gen)
+    assert (tag["type"], tag["begin"], tag["end"]) == ("tag", "<tool_call>\n<function=get_weather>\n",
+                                                       "\n</function>\n</tool_call>")
+    output = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n"
+              "</parameter>\n</function>\n</tool_call>")
     batch = derender(config, req, gen, output)
     assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
     assert batch["content"] == "" and batch["reasoning"] is None
     assert derender(config, req, gen, output, one_token=True) == batch
 
 
-def test_required_choice_opens_a_block_and_the_model_picks_the_call(qwen3_xml_config):
+def test_required_choice_constrains_to_at_least_one_call_and_the_model_picks_it(qwen3_xml_config):
     config = qwen3_xml_config
     req = request("required")
     gen = render_chat(req, config)
-    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith("assistant\n<tool_call>\n")
-    assert gen.sampling_params.structured_outputs is None
-    output = "<function=get_time>\n</function>\n</tool_call>"
+    tag = structural_tag(gen)
+    assert (tag["type"], tag["at_least_one"]) == ("triggered_tags", True)
+    assert [t["begin"] for t in tag["tags"]] == ["<tool_call>\n<function=get_weather>\n",
+                                                 "<tool_call>\n<function=get_time>\n"]
+    output = "<tool_call>\n<function=get_time>\n\n</function>\n</tool_call>"
     batch = derender(config, req, gen, output)
     assert [c["function"] for c in batch["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
     assert derender(config, req, gen, output, one_token=True) == batch
@@ -86,8 +93,23 @@ def test_a_cut_off_forced_call_still_has_object_arguments(qwen3_xml_config):
     config = qwen3_xml_config
     req = request({"type": "function", "function": {"name": "get_weather"}})
     gen = render_chat(req, config)
-    batch = derender(config, req, gen, "<parameter=city>\nOs")
+    batch = derender(config, req, gen, "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs")
     assert json.loads(batch["tool_calls"][0]["function"]["arguments"]) == {"city": "Os"}
+
+
+def test_a_call_an_earlier_render_opened_in_the_prompt_still_reads(qwen3_xml_config):
+    # before following vLLM's structural tags, our render ended the prompt with the call's opening; a request
+    # rendered that way (a stream in flight across an upgrade) derenders the model's continuation
+    config = qwen3_xml_config
+    req = request({"type": "function", "function": {"name": "get_weather"}})
+    gen = render_chat(req, config)
+    opened = msgspec.structs.replace(gen, token_ids=gen.token_ids + config.tokenizer.encode(
+        "<tool_call>\n<function=get_weather>\n"), reasoning_ended=True)
+    output = "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    batch = derender(config, req, opened, output)
+    assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert batch["content"] == "" and batch["reasoning"] is None
+    assert derender(config, req, opened, output, one_token=True) == batch
 
 
 @pytest.fixture(scope="module")
@@ -122,34 +144,21 @@ def test_hermes_constrains_a_forced_call_to_its_own_syntax_and_derender_reads_bo
     assert derender(config, req, gen, "  " + legacy, one_token=True) == batch
 
 
-def test_an_xml_family_forced_call_from_vllms_render_is_read_whole(qwen3_xml_config):
-    # vLLM constrains the output to the call (a structural tag) instead of opening it in the prompt: without our
-    # opening at the prompt's end, derender reads the model's whole call
-    config = qwen3_xml_config
-    req = request("required")
-    gen = render_chat(req, config)
-    vllm_gen = msgspec.structs.replace(gen, token_ids=render_chat_prompt(req, config)[0], reasoning_ended=None)
-    assert len(vllm_gen.token_ids) < len(gen.token_ids)
-    output = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
-    batch = derender(config, req, vllm_gen, output)
-    assert [c["function"] for c in batch["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
-    assert batch["content"] == "" and batch["reasoning"] is None
-    assert derender(config, req, vllm_gen, output, one_token=True) == batch
-
-
 @pytest.mark.slow
-def test_glm47_closes_the_open_think_block_before_the_call(tmp_path):
+def test_glm47_reasons_then_writes_the_constrained_call(tmp_path):
     bundle = load_bundle(write_family_bundle("glm47", tmp_path / "glm"))
     config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="glm47", tool_call_parser="glm47",
                                  chat_template=(TEMPLATES / "glm-4.7-flash.jinja").read_text(encoding="utf-8"))
     req = request({"type": "function", "function": {"name": "get_weather"}})
     gen = render_chat(req, config)
-    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith(
-        "<|assistant|><think></think><tool_call>get_weather")
-    output = "<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+    assert config.tokenizer.decode(gen.token_ids, skip_special_tokens=False).endswith("<|assistant|><think>")
+    assert gen.reasoning_ended is False  # the engine applies the tag after </think>
+    tag = structural_tag(gen)
+    assert tag["type"] == "tags_with_separator" and tag["tags"][0]["begin"] == "<tool_call>get_weather"
+    output = "Oslo.</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
     batch = derender(config, req, gen, output)
     assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    assert batch["reasoning"] is None
+    assert batch["reasoning"] == "Oslo." and batch["content"] == ""
     assert derender(config, req, gen, output, one_token=True) == batch
 
 

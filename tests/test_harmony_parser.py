@@ -170,20 +170,78 @@ def test_a_runaway_header_is_content():
     assert msg["content"] == "no harmony here " * 60 and msg["reasoning"] is None
 
 
-def test_forced_call_and_structured_prompts_start_inside_the_message():
+FORCED_CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+
+
+def test_forced_call_and_structured_answer_in_vllms_shape_derender():
+    # the prompt ends with <|start|>assistant (as vLLM's); the structural tag has the model reason, then call or
+    # answer in any spelling of the header (recipient first or channel first, with or without <|constrain|>)
     forced = {"type": "function", "function": {"name": "get_weather"}}
     req = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "w?"}], tools=TOOLS,
                                 tool_choice=forced, chat_template_kwargs={"conversation_start_date": DATE})
     prompt = render_chat(req, gpt_oss_config()).token_ids
+    assert prompt[-2:] == encode("<|start|>assistant")
     p = Pipeline(gpt_oss_config().tokenizer, pipeline_config(gpt_oss_config(), req, request_id="g", choice_index=0))
-    args = encode('{"city": "Oslo"}') + [CALL]
-    msg, state = derender_all(p, args, prompt)
-    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    assert p.finish_reason(state, "stop") == "stop"  # named tool choice answers "stop", as vLLM
-    assert _stream(p, args, list(range(1, len(args))), prompt=prompt)[0] == msg
+    for call in (FORCED_CALL, ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'):
+        out = encode("<|channel|>analysis<|message|>Oslo.<|end|><|start|>assistant" + call) + [CALL]
+        msg, state = derender_all(p, out, prompt)
+        assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+        assert msg["reasoning"] == "Oslo." and not msg["content"]
+        assert p.finish_reason(state, "stop") == "stop"  # named tool choice answers "stop", as vLLM
+        assert _stream(p, out, list(range(1, len(out))), prompt=prompt)[0] == msg
     req = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "json"}],
                                 response_format={"type": "json_object"})
     prompt = render_chat(req, gpt_oss_config()).token_ids
+    p = Pipeline(gpt_oss_config().tokenizer, pipeline_config(gpt_oss_config(), req, request_id="g", choice_index=0))
+    msg, _ = derender_all(p, encode('<|channel|>final <|constrain|>json<|message|>{"a": 1}') + [RETURN], prompt)
+    assert (msg["content"], msg["reasoning"]) == ('{"a": 1}', None)
+
+
+def _forced_request() -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "w?"}], tools=TOOLS,
+                                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                 chat_template_kwargs={"conversation_start_date": DATE})
+
+
+def _call_openings() -> list[str]:
+    """Every header vLLM's Harmony tag lets a forced call open with, read from our render's tag (which
+    tests/test_tool_constraint_parity.py holds equal to vLLM's)."""
+    structured = render_chat(_forced_request(), gpt_oss_config()).sampling_params.structured_outputs
+    calls = json.loads(structured["structural_tag"])["format"]["elements"][-1]
+    return [t["begin"] for t in calls["elements"]]
+
+
+@pytest.mark.parametrize("end", ["<|call|>", "<|end|>"])  # the stop token, or the message's end
+def test_every_call_opening_vllms_tag_admits_derenders_as_the_call(end):
+    openings = _call_openings()
+    assert len(openings) == 12  # recipient before or after the channel, three channels, two JSON spellings
+    req = _forced_request()
+    prompt = render_chat(req, gpt_oss_config()).token_ids
+    p = Pipeline(gpt_oss_config().tokenizer, pipeline_config(gpt_oss_config(), req, request_id="g", choice_index=0))
+    for opening in openings:
+        out = encode(opening + '{"city": "Oslo"}' + end)
+        msg, _ = derender_all(p, out, prompt)
+        assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+        assert not msg["content"] and not msg["reasoning"], opening
+        assert _stream(p, out, list(range(1, len(out))), prompt=prompt)[0] == msg
+
+
+def test_a_message_an_earlier_render_opened_in_the_prompt_still_derenders():
+    # our render opened the forced call (or the structured final answer) at the prompt's end before it followed
+    # vLLM's structural tags; such a request's output is the message body alone
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    req = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "w?"}], tools=TOOLS,
+                                tool_choice=forced, chat_template_kwargs={"conversation_start_date": DATE})
+    prompt = render_chat(req, gpt_oss_config()).token_ids + encode(
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    p = Pipeline(gpt_oss_config().tokenizer, pipeline_config(gpt_oss_config(), req, request_id="g", choice_index=0))
+    args = encode('{"city": "Oslo"}') + [CALL]
+    msg, _ = derender_all(p, args, prompt)
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert _stream(p, args, list(range(1, len(args))), prompt=prompt)[0] == msg
+    req = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "json"}],
+                                response_format={"type": "json_object"})
+    prompt = render_chat(req, gpt_oss_config()).token_ids + encode("<|channel|>final<|message|>")
     p = Pipeline(gpt_oss_config().tokenizer, pipeline_config(gpt_oss_config(), req, request_id="g", choice_index=0))
     msg, _ = derender_all(p, encode('{"a": 1}') + [RETURN], prompt)
     assert (msg["content"], msg["reasoning"]) == ('{"a": 1}', None)
@@ -218,15 +276,16 @@ def test_parser_state_type():
     assert HarmonyParser.State is HarmonyState
 
 
-def test_required_with_one_tool_is_that_tool_forced():
+def test_required_derenders_the_call_with_or_without_the_prompt():
     one = [TOOLS[0]]
     req = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "w?"}], tools=one,
                                 tool_choice="required")
     rendered = render_chat(req, gpt_oss_config())
-    assert rendered.sampling_params.structured_outputs == {"json": TOOLS[0]["function"]["parameters"]}
+    tag = json.loads(rendered.sampling_params.structured_outputs["structural_tag"])["format"]
+    assert tag["type"] == "sequence" and tag["elements"][-1]["type"] == "or"  # vLLM's (tests/test_tool_constraint_parity)
     p = Pipeline(gpt_oss_config().tokenizer, pipeline_config(gpt_oss_config(), req, request_id="g", choice_index=0))
-    args = encode('{"city": "Oslo"}') + [CALL]
-    for prompt in (rendered.token_ids, None):  # the prompt's tail, or the request alone, opens the call
-        msg, state = derender_all(p, args, prompt)
+    out = encode(FORCED_CALL) + [CALL]
+    for prompt in (rendered.token_ids, None):  # the prompt ends with <|start|>assistant: nothing opened either way
+        msg, state = derender_all(p, out, prompt)
         assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
         assert p.finish_reason(state, "stop") == "tool_calls"

@@ -128,7 +128,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-def test_named_choice_opens_a_dsml_invoke_after_closing_the_think_block(bundles, thinking):
+def test_named_choice_constrains_to_a_dsml_call_and_derender_reads_it_after_the_reasoning(bundles, thinking):
     bundle = bundles["deepseek_v4"]
     config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
                                  tool_call_parser="deepseek_v4")  # the built-in V4 template
@@ -137,19 +137,47 @@ def test_named_choice_opens_a_dsml_invoke_after_closing_the_think_block(bundles,
                            "chat_template_kwargs": {"thinking": thinking}}, ChatCompletionRequest)
     gen = render_chat(req, config)
     prompt = config.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-    assert prompt.endswith(f"</think><{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n")
-    assert gen.sampling_params.structured_outputs is None  # the model writes DSML, not JSON
+    assert prompt.endswith("<\uff5cAssistant\uff5c><think>" if thinking else "<\uff5cAssistant\uff5c></think>")
+    assert gen.reasoning_ended is (not thinking)  # the engine applies the tag once reasoning ends
+    # vLLM's tag (DeepSeek's DSML, tests/test_tool_constraint_parity.py holds it to vLLM's bytes)
+    tag = json.loads(gen.sampling_params.structured_outputs["structural_tag"])["format"]
+    assert tag["elements"][0]["value"] == f"\n\n<{DSML}tool_calls>\n"
+    assert tag["elements"][1]["begin"] == f'<{DSML}invoke name="get_weather">\n'
     from render_service.derender import pipeline_config
 
     pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id=gen.request_id, choice_index=0))
-    output = (f"<{DSML}parameter name=\"city\" string=\"true\">Oslo</{DSML}parameter>\n"
-              f"<{DSML}parameter name=\"days\" string=\"false\">2</{DSML}parameter>\n</{DSML}invoke>\n"
-              f"</{DSML}tool_calls>")
+    call = (f"\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n"
+            f"<{DSML}parameter name=\"city\" string=\"true\">Oslo</{DSML}parameter>\n"
+            f"<{DSML}parameter name=\"days\" string=\"false\">2</{DSML}parameter>\n</{DSML}invoke>\n"
+            f"</{DSML}tool_calls>")
+    output = ("Oslo, then.</think>" if thinking else "") + call
     ids = config.tokenizer.encode(output)
-    batch, _ = derender_all(pipeline, ids, prompt_token_ids=gen.token_ids, reasoning_open_at_start=False)
+    batch, _ = derender_all(pipeline, ids, prompt_token_ids=gen.token_ids)
     assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+    assert batch["content"] == "" and batch["reasoning"] == ("Oslo, then." if thinking else None)
+    assert stream_fold(pipeline, ids, list(range(1, len(ids))), gen.token_ids, None) == batch
+
+
+def test_a_dsml_call_an_earlier_render_opened_in_the_prompt_still_reads(bundles):
+    # our renders before vLLM's structural tags ended the prompt with the call's opening (closing the think block);
+    # a stream or a batch derender of such a request still reads the rest of the call
+    bundle = bundles["deepseek_v4"]
+    config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
+                                 tool_call_parser="deepseek_v4")
+    req = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                           "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                          ChatCompletionRequest)
+    gen = render_chat(req, config)
+    opened = gen.token_ids + config.tokenizer.encode(f"</think><{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n")
+    from render_service.derender import pipeline_config
+
+    pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id=gen.request_id, choice_index=0))
+    ids = config.tokenizer.encode(f"<{DSML}parameter name=\"city\" string=\"true\">Oslo</{DSML}parameter>\n"
+                                  f"</{DSML}invoke>\n</{DSML}tool_calls>")
+    batch, _ = derender_all(pipeline, ids, prompt_token_ids=opened)
+    assert batch["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert batch["content"] == "" and batch["reasoning"] is None
-    assert stream_fold(pipeline, ids, list(range(1, len(ids))), gen.token_ids, False) == batch
+    assert stream_fold(pipeline, ids, list(range(1, len(ids))), opened, None) == batch
 
 
 # --- auto -------------------------------------------------------------------------------------------------
@@ -201,25 +229,26 @@ def test_auto_on_an_unknown_model_is_a_startup_error_naming_the_choices(tmp_path
         assert family.name in result.stderr
 
 
-def test_required_choice_opens_a_dsml_block_and_none_leaves_the_markup_in_content(bundles):
+def test_required_choice_constrains_to_a_dsml_block_and_none_leaves_the_markup_in_content(bundles):
     bundle = bundles["deepseek_v4"]
     config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
                                  tool_call_parser="deepseek_v4", enable_auto_tool_choice=True)
     from render_service.derender import pipeline_config
 
-    output = (f"<{DSML}invoke name=\"get_weather\">\n<{DSML}parameter name=\"city\" string=\"true\">Oslo"
-              f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>")
+    output = (f"</think>\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n<{DSML}parameter name=\"city\" "
+              f"string=\"true\">Oslo</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>")
     for choice in ("required", "none"):
         req = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
                                "tools": [WEATHER], "tool_choice": choice}, ChatCompletionRequest)
         gen = render_chat(req, config)
         prompt = config.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        assert prompt.endswith("<\uff5cAssistant\uff5c><think>")  # thinking is on by default
         pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id=gen.request_id, choice_index=0))
-        batch, _ = derender_all(pipeline, config.tokenizer.encode(output), prompt_token_ids=gen.token_ids,
-                                reasoning_open_at_start=False)
+        batch, _ = derender_all(pipeline, config.tokenizer.encode(output), prompt_token_ids=gen.token_ids)
         if choice == "required":
-            assert prompt.endswith(f"</think><{DSML}tool_calls>\n")
+            assert json.loads(gen.sampling_params.structured_outputs["structural_tag"])["format"]["type"] == "sequence"
             assert [c["function"]["name"] for c in batch["tool_calls"]] == ["get_weather"]
+            assert batch["content"] == ""
         else:
-            assert prompt.endswith("<\uff5cAssistant\uff5c><think>")  # thinking is on by default
-            assert batch["tool_calls"] == [] and batch["content"] == output
+            assert gen.sampling_params.structured_outputs is None
+            assert batch["tool_calls"] == [] and batch["content"] == output[len("</think>"):]

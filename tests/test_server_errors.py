@@ -312,3 +312,19 @@ def test_derender_refuses_a_malformed_tool_choice():
                 "generate_response": {"request_id": "g", "choices": [{"token_ids": [151657, 9707]}]},
                 "chat_request": {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice}})
             assert_error(r, 400, param="tool_choice")
+
+
+@pytest.mark.parametrize("past", [151669, 151700, 151935])  # Qwen3's tokenizer ends at 151668, its vocab_size is 151936
+def test_derender_drops_ids_between_the_tokenizer_and_vocab_size_as_vllm(server, past):
+    # an engine may sample them (the model's head has those rows); vLLM decodes them to nothing, and so do we
+    # (tests/test_vllm_render_parity.py compares with vLLM's render server where the peer is installed)
+    def texts(ids):
+        gen = {"request_id": "g", "choices": [{"index": 0, "token_ids": ids, "finish_reason": "length"}]}
+        chat = server.client.post("/v1/chat/completions/derender", json={
+            "chat_request": {"messages": [{"role": "user", "content": "hi"}],
+                             "chat_template_kwargs": {"enable_thinking": False}}, "generate_response": gen})
+        text = server.client.post("/v1/completions/derender", json={"stream": True, "generate_chunk": gen})
+        assert chat.status_code == 200 and text.status_code == 200, (chat.text, text.text)
+        return chat.json()["choices"][0]["message"]["content"], text.json()["chunk"]["choices"][0]["text"]
+
+    assert texts([9707, past, 11]) == texts([9707, 11]) == ("Hello,", "Hello,")

@@ -15,8 +15,8 @@ The request is mapped to Harmony messages the way vLLM's gpt-oss path maps it (`
 The messages are built here as Harmony's conversation JSON (msgspec, no pydantic) and openai-harmony's Rust
 renderer turns them into token IDs: the reference rendering, so the ids are the reference's by construction
 (tests/test_harmony_render.py checks the mapping against conversations built with openai-harmony's own
-Python API). Forced tool choice and structured outputs render the start of the message the constraint is
-for (see ``generation_prefix``), so the constrained tokens are a well-formed Harmony message body.
+Python API). Forced tool choice and structured outputs are constrained as vLLM does: the prompt ends with
+``<|start|>assistant`` and a structural tag shapes the whole reply (``harmony_structured_outputs``).
 """
 
 from __future__ import annotations
@@ -228,21 +228,6 @@ def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list
     return messages
 
 
-def generation_prefix(tool_choice: str, named: str | None, json_output: bool) -> str:
-    """What the prompt says of the reply's first message beyond ``<|start|>assistant``.
-
-    A forced call opens the commentary message to the tool (as gpt-oss writes calls itself), so the tool's
-    JSON-schema constraint applies to exactly its arguments; structured output opens the final message, so
-    the schema constrains the answer (our engine's grammar cannot wait for Harmony's end of reasoning, which
-    is a header, not one token: the reply skips analysis).
-    """
-    if tool_choice == "named" and named:
-        return f"<|channel|>commentary to=functions.{_tool_name(named)} <|constrain|>json<|message|>"
-    if json_output:
-        return "<|channel|>final<|message|>"
-    return ""
-
-
 class HarmonyRenderer:
     """Token IDs for Harmony messages.
 
@@ -326,63 +311,47 @@ def renderer_for(tokenizer: TextTokenizer) -> HarmonyRenderer:
     return renderer
 
 
-def render_harmony_chat(req: Any, tokenizer: TextTokenizer, kwargs: dict[str, Any], tool_choice: str,
-                        named: str | None, json_output: bool) -> list[int]:
-    """The prompt's token IDs (``tool_choice`` as render's _check_tool_choice resolved it)."""
+def render_harmony_chat(req: Any, tokenizer: TextTokenizer, kwargs: dict[str, Any], tool_choice: str) -> list[int]:
+    """The prompt's token IDs (``tool_choice`` as render's _check_tool_choice resolved it), ending with
+    ``<|start|>assistant`` as vLLM's: a forced call or a structured answer is the constraint's to shape."""
     with_tools = bool(req.tools) and tool_choice != "none"
-    messages = harmony_messages(req, kwargs, with_tools)
-    return renderer_for(tokenizer).render(messages, generation_prefix(tool_choice, named, json_output))
+    return renderer_for(tokenizer).render(harmony_messages(req, kwargs, with_tools))
 
 
-def render_harmony_request(req: Any, config: Any, tool_choice: str) -> tuple[list[int], dict[str, Any] | None]:
-    """render_chat's Harmony branch: (prompt ids, the structured-outputs constraint the prompt was opened for).
-
-    Named tool choice constrains the arguments to the tool's schema after the opened call; response_format /
-    structured_outputs constrain the opened final answer. "required" with one tool is that tool named; with
-    several it is left to the model (no single message opens "any of these calls").
-    """
+def render_harmony_request(req: Any, config: Any, tool_choice: str,
+                           named: str | None = None) -> tuple[list[int], dict[str, Any] | None]:
+    """render_chat's Harmony branch: (prompt ids, the structured-outputs constraint)."""
     from render_service.render_config import resolve_chat_template_kwargs
 
     kwargs = resolve_chat_template_kwargs(req, config)
-    named, structured = harmony_constraint(req, tool_choice)
-    ids = render_harmony_chat(req, config.tokenizer, kwargs, "named" if named else tool_choice, named,
-                              structured is not None)
-    return ids, structured
+    ids = render_harmony_chat(req, config.tokenizer, kwargs, tool_choice)
+    return ids, harmony_structured_outputs(req, config, tool_choice, named)
 
 
-def harmony_constraint(req: Any, tool_choice: str) -> tuple[str | None, dict[str, Any] | None]:
-    """(the tool a reply must call, the structured-outputs constraint) of a request, as its prompt opens them."""
+def harmony_structured_outputs(req: Any, config: Any, tool_choice: str, named: str | None) -> dict[str, Any] | None:
+    """vLLM's constraint for gpt-oss: a requested format becomes the final message of a reply that may reason
+    first (render_service/structural_tags.py ``harmony_answer``), and the tool choice constrains the calls as
+    for any parser (``tool_call_constraint`` with the Harmony family)."""
     from render_service.render import _structured_outputs
+    from render_service.structural_tags import harmony_answer, structural_tag_text
+    from render_service.tool_choice import output_format, tool_call_constraint
 
-    structured = _structured_outputs(req)
-    named = None
-    if tool_choice == "required" and len(req.tools) == 1:  # one tool to call: the same as naming it
-        named = req.tools[0]["function"]["name"]
-    elif tool_choice == "named":
-        named = req.tool_choice["function"]["name"]
-    if named is not None:
-        tool = next(t for t in req.tools if (t.get("function") or {}).get("name") == named)
-        structured = {"json": tool["function"].get("parameters") or {"type": "object", "properties": {}}}
-    return named, structured
+    requested = _structured_outputs(req)
+    answer = output_format(requested) if requested is not None else None
+    if answer is not None:
+        requested = {"structural_tag": structural_tag_text(harmony_answer(answer))}
+    return tool_call_constraint("openai", req.tools, tool_choice, named, req.parallel_tool_calls, requested,
+                                config.tool_strict_level)
 
 
-def prerendered_harmony_ids(req: Any, config: Any, tool_choice: str, given: list[int],
-                            ) -> tuple[list[int], dict[str, Any] | None] | None:
-    """``given`` (a prompt rendered already, prerendered.py) in place of render_harmony_request's render, when
-    it ends as ours would: a prompt that opens a constrained message (a forced call, structured output) must
-    end with that opening, which our render tier writes and vLLM's does not; None means render here. The
+def prerendered_harmony_ids(req: Any, config: Any, tool_choice: str, named: str | None, given: list[int],
+                            ) -> tuple[list[int], dict[str, Any] | None]:
+    """``given`` (a prompt rendered already, prerendered.py) in place of render_harmony_request's render. The
     request is still mapped to Harmony messages, so what render refuses is refused alike."""
     from render_service.render_config import resolve_chat_template_kwargs
 
-    named, structured = harmony_constraint(req, tool_choice)
-    choice = "named" if named else tool_choice
-    harmony_messages(req, resolve_chat_template_kwargs(req, config), bool(req.tools) and choice != "none")
-    prefix = generation_prefix(choice, named, structured is not None)
-    if prefix:
-        tail = renderer_for(config.tokenizer).encode_with_markers(prefix)
-        if given[-len(tail):] != tail:
-            return None
-    return given, structured
+    harmony_messages(req, resolve_chat_template_kwargs(req, config), bool(req.tools) and tool_choice != "none")
+    return given, harmony_structured_outputs(req, config, tool_choice, named)
 
 
 def harmony_parser_flags(reasoning_parser: str | None, tool_call_parser: str | None) -> tuple[str, str | None]:

@@ -8,15 +8,16 @@
 
 Both scan each character once (a small JSON lexer state), so work is O(new text).
 
-* either shape (``EitherShapeToolChoice``): for tool parser families whose own call syntax does not look like
-  JSON, a forced call is read in that syntax (vLLM 0.32's render constrains hermes and the XML families to it)
-  or in the JSON shapes above, whichever the output starts with.
+* either shape (``EitherShapeToolChoice``): a forced call is read in the family's own syntax (vLLM's render
+  constrains the structural-tag families to it, mistral to its ``[{"name", "arguments"}]`` array) or in the
+  JSON shapes above (what our earlier renders asked for), whichever the output starts with.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -187,48 +188,87 @@ class RequiredToolChoiceParser:
         st.unsent_args = ""
 
 
-# Tool parsers whose own call syntax starts with neither "[" nor "{": a forced call in that syntax (vLLM 0.32's
-# structural tags, our hermes render, our prompt-opened XML calls) is told apart from our JSON shapes by its
-# first character. (llama3_json, pythonic and mistral start like JSON: their forced calls stay JSON.)
+# Tool parsers whose own call syntax starts with neither "[" nor "{": a forced call in that syntax (vLLM's
+# structural tags) is told apart from our JSON shapes by its first character. seed_oss is here for the calls our
+# earlier renders opened in the prompt (vLLM constrains its forced calls to JSON, which this reads too).
 CALL_SYNTAX_PARSERS = frozenset({"hermes", "qwen3_coder", "qwen3_xml", "deepseek_v31", "kimi_k2", "glm45", "glm47",
-                                 "minimax_m2", "seed_oss"})
+                                 "minimax_m2", "seed_oss", "deepseek_v32", "deepseek_v4"})
+# Llama's JSON calls start with "{" too: vLLM's forced call is ``{"name": N, "parameters": ...}``, a named one
+# that exact text, where our earlier renders wrote the arguments object (named) or an array ("required").
+LLAMA_JSON_PARSERS = frozenset({"llama3_json", "llama4_json"})
 
 UNDECIDED, JSON_SHAPE, CALL_SYNTAX = 0, 1, 2
+MAX_UNDECIDED = 4096  # held text before the shape is known (a forced name's prefix at most)
+
+
+def by_first_character(text: str, final: bool) -> int:
+    """The default: the family's syntax unless the output starts like JSON."""
+    return JSON_SHAPE if text[0] in "[{" else CALL_SYNTAX
+
+
+def array_is_call_syntax(text: str, final: bool) -> int:
+    """Families whose forced calls are a JSON array (vLLM's mistral, Llama's "required" after our old render
+    wrote "[", decided the other way round): "[" is the family's, anything else the other shape."""
+    return CALL_SYNTAX if text[0] == "[" else JSON_SHAPE
+
+
+def llama_required(text: str, final: bool) -> int:
+    """Our earlier JSON array or Llama's own calls (anything else, read as under "auto")."""
+    return JSON_SHAPE if text[0] == "[" else CALL_SYNTAX
+
+
+def llama_named(name: str) -> Callable[[str, bool], int]:
+    """Llama's forced call begins with exactly this text (the tag's begin); anything else is our earlier
+    render's arguments object. Undecided while the text is still a prefix of it."""
+    opening = '{"name": "' + name + '", "parameters": '
+
+    def decide(text: str, final: bool) -> int:
+        if text.startswith(opening):
+            return CALL_SYNTAX
+        if opening.startswith(text) and not final:
+            return UNDECIDED
+        return CALL_SYNTAX if opening.startswith(text) and len(text) > 1 else JSON_SHAPE
+
+    return decide
 
 
 class EitherShapeState(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """(unknown fields refused: a state of the JSON-only parsers from before is a 400, never read as a fresh start)"""
 
     mode: int = UNDECIDED
-    held: str = ""  # leading whitespace, until the first other character decides the shape
+    held: str = ""  # text until its start decides the shape (leading whitespace, a forced name's prefix)
     inner: Any = None  # the deciding parser's state
 
 
 class EitherShapeToolChoice:
     """A forced call ("required" or named) in whichever shape the model wrote it: the family's own call syntax
-    (what vLLM 0.32's render asks for; parsed as under "auto") or our JSON (``[{"name", "parameters"}, ...]``
-    or the named tool's arguments object, what earlier renders of ours asked for). The first character that
-    is not whitespace decides; until then nothing is emitted."""
+    (what vLLM's render asks for; parsed as under "auto") or our JSON (``[{"name", "parameters"}, ...]`` or the
+    named tool's arguments object, what earlier renders of ours asked for). The start of the text after any
+    whitespace decides (``decide``, by default its first character); until then nothing is emitted."""
 
     name: ClassVar[str] = "either_shape_tool_choice"
     State: ClassVar[type[msgspec.Struct]] = EitherShapeState
 
-    def __init__(self, native: Any, as_json: NamedToolChoiceParser | RequiredToolChoiceParser) -> None:
+    def __init__(self, native: Any, as_json: NamedToolChoiceParser | RequiredToolChoiceParser,
+                 decide: Callable[[str, bool], int] = by_first_character) -> None:
         self.native = native
         self.as_json = as_json
+        self.decide = decide
 
     def initial_state(self) -> EitherShapeState:
         return EitherShapeState()
 
     def opened_state(self, inner: Any) -> EitherShapeState:
-        """The call was opened in the prompt (our render's XML families): the family's forced state."""
+        """The call was opened in the prompt (our earlier render's XML families): the family's forced state."""
         return EitherShapeState(mode=CALL_SYNTAX, inner=inner)
 
     def restore_inner(self, state: EitherShapeState) -> None:
         """Typed inner state after a stream_state round trip (raises msgspec.ValidationError)."""
         if state.mode == UNDECIDED:
-            if state.inner is not None or len(state.held) > 4096 or state.held.strip():
-                raise msgspec.ValidationError("undecided forced-call state holds more than whitespace")
+            held = state.held.lstrip()
+            if state.inner is not None or len(state.held) > MAX_UNDECIDED or (
+                    held and self.decide(held, False) != UNDECIDED):
+                raise msgspec.ValidationError("undecided forced-call state holds text that decides its shape")
             return
         if state.mode not in (JSON_SHAPE, CALL_SYNTAX) or state.held:
             raise msgspec.ValidationError("invalid forced-call state")
@@ -242,19 +282,26 @@ class EitherShapeToolChoice:
         if state.mode == UNDECIDED:
             buf = state.held + text
             stripped = buf.lstrip()
-            if not stripped:
+            mode = self.decide(stripped, False) if stripped else UNDECIDED
+            if mode == UNDECIDED and len(buf) > MAX_UNDECIDED:
+                mode = self.decide(stripped, True)
+            if mode == UNDECIDED:
                 state.held = buf
                 return []
-            state.mode = JSON_SHAPE if stripped[0] in "[{" else CALL_SYNTAX
-            state.held = ""
+            state.mode, state.held = mode, ""
             state.inner = self._parser(state).initial_state()
             text = stripped  # whitespace before the call (either shape) is layout
         out: list[Piece] = self._parser(state).feed(state.inner, text)
         return out
 
     def finish(self, state: EitherShapeState) -> list[Piece]:
+        out: list[Piece] = []
         if state.mode == UNDECIDED:
+            stripped = state.held.lstrip()
             # nothing but whitespace: the JSON parsers' end (a named call with empty arguments)
-            state.mode, state.inner, state.held = JSON_SHAPE, self.as_json.initial_state(), ""
-        out: list[Piece] = self._parser(state).finish(state.inner)
+            state.mode = self.decide(stripped, True) if stripped else JSON_SHAPE
+            state.held, state.inner = "", self._parser(state).initial_state()
+            if stripped:
+                out += self._parser(state).feed(state.inner, stripped)
+        out += self._parser(state).finish(state.inner)
         return out

@@ -148,11 +148,9 @@ class HarmonyParser:
     name: ClassVar[str] = "openai_gptoss"
     State: ClassVar[type[msgspec.Struct]] = HarmonyState
 
-    def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig(), *, tool_calls: bool = False,
-                 forced_call: str | None = None) -> None:
+    def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig(), *, tool_calls: bool = False) -> None:
         self.config = config
         self.tool_calls = tool_calls
-        self.forced_call = forced_call
 
     @classmethod
     def enable_thinking_from(cls, kwargs: dict[str, Any]) -> bool:
@@ -162,22 +160,17 @@ class HarmonyParser:
     def for_pipeline(cls, config: Any) -> HarmonyParser:
         """From a PipelineConfig: calls are parsed when the request lets the model call its tools."""
         calls = bool(config.tools) and config.tool_choice in ("auto", "required", "named")
-        forced = config.named_function if config.tool_choice == "named" else None
-        if config.tool_choice == "required" and len(config.tools) == 1:
-            forced = config.tools[0].name  # render opened the one tool's call
-        return cls(tool_calls=calls, forced_call=forced)
+        return cls(tool_calls=calls)
 
     # state ---------------------------------------------------------------------------------------------
 
     def initial_state(self, prompt_token_ids: list[int] | None = None,
                       tokenizer: RenderTokenizer | None = None) -> HarmonyState:
-        """Where the prompt left off: normally a header after ``<|start|>assistant``; a message body when
-        render opened one (forced tool call, structured final answer)."""
+        """Where the prompt left off: normally a header after ``<|start|>assistant``; a message body when the
+        prompt opened one (our earlier renders did for a forced tool call or a structured final answer)."""
         state = HarmonyState()
         tail = _prompt_tail(prompt_token_ids, tokenizer) if prompt_token_ids and tokenizer is not None else None
         if tail is None:
-            if self.forced_call:
-                state.mode, state.target, state.pending_call = BODY, CALL, self.forced_call[:MAX_NAME]
             return state
         at = tail.find(MESSAGE)
         if at < 0:

@@ -26,9 +26,13 @@ from render_service.parsers.base import (
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
 from render_service.parsers.forced_tools import (
     CALL_SYNTAX_PARSERS,
+    LLAMA_JSON_PARSERS,
     EitherShapeToolChoice,
     NamedToolChoiceParser,
     RequiredToolChoiceParser,
+    array_is_call_syntax,
+    llama_named,
+    llama_required,
 )
 from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
@@ -135,8 +139,8 @@ def tool_call_id(request_id: str, choice_index: int, call_index: int, style: str
 
 
 def native_forced_tool_choice(tool_parser: str | None, tool_choice: str) -> bool:
-    """Whether "required" / named tool choice is written in the model's own call syntax (render ended the
-    prompt with the call's opening, ``forced_call_prefix``) instead of grammar-constrained JSON."""
+    """Whether a "required" / named call of this family may have been opened in the prompt
+    (``forced_call_prefix``): our earlier renders did that for the XML families; derender still reads it."""
     if tool_choice not in ("required", "named") or tool_parser is None:
         return False
     cls = get_tool_parser(tool_parser)
@@ -182,10 +186,19 @@ class Pipeline:
     @staticmethod
     def _make_tool_parser(config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
-        if config.tool_parser in CALL_SYNTAX_PARSERS and config.tool_choice in ("required", "named"):
-            as_json = (NamedToolChoiceParser(tcfg, config.named_function)
-                       if config.tool_choice == "named" and config.named_function else RequiredToolChoiceParser(tcfg))
-            return EitherShapeToolChoice(get_tool_parser(config.tool_parser)(tcfg), as_json)
+        named = config.named_function if config.tool_choice == "named" else None
+        forced = config.tool_choice in ("required", "named")
+        if forced and (config.tool_parser in CALL_SYNTAX_PARSERS or config.tool_parser in LLAMA_JSON_PARSERS):
+            as_json = NamedToolChoiceParser(tcfg, named) if named else RequiredToolChoiceParser(tcfg)
+            native = get_tool_parser(config.tool_parser)(tcfg)
+            if config.tool_parser in LLAMA_JSON_PARSERS:
+                return EitherShapeToolChoice(native, as_json, llama_named(named) if named else llama_required)
+            return EitherShapeToolChoice(native, as_json)
+        if named and config.tool_parser == "mistral":
+            # vLLM's mistral constrains a named call to its array of one {"name", "arguments"}; ours did to the
+            # arguments object
+            return EitherShapeToolChoice(RequiredToolChoiceParser(tcfg), NamedToolChoiceParser(tcfg, named),
+                                         array_is_call_syntax)
         if config.tool_parser is not None and native_forced_tool_choice(config.tool_parser, config.tool_choice):
             return get_tool_parser(config.tool_parser)(tcfg)
         if config.tool_choice == "named" and config.named_function:
@@ -235,10 +248,10 @@ class Pipeline:
         )
 
     def _prompt_opened_call(self, prompt_token_ids: list[int] | None, named: str | None) -> bool:
-        """Whether the prompt ends with the family's forced-call opening (our render writes it for the XML
-        families; vLLM's render constrains the output instead). Without the prompt, ours is assumed."""
+        """Whether the prompt ends with the family's forced-call opening (our earlier renders wrote it for the XML
+        families; vLLM's render, and ours now, constrain the output instead). Without the prompt it did not."""
         if not prompt_token_ids or self.config.tool_parser is None:
-            return True
+            return False
         family: Any = get_tool_parser(self.config.tool_parser)
         prefix = family.forced_call_prefix(named)
         tail = self.tokenizer.decode(prompt_token_ids[-(len(prefix) + 8):], skip_special_tokens=False)

@@ -160,7 +160,7 @@ class XmlToolParser:
     State: ClassVar[type[msgspec.Struct]] = XmlCallState
     FORCED_REQUIRED: ClassVar[str]
     FORCED_NAMED: ClassVar[str]  # str.format template with {name}
-    # "required" / named tool choice written in the model's own syntax (False: the JSON-grammar path)
+    # a "required" / named call may have been opened in the prompt (False: this family's never were)
     native_forced_choice: ClassVar[bool] = True
 
     def __init__(self, config: ToolParserConfig) -> None:
@@ -176,14 +176,14 @@ class XmlToolParser:
     def initial_state(self) -> XmlCallState:
         return XmlCallState()
 
-    # forced tool choice in the model's own syntax ----------------------------------------------------
-    # "required" / named tool choice do not constrain the output to JSON for these families (their models
-    # write XML, vllm#39056): render ends the prompt with the opening of a call instead, the model writes the
-    # rest in its own markup, and the parser starts as if it had read that opening.
+    # forced tool choice opened in the prompt ---------------------------------------------------------------
+    # Our earlier renders ended the prompt with the opening of a forced call for these families (render now
+    # constrains the output with vLLM's structural tag instead); a request rendered that way still derenders:
+    # the parser starts as if it had read that opening.
 
     @classmethod
     def forced_call_prefix(cls, name: str | None) -> str:
-        """The text render appends to the prompt: a block opener ("required") or a named call's head."""
+        """The text an earlier render appended to the prompt: a block opener ("required") or a named call's head."""
         return cls.FORCED_REQUIRED if name is None else cls.FORCED_NAMED.format(name=name)
 
     def forced_state(self, name: str | None) -> XmlCallState:
