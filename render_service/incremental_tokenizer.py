@@ -153,22 +153,13 @@ class SegmentCache:
 class PromptIds(list[int]):
     """A prompt's token ids, plus their JSON made of the cached pieces' JSON (``json_array``): a 128k-token
     prompt's ids then cost a join to write instead of 128k integer conversions. Any list operation that
-    builds a new list (``ids + more``) gives a plain list, whose JSON is written the usual way.
-
-    Frozen once built (the prefix store keeps the same list for the next turn): changing it in place raises
-    TypeError; the encoder builds it through ``list``'s own methods."""
+    builds a new list (``ids + more``) gives a plain list, whose JSON is written the usual way."""
 
     __slots__ = ("json_parts",)
     json_parts: list[bytes]
 
     def json_array(self) -> msgspec.Raw:
         return msgspec.Raw(b"[" + b",".join(self.json_parts) + b"]")
-
-    def _frozen(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("prompt ids are shared with the render cache and cannot be changed; copy them first")
-
-    append = extend = insert = pop = remove = clear = sort = reverse = _frozen
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _frozen
 
 
 _encode_json = msgspec.json.Encoder().encode
@@ -218,7 +209,7 @@ class IncrementalEncoder:
         raw = {tok.content: i for i, tok in tokenizer.hf.get_added_tokens_decoder().items()
                if tok.content and not tok.normalized}
         self._added_ids = raw
-        self._added_json = {content: (token_id, b"%d" % token_id) for content, token_id in raw.items()}
+        self._added_chunks = {content: ((token_id,), b"%d" % token_id) for content, token_id in raw.items()}
         # Longest first: at one position Python's alternation takes the first branch that matches, so this
         # is the leftmost-longest match tokenizers' own added-token trie makes (as tiktoken_fast_path's).
         longest_first = sorted(raw, key=len, reverse=True)
@@ -244,26 +235,28 @@ class IncrementalEncoder:
         reuse = store.find(text) if store is not None else None
         if reuse is None:
             start = 0
+            chunks: list[tuple[int, ...]] = []
             json_parts: list[bytes] = []
             cuts: list[int] = []
             needs: list[int] = []
-            id_counts: list[int] = []
             part_counts: list[int] = []
         else:  # ids up to one of a stored prompt's cuts inside the common head (prompt_prefix_store.py)
             prompt, cut = reuse
             start = prompt.cuts[cut]
-            list.extend(ids, prompt.ids)
-            list.__delitem__(ids, slice(prompt.id_counts[cut], None))
-            json_parts = list(prompt.json_parts[:prompt.part_counts[cut]])
+            kept = prompt.part_counts[cut]
+            chunks = list(prompt.chunks[:kept])
+            extend = ids.extend
+            for chunk in chunks:
+                extend(chunk)
+            json_parts = list(prompt.json_parts[:kept])
             cuts = list(prompt.cuts[:cut + 1])
             needs = list(prompt.needs[:cut + 1])
-            id_counts = list(prompt.id_counts[:cut + 1])
             part_counts = list(prompt.part_counts[:cut + 1])
         reused = len(ids)
-        missed = self._encode_pieces(text, start, ids, json_parts, (cuts, needs, id_counts, part_counts))
+        missed = self._encode_pieces(text, start, ids, chunks, json_parts, (cuts, needs, part_counts))
         ids.json_parts = json_parts
         if store is not None:
-            store.add(StoredPrompt(text, ids, tuple(json_parts), tuple(cuts), tuple(needs), tuple(id_counts),
+            store.add(StoredPrompt(text, len(ids), tuple(chunks), tuple(json_parts), tuple(cuts), tuple(needs),
                                    tuple(part_counts)),
                       replaces=None if reuse is None or not store.exhausted(reuse) else reuse.prompt)
         with self.cache._lock:  # counted from both render lanes
@@ -272,11 +265,12 @@ class IncrementalEncoder:
             self.reused_tokens += reused
         return ids
 
-    def _encode_pieces(self, text: str, start: int, ids: PromptIds, json_parts: list[bytes],
-                       cut_lists: tuple[list[int], list[int], list[int], list[int]]) -> int:
-        """Appends the ids and JSON of ``text[start:]`` (``start``: 0 or just after an added token), and to
-        ``cut_lists`` (StoredPrompt's cuts, needs, id_counts, part_counts) its cuts, tokenizing the pieces the
-        cache lacks; returns how many ids were tokenized."""
+    def _encode_pieces(self, text: str, start: int, ids: PromptIds, chunks: list[tuple[int, ...]],
+                       json_parts: list[bytes], cut_lists: tuple[list[int], list[int], list[int]]) -> int:
+        """Appends the ids of ``text[start:]`` (``start``: 0 or just after an added token) to ``ids``, and to
+        ``chunks`` and ``json_parts`` the same ids a piece or an added token at a time; to ``cut_lists``
+        (StoredPrompt's cuts, needs, part_counts) its cuts. Tokenizes the pieces the cache lacks; returns how
+        many ids it tokenized."""
         cache = self.cache
         # split() with a group alternates [piece, token, piece, token, ..., piece]: pieces at even places
         parts = self._cutter.split(text[start:] if start else text)  # type: ignore[union-attr]
@@ -301,31 +295,31 @@ class IncrementalEncoder:
                     entries[k] = _EMPTY_ENTRY
         if fresh:
             cache.put_many(fresh)  # outside the lookup: another lane keeps finding hits meanwhile
-        extend = list.extend
-        append = list.append
+        extend = ids.extend
+        add_chunk = chunks.append
         add_json = json_parts.append
-        cuts, needs, id_counts, part_counts = cut_lists
+        cuts, needs, part_counts = cut_lists
         add_cut = cuts.append
         add_need = needs.append
-        add_id_count = id_counts.append
         add_part_count = part_counts.append
         reach = self._reach
-        added = self._added_json
+        added = self._added_chunks
         at = start
         tokens = iter(parts[1::2])
         for k, entry in enumerate(entries):
             piece_ids, piece_json, _ = entry or _EMPTY_ENTRY  # (every entry is filled in by now)
-            extend(ids, piece_ids)
-            if piece_json:
+            if piece_json:  # (empty exactly when there are no ids)
+                extend(piece_ids)
+                add_chunk(piece_ids)
                 add_json(piece_json)
             token = next(tokens, None)
             if token is not None:
-                token_id, token_json = added[token]
-                append(ids, token_id)
+                token_chunk, token_json = added[token]
+                extend(token_chunk)
+                add_chunk(token_chunk)
                 add_json(token_json)
                 at += len(pieces[k]) + len(token)
                 add_cut(at)
                 add_need(at + reach[token])
-                add_id_count(len(ids))
                 add_part_count(len(json_parts))
         return missed

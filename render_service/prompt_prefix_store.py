@@ -34,22 +34,24 @@ from typing import NamedTuple
 
 WINDOW = 256
 BUCKET = 4
-# Rough CPython sizes: a tuple slot plus an int object per id (the ints are shared with the piece cache's
-# entries, counted here anyway), a JSON part pointer, four ints per cut, an entry's objects.
+# Rough CPython sizes: a tuple slot plus an int object per id (the chunks are the piece cache's, counted
+# again: they outlive an eviction there), two pointers per chunk (it and its JSON), three ints per cut.
 _BYTES_PER_ID = 36
-_BYTES_PER_PART = 8
-_BYTES_PER_CUT = 4 * 36
+_BYTES_PER_PART = 16
+_BYTES_PER_CUT = 3 * 36
 _ENTRY_OVERHEAD = 400
 
 
 class StoredPrompt(NamedTuple):
     text: str
-    ids: list[int]  # never changed once stored (the encoder hands out a frozen list)
-    json_parts: tuple[bytes, ...]
+    id_count: int
+    # The ids a piece or an added token at a time (the piece cache's own tuples: a tuple of tuples of ints
+    # leaves the garbage collector's tracking, a list of a prompt's ids would be walked by every collection).
+    chunks: tuple[tuple[int, ...], ...]
+    json_parts: tuple[bytes, ...]  # the JSON of each chunk's ids
     cuts: tuple[int, ...]  # offsets just after each added token, ascending
     needs: tuple[int, ...]  # the common head each cut needs: cut + reach of its token
-    id_counts: tuple[int, ...]  # ids before each cut
-    part_counts: tuple[int, ...]  # JSON parts before each cut
+    part_counts: tuple[int, ...]  # chunks (and JSON parts) before each cut
 
 
 class Reuse(NamedTuple):
@@ -88,8 +90,8 @@ def last_cut_within(prompt: StoredPrompt, common: int) -> int:
 
 def _size(prompt: StoredPrompt) -> int:
     text = prompt.text
-    return (_ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + _BYTES_PER_ID * len(prompt.ids)
-            + _BYTES_PER_PART * len(prompt.json_parts) + _BYTES_PER_CUT * len(prompt.cuts))
+    return (_ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + _BYTES_PER_ID * prompt.id_count
+            + _BYTES_PER_PART * len(prompt.chunks) + _BYTES_PER_CUT * len(prompt.cuts))
 
 
 class PrefixStore:
