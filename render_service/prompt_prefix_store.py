@@ -40,6 +40,7 @@ _BYTES_PER_ID = 36
 _BYTES_PER_PART = 16
 _BYTES_PER_CUT = 3 * 36
 _ENTRY_OVERHEAD = 400
+_BYTES_PER_KEY = WINDOW * 4 + 200  # a bucket key (its window of text, at most 4 bytes a character) and slot
 
 
 class StoredPrompt(NamedTuple):
@@ -151,8 +152,8 @@ class PrefixStore:
         ``prompt`` reused up to the last cut it can give (``exhausted``): ``prompt`` has the same cuts up to
         there and the same text a margin beyond, so any text reuses at least as much of ``prompt`` (the same
         conversation's earlier turn)."""
-        size = _size(prompt)
         points = self._checkpoints(len(prompt.text))
+        size = _size(prompt) + _BYTES_PER_KEY * len(points)
         if not points or size > self.max_bytes // 4:  # one huge prompt must not flush every other
             return
         keys = [self._key(prompt.text, point) for point in points]
