@@ -122,3 +122,42 @@ def test_store_refuses_bad_bounds_and_skips_prompts_too_short_to_file():
     store = PrefixStore(1 << 20, base=1024)
     store.add(StoredPrompt("short", 1, ((1,),), (b"1",), (), (), ()))
     assert len(store) == 0 and store.find("short and more") is None
+
+
+def test_lone_surrogate_after_a_reused_head_is_refused_as_the_tokenizer_refuses_it(qwen_fast):  # noqa: F811
+    encoder = IncrementalEncoder(qwen_fast, 1 << 22, prefix_base=16)
+    good = "<|im_start|>user\nhé, a question about the code<|im_end|>\n<|im_start|>assistant\n"
+    encoder.encode(good)
+    bad = good + "x \ud800 y<|im_end|>"
+    with pytest.raises(ValueError) as ours:
+        encoder.encode(bad)
+    with pytest.raises(ValueError) as theirs:
+        qwen_fast.encode(bad)
+    assert str(ours.value) == str(theirs.value)
+    assert encoder.encode(good + "fine") == ref(qwen_fast, good + "fine")
+
+
+def test_two_render_lanes_share_one_store_safely(qwen_fast):  # noqa: F811
+    """Two threads grow conversations that share a head, through one small store that drops prompts."""
+    import threading
+
+    encoder = IncrementalEncoder(qwen_fast, 120_000, prefix_base=32)
+    head = "<|im_start|>system\nshared tools and rules<|im_end|>\n"
+    turns = [head + "".join(f"<|im_start|>user\nagent {a} turn {t} {'data ' * (t % 5)}<|im_end|>\n"
+                            for t in range(n)) for a in range(4) for n in range(1, 12)]
+    expected = {text: ref(qwen_fast, text) for text in turns}
+    failures: list[str] = []
+
+    def lane(order: list[str]) -> None:
+        for text in order:
+            if encoder.encode(text) != expected[text]:
+                failures.append(text)
+
+    threads = [threading.Thread(target=lane, args=(turns if k == 0 else turns[::-1],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store = encoder.prefixes
+    assert not failures and store is not None and encoder.reused_tokens > 0
+    assert store.bytes <= store.max_bytes
