@@ -40,7 +40,7 @@ _BYTES_PER_ID = 36
 _BYTES_PER_PART = 16
 _BYTES_PER_CUT = 3 * 36
 _ENTRY_OVERHEAD = 400
-_BYTES_PER_KEY = WINDOW * 4 + 200  # a bucket key (its window of text, at most 4 bytes a character) and slot
+_KEY_OVERHEAD = 150  # a bucket key's tuple, str header and dict slot, besides its window of text
 
 
 class StoredPrompt(NamedTuple):
@@ -153,10 +153,10 @@ class PrefixStore:
         there and the same text a margin beyond, so any text reuses at least as much of ``prompt`` (the same
         conversation's earlier turn)."""
         points = self._checkpoints(len(prompt.text))
-        size = _size(prompt) + _BYTES_PER_KEY * len(points)
-        if not points or size > self.max_bytes // 4:  # one huge prompt must not flush every other
-            return
         keys = [self._key(prompt.text, point) for point in points]
+        size = _size(prompt) + sum(_KEY_OVERHEAD + len(w) * (1 if w.isascii() else 4) for _, w in keys)
+        if not keys or size > self.max_bytes // 4:  # one huge prompt must not flush every other
+            return
         with self._lock:
             if replaces is not None:
                 self._drop(id(replaces))
