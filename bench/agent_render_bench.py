@@ -436,6 +436,9 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
             spent.append(time.thread_time() - started)
         return round(1e3 * min(spent), 3)
 
+    pieces_only = IncrementalEncoder(tokenizer)
+    pieces_only.prefixes = None
+    pieces_only.encode(text)
     turn_cache()
     config.prompt_encoder.encode(text)
     new_tokens = config.prompt_encoder.take_counts()[1]
@@ -450,7 +453,9 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
             "chat_template": best(lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True)),
             "tokenize_miss_fast_path": best(lambda: tokenizer.encode(text)),
             "tokenize_miss_tokenizers": best(lambda: tokenizer.hf.encode(text, add_special_tokens=False)),
+            # all hits: the prompt seen before, its head from the prefix store (the piece cache for the rest)
             "tokenize_hit_piece_cache": best(lambda: config.prompt_encoder.encode(text)),
+            "tokenize_hit_pieces_only": best(lambda: pieces_only.encode(text)),  # every piece looked up
             "tokenize_growing_turn": best(lambda: config.prompt_encoder.encode(text), turn_cache),
             "json_encode_response_ints": best(lambda: encode_json(plain)),
             "json_encode_response_cached_pieces": best(lambda: _encode_generate_request(gen)),

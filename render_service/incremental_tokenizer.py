@@ -2,7 +2,9 @@
 
 Agents resend a growing conversation every turn. ``IncrementalEncoder`` cuts the rendered prompt at the
 tokenizer's added tokens (``<|im_start|>``, ``<tool_response>``, ...), looks each piece between them up in
-a bytes-bounded LRU keyed by the piece's text, and tokenizes only the pieces it has not seen.
+a bytes-bounded LRU keyed by the piece's text, and tokenizes only the pieces it has not seen. Before that, a
+stored earlier prompt that shares its head (prompt_prefix_store.py: the same conversation's previous turn)
+gives the ids up to its last cut inside the common head, and only the rest is cut and looked up.
 
 Why the pieces are independent (``independence_violation`` checks each step on the loaded tokenizer):
 ``tokenizers`` itself first cuts the text at every added token that matches on raw text (leftmost, then
@@ -22,10 +24,12 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
+from render_service.prompt_prefix_store import PrefixStore, StoredPrompt
 from render_service.tokenizer import TextTokenizer
 
 # Pre-tokenizers and normalizers that act on each piece alone (tokenizers 0.2x); Metaspace is checked further.
@@ -173,6 +177,18 @@ def _check_unicode(piece: str, text: str) -> None:
         raise
 
 
+def added_token_reach(token: str, added: Iterable[str]) -> int:
+    """The most characters an added token holds after an occurrence of ``token`` (prompt_prefix_store: how
+    much common text a cut after ``token`` needs beyond it); 0 when no other added token contains it."""
+    reach = 0
+    for other in added:
+        at = other.find(token)
+        while at >= 0:
+            reach = max(reach, len(other) - at - len(token))
+            at = other.find(token, at + 1)
+    return reach
+
+
 class IncrementalEncoder:
     """``encode(text)``: the tokenizer's ids for a whole prompt, tokenizing only pieces not seen before.
 
@@ -180,9 +196,12 @@ class IncrementalEncoder:
     provably independent; ``encode`` is then the tokenizer's own.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, tokenizer: TextTokenizer, cache_bytes: int = DEFAULT_CACHE_BYTES, *,
+                 prefix_base: int = 1024) -> None:
+        """``cache_bytes``: the bound of the piece cache (three quarters) and the prefix store (a quarter)
+        together; ``prefix_base``: the shortest prompt the prefix store keeps, in characters."""
         self.tokenizer = tokenizer
-        self.cache = SegmentCache(cache_bytes)
+        self.cache = SegmentCache(cache_bytes - cache_bytes // 4)
         violation = None if cache_bytes else "the render cache is off (--render-cache-bytes 0)"
         violation = violation or independence_violation(tokenizer)
         self.enabled = violation is None
@@ -190,11 +209,14 @@ class IncrementalEncoder:
         raw = {tok.content: i for i, tok in tokenizer.hf.get_added_tokens_decoder().items()
                if tok.content and not tok.normalized}
         self._added_ids = raw
-        self._added_json = {content: (token_id, b"%d" % token_id) for content, token_id in raw.items()}
+        self._added_chunks = {content: ((token_id,), b"%d" % token_id) for content, token_id in raw.items()}
         # Longest first: at one position Python's alternation takes the first branch that matches, so this
         # is the leftmost-longest match tokenizers' own added-token trie makes (as tiktoken_fast_path's).
         longest_first = sorted(raw, key=len, reverse=True)
         self._cutter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if raw else None
+        self.prefixes = PrefixStore(cache_bytes // 4, prefix_base) if self.enabled and raw else None
+        self._reach = {token: added_token_reach(token, raw) for token in raw}
+        self.reused_tokens = 0  # ids taken from a stored prompt's head, since start
         self.hit_tokens = 0  # since the last take_counts (the metrics read them after each render)
         self.miss_tokens = 0
 
@@ -208,9 +230,50 @@ class IncrementalEncoder:
     def encode(self, text: str) -> list[int]:
         if not self.enabled or self._cutter is None:
             return self.tokenizer.encode(text)
+        ids = PromptIds()
+        store = self.prefixes
+        reuse = store.find(text) if store is not None else None
+        if reuse is None:
+            start = 0
+            chunks: list[tuple[int, ...]] = []
+            json_parts: list[bytes] = []
+            cuts: list[int] = []
+            needs: list[int] = []
+            part_counts: list[int] = []
+        else:  # ids up to one of a stored prompt's cuts inside the common head (prompt_prefix_store.py)
+            prompt, cut = reuse
+            start = prompt.cuts[cut]
+            kept = prompt.part_counts[cut]
+            chunks = list(prompt.chunks[:kept])
+            extend = ids.extend
+            for chunk in chunks:
+                extend(chunk)
+            json_parts = list(prompt.json_parts[:kept])
+            cuts = list(prompt.cuts[:cut + 1])
+            needs = list(prompt.needs[:cut + 1])
+            part_counts = list(prompt.part_counts[:cut + 1])
+        reused = len(ids)
+        missed = self._encode_pieces(text, start, ids, chunks, json_parts, (cuts, needs, part_counts))
+        ids.json_parts = json_parts
+        if store is not None:
+            store.add(StoredPrompt(text, len(ids), tuple(chunks), tuple(json_parts), tuple(cuts), tuple(needs),
+                                   tuple(part_counts)),
+                      replaces=None if reuse is None or not store.exhausted(reuse) else reuse.prompt)
+        with self.cache._lock:  # counted from both render lanes
+            self.miss_tokens += missed
+            self.hit_tokens += len(ids) - missed
+            self.reused_tokens += reused
+        return ids
+
+    def _encode_pieces(self, text: str, start: int, ids: PromptIds, chunks: list[tuple[int, ...]],
+                       json_parts: list[bytes], cut_lists: tuple[list[int], list[int], list[int]]) -> int:
+        """Appends the ids of ``text[start:]`` (``start``: 0 or just after an added token) to ``ids``, and to
+        ``chunks`` and ``json_parts`` the same ids a piece or an added token at a time; to ``cut_lists``
+        (StoredPrompt's cuts, needs, part_counts) its cuts. Tokenizes the pieces the cache lacks; returns how
+        many ids it tokenized."""
         cache = self.cache
         # split() with a group alternates [piece, token, piece, token, ..., piece]: pieces at even places
-        parts = self._cutter.split(text)
+        parts = self._cutter.split(text[start:] if start else text)  # type: ignore[union-attr]
         pieces = parts[0::2]
         entries = cache.get_many(pieces)
         fresh: list[tuple[str, tuple[int, ...], bytes]] = []
@@ -232,24 +295,31 @@ class IncrementalEncoder:
                     entries[k] = _EMPTY_ENTRY
         if fresh:
             cache.put_many(fresh)  # outside the lookup: another lane keeps finding hits meanwhile
-        ids = PromptIds()
         extend = ids.extend
-        json_parts: list[bytes] = []
+        add_chunk = chunks.append
         add_json = json_parts.append
-        added = self._added_json
+        cuts, needs, part_counts = cut_lists
+        add_cut = cuts.append
+        add_need = needs.append
+        add_part_count = part_counts.append
+        reach = self._reach
+        added = self._added_chunks
+        at = start
         tokens = iter(parts[1::2])
-        for entry in entries:
+        for k, entry in enumerate(entries):
             piece_ids, piece_json, _ = entry or _EMPTY_ENTRY  # (every entry is filled in by now)
-            extend(piece_ids)
-            if piece_json:
+            if piece_json:  # (empty exactly when there are no ids)
+                extend(piece_ids)
+                add_chunk(piece_ids)
                 add_json(piece_json)
             token = next(tokens, None)
             if token is not None:
-                token_id, token_json = added[token]
-                ids.append(token_id)
+                token_chunk, token_json = added[token]
+                extend(token_chunk)
+                add_chunk(token_chunk)
                 add_json(token_json)
-        ids.json_parts = json_parts
-        with cache._lock:  # counted from both render lanes
-            self.miss_tokens += missed
-            self.hit_tokens += len(ids) - missed
-        return ids
+                at += len(pieces[k]) + len(token)
+                add_cut(at)
+                add_need(at + reach[token])
+                add_part_count(len(json_parts))
+        return missed

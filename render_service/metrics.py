@@ -46,9 +46,11 @@ RENDER_WORK = Histogram("splitserve_render_work_seconds",
                         "Time of one request's render work (decode, template, tokenize, encode), queueing excluded.",
                         ["endpoint"], buckets=LATENCY_BUCKETS)
 RENDER_REJECTED = Counter("splitserve_render_rejected_total", "Render requests refused with 429.", ["reason"])
-# The prompt piece cache (incremental_tokenizer.py), in tokens: hit / (hit + miss) is the share not tokenized.
+# The prompt caches (incremental_tokenizer.py, prompt_prefix_store.py), in tokens: hit / (hit + miss) is the
+# share not tokenized.
 PROMPT_CACHE_TOKENS = Counter("splitserve_render_prompt_cache_tokens_total",
-                              "Prompt tokens served from the piece cache (hit) or tokenized (miss).", ["result"])
+                              "Prompt tokens served from the render cache (a piece or a stored prompt's head: hit) or "
+                              "tokenized (miss).", ["result"])
 
 _request_children: dict[tuple[str, int], Counter] = {}
 _work_children: dict[str, Histogram] = {}

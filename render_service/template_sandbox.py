@@ -32,6 +32,7 @@ from render_service.template_budget import (
     guard_iteration,
     tick,
 )
+from render_service.tojson_cache import JsonTextCache
 
 # A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
 # real chat templates are tens of KB.
@@ -73,15 +74,15 @@ def _raise_exception(message: Any) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-# What json.dumps builds for HF's default options, built once (templates call tojson per tool and tool call).
-_TOJSON_DEFAULT = json.JSONEncoder(ensure_ascii=False)
+# HF's default options, remembered per value (templates call tojson per tool and tool call, every turn).
+_TOJSON_DEFAULT = JsonTextCache()
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes HTML characters; HF's does not, and exposes these options.
     if ensure_ascii is False and indent is None and separators is None and sort_keys is False:
-        return _TOJSON_DEFAULT.encode(x)
+        return _TOJSON_DEFAULT.dumps(x)
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

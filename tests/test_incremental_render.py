@@ -26,8 +26,9 @@ def side() -> Side:
 
 @pytest.fixture(scope="module")
 def encoder(side) -> IncrementalEncoder:
-    """One cache for the whole module: pieces seen by one test are hits in the next."""
-    encoder = IncrementalEncoder(side.bundle.tokenizer, 1 << 24)
+    """One cache for the whole module: pieces seen by one test are hits in the next; prompts from 64 characters
+    on go to the prefix store too (the server's default is 1024), so short conversations reuse stored heads."""
+    encoder = IncrementalEncoder(side.bundle.tokenizer, 1 << 24, prefix_base=64)
     assert encoder.enabled, encoder.reason
     return encoder
 
@@ -52,6 +53,7 @@ def test_agent_loop_turn_by_turn_and_a_new_user_turn_rewriting_history(side, enc
     conversation = trace + [follow_up[1]] + follow_up[2:]
     prepared_tools = prepare_tools(tools)
     rendered = []
+    reused_before = encoder.reused_tokens
     for end in round_ends(trace) + [len(trace) + 1] + [len(trace) + e - 1 for e in round_ends(follow_up)[1:]]:
         messages = prepare_messages(conversation[:end])
         text = side.template.render(messages, tools=prepared_tools, add_generation_prompt=True)
@@ -60,6 +62,7 @@ def test_agent_loop_turn_by_turn_and_a_new_user_turn_rewriting_history(side, enc
             side.hf_ids(messages, tools=prepared_tools, add_generation_prompt=True)
     reasoning = trace[2]["reasoning_content"]
     assert reasoning in rendered[len(round_ends(trace)) - 1] and reasoning not in rendered[-1]
+    assert encoder.reused_tokens > reused_before  # turns took their head from the previous turn
 
 
 contents = st.lists(st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=20),

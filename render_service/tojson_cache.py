@@ -1,0 +1,67 @@
+"""``json.dumps(x, ensure_ascii=False)`` for chat templates' ``tojson``, remembered for values seen before.
+
+Templates write every tool's schema and every earlier tool call's arguments with ``tojson`` on every turn
+(~10 µs per KB with the standard library's C encoder; a tenth of a 32k-token agent render). The same values
+come back each turn, so their text is kept, keyed by the value's msgpack encoding (msgspec, ~1 µs per KB).
+
+Why the text is the same: a text is given only to a value that has the same key as, and equals, the value it
+was written from. The key keeps apart what JSON text could confuse (None and NaN, 1 and 1.0 and True, -0.0
+and 0.0, 1 and "1" as keys); equality rules out what msgspec would encode like a plain value but
+``json.dumps`` writes otherwise or refuses (a datetime encodes as its ISO string, a set as a list; neither
+equals them). What remains, equal under the same key (a list for a tuple, an int enum for its int), is
+written the same way by ``json.dumps``. A value msgspec cannot encode (an int past 64 bits, a Jinja object)
+is dumped as before, uncached, and an error ``json.dumps`` raises is raised each time, as without the cache.
+The values kept are the templates' own copies of request data (templates.py builds them fresh per render,
+and the sandbox cannot change them).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+MAX_CACHE_BYTES = 8 * 1024 * 1024
+MAX_KEY_BYTES = 64 * 1024  # larger values are dumped each time (their text would crowd out the rest)
+
+_dumps = json.JSONEncoder(ensure_ascii=False).encode  # HF's tojson with its default options
+_key_of = msgspec.msgpack.Encoder().encode
+
+
+class JsonTextCache:
+    """A bytes-bounded LRU of ``json.dumps(x, ensure_ascii=False)`` texts, shared by the render lanes."""
+
+    def __init__(self, max_bytes: int = MAX_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._texts: OrderedDict[bytes, tuple[Any, str, int]] = OrderedDict()  # key -> (value, text, size)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def dumps(self, value: Any) -> str:
+        try:
+            key = _key_of(value)
+        except (TypeError, ValueError, OverflowError, RecursionError):  # msgspec.EncodeError is a ValueError
+            return _dumps(value)
+        if len(key) > MAX_KEY_BYTES:
+            return _dumps(value)
+        with self._lock:
+            entry = self._texts.get(key)
+            if entry is not None:
+                self._texts.move_to_end(key)
+        if entry is not None:
+            return entry[1] if value == entry[0] else _dumps(value)
+        text = _dumps(value)
+        size = 2 * len(key) + (len(text) if text.isascii() else 4 * len(text)) + 200
+        with self._lock:
+            if key not in self._texts:
+                self._texts[key] = (value, text, size)
+                self.bytes += size
+                while self.bytes > self.max_bytes:
+                    self.bytes -= self._texts.popitem(last=False)[1][2]
+        return text
