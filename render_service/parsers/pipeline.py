@@ -81,7 +81,9 @@ class PipelineState(msgspec.Struct, omit_defaults=True):
     logprob_text_offset: int = 0
 
 
-class ChoiceDelta(msgspec.Struct):
+# One per token: untracked by the garbage collector (gc=False: its tool-call dicts never refer back to it), so the
+# per-token allocations do not drive collections.
+class ChoiceDelta(msgspec.Struct, gc=False):
     """What one feed produced for one choice, in OpenAI delta terms."""
 
     content: str | None = None
