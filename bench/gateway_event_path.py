@@ -168,8 +168,8 @@ class ReplayEngine(asyncio.Protocol):
     step with the client whose X-Request-Id (a key of ``steps``) the rendered request id carries."""
 
     def __init__(self, recorded: dict[int, tuple[bytes, list[bytes]]], steps: dict[str, Lockstep],
-                 pace_s: float = 0.0) -> None:
-        self.recorded, self.steps, self.pace_s, self.buf = recorded, steps, pace_s, b""
+                 pace_s: float = 0.0, thrash: bytes = b"") -> None:
+        self.recorded, self.steps, self.pace_s, self.thrash, self.buf = recorded, steps, pace_s, thrash, b""
         self.replaying: asyncio.Task | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -197,6 +197,8 @@ class ReplayEngine(asyncio.Protocol):
             self.transport.write(chunk)
             if chunk is not chunks[-1]:
                 await step.wait_past(seen)
+                if self.thrash:  # what an engine step does to the shared caches: read a buffer larger than them
+                    self.thrash.find(b"\x01")
                 if self.pace_s:
                     await asyncio.sleep(self.pace_s)
 
@@ -262,10 +264,11 @@ async def phase(port: int, steps: dict[str, Lockstep], n: int, concurrency: int,
 
 
 async def run(trees: dict[str, Path], recorded: dict[int, tuple[bytes, list[bytes]]], n: int, concurrency: int,
-              rounds: int, logs: Path, model: Path, pace_s: float) -> dict[str, list[dict]]:
+              rounds: int, logs: Path, model: Path, pace_s: float, thrash_mb: int) -> dict[str, list[dict]]:
     loop = asyncio.get_running_loop()
     steps: dict[str, Lockstep] = {}
-    server = await loop.create_server(partial(ReplayEngine, recorded, steps, pace_s), "127.0.0.1", 0)
+    thrash = bytes(thrash_mb << 20)
+    server = await loop.create_server(partial(ReplayEngine, recorded, steps, pace_s, thrash), "127.0.0.1", 0)
     engine_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
@@ -420,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pace-ms", type=float, default=0.0,
                     help="also wait this long before each next event (an engine's decode step: the gateway idles "
                          "between events, as it does in production, instead of running hot)")
+    ap.add_argument("--thrash-mb", type=int, default=0,
+                    help="and read a buffer this large before each next event (evicts the shared caches, as the "
+                         "engine's step does: each event starts cold)")
     ap.add_argument("--in-process", action="store_true",
                     help="time the per-event path in-process instead (no servers): --requests streams per figure")
     ap.add_argument("--recording", default=str(RECORDING))
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             figures = compare_in_process(trees, model, a.recording, a.requests, a.rounds)
         else:
             runs = asyncio.run(run(trees, recorded, a.requests, a.concurrency, a.rounds, Path(a.logs), model,
-                                   a.pace_ms / 1e3))
+                                   a.pace_ms / 1e3, a.thrash_mb))
             figures = {**summarise(runs, a.requests, tokens), "runs": runs}
     info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     setup: dict[str, Any] = {"requests": a.requests, "rounds": a.rounds, "tokens": tokens,
@@ -457,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         setup["mode"] = "in-process: EngineEvents decode, chat responder, SseRelay write (an ASGI send that returns)"
     else:
         setup.update(mode="gateway processes, replayed engine in lockstep", concurrency=a.concurrency,
-                     pace_ms=a.pace_ms, lockstep_fallback_s=FALLBACK_S)
+                     pace_ms=a.pace_ms, thrash_mb=a.thrash_mb, lockstep_fallback_s=FALLBACK_S)
     result = {"bench": "gateway_event_path", "command": "python -m bench.gateway_event_path " + " ".join(
         sys.argv[1:] if argv is None else argv), "machine": info, "note": a.note, "setup": setup, **figures}
     print(json.dumps({k: result[k] for k in result if k not in ("runs", "machine")}, indent=1))
