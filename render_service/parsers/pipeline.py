@@ -318,7 +318,7 @@ class Pipeline:
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.
             (p,) = pieces
-            if isinstance(p, ToolCallPiece):
+            if type(p) is not TextPiece:  # a call (Harmony's stage emits them); not isinstance: StructMeta's is slow
                 return self._delta(state, pieces)
             if p.channel == "content":
                 return ChoiceDelta(content=p.text)
