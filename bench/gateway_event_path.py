@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -464,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         setup.update(mode="gateway processes, replayed engine in lockstep", concurrency=a.concurrency,
                      pace_ms=a.pace_ms, thrash_mb=a.thrash_mb, lockstep_fallback_s=FALLBACK_S)
-    result = {"bench": "gateway_event_path", "command": "python -m bench.gateway_event_path " + " ".join(
+    result = {"bench": "gateway_event_path", "command": "python -m bench.gateway_event_path " + shlex.join(
         sys.argv[1:] if argv is None else argv), "machine": info, "note": a.note, "setup": setup, **figures}
     print(json.dumps({k: result[k] for k in result if k not in ("runs", "machine")}, indent=1))
     if a.out:
