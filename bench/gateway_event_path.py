@@ -26,10 +26,14 @@ tree and round: ``EngineEvents`` decoding each chunk as the engine connection's 
 Trees alternate every round; the best (lowest) CPU of each figure over the rounds is reported (this box is
 shared: the best is the least disturbed), medians too for the process mode.
 
-    .venv/bin/python -m bench.gateway_event_path --tree s3=/tmp/s3 --tree main=/tmp/main --tree this=. \
-        --in-process --requests 40 --rounds 5 --out bench/results/gateway_event_path_in_process.json
-    .venv/bin/python -m bench.gateway_event_path --tree s3=/tmp/s3 --tree main=/tmp/main --tree this=. \
-        --requests 32 --concurrency 8 --rounds 5 --out bench/results/gateway_event_path_processes.json
+    .venv/bin/python -m bench.gateway_event_path --tree s3=/tmp/s3 --tree main=/tmp/main --tree this=. \\
+        --in-process --requests 40 --rounds 7 --out bench/results/gateway_event_path_in_process.json
+    .venv/bin/python -m bench.gateway_event_path --tree s3=/tmp/s3 --tree main=/tmp/main --tree this=. \\
+        --requests 16 --concurrency 8 --rounds 7 --pace-ms 2 --thrash-mb 16 \\
+        --out bench/results/gateway_event_path_processes_cold.json
+
+(``bench/results/gateway_event_path_*.json`` hold the exact commands; /tmp/h6p-s3 there is a worktree of
+1e4ad80, /tmp/h6p-main one of main 07bbd3a.)
 
 ``--record TREE`` records the engine stream again from TREE's token engine (torch, a tiny random model).
 """
