@@ -33,7 +33,7 @@ shared: the best is the least disturbed), medians too for the process mode.
         --out bench/results/gateway_event_path_processes_cold.json
 
 (``bench/results/gateway_event_path_*.json`` hold the exact commands; /tmp/h6p-s3 there is a worktree of
-1e4ad80, /tmp/h6p-main one of main 07bbd3a.)
+1e4ad80, /tmp/h6p-main one of main at the commit each file's note names.)
 
 ``--record TREE`` records the engine stream again from TREE's token engine (torch, a tiny random model).
 """
