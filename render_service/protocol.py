@@ -320,7 +320,9 @@ class GenerateResponse(msgspec.Struct):
     render_fingerprint: str | None = None
 
 
-class GenerateStreamChoice(msgspec.Struct):
+# Decoded once per streamed token in the gateway: untracked by the garbage collector (gc=False: plain decoded data
+# that never refers back to itself), so the per-token allocations do not drive collections.
+class GenerateStreamChoice(msgspec.Struct, gc=False):
     index: int = 0
     token_ids: list[int] | None = None
     finish_reason: str | None = None
@@ -331,7 +333,7 @@ class GenerateStreamChoice(msgspec.Struct):
     weight_versions: list[dict[str, Any]] | None = None  # on a choice's last event
 
 
-class GenerateStreamResponse(msgspec.Struct):
+class GenerateStreamResponse(msgspec.Struct, gc=False):  # gc=False: as its choices
     """One SSE ``data:`` event of a streaming generate response."""
 
     request_id: str | None = None

@@ -35,7 +35,7 @@ from render_service.parsers.forced_tools import (
     llama_required,
 )
 from render_service.parsers.harmony import HarmonyParser
-from render_service.parsers.reasoning import ThinkReasoningParser, reasoning_open_at_prompt_end
+from render_service.parsers.reasoning import CONTENT, ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 
@@ -81,7 +81,9 @@ class PipelineState(msgspec.Struct, omit_defaults=True):
     logprob_text_offset: int = 0
 
 
-class ChoiceDelta(msgspec.Struct):
+# One per token: untracked by the garbage collector (gc=False: its tool-call dicts never refer back to it), so the
+# per-token allocations do not drive collections.
+class ChoiceDelta(msgspec.Struct, gc=False):
     """What one feed produced for one choice, in OpenAI delta terms."""
 
     content: str | None = None
@@ -284,12 +286,23 @@ class Pipeline:
     def feed(self, state: PipelineState, token_ids: list[int]) -> ChoiceDelta:
         state.tokens += len(token_ids)
         count = state.reasoning_count
+        think: ThinkTokenCounter | None = None  # the think-tag counter while it tracks: in step with the text stage
         if count is not None and count.tracking:
-            if len(token_ids) > 1 and self.think_counter is not None and self.think_counter.spelled_tags:
+            think = self.think_counter
+            if think is None:
+                self.counter.feed(count, token_ids)  # type: ignore[union-attr]  # set with the count
+            elif count.open and len(token_ids) == 1 and token_ids[0] not in think.markers:
+                # the per-token case, an ordinary token inside reasoning: ThinkTokenCounter.feed's branch for it,
+                # without the call
+                count.reasoning += 1
+                if count.since_marker >= 0:
+                    count.since_marker += 1
+            elif len(token_ids) > 1 and think.spelled_tags:
                 # tags of ordinary sub-tokens: the text stage says which token ended reasoning; feed it each
                 counted = self._counted_per_token(state, count, token_ids)
                 return self._delta(state, self._through_tools(state, counted)) if counted else ChoiceDelta()
-            self.counter.feed(count, token_ids)  # type: ignore[union-attr]  # set with the count
+            else:
+                think.feed(count, token_ids)
         text = self.detok.step(state.detok, token_ids)
         if not text:
             return ChoiceDelta()
@@ -298,13 +311,14 @@ class Pipeline:
             pieces = [TextPiece("content", text)]
         else:
             pieces = self.reasoning.feed(state.reasoning, text)
-            if count is not None and count.tracking and self.think_counter is not None \
-                    and self.think_counter.needs_sync(count, state.reasoning.mode):
-                self.think_counter.sync(count, state.reasoning)  # reasoning opened or ended by text alone
+            if think is not None and count is not None and count.tracking:
+                mode = state.reasoning.mode
+                if (mode == CONTENT) if count.open else think.needs_sync(count, mode):
+                    think.sync(count, state.reasoning)  # reasoning opened or ended by text alone
         if self.tools is None and len(pieces) == 1:
             # The per-token common case (one channel's text, no tool parser): what _delta would build.
             (p,) = pieces
-            if isinstance(p, ToolCallPiece):
+            if type(p) is not TextPiece:  # a call (Harmony's stage emits them); not isinstance: StructMeta's is slow
                 return self._delta(state, pieces)
             if p.channel == "content":
                 return ChoiceDelta(content=p.text)

@@ -64,6 +64,8 @@ class ThinkTokenCounter:
         self.starts_in_content = parser_cls.starts_in_content
         # a tag the text stage finds in text only: the pipeline feeds the stages a token at a time while counting
         self.spelled_tags = self.end is None or (self.starts_in_content and self.start is None)
+        # the ids ``feed`` treats apart; any other token inside reasoning just counts (the pipeline's per-token path)
+        self.markers = frozenset(i for i in (self.start, self.end, self.implicit) if i is not None)
 
     def initial(self, text_state: Any) -> ReasoningCount:
         if not self.emits_reasoning or not isinstance(text_state, ThinkState) or text_state.mode == CONTENT:
@@ -117,7 +119,8 @@ class ThinkTokenCounter:
 
     @staticmethod
     def needs_sync(count: ReasoningCount, mode: int) -> bool:
-        """Whether the text stage's mode says what the tokens did not: reasoning opened or ended by text."""
+        """Whether the text stage's mode says what the tokens did not: reasoning opened or ended by text.
+        (Pipeline.feed asks the open case inline, ``mode == CONTENT``: the per-token path.)"""
         return mode == CONTENT if count.open else mode != AWAIT_START
 
     def sync(self, count: ReasoningCount, text_state: Any) -> None:
