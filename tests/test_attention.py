@@ -176,7 +176,9 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     script = Path(__file__).with_name("triton_kernels_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    # the checkout's packages importable in the child also where they are not installed (a bare GPU machine)
+    path = os.pathsep.join(p for p in (str(script.parents[1]), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "all kernels ok" in result.stdout
