@@ -12,7 +12,9 @@ import json
 import os
 from typing import Any
 
+from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.errors import bad_request
+from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -21,8 +23,6 @@ from render_service.protocol import (
     StreamOptions,
 )
 from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
-from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
-from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.templates import ChatTemplate, TemplateError
 from render_service.tool_choice import PARSERS_LEAVING_SPECIAL_TOKENS, check_render_tool_choice, tool_call_constraint
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
@@ -310,7 +310,8 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
         raise bad_request(str(exc), "messages") from None
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
         # The template ran on client data and choked on it (say, a number where it expects text).
-        raise bad_request(f"The chat template failed on this request: {type(exc).__name__}: {exc}", "messages") from None
+        message = f"The chat template failed on this request: {type(exc).__name__}: {exc}"
+        raise bad_request(message, "messages") from None
     return encode_prompt(text, config), kwargs
 
 
