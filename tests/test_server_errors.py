@@ -127,6 +127,10 @@ def test_template_errors_are_400(server):
         assert_error(r, 400, contains="Invalid chat template")
         r = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": "{{ messages[0].nope.deeper }}"})
         assert_error(r, 400)
+        recursing = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"  # unbounded: Python's recursion limit
+        r = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": recursing})
+        assert_error(r, 400, contains="RecursionError")
+        assert srv.client.get("/health").status_code == 200
         ok = srv.client.post("/v1/chat/completions/render", json={**CHAT, "chat_template": "{{ messages[0].content }}"})
         assert ok.status_code == 200
         assert ok.json()["token_ids"] == [9707]  # "Hello"
