@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.errors import bad_request
@@ -23,7 +23,9 @@ from render_service.protocol import (
     StreamOptions,
 )
 from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
-from render_service.templates import ChatTemplate, TemplateError
+from render_service.template_sandbox import TemplateError
+from render_service.templates import ChatTemplate
+from render_service.tokenizer import TextTokenizer
 from render_service.tool_choice import PARSERS_LEAVING_SPECIAL_TOKENS, check_render_tool_choice, tool_call_constraint
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 from splitserve_common.request_ids import body_id_violation, header_safe
@@ -288,13 +290,14 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
         from render_service.harmony.render import render_harmony_chat
 
         choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
-        return render_harmony_chat(req, config.tokenizer, kwargs, choice), kwargs
+        # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
+        return render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, choice), kwargs
     template = chat_template_for(req, config)
     try:
         # As vLLM: content shaped for the template, developer role folded into system where the
         # template lacks it, tools in vLLM's model_dump shape.
         messages = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
-        arguments = {
+        arguments: dict[str, Any] = {
             "tools": prepare_tools(req.tools) if req.tools else None,
             "documents": req.documents,
             "add_generation_prompt": req.add_generation_prompt,
