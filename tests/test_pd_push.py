@@ -75,12 +75,15 @@ def test_push_per_chunk_equals_collocated_and_both_sides_go_idle(engines):
     writes = p.connector.handoff.stats.totals.get("push_writes_prefill", 0)
     dec, pre = {}, {}
     start(d, "d-1", PROMPT, GREEDY, push_params(p, "p-1"), dec)  # decode first: both legs at once
+    # the reservation reaches prefill before its first chunk (else the chunks done by then go in one WRITE)
+    step_until([d, p], lambda: "p-1" in p.connector.handoff.producer._targets)
     start(p, "p-1", PROMPT, PREFILL_ONLY, {"do_remote_decode": True}, pre)
     step_until([p, d], lambda: "done" in dec)
     assert dec["done"].error is None, dec["done"].error
     assert dec["tokens"] == expected
-    # one WRITE per finished chunk while the next one computed, then the last with the notification
-    assert p.connector.handoff.stats.totals["push_writes_prefill"] - writes >= 4
+    # the first chunk is written while the next ones compute, the rest with the notification at the latest:
+    # chunks that finish while a WRITE is in flight go together in the next (4 on an idle machine, 2 under load)
+    assert p.connector.handoff.stats.totals["push_writes_prefill"] - writes >= 2
     assert d.connector.handoff.stats.totals["pushes_decode"] >= 1
     idle(p, d)
 
