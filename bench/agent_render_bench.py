@@ -294,7 +294,7 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
     clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{info['port']}", timeout=600)
                for name, info in servers.items()}
     cpus = {name: TreeCpu(info["pid"]) for name, info in servers.items()}
-    workers = {kind: EncodeWorker(FIXTURE / "tokenizer.json", kind) for kind in ("ours", "tokenizers")}
+    workers = {kind: EncodeWorker(FIXTURE / "tokenizer.json", kind) for kind in ("ours", "tiktoken", "tokenizers")}
     summary: dict[str, Any] = {}
     details: dict[str, Any] = {}
     try:
@@ -374,6 +374,7 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
             for key in ("tokenizers_encode", "our_tokenizer_encode")}
     base["cold_our_tokenizer_encode"] = round(statistics.mean(cold["ours"]), 3)
     base["cold_tokenizers_encode"] = round(statistics.mean(cold["tokenizers"]), 3)
+    base["cold_tiktoken_encode"] = round(statistics.mean(cold["tiktoken"]), 3)
     base["fast_path"] = encodes[0]["fast_path"]
     fresh["baseline"] = base
     print(f"# {size} encode baselines: {base}", flush=True)
@@ -501,6 +502,8 @@ def ratios(growing: dict[str, Any], fresh: dict[str, Any], base: dict[str, Any])
     out["unrelated_ours_over_our_tokenizer_encode_cold"] = round(fresh_ours / base["cold_our_tokenizer_encode"], 3)
     out["unrelated_ours_over_our_tokenizer_encode_warm"] = round(fresh_ours / base["our_tokenizer_encode"], 3)
     out["unrelated_ours_over_tokenizers_encode_cold"] = round(fresh_ours / base["cold_tokenizers_encode"], 3)
+    # the encode our tokenizer had before fastokens (SPLITSERVE_TOKENIZER_BACKEND=tiktoken), cold
+    out["unrelated_ours_over_tiktoken_encode_cold"] = round(fresh_ours / base["cold_tiktoken_encode"], 3)
     out["unrelated_ours_over_tokenizers_encode_warm"] = round(fresh_ours / base["tokenizers_encode"], 3)
     return out
 

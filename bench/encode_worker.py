@@ -8,7 +8,10 @@ answers with the thread CPU nanoseconds of that encode alone and the token count
 Protocol: the parent writes 8 bytes of little-endian length then the UTF-8 text; the worker answers 16 bytes
 (CPU ns, token count). It prints ``ready`` once loaded.
 
-usage: python -m bench.encode_worker TOKENIZER_JSON {ours|tokenizers}
+Kinds: ``ours`` (TextTokenizer.encode, the path our server takes: fastokens where it qualifies), ``tiktoken``
+(TextTokenizer held to the tiktoken path, what ours was before fastokens), ``tokenizers`` (Hugging Face's).
+
+usage: python -m bench.encode_worker TOKENIZER_JSON {ours|tiktoken|tokenizers}
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from bench import peers
 
 
 def serve(tokenizer_json: str, kind: str) -> int:
+    import os
+
+    if kind == "tiktoken":
+        os.environ["SPLITSERVE_TOKENIZER_BACKEND"] = "tiktoken"
     from render_service.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer.from_file(tokenizer_json)
-    encode = tokenizer.encode if kind == "ours" else (
+    encode = tokenizer.encode if kind in ("ours", "tiktoken") else (
         lambda text: tokenizer.hf.encode(text, add_special_tokens=False).ids)
     encode("warm up the first call")
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

@@ -1,10 +1,13 @@
 """Text <-> token IDs for the render tier.
 
-Hugging Face ``tokenizers`` is the reference. When a tokenizer.json is byte-level BPE in exactly the shape
-tiktoken runs (merges are the ranks, one split regex, NFC or no normalizer, plain added tokens), ``encode``
-goes through a tiktoken ``Encoding`` built from the same vocabulary, several times faster with the same IDs.
-That equivalence is proved from the file's structure and then checked on a self-check corpus at load time;
-anything short of that keeps ``tokenizers``. ``fast_path`` / ``fast_path_reason`` say which one runs.
+Hugging Face ``tokenizers`` is the reference. Two faster paths give the same IDs:
+- fastokens (``fastokens_path``), for any tokenizer.json it equals ``tokenizers`` on at load: the fastest;
+- tiktoken, when a tokenizer.json is byte-level BPE in exactly the shape tiktoken runs (merges are the ranks,
+  one split regex, NFC or no normalizer, plain added tokens): an ``Encoding`` built from the same vocabulary.
+  That equivalence is proved from the file's structure and then checked on a self-check corpus at load time.
+``encode`` takes the first of fastokens, tiktoken, ``tokenizers`` that qualifies (``encode_backend`` and
+``encode_backend_reason`` say which and why; ``SPLITSERVE_TOKENIZER_BACKEND`` narrows the choice).
+``fast_path`` / ``fast_path_reason`` say whether tiktoken's path exists (``encode_ordinary`` needs it).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from render_service.byte_level import byte_level_ranks, token_string_to_bytes
+from render_service.fastokens_path import FastokensEncoder, FastokensUnavailable, chosen_backend
 from render_service.tiktoken_fast_path import NotProvable, TiktokenEncoder, build_tiktoken_encoder, self_check_corpus
 from render_service.tokenizer_json import read_merges, read_tokenizer_spec
 
@@ -56,7 +60,8 @@ class TextTokenizer:
 
     def __init__(self, hf: Tokenizer, special_token_ids: set[int], *, spec: dict[str, Any] | None = None,
                  load_merges: Callable[[], list[Any]] | None = None, sha256: str | None = None,
-                 fast: bool = True) -> None:
+                 fast: bool = True, data: bytes | None = None) -> None:
+        """``data``: the tokenizer.json's bytes (fastokens is built from them; without them it is not tried)."""
         # Truncation or padding set in a tokenizer.json would silently change encode; the render tier
         # checks lengths itself.
         hf.no_truncation()
@@ -87,11 +92,19 @@ class TextTokenizer:
         self._max_token_bytes, self._shrink = self._length_bound_terms(spec)
         self.fast_path = False
         self.fast_path_reason = "tokenizers (fast path disabled by the caller)"
-        if fast and spec is not None:
+        backend = chosen_backend() if fast else "tokenizers"
+        if backend == "tokenizers" and fast:
+            self.fast_path_reason = "tokenizers (SPLITSERVE_TOKENIZER_BACKEND=tokenizers)"
+        elif fast and spec is not None:
             merges = load_merges or (lambda: ((spec.get("model") or {}).get("merges") or []))
             self._try_fast_path(spec, ranks, merges, sha256)
         elif fast:
             self.fast_path_reason = "tokenizers (no tokenizer.json spec given)"
+        self._fastokens: FastokensEncoder | None = None
+        self.encode_backend = "tiktoken" if self.fast_path else "tokenizers"
+        self.encode_backend_reason = self.fast_path_reason
+        if backend == "auto" and data is not None:
+            self._try_fastokens(data, sha256)
 
     def _try_fast_path(self, spec: dict[str, Any], ranks: dict[bytes, int] | None, load_merges: Callable[[], list[Any]],
                        sha256: str | None) -> None:
@@ -107,6 +120,17 @@ class TextTokenizer:
         self._fast = fast
         self.fast_path = True
         self.fast_path_reason = "tiktoken (byte-level BPE proved equal to tokenizers; self-check passed)"
+
+    def _try_fastokens(self, data: bytes, sha256: str | None) -> None:
+        fallback = self._fast.encode if self._fast is not None else self._hf_encode
+        try:
+            self._fastokens = FastokensEncoder(data, sha256, self._hf_encode, fallback,
+                                               self_check_corpus(self.added_token_ids))
+        except FastokensUnavailable as exc:
+            self.encode_backend_reason = f"{self.fast_path_reason}; not fastokens: {exc}"
+            return
+        self.encode_backend = "fastokens"
+        self.encode_backend_reason = "fastokens (equal to tokenizers on the self-check corpus)"
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer_config: dict[str, Any] | None = None, *, fast: bool = True,
@@ -133,7 +157,7 @@ class TextTokenizer:
         special = {tok.content for tok in hf.get_added_tokens_decoder().values() if tok.special}
         ids = {hf.token_to_id(t) for t in special}
         return cls(hf, {i for i in ids if i is not None}, spec=spec, load_merges=lambda: read_merges(data),
-                   sha256=hashlib.sha256(data).hexdigest(), fast=fast)
+                   sha256=hashlib.sha256(data).hexdigest(), fast=fast, data=data)
 
     def encode(self, text: str) -> list[int]:
         """Token IDs of ``text`` with no BOS/EOS added (chat templates write their own).
@@ -146,6 +170,8 @@ class TextTokenizer:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise ValueError(f"text is not valid Unicode (lone surrogate at index {exc.start})") from None
+        if self._fastokens is not None:
+            return self._fastokens.encode(text)
         if self._fast is not None:
             return self._fast.encode(text)
         return self._hf_encode(text)
@@ -177,6 +203,8 @@ class TextTokenizer:
         """``encode(text)`` for text already cut at the raw-matched added tokens (none left in it), and
         already checked for lone surrogates: the prompt piece cache's miss path, without the per-call
         checks and the added-token scan ``encode`` repeats."""
+        if self._fastokens is not None:  # its own added-token scan finds nothing raw; normalized ones it must
+            return self._fastokens.encode(text)
         if self._fast is not None:
             return self._fast.encode_segment(text)
         return self._hf_encode(text)

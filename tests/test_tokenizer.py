@@ -1,4 +1,7 @@
-"""TextTokenizer: the tiktoken fast path gives tokenizers' IDs exactly, or it is not used."""
+"""TextTokenizer: the fast paths (fastokens, tiktoken) give tokenizers' IDs exactly, or they are not used.
+
+Tests on Qwen3's real tokenizer run twice: with the default backend choice (fastokens) and with
+SPLITSERVE_TOKENIZER_BACKEND=tiktoken, the path taken where fastokens does not qualify."""
 
 from __future__ import annotations
 
@@ -36,9 +39,23 @@ def proof_cache(tmp_path_factory):
         os.environ["SPLITSERVE_CACHE"] = old
 
 
-@pytest.fixture(scope="module")
-def qwen(proof_cache) -> TextTokenizer:
-    return TextTokenizer.from_file(QWEN3_TOKENIZER)
+def load_with_backend(path: Path, backend: str) -> TextTokenizer:
+    old = os.environ.get("SPLITSERVE_TOKENIZER_BACKEND")
+    os.environ["SPLITSERVE_TOKENIZER_BACKEND"] = backend
+    try:
+        return TextTokenizer.from_file(path)
+    finally:
+        if old is None:
+            os.environ.pop("SPLITSERVE_TOKENIZER_BACKEND", None)
+        else:
+            os.environ["SPLITSERVE_TOKENIZER_BACKEND"] = old
+
+
+@pytest.fixture(scope="module", params=["auto", "tiktoken"])
+def qwen(proof_cache, request) -> TextTokenizer:
+    tok = load_with_backend(QWEN3_TOKENIZER, request.param)
+    assert tok.encode_backend == ("fastokens" if request.param == "auto" else "tiktoken"), tok.encode_backend_reason
+    return tok
 
 
 @pytest.fixture(scope="module")
