@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from render_service.fastokens_path import BACKEND_ENV, BACKENDS
 from splitserve_common import vllm_flags
 from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", default=None,
                        help="directory or model id of the tokenizer and chat template (default: the model's)")
     serve.add_argument("--revision", default=None, help="model revision (branch, tag or commit) for a model id")
+    serve.add_argument("--tokenizer-backend", default=os.environ.get(BACKEND_ENV, "auto"), choices=list(BACKENDS),
+                       help="encode path: auto (fastokens where it equals tokenizers on the self-check, else "
+                            "tiktoken where provably equal, else tokenizers), tiktoken (skip fastokens: ~0.8 s "
+                            "and tens of MB less per worker), tokenizers (env SPLITSERVE_TOKENIZER_BACKEND)")
     vllm_flags.add_uvicorn_log_level(serve)
     vllm_flags.add_noop_flags(serve, NOOP_FLAGS)
     gw = serve.add_argument_group("gateway", "serve /v1/chat/completions and /v1/completions over engine pools")
@@ -230,6 +235,7 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     # Forked workers must not inherit a Rust thread pool mid-use.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ[BACKEND_ENV] = args.tokenizer_backend  # read where the tokenizer is loaded (fastokens_path)
     try:
         started = time.perf_counter()
         from render_service.render_config import load_render_config
@@ -257,8 +263,9 @@ def serve(args: argparse.Namespace) -> int:
         gateway = build_gateway(args)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
                          gateway=gateway, max_queued_requests=args.max_queued_requests)
-        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; prompt cache: %s)", model_dir,
-                    time.perf_counter() - started, config.fingerprint, config.max_model_len,
+        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s)",
+                    model_dir, time.perf_counter() - started, config.fingerprint, config.max_model_len,
+                    getattr(config.tokenizer, "encode_backend_reason", "the bundle's own"),
                     config.prompt_encoder.reason if config.prompt_encoder is not None else "none")
         # What was loaded lives as long as the process: keep it out of the garbage collector's full passes
         # (the vocabulary alone made each one cost ~15 ms, paid by whichever request triggered it), and

@@ -123,3 +123,38 @@ def test_bad_flags_fail_fast_with_a_message():
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2 and "JSON object" in result.stderr
+
+
+def test_tokenizer_backend_flag_picks_the_encode_path(tmp_path):
+    # tiktoken instead of the default fastokens: said in the load line, and the ids are tokenizers' all the same
+    from tokenizers import Tokenizer
+
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "render_service.cli", "serve", str(QWEN3_DIR), "--host", "127.0.0.1",
+             "--port", str(port), "--tokenizer-backend", "tiktoken"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.1)
+            text = "Grüße, 世界! x\u0301 1234567 def f(): return {'a': [1, 2]}"
+            got = client.post("/v1/completions/render", json={"model": str(QWEN3_DIR), "prompt": text})
+        assert got.status_code == 200, got.text
+        reference = Tokenizer.from_file(str(QWEN3_DIR / "tokenizer.json"))
+        assert got.json()[0]["token_ids"] == reference.encode(text, add_special_tokens=False).ids
+        assert "encode: tiktoken (byte-level BPE proved equal" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    result = subprocess.run([sys.executable, "-m", "render_service.cli", "serve", str(QWEN3_DIR),
+                             "--tokenizer-backend", "fastest"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--tokenizer-backend" in result.stderr
