@@ -280,6 +280,14 @@ def chat_template_for(req: ChatCompletionRequest, config: RenderConfig) -> ChatT
 
 def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tuple[list[int], dict[str, Any]]:
     """Apply the chat template and tokenize; returns (token_ids, resolved chat_template_kwargs)."""
+    token_ids, kwargs, _ = _render_chat_prompt(req, config)
+    return token_ids, kwargs
+
+
+def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig
+                        ) -> tuple[list[int], dict[str, Any], list[dict[str, Any]] | None]:
+    """``render_chat_prompt``, plus the tools as the template got them (vLLM's shape, ``prepare_tools``; the
+    template renders a copy), which the response's ``parse_context`` carries too: prepared once."""
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
@@ -291,14 +299,16 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
 
         choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
         # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
-        return render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, choice), kwargs
+        return render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, choice), kwargs, None
     template = chat_template_for(req, config)
+    tools = None
     try:
         # As vLLM: content shaped for the template, developer role folded into system where the
         # template lacks it, tools in vLLM's model_dump shape.
         messages = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
+        tools = prepare_tools(req.tools) if req.tools else None
         arguments: dict[str, Any] = {
-            "tools": prepare_tools(req.tools) if req.tools else None,
+            "tools": tools,
             "documents": req.documents,
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
@@ -315,7 +325,7 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
         # The template ran on client data and choked on it (say, a number where it expects text).
         message = f"The chat template failed on this request: {type(exc).__name__}: {exc}"
         raise bad_request(message, "messages") from None
-    return encode_prompt(text, config), kwargs
+    return encode_prompt(text, config), kwargs, tools
 
 
 def encode_prompt(text: str, config: RenderConfig) -> list[int]:
@@ -352,14 +362,14 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     if config.harmony:
         return _render_harmony_chat(req, config, tool_choice, named, request_id, given)
     if given is None:
-        token_ids, kwargs = render_chat_prompt(req, config)
+        token_ids, kwargs, tools = _render_chat_prompt(req, config)
     else:  # messages and tools still shape the parsers and the response: checked as if rendered
         if not req.messages:
             raise bad_request("messages must contain at least one message", "messages")
         violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
         if violation:
             raise bad_request(*violation)
-        token_ids, kwargs = given, resolve_chat_template_kwargs(req, config)
+        token_ids, kwargs, tools = given, resolve_chat_template_kwargs(req, config), None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     max_tokens = resolve_max_tokens(requested, len(token_ids), config)
@@ -397,7 +407,8 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         model=model,
         reasoning_ended=reasoning_ended,
         reasoning_parser_kwargs=reasoning_kwargs,
-        parse_context=parse_context(req, _parse_context_tools(req), template_kwargs),
+        # (ids given: the tools are prepared only here, so their errors still come after the sampling checks)
+        parse_context=parse_context(req, tools if given is None else _parse_context_tools(req), template_kwargs),
     )
 
 
