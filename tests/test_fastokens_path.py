@@ -176,3 +176,14 @@ def test_a_long_encode_stays_on_the_callers_thread(qwen):
     rng = random.Random(11)
     qwen.encode(" ".join(str(rng.random()) + rng.choice(["alpha", "beta", "γάμμα"]) for _ in range(100_000)))
     assert len(os.listdir("/proc/self/task")) == before[1]
+
+
+def test_threads_encoding_at_once_each_get_their_own_ids(qwen, reference):
+    # the render server's event loop and its bulk lane encode on one shared instance at the same time
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [agent_text(20 + k) for k in range(8)]
+    expected = [ids(reference, text) for text in texts]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(qwen.encode, texts)) == expected
