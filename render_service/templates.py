@@ -51,9 +51,10 @@ def _plain(value: Any) -> Any:
     if kind is str or value is None or kind is int or kind is bool or kind is float:
         return value
     if kind is dict:
-        return {k if type(k) is str else _plain(k): _plain(v) for k, v in value.items()}
+        # Text keys and values (most of a conversation) are taken as they are, without a call each.
+        return {k if type(k) is str else _plain(k): v if type(v) is str else _plain(v) for k, v in value.items()}
     if kind is list:
-        return [_plain(v) for v in value]
+        return [v if type(v) is str else _plain(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, bool):
@@ -71,12 +72,24 @@ def _plain(value: Any) -> Any:
     return f"<{kind.__name__}>"
 
 
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """One message as templates see it: a plain copy without the keys whose value is None (templates handle a
+    missing key but print "None"), its reasoning under every name templates read (``_alias_reasoning``)."""
+    if type(message) is dict:
+        plain = {k if type(k) is str else _plain(k): v if type(v) is str else _plain(v)
+                 for k, v in message.items() if v is not None}
+    else:
+        plain = _plain({k: v for k, v in message.items() if v is not None})
+    return _alias_reasoning(plain)
+
+
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
-        return message
-    # Key order as HF builds it: templates that iterate a message see the same order.
-    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    for name in REASONING_FIELDS:
+        reasoning = message.get(name)
+        if reasoning is not None:
+            # Key order as HF builds it: templates that iterate a message see the same order.
+            return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
 
 
 def _template_messages(messages: Any) -> list[dict[str, Any]]:
@@ -88,9 +101,7 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
     for message in messages:
         if not isinstance(message, Mapping):
             raise TemplateError(f"Chat messages should be objects, but got {message!r}.")
-        # Keys with a None value are dropped: templates handle a missing key but print "None".
-        plain = _plain({k: v for k, v in message.items() if v is not None})
-        out.append(_alias_reasoning(plain))
+        out.append(_template_message(message))
     return out
 
 
