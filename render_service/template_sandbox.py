@@ -16,7 +16,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.compiler import CodeGenerator, Frame
+from jinja2.compiler import Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from render_service.template_budget import (
@@ -32,6 +32,8 @@ from render_service.template_budget import (
     guard_iteration,
     tick,
 )
+from render_service.template_inline import DICT_ATTRIBUTES as _DICT_ATTRIBUTES
+from render_service.template_inline import InlineReadsCodeGenerator, InlineTemplate
 from render_service.tojson_cache import JsonTextCache
 
 # A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
@@ -120,7 +122,6 @@ class _SafeNamespace(jinja2.utils.Namespace):
             )
 
 
-_DICT_ATTRIBUTES = frozenset(dir(dict))
 # The sandbox wraps these bound str methods (a format string can reach attributes); never shortcut them.
 _STR_FORMAT_METHODS = frozenset({"format", "format_map"})
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
@@ -132,8 +133,9 @@ _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
 _MAX_POWER_EXPONENT = 4096
 
 
-class GuardedLoopsCodeGenerator(CodeGenerator):
-    """Jinja's code generator over a tree whose loops check the render's deadline (template_budget)."""
+class GuardedLoopsCodeGenerator(InlineReadsCodeGenerator):
+    """Jinja's code generator (with template_inline's reads) over a tree whose loops check the render's deadline
+    (template_budget)."""
 
     concat_bounded = False
 
@@ -142,9 +144,16 @@ class GuardedLoopsCodeGenerator(CodeGenerator):
 
 
 class RequestTemplateCodeGenerator(GuardedLoopsCodeGenerator):
-    """... and whose ``~`` knows its size before joining."""
+    """... and whose ``~`` knows its size before joining; calls and namespace reads keep the sandbox's path."""
 
     concat_bounded = True
+    inline_calls = False
+
+
+class ChatTemplateCode(InlineTemplate):
+    """A compiled chat template (its inline namespace reads know our namespace type)."""
+
+    namespace_type = _SafeNamespace
 
 
 class ChatSandbox(ImmutableSandboxedEnvironment):
@@ -154,6 +163,7 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
     _attribute_safety: dict[tuple[type, str], bool] = {}
     intercepted_binops = frozenset({"*", "**"})
     code_generator_class = GuardedLoopsCodeGenerator
+    template_class = ChatTemplateCode
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "**":
