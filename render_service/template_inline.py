@@ -22,12 +22,14 @@ methods, ``format``) is written as Jinja writes it and goes through the sandbox,
 from __future__ import annotations
 
 import types
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import jinja2
 import jinja2.nodes
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
+from jinja2.runtime import LoopContext
+from jinja2.utils import missing
 
 DICT_ATTRIBUTES = frozenset(dir(dict))
 LOOP_COUNTERS = frozenset({"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0"})
@@ -101,6 +103,46 @@ class InlineReadsCodeGenerator(CodeGenerator):
         self.write("))")
 
 
+class SequenceLoopContext(LoopContext):
+    """Jinja's ``loop`` over a list or tuple (what a guarded loop of up to ``UNGUARDED_ITEMS`` iterates), stepped
+    by a generator and peeked by index: the same values as LoopContext's peeking iterator, as nothing in a
+    template can change a list while it is iterated (the sandbox is immutable). Anything else iterates as
+    LoopContext does."""
+
+    _items: Iterator[tuple[Any, LoopContext]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[Any, LoopContext]]:  # type: ignore[override]
+        kind = type(self._iterable)
+        if kind is not list and kind is not tuple:
+            return super().__iter__()
+        if self._items is None:  # iterated again (`for x in loop`): where it stands, as LoopContext does
+            self._items = self._step()
+        return self._items
+
+    def _step(self) -> Iterator[tuple[Any, LoopContext]]:
+        for item in self._iterator:
+            self.index0 += 1
+            self._before = self._current
+            self._current = item
+            yield item, self
+
+    def _peek_next(self) -> Any:
+        items = self._iterable
+        kind = type(items)
+        if kind is not list and kind is not tuple:
+            return super()._peek_next()
+        following = self.index0 + 1
+        return items[following] if following < len(items) else missing  # type: ignore[index, arg-type]
+
+    @property
+    def last(self) -> bool:
+        items = self._iterable
+        kind = type(items)
+        if kind is not list and kind is not tuple:
+            return super().last
+        return self.index0 + 1 >= len(items)  # type: ignore[arg-type]
+
+
 class InlineTemplate(jinja2.Template):
     """A compiled template whose module namespace holds the names the inline paths read."""
 
@@ -112,4 +154,5 @@ class InlineTemplate(jinja2.Template):
         namespace[_NAMESPACE_TYPE] = cls.namespace_type
         namespace[_OBJECT_ATTRIBUTE] = object.__getattribute__
         namespace[_METHOD_TYPES] = (types.MethodType, types.BuiltinMethodType)
+        namespace["LoopContext"] = SequenceLoopContext  # the generated code's loops (and `type(x) is LoopContext`)
         return super()._from_namespace(environment, namespace, globals)
