@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from render_service.template_sandbox import TemplateError
+from render_service.templates import PlainMessages, PlainTools, plain_copy
 
 if TYPE_CHECKING:
     from render_service.templates import ChatTemplate
@@ -31,12 +32,15 @@ def prepare_messages(openai_messages: Iterable[Any], content_format: str = "stri
     empty ``tool_calls`` list is dropped, ``reasoning`` (or the older ``reasoning_content``) is set
     under both names, ``name``, ``task`` and a tool's ``tool_call_id`` are kept. Non-text parts are
     refused: the render tier is text-only.
+
+    Every value is a fresh plain copy (``templates.plain_copy``): the render takes them without copying again
+    (``templates.PlainMessages``).
     """
     if content_format not in ("string", "openai"):
         raise TemplateError(f"Unknown chat template content format {content_format!r}")
     if not isinstance(openai_messages, (list, tuple)):
         raise TemplateError("messages must be a list of message objects")
-    out = []
+    out = PlainMessages()
     for index, message in enumerate(openai_messages):
         if type(message) is not dict and not isinstance(message, Mapping):
             raise TemplateError(f"messages[{index}] must be an object")
@@ -44,10 +48,15 @@ def prepare_messages(openai_messages: Iterable[Any], content_format: str = "stri
     return out
 
 
+def _text(value: str) -> str:
+    return value if type(value) is str else str.__str__(value)  # a str subclass as the plain str it holds
+
+
 def _prepare_message(message: Mapping[str, Any], index: int, content_format: str) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise TemplateError(f"messages[{index}].role must be a non-empty string")
+    role = _text(role)
     content = message.get("content")
     if type(content) is str and role != "system":
         texts = [content]  # the usual message: no parts to pick, no header to drop
@@ -58,7 +67,7 @@ def _prepare_message(message: Mapping[str, Any], index: int, content_format: str
     if content_format == "string":
         prepared: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
     else:
-        prepared = {"role": role, "content": [{"type": "text", "text": t} for t in texts]}
+        prepared = {"role": role, "content": [{"type": "text", "text": _text(t)} for t in texts]}
     if role == "assistant":
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
@@ -71,19 +80,20 @@ def _prepare_message(message: Mapping[str, Any], index: int, content_format: str
         if reasoning is not None:
             if not isinstance(reasoning, str):
                 raise TemplateError(f"messages[{index}].reasoning must be a string")
+            reasoning = _text(reasoning)
             prepared["reasoning"] = reasoning
             prepared["reasoning_content"] = reasoning
     elif role == "tool" and "tool_call_id" in message:
-        prepared["tool_call_id"] = message["tool_call_id"]
+        prepared["tool_call_id"] = plain_copy(message["tool_call_id"])
         if content_format == "openai":
             # vLLM flattens a tool result's text parts for every template: most expect a string there.
             prepared["content"] = "\n".join(texts)
     if isinstance(message.get("name"), str):
-        prepared["name"] = message["name"]
+        prepared["name"] = _text(message["name"])
     if isinstance(message.get("task"), str):
-        prepared["task"] = message["task"]
+        prepared["task"] = _text(message["task"])
     if role == "developer":
-        prepared["tools"] = message.get("tools")
+        prepared["tools"] = plain_copy(message.get("tools"))
     return prepared
 
 
@@ -144,11 +154,14 @@ def _prepare_tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
                 type(function) is not dict and not isinstance(function, Mapping)):
             raise TemplateError(f"messages[{index}]: chat completions only support assistant tool_calls of type "
                                 "'function'.")
-        function = dict(function)
         if not isinstance(function.get("name"), str):
             raise TemplateError(f"messages[{index}].tool_calls[].function.name must be a string")
-        function["arguments"] = _arguments_mapping(function.get("arguments"))
-        prepared.append({**call, "function": function})
+        given = function.get("arguments")
+        arguments = _arguments_mapping(given)
+        entry = plain_copy(call)  # the call's keys in their order, its function copied as a dict among them
+        if arguments is not given:  # parsed from their JSON text (fresh, plain) or {}; else copied just now
+            entry["function"]["arguments"] = arguments
+        prepared.append(entry)
     return prepared
 
 
@@ -194,7 +207,7 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(openai_tools, (list, tuple)):
         raise TemplateError("tools must be a list")
-    prepared = []
+    prepared = PlainTools()  # plain copies: the render takes them as they are
     for index, tool in enumerate(openai_tools):
         if not isinstance(tool, Mapping):
             raise TemplateError(f"tools[{index}] must be an object")
@@ -207,8 +220,8 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
             raise TemplateError(f"tools[{index}].function.description must be a string")
         if function.get("parameters") is not None and not isinstance(function["parameters"], Mapping):
             raise TemplateError(f"tools[{index}].function.parameters must be an object")
-        fn = {"name": function["name"], "description": function.get("description"),
-              "parameters": function.get("parameters")}
+        fn = {"name": _text(function["name"]), "description": plain_copy(function.get("description")),
+              "parameters": plain_copy(function.get("parameters"))}
         defer_loading = function.get("defer_loading", tool.get("defer_loading"))
         for key, value in (("strict", function.get("strict")), ("defer_loading", defer_loading)):
             if value is not None:
@@ -217,7 +230,7 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
                 fn[key] = value
         entry: dict[str, Any] = {"type": "function", "function": fn}
         if tool.get("defer_loading") is not None:
-            entry["defer_loading"] = tool["defer_loading"]
+            entry["defer_loading"] = plain_copy(tool["defer_loading"])
         prepared.append(entry)
     return prepared
 
@@ -249,6 +262,8 @@ def convert_developer_role(messages: list[dict[str, Any]], template: ChatTemplat
             )
         if content:
             system_texts.append(content)
+    # Built from the messages' own values: plain copies stay so.
+    kind = PlainMessages if type(messages) is PlainMessages else list
     if not needs_merge:
-        return converted
-    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
+        return kind(converted)
+    return kind([{"role": "system", "content": "\n\n".join(system_texts)}, *others])

@@ -15,8 +15,9 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -40,21 +41,34 @@ from render_service.template_sandbox import (
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_WITHIN_BOUND = MAX_RENDERED_CHARS.__ge__
 
 
 
 # --------------------------------------------------------------------------- plain data
 
-def _plain(value: Any) -> Any:
+class PlainMessages(list[dict[str, Any]]):
+    """Messages each a fresh dict whose values are fresh plain copies (``plain_copy``), as
+    ``chat_messages.prepare_messages`` builds them: the render drops their None values and aliases their
+    reasoning (``template_message``) without copying them again."""
+
+
+class PlainTools(list[dict[str, Any]]):
+    """Tools that are fresh plain copies (``plain_copy``), as ``chat_messages.prepare_tools`` builds them: the
+    render takes them as they are."""
+
+
+def plain_copy(value: Any) -> Any:
     """A fresh copy built from JSON types only; anything else becomes an inert ``<TypeName>``."""
     kind = type(value)
     if kind is str or value is None or kind is int or kind is bool or kind is float:
         return value
     if kind is dict:
         # Text keys and values (most of a conversation) are taken as they are, without a call each.
-        return {k if type(k) is str else _plain(k): v if type(v) is str else _plain(v) for k, v in value.items()}
+        return {k if type(k) is str else plain_copy(k): v if type(v) is str else plain_copy(v)
+                for k, v in value.items()}
     if kind is list:
-        return [v if type(v) is str else _plain(v) for v in value]
+        return [v if type(v) is str else plain_copy(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, bool):
@@ -64,22 +78,22 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {plain_copy(k): plain_copy(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain_copy(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(plain_copy(v) for v in value)
     return f"<{kind.__name__}>"
 
 
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """One message as templates see it: a plain copy without the keys whose value is None (templates handle a
     missing key but print "None"), its reasoning under every name templates read (``_alias_reasoning``)."""
     if type(message) is dict:
-        plain = {k if type(k) is str else _plain(k): v if type(v) is str else _plain(v)
+        plain = {k if type(k) is str else plain_copy(k): v if type(v) is str else plain_copy(v)
                  for k, v in message.items() if v is not None}
     else:
-        plain = _plain({k: v for k, v in message.items() if v is not None})
+        plain = plain_copy({k: v for k, v in message.items() if v is not None})
     return _alias_reasoning(plain)
 
 
@@ -97,11 +111,16 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
         raise TemplateError("messages must be a list of message objects")
     if not messages:
         raise TemplateError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    if type(messages) is PlainMessages:
+        # Copied already: what is left of template_message (a message dict is the render's to hand on, not to
+        # change: the final message is copied before continue_final_message tags it).
+        return [_alias_reasoning({k: v for k, v in m.items() if v is not None} if None in m.values() else m)
+                for m in messages]
     out = []
     for message in messages:
         if not isinstance(message, Mapping):
             raise TemplateError(f"Chat messages should be objects, but got {message!r}.")
-        out.append(_template_message(message))
+        out.append(template_message(message))
     return out
 
 
@@ -168,14 +187,14 @@ class ChatTemplate:
             if track_generation:
                 raise TemplateError("continue_final_message is not compatible with return_assistant_tokens_mask.")
         chat = _template_messages(messages)
-        tools = _check_tools(tools)
+        template_tools = list(tools) if type(tools) is PlainTools else plain_copy(_check_tools(tools))
         if documents is not None and (
             not isinstance(documents, (list, tuple)) or not all(isinstance(d, Mapping) for d in documents)
         ):
             raise TemplateError("Documents should be a list of objects with 'title' and 'text' keys.")
-        context = _plain({**self._special, **kwargs})
+        context = plain_copy({**self._special, **kwargs})
         context.update(
-            messages=chat, tools=_plain(tools), documents=_plain(documents),
+            messages=chat, tools=template_tools, documents=plain_copy(documents),
             add_generation_prompt=add_generation_prompt,
         )
         final_text = None
@@ -188,22 +207,30 @@ class ChatTemplate:
 
     def _tag_final_message(self, chat: list[dict[str, Any]], continue_final_message: bool | str) -> str:
         key = continue_final_message if isinstance(continue_final_message, str) else "content"
-        final = chat[-1].get(key)
+        # The render's own copy of the final message: the messages it was given stay as they were.
+        message = chat[-1] = dict(chat[-1])
+        final = message.get(key)
         if final is None:
             raise TemplateError(f'continue_final_message is set but the final message has no "{key}" to continue!')
         fields = [key]
         if key in REASONING_FIELDS:
             # Reasoning sits under several names: tag each copy, whichever the template reads.
-            fields = [f for f in REASONING_FIELDS if chat[-1].get(f) == final]
+            fields = [f for f in REASONING_FIELDS if message.get(f) == final]
         if not any(f in self.source for f in fields):
             raise TemplateError(
                 f'continue_final_message is set to "{key}" but this is not an accepted field in the chat_template'
             )
         if isinstance(final, (list, tuple)):
-            for part in reversed(final):
+            for at in range(len(final) - 1, -1, -1):
+                part = final[at]
                 if isinstance(part, dict) and "text" in part:
                     final_text: str = part["text"]
-                    part["text"] = part["text"] + _CONTINUE_TAG
+                    parts = [*final]
+                    parts[at] = {**part, "text": part["text"] + _CONTINUE_TAG}
+                    tagged = tuple(parts) if isinstance(final, tuple) else parts
+                    # Every name the part list sits under (reasoning's aliases) sees the tagged part.
+                    for name in [name for name, value in message.items() if value is final]:
+                        message[name] = tagged
                     return final_text
             raise TemplateError(
                 "continue_final_message is set but we could not find any text to continue in the final message!"
@@ -211,7 +238,7 @@ class ChatTemplate:
         if not isinstance(final, str):
             raise TemplateError(f'continue_final_message needs the final message\'s "{key}" to be text.')
         for f in fields:
-            chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
+            message[f] = message[f] + _CONTINUE_TAG
         return final
 
     def _run(self, context: dict[str, Any], track_generation: bool) -> tuple[str, list[tuple[int, int]]]:
@@ -219,13 +246,27 @@ class ChatTemplate:
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
         deadline = DEADLINE.set(time.thread_time() + self.time_limit_s)  # CPU time (template_budget)
+        kept: Iterator[str] | None = None
         try:
-            size = 0
-            for block in self._template.generate(context):
-                blocks.append(block)
-                size += len(block)
-                if size > MAX_RENDERED_CHARS:
+            # The compiled template's own generator (Jinja's generate() adds a layer that only rewrites the
+            # traceback of an error, which is answered below by its type and message).
+            template = self._template
+            stream = template.root_render_func(template.new_context(context))
+            if track_generation:  # {% generation %} reads the blocks rendered so far
+                size = 0
+                for block in stream:
+                    blocks.append(block)
+                    size += len(block)
+                    if size > MAX_RENDERED_CHARS:
+                        raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+                text = "".join(blocks)
+            else:
+                # The same bound, block by block, counted in C: the running size of each block rendered, and
+                # the first that passes the bound stops the render there.
+                stream, kept = itertools.tee(stream)
+                if next(itertools.dropwhile(_WITHIN_BOUND, itertools.accumulate(map(len, stream))), None):
                     raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+                text = "".join(kept)
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:
@@ -237,11 +278,12 @@ class ChatTemplate:
         except MemoryError:
             # Whatever the bounds let through, an allocation that fails is this request's: never a 500.
             blocks.clear()
+            kept = None
             raise TemplateError("The chat template needs more memory than this server allows") from None
         finally:
             DEADLINE.reset(deadline)
             _GENERATION_TRACKER.reset(token)
-        return "".join(blocks), spans
+        return text, spans
 
 
 def _cut_at_continue_tag(text: str, final_text: str) -> str:
