@@ -50,11 +50,14 @@ class JsonTextCache:
             return _dumps(value)
         if len(key) > MAX_KEY_BYTES:
             return _dumps(value)
-        with self._lock:
-            entry = self._texts.get(key)
-            if entry is not None:
-                self._texts.move_to_end(key)
+        # A hit takes no lock: OrderedDict's get and move_to_end are each one step under the GIL (bytes keys run
+        # no Python code), and an entry another lane evicts in between is simply not moved.
+        entry = self._texts.get(key)
         if entry is not None:
+            try:
+                self._texts.move_to_end(key)
+            except KeyError:
+                pass
             return entry[1] if value == entry[0] else _dumps(value)
         text = _dumps(value)
         size = 2 * len(key) + (len(text) if text.isascii() else 4 * len(text)) + 200
