@@ -27,8 +27,8 @@ from typing import Any
 
 import jinja2
 import jinja2.nodes
+import jinja2.runtime
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
-from jinja2.runtime import LoopContext
 from jinja2.utils import missing
 
 DICT_ATTRIBUTES = frozenset(dir(dict))
@@ -103,15 +103,15 @@ class InlineReadsCodeGenerator(CodeGenerator):
         self.write("))")
 
 
-class SequenceLoopContext(LoopContext):
-    """Jinja's ``loop`` over a list or tuple (what a guarded loop of up to ``UNGUARDED_ITEMS`` iterates), stepped
-    by a generator and peeked by index: the same values as LoopContext's peeking iterator, as nothing in a
-    template can change a list while it is iterated (the sandbox is immutable). Anything else iterates as
-    LoopContext does."""
+class LoopContext(jinja2.runtime.LoopContext):
+    """Jinja's ``loop``; over a list or tuple (what a guarded loop of up to ``UNGUARDED_ITEMS`` iterates) stepped
+    by a generator and peeked by index: the same values as Jinja's peeking iterator, as nothing in a template can
+    change a list while it is iterated (the sandbox is immutable). Anything else iterates as Jinja's does. Named
+    as Jinja's: a template sees the type's name (``{{ loop }}``, the sandbox's refusals)."""
 
-    _items: Iterator[tuple[Any, LoopContext]] | None = None
+    _items: Iterator[tuple[Any, jinja2.runtime.LoopContext]] | None = None
 
-    def __iter__(self) -> Iterator[tuple[Any, LoopContext]]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[tuple[Any, jinja2.runtime.LoopContext]]:  # type: ignore[override]
         kind = type(self._iterable)
         if kind is not list and kind is not tuple:
             return super().__iter__()
@@ -119,7 +119,7 @@ class SequenceLoopContext(LoopContext):
             self._items = self._step()
         return self._items
 
-    def _step(self) -> Iterator[tuple[Any, LoopContext]]:
+    def _step(self) -> Iterator[tuple[Any, jinja2.runtime.LoopContext]]:
         for item in self._iterator:
             self.index0 += 1
             self._before = self._current
@@ -154,5 +154,5 @@ class InlineTemplate(jinja2.Template):
         namespace[_NAMESPACE_TYPE] = cls.namespace_type
         namespace[_OBJECT_ATTRIBUTE] = object.__getattribute__
         namespace[_METHOD_TYPES] = (types.MethodType, types.BuiltinMethodType)
-        namespace["LoopContext"] = SequenceLoopContext  # the generated code's loops (and `type(x) is LoopContext`)
+        namespace["LoopContext"] = LoopContext  # the generated code's loops (and `type(x) is LoopContext`)
         return super()._from_namespace(environment, namespace, globals)
