@@ -114,8 +114,14 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
     if type(messages) is PlainMessages:
         # Copied already: what is left of template_message (a message dict is the render's to hand on, not to
         # change: the final message is copied before continue_final_message tags it).
-        return [_alias_reasoning({k: v for k, v in m.items() if v is not None} if None in m.values() else m)
-                for m in messages]
+        out = []
+        for message in messages:
+            if None in message.values():
+                message = {k: v for k, v in message.items() if v is not None}
+            if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
+                message = _alias_reasoning(message)
+            out.append(message)
+        return out
     out = []
     for message in messages:
         if not isinstance(message, Mapping):
