@@ -58,6 +58,10 @@ _NUMBER = re.compile(r"\d+")
 # each render (a token, reset after), read here. CPU time, not wall time: a render stalled by a busy machine
 # or a throttled pod has done no more work, and must not be refused for it.
 DEADLINE = _DEADLINE
+# A thread's CPU time grows no faster than the wall clock: until ``time.perf_counter()`` passes the render's start
+# plus its limit, its CPU deadline cannot have passed either, and a loop's start skips reading the thread's CPU
+# clock (a system call). Set by ChatTemplate with DEADLINE; unset (-inf), every check reads the CPU clock.
+WALL_CLOCK_BELOW_DEADLINE: ContextVar[float] = ContextVar("chat_template_wall_clock_below", default=float("-inf"))
 _calls = 0
 
 
@@ -156,7 +160,8 @@ def guard_iteration(iterable: Any) -> Any:
     (an inner loop: once per outer item); a short list, tuple, dict or string is iterated as it is (at most
     ``UNGUARDED_ITEMS`` straight-line iterations pass between two checks), anything else is checked every
     ``_ITEMS_PER_CHECK`` items."""
-    if time.thread_time() > _DEADLINE.get():  # past_deadline(), inlined: every loop of every render runs this
+    # past_deadline(), inlined (every loop of every render runs this), after the wall clock's cheaper bound
+    if time.perf_counter() > WALL_CLOCK_BELOW_DEADLINE.get() and time.thread_time() > _DEADLINE.get():
         raise SecurityError("the chat template ran past its time limit")
     kind = type(iterable)
     if (kind is list or kind is tuple or kind is dict or kind is str) and len(iterable) <= UNGUARDED_ITEMS:

@@ -29,7 +29,12 @@ import jinja2.nodes
 import jinja2.utils
 
 from render_service.template_analysis import detect_content_format
-from render_service.template_budget import DEADLINE, DEFAULT_RENDER_SECONDS, MAX_RENDERED_CHARS
+from render_service.template_budget import (
+    DEADLINE,
+    DEFAULT_RENDER_SECONDS,
+    MAX_RENDERED_CHARS,
+    WALL_CLOCK_BELOW_DEADLINE,
+)
 from render_service.template_sandbox import (
     _GENERATION_TRACKER,
     MAX_TEMPLATE_SOURCE_CHARS,
@@ -251,6 +256,8 @@ class ChatTemplate:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
+        # The wall clock read first: from then on it runs at least as far as the CPU clock read after it.
+        wall_bound = WALL_CLOCK_BELOW_DEADLINE.set(time.perf_counter() + self.time_limit_s)
         deadline = DEADLINE.set(time.thread_time() + self.time_limit_s)  # CPU time (template_budget)
         kept: Iterator[str] | None = None
         try:
@@ -288,6 +295,7 @@ class ChatTemplate:
             raise TemplateError("The chat template needs more memory than this server allows") from None
         finally:
             DEADLINE.reset(deadline)
+            WALL_CLOCK_BELOW_DEADLINE.reset(wall_bound)
             _GENERATION_TRACKER.reset(token)
         return text, spans
 
