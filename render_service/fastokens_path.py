@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,8 +30,11 @@ os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
 BACKEND_ENV = "SPLITSERVE_TOKENIZER_BACKEND"
 BACKENDS = ("auto", "tiktoken", "tokenizers")
 
-_SHARED_LIMIT = 4  # instances kept per process, by tokenizer.json sha256 (each is tens of MB)
-_shared: OrderedDict[str, Any] = OrderedDict()
+# One instance per tokenizer.json (by sha256) per process: every live TextTokenizer of a file shares it
+# (_live), and the last few files loaded stay built after their tokenizers are gone (_recent).
+_RECENT_LIMIT = 4
+_live: weakref.WeakValueDictionary[str, _Native] = weakref.WeakValueDictionary()
+_recent: OrderedDict[str, _Native] = OrderedDict()
 _shared_lock = threading.Lock()
 
 
@@ -39,6 +43,15 @@ def chosen_backend() -> str:
     if value not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, not {value!r}")
     return value
+
+
+class _Native:
+    """Holds one fastokens instance (which cannot be weakly referenced itself)."""
+
+    __slots__ = ("tokenizer", "__weakref__")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
 
 
 class FastokensUnavailable(Exception):
@@ -54,7 +67,8 @@ class FastokensEncoder:
 
     def __init__(self, data: bytes, sha256: str | None, reference: Callable[[str], list[int]],
                  fallback: Callable[[str], list[int]], corpus: Iterable[str]) -> None:
-        self._native = _shared_instance(data, sha256)
+        self._holder = _shared_instance(data, sha256)
+        self._native = self._holder.tokenizer
         self._fallback = fallback
         for text in corpus:
             try:
@@ -73,25 +87,33 @@ class FastokensEncoder:
         return ids
 
 
-def _shared_instance(data: bytes, sha256: str | None) -> Any:
+def _shared_instance(data: bytes, sha256: str | None) -> _Native:
     try:
         import fastokens
     except ImportError:
         raise FastokensUnavailable("fastokens is not installed") from None
     if sha256 is not None:
         with _shared_lock:
-            if sha256 in _shared:
-                _shared.move_to_end(sha256)
-                return _shared[sha256]
+            found = _live.get(sha256)
+            if found is not None:
+                _remember(sha256, found)
+                return found
     try:
         native = fastokens.Tokenizer.from_json_str(data.decode("utf-8"))
     except Exception as exc:  # a model type or pipeline step fastokens does not implement
         raise FastokensUnavailable(f"fastokens rejects this tokenizer.json: {exc}") from None
     native.no_truncation()  # as TextTokenizer does to tokenizers: a length limit in the file must not cut encode
     native.no_padding()
+    holder = _Native(native)
     if sha256 is not None:
         with _shared_lock:
-            _shared[sha256] = native
-            while len(_shared) > _SHARED_LIMIT:
-                _shared.popitem(last=False)
-    return native
+            holder = _live.setdefault(sha256, holder)  # another thread may have built it meanwhile
+            _remember(sha256, holder)
+    return holder
+
+
+def _remember(sha256: str, holder: _Native) -> None:
+    _recent[sha256] = holder
+    _recent.move_to_end(sha256)
+    while len(_recent) > _RECENT_LIMIT:
+        _recent.popitem(last=False)

@@ -105,16 +105,22 @@ def test_loads_of_one_file_share_one_instance():
     assert again._fastokens._native is first._fastokens._native
 
 
-def test_shared_instances_are_bounded(tmp_path):
-    loaded = []
-    for n in range(fastokens_path._SHARED_LIMIT + 2):  # distinct files: each its own added token
+def test_instances_are_shared_while_used_and_the_recent_ones_kept(tmp_path):
+    limit = fastokens_path._RECENT_LIMIT
+    first = None
+    shas = []
+    for n in range(limit + 2):  # distinct files: each its own added token
         path = write_tokenizer(tmp_path, tiny_spec(added_tokens=[added(f"<t{n}>", 268)]), f"t{n}.json")
         tok = TextTokenizer.from_file(path)
         assert tok.encode_backend == "fastokens", tok.encode_backend_reason
         assert tok.encode(f"the<t{n}>abc") == tok._hf_encode(f"the<t{n}>abc")
-        loaded.append(tok.sha256)
-    assert len(fastokens_path._shared) == fastokens_path._SHARED_LIMIT
-    assert list(fastokens_path._shared)[-fastokens_path._SHARED_LIMIT:] == loaded[-fastokens_path._SHARED_LIMIT:]
+        first = first or (path, tok)
+        shas.append(tok.sha256)
+    assert list(fastokens_path._recent) == shas[-limit:]  # the last few files, however many were loaded
+    # the first file fell out of the recent ones, but a tokenizer of it is alive: a new load shares its instance
+    again = TextTokenizer.from_file(first[0])
+    assert again._fastokens is not None and first[1]._fastokens is not None
+    assert again._fastokens._native is first[1]._fastokens._native
 
 
 def test_a_call_fastokens_raises_on_is_answered_by_the_fallback(qwen, reference):
