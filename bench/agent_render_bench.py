@@ -388,31 +388,50 @@ def in_order(names: list[str], bodies: list[bytes], order: str) -> list[tuple[st
     return [(name, body) for body in bodies for name in names]
 
 
+class LastTurn:
+    """The last turn of a growing agent trace of ``size`` tokens, ready for in-process timing: the render
+    configuration, the trace, the request body, its decoder and decoded request, and the prepared messages and
+    tools the chat template takes (``profile_stages`` here, ``bench/idle_penalty.py``)."""
+
+    def __init__(self, size: int) -> None:
+        import msgspec
+
+        from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+        from render_service.protocol import ChatCompletionRequest
+        from render_service.render import render_chat
+        from render_service.render_config import load_render_config
+
+        self.config = config = load_render_config(
+            str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * size, reasoning_parser="qwen3",
+            tool_call_parser="hermes", enable_auto_tool_choice=True)
+        self.messages, self.tools, self.ends = trace_to(
+            size, 99, AgentTraceSpec(result_chars=(size // 30, size // 10)),
+            lambda m, t: len(render_chat(ChatCompletionRequest(messages=m, tools=t), config).token_ids))
+        self.body = msgspec.json.encode(chat_body(MODEL, self.messages, self.tools))
+        self.decoder = msgspec.json.Decoder(ChatCompletionRequest)
+        self.req = self.decoder.decode(self.body)
+        self.template = config.template
+        self.prepare = lambda: (convert_developer_role(
+            prepare_messages(self.req.messages, self.template.content_format), self.template),
+            prepare_tools(self.req.tools))
+        self.prepared, self.prepared_tools = self.prepare()
+
+
 def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
     """Where one render's time goes, in this process (best of ``repeats``, thread CPU ms, warm), for the last turn
     of a growing trace of ``size`` tokens: every stage of the /render job, tokenizing as a miss, as a hit, and as
     the growing workload's turns are (the pieces of earlier turns cached, the turn's own new pieces not)."""
     import msgspec
 
-    from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+    from render_service.chat_messages import convert_developer_role, prepare_messages
     from render_service.incremental_tokenizer import IncrementalEncoder
-    from render_service.protocol import ChatCompletionRequest
     from render_service.render import render_chat
-    from render_service.render_config import load_render_config
     from render_service.server import _encode_generate_request
 
-    config = load_render_config(str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * size,
-                                reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    tokenizer = config.tokenizer
-    messages, tools, ends = trace_to(size, 99, AgentTraceSpec(result_chars=(size // 30, size // 10)),
-                                     lambda m, t: len(render_chat(ChatCompletionRequest(messages=m, tools=t), config)
-                                                      .token_ids))
-    body = msgspec.json.encode(chat_body(MODEL, messages, tools))
-    decoder = msgspec.json.Decoder(ChatCompletionRequest)
-    req = decoder.decode(body)
-    template = config.template
-    prepared = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
-    prepared_tools = prepare_tools(req.tools)
+    turn = LastTurn(size)
+    config, messages, ends = turn.config, turn.messages, turn.ends
+    body, decoder, req = turn.body, turn.decoder, turn.req
+    tokenizer, template, prepared, prepared_tools = config.tokenizer, turn.template, turn.prepared, turn.prepared_tools
     text = template.render(prepared, tools=prepared_tools, add_generation_prompt=True)
     gen = render_chat(req, config)
     plain = msgspec.structs.replace(gen, token_ids=list(gen.token_ids))
@@ -449,8 +468,7 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
         "new_tokens_in_turn": new_tokens,
         "ms": {
             "json_decode_request": best(lambda: decoder.decode(body)),
-            "prepare_messages_and_tools": best(lambda: (convert_developer_role(
-                prepare_messages(req.messages, template.content_format), template), prepare_tools(req.tools))),
+            "prepare_messages_and_tools": best(turn.prepare),
             "chat_template": best(lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True)),
             "tokenize_miss_fast_path": best(lambda: tokenizer.encode(text)),
             "tokenize_miss_tokenizers": best(lambda: tokenizer.hf.encode(text, add_special_tokens=False)),

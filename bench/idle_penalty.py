@@ -19,10 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from bench.agent_render_bench import FIXTURE, MODEL, RESULTS, trace_to
-from bench.agent_trace import AgentTraceSpec, chat_body
+from bench.agent_render_bench import RESULTS, LastTurn
 
 
 def median_ms(job: Callable[[], Any], pause_s: float, repeats: int) -> tuple[float, int]:
@@ -48,23 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "idle_penalty.json"))
     args = ap.parse_args(argv)
 
-    from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
-    from render_service.protocol import ChatCompletionRequest
     from render_service.render import render_chat
-    from render_service.render_config import load_render_config
     from render_service.server import _encode_generate_request
 
-    config = load_render_config(str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * args.size,
-                                reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    messages, tools, _ = trace_to(args.size, 99, AgentTraceSpec(result_chars=(args.size // 30, args.size // 10)),
-                                  lambda m, t: len(render_chat(ChatCompletionRequest(messages=m, tools=t), config)
-                                                   .token_ids))
-    body = msgspec.json.encode(chat_body(MODEL, messages, tools))
-    decoder = msgspec.json.Decoder(ChatCompletionRequest)
-    req = decoder.decode(body)
-    template = config.template
-    prepared = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
-    prepared_tools = prepare_tools(req.tools)
+    turn = LastTurn(args.size)
+    config, body, decoder, req, template = turn.config, turn.body, turn.decoder, turn.req, turn.template
     generated = render_chat(req, config)
 
     def whole_job() -> None:
@@ -78,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"after {pause * 1e3:5g} ms asleep: job {ms:.3f} ms (page faults {faults})", flush=True)
     stages: dict[str, Callable[[], Any]] = {
         "json_decode": lambda: decoder.decode(body),
-        "prepare_messages_and_tools": lambda: (convert_developer_role(
-            prepare_messages(req.messages, template.content_format), template), prepare_tools(req.tools)),
-        "chat_template": lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True),
+        "prepare_messages_and_tools": turn.prepare,
+        "chat_template": lambda: template.render(turn.prepared, tools=turn.prepared_tools, add_generation_prompt=True),
         "response_json": lambda: _encode_generate_request(generated),
     }
     longest = max(pauses)
