@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -38,6 +39,20 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def wait_healthy(proc: subprocess.Popen, client: httpx.Client, output: Callable[[], str]) -> None:
+    """Until /health answers 200; fails with the server's output if it exits first, or after two minutes."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, output()
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def two_worker_server():
     port = free_port()
@@ -48,16 +63,7 @@ def two_worker_server():
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+        wait_healthy(proc, client, lambda: proc.stdout.read().decode(errors="replace"))
         yield proc, client
     finally:
         client.close()
@@ -136,16 +142,7 @@ def test_tokenizer_backend_flag_picks_the_encode_path(tmp_path):
              "--port", str(port), "--tokenizer-backend", "tiktoken"], stdout=out, stderr=subprocess.STDOUT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(0.1)
+            wait_healthy(proc, client, log.read_text)
             text = "Grüße, 世界! x\u0301 1234567 def f(): return {'a': [1, 2]}"
             got = client.post("/v1/completions/render", json={"model": str(QWEN3_DIR), "prompt": text})
         assert got.status_code == 200, got.text
