@@ -434,6 +434,7 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
     tokenizer, template, prepared, prepared_tools = config.tokenizer, turn.template, turn.prepared, turn.prepared_tools
     text = template.render(prepared, tools=prepared_tools, add_generation_prompt=True)
     gen = render_chat(req, config)
+    gen_view = render_chat(req, config, ids_view=True)  # as the server renders: ids as the cache's pieces
     plain = msgspec.structs.replace(gen, token_ids=list(gen.token_ids))
     encode_json = msgspec.json.Encoder().encode
     # the turn before (one round less): what a growing conversation's server has cached when this turn arrives
@@ -473,14 +474,17 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
             "tokenize_miss_fast_path": best(lambda: tokenizer.encode(text)),
             "tokenize_miss_tokenizers": best(lambda: tokenizer.hf.encode(text, add_special_tokens=False)),
             # all hits: the prompt seen before, its head from the prefix store (the piece cache for the rest)
-            "tokenize_hit_piece_cache": best(lambda: config.prompt_encoder.encode(text)),
-            "tokenize_hit_pieces_only": best(lambda: pieces_only.encode(text)),  # every piece looked up
-            "tokenize_growing_turn": best(lambda: config.prompt_encoder.encode(text), turn_cache),
+            # (as the server takes them: a PromptIds view, its ids never copied into one list)
+            "tokenize_hit_piece_cache": best(lambda: config.prompt_encoder.encode_ids(text)),
+            "tokenize_hit_pieces_only": best(lambda: pieces_only.encode_ids(text)),  # every piece looked up
+            "tokenize_growing_turn": best(lambda: config.prompt_encoder.encode_ids(text), turn_cache),
             "json_encode_response_ints": best(lambda: encode_json(plain)),
-            "json_encode_response_cached_pieces": best(lambda: _encode_generate_request(gen)),
-            "render_chat_all_hits": best(lambda: render_chat(req, config)),
-            "whole_job_all_hits": best(lambda: _encode_generate_request(render_chat(decoder.decode(body), config))),
-            "whole_job_growing_turn": best(lambda: _encode_generate_request(render_chat(decoder.decode(body), config)),
+            "json_encode_response_cached_pieces": best(lambda: _encode_generate_request(gen_view)),
+            "render_chat_all_hits": best(lambda: render_chat(req, config, ids_view=True)),
+            "whole_job_all_hits": best(lambda: _encode_generate_request(
+                render_chat(decoder.decode(body), config, ids_view=True))),
+            "whole_job_growing_turn": best(lambda: _encode_generate_request(
+                render_chat(decoder.decode(body), config, ids_view=True)),
                                            turn_cache),
         },
     }

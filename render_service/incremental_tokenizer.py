@@ -21,11 +21,12 @@ result against ``tokenizers`` and transformers on every tokenizer kind above.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
 
 import msgspec
 
@@ -150,13 +151,66 @@ class SegmentCache:
                 self.evictions += 1
 
 
-class PromptIds(list[int]):
-    """A prompt's token ids, plus their JSON made of the cached pieces' JSON (``json_array``): a 128k-token
-    prompt's ids then cost a join to write instead of 128k integer conversions. Any list operation that
-    builds a new list (``ids + more``) gives a plain list, whose JSON is written the usual way."""
+class PromptIds(Sequence[int]):
+    """A prompt's token ids as the pieces they were cut in, without a list of every id: the render server
+    writes them to JSON from the pieces' cached JSON (``json_array``: a 128k-token prompt's ids cost a join
+    instead of 128k integer conversions) and reads only their count and the tail (prompt_ends_reasoning),
+    so a prompt the cache mostly holds never copies its ids. ``tolist()`` gives them as a list (built once)."""
 
-    __slots__ = ("json_parts",)
-    json_parts: list[bytes]
+    __slots__ = ("chunks", "json_parts", "_count", "_list")
+
+    def __init__(self, chunks: list[tuple[int, ...]], json_parts: list[bytes], count: int) -> None:
+        self.chunks = chunks
+        self.json_parts = json_parts
+        self._count = count
+        self._list: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist()) if self._list is not None else itertools.chain.from_iterable(self.chunks)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if type(index) is slice and index.step is None and index.stop is None and index.start is not None \
+                and -self._count <= index.start < 0 and self._list is None:
+            return self._tail(-index.start)  # the tail: from the last pieces alone
+        return self.tolist()[index]
+
+    def _tail(self, n: int) -> list[int]:
+        parts: list[tuple[int, ...]] = []
+        have = 0
+        for chunk in reversed(self.chunks):
+            parts.append(chunk)
+            have += len(chunk)
+            if have >= n:
+                break
+        return list(itertools.chain.from_iterable(reversed(parts)))[-n:]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PromptIds):
+            other = other.tolist()
+        return self.tolist() == other
+
+    __hash__ = None  # type: ignore[assignment]  # (as a list's: equal to one, so not hashable)
+
+    def __repr__(self) -> str:
+        return f"PromptIds({self.tolist()!r})"
+
+    def tolist(self) -> list[int]:
+        if self._list is None:
+            ids: list[int] = []
+            extend = ids.extend
+            for chunk in self.chunks:
+                extend(chunk)
+            self._list = ids
+        return self._list
 
     def json_array(self) -> msgspec.Raw:
         return msgspec.Raw(b"[" + b",".join(self.json_parts) + b"]")
@@ -230,11 +284,20 @@ class IncrementalEncoder:
     def encode(self, text: str) -> list[int]:
         if not self.enabled or self._cutter is None:
             return self.tokenizer.encode(text)
-        ids = PromptIds()
+        return self._encode_view(text).tolist()
+
+    def encode_ids(self, text: str) -> Sequence[int]:
+        """``encode(text)``, as a ``PromptIds`` view (its ids never copied into one list) when the cache is on."""
+        if not self.enabled or self._cutter is None:
+            return self.tokenizer.encode(text)
+        return self._encode_view(text)
+
+    def _encode_view(self, text: str) -> PromptIds:
         store = self.prefixes
         reuse = store.find(text) if store is not None else None
         if reuse is None:
             start = 0
+            reused = 0
             chunks: list[tuple[int, ...]] = []
             json_parts: list[bytes] = []
             cuts: list[int] = []
@@ -245,32 +308,33 @@ class IncrementalEncoder:
             start = prompt.cuts[cut]
             kept = prompt.part_counts[cut]
             chunks = list(prompt.chunks[:kept])
-            extend = ids.extend
-            for chunk in chunks:
-                extend(chunk)
+            reused = prompt.id_counts[cut]
             json_parts = list(prompt.json_parts[:kept])
             cuts = list(prompt.cuts[:cut + 1])
             needs = list(prompt.needs[:cut + 1])
             part_counts = list(prompt.part_counts[:cut + 1])
-        reused = len(ids)
-        missed = self._encode_pieces(text, start, ids, chunks, json_parts, (cuts, needs, part_counts))
-        ids.json_parts = json_parts
+            id_counts = list(prompt.id_counts[:cut + 1])
+        if reuse is None:
+            id_counts = []
+        total, missed = self._encode_pieces(text, start, reused, chunks, json_parts,
+                                            (cuts, needs, part_counts, id_counts))
         if store is not None:
-            store.add(StoredPrompt(text, len(ids), tuple(chunks), tuple(json_parts), tuple(cuts), tuple(needs),
-                                   tuple(part_counts)),
+            store.add(StoredPrompt(text, total, tuple(chunks), tuple(json_parts), tuple(cuts), tuple(needs),
+                                   tuple(part_counts), tuple(id_counts)),
                       replaces=None if reuse is None or not store.exhausted(reuse) else reuse.prompt)
         with self.cache._lock:  # counted from both render lanes
             self.miss_tokens += missed
-            self.hit_tokens += len(ids) - missed
+            self.hit_tokens += total - missed
             self.reused_tokens += reused
-        return ids
+        return PromptIds(chunks, json_parts, total)
 
-    def _encode_pieces(self, text: str, start: int, ids: PromptIds, chunks: list[tuple[int, ...]],
-                       json_parts: list[bytes], cut_lists: tuple[list[int], list[int], list[int]]) -> int:
-        """Appends the ids of ``text[start:]`` (``start``: 0 or just after an added token) to ``ids``, and to
-        ``chunks`` and ``json_parts`` the same ids a piece or an added token at a time; to ``cut_lists``
-        (StoredPrompt's cuts, needs, part_counts) its cuts. Tokenizes the pieces the cache lacks; returns how
-        many ids it tokenized."""
+    def _encode_pieces(self, text: str, start: int, count: int, chunks: list[tuple[int, ...]],
+                       json_parts: list[bytes], cut_lists: tuple[list[int], list[int], list[int], list[int]]
+                       ) -> tuple[int, int]:
+        """Appends the ids of ``text[start:]`` (``start``: 0 or just after an added token; ``count`` ids before
+        it) to ``chunks`` a piece or an added token at a time, their JSON to ``json_parts``, and to
+        ``cut_lists`` (StoredPrompt's cuts, needs, part_counts, id_counts) its cuts. Tokenizes the pieces the
+        cache lacks; returns (the ids in all, how many it tokenized)."""
         cache = self.cache
         # split() with a group alternates [piece, token, piece, token, ..., piece]: pieces at even places
         parts = self._cutter.split(text[start:] if start else text)  # type: ignore[union-attr]
@@ -295,13 +359,13 @@ class IncrementalEncoder:
                     entries[k] = _EMPTY_ENTRY
         if fresh:
             cache.put_many(fresh)  # outside the lookup: another lane keeps finding hits meanwhile
-        extend = ids.extend
         add_chunk = chunks.append
         add_json = json_parts.append
-        cuts, needs, part_counts = cut_lists
+        cuts, needs, part_counts, id_counts = cut_lists
         add_cut = cuts.append
         add_need = needs.append
         add_part_count = part_counts.append
+        add_id_count = id_counts.append
         reach = self._reach
         added = self._added_chunks
         at = start
@@ -309,17 +373,18 @@ class IncrementalEncoder:
         for k, entry in enumerate(entries):
             piece_ids, piece_json, _ = entry or _EMPTY_ENTRY  # (every entry is filled in by now)
             if piece_json:  # (empty exactly when there are no ids)
-                extend(piece_ids)
+                count += len(piece_ids)
                 add_chunk(piece_ids)
                 add_json(piece_json)
             token = next(tokens, None)
             if token is not None:
                 token_chunk, token_json = added[token]
-                extend(token_chunk)
+                count += 1
                 add_chunk(token_chunk)
                 add_json(token_json)
                 at += len(pieces[k]) + len(token)
                 add_cut(at)
                 add_need(at + reach[token])
                 add_part_count(len(json_parts))
-        return missed
+                add_id_count(count)
+        return count, missed

@@ -35,10 +35,10 @@ from typing import NamedTuple
 WINDOW = 256
 BUCKET = 4
 # Rough CPython sizes: a tuple slot plus an int object per id (the chunks are the piece cache's, counted
-# again: they outlive an eviction there), two pointers per chunk (it and its JSON), three ints per cut.
+# again: they outlive an eviction there), two pointers per chunk (it and its JSON), four ints per cut.
 _BYTES_PER_ID = 36
 _BYTES_PER_PART = 16
-_BYTES_PER_CUT = 3 * 36
+_BYTES_PER_CUT = 4 * 36
 _ENTRY_OVERHEAD = 400
 _KEY_OVERHEAD = 150  # a bucket key's tuple, str header and dict slot, besides its window of text
 
@@ -53,6 +53,7 @@ class StoredPrompt(NamedTuple):
     cuts: tuple[int, ...]  # offsets just after each added token, ascending
     needs: tuple[int, ...]  # the common head each cut needs: cut + reach of its token
     part_counts: tuple[int, ...]  # chunks (and JSON parts) before each cut
+    id_counts: tuple[int, ...]  # ids before each cut
 
 
 class Reuse(NamedTuple):

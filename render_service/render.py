@@ -284,7 +284,7 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
     return token_ids, kwargs
 
 
-def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig
+def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids_view: bool = False
                         ) -> tuple[list[int], dict[str, Any], list[dict[str, Any]] | None]:
     """``render_chat_prompt``, plus the tools as the template got them (vLLM's shape, ``prepare_tools``; the
     template renders a copy), which the response's ``parse_context`` carries too: prepared once."""
@@ -325,12 +325,14 @@ def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig
         # The template ran on client data and choked on it (say, a number where it expects text).
         message = f"The chat template failed on this request: {type(exc).__name__}: {exc}"
         raise bad_request(message, "messages") from None
-    return encode_prompt(text, config), kwargs, tools
+    return encode_prompt(text, config, view=ids_view), kwargs, tools
 
 
-def encode_prompt(text: str, config: RenderConfig) -> list[int]:
+def encode_prompt(text: str, config: RenderConfig, *, view: bool = False) -> list[int]:
     """The prompt's ids, through the piece cache; a prompt whose length alone proves that it cannot fit the
-    context is refused before any tokenizing (a multi-megabyte prompt would cost seconds of CPU)."""
+    context is refused before any tokenizing (a multi-megabyte prompt would cost seconds of CPU). ``view``:
+    the cache's ``PromptIds`` (typed as the list it reads like) where it has one, for a caller that writes
+    the ids to JSON at once (incremental_tokenizer.PromptIds)."""
     at_least = config.tokenizer.min_tokens(text)
     if at_least >= config.max_model_len:
         raise bad_request(
@@ -340,13 +342,17 @@ def encode_prompt(text: str, config: RenderConfig) -> list[int]:
             "input_tokens",
         )
     encoder = config.prompt_encoder
-    return encoder.encode(text) if encoder is not None else config.tokenizer.encode(text)
+    if encoder is None:
+        return config.tokenizer.encode(text)
+    return cast("list[int]", encoder.encode_ids(text)) if view else encoder.encode(text)
 
 
 def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id: str | None = None,
-                render_fingerprint: str | None = None) -> GenerateRequest:
+                render_fingerprint: str | None = None, ids_view: bool = False) -> GenerateRequest:
     """``request_id``: the caller's X-Request-Id header, if any; ``render_fingerprint``: its
-    x-render-fingerprint header (for ids it rendered already, prerendered.py)."""
+    x-render-fingerprint header (for ids it rendered already, prerendered.py); ``ids_view``: the result's
+    ``token_ids`` may be the piece cache's ``PromptIds`` view, for a caller that only writes it to JSON
+    (server._encode_generate_request)."""
     model = check_model(req.model, config)
     _check_common(req)
     if req.max_tokens is not None and req.max_tokens < 1:
@@ -362,7 +368,7 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     if config.harmony:
         return _render_harmony_chat(req, config, tool_choice, named, request_id, given)
     if given is None:
-        token_ids, kwargs, tools = _render_chat_prompt(req, config)
+        token_ids, kwargs, tools = _render_chat_prompt(req, config, ids_view=ids_view)
     else:  # messages and tools still shape the parsers and the response: checked as if rendered
         if not req.messages:
             raise bad_request("messages must contain at least one message", "messages")

@@ -242,7 +242,7 @@ async def chat_render(request: Request) -> Response:
     request_id = request.headers.get("x-request-id")
 
     def job() -> bytes:
-        result = render_chat(decode(body, ChatCompletionRequest), state.config, request_id=request_id)
+        result = render_chat(decode(body, ChatCompletionRequest), state.config, request_id=request_id, ids_view=True)
         metrics.PROMPT_TOKENS.inc(len(result.token_ids))
         _observe_prompt_cache(state.config)
         return _encode_generate_request(result)

@@ -34,7 +34,8 @@ def encoder(side) -> IncrementalEncoder:
 
 
 def cached_ids(side: Side, encoder: IncrementalEncoder, messages, **kwargs) -> list[int]:
-    return list(encoder.encode(side.template.render(messages, **kwargs)))
+    """The ids as the render server takes them: the cache's PromptIds view, read as a list."""
+    return list(encoder.encode_ids(side.template.render(messages, **kwargs)))
 
 
 @pytest.mark.parametrize("conv", CONVERSATIONS, ids=lambda c: c.name)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from render_service.incremental_tokenizer import IncrementalEncoder, SegmentCache, independence_violation
+from render_service.incremental_tokenizer import IncrementalEncoder, PromptIds, SegmentCache, independence_violation
 from render_service.tokenizer import TextTokenizer
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
@@ -212,8 +212,26 @@ def test_prompt_ids_write_the_same_json_as_plain_ints(qwen_fast):
     encoder = IncrementalEncoder(qwen_fast)
     text = "<|im_start|>system\nhi<|im_end|>\n<|im_start|>user\n<tool_response>\nx y z\n</tool_response><|im_end|>"
     for _ in range(2):  # miss, then hit
-        ids = encoder.encode(text)
+        ids = encoder.encode_ids(text)
+        assert isinstance(ids, PromptIds)
         assert bytes(ids.json_array()) == msgspec.json.encode(ref(qwen_fast, text))
+        assert len(ids) == len(ref(qwen_fast, text)) and ids == ref(qwen_fast, text)
+
+
+def test_prompt_ids_view_reads_like_the_list_it_stands_for(qwen_fast):
+    encoder = IncrementalEncoder(qwen_fast)
+    text = ("<|im_start|>system\nYou help.<|im_end|>\n<|im_start|>user\n<tool_response>\n" + "lines of output " * 40
+            + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    want = ref(qwen_fast, text)
+    for _ in range(2):  # miss, then hit
+        ids = encoder.encode_ids(text)
+        assert isinstance(ids, PromptIds) and len(ids.chunks) > 5
+        assert len(ids) == len(want) and list(ids) == want
+        for n in (1, 2, 3, 7, 63, len(want) - 1, len(want)):  # tails inside the last piece and across pieces
+            assert ids[-n:] == want[-n:]
+        assert ids[0] == want[0] and ids[-1] == want[-1] and ids[5:9] == want[5:9] and ids[::3] == want[::3]
+        assert ids == want and ids.tolist() == want and ids.tolist() is ids.tolist()
+        assert list(ids) == want  # (iterated again once the list is built)
 
 
 def test_hits_and_misses_are_counted_in_tokens(qwen_fast):

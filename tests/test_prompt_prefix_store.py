@@ -120,7 +120,7 @@ def test_store_refuses_bad_bounds_and_skips_prompts_too_short_to_file():
     with pytest.raises(ValueError):
         PrefixStore(-1)
     store = PrefixStore(1 << 20, base=1024)
-    store.add(StoredPrompt("short", 1, ((1,),), (b"1",), (), (), ()))
+    store.add(StoredPrompt("short", 1, ((1,),), (b"1",), (), (), (), ()))
     assert len(store) == 0 and store.find("short and more") is None
 
 

@@ -250,8 +250,7 @@ def reasoning_open_at_prompt_end(
     start_id = tokenizer.token_to_id(parser_cls.start_tag)
     end_id = tokenizer.token_to_id(parser_cls.end_tag)
     special = tokenizer.special_token_ids
-    for i in range(len(prompt_token_ids) - 1, max(len(prompt_token_ids) - 64, -1), -1):
-        t = prompt_token_ids[i]
+    for t in reversed(prompt_token_ids[-63:]):  # (a slice: a PromptIds view reads it from its last pieces)
         if t == end_id:
             return False
         if t == start_id:
