@@ -185,13 +185,16 @@ class PromptIds(Sequence[int]):
 
     def _tail(self, n: int) -> list[int]:
         parts: list[tuple[int, ...]] = []
-        have = 0
         for chunk in reversed(self.chunks):
-            parts.append(chunk)
-            have += len(chunk)
-            if have >= n:
+            if len(chunk) >= n:
+                parts.append(chunk[len(chunk) - n:])
                 break
-        return list(itertools.chain.from_iterable(reversed(parts)))[-n:]
+            parts.append(chunk)
+            n -= len(chunk)
+        tail: list[int] = []
+        for part in reversed(parts):
+            tail.extend(part)
+        return tail
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PromptIds):
