@@ -88,9 +88,9 @@ def start_vllm(venv: Path, version: str, model: Path, port: int, max_len: int, l
 
 
 def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None, max_len: int,
-               tree: Path = peers.REPO) -> int:
+               tree: Path = peers.REPO, env: dict[str, str] | None = None) -> int:
     """Our render server; ``tree``: the checkout whose code it runs (``-m`` puts the working directory first
-    on sys.path), with this interpreter and its packages."""
+    on sys.path), with this interpreter and its packages; ``env``: variables set for it."""
     cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model), "--served-model-name", MODEL,
            "--max-model-len", str(max_len),
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--log-level", "warning",
@@ -98,7 +98,8 @@ def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None, max_l
     if cache_bytes is not None:
         cmd += ["--render-cache-bytes", str(cache_bytes)]
     with open(log, "wb") as handle:
-        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=tree).pid
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=tree,
+                                env={**os.environ, **(env or {})}).pid
 
 
 def git_commit(tree: Path) -> str:

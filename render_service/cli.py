@@ -186,16 +186,35 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
 
     lifecycle = Lifecycle(args.shutdown_grace_seconds)
+    render_app = app
     gateway = bool(args.engine or args.prefill or args.decode)
     openapi = render_openapi(version(), gateway=gateway)
     app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi,
                    timing=GatewayLatency() if gateway else None)
+    settings = uvicorn_connection_settings(args.http_header_timeout)
+    settings["http"] = _with_direct_routes(settings["http"], render_app, lifecycle,
+                                           access_log=not args.disable_uvicorn_access_log)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=vllm_flags.uvicorn_log_level(args), access_log=False,
-        log_config=None, loop="auto", lifespan="off", timeout_graceful_shutdown=2,
-        **uvicorn_connection_settings(args.http_header_timeout),
+        log_config=None, loop="auto", lifespan="off", timeout_graceful_shutdown=2, **settings,
     )
     return DrainingServer(config, lifecycle)
+
+
+DIRECT_HTTP_ENV = "SPLITSERVE_DIRECT_HTTP"  # "0": every request through ASGI (an A/B, or a suspected fault)
+
+
+def _with_direct_routes(protocol: type, app: Any, lifecycle: Any, *, access_log: bool) -> type:
+    """The HTTP protocol answering the render endpoints without the ASGI round trip (direct_http.py), where it
+    is uvicorn's httptools one (h11's keeps the usual path)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from render_service.direct_http import direct_protocol
+    from render_service.server import RawRequest, direct_routes
+
+    if not issubclass(protocol, HttpToolsProtocol) or os.environ.get(DIRECT_HTTP_ENV, "1") == "0":
+        return protocol
+    return direct_protocol(protocol, direct_routes(app), app, RawRequest, lifecycle, access_log)
 
 
 def _bind(host: str, port: int) -> socket.socket:

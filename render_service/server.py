@@ -396,6 +396,17 @@ def own_routes() -> list[Route]:
     ]
 
 
+# The render tier's own POST endpoints, each answered with one JSON Response: the ones direct_http.py may answer
+# from the HTTP protocol itself.
+DIRECT_PATHS = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/chat/completions/derender",
+                "/v1/completions/derender", "/tokenize", "/detokenize")
+
+
+def direct_routes(app: RenderApp) -> dict[bytes, Callable[[Any], Awaitable[Response]]]:
+    """The app's handlers (wrapped by ``endpoint``) of ``DIRECT_PATHS``, by raw path."""
+    return {path.encode(): app.fast_routes[("POST", path)] for path in DIRECT_PATHS}
+
+
 def create_app(
     config: RenderConfig, *, api_key: str | list[str] | None = None, stream_state_secret: str | None = None,
     gateway: Any = None, max_queued_requests: int | None = None,
