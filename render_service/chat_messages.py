@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from render_service.message_memo import MemoMessages, MemoTools
 from render_service.template_sandbox import TemplateError
 from render_service.templates import PlainMessages, PlainTools, plain_copy
 
@@ -33,11 +34,14 @@ def prepare_messages(openai_messages: Iterable[Any], content_format: str = "stri
     under both names, ``name``, ``task`` and a tool's ``tool_call_id`` are kept. Non-text parts are
     refused: the render tier is text-only.
 
-    Every value is a fresh plain copy (``templates.plain_copy``): the render takes them without copying again
-    (``templates.PlainMessages``).
+    Every value is a plain copy (``templates.plain_copy``): the render takes them without copying again
+    (``templates.PlainMessages``). Messages decoded through the memo (``message_memo.MemoMessages``) come out as
+    prepared before, shared and read-only; the others, fresh.
     """
     if content_format not in ("string", "openai"):
         raise TemplateError(f"Unknown chat template content format {content_format!r}")
+    if type(openai_messages) is MemoMessages:
+        return _prepare_memo_messages(openai_messages, content_format)
     if not isinstance(openai_messages, (list, tuple)):
         raise TemplateError("messages must be a list of message objects")
     out = PlainMessages()
@@ -45,6 +49,27 @@ def prepare_messages(openai_messages: Iterable[Any], content_format: str = "stri
         if type(message) is not dict and not isinstance(message, Mapping):
             raise TemplateError(f"messages[{index}] must be an object")
         out.append(_prepare_message(message, index, content_format))
+    return out
+
+
+def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> PlainMessages:
+    """Each message's prepared form for ``content_format``, made once per distinct message JSON (its index
+    only ever shows in an error's text, and errors are not kept)."""
+    out = PlainMessages()
+    entries = messages.entries
+    for index, entry in enumerate(entries):
+        prepared = entry.prepared.get(content_format)
+        if prepared is None:
+            prepared = entry.prepared[content_format] = _prepare_message(entry.value, index, content_format)
+        out.append(prepared)
+    if len(set(map(id, out))) < len(out):
+        # The same message twice: a template sees two objects, as without the memo (``is sameas`` tells them
+        # apart)
+        seen: set[int] = set()
+        for at, prepared in enumerate(out):
+            if id(prepared) in seen:
+                out[at] = plain_copy(prepared)
+            seen.add(id(prepared))
     return out
 
 
@@ -205,6 +230,12 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
     """
     if openai_tools is None:
         return None
+    if type(openai_tools) is MemoTools:  # decoded through the memo: prepared once, shared and read-only
+        memo = openai_tools.entry
+        prepared: list[dict[str, Any]] | None = memo.prepared.get("tools")
+        if prepared is None:
+            prepared = memo.prepared["tools"] = prepare_tools(memo.value)
+        return prepared
     if not isinstance(openai_tools, (list, tuple)):
         raise TemplateError("tools must be a list")
     prepared = PlainTools()  # plain copies: the render takes them as they are

@@ -9,6 +9,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from render_service.errors import bad_request, model_not_found
+from render_service.message_memo import MessageMemo, memo_share
 from render_service.protocol import ChatCompletionRequest
 from render_service.template_budget import DEFAULT_RENDER_SECONDS
 from render_service.templates import ChatTemplate
@@ -62,6 +63,8 @@ class RenderConfig:
     harmony: bool = False
     # Prompt text -> ids through the per-process piece cache (incremental_tokenizer.py); None: the tokenizer's.
     prompt_encoder: Any = None
+    # Chat messages and tools decoded and prepared once per distinct JSON (message_memo.py); None: off
+    message_memo: MessageMemo | None = None
     # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/tool_choice.py)
     tool_strict_level: str = "auto"
     # CPU time of one chat-template render (--chat-template-timeout; template_budget)
@@ -232,12 +235,14 @@ def build_render_config(
         default_chat_template_kwargs=kwargs,
     )
     names = list(served_model_names or []) or [str(bundle.path)]
+    from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
+
+    # --render-cache-bytes: an eighth for the message memo, the rest for the prompt encoder's caches
+    cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
+    memo_bytes = memo_share(cache_bytes)
     prompt_encoder = None
     if isinstance(bundle.tokenizer, TextTokenizer):
-        from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
-
-        prompt_encoder = IncrementalEncoder(
-            bundle.tokenizer, DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes)
+        prompt_encoder = IncrementalEncoder(bundle.tokenizer, cache_bytes - memo_bytes)
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -257,6 +262,7 @@ def build_render_config(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         harmony=harmony,
         prompt_encoder=prompt_encoder,
+        message_memo=MessageMemo(memo_bytes) if memo_bytes > 0 else None,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,
     )

@@ -32,6 +32,7 @@ from render_service.derender_stream import StreamRuntime, derender_chat_stream, 
 from render_service.errors import ApiError, bad_request, error_body, from_decode_error
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.incremental_tokenizer import PromptIds
+from render_service.message_memo import decode_chat_request
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -242,7 +243,8 @@ async def chat_render(request: Request) -> Response:
     request_id = request.headers.get("x-request-id")
 
     def job() -> bytes:
-        result = render_chat(decode(body, ChatCompletionRequest), state.config, request_id=request_id, ids_view=True)
+        req = decode_chat_request(body, state.config.message_memo, decode)
+        result = render_chat(req, state.config, request_id=request_id, ids_view=True)
         metrics.PROMPT_TOKENS.inc(len(result.token_ids))
         _observe_prompt_cache(state.config)
         return _encode_generate_request(result)

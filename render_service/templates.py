@@ -53,14 +53,15 @@ _WITHIN_BOUND = MAX_RENDERED_CHARS.__ge__
 # --------------------------------------------------------------------------- plain data
 
 class PlainMessages(list[dict[str, Any]]):
-    """Messages each a fresh dict whose values are fresh plain copies (``plain_copy``), as
-    ``chat_messages.prepare_messages`` builds them: the render drops their None values and aliases their
-    reasoning (``template_message``) without copying them again."""
+    """Messages each a dict whose values are plain copies (``plain_copy``), as ``chat_messages.prepare_messages``
+    builds them (fresh, or shared read-only between requests by ``message_memo``): the render drops their None
+    values and aliases their reasoning (``template_message``) without copying them again, and never changes
+    them."""
 
 
 class PlainTools(list[dict[str, Any]]):
-    """Tools that are fresh plain copies (``plain_copy``), as ``chat_messages.prepare_tools`` builds them: the
-    render takes them as they are."""
+    """Tools that are plain copies (``plain_copy``), as ``chat_messages.prepare_tools`` builds them (fresh, or
+    shared read-only by ``message_memo``): the render takes them as they are, and never changes them."""
 
 
 def plain_copy(value: Any) -> Any:

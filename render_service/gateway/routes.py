@@ -28,6 +28,7 @@ from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoRep
 from render_service.gateway.merged import MergedStreams, SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
+from render_service.message_memo import decode_chat_request
 from render_service.prerendered import RENDER_KEYS
 from render_service.protocol import (
     ChatCompletionRequest,
@@ -59,7 +60,7 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
 
         def render() -> tuple[ChatCompletionRequest, GenerateRequest]:
-            req = decode(body, ChatCompletionRequest)
+            req = decode_chat_request(body, config.message_memo, decode)
             _check_supported(req)
             return req, render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
 

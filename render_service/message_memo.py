@@ -1,0 +1,176 @@
+"""Chat messages and tools remembered by their raw JSON bytes, so that a turn decodes and prepares only what is new.
+
+Agents resend their whole conversation every turn: all messages but the last few, and the tools, come back as
+the same bytes. ``MessageMemo.decode_chat`` decodes a chat body with each message and the tools array left as raw
+JSON (``msgspec.Raw``, a scan without building objects), then looks each one up by its bytes: a hit gives the
+message as decoded before (and, through ``chat_messages.prepare_messages``/``prepare_tools``, its prepared form for
+a content format), a miss decodes that message alone with the same type as ``ChatCompletionRequest.messages``.
+
+- The key is the length and the first and last bytes (cheap; hashing the whole text would cost about as much as
+  decoding it), and a hit is confirmed by comparing all the bytes: a key shared by different bytes is a miss.
+- Anything that fails (bad JSON, a message that is not an object, a field of the wrong type) answers None, and
+  the caller decodes the body as before: every error is today's, word for word, whatever order it comes in.
+- What a hit hands out is shared between requests and threads: nothing downstream may change it (the chat
+  templates run in an immutable sandbox; render.py, chat_messages.py and templates.py copy before they change).
+- Bounded by an estimate of its bytes (a share of --render-cache-bytes, render_config.py), least recently used
+  dropped first; the two render lanes share it (render_queue.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from render_service.protocol import ChatCompletionRequest
+
+# The memo's part of --render-cache-bytes (the rest is the prompt encoder's, incremental_tokenizer.py).
+MEMO_SHARE_DIVISOR = 8
+# Estimated bytes of an entry: its raw bytes, the decoded message and its prepared form(s) (strings mostly shared
+# between the two), and the entry's own objects. Measured on agent traces: about 5x the JSON (tests check it).
+BYTES_PER_JSON_BYTE = 5
+ENTRY_OVERHEAD = 1024
+# How many bytes of each end of the JSON the key holds: ids and text differ there between messages.
+KEY_END_BYTES = 64
+
+_MESSAGE, _TOOLS = 0, 1
+_FIELDS = msgspec.structs.fields(ChatCompletionRequest)
+_TOOLS_AT = [f.name for f in _FIELDS].index("tools")
+assert _FIELDS[0].name == "messages"
+
+# ChatCompletionRequest with its messages and tools left as raw JSON; every other field as it is there (same
+# types, defaults and names), so that the two decode a body alike.
+_RawChatRequest = msgspec.defstruct(
+    "_RawChatRequest",
+    [("messages", list[msgspec.Raw])]
+    + [(f.name, msgspec.Raw, msgspec.Raw(b"null")) if f.name == "tools" else (f.name, f.type, f.default)
+       for f in _FIELDS[1:]],
+    rename={f.name: f.encode_name for f in _FIELDS},
+    forbid_unknown_fields=ChatCompletionRequest.__struct_config__.forbid_unknown_fields,
+)
+_decode_raw_request = msgspec.json.Decoder(_RawChatRequest).decode
+_DECODERS = {
+    _MESSAGE: msgspec.json.Decoder(_FIELDS[0].type.__args__[0]).decode,  # one element of ``messages``
+    _TOOLS: msgspec.json.Decoder(_FIELDS[_TOOLS_AT].type).decode,
+}
+_astuple = msgspec.structs.astuple
+_NULL = msgspec.Raw(b"null")
+
+
+class MemoEntry:
+    """One message (or tools array): its JSON, its decoded value, and its prepared forms by content format (or
+    ``"tools"``), filled in by chat_messages.py as renders ask for them. Read-only once handed out."""
+
+    __slots__ = ("data", "value", "prepared", "size")
+
+    def __init__(self, data: bytes, value: Any) -> None:
+        self.data = data
+        self.value = value
+        self.prepared: dict[str, Any] = {}
+        self.size = ENTRY_OVERHEAD + BYTES_PER_JSON_BYTE * len(data)
+
+
+class MemoMessages(list[dict[str, Any]]):
+    """``ChatCompletionRequest.messages`` decoded through the memo: shared dicts (read-only), with their entries
+    (``entries[i]`` is message i's) for ``chat_messages.prepare_messages``."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: list[MemoEntry]) -> None:
+        super().__init__(e.value for e in entries)
+        self.entries = entries
+
+
+class MemoTools(list[dict[str, Any]]):
+    """``ChatCompletionRequest.tools`` decoded through the memo: shared (read-only), with its entry for
+    ``chat_messages.prepare_tools``."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: MemoEntry) -> None:
+        super().__init__(entry.value)
+        self.entry = entry
+
+
+class MessageMemo:
+    """A bytes-bounded LRU of ``MemoEntry`` by raw JSON, one per process, shared by the render lanes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        # messages and tools arrays looked up, and those decoded (not found), since start (tests and benches read
+        # them; two lanes may lose a count now and then)
+        self.lookups = 0
+        self.misses = 0
+        self._entries: OrderedDict[tuple[int, int, bytes, bytes], MemoEntry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def decode_chat(self, body: bytes) -> ChatCompletionRequest | None:
+        """The request ``msgspec.json.decode(body, type=ChatCompletionRequest)`` gives, its messages and tools
+        from the memo where seen before; None where anything in the body fails to decode (the caller decodes
+        it the usual way for the error)."""
+        try:
+            raw: Any = _decode_raw_request(body)
+            entries = self._entries_of(_MESSAGE, raw.messages)
+            tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        values = list(_astuple(raw))
+        values[0] = MemoMessages(entries)
+        values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
+        return ChatCompletionRequest(*values)
+
+    def _entries_of(self, kind: int, items: list[msgspec.Raw]) -> list[MemoEntry]:
+        """The entry of each raw JSON value, found or decoded (``msgspec.DecodeError`` where one does not decode
+        as ``kind``). One loop for all: a turn's messages are mostly hits, ~0.3 us each."""
+        found = self._entries.get
+        move_to_end = self._entries.move_to_end
+        out = []
+        for item in items:
+            data = bytes(item)  # our own copy: a Raw holds on to the whole body
+            key = (kind, len(data), data[:KEY_END_BYTES], data[-KEY_END_BYTES:])
+            # A hit takes no lock: OrderedDict's get and move_to_end are each one step under the GIL (these keys
+            # run no Python code), and an entry another lane evicts in between is simply not moved.
+            entry = found(key)
+            if entry is None or entry.data != data:  # the same key for other bytes is a miss
+                entry = self._add(key, MemoEntry(data, _DECODERS[kind](data)))
+            else:
+                try:
+                    move_to_end(key)
+                except KeyError:
+                    pass
+            out.append(entry)
+        self.lookups += len(out)
+        return out
+
+    def _add(self, key: tuple[int, int, bytes, bytes], entry: MemoEntry) -> MemoEntry:
+        self.misses += 1
+        if entry.size <= self.max_bytes:
+            with self._lock:
+                old = self._entries.pop(key, None)  # the same key for other bytes: the newer stays
+                if old is not None:
+                    self.bytes -= old.size
+                self._entries[key] = entry
+                self.bytes += entry.size
+                while self.bytes > self.max_bytes:
+                    self.bytes -= self._entries.popitem(last=False)[1].size
+        return entry
+
+
+def memo_share(cache_bytes: int) -> int:
+    """The memo's bytes out of a --render-cache-bytes budget (0: no memo)."""
+    return cache_bytes // MEMO_SHARE_DIVISOR
+
+
+def decode_chat_request(body: bytes, memo: MessageMemo | None,
+                        decode: Callable[[bytes, type], Any]) -> ChatCompletionRequest:
+    """The body as a ``ChatCompletionRequest``: through ``memo`` where there is one and the body decodes, else
+    by ``decode`` (the server's: its errors are the client's answer)."""
+    req = memo.decode_chat(body) if memo is not None else None
+    return req if req is not None else decode(body, ChatCompletionRequest)
