@@ -131,7 +131,9 @@ class MessageMemo:
         as ``kind``). One loop for all: a turn's messages are mostly hits, ~0.3 us each."""
         found = self._entries.get
         move_to_end = self._entries.move_to_end
+        decode = _DECODERS[kind]
         out = []
+        new: list[tuple[tuple[int, int, bytes, bytes], MemoEntry]] = []
         for item in items:
             data = bytes(item)  # our own copy: a Raw holds on to the whole body
             key = (kind, len(data), data[:KEY_END_BYTES], data[-KEY_END_BYTES:])
@@ -139,28 +141,34 @@ class MessageMemo:
             # run no Python code), and an entry another lane evicts in between is simply not moved.
             entry = found(key)
             if entry is None or entry.data != data:  # the same key for other bytes is a miss
-                entry = self._add(key, MemoEntry(data, _DECODERS[kind](data)))
+                entry = MemoEntry(data, decode(data))
+                new.append((key, entry))
             else:
                 try:
                     move_to_end(key)
                 except KeyError:
                     pass
             out.append(entry)
+        if new:
+            self._add(new)
         self.lookups += len(out)
         return out
 
-    def _add(self, key: tuple[int, int, bytes, bytes], entry: MemoEntry) -> MemoEntry:
-        self.misses += 1
-        if entry.size <= self.max_bytes:
-            with self._lock:
-                old = self._entries.pop(key, None)  # the same key for other bytes: the newer stays
+    def _add(self, new: list[tuple[tuple[int, int, bytes, bytes], MemoEntry]]) -> None:
+        """Keeps the entries just decoded (all of them or none: a request that fails to decode adds nothing)."""
+        self.misses += len(new)
+        entries = self._entries
+        with self._lock:
+            for key, entry in new:
+                if entry.size > self.max_bytes:
+                    continue
+                old = entries.pop(key, None)  # the same key for other bytes: the newer stays
                 if old is not None:
                     self.bytes -= old.size
-                self._entries[key] = entry
+                entries[key] = entry
                 self.bytes += entry.size
-                while self.bytes > self.max_bytes:
-                    self.bytes -= self._entries.popitem(last=False)[1].size
-        return entry
+            while self.bytes > self.max_bytes:
+                self.bytes -= entries.popitem(last=False)[1].size
 
 
 def memo_share(cache_bytes: int) -> int:

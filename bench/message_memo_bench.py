@@ -1,0 +1,137 @@
+"""The message memo (render_service/message_memo.py), on against off, in this process, one run.
+
+The request is the last turn of a growing agent trace (``agent_render_bench.LastTurn``: the trace that
+``agent_render_bench --profile-only`` profiles) at each of --sizes prompt tokens. Stages, each timed with the memo
+off (``render_cache_bytes 0``'s path: ``server.decode`` into ChatCompletionRequest) and on, in one process, the
+two taking turns repeat by repeat so that both see the same machine load; a figure is the best thread-CPU time
+(ms) over --repeats:
+  decode_prepare  decode the body, then prepare_messages + convert_developer_role + prepare_tools (what the chat
+                  template takes). On: the memo holds the turn before (the agent's previous request), so the
+                  turn's earlier messages and its tools are hits and its new messages misses.
+  first_turn      the same with an empty memo (every message a miss): what a conversation's first request, or
+                  one the memo no longer holds, costs against no memo.
+  whole_job       the /render job: decode + render_chat + the response's JSON (server._encode_generate_request);
+                  the memo as in decode_prepare, the prompt encoder holding the turn before in both.
+Ratios: off / on (above 1: the memo saves), and first_turn on / off (the price of a miss).
+
+usage: python -m bench.message_memo_bench [--sizes 8192,32768,131072] [--repeats 30]
+Results: bench/results/message_memo_bench.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench import peers
+from bench.agent_render_bench import MODEL, LastTurn, git_commit
+from bench.agent_trace import chat_body
+
+RESULTS = peers.REPO / "bench" / "results"
+
+
+def measure_size(size: int, repeats: int) -> dict[str, Any]:
+    from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+    from render_service.incremental_tokenizer import IncrementalEncoder
+    from render_service.message_memo import MessageMemo, decode_chat_request
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render import render_chat
+    from render_service.server import _encode_generate_request, decode
+
+    turn = LastTurn(size)
+    config, template, body = turn.config, turn.template, turn.body
+    memo_bytes = config.message_memo.max_bytes
+    before = turn.messages[:max(e for e in turn.ends if e < len(turn.messages))]
+    before_body = msgspec.json.encode(chat_body(MODEL, before, turn.tools))
+    before_text = template.render(convert_developer_role(prepare_messages(before, template.content_format),
+                                                         template), tools=prepare_tools(turn.tools),
+                                  add_generation_prompt=True)
+
+    def decode_prepare(memo: MessageMemo | None, data: bytes) -> None:
+        req = decode_chat_request(data, memo, decode)
+        convert_developer_role(prepare_messages(req.messages, template.content_format), template)
+        prepare_tools(req.tools)
+
+    def warm_memo() -> MessageMemo:
+        memo = MessageMemo(memo_bytes)
+        decode_prepare(memo, before_body)
+        return memo
+
+    def turn_cache(memo: MessageMemo | None) -> None:
+        config.message_memo = memo
+        config.prompt_encoder = IncrementalEncoder(config.tokenizer)
+        config.prompt_encoder.encode(before_text)
+
+    def whole_job() -> None:
+        _encode_generate_request(render_chat(decode_chat_request(body, config.message_memo, decode), config))
+
+    # (setup untimed, timed): each returns what the timed part needs
+    stages: dict[str, dict[str, tuple[Any, Any]]] = {
+        "decode_prepare": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
+                           "on": (warm_memo, lambda m: decode_prepare(m, body))},
+        "first_turn": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
+                       "on": (lambda: MessageMemo(memo_bytes), lambda m: decode_prepare(m, body))},
+        "whole_job": {"off": (lambda: turn_cache(None), lambda m: whole_job()),
+                      "on": (lambda: turn_cache(warm_memo()), lambda m: whole_job())},
+    }
+    # the same ids either way, before any timing
+    reference = decode(body, ChatCompletionRequest)
+    turn_cache(None)
+    want = list(render_chat(reference, config).token_ids)
+    turn_cache(warm_memo())
+    if list(render_chat(decode_chat_request(body, config.message_memo, decode), config).token_ids) != want:
+        raise SystemExit("token ids differ with the memo; refusing to time")
+
+    best: dict[str, dict[str, float]] = {stage: {"off": float("inf"), "on": float("inf")} for stage in stages}
+    for repeat in range(repeats):
+        for stage, sides in stages.items():
+            for side in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
+                setup, timed = sides[side]
+                state = setup()
+                started = time.thread_time()
+                timed(state)
+                spent = time.thread_time() - started
+                best[stage][side] = min(best[stage][side], spent)
+    ms = {stage: {side: round(1e3 * v, 3) for side, v in sides.items()} for stage, sides in best.items()}
+    return {
+        "prompt_tokens": len(want), "messages": len(turn.messages), "new_messages_in_turn": len(turn.messages) - len(before),
+        "body_bytes": len(body), "ms": ms,
+        "ratios": {
+            "decode_prepare_off_over_on": round(ms["decode_prepare"]["off"] / ms["decode_prepare"]["on"], 2),
+            "whole_job_off_over_on": round(ms["whole_job"]["off"] / ms["whole_job"]["on"], 3),
+            "first_turn_on_over_off": round(ms["first_turn"]["on"] / ms["first_turn"]["off"], 3),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--note", default="", help="what to record about the machine (shared? load?)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "message_memo_bench.json")
+    args = ap.parse_args(argv)
+    results = {str(size): measure_size(int(size), args.repeats) for size in args.sizes.split(",")}
+    out = {
+        "bench": "message_memo_bench", "commit": git_commit(peers.REPO), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
+                    "note": args.note},
+        "command": "python -m bench.message_memo_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "repeats": args.repeats, "sizes": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({size: {**r["ms"], **r["ratios"]} for size, r in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
