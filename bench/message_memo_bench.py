@@ -8,11 +8,13 @@ two taking turns repeat by repeat so that both see the same machine load; a figu
   decode_prepare  decode the body, then prepare_messages + convert_developer_role + prepare_tools (what the chat
                   template takes). On: the memo holds the turn before (the agent's previous request), so the
                   turn's earlier messages and its tools are hits and its new messages misses.
+  all_hits        the same with the memo holding this turn already (the body sent again).
   first_turn      the same with an empty memo (every message a miss): what a conversation's first request, or
                   one the memo no longer holds, costs against no memo.
   whole_job       the /render job: decode + render_chat + the response's JSON (server._encode_generate_request);
                   the memo as in decode_prepare, the prompt encoder holding the turn before in both.
-Ratios: off / on (above 1: the memo saves), and first_turn on / off (the price of a miss).
+  first_turn_whole_job  the same job with the memo and the prompt encoder empty (every piece tokenized).
+Ratios: off / on (above 1: the memo saves), and the first turns' on / off (the price of a miss).
 
 usage: python -m bench.message_memo_bench [--sizes 8192,32768,131072] [--repeats 30]
 Results: bench/results/message_memo_bench.json (or --out).
@@ -65,10 +67,19 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
         decode_prepare(memo, before_body)
         return memo
 
+    def seen_turn() -> MessageMemo:
+        memo = warm_memo()
+        decode_prepare(memo, body)
+        return memo
+
     def turn_cache(memo: MessageMemo | None) -> None:
         config.message_memo = memo
         config.prompt_encoder = IncrementalEncoder(config.tokenizer)
         config.prompt_encoder.encode(before_text)
+
+    def cold(memo: MessageMemo | None) -> None:
+        config.message_memo = memo
+        config.prompt_encoder = IncrementalEncoder(config.tokenizer)
 
     def whole_job() -> None:
         _encode_generate_request(render_chat(decode_chat_request(body, config.message_memo, decode), config))
@@ -77,10 +88,14 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
     stages: dict[str, dict[str, tuple[Any, Any]]] = {
         "decode_prepare": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
                            "on": (warm_memo, lambda m: decode_prepare(m, body))},
+        "all_hits": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
+                     "on": (seen_turn, lambda m: decode_prepare(m, body))},
         "first_turn": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
                        "on": (lambda: MessageMemo(memo_bytes), lambda m: decode_prepare(m, body))},
         "whole_job": {"off": (lambda: turn_cache(None), lambda m: whole_job()),
                       "on": (lambda: turn_cache(warm_memo()), lambda m: whole_job())},
+        "first_turn_whole_job": {"off": (lambda: cold(None), lambda m: whole_job()),
+                                 "on": (lambda: cold(MessageMemo(memo_bytes)), lambda m: whole_job())},
     }
     # the same ids either way, before any timing
     reference = decode(body, ChatCompletionRequest)
@@ -102,12 +117,16 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
                 best[stage][side] = min(best[stage][side], spent)
     ms = {stage: {side: round(1e3 * v, 3) for side, v in sides.items()} for stage, sides in best.items()}
     return {
-        "prompt_tokens": len(want), "messages": len(turn.messages), "new_messages_in_turn": len(turn.messages) - len(before),
-        "body_bytes": len(body), "ms": ms,
+        "prompt_tokens": len(want), "messages": len(turn.messages), "body_bytes": len(body),
+        "new_messages_in_turn": len(turn.messages) - len(before),
+        "new_message_bytes_in_turn": sum(len(msgspec.json.encode(m)) for m in turn.messages[len(before):]), "ms": ms,
         "ratios": {
             "decode_prepare_off_over_on": round(ms["decode_prepare"]["off"] / ms["decode_prepare"]["on"], 2),
+            "all_hits_off_over_on": round(ms["all_hits"]["off"] / ms["all_hits"]["on"], 2),
             "whole_job_off_over_on": round(ms["whole_job"]["off"] / ms["whole_job"]["on"], 3),
             "first_turn_on_over_off": round(ms["first_turn"]["on"] / ms["first_turn"]["off"], 3),
+            "first_turn_whole_job_on_over_off": round(ms["first_turn_whole_job"]["on"]
+                                                      / ms["first_turn_whole_job"]["off"], 3),
         },
     }
 

@@ -33,8 +33,11 @@ MEMO_SHARE_DIVISOR = 8
 # between the two), and the entry's own objects. Measured on agent traces: about 5x the JSON (tests check it).
 BYTES_PER_JSON_BYTE = 5
 ENTRY_OVERHEAD = 1024
-# How many bytes of each end of the JSON the key holds: ids and text differ there between messages.
-KEY_END_BYTES = 64
+# How many bytes of each end of the JSON the key holds: ids and text differ there between messages (the head is
+# long enough to hold an assistant message's first tool call id whatever the key order). Messages alike in length
+# and at both ends are told apart by their bytes, but take turns in the key's one place.
+KEY_HEAD_BYTES = 128
+KEY_TAIL_BYTES = 64
 
 _MESSAGE, _TOOLS = 0, 1
 _FIELDS = msgspec.structs.fields(ChatCompletionRequest)
@@ -136,7 +139,7 @@ class MessageMemo:
         new: list[tuple[tuple[int, int, bytes, bytes], MemoEntry]] = []
         for item in items:
             data = bytes(item)  # our own copy: a Raw holds on to the whole body
-            key = (kind, len(data), data[:KEY_END_BYTES], data[-KEY_END_BYTES:])
+            key = (kind, len(data), data[:KEY_HEAD_BYTES], data[-KEY_TAIL_BYTES:])
             # A hit takes no lock: OrderedDict's get and move_to_end are each one step under the GIL (these keys
             # run no Python code), and an entry another lane evicts in between is simply not moved.
             entry = found(key)

@@ -20,7 +20,14 @@ import pytest
 
 from render_service.chat_messages import prepare_messages, prepare_tools
 from render_service.errors import ApiError
-from render_service.message_memo import MemoMessages, MemoTools, MessageMemo, decode_chat_request
+from render_service.message_memo import (
+    KEY_HEAD_BYTES,
+    KEY_TAIL_BYTES,
+    MemoMessages,
+    MemoTools,
+    MessageMemo,
+    decode_chat_request,
+)
 from render_service.protocol import ChatCompletionRequest
 from render_service.render import render_chat
 from render_service.render_config import RenderConfig, build_render_config
@@ -163,7 +170,7 @@ def test_the_request_decoded_through_the_memo_equals_the_usual_one():
 
 def test_messages_alike_at_both_ends_and_in_length_are_told_apart():
     on, off = config(), config(0)
-    ends = "a" * 100
+    ends = "a" * max(KEY_HEAD_BYTES, KEY_TAIL_BYTES)
     for middle in ("first", "other", "first", "thirD"):  # one key, three different texts
         message = {"role": "user", "content": ends + middle + ends}
         body = json.dumps({"model": MODEL, "messages": [message]}).encode()
@@ -356,3 +363,28 @@ def test_the_size_estimate_covers_what_an_entry_holds():
     finally:
         tracemalloc.stop()
     assert held <= memo.bytes <= 3 * held
+
+
+def test_nesting_at_the_decoders_depth_limit_is_decoded_as_without_the_memo():
+    memo = config().message_memo
+
+    def body(depth: int) -> bytes:
+        return (f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "x", "n": '
+                + "[" * depth + "]" * depth + "}]}").encode()
+
+    def decoded(memo: MessageMemo | None, depth: int) -> Any:
+        try:
+            return msgspec.structs.asdict(decode_chat_request(body(depth), memo, decode))
+        except ApiError as exc:
+            return exc.status, exc.message, exc.param
+
+    depth, deepest = 1, 100_000  # the deepest the plain decode takes, found by halving
+    while depth < deepest:
+        mid = (depth + deepest + 1) // 2
+        if isinstance(decoded(None, mid), dict):
+            depth = mid
+        else:
+            deepest = mid - 1
+    for n in range(depth - 3, depth + 4):
+        assert decoded(memo, n) == decoded(None, n)
+    assert decoded(memo, depth + 1)[0] == 400
