@@ -82,7 +82,8 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
         config.prompt_encoder = IncrementalEncoder(config.tokenizer)
 
     def whole_job() -> None:
-        _encode_generate_request(render_chat(decode_chat_request(body, config.message_memo, decode), config))
+        _encode_generate_request(render_chat(decode_chat_request(body, config.message_memo, decode), config,
+                                             ids_view=True))
 
     # (setup untimed, timed): each returns what the timed part needs
     stages: dict[str, dict[str, tuple[Any, Any]]] = {

@@ -127,7 +127,7 @@ def answer(cfg: RenderConfig, body: bytes) -> tuple[int, bytes]:
     """What the chat render job answers for ``body``: (status, JSON), as server.chat_render does."""
     try:
         req = decode_chat_request(body, cfg.message_memo, decode)
-        return 200, _encode_generate_request(render_chat(req, cfg, request_id="memo-test"))
+        return 200, _encode_generate_request(render_chat(req, cfg, request_id="memo-test", ids_view=True))
     except ApiError as exc:
         return exc.status, json.dumps([exc.message, exc.param]).encode()
 
