@@ -283,10 +283,12 @@ def serve(args: argparse.Namespace) -> int:
         gateway = build_gateway(args)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
                          gateway=gateway, max_queued_requests=args.max_queued_requests)
-        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s)",
+        logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s; "
+                    "message memo: %s)",
                     model_dir, time.perf_counter() - started, config.fingerprint, config.max_model_len,
                     getattr(config.tokenizer, "encode_backend_reason", "the bundle's own"),
-                    config.prompt_encoder.reason if config.prompt_encoder is not None else "none")
+                    config.prompt_encoder.reason if config.prompt_encoder is not None else "none",
+                    f"{config.message_memo.max_bytes} bytes" if config.message_memo is not None else "off")
         # What was loaded lives as long as the process: keep it out of the garbage collector's full passes
         # (the vocabulary alone made each one cost ~15 ms, paid by whichever request triggered it), and
         # out of copy-on-write faults in forked workers.
