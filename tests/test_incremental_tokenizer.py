@@ -234,6 +234,24 @@ def test_prompt_ids_view_reads_like_the_list_it_stands_for(qwen_fast):
         assert list(ids) == want  # (iterated again once the list is built)
 
 
+@pytest.mark.parametrize("text", ["plain words, one piece", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"])
+@pytest.mark.parametrize("request_id", [None, 'chatcmpl-x", "token_ids":[1,2]', "\"token_ids\":["])
+def test_the_render_response_writes_view_ids_as_plain_ints(qwen_fast, text, request_id):
+    """server._encode_generate_request joins the pieces' JSON into the response: the bytes msgspec writes for
+    the same request with a plain list, whatever the request id holds."""
+    import msgspec
+
+    from render_service.protocol import GenerateRequest, SamplingParams
+    from render_service.server import _encode_generate_request
+
+    ids = IncrementalEncoder(qwen_fast).encode_ids(text)
+    assert isinstance(ids, PromptIds)
+    gen = GenerateRequest(request_id=request_id, token_ids=ids, sampling_params=SamplingParams(max_tokens=5),
+                          parse_context={"tools": None, "token_ids": [7]})
+    plain = msgspec.structs.replace(gen, token_ids=ref(qwen_fast, text))
+    assert _encode_generate_request(gen) == msgspec.json.encode(plain)
+
+
 def test_hits_and_misses_are_counted_in_tokens(qwen_fast):
     encoder = IncrementalEncoder(qwen_fast)
     text = "<|im_start|>user\nsome words here<|im_end|>\n"
