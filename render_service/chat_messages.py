@@ -61,6 +61,10 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
         prepared = entry.prepared.get(content_format)
         if prepared is None:
             prepared = entry.prepared[content_format] = _prepare_message(entry.value, index, content_format)
+            for call in prepared.get("tool_calls") or ():  # what templates write with tojson every turn
+                function = call.get("function") if type(call) is dict else None
+                if type(function) is dict and type(function.get("arguments")) is dict:
+                    entry.lend(function["arguments"])
         out.append(prepared)
     if len(set(map(id, out))) < len(out):
         # The same message twice: a template sees two objects, as without the memo (``is sameas`` tells them
@@ -235,6 +239,8 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
         prepared: list[dict[str, Any]] | None = memo.prepared.get("tools")
         if prepared is None:
             prepared = memo.prepared["tools"] = prepare_tools(memo.value)
+            for tool in prepared or ():
+                memo.lend(tool)
         return prepared
     if not isinstance(openai_tools, (list, tuple)):
         raise TemplateError("tools must be a list")

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from render_service.protocol import ChatCompletionRequest
+from render_service.tojson_cache import DEFAULT_TEXTS
 
 # The memo's part of --render-cache-bytes (the rest is the prompt encoder's, incremental_tokenizer.py).
 MEMO_SHARE_DIVISOR = 8
@@ -67,13 +68,25 @@ class MemoEntry:
     """One message (or tools array): its JSON, its decoded value, and its prepared forms by content format (or
     ``"tools"``), filled in by chat_messages.py as renders ask for them. Read-only once handed out."""
 
-    __slots__ = ("data", "value", "prepared", "size")
+    __slots__ = ("data", "value", "prepared", "size", "lent")
 
     def __init__(self, data: bytes, value: Any) -> None:
         self.data = data
         self.value = value
         self.prepared: dict[str, Any] = {}
         self.size = ENTRY_OVERHEAD + BYTES_PER_JSON_BYTE * len(data)
+        self.lent: list[Any] = []  # values of its prepared forms whose tojson text is kept (tojson_cache.lend)
+
+    def lend(self, value: Any) -> None:
+        """Keeps the ``tojson`` text of ``value`` (a part of a prepared form) while this entry is kept."""
+        if DEFAULT_TEXTS.lend(value):
+            self.lent.append(value)
+
+    def release(self) -> None:
+        """Dropped from the memo: the texts it lent are taken back (their values may be let go now)."""
+        for value in self.lent:
+            DEFAULT_TEXTS.unlend(value)
+        self.lent = []
 
 
 class MemoMessages(list[dict[str, Any]]):
@@ -168,10 +181,13 @@ class MessageMemo:
                 old = entries.pop(key, None)  # the same key for other bytes: the newer stays
                 if old is not None:
                     self.bytes -= old.size
+                    old.release()
                 entries[key] = entry
                 self.bytes += entry.size
             while self.bytes > self.max_bytes:
-                self.bytes -= entries.popitem(last=False)[1].size
+                dropped = entries.popitem(last=False)[1]
+                self.bytes -= dropped.size
+                dropped.release()
 
 
 def memo_share(cache_bytes: int) -> int:

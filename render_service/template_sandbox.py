@@ -34,7 +34,7 @@ from render_service.template_budget import (
 )
 from render_service.template_inline import DICT_ATTRIBUTES as _DICT_ATTRIBUTES
 from render_service.template_inline import InlineReadsCodeGenerator, InlineTemplate
-from render_service.tojson_cache import JsonTextCache
+from render_service.tojson_cache import DEFAULT_TEXTS
 
 # A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
 # real chat templates are tens of KB.
@@ -77,7 +77,7 @@ def _raise_exception(message: Any) -> None:
 
 
 # HF's default options, remembered per value (templates call tojson per tool and tool call, every turn).
-_TOJSON_DEFAULT = JsonTextCache()
+_TOJSON_DEFAULT = DEFAULT_TEXTS
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,

@@ -13,6 +13,11 @@ written the same way by ``json.dumps``. A value msgspec cannot encode (an int pa
 is dumped as before, uncached, and an error ``json.dumps`` raises is raised each time, as without the cache.
 The values kept are the templates' own copies of request data (templates.py builds them fresh per render,
 and the sandbox cannot change them).
+
+Values shared between renders (the message memo's prepared tools and tool-call arguments, message_memo.py) are
+*lent*: their text is kept by identity while their owner holds them unchanged, and a template's ``tojson`` of
+one is a dict lookup (no msgpack key, no equality walk). The owner takes them back (``unlend``) before it lets
+go of them, so an identity is never matched to another object.
 """
 
 from __future__ import annotations
@@ -39,11 +44,30 @@ class JsonTextCache:
         self.bytes = 0
         self._texts: OrderedDict[bytes, tuple[Any, str, int]] = OrderedDict()  # key -> (value, text, size)
         self._lock = threading.Lock()
+        self._lent: dict[int, tuple[Any, str]] = {}  # id(value) -> (value, text), while its owner keeps it as is
 
     def __len__(self) -> int:
         return len(self._texts)
 
+    def lend(self, value: Any) -> bool:
+        """Keeps ``value``'s text by identity until ``unlend(value)``; its owner must not change it meanwhile.
+        False (and nothing kept) when ``json.dumps`` refuses it."""
+        try:
+            text = self.dumps(value)
+        except (TypeError, ValueError, RecursionError):
+            return False
+        self._lent[id(value)] = (value, text)
+        return True
+
+    def unlend(self, value: Any) -> None:
+        found = self._lent.get(id(value))
+        if found is not None and found[0] is value:
+            self._lent.pop(id(value), None)
+
     def dumps(self, value: Any) -> str:
+        lent = self._lent.get(id(value))
+        if lent is not None and lent[0] is value:
+            return lent[1]
         try:
             key = _key_of(value)
         except (TypeError, ValueError, OverflowError, RecursionError):  # msgspec.EncodeError is a ValueError
@@ -68,3 +92,7 @@ class JsonTextCache:
                 while self.bytes > self.max_bytes:
                     self.bytes -= self._texts.popitem(last=False)[1][2]
         return text
+
+
+# HF's default options (``tojson`` without arguments), shared by every template of the process.
+DEFAULT_TEXTS = JsonTextCache()

@@ -322,6 +322,24 @@ def test_a_tiny_budget_evicts_and_still_answers_as_without_the_memo():
     assert len(memo) < 6 and memo.misses > 30
 
 
+def test_an_evicted_entry_takes_back_the_tojson_texts_it_lent():
+    from render_service.tojson_cache import DEFAULT_TEXTS
+
+    cfg = config(8 * 8192)
+    memo = cfg.message_memo
+    lent_before: dict[int, Any] = {}  # (the values held: their ids stay theirs)
+    for body in growing_bodies(33, 12):
+        answer(cfg, body)
+        live = [v for e in memo._entries.values() for v in e.lent]
+        lent_before.update((id(v), v) for v in live)
+        for value in live:  # every value a kept entry lent is written by identity, as json.dumps writes it
+            assert DEFAULT_TEXTS._lent[id(value)] == (value, json.dumps(value, ensure_ascii=False))
+    assert lent_before, "no tool call arguments or tools were lent"
+    kept = {id(v) for e in memo._entries.values() for v in e.lent}
+    gone = [v for key, v in lent_before.items() if key not in kept]
+    assert gone and all(DEFAULT_TEXTS._lent.get(id(v), (None,))[0] is not v for v in gone)
+
+
 def test_two_threads_sharing_a_small_memo_answer_as_without_it():
     on, off = config(8 * 64 * 1024), config(0)
     work = {seed: growing_bodies(seed, 8) for seed in (41, 42, 43, 44)}

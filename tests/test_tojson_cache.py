@@ -73,3 +73,22 @@ def test_the_template_filter_keeps_hf_options_and_caches_only_the_defaults():
     assert _tojson(value) == json.dumps(value, ensure_ascii=False)
     assert _tojson(value, indent=2) == json.dumps(value, ensure_ascii=False, indent=2)
     assert _tojson(value, sort_keys=True, ensure_ascii=True) == json.dumps(value, sort_keys=True)
+
+
+def test_a_lent_value_is_written_by_identity_until_taken_back():
+    cache = JsonTextCache()
+    value = {"city": "Paris", "days": [1, 2]}
+    assert cache.lend(value)
+    assert cache.dumps(value) == _expected(value)
+    equal = {"city": "Paris", "days": [1, 2]}
+    assert cache.dumps(equal) == _expected(equal)  # another object: the usual path
+    cache.unlend(value)
+    value["city"] = "Lyon"  # its owner may change it once taken back: the text follows
+    assert cache.dumps(value) == _expected(value)
+    cache.unlend(value)  # (twice: nothing happens)
+
+
+def test_a_value_json_dumps_refuses_is_not_lent():
+    cache = JsonTextCache()
+    assert not cache.lend({"when": datetime(2026, 1, 1, tzinfo=timezone.utc)})
+    assert not cache.lend(float("nan")) or cache.dumps(float("nan")) == "NaN"
