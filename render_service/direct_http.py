@@ -116,7 +116,7 @@ def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, ma
     the paths of ``routes`` (raw paths) directly; ``app``: the application the handlers read their state from
     (``scope["app"]``, as RenderApp sets it); ``make_request``: the handlers' request object."""
 
-    class DirectHttp(base):  # type: ignore[misc, valid-type]
+    class DirectHttp(base):  # type: ignore[misc]
         cycle: Any  # uvicorn's RequestResponseCycle, or a DirectCycle
 
         def on_headers_complete(self) -> None:

@@ -24,11 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
+from render_service.body_prefix_store import BodyStore, StoredBody, element_offsets, skip_whitespace
 from render_service.protocol import ChatCompletionRequest
 from render_service.tojson_cache import DEFAULT_TEXTS
 
-# The memo's part of --render-cache-bytes (the rest is the prompt encoder's, incremental_tokenizer.py).
+# The memo's part of --render-cache-bytes, and as much again for recent bodies (body_prefix_store.py); the rest is
+# the prompt encoder's (incremental_tokenizer.py).
 MEMO_SHARE_DIVISOR = 8
 # Estimated bytes of an entry: its raw bytes, the decoded message and its prepared form(s) (strings mostly shared
 # between the two), and the entry's own objects. Measured on agent traces: about 5x the JSON (tests check it).
@@ -114,8 +117,10 @@ class MemoTools(list[dict[str, Any]]):
 class MessageMemo:
     """A bytes-bounded LRU of ``MemoEntry`` by raw JSON, one per process, shared by the render lanes."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, body_bytes: int = 0) -> None:
+        """``max_bytes``: the bound of the entries; ``body_bytes``: of the recent bodies (0: none kept)."""
         self.max_bytes = max_bytes
+        self.bodies = BodyStore(body_bytes) if body_bytes else None
         self.bytes = 0
         # messages and tools arrays looked up, and those decoded (not found), since start (tests and benches read
         # them; two lanes may lose a count now and then)
@@ -130,17 +135,77 @@ class MessageMemo:
     def decode_chat(self, body: bytes) -> ChatCompletionRequest | None:
         """The request ``msgspec.json.decode(body, type=ChatCompletionRequest)`` gives, its messages and tools
         from the memo where seen before; None where anything in the body fails to decode (the caller decodes
-        it the usual way for the error)."""
+        it the usual way for the error). The messages a recent body holds at the same places are taken from it
+        without being scanned again (body_prefix_store.py)."""
+        bodies = self.bodies
         try:
-            raw: Any = _decode_raw_request(body)
-            entries = self._entries_of(_MESSAGE, raw.messages)
+            found = bodies.find(body) if bodies is not None and type(body) is bytes else None
+            decoded = self._decode_after(body, *found) if found is not None else None
+            if decoded is None:
+                found = None
+                raw: Any = _decode_raw_request(body)
+                entries = self._entries_of(_MESSAGE, raw.messages)
+            else:
+                raw, entries = decoded
             tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
         except (msgspec.DecodeError, RecursionError):
             return None
+        if bodies is not None and type(body) is bytes:
+            self._keep_body(bodies, body, raw, entries, found)
         values = list(_astuple(raw))
         values[0] = MemoMessages(entries)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
+
+    def _decode_after(self, body: bytes, stored: StoredBody, common: int) -> tuple[Any, list[MemoEntry]] | None:
+        """The body decoded with its messages 1 to ``common - 1`` (``stored``'s, at the same places) cut out, and
+        every message's entry; None where the cut does not apply (the usual decode then answers). The first
+        message stays: that the decoded array's first element is the one at its place proves the array decoded
+        is the one cut (a second ``messages`` key would otherwise go unseen)."""
+        at = skip_whitespace(body, stored.ends[common - 1])
+        if at >= len(body):
+            return None
+        first_end = stored.ends[0]
+        if body[at] == 0x2C:  # ",": more messages follow
+            at = skip_whitespace(body, at + 1)
+            if at >= len(body) or body[at] == 0x5D:  # a trailing comma (", ]") the cut would hide
+                return None
+            document = body[:first_end] + b"," + body[at:]
+        elif body[at] == 0x5D:  # "]"
+            document = body[:first_end] + body[at:]
+        else:
+            return None
+        raw: Any = _decode_raw_request(document)
+        items = raw.messages
+        if not items or _address(items[0]) - _address(document) != stored.starts[0] \
+                or len(items[0]) != first_end - stored.starts[0]:
+            return None
+        return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:])
+
+    def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
+                   found: tuple[StoredBody, int] | None) -> None:
+        """Files ``body`` with where its messages are, for the next turn; nothing where they cannot be placed for
+        certain (the offsets are checked against the body byte for byte)."""
+        if not entries:
+            return
+        if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
+            first = _address(raw.messages[0]) - _address(body)
+            offsets = element_offsets(body, first, [e.data for e in entries]) if 0 <= first < len(body) else None
+            starts, ends = offsets if offsets is not None else ([], [])
+        else:
+            stored, common = found
+            starts, ends = list(stored.starts[:common]), list(stored.ends[:common])
+            if len(entries) > common:
+                tail = element_offsets(body, skip_whitespace(body, skip_whitespace(body, ends[-1]) + 1),
+                                       [e.data for e in entries[common:]])
+                if tail is None:
+                    return
+                starts += tail[0]
+                ends += tail[1]
+        if len(starts) != len(entries):
+            return
+        replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
+        bodies.add(StoredBody(body, tuple(starts), tuple(ends), tuple(entries)), replaces)
 
     def _entries_of(self, kind: int, items: list[msgspec.Raw]) -> list[MemoEntry]:
         """The entry of each raw JSON value, found or decoded (``msgspec.DecodeError`` where one does not decode
@@ -191,8 +256,13 @@ class MessageMemo:
 
 
 def memo_share(cache_bytes: int) -> int:
-    """The memo's bytes out of a --render-cache-bytes budget (0: no memo)."""
+    """The memo's bytes out of a --render-cache-bytes budget (0: no memo), and as much for recent bodies."""
     return cache_bytes // MEMO_SHARE_DIVISOR
+
+
+def _address(buffer: Any) -> int:
+    """Where a bytes-like object's memory starts (read-only buffers too)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def decode_chat_request(body: bytes, memo: MessageMemo | None,

@@ -18,29 +18,26 @@ the same way up to ``c``, the pieces before it are the same strings, and their i
 is deterministic; pieces are independent: incremental_tokenizer's proof). The rest is cut and tokenized
 afresh.
 
-Found through checkpoints: a prompt is filed under (c, the ``WINDOW`` characters before c) for c = ``base``,
-2 * base, 4 * base ... up to its length, so prompts that share only a system prompt and tools do not crowd one
-another out (a lookup tries the largest checkpoint first). A bucket keeps its ``BUCKET`` newest prompts; the
-store drops least recently used prompts past ``max_bytes`` (estimated), and at once a prompt whose ids a newer
-one reused up to the last cut it could give (the same conversation's earlier turn).
+Found through checkpoints of the prompt's text (head_index.HeadIndex: the ``WINDOW`` characters before each of
+base, 2 * base, 4 * base ...), so prompts that share only a system prompt and tools do not crowd one another out.
+The store drops least recently used prompts past ``max_bytes`` (estimated), and at once a prompt whose ids a
+newer one reused up to the last cut it could give (the same conversation's earlier turn).
 """
 
 from __future__ import annotations
 
-import threading
 from bisect import bisect_right
-from collections import OrderedDict
 from typing import NamedTuple
 
+from render_service.head_index import HeadStore
+
 WINDOW = 256
-BUCKET = 4
 # Rough CPython sizes: a tuple slot plus an int object per id (the chunks are the piece cache's, counted
 # again: they outlive an eviction there), two pointers per chunk (it and its JSON), four ints per cut.
 _BYTES_PER_ID = 36
 _BYTES_PER_PART = 16
 _BYTES_PER_CUT = 4 * 36
 _ENTRY_OVERHEAD = 400
-_KEY_OVERHEAD = 150  # a bucket key's tuple, str header and dict slot, besides its window of text
 
 
 class StoredPrompt(NamedTuple):
@@ -96,40 +93,19 @@ def _size(prompt: StoredPrompt) -> int:
             + _BYTES_PER_PART * len(prompt.chunks) + _BYTES_PER_CUT * len(prompt.cuts))
 
 
-class PrefixStore:
-    """Per process, shared by the render lanes (one lock); prompts shorter than ``base`` characters are not kept."""
+class PrefixStore(HeadStore[StoredPrompt, str]):
+    """Per process, shared by the render lanes; prompts shorter than ``base`` characters are not kept."""
 
     def __init__(self, max_bytes: int, base: int = 1024) -> None:
-        if max_bytes < 0 or base < 1:
-            raise ValueError("the prefix store needs max_bytes >= 0 and base >= 1")
-        self.max_bytes = max_bytes
-        self.base = base
-        self.bytes = 0
-        self.reused = 0  # lookups that found a stored head, since start
-        self._prompts: OrderedDict[int, tuple[StoredPrompt, int, list[tuple[int, str]]]] = OrderedDict()
-        self._buckets: dict[tuple[int, str], list[StoredPrompt]] = {}
-        self._lock = threading.Lock()
+        super().__init__(max_bytes, base, WINDOW)
 
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-    def _checkpoints(self, length: int) -> list[int]:
-        """base, 2 * base, ... up to ``length``, largest first."""
-        points = []
-        point = self.base
-        while point <= length:
-            points.append(point)
-            point *= 2
-        return points[::-1]
-
-    def _key(self, text: str, point: int) -> tuple[int, str]:
-        return point, text[max(0, point - WINDOW):point]
+    @property
+    def _prompts(self) -> dict[int, tuple[StoredPrompt, int, list[tuple[int, str]]]]:
+        return self._index._values
 
     def find(self, text: str) -> Reuse | None:
         """The stored prompt and cut that reuse the most of ``text``; None when nothing worth a lookup is found."""
-        for point in self._checkpoints(len(text)):
-            with self._lock:
-                candidates = list(self._buckets.get(self._key(text, point), ()))
+        for candidates in self._index.candidates(text):
             best: Reuse | None = None
             best_at = -1
             for prompt in candidates:  # stored prompts are never changed: compared outside the lock
@@ -137,10 +113,7 @@ class PrefixStore:
                 if cut >= 0 and prompt.cuts[cut] > best_at:
                     best, best_at = Reuse(prompt, cut), prompt.cuts[cut]
             if best is not None:
-                with self._lock:
-                    if id(best.prompt) in self._prompts:
-                        self._prompts.move_to_end(id(best.prompt))
-                    self.reused += 1
+                self._index.touch(best.prompt)
                 return best
         return None
 
@@ -153,34 +126,4 @@ class PrefixStore:
         ``prompt`` reused up to the last cut it can give (``exhausted``): ``prompt`` has the same cuts up to
         there and the same text a margin beyond, so any text reuses at least as much of ``prompt`` (the same
         conversation's earlier turn)."""
-        points = self._checkpoints(len(prompt.text))
-        keys = [self._key(prompt.text, point) for point in points]
-        size = _size(prompt) + sum(_KEY_OVERHEAD + len(w) * (1 if w.isascii() else 4) for _, w in keys)
-        if not keys or size > self.max_bytes // 4:  # one huge prompt must not flush every other
-            return
-        with self._lock:
-            if replaces is not None:
-                self._drop(id(replaces))
-            self._prompts[id(prompt)] = (prompt, size, keys)
-            self.bytes += size
-            for key in keys:
-                bucket = self._buckets.setdefault(key, [])
-                bucket.insert(0, prompt)
-                if len(bucket) > BUCKET:
-                    del bucket[BUCKET:]  # still filed under its larger checkpoints
-            while self.bytes > self.max_bytes:
-                self._drop(next(iter(self._prompts)))
-
-    def _drop(self, key: int) -> None:
-        entry = self._prompts.pop(key, None)
-        if entry is None:
-            return
-        prompt, size, keys = entry
-        self.bytes -= size
-        for bucket_key in keys:
-            bucket = self._buckets.get(bucket_key)
-            if bucket is None:
-                continue
-            bucket[:] = [p for p in bucket if p is not prompt]
-            if not bucket:
-                del self._buckets[bucket_key]
+        self._index.add(prompt, prompt.text, _size(prompt), replaces)

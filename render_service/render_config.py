@@ -237,12 +237,13 @@ def build_render_config(
     names = list(served_model_names or []) or [str(bundle.path)]
     from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
 
-    # --render-cache-bytes: an eighth for the message memo, the rest for the prompt encoder's caches
+    # --render-cache-bytes: an eighth for the message memo, an eighth for its recent bodies, the rest for the
+    # prompt encoder's caches
     cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
     memo_bytes = memo_share(cache_bytes)
     prompt_encoder = None
     if isinstance(bundle.tokenizer, TextTokenizer):
-        prompt_encoder = IncrementalEncoder(bundle.tokenizer, cache_bytes - memo_bytes)
+        prompt_encoder = IncrementalEncoder(bundle.tokenizer, cache_bytes - 2 * memo_bytes)
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -262,7 +263,7 @@ def build_render_config(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         harmony=harmony,
         prompt_encoder=prompt_encoder,
-        message_memo=MessageMemo(memo_bytes) if memo_bytes > 0 else None,
+        message_memo=MessageMemo(memo_bytes, memo_bytes) if memo_bytes > 0 else None,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,
     )

@@ -1,0 +1,168 @@
+"""Recent chat bodies (render_service/body_prefix_store.py): a body whose head a stored one shares is decoded with
+the stored messages cut out, and decodes to exactly what the whole body decodes to, or is left to the usual decode
+(and its usual error) where the cut does not apply."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import pytest
+
+from render_service.body_prefix_store import BodyStore, StoredBody, element_offsets
+from render_service.message_memo import MessageMemo, decode_chat_request
+from render_service.protocol import ChatCompletionRequest
+from render_service.server import decode
+from tests.test_message_memo import MODEL, TOOLS, growing_bodies
+
+PLAIN = msgspec.json.Decoder(ChatCompletionRequest)
+LONG = "a long line of tool output " * 60  # bodies past the store's 1 KiB base
+
+
+def memo() -> MessageMemo:
+    return MessageMemo(1 << 24, 1 << 24)
+
+
+def same_as_plain(memo_: MessageMemo, body: bytes) -> ChatCompletionRequest | None:
+    """The body through the memo; when it decodes, it must re-encode to what the plain decode re-encodes to."""
+    got = memo_.decode_chat(body)
+    if got is not None:
+        assert msgspec.json.encode(got) == msgspec.json.encode(PLAIN.decode(body))
+    return got
+
+
+def body_of(messages: list[dict], separators: tuple[str, str] = (", ", ": "), **fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": messages, **fields}, separators=separators).encode()
+
+
+def conversation(turns: int) -> list[dict]:
+    messages = [{"role": "system", "content": "You are terse."}]
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"step {i}: {LONG}"}, {"role": "assistant", "content": f"done {i}"}]
+    return messages
+
+
+def test_element_offsets_place_each_element_or_refuse():
+    body = b'{"m": [ {"a": 1} ,\n\t{"b": [2, 3]},{"c": "x, y"} ]}'
+    items = [b'{"a": 1}', b'{"b": [2, 3]}', b'{"c": "x, y"}']
+    first = body.index(b'{"a"')
+    starts, ends = element_offsets(body, first, items)
+    assert [body[s:e] for s, e in zip(starts, ends)] == items
+    assert element_offsets(body, first + 1, items) is None  # not where it says
+    assert element_offsets(body.replace(b"},{", b"} {"), first, items) is None  # no comma between
+    assert element_offsets(body, first, [items[0], b'{"b": [2, 4]}']) is None  # other bytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_growing_conversations_decode_as_the_whole_body_does(seed):
+    m = memo()
+    for body in growing_bodies(100 + seed, 14, max_tokens=50):
+        assert same_as_plain(m, body) is not None
+    assert m.bodies is not None and m.bodies.reused > 5
+
+
+def test_each_turn_reuses_the_previous_one_and_replaces_it():
+    m = memo()
+    messages = conversation(3)
+    for turn in range(3, 9):
+        messages += [{"role": "user", "content": f"more {turn} {LONG}"}]
+        assert same_as_plain(m, body_of(messages, tools=TOOLS)) is not None
+    assert m.bodies is not None and m.bodies.reused == 5 and len(m.bodies) == 1
+
+
+@pytest.mark.parametrize("separators", [(", ", ": "), (",", ":")])
+def test_what_follows_the_common_messages_is_decoded_from_the_new_body(separators):
+    m = memo()
+    messages = conversation(4)
+    same_as_plain(m, body_of(messages, separators, max_tokens=5))
+    cases = [
+        body_of(messages, separators, max_tokens=9, temperature=0.5),  # other fields after the messages
+        body_of(messages[:3], separators, max_tokens=5),  # fewer messages: the array closes after the common ones
+        body_of(messages[:3] + [{"role": "user", "content": "new"}], separators),  # a new third message
+        body_of([*messages[:5], {**messages[5], "content": "edited"}, *messages[6:]], separators),  # an edit inside
+        body_of(messages + [{"role": "tool", "tool_call_id": "c", "content": LONG}], separators, tools=TOOLS),
+        body_of([{"role": "system", "content": "Other."}] + messages[1:], separators),  # differs in the first
+    ]
+    for body in cases:
+        assert same_as_plain(m, body) is not None
+
+
+def test_bodies_the_cut_would_hide_a_fault_in_get_the_usual_error():
+    m = memo()
+    messages = conversation(4)
+    good = body_of(messages)
+    same_as_plain(m, good)
+    head, _ = good.rsplit(b"]", 1)
+    bad = [
+        head + b", ]}",  # a trailing comma
+        head + b",]}",
+        head + b", 5]}",  # an element that is not a message
+        head + b" {}]}",  # no comma
+        head + b", {\"role\": \"user\", \"content\": \"x\"}",  # never closed
+        head + b"]",  # the object never closed
+        head + b"], \"messages\": 3}",  # a second messages key of the wrong type
+    ]
+    for body in bad:
+        assert m.decode_chat(body) is None
+        with pytest.raises(Exception) as usual:
+            PLAIN.decode(body)
+        with pytest.raises(type(usual.value)):
+            decode_chat_request(body, m, lambda b, k: PLAIN.decode(b))
+        assert m.decode_chat(good) is not None  # and the stored turn still serves
+
+
+def test_a_second_messages_key_is_read_as_the_whole_body_reads_it():
+    m = memo()
+    messages = conversation(3)
+    first = body_of(messages)
+    same_as_plain(m, first)
+    twice = first[:-1] + b', "messages": ' + json.dumps(messages[:2]).encode() + b"}"
+    same_as_plain(m, twice)
+    same_as_plain(m, twice[:-1] + b"}")
+
+
+def test_the_store_is_bounded_and_drops_the_least_recently_used():
+    store = BodyStore(64 * 1024)
+    kept = []
+    for i in range(40):
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i} {LONG}"}]}).encode()
+        stored = StoredBody(body, (body.index(b'{"role'),), (len(body) - 2,), (None,))
+        store.add(stored)
+        kept.append(stored)
+        assert store.bytes <= store.max_bytes
+    assert 0 < len(store) < 40
+    assert store.find(kept[-1].body) is not None and store.find(kept[0].body) is None
+    huge = b"x" * (64 * 1024)
+    store.add(StoredBody(huge, (0,), (1,), (None,)))  # over a quarter of the bound: not kept
+    assert store.find(huge) is None
+
+
+def test_random_edits_of_a_stored_body_decode_as_the_whole_body_does():
+    rng = random.Random(7)
+    m = memo()
+    messages = conversation(5)
+    base = body_of(messages, tools=TOOLS, max_tokens=20)
+    same_as_plain(m, base)
+    for _ in range(300):
+        body = bytearray(base)
+        for _ in range(rng.randint(1, 3)):  # flip, drop or insert a byte somewhere after the head
+            at = rng.randrange(200, len(body))
+            choice = rng.random()
+            if choice < 0.4:
+                body[at] = rng.choice(b' ,]}{"\\:0a\n')
+            elif choice < 0.7:
+                del body[at]
+            else:
+                body.insert(at, rng.choice(b' ,]}{"\\:0a\n'))
+        raw = bytes(body)
+        try:
+            want = msgspec.json.encode(PLAIN.decode(raw))
+        except (msgspec.DecodeError, RecursionError):
+            assert m.decode_chat(raw) is None
+            continue
+        got = m.decode_chat(raw)
+        if got is not None:
+            assert msgspec.json.encode(got) == want
+        else:  # (the usual decode answers: the server's own decode path)
+            assert msgspec.json.encode(decode(raw, ChatCompletionRequest)) == want
