@@ -14,6 +14,8 @@ a content format), a miss decodes that message alone with the same type as ``Cha
   templates run in an immutable sandbox; render.py, chat_messages.py and templates.py copy before they change).
 - Bounded by an estimate of its bytes (a share of --render-cache-bytes, render_config.py), least recently used
   dropped first; the two render lanes share it (render_queue.py).
+- With ``body_bytes``, recent bodies are kept with where each message sits (body_prefix_store.py): a body that
+  starts with one of them takes its messages without the scan, and only the rest is decoded.
 """
 
 from __future__ import annotations
