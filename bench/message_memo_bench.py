@@ -14,7 +14,9 @@ two taking turns repeat by repeat so that both see the same machine load; a figu
   whole_job       the /render job: decode + render_chat + the response's JSON (server._encode_generate_request);
                   the memo as in decode_prepare, the prompt encoder holding the turn before in both.
   first_turn_whole_job  the same job with the memo and the prompt encoder empty (every piece tokenized).
-Ratios: off / on (above 1: the memo saves), and the first turns' on / off (the price of a miss).
+Ratios: off / on (above 1: the memo saves), and the first turns' on / off (the price of a miss). A third side,
+"bodies", is the memo with its recent bodies as the server runs it (body_prefix_store.py: the previous turn's body
+kept, so the turn's earlier messages are neither decoded nor scanned), in decode_prepare and whole_job.
 
 usage: python -m bench.message_memo_bench [--sizes 8192,32768,131072] [--repeats 30]
 Results: bench/results/message_memo_bench.json (or --out).
@@ -62,8 +64,8 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
         convert_developer_role(prepare_messages(req.messages, template.content_format), template)
         prepare_tools(req.tools)
 
-    def warm_memo() -> MessageMemo:
-        memo = MessageMemo(memo_bytes)
+    def warm_memo(body_bytes: int = 0) -> MessageMemo:
+        memo = MessageMemo(memo_bytes, body_bytes)
         decode_prepare(memo, before_body)
         return memo
 
@@ -88,13 +90,15 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
     # (setup untimed, timed): each returns what the timed part needs
     stages: dict[str, dict[str, tuple[Any, Any]]] = {
         "decode_prepare": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
-                           "on": (warm_memo, lambda m: decode_prepare(m, body))},
+                           "on": (warm_memo, lambda m: decode_prepare(m, body)),
+                           "bodies": (lambda: warm_memo(memo_bytes), lambda m: decode_prepare(m, body))},
         "all_hits": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
                      "on": (seen_turn, lambda m: decode_prepare(m, body))},
         "first_turn": {"off": (lambda: None, lambda m: decode_prepare(None, body)),
                        "on": (lambda: MessageMemo(memo_bytes), lambda m: decode_prepare(m, body))},
         "whole_job": {"off": (lambda: turn_cache(None), lambda m: whole_job()),
-                      "on": (lambda: turn_cache(warm_memo()), lambda m: whole_job())},
+                      "on": (lambda: turn_cache(warm_memo()), lambda m: whole_job()),
+                      "bodies": (lambda: turn_cache(warm_memo(memo_bytes)), lambda m: whole_job())},
         "first_turn_whole_job": {"off": (lambda: cold(None), lambda m: whole_job()),
                                  "on": (lambda: cold(MessageMemo(memo_bytes)), lambda m: whole_job())},
     }
@@ -106,10 +110,11 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
     if list(render_chat(decode_chat_request(body, config.message_memo, decode), config).token_ids) != want:
         raise SystemExit("token ids differ with the memo; refusing to time")
 
-    best: dict[str, dict[str, float]] = {stage: {"off": float("inf"), "on": float("inf")} for stage in stages}
+    best: dict[str, dict[str, float]] = {stage: dict.fromkeys(sides, float("inf")) for stage, sides in stages.items()}
     for repeat in range(repeats):
         for stage, sides in stages.items():
-            for side in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
+            names = list(sides)
+            for side in names[repeat % len(names):] + names[:repeat % len(names)]:  # each side first in turn
                 setup, timed = sides[side]
                 state = setup()
                 started = time.thread_time()
@@ -125,6 +130,9 @@ def measure_size(size: int, repeats: int) -> dict[str, Any]:
             "decode_prepare_off_over_on": round(ms["decode_prepare"]["off"] / ms["decode_prepare"]["on"], 2),
             "all_hits_off_over_on": round(ms["all_hits"]["off"] / ms["all_hits"]["on"], 2),
             "whole_job_off_over_on": round(ms["whole_job"]["off"] / ms["whole_job"]["on"], 3),
+            "decode_prepare_on_over_bodies": round(ms["decode_prepare"]["on"] / ms["decode_prepare"]["bodies"], 2),
+            "whole_job_on_over_bodies": round(ms["whole_job"]["on"] / ms["whole_job"]["bodies"], 3),
+            "whole_job_off_over_bodies": round(ms["whole_job"]["off"] / ms["whole_job"]["bodies"], 3),
             "first_turn_on_over_off": round(ms["first_turn"]["on"] / ms["first_turn"]["off"], 3),
             "first_turn_whole_job_on_over_off": round(ms["first_turn_whole_job"]["on"]
                                                       / ms["first_turn_whole_job"]["off"], 3),

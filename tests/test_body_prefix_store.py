@@ -14,14 +14,17 @@ from render_service.body_prefix_store import BodyStore, StoredBody, element_offs
 from render_service.message_memo import MessageMemo, decode_chat_request
 from render_service.protocol import ChatCompletionRequest
 from render_service.server import decode
-from tests.test_message_memo import MODEL, TOOLS, growing_bodies
+from tests.test_message_memo import MODEL, TOOLS, answer, config, growing_bodies
 
 PLAIN = msgspec.json.Decoder(ChatCompletionRequest)
 LONG = "a long line of tool output " * 60  # bodies past the store's 1 KiB base
 
 
 def memo() -> MessageMemo:
-    return MessageMemo(1 << 24, 1 << 24)
+    """A memo with recent bodies filed from 1 KiB on (the server's files them from 32 KiB)."""
+    m = MessageMemo(1 << 24, 1 << 24)
+    m.bodies = BodyStore(1 << 24, base=1024)
+    return m
 
 
 def same_as_plain(memo_: MessageMemo, body: bytes) -> ChatCompletionRequest | None:
@@ -123,7 +126,7 @@ def test_a_second_messages_key_is_read_as_the_whole_body_reads_it():
 
 
 def test_the_store_is_bounded_and_drops_the_least_recently_used():
-    store = BodyStore(64 * 1024)
+    store = BodyStore(64 * 1024, base=1024)
     kept = []
     for i in range(40):
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i} {LONG}"}]}).encode()
@@ -166,3 +169,16 @@ def test_random_edits_of_a_stored_body_decode_as_the_whole_body_does():
             assert msgspec.json.encode(got) == want
         else:  # (the usual decode answers: the server's own decode path)
             assert msgspec.json.encode(decode(raw, ChatCompletionRequest)) == want
+
+
+def test_the_server_configuration_renders_long_growing_conversations_as_without_the_memo():
+    on, off = config(), config(0)  # the server's split of --render-cache-bytes: bodies from 32 KiB on
+    messages = conversation(2)
+    for turn in range(20):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": f"c{turn}", "type": "function",
+                      "function": {"name": "get_weather", "arguments": json.dumps({"city": f"city {turn}"})}}]},
+                     {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn}: {LONG}"}]
+        body = body_of(messages, tools=TOOLS)
+        assert answer(on, body) == answer(off, body)
+    assert on.message_memo is not None and on.message_memo.bodies is not None
+    assert len(body) > 32 * 1024 and on.message_memo.bodies.reused >= 3
