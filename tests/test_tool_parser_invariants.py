@@ -35,6 +35,12 @@ def test_generated_outputs_keep_both_invariants(name, data, cuts):
     check_parser(family, data.draw(outputs(family)), cuts)
 
 
+def test_a_value_ending_in_a_backslash_before_the_closing_tag_keeps_both_invariants():
+    # found by test_generated_outputs_keep_both_invariants[seed_oss]: the check took "\\<" for an escape
+    text = "<seed:tool_call>\n<function=get_weather>\n<parameter=city>\\</parameter>\n</function>\n</seed:tool_call>"
+    check_parser(FAMILIES["seed_oss"], text, [3, 40, 60])
+
+
 @pytest.mark.parametrize("name", NAMES)
 @FAST
 @given(data=st.data(), cuts=CUTS)

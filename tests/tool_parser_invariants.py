@@ -233,9 +233,12 @@ def assert_arguments_are_objects(calls: list[dict[str, Any]]) -> None:
 
 
 def assert_nothing_lost(family: ToolFamily, text: str, seen: list[str]) -> None:
-    raw = _ESCAPE.sub(" ", text)
+    # Markup first: a backslash right before a tag ("\\</parameter>") is a value's last character, and taken
+    # as an escape it would eat the tag's "<" and leave the tag's letters behind as if lost.
+    raw = text
     for tag in sorted(family.markup, key=len, reverse=True):
         raw = raw.replace(tag, " ")
+    raw = _ESCAPE.sub(" ", raw)
     missing = _letters(raw) - _letters(" ".join(seen))
     assert not missing, f"{family.name} lost {dict(missing)} of {text!r}: {seen}"
 
