@@ -188,7 +188,7 @@ class MessageMemo:
                    found: tuple[StoredBody, int] | None) -> None:
         """Files ``body`` with where its messages are, for the next turn; nothing where they cannot be placed for
         certain (the offsets are checked against the body byte for byte)."""
-        if not entries:
+        if not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
             return
         if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
             first = _address(raw.messages[0]) - _address(body)
