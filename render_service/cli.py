@@ -68,10 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--render-cache-bytes", type=int, default=None, metavar="BYTES",
                        help="per worker process: chat messages and tools decoded before, by their JSON (an "
                             "eighth), recent request bodies (an eighth), and of the rest, token ids of prompt "
-                            "pieces seen before (agents resend "
-                            "their conversation every turn; three quarters) and of recent prompts, found again "
-                            "by their head (a quarter), least recently used dropped first; 0 disables "
-                            "(default 256 MiB)")
+                            "pieces seen before (agents resend their conversation every turn; three quarters) "
+                            "and of recent prompts, found again by their head (a quarter), least recently used "
+                            "dropped first; 0 disables (default 256 MiB)")
     serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                        help="per worker process: renders allowed to wait for a render thread; more are answered "
                             "429 with Retry-After (default: no bound)")
