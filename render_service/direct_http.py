@@ -28,7 +28,7 @@ from typing import Any
 from starlette.responses import Response
 
 from render_service.errors import ApiError, error_body
-from splitserve_common.lifecycle import DRAINING_BODY, Lifecycle, access_logger, client_request_id
+from splitserve_common.lifecycle import DRAINING_BODY, DRAINING_HEADERS, Lifecycle, client_request_id, log_access
 from splitserve_common.logs import request_id_var
 
 logger = logging.getLogger("render_service.direct_http")
@@ -42,8 +42,7 @@ DirectHandler = Callable[[Any], Awaitable[Response]]
 RequestFactory = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]]], Any]
 
 _STATUS_LINES: dict[int, bytes] = {}
-_DRAINING_HEADERS = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1"),
-                     (b"content-length", b"%d" % len(DRAINING_BODY))]
+_DRAINING_HEADERS = [*DRAINING_HEADERS, (b"content-length", b"%d" % len(DRAINING_BODY))]
 _INTERNAL_ERROR = Response(error_body(ApiError("Internal server error", 500)), status_code=500,
                            media_type="application/json")
 
@@ -175,9 +174,7 @@ def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, ma
                 self._write(cycle, status, headers, body, request_id)
             finally:
                 if access_log:
-                    access_logger.info("%s %s %d", "POST", scope["path"], status, extra={
-                        "method": "POST", "path": scope["path"], "status": status,
-                        "duration_ms": round((time.perf_counter() - started) * 1e3, 3)})
+                    log_access("POST", scope["path"], status, started)
                 request_id_var.reset(token)
 
         def _write(self, cycle: DirectCycle, status: int, headers: list[tuple[bytes, bytes]],

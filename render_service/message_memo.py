@@ -143,25 +143,28 @@ class MessageMemo:
         try:
             found = bodies.find(body) if bodies is not None and type(body) is bytes else None
             decoded = self._decode_after(body, *found) if found is not None else None
+            tail_start = 0
             if decoded is None:
                 found = None
                 raw: Any = _decode_raw_request(body)
                 entries = self._entries_of(_MESSAGE, raw.messages)
             else:
-                raw, entries = decoded
+                raw, entries, tail_start = decoded
             tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
         except (msgspec.DecodeError, RecursionError):
             return None
         if bodies is not None and type(body) is bytes:
-            self._keep_body(bodies, body, raw, entries, found)
+            self._keep_body(bodies, body, raw, entries, found, tail_start)
         values = list(_astuple(raw))
         values[0] = MemoMessages(entries)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
 
-    def _decode_after(self, body: bytes, stored: StoredBody, common: int) -> tuple[Any, list[MemoEntry]] | None:
-        """The body decoded with its messages 1 to ``common - 1`` (``stored``'s, at the same places) cut out, and
-        every message's entry; None where the cut does not apply (the usual decode then answers). The first
+    def _decode_after(self, body: bytes, stored: StoredBody, common: int
+                      ) -> tuple[Any, list[MemoEntry], int] | None:
+        """The body decoded with its messages 1 to ``common - 1`` (``stored``'s, at the same places) cut out,
+        every message's entry, and where the messages after the common ones start (or the array closes); None where
+        the cut does not apply (the usual decode then answers). The first
         message stays: that the decoded array's first element is the one at its place proves the array decoded
         is the one cut (a second ``messages`` key would otherwise go unseen)."""
         at = skip_whitespace(body, stored.ends[common - 1])
@@ -182,12 +185,13 @@ class MessageMemo:
         if not items or _address(items[0]) - _address(document) != stored.starts[0] \
                 or len(items[0]) != first_end - stored.starts[0]:
             return None
-        return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:])
+        return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:]), at
 
     def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
-                   found: tuple[StoredBody, int] | None) -> None:
-        """Files ``body`` with where its messages are, for the next turn; nothing where they cannot be placed for
-        certain (the offsets are checked against the body byte for byte)."""
+                   found: tuple[StoredBody, int] | None, tail_start: int) -> None:
+        """Files ``body`` with where its messages are, for the next turn (``tail_start``: where the messages after
+        ``found``'s common ones start); nothing where they cannot be placed for certain (the offsets are checked
+        against the body byte for byte)."""
         if not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
             return
         if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
@@ -198,8 +202,7 @@ class MessageMemo:
             stored, common = found
             starts, ends = list(stored.starts[:common]), list(stored.ends[:common])
             if len(entries) > common:
-                tail = element_offsets(body, skip_whitespace(body, skip_whitespace(body, ends[-1]) + 1),
-                                       [e.data for e in entries[common:]])
+                tail = element_offsets(body, tail_start, [e.data for e in entries[common:]])
                 if tail is None:
                     return
                 starts += tail[0]

@@ -32,6 +32,8 @@ access_logger = logging.getLogger("splitserve.access")
 UNCOUNTED_PATHS = frozenset({"/health", "/ping", "/load", "/metrics"})
 DRAINING_BODY = (b'{"error":{"message":"The server is shutting down; retry on another replica",'
                  b'"type":"ServiceUnavailableError","param":null,"code":503}}')
+# Connection: close moves a keep-alive client to another replica on its next request.
+DRAINING_HEADERS = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1")]
 
 
 class RequestTiming(Protocol):
@@ -136,17 +138,20 @@ class OpsMiddleware:
                 timing.finished(timed, time.perf_counter() - started)
         finally:
             if self.access_log:
-                level = logging.INFO if counted else logging.DEBUG
-                access_logger.log(level, "%s %s %d", scope.get("method"), path, status, extra={
-                    "method": scope.get("method"), "path": path, "status": status,
-                    "duration_ms": round((time.perf_counter() - started) * 1e3, 3)})
+                log_access(scope.get("method"), path, status, started, counted)
             request_id_var.reset(token)
 
     @staticmethod
     async def _refuse(send: Any, path: str) -> None:
-        # Connection: close moves a keep-alive client to another replica on its next request.
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1")]
-        await _send_body(send, 503, b"" if path == "/health" else DRAINING_BODY, headers)
+        await _send_body(send, 503, b"" if path == "/health" else DRAINING_BODY, list(DRAINING_HEADERS))
+
+
+def log_access(method: str | None, path: str, status: int, started: float, counted: bool = True) -> None:
+    """The access log's line for one request (``started``: its perf_counter at arrival); probes and scrapes
+    (not ``counted``) at DEBUG."""
+    access_logger.log(logging.INFO if counted else logging.DEBUG, "%s %s %d", method, path, status, extra={
+        "method": method, "path": path, "status": status,
+        "duration_ms": round((time.perf_counter() - started) * 1e3, 3)})
 
 
 async def _send_body(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
