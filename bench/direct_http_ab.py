@@ -32,21 +32,9 @@ from bench.agent_render_bench import (
     long_context_model,
     start_ours,
 )
-from bench.peers import REPO
+from bench.peers import REPO, wait_healthy
 
 SERVERS = {"direct": {}, "asgi": {"SPLITSERVE_DIRECT_HTTP": "0"}}
-
-
-def wait_ready(client: httpx.Client, deadline_s: float = 120.0) -> None:
-    until = time.monotonic() + deadline_s
-    while time.monotonic() < until:
-        try:
-            if client.get("/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("a render server did not come up")
 
 
 def server_cpu_ms(client: httpx.Client, cpu: TreeCpu, body: bytes) -> float:
@@ -76,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             pids[name] = start_ours(model, port, logs / f"{name}.log", None, 4 * args.size, env=env)
             clients[name] = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         for name, client in clients.items():
-            wait_ready(client)
+            wait_healthy(str(client.base_url), pids[name])
             cpus[name] = TreeCpu(pids[name])
             for body in bodies.values():
                 for _ in range(10):  # warm: the pieces cached, the code paths run
