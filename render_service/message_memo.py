@@ -164,9 +164,9 @@ class MessageMemo:
                       ) -> tuple[Any, list[MemoEntry], int] | None:
         """The body decoded with its messages 1 to ``common - 1`` (``stored``'s, at the same places) cut out,
         every message's entry, and where the messages after the common ones start (or the array closes); None where
-        the cut does not apply (the usual decode then answers). The first
-        message stays: that the decoded array's first element is the one at its place proves the array decoded
-        is the one cut (a second ``messages`` key would otherwise go unseen)."""
+        the cut does not apply (the usual decode then answers). The first message stays: that the decoded array's
+        first element is the one at its place proves the array decoded is the one cut (a second ``messages`` key
+        would otherwise go unseen)."""
         at = skip_whitespace(body, stored.ends[common - 1])
         if at >= len(body):
             return None
