@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stored Responses kept at most (the oldest go first)")
     gw.add_argument("--responses-store-ttl", type=float, default=30 * 24 * 3600.0, metavar="SECONDS",
                     help="stored Responses older than this are dropped (default 30 days)")
+    gw.add_argument("--responses-store-max-bytes", type=int, default=1 << 30, metavar="BYTES",
+                    help="stored Responses of all tenants together, at most (the oldest go first; default 1 GiB)")
+    gw.add_argument("--responses-store-tenant-bytes", type=int, default=64 << 20, metavar="BYTES",
+                    help="stored Responses of one tenant together, at most, and so of one response (the tenant's "
+                         "oldest go first; default 64 MiB)")
+    gw.add_argument("--tenant-header", default=None, metavar="NAME",
+                    help="a header by which an authenticated proxy in front names its client: callers with a valid "
+                         "--api-key and this header are told apart by its value (default: by their key)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["json", "text"],
                        help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -171,6 +179,8 @@ def build_gateway(args: argparse.Namespace) -> Any:
         pd_min_uncached_tokens=args.pd_min_uncached_tokens, max_num_seqs=args.engine_max_num_seqs,
         responses_store_path=args.responses_store_path, responses_store_dsn=args.responses_store_dsn,
         responses_store_max_entries=args.responses_store_max_entries, responses_store_ttl_s=args.responses_store_ttl,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_tenant_bytes=args.responses_store_tenant_bytes, tenant_header=args.tenant_header,
     )
     return Gateway(engines=args.engine, prefill=args.prefill, decode=args.decode, settings=settings,
                    client=EngineClient(api_key=args.engine_api_key))
@@ -281,6 +291,9 @@ def serve(args: argparse.Namespace) -> int:
             **({} if args.chat_template_timeout is None else {"chat_template_timeout_s": args.chat_template_timeout}),
         )
         gateway = build_gateway(args)
+        if gateway is not None and args.tenant_header and not api_keys:
+            raise ValueError("--tenant-header needs --api-key: a tenant header is believed only from a caller "
+                             "that authenticated")
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
                          gateway=gateway, max_queued_requests=args.max_queued_requests)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s; "

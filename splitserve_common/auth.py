@@ -21,6 +21,9 @@ from typing import Any
 # the API description. Everything else (unknown paths included) needs the key: a new route is guarded by default.
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics", "/openapi.json"})
 API_KEY_ENV = "VLLM_API_KEY"
+# Set in the ASGI scope by ApiKeyGuard once a request presented one of the keys: what it says about itself
+# (the gateway's tenant header) may then be believed.
+AUTHENTICATED_SCOPE_KEY = "splitserve.authenticated"
 
 
 def add_api_key_argument(parser: Any, open_paths: str) -> None:
@@ -98,6 +101,7 @@ class ApiKeyGuard:
                     (b"content-length", str(len(self.body)).encode())]})
                 await send({"type": "http.response.body", "body": self.body, "more_body": False})
                 return
+            scope[AUTHENTICATED_SCOPE_KEY] = True
         await self.app(scope, receive, send)
 
 

@@ -146,9 +146,24 @@ class OpsMiddleware:
         await _send_body(send, 503, b"" if path == "/health" else DRAINING_BODY, list(DRAINING_HEADERS))
 
 
+# Paths that carry a stored response's id: whoever reads the log must not be able to fetch it with that id.
+_SECRET_PATH_PREFIX = "/v1/responses/"
+_SHOWN_ID_CHARS = 12
+
+
+def loggable_path(path: str) -> str:
+    """``path`` with a stored response's id shortened (its first characters, enough to correlate)."""
+    if path.startswith(_SECRET_PATH_PREFIX):
+        rest = path[len(_SECRET_PATH_PREFIX):]
+        if rest not in ("render", "derender") and len(rest) > _SHOWN_ID_CHARS:
+            return _SECRET_PATH_PREFIX + rest[:_SHOWN_ID_CHARS] + "..."
+    return path
+
+
 def log_access(method: str | None, path: str, status: int, started: float, counted: bool = True) -> None:
     """The access log's line for one request (``started``: its perf_counter at arrival); probes and scrapes
     (not ``counted``) at DEBUG."""
+    path = loggable_path(path)
     access_logger.log(logging.INFO if counted else logging.DEBUG, "%s %s %d", method, path, status, extra={
         "method": method, "path": path, "status": status,
         "duration_ms": round((time.perf_counter() - started) * 1e3, 3)})

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
+from splitserve_common.tenants import engine_caller
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
 from token_engine.kv_connector.base import KV_LOAD_FAILED, KV_PARAMS_REFUSED
@@ -321,6 +322,11 @@ class GenerationStream(StreamingResponse):
             self.generation.finish()
 
 
+def _caller(request: Request) -> str:
+    """Who this request's budgets charge: the gateway's tenant from an authenticated caller, else the peer."""
+    return engine_caller(request.scope, request.headers, request.client.host if request.client else None)
+
+
 async def generate(request: Request) -> Response:
     state: ServerState = request.app.state.server
     try:
@@ -329,7 +335,7 @@ async def generate(request: Request) -> Response:
             return error_response(f"The model `{req.model}` does not exist.", 404, "model")
         options, n = validate_generate_request(req, state.engine.engine.limits)
         if options.structured is not None:  # compiled here, off the engine thread, in bounded time
-            client = request.client.host if request.client else "unknown"  # compile caps are per peer
+            client = _caller(request)  # compile caps are per tenant (per peer without one)
             grammar = await state.engine.engine.grammars.compile_async(options.structured, client)
             options = dataclasses.replace(options, grammar=grammar)
     except RequestError as exc:
@@ -350,7 +356,7 @@ async def generate(request: Request) -> Response:
         log.info("received request_id=%s engine_id=%s prompt_tokens=%d n=%d stream=%s sampling_params=%s",
                  gen.request_id, gen.engine_id, len(req.token_ids), n, bool(req.stream),
                  msgspec.json.encode(req.sampling_params).decode())
-    caller = request.client.host if request.client else None
+    caller = _caller(request)
     state.engine.add_request(gen.engine_id, req.token_ids, options, n, req.priority, req.cache_salt,
                              req.kv_transfer_params, gen.on_update, caller=caller)
     if req.stream:

@@ -46,8 +46,13 @@ async def _render(request: Request, kind: type, render: Callable[..., Any]) -> R
     from render_service.server import _state, decode, json_response, read_json_body
 
     state = _state(request)
-    req = decode(await read_json_body(request), kind)
-    gen, _ = render(req, state.config, request_id=request.headers.get("x-request-id"))
+    body = await read_json_body(request)
+    request_id = request.headers.get("x-request-id")
+
+    def job() -> Any:  # decoded and rendered on the render queue: large bodies off the event loop, as chat
+        return render(decode(body, kind), state.config, request_id=request_id)[0]
+
+    gen = await state.render_queue.run(render.__name__, len(body), job)
     metrics.PROMPT_TOKENS.inc(len(gen.token_ids))
     return json_response(gen, headers=state.render_headers)
 
@@ -71,10 +76,17 @@ async def count_tokens(request: Request) -> Response:
     from render_service.apis.messages_protocol import CountTokensRequest, CountTokensResponse
     from render_service.server import _state, check_model, decode, json_response, read_json_body
 
-    config = _state(request).config
-    req = decode(await read_json_body(request), CountTokensRequest)
-    check_model(req.model, config)
-    return json_response(CountTokensResponse(input_tokens=count(req, config)))
+    state = _state(request)
+    config = state.config
+    body = await read_json_body(request)
+
+    def job() -> int:
+        req = decode(body, CountTokensRequest)
+        check_model(req.model, config)
+        return count(req, config)
+
+    return json_response(CountTokensResponse(input_tokens=await state.render_queue.run("count_tokens", len(body),
+                                                                                        job)))
 
 
 async def _derender(request: Request, batch_type: type, batch: Callable[..., Any], stream_type: type,

@@ -22,16 +22,18 @@ from render_service.apis.endpoints import anthropic_shaped, openai_shaped
 from render_service.apis.errors import coded
 from render_service.apis.messages import render_messages
 from render_service.apis.messages_protocol import MessagesRequest
-from render_service.apis.responses import render_responses
+from render_service.apis.responses import new_response_id, render_responses
 from render_service.apis.responses_output import ResponsesShape
 from render_service.apis.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, ResponsesRequest
 from render_service.errors import ApiError, bad_request, not_found
 from render_service.gateway.api_responders import MessagesResponder, ResponsesResponder, ThinkingBudget
 from render_service.gateway.flow import EngineCall, Gateway, plan_streams
 from render_service.gateway.merged import open_merged
-from render_service.gateway.response_store import MAX_ID_CHARS, ResponseStore, StoredResponse
+from render_service.gateway.response_limits import check_storable, check_stored_fields
+from render_service.gateway.response_store import MAX_ID_CHARS, ResponseStore, StoredResponse, StoreRefused
 from render_service.gateway.routes import _collect, engine_error, fold, respond
 from render_service.gateway.sse_relay import SseRelay
+from render_service.gateway.tenancy import request_tenant, short_id
 from render_service.protocol import ChatCompletionRequest, GenerateRequest
 from render_service.render_config import RenderConfig
 
@@ -55,35 +57,39 @@ def assistant_turn(output: list[Any]) -> dict[str, Any]:
 
 
 class StoreWriter:
-    """Stores finished responses; a read of an id whose write is still in flight waits for it (same process)."""
+    """Stores finished responses under their owner (the tenant that created them); a read of an id whose write
+    is still in flight waits for it (same process). Logs show ids shortened (``short_id``)."""
 
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
         self.pending: dict[str, asyncio.Task[None]] = {}
 
-    def write_soon(self, response_id: str, stored: StoredResponse) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self._write(response_id, stored))
+    def write_soon(self, owner: str, response_id: str, stored: StoredResponse) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._write(owner, response_id, stored))
         self.pending[response_id] = task
         task.add_done_callback(lambda _: self.pending.pop(response_id, None))
         return task
 
-    async def _write(self, response_id: str, stored: StoredResponse) -> None:
+    async def _write(self, owner: str, response_id: str, stored: StoredResponse) -> None:
         try:
-            await self.store.put(response_id, stored)
-        except Exception:
-            logger.exception("storing response %s failed", response_id)
+            await self.store.put(owner, response_id, stored)
+        except StoreRefused as exc:
+            logger.warning("response %s not stored: %s", short_id(response_id), exc)
+        except Exception as exc:
+            logger.error("storing response %s failed: %s", short_id(response_id), type(exc).__name__)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
+    async def _settled(self, response_id: str) -> None:
         pending = self.pending.get(response_id)
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
-        return await self.store.get(response_id)
 
-    async def delete(self, response_id: str) -> bool:
-        pending = self.pending.get(response_id)
-        if pending is not None:
-            await asyncio.gather(pending, return_exceptions=True)
-        return await self.store.delete(response_id)
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        await self._settled(response_id)
+        return await self.store.get(owner, response_id)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        await self._settled(response_id)
+        return await self.store.delete(owner, response_id)
 
 
 class PhasedRelay(SseRelay):
@@ -119,7 +125,7 @@ async def _respond_phased(request: Request, gateway: Gateway, budget: ThinkingBu
                           responder: MessagesResponder, stream: bool) -> Response:
     """``routes.respond`` for a budgeted Messages request: one engine call per phase, one answer."""
     gateway.stats.requests += 1
-    call = EngineCall()
+    call = EngineCall(tenant=request_tenant(request, gateway))
     first = budget.first
     assert first is not None
     if not stream:
@@ -155,24 +161,34 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
     writer = StoreWriter(store)
 
     async def responses(request: Request) -> Response:
-        req = decode(await read_json_body(request), ResponsesRequest)
+        body = await read_json_body(request)
+        queue = request.scope["app"].state.server.render_queue
+        req = await queue.run("responses", len(body), lambda: decode(body, ResponsesRequest))
+        check_stored_fields(req)
+        storing = req.store is not False
+        if storing:
+            check_storable(len(body), store.tenant_bytes)
+        tenant = request_tenant(request, gateway)
         history = None
         if req.previous_response_id is not None:
             if len(req.previous_response_id) > MAX_ID_CHARS:
                 raise bad_request("previous_response_id is too long", "previous_response_id")
-            stored = await writer.get(req.previous_response_id)
+            stored = await writer.get(tenant, req.previous_response_id)  # another tenant's: not found
             if stored is None:
                 raise coded(bad_request(f"Previous response with id '{req.previous_response_id}' not found.",
                                         "previous_response_id"), "previous_response_not_found")
             history = stored.history
-        gen, chat = render_responses(req, config, request_id=request.headers.get("x-request-id"), history=history,
-                                     stateless=False)
+        request_id = request.headers.get("x-request-id")
+        gen, chat = await queue.run("responses", len(body), lambda: render_responses(
+            req, config, request_id=request_id, history=history, stateless=False))
         gen = _engine_ready(gen)
-        shape = ResponsesShape(gen.request_id or "", req.model or config.model_name, req, len(gen.token_ids))
-        on_done = _storer(writer, chat, req) if req.store is not False else None
+        # The response's id is minted here, never the client's: a client id could name (and overwrite) another
+        # client's stored response. The client's id still names the engine hops (gen.request_id).
+        shape = ResponsesShape(new_response_id(), req.model or config.model_name, req, len(gen.token_ids))
+        on_done = _storer(writer, tenant, chat, req) if storing else None
         responder = ResponsesResponder(config, gen, chat, shape, on_done)
         response = await respond(request, gateway, [gen], responder, bool(req.stream))  # type: ignore[arg-type]
-        if not req.stream and req.store is not False:
+        if not req.stream and storing:
             pending = writer.pending.get(shape.response_id)
             if pending is not None:  # stored before answering: a GET or a follow-up right after finds it
                 await asyncio.gather(pending, return_exceptions=True)
@@ -180,21 +196,29 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
 
     async def get_response(request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        stored = await writer.get(response_id) if len(response_id) <= MAX_ID_CHARS else None
+        tenant = request_tenant(request, gateway)
+        stored = await writer.get(tenant, response_id) if len(response_id) <= MAX_ID_CHARS else None
         if stored is None:
             raise not_found(f"Response with id '{response_id}' not found.")
         return Response(bytes(stored.response), media_type="application/json")
 
     async def delete_response(request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        if len(response_id) > MAX_ID_CHARS or not await writer.delete(response_id):
+        tenant = request_tenant(request, gateway)
+        if len(response_id) > MAX_ID_CHARS or not await writer.delete(tenant, response_id):
             raise not_found(f"Response with id '{response_id}' not found.")
         return Response(_encode({"id": response_id, "object": "response.deleted", "deleted": True}),
                         media_type="application/json")
 
     async def messages(request: Request) -> Response:
-        req = decode(await read_json_body(request), MessagesRequest)
-        gen, chat = render_messages(req, config, request_id=request.headers.get("x-request-id"))
+        body = await read_json_body(request)
+        request_id = request.headers.get("x-request-id")
+
+        def render() -> tuple[MessagesRequest, GenerateRequest, ChatCompletionRequest]:
+            req = decode(body, MessagesRequest)
+            return req, *render_messages(req, config, request_id=request_id)
+
+        req, gen, chat = await request.scope["app"].state.server.render_queue.run("messages", len(body), render)
         budget_tokens = gen.sampling_params.thinking_token_budget
         gen = _engine_ready(gen)
         model = req.model or config.model_name
@@ -217,7 +241,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
     ]
 
 
-def _storer(writer: StoreWriter, chat: ChatCompletionRequest, req: ResponsesRequest
+def _storer(writer: StoreWriter, owner: str, chat: ChatCompletionRequest, req: ResponsesRequest
             ) -> Callable[[Any], asyncio.Task[None] | None]:
     """The conversation as the next turn will render it: without this request's instructions (not carried over).
     Returns the write, which a stream's last event waits for (``ResponsesResponder.before_last_write``)."""
@@ -227,7 +251,7 @@ def _storer(writer: StoreWriter, chat: ChatCompletionRequest, req: ResponsesRequ
         if response.status == "failed":
             return None
         history = [*messages, assistant_turn(response.output)]
-        return writer.write_soon(response.id, StoredResponse(msgspec.Raw(_encode(response)), history))
+        return writer.write_soon(owner, response.id, StoredResponse(msgspec.Raw(_encode(response)), history))
 
     return store
 

@@ -25,6 +25,7 @@ import msgspec
 
 from render_service.gateway.http1 import Http1Pool, HttpError, Response
 from render_service.protocol import GenerateResponse, GenerateStreamResponse
+from splitserve_common.tenants import TENANT_HEADER
 
 logger = logging.getLogger("render_service.gateway.engine_client")
 
@@ -98,11 +99,14 @@ class EngineClient:
             self._pool.close()
             self._pool = None
 
-    async def generate(self, base_url: str, body: bytes, request_id: str) -> GenerateResponse:
+    async def generate(self, base_url: str, body: bytes, request_id: str, tenant: str | None = None
+                       ) -> GenerateResponse:
         """Non-streaming generate (the prefill hop)."""
+        headers = {**self._headers, "x-request-id": request_id}
+        if tenant:
+            headers[TENANT_HEADER] = tenant
         try:
-            response = await self.pool.post(base_url + GENERATE_PATH, body,
-                                            {**self._headers, "x-request-id": request_id})
+            response = await self.pool.post(base_url + GENERATE_PATH, body, headers)
             content = await response.read()
         except HttpError as exc:
             raise EngineUnavailable(f"{base_url}: {exc}") from None
@@ -112,9 +116,12 @@ class EngineClient:
         except msgspec.DecodeError as exc:
             raise EngineUnavailable(f"{base_url}: unreadable generate response: {exc}") from None
 
-    async def open_stream(self, base_url: str, body: bytes, request_id: str) -> EngineEvents:
+    async def open_stream(self, base_url: str, body: bytes, request_id: str, tenant: str | None = None
+                          ) -> EngineEvents:
         """Start a streaming generate: the status is checked, the events are read from what is returned."""
         headers = {**self._headers, "x-request-id": request_id, "accept": "text/event-stream"}
+        if tenant:  # the engine charges its per-client budgets to the tenant the gateway vouches for
+            headers[TENANT_HEADER] = tenant
         try:
             response = await self.pool.post(base_url + GENERATE_PATH, body, headers)
             if response.status != 200:
@@ -280,8 +287,10 @@ def refusal_status(data: bytes) -> int | None:
 
 
 def _is_refusal(status: int) -> bool:
-    """A 4xx that is the client's fault: the same request fails on every replica (408 and 429 do not)."""
-    return 400 <= status < 500 and status not in (408, 429)
+    """A 4xx that is the client's: answered to it, and the replica is not held at fault (408 is retried).
+    A 429 is a budget of the client's tenant on that engine (compile caps): passed on, so one tenant over
+    its budget never puts a replica in cooldown for everybody."""
+    return 400 <= status < 500 and status != 408
 
 
 def _engine_event(data: bytes, batch: list[GenerateStreamResponse], base_url: str, delivered: bool) -> bool:

@@ -89,6 +89,9 @@ class GatewaySettings:
     responses_store_dsn: str | None = None
     responses_store_max_entries: int = 100_000
     responses_store_ttl_s: float = 30 * 24 * 3600.0
+    responses_store_max_bytes: int = 1 << 30  # all stored responses together
+    responses_store_tenant_bytes: int = 64 << 20  # one tenant's stored responses together
+    tenant_header: str | None = None  # an authenticated proxy's header naming its client (tenants.py)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class EngineCall:
     live: dict[str, str] = field(default_factory=dict)  # engine request id (before the tag) -> replica url
     conversation: bytes | None = None  # key of the client's conversation_id (P/D multi-turn KV reuse)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # tells this call's engine requests apart
+    tenant: str | None = None  # whom the engines charge (splitserve_common/tenants.py), sent on every hop
 
     def wire_id(self, rid: str) -> str:
         """The X-Request-Id an engine request goes by: unique to this client request, and never client bytes
@@ -218,7 +222,7 @@ class Gateway:
             pool.acquire(replica)
             call.live[rid] = replica.url
             try:
-                response = await self.client.generate(replica.url, body, call.wire_id(rid))
+                response = await self.client.generate(replica.url, body, call.wire_id(rid), call.tenant)
             except EngineUnavailable as exc:
                 self._failed(pool, replica)
                 last_error = exc
@@ -321,7 +325,7 @@ class Gateway:
         try:
             try:
                 response = await self.client.generate(replica.url, _encode(prefill_request(gen, reuse)),
-                                                      call.wire_id(rid))
+                                                      call.wire_id(rid), call.tenant)
             except (EngineUnavailable, EngineRejected) as exc:
                 if reuse is None:
                     raise
@@ -330,7 +334,8 @@ class Gateway:
                     call.live[rid] = call.live.pop(retry_rid)
                 else:
                     rid = retry_rid
-                response = await self.client.generate(replica.url, _encode(prefill_request(gen)), call.wire_id(rid))
+                response = await self.client.generate(replica.url, _encode(prefill_request(gen)), call.wire_id(rid),
+                                                      call.tenant)
         except EngineUnavailable:
             self._failed(pool, replica)
             raise
@@ -356,7 +361,7 @@ class Gateway:
         call.live[rid] = replica.url
         events = None
         try:
-            events = await self.client.open_stream(replica.url, body, call.wire_id(rid))
+            events = await self.client.open_stream(replica.url, body, call.wire_id(rid), call.tenant)
             first = await events.next_batch()
             if first is None:  # [DONE] and not one event: this engine did not serve the request
                 raise EngineUnavailable(f"{replica.url}: stream ended without an event")

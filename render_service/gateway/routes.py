@@ -28,6 +28,7 @@ from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoRep
 from render_service.gateway.merged import MergedStreams, SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
+from render_service.gateway.tenancy import request_tenant
 from render_service.message_memo import decode_chat_request
 from render_service.prerendered import RENDER_KEYS
 from render_service.protocol import (
@@ -106,7 +107,7 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
 
     s = gateway.settings
     store = open_store(s.responses_store_path, s.responses_store_dsn, s.responses_store_max_entries,
-                       s.responses_store_ttl_s)
+                       s.responses_store_ttl_s, s.responses_store_max_bytes, s.responses_store_tenant_bytes)
     return [
         Route("/v1/chat/completions", endpoint("chat_completions", chat), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
@@ -149,7 +150,8 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
             raise bad_request(violation, "n")
     planned = plan_streams(gens, gateway.disaggregated)
     # KV reuse across turns needs one decode sequence per turn (with n > 1, which one continues is unknown)
-    call = EngineCall(conversation=conversation if gateway.disaggregated and len(planned) == 1 else None)
+    call = EngineCall(conversation=conversation if gateway.disaggregated and len(planned) == 1 else None,
+                      tenant=request_tenant(request, gateway))
     span_done = responder.span_done if responder.stops else None
     if not stream:
         return await _collect(request, gateway, call, fold(gateway, planned, call, responder, span_done), responder)
