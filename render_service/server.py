@@ -445,7 +445,7 @@ def create_app(
         (method, route.path): route.endpoint
         for route in routes  # the gateway's too: per streamed token, Starlette's layers wrap every send
         for method in route.methods or ()
-        if method != "HEAD"
+        if method != "HEAD" and not route.param_convertors  # a templated path goes through the router
     }
     app.state.server = state
     app.state.render_config = config

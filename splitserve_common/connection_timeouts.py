@@ -63,17 +63,22 @@ class HeaderDeadline:
                 # the next request's first bytes (idleness after a response is uvicorn's keep-alive timer)
                 self._head_since = self.loop.time()
                 self._head_bytes = 0
+        if self._head_since is not None:
+            # Counted before the parser sees the bytes: a head that arrives whole in one read (up to a few
+            # hundred KiB) would otherwise be parsed and handed on before any count.
+            end = data.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else end + 4
+            if self._head_bytes > self.max_header_bytes:
+                if not self.transport.is_closing():
+                    self.transport.write(_HEADERS_TOO_LARGE)
+                    self.transport.close()
+                return
         super().data_received(data)  # type: ignore[misc]
         if self._head_since is None:
             return
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             self._head_since = None  # the head is complete: the application has the request now
-            return
-        self._head_bytes += len(data)
-        if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
-            self.transport.write(_HEADERS_TOO_LARGE)
-            self.transport.close()
 
     def head_overdue(self, now: float) -> bool:
         since = self._head_since

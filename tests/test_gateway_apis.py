@@ -209,7 +209,7 @@ class StoreLock:
 
             conn = await asyncpg.connect(self.stack["pg"].dsn)
             async with conn.transaction():
-                await conn.execute("LOCK TABLE splitserve_responses IN EXCLUSIVE MODE")  # writes wait
+                await conn.execute("LOCK TABLE splitserve_owned_responses IN EXCLUSIVE MODE")  # writes wait
                 self.locked.set()
                 await asyncio.to_thread(self.released.wait, 60)
             await conn.close()

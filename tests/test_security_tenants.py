@@ -193,3 +193,99 @@ def test_stored_bytes_are_bounded_per_tenant_and_the_oldest_go_first(gateway):
         present = [alice.get(f"/v1/responses/{i}").status_code == 200 for i in ids]
         assert present[-1] and not present[0]  # the newest stay, the oldest went
         assert bob.get(f"/v1/responses/{kept.json()['id']}").status_code == 200  # Alice's bytes evict only hers
+
+
+# ---- every API renders on the render queue -------------------------------------------------------------
+
+def render_work_counts(c: httpx.Client) -> dict[str, float]:
+    counts = {}
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("splitserve_render_work_seconds_count{"):
+            endpoint = line.split('endpoint="', 1)[1].split('"', 1)[0]
+            counts[endpoint] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_messages_responses_and_count_tokens_render_on_the_render_queue(gateway):
+    """Bodies of 256 KiB and more render on the queue's bulk thread, never on the event loop: each API's work
+    is counted by the queue (it used to be counted for chat and completions only)."""
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "z" * 100}
+            for i in range(3001)]  # ~400 KB
+    with client(gateway, ALICE) as c:
+        before = render_work_counts(c)
+        calls = [("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": many}, "messages"),
+                 ("/v1/messages/count_tokens", {"model": "tiny", "messages": many}, "count_tokens"),
+                 ("/v1/messages/render", {"model": "tiny", "max_tokens": 4, "messages": many}, "messages_render"),
+                 ("/v1/responses", {"model": "tiny", "input": many, "store": False}, "responses"),
+                 ("/v1/responses/render", {"model": "tiny", "input": many}, "responses_render")]
+        for path, body, _ in calls:
+            r = c.post(path, json=body)
+            assert r.status_code in (200, 400), r.text  # 400: longer than the tiny model's context
+            assert c.get("/health").status_code == 200
+        after = render_work_counts(c)
+    for _, _, endpoint in calls:
+        assert after.get(endpoint, 0) > before.get(endpoint, 0), (endpoint, after)
+
+
+# ---- smaller ones ---------------------------------------------------------------------------------------
+
+def test_a_vllm_shaped_plain_stream_state_keeps_the_bounds_of_a_signed_one(gateway):
+    """vLLM's plain-path window carries no signature: on completions it is adopted only within the bounds our
+    own signed state keeps (4096 pending bytes), never as 256 KB of parser state."""
+    with client(gateway, ALICE) as c:
+        def chunk(state):
+            return c.post("/v1/completions/derender", json={
+                "model": "tiny", "stream": True, "stream_state": state, "prompt_token_ids": [9707],
+                "generate_chunk": {"request_id": "g", "choices": [{"index": 0, "token_ids": [1879]}]}})
+        ok = chunk({"prev_tokens": ["Hello"], "prefix_offset": 0, "read_offset": 0, "role_sent": True})
+        assert ok.status_code == 200, ok.text
+        big = chunk({"prev_tokens": ["\u0100" * 256] * 1024, "prefix_offset": 0, "read_offset": 0,
+                     "role_sent": True})
+        assert big.status_code == 400 and big.json()["error"]["param"] == "stream_state", big.text
+
+
+def test_the_literal_templated_path_is_a_404_not_a_500(gateway):
+    with client(gateway, ALICE) as c:
+        for method in ("GET", "DELETE"):
+            r = c.request(method, "/v1/responses/{response_id}")
+            assert r.status_code == 404, r.text
+
+
+def test_request_heads_over_64_kib_get_431_even_when_they_arrive_in_one_read(gateway):
+    import socket
+
+    for size, expected in ((60_000, b" 200 "), (70_000, b" 431 "), (320_000, b" 431 ")):
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
+            assert expected in s.recv(64), size
+
+
+def test_a_reader_that_stopped_reading_has_its_request_aborted(engine, monkeypatch):
+    """The engine's per-request output queue is bounded: past the bound, the request is aborted and the queue
+    ends with its error (the engine thread delivers updates as it does for every request)."""
+    import asyncio
+    import threading
+
+    from token_engine import protocol as p
+    from token_engine import server as engine_server
+    from token_engine.engine import RequestUpdate, SequenceDelta
+
+    monkeypatch.setattr(engine_server, "MAX_PENDING_UPDATES", 8)
+    state = engine.app.state.server
+
+    async def probe() -> tuple[int, str | None, bool]:
+        req = p.GenerateRequest(token_ids=[1, 2, 3], sampling_params=p.SamplingParams(max_tokens=100))
+        gen = engine_server.Generation(state, req, "slow-reader", 1)
+        feeder = threading.Thread(target=lambda: [gen.on_update(RequestUpdate(
+            gen.engine_id, [SequenceDelta(0, [5], [], None)])) for _ in range(50)])
+        feeder.start()
+        feeder.join()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        items = [gen.queue.get_nowait() for _ in range(gen.queue.qsize())]
+        gen.finish()
+        return len(items), items[-1].error, gen.done
+
+    size, error, done = asyncio.run(probe())
+    assert size == 8 and done
+    assert error == engine_server.SLOW_READER

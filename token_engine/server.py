@@ -50,6 +50,10 @@ LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
 MAX_REQUEST_BYTES = 64 << 20  # a 128k-token prompt is about 1 MB of JSON
 JSON = "application/json"
 REQUEST_ID_PREFIX = "generate-tokens-"
+# Engine updates one request may have waiting for its reader (one per engine step): a reader this far behind
+# has stopped reading; its request is aborted instead of growing the queue while the engine keeps computing.
+MAX_PENDING_UPDATES = 8192
+SLOW_READER = "the client stopped reading the stream: the request was aborted"
 HELD_IDS = 8192  # caller ids remembered for their held KV; a failed decode hop aborts within seconds
 
 
@@ -192,7 +196,15 @@ class Generation:
         self.legacy_logprobs = fmt == "token_id_strings"
 
     def on_update(self, update: RequestUpdate) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        self.loop.call_soon_threadsafe(self._deliver, update)
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        if self.done and self.queue.qsize() >= MAX_PENDING_UPDATES:
+            return  # aborted as a slow reader: its error is queued already
+        if self.queue.qsize() >= MAX_PENDING_UPDATES - 1 and not update.finished:
+            self.abort()
+            update = RequestUpdate(update.request_id, [], finished=True, error=SLOW_READER)
+        self.queue.put_nowait(update)
 
     def abort(self) -> None:
         if not self.done:

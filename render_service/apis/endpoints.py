@@ -41,7 +41,7 @@ def anthropic_shaped(handler: Handler) -> Handler:
     return shaped(handler, anthropic_error_body)
 
 
-async def _render(request: Request, kind: type, render: Callable[..., Any]) -> Response:
+async def _render(request: Request, kind: type, render: Callable[..., Any], name: str) -> Response:
     from render_service import metrics
     from render_service.server import _state, decode, json_response, read_json_body
 
@@ -52,7 +52,7 @@ async def _render(request: Request, kind: type, render: Callable[..., Any]) -> R
     def job() -> Any:  # decoded and rendered on the render queue: large bodies off the event loop, as chat
         return render(decode(body, kind), state.config, request_id=request_id)[0]
 
-    gen = await state.render_queue.run(render.__name__, len(body), job)
+    gen = await state.render_queue.run(name, len(body), job)
     metrics.PROMPT_TOKENS.inc(len(gen.token_ids))
     return json_response(gen, headers=state.render_headers)
 
@@ -61,14 +61,14 @@ async def responses_render(request: Request) -> Response:
     from render_service.apis.responses import render_responses
     from render_service.apis.responses_protocol import ResponsesRequest
 
-    return await _render(request, ResponsesRequest, render_responses)
+    return await _render(request, ResponsesRequest, render_responses, "responses_render")
 
 
 async def messages_render(request: Request) -> Response:
     from render_service.apis.messages import render_messages
     from render_service.apis.messages_protocol import MessagesRequest
 
-    return await _render(request, MessagesRequest, render_messages)
+    return await _render(request, MessagesRequest, render_messages, "messages_render")
 
 
 async def count_tokens(request: Request) -> Response:

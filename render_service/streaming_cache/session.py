@@ -144,7 +144,10 @@ def open_session(
             f"unchanged, or run the server with {VLLM_FIELDS_ENV}=1 to carry vLLM's history fields",
             "stream_state")
     if not parser_path:
-        return Session(pipeline, adopt_plain(pipeline, vllm, prompt_ids), vllm, incoming)
+        # vLLM's plain window is unsigned: adopted only within the bounds a signed state must keep
+        adopted = adopt_plain(pipeline, vllm, prompt_ids)
+        _check_bounds(adopted)
+        return Session(pipeline, adopted, vllm, incoming)
     if not vllm.output_token_ids:
         state = pipeline.initial_state(prompt_ids)
         state.role_sent = vllm.role_sent
