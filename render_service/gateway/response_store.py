@@ -22,6 +22,7 @@ import asyncio
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,7 +61,7 @@ _encode = msgspec.json.Encoder().encode
 _decode_history = msgspec.json.Decoder(list[dict[str, Any]]).decode
 
 
-def _window_prune(table: str, placeholder: str, by_owner: bool) -> str:
+def _window_prune(table: str, placeholder: Callable[[int], str], by_owner: bool) -> str:
     """DELETE the rows past a byte bound, newest kept first (a running sum over ``created``)."""
     where = f"WHERE owner = {placeholder(1)}" if by_owner else ""
     bound = placeholder(2 if by_owner else 1)
