@@ -345,6 +345,7 @@ class IncrementalEncoder:
         entries = cache.get_many(pieces)
         fresh: list[tuple[str, tuple[int, ...], bytes]] = []
         missed = 0
+        new_at: list[int] = []
         for k, entry in enumerate(entries):
             if entry is None:
                 piece = pieces[k]
@@ -353,13 +354,17 @@ class IncrementalEncoder:
                         # Lone surrogates: the tokenizer's ValueError. Only new pieces need the check: a hit
                         # is a piece that passed it, and added tokens are valid text.
                         _check_unicode(piece, text)
-                    piece_ids = tuple(self.tokenizer.encode_between_added(piece))
-                    piece_json = _encode_json(piece_ids)[1:-1]
-                    fresh.append((piece, piece_ids, piece_json))
-                    missed += len(piece_ids)
-                    entries[k] = (piece_ids, piece_json, 0)
+                    new_at.append(k)
                 else:  # between two adjacent added tokens, or at either end
                     entries[k] = _EMPTY_ENTRY
+        if new_at:  # every new piece in one tokenizer call (a cold prompt has hundreds)
+            new_pieces = [pieces[k] for k in new_at]
+            for k, piece, piece_ids in zip(new_at, new_pieces,
+                                           self.tokenizer.encode_many_between_added(new_pieces), strict=True):
+                piece_json = _encode_json(piece_ids)[1:-1]
+                fresh.append((piece, piece_ids, piece_json))
+                missed += len(piece_ids)
+                entries[k] = (piece_ids, piece_json, 0)
         if fresh:
             cache.put_many(fresh)  # outside the lookup: another lane keeps finding hits meanwhile
         add_chunk = chunks.append
