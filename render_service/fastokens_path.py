@@ -41,6 +41,10 @@ _shared_lock = threading.Lock()
 
 
 def chosen_backend() -> str:
+    from render_service.reference_mode import reference_render
+
+    if reference_render():  # the plain path only (reference_mode.py)
+        return "tokenizers"
     value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, not {value!r}")

@@ -236,10 +236,15 @@ def build_render_config(
     )
     names = list(served_model_names or []) or [str(bundle.path)]
     from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
+    from render_service.reference_mode import reference_render
+    from render_service.tojson_cache import switch_off_default_texts
 
     # --render-cache-bytes: an eighth for the message memo, an eighth for its recent bodies, the rest for the
     # prompt encoder's caches
     cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
+    if reference_render():  # the plain path only (reference_mode.py)
+        cache_bytes = 0
+        switch_off_default_texts()
     memo_bytes = memo_share(cache_bytes)
     prompt_encoder = None
     if isinstance(bundle.tokenizer, TextTokenizer):

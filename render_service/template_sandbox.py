@@ -78,13 +78,14 @@ def _raise_exception(message: Any) -> None:
 
 # HF's default options, remembered per value (templates call tojson per tool and tool call, every turn).
 _TOJSON_DEFAULT = DEFAULT_TEXTS
+_PLAIN_DUMPS = json.JSONEncoder(ensure_ascii=False).encode  # the reference switch's path (no cache, no lending)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes HTML characters; HF's does not, and exposes these options.
     if ensure_ascii is False and indent is None and separators is None and sort_keys is False:
-        return _TOJSON_DEFAULT.dumps(x)
+        return _TOJSON_DEFAULT.dumps(x) if _TOJSON_DEFAULT.max_bytes else _PLAIN_DUMPS(x)
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

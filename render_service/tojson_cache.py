@@ -96,3 +96,8 @@ class JsonTextCache:
 
 # HF's default options (``tojson`` without arguments), shared by every template of the process.
 DEFAULT_TEXTS = JsonTextCache()
+
+
+def switch_off_default_texts() -> None:
+    """The reference switch (reference_mode.py): ``tojson`` dumps every value (a bound of 0 bytes)."""
+    DEFAULT_TEXTS.max_bytes = 0
