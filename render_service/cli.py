@@ -214,11 +214,15 @@ def _with_direct_routes(protocol: type, app: Any, lifecycle: Any, *, access_log:
     is uvicorn's httptools one (h11's keeps the usual path)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from render_service.direct_http import direct_protocol
+    from render_service.direct_http import direct_protocol, protocol_violation
     from render_service.server import RawRequest, direct_routes
 
     if not issubclass(protocol, HttpToolsProtocol) or os.environ.get(DIRECT_HTTP_ENV, "1") == "0" \
             or reference_render():
+        return protocol
+    violation = protocol_violation(protocol)
+    if violation is not None:  # uvicorn's internals moved: every request through ASGI
+        logger.warning("the direct HTTP path is off: %s", violation)
         return protocol
     return direct_protocol(protocol, direct_routes(app), app, RawRequest, lifecycle, access_log)
 

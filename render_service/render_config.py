@@ -241,12 +241,14 @@ def build_render_config(
 
     from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
     from render_service.reference_mode import reference_render
+    from render_service.template_sandbox import use_plain_reads
     from render_service.tojson_cache import DEFAULT_TEXTS, MAX_CACHE_BYTES
 
     # --render-cache-bytes, split by the budget (caches/budget.py); the reference switch: none at all
     cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
-    if reference_render():  # the plain path only (reference_mode.py)
+    if reference_render():  # the plain path only (reference_mode.py): no caches, Jinja's own template reads
         cache_bytes = 0
+        use_plain_reads(True)
     budget = CacheBudget(CacheShares.of(cache_bytes, MAX_CACHE_BYTES))
     DEFAULT_TEXTS.max_bytes = budget.shares.tojson  # (one per process: the templates' tojson filter shares it)
     budget.register("tojson", DEFAULT_TEXTS.lru.stats)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import msgspec
 import pytest
 
@@ -20,6 +21,8 @@ from render_service.protocol import ChatCompletionRequest
 from render_service.reference_mode import REFERENCE_ENV
 from render_service.render import render_chat
 from render_service.render_config import RenderConfig, load_render_config
+from render_service.template_inline import LoopContext
+from render_service.template_sandbox import INLINE_REASON, ChatSandbox, inline_violation, use_plain_reads
 from render_service.tojson_cache import DEFAULT_TEXTS
 from tests.family_bundles import FAMILIES, write_family_bundle
 from tests.render_harness import PARSER_FLAGS, QWEN3_DIR, VLLM_PAIRS, load_pair
@@ -42,6 +45,7 @@ def reference_env(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     yield build
     DEFAULT_TEXTS.max_bytes = bound
+    use_plain_reads(False)
 
 
 def _outcome(body: bytes, config: RenderConfig) -> bytes:
@@ -66,6 +70,14 @@ def test_the_switch_turns_every_acceleration_off(reference_env: Any) -> None:
     assert plain.message_memo is None
     assert plain.tokenizer.encode_backend == "tokenizers" != fast.tokenizer.encode_backend
     assert DEFAULT_TEXTS.max_bytes == 0
+    assert ChatSandbox.template_class is jinja2.Template  # Jinja's own reads
+
+
+def test_the_inline_template_reads_prove_themselves_and_a_moved_internal_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert INLINE_REASON is None and inline_violation() is None  # this Jinja: the inline reads serve
+    monkeypatch.setattr(LoopContext, "last", property(lambda self: False))  # as if Jinja's internals moved
+    assert inline_violation() is not None
 
 
 def test_recorded_pairs_and_an_agent_trace(reference_env: Any) -> None:
@@ -92,3 +104,16 @@ def test_every_family_template(family: str, tmp_path: Path, reference_env: Any) 
     messages, tools = agent_trace(AgentTraceSpec(rounds=3, result_chars=(200, 600), seed=11))
     turns = [msgspec.json.encode(chat_body("m", messages[:end], tools)) for end in round_ends(messages)]
     assert _same(turns + turns, fast, plain) == 2 * len(turns)
+
+
+def test_the_direct_http_path_proves_uvicorns_protocol_and_a_moved_internal_is_caught() -> None:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from render_service.direct_http import protocol_violation
+
+    assert protocol_violation(HttpToolsProtocol) is None  # this uvicorn: the shortcut serves
+
+    class Moved(HttpToolsProtocol):  # as if uvicorn renamed a hook the shortcut overrides
+        on_body = None
+
+    assert protocol_violation(Moved) == "uvicorn's protocol has no on_body"
