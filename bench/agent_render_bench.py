@@ -64,10 +64,10 @@ DEFAULT_VLLM033 = peers.VLLM033_VENVS
 # ------------------------------------------------------------------------------------------- servers
 
 
-def long_context_model(max_len: int) -> Path:
-    """The fixture with max_position_embeddings raised to ``max_len`` (tokenizer files linked)."""
+def long_context_model(max_len: int, source: Path = FIXTURE) -> Path:
+    """A copy of ``source`` (the fixture) with max_position_embeddings raised to ``max_len`` (files linked)."""
     root = Path(tempfile.mkdtemp(prefix="agent-bench-model-"))
-    for item in FIXTURE.iterdir():
+    for item in source.iterdir():
         if item.name == "config.json":
             config = json.loads(item.read_text())
             config["max_position_embeddings"] = max_len
