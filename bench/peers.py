@@ -139,7 +139,8 @@ def start_vllm_engine(model_dir: str | Path, port: int, venv: Path, *, log: Path
 
 
 def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, workers: int = 2,
-               served_model_name: str = "qwen3-0.6b", log: Path | None = None) -> subprocess.Popen:
+               served_model_name: str = "qwen3-0.6b", log: Path | None = None,
+               max_model_len: int | None = None) -> subprocess.Popen:
     """Start ``render-service serve`` with the same flags vLLM's start.sh uses."""
     log = log or PEERS_DIR / f"ours-render-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +149,8 @@ def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, worker
     cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model_dir), "--served-model-name",
            served_model_name, "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
            "--log-level", "warning", "--disable-uvicorn-access-log", *flags]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     with open(log, "wb") as handle:
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
 

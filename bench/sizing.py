@@ -520,7 +520,7 @@ def cmd_sizing(args, parser) -> int:
         for name in launch:
             port = peers.free_port()
             if name == "ours":
-                proc = peers.start_ours(model_dir, port, workers=args.workers)
+                proc = peers.start_ours(model_dir, port, workers=args.workers, max_model_len=args.max_model_len)
                 started.append(("ours", proc))
                 pid = proc.pid
             elif name == "vllm-rs":

@@ -35,15 +35,16 @@ class CacheStats(NamedTuple):
 class ByteLRU(Generic[K, V]):
     """``key -> value`` holding at most ``max_bytes`` of the callers' estimates."""
 
-    def __init__(self, max_bytes: int, *, max_entry_bytes: int | None = None,
+    def __init__(self, max_bytes: int, *, max_entry_bytes: int | None = None, max_entries: int | None = None,
                  on_evict: Callable[[V], None] | None = None) -> None:
         """``max_entry_bytes``: the largest entry kept (default: an eighth of the bound); ``on_evict``: called
-        with each value dropped, under the cache's lock (keep it short)."""
+        with each value dropped, under the cache's lock (keep it short); ``max_entries``: a bound on the count too."""
         if max_bytes < 0:
             raise ValueError("a cache's size must be >= 0 bytes")
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_bytes // 8 if max_entry_bytes is None else max_entry_bytes
         self.on_evict = on_evict
+        self.max_entries = max_entries
         self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.bytes = 0
@@ -111,7 +112,8 @@ class ByteLRU(Generic[K, V]):
     def _shrink(self) -> None:
         """Drops the least recently used entries past the bound (the lock held)."""
         entries = self._entries
-        while self.bytes > self.max_bytes and entries:
+        most = len(entries) if self.max_entries is None else self.max_entries
+        while (self.bytes > self.max_bytes or len(entries) > most) and entries:
             _, (value, size) = entries.popitem(last=False)
             self.bytes -= size
             self.evictions += 1
