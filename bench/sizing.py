@@ -1,6 +1,7 @@
 """``splitserve-bench sizing``: how many render workers and replicas a target load needs, from measurements.
 
-Against each render server (ours or vLLM's ``vllm launch render``; same endpoints):
+Against each render server (ours, vLLM's ``vllm launch render`` or vLLM 0.34's Rust ``vllm-rs render``; same
+render endpoints; vllm-rs has no derender, so its derender rows are left out):
   render      closed-loop POST /v1/chat/completions/render of one chat at each prompt length (default 1k, 4k,
               9k, 32k tokens), without and with tools: req/s, server CPU ms per render, latency p50/p99.
   derender    one stream of N tokens fed to POST /v1/chat/completions/derender (stream=true, echoing
@@ -327,6 +328,8 @@ def measure(target: Target, model: str, tokenizer, args, log) -> dict:
                 row = asyncio.run(closed_loop(target, RENDER_PATH, payload, args.render_concurrency, args.duration))
                 row = {"prompt_tokens_target": length, "prompt_tokens": count, "tools": tools,
                        "body_bytes": len(payload), **row}
+                cpu_ms = row.get("server_cpu_ms_per_render")
+                row["rps_per_core"] = round(1e3 / cpu_ms, 1) if cpu_ms else None  # one core busy rendering
                 render_rows.append(row)
                 log(f"{target.label} render {length:>6} tok tools={tools!s:5} {row['rps']:8.1f} req/s "
                     f"cpu {row['server_cpu_ms_per_render']} ms/render p50 {row['lat_p50_ms']} ms")
@@ -344,6 +347,11 @@ def measure(target: Target, model: str, tokenizer, args, log) -> dict:
         section["concurrency_sweep"] = sweep
 
         derender_rows = []
+        if client.post(DERENDER_PATH, json={}).status_code == 404:  # (vllm-rs: render only)
+            section["derender_note"] = "the server has no derender endpoint"
+            section["derender"] = derender_rows
+            section["recommendation"] = recommendation_for(section, args)
+            return section
         for config in args.parser_configs:
             chat = {"model": model, "messages": [{"role": "user", "content": "What's the weather in Seoul?"}]}
             if config == "tools":
@@ -389,10 +397,12 @@ def format_tables(report: dict) -> str:
     lines = []
     for s in report["servers"]:
         lines.append(f"== {s['label']} ({s['base_url']}, CPU: {s['cpu_source']})")
-        lines.append(f"{'render':<10}{'tokens':>8}{'tools':>7}{'req/s':>10}{'cpu ms':>10}{'p50 ms':>10}")
+        lines.append(f"{'render':<10}{'tokens':>8}{'tools':>7}{'req/s':>10}{'cpu ms':>10}{'req/s/core':>11}"
+                     f"{'p50 ms':>10}")
         for r in s["render"]:
             lines.append(f"{'':<10}{r['prompt_tokens']:>8}{str(r['tools']):>7}{r['rps']:>10.1f}"
-                         f"{str(r['server_cpu_ms_per_render']):>10}{str(r['lat_p50_ms']):>10}")
+                         f"{str(r['server_cpu_ms_per_render']):>10}{str(r.get('rps_per_core')):>11}"
+                         f"{str(r['lat_p50_ms']):>10}")
         lines.append(f"{'derender':<10}{'config':>10}{'chunk':>6}{'cpu ms/tok':>12}{'B up/chunk':>12}"
                      f"{'B down/chunk':>13}")
         for r in s["derender"]:
@@ -445,7 +455,10 @@ def add_parser(sub) -> None:
     p.add_argument("--label", action="append", default=[], help="one per --base-url (default: host:port)")
     p.add_argument("--server-pid", action="append", type=int, default=[],
                    help="one per --base-url (0: find the processes listening on the port)")
-    p.add_argument("--launch", default="", help="comma list of servers to start here first: ours, vllm")
+    p.add_argument("--launch", default="", help="comma list of servers to start here first: ours, vllm-rs, vllm "
+                                                "(vLLM 0.32's Python render server)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="--launch: serve a copy of the model with this context (for prompts past the model's own)")
     p.add_argument("--workers", type=int, default=2, help="--launch ours: worker processes")
     p.add_argument("--model-dir", default=str(peers.REPO.parent / "shared" / "fixtures" / "qwen3-0.6b")
                    if not Path("/work/shared/fixtures").exists() else "/work/shared/fixtures/qwen3-0.6b",
@@ -478,8 +491,10 @@ def cmd_sizing(args, parser) -> int:
     if not 0 <= args.headroom < 1:
         parser.error("--headroom must be in [0, 1)")
     launch = [x.strip() for x in args.launch.split(",") if x.strip()]
-    if any(x not in ("ours", "vllm") for x in launch):
-        parser.error("--launch takes ours and/or vllm")
+    if any(x not in ("ours", "vllm", "vllm-rs") for x in launch):
+        parser.error("--launch takes ours, vllm-rs and/or vllm")
+    if "vllm-rs" in launch and peers.vllm_rs_binary() is None:
+        parser.error("--launch vllm-rs: no binary ($SPLITSERVE_VLLM_RS or bench/.peers/vllm-rs)")
     if not args.base_url and not launch:
         parser.error("give --base-url (or --launch ours,vllm)")
     if args.label and len(args.label) != len(args.base_url):
@@ -495,20 +510,34 @@ def cmd_sizing(args, parser) -> int:
     started: list[tuple[str, object]] = []
     targets: list[Target] = []
     log = lambda msg: print(msg, flush=True)  # noqa: E731
+    served_dir: Path | None = None
+    if launch and args.max_model_len:
+        from bench.agent_render_bench import long_context_model
+
+        served_dir = long_context_model(args.max_model_len, Path(args.model_dir))
+    model_dir = str(served_dir or args.model_dir)
     try:
         for name in launch:
             port = peers.free_port()
             if name == "ours":
-                proc = peers.start_ours(args.model_dir, port, workers=args.workers)
+                proc = peers.start_ours(model_dir, port, workers=args.workers, max_model_len=args.max_model_len)
                 started.append(("ours", proc))
                 pid = proc.pid
+            elif name == "vllm-rs":
+                rs = peers.start_vllm_rs(peers.vllm_rs_binary(), model_dir, port,  # type: ignore[arg-type]
+                                         max_model_len=args.max_model_len)
+                started.append(("ours", rs))  # (a Popen, stopped as ours is)
+                pid = rs.pid
             else:
-                peers.install_vllm()
-                pid = peers.start_vllm(args.model_dir, port)
+                venv = peers.vllm032_venv()
+                if venv is None:
+                    peers.install_vllm()
+                    venv = peers.VLLM_VENV
+                pid = peers.start_vllm(model_dir, port, venv=venv)
                 started.append(("vllm", pid))
             peers.wait_healthy(f"http://127.0.0.1:{port}", pid)
-            label = f"ours-{args.workers}w" if name == "ours" else "vllm-0.32"
-            targets.append(Target(label, f"http://127.0.0.1:{port}", pid if name == "ours" else None))
+            label = {"ours": f"ours-{args.workers}w", "vllm-rs": "vllm-rs-0.34"}.get(name, "vllm-0.32")
+            targets.append(Target(label, f"http://127.0.0.1:{port}", None if name == "vllm" else pid))
             log(f"# launched {label} on port {port}, CPU of pids {targets[-1].pids}")
         for i, url in enumerate(args.base_url):
             pid = args.server_pid[i] if args.server_pid else None
@@ -530,6 +559,10 @@ def cmd_sizing(args, parser) -> int:
                 handle.wait(timeout=30)
             else:
                 peers.stop_tree(handle)  # start.sh's wrapper: its tree holds the server
+        if served_dir is not None:
+            import shutil
+
+            shutil.rmtree(served_dir, ignore_errors=True)
     print(format_tables(report), flush=True)
     out = Path(args.output) if args.output else \
         peers.REPO / "bench" / "results" / f"sizing_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"

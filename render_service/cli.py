@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from render_service.fastokens_path import BACKEND_ENV, BACKENDS
+from render_service.reference_mode import REFERENCE_ENV, reference_render, set_reference_render
 from splitserve_common import vllm_flags
 from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", default=None,
                        help="directory or model id of the tokenizer and chat template (default: the model's)")
     serve.add_argument("--revision", default=None, help="model revision (branch, tag or commit) for a model id")
+    serve.add_argument("--reference-render", action="store_true", default=reference_render(),
+                       help="every render acceleration off (render caches, tojson cache, fast tokenizer paths, "
+                            f"direct HTTP): the plain path, to compare against (default: ${REFERENCE_ENV})")
     serve.add_argument("--tokenizer-backend", default=os.environ.get(BACKEND_ENV, "auto"), choices=list(BACKENDS),
                        help="encode path: auto (fastokens where it equals tokenizers on the self-check, else "
                             "tiktoken where provably equal, else tokenizers), tiktoken (skip fastokens: ~0.8 s "
@@ -220,10 +224,15 @@ def _with_direct_routes(protocol: type, app: Any, lifecycle: Any, *, access_log:
     is uvicorn's httptools one (h11's keeps the usual path)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from render_service.direct_http import direct_protocol
+    from render_service.direct_http import direct_protocol, protocol_violation
     from render_service.server import RawRequest, direct_routes
 
-    if not issubclass(protocol, HttpToolsProtocol) or os.environ.get(DIRECT_HTTP_ENV, "1") == "0":
+    if not issubclass(protocol, HttpToolsProtocol) or os.environ.get(DIRECT_HTTP_ENV, "1") == "0" \
+            or reference_render():
+        return protocol
+    violation = protocol_violation(protocol)
+    if violation is not None:  # uvicorn's internals moved: every request through ASGI
+        logger.warning("the direct HTTP path is off: %s", violation)
         return protocol
     return direct_protocol(protocol, direct_routes(app), app, RawRequest, lifecycle, access_log)
 
@@ -266,6 +275,7 @@ def serve(args: argparse.Namespace) -> int:
     # Forked workers must not inherit a Rust thread pool mid-use.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ[BACKEND_ENV] = args.tokenizer_backend  # read where the tokenizer is loaded (fastokens_path)
+    set_reference_render(args.reference_render)  # read where each acceleration is built (reference_mode.py)
     try:
         started = time.perf_counter()
         from render_service.render_config import load_render_config

@@ -109,6 +109,37 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return length
 
 
+# What the shortcut reads and calls of uvicorn's httptools protocol (its private surface: uvicorn is pinned to a
+# minor version, and ``protocol_violation`` checks these at start, falling back to the usual path if one moved).
+PROTOCOL_METHODS = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+PROTOCOL_ATTRIBUTES = ("self.cycle", "self.parser", "self.expect_100_continue", "self.url", "self.headers",
+                       "self.tasks", "self.transport", "self.server_state", "self.loop")
+
+
+def protocol_violation(base: type) -> str | None:
+    """None when ``base`` has every method the shortcut overrides or calls and sets every attribute it reads (in
+    its source), and uvicorn's status lines and default headers are where they were; else what moved."""
+    import inspect
+
+    from uvicorn.protocols.http import httptools_impl
+
+    for name in PROTOCOL_METHODS:
+        if not callable(getattr(base, name, None)):
+            return f"uvicorn's protocol has no {name}"
+    try:
+        source = "".join(inspect.getsource(cls) for cls in base.__mro__ if cls.__module__.startswith("uvicorn."))
+    except (OSError, TypeError):
+        return "uvicorn's protocol source cannot be read"
+    for attribute in PROTOCOL_ATTRIBUTES:
+        if attribute not in source:
+            return f"uvicorn's protocol no longer sets {attribute}"
+    if not isinstance(getattr(httptools_impl, "STATUS_LINE", None), dict):
+        return "uvicorn's STATUS_LINE moved"
+    if "default_headers" not in inspect.getsource(httptools_impl) + source:
+        return "uvicorn's server state has no default_headers"
+    return None
+
+
 def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, make_request: RequestFactory,
                     lifecycle: Lifecycle, access_log: bool) -> type:
     """``base`` (uvicorn's httptools protocol, possibly with the header deadline) answering ``POST`` requests to

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
+from render_service.caches.byte_lru import CacheStats
+
 BUCKET = 4
 _KEY_OVERHEAD = 150  # a bucket key's tuple, its window's header and a dict slot, besides the window itself
 
@@ -32,6 +34,8 @@ class HeadIndex(Generic[V, Head]):
         self.window = window
         self.bytes = 0
         self.reused = 0  # lookups whose candidates served, since start (``touch``)
+        self.lookups = 0  # lookups since start (``candidates``)
+        self.evictions = 0  # values dropped to stay within ``max_bytes``
         self._values: OrderedDict[int, tuple[V, int, list[tuple[int, Head]]]] = OrderedDict()
         self._buckets: dict[tuple[int, Head], list[V]] = {}
         self._lock = threading.Lock()
@@ -54,6 +58,7 @@ class HeadIndex(Generic[V, Head]):
     def candidates(self, head: Head) -> Iterator[list[V]]:
         """The values filed under each checkpoint of ``head`` that matches, largest first (a copy per bucket,
         compared by the caller outside the lock)."""
+        self.lookups += 1  # (two lanes may lose a count now and then)
         for point in self.checkpoints(len(head)):
             with self._lock:
                 found = list(self._buckets.get(self._key(head, point), ()))
@@ -86,6 +91,7 @@ class HeadIndex(Generic[V, Head]):
                     del bucket[BUCKET:]  # still filed under its larger checkpoints
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._values)))
+                self.evictions += 1
 
     def _drop(self, key: int) -> None:
         entry = self._values.pop(key, None)
@@ -121,3 +127,9 @@ class HeadStore(Generic[V, Head]):
     def reused(self) -> int:
         """Lookups that found a stored head, since start."""
         return self._index.reused
+
+    def stats(self) -> CacheStats:
+        """For the budget's /metrics (caches/budget.py): a lookup that found a stored head is a hit."""
+        index = self._index
+        return CacheStats(index.reused, max(0, index.lookups - index.reused), index.evictions, index.bytes,
+                          self.max_bytes, len(index))

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import itertools
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
 import msgspec
 
+from render_service.caches.byte_lru import ByteLRU
 from render_service.prompt_prefix_store import PrefixStore, StoredPrompt
 from render_service.tokenizer import TextTokenizer
 
@@ -82,7 +81,8 @@ def independence_violation(tokenizer: TextTokenizer) -> str | None:
 
 
 class SegmentCache:
-    """Token ids of prompt pieces, least recently used dropped first once ``max_bytes`` (estimated) is reached.
+    """Token ids of prompt pieces, least recently used dropped first once ``max_bytes`` (estimated) is reached: a
+    ``ByteLRU`` (caches/byte_lru.py) of text -> (ids, their JSON array's inside: b"1,2,3").
 
     Keyed by the piece's text: a dict hashes it and compares it in full on a hit, so a hit is never a
     collision. One per process (not shared between workers). Ids are kept as tuples: a tuple of ints drops
@@ -93,43 +93,41 @@ class SegmentCache:
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("the render cache size must be >= 0 bytes")
-        self.max_bytes = max_bytes
-        self.max_entry_bytes = max_bytes // 8  # one huge piece must not flush everything else
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], bytes, int]] = OrderedDict()
-        self._lock = threading.Lock()  # the two render lanes share the cache
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
+        # one huge piece must not flush everything else (ByteLRU's eighth)
+        self.lru: ByteLRU[str, tuple[tuple[int, ...], bytes]] = ByteLRU(max_bytes)
+        self._entries = self.lru._entries
+        self._lock = self.lru._lock  # the two render lanes share the cache
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, text: str) -> tuple[tuple[int, ...], bytes] | None:
         """(ids, their JSON array's inside: b"1,2,3") of a piece seen before, else None."""
-        entry = self.get_many([text])[0]
-        return None if entry is None else (entry[0], entry[1])
+        return self.get_many([text])[0]
 
-    def get_many(self, texts: list[str]) -> list[tuple[tuple[int, ...], bytes, int] | None]:
-        """The entry (ids, JSON, size) of each text seen before, else None (always for ""); one lock for all
-        of them (a prompt has hundreds of pieces)."""
+    def get_many(self, texts: list[str]) -> list[tuple[tuple[int, ...], bytes] | None]:
+        """The (ids, JSON) of each text seen before, else None (always for ""); one lock for all of them (a
+        prompt has hundreds of pieces)."""
         entries = self._entries
         get = entries.get
         touch = entries.move_to_end
-        found: list[tuple[tuple[int, ...], bytes, int] | None] = []
+        found: list[tuple[tuple[int, ...], bytes] | None] = []
         append = found.append
         hits = misses = 0
+        lru = self.lru
         with self._lock:
             for text in texts:
                 entry = get(text) if text else None
                 if entry is not None:
                     touch(text)
                     hits += 1
-                elif text:
-                    misses += 1
-                append(entry)
-            self.hits += hits
-            self.misses += misses
+                    append(entry[0])
+                else:
+                    if text:
+                        misses += 1
+                    append(None)
+            lru.hits += hits
+            lru.misses += misses
         return found
 
     def put(self, text: str, ids: tuple[int, ...], json: bytes) -> None:
@@ -137,18 +135,21 @@ class SegmentCache:
 
     def put_many(self, pieces: list[tuple[str, tuple[int, ...], bytes]]) -> None:
         """Keeps (text, ids, JSON) of each piece that fits, dropping the least recently used past the bound."""
-        entries = self._entries
-        with self._lock:
-            for text, ids, json in pieces:
-                size = _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4) + (_BYTES_PER_ID + 8) * len(ids)
-                if size > self.max_entry_bytes or text in entries:
-                    continue
-                entries[text] = (ids, json, size)
-                self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, _, dropped) = entries.popitem(last=False)
-                self.bytes -= dropped
-                self.evictions += 1
+        self.lru.put_many([(text, (ids, json), _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4)
+                            + (_BYTES_PER_ID + 8) * len(ids)) for text, ids, json in pieces])
+
+    # (after the methods: a property named ``bytes`` would hide the type from their annotations)
+    @property
+    def max_bytes(self) -> int:
+        return self.lru.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self.lru.bytes
+
+    @property
+    def evictions(self) -> int:
+        return self.lru.evictions
 
 
 class PromptIds(Sequence[int]):
@@ -220,7 +221,7 @@ class PromptIds(Sequence[int]):
 
 
 _encode_json = msgspec.json.Encoder().encode
-_EMPTY_ENTRY: tuple[tuple[int, ...], bytes, int] = ((), b"", 0)
+_EMPTY_ENTRY: tuple[tuple[int, ...], bytes] = ((), b"")
 
 
 def _check_unicode(piece: str, text: str) -> None:
@@ -345,6 +346,7 @@ class IncrementalEncoder:
         entries = cache.get_many(pieces)
         fresh: list[tuple[str, tuple[int, ...], bytes]] = []
         missed = 0
+        new_at: list[int] = []
         for k, entry in enumerate(entries):
             if entry is None:
                 piece = pieces[k]
@@ -353,13 +355,17 @@ class IncrementalEncoder:
                         # Lone surrogates: the tokenizer's ValueError. Only new pieces need the check: a hit
                         # is a piece that passed it, and added tokens are valid text.
                         _check_unicode(piece, text)
-                    piece_ids = tuple(self.tokenizer.encode_between_added(piece))
-                    piece_json = _encode_json(piece_ids)[1:-1]
-                    fresh.append((piece, piece_ids, piece_json))
-                    missed += len(piece_ids)
-                    entries[k] = (piece_ids, piece_json, 0)
+                    new_at.append(k)
                 else:  # between two adjacent added tokens, or at either end
                     entries[k] = _EMPTY_ENTRY
+        if new_at:  # every new piece in one tokenizer call (a cold prompt has hundreds)
+            new_pieces = [pieces[k] for k in new_at]
+            for k, piece, piece_ids in zip(new_at, new_pieces,
+                                           self.tokenizer.encode_many_between_added(new_pieces), strict=True):
+                piece_json = _encode_json(piece_ids)[1:-1]
+                fresh.append((piece, piece_ids, piece_json))
+                missed += len(piece_ids)
+                entries[k] = (piece_ids, piece_json)
         if fresh:
             cache.put_many(fresh)  # outside the lookup: another lane keeps finding hits meanwhile
         add_chunk = chunks.append
@@ -374,7 +380,7 @@ class IncrementalEncoder:
         at = start
         tokens = iter(parts[1::2])
         for k, entry in enumerate(entries):
-            piece_ids, piece_json, _ = entry or _EMPTY_ENTRY  # (every entry is filled in by now)
+            piece_ids, piece_json = entry or _EMPTY_ENTRY  # (every entry is filled in by now)
             if piece_json:  # (empty exactly when there are no ids)
                 count += len(piece_ids)
                 add_chunk(piece_ids)

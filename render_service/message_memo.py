@@ -12,7 +12,7 @@ a content format), a miss decodes that message alone with the same type as ``Cha
   the caller decodes the body as before: every error is today's, word for word, whatever order it comes in.
 - What a hit hands out is shared between requests and threads: nothing downstream may change it (the chat
   templates run in an immutable sandbox; render.py, chat_messages.py and templates.py copy before they change).
-- Bounded by an estimate of its bytes (a share of --render-cache-bytes, render_config.py), least recently used
+- Bounded by an estimate of its bytes (a share of --render-cache-bytes, caches/budget.py), least recently used
   dropped first; the two render lanes share it (render_queue.py).
 - With ``body_bytes``, recent bodies are kept with where each message sits (body_prefix_store.py): a body that
   starts with one of them takes its messages without the scan, and only the rest is decoded.
@@ -20,8 +20,6 @@ a content format), a miss decodes that message alone with the same type as ``Cha
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +27,10 @@ import msgspec
 import numpy as np
 
 from render_service.body_prefix_store import BodyStore, StoredBody, element_offsets, skip_whitespace
+from render_service.caches.byte_lru import ByteLRU
 from render_service.protocol import ChatCompletionRequest
 from render_service.tojson_cache import DEFAULT_TEXTS
 
-# The memo's part of --render-cache-bytes, and as much again for recent bodies (body_prefix_store.py); the rest is
-# the prompt encoder's (incremental_tokenizer.py).
-MEMO_SHARE_DIVISOR = 8
 # Estimated bytes of an entry: its raw bytes, the decoded message and its prepared form(s) (strings mostly shared
 # between the two), and the entry's own objects. Measured on agent traces: about 5x the JSON (tests check it).
 BYTES_PER_JSON_BYTE = 5
@@ -121,15 +117,14 @@ class MessageMemo:
 
     def __init__(self, max_bytes: int, body_bytes: int = 0) -> None:
         """``max_bytes``: the bound of the entries; ``body_bytes``: of the recent bodies (0: none kept)."""
-        self.max_bytes = max_bytes
         self.bodies = BodyStore(body_bytes) if body_bytes else None
-        self.bytes = 0
         # messages and tools arrays looked up, and those decoded (not found), since start (tests and benches read
         # them; two lanes may lose a count now and then)
         self.lookups = 0
         self.misses = 0
-        self._entries: OrderedDict[tuple[int, int, bytes, bytes], MemoEntry] = OrderedDict()
-        self._lock = threading.Lock()
+        self.lru: ByteLRU[tuple[int, int, bytes, bytes], MemoEntry] = ByteLRU(
+            max_bytes, max_entry_bytes=max_bytes, on_evict=MemoEntry.release)
+        self._entries = self.lru._entries
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -225,7 +220,8 @@ class MessageMemo:
             key = (kind, len(data), data[:KEY_HEAD_BYTES], data[-KEY_TAIL_BYTES:])
             # A hit takes no lock: OrderedDict's get and move_to_end are each one step under the GIL (these keys
             # run no Python code), and an entry another lane evicts in between is simply not moved.
-            entry = found(key)
+            kept = found(key)
+            entry = kept[0] if kept is not None else None
             if entry is None or entry.data != data:  # the same key for other bytes is a miss
                 entry = MemoEntry(data, decode(data))
                 new.append((key, entry))
@@ -238,31 +234,24 @@ class MessageMemo:
         if new:
             self._add(new)
         self.lookups += len(out)
+        self.lru.hits += len(out) - len(new)  # (the lookups above read its dict directly)
+        self.lru.misses += len(new)
         return out
 
     def _add(self, new: list[tuple[tuple[int, int, bytes, bytes], MemoEntry]]) -> None:
-        """Keeps the entries just decoded (all of them or none: a request that fails to decode adds nothing)."""
+        """Keeps the entries just decoded (all of them or none: a request that fails to decode adds nothing); the
+        same key for other bytes: the newer stays."""
         self.misses += len(new)
-        entries = self._entries
-        with self._lock:
-            for key, entry in new:
-                if entry.size > self.max_bytes:
-                    continue
-                old = entries.pop(key, None)  # the same key for other bytes: the newer stays
-                if old is not None:
-                    self.bytes -= old.size
-                    old.release()
-                entries[key] = entry
-                self.bytes += entry.size
-            while self.bytes > self.max_bytes:
-                dropped = entries.popitem(last=False)[1]
-                self.bytes -= dropped.size
-                dropped.release()
+        self.lru.put_many([(key, entry, entry.size) for key, entry in new], replace=True)
 
+    # (last: a property named ``bytes`` would hide the type from the annotations above)
+    @property
+    def max_bytes(self) -> int:
+        return self.lru.max_bytes
 
-def memo_share(cache_bytes: int) -> int:
-    """The memo's bytes out of a --render-cache-bytes budget (0: no memo), and as much for recent bodies."""
-    return cache_bytes // MEMO_SHARE_DIVISOR
+    @property
+    def bytes(self) -> int:
+        return self.lru.bytes
 
 
 def _address(buffer: Any) -> int:

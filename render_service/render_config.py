@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from render_service.caches.budget import CacheBudget, CacheShares
 from render_service.errors import bad_request, model_not_found
-from render_service.message_memo import MessageMemo, memo_share
+from render_service.message_memo import MessageMemo
 from render_service.protocol import ChatCompletionRequest
 from render_service.template_budget import DEFAULT_RENDER_SECONDS
 from render_service.templates import ChatTemplate
@@ -65,6 +66,8 @@ class RenderConfig:
     prompt_encoder: Any = None
     # Chat messages and tools decoded and prepared once per distinct JSON (message_memo.py); None: off
     message_memo: MessageMemo | None = None
+    # --render-cache-bytes split between the caches, and their counters for /metrics (caches/budget.py)
+    caches: CacheBudget | None = None
     # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/tool_choice.py)
     tool_strict_level: str = "auto"
     # CPU time of one chat-template render (--chat-template-timeout; template_budget)
@@ -235,15 +238,32 @@ def build_render_config(
         default_chat_template_kwargs=kwargs,
     )
     names = list(served_model_names or []) or [str(bundle.path)]
-    from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
 
-    # --render-cache-bytes: an eighth for the message memo, an eighth for its recent bodies, the rest for the
-    # prompt encoder's caches
+    from render_service.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
+    from render_service.reference_mode import reference_render
+    from render_service.template_sandbox import use_plain_reads
+    from render_service.tojson_cache import DEFAULT_TEXTS, MAX_CACHE_BYTES
+
+    # --render-cache-bytes, split by the budget (caches/budget.py); the reference switch: none at all
     cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
-    memo_bytes = memo_share(cache_bytes)
+    if reference_render():  # the plain path only (reference_mode.py): no caches, Jinja's own template reads
+        cache_bytes = 0
+        use_plain_reads(True)
+    budget = CacheBudget(CacheShares.of(cache_bytes, MAX_CACHE_BYTES))
+    DEFAULT_TEXTS.max_bytes = budget.shares.tojson  # (one per process: the templates' tojson filter shares it)
+    budget.register("tojson", DEFAULT_TEXTS.lru.stats)
     prompt_encoder = None
     if isinstance(bundle.tokenizer, TextTokenizer):
-        prompt_encoder = IncrementalEncoder(bundle.tokenizer, cache_bytes - 2 * memo_bytes)
+        prompt_encoder = IncrementalEncoder(bundle.tokenizer, budget.shares.prompt_encoder)
+        if prompt_encoder.enabled:
+            budget.register("piece", prompt_encoder.cache.lru.stats)
+        if prompt_encoder.prefixes is not None:
+            budget.register("prompt_store", prompt_encoder.prefixes.stats)
+    memo = MessageMemo(budget.shares.memo, budget.shares.body_store) if budget.shares.memo > 0 else None
+    if memo is not None:
+        budget.register("memo", memo.lru.stats)
+        if memo.bodies is not None:
+            budget.register("body_store", memo.bodies.stats)
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -263,7 +283,8 @@ def build_render_config(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         harmony=harmony,
         prompt_encoder=prompt_encoder,
-        message_memo=MessageMemo(memo_bytes, memo_bytes) if memo_bytes > 0 else None,
+        message_memo=memo,
+        caches=budget,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,
     )

@@ -250,6 +250,8 @@ def _observe_prompt_cache(config: RenderConfig) -> None:
     encoder = config.prompt_encoder
     if encoder is not None:
         metrics.observe_prompt_cache(*encoder.take_counts())
+    if config.caches is not None:  # every cache's counters, at most once a second (caches/budget.py)
+        config.caches.observe()
 
 
 async def chat_render(request: Request) -> Response:
@@ -379,6 +381,9 @@ async def version_endpoint(request: Request) -> Response:
 
 
 async def metrics_endpoint(request: Request) -> Response:
+    caches = _state(request).config.caches
+    if caches is not None:
+        caches.observe(force=True)
     return Response(metrics.render_metrics(), media_type=metrics.CONTENT_TYPE_LATEST)
 
 

@@ -6,6 +6,7 @@ checked as it renders (``template_budget``), powers, namespaces."""
 from __future__ import annotations
 
 import json
+import logging
 import types
 from contextvars import ContextVar
 from datetime import datetime
@@ -16,7 +17,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.compiler import Frame
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from render_service.template_budget import (
@@ -78,13 +79,14 @@ def _raise_exception(message: Any) -> None:
 
 # HF's default options, remembered per value (templates call tojson per tool and tool call, every turn).
 _TOJSON_DEFAULT = DEFAULT_TEXTS
+_PLAIN_DUMPS = json.JSONEncoder(ensure_ascii=False).encode  # the reference switch's path (no cache, no lending)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes HTML characters; HF's does not, and exposes these options.
     if ensure_ascii is False and indent is None and separators is None and sort_keys is False:
-        return _TOJSON_DEFAULT.dumps(x)
+        return _TOJSON_DEFAULT.dumps(x) if _TOJSON_DEFAULT.max_bytes else _PLAIN_DUMPS(x)
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -162,8 +164,8 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
 
     _attribute_safety: dict[tuple[type, str], bool] = {}
     intercepted_binops = frozenset({"*", "**"})
-    code_generator_class = GuardedLoopsCodeGenerator
-    template_class = ChatTemplateCode
+    code_generator_class: type[CodeGenerator] = GuardedLoopsCodeGenerator
+    template_class: type[jinja2.Template] = ChatTemplateCode
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "**":
@@ -225,7 +227,7 @@ class RequestTemplateSandbox(ChatSandbox):
     model's template is the operator's code running on bounded data, and skips these per-operation costs."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
-    code_generator_class = RequestTemplateCodeGenerator
+    code_generator_class: type[CodeGenerator] = RequestTemplateCodeGenerator
     bounded_concat = staticmethod(bounded_concat)
     concat = staticmethod(bounded_join)
 
@@ -253,6 +255,80 @@ def _make_environment(kind: type[ChatSandbox]) -> ChatSandbox:
     return env
 
 
+class PlainLoopsCodeGenerator(CodeGenerator):
+    """Jinja's own code generator over the same guarded tree: the path when the inline reads fail their proof."""
+
+    concat_bounded = False
+
+    def visit_Template(self, node: jinja2.nodes.Template, frame: Frame | None = None) -> None:
+        super().visit_Template(BoundedTemplate(self.concat_bounded).visit(node), frame)
+
+
+class PlainRequestCodeGenerator(PlainLoopsCodeGenerator):
+    concat_bounded = True
+
+
+# template_inline leans on Jinja's code generator and its LoopContext's internals: at load, a probe that reads
+# everything the inline paths shortcut must render as Jinja's own code renders it, else both sandboxes take
+# Jinja's (and the reference switch takes Jinja's always: reference_mode.py).
+_INLINE_PROBE = (
+    "{%- set ns = namespace(seen=0, last='') -%}"
+    "{%- for m in messages -%}{%- set ns.seen = ns.seen + 1 -%}"
+    "[{{ loop.index0 }}/{{ loop.index }}/{{ loop.revindex }}/{{ loop.revindex0 }}/{{ loop.length }}"
+    "{{ loop.first }}{{ loop.last }}|{{ loop.previtem.role if loop.previtem else '-' }}"
+    "|{{ loop.nextitem.role if loop.nextitem else '-' }}|{{ loop.cycle('a', 'b') }}{{ loop.changed(m.role) }}"
+    "|{{ m.role }}:{{ m.content.strip(' ').split(' ')[0] }}{{ m.content.startswith('x') }}"
+    "{{ m.get('name', 'none') }}{{ m['items'] if 'items' in m else 0 }}{{ m.items is defined }}"
+    "{%- for c in m.content -%}{%- if loop.first -%}<{{ c }}{{ loop.depth }}>{%- endif -%}{%- endfor -%}"
+    "{%- set ns.last = m.role -%}]{%- endfor -%}{{ ns.seen }}{{ ns.last }}"
+    "{%- for k, v in tools.items() -%}{{ k }}={{ v | tojson }}{% if not loop.last %},{% endif %}{%- endfor -%}"
+)
+_INLINE_PROBE_DATA = {
+    "messages": [{"role": "system", "content": " be brief "}, {"role": "user", "content": "x y z", "items": 3},
+                 {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok", "name": "bot"}],
+    "tools": {"a": {"b": [1, 2.5, "é"]}, "c": None},
+}
+
+
+def inline_violation() -> str | None:
+    """None when the inline reads render the probe exactly as Jinja's own code generator does; else why not."""
+    try:
+        got = [_make_environment(kind).from_string(_INLINE_PROBE).render(**_INLINE_PROBE_DATA)
+               for kind in (ChatSandbox, RequestTemplateSandbox, _PlainChatSandbox)]
+    except Exception as exc:  # Jinja's internals moved under the inline paths
+        return f"the inline template reads fail on the probe: {type(exc).__name__}: {exc}"
+    if not got[0] == got[1] == got[2]:
+        return "the inline template reads render the probe unlike Jinja's code generator"
+    return None
+
+
+class _PlainChatSandbox(ChatSandbox):
+    code_generator_class = PlainLoopsCodeGenerator
+    template_class = jinja2.Template
+
+
+_INLINE_CLASSES = (ChatSandbox.code_generator_class, ChatSandbox.template_class,
+                   RequestTemplateSandbox.code_generator_class)
+_PLAIN_CLASSES = (PlainLoopsCodeGenerator, jinja2.Template, PlainRequestCodeGenerator)
+
+
+def use_plain_reads(plain: bool) -> None:
+    """Templates compiled from now on take Jinja's own reads (``plain``: the reference switch), or the inline
+    ones where they passed their proof at load."""
+    global _ENVIRONMENT, _REQUEST_ENVIRONMENT
+    classes = _PLAIN_CLASSES if plain or INLINE_REASON is not None else _INLINE_CLASSES
+    ChatSandbox.code_generator_class, ChatSandbox.template_class, RequestTemplateSandbox.code_generator_class = \
+        classes
+    _ENVIRONMENT = _make_environment(ChatSandbox)
+    _REQUEST_ENVIRONMENT = _make_environment(RequestTemplateSandbox)
+    compile_template.cache_clear()
+
+
+INLINE_REASON = inline_violation()
+if INLINE_REASON is not None:
+    logging.getLogger(__name__).warning("chat templates take Jinja's own reads: %s", INLINE_REASON)
+    ChatSandbox.code_generator_class, ChatSandbox.template_class, RequestTemplateSandbox.code_generator_class = \
+        _PLAIN_CLASSES
 _ENVIRONMENT = _make_environment(ChatSandbox)
 _REQUEST_ENVIRONMENT = _make_environment(RequestTemplateSandbox)
 

@@ -23,11 +23,11 @@ go of them, so an identity is never matched to another object.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import msgspec
+
+from render_service.caches.byte_lru import ByteLRU
 
 MAX_CACHE_BYTES = 8 * 1024 * 1024
 MAX_KEY_BYTES = 64 * 1024  # larger values are dumped each time (their text would crowd out the rest)
@@ -40,14 +40,23 @@ class JsonTextCache:
     """A bytes-bounded LRU of ``json.dumps(x, ensure_ascii=False)`` texts, shared by the render lanes."""
 
     def __init__(self, max_bytes: int = MAX_CACHE_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._texts: OrderedDict[bytes, tuple[Any, str, int]] = OrderedDict()  # key -> (value, text, size)
-        self._lock = threading.Lock()
+        # msgpack key -> (value, text)
+        self.lru: ByteLRU[bytes, tuple[Any, str]] = ByteLRU(max_bytes, max_entry_bytes=max_bytes)
         self._lent: dict[int, tuple[Any, str]] = {}  # id(value) -> (value, text), while its owner keeps it as is
 
     def __len__(self) -> int:
-        return len(self._texts)
+        return len(self.lru)
+
+    @property
+    def max_bytes(self) -> int:
+        return self.lru.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, bound: int) -> None:  # (the budget sets it: budget.py; 0: no text kept)
+        self.lru.max_bytes = bound
+        self.lru.max_entry_bytes = bound
+        with self.lru._lock:
+            self.lru._shrink()
 
     def lend(self, value: Any) -> bool:
         """Keeps ``value``'s text by identity until ``unlend(value)``; its owner must not change it meanwhile.
@@ -67,6 +76,7 @@ class JsonTextCache:
     def dumps(self, value: Any) -> str:
         lent = self._lent.get(id(value))
         if lent is not None and lent[0] is value:
+            self.lru.hits += 1  # (a lent text is a hit too; two lanes may lose a count now and then)
             return lent[1]
         try:
             key = _key_of(value)
@@ -74,24 +84,16 @@ class JsonTextCache:
             return _dumps(value)
         if len(key) > MAX_KEY_BYTES:
             return _dumps(value)
-        # A hit takes no lock: OrderedDict's get and move_to_end are each one step under the GIL (bytes keys run
-        # no Python code), and an entry another lane evicts in between is simply not moved.
-        entry = self._texts.get(key)
+        entry = self.lru.get(key)  # (a hit takes no lock: byte_lru.py)
         if entry is not None:
-            try:
-                self._texts.move_to_end(key)
-            except KeyError:
-                pass
             return entry[1] if value == entry[0] else _dumps(value)
         text = _dumps(value)
-        size = 2 * len(key) + (len(text) if text.isascii() else 4 * len(text)) + 200
-        with self._lock:
-            if key not in self._texts:
-                self._texts[key] = (value, text, size)
-                self.bytes += size
-                while self.bytes > self.max_bytes:
-                    self.bytes -= self._texts.popitem(last=False)[1][2]
+        self.lru.put(key, (value, text), 2 * len(key) + (len(text) if text.isascii() else 4 * len(text)) + 200)
         return text
+
+    @property
+    def bytes(self) -> int:  # (last: a property named ``bytes`` would hide the type from the annotations above)
+        return self.lru.bytes
 
 
 # HF's default options (``tojson`` without arguments), shared by every template of the process.

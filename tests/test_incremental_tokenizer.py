@@ -203,7 +203,7 @@ def test_cached_ids_leave_the_garbage_collectors_tracking(qwen_fast):
     encoder = IncrementalEncoder(qwen_fast)
     encoder.encode("<|im_start|>user\nsome words here<|im_end|>\n")
     gc.collect()
-    assert not any(gc.is_tracked(ids) for ids, _, _ in encoder.cache._entries.values())
+    assert not any(gc.is_tracked(ids) for (ids, _), _ in encoder.cache._entries.values())
 
 
 def test_prompt_ids_write_the_same_json_as_plain_ints(qwen_fast):

@@ -304,7 +304,7 @@ def test_a_template_cannot_change_what_the_memo_shares(servers):
     parts = json.dumps({"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL],
                         "chat_template": PARTS_TEMPLATE}).encode()
     assert answer(cfg, parts)[0] == 200  # both content formats prepared
-    memo_entries = list(cfg.message_memo._entries.values())
+    memo_entries = [e for e, _ in cfg.message_memo._entries.values()]
     before = copy.deepcopy([(e.value, e.prepared) for e in memo_entries])
     for source in MUTATING_TEMPLATES:
         attempt = json.dumps({"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL],
@@ -330,12 +330,12 @@ def test_an_evicted_entry_takes_back_the_tojson_texts_it_lent():
     lent_before: dict[int, Any] = {}  # (the values held: their ids stay theirs)
     for body in growing_bodies(33, 12):
         answer(cfg, body)
-        live = [v for e in memo._entries.values() for v in e.lent]
+        live = [v for e, _ in memo._entries.values() for v in e.lent]
         lent_before.update((id(v), v) for v in live)
         for value in live:  # every value a kept entry lent is written by identity, as json.dumps writes it
             assert DEFAULT_TEXTS._lent[id(value)] == (value, json.dumps(value, ensure_ascii=False))
     assert lent_before, "no tool call arguments or tools were lent"
-    kept = {id(v) for e in memo._entries.values() for v in e.lent}
+    kept = {id(v) for e, _ in memo._entries.values() for v in e.lent}
     gone = [v for key, v in lent_before.items() if key not in kept]
     assert gone and all(DEFAULT_TEXTS._lent.get(id(v), (None,))[0] is not v for v in gone)
 

@@ -10,10 +10,9 @@ and as the pipeline's configuration: a small multiple of that in memory).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import msgspec
 
+from render_service.caches.byte_lru import ByteLRU
 from render_service.parsers.pipeline import Pipeline, PipelineConfig
 from render_service.streaming_cache.codec import binding_for
 from render_service.tokenizer import RenderTokenizer
@@ -32,11 +31,12 @@ class PipelineCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_config_bytes = max_config_bytes
-        self._entries: OrderedDict[bytes, tuple[Pipeline, bytes, int]] = OrderedDict()
-        self.bytes = 0  # the encoded sizes of the kept configurations
+        # key -> (pipeline, binding), sized by the encoded configuration (caches/byte_lru.py)
+        self.lru: ByteLRU[bytes, tuple[Pipeline, bytes]] = ByteLRU(max_bytes, max_entry_bytes=max_config_bytes,
+                                                                   max_entries=max_entries)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.lru)
 
     def get(self, cfg: PipelineConfig, tokenizer: RenderTokenizer) -> tuple[Pipeline, bytes]:
         """The pipeline for ``cfg`` and the binding of its stream_state (see ``session.binding``)."""
@@ -44,16 +44,13 @@ class PipelineCache:
         if len(encoded) > self.max_config_bytes:
             return Pipeline(tokenizer, cfg), binding_for(encoded, tokenizer.vocab_size)
         key = encoded + id(tokenizer).to_bytes(8, "little")  # small (see above), and hashed in C
-        hit = self._entries.get(key)
+        hit = self.lru.get(key)
         if hit is not None and hit[0].tokenizer is tokenizer:
-            self._entries.move_to_end(key)
-            return hit[0], hit[1]
+            return hit
         made = Pipeline(tokenizer, cfg), binding_for(encoded, tokenizer.vocab_size)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.bytes -= old[2]
-        self._entries[key] = (made[0], made[1], len(encoded))
-        self.bytes += len(encoded)
-        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            self.bytes -= self._entries.popitem(last=False)[1][2]
+        self.lru.put(key, made, len(encoded), replace=True)
         return made
+
+    @property
+    def bytes(self) -> int:  # the encoded sizes of the kept configurations (last: it would hide the type above)
+        return self.lru.bytes
