@@ -25,6 +25,7 @@ from typing import Any
 from render_service.fastokens_path import BACKEND_ENV, BACKENDS
 from splitserve_common import vllm_flags
 from splitserve_common.auth import add_api_key_argument
+from splitserve_common.block_hashes import HASH_ALGOS, BlockHashConfig
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
 
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="logprob tokens as vLLM's 'token_id:N' strings unless a request says otherwise "
                             "(default: decoded text plus integer token_id)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+                       help="the engines' prefix-caching hash (vLLM's flag): the block hashes a render request "
+                            "asks for with return_block_hashes are computed with it and --block-size")
     serve.add_argument("--render-cache-bytes", type=int, default=None, metavar="BYTES",
                        help="per worker process: chat messages and tools decoded before, by their JSON (an "
                             "eighth), recent request bodies (an eighth), and of the rest, token ids of prompt "
@@ -101,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--engine-api-key", default=os.environ.get(ENGINE_API_KEY_ENV), metavar="KEY",
                     help="sent as 'Authorization: Bearer KEY' on every engine call: the engines' --api-key "
                          f"(default: ${ENGINE_API_KEY_ENV})")
-    gw.add_argument("--engine-block-size", type=int, default=16, help="the engines' KV block size")
+    gw.add_argument("--engine-block-size", "--block-size", type=int, default=16,
+                    help="the engines' KV block size (prefix affinity, and the block hashes render hands out)")
     gw.add_argument("--engine-max-num-seqs", type=int, default=256, metavar="N",
                     help="the engines' --max-num-seqs: P/D refuses n above it (400), as a collocated engine does")
     gw.add_argument("--prefix-affinity-blocks", type=int, default=4,
@@ -278,6 +283,7 @@ def serve(args: argparse.Namespace) -> int:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             render_cache_bytes=args.render_cache_bytes,
             tool_strict_level=args.tool_strict_level,
+            block_hash_config=block_hash_config(args),
             **({} if args.chat_template_timeout is None else {"chat_template_timeout_s": args.chat_template_timeout}),
         )
         gateway = build_gateway(args)
@@ -370,3 +376,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def block_hash_config(args: argparse.Namespace) -> BlockHashConfig:
+    """The block hashes render hands out: the engines' block size and hash (vLLM: $PYTHONHASHSEED seeds both)."""
+    try:
+        return BlockHashConfig(block_size=args.engine_block_size, hash_algo=args.prefix_caching_hash_algo)
+    except ValueError as exc:
+        raise SystemExit(f"render-service: {exc}") from None

@@ -14,6 +14,7 @@ from render_service.protocol import ChatCompletionRequest
 from render_service.template_budget import DEFAULT_RENDER_SECONDS
 from render_service.templates import ChatTemplate
 from render_service.tokenizer import RenderTokenizer, TextTokenizer
+from splitserve_common.block_hashes import BlockHashConfig
 
 if TYPE_CHECKING:
     from render_service.bundle import ModelBundle
@@ -69,6 +70,8 @@ class RenderConfig:
     tool_strict_level: str = "auto"
     # CPU time of one chat-template render (--chat-template-timeout; template_budget)
     chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS
+    # The engines' block size and vLLM's --prefix-caching-hash-algo, for block hashes a render request asks for
+    block_hash_config: BlockHashConfig = field(default_factory=BlockHashConfig)
 
     @property
     def model_name(self) -> str:
@@ -173,6 +176,7 @@ def build_render_config(
     render_cache_bytes: int | None = None,
     tool_strict_level: str = "auto",
     chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS,
+    block_hash_config: BlockHashConfig | None = None,
 ) -> RenderConfig:
     """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
@@ -266,6 +270,7 @@ def build_render_config(
         message_memo=MessageMemo(memo_bytes, memo_bytes) if memo_bytes > 0 else None,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,
+        block_hash_config=block_hash_config or BlockHashConfig(),
     )
 
 
