@@ -367,6 +367,14 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def block_hash_config(args: argparse.Namespace) -> BlockHashConfig:
+    """The block hashes render hands out: the engines' block size and hash (vLLM: $PYTHONHASHSEED seeds both)."""
+    try:
+        return BlockHashConfig(block_size=args.engine_block_size, hash_algo=args.prefix_caching_hash_algo)
+    except ValueError as exc:
+        raise SystemExit(f"render-service: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -377,10 +385,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def block_hash_config(args: argparse.Namespace) -> BlockHashConfig:
-    """The block hashes render hands out: the engines' block size and hash (vLLM: $PYTHONHASHSEED seeds both)."""
-    try:
-        return BlockHashConfig(block_size=args.engine_block_size, hash_algo=args.prefix_caching_hash_algo)
-    except ValueError as exc:
-        raise SystemExit(f"render-service: {exc}") from None
