@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from render_service.fastokens_path import BACKEND_ENV, BACKENDS
-from splitserve_common import vllm_flags
+from splitserve_common import vllm_flags, vllm_serve_flags
 from splitserve_common.auth import add_api_key_argument
 from splitserve_common.block_hashes import HASH_ALGOS, BlockHashConfig
 from splitserve_common.cli_args import json_object_arg
@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
                        help="key that signs stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
-    serve.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
+    serve.add_argument("--workers", "--api-server-count", type=int, default=None,
+                       help="server processes sharing the port (default 1; vLLM's --api-server-count)")
     serve.add_argument("--renderer-num-workers", type=int, default=None, metavar="N",
                        help="vLLM's render thread pool size: here N server processes, unless --workers is given")
     serve.add_argument("--tokenizer", default=None,
@@ -141,9 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["json", "text"],
                        help="json: one object per line (ts, level, logger, msg, request_id, fields)")
-    serve.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+    serve.add_argument("--shutdown-grace-seconds", "--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, how long in-flight requests may take before the process exits")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
+    vllm_flags.add_tls_and_hub_flags(serve)
+    vllm_serve_flags.add_vllm_flags(serve)
     return parser
 
 
@@ -197,7 +200,7 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     openapi = render_openapi(version(), gateway=gateway)
     app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi,
                    timing=GatewayLatency() if gateway else None)
-    settings = uvicorn_connection_settings(args.http_header_timeout)
+    settings = uvicorn_connection_settings(args.http_header_timeout) | vllm_flags.uvicorn_tls_settings(args)
     settings["http"] = _with_direct_routes(settings["http"], render_app, lifecycle,
                                            access_log=not args.disable_uvicorn_access_log)
     config = uvicorn.Config(
@@ -247,8 +250,14 @@ def serve(args: argparse.Namespace) -> int:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
     vllm_flags.log_noop_flags(args, NOOP_FLAGS, logger)
+    refused = vllm_serve_flags.check_vllm_flags(args, "render", logger)
+    if refused:
+        print(f"render-service: {refused}", file=sys.stderr)
+        return 2
+    vllm_flags.apply_hub_flags(args)
     try:
         uvicorn_connection_settings(args.http_header_timeout)
+        vllm_flags.uvicorn_tls_settings(args)
     except ValueError as exc:
         print(f"render-service: {exc}", file=sys.stderr)
         return 2
