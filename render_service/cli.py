@@ -24,8 +24,9 @@ from typing import Any
 
 from render_service.fastokens_path import BACKEND_ENV, BACKENDS
 from render_service.reference_mode import REFERENCE_ENV, reference_render, set_reference_render
-from splitserve_common import vllm_flags
+from splitserve_common import vllm_flags, vllm_serve_flags
 from splitserve_common.auth import add_api_key_argument
+from splitserve_common.block_hashes import HASH_ALGOS, BlockHashConfig
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
 
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="logprob tokens as vLLM's 'token_id:N' strings unless a request says otherwise "
                             "(default: decoded text plus integer token_id)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+                       help="the engines' prefix-caching hash (vLLM's flag): the block hashes a render request "
+                            "asks for with return_block_hashes are computed with it and --block-size")
     serve.add_argument("--render-cache-bytes", type=int, default=None, metavar="BYTES",
                        help="per worker process: chat messages and tools decoded before, by their JSON (an "
                             "eighth), recent request bodies (an eighth), and of the rest, token ids of prompt "
@@ -80,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
                        help="key that signs stream_state (env SPLITSERVE_STREAM_STATE_SECRET); "
                             "every replica of a tier needs the same one")
-    serve.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
+    serve.add_argument("--workers", "--api-server-count", type=int, default=None,
+                       help="server processes sharing the port (default 1; vLLM's --api-server-count)")
     serve.add_argument("--renderer-num-workers", type=int, default=None, metavar="N",
                        help="vLLM's render thread pool size: here N server processes, unless --workers is given")
     serve.add_argument("--tokenizer", default=None,
@@ -105,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--engine-api-key", default=os.environ.get(ENGINE_API_KEY_ENV), metavar="KEY",
                     help="sent as 'Authorization: Bearer KEY' on every engine call: the engines' --api-key "
                          f"(default: ${ENGINE_API_KEY_ENV})")
-    gw.add_argument("--engine-block-size", type=int, default=16, help="the engines' KV block size")
+    gw.add_argument("--engine-block-size", "--block-size", type=int, default=16,
+                    help="the engines' KV block size (prefix affinity, and the block hashes render hands out)")
     gw.add_argument("--engine-max-num-seqs", type=int, default=256, metavar="N",
                     help="the engines' --max-num-seqs: P/D refuses n above it (400), as a collocated engine does")
     gw.add_argument("--prefix-affinity-blocks", type=int, default=4,
@@ -148,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["json", "text"],
                        help="json: one object per line (ts, level, logger, msg, request_id, fields)")
-    serve.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+    serve.add_argument("--shutdown-grace-seconds", "--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, how long in-flight requests may take before the process exits")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="(accepted for vLLM parity)")
+    vllm_flags.add_tls_and_hub_flags(serve)
+    vllm_serve_flags.add_vllm_flags(serve)
     return parser
 
 
@@ -206,7 +214,7 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     openapi = render_openapi(version(), gateway=gateway)
     app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi,
                    timing=GatewayLatency() if gateway else None)
-    settings = uvicorn_connection_settings(args.http_header_timeout)
+    settings = uvicorn_connection_settings(args.http_header_timeout) | vllm_flags.uvicorn_tls_settings(args)
     settings["http"] = _with_direct_routes(settings["http"], render_app, lifecycle,
                                            access_log=not args.disable_uvicorn_access_log)
     config = uvicorn.Config(
@@ -261,8 +269,14 @@ def serve(args: argparse.Namespace) -> int:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
     vllm_flags.log_noop_flags(args, NOOP_FLAGS, logger)
+    refused = vllm_serve_flags.check_vllm_flags(args, "render", logger)
+    if refused:
+        print(f"render-service: {refused}", file=sys.stderr)
+        return 2
+    vllm_flags.apply_hub_flags(args)
     try:
         uvicorn_connection_settings(args.http_header_timeout)
+        vllm_flags.uvicorn_tls_settings(args)
     except ValueError as exc:
         print(f"render-service: {exc}", file=sys.stderr)
         return 2
@@ -298,6 +312,7 @@ def serve(args: argparse.Namespace) -> int:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             render_cache_bytes=args.render_cache_bytes,
             tool_strict_level=args.tool_strict_level,
+            block_hash_config=block_hash_config(args),
             **({} if args.chat_template_timeout is None else {"chat_template_timeout_s": args.chat_template_timeout}),
         )
         gateway = build_gateway(args)
@@ -384,6 +399,14 @@ def _prefork(app: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def block_hash_config(args: argparse.Namespace) -> BlockHashConfig:
+    """The block hashes render hands out: the engines' block size and hash (vLLM: $PYTHONHASHSEED seeds both)."""
+    try:
+        return BlockHashConfig(block_size=args.engine_block_size, hash_algo=args.prefix_caching_hash_algo)
+    except ValueError as exc:
+        raise SystemExit(f"render-service: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -393,3 +416,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

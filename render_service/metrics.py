@@ -52,7 +52,28 @@ PROMPT_CACHE_TOKENS = Counter("splitserve_render_prompt_cache_tokens_total",
                               "Prompt tokens served from the render cache (a piece or a stored prompt's head: hit) or "
                               "tokenized (miss).", ["result"])
 
+# vLLM 0.34's name beside ours, so dashboards and routers written for vLLM's render server read us unchanged.
+# vLLM's request_type: "chat" (Messages and Responses render through chat) or "completion".
+VLLM_RENDER_DURATION = Histogram(
+    "vllm:request_render_duration_seconds",
+    "Time spent rendering a request, including chat templating and tokenization.",
+    ["model_name", "request_type"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+VLLM_REQUEST_TYPES = {"chat_render": "chat", "chat_completions": "chat", "messages_render": "chat",
+                      "responses_render": "chat", "completion_render": "completion", "completions": "completion"}
+_model_name = ""
+
+
+def set_model_name(name: str) -> None:
+    """The served model name vLLM's metrics carry as ``model_name``."""
+    global _model_name
+    _model_name = name
+    _vllm_children.clear()
+
+
 _request_children: dict[tuple[str, int], Counter] = {}
+_vllm_children: dict[str, Histogram] = {}
 _work_children: dict[str, Histogram] = {}
 
 
@@ -61,6 +82,13 @@ def observe_render_work(endpoint: str, seconds: float) -> None:
     if child is None:
         child = _work_children[endpoint] = RENDER_WORK.labels(endpoint=endpoint)
     child.observe(seconds)
+    vllm_child = _vllm_children.get(endpoint)
+    if vllm_child is None:
+        request_type = VLLM_REQUEST_TYPES.get(endpoint)
+        if request_type is None:
+            return
+        vllm_child = _vllm_children[endpoint] = VLLM_RENDER_DURATION.labels(_model_name, request_type)
+    vllm_child.observe(seconds)
 
 
 _PROMPT_CACHE_HIT = PROMPT_CACHE_TOKENS.labels(result="hit")

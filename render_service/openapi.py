@@ -29,6 +29,7 @@ def render_operations() -> list[Operation]:
         *ping_operations(),
         Operation("/version", "get", "Version and render fingerprint", response=dict[str, str]),
         Operation("/metrics", "get", "Prometheus metrics", text=True),
+        Operation("/load", "get", "Renders running and queued (vLLM's server_load)", response=dict[str, int]),
     ]
 
 

@@ -134,6 +134,7 @@ class ChatCompletionRequest(msgspec.Struct):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    return_block_hashes: bool = False  # ours: the engines' prefix-cache block hashes of the rendered ids
     priority: int = 0
     return_token_ids: bool | None = None
     # vLLM: logprob tokens as "token_id:N" strings; None = the server's --return-tokens-as-token-ids
@@ -182,6 +183,7 @@ class CompletionRequest(msgspec.Struct):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    return_block_hashes: bool = False  # ours: the engines' prefix-cache block hashes of the rendered ids
     priority: int = 0
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
@@ -228,6 +230,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_token_logprobs: bool | UnsetType = UNSET
     return_top_k_logprobs: bool | UnsetType = UNSET
     render_fingerprint: str | UnsetType = UNSET
+    # Ours, asked for with the request's return_block_hashes: vLLM's prefix-cache hash of each full block of
+    # token_ids, as its KV events carry them (64-bit ints), so a router indexes without re-hashing.
+    block_hashes: list[int] | UnsetType = UNSET
 
 
 class UsageInfo(msgspec.Struct):

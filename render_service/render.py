@@ -27,6 +27,7 @@ from render_service.template_sandbox import TemplateError
 from render_service.templates import ChatTemplate
 from render_service.tokenizer import TextTokenizer
 from render_service.tool_choice import PARSERS_LEAVING_SPECIAL_TOKENS, check_render_tool_choice, tool_call_constraint
+from splitserve_common.block_hashes import block_hashes, external_hash
 from splitserve_common.limits import chat_limit_violation, kv_transfer_params_violation, prompts_limit_violation
 from splitserve_common.request_ids import body_id_violation, header_safe
 
@@ -463,6 +464,9 @@ def _generate_request(
     req: ChatCompletionRequest | CompletionRequest, config: RenderConfig, **per_prompt: Any
 ) -> GenerateRequest:
     """The engine request for one rendered prompt: ``per_prompt`` fields plus those every request carries over."""
+    if req.return_block_hashes:
+        hashes = block_hashes(list(per_prompt["token_ids"]), config.block_hash_config, cache_salt=req.cache_salt)
+        per_prompt["block_hashes"] = [external_hash(h) for h in hashes]
     return GenerateRequest(
         **per_prompt,
         return_token_ids=req.return_token_ids,

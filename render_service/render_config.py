@@ -15,6 +15,7 @@ from render_service.protocol import ChatCompletionRequest
 from render_service.template_budget import DEFAULT_RENDER_SECONDS
 from render_service.templates import ChatTemplate
 from render_service.tokenizer import RenderTokenizer, TextTokenizer
+from splitserve_common.block_hashes import BlockHashConfig
 
 if TYPE_CHECKING:
     from render_service.bundle import ModelBundle
@@ -72,6 +73,8 @@ class RenderConfig:
     tool_strict_level: str = "auto"
     # CPU time of one chat-template render (--chat-template-timeout; template_budget)
     chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS
+    # The engines' block size and vLLM's --prefix-caching-hash-algo, for block hashes a render request asks for
+    block_hash_config: BlockHashConfig = field(default_factory=BlockHashConfig)
 
     @property
     def model_name(self) -> str:
@@ -176,6 +179,7 @@ def build_render_config(
     render_cache_bytes: int | None = None,
     tool_strict_level: str = "auto",
     chat_template_timeout_s: float = DEFAULT_RENDER_SECONDS,
+    block_hash_config: BlockHashConfig | None = None,
 ) -> RenderConfig:
     """The configuration for an already loaded bundle (tests and the gateway share one bundle)."""
     from pathlib import Path
@@ -287,6 +291,7 @@ def build_render_config(
         caches=budget,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,
+        block_hash_config=block_hash_config or BlockHashConfig(),
     )
 
 

@@ -380,6 +380,17 @@ async def version_endpoint(request: Request) -> Response:
     return json_response({"version": state.version, "render_fingerprint": state.config.fingerprint})
 
 
+async def load(request: Request) -> Response:
+    """vLLM's ``/load``: the requests this process is working on (renders running and queued), for routers."""
+    queue = _state(request).render_queue
+    return json_response({"server_load": queue.running + queue.waiting})
+
+
+async def not_served(request: Request) -> Response:
+    """A render route vLLM has and we do not serve: 501, as vLLM answers for an API its model lacks."""
+    raise ApiError(f"{request.scope['path']} is not served by this render tier", 501, type="NotImplementedError")
+
+
 async def metrics_endpoint(request: Request) -> Response:
     caches = _state(request).config.caches
     if caches is not None:
@@ -415,7 +426,13 @@ def own_routes() -> list[Route]:
         Route("/ping", endpoint("ping", health, auth=False), methods=["GET", "POST"]),  # SageMaker's, as vLLM
         Route("/version", endpoint("version", version_endpoint, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_endpoint, auth=False), methods=["GET"]),
+        Route("/load", endpoint("load", load, auth=False), methods=["GET"]),
+        *(Route(path, endpoint("not_served", not_served), methods=["POST"]) for path in NOT_SERVED_RENDER_PATHS),
     ]
+
+
+# Render routes of vLLM 0.34's render server that this tier does not serve (answered 501, not 404, as vLLM does).
+NOT_SERVED_RENDER_PATHS = ("/cohere/v2/chat/render",)
 
 
 # The render tier's own POST endpoints, each answered with one JSON Response: the ones direct_http.py may answer
@@ -454,4 +471,5 @@ def create_app(
     }
     app.state.server = state
     app.state.render_config = config
+    metrics.set_model_name(config.model_name)
     return app

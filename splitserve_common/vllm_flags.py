@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,41 @@ def add_uvicorn_log_level(parser: argparse.ArgumentParser) -> None:
 
 def uvicorn_log_level(args: argparse.Namespace) -> str:
     return str(args.uvicorn_log_level or args.log_level)
+
+
+def add_tls_and_hub_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's TLS, root path and model download flags, mapped onto uvicorn and the Hugging Face cache."""
+    group = parser.add_argument_group("TLS and model download (vLLM's flags)")
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS)")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain file")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0,
+                       help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
+    group.add_argument("--ssl-ciphers", default=None, help="TLS cipher list (OpenSSL syntax)")
+    group.add_argument("--root-path", default=None, help="path prefix a proxy strips before the request reaches us")
+    group.add_argument("--download-dir", default=None,
+                       help="Hugging Face cache for a model id (as $HF_HUB_CACHE); a local directory ignores it")
+    group.add_argument("--hf-token", default=None, help="token for a gated model id's download (as $HF_TOKEN)")
+
+
+def uvicorn_tls_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config keywords for the TLS and root-path flags (ValueError on a half-given key pair)."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    settings: dict[str, Any] = {}
+    if args.ssl_certfile:
+        settings.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+        if args.ssl_ciphers:
+            settings["ssl_ciphers"] = args.ssl_ciphers
+    if args.root_path:
+        settings["root_path"] = args.root_path
+    return settings
+
+
+def apply_hub_flags(args: argparse.Namespace) -> None:
+    """--download-dir and --hf-token as the environment the model resolution reads."""
+    if args.download_dir:
+        os.environ["HF_HUB_CACHE"] = args.download_dir
+    if args.hf_token:
+        os.environ["HF_TOKEN"] = args.hf_token

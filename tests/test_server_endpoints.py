@@ -223,3 +223,28 @@ def test_metrics_count_requests_and_latency(server):
     count = 'splitserve_render_latency_seconds_count{endpoint="chat_render"}'
     assert value(after, count) == value(before, count) + 1
     assert "splitserve_derender_latency_seconds" in after
+
+
+def test_vllm_render_duration_metric_is_counted_per_request_type(server):
+    def count(text: str, request_type: str) -> float:
+        key = f'vllm:request_render_duration_seconds_count{{model_name="qwen3-0.6b",request_type="{request_type}"}}'
+        return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(key)), 0.0)
+
+    before = server.client.get("/metrics").text
+    server.client.post("/v1/chat/completions/render", json=CHAT)
+    server.client.post("/v1/completions/render", json={"model": "qwen3-0.6b", "prompt": "hi"})
+    after = server.client.get("/metrics").text
+    assert count(after, "chat") == count(before, "chat") + 1
+    assert count(after, "completion") == count(before, "completion") + 1
+
+
+def test_load_reports_the_requests_in_flight_as_vllm_does(server):
+    r = server.client.get("/load")
+    assert r.status_code == 200 and r.json() == {"server_load": 0}
+
+
+def test_a_vllm_render_route_we_do_not_serve_is_501_not_404(server):
+    r = server.client.post("/cohere/v2/chat/render", json={"model": "qwen3-0.6b", "messages": []})
+    assert r.status_code == 501
+    assert r.json()["error"]["type"] == "NotImplementedError" and "/cohere/v2/chat/render" in r.json()["error"]["message"]
+    assert server.client.post("/v1/not/a/route", json={}).status_code == 404

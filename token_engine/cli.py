@@ -7,9 +7,9 @@ import logging
 import socket
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from splitserve_common import vllm_flags
+from splitserve_common import vllm_flags, vllm_serve_flags
 from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
@@ -139,6 +139,8 @@ def _add_vllm_flags(s: argparse.ArgumentParser) -> None:
     vllm_flags.add_uvicorn_log_level(s)
     vllm_flags.add_parallel_flags(s)
     vllm_flags.add_noop_flags(s, NOOP_FLAGS)
+    vllm_flags.add_tls_and_hub_flags(s)
+    vllm_serve_flags.add_vllm_flags(s)
 
 
 def vllm_flag_errors(args: argparse.Namespace) -> str | None:
@@ -233,7 +235,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
           enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info",
           shutdown_grace_seconds: float = 30.0, access_log: bool = True, log_requests: bool = False,
           scheduling_policy: str | None = None, api_keys: list[str] | None = None,
-          header_timeout_s: float = 10.0) -> None:
+          header_timeout_s: float = 10.0, tls: dict[str, Any] | None = None) -> None:
     import uvicorn
 
     from splitserve_common.auth import ApiKeys, warn_if_open
@@ -244,7 +246,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     from token_engine.server import VERSION, build_app
 
     keys = ApiKeys(api_keys)
-    connection_settings = uvicorn_connection_settings(header_timeout_s)
+    connection_settings = uvicorn_connection_settings(header_timeout_s) | (tls or {})
     try:
         llm = LLMEngine(config)
     except (ValueError, OSError):
@@ -333,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     # Everything that can be wrong with the command line or the model is one line on stderr, exit 2.
     try:
-        error = vllm_flag_errors(args)
+        error = vllm_flag_errors(args) or vllm_serve_flags.check_vllm_flags(args, "engine", log)
         if error:
             raise ValueError(error)
+        vllm_flags.apply_hub_flags(args)
+        vllm_flags.uvicorn_tls_settings(args)
         check_kv_transfer_config(args)
         resolve_model_args(args)
         check_model_dir(args)
@@ -353,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
               logprobs_format=args.generate_logprobs_format, log_level=vllm_flags.uvicorn_log_level(args),
               shutdown_grace_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
               log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy,
-              api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout)
+              api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout,
+              tls=vllm_flags.uvicorn_tls_settings(args))
     except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2

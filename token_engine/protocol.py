@@ -69,7 +69,10 @@ class GenerateRequest(msgspec.Struct):
 
 
 class AbortRequest(msgspec.Struct):
-    request_ids: list[str]
+    request_ids: str | list[str]  # vLLM 0.34: one id or a list
+
+    def ids(self) -> list[str]:
+        return [self.request_ids] if isinstance(self.request_ids, str) else self.request_ids
 
 
 # ---- logprobs, newer shape (GenerateLogProbs: integer token ids) ------------------------------------

@@ -147,9 +147,9 @@ class ServerState:
         return sum(len(ids) for ids in self.running.values())
 
 
-async def _read_json(request: Request, type_):
+async def _read_json(request: Request, type_, *, content_type_optional: bool = False):
     ctype = request.headers.get("content-type", "")
-    if ctype.split(";")[0].strip().lower() != JSON:
+    if ctype.split(";")[0].strip().lower() != JSON and not (content_type_optional and not ctype):
         raise RequestError("Unsupported Media Type: Only 'application/json' is allowed")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_REQUEST_BYTES):
@@ -165,7 +165,9 @@ async def _read_json(request: Request, type_):
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise RequestError(f"Invalid request: {exc}") from None
+        # vLLM's validation 400: ``param`` is the field's path in the body ("body.request_ids")
+        path = str(exc).rpartition(" - at `$")[2].rstrip("`")
+        raise RequestError(f"Invalid request: {exc}", param="body" + path if path != str(exc) else None) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"Invalid JSON body: {exc}") from None
     except RecursionError:  # msgspec stops at the interpreter's recursion limit (about 1000 levels)
@@ -392,10 +394,11 @@ async def generate(request: Request) -> Response:
 async def abort_requests(request: Request) -> Response:
     state: ServerState = request.app.state.server
     try:
-        body = await _read_json(request, p.AbortRequest)
+        # vLLM 0.34 still accepts an abort without a Content-Type
+        body = await _read_json(request, p.AbortRequest, content_type_optional=True)
     except RequestError as exc:
         return error_response(exc.message, exc.status, exc.param)
-    for rid in body.request_ids:
+    for rid in body.ids():
         # The id the response carried, or the caller's own (header or body); every request running under
         # it ends (duplicates included), and an engine id aborts just its request.
         names = (rid,) if rid.startswith(REQUEST_ID_PREFIX) else (rid, REQUEST_ID_PREFIX + rid)

@@ -59,6 +59,7 @@ from render_service.protocol import (
     GenerateStreamChoice,
     GenerateStreamResponse,
     SamplingParams,
+    StreamOptions,
 )
 from splitserve_common.request_ids import engine_header_id
 
@@ -552,9 +553,13 @@ def engine_request(gen: GenerateRequest) -> GenerateRequest:
     ``reasoning_ended`` stays: structured outputs (forced tool_choice) wait for the end of reasoning on it.
     """
     return msgspec.structs.replace(
-        gen, model=None, sampling_params=_engine_sampling(gen.sampling_params), stream=True, stream_options=None,
-        return_token_ids=None, kv_transfer_params=None, reasoning_parser_kwargs=None,
+        gen, model=None, sampling_params=_engine_sampling(gen.sampling_params), stream=True,
+        stream_options=ENGINE_USAGE, return_token_ids=None, kv_transfer_params=None, reasoning_parser_kwargs=None,
     )
+
+
+# The engine's usage event: its prompt_tokens is checked against the ids render produced (merged.py).
+ENGINE_USAGE = StreamOptions(include_usage=True)
 
 
 def whole_request(gen: GenerateRequest) -> GenerateRequest:

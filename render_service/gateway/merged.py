@@ -12,11 +12,15 @@ all ended is aborted and closed at once. The consumer hears once that it is over
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from functools import partial
 
+from render_service.gateway import metrics
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, LiveStream, WholeResponse
 from render_service.protocol import GeneratePromptLogprobs, GenerateStreamChoice, GenerateStreamResponse
+
+logger = logging.getLogger("render_service.gateway.merged")
 
 Items = list[tuple[int, GenerateStreamChoice]]
 SpanDone = Callable[[int, int, int], bool]  # (prompt index, first choice, count): those choices all ended
@@ -44,6 +48,17 @@ async def open_merged(gateway: Gateway, planned: list[EngineStream], call: Engin
         if error is not None:
             raise error
     return MergedStreams(gateway, call, planned, [t.result() for t in tasks], span_done)
+
+
+def _check_prompt(plan: EngineStream, engine_prompt_tokens: int | None) -> None:
+    """The engine's usage against the ids render produced: a difference is counted and logged, never fatal."""
+    rendered = len(plan.gen.token_ids)
+    if engine_prompt_tokens is None or engine_prompt_tokens == rendered:
+        return
+    metrics.RENDER_ENGINE_MISMATCHES.inc()
+    logger.warning("engine received a %d-token prompt where render produced %d for request %s: the ids changed "
+                   "between render and the engine", engine_prompt_tokens, rendered, plan.gen.request_id,
+                   extra={"rendered_tokens": rendered, "engine_tokens": engine_prompt_tokens})
 
 
 def _not_started(*_: object) -> None:
@@ -105,6 +120,9 @@ class MergedStreams:
             items = self._items(s, batch)
             if items:
                 self._on_items(items)
+            for chunk in batch:
+                if chunk.usage is not None:
+                    _check_prompt(plan, chunk.usage.prompt_tokens)
         # Ended by us (stop strings) while the engine still generates: abort it. An engine that finished is
         # read to [DONE], which keeps its connection for the next request.
         if self.span_done is not None and not self.over and len(s.engine_finished) < plan.count \

@@ -6,7 +6,9 @@ found in the streaming cache (O(chunk)) or rebuilt once by replaying the history
 are kept up to date in the answer, so a vLLM-written client echoes it back unchanged.
 
 An answer's ``stream_state`` is a dict: ``{"splitserve_state": <token>, "role_sent": bool}`` plus vLLM's
-fields only when the caller sent vLLM-shaped state (or the server runs with SPLITSERVE_STREAM_STATE_VLLM_FIELDS=1).
+fields only when the caller sent vLLM-shaped state (or the server runs with SPLITSERVE_STREAM_STATE_VLLM_FIELDS=1);
+without them it carries ``vllm_state.FOREIGN_TIER_GUARD``, so a vLLM render tier refuses it instead of continuing
+the stream from an empty history.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from render_service.streaming_cache.codec import (
     secret_from_env,
 )
 from render_service.streaming_cache.vllm_state import (
+    FOREIGN_TIER_GUARD,
     VLLM_DEFAULTS,
     VllmStreamState,
     adopt_plain,
@@ -127,6 +130,9 @@ def open_session(
     if not isinstance(incoming, dict):
         raise bad_request("stream_state must be an object (echo back the stream_state of the previous answer)",
                           "stream_state")
+    guard_key, guard = next(iter(FOREIGN_TIER_GUARD.items()))
+    if incoming.get(guard_key) == guard:
+        incoming = {k: v for k, v in incoming.items() if k != guard_key}
     vllm = (read_vllm_state(incoming, vocab_size or pipeline.tokenizer.vocab_size, max_model_len)
             if is_vllm_shaped(incoming) else None)
     if STATE_KEY in incoming:
@@ -187,6 +193,8 @@ def answer_state(session: Session, binding: bytes, runtime: StreamRuntime, new_i
                                   msgspec.msgpack.encode(state))
         else:
             out.update(plain_window(session.pipeline, state))
+    else:
+        out.update(FOREIGN_TIER_GUARD)
     out[STATE_KEY] = encode_state(state, binding, runtime.secret)
     out["role_sent"] = state.role_sent
     return out
