@@ -20,7 +20,8 @@ from bench import peers
 from tests.render_harness import RenderServer, qwen3_config
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
-pytestmark = pytest.mark.slow  # vLLM's render server takes ~30-90 s to start on a shared 2-core machine
+# vLLM's render server takes ~30-90 s to start on a shared 2-core machine
+pytestmark = [pytest.mark.vllm_peer("0.33"), pytest.mark.slow]
 
 MODEL = "qwen3-0.6b"
 W = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
