@@ -164,7 +164,9 @@ def test_killed_then_restarted_peer_is_removed_and_re_added():
         first.kill()
 
 
-def test_read_from_a_stuck_peer_hits_our_deadline(peer):
+def test_read_from_a_stuck_peer_hits_our_deadline():
+    # a peer of its own: a stopped and resumed process is no peer for the other tests to share
+    peer = LoopbackPeer(*PEER_ARGS, "--engine-id", "prefill-stuck")
     t = NixlTransport("decode-stuck", _pool())
     try:
         pub, layout = fetch_publication("127.0.0.1", peer.port)
@@ -181,8 +183,8 @@ def test_read_from_a_stuck_peer_hits_our_deadline(peer):
         assert r.read_id == read_id and not r.ok and r.reason == "timeout"
         assert t.inflight() == 0
     finally:
-        os.kill(peer.proc.pid, signal.SIGCONT)
         t.close()
+        peer.kill()
 
 
 def test_random_aborts_leak_no_blocks_on_either_side(peer):
