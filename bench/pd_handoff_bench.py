@@ -19,7 +19,7 @@ fetched with `pip download --no-deps --only-binary=:all: --python-version 3.12 -
 Result (2026-11-29, after the fast path: kept-open link, pin overlapping the READ, tight poller), 8192 tokens:
 contiguous p50 1.81 ms / p99 2.27 ms (1 descriptor; plain copy 1.22 ms, ratio 1.48), scattered p50 4.18 ms /
 p99 5.17 ms (512 descriptors). Before (pd_handoff_h200x2_v1.json): p50 57.8 ms, p99 358.5 ms.
-Target (issue 5): handoff p50/p99 <= 3 ms for 8192 tokens (a plain GPU0->GPU1 copy of the 470 MB: 1.27 ms).
+Target: handoff p50/p99 <= 3 ms for 8192 tokens (a plain GPU0->GPU1 copy of the 470 MB: 1.27 ms).
 
 Geometry defaults to Qwen2.5-7B's KV (28 layers, 4 KV heads, head_dim 128, bf16, 16-token blocks: 56 KiB
 per token, 470 MB for 8192 tokens). Cases, all in the same run:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seed experiment (issue 21): collocated vs P/D (pull, push with conditional disaggregation) on two GPUs,
+# The seed experiment: collocated vs P/D (pull, push with conditional disaggregation) on two GPUs,
 # ~8k-token prompts and 256 output tokens, Poisson arrivals, prefix caching off; then 5-turn conversations
 # with bidirectional KV reuse. Our engine on a random-weight Qwen2.5-7B shape (bf16) with the built-in Qwen3
 # tokenizer, the gateway in front, `splitserve-bench serve` as the client.
