@@ -28,7 +28,7 @@ MAX_ROWS = 16
 Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 
 # (out features, in features, gated) -> launch config, or None where cuBLAS measured faster. Measured on an
-# H200 for Qwen2.5-7B's shapes (bench/results/gpu_decode_profile_h200.json); other shapes get DEFAULT_CONFIG.
+# H200 for Qwen2.5-7B's shapes (bench/results/gpu_decode_profile_nvidia-h200.json); other shapes get DEFAULT_CONFIG.
 TUNED: dict[tuple[int, int, bool], Config | None] = {
     (4608, 3584, False): None,  # q/k/v with bias: cuBLAS 11.6 us, ours 13.5
     (3584, 3584, False): (32, 128, 4, 6),  # o: 9.8 us, cuBLAS 11.4 (split K + a reduction kernel)
