@@ -419,7 +419,7 @@ def in_order(names: list[str], bodies: list[bytes], order: str) -> list[tuple[st
 class LastTurn:
     """The last turn of a growing agent trace of ``size`` tokens, ready for in-process timing: the render
     configuration, the trace, the request body, its decoder and decoded request, and the prepared messages and
-    tools the chat template takes (``profile_stages`` here, ``bench/idle_penalty.py``)."""
+    tools the chat template takes (``profile_stages`` here, ``bench/experiments/idle_penalty.py``)."""
 
     def __init__(self, size: int) -> None:
         import msgspec

@@ -8,7 +8,7 @@ once per call, with each program owning BLOCK_N output features over all of K, a
 SiLU(x @ W_gate.T) * (x @ W_up.T) for the gate_up projection in the same pass (no silu_and_mul kernel).
 
 Which layers use it and with which launch config is decided per shape by measurement
-(bench/gpu_decode_profile.py, TUNED below); a shape measured slower than cuBLAS is sent to cuBLAS.
+(bench/experiments/gpu_decode_profile.py, TUNED below); a shape measured slower than cuBLAS is sent to cuBLAS.
 
 Rounding follows the unfused path: each matmul output is rounded to the activation dtype, then SiLU is
 rounded, then the product, so results differ from cuBLAS only in the order of the float32 sums. The

@@ -5,7 +5,7 @@ ASGI cycle, the ops middleware and Starlette's response), each sent the same bod
 client; server CPU per request from the process's schedstat (bench/agent_render_bench.TreeCpu). Bodies: the last
 turn of a 32k-token agent trace (every piece cached after the first send), and a one-message chat.
 
-usage: python -m bench.direct_http_ab [--size 32768] [--rounds 8] [--per-round 50] [--out FILE]
+usage: python -m bench.experiments.direct_http_ab [--size 32768] [--rounds 8] [--per-round 50] [--out FILE]
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             os.kill(pid, 15)
     result: dict[str, Any] = {"bench": "direct_http_ab", "commit": git_commit(REPO), "when": time.strftime("%F %T"),
                               "machine": {"cpus": os.cpu_count(), "note": "shared 2-core VM; load average at start"},
-                              "load": load, "command": "python -m bench.direct_http_ab " + " ".join(sys.argv[1:]),
+                              "load": load,
+                              "command": "python -m bench.experiments.direct_http_ab " + " ".join(sys.argv[1:]),
                               "bodies": {}}
     for body_name, per_server in rows.items():
         means = {name: round(statistics.mean(v), 4) for name, v in per_server.items()}

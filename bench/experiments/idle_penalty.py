@@ -5,7 +5,7 @@ this project is developed on) the next job then costs several times its back-to-
 This measures that effect alone: the same 32k-token agent turn (all pieces cached, so only the job's own work
 remains), median thread CPU after each pause, and one stage at a time after the longest pause.
 
-usage: python -m bench.idle_penalty [--size 32768] [--pauses-ms 0,10,30,100,300] [--out FILE]
+usage: python -m bench.experiments.idle_penalty [--size 32768] [--pauses-ms 0,10,30,100,300] [--out FILE]
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@
 # tokenizer, the gateway in front, `splitserve-bench serve` as the client.
 #
 # Run from the repository root on the GPU machine (python3 there holds torch; OUT is where results go):
-#   OUT=/tmp/out bash bench/seed_experiment.sh                          # 2 GPUs, the whole experiment
-#   OUT=/tmp/out PHASES="preflight collocated" RATES=0.4 bash bench/seed_experiment.sh      # a part of it
-#   OUT=/tmp/out GPUS=1 NUM_PROMPTS=8 RATES="0.5 2" TURN_CONVERSATIONS=4 bash bench/seed_experiment.sh
+#   OUT=/tmp/out bash bench/experiments/seed_experiment.sh                          # 2 GPUs, the whole experiment
+#   OUT=/tmp/out PHASES="preflight collocated" RATES=0.4 bash bench/experiments/seed_experiment.sh      # a part of it
+#   OUT=/tmp/out GPUS=1 NUM_PROMPTS=8 RATES="0.5 2" TURN_CONVERSATIONS=4 bash bench/experiments/seed_experiment.sh
 #                                          # dry run on one GPU: both engines share GPU 0 (not the experiment)
 #   OUT=/tmp/out DEVICE=cpu PRESET=tiny INPUT_LEN=256 OUTPUT_LEN=16 NUM_PROMPTS=4 RATES=2 TURN_CONVERSATIONS=2 \
-#     PY=.venv/bin/python bash bench/seed_experiment.sh    # the script's own smoke test on a CPU box
+#     PY=.venv/bin/python bash bench/experiments/seed_experiment.sh    # the script's own smoke test on a CPU box
 #
 # One engine per GPU, both `NixlPushConnector` with kv_role kv_both: such an engine computes plain requests
 # (collocated), and serves pull and push P/D, so the three configurations differ only in the gateway in front

@@ -14,7 +14,7 @@ On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one 
 6. first-call times of the mixed-step decode attention for 1..N decoding sequences after attention_cuda.warm_up
    (ModelRunner's start-up warm-up): a call that still compiles shows as hundreds of milliseconds.
 
-    python -m bench.gpu_decode_profile --out bench/results/gpu_decode_profile_nvidia-h200.json
+    python -m bench.experiments.gpu_decode_profile --out bench/results/gpu_decode_profile_nvidia-h200.json
 """
 
 from __future__ import annotations

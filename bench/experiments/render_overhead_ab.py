@@ -19,7 +19,7 @@ Stages (all with every tokenizing piece a cache hit):
 and, per checkout, ``other = render_chat - chat_template - tokenize_hit`` and ``other_fresh`` (with the fresh-text
 tokenizing): what render_chat spends besides the two.
 
-usage: python -m bench.render_overhead_ab --base CHECKOUT [--sizes 32768] [--rounds 15] [--repeats 20]
+usage: python -m bench.experiments.render_overhead_ab --base CHECKOUT [--sizes 32768] [--rounds 15] [--repeats 20]
 Results: bench/results/render_overhead_ab.json (or --out).
 """
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         report["sizes"][str(size)] = compare(trees, size, args.rounds, args.repeats)
         print(f"# {size}: {json.dumps(report['sizes'][str(size)])}", flush=True)
     report.update({
-        "command": " ".join([sys.executable, "-m", "bench.render_overhead_ab", *(argv or sys.argv[1:])]),
+        "command": " ".join([sys.executable, "-m", "bench.experiments.render_overhead_ab", *(argv or sys.argv[1:])]),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
         "commits": {"this": git_commit(peers.REPO), args.base_label: git_commit(base)},
         "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
