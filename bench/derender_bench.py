@@ -13,7 +13,7 @@ CPU per chunk.
 
     .venv/bin/python -m bench.derender_bench --tokens 500,1000,2000,4000 --vllm-tokens 500,1000,2000
 
-vLLM is started with /work/shared/peers/vllm-render/start.sh from ``--vllm-venv`` (bench/.peers/vllm);
+vLLM is started with the peer recipe's start.sh ($SPLITSERVE_VLLM_PEER_DIR) from ``--vllm-venv`` (bench/.peers/vllm);
 ``--vllm-tokens ""`` skips it. vLLM points not measured are extrapolated with its measured exponent and
 marked ``"extrapolated": true``. Results: bench/results/derender_bench.json.
 

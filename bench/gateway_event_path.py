@@ -32,8 +32,8 @@ shared: the best is the least disturbed), medians too for the process mode.
         --requests 16 --concurrency 8 --rounds 7 --pace-ms 2 --thrash-mb 16 \\
         --out bench/results/gateway_event_path_processes_cold.json
 
-(``bench/results/gateway_event_path_*.json`` hold the exact commands; /tmp/h6p-s3 there is a worktree of
-1e4ad80, /tmp/h6p-main one of main at the commit each file's note names.)
+(``bench/results/gateway_event_path_*.json`` hold the exact commands; the two trees they name were worktrees
+of 1e4ad80 and of main at the commit each file's note names.)
 
 ``--record TREE`` records the engine stream again from TREE's token engine (torch, a tiny random model).
 """

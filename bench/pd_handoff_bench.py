@@ -2,24 +2,24 @@
 (lease on the prefill side, NIXL READ, lease confirmation on the side channel), p50/p99 over many requests.
 
     python -m bench.pd_handoff_bench --prefill-device cuda:0 --decode-device cuda:1 --tokens 8192 \
-        --requests 50 --out bench/results/pd_handoff_h200x2.json          # GPU: one call, ~1-2 minutes
+        --requests 50 --out bench/results/pd_handoff_nvidia-h200x2.json          # GPU: one call, ~1-2 minutes
     python -m bench.pd_handoff_bench --tokens 8192 --requests 20          # CPU (host memory, cma)
 
 On the GPU box (Python 3.12, no nixl/msgspec/prometheus-client there) the wheels travel in .whl/ (ignored;
 fetched with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 --platform manylinux_2_17_x86_64 -d .whl nixl==1.5.1 nixl-cu13==1.5.1 msgspec prometheus-client`, 57 MB):
-    device run, kind nvidia-h200-x2, carry [".whl"] (bench/results/pd_handoff_h200x2.json was made so; plain
+    device run, kind nvidia-h200-x2, carry [".whl"] (bench/results/pd_handoff_nvidia-h200x2.json was made so; plain
     `pip install` put the wheels beside another interpreter there, so install with python3 -m pip --target):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl; export PYTHONPATH=/tmp/site; \
     timeout 60 python3 -m token_engine.cli preflight --prefill-device cuda:0 --decode-device cuda:1 \
-        --large-blocks 512 > $OUT/pd_preflight_h200x2.txt 2>&1; \
+        --large-blocks 512 > $OUT/pd_preflight_nvidia-h200x2.txt 2>&1; \
     PYTHONUNBUFFERED=1 timeout 110 python3 -m bench.pd_handoff_bench --prefill-device cuda:0 \
-        --decode-device cuda:1 --tokens 8192 --requests 50 --out $OUT/pd_handoff_h200x2.json
+        --decode-device cuda:1 --tokens 8192 --requests 50 --out $OUT/pd_handoff_nvidia-h200x2.json
 Result (2026-11-29, after the fast path: kept-open link, pin overlapping the READ, tight poller), 8192 tokens:
 contiguous p50 1.81 ms / p99 2.27 ms (1 descriptor; plain copy 1.22 ms, ratio 1.48), scattered p50 4.18 ms /
-p99 5.17 ms (512 descriptors). Before (pd_handoff_h200x2_v1.json): p50 57.8 ms, p99 358.5 ms.
-Target (issue 5): handoff p50/p99 <= 3 ms for 8192 tokens (a plain GPU0->GPU1 copy of the 470 MB: 1.27 ms).
+p99 5.17 ms (512 descriptors). Before (pd_handoff_nvidia-h200x2_v1.json): p50 57.8 ms, p99 358.5 ms.
+Target: handoff p50/p99 <= 3 ms for 8192 tokens (a plain GPU0->GPU1 copy of the 470 MB: 1.27 ms).
 
 Geometry defaults to Qwen2.5-7B's KV (28 layers, 4 KV heads, head_dim 128, bf16, 16-token blocks: 56 KiB
 per token, 470 MB for 8192 tokens). Cases, all in the same run:

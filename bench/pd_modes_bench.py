@@ -9,7 +9,7 @@ READ through lease confirmation, push = prefill's last WRITE posted to DONE, the
 
     python -m bench.pd_modes_bench --tokens 1024,8192,32768 --requests 2          # CPU, tiny model, ~1-2 min
     python -m bench.pd_modes_bench --device cuda --preset qwen2.5-7b --tokens 1024,8192,32768 --requests 5 \
-        --out bench/results/pd_modes_h200.json                                      # one GPU, two engines on it
+        --out bench/results/pd_modes_nvidia-h200.json                                      # one GPU, two engines on it
 
 On CUDA both engines share the one GPU (each gets --kv-blocks blocks and its own copy of the weights).
 """

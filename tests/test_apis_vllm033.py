@@ -3,8 +3,8 @@ GenerateRequest's token ids, sampling params and fields agree, except where docs
 departure is checked to be exactly what it says), and except what both APIs inherit from chat render (the
 same fields differ between our chat render and vLLM's for the equivalent chat request: docs/compatibility.md).
 
-Needs vLLM 0.33 where ``bench.peers.vllm033_venv()`` finds it (``$SPLITSERVE_VLLM033``, else /work/peers/vllm033,
-else bench/.peers/vllm033; /work/shared/peers/vllm-render/install033.sh installs it); skips without it (CI
+Needs vLLM 0.33 where ``bench.peers.vllm033_venv()`` finds it (``$SPLITSERVE_VLLM033``, else
+bench/.peers/vllm033; the peer recipe's install033.sh installs it); skips without it (CI
 installs no peers). Qwen3 fixture, qwen3 + hermes parsers.
 """
 
@@ -20,7 +20,8 @@ from bench import peers
 from tests.render_harness import RenderServer, qwen3_config
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
-pytestmark = pytest.mark.slow  # vLLM's render server takes ~30-90 s to start on a shared 2-core machine
+# vLLM's render server takes ~30-90 s to start on a shared 2-core machine
+pytestmark = [pytest.mark.vllm_peer("0.33"), pytest.mark.slow]
 
 MODEL = "qwen3-0.6b"
 W = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

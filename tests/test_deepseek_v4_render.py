@@ -100,6 +100,7 @@ def test_v32_prompts_equal_deepseeks_encoder(v32, switches):
 # --- the recording against vLLM 0.33 itself -------------------------------------------------------------------
 
 
+@pytest.mark.vllm_peer("0.33")
 @pytest.mark.parametrize("family", [V4, V32], ids=lambda f: f.encoder)
 def test_the_recording_is_what_vllm_033s_encoders_give(family):
     venv = peers.vllm033_venv()

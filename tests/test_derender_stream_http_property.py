@@ -61,7 +61,7 @@ COMBINATIONS = {
         {"reasoning_parser": "seed_oss", "tool_call_parser": "seed_oss"},
         '<seed:think>plan 😀</seed:think>Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris 🌧'
         '</parameter>\n</function>\n</seed:tool_call>'),
-    # issue 17's families, also over Qwen3's tokens
+    # the newer parser families, also over Qwen3's tokens
     "kimi_k2": (
         {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2"},
         '<think>plan 😀<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
@@ -126,7 +126,7 @@ def test_batch_equals_the_fold_of_streamed_chunks_for_random_chunkings(name):
                 assert fold_chat_chunks(stream_chat(client, chunks, req, request_id="gen-p")) == want, chunks
 
 
-# ------------------------------------------------------------------ role, finish, usage, n > 1 (issue 3, item 6)
+# ------------------------------------------------------------------ role, finish, usage, n > 1
 
 TOOL_TEXT = COMBINATIONS["qwen3+hermes"][1]
 

@@ -144,9 +144,8 @@ def test_same_weights_give_the_same_fingerprint_and_other_weights_another(model_
     assert base != model_fingerprint(model_dir, "float32", 16)
 
 
-def test_prompt_token_ids_in_params_must_match_the_prompt(engines, short_lease_prefill):
-    _, d, _, c = engines
-    p = short_lease_prefill
+def test_prompt_token_ids_in_params_must_match_the_prompt(engines):
+    p, d, _, c = engines  # the long lease: the good load must not depend on how fast this machine is
     prompt = prompt_of(20, 3)
     params = dict(prefill(p, "tok", prompt).kv_transfer_params, prompt_token_ids=prompt)
     tokens, du = decode(d, [p], "tok-ok", prompt, params)
@@ -154,6 +153,9 @@ def test_prompt_token_ids_in_params_must_match_the_prompt(engines, short_lease_p
     params = dict(prefill(p, "tok2", prompt).kv_transfer_params, prompt_token_ids=prompt[:-1] + [5])
     _, du = decode(d, [p], "tok-bad", prompt, params)
     assert du.error  # policy fail: the caller hears about it
+    # the refused lease is not read and does not expire during the test: the caller aborts it
+    assert "tok2" in p.scheduler.held_by_connector
+    p.abort_request("tok2")
     step_until([p, d], until=lambda: idle(p, d))
 
 

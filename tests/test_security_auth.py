@@ -1,4 +1,4 @@
-"""Who may call what (issue 15, items 2 and 8): API keys on engines, the gateway's engine key on every hop,
+"""Who may call what : API keys on engines, the gateway's engine key on every hop,
 the startup warning for a server open beyond loopback, and HTTP connections that may not hold a socket
 without sending a request head. Real engine and gateway processes on loopback ports."""
 

@@ -1,4 +1,4 @@
-"""What a client of the gateway sends that ends up in engine requests (issue 15, items 7 and 8), probed as an
+"""What a client of the gateway sends that ends up in engine requests , probed as an
 attacker would: real engine processes (a P/D pair with NIXL between them), a P/D gateway and a collocated
 gateway, all on loopback.
 

@@ -1,4 +1,4 @@
-"""Probes of the P/D KV handoff's trust boundary (issue 15, docs/security.md "KV handoff"), tried as an
+"""Probes of the P/D KV handoff's trust boundary (docs/security.md "KV handoff"), tried as an
 attacker on the network would: a real prefill engine process (`token_engine.cli serve`, NIXL between the
 processes) and real decode engines over HTTP in this process, a shared side-channel secret, loopback
 addresses only. Every attack ends with both engines' KV blocks and leases back to idle."""

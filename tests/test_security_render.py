@@ -1,4 +1,4 @@
-"""The render tier's untrusted inputs (issue 15, items 6, 7, 9 and 10), probed as an attacker would: real
+"""The render tier's untrusted inputs, probed as an attacker would: real
 render server processes on loopback with the real Qwen3 tokenizer, and one in-thread server whose memory
 is traced.
 

@@ -26,7 +26,7 @@ def test_v_t30_multi_line_arguments_are_kept_raw():
 
 
 def test_two_calls_and_text_after_section_is_content():
-    # issue 16 item 3: the whitespace right after the section is layout, the text is the model's
+    # the whitespace right after the section is layout, the text is the model's
     r = parse("deepseek_v31", f"{B}{CB}a{SEP}{{}}{CE}\n{CB}b{SEP}{{\"x\": 1}}{CE}{E} done")
     assert names_of(r) == ["a", "b"] and args_of(r) == [{}, {"x": 1}]
     assert r.content == "done"
@@ -44,7 +44,7 @@ def test_truncated_arguments_are_closed():
     assert parse("deepseek_v31", f'{B}{CB}get_weather{SEP}{{"city": "To').calls[0]["arguments"] == '{"city": "To"}'
 
 
-# --- issue 16 item 7: an unparsable block never disappears ---------------------------------------------
+# --- an unparsable block never disappears ---------------------------------------------
 
 
 def test_arguments_that_are_not_an_object_give_empty_arguments_and_content():

@@ -113,7 +113,7 @@ def test_v_t11_arguments_serialised_as_a_string_are_decoded_once():
 
 
 def test_arguments_that_are_not_an_object_give_empty_arguments_and_content():
-    # issue 16: never hand out arguments that are not a JSON object. The name went out when it was complete
+    # never hand out arguments that are not a JSON object. The name went out when it was complete
     # (vLLM's chunking) and is never taken back: the call gets {} and the model's value is content.
     for args, content in (('"hello"', '"hello"'), ("[1, 2]", "[1, 2]"), ("42", "42")):
         text = f'<tool_call>\n{{"name": "send", "arguments": {args}}}\n</tool_call>'
@@ -123,7 +123,7 @@ def test_arguments_that_are_not_an_object_give_empty_arguments_and_content():
 
 
 def test_string_arguments_that_look_like_json_but_are_not_stay_valid():
-    # issue 16 item 5: "{hello world}" / "[oops" used to be emitted verbatim (invalid JSON)
+    # "{hello world}" / "[oops" used to be emitted verbatim (invalid JSON)
     r = parse("hermes", '<tool_call>\n{"name": "send", "arguments": "{hello world}"}\n</tool_call>')
     assert names_of(r) == ["send"] and args_of(r) == [{}]
     assert r.content == "hello world}"  # what could not be arguments is content, not lost
@@ -140,7 +140,7 @@ def test_v_t12_whitespace_before_the_call_is_content():
 
 
 def test_v_c04_text_after_a_complete_call_is_content():
-    # issue 16 item 3: nothing the model wrote is lost; the whitespace right after a call is layout
+    # nothing the model wrote is lost; the whitespace right after a call is layout
     r = parse("hermes", V_T01 + "\nAlso")
     assert r.content == "Also" and args_of(r) == [{"city": "Paris"}]
     r = parse("hermes", "A " + V_T01 + "\n between \n" + V_T01 + "\n")
@@ -181,7 +181,7 @@ def test_truncated_before_name_flushes_raw_text_as_content():
 
 
 def test_truncated_inside_arguments_is_closed():
-    # issue 16: a call cut by max_tokens still ends with a JSON object (the open string and object closed)
+    # a call cut by max_tokens still ends with a JSON object (the open string and object closed)
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     r = parse("hermes", text)
     assert r.calls == [{"name": "get_weather", "arguments": '{"city": "Par"}', "id": None}]

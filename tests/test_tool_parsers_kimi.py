@@ -81,7 +81,7 @@ def test_property_random_splits_give_the_same_calls_as_one_feed(calls, prefix, c
     assert [c["id"] for c in whole.calls] == [f"functions.f{i}:{i}" for i in range(len(calls))]
 
 
-# --- issue 16 item 4: ids that are not functions.NAME:IDX -------------------------------------------------
+# --- ids that are not functions.NAME:IDX -------------------------------------------------
 
 ONE_TOOL = ToolParserConfig(tools=[ToolSpec(name="get_weather", parameters={"type": "object"})])
 TWO_TOOLS = ToolParserConfig(tools=[ToolSpec(name="get_weather"), ToolSpec(name="get_time")])

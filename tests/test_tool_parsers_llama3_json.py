@@ -47,13 +47,13 @@ def test_json_answer_without_name_is_content():
 
 
 def test_text_after_the_calls_is_content():
-    # issue 16 item 3: the whitespace right after a call is layout, the prose is the model's
+    # the whitespace right after a call is layout, the prose is the model's
     r = parse("llama3_json", '{"name": "get_time", "parameters": {}} and then some prose')
     assert r.content == "and then some prose" and names_of(r) == ["get_time"]
 
 
 def test_malformed_arguments_close_and_the_rest_is_content():
-    # issue 16 item 8: the stream used to end with arguments that do not parse
+    # the stream used to end with arguments that do not parse
     text = '{"name": "get_weather", "parameters": {"city": "Paris", oops}} more'
     r = parse("llama3_json", text)
     assert args_of(r) == [{"city": "Paris"}] and r.content == "oops}} more"

@@ -55,7 +55,7 @@ def test_marker_followed_by_prose_is_content():
 
 
 def test_text_after_calls_is_content():
-    # issue 16 item 3: the whitespace right after a call is layout, the rest is the model's text
+    # the whitespace right after a call is layout, the rest is the model's text
     r = parse("mistral", 'Hi [TOOL_CALLS]get_time{} bye')
     assert r.content == "Hi bye" and names_of(r) == ["get_time"]
     r = parse("mistral", 'Hi [TOOL_CALLS] [{"name": "get_time", "arguments": {}}]\nbye')

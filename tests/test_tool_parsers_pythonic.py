@@ -54,7 +54,7 @@ def test_leading_text_means_content():
 
 
 def test_text_after_the_list_is_content():
-    # issue 16 item 3: the whitespace right after the list is layout, the rest is the model's
+    # the whitespace right after the list is layout, the rest is the model's
     r = parse("pythonic", "[get_time()] and more")
     assert r.content == "and more" and names_of(r) == ["get_time"]
 
@@ -64,7 +64,7 @@ def test_positional_arguments_close_the_call_and_the_rest_is_content():
     assert names_of(r) == ["f"] and args_of(r) == [{"a": 1}] and r.content == "2)]"
 
 
-# --- issue 16 item 6 -------------------------------------------------------------------------------------
+# --- numbers JSON cannot hold --------------------------------------------------------------------------
 
 
 def test_non_finite_numbers_are_kept_as_text_not_infinity():

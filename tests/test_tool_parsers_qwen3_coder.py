@@ -170,7 +170,7 @@ def test_missing_function_end_closed_by_the_next_call():
     assert names_of(r) == ["get_time", "get_weather"] and args_of(r) == [{}, {"city": "Oslo"}]
 
 
-# --- issue 16, item 1: values typed by the whole schema (what Pydantic emits) ----------------------------
+# --- values typed by the whole schema (what Pydantic emits) ----------------------------
 
 PYDANTIC_TOOL = ToolParserConfig(tools=[ToolSpec(name="f", parameters={
     "type": "object",
@@ -208,7 +208,7 @@ def test_arrays_objects_and_json_strings_holding_objects_convert():
     assert args_of(parse("qwen3_coder", _call([("names", "[oops")]), PYDANTIC_TOOL)) == [{"names": "[oops"}]
 
 
-# --- issue 16, item 2: value boundaries ---------------------------------------------------------------
+# --- value boundaries ---------------------------------------------------------------
 
 
 def test_a_literal_end_tag_inside_a_value_stays_in_the_value():

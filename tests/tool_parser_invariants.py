@@ -1,4 +1,4 @@
-"""The two invariants every tool parser keeps (issue 16), as reusable checks and hypothesis strategies.
+"""The two invariants every tool parser keeps, as reusable checks and hypothesis strategies.
 
 1. At the end every emitted call's ``arguments`` is a JSON object, and the concatenated argument deltas of a
    streamed call equal its final arguments (streaming one token at a time == batch).
@@ -165,7 +165,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("pythonic", write_pythonic, ("None", "True", "False"),
                ("[", "]", "(", ")", "f", "g", "a", "=", "'", '"', "'''", "\\", ",", " ", "1", "None", "\\n",
                 "\\x4", "{", "}", "😀", "b'", "1e999"), calls_first=True),
-    # issue 17's families (and the XML families of the session before)
+    # the newer parser families (and the XML families before them)
     ToolFamily("deepseek_v4", write_dsml("tool_calls"), (*_DSML_TAGS, 'string="true"', 'string="false"'),
                (*_DSML_TAGS, 'string="true">', 'string="false">', '"get_weather">', '"city" ', "\n", " ", "x",
                 "3", "<", "{", "}", "null", "😀")),

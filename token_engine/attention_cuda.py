@@ -8,7 +8,7 @@
   softmax states. No host syncs and no data-dependent launch shapes, so it is capturable in a CUDA graph.
   The number of slices is a runtime argument (only the merge's padded width is compiled in): were it a
   compile-time constant, every new count of decoding sequences in a mixed step would compile a kernel
-  (0.6-3 s on an H200, measured by bench/gpu_decode_profile.py) while requests wait.
+  (0.6-3 s on an H200, measured by bench/experiments/gpu_decode_profile.py) while requests wait.
 - prefill (some sequence has several new tokens): per sequence, torch's scaled_dot_product_attention; a fresh
   prompt uses the step's own K/V with is_causal (FlashAttention), a chunk over cached context gathers its
   context from the pool and uses a bottom-right causal mask. Sequences of the step with a single new token
@@ -33,7 +33,7 @@ TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
 # Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's
 # length and context change from step to step under load, so steps took 0.1-2.5 s instead of ~50 ms on an
-# H200 (bench/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
+# H200 (bench/experiments/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

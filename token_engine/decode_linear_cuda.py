@@ -8,7 +8,7 @@ once per call, with each program owning BLOCK_N output features over all of K, a
 SiLU(x @ W_gate.T) * (x @ W_up.T) for the gate_up projection in the same pass (no silu_and_mul kernel).
 
 Which layers use it and with which launch config is decided per shape by measurement
-(bench/gpu_decode_profile.py, TUNED below); a shape measured slower than cuBLAS is sent to cuBLAS.
+(bench/experiments/gpu_decode_profile.py, TUNED below); a shape measured slower than cuBLAS is sent to cuBLAS.
 
 Rounding follows the unfused path: each matmul output is rounded to the activation dtype, then SiLU is
 rounded, then the product, so results differ from cuBLAS only in the order of the float32 sums. The
@@ -28,7 +28,7 @@ MAX_ROWS = 16
 Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 
 # (out features, in features, gated) -> launch config, or None where cuBLAS measured faster. Measured on an
-# H200 for Qwen2.5-7B's shapes (bench/results/gpu_decode_profile_h200.json); other shapes get DEFAULT_CONFIG.
+# H200 for Qwen2.5-7B's shapes (bench/results/gpu_decode_profile_nvidia-h200.json); other shapes get DEFAULT_CONFIG.
 TUNED: dict[tuple[int, int, bool], Config | None] = {
     (4608, 3584, False): None,  # q/k/v with bias: cuBLAS 11.6 us, ours 13.5
     (3584, 3584, False): (32, 128, 4, 6),  # o: 9.8 us, cuBLAS 11.4 (split K + a reduction kernel)

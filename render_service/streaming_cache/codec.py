@@ -28,7 +28,7 @@ import msgspec
 
 PREFIX = "ss1"
 # The pipeline state's layout. Bumped whenever a parser's state changes shape, so a stream that crosses a
-# deploy is refused with a clear 400 instead of being misread (2: issue 16's argument guard and qwen3_coder on
+# deploy is refused with a clear 400 instead of being misread (2: the tool parsers' argument guard and qwen3_coder on
 # the XML engine).
 VERSION = 2
 # Decoded-size cap: a healthy state is ~100 bytes; parser hold-back buffers may add a few KiB.

@@ -3,7 +3,7 @@
 
 Top level: kv_connector, kv_role (kv_producer | kv_consumer | kv_both; like vLLM, the role does not restrict
 what an engine does: the caller decides who prefills), kv_load_failure_policy (fail | recompute; also
-accepted inside kv_connector_extra_config as issue 5 words it), engine_id, kv_buffer_device.
+accepted inside kv_connector_extra_config as the P/D design words it), engine_id, kv_buffer_device.
 kv_connector_extra_config: kv_lease_duration (s), bidirectional_kv_xfer, decoder_kv_blocks_ttl (s, how long
 decode holds a finished turn's blocks for the next turn's prefill), backends (["UCX"] only), plus ours:
 kv_load_timeout (s, our own deadline for a whole load), kv_log_interval (s).

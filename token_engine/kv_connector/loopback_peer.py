@@ -6,8 +6,12 @@ NIXL and UCX also write to stdout):
   {"op": "hold", "request_id": "r1", "blocks": [3, 4, 5]}   -> {"epoch": E}   (optional "lease_s", "token_hash")
   {"op": "release", "request_id": "r1", "epoch": E}         -> {"released": true|false}
   {"op": "state"}                                           -> {"leases": n, "held_blocks": n, "freed": [..]}
+  {"op": "lease", "request_id": "r1"}                       -> {"expires_in": [s, ..]}  (one per held epoch)
+  {"op": "advance", "s": 90}                                -> {"advanced": 90}  (moves the lease clock on;
+                                                               the next poll expires what is due, as in an engine)
   {"op": "exit"}
-The first line is `PEER {"ready": true, "port": P, "engine_id": ..., "incarnation": I}`.
+A command may carry "seq": N; its answer carries the same, so a parent never takes a late answer to an earlier
+command for the answer to this one. The first line is `PEER {"ready": true, "port": P, "engine_id": ..., ...}`.
 Run: python -m token_engine.kv_connector.loopback_peer --blocks 64 --layers 2 --block-size 16 ...
 """
 
@@ -23,6 +27,7 @@ import time
 import torch
 
 PEER_TOKEN_HASH = "0123456789abcdef" * 2  # the token hash a hold vouches for unless told another
+ANSWER_GUARD_S = 600.0  # only stops a dead peer from hanging the parent; a busy machine never reaches it
 
 def fill_pattern(kv_pool: torch.Tensor, seed: int) -> None:
     """Each block gets a distinct, exactly representable pattern (small integers survive bf16)."""
@@ -55,12 +60,13 @@ class LoopbackPeer:
             [sys.executable, "-m", "token_engine.kv_connector.loopback_peer", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self.noise: list[str] = []
-        ready = self._answer(startup_timeout_s)
+        self._seq = 0
+        ready = self._answer(None, startup_timeout_s)
         self.port: int = ready["port"]
         self.engine_id: str = ready["engine_id"]
         self.incarnation: int = ready["incarnation"]
 
-    def _answer(self, timeout_s: float = 60.0) -> dict:
+    def _answer(self, seq: int | None, timeout_s: float = ANSWER_GUARD_S) -> dict:
         import select
 
         deadline = time.monotonic() + timeout_s
@@ -72,13 +78,17 @@ class LoopbackPeer:
             if not line:
                 raise RuntimeError(f"loopback peer exited (rc={self.proc.poll()}); output: {self.noise[-5:]}")
             if line.startswith("PEER "):
-                return json.loads(line[5:])
+                answer = json.loads(line[5:])
+                if answer.pop("seq", None) == seq:
+                    return answer
+                continue  # the answer to an earlier command that its caller gave up on
             self.noise.append(line.rstrip())
 
     def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self._seq += 1
+        self.proc.stdin.write(json.dumps({**cmd, "seq": self._seq}) + "\n")
         self.proc.stdin.flush()
-        return self._answer()
+        return self._answer(self._seq)
 
     def hold(self, request_id: str, blocks: list[int], lease_s: float | None = None,
              token_hash: str = PEER_TOKEN_HASH) -> int:
@@ -87,6 +97,15 @@ class LoopbackPeer:
 
     def state(self) -> dict:
         return self.ask(op="state")
+
+    def lease_expires_in(self, request_id: str) -> list[float]:
+        """Seconds until each held lease of `request_id` expires on the peer's lease clock."""
+        return self.ask(op="lease", request_id=request_id)["expires_in"]
+
+    def advance(self, seconds: float) -> None:
+        """Move the peer's lease clock on by `seconds`: leases due by then expire at its next poll, through
+        the same `LeaseTable.expire` an engine's step calls."""
+        self.ask(op="advance", s=seconds)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -107,9 +126,20 @@ class LoopbackPeer:
         self.kill()
 
 
-def _say(obj) -> None:
-    sys.stdout.write("PEER " + json.dumps(obj) + "\n")
+def _say(obj, seq=None) -> None:
+    sys.stdout.write("PEER " + json.dumps(obj if seq is None else {**obj, "seq": seq}) + "\n")
     sys.stdout.flush()
+
+
+class AdvancingClock:
+    """time.monotonic plus an offset the parent can move on (`advance`): lets a test drive lease expiry
+    without waiting for it. It stays monotonic, so every other deadline of the peer keeps real time."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     import os
 
     secret = args.secret or os.environ.get("SPLITSERVE_KV_SECRET")
+    clock = AdvancingClock()
     handoff = KVHandoff(args.engine_id, pool, lease_duration_s=args.lease, side_channel_port=args.port,
-                        secret=secret.encode() if secret else None)
+                        secret=secret.encode() if secret else None, clock=clock)
     commands: queue.Queue = queue.Queue()
 
     def read_stdin() -> None:
@@ -161,22 +192,28 @@ def main(argv: list[str] | None = None) -> None:
             cmd = json.loads(commands.get(timeout=args.poll_interval))
         except queue.Empty:
             continue
-        op = cmd.get("op")
+        op, seq = cmd.get("op"), cmd.get("seq")
         if op == "hold":
             lease = handoff.hold(cmd["request_id"], cmd["blocks"], cmd.get("lease_s"),
                                  cmd.get("token_hash") or PEER_TOKEN_HASH)
-            _say({"epoch": lease.epoch})
+            _say({"epoch": lease.epoch}, seq)
         elif op == "release":
-            _say({"released": handoff.release_hold(cmd["request_id"], cmd["epoch"]) is not None})
+            _say({"released": handoff.release_hold(cmd["request_id"], cmd["epoch"]) is not None}, seq)
         elif op == "state":
-            _say({"leases": len(handoff.leases), "held_blocks": handoff.leases.held_blocks(), "freed": freed})
+            _say({"leases": len(handoff.leases), "held_blocks": handoff.leases.held_blocks(), "freed": freed}, seq)
             freed = []
+        elif op == "lease":
+            now = clock()
+            _say({"expires_in": [lease.expires_at - now for lease in handoff.leases.find(cmd["request_id"])]}, seq)
+        elif op == "advance":
+            clock.offset += float(cmd["s"])
+            _say({"advanced": cmd["s"]}, seq)
         elif op == "exit":
             handoff.close()
-            _say({"bye": True})
+            _say({"bye": True}, seq)
             return
         else:
-            _say({"error": f"unknown op {op!r}"})
+            _say({"error": f"unknown op {op!r}"}, seq)
 
 
 if __name__ == "__main__":
