@@ -55,3 +55,26 @@ def test_seed_oss_call_quoted_while_thinking_is_content() -> None:
     folded = assert_split_invariant("seed_oss", thought + call, range(0, len(thought + call), 4))
     assert _calls(folded) == [("get_weather", {"city": "Paris"})]
     assert folded.content == thought
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>plan<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">",
+     [("reasoning", "plan"), ("content", "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">")]),
+    ("<think>plan</think>ok", [("reasoning", "plan"), ("content", "ok")]),
+    ("plain <think>x", [("content", "plain <think>x")]),
+])
+def test_deepseek_v4_chat_mode_explicit_think_opens_reasoning(text: str, expected: list) -> None:
+    from render_service.parsers.base import ReasoningParserConfig
+    from render_service.parsers.registry import get_reasoning_parser
+
+    parser = get_reasoning_parser("deepseek_v4")(ReasoningParserConfig(enable_thinking=False))
+    for cuts in ([text], list(text)):
+        state = parser.initial_state()
+        pieces = [p for chunk in cuts for p in parser.feed(state, chunk)] + parser.finish(state)
+        merged: list[list[str]] = []
+        for p in pieces:
+            if merged and merged[-1][0] == p.channel:
+                merged[-1][1] += p.text
+            else:
+                merged.append([p.channel, p.text])
+        assert [tuple(m) for m in merged] == expected

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from render_service.parsers.base import TextPiece
-from render_service.parsers.reasoning import AWAIT_START, CONTENT, ThinkReasoningParser, ThinkState
+from render_service.parsers.reasoning import AWAIT_START, CONTENT, REASONING, ThinkReasoningParser, ThinkState
 
 
 class Glm45ReasoningParser(ThinkReasoningParser):
@@ -92,6 +92,34 @@ class DeepSeekV4ReasoningParser(ThinkReasoningParser):
     name = "deepseek_v4"
     thinking_kwarg = "thinking"
     implicit_end_markers = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
+
+    def _explicit_only(self) -> bool:
+        """Chat mode (thinking off, or the prompt closed reasoning): reasoning only where the model opens it."""
+        return not self.config.enable_thinking or self.config.reasoning_open_at_start is False
+
+    def initial_state(self) -> ThinkState:
+        # vLLM's engine: a <think> the model writes in chat mode opens reasoning, which then ends at </think>
+        # or at a tool-call block, as in thinking mode
+        return ThinkState(mode=AWAIT_START) if self._explicit_only() else super().initial_state()
+
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        if not self._explicit_only():
+            return super()._opening(state, buf, out)
+        stripped = buf.lstrip()
+        if stripped.startswith(self.start_tag):
+            state.mode = REASONING
+            return stripped[len(self.start_tag):]
+        if self.start_tag.startswith(stripped):
+            state.held = buf
+            return ""
+        state.mode = CONTENT
+        return buf
+
+    def finish(self, state: ThinkState) -> list[TextPiece]:
+        if state.mode == AWAIT_START and self._explicit_only():
+            held, state.held = state.held, ""
+            return [TextPiece("content", held)] if held else []
+        return super().finish(state)
 
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
