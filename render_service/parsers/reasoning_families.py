@@ -17,6 +17,11 @@ All but one are the ``<think>`` state machine of ``reasoning.py`` with their own
   rule reads; reasoning also ends at a DSML tool-call block (``<｜DSML｜tool_calls>``, V3.2's
   ``<｜DSML｜function_calls>``) written inside the think block.
 
+* ``minimax_m3``: ``<mm:think>``/``</mm:think>``, on with ``thinking_mode: "enabled"``; in chat mode a block the
+  model opens itself is still reasoning (as ``deepseek_v4``).
+* ``step5`` (DeepSeek-R1's rules) and ``holo2`` (``deepseek_v3``'s switch, on by default): upstream's names for
+  existing parsers.
+
 ``mistral`` (Magistral) and ``granite`` have their own state machines: ``reasoning_mistral`` and
 ``reasoning_granite``.
 """
@@ -26,7 +31,15 @@ from __future__ import annotations
 from typing import Any
 
 from render_service.parsers.base import TextPiece
-from render_service.parsers.reasoning import AWAIT_START, CONTENT, REASONING, ThinkReasoningParser, ThinkState
+from render_service.parsers.reasoning import (
+    AWAIT_START,
+    CONTENT,
+    REASONING,
+    DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser,
+    ThinkReasoningParser,
+    ThinkState,
+)
 
 
 class Glm45ReasoningParser(ThinkReasoningParser):
@@ -88,18 +101,15 @@ DSML_TOOL_CALLS = "<\uff5cDSML\uff5ctool_calls>"  # DeepSeek-V4's block opener (
 DSML_FUNCTION_CALLS = "<\uff5cDSML\uff5cfunction_calls>"  # DeepSeek-V3.2's
 
 
-class DeepSeekV4ReasoningParser(ThinkReasoningParser):
-    name = "deepseek_v4"
-    thinking_kwarg = "thinking"
-    implicit_end_markers = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
+class ExplicitThinkReasoningParser(ThinkReasoningParser):
+    """A family whose chat mode still lets the model open reasoning itself: in chat mode (thinking off, or the
+    prompt closed reasoning) output is content unless it begins with the start tag, which opens reasoning that
+    then ends as in thinking mode (vLLM's engine parsers for DeepSeek-V4 and MiniMax-M3)."""
 
     def _explicit_only(self) -> bool:
-        """Chat mode (thinking off, or the prompt closed reasoning): reasoning only where the model opens it."""
         return not self.config.enable_thinking or self.config.reasoning_open_at_start is False
 
     def initial_state(self) -> ThinkState:
-        # vLLM's engine: a <think> the model writes in chat mode opens reasoning, which then ends at </think>
-        # or at a tool-call block, as in thinking mode
         return ThinkState(mode=AWAIT_START) if self._explicit_only() else super().initial_state()
 
     def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
@@ -121,6 +131,12 @@ class DeepSeekV4ReasoningParser(ThinkReasoningParser):
             return [TextPiece("content", held)] if held else []
         return super().finish(state)
 
+
+class DeepSeekV4ReasoningParser(ExplicitThinkReasoningParser):
+    name = "deepseek_v4"
+    thinking_kwarg = "thinking"
+    implicit_end_markers = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
+
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
         # vLLM's V4 renderer reads ``thinking`` or ``enable_thinking``. Off only when the request says so: the
@@ -134,8 +150,41 @@ class DeepSeekV4ReasoningParser(ThinkReasoningParser):
         return True
 
 
+class MiniMaxM3ReasoningParser(ExplicitThinkReasoningParser):
+    """MiniMax-M3: ``<mm:think>``/``</mm:think>``; reasoning from the first token only with
+    ``chat_template_kwargs.thinking_mode == "enabled"`` (the template then opens the block in the prompt)."""
+
+    name = "minimax_m3"
+    thinking_kwarg = "thinking_mode"
+    start_tag = "<mm:think>"
+    end_tag = "</mm:think>"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        return (chat_template_kwargs or {}).get("thinking_mode") == "enabled"
+
+
+class Step5ReasoningParser(DeepSeekR1ReasoningParser):
+    name = "step5"  # vLLM registers DeepSeek-R1's parser under this name
+
+
+class Holo2ReasoningParser(DeepSeekV3ReasoningParser):
+    """holo2: deepseek_v3's switch, thinking on unless the request turns it off (vLLM's
+    DeepSeekV3ReasoningWithThinkingParser)."""
+
+    name = "holo2"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        kwargs = chat_template_kwargs or {}
+        if "thinking" not in kwargs and "enable_thinking" not in kwargs:
+            return True
+        return bool(kwargs.get("thinking", kwargs.get("enable_thinking")))
+
+
 FAMILY_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     cls.name: cls for cls in (Glm45ReasoningParser, Glm47ReasoningParser, MiniMaxM2ReasoningParser,
                               MiniMaxM2AppendThinkReasoningParser, SeedOssReasoningParser,
-                              KimiK2ReasoningParser, DeepSeekV4ReasoningParser)
+                              KimiK2ReasoningParser, DeepSeekV4ReasoningParser, MiniMaxM3ReasoningParser,
+                              Step5ReasoningParser, Holo2ReasoningParser)
 }

@@ -40,6 +40,9 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "llama4_pythonic": ("render_service.parsers.tools_llama4_pythonic", "Llama4PythonicToolParser"),
     "granite4": ("render_service.parsers.tools_granite4", "Granite4ToolParser"),
     "openai": ("render_service.parsers.harmony", "HarmonyToolCalls"),  # gpt-oss; parsed by the Harmony stage
+    # upstream's other names for these formats
+    "qwen3_json": ("render_service.parsers.tools_hermes", "Qwen3JsonToolParser"),  # vLLM: Hermes' class
+    "step5": ("render_service.parsers.tools_qwen3_xml", "Step5ToolParser"),  # vLLM: Qwen3's XML engine
 }
 
 

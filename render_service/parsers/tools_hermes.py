@@ -178,3 +178,9 @@ class HermesToolParser(HeldTextToolParser):
                     return
                 else:
                     literal_angle = True
+
+
+class Qwen3JsonToolParser(HermesToolParser):
+    """qwen3_json: vLLM's name for Hermes' format on Qwen3 models (the same class upstream)."""
+
+    name: ClassVar[str] = "qwen3_json"

@@ -41,3 +41,9 @@ class Qwen3XmlToolParser(XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = QWEN3_XML_FORMAT
     FORCED_REQUIRED: ClassVar[str] = "<tool_call>\n"
     FORCED_NAMED: ClassVar[str] = "<tool_call>\n<function={name}>\n"
+
+
+class Step5ToolParser(Qwen3XmlToolParser):
+    """step5 (Step-5): Qwen3's XML calls; upstream keeps the content's whitespace around calls, as we always do."""
+
+    name: ClassVar[str] = "step5"

@@ -1,0 +1,55 @@
+"""Upstream's other names for formats we serve, and the one-line refusal of a name we do not serve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from render_service.parsers.base import ReasoningParserConfig
+from render_service.parsers.registry import UnknownParserError, get_reasoning_parser, get_tool_parser
+from tests.test_tool_parsers_common import parse
+from tests.tool_parser_invariants import write_hermes, write_qwen3_xml
+
+CALLS = [("get_weather", {"city": "Paris", "days": 3})]
+
+
+@pytest.mark.parametrize("alias,same_as,write", [
+    ("qwen3_json", "hermes", write_hermes), ("step5", "qwen3_xml", write_qwen3_xml)])
+def test_tool_alias_parses_as_its_format(alias, same_as, write) -> None:
+    text = "Sure.\n" + write(CALLS) + "\nDone."
+    folded = parse(alias, text)
+    assert folded == parse(same_as, text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
+
+
+def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, str]]:
+    cls = get_reasoning_parser(name)
+    parser = cls(ReasoningParserConfig(enable_thinking=cls.enable_thinking_from(kwargs)))
+    state = parser.initial_state()
+    out: list[list[str]] = []
+    for p in [q for ch in text for q in parser.feed(state, ch)] + parser.finish(state):
+        if out and out[-1][0] == p.channel:
+            out[-1][1] += p.text
+        else:
+            out.append([p.channel, p.text])
+    return [(c, t) for c, t in out]
+
+
+@pytest.mark.parametrize("name,text,kwargs,expected", [
+    ("step5", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("holo2", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("holo2", "answer", {"thinking": False}, [("content", "answer")]),
+    ("minimax_m3", "plan</mm:think>answer", {"thinking_mode": "enabled"}, [("reasoning", "plan"), ("content", "answer")]),
+    ("minimax_m3", "answer", None, [("content", "answer")]),
+    ("minimax_m3", "<mm:think>plan</mm:think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+])
+def test_reasoning_names(name, text, kwargs, expected) -> None:
+    assert _split(name, text, kwargs) == expected
+
+
+@pytest.mark.parametrize("lookup", [get_tool_parser, get_reasoning_parser])
+def test_a_name_we_do_not_serve_is_refused_in_one_line(lookup) -> None:
+    with pytest.raises(UnknownParserError) as err:
+        lookup("gemma4_not_served")
+    assert "\n" not in str(err.value) and "gemma4_not_served" in str(err.value)
