@@ -42,10 +42,10 @@ NOTE = "Bring an umbrella 🌧 just in case; \"quotes\", back\\slashes and <b>ta
 
 
 def call_text(family: str, note: str) -> str:
-    if family in ("hermes", "hermes_call_only"):
+    if family in ("hermes", "hermes_call_only", "qwen3_json"):
         return "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Seoul", "note": note}},
                                             ensure_ascii=False) + "\n</tool_call>"
-    if family in ("qwen3_coder", "qwen3_xml"):
+    if family in ("qwen3_coder", "qwen3_xml", "step5"):
         return (f"<tool_call>\n<function=get_weather>\n<parameter=city>\nSeoul\n</parameter>\n<parameter=note>\n"
                 f"{note}\n</parameter>\n</function>\n</tool_call>")
     if family in ("glm45", "glm47"):
@@ -83,6 +83,8 @@ FAMILIES = {
     "hermes_call_only": (None, "", "", "qwen3"),
     "qwen3_coder": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "qwen3_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "qwen3_json": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "step5": ("step5", "<think>\n", "\n</think>\n\n", "qwen3"),
     "glm45": ("glm45", "<think>", "</think>\n", "glm45"),
     "glm47": ("glm47", "<think>", "</think>", "glm45"),
     "minimax_m2": ("minimax_m2", "<think>\n", "\n</think>\n\n", "minimax_m2"),
