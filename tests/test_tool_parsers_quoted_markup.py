@@ -78,3 +78,18 @@ def test_deepseek_v4_chat_mode_explicit_think_opens_reasoning(text: str, expecte
             else:
                 merged.append([p.channel, p.text])
         assert [tuple(m) for m in merged] == expected
+
+
+@pytest.mark.parametrize("written,expected", [
+    ("\"{'a': 1, 'b': True}\"", {"a": 1, "b": True}),  # a Python repr inside a JSON string
+    ('"{\\"a\\": 1}"', {"a": 1}),  # JSON inside a JSON string
+    ("{'a': None}", {"a": None}),  # a Python repr
+])
+def test_object_parameter_written_as_a_string_holding_a_value(written: str, expected: dict) -> None:
+    from render_service.parsers.base import ToolParserConfig, ToolSpec
+
+    tools = ToolParserConfig(tools=[ToolSpec(name="configure", parameters={
+        "type": "object", "properties": {"options": {"type": "object"}}})])
+    text = f"<tool_call>\n<function=configure>\n<parameter=options>\n{written}\n</parameter>\n</function>\n</tool_call>"
+    folded = parse("qwen3_coder", text, tools)
+    assert _calls(folded) == [("configure", {"options": expected})]
