@@ -93,3 +93,29 @@ def test_object_parameter_written_as_a_string_holding_a_value(written: str, expe
     text = f"<tool_call>\n<function=configure>\n<parameter=options>\n{written}\n</parameter>\n</function>\n</tool_call>"
     folded = parse("qwen3_coder", text, tools)
     assert _calls(folded) == [("configure", {"options": expected})]
+
+
+KIMI_BARE = ('<|tool_calls_section_begin|><|tool_call_begin|>0<|tool_call_argument_begin|>{ARGS}'
+             '<|tool_call_end|><|tool_calls_section_end|>')
+
+
+@pytest.mark.parametrize("args,expected", [
+    ('{"city": "Paris", "days": 2}', [("get_weather", {"city": "Paris", "days": 2})]),
+    ('{"path": "a.txt", "content": "x"}', [("write_file", {"path": "a.txt", "content": "x"})]),
+])
+def test_kimi_bare_call_id_is_named_by_its_argument_keys(args: str, expected: list) -> None:
+    text = "Checking. " + KIMI_BARE.replace("{ARGS}", args)
+    folded = assert_split_invariant("kimi_k2", text, range(0, len(text), 3))
+    assert _calls(folded) == expected
+    assert folded.calls[0]["id"] == f"functions.{expected[0][0]}:0"
+    assert folded.content == "Checking. "
+
+
+@pytest.mark.parametrize("args", ['{"text": "hi", "code": "x"}', '{}', '{"city": "Par'])
+def test_kimi_bare_call_id_its_arguments_do_not_name_is_content(args: str) -> None:
+    text = KIMI_BARE.replace("{ARGS}", args)
+    if args.endswith("Par"):
+        text = text.split("<|tool_call_end|>")[0]  # cut off
+    folded = assert_split_invariant("kimi_k2", text, range(0, len(text), 4))
+    assert folded.calls == []
+    assert "0<|tool_call_argument_begin|>" + args in (folded.content or "")
