@@ -9,13 +9,14 @@ import pytest
 from render_service.parsers.base import ReasoningParserConfig
 from render_service.parsers.registry import UnknownParserError, get_reasoning_parser, get_tool_parser
 from tests.test_tool_parsers_common import parse
-from tests.tool_parser_invariants import write_hermes, write_qwen3_xml
+from tests.tool_parser_invariants import write_glm, write_hermes, write_longcat, write_qwen3_xml
 
 CALLS = [("get_weather", {"city": "Paris", "days": 3})]
 
 
 @pytest.mark.parametrize("alias,same_as,write", [
-    ("qwen3_json", "hermes", write_hermes), ("step5", "qwen3_xml", write_qwen3_xml)])
+    ("qwen3_json", "hermes", write_hermes), ("step5", "qwen3_xml", write_qwen3_xml),
+    ("ernie45", "hermes", write_hermes), ("poolside_v1", "glm45", write_glm)])
 def test_tool_alias_parses_as_its_format(alias, same_as, write) -> None:
     text = "Sure.\n" + write(CALLS) + "\nDone."
     folded = parse(alias, text)
@@ -23,17 +24,32 @@ def test_tool_alias_parses_as_its_format(alias, same_as, write) -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
 
 
-def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, str]]:
+def test_longcat_reads_hermes_calls_in_its_own_tags() -> None:
+    text = "Sure.\n" + write_longcat(CALLS) + "\nDone."
+    folded = parse("longcat", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
+    assert folded.content == "Sure.\nDone."
+    # hermes' own tags are not longcat's: text
+    assert parse("longcat", write_hermes(CALLS)).calls == []
+
+
+def _split_chunks(name: str, chunks: list[str], kwargs: dict | None) -> list[tuple[str, str]]:
     cls = get_reasoning_parser(name)
     parser = cls(ReasoningParserConfig(enable_thinking=cls.enable_thinking_from(kwargs)))
     state = parser.initial_state()
     out: list[list[str]] = []
-    for p in [q for ch in text for q in parser.feed(state, ch)] + parser.finish(state):
+    for p in [q for ch in chunks for q in parser.feed(state, ch)] + parser.finish(state):
         if out and out[-1][0] == p.channel:
             out[-1][1] += p.text
         else:
             out.append([p.channel, p.text])
     return [(c, t) for c, t in out]
+
+
+def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, str]]:
+    whole = _split_chunks(name, [text], kwargs)
+    assert _split_chunks(name, list(text), kwargs) == whole  # streaming one character at a time == batch
+    return whole
 
 
 @pytest.mark.parametrize("name,text,kwargs,expected", [
@@ -43,6 +59,16 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("minimax_m3", "plan</mm:think>answer", {"thinking_mode": "enabled"}, [("reasoning", "plan"), ("content", "answer")]),
     ("minimax_m3", "answer", None, [("content", "answer")]),
     ("minimax_m3", "<mm:think>plan</mm:think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("ernie45", "plan\n</think>\n\n<response>\nanswer\n</response>\n",
+     None, [("reasoning", "plan\n"), ("content", "\n\n\nanswer\n\n")]),
+    ("ernie45", "plan</think>answer <resp", None, [("reasoning", "plan"), ("content", "answer <resp")]),
+    ("hunyuan_a13b", "<think>\nplan\n</think>\n<answer>\nanswer\n</answer>",
+     None, [("reasoning", "\nplan\n"), ("content", "\n\nanswer\n")]),
+    ("poolside_v1", "answer", None, [("content", "answer")]),
+    ("poolside_v1", "plan</think>answer", {"thinking": True}, [("reasoning", "plan"), ("content", "answer")]),
+    ("step3", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("hy_v3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("hy_v3", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
 ])
 def test_reasoning_names(name, text, kwargs, expected) -> None:
     assert _split(name, text, kwargs) == expected

@@ -61,6 +61,10 @@ def write_hermes(calls: list[Call]) -> str:
                      for n, a in calls)
 
 
+def write_longcat(calls: list[Call]) -> str:
+    return write_hermes(calls).replace("tool_call>", "longcat_tool_call>")
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -187,6 +191,12 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|python_start|>", "<|python_end|>", "<|python", "[", "]", "(", ")", "f", "a", "=", "'", ",", " ",
                 "1", "None", "{", "}", "😀"), calls_first=True),
     ToolFamily("glm45", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<", "null", "😀")),
+    ToolFamily("poolside_v1", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<", "null")),
+    ToolFamily("longcat", write_longcat, ("<longcat_tool_call>", "</longcat_tool_call>", *_JSON_KEYS),
+               ("<longcat_tool_call>", "</longcat_tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"',
+                " ", "\n", "x", "<")),
+    ToolFamily("ernie45", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
+               ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "1")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -188,3 +188,107 @@ FAMILY_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               KimiK2ReasoningParser, DeepSeekV4ReasoningParser, MiniMaxM3ReasoningParser,
                               Step5ReasoningParser, Holo2ReasoningParser)
 }
+
+
+class AnswerTagsState(ThinkState):
+    tag_held: str = ""  # content that may be the beginning of an answer tag
+
+
+class AnswerTagsReasoningParser(ThinkReasoningParser):
+    """A family that wraps its answer in tags after the think block (ERNIE-4.5's ``<response>``, Hunyuan's
+    ``<answer>``): the tags are markup and leave the content. Upstream's batch keeps only the text between the
+    tags; text the model writes outside them (the blank lines around them included) stays content here
+    (nothing generated is lost), and streaming equals batch."""
+
+    State = AnswerTagsState
+    ANSWER_TAGS: tuple[str, str] = ("<response>", "</response>")
+
+    def initial_state(self) -> AnswerTagsState:
+        return AnswerTagsState(mode=super().initial_state().mode)
+
+    def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
+        return self._untag(state, super().feed(state, text), final=False)
+
+    def finish(self, state: ThinkState) -> list[TextPiece]:
+        return self._untag(state, super().finish(state), final=True)
+
+    def _untag(self, state: ThinkState, pieces: list[TextPiece], final: bool) -> list[TextPiece]:
+        assert isinstance(state, AnswerTagsState)
+        if not final and not state.tag_held and all(p.channel != "content" or "<" not in p.text for p in pieces):
+            return pieces  # the per-token common case: no tag can start here
+        out: list[TextPiece] = []
+        for p in pieces:
+            if p.channel != "content":
+                out.append(p)
+                continue
+            buf, state.tag_held = state.tag_held + p.text, ""
+            text = self._strip(state, buf)
+            if text:
+                out.append(TextPiece("content", text))
+        if final and state.tag_held:
+            out.append(TextPiece("content", state.tag_held))  # a partial tag at the end is the model's text
+            state.tag_held = ""
+        return out
+
+    def _strip(self, state: AnswerTagsState, buf: str) -> str:
+        """``buf`` without the answer tags; a possible partial tag at its end is held in the state."""
+        kept: list[str] = []
+        pos = 0
+        while True:
+            found = [(i, t) for t in self.ANSWER_TAGS if (i := buf.find(t, pos)) >= 0]
+            if not found:
+                break
+            at, tag = min(found)
+            kept.append(buf[pos:at])
+            pos = at + len(tag)
+        rest = buf[pos:]
+        keep = max((k for t in self.ANSWER_TAGS for k in range(1, len(t)) if rest.endswith(t[:k])), default=0)
+        kept.append(rest[:len(rest) - keep])
+        state.tag_held = rest[len(rest) - keep:]
+        return "".join(kept)
+
+
+class Ernie45ReasoningParser(AnswerTagsReasoningParser, DeepSeekR1ReasoningParser):
+    """ernie45 (ERNIE-4.5 thinking): DeepSeek-R1's rules (reasoning until ``</think>``, with or without
+    ``<think>``), the answer wrapped in ``<response>`` tags."""
+
+    name = "ernie45"
+
+
+class HunyuanA13BReasoningParser(AnswerTagsReasoningParser, DeepSeekR1ReasoningParser):
+    """hunyuan_a13b: ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``; reasoning until ``</think>``
+    (upstream's regex also reads an answer with no think block), the answer tags are markup."""
+
+    name = "hunyuan_a13b"
+    ANSWER_TAGS = ("<answer>", "</answer>")
+
+
+class PoolsideV1ReasoningParser(DeepSeekV3ReasoningParser):
+    """poolside_v1: ``deepseek_v3``'s switch; the prompt-tail rule already stops at the turn boundary, which is
+    what upstream's subclass adds."""
+
+    name = "poolside_v1"
+
+
+class Step3ReasoningParser(DeepSeekR1ReasoningParser):
+    """step3: everything before ``</think>`` is reasoning (DeepSeek-R1's rules)."""
+
+    name = "step3"
+
+
+class HyV3ReasoningParser(ThinkReasoningParser):
+    """hy_v3 (Hunyuan v3): ``<think>``/``</think>``; ``reasoning_effort: "no_think"`` (request or
+    chat_template_kwargs) means no reasoning parser at all."""
+
+    name = "hy_v3"
+    thinking_kwarg = "reasoning_effort"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        return (chat_template_kwargs or {}).get("reasoning_effort") != "no_think"
+
+
+MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+    cls.name: cls for cls in (Ernie45ReasoningParser, HunyuanA13BReasoningParser, PoolsideV1ReasoningParser,
+                              Step3ReasoningParser, HyV3ReasoningParser)
+}

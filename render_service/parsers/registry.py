@@ -11,12 +11,12 @@ from render_service.parsers.base import ToolParser
 from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
-from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS
+from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS, MORE_REASONING_PARSERS
 from render_service.parsers.reasoning_granite import GraniteReasoningParser
 from render_service.parsers.reasoning_mistral import MistralReasoningParser
 
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
-    **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS,
+    **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS, **MORE_REASONING_PARSERS,
     MistralReasoningParser.name: MistralReasoningParser, GraniteReasoningParser.name: GraniteReasoningParser,
 }
 
@@ -43,6 +43,9 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     # upstream's other names for these formats
     "qwen3_json": ("render_service.parsers.tools_hermes", "Qwen3JsonToolParser"),  # vLLM: Hermes' class
     "step5": ("render_service.parsers.tools_qwen3_xml", "Step5ToolParser"),  # vLLM: Qwen3's XML engine
+    "longcat": ("render_service.parsers.tools_hermes", "LongcatToolParser"),
+    "ernie45": ("render_service.parsers.tools_hermes", "Ernie45ToolParser"),
+    "poolside_v1": ("render_service.parsers.tools_xml_families", "PoolsideV1ToolParser"),
 }
 
 
