@@ -65,6 +65,27 @@ def write_longcat(calls: list[Call]) -> str:
     return write_hermes(calls).replace("tool_call>", "longcat_tool_call>")
 
 
+def _json_list(calls: list[Call]) -> str:
+    return "[" + ", ".join(f'{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls) + "]"
+
+
+def write_lfm2(calls: list[Call]) -> str:
+    return "<|tool_call_start|>" + write_pythonic(calls) + "<|tool_call_end|>"
+
+
+def write_jamba(calls: list[Call]) -> str:
+    return "<tool_calls>" + _json_list(calls) + "</tool_calls>"
+
+
+def write_phi4_mini(calls: list[Call]) -> str:
+    return "functools" + _json_list(calls)
+
+
+def write_internlm(calls: list[Call]) -> str:
+    return "".join(f'<|action_start|><|plugin|>\n{{"name": {json.dumps(n)}, "parameters": {_args(a)}}}<|action_end|>'
+                   for n, a in calls)
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -197,6 +218,16 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                 " ", "\n", "x", "<")),
     ToolFamily("ernie45", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
                ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "1")),
+    ToolFamily("lfm2", write_lfm2, ("<|tool_call_start|>", "<|tool_call_end|>"),
+               ("<|tool_call_start|>", "<|tool_call_end|>", "[", "]", "(", ")", "=", ",", "'", '"', "get_weather",
+                "city", " ", "\n", "x", "1", "None")),
+    ToolFamily("jamba", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),
+               ("<tool_calls>", "</tool_calls>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
+    ToolFamily("phi4_mini_json", write_phi4_mini, ("functools", *_JSON_KEYS),
+               ("functools", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x", "1")),
+    ToolFamily("internlm", write_internlm, ("<|action_start|>", "<|plugin|>", "<|action_end|>", *_JSON_KEYS),
+               ("<|action_start|><|plugin|>", "<|action_end|>", "{", "}", '"', ":", ",", '"name"', '"parameters"',
+                " ", "\n", "x")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

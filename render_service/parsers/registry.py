@@ -46,6 +46,10 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "longcat": ("render_service.parsers.tools_hermes", "LongcatToolParser"),
     "ernie45": ("render_service.parsers.tools_hermes", "Ernie45ToolParser"),
     "poolside_v1": ("render_service.parsers.tools_xml_families", "PoolsideV1ToolParser"),
+    "lfm2": ("render_service.parsers.tools_wrapped_families", "Lfm2ToolParser"),
+    "jamba": ("render_service.parsers.tools_wrapped_families", "JambaToolParser"),
+    "phi4_mini_json": ("render_service.parsers.tools_wrapped_families", "Phi4MiniJsonToolParser"),
+    "internlm": ("render_service.parsers.tools_wrapped_families", "InternLMToolParser"),
 }
 
 

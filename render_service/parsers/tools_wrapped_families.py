@@ -1,0 +1,48 @@
+"""Families whose calls sit in their own markers, read by an inner parser (``tools_wrapped``): declarations.
+
+* ``lfm2`` (LiquidAI LFM2 / LFM2.5): ``<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>``,
+  pythonic calls (``tools_pythonic``'s rules) between special tokens, content before and after.
+* ``jamba`` (AI21 Jamba): ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``.
+* ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``; the list runs to its
+  ``]`` and what follows is content.
+* ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
+
+The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
+the model's guarded text (``json_guard``), a list's brackets and commas are markup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from render_service.parsers.tools_json import JsonListToolParser, Llama3JsonToolParser
+from render_service.parsers.tools_pythonic import PythonicToolParser
+from render_service.parsers.tools_wrapped import WrappedToolParser
+
+
+class Lfm2ToolParser(WrappedToolParser):
+    name: ClassVar[str] = "lfm2"
+    START: ClassVar[str] = "<|tool_call_start|>"
+    END: ClassVar[str | None] = "<|tool_call_end|>"
+    INNER: ClassVar[Any] = PythonicToolParser
+
+
+class JambaToolParser(WrappedToolParser):
+    name: ClassVar[str] = "jamba"
+    START: ClassVar[str] = "<tool_calls>"
+    END: ClassVar[str | None] = "</tool_calls>"
+    INNER: ClassVar[Any] = JsonListToolParser
+
+
+class Phi4MiniJsonToolParser(WrappedToolParser):
+    name: ClassVar[str] = "phi4_mini_json"
+    START: ClassVar[str] = "functools"
+    END: ClassVar[str | None] = None
+    INNER: ClassVar[Any] = JsonListToolParser
+
+
+class InternLMToolParser(WrappedToolParser):
+    name: ClassVar[str] = "internlm"
+    START: ClassVar[str] = "<|action_start|><|plugin|>"
+    END: ClassVar[str | None] = "<|action_end|>"
+    INNER: ClassVar[Any] = Llama3JsonToolParser
