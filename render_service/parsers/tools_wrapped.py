@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from render_service.parsers.base import Piece, ToolCallPiece, ToolParserConfig
+from render_service.parsers.base import Piece, TextPiece, ToolParserConfig
 from render_service.parsers.tags import find_tag
 from render_service.parsers.tools_common import Count, PieceSink, require
 
@@ -55,11 +55,11 @@ class WrappedToolParser:
 
     def _shifted(self, state: WrappedState, pieces: list[Piece], sink: PieceSink) -> None:
         for p in pieces:
-            if type(p) is ToolCallPiece:
+            if isinstance(p, TextPiece):
+                sink.content(p.text)
+            else:
                 state.block_calls = max(state.block_calls, p.index + 1)
                 sink.pieces.append(msgspec.structs.replace(p, index=p.index + state.calls))
-            else:
-                sink.content(p.text)
 
     def feed(self, state: WrappedState, text: str) -> list[Piece]:
         sink = PieceSink()
