@@ -86,6 +86,28 @@ def write_internlm(calls: list[Call]) -> str:
                    for n, a in calls)
 
 
+def write_dots(calls: list[Call]) -> str:
+    return "".join("<dots_function_call>\n" + f'<invoke name="{n}">\n' + "".join(
+        f'<parameter name="{k}">{_text_value(v)}</parameter>\n' for k, v in a.items()) + "</invoke>\n</dots_function_call>"
+        for n, a in calls)
+
+
+def write_hy_v3(calls: list[Call]) -> str:
+    return "<tool_calls>" + "".join(f"<tool_call>{n}<tool_sep>" + "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{_text_value(v)}</arg_value>" for k, v in a.items()) + "</tool_call>"
+        for n, a in calls) + "</tool_calls>"
+
+
+STEP3 = ("<｜tool_calls_begin｜>", "<｜tool_call_begin｜>", "<｜tool_sep｜>", "<｜tool_call_end｜>", "<｜tool_calls_end｜>")
+
+
+def write_step3(calls: list[Call]) -> str:
+    sb, cb, sep, ce, se = STEP3
+    return sb + "".join(f'{cb}function{sep}<steptml:invoke name="{n}">' + "".join(
+        f'<steptml:parameter name="{k}">{_text_value(v)}</steptml:parameter>' for k, v in a.items())
+        + f"</steptml:invoke>{ce}" for n, a in calls) + se
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -228,6 +250,18 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("internlm", write_internlm, ("<|action_start|>", "<|plugin|>", "<|action_end|>", *_JSON_KEYS),
                ("<|action_start|><|plugin|>", "<|action_end|>", "{", "}", '"', ":", ",", '"name"', '"parameters"',
                 " ", "\n", "x")),
+    ToolFamily("dots", write_dots, ("<dots_function_call>", "</dots_function_call>", "<invoke name=", "</invoke>",
+                                     "<parameter name=", "</parameter>"),
+               ("<dots_function_call>", "</dots_function_call>", "<invoke name=", "</invoke>", "<parameter name=",
+                "</parameter>", '"get_weather">', '"city">', "\n", " ", "x", "3", "<")),
+    ToolFamily("hy_v3", write_hy_v3, ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<tool_sep>",
+                                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+               ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<tool_sep>", "<arg_key>",
+                "</arg_key>", "<arg_value>", "</arg_value>", "get_weather", "city", " ", "x", "3", "<")),
+    ToolFamily("step3", write_step3, (*STEP3, "function", "<steptml:invoke name=", "</steptml:invoke>",
+                                      "<steptml:parameter name=", "</steptml:parameter>"),
+               (*STEP3, "function", "<steptml:invoke name=", "</steptml:invoke>", "<steptml:parameter name=",
+                "</steptml:parameter>", '"get_weather">', '"city">', " ", "x", "3", "<")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -109,3 +109,56 @@ class WrappedToolParser:
         else:
             sink.content(held)
         return sink.pieces
+
+
+class DroppedMarkersState(msgspec.Struct, omit_defaults=True):
+    held: str = ""  # a possible partial marker
+    inner: Any = None
+
+
+class DroppedMarkersToolParser:
+    """An inner parser fed the output without a family's outer markers (special tokens that frame the calls
+    and are never text the model means, e.g. Step-3's ``<｜tool_calls_begin｜>``), wherever they appear."""
+
+    name: ClassVar[str]
+    State: ClassVar[type[msgspec.Struct]] = DroppedMarkersState
+    DROPPED: ClassVar[tuple[str, ...]]
+    INNER: ClassVar[Any]
+
+    def __init__(self, config: ToolParserConfig) -> None:
+        self.config = config
+        self.inner = self.INNER(config)
+        self._firsts = "".join({m[0] for m in self.DROPPED})
+
+    def initial_state(self) -> DroppedMarkersState:
+        return DroppedMarkersState(inner=self.inner.initial_state())
+
+    def _inner_state(self, state: DroppedMarkersState) -> Any:
+        if not isinstance(state.inner, self.inner.State):
+            state.inner = msgspec.convert(state.inner, self.inner.State) if state.inner is not None \
+                else self.inner.initial_state()
+        return state.inner
+
+    def feed(self, state: DroppedMarkersState, text: str) -> list[Piece]:
+        inner = self._inner_state(state)
+        if not state.held and not any(c in text for c in self._firsts):
+            return self.inner.feed(inner, text) if text else []  # the per-token common case
+        buf = state.held + text if state.held else text
+        state.held = ""
+        kept: list[str] = []
+        pos = 0
+        while True:
+            at, tag = find_tag(buf, pos, self.DROPPED)
+            kept.append(buf[pos:at])
+            if tag is None:
+                state.held = buf[at:]
+                break
+            pos = at + len(tag)
+        clean = "".join(kept)
+        return self.inner.feed(inner, clean) if clean else []
+
+    def finish(self, state: DroppedMarkersState) -> list[Piece]:
+        inner = self._inner_state(state)
+        held, state.held = state.held, ""
+        pieces = self.inner.feed(inner, held) if held else []
+        return pieces + self.inner.finish(inner)
