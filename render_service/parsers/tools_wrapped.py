@@ -160,5 +160,6 @@ class DroppedMarkersToolParser:
     def finish(self, state: DroppedMarkersState) -> list[Piece]:
         inner = self._inner_state(state)
         held, state.held = state.held, ""
-        pieces = self.inner.feed(inner, held) if held else []
-        return pieces + self.inner.finish(inner)
+        pieces: list[Piece] = self.inner.feed(inner, held) if held else []
+        pieces.extend(self.inner.finish(inner))
+        return pieces
