@@ -108,6 +108,11 @@ def write_step3(calls: list[Call]) -> str:
         + f"</steptml:invoke>{ce}" for n, a in calls) + se
 
 
+def write_deepseek_v3(calls: list[Call]) -> str:
+    b, cb, sep, ce, e = DS
+    return b + "".join(f"{cb}function{sep}{n}\n```json\n{_args(a)}\n```{ce}" for n, a in calls) + e
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -262,6 +267,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                                       "<steptml:parameter name=", "</steptml:parameter>"),
                (*STEP3, "function", "<steptml:invoke name=", "</steptml:invoke>", "<steptml:parameter name=",
                 "</steptml:parameter>", '"get_weather">', '"city">', " ", "x", "3", "<")),
+    ToolFamily("deepseek_v3", write_deepseek_v3, (*DS, "function", "```json", "```", *_JSON_KEYS),
+               (*DS, "function", "```json", "```", "`", "get_weather", "\n", "{", "}", '"', ":", ",", " ", "x")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

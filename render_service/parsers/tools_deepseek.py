@@ -20,3 +20,29 @@ class DeepSeekV31ToolParser(SectionedToolParser):
     NAME_END = "<｜tool▁sep｜>"
     CALL_END = "<｜tool▁call▁end｜>"
     SECTION_END = ("<｜tool▁calls▁end｜>",)
+
+
+class DeepSeekV3ToolParser(SectionedToolParser):
+    """deepseek_v3 (DeepSeek-V3 / R1-0528): the call's type before the separator, the name after it, the
+    arguments in a ```json fence:
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+        ```json
+        {ARGS}
+        ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    """
+
+    name: ClassVar[str] = "deepseek_v3"
+    SECTION_BEGIN = ("<｜tool▁calls▁begin｜>",)
+    CALL_BEGIN = "<｜tool▁call▁begin｜>"
+    NAME_END = "```json"
+    CALL_END = "<｜tool▁call▁end｜>"
+    SECTION_END = ("<｜tool▁calls▁end｜>",)
+    ARGS_FENCE = "```"
+    SEPARATOR = "<｜tool▁sep｜>"
+
+    def read_name(self, text: str, index: int) -> tuple[str, str | None] | None:
+        kind, sep, name = text.partition(self.SEPARATOR)
+        if not sep or kind.strip() != "function":
+            return None
+        return super().read_name(name, index)

@@ -73,6 +73,8 @@ class SectionedToolParser(HeldTextToolParser):
     NAME_END: ClassVar[str]
     CALL_END: ClassVar[str]
     SECTION_END: ClassVar[tuple[str, ...]]
+    # a code fence closing the arguments (DeepSeek-V3 writes them in a ```json block): layout, like whitespace
+    ARGS_FENCE: ClassVar[str | None] = None
 
     def read_name(self, text: str, index: int) -> tuple[str, str | None] | None:
         """(function name, the model's own call id or None) from the text between call begin and separator;
@@ -149,6 +151,14 @@ class SectionedToolParser(HeldTextToolParser):
             if mode in (SEC_CONTENT, SEC_SECTION, SEC_AFTER_ARGS, SEC_JUNK):
                 if state.after_call and not state.stray:
                     pos = skip_whitespace(buf, pos)
+                    fence = self.ARGS_FENCE
+                    if fence and mode == SEC_AFTER_ARGS and pos < n and buf[pos] == fence[0]:
+                        if buf.startswith(fence, pos):
+                            pos += len(fence)
+                            continue
+                        if fence.startswith(buf[pos:]):
+                            state.held = buf[pos:]
+                            return
                     if pos >= n:
                         return
                 if mode == SEC_CONTENT:
