@@ -16,7 +16,7 @@ CALLS = [("get_weather", {"city": "Paris", "days": 3})]
 
 @pytest.mark.parametrize("alias,same_as,write", [
     ("qwen3_json", "hermes", write_hermes), ("step5", "qwen3_xml", write_qwen3_xml),
-    ("ernie45", "hermes", write_hermes), ("poolside_v1", "glm45", write_glm)])
+    ("ernie45", "hermes", write_hermes), ("poolside_v1", "glm45", write_glm), ("ling3", "glm47", write_glm)])
 def test_tool_alias_parses_as_its_format(alias, same_as, write) -> None:
     text = "Sure.\n" + write(CALLS) + "\nDone."
     folded = parse(alias, text)
@@ -69,6 +69,11 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("step3", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("hy_v3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("hy_v3", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
+    ("ling3", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("ling3", "answer", {"enable_thinking": False}, [("content", "answer")]),
+    ("mimo", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("nemotron_v3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("olmo3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
 ])
 def test_reasoning_names(name, text, kwargs, expected) -> None:
     assert _split(name, text, kwargs) == expected
@@ -79,3 +84,11 @@ def test_a_name_we_do_not_serve_is_refused_in_one_line(lookup) -> None:
     with pytest.raises(UnknownParserError) as err:
         lookup("gemma4_not_served")
     assert "\n" not in str(err.value) and "gemma4_not_served" in str(err.value)
+
+
+def test_mimo_values_are_verbatim_strings() -> None:
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>3</parameter>\n" \
+           "</function>\n</tool_call>"
+    folded = parse("mimo", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": "\nParis\n", "days": "3"})]

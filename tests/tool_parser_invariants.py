@@ -269,6 +269,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                 "</steptml:parameter>", '"get_weather">', '"city">', " ", "x", "3", "<")),
     ToolFamily("deepseek_v3", write_deepseek_v3, (*DS, "function", "```json", "```", *_JSON_KEYS),
                (*DS, "function", "```json", "```", "`", "get_weather", "\n", "{", "}", '"', ":", ",", " ", "x")),
+    ToolFamily("ling3", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<")),
+    ToolFamily("mimo", write_qwen3_xml, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -37,6 +37,7 @@ from render_service.parsers.reasoning import (
     REASONING,
     DeepSeekR1ReasoningParser,
     DeepSeekV3ReasoningParser,
+    Qwen3ReasoningParser,
     ThinkReasoningParser,
     ThinkState,
 )
@@ -288,7 +289,41 @@ class HyV3ReasoningParser(ThinkReasoningParser):
         return (chat_template_kwargs or {}).get("reasoning_effort") != "no_think"
 
 
+class Ling3ReasoningParser(Glm47ReasoningParser):
+    """ling3 (Ling 3): GLM-4.7's reasoning, thinking on unless ``thinking`` / ``enable_thinking`` says off."""
+
+    name = "ling3"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        kwargs = chat_template_kwargs or {}
+        if "thinking" not in kwargs and "enable_thinking" not in kwargs:
+            return True
+        return bool(kwargs.get("thinking")) or bool(kwargs.get("enable_thinking"))
+
+
+class MiMoReasoningParser(Qwen3ReasoningParser):
+    name = "mimo"  # Qwen3's rules (upstream configures Qwen3's engine for it)
+
+
+class NemotronV3ReasoningParser(Qwen3ReasoningParser):
+    """nemotron_v3 (Nemotron 3): Qwen3's rules. Upstream also hands the reasoning back as content when the
+    answer came out empty and the request set ``force_nonempty_content``; not done here (a stream has already
+    sent it as reasoning)."""
+
+    name = "nemotron_v3"
+
+
+class Olmo3ReasoningParser(DeepSeekR1ReasoningParser):
+    """olmo3 (OLMo 3): ``<think>`` (optional, the template may write it) ... ``</think>`` spelled with ordinary
+    tokens; DeepSeek-R1's rules (an output without ``</think>`` is reasoning; upstream's batch regex returns it
+    as content)."""
+
+    name = "olmo3"
+
+
 MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     cls.name: cls for cls in (Ernie45ReasoningParser, HunyuanA13BReasoningParser, PoolsideV1ReasoningParser,
-                              Step3ReasoningParser, HyV3ReasoningParser)
+                              Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
+                              NemotronV3ReasoningParser, Olmo3ReasoningParser)
 }

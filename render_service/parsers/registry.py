@@ -47,6 +47,8 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "ernie45": ("render_service.parsers.tools_hermes", "Ernie45ToolParser"),
     "poolside_v1": ("render_service.parsers.tools_xml_families", "PoolsideV1ToolParser"),
     "deepseek_v3": ("render_service.parsers.tools_deepseek", "DeepSeekV3ToolParser"),
+    "ling3": ("render_service.parsers.tools_glm", "Ling3ToolParser"),
+    "mimo": ("render_service.parsers.tools_qwen3_xml", "MiMoToolParser"),
     "dots": ("render_service.parsers.tools_xml_families", "DotsToolParser"),
     "hy_v3": ("render_service.parsers.tools_xml_families", "HyV3ToolParser"),
     "step3": ("render_service.parsers.tools_xml_families", "Step3ToolParser"),

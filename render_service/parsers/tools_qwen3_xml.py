@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
+import msgspec
+
+from render_service.parsers.tools_xml import XmlCallState, XmlFormat, XmlToolParser
 
 QWEN3_XML_FORMAT = XmlFormat(
     block_open="<tool_call>",
@@ -47,3 +49,17 @@ class Step5ToolParser(Qwen3XmlToolParser):
     """step5 (Step-5): Qwen3's XML calls; upstream keeps the content's whitespace around calls, as we always do."""
 
     name: ClassVar[str] = "step5"
+
+
+MIMO_FORMAT = msgspec.structs.replace(QWEN3_XML_FORMAT, trim="none")
+
+
+class MiMoToolParser(Qwen3XmlToolParser):
+    """mimo (Xiaomi MiMo): Qwen3's XML calls with every value a verbatim string (no schema typing, no newline
+    trimming), as upstream's converter writes them."""
+
+    name: ClassVar[str] = "mimo"
+    FORMAT: ClassVar[XmlFormat] = MIMO_FORMAT
+
+    def _types(self, state: XmlCallState) -> frozenset[str] | None:
+        return None  # undeclared: a string
