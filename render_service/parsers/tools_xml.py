@@ -298,10 +298,18 @@ class XmlToolParser:
         end = buf.find(self.FORMAT.key_end, at, at + MAX_KEY_CHARS)
         if end == -1:
             return WAIT if not final and len(buf) - at < MAX_KEY_CHARS else YES
-        key = buf[at:end].strip()
-        if self.FORMAT.quoted_names:
-            key = _first_attribute(key).strip()
-        return NO if key in state.keys else YES
+        return NO if self._key_text(buf[at:end].strip())[0] in state.keys else YES
+
+    def _key_text(self, key: str) -> tuple[str, int]:
+        """(the key, how its value reads) from the text between the key opener and its end."""
+        f = self.FORMAT
+        if f.string_attr:
+            # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
+            attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
+            if attr is not None:
+                return attr.group(2), STRING_ATTR if attr.group(3) == "true" else JSON_ATTR
+            return (_first_attribute(key).strip() if f.quoted_names else key), JSON_ATTR
+        return (_first_attribute(key).strip() if f.quoted_names else key), BY_SCHEMA
 
     def _trim_tail(self, text: str) -> str:
         trim = self.FORMAT.trim
@@ -492,12 +500,9 @@ class XmlToolParser:
                     state.held = buf[pos:]
                     return
                 key = buf[pos:at].strip()
+                state.key, kind = self._key_text(key)
                 if f.string_attr:
-                    # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
-                    attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
-                    key = attr.group(2) if attr is not None else key
-                    state.value_kind = STRING_ATTR if attr is not None and attr.group(3) == "true" else JSON_ATTR
-                state.key = _first_attribute(key).strip() if f.quoted_names else key
+                    state.value_kind = kind
                 pos = at + len(tag)
                 if f.value_open is None:
                     state.mode = VALUE
