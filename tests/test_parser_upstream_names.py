@@ -74,6 +74,10 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("mimo", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("nemotron_v3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("olmo3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("step3p5", "plan</think>answer", {"enable_thinking": False}, [("reasoning", "plan"), ("content", "answer")]),
+    ("deepseek_v41", "plan<\uff5cDSML\uff5c calls>x", {"thinking": True},
+     [("reasoning", "plan"), ("content", "<\uff5cDSML\uff5c calls>x")]),
+    ("plamo3", "plan<|plamo:end_think:plamo|>answer", None, [("reasoning", "plan"), ("content", "answer")]),
 ])
 def test_reasoning_names(name, text, kwargs, expected) -> None:
     assert _split(name, text, kwargs) == expected

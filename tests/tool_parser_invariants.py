@@ -113,6 +113,20 @@ def write_deepseek_v3(calls: list[Call]) -> str:
     return b + "".join(f"{cb}function{sep}{n}\n```json\n{_args(a)}\n```{ce}" for n, a in calls) + e
 
 
+def write_plamo3(calls: list[Call]) -> str:
+    def m(x: str) -> str:
+        return f"<|plamo:{x}:plamo|>"
+    return m("begin_tool_requests") + "".join(
+        m("begin_tool_request") + m("begin_tool_name") + n + m("end_tool_name") + m("begin_tool_arguments")
+        + "<|plamo:constrain|>json<|plamo:msg|>" + _args(a) + m("end_tool_arguments") + m("end_tool_request")
+        for n, a in calls) + m("end_tool_requests")
+
+
+PLAMO = tuple(f"<|plamo:{x}:plamo|>" for x in (
+    "begin_tool_requests", "end_tool_requests", "begin_tool_request", "end_tool_request", "begin_tool_name",
+    "end_tool_name", "begin_tool_arguments", "end_tool_arguments")) + ("<|plamo:constrain|>", "<|plamo:msg|>")
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -148,9 +162,8 @@ def write_pythonic(calls: list[Call]) -> str:
     return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls) + "]"
 
 
-def write_dsml(block: str) -> Callable[[list[Call]], str]:
+def write_dsml(block: str, d: str = "\uff5cDSML\uff5c") -> Callable[[list[Call]], str]:
     def write(calls: list[Call]) -> str:
-        d = "\uff5cDSML\uff5c"
         invokes = "".join(
             f'<{d}invoke name="{n}">\n' + "".join(
                 f'<{d}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">{_text_value(v)}'
@@ -183,6 +196,8 @@ def write_llama4_pythonic(calls: list[Call]) -> str:
 _DSML_TAGS = tuple(f"{o}\uff5cDSML\uff5c{t}" for o in ("<", "</")
                    for t in ("tool_calls>", "function_calls>", "invoke name=", "invoke>", "parameter name=",
                              "parameter>"))
+_DSML41_TAGS = tuple(f"{o}\uff5cDSML\uff5c {t}" for o in ("<", "</")
+                     for t in ("calls>", "invoke name=", "invoke>", "parameter name=", "parameter>"))
 _GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<parameter name=",
             "</parameter>")
@@ -271,6 +286,15 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*DS, "function", "```json", "```", "`", "get_weather", "\n", "{", "}", '"', ":", ",", " ", "x")),
     ToolFamily("ling3", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<")),
     ToolFamily("mimo", write_qwen3_xml, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
+    ToolFamily("deepseek_v41", write_dsml("calls", "\uff5cDSML\uff5c "), (*_DSML41_TAGS, 'string="true"',
+                                                                         'string="false"'),
+               (*_DSML41_TAGS, '"get_weather">',
+                '"city" string="true">', "\n", " ", "x", "3", "<")),
+    ToolFamily("plamo3", write_plamo3, (*PLAMO, "json", *_JSON_KEYS),
+               (*PLAMO, "json", "get_weather", "{", "}", '"', ":", ",", " ", "x")),
+    ToolFamily("hunyuan_a13b", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),
+               ("<tool_calls>", "</tool_calls>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ")),
+    ToolFamily("step3p5", write_qwen3_xml, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -322,8 +322,40 @@ class Olmo3ReasoningParser(DeepSeekR1ReasoningParser):
     name = "olmo3"
 
 
+class Step3p5ReasoningParser(Qwen3ReasoningParser):
+    """step3p5 (Step-3.5 / 3.7): Qwen3's rules; the template always opens ``<think>`` and has no switch."""
+
+    name = "step3p5"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        return True
+
+
+DSML_V41_CALLS = "<\uff5cDSML\uff5c calls>"  # DeepSeek-V4.1's spaced DSML block opener
+DSML_V41_TOOL_CALLS = "<\uff5cDSML\uff5c tool_calls>"
+
+
+class DeepSeekV41ReasoningParser(DeepSeekV4ReasoningParser):
+    """deepseek_v41: V4's rules; reasoning also ends at V4.1's spaced DSML block (``<｜DSML｜ calls>``)."""
+
+    name = "deepseek_v41"
+    implicit_end_markers = (DSML_V41_CALLS, DSML_V41_TOOL_CALLS, DSML_TOOL_CALLS)
+
+
+class Plamo3ReasoningParser(ThinkReasoningParser):
+    """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
+    several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
+
+    name = "plamo3"
+    start_tag = "<|plamo:begin_think:plamo|>"
+    end_tag = "<|plamo:end_think:plamo|>"
+    implicit_end_markers = ("<|plamo:begin_tool_requests:plamo|>",)
+
+
 MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     cls.name: cls for cls in (Ernie45ReasoningParser, HunyuanA13BReasoningParser, PoolsideV1ReasoningParser,
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
-                              NemotronV3ReasoningParser, Olmo3ReasoningParser)
+                              NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
+                              DeepSeekV41ReasoningParser, Plamo3ReasoningParser)
 }

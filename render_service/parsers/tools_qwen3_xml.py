@@ -63,3 +63,7 @@ class MiMoToolParser(Qwen3XmlToolParser):
 
     def _types(self, state: XmlCallState) -> frozenset[str] | None:
         return None  # undeclared: a string
+
+
+class Step3p5ToolParser(Qwen3XmlToolParser):
+    name: ClassVar[str] = "step3p5"  # Step-3.5 / 3.7 write Qwen3's XML calls

@@ -5,6 +5,7 @@
 * ``jamba`` (AI21 Jamba): ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``.
 * ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``; the list runs to its
   ``]`` and what follows is content.
+* ``hunyuan_a13b`` (Hunyuan-A13B): Jamba's ``<tool_calls>[...]</tool_calls>``.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
 
 The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
@@ -46,3 +47,7 @@ class InternLMToolParser(WrappedToolParser):
     START: ClassVar[str] = "<|action_start|><|plugin|>"
     END: ClassVar[str | None] = "<|action_end|>"
     INNER: ClassVar[Any] = Llama3JsonToolParser
+
+
+class HunyuanA13BToolParser(JambaToolParser):
+    name: ClassVar[str] = "hunyuan_a13b"  # the same <tool_calls>[...]</tool_calls> list as Jamba
