@@ -136,7 +136,7 @@ class ExplicitThinkReasoningParser(ThinkReasoningParser):
 class DeepSeekV4ReasoningParser(ExplicitThinkReasoningParser):
     name = "deepseek_v4"
     thinking_kwarg = "thinking"
-    implicit_end_markers = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
+    implicit_end_markers: tuple[str, ...] = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
 
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
