@@ -28,7 +28,7 @@ All but one are the ``<think>`` state machine of ``reasoning.py`` with their own
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from render_service.parsers.base import TextPiece
 from render_service.parsers.reasoning import (
@@ -136,7 +136,7 @@ class ExplicitThinkReasoningParser(ThinkReasoningParser):
 class DeepSeekV4ReasoningParser(ExplicitThinkReasoningParser):
     name = "deepseek_v4"
     thinking_kwarg = "thinking"
-    implicit_end_markers: tuple[str, ...] = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
+    implicit_end_markers: ClassVar[tuple[str, ...]] = (DSML_TOOL_CALLS, DSML_FUNCTION_CALLS)
 
     @classmethod
     def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
@@ -340,7 +340,7 @@ class DeepSeekV41ReasoningParser(DeepSeekV4ReasoningParser):
     """deepseek_v41: V4's rules; reasoning also ends at V4.1's spaced DSML block (``<｜DSML｜ calls>``)."""
 
     name = "deepseek_v41"
-    implicit_end_markers = (DSML_V41_CALLS, DSML_V41_TOOL_CALLS, DSML_TOOL_CALLS)
+    implicit_end_markers: ClassVar[tuple[str, ...]] = (DSML_V41_CALLS, DSML_V41_TOOL_CALLS, DSML_TOOL_CALLS)
 
 
 class Plamo3ReasoningParser(ThinkReasoningParser):
