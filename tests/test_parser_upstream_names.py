@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from render_service.parsers.auto import detect_family, resolve_auto
 from render_service.parsers.base import ReasoningParserConfig
 from render_service.parsers.registry import UnknownParserError, get_reasoning_parser, get_tool_parser
+from tests.family_bundles import TEMPLATES
 from tests.test_tool_parsers_common import parse
 from tests.tool_parser_invariants import write_glm, write_hermes, write_longcat, write_qwen3_xml
 
@@ -96,3 +98,31 @@ def test_mimo_values_are_verbatim_strings() -> None:
     folded = parse("mimo", text)
     assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
         ("get_weather", {"city": "\nParis\n", "days": "3"})]
+
+
+@pytest.mark.parametrize("template, model_type, family, expected", [
+    ("internlm2-tool.jinja", None, "internlm", (None, "internlm")),
+    ("phi-4-mini.jinja", None, "phi-4-mini", (None, "phi4_mini_json")),
+    ("hunyuan-a13b.jinja", None, "hunyuan-a13b", ("hunyuan_a13b", "hunyuan_a13b")),
+    (None, "jamba", "jamba", (None, "jamba")),
+    (None, "lfm2", "lfm2", (None, "lfm2")),
+    (None, "mimo", "mimo", ("mimo", "mimo")),
+    (None, "plamo3", "plamo-3", ("plamo3", "plamo3")),
+    (None, "step3", "step-3", ("step3", "step3")),
+    (None, "longcat_flash", "longcat", (None, "longcat")),
+    (None, "dots1", "dots", (None, "dots")),
+    (None, "ernie4_5_moe", "ernie-4.5", ("ernie45", "ernie45")),
+])
+def test_auto_detects_the_new_families(template, model_type, family, expected) -> None:
+    source = (TEMPLATES / template).read_text(encoding="utf-8") if template else None
+    assert detect_family(source, model_type).name == family
+    assert resolve_auto("auto", "auto", source, model_type) == expected
+
+
+@pytest.mark.parametrize("template", ["kimi-k2-thinking.jinja", "llama-4.jinja", "glm-4.6.jinja", "glm-4.7-flash.jinja",
+                                      "minimax-m2.jinja", "seed-oss.jinja", "qwen3-coder.jinja", "granite-4.0.jinja"])
+def test_the_new_families_do_not_claim_the_old_templates(template) -> None:
+    family = detect_family((TEMPLATES / template).read_text(encoding="utf-8"), None)
+    assert family is not None and family.tool not in {
+        "internlm", "phi4_mini_json", "hunyuan_a13b", "jamba", "lfm2", "longcat", "dots", "ernie45", "plamo3",
+        "step3", "hy_v3", "deepseek_v3"}
