@@ -28,7 +28,7 @@ All but one are the ``<think>`` state machine of ``reasoning.py`` with their own
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from render_service.parsers.base import TextPiece
 from render_service.parsers.reasoning import (
@@ -214,9 +214,14 @@ class AnswerTagsReasoningParser(ThinkReasoningParser):
         return self._untag(state, super().finish(state), final=True)
 
     def _untag(self, state: ThinkState, pieces: list[TextPiece], final: bool) -> list[TextPiece]:
-        assert isinstance(state, AnswerTagsState)
-        if not final and not state.tag_held and all(p.channel != "content" or "<" not in p.text for p in pieces):
-            return pieces  # the per-token common case: no tag can start here
+        if not final and not state.tag_held:  # type: ignore[attr-defined]  # State is AnswerTagsState
+            if not pieces:
+                return pieces
+            if len(pieces) == 1:  # the per-token common case: one piece, no tag can start in it
+                p = pieces[0]
+                if p.channel != "content" or "<" not in p.text:
+                    return pieces
+        state = cast(AnswerTagsState, state)
         out: list[TextPiece] = []
         for p in pieces:
             if p.channel != "content":
