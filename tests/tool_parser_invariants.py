@@ -127,6 +127,15 @@ PLAMO = tuple(f"<|plamo:{x}:plamo|>" for x in (
     "end_tool_name", "begin_tool_arguments", "end_tool_arguments")) + ("<|plamo:constrain|>", "<|plamo:msg|>")
 
 
+def write_granite_20b_fc(calls: list[Call]) -> str:
+    return " ".join(f'<function_call> {{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
+
+
+def write_gigachat3(calls: list[Call]) -> str:
+    n, a = calls[0]  # one call per message
+    return f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}'
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -295,6 +304,12 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("hunyuan_a13b", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),
                ("<tool_calls>", "</tool_calls>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ")),
     ToolFamily("step3p5", write_qwen3_xml, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("granite-20b-fc", write_granite_20b_fc, ("<function_call>", *_JSON_KEYS),
+               ("<function_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x")),
+    ToolFamily("gigachat3", write_gigachat3, ("<|function_call|>", *_JSON_KEYS),
+               ("<|function_call|>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
+    ToolFamily("xlam", lambda calls: _json_list(calls), _JSON_KEYS,
+               ("[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x", "1"), calls_first=True),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

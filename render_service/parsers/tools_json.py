@@ -164,3 +164,11 @@ class JsonListToolParser(Llama3JsonToolParser):
 
     name: ClassVar[str] = "json_list"
     LIST: ClassVar[bool] = True
+
+
+class XLamToolParser(JsonListToolParser):
+    """xlam (Salesforce xLAM): the output is the calls, a JSON list (or objects) of ``{"name", "arguments"}``
+    (llama3_json's rule: calls only when the output starts with them). Upstream also looks for the list inside
+    a code fence, after ``[TOOL_CALLS]`` or in ``<tool_call>`` tags; those spellings are content here."""
+
+    name: ClassVar[str] = "xlam"

@@ -40,10 +40,14 @@ class WrappedToolParser:
     START: ClassVar[str]
     END: ClassVar[str | None]
     INNER: ClassVar[Any]  # the inner parser's class (a ToolParser)
+    OTHER_STARTS: ClassVar[tuple[str, ...]] = ()  # other spellings of START
+    # END None: the block runs to the end of the output, or (True here) to the next START, which opens the next
+    START_ENDS_BLOCK: ClassVar[bool] = False
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.config = config
         self.inner = self.INNER(config)
+        self._starts = (self.START, *self.OTHER_STARTS)
 
     def initial_state(self) -> WrappedState:
         return WrappedState()
@@ -68,7 +72,7 @@ class WrappedToolParser:
         pos, n = 0, len(buf)
         while pos < n:
             if not state.inside:
-                at, tag = find_tag(buf, pos, (self.START,))
+                at, tag = find_tag(buf, pos, self._starts)
                 sink.content(buf[pos:at])
                 if tag is None:
                     state.held = buf[at:]
@@ -79,17 +83,17 @@ class WrappedToolParser:
                 state.inner = self.inner.initial_state()
                 continue
             inner = self._inner_state(state)
-            if self.END is None:
+            if self.END is None and not self.START_ENDS_BLOCK:
                 self._shifted(state, self.inner.feed(inner, buf[pos:]), sink)
                 break
-            at, tag = find_tag(buf, pos, (self.END,))
+            at, tag = find_tag(buf, pos, self._starts if self.END is None else (self.END,))
             if buf[pos:at]:
                 self._shifted(state, self.inner.feed(inner, buf[pos:at]), sink)
             if tag is None:
                 state.held = buf[at:]
                 break
             self._end_block(state, sink)
-            pos = at + len(tag)
+            pos = at if self.END is None else at + len(tag)  # a START that ends a block opens the next
         return sink.pieces
 
     def _end_block(self, state: WrappedState, sink: PieceSink) -> None:

@@ -6,6 +6,10 @@
 * ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``; the list runs to its
   ``]`` and what follows is content.
 * ``hunyuan_a13b`` (Hunyuan-A13B): Jamba's ``<tool_calls>[...]</tool_calls>``.
+* ``granite-20b-fc`` (Granite-20B-FunctionCalling): ``<function_call> {"name": ..., "arguments": ...}`` per
+  call, each opened by its marker, no closing one.
+* ``gigachat3`` (GigaChat 3): ``<|function_call|>{"name": ..., "arguments": ...}`` (also spelled
+  ``function call<|role_sep|>\n``), to the end of the output.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
 
 The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
@@ -51,3 +55,19 @@ class InternLMToolParser(WrappedToolParser):
 
 class HunyuanA13BToolParser(JambaToolParser):
     name: ClassVar[str] = "hunyuan_a13b"  # the same <tool_calls>[...]</tool_calls> list as Jamba
+
+
+class Granite20bFCToolParser(WrappedToolParser):
+    name: ClassVar[str] = "granite-20b-fc"
+    START: ClassVar[str] = "<function_call>"
+    END: ClassVar[str | None] = None
+    START_ENDS_BLOCK: ClassVar[bool] = True
+    INNER: ClassVar[Any] = Llama3JsonToolParser
+
+
+class GigaChat3ToolParser(WrappedToolParser):
+    name: ClassVar[str] = "gigachat3"
+    START: ClassVar[str] = "<|function_call|>"
+    OTHER_STARTS: ClassVar[tuple[str, ...]] = ("function call<|role_sep|>\n",)
+    END: ClassVar[str | None] = None
+    INNER: ClassVar[Any] = Llama3JsonToolParser
