@@ -119,3 +119,21 @@ def test_kimi_bare_call_id_its_arguments_do_not_name_is_content(args: str) -> No
     folded = assert_split_invariant("kimi_k2", text, range(0, len(text), 4))
     assert folded.calls == []
     assert "0<|tool_call_argument_begin|>" + args in (folded.content or "")
+
+
+def test_deepseek_v4_chat_mode_from_the_prompt_through_the_pipeline() -> None:
+    """The prompt's closing </think> (chat mode) travels in the stream's state: one parser serves every stream."""
+    import tempfile
+    from pathlib import Path
+
+    from render_service.bundle import load_bundle
+    from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
+    from tests.family_bundles import write_family_bundle
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = load_bundle(write_family_bundle("deepseek_v4", Path(tmp) / "b")).tokenizer
+    config = PipelineConfig(request_id="r", reasoning_parser="deepseek_v4", skip_special_tokens=False)
+    prompt = tok.encode("<｜User｜>hi<｜Assistant｜></think>")
+    for text, reasoning, content in [("<think>plan</think>answer", "plan", "answer"), ("answer", None, "answer")]:
+        message, _ = derender_all(Pipeline(tok, config), tok.encode(text), prompt)
+        assert (message["reasoning"], message["content"]) == (reasoning, content)

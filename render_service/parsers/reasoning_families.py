@@ -102,19 +102,28 @@ DSML_TOOL_CALLS = "<\uff5cDSML\uff5ctool_calls>"  # DeepSeek-V4's block opener (
 DSML_FUNCTION_CALLS = "<\uff5cDSML\uff5cfunction_calls>"  # DeepSeek-V3.2's
 
 
+class ExplicitThinkState(ThinkState):
+    explicit: bool = False  # chat mode: reasoning only if the output opens it
+
+
 class ExplicitThinkReasoningParser(ThinkReasoningParser):
     """A family whose chat mode still lets the model open reasoning itself: in chat mode (thinking off, or the
     prompt closed reasoning) output is content unless it begins with the start tag, which opens reasoning that
-    then ends as in thinking mode (vLLM's engine parsers for DeepSeek-V4 and MiniMax-M3)."""
+    then ends as in thinking mode (vLLM's engine parsers for DeepSeek-V4 and MiniMax-M3). Which mode a stream is
+    in travels in its state (the pipeline feeds every stream through one parser instance)."""
+
+    State = ExplicitThinkState
 
     def _explicit_only(self) -> bool:
         return not self.config.enable_thinking or self.config.reasoning_open_at_start is False
 
-    def initial_state(self) -> ThinkState:
-        return ThinkState(mode=AWAIT_START) if self._explicit_only() else super().initial_state()
+    def initial_state(self) -> ExplicitThinkState:
+        if self._explicit_only():
+            return ExplicitThinkState(mode=AWAIT_START, explicit=True)
+        return ExplicitThinkState(mode=super().initial_state().mode)
 
     def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
-        if not self._explicit_only():
+        if not getattr(state, "explicit", False):
             return super()._opening(state, buf, out)
         stripped = buf.lstrip()
         if stripped.startswith(self.start_tag):
@@ -127,7 +136,7 @@ class ExplicitThinkReasoningParser(ThinkReasoningParser):
         return buf
 
     def finish(self, state: ThinkState) -> list[TextPiece]:
-        if state.mode == AWAIT_START and self._explicit_only():
+        if state.mode == AWAIT_START and getattr(state, "explicit", False):
             held, state.held = state.held, ""
             return [TextPiece("content", held)] if held else []
         return super().finish(state)
