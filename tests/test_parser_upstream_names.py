@@ -80,6 +80,15 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("deepseek_v41", "plan<\uff5cDSML\uff5c calls>x", {"thinking": True},
      [("reasoning", "plan"), ("content", "<\uff5cDSML\uff5c calls>x")]),
     ("plamo3", "plan<|plamo:end_think:plamo|>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "<|channel>thought\nplan<channel|>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "<|channel>thought\nplan<channel|>answer", {"enable_thinking": True},
+     [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "thought\nplan<channel|>answer", {"enable_thinking": True},
+     [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "thought\nanswer", None, [("content", "answer")]),
+    ("gemma4", "answer <|channel>", None, [("content", "answer <|channel>")]),
+    ("gemma4", "<|channel>plan<|tool_call>call", {"enable_thinking": True},
+     [("reasoning", "plan"), ("content", "<|tool_call>call")]),
 ])
 def test_reasoning_names(name, text, kwargs, expected) -> None:
     assert _split(name, text, kwargs) == expected
@@ -112,6 +121,7 @@ def test_mimo_values_are_verbatim_strings() -> None:
     (None, "longcat_flash", "longcat", (None, "longcat")),
     (None, "dots1", "dots", (None, "dots")),
     (None, "ernie4_5_moe", "ernie-4.5", ("ernie45", "ernie45")),
+    (None, "gemma4", "gemma-4", ("gemma4", None)),
 ])
 def test_auto_detects_the_new_families(template, model_type, family, expected) -> None:
     source = (TEMPLATES / template).read_text(encoding="utf-8") if template else None

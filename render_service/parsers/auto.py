@@ -54,6 +54,7 @@ FAMILIES: tuple[ParserFamily, ...] = (
                  reasoning_marker="<think>"),
     ParserFamily("granite-4", "granite", "granite4", ("<|start_of_role|>", "<tool_call>"),
                  ("granitemoehybrid", "granite"), reasoning_marker="thought process"),
+    ParserFamily("gemma-4", "gemma4", None, ("<|channel>", "<|turn>"), ("gemma4", "gemma4_text")),
     ParserFamily("internlm", None, "internlm", ("<|action_start|><|plugin|>",), ("internlm2",)),
     ParserFamily("hunyuan-a13b", "hunyuan_a13b", "hunyuan_a13b", ("<tool_calls>[", "<|extra_0|>"),
                  ("hunyuan_v1_moe",)),

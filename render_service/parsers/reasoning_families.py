@@ -336,6 +336,43 @@ class Olmo3ReasoningParser(DeepSeekR1ReasoningParser):
     name = "olmo3"
 
 
+class Gemma4ReasoningParser(ExplicitThinkReasoningParser):
+    """gemma4 (Gemma 4): reasoning is a ``<|channel>thought\\n`` ... ``<channel|>`` block the model opens itself
+    (upstream starts every reply in content). The ``thought\\n`` label is markup; a reply that starts with the
+    bare label (the template opened the channel in the prompt) is reasoning when thinking is on, and with thinking
+    off the label alone is dropped. Reasoning also ends where a call begins (``<|tool_call>``)."""
+
+    name = "gemma4"
+    start_tag = "<|channel>"
+    end_tag = "<channel|>"
+    implicit_end_markers: ClassVar[tuple[str, ...]] = ("<|tool_call>",)
+    thinking_default = False
+    LABEL = "thought\n"
+
+    def _explicit_only(self) -> bool:
+        return True
+
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        stripped = buf.lstrip()
+        tag, label = self.start_tag, self.LABEL
+        openers = (tag + label, tag, label) if self.config.enable_thinking else (tag + label, tag)
+        for opener in openers:
+            if stripped.startswith(opener):
+                rest = stripped[len(opener):]
+                if opener == tag and label.startswith(rest) and rest != label:
+                    state.held = buf  # the label may still follow the tag
+                    return ""
+                state.mode = REASONING
+                return rest
+        if any(o.startswith(stripped) for o in (*openers, label)):
+            state.held = buf
+            return ""
+        state.mode = CONTENT
+        if not self.config.enable_thinking and stripped.startswith(label):
+            return stripped[len(label):]  # the label without a block: dropped
+        return buf
+
+
 class Step3p5ReasoningParser(Qwen3ReasoningParser):
     """step3p5 (Step-3.5 / 3.7): Qwen3's rules; the template always opens ``<think>`` and has no switch."""
 
@@ -371,5 +408,5 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     cls.name: cls for cls in (Ernie45ReasoningParser, HunyuanA13BReasoningParser, PoolsideV1ReasoningParser,
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
-                              DeepSeekV41ReasoningParser, Plamo3ReasoningParser)
+                              DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser)
 }
