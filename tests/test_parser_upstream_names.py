@@ -18,7 +18,8 @@ CALLS = [("get_weather", {"city": "Paris", "days": 3})]
 
 @pytest.mark.parametrize("alias,same_as,write", [
     ("qwen3_json", "hermes", write_hermes), ("step5", "qwen3_xml", write_qwen3_xml),
-    ("ernie45", "hermes", write_hermes), ("poolside_v1", "glm45", write_glm), ("ling3", "glm47", write_glm)])
+    ("ernie45", "hermes", write_hermes), ("poolside_v1", "glm45", write_glm), ("ling3", "glm47", write_glm),
+    ("granite_toolcall_parser", "qwen3_xml", write_qwen3_xml)])
 def test_tool_alias_parses_as_its_format(alias, same_as, write) -> None:
     text = "Sure.\n" + write(CALLS) + "\nDone."
     folded = parse(alias, text)
@@ -86,6 +87,8 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("gemma4", "thought\nplan<channel|>answer", {"enable_thinking": True},
      [("reasoning", "plan"), ("content", "answer")]),
     ("gemma4", "thought\nanswer", None, [("content", "answer")]),
+    ("granite_thinking_parser", "plan\n</think>\n\nanswer\n", None, [("reasoning", "plan\n"), ("content", "answer\n")]),
+    ("granite_thinking_parser", "\n\nanswer", {"enable_thinking": False}, [("content", "answer")]),
     ("gemma4", "answer <|channel>", None, [("content", "answer <|channel>")]),
     ("gemma4", "<|channel>plan<|tool_call>call", {"enable_thinking": True},
      [("reasoning", "plan"), ("content", "<|tool_call>call")]),
@@ -136,3 +139,18 @@ def test_the_new_families_do_not_claim_the_old_templates(template) -> None:
     assert family is not None and family.tool not in {
         "internlm", "phi4_mini_json", "hunyuan_a13b", "jamba", "lfm2", "longcat", "dots", "ernie45", "plamo3",
         "step3", "hy_v3", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("marker", ["<|tool_call|>", "<tool_call>"])
+def test_granite_reads_a_json_list_after_its_marker(marker: str) -> None:
+    text = f'Sure. {marker} [{{"name": "get_weather", "arguments": {{"city": "SF"}}}}] Done.'
+    folded = parse("granite", text)
+    assert parse_chunks_equal("granite", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [("get_weather", {"city": "SF"})]
+    assert folded.content == "Sure.  Done."
+
+
+def parse_chunks_equal(name: str, text: str) -> bool:
+    from tests.test_tool_parsers_common import parse_chunks
+
+    return parse_chunks(name, list(text)) == parse(name, text)

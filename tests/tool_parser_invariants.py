@@ -136,6 +136,10 @@ def write_gigachat3(calls: list[Call]) -> str:
     return f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}'
 
 
+def write_granite(calls: list[Call]) -> str:
+    return "<|tool_call|>" + _json_list(calls)
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -310,6 +314,10 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|function_call|>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("xlam", lambda calls: _json_list(calls), _JSON_KEYS,
                ("[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x", "1"), calls_first=True),
+    ToolFamily("granite", write_granite, ("<|tool_call|>", "<tool_call>", *_JSON_KEYS),
+               ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
+    ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
+               (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -373,6 +373,42 @@ class Gemma4ReasoningParser(ExplicitThinkReasoningParser):
         return buf
 
 
+class LeadingNewlinesState(ThinkState):
+    content_started: bool = False
+
+
+class GraniteThinkingReasoningParser(Qwen3ReasoningParser):
+    """granite_thinking_parser (Granite 4.2): Qwen3's rules; the content's leading newlines are layout (the
+    template writes ``\\n</think>\\n``). Upstream also hands the reasoning back as content when the request
+    sets ``force_nonempty_content`` and the answer is empty; not done here (as ``nemotron_v3``)."""
+
+    name = "granite_thinking_parser"
+    State = LeadingNewlinesState
+
+    def initial_state(self) -> LeadingNewlinesState:
+        return LeadingNewlinesState(mode=super().initial_state().mode)
+
+    def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
+        pieces = super().feed(state, text)
+        return pieces if getattr(state, "content_started", True) else self._strip_leading(state, pieces)
+
+    def _strip_leading(self, state: ThinkState, pieces: list[TextPiece]) -> list[TextPiece]:
+        st = cast(LeadingNewlinesState, state)
+        out: list[TextPiece] = []
+        for p in pieces:
+            if p.channel == "content" and not st.content_started:
+                text = p.text.lstrip("\n")
+                if not text:
+                    continue
+                st.content_started = True
+                p = TextPiece("content", text)
+            out.append(p)
+        return out
+
+    def finish(self, state: ThinkState) -> list[TextPiece]:
+        return self._strip_leading(state, super().finish(state))
+
+
 class Step3p5ReasoningParser(Qwen3ReasoningParser):
     """step3p5 (Step-3.5 / 3.7): Qwen3's rules; the template always opens ``<think>`` and has no switch."""
 
@@ -408,5 +444,6 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     cls.name: cls for cls in (Ernie45ReasoningParser, HunyuanA13BReasoningParser, PoolsideV1ReasoningParser,
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
-                              DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser)
+                              DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
+                              GraniteThinkingReasoningParser)
 }

@@ -59,6 +59,8 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "granite-20b-fc": ("render_service.parsers.tools_wrapped_families", "Granite20bFCToolParser"),
     "gigachat3": ("render_service.parsers.tools_wrapped_families", "GigaChat3ToolParser"),
     "xlam": ("render_service.parsers.tools_json", "XLamToolParser"),
+    "granite": ("render_service.parsers.tools_wrapped_families", "GraniteToolParser"),
+    "granite_toolcall_parser": ("render_service.parsers.tools_qwen3_xml", "GraniteToolCallToolParser"),
     "lfm2": ("render_service.parsers.tools_wrapped_families", "Lfm2ToolParser"),
     "jamba": ("render_service.parsers.tools_wrapped_families", "JambaToolParser"),
     "phi4_mini_json": ("render_service.parsers.tools_wrapped_families", "Phi4MiniJsonToolParser"),

@@ -67,3 +67,7 @@ class MiMoToolParser(Qwen3XmlToolParser):
 
 class Step3p5ToolParser(Qwen3XmlToolParser):
     name: ClassVar[str] = "step3p5"  # Step-3.5 / 3.7 write Qwen3's XML calls
+
+
+class GraniteToolCallToolParser(Qwen3XmlToolParser):
+    name: ClassVar[str] = "granite_toolcall_parser"  # Granite 4.2 writes Qwen3's (Nemotron 3's) XML calls

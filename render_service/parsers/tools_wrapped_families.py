@@ -10,6 +10,8 @@
   call, each opened by its marker, no closing one.
 * ``gigachat3`` (GigaChat 3): ``<|function_call|>{"name": ..., "arguments": ...}`` (also spelled
   ``function call<|role_sep|>\n``), to the end of the output.
+* ``granite`` (Granite 3.0 / 3.1): ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>`` (3.1, text) and a
+  JSON list of calls; the list's ``]`` ends it, prose around it is content.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
 
 The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
@@ -71,3 +73,11 @@ class GigaChat3ToolParser(WrappedToolParser):
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ("function call<|role_sep|>\n",)
     END: ClassVar[str | None] = None
     INNER: ClassVar[Any] = Llama3JsonToolParser
+
+
+class GraniteToolParser(WrappedToolParser):
+    name: ClassVar[str] = "granite"
+    START: ClassVar[str] = "<|tool_call|>"
+    OTHER_STARTS: ClassVar[tuple[str, ...]] = ("<tool_call>",)
+    END: ClassVar[str | None] = None
+    INNER: ClassVar[Any] = JsonListToolParser
