@@ -132,8 +132,7 @@ def write_granite_20b_fc(calls: list[Call]) -> str:
 
 
 def write_gigachat3(calls: list[Call]) -> str:
-    n, a = calls[0]  # one call per message
-    return f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}'
+    return "".join(f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
 
 
 def write_granite(calls: list[Call]) -> str:

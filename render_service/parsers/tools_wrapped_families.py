@@ -72,6 +72,7 @@ class GigaChat3ToolParser(WrappedToolParser):
     START: ClassVar[str] = "<|function_call|>"
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ("function call<|role_sep|>\n",)
     END: ClassVar[str | None] = None
+    START_ENDS_BLOCK: ClassVar[bool] = True  # the model writes one call a message; a second marker opens another
     INNER: ClassVar[Any] = Llama3JsonToolParser
 
 
