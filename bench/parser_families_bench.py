@@ -86,7 +86,7 @@ def call_text(family: str, note: str) -> str:
 NEW_FAMILY_WRITERS = {
     "longcat": "write_longcat", "ernie45": "write_hermes", "poolside_v1": "write_glm", "ling3": "write_glm",
     "dots": "write_dots", "hy_v3": "write_hy_v3", "step3": "write_step3", "step3p5": "write_qwen3_xml",
-    "mimo": "write_qwen3_xml", "deepseek_v3": "write_deepseek_v3", "plamo3": "write_plamo3",
+    "mimo": "write_mimo", "deepseek_v3": "write_deepseek_v3", "plamo3": "write_plamo3",
     "jamba": "write_jamba", "hunyuan_a13b": "write_jamba", "phi4_mini_json": "write_phi4_mini",
     "internlm": "write_internlm", "lfm2": "write_lfm2",
 }

@@ -104,12 +104,12 @@ def test_a_name_we_do_not_serve_is_refused_in_one_line(lookup) -> None:
     assert "\n" not in str(err.value) and "gemma4_not_served" in str(err.value)
 
 
-def test_mimo_values_are_verbatim_strings() -> None:
+def test_mimo_values_keep_every_character_and_are_typed() -> None:
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>3</parameter>\n" \
            "</function>\n</tool_call>"
     folded = parse("mimo", text)
     assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
-        ("get_weather", {"city": "\nParis\n", "days": "3"})]
+        ("get_weather", {"city": "\nParis\n", "days": 3})]
 
 
 @pytest.mark.parametrize("template, model_type, family, expected", [

@@ -135,6 +135,12 @@ def write_gigachat3(calls: list[Call]) -> str:
     return "".join(f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
 
 
+def write_mimo(calls: list[Call]) -> str:
+    return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
+        f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
+        for n, a in calls)
+
+
 def write_granite(calls: list[Call]) -> str:
     return "<|tool_call|>" + _json_list(calls)
 
@@ -297,7 +303,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("deepseek_v3", write_deepseek_v3, (*DS, "function", "```json", "```", *_JSON_KEYS),
                (*DS, "function", "```json", "```", "`", "get_weather", "\n", "{", "}", '"', ":", ",", " ", "x")),
     ToolFamily("ling3", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<")),
-    ToolFamily("mimo", write_qwen3_xml, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
+    ToolFamily("mimo", write_mimo, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
     ToolFamily("deepseek_v41", write_dsml("calls", "\uff5cDSML\uff5c "), (*_DSML41_TAGS, 'string="true"',
                                                                          'string="false"'),
                (*_DSML41_TAGS, '"get_weather">',

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import msgspec
 
-from render_service.parsers.tools_xml import XmlCallState, XmlFormat, XmlToolParser
+from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
 
 QWEN3_XML_FORMAT = XmlFormat(
     block_open="<tool_call>",
@@ -55,14 +55,11 @@ MIMO_FORMAT = msgspec.structs.replace(QWEN3_XML_FORMAT, trim="none")
 
 
 class MiMoToolParser(Qwen3XmlToolParser):
-    """mimo (Xiaomi MiMo): Qwen3's XML calls with every value a verbatim string (no schema typing, no newline
-    trimming), as upstream's converter writes them."""
+    """mimo (Xiaomi MiMo): Qwen3's XML calls written compactly (``<parameter=K>V</parameter>``); values keep
+    every character (no newline trimming, as upstream's converter) and are typed by the schema afterwards."""
 
     name: ClassVar[str] = "mimo"
     FORMAT: ClassVar[XmlFormat] = MIMO_FORMAT
-
-    def _types(self, state: XmlCallState) -> frozenset[str] | None:
-        return None  # undeclared: a string
 
 
 class Step3p5ToolParser(Qwen3XmlToolParser):
