@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from render_service.parsers.tools_glm import Glm45ToolParser
+from render_service.parsers.tools_glm import GLM_FORMAT, Glm45ToolParser
 from render_service.parsers.tools_minimax import MINIMAX_M2_FORMAT
 from render_service.parsers.tools_wrapped import DroppedMarkersToolParser
 from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
@@ -37,20 +37,9 @@ class DotsToolParser(XmlToolParser):
 
 # hy_v3 (Hunyuan v3): <tool_calls><tool_call>NAME<tool_sep><arg_key>K</arg_key><arg_value>V</arg_value>
 # </tool_call></tool_calls>; undeclared values are JSON/Python literals when they parse (upstream's _deserialize)
-HY_V3_FORMAT = XmlFormat(
-    block_open="<tool_calls>",
-    block_end="</tool_calls>",
-    call_open="<tool_call>",
-    head_ends=("<tool_sep>",),
-    head_consumed=("<tool_sep>",),
-    call_end="</tool_call>",
-    key_open="<arg_key>",
-    key_end="</arg_key>",
-    value_open="<arg_value>",
-    value_end="</arg_value>",
-    trim="none",
-    undeclared="json",
-)
+HY_V3_FORMAT = msgspec.structs.replace(
+    GLM_FORMAT, block_open="<tool_calls>", block_end="</tool_calls>", call_open="<tool_call>",
+    head_ends=("<tool_sep>",), head_consumed=("<tool_sep>",), call_end="</tool_call>", skip_escaped_newlines=False)
 
 
 class HyV3ToolParser(XmlToolParser):
