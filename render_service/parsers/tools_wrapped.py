@@ -119,6 +119,9 @@ class DroppedMarkersState(msgspec.Struct, omit_defaults=True):
     held: str = ""  # a possible partial marker
     inner: Any = None
 
+    def __post_init__(self) -> None:
+        require(len(self.held) <= 256, "held text within bounds")
+
 
 class DroppedMarkersToolParser:
     """An inner parser fed the output without a family's outer markers (special tokens that frame the calls
