@@ -196,7 +196,8 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
     for choice in gen.choices:
         pcfg = pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index)
         pipeline = Pipeline(config.tokenizer, pcfg)
-        fields, state = derender_all(pipeline, choice.token_ids or [], prompt_ids)  # non-empty: _check_bounds
+        fields, state = derender_all(pipeline, choice.token_ids or [], prompt_ids,  # non-empty: _check_bounds
+                                    engine_finish=choice.finish_reason)
         message = chat_message(fields, pcfg, config.reasoning_field)
         choices.append(ChatCompletionChoice(
             index=choice.index,

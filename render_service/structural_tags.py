@@ -286,6 +286,8 @@ FAMILIES: Final[dict[str, TagFamily]] = {
     "hermes": TagFamily(hermes),
     "qwen3_coder": TagFamily(qwen3_coder),
     "qwen3_xml": TagFamily(qwen3_coder),
+    "qwen3_json": TagFamily(hermes),  # vLLM serves it with Hermes' class
+    "step5": TagFamily(qwen3_coder),  # vLLM serves it with Qwen3's XML engine
     "llama3_json": TagFamily(llama),
     "llama4_json": TagFamily(llama),
     "deepseek_v31": TagFamily(deepseek_v31),

@@ -61,6 +61,90 @@ def write_hermes(calls: list[Call]) -> str:
                      for n, a in calls)
 
 
+def write_longcat(calls: list[Call]) -> str:
+    return write_hermes(calls).replace("tool_call>", "longcat_tool_call>")
+
+
+def _json_list(calls: list[Call]) -> str:
+    return "[" + ", ".join(f'{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls) + "]"
+
+
+def write_lfm2(calls: list[Call]) -> str:
+    return "<|tool_call_start|>" + write_pythonic(calls) + "<|tool_call_end|>"
+
+
+def write_jamba(calls: list[Call]) -> str:
+    return "<tool_calls>" + _json_list(calls) + "</tool_calls>"
+
+
+def write_phi4_mini(calls: list[Call]) -> str:
+    return "functools" + _json_list(calls)
+
+
+def write_internlm(calls: list[Call]) -> str:
+    return "".join(f'<|action_start|><|plugin|>\n{{"name": {json.dumps(n)}, "parameters": {_args(a)}}}<|action_end|>'
+                   for n, a in calls)
+
+
+def write_dots(calls: list[Call]) -> str:
+    return "".join("<dots_function_call>\n" + f'<invoke name="{n}">\n' + "".join(
+        f'<parameter name="{k}">{_text_value(v)}</parameter>\n' for k, v in a.items()) + "</invoke>\n</dots_function_call>"
+        for n, a in calls)
+
+
+def write_hy_v3(calls: list[Call]) -> str:
+    return "<tool_calls>" + "".join(f"<tool_call>{n}<tool_sep>" + "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{_text_value(v)}</arg_value>" for k, v in a.items()) + "</tool_call>"
+        for n, a in calls) + "</tool_calls>"
+
+
+STEP3 = ("<｜tool_calls_begin｜>", "<｜tool_call_begin｜>", "<｜tool_sep｜>", "<｜tool_call_end｜>", "<｜tool_calls_end｜>")
+
+
+def write_step3(calls: list[Call]) -> str:
+    sb, cb, sep, ce, se = STEP3
+    return sb + "".join(f'{cb}function{sep}<steptml:invoke name="{n}">' + "".join(
+        f'<steptml:parameter name="{k}">{_text_value(v)}</steptml:parameter>' for k, v in a.items())
+        + f"</steptml:invoke>{ce}" for n, a in calls) + se
+
+
+def write_deepseek_v3(calls: list[Call]) -> str:
+    b, cb, sep, ce, e = DS
+    return b + "".join(f"{cb}function{sep}{n}\n```json\n{_args(a)}\n```{ce}" for n, a in calls) + e
+
+
+def write_plamo3(calls: list[Call]) -> str:
+    def m(x: str) -> str:
+        return f"<|plamo:{x}:plamo|>"
+    return m("begin_tool_requests") + "".join(
+        m("begin_tool_request") + m("begin_tool_name") + n + m("end_tool_name") + m("begin_tool_arguments")
+        + "<|plamo:constrain|>json<|plamo:msg|>" + _args(a) + m("end_tool_arguments") + m("end_tool_request")
+        for n, a in calls) + m("end_tool_requests")
+
+
+PLAMO = tuple(f"<|plamo:{x}:plamo|>" for x in (
+    "begin_tool_requests", "end_tool_requests", "begin_tool_request", "end_tool_request", "begin_tool_name",
+    "end_tool_name", "begin_tool_arguments", "end_tool_arguments")) + ("<|plamo:constrain|>", "<|plamo:msg|>")
+
+
+def write_granite_20b_fc(calls: list[Call]) -> str:
+    return " ".join(f'<function_call> {{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
+
+
+def write_gigachat3(calls: list[Call]) -> str:
+    return "".join(f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
+
+
+def write_mimo(calls: list[Call]) -> str:
+    return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
+        f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
+        for n, a in calls)
+
+
+def write_granite(calls: list[Call]) -> str:
+    return "<|tool_call|>" + _json_list(calls)
+
+
 def write_qwen3_xml(calls: list[Call]) -> str:
     out = []
     for n, a in calls:
@@ -96,9 +180,8 @@ def write_pythonic(calls: list[Call]) -> str:
     return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls) + "]"
 
 
-def write_dsml(block: str) -> Callable[[list[Call]], str]:
+def write_dsml(block: str, d: str = "\uff5cDSML\uff5c") -> Callable[[list[Call]], str]:
     def write(calls: list[Call]) -> str:
-        d = "\uff5cDSML\uff5c"
         invokes = "".join(
             f'<{d}invoke name="{n}">\n' + "".join(
                 f'<{d}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">{_text_value(v)}'
@@ -131,6 +214,8 @@ def write_llama4_pythonic(calls: list[Call]) -> str:
 _DSML_TAGS = tuple(f"{o}\uff5cDSML\uff5c{t}" for o in ("<", "</")
                    for t in ("tool_calls>", "function_calls>", "invoke name=", "invoke>", "parameter name=",
                              "parameter>"))
+_DSML41_TAGS = tuple(f"{o}\uff5cDSML\uff5c {t}" for o in ("<", "</")
+                     for t in ("calls>", "invoke name=", "invoke>", "parameter name=", "parameter>"))
 _GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<parameter name=",
             "</parameter>")
@@ -151,6 +236,10 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("qwen3_xml", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", "days", ">", "\n", " ", "x", "3", "<", "</param", "null",
                 "😀")),
+    ToolFamily("qwen3_json", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
+               ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x")),
+    ToolFamily("step5", write_qwen3_xml, _QWEN_XML,
+               (*_QWEN_XML, "get_weather", "city", "days", ">", "\n", " ", "x", "3", "<", "</param")),
     ToolFamily("llama3_json", write_llama3_json, ("<|python_tag|>", *_JSON_KEYS),
                ("<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":", ",", ";", '"name"', '"parameters"',
                 '"f"', " ", "\n", "x", "1", "null"), calls_first=True),
@@ -183,6 +272,57 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|python_start|>", "<|python_end|>", "<|python", "[", "]", "(", ")", "f", "a", "=", "'", ",", " ",
                 "1", "None", "{", "}", "😀"), calls_first=True),
     ToolFamily("glm45", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<", "null", "😀")),
+    ToolFamily("poolside_v1", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<", "null")),
+    ToolFamily("longcat", write_longcat, ("<longcat_tool_call>", "</longcat_tool_call>", *_JSON_KEYS),
+               ("<longcat_tool_call>", "</longcat_tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"',
+                " ", "\n", "x", "<")),
+    ToolFamily("ernie45", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
+               ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "1")),
+    ToolFamily("lfm2", write_lfm2, ("<|tool_call_start|>", "<|tool_call_end|>"),
+               ("<|tool_call_start|>", "<|tool_call_end|>", "[", "]", "(", ")", "=", ",", "'", '"', "get_weather",
+                "city", " ", "\n", "x", "1", "None")),
+    ToolFamily("jamba", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),
+               ("<tool_calls>", "</tool_calls>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
+    ToolFamily("phi4_mini_json", write_phi4_mini, ("functools", *_JSON_KEYS),
+               ("functools", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x", "1")),
+    ToolFamily("internlm", write_internlm, ("<|action_start|>", "<|plugin|>", "<|action_end|>", *_JSON_KEYS),
+               ("<|action_start|><|plugin|>", "<|action_end|>", "{", "}", '"', ":", ",", '"name"', '"parameters"',
+                " ", "\n", "x")),
+    ToolFamily("dots", write_dots, ("<dots_function_call>", "</dots_function_call>", "<invoke name=", "</invoke>",
+                                     "<parameter name=", "</parameter>"),
+               ("<dots_function_call>", "</dots_function_call>", "<invoke name=", "</invoke>", "<parameter name=",
+                "</parameter>", '"get_weather">', '"city">', "\n", " ", "x", "3", "<")),
+    ToolFamily("hy_v3", write_hy_v3, ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<tool_sep>",
+                                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+               ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<tool_sep>", "<arg_key>",
+                "</arg_key>", "<arg_value>", "</arg_value>", "get_weather", "city", " ", "x", "3", "<")),
+    ToolFamily("step3", write_step3, (*STEP3, "function", "<steptml:invoke name=", "</steptml:invoke>",
+                                      "<steptml:parameter name=", "</steptml:parameter>"),
+               (*STEP3, "function", "<steptml:invoke name=", "</steptml:invoke>", "<steptml:parameter name=",
+                "</steptml:parameter>", '"get_weather">', '"city">', " ", "x", "3", "<")),
+    ToolFamily("deepseek_v3", write_deepseek_v3, (*DS, "function", "```json", "```", *_JSON_KEYS),
+               (*DS, "function", "```json", "```", "`", "get_weather", "\n", "{", "}", '"', ":", ",", " ", "x")),
+    ToolFamily("ling3", write_glm, _GLM, (*_GLM, "get_weather", "city", "\n", " ", "x", "3", "<")),
+    ToolFamily("mimo", write_mimo, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
+    ToolFamily("deepseek_v41", write_dsml("calls", "\uff5cDSML\uff5c "), (*_DSML41_TAGS, 'string="true"',
+                                                                         'string="false"'),
+               (*_DSML41_TAGS, '"get_weather">',
+                '"city" string="true">', "\n", " ", "x", "3", "<")),
+    ToolFamily("plamo3", write_plamo3, (*PLAMO, "json", *_JSON_KEYS),
+               (*PLAMO, "json", "get_weather", "{", "}", '"', ":", ",", " ", "x")),
+    ToolFamily("hunyuan_a13b", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),
+               ("<tool_calls>", "</tool_calls>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ")),
+    ToolFamily("step3p5", write_qwen3_xml, _QWEN_XML, (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("granite-20b-fc", write_granite_20b_fc, ("<function_call>", *_JSON_KEYS),
+               ("<function_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x")),
+    ToolFamily("gigachat3", write_gigachat3, ("<|function_call|>", *_JSON_KEYS),
+               ("<|function_call|>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
+    ToolFamily("xlam", lambda calls: _json_list(calls), _JSON_KEYS,
+               ("[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "x", "1"), calls_first=True),
+    ToolFamily("granite", write_granite, ("<|tool_call|>", "<tool_call>", *_JSON_KEYS),
+               ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
+    ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
+               (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -33,6 +33,9 @@ def new_message_id(given: str | None = None) -> str:
     return given if given else f"msg_{os.urandom(12).hex()}"
 
 
+SYSTEM_SEPARATOR = "\n\n"
+
+
 def _system_text(system: Any, messages: list[Any]) -> str:
     """Top-level system (a string or text blocks) and any system-role messages, joined as vLLM joins them."""
     parts: list[str] = []
@@ -46,11 +49,15 @@ def _system_text(system: Any, messages: list[Any]) -> str:
                 parts.append(block["text"])
     elif system is not None:
         raise bad_request("system must be a string or a list of text blocks", "system")
+    prompt = "".join(parts)
     for message in messages:
         if isinstance(message, dict) and message.get("role") == "system":
             texts = _block_texts(message.get("content"), "messages")
-            parts.extend(t for t in texts if not t.startswith(BILLING_HEADER))
-    return "".join(parts)
+            text = "".join(t for t in texts if not t.startswith(BILLING_HEADER))
+            # a system message from the middle of the conversation (a per-turn reminder) is its own paragraph:
+            # vLLM glues it to the prompt's last word
+            prompt = f"{prompt}{SYSTEM_SEPARATOR}{text}" if prompt and text else prompt + text
+    return prompt
 
 
 def _block_texts(content: Any, where: str) -> list[str]:

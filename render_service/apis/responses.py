@@ -128,7 +128,11 @@ def input_messages(items: Any, known_call_ids: set[str] | None = None) -> list[d
                 turns.other({"role": role, "content": content})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            turns.reasoning("".join(_texts(parts, f"{where}.content")))
+            text = "".join(_texts(parts, f"{where}.content"))
+            if text or not item.get("encrypted_content"):
+                turns.reasoning(text)
+            # only encrypted content (another provider's, sent back by agents such as Codex): nothing this tier
+            # can read, so no turn (an empty assistant turn would change what the model sees)
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
@@ -236,6 +240,9 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
         repetition_penalty=req.repetition_penalty,
         seed=req.seed,
         ignore_eos=req.ignore_eos,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         # message.output_text.logprobs: the engine's logprobs with top_logprobs alternatives (OpenAI's semantics:
         # top_logprobs alone asks for nothing)
         logprobs=wants_logprobs(req.include),

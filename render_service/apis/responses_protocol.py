@@ -49,6 +49,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's sampling extras on /v1/responses (its ResponsesRequest carries them into the sampling params)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None

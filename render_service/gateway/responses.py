@@ -31,6 +31,7 @@ from render_service.logprobs import (
     resolve_completion_logprobs,
     tokens_as_token_ids,
 )
+from render_service.parsers.cut_calls import withdraw_cut_call
 from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, merge_deltas
 from render_service.protocol import (
     ChatCompletionChoice,
@@ -362,6 +363,8 @@ class ChatResponder(_Responder):
         key, out, _ = self.choice(prompt_index, choice.index)
         if out.done:
             return
+        if out.pipeline.tool_text is None:
+            out.pipeline.tool_text = []  # a whole answer: a call cut off by max_tokens is given back as text
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
         if out.done:
             self.finished_choice(out, choice)
@@ -375,6 +378,7 @@ class ChatResponder(_Responder):
         for key in sorted(self.choices):
             out = self.choices[key]
             fields = self.accumulators.get(key, MessageAccumulator()).message(self.forced_tools)
+            fields = withdraw_cut_call(out.pipeline, fields, out.finish_reason)
             message = chat_message(fields, out.pipeline.config, self.config.reasoning_field)
             logprobs: ChatLogprobs | None = None
             if self.req.logprobs:
@@ -484,6 +488,8 @@ class CompletionResponder(_Responder):
         key, out, _ = self.choice(prompt_index, choice.index)
         if out.done:
             return
+        if out.pipeline.tool_text is None:
+            out.pipeline.tool_text = []  # a whole answer: a call cut off by max_tokens is given back as text
         delta = out.step(choice.token_ids or [], choice.finish_reason, choice.stop_reason)
         if out.done:
             self.finished_choice(out, choice)

@@ -191,8 +191,8 @@ class RequiredToolChoiceParser:
 # Tool parsers whose own call syntax starts with neither "[" nor "{": a forced call in that syntax (vLLM's
 # structural tags) is told apart from our JSON shapes by its first character. seed_oss is here for the calls our
 # earlier renders opened in the prompt (vLLM constrains its forced calls to JSON, which this reads too).
-CALL_SYNTAX_PARSERS = frozenset({"hermes", "qwen3_coder", "qwen3_xml", "deepseek_v31", "kimi_k2", "glm45", "glm47",
-                                 "minimax_m2", "seed_oss", "deepseek_v32", "deepseek_v4"})
+CALL_SYNTAX_PARSERS = frozenset({"hermes", "qwen3_json", "qwen3_coder", "qwen3_xml", "step5", "deepseek_v31",
+                                 "kimi_k2", "glm45", "glm47", "minimax_m2", "seed_oss", "deepseek_v32", "deepseek_v4"})
 # Llama's JSON calls start with "{" too: vLLM's forced call is ``{"name": N, "parameters": ...}``, a named one
 # that exact text, where our earlier renders wrote the arguments object (named) or an array ("required").
 LLAMA_JSON_PARSERS = frozenset({"llama3_json", "llama4_json"})

@@ -184,6 +184,10 @@ class Pipeline:
             self.counter = ThinkTokenCounter(self.reasoning_cls, tokenizer)
         self.think_counter = self.counter if isinstance(self.counter, ThinkTokenCounter) else None
         self.id_style = call_id_style(config.tool_parser)
+        # a whole (non-streamed) answer keeps the tool stage's input, so a call cut off by max_tokens can be
+        # given back as text (render_service.parsers.cut_calls); a stream never keeps it
+        self.tool_text: list[str] | None = None
+        self.closed_at_finish: int | None = None  # the call the tool parser had to close at the end of output
 
     @staticmethod
     def _make_tool_parser(config: PipelineConfig) -> Any:
@@ -350,7 +354,11 @@ class Pipeline:
         if self.tools is None:
             return self._delta(state, pieces)
         flushed = list(self._through_tools(state, pieces))
-        flushed.extend(self.tools.finish(state.tools))
+        closing = self.tools.finish(state.tools)
+        for p in closing:
+            if type(p) is ToolCallPiece and p.arguments:
+                self.closed_at_finish = p.index  # the model did not close this call's arguments
+        flushed.extend(closing)
         return self._delta(state, flushed)
 
     def _through_tools(self, state: PipelineState, pieces: Sequence[Piece]) -> Sequence[Piece]:
@@ -359,6 +367,8 @@ class Pipeline:
         out: list[Piece] = []
         for p in pieces:
             if isinstance(p, TextPiece) and p.channel == "content":
+                if self.tool_text is not None:
+                    self.tool_text.append(p.text)
                 out.extend(self.tools.feed(state.tools, p.text))
             else:
                 out.append(p)
@@ -482,10 +492,16 @@ class MessageAccumulator:
 
 
 def derender_all(pipeline: Pipeline, token_ids: list[int], prompt_token_ids: list[int] | None = None,
-                 reasoning_open_at_start: bool | None = None) -> tuple[dict[str, Any], PipelineState]:
-    """Batch derender of one choice: the fold of the streaming pipeline over all tokens."""
+                 reasoning_open_at_start: bool | None = None,
+                 engine_finish: str | None = None) -> tuple[dict[str, Any], PipelineState]:
+    """Batch derender of one choice: the fold of the streaming pipeline over all tokens, except that a call cut
+    off by ``max_tokens`` (``engine_finish == "length"``) is given back as text (``cut_calls``)."""
+    from render_service.parsers.cut_calls import withdraw_cut_call  # imports this module
+
     state = pipeline.initial_state(prompt_token_ids, reasoning_open_at_start)
+    pipeline.tool_text = []
     acc = MessageAccumulator()
     acc.add(pipeline.feed(state, token_ids))
     acc.add(pipeline.finish(state))
-    return acc.message(pipeline.config.tool_choice in ("named", "required")), state
+    message = acc.message(pipeline.config.tool_choice in ("named", "required"))
+    return withdraw_cut_call(pipeline, message, engine_finish), state

@@ -11,12 +11,12 @@ from render_service.parsers.base import ToolParser
 from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
-from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS
+from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS, MORE_REASONING_PARSERS
 from render_service.parsers.reasoning_granite import GraniteReasoningParser
 from render_service.parsers.reasoning_mistral import MistralReasoningParser
 
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
-    **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS,
+    **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS, **MORE_REASONING_PARSERS,
     MistralReasoningParser.name: MistralReasoningParser, GraniteReasoningParser.name: GraniteReasoningParser,
 }
 
@@ -40,6 +40,31 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "llama4_pythonic": ("render_service.parsers.tools_llama4_pythonic", "Llama4PythonicToolParser"),
     "granite4": ("render_service.parsers.tools_granite4", "Granite4ToolParser"),
     "openai": ("render_service.parsers.harmony", "HarmonyToolCalls"),  # gpt-oss; parsed by the Harmony stage
+    # upstream's other names for these formats
+    "qwen3_json": ("render_service.parsers.tools_hermes", "Qwen3JsonToolParser"),  # vLLM: Hermes' class
+    "step5": ("render_service.parsers.tools_qwen3_xml", "Step5ToolParser"),  # vLLM: Qwen3's XML engine
+    "longcat": ("render_service.parsers.tools_hermes", "LongcatToolParser"),
+    "ernie45": ("render_service.parsers.tools_hermes", "Ernie45ToolParser"),
+    "poolside_v1": ("render_service.parsers.tools_xml_families", "PoolsideV1ToolParser"),
+    "deepseek_v3": ("render_service.parsers.tools_deepseek", "DeepSeekV3ToolParser"),
+    "ling3": ("render_service.parsers.tools_glm", "Ling3ToolParser"),
+    "mimo": ("render_service.parsers.tools_qwen3_xml", "MiMoToolParser"),
+    "step3p5": ("render_service.parsers.tools_qwen3_xml", "Step3p5ToolParser"),
+    "deepseek_v41": ("render_service.parsers.tools_dsml", "DeepSeekV41ToolParser"),
+    "plamo3": ("render_service.parsers.tools_deepseek", "Plamo3ToolParser"),
+    "hunyuan_a13b": ("render_service.parsers.tools_wrapped_families", "HunyuanA13BToolParser"),
+    "dots": ("render_service.parsers.tools_xml_families", "DotsToolParser"),
+    "hy_v3": ("render_service.parsers.tools_xml_families", "HyV3ToolParser"),
+    "step3": ("render_service.parsers.tools_xml_families", "Step3ToolParser"),
+    "granite-20b-fc": ("render_service.parsers.tools_wrapped_families", "Granite20bFCToolParser"),
+    "gigachat3": ("render_service.parsers.tools_wrapped_families", "GigaChat3ToolParser"),
+    "xlam": ("render_service.parsers.tools_json", "XLamToolParser"),
+    "granite": ("render_service.parsers.tools_wrapped_families", "GraniteToolParser"),
+    "granite_toolcall_parser": ("render_service.parsers.tools_qwen3_xml", "GraniteToolCallToolParser"),
+    "lfm2": ("render_service.parsers.tools_wrapped_families", "Lfm2ToolParser"),
+    "jamba": ("render_service.parsers.tools_wrapped_families", "JambaToolParser"),
+    "phi4_mini_json": ("render_service.parsers.tools_wrapped_families", "Phi4MiniJsonToolParser"),
+    "internlm": ("render_service.parsers.tools_wrapped_families", "InternLMToolParser"),
 }
 
 

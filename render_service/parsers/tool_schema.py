@@ -148,19 +148,27 @@ def json_safe(value: Any, depth: int = 0) -> bool:
     return value is None or isinstance(value, (str, int, bool))
 
 
-def _literals(text: str) -> Iterator[Any]:
-    """What ``text`` reads as: JSON first, then a Python literal (what models write: single quotes, True)."""
+_PARSE_ERRORS = (ValueError, SyntaxError, TypeError, MemoryError, RecursionError)
+
+
+def _decoded(text: str) -> Iterator[Any]:
+    """``text`` as JSON, then as a Python literal (what models write: single quotes, True)."""
     for parse in (json.loads, ast.literal_eval):
         try:
-            value = parse(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            yield parse(text)
+        except _PARSE_ERRORS:
             continue
-        if isinstance(value, str) and parse is json.loads:
-            # a JSON string holding the object ('"{\"a\": 1}"'): decode once more
-            try:
-                value = json.loads(value)
-            except ValueError:
-                continue
+
+
+def _literals(text: str) -> Iterator[Any]:
+    """What ``text`` reads as; a string holding a value (``"{\"a\": 1}"``, or a Python repr inside a JSON
+    string, ``"{'a': 1}"``) is decoded once more, as vLLM's XML parsers do."""
+    for value in _decoded(text):
+        if isinstance(value, str):
+            for inner in _decoded(value):
+                if not isinstance(inner, str):
+                    yield list(inner) if isinstance(inner, tuple) else inner
+            continue
         yield list(value) if isinstance(value, tuple) else value
 
 

@@ -57,3 +57,18 @@ class DeepSeekV32ToolParser(XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = DSML_V32_FORMAT
     FORCED_REQUIRED: ClassVar[str] = f"<{DSML}function_calls>\n"
     FORCED_NAMED: ClassVar[str] = f"<{DSML}function_calls>\n<{DSML}invoke name=\"{{name}}\">\n"
+
+
+# DeepSeek-V4.1: the same markup with a space after the DSML marker and the block named "calls"
+DSML_V41 = f"{DSML} "
+DSML_V41_FORMAT = msgspec.structs.replace(
+    DSML_V4_FORMAT, block_open=f"<{DSML_V41}calls>", block_end=f"</{DSML_V41}calls>",
+    call_open=f"<{DSML_V41}invoke name=", call_end=f"</{DSML_V41}invoke>", key_open=f"<{DSML_V41}parameter name=",
+    value_end=f"</{DSML_V41}parameter>")
+
+
+class DeepSeekV41ToolParser(XmlToolParser):
+    name: ClassVar[str] = "deepseek_v41"
+    FORMAT: ClassVar[XmlFormat] = DSML_V41_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = f"<{DSML_V41}calls>\n"
+    FORCED_NAMED: ClassVar[str] = f"<{DSML_V41}calls>\n<{DSML_V41}invoke name=\"{{name}}\">\n"

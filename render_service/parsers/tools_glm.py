@@ -45,3 +45,7 @@ class Glm45ToolParser(XmlToolParser):
 class Glm47ToolParser(Glm45ToolParser):
     name: ClassVar[str] = "glm47"
     FORCED_NAMED: ClassVar[str] = "<tool_call>{name}"  # GLM-4.7's template writes no newline after the name
+
+
+class Ling3ToolParser(Glm47ToolParser):
+    name: ClassVar[str] = "ling3"  # Ling 3 writes GLM-4.7's calls (upstream configures GLM-4.7's engine)

@@ -67,6 +67,9 @@ class HermesState(msgspec.Struct, omit_defaults=True):
 class HermesToolParser(HeldTextToolParser):
     name: ClassVar[str] = "hermes"
     State: ClassVar[type[msgspec.Struct]] = HermesState
+    # the tags around each call's JSON object: a family of this shape is a subclass naming its own
+    START: ClassVar[str] = START
+    END: ClassVar[str] = END
 
     def finish(self, state: HermesState) -> list[Piece]:
         sink = PieceSink()
@@ -89,7 +92,7 @@ class HermesToolParser(HeldTextToolParser):
 
     def _start_call(self, state: HermesState) -> None:
         state.mode = CALL
-        state.raw = START
+        state.raw = self.START
         state.call = CallObject()
 
     def _end_call(self, state: HermesState) -> None:
@@ -116,19 +119,19 @@ class HermesToolParser(HeldTextToolParser):
                     pos = skip_layout(state, buf, pos)
                     if pos >= n:
                         return
-                at, tag = find_tag(buf, pos, (START,))
+                at, tag = find_tag(buf, pos, (self.START,))
                 sink.content(buf[pos:at])
                 if tag is None:
                     state.held = buf[at:]
                     return
-                pos = at + len(START)
+                pos = at + len(self.START)
                 self._start_call(state)
             elif mode == AFTER_CALL:
                 if not state.stray:
                     pos = skip_whitespace(buf, pos)
                     if pos >= n:
                         return
-                at, tag = find_tag(buf, pos, (END, START))
+                at, tag = find_tag(buf, pos, (self.END, self.START))
                 if at > pos:
                     sink.content(buf[pos:at])  # the model's text after the object, inside the call's tags
                     state.stray = True
@@ -137,7 +140,7 @@ class HermesToolParser(HeldTextToolParser):
                     return
                 pos = at + len(tag)
                 state.stray = False
-                if tag == START:
+                if tag == self.START:
                     self._start_call(state)
                 else:
                     state.mode = CONTENT
@@ -163,18 +166,39 @@ class HermesToolParser(HeldTextToolParser):
                     else:
                         self._release(state, sink)
                 # ANGLE: a "<" outside any string; is it a tag?
-                elif buf.startswith(START, pos) and call.phase == OBJ_START:
+                elif buf.startswith(self.START, pos) and call.phase == OBJ_START:
                     # a repeated start tag (<tool_call><tool_call>) opens nothing new
-                    state.raw += START
-                    pos += len(START)
-                elif buf.startswith(END, pos) or buf.startswith(START, pos):
+                    state.raw += self.START
+                    pos += len(self.START)
+                elif buf.startswith(self.END, pos) or buf.startswith(self.START, pos):
                     # the call ends here, complete or not
                     if finish_call_object(call, sink, state.calls):
                         self._end_call(state)
                     else:
                         self._release(state, sink)
-                elif is_partial_tag(buf[pos:], (END, START)):
+                elif is_partial_tag(buf[pos:], (self.END, self.START)):
                     state.held = buf[pos:]
                     return
                 else:
                     literal_angle = True
+
+
+class Qwen3JsonToolParser(HermesToolParser):
+    """qwen3_json: vLLM's name for Hermes' format on Qwen3 models (the same class upstream)."""
+
+    name: ClassVar[str] = "qwen3_json"
+
+
+class LongcatToolParser(HermesToolParser):
+    """longcat (LongCat-Flash): Hermes' JSON calls inside ``<longcat_tool_call>`` tags (upstream subclasses
+    Hermes' parser with these tags)."""
+
+    name: ClassVar[str] = "longcat"
+    START: ClassVar[str] = "<longcat_tool_call>"
+    END: ClassVar[str] = "</longcat_tool_call>"
+
+
+class Ernie45ToolParser(HermesToolParser):
+    """ernie45 (ERNIE-4.5 thinking): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Hermes' shape."""
+
+    name: ClassVar[str] = "ernie45"

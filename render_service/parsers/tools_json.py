@@ -61,6 +61,9 @@ class Llama3JsonState(msgspec.Struct, omit_defaults=True):
 class Llama3JsonToolParser(HeldTextToolParser):
     name: ClassVar[str] = "llama3_json"
     State: ClassVar[type[msgspec.Struct]] = Llama3JsonState
+    # a JSON array of calls (``[{...}, {...}]``) is calls too: the brackets and commas are markup (the families
+    # that write their calls as a list inside their own tags: Jamba, Phi-4-mini, xLAM)
+    LIST: ClassVar[bool] = False
 
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()
@@ -111,6 +114,10 @@ class Llama3JsonToolParser(HeldTextToolParser):
                     return
                 elif buf[pos] == "{":
                     self._start_object(state)
+                elif self.LIST and buf[pos] == "[":
+                    state.raw += "["
+                    pos += 1
+                    state.mode = SEPARATOR
                 else:
                     self._release(state, sink)
             elif mode == SEPARATOR:
@@ -120,8 +127,11 @@ class Llama3JsonToolParser(HeldTextToolParser):
                     state.raw += buf[start:pos]
                 if pos >= n:
                     return
-                if buf[pos] == ";" and state.calls:
+                if state.calls and (buf[pos] == ";" or (self.LIST and buf[pos] == ",")):
                     pos += 1
+                elif self.LIST and buf[pos] == "]" and state.calls:
+                    pos += 1
+                    state.mode = CONTENT_ONLY  # the list is over: what follows is the model's text
                 elif buf[pos] == "{":
                     self._start_object(state)
                 else:
@@ -146,3 +156,19 @@ class Llama3JsonToolParser(HeldTextToolParser):
                     state.raw = ""
                     # a complete call may be followed by more; one that broke off leaves the rest to content
                     state.mode = SEPARATOR if outcome == DONE else CONTENT_ONLY
+
+
+class JsonListToolParser(Llama3JsonToolParser):
+    """The calls as a JSON list or objects, ``{"name": ..., "arguments"|"parameters": ...}`` each: the inner
+    parser of the families that wrap such a list in their own tags (``tools_wrapped``)."""
+
+    name: ClassVar[str] = "json_list"
+    LIST: ClassVar[bool] = True
+
+
+class XLamToolParser(JsonListToolParser):
+    """xlam (Salesforce xLAM): the output is the calls, a JSON list (or objects) of ``{"name", "arguments"}``
+    (llama3_json's rule: calls only when the output starts with them). Upstream also looks for the list inside
+    a code fence, after ``[TOOL_CALLS]`` or in ``<tool_call>`` tags; those spellings are content here."""
+
+    name: ClassVar[str] = "xlam"

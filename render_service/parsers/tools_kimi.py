@@ -7,11 +7,14 @@ The model names each call ``functions.NAME:IDX``: that is the call's id (ToolCal
 (``NAME:IDX`` without the prefix is accepted too). Anything else in that place (a bare counter ``0``, a
 malformed ``functions.x.0``) names the call only when the request's tools make it unambiguous: the one tool
 whose name appears in it, or the only tool when it names none; the id is then ``functions.NAME:INDEX`` in the
-model's own style. Otherwise the call is not one and its text is content.
+model's own style. A bare id that names no tool with several tools on offer is named by its arguments once
+the call ends: the one tool whose declared parameters hold every argument key and whose required ones are all
+there. Otherwise the call is not one and its text is content.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import ClassVar
 
@@ -45,3 +48,28 @@ class KimiK2ToolParser(SectionedToolParser):
         else:
             return None
         return name, f"functions.{name}:{index}"
+
+    def defers_name(self, text: str) -> bool:
+        words = {w for w in _WORD.findall(text) if w != "functions" and not w.isdigit()}
+        return not words and len(self.config.tools) > 1
+
+    def name_from_arguments(self, text: str, arguments: str, index: int) -> tuple[str, str | None] | None:
+        try:
+            args = json.loads(arguments)
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        keys = set(args)
+        fits = []
+        for tool in self.config.tools:
+            params = tool.parameters if isinstance(tool.parameters, dict) else {}
+            props = params.get("properties")
+            declared = set(props) if isinstance(props, dict) else set()
+            required = params.get("required")
+            needed = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+            if keys <= declared and needed <= keys:
+                fits.append(tool.name)
+        if len(fits) != 1:
+            return None
+        return fits[0], f"functions.{fits[0]}:{index}"

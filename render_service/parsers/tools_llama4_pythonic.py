@@ -11,56 +11,16 @@ Both invariants of the parser-hardening issue come from ``pythonic`` (a cut-off 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import msgspec
-
-from render_service.parsers.base import Piece, ToolParserConfig
-from render_service.parsers.tags import find_tag
-from render_service.parsers.tools_pythonic import PythonicState, PythonicToolParser
+from render_service.parsers.tools_pythonic import PythonicToolParser
+from render_service.parsers.tools_wrapped import DroppedMarkersToolParser
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
-_MARKERS = (PYTHON_START, PYTHON_END)
 
 
-class Llama4PythonicState(msgspec.Struct):
-    held: str = ""  # a possible partial marker
-    inner: PythonicState = msgspec.field(default_factory=PythonicState)
-
-    def __post_init__(self) -> None:
-        if len(self.held) >= len(PYTHON_START):
-            raise ValueError("inconsistent tool parser state: held text longer than a marker")
-
-
-class Llama4PythonicToolParser:
+class Llama4PythonicToolParser(DroppedMarkersToolParser):
     name: ClassVar[str] = "llama4_pythonic"
-    State: ClassVar[type[msgspec.Struct]] = Llama4PythonicState
-
-    def __init__(self, config: ToolParserConfig) -> None:
-        self.inner = PythonicToolParser(config)
-
-    def initial_state(self) -> Llama4PythonicState:
-        return Llama4PythonicState()
-
-    def feed(self, state: Llama4PythonicState, text: str) -> list[Piece]:
-        if not state.held and "<" not in text:  # the per-token common case: no marker can start here
-            return self.inner.feed(state.inner, text) if text else []
-        buf = state.held + text if state.held else text
-        state.held = ""
-        kept: list[str] = []
-        pos = 0
-        while True:
-            at, tag = find_tag(buf, pos, _MARKERS)
-            kept.append(buf[pos:at])
-            if tag is None:
-                state.held = buf[at:]
-                break
-            pos = at + len(tag)
-        clean = "".join(kept)
-        return self.inner.feed(state.inner, clean) if clean else []
-
-    def finish(self, state: Llama4PythonicState) -> list[Piece]:
-        held, state.held = state.held, ""
-        pieces = self.inner.feed(state.inner, held) if held else []
-        return pieces + self.inner.finish(state.inner)
+    DROPPED: ClassVar[tuple[str, ...]] = (PYTHON_START, PYTHON_END)
+    INNER: ClassVar[Any] = PythonicToolParser

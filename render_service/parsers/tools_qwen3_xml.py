@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import msgspec
+
 from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
 
 QWEN3_XML_FORMAT = XmlFormat(
@@ -41,3 +43,28 @@ class Qwen3XmlToolParser(XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = QWEN3_XML_FORMAT
     FORCED_REQUIRED: ClassVar[str] = "<tool_call>\n"
     FORCED_NAMED: ClassVar[str] = "<tool_call>\n<function={name}>\n"
+
+
+class Step5ToolParser(Qwen3XmlToolParser):
+    """step5 (Step-5): Qwen3's XML calls; upstream keeps the content's whitespace around calls, as we always do."""
+
+    name: ClassVar[str] = "step5"
+
+
+MIMO_FORMAT = msgspec.structs.replace(QWEN3_XML_FORMAT, trim="none")
+
+
+class MiMoToolParser(Qwen3XmlToolParser):
+    """mimo (Xiaomi MiMo): Qwen3's XML calls written compactly (``<parameter=K>V</parameter>``); values keep
+    every character (no newline trimming, as upstream's converter) and are typed by the schema afterwards."""
+
+    name: ClassVar[str] = "mimo"
+    FORMAT: ClassVar[XmlFormat] = MIMO_FORMAT
+
+
+class Step3p5ToolParser(Qwen3XmlToolParser):
+    name: ClassVar[str] = "step3p5"  # Step-3.5 / 3.7 write Qwen3's XML calls
+
+
+class GraniteToolCallToolParser(Qwen3XmlToolParser):
+    name: ClassVar[str] = "granite_toolcall_parser"  # Granite 4.2 writes Qwen3's (Nemotron 3's) XML calls

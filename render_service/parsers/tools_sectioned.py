@@ -38,9 +38,12 @@ class SectionMode(IntEnum):
     SEC_ARGS = 3
     SEC_AFTER_ARGS = 4  # after a call's arguments object, before its end marker
     SEC_JUNK = 5  # a call that is not one: its text up to its end marker is content
+    SEC_PENDING = 6  # a call whose name its arguments decide: held (bounded) until its end marker
 
 
-SEC_CONTENT, SEC_SECTION, SEC_NAME, SEC_ARGS, SEC_AFTER_ARGS, SEC_JUNK = SectionMode
+SEC_CONTENT, SEC_SECTION, SEC_NAME, SEC_ARGS, SEC_AFTER_ARGS, SEC_JUNK, SEC_PENDING = SectionMode
+# the arguments of a call whose name they decide, held until the call ends; past this the call is content
+MAX_PENDING_ARGS = 8192
 
 
 class SectionedState(msgspec.Struct, omit_defaults=True):
@@ -51,10 +54,13 @@ class SectionedState(msgspec.Struct, omit_defaults=True):
     guard: ArgsGuard | None = None
     after_call: bool = False  # whitespace right after a call or marker is layout
     stray: bool = False  # inside text that is not markup (content runs to the next marker)
+    pending: str = ""  # SEC_PENDING: the arguments so far
 
     def __post_init__(self) -> None:
         require((self.mode == SEC_ARGS) == (self.guard is not None), "a guard exactly while in arguments")
         require(len(self.raw) <= MAX_NAME_CHARS + 256, "held text within bounds")
+        require(len(self.pending) <= MAX_PENDING_ARGS and (self.mode == SEC_PENDING or not self.pending),
+                "pending arguments within bounds, only while pending")
 
 
 class SectionedToolParser(HeldTextToolParser):
@@ -67,6 +73,8 @@ class SectionedToolParser(HeldTextToolParser):
     NAME_END: ClassVar[str]
     CALL_END: ClassVar[str]
     SECTION_END: ClassVar[tuple[str, ...]]
+    # a code fence closing the arguments (DeepSeek-V3 writes them in a ```json block): layout, like whitespace
+    ARGS_FENCE: ClassVar[str | None] = None
 
     def read_name(self, text: str, index: int) -> tuple[str, str | None] | None:
         """(function name, the model's own call id or None) from the text between call begin and separator;
@@ -75,6 +83,15 @@ class SectionedToolParser(HeldTextToolParser):
         if not name or any(c in name for c in "\n{}<>"):
             return None
         return name, None
+
+    def name_from_arguments(self, text: str, arguments: str, index: int) -> tuple[str, str | None] | None:
+        """A call whose name text named no call may still be named by its arguments (the family decides);
+        called with the whole arguments text once the call ends. None: not a call."""
+        return None
+
+    def defers_name(self, text: str) -> bool:
+        """True when ``name_from_arguments`` may name the call this name text did not."""
+        return False
 
     def finish(self, state: SectionedState) -> list[Piece]:
         sink = PieceSink()
@@ -89,12 +106,15 @@ class SectionedToolParser(HeldTextToolParser):
             state.calls += 1
         elif mode == SEC_NAME:
             sink.content(state.raw + state.held)
+        elif mode == SEC_PENDING:
+            sink.content(state.raw + state.pending + state.held)  # cut off before its arguments closed
         else:
             sink.content(state.held)
             if mode == SEC_AFTER_ARGS:
                 state.calls += 1
         state.held = ""
         state.raw = ""
+        state.pending = ""
         state.guard = None
         state.mode = SEC_CONTENT
         return sink.pieces
@@ -131,6 +151,14 @@ class SectionedToolParser(HeldTextToolParser):
             if mode in (SEC_CONTENT, SEC_SECTION, SEC_AFTER_ARGS, SEC_JUNK):
                 if state.after_call and not state.stray:
                     pos = skip_whitespace(buf, pos)
+                    fence = self.ARGS_FENCE
+                    if fence and mode == SEC_AFTER_ARGS and pos < n and buf[pos] == fence[0]:
+                        if buf.startswith(fence, pos):
+                            pos += len(fence)
+                            continue
+                        if fence.startswith(buf[pos:]):
+                            state.held = buf[pos:]
+                            return
                     if pos >= n:
                         return
                 if mode == SEC_CONTENT:
@@ -176,6 +204,11 @@ class SectionedToolParser(HeldTextToolParser):
                     return
                 text = buf[pos:at]
                 read = self.read_name(text, state.calls) if tag == self.NAME_END else None
+                if read is None and tag == self.NAME_END and self.defers_name(text):
+                    state.raw += text + tag  # given back as content if the arguments name no call either
+                    state.mode = SEC_PENDING
+                    pos = at + len(tag)
+                    continue
                 if read is None:
                     self._release(state, sink, text)
                     pos = at
@@ -185,6 +218,22 @@ class SectionedToolParser(HeldTextToolParser):
                 state.guard = ArgsGuard()
                 state.mode = SEC_ARGS
                 pos = at + len(tag)
+            elif mode == SEC_PENDING:
+                at, tag = find_tag(buf, pos, ends + (self.CALL_BEGIN,))
+                state.pending += buf[pos:at]
+                if len(state.pending) > MAX_PENDING_ARGS:
+                    text, state.pending = state.pending, ""
+                    self._release(state, sink, text)
+                    state.held = buf[at:] if tag is None else ""
+                    if tag is None:
+                        return
+                    pos = at
+                    continue
+                if tag is None:
+                    state.held = buf[at:]
+                    return
+                self._resolve_pending(state, sink)
+                pos = at
             else:  # SEC_ARGS
                 guard = cast(ArgsGuard, state.guard)  # the state's __post_init__ requires it in this mode
                 if guard.phase == GUARD_START:  # what do the arguments begin with?
@@ -213,3 +262,25 @@ class SectionedToolParser(HeldTextToolParser):
                 state.after_call = True
                 state.stray = status == GUARD_ERROR
                 pos = stop if status in (GUARD_DONE, GUARD_ERROR) else at
+
+    def _resolve_pending(self, state: SectionedState, sink: PieceSink) -> None:
+        """The call's end: name it from its arguments and emit it whole, or give its text back as content."""
+        arguments, state.pending = state.pending, ""
+        name_text = state.raw[len(self.CALL_BEGIN):len(state.raw) - len(self.NAME_END)]
+        read = self.name_from_arguments(name_text, arguments, state.calls)
+        if read is None:
+            self._release(state, sink, arguments)
+            return
+        sink.name(state.calls, read[0], read[1])
+        state.raw = ""
+        guard = ArgsGuard()
+        start = len(arguments) - len(arguments.lstrip())
+        stop, emitted, status = feed_guard(guard, arguments, start, len(arguments))
+        sink.arguments(state.calls, emitted)
+        state.guard = guard
+        self._close(state, sink)
+        rest = arguments[stop:] if status in (GUARD_DONE, GUARD_ERROR) else ""
+        if rest.strip():
+            sink.content(rest)
+        state.mode = SEC_AFTER_ARGS
+        state.after_call = True

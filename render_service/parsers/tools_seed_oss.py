@@ -7,7 +7,8 @@
     </seed:tool_call>
 
 Values lose one leading and one trailing newline (upstream's rule); a parameter the schema does not declare
-stays a string.
+stays a string. A ``<seed:think>`` block left in the content (no reasoning parser) is content: a call the model
+quotes while thinking is not a call.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from render_service.parsers.tools_qwen3_xml import QWEN3_XML_FORMAT
 from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
 
 SEED_OSS_FORMAT = msgspec.structs.replace(
-    QWEN3_XML_FORMAT, block_open="<seed:tool_call>", block_end="</seed:tool_call>", bare_call_open=False)
+    QWEN3_XML_FORMAT, block_open="<seed:tool_call>", block_end="</seed:tool_call>", bare_call_open=False,
+    opaque=("<seed:think>", "</seed:think>"))
 
 
 class SeedOssToolParser(XmlToolParser):

@@ -54,9 +54,10 @@ class XmlMode(IntEnum):
     KEY = 4  # reading a parameter's key
     VALUE_OPEN = 5  # between a key and its value's opening tag (GLM)
     VALUE = 6  # inside a value
+    OPAQUE = 7  # inside a span whose text is the model's, calls quoted in it included (Seed-OSS's thinking)
 
 
-CONTENT, BLOCK, HEAD, CALL, KEY, VALUE_OPEN, VALUE = XmlMode  # the hot loop compares against globals
+CONTENT, BLOCK, HEAD, CALL, KEY, VALUE_OPEN, VALUE, OPAQUE = XmlMode  # the hot loop compares against globals
 _IN_CALL = (CALL, KEY, VALUE_OPEN, VALUE)
 
 MAX_KEY_CHARS = 256
@@ -99,12 +100,14 @@ class XmlFormat(msgspec.Struct, frozen=True):
     skip_escaped_newlines: bool = False  # GLM-4.7 may write a literal \n between </arg_key> and <arg_value>
     # the key carries string="true|false" after its quoted name (DeepSeek's DSML): true is raw text, false JSON
     string_attr: bool = False
+    # (open, close): a span that is content whatever it holds, e.g. a thinking block the reasoning parser did
+    # not take out (a call the model quotes while thinking is not a call)
+    opaque: tuple[str, str] | None = None
 
     @property
     def content_openers(self) -> tuple[str, ...]:
-        if self.bare_call_open and self.call_open:
-            return (self.block_open, self.call_open)
-        return (self.block_open,)
+        openers = (self.block_open, self.call_open) if self.bare_call_open and self.call_open else (self.block_open,)
+        return openers + (self.opaque[:1] if self.opaque else ())
 
     @property
     def value_terms(self) -> tuple[str, ...]:
@@ -129,6 +132,7 @@ class XmlCallState(msgspec.Struct):
     after_call: bool = False  # whitespace right after a call or block is layout
     function: str = ""
     params: Count = 0
+    keys: list[str] = []  # the keys of the call in progress (a repeated one is quoted text, not a key)
     key: str = ""
     string_value: bool = True  # the current value streams as a JSON string (else held in value_parts)
     value_started: bool = False  # the value's leading layout is behind us
@@ -142,14 +146,18 @@ class XmlCallState(msgspec.Struct):
         require(len(self.held) <= 65536 and len(self.raw) <= 65536 and len(self.prefix) <= 1024,
                 "held text within bounds")
         require(self.mode not in _IN_CALL or bool(self.function), "a call in progress has a name")
+        require(len(self.keys) <= 4096 and sum(map(len, self.keys)) <= 65536, "keys within bounds")
         require(not self.value_parts or (self.mode == VALUE and not self.string_value), "a held value only inside one")
         require(self.value_kind in (BY_SCHEMA, STRING_ATTR, JSON_ATTR), "a known value kind")
 
 
-def _strip_quotes(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return text[1:-1]
-    return text
+def _first_attribute(text: str) -> str:
+    """The value of a tag's first attribute, quoted or bare: what follows it (``description="..."``, ``type=``)
+    is another attribute, not part of the name."""
+    if text[:1] in ("\"", "'"):
+        end = text.find(text[0], 1)
+        return text[1:end] if end != -1 else text[1:]
+    return text.split(None, 1)[0] if text else text
 
 
 class XmlToolParser:
@@ -192,7 +200,8 @@ class XmlToolParser:
     def _coerce(self, state: XmlCallState) -> None:
         """A client-sent state in a mode this family does not have (the state struct is shared) is read as
         the nearest one it has, so a forged state never makes the parser raise."""
-        if state.mode == BLOCK and self.FORMAT.call_open is None:
+        if (state.mode == BLOCK and self.FORMAT.call_open is None) or (
+                state.mode == OPAQUE and self.FORMAT.opaque is None):
             state.mode = CONTENT
         elif state.mode == VALUE_OPEN and self.FORMAT.value_open is None:
             state.mode = VALUE
@@ -215,7 +224,7 @@ class XmlToolParser:
         self._run(state, buf, sink, final=True)
         rest, state.held = state.held, ""
         mode = state.mode
-        if mode in (CONTENT, CALL):
+        if mode in (CONTENT, CALL, OPAQUE):
             sink.content(rest)
         elif mode == BLOCK:
             sink.content((state.raw if state.block_calls == 0 else "") + rest)
@@ -258,8 +267,13 @@ class XmlToolParser:
         state.mode = CONTENT
         state.after_call = False
 
-    def _verify(self, buf: str, at: int, tag: str, final: bool) -> int:
-        """Is the end tag ending at ``at`` structural? YES, NO, or WAIT for more text."""
+    def _verify(self, state: XmlCallState, buf: str, at: int, tag: str, final: bool) -> int:
+        """Is the end tag ending at ``at`` structural? YES, NO, or WAIT for more text.
+
+        A value's end tag is structural when what follows is: a key this call has not used yet (a key it
+        already has means the value quotes a call), the call's end followed in turn by structure (the block's
+        end, another call, the end of output), the block's end or another call.
+        """
         pos = skip_whitespace(buf, at)
         if pos - at > MAX_LOOKAHEAD_WS:
             return YES
@@ -267,11 +281,35 @@ class XmlToolParser:
             return YES if final else WAIT
         rest = buf[pos:pos + 64]
         followers = self._followers[tag]
-        if any(rest.startswith(f) for f in followers):
+        f = self.FORMAT
+        if tag == f.value_end:
+            if rest.startswith(f.key_open):
+                return self._fresh_key(state, buf, pos + len(f.key_open), final)
+            if f.call_end != f.block_end and rest.startswith(f.call_end):
+                return self._verify(state, buf, pos + len(f.call_end), f.call_end, final)
+        if any(rest.startswith(t) for t in followers):
             return YES
         if not final and is_partial_tag(rest, followers):
             return WAIT
         return NO
+
+    def _fresh_key(self, state: XmlCallState, buf: str, at: int, final: bool) -> int:
+        """A key opener at ``at``: YES when it names a key this call has not used yet."""
+        end = buf.find(self.FORMAT.key_end, at, at + MAX_KEY_CHARS)
+        if end == -1:
+            return WAIT if not final and len(buf) - at < MAX_KEY_CHARS else YES
+        return NO if self._key_text(buf[at:end].strip())[0] in state.keys else YES
+
+    def _key_text(self, key: str) -> tuple[str, int]:
+        """(the key, how its value reads) from the text between the key opener and its end."""
+        f = self.FORMAT
+        if f.string_attr:
+            # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
+            attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
+            if attr is not None:
+                return attr.group(2), STRING_ATTR if attr.group(3) == "true" else JSON_ATTR
+            return (_first_attribute(key).strip() if f.quoted_names else key), JSON_ATTR
+        return (_first_attribute(key).strip() if f.quoted_names else key), BY_SCHEMA
 
     def _trim_tail(self, text: str) -> str:
         trim = self.FORMAT.trim
@@ -321,6 +359,7 @@ class XmlToolParser:
             sink.arguments(state.calls, self._key_prefix(state) + dumps(value))
             state.value_parts = []
         state.params += 1
+        state.keys.append(state.key)
         state.string_value = True
         state.value_kind = BY_SCHEMA
 
@@ -340,9 +379,23 @@ class XmlToolParser:
                     state.held = buf[at:]
                     return
                 pos = at + len(tag)
+                if f.opaque is not None and tag == f.opaque[0]:
+                    sink.content(tag)
+                    state.mode = OPAQUE
+                    continue
                 state.raw = tag
                 state.block_calls = 0
                 state.mode = HEAD if (f.call_open is None or tag == f.call_open) else BLOCK
+            elif mode == OPAQUE:
+                close = f.opaque[1] if f.opaque is not None else ""
+                at, tag = find_tag(buf, pos, (close,))
+                if tag is None:
+                    sink.content(buf[pos:at])
+                    state.held = buf[at:]
+                    return
+                sink.content(buf[pos:at + len(tag)])
+                pos = at + len(tag)
+                state.mode = CONTENT
             elif mode == BLOCK:
                 start = pos
                 pos = skip_whitespace(buf, pos)
@@ -389,7 +442,7 @@ class XmlToolParser:
                     return
                 name = buf[pos:at].strip()
                 if f.quoted_names:
-                    name = _strip_quotes(name).strip()
+                    name = _first_attribute(name).strip()
                 if not name or any(c in name for c in "<>\n"):
                     self._release(state, sink)
                     continue
@@ -397,6 +450,7 @@ class XmlToolParser:
                 state.raw = ""
                 state.function = name
                 state.params = 0
+                state.keys = []
                 state.mode = CALL
                 sink.name(state.calls, name)
                 sink.arguments(state.calls, "{")
@@ -446,12 +500,9 @@ class XmlToolParser:
                     state.held = buf[pos:]
                     return
                 key = buf[pos:at].strip()
+                state.key, kind = self._key_text(key)
                 if f.string_attr:
-                    # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
-                    attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
-                    key = attr.group(2) if attr is not None else key
-                    state.value_kind = STRING_ATTR if attr is not None and attr.group(3) == "true" else JSON_ATTR
-                state.key = _strip_quotes(key).strip() if f.quoted_names else key
+                    state.value_kind = kind
                 pos = at + len(tag)
                 if f.value_open is None:
                     state.mode = VALUE
@@ -505,7 +556,7 @@ class XmlToolParser:
                     self._value_text(state, sink, buf[pos:safe])
                     state.held = buf[safe:]
                     return
-                verdict = self._verify(buf, at + len(tag), tag, final)
+                verdict = self._verify(state, buf, at + len(tag), tag, final)
                 if verdict == NO:
                     self._value_text(state, sink, buf[pos:at + len(tag)])
                     pos = at + len(tag)

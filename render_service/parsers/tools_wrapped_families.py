@@ -1,0 +1,84 @@
+"""Families whose calls sit in their own markers, read by an inner parser (``tools_wrapped``): declarations.
+
+* ``lfm2`` (LiquidAI LFM2 / LFM2.5): ``<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>``,
+  pythonic calls (``tools_pythonic``'s rules) between special tokens, content before and after.
+* ``jamba`` (AI21 Jamba): ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``.
+* ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``; the list runs to its
+  ``]`` and what follows is content.
+* ``hunyuan_a13b`` (Hunyuan-A13B): Jamba's ``<tool_calls>[...]</tool_calls>``.
+* ``granite-20b-fc`` (Granite-20B-FunctionCalling): ``<function_call> {"name": ..., "arguments": ...}`` per
+  call, each opened by its marker, no closing one.
+* ``gigachat3`` (GigaChat 3): ``<|function_call|>{"name": ..., "arguments": ...}`` (also spelled
+  ``function call<|role_sep|>\n``), to the end of the output.
+* ``granite`` (Granite 3.0 / 3.1): ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>`` (3.1, text) and a
+  JSON list of calls; the list's ``]`` ends it, prose around it is content.
+* ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
+
+The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
+the model's guarded text (``json_guard``), a list's brackets and commas are markup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from render_service.parsers.tools_json import JsonListToolParser, Llama3JsonToolParser
+from render_service.parsers.tools_pythonic import PythonicToolParser
+from render_service.parsers.tools_wrapped import WrappedToolParser
+
+
+class Lfm2ToolParser(WrappedToolParser):
+    name: ClassVar[str] = "lfm2"
+    START: ClassVar[str] = "<|tool_call_start|>"
+    END: ClassVar[str | None] = "<|tool_call_end|>"
+    INNER: ClassVar[Any] = PythonicToolParser
+
+
+class JambaToolParser(WrappedToolParser):
+    name: ClassVar[str] = "jamba"
+    START: ClassVar[str] = "<tool_calls>"
+    END: ClassVar[str | None] = "</tool_calls>"
+    INNER: ClassVar[Any] = JsonListToolParser
+
+
+class Phi4MiniJsonToolParser(WrappedToolParser):
+    name: ClassVar[str] = "phi4_mini_json"
+    START: ClassVar[str] = "functools"
+    END: ClassVar[str | None] = None
+    INNER: ClassVar[Any] = JsonListToolParser
+
+
+class InternLMToolParser(WrappedToolParser):
+    name: ClassVar[str] = "internlm"
+    START: ClassVar[str] = "<|action_start|><|plugin|>"
+    END: ClassVar[str | None] = "<|action_end|>"
+    INNER: ClassVar[Any] = Llama3JsonToolParser
+
+
+class HunyuanA13BToolParser(JambaToolParser):
+    name: ClassVar[str] = "hunyuan_a13b"  # the same <tool_calls>[...]</tool_calls> list as Jamba
+
+
+class Granite20bFCToolParser(WrappedToolParser):
+    name: ClassVar[str] = "granite-20b-fc"
+    START: ClassVar[str] = "<function_call>"
+    END: ClassVar[str | None] = None
+    START_ENDS_BLOCK: ClassVar[bool] = True
+    INNER: ClassVar[Any] = Llama3JsonToolParser
+
+
+class GigaChat3ToolParser(WrappedToolParser):
+    name: ClassVar[str] = "gigachat3"
+    START: ClassVar[str] = "<|function_call|>"
+    OTHER_STARTS: ClassVar[tuple[str, ...]] = ("function call<|role_sep|>\n",)
+    END: ClassVar[str | None] = None
+    START_ENDS_BLOCK: ClassVar[bool] = True  # the model writes one call a message; a second marker opens another
+    INNER: ClassVar[Any] = Llama3JsonToolParser
+
+
+class GraniteToolParser(WrappedToolParser):
+    name: ClassVar[str] = "granite"
+    START: ClassVar[str] = "<|tool_call|>"
+    OTHER_STARTS: ClassVar[tuple[str, ...]] = ("<tool_call>",)
+    END: ClassVar[str | None] = None
+    INNER: ClassVar[Any] = JsonListToolParser

@@ -1,0 +1,82 @@
+"""More families on the shared XML engine (``tools_xml``): each is its tags, declared.
+
+* ``poolside_v1``: GLM-4.5's markup exactly (``<tool_call>NAME`` ``<arg_key>K</arg_key><arg_value>V</arg_value>``
+  ``</tool_call>``); values typed by the schema, undeclared ones read as JSON/Python literals, as upstream.
+* ``dots``: MiniMax-M2's ``<invoke name=...>`` / ``<parameter name=...>`` inside ``<dots_function_call>``.
+* ``hy_v3``: ``<tool_calls><tool_call>NAME<tool_sep><arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``.
+* ``step3``: ``<steptml:invoke name="NAME">`` / ``<steptml:parameter name="K">`` inside Step's special tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from render_service.parsers.tools_glm import GLM_FORMAT, Glm45ToolParser
+from render_service.parsers.tools_minimax import MINIMAX_M2_FORMAT
+from render_service.parsers.tools_wrapped import DroppedMarkersToolParser
+from render_service.parsers.tools_xml import XmlFormat, XmlToolParser
+
+
+class PoolsideV1ToolParser(Glm45ToolParser):
+    name: ClassVar[str] = "poolside_v1"
+
+
+# dots (dots.llm): MiniMax-M2's invoke/parameter markup inside <dots_function_call>
+DOTS_FORMAT = msgspec.structs.replace(
+    MINIMAX_M2_FORMAT, block_open="<dots_function_call>", block_end="</dots_function_call>")
+
+
+class DotsToolParser(XmlToolParser):
+    name: ClassVar[str] = "dots"
+    FORMAT: ClassVar[XmlFormat] = DOTS_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<dots_function_call>\n"
+    FORCED_NAMED: ClassVar[str] = "<dots_function_call>\n<invoke name=\"{name}\">\n"
+
+
+# hy_v3 (Hunyuan v3): <tool_calls><tool_call>NAME<tool_sep><arg_key>K</arg_key><arg_value>V</arg_value>
+# </tool_call></tool_calls>; undeclared values are JSON/Python literals when they parse (upstream's _deserialize)
+HY_V3_FORMAT = msgspec.structs.replace(
+    GLM_FORMAT, block_open="<tool_calls>", block_end="</tool_calls>", call_open="<tool_call>",
+    head_ends=("<tool_sep>",), head_consumed=("<tool_sep>",), call_end="</tool_call>", skip_escaped_newlines=False)
+
+
+class HyV3ToolParser(XmlToolParser):
+    name: ClassVar[str] = "hy_v3"
+    FORMAT: ClassVar[XmlFormat] = HY_V3_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<tool_calls><tool_call>"
+    FORCED_NAMED: ClassVar[str] = "<tool_calls><tool_call>{name}<tool_sep>"
+
+
+# step3 (Step-3): <｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME">
+# <steptml:parameter name="K">V</steptml:parameter></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>. The
+# outer section markers and each call's end marker are dropped (special tokens, ``tools_wrapped``); what is left
+# is one block per call, the block being the call.
+STEP3_FORMAT = XmlFormat(
+    block_open="<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name=",
+    block_end="</steptml:invoke>",
+    call_open=None,
+    head_ends=(">",),
+    head_consumed=(">",),
+    call_end="</steptml:invoke>",
+    key_open="<steptml:parameter name=",
+    key_end=">",
+    value_open=None,
+    value_end="</steptml:parameter>",
+    trim="strip",
+    quoted_names=True,
+)
+
+
+class Step3CallsParser(XmlToolParser):
+    name: ClassVar[str] = "step3_calls"
+    FORMAT: ClassVar[XmlFormat] = STEP3_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<｜tool_call_begin｜>function<｜tool_sep｜>"
+    FORCED_NAMED: ClassVar[str] = "<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name=\"{name}\">"
+
+
+class Step3ToolParser(DroppedMarkersToolParser):
+    name: ClassVar[str] = "step3"
+    DROPPED: ClassVar[tuple[str, ...]] = ("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>", "<｜tool_call_end｜>")
+    INNER: ClassVar[Any] = Step3CallsParser

@@ -1,0 +1,156 @@
+"""Upstream's other names for formats we serve, and the one-line refusal of a name we do not serve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from render_service.parsers.auto import detect_family, resolve_auto
+from render_service.parsers.base import ReasoningParserConfig
+from render_service.parsers.registry import UnknownParserError, get_reasoning_parser, get_tool_parser
+from tests.family_bundles import TEMPLATES
+from tests.test_tool_parsers_common import parse
+from tests.tool_parser_invariants import write_glm, write_hermes, write_longcat, write_qwen3_xml
+
+CALLS = [("get_weather", {"city": "Paris", "days": 3})]
+
+
+@pytest.mark.parametrize("alias,same_as,write", [
+    ("qwen3_json", "hermes", write_hermes), ("step5", "qwen3_xml", write_qwen3_xml),
+    ("ernie45", "hermes", write_hermes), ("poolside_v1", "glm45", write_glm), ("ling3", "glm47", write_glm),
+    ("granite_toolcall_parser", "qwen3_xml", write_qwen3_xml)])
+def test_tool_alias_parses_as_its_format(alias, same_as, write) -> None:
+    text = "Sure.\n" + write(CALLS) + "\nDone."
+    folded = parse(alias, text)
+    assert folded == parse(same_as, text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
+
+
+def test_longcat_reads_hermes_calls_in_its_own_tags() -> None:
+    text = "Sure.\n" + write_longcat(CALLS) + "\nDone."
+    folded = parse("longcat", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
+    assert folded.content == "Sure.\nDone."
+    # hermes' own tags are not longcat's: text
+    assert parse("longcat", write_hermes(CALLS)).calls == []
+
+
+def _split_chunks(name: str, chunks: list[str], kwargs: dict | None) -> list[tuple[str, str]]:
+    cls = get_reasoning_parser(name)
+    parser = cls(ReasoningParserConfig(enable_thinking=cls.enable_thinking_from(kwargs)))
+    state = parser.initial_state()
+    out: list[list[str]] = []
+    for p in [q for ch in chunks for q in parser.feed(state, ch)] + parser.finish(state):
+        if out and out[-1][0] == p.channel:
+            out[-1][1] += p.text
+        else:
+            out.append([p.channel, p.text])
+    return [(c, t) for c, t in out]
+
+
+def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, str]]:
+    whole = _split_chunks(name, [text], kwargs)
+    assert _split_chunks(name, list(text), kwargs) == whole  # streaming one character at a time == batch
+    return whole
+
+
+@pytest.mark.parametrize("name,text,kwargs,expected", [
+    ("step5", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("holo2", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("holo2", "answer", {"thinking": False}, [("content", "answer")]),
+    ("minimax_m3", "plan</mm:think>answer", {"thinking_mode": "enabled"}, [("reasoning", "plan"), ("content", "answer")]),
+    ("minimax_m3", "answer", None, [("content", "answer")]),
+    ("minimax_m3", "<mm:think>plan</mm:think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("ernie45", "plan\n</think>\n\n<response>\nanswer\n</response>\n",
+     None, [("reasoning", "plan\n"), ("content", "\n\n\nanswer\n\n")]),
+    ("ernie45", "plan</think>answer <resp", None, [("reasoning", "plan"), ("content", "answer <resp")]),
+    ("hunyuan_a13b", "<think>\nplan\n</think>\n<answer>\nanswer\n</answer>",
+     None, [("reasoning", "\nplan\n"), ("content", "\n\nanswer\n")]),
+    ("poolside_v1", "answer", None, [("content", "answer")]),
+    ("poolside_v1", "plan</think>answer", {"thinking": True}, [("reasoning", "plan"), ("content", "answer")]),
+    ("step3", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("hy_v3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("hy_v3", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
+    ("ling3", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("ling3", "answer", {"enable_thinking": False}, [("content", "answer")]),
+    ("mimo", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("nemotron_v3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("olmo3", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("step3p5", "plan</think>answer", {"enable_thinking": False}, [("reasoning", "plan"), ("content", "answer")]),
+    ("deepseek_v41", "plan<\uff5cDSML\uff5c calls>x", {"thinking": True},
+     [("reasoning", "plan"), ("content", "<\uff5cDSML\uff5c calls>x")]),
+    ("plamo3", "plan<|plamo:end_think:plamo|>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "<|channel>thought\nplan<channel|>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "<|channel>thought\nplan<channel|>answer", {"enable_thinking": True},
+     [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "thought\nplan<channel|>answer", {"enable_thinking": True},
+     [("reasoning", "plan"), ("content", "answer")]),
+    ("gemma4", "thought\nanswer", None, [("content", "answer")]),
+    ("granite_thinking_parser", "plan\n</think>\n\nanswer\n", None, [("reasoning", "plan\n"), ("content", "answer\n")]),
+    ("granite_thinking_parser", "\n\nanswer", {"enable_thinking": False}, [("content", "answer")]),
+    ("gemma4", "answer <|channel>", None, [("content", "answer <|channel>")]),
+    ("gemma4", "<|channel>plan<|tool_call>call", {"enable_thinking": True},
+     [("reasoning", "plan"), ("content", "<|tool_call>call")]),
+])
+def test_reasoning_names(name, text, kwargs, expected) -> None:
+    assert _split(name, text, kwargs) == expected
+
+
+@pytest.mark.parametrize("lookup", [get_tool_parser, get_reasoning_parser])
+def test_a_name_we_do_not_serve_is_refused_in_one_line(lookup) -> None:
+    with pytest.raises(UnknownParserError) as err:
+        lookup("gemma4_not_served")
+    assert "\n" not in str(err.value) and "gemma4_not_served" in str(err.value)
+
+
+def test_mimo_values_keep_every_character_and_are_typed() -> None:
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>3</parameter>\n" \
+           "</function>\n</tool_call>"
+    folded = parse("mimo", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": "\nParis\n", "days": 3})]
+
+
+@pytest.mark.parametrize("template, model_type, family, expected", [
+    ("internlm2-tool.jinja", None, "internlm", (None, "internlm")),
+    ("phi-4-mini.jinja", None, "phi-4-mini", (None, "phi4_mini_json")),
+    ("hunyuan-a13b.jinja", None, "hunyuan-a13b", ("hunyuan_a13b", "hunyuan_a13b")),
+    (None, "jamba", "jamba", (None, "jamba")),
+    (None, "lfm2", "lfm2", (None, "lfm2")),
+    (None, "mimo", "mimo", ("mimo", "mimo")),
+    (None, "plamo3", "plamo-3", ("plamo3", "plamo3")),
+    (None, "step3", "step-3", ("step3", "step3")),
+    (None, "longcat_flash", "longcat", (None, "longcat")),
+    (None, "dots1", "dots", (None, "dots")),
+    (None, "ernie4_5_moe", "ernie-4.5", ("ernie45", "ernie45")),
+    (None, "gemma4", "gemma-4", ("gemma4", None)),
+])
+def test_auto_detects_the_new_families(template, model_type, family, expected) -> None:
+    source = (TEMPLATES / template).read_text(encoding="utf-8") if template else None
+    assert detect_family(source, model_type).name == family
+    assert resolve_auto("auto", "auto", source, model_type) == expected
+
+
+@pytest.mark.parametrize("template", ["kimi-k2-thinking.jinja", "llama-4.jinja", "glm-4.6.jinja", "glm-4.7-flash.jinja",
+                                      "minimax-m2.jinja", "seed-oss.jinja", "qwen3-coder.jinja", "granite-4.0.jinja"])
+def test_the_new_families_do_not_claim_the_old_templates(template) -> None:
+    family = detect_family((TEMPLATES / template).read_text(encoding="utf-8"), None)
+    assert family is not None and family.tool not in {
+        "internlm", "phi4_mini_json", "hunyuan_a13b", "jamba", "lfm2", "longcat", "dots", "ernie45", "plamo3",
+        "step3", "hy_v3", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("marker", ["<|tool_call|>", "<tool_call>"])
+def test_granite_reads_a_json_list_after_its_marker(marker: str) -> None:
+    text = f'Sure. {marker} [{{"name": "get_weather", "arguments": {{"city": "SF"}}}}] Done.'
+    folded = parse("granite", text)
+    assert parse_chunks_equal("granite", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [("get_weather", {"city": "SF"})]
+    assert folded.content == "Sure.  Done."
+
+
+def parse_chunks_equal(name: str, text: str) -> bool:
+    from tests.test_tool_parsers_common import parse_chunks
+
+    return parse_chunks(name, list(text)) == parse(name, text)
