@@ -127,15 +127,17 @@ class UsageInfo(msgspec.Struct):
 
 
 class WeightVersion(msgspec.Struct):
-    """vLLM's per-choice label of the weights that produced output tokens [start, end). The engine loads its
-    weights once, so one range, labelled "default" as vLLM does until a version is set."""
+    """vLLM's per-choice label of the weights that produced output tokens [start, end): "default" until a
+    trainer sets a version (finish_weight_update), one range per version that sampled tokens of the choice."""
 
     version: str
     start: int
     end: int
 
 
-def weight_versions(num_tokens: int) -> list[WeightVersion]:
+def weight_versions(num_tokens: int, spans: list[tuple[str, int, int]] | None = None) -> list[WeightVersion]:
+    if spans is not None:
+        return [WeightVersion(v, start, end) for v, start, end in spans]
     return [WeightVersion("default", 0, num_tokens)] if num_tokens else []
 
 

@@ -96,6 +96,8 @@ class Sequence:
     # filled by the engine as tokens are produced; drained by whoever streams them out
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # (weight version, first output token it sampled): the engine adds one when its weights change mid-request
+    weight_marks: list[tuple[str, int]] = field(default_factory=lambda: [("default", 0)])
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -216,6 +216,7 @@ class Generation:
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         reasons: list[str | None] = [None] * self.n
         stop_reasons: list[int | None] = [None] * self.n
+        spans: list[list[tuple[str, int, int]] | None] = [None] * self.n
         while True:
             update = await self.queue.get()
             for d in update.deltas:
@@ -224,6 +225,7 @@ class Generation:
                 if d.finish_reason is not None:
                     reasons[d.index] = d.finish_reason
                     stop_reasons[d.index] = d.stop_reason
+                    spans[d.index] = d.weight_versions
             if update.finished:
                 break
         if update.kv_transfer_params is not None:
@@ -234,7 +236,7 @@ class Generation:
         choices = [
             p.GenerateResponseChoice(
                 index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop", stop_reason=stop_reasons[i],
-                logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i])))
+                logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i]), spans[i]))
             for i in range(self.n)
         ]
         body = p.GenerateResponse(
@@ -277,7 +279,7 @@ class Generation:
                         stop_reason=d.stop_reason,
                         logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
                     if d.finish_reason is not None:
-                        choice.weight_versions = p.weight_versions(counts[d.index])
+                        choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
                     if update.kv_transfer_params is not None and d is update.deltas[-1]:
                         # the caller learns what is held for it only from the final event (as non-streaming)
                         chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
@@ -344,6 +346,8 @@ async def generate(request: Request) -> Response:
                               "priority")
     if not state.engine.is_alive():
         return error_response("the engine is not running", 503)
+    if state.engine.refusal is not None:  # paused for a weight update (abort/wait) or asleep
+        return error_response(state.engine.refusal, 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
     gen = Generation(state, req, REQUEST_ID_PREFIX + suffix, n)
     if state.log_requests:
@@ -462,9 +466,13 @@ UNAUTHORIZED_BODY = p.error_body("Unauthorized: missing or invalid API key", 401
 
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids", *, log_requests: bool = False,
-              scheduling_policy: str | None = None, api_keys: ApiKeys | None = None) -> Starlette:
-    """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one."""
-    routes = [
+              scheduling_policy: str | None = None, api_keys: ApiKeys | None = None,
+              rl_control: bool | None = None) -> Starlette:
+    """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one.
+    ``rl_control`` (default: VLLM_SERVER_DEV_MODE=1, as vLLM) adds the trainer routes of token_engine/rl."""
+    from token_engine.rl.routes import rl_control_enabled, rl_routes
+
+    routes = [*(rl_routes(_guarded) if rl_control_enabled(rl_control) else []),
         Route("/inference/v1/generate", _guarded(generate), methods=["POST"]),
         Route("/inference/v1/abort_requests", _guarded(abort_requests), methods=["POST"]),
         Route("/abort_requests", _guarded(abort_requests), methods=["POST"]),
