@@ -233,6 +233,7 @@ async def weight_checker(request: Request, ctl: ControlState) -> Response:
     sums = await ctl.run(lambda llm: ctl.weights.checksums())
     if action == "checksum":
         return JSONResponse({"checksums": sums})
+    assert isinstance(baseline, dict)
     mismatches = sorted(k for k in sums.keys() | baseline.keys() if sums.get(k) != baseline.get(k))
     return JSONResponse({"match": not mismatches, "mismatches": mismatches})
 
