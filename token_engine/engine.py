@@ -22,7 +22,8 @@ from token_engine.kv_connector.base import KVConnector, create_kv_connector
 from token_engine.metrics import EngineMetrics
 from token_engine.model_runner import ModelRunner, kv_block_bytes
 from token_engine.rl.control import epoch_salt, weight_spans
-from token_engine.sampler import Sampler, SamplingRow, logprobs_of
+from token_engine.rl.logprob_controls import forced_token, prompt_entries
+from token_engine.sampler import Sampler, SamplingRow
 from token_engine.scheduler import Scheduler
 from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
 from token_engine.structured import GrammarCompiler, GrammarState
@@ -277,12 +278,13 @@ class LLMEngine:
             blocked = opts.stop_token_ids | (frozenset() if opts.ignore_eos else seq.eos_token_ids)
         # Output history is only read by penalties; copying it every step would cost O(length) per token.
         history = seq.output_token_ids if opts.needs_penalties else []
-        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked, seq.grammar)
+        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked, seq.grammar,
+                           forced_token(opts, seq.num_output_tokens))
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         k = seq.options.prompt_logprobs or 0
         targets = torch.tensor(seq.token_ids[first + 1:first + 1 + logits.shape[0]], device=logits.device)
-        entries = logprobs_of(logits.float().log_softmax(dim=1), targets, k)
+        entries = prompt_entries(seq.options, first, logits.float().log_softmax(dim=1), targets, k)
         for offset, entry in enumerate(entries):
             if len(seq.prompt_logprobs) == first + 1 + offset:  # a recompute after preemption adds nothing
                 seq.prompt_logprobs.append(entry)

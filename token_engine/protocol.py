@@ -41,6 +41,11 @@ class SamplingParams(msgspec.Struct):
     bad_words: list[str] | None = None
     structured_outputs: dict | None = None
     skip_reading_prefix_cache: bool | None = None
+    # RL logprob controls, as vLLM's SamplingParams (token_engine/rl/logprob_controls.py)
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprob_start: int | None = None
+    trace_decode_token_ids: list[int] | None = None
     # vLLM 0.32's render put a chat request's kv_transfer_params here (0.33's goes to the top level): read as such.
     extra_args: dict[str, Any] | None = None
 

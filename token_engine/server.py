@@ -81,7 +81,8 @@ def encode_logprobs(entries: list[TokenLogprob], legacy: bool):
     return p.GenerateLogProbs(content=[
         p.TokenLogprobEntry(
             token_id=e.token_id, logprob=_clamp(e.logprob), rank=e.rank,
-            top_logprobs=[p.TopLogprob(t, _clamp(lp), rank) for rank, (t, lp) in enumerate(e.top, start=1)])
+            top_logprobs=[p.TopLogprob(t, _clamp(lp), rank) for rank, (t, lp) in
+                          zip(e.top_ranks or range(1, len(e.top) + 1), e.top)])
         for e in entries])
 
 
@@ -91,7 +92,8 @@ def encode_prompt_logprobs(entries: list[TokenLogprob | None]) -> list[dict[int,
         if e is None:
             out.append(None)
             continue
-        d = {t: p.PromptLogprob(_clamp(lp), rank) for rank, (t, lp) in enumerate(e.top, start=1)}
+        d = {t: p.PromptLogprob(_clamp(lp), rank) for rank, (t, lp) in
+             zip(e.top_ranks or range(1, len(e.top) + 1), e.top)}
         d.setdefault(e.token_id, p.PromptLogprob(_clamp(e.logprob), e.rank))
         out.append(d)
     return out
@@ -188,6 +190,8 @@ class Generation:
         self.started = time.monotonic()
         self.done = False
         fmt = req.logprobs_format or state.default_logprobs_format
+        sp = req.sampling_params
+        self.wants_logprobs = sp.logprobs is not None or sp.logprob_token_ids is not None
         self.legacy_logprobs = fmt == "token_id_strings"
 
     def on_update(self, update: RequestUpdate) -> None:  # engine thread
@@ -250,7 +254,7 @@ class Generation:
         return Response(msgspec.json.encode(body), media_type=JSON)
 
     def choice_logprobs(self, entries: list[TokenLogprob]):
-        want_top = self.req.sampling_params.logprobs is not None
+        want_top = self.wants_logprobs
         if not self.req.return_token_logprobs:
             return encode_logprobs(entries, self.legacy_logprobs) if want_top else None
         # vLLM's fast path: just the sampled tokens' logprobs, as a flat list.
@@ -262,7 +266,7 @@ class Generation:
         opts = self.req.stream_options
         include_usage = bool(opts is not None and opts.include_usage)
         continuous = bool(opts is not None and opts.continuous_usage_stats)
-        want_logprobs = self.req.sampling_params.logprobs is not None
+        want_logprobs = self.wants_logprobs
         counts = [0] * self.n
         first = True
         try:
