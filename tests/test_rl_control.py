@@ -266,3 +266,21 @@ def test_reload_mid_request_labels_tokens_and_never_serves_old_prefix_kv(model_d
         assert bad.status_code == 400 and "checkpoint" in bad.json()["error"]["message"]
         assert c.post("/collective_rpc", json={"method": "execute_model"}).status_code == 400
         assert c.post("/reset_prefix_cache").json() == {"success": True}
+
+
+def test_a_group_computes_its_prompt_once(model_dir):
+    """n samples and duplicate ids of one prompt: the prompt's KV is computed once, the rest come from cache."""
+    prompt = list(range(40, 81))  # 41 tokens: 10 full blocks of 4 can be shared, the last token always runs
+    with single_threaded_server(long_config(model_dir), rl_control=True,
+                                enable_prompt_tokens_details=True) as srv, srv.client() as c:
+        c.post("/pause", params={"mode": "keep"})  # the whole group arrives before the first step
+        jobs = [Background(srv, {"token_ids": prompt, "request_id": "group-1", "sampling_params": {
+            "n": 3, "temperature": 1.0, "seed": i, "max_tokens": 4, "ignore_eos": True}}) for i in range(2)]
+        until(lambda: sum(len(st.seqs) for st in list(srv.llm.requests.values())) == 6, "the group is queued")
+        c.post("/resume")
+        usages = [job.join()["json"]["usage"] for job in jobs]
+        stats = c.get("/debug/kv_cache").json()
+        assert stats["prefix_cache_queries"] == 6 * 41
+        assert stats["prefix_cache_hits"] == 5 * 40  # five of six took the 40 shareable tokens from the first
+        # usage reports choice 0: the leader computed its prompt, the duplicate request took it from the cache
+        assert sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usages) == [0, 40]
