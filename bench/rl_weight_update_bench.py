@@ -67,8 +67,8 @@ def main() -> None:
 
     from token_engine.models import build_model
     from token_engine.models.arch import arch_from_config
-    from token_engine.rl.transfer import DistributedReceiver, IpcReceiver
     from token_engine.rl.trainer import update_info
+    from token_engine.rl.transfer import DistributedReceiver, IpcReceiver
     from token_engine.rl.weights import WeightTable
 
     config, shapes = _shapes(args.preset)

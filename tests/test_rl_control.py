@@ -284,3 +284,24 @@ def test_a_group_computes_its_prompt_once(model_dir):
         assert stats["prefix_cache_hits"] == 5 * 40  # five of six took the 40 shareable tokens from the first
         # usage reports choice 0: the leader computed its prompt, the duplicate request took it from the cache
         assert sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usages) == [0, 40]
+
+
+def test_ipc_handles_refuse_anything_but_a_cuda_tensor_rebuild(model_dir, monkeypatch):
+    import io
+    import os
+    import pickle
+
+    from token_engine.rl.transfer import _HandleUnpickler
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        _HandleUnpickler(io.BytesIO(pickle.dumps([{"gpu": Payload()}]))).load()
+    # the route's own refusals, on this CPU engine
+    with single_threaded_server(engine_config(model_dir), rl_control=True) as srv, srv.client() as c:
+        r = c.post("/init_weight_transfer_engine", json={"init_info": {}})
+        assert r.status_code == 400 and "CUDA" in r.json()["error"]["message"]
+        r = c.post("/init_weight_transfer_engine", json={"init_info": {}, "backend": "rdma"})
+        assert r.status_code == 400 and "rdma" in r.json()["error"]["message"]

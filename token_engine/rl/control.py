@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from token_engine.rl.transfer import create_receiver
+from token_engine.rl.transfer import DistributedReceiver, IpcReceiver, create_receiver
 from token_engine.rl.weights import WeightTable, WeightUpdateError, checksums, zero_weights
+
+if TYPE_CHECKING:
+    from token_engine.engine import LLMEngine
 
 log = logging.getLogger("token_engine.rl")
 
 
 class WeightControl:
-    def __init__(self, llm):
+    def __init__(self, llm: LLMEngine):
         self.llm = llm
         self.table = WeightTable(llm.model)
-        self.receiver = None
+        self.receiver: DistributedReceiver | IpcReceiver | None = None
         self.updating = False
         self.asleep = False
         self.sleep_level = 0
