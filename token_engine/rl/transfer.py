@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from token_engine.rl.weights import Destination, WeightTable, WeightUpdateError
+from token_engine.rl.weights import WIRE_DTYPES, Destination, WeightTable, WeightUpdateError
 
 RENDEZVOUS_TIMEOUT_S = 60.0
 STORE_PREFIX = "weight-transfer/"
@@ -116,12 +116,14 @@ class DistributedReceiver:
 class _HandleUnpickler(pickle.Unpickler):
     """Unpickles IPC handle tuples and nothing else that could run code."""
 
-    ALLOWED = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Size"),
-               ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("builtins", "tuple"), ("builtins", "dict")}
+    ALLOWED = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Size"), ("torch", "Tensor"),
+               ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"),
+               ("torch", "UntypedStorage"), ("builtins", "tuple"), ("builtins", "dict")}
+    DTYPES = frozenset(WIRE_DTYPES)
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self.ALLOWED or (module == "torch" and (name.endswith("Storage")
-                                                                    or name in ("float32", "float16", "bfloat16"))):
+        # reduce_tensor's args: tensor class, Size, storage class, dtype, handles as bytes
+        if (module, name) in self.ALLOWED or (module == "torch" and name in self.DTYPES):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in IPC handles")
 
