@@ -305,3 +305,14 @@ def test_ipc_handles_refuse_anything_but_a_cuda_tensor_rebuild(model_dir, monkey
         assert r.status_code == 400 and "CUDA" in r.json()["error"]["message"]
         r = c.post("/init_weight_transfer_engine", json={"init_info": {}, "backend": "rdma"})
         assert r.status_code == 400 and "rdma" in r.json()["error"]["message"]
+
+
+def test_the_serve_flag_switches_the_routes_either_way():
+    from token_engine.cli import build_parser
+    from token_engine.rl.routes import rl_control_enabled
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "/m"]).enable_rl_control is None
+    assert parse(["serve", "/m", "--enable-rl-control"]).enable_rl_control is True
+    off = parse(["serve", "/m", "--no-enable-rl-control"]).enable_rl_control
+    assert off is False and rl_control_enabled(off) is False
