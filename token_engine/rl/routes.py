@@ -110,8 +110,11 @@ def control(request: Request) -> ControlState:
 
 def _handler(fn):
     async def handler(request: Request) -> Response:
+        ctl = control(request)
+        if not ctl.engine.is_alive():  # control work runs on the engine thread: nobody would answer
+            return _error("the engine is not running", 503)
         try:
-            return await fn(request, control(request))
+            return await fn(request, ctl)
         except WeightUpdateError as exc:
             return _error(exc.message, exc.status, exc.param)
 
