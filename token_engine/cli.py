@@ -133,6 +133,9 @@ def _add_vllm_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
                    help="raw_logprobs: the model's log-softmax before sampling parameters; raw_logits: its logits "
                         "(the processed_* modes are refused)")
+    s.add_argument("--enable-rl-control", action=argparse.BooleanOptionalAction, default=None,
+                   help="the trainer routes (pause/resume, abort_requests, weight transfer, sleep; docs/rl.md); "
+                        "default: on when VLLM_SERVER_DEV_MODE=1, as vLLM")
     s.add_argument("--enable-log-requests", action="store_true",
                    help="log each request as it arrives (id, prompt length, sampling parameters)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
@@ -235,7 +238,8 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
           enable_prompt_tokens_details: bool = False, logprobs_format: str = "ids", log_level: str = "info",
           shutdown_grace_seconds: float = 30.0, access_log: bool = True, log_requests: bool = False,
           scheduling_policy: str | None = None, api_keys: list[str] | None = None,
-          header_timeout_s: float = 10.0, tls: dict[str, Any] | None = None) -> None:
+          header_timeout_s: float = 10.0, tls: dict[str, Any] | None = None,
+          rl_control: bool | None = None) -> None:
     import uvicorn
 
     from splitserve_common.auth import ApiKeys, warn_if_open
@@ -267,7 +271,8 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     # Warned once the engine is up and about to listen: a refused start stays one line on stderr.
     warn_if_open("token-engine", host, keys, log)
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
-                    log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys)
+                    log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys,
+                    rl_control=rl_control)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
     _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
@@ -358,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
               shutdown_grace_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
               log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy,
               api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout,
-              tls=vllm_flags.uvicorn_tls_settings(args))
+              tls=vllm_flags.uvicorn_tls_settings(args), rl_control=args.enable_rl_control)
     except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2

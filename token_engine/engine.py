@@ -7,6 +7,7 @@ reach the thread through an inbox, so every engine data structure is touched by 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -20,7 +21,9 @@ from token_engine.kv_cache import BlockManager
 from token_engine.kv_connector.base import KVConnector, create_kv_connector
 from token_engine.metrics import EngineMetrics
 from token_engine.model_runner import ModelRunner, kv_block_bytes
-from token_engine.sampler import Sampler, SamplingRow, logprobs_of
+from token_engine.rl.control import epoch_salt, weight_spans
+from token_engine.rl.logprob_controls import forced_token, prompt_entries
+from token_engine.sampler import Sampler, SamplingRow
 from token_engine.scheduler import Scheduler
 from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
 from token_engine.structured import GrammarCompiler, GrammarState
@@ -70,6 +73,7 @@ class SequenceDelta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     stop_reason: int | None = None
+    weight_versions: list[tuple[str, int, int]] | None = None  # (version, start, end) of output, on the last delta
 
 
 @dataclass
@@ -151,6 +155,9 @@ class LLMEngine:
         self._seq_request: dict[str, RequestState] = {}
         self._seen_prefix = (0, 0)
         self._seen_preemptions = 0
+        # RL weight updates (token_engine/rl): the label of the live weights and how often they changed
+        self.weight_version = "default"
+        self.weight_epoch = 0
 
     # ---- requests ---------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -169,6 +176,7 @@ class LLMEngine:
         if options.structured is not None and options.grammar is None:
             # Synchronous callers only: the server compiles off this thread before it adds the request.
             options = dataclasses.replace(options, grammar=self.grammars.compile(options.structured))
+        cache_salt = epoch_salt(cache_salt, self.weight_epoch)  # KV from older weights is never reused
         seqs = []
         for i in range(n):
             opts = options
@@ -180,7 +188,8 @@ class LLMEngine:
                 seq_id=request_id if n == 1 else f"{request_id}-{i}", request_id=request_id, index=i,
                 prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
                 priority=priority, cache_salt=cache_salt,
-                kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None))
+                kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None,
+                weight_marks=[(self.weight_version, 0)]))
         refusal = self.connector.admit(seqs, caller)
         if refusal is not None:
             raise ValueError(refusal)
@@ -269,12 +278,13 @@ class LLMEngine:
             blocked = opts.stop_token_ids | (frozenset() if opts.ignore_eos else seq.eos_token_ids)
         # Output history is only read by penalties; copying it every step would cost O(length) per token.
         history = seq.output_token_ids if opts.needs_penalties else []
-        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked, seq.grammar)
+        return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked, seq.grammar,
+                           forced_token(opts, seq.num_output_tokens))
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         k = seq.options.prompt_logprobs or 0
         targets = torch.tensor(seq.token_ids[first + 1:first + 1 + logits.shape[0]], device=logits.device)
-        entries = logprobs_of(logits.float().log_softmax(dim=1), targets, k)
+        entries = prompt_entries(seq.options, first, logits.float().log_softmax(dim=1), targets, k)
         for offset, entry in enumerate(entries):
             if len(seq.prompt_logprobs) == first + 1 + offset:  # a recompute after preemption adds nothing
                 seq.prompt_logprobs.append(entry)
@@ -297,7 +307,9 @@ class LLMEngine:
                 state.last_token_time[i] = now
                 m.generation_tokens_l.inc(len(new))
             logprobs, seq.new_logprobs = seq.new_logprobs, []
-            deltas.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason, seq.stop_reason))
+            deltas.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason, seq.stop_reason,
+                                        weight_spans(seq.weight_marks, seq.num_output_tokens)
+                                        if seq.is_finished else None))
             state.emitted[i] = -1 if seq.is_finished else state.emitted[i] + len(new)
         if not deltas:
             return
@@ -371,6 +383,8 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="token-engine", daemon=True)
         self.dead: str | None = None
+        self.frozen = False  # paused with mode=keep, or asleep: requests stay where they are, no step runs
+        self.refusal: str | None = None  # paused (abort/wait) or asleep: new generate requests get a 503 with this
 
     def start(self) -> None:
         self._thread.start()
@@ -392,6 +406,17 @@ class AsyncEngine:
     def abort_request(self, request_id: str) -> None:
         self.submit("abort", request_id)
 
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Runs ``fn(engine)`` on the engine thread between steps (control operations); its result or error."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.submit("call", fn, future)
+        return future
+
+    def set_frozen(self, frozen: bool) -> None:
+        with self._cv:
+            self.frozen = frozen
+            self._cv.notify()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
             self._stop = True
@@ -412,6 +437,13 @@ class AsyncEngine:
                     on_update(RequestUpdate(params[0], [], finished=True, error=str(exc)))
             elif kind == "abort":
                 self.engine.abort_request(*args)
+            elif kind == "call":
+                fn, future = args
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(exc)
 
     def _loop(self) -> None:
         try:
@@ -422,7 +454,7 @@ class AsyncEngine:
                 self._drain_inbox()
                 worked = False
                 sched = self.engine.scheduler
-                if self.engine.has_work() or sched.held_by_connector:
+                if (self.engine.has_work() or sched.held_by_connector) and not self.frozen:
                     try:
                         worked = self.engine.step()
                     except Exception as exc:
@@ -435,7 +467,9 @@ class AsyncEngine:
                     if self._inbox or self._stop:
                         continue
                     # Transfers in flight need polling about every millisecond; otherwise sleep until work.
-                    if self.engine.connector.has_inflight_transfers() or sched.waiting_for_remote:
+                    if self.frozen:
+                        self._cv.wait()
+                    elif self.engine.connector.has_inflight_transfers() or sched.waiting_for_remote:
                         self._cv.wait(0.001)
                     elif sched.held_by_connector or self.engine.has_work():
                         self._cv.wait(0.01)

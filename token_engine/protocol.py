@@ -41,6 +41,11 @@ class SamplingParams(msgspec.Struct):
     bad_words: list[str] | None = None
     structured_outputs: dict | None = None
     skip_reading_prefix_cache: bool | None = None
+    # RL logprob controls, as vLLM's SamplingParams (token_engine/rl/logprob_controls.py)
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprob_start: int | None = None
+    trace_decode_token_ids: list[int] | None = None
     # vLLM 0.32's render put a chat request's kv_transfer_params here (0.33's goes to the top level): read as such.
     extra_args: dict[str, Any] | None = None
 
@@ -130,15 +135,17 @@ class UsageInfo(msgspec.Struct):
 
 
 class WeightVersion(msgspec.Struct):
-    """vLLM's per-choice label of the weights that produced output tokens [start, end). The engine loads its
-    weights once, so one range, labelled "default" as vLLM does until a version is set."""
+    """vLLM's per-choice label of the weights that produced output tokens [start, end): "default" until a
+    trainer sets a version (finish_weight_update), one range per version that sampled tokens of the choice."""
 
     version: str
     start: int
     end: int
 
 
-def weight_versions(num_tokens: int) -> list[WeightVersion]:
+def weight_versions(num_tokens: int, spans: list[tuple[str, int, int]] | None = None) -> list[WeightVersion]:
+    if spans is not None:
+        return [WeightVersion(v, start, end) for v, start, end in spans]
     return [WeightVersion("default", 0, num_tokens)] if num_tokens else []
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from token_engine.rl.logprob_controls import with_token_ids
 from token_engine.sequence import SamplingOptions, TokenLogprob
 from token_engine.structured import GrammarState, apply_grammars_
 
@@ -27,6 +28,7 @@ class SamplingRow:
     generator: torch.Generator | None
     stop_ids_blocked: frozenset[int]  # ids masked while min_tokens is not reached (EOS + stop ids)
     grammar: GrammarState | None = None  # structured outputs: only what the grammar allows next
+    forced: int | None = None  # trace_decode_token_ids: the token emitted this step whatever was sampled
 
 
 def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
@@ -75,6 +77,10 @@ class Sampler:
             if any(r.options.needs_penalties for r in rows):
                 self._apply_penalties(logits, rows, vocab)
         tokens = self._choose(logits, rows, batch, vocab)
+        forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
+        if forced:  # teacher forcing: the given token, with its real logprob below
+            tokens[torch.tensor([i for i, _ in forced], device=device)] = torch.tensor(
+                [t for _, t in forced], device=device, dtype=tokens.dtype)
 
         token_list = tokens.tolist()
         logprob_out: list[TokenLogprob | None] = [None] * batch
@@ -85,8 +91,10 @@ class Sampler:
             if self.logprobs_mode == "raw_logprobs":
                 log_probs = log_probs.log_softmax(dim=1)
             entries = logprobs_of(log_probs, tokens.index_select(0, idx), max(want.values()))
-            for (i, top), entry in zip(want.items(), entries):
+            for row, ((i, top), entry) in enumerate(zip(want.items(), entries)):
                 entry.top = entry.top[:top]
+                if rows[i].options.logprob_token_ids is not None:
+                    entry = with_token_ids(entry, log_probs[row], rows[i].options.logprob_token_ids)
                 logprob_out[i] = entry
         return token_list, logprob_out
 

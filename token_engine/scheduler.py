@@ -20,6 +20,7 @@ from token_engine.kv_connector.base import (
     KVConnector,
     NoOpKVConnector,
 )
+from token_engine.rl.group_prefill import prefills_in_flight, share_key, waits_for_group_prefill
 from token_engine.sequence import Sequence, SequenceStatus
 
 
@@ -199,15 +200,21 @@ class Scheduler:
 
         # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
         i = 0
+        in_flight = prefills_in_flight(self.bm, self.running) if self.waiting else set()
         while not out.preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if not seq.block_table and not self.connector.may_start(seq):
                 i += 1  # its caller holds its share of leased KV: it waits, the ones behind it may start
                 continue
+            if waits_for_group_prefill(self.bm, seq, in_flight):
+                i += 1  # a sibling is computing this prompt's KV: take it from the cache next step
+                continue
             num_scheduled = self._admit(i, budget, out)
             if num_scheduled is None:
                 break
             budget -= num_scheduled
+            if (key := share_key(self.bm, seq)) is not None and seq.num_computed_tokens < seq.prompt_len:
+                in_flight.add(key)
         return out
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:

@@ -36,6 +36,11 @@ class SamplingOptions:
     structured: GuideSpec | None = None  # structured_outputs
     structured_after_reasoning: bool = False  # reasoning_ended false: unconstrained until </think>
     grammar: Any = field(default=None, compare=False)  # `structured` compiled (before the request is added)
+    # RL logprob controls (token_engine/rl/logprob_controls.py)
+    logprob_token_ids: tuple[int, ...] | None = None
+    prompt_logprob_token_ids: tuple[tuple[int, ...], ...] | None = None
+    prompt_logprob_start: int | None = None
+    trace_decode_token_ids: tuple[int, ...] | None = None  # teacher forcing: emitted instead of sampled
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +66,7 @@ class TokenLogprob:
     logprob: float
     rank: int
     top: list[tuple[int, float]]  # (token_id, logprob), rank i+1 at index i
+    top_ranks: list[int] | None = None  # the ranks of `top` when it is not the top-k (logprob_token_ids)
 
 
 _arrival_counter = itertools.count()
@@ -96,6 +102,8 @@ class Sequence:
     # filled by the engine as tokens are produced; drained by whoever streams them out
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # (weight version, first output token it sampled): the engine adds one when its weights change mid-request
+    weight_marks: list[tuple[str, int]] = field(default_factory=lambda: [("default", 0)])
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -86,7 +86,8 @@ def encode_logprobs(entries: list[TokenLogprob], legacy: bool):
     return p.GenerateLogProbs(content=[
         p.TokenLogprobEntry(
             token_id=e.token_id, logprob=_clamp(e.logprob), rank=e.rank,
-            top_logprobs=[p.TopLogprob(t, _clamp(lp), rank) for rank, (t, lp) in enumerate(e.top, start=1)])
+            top_logprobs=[p.TopLogprob(t, _clamp(lp), rank) for rank, (t, lp) in
+                          zip(e.top_ranks or range(1, len(e.top) + 1), e.top)])
         for e in entries])
 
 
@@ -96,7 +97,8 @@ def encode_prompt_logprobs(entries: list[TokenLogprob | None]) -> list[dict[int,
         if e is None:
             out.append(None)
             continue
-        d = {t: p.PromptLogprob(_clamp(lp), rank) for rank, (t, lp) in enumerate(e.top, start=1)}
+        d = {t: p.PromptLogprob(_clamp(lp), rank) for rank, (t, lp) in
+             zip(e.top_ranks or range(1, len(e.top) + 1), e.top)}
         d.setdefault(e.token_id, p.PromptLogprob(_clamp(e.logprob), e.rank))
         out.append(d)
     return out
@@ -195,6 +197,8 @@ class Generation:
         self.started = time.monotonic()
         self.done = False
         fmt = req.logprobs_format or state.default_logprobs_format
+        sp = req.sampling_params
+        self.wants_logprobs = sp.logprobs is not None or sp.logprob_token_ids is not None
         self.legacy_logprobs = fmt == "token_id_strings"
 
     def on_update(self, update: RequestUpdate) -> None:  # engine thread
@@ -231,6 +235,7 @@ class Generation:
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         reasons: list[str | None] = [None] * self.n
         stop_reasons: list[int | None] = [None] * self.n
+        spans: list[list[tuple[str, int, int]] | None] = [None] * self.n
         while True:
             update = await self.queue.get()
             for d in update.deltas:
@@ -239,6 +244,7 @@ class Generation:
                 if d.finish_reason is not None:
                     reasons[d.index] = d.finish_reason
                     stop_reasons[d.index] = d.stop_reason
+                    spans[d.index] = d.weight_versions
             if update.finished:
                 break
         if update.kv_transfer_params is not None:
@@ -249,7 +255,7 @@ class Generation:
         choices = [
             p.GenerateResponseChoice(
                 index=i, token_ids=tokens[i], finish_reason=reasons[i] or "stop", stop_reason=stop_reasons[i],
-                logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i])))
+                logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i]), spans[i]))
             for i in range(self.n)
         ]
         body = p.GenerateResponse(
@@ -263,7 +269,7 @@ class Generation:
         return Response(msgspec.json.encode(body), media_type=JSON)
 
     def choice_logprobs(self, entries: list[TokenLogprob]):
-        want_top = self.req.sampling_params.logprobs is not None
+        want_top = self.wants_logprobs
         if not self.req.return_token_logprobs:
             return encode_logprobs(entries, self.legacy_logprobs) if want_top else None
         # vLLM's fast path: just the sampled tokens' logprobs, as a flat list.
@@ -275,7 +281,7 @@ class Generation:
         opts = self.req.stream_options
         include_usage = bool(opts is not None and opts.include_usage)
         continuous = bool(opts is not None and opts.continuous_usage_stats)
-        want_logprobs = self.req.sampling_params.logprobs is not None
+        want_logprobs = self.wants_logprobs
         counts = [0] * self.n
         first = True
         try:
@@ -292,7 +298,7 @@ class Generation:
                         stop_reason=d.stop_reason,
                         logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
                     if d.finish_reason is not None:
-                        choice.weight_versions = p.weight_versions(counts[d.index])
+                        choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
                     if update.kv_transfer_params is not None and d is update.deltas[-1]:
                         # the caller learns what is held for it only from the final event (as non-streaming)
                         chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
@@ -364,6 +370,8 @@ async def generate(request: Request) -> Response:
                               "priority")
     if not state.engine.is_alive():
         return error_response("the engine is not running", 503)
+    if state.engine.refusal is not None:  # paused for a weight update (abort/wait) or asleep
+        return error_response(state.engine.refusal, 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
     gen = Generation(state, req, REQUEST_ID_PREFIX + suffix, n)
     if state.log_requests:
@@ -483,9 +491,13 @@ UNAUTHORIZED_BODY = p.error_body("Unauthorized: missing or invalid API key", 401
 
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids", *, log_requests: bool = False,
-              scheduling_policy: str | None = None, api_keys: ApiKeys | None = None) -> Starlette:
-    """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one."""
-    routes = [
+              scheduling_policy: str | None = None, api_keys: ApiKeys | None = None,
+              rl_control: bool | None = None) -> Starlette:
+    """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one.
+    ``rl_control`` (default: VLLM_SERVER_DEV_MODE=1, as vLLM) adds the trainer routes of token_engine/rl."""
+    from token_engine.rl.routes import rl_control_enabled, rl_routes
+
+    routes = [*(rl_routes(_guarded) if rl_control_enabled(rl_control) else []),
         Route("/inference/v1/generate", _guarded(generate), methods=["POST"]),
         Route("/inference/v1/abort_requests", _guarded(abort_requests), methods=["POST"]),
         Route("/abort_requests", _guarded(abort_requests), methods=["POST"]),

@@ -14,6 +14,7 @@ from msgspec import UNSET
 from splitserve_common.limits import kv_transfer_params_violation
 from token_engine.kv_connector.base import foreign_prefill_params
 from token_engine.protocol import GenerateRequest
+from token_engine.rl.logprob_controls import apply_logprob_controls
 from token_engine.sequence import SamplingOptions
 from token_engine.structured import GrammarError, parse_structured_outputs
 
@@ -202,4 +203,5 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         structured=structured,
         structured_after_reasoning=structured is not None and req.reasoning_ended is False,
     )
+    options = apply_logprob_controls(sp, options, limits.vocab_size, limits.max_model_len, prompt_len)
     return options, sp.n
