@@ -151,7 +151,7 @@ def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[
     except TemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     ids = _encode(rendered.text, config)
-    turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans)
+    turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans, _end_markers(config))
     indices, flags = turns.attribute(_offsets(rendered.text, ids, config))
     return TurnRender(ids, tools, message_indices=indices, assistant_tokens_mask=flags)
 
@@ -160,8 +160,7 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
                      k: int, masks: bool) -> TurnRender:
     template, messages, arguments, tools = _inputs(req, config, kwargs)
     render = _render_fn(template)
-    tokenizer = cast(TextTokenizer, config.tokenizer)
-    ends = [t for t in (tokenizer.id_to_token(i) for i in config.bundle.eos_token_ids) if t]
+    ends = _end_markers(config)
     bridge = template_bridge(render, messages, arguments, k, template.content_format, ends)
     assert bridge.text is not None and bridge.full is not None
     completion = turn.completion_token_ids
@@ -182,15 +181,16 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
                       matches_full_render=span is None, differing_span=span)
     done = TurnRender(ids, tools, extend=info)
     if masks:
-        turns = text_turns(render, messages, arguments, bridge.full)
+        turns = text_turns(render, messages, arguments, bridge.full, end_markers=ends)
         head = _prompt_turns(render, messages, arguments, k, turn.prompt_token_ids, config)
         base = len(bridge.full) - len(text)
-        tail_indices, tail_flags = turns.attribute(offsets, base)
-        closing_at = [i for i, (start, _) in enumerate(offsets) if start < closing]
-        for i in closing_at:  # the close is the sampled turn's, written by the template
-            tail_indices[i], tail_flags[i] = k, 0
+        tail_indices, _ = turns.attribute(offsets, base)
+        for i, (start, _) in enumerate(offsets):
+            if start < closing:  # the close is the sampled turn's, written by the template
+                tail_indices[i] = k
         done.message_indices = head[0] + [k] * len(completion) + tail_indices
-        done.assistant_tokens_mask = head[1] + [1] * len(completion) + tail_flags
+        # Every appended id is the template's: the model sampled none of them.
+        done.assistant_tokens_mask = head[1] + [1] * len(completion) + [0] * len(suffix)
     return done
 
 
@@ -203,8 +203,15 @@ def _prompt_turns(render: Any, messages: list[dict[str, Any]], arguments: dict[s
     if text:
         ids = _encode(text, config)
         if ids == list(prompt):
-            return text_turns(render, messages[:k], head_args, text).attribute(_offsets(text, ids, config))
+            turns = text_turns(render, messages[:k], head_args, text, end_markers=_end_markers(config))
+            return turns.attribute(_offsets(text, ids, config))
     return [-1] * len(prompt), [0] * len(prompt)
+
+
+def _end_markers(config: RenderConfig) -> list[str]:
+    """The text of the bundle's end-of-turn (EOS) tokens."""
+    tokenizer = cast(TextTokenizer, config.tokenizer)
+    return [t for t in (tokenizer.id_to_token(i) for i in config.bundle.eos_token_ids) if t]
 
 
 def _decoder(config: RenderConfig) -> Any:
