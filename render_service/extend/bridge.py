@@ -45,33 +45,37 @@ class Bridge:
     method: str = "probe"
 
 
-def common_suffix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """The length of the longest common tail of two strings or lists."""
-    n = min(len(a), len(b))
-    if a[len(a) - n:] == b[len(b) - n:]:
-        return n
-    lo, hi = 0, n  # binary search on the (monotone) property "the last m are equal"
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+_CHUNK = 4096
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The length of the longest common head of two strings or lists: compared a chunk at a time (C speed),
+    then element by element inside the first chunk that differs; O(length)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    at = 0
+    while at < n:
+        stop = min(n, at + _CHUNK)
+        if a[at:stop] != b[at:stop]:
+            while a[at] == b[at]:
+                at += 1
+            return at
+        at = stop
+    return n
+
+
+def common_suffix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The length of the longest common tail of two strings or lists (as ``common_prefix``, from the end)."""
+    la, lb = len(a), len(b)
+    n = min(la, lb)
+    done = 0
+    while done < n:
+        size = min(n - done, _CHUNK)
+        if a[la - done - size:la - done] != b[lb - done - size:lb - done]:
+            while a[la - done - 1] == b[lb - done - 1]:
+                done += 1
+            return done
+        done += size
+    return n
 
 
 def probe_message(content_format: str) -> dict[str, Any]:
@@ -96,11 +100,14 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     text = full[len(full) - after:]
     # The close: what the template writes after the probe when the assistant turn ends the conversation, as far
     # as it agrees with the bridge (nothing for templates whose next message is the turn's end, as GLM's).
+    # The close: what the template writes after the probe when the assistant turn ends a conversation, as far as
+    # it agrees with the bridge (nothing for templates whose next message is the turn's end, as GLM's). Measured
+    # on the sampled turn's predecessor and the probe alone: it only counts ids and attributes them, cheaply.
     closing = len(text)
     if k + 1 < len(messages):
         last = dict(arguments, add_generation_prompt=False)
         try:
-            alone = render([*messages[:k], probe_message(content_format)], **last)
+            alone = render([*messages[max(0, k - 1):k], probe_message(content_format)], **last)
         except Exception:
             alone = None
         closing = 0

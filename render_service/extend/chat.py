@@ -167,14 +167,14 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     added = {i: t for t, i in cast(TextTokenizer, config.tokenizer).added_token_ids.items()}
     text, closing = drop_sampled_marker(bridge.text, bridge.closing_chars, completion[-1] if completion else None,
                                         added)
-    suffix = config.tokenizer.encode(text) if text else []
+    suffix = _encode(text, config) if text else []  # (through the piece cache: a new message seen before is a hit)
     kept = [*turn.prompt_token_ids, *completion]
     ids = kept + suffix
     full_ids = _encode(bridge.full, config)
     decode = _decoder(config)
     span = differing_span(full_ids, ids, decode)
-    offsets = _offsets(text, suffix, config) if (masks or closing) and suffix else []
-    closing_ids = sum(1 for start, _ in offsets if start < closing)
+    offsets = _offsets(text, suffix, config) if masks and suffix else []
+    closing_ids = len(config.tokenizer.encode(text[:closing])) if closing else 0  # (the close starts at a cut)
     info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=len(kept), closing_tokens=closing_ids,
                       new_tokens=len(suffix) - closing_ids,
                       suffix_matches_full_render=full_ids[len(full_ids) - len(suffix):] == suffix,
