@@ -152,9 +152,11 @@ def _conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
     messages, _ = agent_trace(dataclasses.replace(AgentTraceSpec(), rounds=1500, reasoning=False,
                                                        result_chars=(300, 2400)))
     end = 3
-    for i in range(3, len(messages)):
-        if messages[i]["role"] == "tool" and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool"):
-            if sum(len(json.dumps(m)) for m in messages[:i + 1]) // 4 > size:
+    chars = 0
+    for i in range(len(messages)):
+        chars += len(json.dumps(messages[i]))
+        if i >= 3 and messages[i]["role"] == "tool" and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool"):
+            if chars // 4 > size:
                 break
             end = i + 1
     return messages[:end]

@@ -229,3 +229,28 @@ def test_extend_over_http_chat_and_messages():
             reply = server.client.post("/v1/chat/completions/render", json={**body, "previous_turn": bad})
             assert reply.status_code == 400, reply.text
             assert reply.json()["error"]["message"]
+
+
+def test_common_prefix_and_suffix_agree_with_the_plain_definition():
+    import random
+
+    from render_service.extend.bridge import common_prefix, common_suffix
+
+    def plain_prefix(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(7)
+    for _ in range(300):
+        base = [rng.randrange(3) for _ in range(rng.randrange(0, 9000))]
+        other = list(base)
+        for _ in range(rng.randrange(0, 3)):
+            if other:
+                other[rng.randrange(len(other))] = 9
+        other = other[:rng.randrange(len(other) + 1)] if rng.random() < 0.3 else other
+        assert common_prefix(base, other) == plain_prefix(base, other)
+        assert common_suffix(base, other) == plain_prefix(base[::-1], other[::-1])
+        text_a, text_b = "".join(map(str, base)), "".join(map(str, other))
+        assert common_prefix(text_a, text_b) == plain_prefix(text_a, text_b)
