@@ -215,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         from render_service.harmony.bundle import gpt_oss_bundle_dir
 
         configs["gpt-oss"] = build_render_config(load_bundle(str(gpt_oss_bundle_dir())), served_model_names=["m"])
-    result: dict[str, Any] = {"breaks": breaks(configs, args.rollouts),
-                              "cpu": cpu(qwen, [int(s) for s in args.sizes.split(",")], args.reps)}
+    result: dict[str, Any] = {}
+    if args.rollouts:
+        result["breaks"] = breaks(configs, args.rollouts)
+        print(json.dumps(result["breaks"]), flush=True)
+    if args.sizes:
+        result["cpu"] = cpu(qwen, [int(s) for s in args.sizes.split(",")], args.reps)
+        print(json.dumps(result["cpu"]), flush=True)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], VLLM_RS)
@@ -258,7 +263,8 @@ def agent_loops(sizes: list[int], agents: list[int], vllm_rs: Path, seed: int = 
 
         pids["vllm-rs"] = subprocess.Popen(
             [str(vllm_rs), "render", str(model), "--port", str(rs_port), "--host", "127.0.0.1",
-             "--served-model-name", arb.MODEL, "--max-model-len", str(max_len), *arb.PARSER_FLAGS],
+             "--served-model-name", arb.MODEL, "--max-model-len", str(max_len), "--reasoning-parser", "qwen3",
+             "--tool-call-parser", "hermes"],  # (vllm-rs takes no --enable-auto-tool-choice)
             stdout=handle, stderr=subprocess.STDOUT).pid
     rows = []
     try:
