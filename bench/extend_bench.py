@@ -292,7 +292,10 @@ def agent_loops(sizes: list[int], agents: list[int], vllm_rs: Path, seed: int = 
                         end = ends[turn]
                         body = chat_body(arb.MODEL, messages[:end], tools)
                         raw = json.dumps(body).encode()
-                        full_ms, _, n = arb.measure(clients["ours"], cpus["ours"], raw)
+                        try:
+                            full_ms, _, n = arb.measure(clients["ours"], cpus["ours"], raw)
+                        except httpx.HTTPStatusError:  # past the context window: the agent's trace ends here
+                            continue
                         rs_ms, _, _ = arb.measure(clients["vllm-rs"], cpus["vllm-rs"], raw)
                         ext_ms = None
                         if previous[a] is not None and turn > 0:
