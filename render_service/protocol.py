@@ -16,6 +16,8 @@ from typing import Any, Literal, TypedDict
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from render_service.extend.protocol import ExtendInfo, PreviousTurn
+
 # Structs repeat their shared fields on purpose: msgspec puts inherited fields first, reordering vLLM's keys.
 # --------------------------------------------------------------------------------------------- errors
 
@@ -145,6 +147,11 @@ class ChatCompletionRequest(msgspec.Struct):
     user: str | None = None
     request_id: str | None = None
     conversation_id: str | None = None  # vLLM's multi-turn P/D proxy: keys KV reuse across turns (gateway)
+    # Exact multi-turn tokens (render_service/extend/, docs/rl.md): extend the sampled ids of the previous turn,
+    # and per-token loss masks (vLLM's return_assistant_tokens_mask; message_indices is ours).
+    previous_turn: PreviousTurn | None = None
+    return_assistant_tokens_mask: bool = False
+    return_message_indices: bool = False
 
 
 class CompletionRequest(msgspec.Struct):
@@ -227,6 +234,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     assistant_tokens_mask: list[int] | UnsetType = UNSET
+    message_indices: list[int] | UnsetType = UNSET  # ours: which message each prompt token came from
+    extend: ExtendInfo | UnsetType = UNSET  # ours: how a render with previous_turn was made
     return_token_logprobs: bool | UnsetType = UNSET
     return_top_k_logprobs: bool | UnsetType = UNSET
     render_fingerprint: str | UnsetType = UNSET

@@ -301,32 +301,47 @@ def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids
         choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
         # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
         return render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, choice), kwargs, None
+    template, messages, arguments, tools = chat_template_inputs(req, config, kwargs)
+    try:
+        text = template.render(messages, **arguments)
+    except TemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+        raise template_failure(exc) from None
+    return encode_prompt(text, config, view=ids_view), kwargs, tools
+
+
+def template_failure(exc: Exception) -> Exception:
+    """The template ran on client data and choked on it (say, a number where it expects text): a 400."""
+    return bad_request(f"The chat template failed on this request: {type(exc).__name__}: {exc}", "messages")
+
+
+def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]
+                         ) -> tuple[ChatTemplate, list[dict[str, Any]], dict[str, Any], list[dict[str, Any]] | None]:
+    """(template, messages, keyword arguments, tools) of a chat request's template render (kwargs: resolved
+    chat_template_kwargs); the extend render (render_service/extend/) renders the same inputs."""
     template = chat_template_for(req, config)
-    tools = None
     try:
         # As vLLM: content shaped for the template, developer role folded into system where the
         # template lacks it, tools in vLLM's model_dump shape.
         messages = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
         tools = prepare_tools(req.tools) if req.tools else None
-        arguments: dict[str, Any] = {
-            "tools": tools,
-            "documents": req.documents,
-            "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message,
-        }
-        if req.reasoning_effort is not None:
-            # vLLM 0.33 hands the request's reasoning_effort to the template too (DeepSeek-V4's reads it)
-            arguments["reasoning_effort"] = req.reasoning_effort
-        # As in vLLM, chat_template_kwargs override the request's own template arguments.
-        arguments.update(kwargs)
-        text = template.render(messages, **arguments)
     except TemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
-        # The template ran on client data and choked on it (say, a number where it expects text).
-        message = f"The chat template failed on this request: {type(exc).__name__}: {exc}"
-        raise bad_request(message, "messages") from None
-    return encode_prompt(text, config, view=ids_view), kwargs, tools
+        raise template_failure(exc) from None
+    arguments: dict[str, Any] = {
+        "tools": tools,
+        "documents": req.documents,
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+    }
+    if req.reasoning_effort is not None:
+        # vLLM 0.33 hands the request's reasoning_effort to the template too (DeepSeek-V4's reads it)
+        arguments["reasoning_effort"] = req.reasoning_effort
+    # As in vLLM, chat_template_kwargs override the request's own template arguments.
+    arguments.update(kwargs)
+    return template, messages, arguments, tools
 
 
 def encode_prompt(text: str, config: RenderConfig, *, view: bool = False) -> list[int]:
@@ -368,7 +383,12 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
     if config.harmony:
         return _render_harmony_chat(req, config, tool_choice, named, request_id, given)
-    if given is None:
+    turns = None
+    if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
+                          or req.return_message_indices):
+        turns = _turn_render(req, config)
+        token_ids, kwargs, tools = turns.token_ids, resolve_chat_template_kwargs(req, config), turns.tools
+    elif given is None:
         token_ids, kwargs, tools = _render_chat_prompt(req, config, ids_view=ids_view)
     else:  # messages and tools still shape the parsers and the response: checked as if rendered
         if not req.messages:
@@ -416,7 +436,29 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         reasoning_parser_kwargs=reasoning_kwargs,
         # (ids given: the tools are prepared only here, so their errors still come after the sampling checks)
         parse_context=parse_context(req, tools if given is None else _parse_context_tools(req), template_kwargs),
+        **_turn_fields(turns),
     )
+
+
+def _turn_render(req: ChatCompletionRequest, config: RenderConfig) -> Any:
+    """The extend render and loss masks (render_service/extend/): a request with ``previous_turn`` or a mask."""
+    from render_service.extend.chat import turn_render
+
+    if not req.messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
+    if violation:
+        raise bad_request(*violation)
+    return turn_render(req, config, resolve_chat_template_kwargs(req, config))
+
+
+def _turn_fields(turns: Any) -> dict[str, Any]:
+    """The answer's extend and mask fields, where they were asked for."""
+    if turns is None:
+        return {}
+    fields = {"extend": turns.extend, "message_indices": turns.message_indices,
+              "assistant_tokens_mask": turns.assistant_tokens_mask}
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
@@ -432,6 +474,11 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
         raise bad_request(*violation)
     token_ids, structured = prerendered_harmony_ids(req, config, tool_choice, named, given) if given is not None \
         else render_harmony_request(req, config, tool_choice, named)
+    turns = None
+    if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
+                          or req.return_message_indices):
+        turns = _turn_render(req, config)
+        token_ids = turns.token_ids
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     params = build_sampling_params(
@@ -443,7 +490,7 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     )
     return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id, req.request_id),
                              token_ids=token_ids, sampling_params=params, model=check_model(req.model, config),
-                             parse_context=parse_context(req, _parse_context_tools(req), {}))
+                             parse_context=parse_context(req, _parse_context_tools(req), {}), **_turn_fields(turns))
 
 
 def prompt_ends_reasoning(token_ids: list[int], config: RenderConfig) -> bool:

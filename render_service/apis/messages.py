@@ -274,6 +274,9 @@ def to_chat(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionR
         continue_final_message=prefill,
         kv_transfer_params=req.kv_transfer_params,
         include_reasoning=shows_thinking(thinking, config),
+        previous_turn=req.previous_turn,
+        return_assistant_tokens_mask=req.return_assistant_tokens_mask,
+        return_message_indices=req.return_message_indices,
     )
     return chat, budget
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from render_service.extend.protocol import PreviousTurn
 from render_service.protocol import GenerateResponse, GenerateStreamResponse
 
 
@@ -35,6 +36,10 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
     ignore_eos: bool = False
+    # ours (docs/rl.md): extend the previous turn's sampled ids; per-token loss masks
+    previous_turn: PreviousTurn | None = None
+    return_assistant_tokens_mask: bool = False
+    return_message_indices: bool = False
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):

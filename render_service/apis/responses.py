@@ -257,6 +257,9 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
         priority=req.priority,
         kv_transfer_params=req.kv_transfer_params,
         user=req.user,
+        previous_turn=req.previous_turn,
+        return_assistant_tokens_mask=req.return_assistant_tokens_mask,
+        return_message_indices=req.return_message_indices,
     )
 
 

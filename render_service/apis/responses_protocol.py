@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from render_service.extend.protocol import PreviousTurn
 from render_service.protocol import GenerateResponse, GenerateStreamResponse
 
 
@@ -56,6 +57,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # ours (docs/rl.md): extend the previous turn's sampled ids; per-token loss masks
+    previous_turn: PreviousTurn | None = None
+    return_assistant_tokens_mask: bool = False
+    return_message_indices: bool = False
 
 
 # ------------------------------------------------------------------------------------------- output

@@ -1,0 +1,332 @@
+"""Exact multi-turn tokens: breaks over synthetic RL rollouts, full re-render against extend, and CPU per turn.
+
+breaks  --rollouts agent rollouts on Qwen3 (hermes tool calls) and gpt-oss (Harmony), each a few turns whose
+        sampled text a model could really write but a template re-renders differently: Python-style booleans,
+        odd spacing and key order in tool-call JSON, reasoning the template drops once a user message follows,
+        outputs cut by ``length``. A break: the next turn's prompt does not start with the previous prompt and
+        the sampled completion, byte for byte. Counted for the full re-render (the next prompt rendered from the
+        messages alone) and for the extend render (``previous_turn``); an extend that fell back counts as a
+        break too.
+cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tokens; the last turn rendered
+        both ways in this process, thread CPU per render (median of --reps, after a warm-up that leaves the
+        piece cache as an agent loop leaves it): the full render, and the extend render of the same turn.
+
+agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one or several interleaved, each body
+        sent to our render server (full render, then the same turn as an extend of ours' previous answer) and to
+        vllm-rs (``vllm-rs render``, the Rust render server in vLLM 0.34's wheel); server CPU per render from the
+        process trees' schedstat (bench/agent_render_bench.py's TreeCpu), turns whose prompt is in (size/2, size].
+
+usage: python -m bench.extend_bench [--rollouts 300] [--sizes 8192,32768,131072] [--reps 7] [--out FILE]
+                                    [--agents 1,8 --agent-sizes 32768,131072]
+Results: bench/results/extend_bench.json (or --out). Figures are ratios inside one run: the box is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench.agent_trace import AgentTraceSpec, agent_trace
+from render_service.bundle import load_bundle
+from render_service.protocol import ChatCompletionRequest
+from render_service.render import render_chat
+from render_service.render_config import RenderConfig, build_render_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIXTURE = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"
+
+TOOLS = [{"type": "function", "function": {
+    "name": "search", "description": "Search the files.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "exact": {"type": "boolean"},
+                                                    "limit": {"type": "integer"}}, "required": ["q"]}}}]
+# (as the model wrote the arguments, as the client parsed them)
+ARGUMENTS = [('{"exact": False,  "q": "cats"}', {"q": "cats", "exact": False}),
+             ('{ "q":"cats","limit" :3 }', {"q": "cats", "limit": 3}),
+             ('{"q": "cats", "exact": true}', {"q": "cats", "exact": True}),
+             ('{"limit": 10, "q": "cats dogs"}', {"q": "cats dogs", "limit": 10}),
+             ('{"q": "cats"}', {"q": "cats"})]
+
+
+def _render(config: RenderConfig, **fields: Any) -> list[int]:
+    fields.setdefault("tool_choice", "none")
+    gen = render_chat(msgspec.convert(fields, ChatCompletionRequest), config)
+    return list(gen.token_ids)
+
+
+def _extend(config: RenderConfig, messages: list[dict[str, Any]], prompt: list[int], completion: list[int]
+            ) -> tuple[list[int], bool]:
+    fields = {"messages": messages, "tools": TOOLS, "tool_choice": "none",
+              "previous_turn": {"prompt_token_ids": prompt, "completion_token_ids": completion}}
+    gen = render_chat(msgspec.convert(fields, ChatCompletionRequest), config)
+    return list(gen.token_ids), bool(gen.extend and gen.extend.extended)
+
+
+def _qwen_turn(rng: random.Random, turn: int, last: bool) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """(sampled text, parsed assistant message, the messages that follow it) for one Qwen3 turn."""
+    reasoning = rng.choice(["Let me look.", "I should search first.", None])
+    think = f"<think>\n{reasoning}\n</think>\n\n" if reasoning else "<think>\n\n</think>\n\n"
+    if last:
+        answer = rng.choice(["There are 3 cats.", "Done: 2 files match.", "Nothing found."])
+        text = think + answer + "<|im_end|>"
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
+        follow = [{"role": "user", "content": rng.choice(["thanks", "and dogs?", "ok"])}]
+    else:
+        raw, parsed = rng.choice(ARGUMENTS)
+        truncated = rng.random() < 0.15
+        call = f'<tool_call>\n{{"name": "search", "arguments": {raw}}}\n</tool_call>'
+        text = think + call + ("" if truncated else "<|im_end|>")
+        if truncated:
+            text = text[:-9]  # cut inside the call by max_tokens
+        call_id = f"call_{turn}"
+        message = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "search", "arguments": json.dumps(parsed)}}]}
+        follow = [{"role": "tool", "tool_call_id": call_id, "content": rng.choice(["3 cats", "[]", "a.txt\nb.txt"])}]
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return text, message, follow
+
+
+def _harmony_turn(rng: random.Random, turn: int, last: bool) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    reasoning = rng.choice(["Need to search.", "Check files."])
+    analysis = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant"
+    if last:
+        answer = rng.choice(["There are 3 cats.", "Nothing found."])
+        text = analysis + f"<|channel|>final<|message|>{answer}<|return|>"
+        message: dict[str, Any] = {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+        return text, message, [{"role": "user", "content": "thanks"}]
+    raw, parsed = rng.choice(ARGUMENTS)
+    text = analysis + f" to=functions.search<|channel|>commentary <|constrain|>json<|message|>{raw}<|call|>"
+    call_id = f"call_{turn}"
+    message = {"role": "assistant", "content": "", "reasoning_content": reasoning, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "search", "arguments": json.dumps(parsed)}}]}
+    return text, message, [{"role": "tool", "tool_call_id": call_id, "content": rng.choice(["3 cats", "[]"])}]
+
+
+def breaks(configs: dict[str, RenderConfig], rollouts: int, turns: int = 3) -> dict[str, Any]:
+    """Per family: rollouts, turn seams, breaks with the full re-render and with extend, extend fallbacks."""
+    out: dict[str, Any] = {}
+    for family, config in configs.items():
+        make = _harmony_turn if config.harmony else _qwen_turn
+        rng = random.Random(f"extend-bench/{family}")
+        seams = full_breaks = extend_breaks = fallbacks = broken_rollouts = 0
+        count = rollouts // len(configs)
+        for _ in range(count):
+            messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
+                                              {"role": "user", "content": "find cats"}]
+            prompt = _render(config, messages=messages, tools=TOOLS)
+            broke = False
+            for turn in range(turns):
+                text, message, follow = make(rng, turn, turn == turns - 1)
+                completion = config.tokenizer.encode(text)
+                messages = [*messages, message, *follow]
+                kept = prompt + completion
+                full = _render(config, messages=messages, tools=TOOLS)
+                extended, ok = _extend(config, messages, prompt, completion)
+                seams += 1
+                if full[:len(kept)] != kept:
+                    full_breaks += 1
+                    broke = True
+                if not ok:
+                    fallbacks += 1
+                if extended[:len(kept)] != kept:
+                    extend_breaks += 1
+                prompt = extended
+            broken_rollouts += broke
+        out[family] = {"rollouts": count, "seams": seams, "full_rerender_breaks": full_breaks,
+                       "full_rerender_broken_rollouts": broken_rollouts, "extend_breaks": extend_breaks,
+                       "extend_fallbacks": fallbacks}
+    return out
+
+
+def _conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
+    """Agent-trace messages whose render is about ``size`` tokens, ending with a round's tool results."""
+    messages, _ = agent_trace(dataclasses.replace(AgentTraceSpec(), rounds=1500, reasoning=False,
+                                                       result_chars=(300, 2400)))
+    end = 3
+    chars = 0
+    for i in range(len(messages)):
+        chars += len(json.dumps(messages[i]))
+        if i >= 3 and messages[i]["role"] == "tool" and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool"):
+            if chars // 4 > size:
+                break
+            end = i + 1
+    return messages[:end]
+
+
+def _thread_ms(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.thread_time()
+        fn()
+        times.append((time.thread_time() - start) * 1000)
+    return statistics.median(times)
+
+
+def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        messages = _conversation(size, config)
+        k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = _render(config, messages=messages[:k], tools=TOOLS)
+        text = "<tool_call>\n" + "\n</tool_call>\n<tool_call>\n".join(
+            json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
+            for c in messages[k]["tool_calls"]) + "\n</tool_call><|im_end|>"
+        completion = config.tokenizer.encode(text)
+        full_body = {"messages": messages, "tools": TOOLS, "tool_choice": "none"}
+        ext_body = {**full_body, "previous_turn": {"prompt_token_ids": prompt, "completion_token_ids": completion}}
+        full_req = msgspec.convert(full_body, ChatCompletionRequest)
+        ext_req = msgspec.convert(ext_body, ChatCompletionRequest)
+        ids = render_chat(full_req, config).token_ids  # warm: the piece cache as an agent loop leaves it
+        ext = render_chat(ext_req, config)
+        assert ext.extend and ext.extend.extended, ext.extend
+        full_ms = _thread_ms(lambda req=full_req: render_chat(req, config), reps)
+        ext_ms = _thread_ms(lambda req=ext_req: render_chat(req, config), reps)
+        rows.append({"size": size, "prompt_tokens": len(ids), "messages": len(messages), "full_render_ms": full_ms,
+                     "extend_ms": ext_ms, "extend_over_full": ext_ms / full_ms,
+                     "new_tokens": ext.extend.new_tokens + ext.extend.closing_tokens})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollouts", type=int, default=300)
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--model", default=str(FIXTURE))
+    ap.add_argument("--no-harmony", action="store_true")
+    ap.add_argument("--agents", default="", help="also agent loops against vllm-rs: agent counts (e.g. 1,8)")
+    ap.add_argument("--agent-sizes", default="32768,131072")
+    ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
+    args = ap.parse_args(argv)
+    bundle = load_bundle(args.model)
+    bundle = dataclasses.replace(bundle, max_model_len=max(bundle.max_model_len, 262144))
+    qwen = build_render_config(bundle, served_model_names=["m"])
+    configs = {"qwen3": qwen}
+    if not args.no_harmony:
+        from render_service.harmony.bundle import gpt_oss_bundle_dir
+
+        configs["gpt-oss"] = build_render_config(load_bundle(str(gpt_oss_bundle_dir())), served_model_names=["m"])
+    result: dict[str, Any] = {}
+    if args.rollouts:
+        result["breaks"] = breaks(configs, args.rollouts)
+        print(json.dumps(result["breaks"]), flush=True)
+    if args.sizes:
+        result["cpu"] = cpu(qwen, [int(s) for s in args.sizes.split(",")], args.reps)
+        print(json.dumps(result["cpu"]), flush=True)
+    if args.agents:
+        result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
+                                            [int(a) for a in args.agents.split(",")], VLLM_RS)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+
+# ------------------------------------------------------------------ agent loops: ours against vllm-rs, one run
+
+VLLM_RS = Path(os.environ.get("VLLM_RS", "/work/peers/vllm034-src/vllm/vllm-rs"))
+
+
+def _sampled_text(message: dict[str, Any]) -> str:
+    """What a Qwen3 model samples for an agent-trace assistant message (hermes tool calls, its end marker)."""
+    calls = "".join(f'\n<tool_call>\n{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}'
+                    "\n</tool_call>" for c in message.get("tool_calls") or [])
+    return (message.get("content") or "") + calls + "<|im_end|>"
+
+
+def agent_loops(sizes: list[int], agents: list[int], vllm_rs: Path, seed: int = 0) -> list[dict[str, Any]]:
+    """Server CPU per render of growing agent conversations (turns whose prompt is in (size/2, size]) sent in
+    turn to ours (full render), ours (extend: previous_turn from ours' previous answer) and vllm-rs."""
+    import httpx
+
+    from bench import agent_render_bench as arb
+    from bench import peers
+    from bench.agent_trace import chat_body
+
+    max_len = max(sizes) * 2
+    model = arb.long_context_model(max_len)
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    ours_port, rs_port = peers.free_port(), peers.free_port()
+    pids = {"ours": arb.start_ours(model, ours_port, logs / "extend-ours.log", None, max_len)}
+    with open(logs / "extend-vllm-rs.log", "wb") as handle:
+        import subprocess
+
+        pids["vllm-rs"] = subprocess.Popen(
+            [str(vllm_rs), "render", str(model), "--port", str(rs_port), "--host", "127.0.0.1",
+             "--served-model-name", arb.MODEL, "--max-model-len", str(max_len), "--reasoning-parser", "qwen3",
+             "--tool-call-parser", "hermes"],  # (vllm-rs takes no --enable-auto-tool-choice)
+            stdout=handle, stderr=subprocess.STDOUT).pid
+    rows = []
+    try:
+        urls = {"ours": f"http://127.0.0.1:{ours_port}", "vllm-rs": f"http://127.0.0.1:{rs_port}"}
+        for name, url in urls.items():
+            peers.wait_healthy(url, pids[name])
+        clients = {name: httpx.Client(base_url=url, timeout=600) for name, url in urls.items()}
+        cpus = {name: arb.TreeCpu(pid) for name, pid in pids.items()}
+        tokenizer = load_bundle(str(model)).tokenizer
+        for size in sizes:
+            for count in agents:
+                traces = []
+                for a in range(count):
+                    spec = AgentTraceSpec(seed=seed + a)
+                    messages, tools, ends = arb.trace_to(
+                        size, seed + a, spec, lambda m, t: sum(len(json.dumps(x)) for x in m) // 4)
+                    traces.append((messages, tools, ends))
+                timed: dict[str, list[float]] = {"ours": [], "ours_extend": [], "vllm-rs": []}
+                previous: list[list[int] | None] = [None] * count
+                turns = max(len(t[2]) for t in traces)
+                for turn in range(turns):
+                    for a, (messages, tools, ends) in enumerate(traces):
+                        if turn >= len(ends):
+                            continue
+                        end = ends[turn]
+                        body = chat_body(arb.MODEL, messages[:end], tools)
+                        raw = json.dumps(body).encode()
+                        try:
+                            full_ms, _, n = arb.measure(clients["ours"], cpus["ours"], raw)
+                        except httpx.HTTPStatusError:  # past the context window: the agent's trace ends here
+                            continue
+                        rs_ms, _, _ = arb.measure(clients["vllm-rs"], cpus["vllm-rs"], raw)
+                        ext_ms = None
+                        if previous[a] is not None and turn > 0:
+                            k = max(i for i in range(end) if messages[i]["role"] == "assistant")
+                            completion = tokenizer.encode(_sampled_text(messages[k]))
+                            ext = dict(body, previous_turn={"prompt_token_ids": previous[a],
+                                                            "completion_token_ids": completion})
+                            ext_ms, _, _ = arb.measure(clients["ours"], cpus["ours"], json.dumps(ext).encode())
+                        answer = clients["ours"].post(arb.RENDER_PATH, content=raw,
+                                                      headers={"content-type": "application/json"}).json()
+                        previous[a] = answer["token_ids"]
+                        if size // 2 < n <= size:
+                            timed["ours"].append(full_ms)
+                            timed["vllm-rs"].append(rs_ms)
+                            if ext_ms is not None:
+                                timed["ours_extend"].append(ext_ms)
+                row: dict[str, Any] = {"size": size, "agents": count}
+                for name, values in timed.items():
+                    row[f"{name}_ms_median"] = statistics.median(values) if values else None
+                    row[f"{name}_renders"] = len(values)
+                if row["vllm-rs_ms_median"] and row["ours_ms_median"]:
+                    row["ours_over_vllm_rs"] = row["ours_ms_median"] / row["vllm-rs_ms_median"]
+                    if row["ours_extend_ms_median"]:
+                        row["extend_over_vllm_rs"] = row["ours_extend_ms_median"] / row["vllm-rs_ms_median"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        for pid in pids.values():
+            peers.stop_tree(pid)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,315 @@
+"""A chat render that extends a previous turn's sampled ids, or that attributes tokens to messages (loss masks).
+
+``turn_render`` is what ``render.render_chat`` calls when a request carries ``previous_turn`` or asks for
+``return_assistant_tokens_mask`` / ``return_message_indices``: the token ids, and what the answer says about
+them (``ExtendInfo``, the masks). An extend that is impossible falls back to the full render and says why, or
+is refused (``mode: "extend_only"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from render_service.errors import bad_request
+from render_service.extend.bridge import (
+    Bridge,
+    ExtendImpossible,
+    differing_span,
+    drop_sampled_marker,
+    template_bridge,
+)
+from render_service.extend.protocol import ExtendInfo, PreviousTurn
+from render_service.extend.turns import text_turns
+from render_service.protocol import ChatCompletionRequest
+from render_service.render_config import RenderConfig
+from render_service.template_sandbox import TemplateError
+from render_service.tokenizer import TextTokenizer
+
+
+@dataclass
+class TurnRender:
+    """The prompt ids, the tools the template got, and the answer's extra fields (None where not asked)."""
+
+    token_ids: list[int]
+    tools: list[dict[str, Any]] | None
+    extend: ExtendInfo | None = None
+    message_indices: list[int] | None = None
+    assistant_tokens_mask: list[int] | None = None
+
+
+def sampled_turn_index(req: ChatCompletionRequest, turn: PreviousTurn) -> int:
+    """Which message is the sampled assistant turn: the one named, else the last assistant message."""
+    messages = req.messages
+    if turn.message_index is not None:
+        k = turn.message_index
+        if not 0 <= k < len(messages) or messages[k].get("role") != "assistant":
+            raise bad_request("previous_turn.message_index must name an assistant message", "previous_turn")
+        return k
+    for k in range(len(messages) - 1, -1, -1):
+        if isinstance(messages[k], dict) and messages[k].get("role") == "assistant":
+            return k
+    raise bad_request("previous_turn needs the sampled turn as an assistant message in messages", "previous_turn")
+
+
+def check_turn(turn: PreviousTurn, config: RenderConfig) -> None:
+    if not turn.prompt_token_ids:
+        raise bad_request("previous_turn.prompt_token_ids must not be empty", "previous_turn")
+    vocab = config.tokenizer.vocab_size
+    for name in ("prompt_token_ids", "completion_token_ids"):
+        ids = getattr(turn, name)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise bad_request(f"previous_turn.{name}: token id {bad} is out of vocabulary", "previous_turn")
+
+
+def turn_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]) -> TurnRender:
+    masks = req.return_assistant_tokens_mask or req.return_message_indices
+    turn = req.previous_turn
+    if turn is not None:
+        check_turn(turn, config)
+        k = sampled_turn_index(req, turn)
+        try:
+            if req.continue_final_message:
+                raise ExtendImpossible("continue_final_message continues a message instead of adding a turn")
+            if config.harmony:
+                done = _harmony_extend(req, config, kwargs, turn, k)
+            else:
+                done = _template_extend(req, config, kwargs, turn, k, masks)
+        except ExtendImpossible as exc:
+            if turn.mode == "extend_only":
+                raise bad_request(f"Cannot extend the previous turn: {exc}", "previous_turn") from None
+            full = _full_render(req, config, kwargs, masks)
+            full.extend = ExtendInfo(extended=False, reason=str(exc))
+            return _asked(full, req)
+        return _asked(done, req)
+    return _asked(_full_render(req, config, kwargs, masks), req)
+
+
+def _asked(done: TurnRender, req: ChatCompletionRequest) -> TurnRender:
+    if not req.return_assistant_tokens_mask:
+        done.assistant_tokens_mask = None
+    if not req.return_message_indices:
+        done.message_indices = None
+    return done
+
+
+# ------------------------------------------------------------------------------------------- templates
+
+
+def _inputs(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]) -> Any:
+    from render_service.render import chat_template_inputs
+
+    return chat_template_inputs(req, config, kwargs)
+
+
+def _render_fn(template: Any) -> Any:
+    from render_service.render import template_failure
+
+    def render(messages: list[dict[str, Any]], **arguments: Any) -> str:
+        try:
+            return cast(str, template.render(messages, **arguments))
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+            raise template_failure(exc) from None
+
+    return render
+
+
+def _encode(text: str, config: RenderConfig) -> list[int]:
+    from render_service.render import encode_prompt
+
+    return encode_prompt(text, config)
+
+
+def _offsets(text: str, ids: list[int], config: RenderConfig) -> list[tuple[int, int]]:
+    """Character offsets of ``ids`` (the ids ``text`` encodes to), from the tokenizers library."""
+    tokenizer = cast(TextTokenizer, config.tokenizer)
+    encoding = tokenizer.hf.encode(text, add_special_tokens=False)
+    if list(encoding.ids) != list(ids):
+        raise ExtendImpossible("the tokenizer's offsets do not cover the rendered ids")
+    return [(int(s), int(e)) for s, e in encoding.offsets]
+
+
+def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], masks: bool
+                 ) -> TurnRender:
+    if config.harmony:
+        from render_service.harmony.render import render_harmony_chat
+
+        ids = render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, _harmony_choice(req))
+        done = TurnRender(ids, None)
+        if masks:
+            done.message_indices, done.assistant_tokens_mask = _harmony_turns(req, config, kwargs, ids)
+        return done
+    template, messages, arguments, tools = _inputs(req, config, kwargs)
+    render = _render_fn(template)
+    if not masks:
+        return TurnRender(_encode(render(messages, **arguments), config), tools)
+    try:
+        rendered = template.render_with_spans(messages, **arguments)
+    except TemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    ids = _encode(rendered.text, config)
+    turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans, _end_markers(config))
+    indices, flags = turns.attribute(_offsets(rendered.text, ids, config))
+    return TurnRender(ids, tools, message_indices=indices, assistant_tokens_mask=flags)
+
+
+def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], turn: PreviousTurn,
+                     k: int, masks: bool) -> TurnRender:
+    template, messages, arguments, tools = _inputs(req, config, kwargs)
+    render = _render_fn(template)
+    ends = _end_markers(config)
+    bridge = template_bridge(render, messages, arguments, k, template.content_format, ends)
+    assert bridge.text is not None and bridge.full is not None
+    completion = turn.completion_token_ids
+    added = {i: t for t, i in cast(TextTokenizer, config.tokenizer).added_token_ids.items()}
+    text, closing = drop_sampled_marker(bridge.text, bridge.closing_chars, completion[-1] if completion else None,
+                                        added)
+    suffix = _encode(text, config) if text else []  # (through the piece cache: a new message seen before is a hit)
+    kept = [*turn.prompt_token_ids, *completion]
+    ids = kept + suffix
+    full_ids = _encode(bridge.full, config)
+    decode = _decoder(config)
+    span = differing_span(full_ids, ids, decode)
+    offsets = _offsets(text, suffix, config) if masks and suffix else []
+    closing_ids = len(config.tokenizer.encode(text[:closing])) if closing else 0  # (the close starts at a cut)
+    info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=len(kept), closing_tokens=closing_ids,
+                      new_tokens=len(suffix) - closing_ids,
+                      suffix_matches_full_render=full_ids[len(full_ids) - len(suffix):] == suffix,
+                      matches_full_render=span is None, differing_span=span)
+    done = TurnRender(ids, tools, extend=info)
+    if masks:
+        turns = text_turns(render, messages, arguments, bridge.full, end_markers=ends)
+        head = _prompt_turns(render, messages, arguments, k, turn.prompt_token_ids, config)
+        base = len(bridge.full) - len(text)
+        tail_indices, _ = turns.attribute(offsets, base)
+        for i, (start, _) in enumerate(offsets):
+            if start < closing:  # the close is the sampled turn's, written by the template
+                tail_indices[i] = k
+        done.message_indices = head[0] + [k] * len(completion) + tail_indices
+        # Every appended id is the template's: the model sampled none of them.
+        done.assistant_tokens_mask = head[1] + [1] * len(completion) + [0] * len(suffix)
+    return done
+
+
+def _prompt_turns(render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+                  prompt: list[int], config: RenderConfig) -> tuple[list[int], list[int]]:
+    """Attribution of the previous prompt's ids: from the render of the messages before the sampled turn when
+    it gives those very ids; else -1 (unknown) for each."""
+    head_args = dict(arguments, add_generation_prompt=True)
+    text = render(messages[:k], **head_args) if k else ""
+    if text:
+        ids = _encode(text, config)
+        if ids == list(prompt):
+            turns = text_turns(render, messages[:k], head_args, text, end_markers=_end_markers(config))
+            return turns.attribute(_offsets(text, ids, config))
+    return [-1] * len(prompt), [0] * len(prompt)
+
+
+def _end_markers(config: RenderConfig) -> list[str]:
+    """The text of the bundle's end-of-turn (EOS) tokens."""
+    tokenizer = cast(TextTokenizer, config.tokenizer)
+    return [t for t in (tokenizer.id_to_token(i) for i in config.bundle.eos_token_ids) if t]
+
+
+def _decoder(config: RenderConfig) -> Any:
+    def decode(ids: list[int]) -> str:
+        return cast(str, config.tokenizer.decode(ids, skip_special_tokens=False))
+
+    return decode
+
+
+# ---------------------------------------------------------------------------------------------- Harmony
+
+
+def _harmony_choice(req: ChatCompletionRequest) -> str:
+    return "none" if not req.tools or req.tool_choice == "none" else "auto"
+
+
+def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], turn: PreviousTurn,
+                    k: int) -> TurnRender:
+    """Harmony renders each message on its own: the bridge is the new messages' ids and ``<|start|>assistant``;
+    a completion cut short (no ``<|end|>``/``<|call|>``/``<|return|>``) is closed with ``<|end|>``."""
+    from render_service.harmony.encoding import CALL, END, RETURN
+    from render_service.harmony.render import harmony_messages, renderer_for
+
+    tokenizer = cast(TextTokenizer, config.tokenizer)
+    new_chat = req.messages[k + 1:]
+    if any(isinstance(m, dict) and m.get("role") == "assistant" for m in new_chat):
+        raise ExtendImpossible("Harmony extends one sampled turn at a time (an assistant message follows it)")
+    with_tools = bool(req.tools) and _harmony_choice(req) != "none"
+    full_messages = harmony_messages(req, kwargs, with_tools)
+    renderer = renderer_for(tokenizer)
+    full_ids = renderer.render(full_messages)
+    count = len(new_chat)  # a user or tool message is one Harmony message
+    new_messages = full_messages[len(full_messages) - count:] if count else []
+    completion = turn.completion_token_ids
+    rendered: list[int] = []
+    for message in new_messages:
+        renderer.message(message, rendered)
+    # A turn cut short is closed as the full render closes it (<|call|> after a call, else <|end|>).
+    close = full_ids[len(full_ids) - len(rendered) - 3] if len(full_ids) >= len(rendered) + 3 else END
+    closing = [] if completion and completion[-1] in (END, CALL, RETURN) else [close if close == CALL else END]
+    if full_ids[len(full_ids) - len(rendered) - 2:len(full_ids) - 2] != rendered:
+        raise ExtendImpossible("the new messages do not render as the end of the whole conversation")
+    suffix = closing + rendered + full_ids[-2:]  # and <|start|>assistant, as the full render ends
+    bridge = Bridge(ids=suffix, closing_ids=len(closing))
+    kept = [*turn.prompt_token_ids, *completion]
+    ids = kept + suffix
+    span = differing_span(full_ids, ids, _decoder(config))
+    info = ExtendInfo(extended=True, method="harmony", kept_tokens=len(kept), closing_tokens=bridge.closing_ids,
+                      new_tokens=len(suffix) - bridge.closing_ids,
+                      suffix_matches_full_render=full_ids[len(full_ids) - len(suffix):] == suffix,
+                      matches_full_render=span is None, differing_span=span)
+    done = TurnRender(ids, None, extend=info)
+    if req.return_assistant_tokens_mask or req.return_message_indices:
+        prompt = list(turn.prompt_token_ids)
+        head_req = _replace_messages(req, req.messages[:k])
+        head_ids = renderer.render(harmony_messages(head_req, kwargs, with_tools)) if k else []
+        head_indices, head_flags = _harmony_turns(head_req, config, kwargs, prompt) if head_ids == prompt \
+            else ([-1] * len(prompt), [0] * len(prompt))
+        done.message_indices = head_indices + [k] * len(completion) + _harmony_tail_indices(
+            suffix, bridge.closing_ids, k, renderer, new_messages, len(req.messages))
+        done.assistant_tokens_mask = head_flags + [1] * len(completion) + [0] * len(suffix)
+    return done
+
+
+def _harmony_tail_indices(suffix: list[int], closing: int, k: int, renderer: Any,
+                          new_messages: list[dict[str, Any]], total: int) -> list[int]:
+    out = [k] * closing
+    for offset, message in enumerate(new_messages):
+        part: list[int] = []
+        renderer.message(message, part)
+        out += [k + 1 + offset] * len(part)
+    out += [total] * (len(suffix) - len(out))
+    return out
+
+
+def _harmony_turns(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], ids: list[int]
+                   ) -> tuple[list[int], list[int]]:
+    """Harmony attribution: each chat message's Harmony messages rendered on their own, after the preamble."""
+    from render_service.harmony.render import harmony_messages, renderer_for
+
+    renderer = renderer_for(cast(TextTokenizer, config.tokenizer))
+    with_tools = bool(req.tools) and _harmony_choice(req) != "none"
+    indices: list[int] = []
+    flags: list[int] = []
+    for i in range(len(req.messages)):
+        head = renderer.render(harmony_messages(_replace_messages(req, req.messages[:i + 1]), kwargs, with_tools))
+        grown = len(head) - 2 - len(indices)  # (the render ends with <|start|>assistant)
+        if grown < 0 or head[:-2][:len(indices)] != ids[:len(indices)]:
+            return [-1] * len(ids), [0] * len(ids)
+        assistant = req.messages[i].get("role") == "assistant" if isinstance(req.messages[i], dict) else False
+        indices += [i] * grown
+        flags += [1 if assistant else 0] * grown
+    indices += [len(req.messages)] * (len(ids) - len(indices))
+    flags += [0] * (len(ids) - len(flags))
+    return indices, flags
+
+
+def _replace_messages(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    import msgspec
+
+    return msgspec.structs.replace(req, messages=messages)

@@ -1,0 +1,256 @@
+"""The extend render: the next turn's ids start with the ids the model sampled, on every family we ship.
+
+Rollouts (tests/rollouts.py) hold what a model could really sample but a template re-renders differently:
+Python-style booleans and odd JSON in tool-call arguments, reasoning the template drops once a new user message
+comes, outputs cut short by ``length``. GLM, MiniMax, Seed, Kimi, Magistral, Llama 4 and Granite use test
+tokenizers with the family's real template (tests/family_bundles.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from render_service.bundle import load_bundle
+from render_service.errors import ApiError
+from render_service.extend.bridge import ExtendImpossible, template_bridge
+from render_service.protocol import ChatCompletionRequest, GenerateRequest
+from render_service.render import render_chat
+from render_service.render_config import build_render_config
+from render_service.templates import ChatTemplate
+from tests import rollouts
+from tests.harmony_fixtures import encode as harmony_encode
+from tests.harmony_fixtures import gpt_oss_config
+from tests.render_harness import QWEN3_DIR, RenderServer, qwen3_config
+
+SYSTEM = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "find cats"}]
+
+
+class _Configs(dict):
+    """Family render configurations, each loaded on first use."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str):
+        config = self[family] = rollouts.family_config(family, self.root)
+        return config
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    return _Configs(tmp_path_factory.mktemp("extend-families"))
+
+
+def render(config, **fields: Any) -> GenerateRequest:
+    fields.setdefault("tool_choice", "none")
+    return render_chat(msgspec.convert(fields, ChatCompletionRequest), config)
+
+
+def extend(config, messages, prompt, completion, **fields: Any) -> GenerateRequest:
+    turn = {"prompt_token_ids": list(prompt), "completion_token_ids": list(completion)}
+    return render(config, messages=messages, tools=rollouts.TOOLS, previous_turn=turn, **fields)
+
+
+@pytest.mark.slow  # (building the families' test bundles takes a while the first time)
+@pytest.mark.parametrize("truncated", [False, True], ids=["stopped", "length"])
+@pytest.mark.parametrize("family", list(rollouts.FAMILIES))
+def test_rollout_keeps_the_sampled_ids(configs, family, truncated):
+    config = configs[family]
+    spec = rollouts.FAMILIES[family]
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
+    text, assistant = rollouts.tool_turn(spec, 0, truncated=truncated)
+    completion = config.tokenizer.encode(text)
+    messages = [*SYSTEM, assistant, rollouts.tool_result("call_1", "3 cats\n")]
+    out = extend(config, messages, prompt, completion, return_message_indices=True,
+                 return_assistant_tokens_mask=True)
+    ids, info = list(out.token_ids), out.extend
+    assert info.extended, info.reason
+    assert ids[:len(prompt) + len(completion)] == prompt + completion
+    assert info.kept_tokens == len(prompt) + len(completion)
+    assert len(ids) == info.kept_tokens + info.closing_tokens + info.new_tokens
+    # The appended ids are the template's own: the whole render ends with them.
+    assert info.suffix_matches_full_render
+    assert info.matches_full_render is (info.differing_span is None)
+    tail = config.tokenizer.decode(ids[info.kept_tokens:], skip_special_tokens=False)
+    assert "3 cats" in tail
+    if truncated:
+        assert info.closing_tokens >= 1 or family in ("glm45", "glm47")  # GLM's turn ends with the next header
+    # Masks: the sampled ids are the model's, the tool result is message 3, the generation prompt is message 4.
+    mask, indices = out.assistant_tokens_mask, out.message_indices
+    assert len(mask) == len(indices) == len(ids)
+    assert mask[len(prompt):len(prompt) + len(completion)] == [1] * len(completion)
+    assert set(mask[info.kept_tokens:]) == {0}
+    assert indices[len(prompt):len(prompt) + len(completion)] == [2] * len(completion)
+    assert indices == sorted(indices[:len(prompt)]) + indices[len(prompt):]
+    assert indices[-1] >= 3 and 3 in indices[info.kept_tokens:]  # (DeepSeek writes its header with the result)
+
+    # The next turn: an answer with reasoning, then a new user message (templates drop that reasoning later).
+    answer, message = rollouts.answer_turn(spec, "There are 3 cats.", reasoning="Counted them.")
+    sampled = config.tokenizer.encode(answer)
+    more = [*messages, message, {"role": "user", "content": "thanks"}]
+    nxt = extend(config, more, ids, sampled)
+    assert nxt.extend.extended, nxt.extend.reason
+    assert list(nxt.token_ids)[:len(ids) + len(sampled)] == ids + sampled
+    assert nxt.extend.suffix_matches_full_render
+    assert "thanks" in config.tokenizer.decode(list(nxt.token_ids)[len(ids) + len(sampled):],
+                                               skip_special_tokens=False)
+
+
+def test_python_booleans_differ_from_a_full_render_and_the_span_says_where():
+    config = qwen3_config()
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
+    text, assistant = rollouts.tool_turn(rollouts.FAMILIES["qwen3"], 0)
+    completion = config.tokenizer.encode(text)
+    out = extend(config, [*SYSTEM, assistant, rollouts.tool_result("call_1", "3")], prompt, completion)
+    span = out.extend.differing_span
+    assert out.extend.matches_full_render is False
+    assert "False" in span.extended_text and "false" in span.full_text
+    assert span.start >= len(prompt)
+
+
+def test_a_turn_the_template_would_write_itself_extends_to_the_full_render():
+    """Never silently different: where the sampled turn is what the template writes, extend equals full; where
+    the template rewrites it (Qwen3 with thinking off writes an empty think block only in the prompt), the
+    answer shows the span."""
+    config = qwen3_config()
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
+    completion = config.tokenizer.encode('<think>\nhm\n</think>\n\n<tool_call>\n{"name": "search", "arguments": '
+                                         '{"q": "cats"}}\n</tool_call><|im_end|>')
+    assistant = {"role": "assistant", "content": "", "reasoning_content": "hm", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats"}'}}]}
+    messages = [*SYSTEM, assistant, rollouts.tool_result("c", "3")]
+    out = extend(config, messages, prompt, completion)
+    full = render(config, messages=messages, tools=rollouts.TOOLS)
+    assert out.extend.matches_full_render and out.extend.differing_span is None
+    assert list(out.token_ids) == list(full.token_ids)
+
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS, **kwargs).token_ids)
+    completion = config.tokenizer.encode("Three.<|im_end|>")
+    messages = [*SYSTEM, {"role": "assistant", "content": "Three."}, {"role": "user", "content": "ok"}]
+    out = extend(config, messages, prompt, completion, **kwargs)
+    assert out.extend.extended and not out.extend.matches_full_render
+    assert out.extend.differing_span.extended_text == "<think>\n\n</think>\n\n"
+    assert out.extend.differing_span.full_text == ""
+
+
+# A template that renders a tool result from the turn before it, and the history from the conversation's length.
+ENTANGLED = ("{{ messages|length }}\n{% for m in messages %}{{ m.role }}: {{ m.content }}"
+             "{% if m.role == 'tool' %}({{ messages[loop.index0 - 1].tool_calls|length }}){% endif %}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_cannot_be_extended():
+    template = ChatTemplate(ENTANGLED)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{}]},
+                {"role": "tool", "content": "r"}]
+    with pytest.raises(ExtendImpossible):
+        template_bridge(template.render, messages, {"add_generation_prompt": True}, 1, "string", ["\n"])
+
+
+def test_fallback_says_why_and_extend_only_refuses():
+    config = build_render_config(load_bundle(str(QWEN3_DIR)), served_model_names=["m"],
+                                 trust_request_chat_template=True)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x",
+                                                    "tool_calls": [{"id": "a", "type": "function",
+                                                                    "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "a", "content": "r"}]
+    prompt = config.tokenizer.encode("1\nuser: hi\nassistant:")
+    completion = config.tokenizer.encode("x<|im_end|>")
+    out = extend(config, messages, prompt, completion, chat_template=ENTANGLED)
+    assert out.extend.extended is False and out.extend.reason
+    assert list(out.token_ids) == list(render(config, messages=messages, chat_template=ENTANGLED).token_ids)
+    with pytest.raises(ApiError) as err:
+        turn = {"prompt_token_ids": prompt, "completion_token_ids": completion, "mode": "extend_only"}
+        render(config, messages=messages, chat_template=ENTANGLED, previous_turn=turn)
+    assert err.value.status == 400 and "Cannot extend" in err.value.message
+
+
+def test_full_render_masks_follow_the_messages():
+    config = qwen3_config()
+    messages = [*SYSTEM, {"role": "assistant", "content": "There are 3 cats."}, {"role": "user", "content": "ok"}]
+    out = render(config, messages=messages, return_assistant_tokens_mask=True, return_message_indices=True)
+    ids, mask, indices = list(out.token_ids), out.assistant_tokens_mask, out.message_indices
+    assert len(ids) == len(mask) == len(indices) and indices == sorted(indices)
+    decode = config.tokenizer.decode
+    marked = decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert "There are 3 cats." in marked and "find cats" not in marked and "<|im_start|>assistant" not in marked
+    for i, needle in enumerate(["You are helpful.", "find cats", "There are 3 cats.", "ok"]):
+        assert needle in decode([t for t, j in zip(ids, indices, strict=True) if j == i], skip_special_tokens=False)
+    assert decode([t for t, j in zip(ids, indices, strict=True) if j == 4], skip_special_tokens=False) \
+        .startswith("<|im_start|>assistant")
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["stopped", "length"])
+def test_harmony_rollout_keeps_the_sampled_ids(truncated):
+    config = gpt_oss_config()
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
+    sampled = ("<|channel|>analysis<|message|>Need search.<|end|><|start|>assistant to=functions.search"
+               '<|channel|>commentary <|constrain|>json<|message|>{"q":"cats", "exact": false}')
+    completion = harmony_encode(sampled if truncated else sampled + "<|call|>")
+    assistant = {"role": "assistant", "content": "", "reasoning_content": "Need search.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats"}'}}]}
+    messages = [*SYSTEM, assistant, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}]
+    out = extend(config, messages, prompt, completion, return_message_indices=True)
+    ids = list(out.token_ids)
+    assert out.extend.extended and out.extend.method == "harmony"
+    assert ids[:len(prompt) + len(completion)] == prompt + completion
+    assert out.extend.suffix_matches_full_render
+    assert out.extend.closing_tokens == (1 if truncated else 0)
+    tail = config.tokenizer.decode(ids[out.extend.kept_tokens:], skip_special_tokens=False)
+    assert tail.endswith("3 cats<|end|><|start|>assistant") and tail.count("<|call|>") == int(truncated)
+    assert out.message_indices[-1] == 4 and len(out.message_indices) == len(ids)
+
+
+def test_extend_over_http_chat_and_messages():
+    config = qwen3_config()
+    prompt = list(render(config, messages=SYSTEM).token_ids)
+    completion = config.tokenizer.encode("<think>\nhm\n</think>\n\nThree.<|im_end|>")
+    turn = {"prompt_token_ids": prompt, "completion_token_ids": completion}
+    with RenderServer(config) as server:
+        body = {"messages": [*SYSTEM, {"role": "assistant", "content": "Three."}, {"role": "user", "content": "ok"}],
+                "previous_turn": turn, "return_message_indices": True}
+        reply = server.client.post("/v1/chat/completions/render", json=body)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        assert data["token_ids"][:len(prompt) + len(completion)] == prompt + completion
+        assert data["extend"]["extended"] is True and len(data["message_indices"]) == len(data["token_ids"])
+        messages = {"model": None, "max_tokens": 8, "system": "You are helpful.", "previous_turn": turn,
+                    "messages": [{"role": "user", "content": "find cats"}, {"role": "assistant", "content": "Three."},
+                                 {"role": "user", "content": "ok"}]}
+        reply = server.client.post("/v1/messages/render", json=messages)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["token_ids"][:len(prompt) + len(completion)] == prompt + completion
+        for bad in ({**turn, "completion_token_ids": [10**9]}, {**turn, "prompt_token_ids": []},
+                    {**turn, "surprise": 1}, {**turn, "message_index": 0}):
+            reply = server.client.post("/v1/chat/completions/render", json={**body, "previous_turn": bad})
+            assert reply.status_code == 400, reply.text
+            assert reply.json()["error"]["message"]
+
+
+def test_common_prefix_and_suffix_agree_with_the_plain_definition():
+    import random
+
+    from render_service.extend.bridge import common_prefix, common_suffix
+
+    def plain_prefix(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(7)
+    for _ in range(300):
+        base = [rng.randrange(3) for _ in range(rng.randrange(0, 9000))]
+        other = list(base)
+        for _ in range(rng.randrange(0, 3)):
+            if other:
+                other[rng.randrange(len(other))] = 9
+        other = other[:rng.randrange(len(other) + 1)] if rng.random() < 0.3 else other
+        assert common_prefix(base, other) == plain_prefix(base, other)
+        assert common_suffix(base, other) == plain_prefix(base[::-1], other[::-1])
+        text_a, text_b = "".join(map(str, base)), "".join(map(str, other))
+        assert common_prefix(text_a, text_b) == plain_prefix(text_a, text_b)
