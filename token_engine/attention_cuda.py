@@ -9,10 +9,9 @@
   The number of slices is a runtime argument (only the merge's padded width is compiled in): were it a
   compile-time constant, every new count of decoding sequences in a mixed step would compile a kernel
   (0.6-3 s on an H200, measured by bench/gpu_decode_profile.py) while requests wait.
-- prefill (some sequence has several new tokens): per sequence, torch's scaled_dot_product_attention; a fresh
-  prompt uses the step's own K/V with is_causal (FlashAttention), a chunk over cached context gathers its
-  context from the pool and uses a bottom-right causal mask. Sequences of the step with a single new token
-  go through the decode kernel.
+- prefill (some sequence has several new tokens): token_engine.attention_prefill_cuda, one launch for every
+  prefill chunk of the step, reading the pool in place (block tables, native GQA, causal by position).
+  Sequences of the step with a single new token go through the decode kernel.
 
 Importing this module needs triton; token_engine.attention imports it only for CUDA tensors. With
 TRITON_INTERPRET=1 the kernels also run on CPU tensors (that is how the CPU test suite checks them when triton
@@ -27,6 +26,8 @@ import triton.language as tl
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from token_engine.attention_prefill_cuda import prefill_attention, prefill_config, prefill_tiles
+
 # Decode: tokens per inner iteration, and a target of programs in flight (H200: 132 SMs).
 DECODE_BLOCK_N = 64
 TARGET_PROGRAMS = 2 * 132
@@ -35,6 +36,9 @@ MAX_SPLITS = 32
 # length and context change from step to step under load, so steps took 0.1-2.5 s instead of ~50 ms on an
 # H200 (bench/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Fresh prompts (nothing cached) through torch's SDPA on the step's own K/V instead of the paged prefill kernel.
+# Off: the paged kernel serves every prefill chunk (bench/long_prompt_bench.py compares the two).
+FRESH_PREFILL_SDPA = False
 
 
 @triton.jit
@@ -233,21 +237,30 @@ def decode_attention(
     return out
 
 
-def _step_plan(meta) -> dict:
-    """Per step (shared by every layer): which sequences decode, which prefill."""
+def _step_plan(meta, head_dim: int) -> dict:
+    """Per step (shared by every layer): which sequences decode, and the prefill query tiles."""
     plan = meta.backend_state.get("cuda_plan")
     if plan is None:
         starts, seq_lens = meta.host_lists()
-        decode, prefill = [], []
+        decode, prefill, fresh = [], [], []
         for s, ctx_len in enumerate(seq_lens):
             q_len = starts[s + 1] - starts[s]
             if q_len == 1:
                 decode.append(s)
             elif q_len > 1:
-                prefill.append((s, starts[s], starts[s + 1], ctx_len))
+                prefill.append((s, q_len))
+                if ctx_len == q_len:
+                    fresh.append((s, starts[s], starts[s + 1]))
         device = meta.seq_lens.device
         decode_ids = torch.tensor(decode, dtype=torch.int32, device=device) if decode else None
-        plan = {"decode_ids": decode_ids, "prefill": prefill}
+        if FRESH_PREFILL_SDPA:
+            fresh_ids = {s for s, _, _ in fresh}
+            prefill = [(s, n) for s, n in prefill if s not in fresh_ids]
+        else:
+            fresh = []
+        tile_seq, tile_m = prefill_tiles(prefill, prefill_config(head_dim)[0])
+        tiles = torch.tensor([tile_seq, tile_m], dtype=torch.int32, device=device) if tile_seq else None
+        plan = {"decode_ids": decode_ids, "tiles": tiles, "fresh": fresh}
         meta.backend_state["cuda_plan"] = plan
     return plan
 
@@ -255,43 +268,30 @@ def _step_plan(meta) -> dict:
 def paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None, v=None) -> torch.Tensor:
     if meta.max_query_len == 1:  # pure decode: no host work, CUDA-graph safe
         return decode_attention(q, kv_pool, layer, meta, scale, sliding_window)
-    plan = _step_plan(meta)
+    plan = _step_plan(meta, q.shape[2])
     out = torch.empty_like(q)
     if plan["decode_ids"] is not None:
         decode_attention(q, kv_pool, layer, meta, scale, sliding_window, seq_ids=plan["decode_ids"], out=out)
     k_cache, v_cache = _cache_views(kv_pool, layer)
-    block_size = meta.block_size
-    for s, q_start, q_end, ctx_len in plan["prefill"]:
-        q_len = q_end - q_start
-        if ctx_len == q_len and k is not None and v is not None:
-            k_ctx, v_ctx = k[q_start:q_end], v[q_start:q_end]
-        else:
-            blocks = meta.block_tables[s, : -(-ctx_len // block_size)].long()
-            k_ctx = k_cache[blocks].flatten(0, 1)[:ctx_len]
-            v_ctx = v_cache[blocks].flatten(0, 1)[:ctx_len]
-        out[q_start:q_end] = _prefill_one(q[q_start:q_end], k_ctx, v_ctx, scale, sliding_window)
+    tiles = plan["tiles"]
+    if tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
+        prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out)
+    for _, q_start, q_end in plan["fresh"]:
+        out[q_start:q_end] = _prefill_fresh_sdpa(q[q_start:q_end], k[q_start:q_end], v[q_start:q_end], scale,
+                                                 sliding_window)
     return out
 
 
-def _prefill_one(q, k, v, scale, sliding_window):
-    """q: [n, H, D] at the last n of the ctx positions in k/v [ctx, Hkv, D]."""
-    n, heads = q.shape[0], q.shape[1]
-    ctx = k.shape[0]
-    group = heads // k.shape[1]
-    if group > 1:  # expand once here: keeps the FlashAttention path regardless of its GQA support
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+def _prefill_fresh_sdpa(q, k, v, scale, sliding_window):
+    """A fresh prompt (no cached context) through torch's SDPA on the step's own K/V: [n, H, D]."""
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
     with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-        if sliding_window is None and ctx == n:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        if sliding_window is None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+            pos = torch.arange(q.shape[0], device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
