@@ -64,8 +64,22 @@ def test_long_prefill_threshold_caps_a_long_chunk_so_a_short_prompt_arriving_mea
     short = seq(100)
     s.add(short)
     out = step(s)
-    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(long, 256), (short, 100)]
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(short, 100), (long, 256)]
     assert short.num_output_tokens == 1 and long.num_output_tokens == 0
+
+
+def test_a_long_prefill_fills_what_short_prompts_leave_of_a_step_budget():
+    s, _ = make(PrefillPolicy(target_step_ms=10.0, long_prefill_token_threshold=1000), budget=4096)
+    streams = decoding(s, 2)
+    for tokens in (4, 1000, 2000, 500):  # 5 ms + 0.01 ms per token: 500 tokens a step
+        s.observe_step(tokens, (5.0 + 0.01 * tokens) / 1e3)
+    long = seq(3000)
+    s.add(long)
+    step(s)
+    short = seq(200)
+    s.add(short)
+    got = [(x.seq, x.num_new_tokens) for x in step(s).scheduled]
+    assert got == [(streams[0], 1), (streams[1], 1), (short, 200), (long, 298)]
 
 
 def test_without_the_threshold_the_long_chunk_takes_the_budget_and_the_short_prompt_waits():

@@ -202,15 +202,40 @@ class Scheduler:
         budget = self.step_budget()
         cap = self.policy.chunk_cap(budget, len(self.running) + len(self.waiting))
         self.running.sort(key=lambda s: s.sort_key)
-        # Decode tokens first, then prefill chunks (each group by priority): a long chunk never pushes a
-        # decoding sequence out of the step. Preemption still takes the lowest-priority running sequence.
+        # Decode tokens first, then chunks of short prefills, then new prompts, then chunks of long prefills
+        # (remaining > long_prefill_token_threshold, when set): a long prompt fills what the others leave, so
+        # neither a decoding stream nor a short prompt arriving meanwhile waits behind it. Each group goes by
+        # priority; preemption still takes the lowest-priority running sequence.
+        threshold = self.policy.long_prefill_token_threshold
+
+        def is_long(s: Sequence) -> bool:
+            return threshold > 0 and s.num_tokens - s.num_computed_tokens > threshold
+
         order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key))
         placed: dict[str, ScheduledSequence] = {}
-        for seq in order:
+        budget = self._schedule_running([s for s in order if not is_long(s)], budget, cap, placed, out)
+
+        # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
+        for seq in self._admission_order():
+            if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not seq.block_table and not self.connector.may_start(seq):
+                continue  # its caller holds its share of leased KV: it waits, the ones behind it may start
+            num_scheduled = self._admit(self.waiting.index(seq), min(budget, cap) if cap else budget, out)
+            if num_scheduled is None:
+                break
+            budget -= num_scheduled
+        self._schedule_running([s for s in order if is_long(s)], budget, cap, placed, out)
+        return out
+
+    def _schedule_running(self, seqs: list[Sequence], budget: int, cap: int,
+                          placed: dict[str, ScheduledSequence], out: SchedulerOutput) -> int:
+        """Gives running sequences their tokens in the given order; returns the budget left."""
+        for seq in seqs:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if cap and num_new > 1:
                 num_new = min(num_new, cap)
@@ -230,18 +255,7 @@ class Scheduler:
                 placed[seq.seq_id] = self._scheduled(seq, num_new)
                 out.scheduled.append(placed[seq.seq_id])
                 budget -= num_new
-
-        # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
-        for seq in self._admission_order():
-            if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if not seq.block_table and not self.connector.may_start(seq):
-                continue  # its caller holds its share of leased KV: it waits, the ones behind it may start
-            num_scheduled = self._admit(self.waiting.index(seq), min(budget, cap) if cap else budget, out)
-            if num_scheduled is None:
-                break
-            budget -= num_scheduled
-        return out
+        return budget
 
     def _admission_order(self) -> list[Sequence]:
         """Waiting sequences in the order they are offered a start: priority order, except that within the
