@@ -159,7 +159,7 @@ def _attention_case(heads, kv_heads, dim, block_size, name, cached, new, rng) ->
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried for head_dim 128; the fastest over the cases becomes the
 # kernel's setting for the model-level runs of this process (reported in the JSON).
 CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
-           (64, 128, 4, 3)]
+           (64, 128, 4, 3), (256, 64, 8, 2), (256, 32, 8, 2)]
 
 
 def pick_config(rows: list[dict]) -> tuple:
@@ -229,7 +229,7 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
     row["floor_ms"] = floor_ms
     paths = [("paged", None)]
     if geb.DEVICE == "cuda":
-        paths += [("fresh_sdpa", "fresh_sdpa"), ("legacy", legacy_paged_attention)]
+        paths += [("fresh_sdpa", "fresh_sdpa"), ("fresh_cudnn", "fresh_cudnn"), ("legacy", legacy_paged_attention)]
     ac = None
     if geb.DEVICE == "cuda":
         from token_engine import attention_cuda as ac
@@ -238,6 +238,8 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
             try:
                 if how == "fresh_sdpa":
                     ac.FRESH_PREFILL_SDPA = True
+                elif how == "fresh_cudnn":
+                    ac.FRESH_PREFILL_CUDNN_MIN = 8192
                 elif how is not None:
                     original, ac.paged_attention = ac.paged_attention, how
                 row[f"{label}_ms"] = geb.cuda_time_ms(run, iters=iters, warmup=1)
@@ -245,6 +247,7 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
             finally:
                 if ac is not None:
                     ac.FRESH_PREFILL_SDPA = False
+                    ac.FRESH_PREFILL_CUDNN_MIN = 0
                     if how is legacy_paged_attention:
                         ac.paged_attention = original
     print(json.dumps(row), flush=True)
