@@ -20,6 +20,8 @@ is installed).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,10 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENT
 # Fresh prompts (nothing cached) through torch's SDPA on the step's own K/V instead of the paged prefill kernel.
 # Off: the paged kernel serves every prefill chunk (bench/long_prompt_bench.py compares the two).
 FRESH_PREFILL_SDPA = False
+# Cleared when the paged prefill kernel fails its startup check (warm_up): prefill then takes the CPU path's
+# code on the GPU (slow, correct).
+PREFILL_KERNEL_OK = True
+PREFILL_CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 # Fresh prompts of at least this many tokens through cuDNN's attention (about 1.8x the flash and paged kernels'
 # rate at 32k on an H200), padded up to a multiple of CUDNN_BUCKET so that a handful of execution plans (one
 # per bucket; each costs a build on first use) serve every length. Padding goes after the prompt, where causal
@@ -282,7 +288,13 @@ def paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None,
         decode_attention(q, kv_pool, layer, meta, scale, sliding_window, seq_ids=plan["decode_ids"], out=out)
     k_cache, v_cache = _cache_views(kv_pool, layer)
     tiles = plan["tiles"]
-    if tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
+    if tiles is not None and not PREFILL_KERNEL_OK:  # it failed its startup check: the CPU path's code
+        from token_engine.attention import _paged_attention_reference
+
+        ref = _paged_attention_reference(q, kv_pool, layer, meta, scale, sliding_window)
+        rows = torch.tensor([i for s, n in _prefill_rows(meta) for i in range(s, s + n)], device=q.device)
+        out[rows] = ref[rows]
+    elif tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
         prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out)
     for _, q_start, q_end in plan["fresh"]:
         if FRESH_PREFILL_CUDNN_MIN and sliding_window is None and q_end - q_start >= FRESH_PREFILL_CUDNN_MIN:
@@ -308,6 +320,34 @@ def _prefill_fresh_cudnn(q, k, v, scale):
     return o[0, :, :n].transpose(0, 1)
 
 
+def _prefill_rows(meta) -> list[tuple[int, int]]:
+    """(first row, rows) of every sequence with several new tokens."""
+    starts, _ = meta.host_lists()
+    return [(starts[s], starts[s + 1] - starts[s]) for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > 1]
+
+
+def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   device) -> float:
+    """Runs the paged prefill kernel on a small ragged step (a fresh prompt, chunks over cached prefixes that
+    end inside pool blocks, a decode) against the CPU path's code in float32; returns the largest error.
+    Uses its own small pool; compiles the kernel for this model's shape before any request."""
+    from token_engine.attention import _paged_attention_reference, build_metadata
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    cached, new = [0, 37, 3 * block_size], [150, 70, 1]
+    lens = [c + n for c, n in zip(cached, new)]
+    per_seq = [-(-n // block_size) for n in lens]
+    pool = torch.randn(sum(per_seq) + 1, 1, 2, block_size, num_kv_heads, head_dim, generator=gen, device=device)
+    pool = pool.to(dtype)
+    ids = torch.randperm(pool.shape[0], generator=gen, device=device).tolist()
+    tables = [ids[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(len(lens))]
+    meta = build_metadata(new, lens, tables, block_size, device)
+    q = torch.randn(sum(new), num_heads, head_dim, generator=gen, device=device).to(dtype)
+    got = paged_attention(q, pool, 0, meta, head_dim**-0.5)
+    want = _paged_attention_reference(q.float(), pool.float(), 0, meta, head_dim**-0.5, None)
+    return (got.float() - want).abs().max().item()
+
+
 def _prefill_fresh_sdpa(q, k, v, scale, sliding_window):
     """A fresh prompt (no cached context) through torch's SDPA on the step's own K/V: [n, H, D]."""
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
@@ -327,7 +367,13 @@ def warm_up(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size
     Returns how many variants it ran."""
     from token_engine.attention import build_metadata
 
+    global PREFILL_KERNEL_OK
     num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+    err = verify_prefill(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device)
+    PREFILL_KERNEL_OK = err <= PREFILL_CHECK_TOLERANCE.get(kv_pool.dtype, 3e-2)
+    if not PREFILL_KERNEL_OK:
+        logging.getLogger(__name__).warning("the paged prefill kernel differs from the reference by %.3g on this "
+                                            "device: prefill falls back to the plain path", err)
     seen = set()
     for num in range(1, max_num_seqs + 1):
         pad = splits_pad(decode_splits(num, num_kv_heads))
