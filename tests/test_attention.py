@@ -256,3 +256,36 @@ def test_cuda_fused_layers_match_torch_in_bf16():
     gate_up = torch.randn(37, 2 * 18944, generator=gen, device="cuda").bfloat16()
     want = torch.nn.functional.silu(gate_up[:, :18944]) * gate_up[:, 18944:]
     torch.testing.assert_close(layers_cuda.silu_and_mul(gate_up), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("window", [None, 300])
+def test_cuda_paged_prefill_over_cached_prefixes_matches_the_reference(window):
+    """Prefill chunks over cached prefixes of many lengths (block boundaries inside and at the edge of a key
+    tile), fresh prompts and decodes in one step, bf16, Qwen2.5-7B's head shape."""
+    from token_engine import attention_cuda
+    from token_engine.attention import _paged_attention_reference
+
+    cached, new = [0, 2047, 16, 5000, 700, 0, 129], [1000, 300, 1, 1600, 2, 77, 1]
+    pool, meta, q, k, v = _gpu_case(16, torch.bfloat16, 28, 4, 128, cached, new, seed=11)
+    attention_cuda.store_kv(k, v, pool, 1, meta)
+    ref = _paged_attention_reference(q.float(), pool.float(), 1, meta, 128**-0.5, window)
+    out = attention_cuda.paged_attention(q, pool, 1, meta, 128**-0.5, window, k, v)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_fresh_prompt_through_cudnn_padded_to_a_bucket_matches_the_reference(monkeypatch):
+    from token_engine import attention_cuda
+    from token_engine.attention import _paged_attention_reference
+
+    monkeypatch.setattr(attention_cuda, "FRESH_PREFILL_CUDNN_MIN", 256)
+    monkeypatch.setattr(attention_cuda, "CUDNN_BUCKET", 256)
+    cached, new = [0, 40, 0], [300, 7, 100]  # 300 pads to 512; 100 stays on the paged kernel
+    pool, meta, q, k, v = _gpu_case(16, torch.bfloat16, 28, 4, 128, cached, new, seed=5)
+    attention_cuda.store_kv(k, v, pool, 1, meta)
+    ref = _paged_attention_reference(q.float(), pool.float(), 1, meta, 128**-0.5, None)
+    out = attention_cuda.paged_attention(q, pool, 1, meta, 128**-0.5, None, k, v)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

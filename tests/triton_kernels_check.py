@@ -71,12 +71,41 @@ def check_attention(block_size, dtype, tol):
     ref = _paged_attention_reference(q, pool, 1, meta, 0.25, None)
     close(f"mixed prefill+decode bs={block_size} {dtype}", attention_cuda.paged_attention(q, pool, 1, meta, 0.25,
                                                                                           None, k, v), ref, tol)
+    attention_cuda.PREFILL_KERNEL_OK = False  # the fallback after a failed startup check
+    meta.backend_state.clear()
+    got = attention_cuda.paged_attention(q, pool, 1, meta, 0.25, None, k, v)
+    attention_cuda.PREFILL_KERNEL_OK = True
+    close(f"mixed step, prefill fallback bs={block_size} {dtype}", got, ref, tol)
     decode = build_metadata([1] * 4, lens, tables, block_size)
     qd = torch.randn(4, H, D).to(dtype)
     for window in (None, 6):
         ref = _paged_attention_reference(qd, pool, 1, decode, 0.25, window)
         got = attention_cuda.paged_attention(qd, pool, 1, decode, 0.25, window)
         close(f"decode bs={block_size} {dtype} window={window}", got, ref, tol)
+
+
+def check_prefill(block_size, dtype, tol, config):
+    """The paged prefill kernel alone on a ragged batch: fresh prompts, chunks over cached prefixes that start
+    and end inside pool blocks, several query tiles per sequence, sliding windows, GQA groups of 4."""
+    from token_engine.attention_prefill_cuda import prefill_attention, prefill_tiles
+
+    cached, new = [0, 21, 3, 40, 0], [37, 18, 2, 9, 5]
+    lens = [c + n for c, n in zip(cached, new)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    pool = torch.randn(num_blocks, 1, 2, block_size, HKV, D).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = build_metadata(new, lens, tables, block_size)
+    q = torch.randn(sum(new), H, D).to(dtype)
+    seqs, firsts = prefill_tiles([(s, n) for s, n in enumerate(new)], config[0])
+    tile_seq, tile_m = torch.tensor(seqs, dtype=torch.int32), torch.tensor(firsts, dtype=torch.int32)
+    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    for window in (None, 7):
+        ref = _paged_attention_reference(q.float(), pool.float(), 0, meta, 0.3, window)
+        out = torch.full_like(q, float("nan"))  # every row must be written
+        prefill_attention(q, k_cache, v_cache, meta, tile_seq, tile_m, 0.3, window, out, config=config)
+        close(f"paged prefill bs={block_size} {dtype} tiles={config[:2]} window={window}", out, ref, tol)
 
 
 def check_negative_slots():
@@ -157,6 +186,10 @@ with torch.no_grad():
     check_decode_linear(torch.float16, 3e-2)
     check_negative_slots()
     check_attention(4, torch.float32, 1e-5)
+    check_prefill(4, torch.float32, 1e-5, (16, 8, 4, 1))  # key tiles span two pool blocks
+    check_prefill(16, torch.float16, 2e-2, (16, 8, 4, 1))  # key tiles inside one pool block
+    err = attention_cuda.verify_prefill(torch.float32, H, HKV, D, 16, "cpu")  # the engine's startup check
+    close("startup prefill check", torch.tensor(err), torch.tensor(0.0), 1e-5)
     # the interpreter computes bfloat16 dots wrongly (raw bits); float16 exercises the same low-precision code
     check_attention(16, torch.float16, 2e-2)
     check_layers(torch.float32, 1e-5)

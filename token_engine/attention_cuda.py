@@ -9,10 +9,9 @@
   The number of slices is a runtime argument (only the merge's padded width is compiled in): were it a
   compile-time constant, every new count of decoding sequences in a mixed step would compile a kernel
   (0.6-3 s on an H200, measured by bench/experiments/gpu_decode_profile.py) while requests wait.
-- prefill (some sequence has several new tokens): per sequence, torch's scaled_dot_product_attention; a fresh
-  prompt uses the step's own K/V with is_causal (FlashAttention), a chunk over cached context gathers its
-  context from the pool and uses a bottom-right causal mask. Sequences of the step with a single new token
-  go through the decode kernel.
+- prefill (some sequence has several new tokens): token_engine.attention_prefill_cuda, one launch for every
+  prefill chunk of the step, reading the pool in place (block tables, native GQA, causal by position).
+  Sequences of the step with a single new token go through the decode kernel.
 
 Importing this module needs triton; token_engine.attention imports it only for CUDA tensors. With
 TRITON_INTERPRET=1 the kernels also run on CPU tensors (that is how the CPU test suite checks them when triton
@@ -21,11 +20,15 @@ is installed).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from token_engine.attention_prefill_cuda import prefill_attention, prefill_config, prefill_tiles
 
 # Decode: tokens per inner iteration, and a target of programs in flight (H200: 132 SMs).
 DECODE_BLOCK_N = 64
@@ -35,6 +38,19 @@ MAX_SPLITS = 32
 # length and context change from step to step under load, so steps took 0.1-2.5 s instead of ~50 ms on an
 # H200 (bench/experiments/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Fresh prompts (nothing cached) through torch's SDPA on the step's own K/V instead of the paged prefill kernel.
+# Off: the paged kernel serves every prefill chunk (bench/long_prompt_bench.py compares the two).
+FRESH_PREFILL_SDPA = False
+# Cleared when the paged prefill kernel fails its startup check (warm_up): prefill then takes the CPU path's
+# code on the GPU (slow, correct).
+PREFILL_KERNEL_OK = True
+PREFILL_CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+# Fresh prompts of at least this many tokens through cuDNN's attention (about 1.8x the flash and paged kernels'
+# rate at 32k on an H200), padded up to a multiple of CUDNN_BUCKET so that a handful of execution plans (one
+# per bucket; each costs a build on first use) serve every length. Padding goes after the prompt, where causal
+# masking hides it from every real query. 0: off.
+FRESH_PREFILL_CUDNN_MIN = 0
+CUDNN_BUCKET = 4096
 
 
 @triton.jit
@@ -233,21 +249,32 @@ def decode_attention(
     return out
 
 
-def _step_plan(meta) -> dict:
-    """Per step (shared by every layer): which sequences decode, which prefill."""
+def _step_plan(meta, head_dim: int) -> dict:
+    """Per step (shared by every layer): which sequences decode, and the prefill query tiles."""
     plan = meta.backend_state.get("cuda_plan")
     if plan is None:
         starts, seq_lens = meta.host_lists()
-        decode, prefill = [], []
+        decode, prefill, fresh = [], [], []
         for s, ctx_len in enumerate(seq_lens):
             q_len = starts[s + 1] - starts[s]
             if q_len == 1:
                 decode.append(s)
             elif q_len > 1:
-                prefill.append((s, starts[s], starts[s + 1], ctx_len))
+                prefill.append((s, q_len))
+                if ctx_len == q_len:
+                    fresh.append((s, starts[s], starts[s + 1]))
         device = meta.seq_lens.device
         decode_ids = torch.tensor(decode, dtype=torch.int32, device=device) if decode else None
-        plan = {"decode_ids": decode_ids, "prefill": prefill}
+        if FRESH_PREFILL_SDPA or FRESH_PREFILL_CUDNN_MIN:
+            if not FRESH_PREFILL_SDPA:
+                fresh = [f for f in fresh if f[2] - f[1] >= FRESH_PREFILL_CUDNN_MIN]
+            fresh_ids = {s for s, _, _ in fresh}
+            prefill = [(s, n) for s, n in prefill if s not in fresh_ids]
+        else:
+            fresh = []
+        tile_seq, tile_m = prefill_tiles(prefill, prefill_config(head_dim)[0])
+        tiles = torch.tensor([tile_seq, tile_m], dtype=torch.int32, device=device) if tile_seq else None
+        plan = {"decode_ids": decode_ids, "tiles": tiles, "fresh": fresh}
         meta.backend_state["cuda_plan"] = plan
     return plan
 
@@ -255,43 +282,82 @@ def _step_plan(meta) -> dict:
 def paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None, v=None) -> torch.Tensor:
     if meta.max_query_len == 1:  # pure decode: no host work, CUDA-graph safe
         return decode_attention(q, kv_pool, layer, meta, scale, sliding_window)
-    plan = _step_plan(meta)
+    plan = _step_plan(meta, q.shape[2])
     out = torch.empty_like(q)
     if plan["decode_ids"] is not None:
         decode_attention(q, kv_pool, layer, meta, scale, sliding_window, seq_ids=plan["decode_ids"], out=out)
     k_cache, v_cache = _cache_views(kv_pool, layer)
-    block_size = meta.block_size
-    for s, q_start, q_end, ctx_len in plan["prefill"]:
-        q_len = q_end - q_start
-        if ctx_len == q_len and k is not None and v is not None:
-            k_ctx, v_ctx = k[q_start:q_end], v[q_start:q_end]
+    tiles = plan["tiles"]
+    if tiles is not None and not PREFILL_KERNEL_OK:  # it failed its startup check: the CPU path's code
+        from token_engine.attention import _paged_attention_reference
+
+        ref = _paged_attention_reference(q, kv_pool, layer, meta, scale, sliding_window)
+        rows = torch.tensor([i for s, n in _prefill_rows(meta) for i in range(s, s + n)], device=q.device)
+        out[rows] = ref[rows]
+    elif tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
+        prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out)
+    for _, q_start, q_end in plan["fresh"]:
+        if FRESH_PREFILL_CUDNN_MIN and sliding_window is None and q_end - q_start >= FRESH_PREFILL_CUDNN_MIN:
+            out[q_start:q_end] = _prefill_fresh_cudnn(q[q_start:q_end], k[q_start:q_end], v[q_start:q_end], scale)
         else:
-            blocks = meta.block_tables[s, : -(-ctx_len // block_size)].long()
-            k_ctx = k_cache[blocks].flatten(0, 1)[:ctx_len]
-            v_ctx = v_cache[blocks].flatten(0, 1)[:ctx_len]
-        out[q_start:q_end] = _prefill_one(q[q_start:q_end], k_ctx, v_ctx, scale, sliding_window)
+            out[q_start:q_end] = _prefill_fresh_sdpa(q[q_start:q_end], k[q_start:q_end], v[q_start:q_end], scale,
+                                                     sliding_window)
     return out
 
 
-def _prefill_one(q, k, v, scale, sliding_window):
-    """q: [n, H, D] at the last n of the ctx positions in k/v [ctx, Hkv, D]."""
-    n, heads = q.shape[0], q.shape[1]
-    ctx = k.shape[0]
-    group = heads // k.shape[1]
-    if group > 1:  # expand once here: keeps the FlashAttention path regardless of its GQA support
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+def _prefill_fresh_cudnn(q, k, v, scale):
+    """A long fresh prompt through cuDNN, padded to a bucket: [n, H, D] -> [n, H, D]."""
+    n = q.shape[0]
+    padded = -(-n // CUDNN_BUCKET) * CUDNN_BUCKET
+
+    def heads_first(t):
+        t = t.transpose(0, 1).unsqueeze(0)
+        return F.pad(t, (0, 0, 0, padded - n)) if padded > n else t
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k.to(q.dtype)), heads_first(v.to(q.dtype)),
+                                           is_causal=True, scale=scale, enable_gqa=True)
+    return o[0, :, :n].transpose(0, 1)
+
+
+def _prefill_rows(meta) -> list[tuple[int, int]]:
+    """(first row, rows) of every sequence with several new tokens."""
+    starts, _ = meta.host_lists()
+    return [(starts[s], starts[s + 1] - starts[s]) for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > 1]
+
+
+def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   device) -> float:
+    """Runs the paged prefill kernel on a small ragged step (a fresh prompt, chunks over cached prefixes that
+    end inside pool blocks, a decode) against the CPU path's code in float32; returns the largest error.
+    Uses its own small pool; compiles the kernel for this model's shape before any request."""
+    from token_engine.attention import _paged_attention_reference, build_metadata
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    cached, new = [0, 37, 3 * block_size], [150, 70, 1]
+    lens = [c + n for c, n in zip(cached, new)]
+    per_seq = [-(-n // block_size) for n in lens]
+    pool = torch.randn(sum(per_seq) + 1, 1, 2, block_size, num_kv_heads, head_dim, generator=gen, device=device)
+    pool = pool.to(dtype)
+    ids = torch.randperm(pool.shape[0], generator=gen, device=device).tolist()
+    tables = [ids[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(len(lens))]
+    meta = build_metadata(new, lens, tables, block_size, device)
+    q = torch.randn(sum(new), num_heads, head_dim, generator=gen, device=device).to(dtype)
+    got = paged_attention(q, pool, 0, meta, head_dim**-0.5)
+    want = _paged_attention_reference(q.float(), pool.float(), 0, meta, head_dim**-0.5, None)
+    return (got.float() - want).abs().max().item()
+
+
+def _prefill_fresh_sdpa(q, k, v, scale, sliding_window):
+    """A fresh prompt (no cached context) through torch's SDPA on the step's own K/V: [n, H, D]."""
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
     with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-        if sliding_window is None and ctx == n:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        if sliding_window is None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+            pos = torch.arange(q.shape[0], device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -301,7 +367,13 @@ def warm_up(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size
     Returns how many variants it ran."""
     from token_engine.attention import build_metadata
 
+    global PREFILL_KERNEL_OK
     num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+    err = verify_prefill(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device)
+    PREFILL_KERNEL_OK = err <= PREFILL_CHECK_TOLERANCE.get(kv_pool.dtype, 3e-2)
+    if not PREFILL_KERNEL_OK:
+        logging.getLogger(__name__).warning("the paged prefill kernel differs from the reference by %.3g on this "
+                                            "device: prefill falls back to the plain path", err)
     seen = set()
     for num in range(1, max_num_seqs + 1):
         pad = splits_pad(decode_splits(num, num_kv_heads))

@@ -14,6 +14,7 @@ from splitserve_common.auth import add_api_key_argument
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
 from splitserve_common.hf_cache import resolve_model
+from token_engine.step_budget import PrefillPolicy
 
 if TYPE_CHECKING:
     from token_engine.engine import EngineConfig
@@ -32,6 +33,22 @@ NOOP_FLAGS = (
 )
 KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float", "fp8", "fp8_e4m3", "fp8_e5m2"]
 LOGPROBS_MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
+def prefill_policy_from_args(args) -> PrefillPolicy:
+    if not 0.0 <= args.cache_aware_admission_threshold <= 1.0:
+        raise SystemExit("--cache-aware-admission-threshold must be within [0, 1]")
+    if args.target_step_ms < 0 or args.long_prefill_token_threshold < 0 or args.cache_aware_admission_window < 0:
+        raise SystemExit("--target-step-ms, --long-prefill-token-threshold and --cache-aware-admission-window "
+                         "must not be negative")
+    return PrefillPolicy(
+        target_step_ms=args.target_step_ms,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+        max_num_inflight_kv_loads=args.max_num_inflight_kv_loads,
+        cache_aware_admission_window=args.cache_aware_admission_window,
+        cache_aware_admission_threshold=args.cache_aware_admission_threshold,
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -60,6 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget (prefill chunks + decode tokens)")
     s.add_argument("--block-size", type=_positive_int, default=16)
+    s.add_argument("--target-step-ms", type=float, default=0.0,
+                   help="stall-free chunked prefill: while sequences decode, a step takes only the tokens that keep "
+                        "it near this time (fitted from the steps run); prefill chunks fill what decode leaves. "
+                        "0: off")
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prompt's chunk per step is at most this many tokens unless it is the only request "
+                        "(vLLM's meaning); 0: off")
+    s.add_argument("--long-prefill-token-threshold-adaptive", action="store_true",
+                   help="the cap above never falls below max-num-batched-tokens / (running + waiting)")
+    s.add_argument("--max-num-inflight-kv-loads", type=_positive_int, default=None,
+                   help="most requests holding blocks for an asynchronous KV load at once")
+    s.add_argument("--cache-aware-admission-window", type=int, default=0,
+                   help="within the first N waiting requests, those with a cached prefix start first")
+    s.add_argument("--cache-aware-admission-threshold", type=float, default=0.5,
+                   help="KV cache usage from which the window above applies")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
                    help="number of KV blocks (CPU or GPU), overriding the memory-based sizing")
@@ -221,6 +253,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_policy=prefill_policy_from_args(args),
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,

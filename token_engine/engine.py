@@ -26,6 +26,7 @@ from token_engine.rl.logprob_controls import forced_token, prompt_entries
 from token_engine.sampler import Sampler, SamplingRow
 from token_engine.scheduler import Scheduler
 from token_engine.sequence import SamplingOptions, Sequence, TokenLogprob
+from token_engine.step_budget import PrefillPolicy
 from token_engine.structured import GrammarCompiler, GrammarState
 from token_engine.structured.pool import PoolLimits
 from token_engine.validation import EngineLimits
@@ -60,6 +61,7 @@ class EngineConfig:
     generation_config: str = "auto"  # EOS ids: "auto" (the model's), "vllm" (config.json only) or a directory
     logprobs_mode: str = "raw_logprobs"  # or "raw_logits": what sampled-token logprobs carry (vLLM's flag)
     structured_outputs_compile_workers: int = 2  # killable compile processes (structured/pool.py)
+    prefill_policy: PrefillPolicy | None = None  # step budget and vLLM's long-prompt knobs (step_budget.py)
 
     @property
     def model_name(self) -> str:
@@ -134,7 +136,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = connector if connector is not None else create_kv_connector(config.kv_transfer_config, config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.connector)
+                                   self.max_model_len, self.connector, config.prefill_policy)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   cuda_graphs=not config.enforce_eager)
@@ -248,6 +250,7 @@ class LLMEngine:
             for seq_id, (first, rows) in logits.prompt_logits.items():
                 self._record_prompt_logprobs(self._seq_by_id(seq_id), first, rows)
             t_model = time.perf_counter()
+            self.scheduler.observe_step(sum(s.num_new_tokens for s in out.scheduled), t_model - t_scheduled)
             self.scheduler.update_after_step(out, sampled)
             for s in out.scheduled:
                 touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])

@@ -1,9 +1,10 @@
 """Who decides what runs next: waiting/running queues, chunked prefill under a per-step token budget,
 preemption by recompute when blocks run out, priorities (lower value first, then arrival, as vLLM).
 
-Each step is one mixed batch: running sequences first (a decode token each, or the next chunk of an
-unfinished prefill), then waiting sequences in priority order while the token budget, `max_num_seqs` and
-the free blocks allow. A running sequence that cannot get a block preempts the lowest-priority running
+Each step is one mixed batch: running sequences first (decode tokens, then the next chunks of unfinished
+prefills), then waiting sequences in priority order while the token budget, `max_num_seqs` and the free
+blocks allow. The budget and a cap on long chunks come from token_engine.step_budget (stall-free batching).
+A running sequence that cannot get a block preempts the lowest-priority running
 sequence (possibly itself): its blocks are freed and it re-enters the waiting queue to be recomputed.
 """
 
@@ -22,6 +23,7 @@ from token_engine.kv_connector.base import (
 )
 from token_engine.rl.group_prefill import prefills_in_flight, share_key, waits_for_group_prefill
 from token_engine.sequence import Sequence, SequenceStatus
+from token_engine.step_budget import PrefillPolicy, StepTimeModel
 
 
 @dataclass
@@ -68,8 +70,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         connector: KVConnector | None = None,
+        policy: PrefillPolicy | None = None,
     ):
         self.bm = block_manager
+        self.policy = policy or PrefillPolicy()
+        self.step_times = StepTimeModel()
         self.connector = connector or NoOpKVConnector()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -174,48 +179,105 @@ class Scheduler:
         return finished
 
     # ---- the step ---------------------------------------------------------------------------------
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The model time of a step that ran num_tokens: feeds the step budget."""
+        self.step_times.observe(num_tokens, seconds * 1e3)
+
+    def step_budget(self) -> int:
+        """This step's token budget: max_num_batched_tokens, or less while sequences decode and a step-time
+        target is set (the decode tokens always fit; prefill gets at least min_prefill_tokens)."""
+        budget = self.max_num_batched_tokens
+        target = self.policy.target_step_ms
+        if target <= 0:
+            return budget
+        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        if decoding == 0:
+            return budget  # nobody waits for a token between steps
+        fitted = self.step_times.tokens_for(target)
+        if fitted is None:
+            return budget
+        return min(budget, max(fitted, decoding + self.policy.min_prefill_tokens))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.step_budget()
+        cap = self.policy.chunk_cap(budget, len(self.running) + len(self.waiting))
         self.running.sort(key=lambda s: s.sort_key)
+        # Decode tokens first, then chunks of short prefills, then new prompts, then chunks of long prefills
+        # (remaining > long_prefill_token_threshold, when set): a long prompt fills what the others leave, so
+        # neither a decoding stream nor a short prompt arriving meanwhile waits behind it. Each group goes by
+        # priority; preemption still takes the lowest-priority running sequence.
+        threshold = self.policy.long_prefill_token_threshold
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        def is_long(s: Sequence) -> bool:
+            return threshold > 0 and s.num_tokens - s.num_computed_tokens > threshold
+
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key))
+        placed: dict[str, ScheduledSequence] = {}
+        budget = self._schedule_running([s for s in order if not is_long(s)], budget, cap, placed, out)
+
+        # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
+        in_flight = prefills_in_flight(self.bm, self.running) if self.waiting else set()
+        for seq in self._admission_order():
+            if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not seq.block_table and not self.connector.may_start(seq):
+                continue  # its caller holds its share of leased KV: it waits, the ones behind it may start
+            if waits_for_group_prefill(self.bm, seq, in_flight):
+                continue  # a sibling is computing this prompt's KV: take it from the cache next step
+            num_scheduled = self._admit(self.waiting.index(seq), min(budget, cap) if cap else budget, out)
+            if num_scheduled is None:
+                break
+            budget -= num_scheduled
+            if (key := share_key(self.bm, seq)) is not None and seq.num_computed_tokens < seq.prompt_len:
+                in_flight.add(key)
+        self._schedule_running([s for s in order if is_long(s)], budget, cap, placed, out)
+        return out
+
+    def _schedule_running(self, seqs: list[Sequence], budget: int, cap: int,
+                          placed: dict[str, ScheduledSequence], out: SchedulerOutput) -> int:
+        """Gives running sequences their tokens in the given order; returns the budget left."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if cap and num_new > 1:
+                num_new = min(num_new, cap)
             while not self.bm.allocate(seq, num_new):
                 if self._release_turn_hold():
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
+                given = placed.pop(victim.seq_id, None)
+                if given is not None:  # it had its tokens already: they go back to the budget
+                    out.scheduled.remove(given)
+                    budget += given.num_new_tokens
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(self._scheduled(seq, num_new))
+                placed[seq.seq_id] = self._scheduled(seq, num_new)
+                out.scheduled.append(placed[seq.seq_id])
                 budget -= num_new
-                i += 1
-                continue
-            break  # seq preempted itself: it was the last one
+        return budget
 
-        # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
-        i = 0
-        in_flight = prefills_in_flight(self.bm, self.running) if self.waiting else set()
-        while not out.preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i]
-            if not seq.block_table and not self.connector.may_start(seq):
-                i += 1  # its caller holds its share of leased KV: it waits, the ones behind it may start
-                continue
-            if waits_for_group_prefill(self.bm, seq, in_flight):
-                i += 1  # a sibling is computing this prompt's KV: take it from the cache next step
-                continue
-            num_scheduled = self._admit(i, budget, out)
-            if num_scheduled is None:
-                break
-            budget -= num_scheduled
-            if (key := share_key(self.bm, seq)) is not None and seq.num_computed_tokens < seq.prompt_len:
-                in_flight.add(key)
-        return out
+    def _admission_order(self) -> list[Sequence]:
+        """Waiting sequences in the order they are offered a start: priority order, except that within the
+        first cache_aware_admission_window fresh ones, those with a cached prefix go first once the cache is
+        at least cache_aware_admission_threshold full (a cold prompt would evict what a warm one needs)."""
+        window = self.policy.cache_aware_admission_window
+        if window <= 0 or self.bm.usage() < self.policy.cache_aware_admission_threshold:
+            return list(self.waiting)
+        head = self.waiting[:window]
+        movable = [i for i, s in enumerate(head) if not s.block_table and s.num_computed_tokens == 0]
+        warm = [i for i in movable if self.bm.find_cached_prefix(head[i])]
+        cold = [i for i in movable if i not in warm]
+        reordered = list(head)
+        for slot, i in zip(movable, warm + cold):  # only the movable positions change hands
+            reordered[slot] = head[i]
+        return reordered + self.waiting[window:]
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         return ScheduledSequence(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
@@ -237,6 +299,10 @@ class Scheduler:
                 external = max(0, min(external, seq.num_tokens - num_computed))
         else:
             num_computed = seq.num_computed_tokens
+        limit = self.policy.max_num_inflight_kv_loads
+        if load_async and limit is not None and len(self.waiting_for_remote) >= limit:
+            self._remote_checked.discard(seq.seq_id)  # asked again once a load finishes
+            return None
         remaining = seq.num_tokens - num_computed - external
         num_new = 0 if load_async else min(remaining, budget)
         if not load_async and external and num_new == 0:

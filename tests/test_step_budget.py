@@ -1,0 +1,140 @@
+"""Stall-free chunked prefill and vLLM's long-prompt knobs in the scheduler (no model: a pretend step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_scheduler import seq, step
+from token_engine.kv_cache import BlockManager
+from token_engine.scheduler import Scheduler
+from token_engine.step_budget import PrefillPolicy, StepTimeModel
+
+
+def make(policy: PrefillPolicy, budget=512, num_blocks=2048, block_size=4, max_num_seqs=16, caching=False):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    return Scheduler(bm, max_num_seqs, budget, 4096, policy=policy), bm
+
+
+def decoding(s: Scheduler, n: int, prompt: int = 3):
+    seqs = [seq(prompt, max_tokens=1000) for _ in range(n)]
+    for x in seqs:
+        s.add(x)
+    step(s)  # prompts done: every one decodes from now on
+    return seqs
+
+
+def test_step_time_model_recovers_a_linear_cost_and_budgets_tokens_for_a_target():
+    model = StepTimeModel()
+    assert model.tokens_for(30.0) is None  # nothing seen yet
+    for tokens in (8, 300, 40, 900, 2000, 16):
+        model.observe(tokens, 7.0 + 0.01 * tokens)
+    base, per_token = model.fit()
+    assert base == pytest.approx(7.0) and per_token == pytest.approx(0.01)
+    assert model.tokens_for(30.0) == pytest.approx(2300, abs=1)
+
+
+def test_with_a_step_target_a_long_prompt_takes_only_what_keeps_decode_steps_near_it():
+    s, _ = make(PrefillPolicy(target_step_ms=10.0), budget=4096)
+    streams = decoding(s, 4)
+    for tokens in (4, 1000, 2000, 500):  # what earlier steps cost: 5 ms + 0.01 ms per token
+        s.observe_step(tokens, (5.0 + 0.01 * tokens) / 1e3)
+    long = seq(3000)
+    s.add(long)
+    out = step(s)
+    got = {x.seq.seq_id: x.num_new_tokens for x in out.scheduled}
+    assert all(got[x.seq_id] == 1 for x in streams)
+    assert sum(got.values()) == pytest.approx(500, abs=1)  # (10 - 5) / 0.01 tokens, not the 4096 budget
+    assert got[long.seq_id] == sum(got.values()) - 4
+
+
+def test_without_decoding_sequences_the_whole_budget_goes_to_prefill():
+    s, _ = make(PrefillPolicy(target_step_ms=10.0), budget=2048)
+    for tokens in (4, 1000, 2000):
+        s.observe_step(tokens, (5.0 + 0.01 * tokens) / 1e3)
+    long = seq(3000)
+    s.add(long)
+    assert step(s).scheduled[0].num_new_tokens == 2048
+
+
+def test_long_prefill_threshold_caps_a_long_chunk_so_a_short_prompt_arriving_meanwhile_gets_its_token():
+    s, _ = make(PrefillPolicy(long_prefill_token_threshold=256), budget=512)
+    long = seq(4000)
+    s.add(long)
+    assert step(s).scheduled[0].num_new_tokens == 512  # alone: the cap does not apply (vLLM's rule)
+    short = seq(100)
+    s.add(short)
+    out = step(s)
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(short, 100), (long, 256)]
+    assert short.num_output_tokens == 1 and long.num_output_tokens == 0
+
+
+def test_a_long_prefill_fills_what_short_prompts_leave_of_a_step_budget():
+    s, _ = make(PrefillPolicy(target_step_ms=10.0, long_prefill_token_threshold=1000), budget=4096)
+    streams = decoding(s, 2)
+    for tokens in (4, 1000, 2000, 500):  # 5 ms + 0.01 ms per token: 500 tokens a step
+        s.observe_step(tokens, (5.0 + 0.01 * tokens) / 1e3)
+    long = seq(3000)
+    s.add(long)
+    step(s)
+    short = seq(200)
+    s.add(short)
+    got = [(x.seq, x.num_new_tokens) for x in step(s).scheduled]
+    assert got == [(streams[0], 1), (streams[1], 1), (short, 200), (long, 298)]
+
+
+def test_without_the_threshold_the_long_chunk_takes_the_budget_and_the_short_prompt_waits():
+    s, _ = make(PrefillPolicy(), budget=512)
+    long = seq(4000)
+    s.add(long)
+    step(s)
+    short = seq(100)
+    s.add(short)
+    out = step(s)
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(long, 512)]
+
+
+def test_adaptive_threshold_never_falls_below_a_fair_share_of_the_budget():
+    policy = PrefillPolicy(long_prefill_token_threshold=16, long_prefill_token_threshold_adaptive=True)
+    assert policy.chunk_cap(512, 4) == 128
+    assert policy.chunk_cap(512, 64) == 16
+    assert policy.chunk_cap(512, 1) == 0
+
+
+def test_decode_tokens_are_scheduled_before_a_higher_priority_prefill_chunk():
+    s, _ = make(PrefillPolicy(), budget=64)
+    low = seq(3, priority=5, max_tokens=100)
+    s.add(low)
+    step(s)
+    urgent = seq(500, priority=-1)
+    s.add(urgent)
+    step(s)  # urgent starts: 63 tokens
+    out = step(s)
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(low, 1), (urgent, 63)]
+
+
+def test_cache_aware_admission_starts_a_warm_prompt_ahead_of_a_cold_one_once_the_cache_is_full_enough():
+    s, bm = make(PrefillPolicy(cache_aware_admission_window=4, cache_aware_admission_threshold=0.0),
+                 budget=64, caching=True, max_num_seqs=1)
+    first = seq(16)
+    s.add(first)
+    while not first.is_finished:
+        step(s)
+    cold = seq(16, name="cold")
+    cold.prompt_token_ids[:] = [9] * 16
+    cold.token_ids[:] = [9] * 16
+    warm = seq(16, name="warm")  # the same prompt as the finished one: its blocks are cached
+    s.add(cold)
+    s.add(warm)
+    assert s.waiting == [cold, warm]
+    out = step(s)
+    assert [x.seq for x in out.scheduled] == [warm]
+    assert warm.num_cached_tokens > 0
+
+
+def test_cache_aware_admission_keeps_arrival_order_below_the_threshold():
+    s, _ = make(PrefillPolicy(cache_aware_admission_window=4, cache_aware_admission_threshold=0.9),
+                budget=64, caching=True, max_num_seqs=1)
+    a, b = seq(8), seq(8)
+    s.add(a)
+    s.add(b)
+    assert [x.seq for x in step(s).scheduled] == [a]

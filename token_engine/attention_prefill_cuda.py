@@ -1,0 +1,168 @@
+"""Prefill attention that reads the paged KV pool in place (Triton, FlashAttention-style).
+
+One launch covers every prefill sequence of a step (a ragged batch): the host cuts each sequence's new tokens
+into query tiles of BLOCK_M and hands the kernel a tile list (sequence, first new token of the tile). Each
+program takes one tile and one query head and walks the context through the block table, BLOCK_N keys at a
+time, with an online softmax. Nothing is gathered, expanded or masked in memory:
+
+- block-table indirection: a key's slot is `block_tables[seq, pos // block_size] * block_size + pos % block_size`;
+- native GQA: a query head reads the K/V of its group's KV head; the group's programs share those reads in L2;
+- causal masking by position arithmetic: new tokens are the last q_len of ctx_len positions, so a query at
+  position p sees keys <= p; key tiles wholly below the tile's first query position need no mask at all;
+- sliding windows: keys > p - window; tiles wholly outside every row's window are skipped.
+
+The same kernel serves fresh prompts (ctx_len == q_len) and chunks over a cached prefix (the agent-turn case).
+Runs under TRITON_INTERPRET=1 on CPU tensors too (tests/triton_kernels_check.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tile shapes per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages), tuned for an H200; the interpreter check
+# passes small ones.
+PREFILL_CONFIG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, n_lo, n_hi, ctx_len, window, qk_scale,
+    stride_cb, stride_ct,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+):
+    for n in range(n_lo, n_hi, BLOCK_N):
+        pos = n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_ctx = pos < ctx_len
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        else:
+            block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_off
+        if MASKED:
+            k = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=in_ctx[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=in_ctx[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + off[None, :] + d[:, None])
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, k) * qk_scale
+        if MASKED:
+            seen = (pos[None, :] <= pos_q[:, None]) & in_ctx[None, :]
+            if window > 0:
+                seen &= pos[None, :] > pos_q[:, None] - window
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# Integers that change from step to step are not specialized on (each specialization is a compile).
+@triton.jit(do_not_specialize=["window", "stride_bt"])
+def _prefill_paged_kernel(
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, tile_seq_ptr,
+    tile_m_ptr, qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    m0 = tl.load(tile_m_ptr + tile)
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    q_begin = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_begin
+    first_pos = ctx_len - q_len  # position of the sequence's first new token
+
+    m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = m < q_len
+    pos_q = first_pos + m
+    rows = (q_begin + m).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_mask[:, None], other=0.0)
+
+    kv_off = (head // GROUP) * stride_ch
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    lo_pos = first_pos + m0  # the tile's first query position
+    hi = tl.minimum(ctx_len, first_pos + tl.minimum(m0 + BLOCK_M, q_len))  # past the last key any row sees
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if window > 0:
+        start = tl.maximum(0, lo_pos - window + 1) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, start,
+                                     hi, ctx_len, window, qk_scale, stride_cb, stride_ct,
+                                     BLOCK_SIZE, BLOCK_N, True, IEEE)
+    else:
+        full = (lo_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, 0,
+                                     full, ctx_len, window, qk_scale, stride_cb, stride_ct,
+                                     BLOCK_SIZE, BLOCK_N, False, IEEE)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, full,
+                                     hi, ctx_len, window, qk_scale, stride_cb, stride_ct,
+                                     BLOCK_SIZE, BLOCK_N, True, IEEE)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows of a windowed tile may see nothing
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None])
+
+
+def prefill_tiles(prefill: list[tuple[int, int]], block_m: int) -> tuple[list[int], list[int]]:
+    """(sequence, first new token of the tile) for each query tile; prefill holds (sequence, q_len) pairs.
+    The longest rows go first: their programs run longest, so the grid's tail stays short."""
+    tiles = [(s, m) for s, q_len in prefill for m in range(0, q_len, block_m)]
+    tiles.sort(key=lambda t: -t[1])
+    return [s for s, _ in tiles], [m for _, m in tiles]
+
+
+def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+    return PREFILL_CONFIG.get(head_dim, (64, 32, 4, 2))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta,
+    tile_seq: torch.Tensor,
+    tile_m: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Writes out[rows of the tiles' sequences] for the query tiles listed in tile_seq/tile_m (int32, device)."""
+    num_tiles = int(tile_seq.shape[0])
+    if num_tiles == 0:
+        return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[2]
+    block_m, block_n, warps, stages = config or prefill_config(head_dim)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _prefill_paged_kernel[(num_tiles, num_heads)](
+        q, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_seq, tile_m,
+        scale * LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )
+    return out
