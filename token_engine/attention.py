@@ -188,3 +188,23 @@ def _paged_attention_reference(
         )
         out[q_start:q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
+    """CUDA only. Compiles the decode kernels a mixed prefill + decode step uses, for every merge width a step
+    of up to max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing
+    to it. Returns how many variants it ran."""
+    from token_engine import attention_cuda
+
+    num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+    seen = set()
+    for num in range(1, max_num_seqs + 1):
+        pad = attention_cuda.splits_pad(attention_cuda.decode_splits(num, num_kv_heads))
+        if pad in seen:
+            continue
+        seen.add(pad)
+        meta = build_metadata([1] * num, [1] * num, [[0]] * num, block_size, kv_pool.device)
+        q = torch.zeros(num, num_heads, head_dim, dtype=kv_pool.dtype, device=kv_pool.device)
+        ids = torch.arange(num, dtype=torch.int32, device=kv_pool.device)
+        attention_cuda.decode_attention(q, kv_pool, 0, meta, 1.0, seq_ids=ids)
+    return len(seen)

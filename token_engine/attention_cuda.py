@@ -293,23 +293,3 @@ def _prefill_one(q, k, v, scale, sliding_window):
                 mask &= k_pos > q_pos - sliding_window
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.squeeze(0).transpose(0, 1)
-
-
-def warm_up(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
-    """Compiles the decode kernels a mixed prefill + decode step uses, for every merge width a step of up to
-    max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing to it.
-    Returns how many variants it ran."""
-    from token_engine.attention import build_metadata
-
-    num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
-    seen = set()
-    for num in range(1, max_num_seqs + 1):
-        pad = splits_pad(decode_splits(num, num_kv_heads))
-        if pad in seen:
-            continue
-        seen.add(pad)
-        meta = build_metadata([1] * num, [1] * num, [[0]] * num, block_size, kv_pool.device)
-        q = torch.zeros(num, num_heads, head_dim, dtype=kv_pool.dtype, device=kv_pool.device)
-        ids = torch.arange(num, dtype=torch.int32, device=kv_pool.device)
-        decode_attention(q, kv_pool, 0, meta, 1.0, seq_ids=ids)
-    return len(seen)

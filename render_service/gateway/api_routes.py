@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,16 +29,15 @@ from render_service.errors import ApiError, bad_request, not_found
 from render_service.gateway.api_responders import MessagesResponder, ResponsesResponder, ThinkingBudget
 from render_service.gateway.flow import EngineCall, Gateway, plan_streams
 from render_service.gateway.merged import open_merged
-from render_service.gateway.response_store import MAX_ID_CHARS, ResponseStore, StoredResponse
-from render_service.gateway.routes import _collect, engine_error, fold, respond
+from render_service.gateway.response_store import MAX_ID_CHARS, ResponseStore, StoredResponse, open_store
+from render_service.gateway.routes import collect, engine_error, fold, respond
 from render_service.gateway.sse_relay import SseRelay
 from render_service.protocol import ChatCompletionRequest, GenerateRequest
 from render_service.render_config import RenderConfig
+from render_service.request_io import Handler, decode, endpoint, read_json_body
 
 logger = logging.getLogger("render_service.gateway.api_routes")
 _encode = msgspec.json.Encoder().encode
-Handler = Callable[[Request], Awaitable[Response]]
-
 
 def assistant_turn(output: list[Any]) -> dict[str, Any]:
     """A response's output items as the chat assistant message the next turn's prompt renders."""
@@ -129,7 +128,7 @@ async def _respond_phased(request: Request, gateway: Gateway, budget: ThinkingBu
                 await fold(gateway, plan_streams([gen], gateway.disaggregated), call, responder,  # type: ignore[arg-type]
                            None)
                 gen = budget.take_next()
-        return await _collect(request, gateway, call, phases(), responder)  # type: ignore[arg-type]
+        return await collect(request, gateway, call, phases(), responder)  # type: ignore[arg-type]
     try:
         streams = await open_merged(gateway, plan_streams([first], gateway.disaggregated), call, None)
     except BaseException as exc:
@@ -148,11 +147,11 @@ def _engine_ready(gen: GenerateRequest) -> GenerateRequest:
                                                                                 thinking_token_budget=None))
 
 
-def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[..., Handler],
-                       store: ResponseStore) -> list[Route]:
-    from render_service.server import decode, read_json_body
-
-    writer = StoreWriter(store)
+def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
+    """/v1/responses (with its stored responses) and /v1/messages over the gateway's engines."""
+    s = gateway.settings
+    writer = StoreWriter(open_store(s.responses_store_path, s.responses_store_dsn, s.responses_store_max_entries,
+                                    s.responses_store_ttl_s))
 
     async def responses(request: Request) -> Response:
         req = decode(await read_json_body(request), ResponsesRequest)
