@@ -10,11 +10,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from render_service import metrics
 from render_service.derender_stream import StreamRuntime
@@ -63,7 +64,16 @@ def version() -> str:
         return "0.0.0+unknown"
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+class Answer(Protocol):
+    """What a handler answers: a Starlette Response, or an ASGI app of its own that has a status (the gateway's
+    SSE relay writes a stream's events from the engine connections' callbacks)."""
+
+    status_code: int
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
+Handler = Callable[[Request], Awaitable[Answer]]
 
 
 @dataclass
@@ -114,8 +124,9 @@ def check_auth(request: Request) -> None:
 def endpoint(name: str, handler: Handler, *, auth: bool = True) -> Handler:
     """Wraps a handler with auth, the error envelope and metrics."""
 
-    async def run(request: Request) -> Response:
+    async def run(request: Request) -> Answer:
         started = time.perf_counter()
+        response: Answer
         try:
             if auth:
                 check_auth(request)

@@ -25,6 +25,7 @@ from render_service.protocol import DerenderStreamProbe
 from render_service.render_config import check_model
 from render_service.request_io import (
     JSON,
+    Answer,
     Handler,
     check_auth,
     decode,
@@ -38,7 +39,7 @@ from render_service.request_io import (
 def shaped(handler: Handler, body_of: Callable[[ApiError], bytes]) -> Handler:
     """Auth and errors in the API's own body (the server's ``endpoint`` still counts and logs)."""
 
-    async def run(request: Request) -> Response:
+    async def run(request: Request) -> Answer:
         try:
             check_auth(request)
             return await handler(request)

@@ -34,7 +34,7 @@ from render_service.gateway.routes import collect, engine_error, fold, respond
 from render_service.gateway.sse_relay import SseRelay
 from render_service.protocol import ChatCompletionRequest, GenerateRequest
 from render_service.render_config import RenderConfig
-from render_service.request_io import Handler, decode, endpoint, read_json_body
+from render_service.request_io import Answer, Handler, decode, endpoint, read_json_body
 
 logger = logging.getLogger("render_service.gateway.api_routes")
 _encode = msgspec.json.Encoder().encode
@@ -153,7 +153,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
     writer = StoreWriter(open_store(s.responses_store_path, s.responses_store_dsn, s.responses_store_max_entries,
                                     s.responses_store_ttl_s))
 
-    async def responses(request: Request) -> Response:
+    async def responses(request: Request) -> Answer:
         req = decode(await read_json_body(request), ResponsesRequest)
         history = None
         if req.previous_response_id is not None:
@@ -191,7 +191,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
         return Response(_encode({"id": response_id, "object": "response.deleted", "deleted": True}),
                         media_type="application/json")
 
-    async def messages(request: Request) -> Response:
+    async def messages(request: Request) -> Answer:
         req = decode(await read_json_body(request), MessagesRequest)
         gen, chat = render_messages(req, config, request_id=request.headers.get("x-request-id"))
         budget_tokens = gen.sampling_params.thinking_token_budget

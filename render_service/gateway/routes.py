@@ -39,7 +39,7 @@ from render_service.protocol import (
 from render_service.render import render_chat, render_completion
 from render_service.render_config import RenderConfig
 from render_service.render_queue import RenderQueue
-from render_service.request_io import decode, endpoint, read_json_body
+from render_service.request_io import Answer, decode, endpoint, read_json_body
 
 logger = logging.getLogger("render_service.gateway.routes")
 
@@ -52,7 +52,7 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
     Responses and Messages routes are gateway/api_routes.py's."""
     queue = render_queue or RenderQueue()
 
-    async def chat(request: Request, body: bytes | None = None) -> Response:
+    async def chat(request: Request, body: bytes | None = None) -> Answer:
         body = await read_json_body(request) if body is None else body
         request_id = request.headers.get("x-request-id")
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
@@ -67,7 +67,7 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
 
-    async def completions(request: Request, body: bytes | None = None) -> Response:
+    async def completions(request: Request, body: bytes | None = None) -> Answer:
         body = await read_json_body(request) if body is None else body
         request_id = request.headers.get("x-request-id")
 
@@ -79,12 +79,13 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
             return req, render_completion(req, config, request_id=request_id)
 
         req, gens = await queue.run("completions", len(body), render)
-        response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
+        first_id = gens[0].request_id or ""  # render names every request
+        response_id = first_id if len(gens) == 1 else first_id.rsplit("-", 1)[0]
         responder = CompletionResponder(gens, req, config, response_id)
         conversation = conversation_key(req.conversation_id, request.headers)
         return await respond(request, gateway, gens, responder, bool(req.stream), conversation)
 
-    async def invocations(request: Request) -> Response:
+    async def invocations(request: Request) -> Answer:
         """SageMaker's one inference path, as vLLM's: a chat request if the body has ``messages``, else a
         completion request if it has ``prompt`` (vLLM tries ChatCompletionRequest, then CompletionRequest)."""
         body = await read_json_body(request)
@@ -115,7 +116,7 @@ class InvocationShape(msgspec.Struct):
 
     def has(self, key: str) -> bool:
         raw = memoryview(getattr(self, key))
-        return len(raw) > 0 and raw != b"null"
+        return len(raw) > 0 and (len(raw) != 4 or raw.tobytes() != b"null")
 
 
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -132,7 +133,7 @@ def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest],
                   responder: ChatResponder | CompletionResponder, stream: bool,
-                  conversation: bytes | None = None) -> Response:
+                  conversation: bytes | None = None) -> Response | SseRelay:
     gateway.stats.requests += 1
     if gateway.disaggregated:
         violation = fanout_violation(gens, gateway.settings.max_num_seqs)
@@ -161,7 +162,7 @@ async def fold(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
     the end only."""
     streams = await open_merged(gateway, planned, call, span_done)
     _pass_prompt_logprobs(streams, responder)
-    over: asyncio.Future = asyncio.get_running_loop().create_future()
+    over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def on_choice(prompt_index: int, choice: GenerateStreamChoice) -> None:
         if over.done():
@@ -247,6 +248,6 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def client_went_away(watcher: asyncio.Future) -> bool:
+def client_went_away(watcher: asyncio.Future[Any]) -> bool:
     """The disconnect watcher returned: it saw ``http.disconnect`` (not cancelled, not failed)."""
     return watcher.done() and not watcher.cancelled() and watcher.exception() is None
