@@ -204,7 +204,7 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
 
     from render_service.gateway.latency import GatewayLatency
     from render_service.openapi import render_openapi
-    from render_service.server import version
+    from render_service.request_io import version
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
 

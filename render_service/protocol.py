@@ -212,7 +212,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     ``sampling_params.extra_args``; engines of both releases copy the top-level value there) and
     ``parse_context`` (the chat context 0.33's ``output_mode: "derender"`` parses with; null for completions).
     ``render_fingerprint`` is ours (vLLM's engine ignores unknown keys): the hash of the render
-    configuration, for derender to check (render_service.fingerprint).
+    configuration, for derender to check.
     """
 
     request_id: str | None = None

@@ -8,12 +8,12 @@ fixtures/vllm-0.32-render/; deliberate differences are listed in docs/compatibil
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, cast
 
 from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
 from render_service.errors import bad_request
+from render_service.harmony.render import prerendered_harmony_ids, render_harmony_chat, render_harmony_request
 from render_service.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.protocol import (
     ChatCompletionRequest,
@@ -23,6 +23,7 @@ from render_service.protocol import (
     StreamOptions,
 )
 from render_service.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
+from render_service.response_format import requested_structured_outputs
 from render_service.template_sandbox import TemplateError
 from render_service.templates import ChatTemplate
 from render_service.tokenizer import TextTokenizer
@@ -137,45 +138,6 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, config: RenderCon
     fallback = requested if requested is not None else config.generation_defaults.get("max_tokens")
     room = config.max_model_len - prompt_len
     return room if fallback is None else min(room, fallback)
-
-
-def _structured_outputs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
-    if req.structured_outputs is not None:
-        return req.structured_outputs
-    fmt = req.response_format
-    if not fmt:
-        return None
-    kind = fmt.get("type")
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if schema is None:
-            raise bad_request("response_format.json_schema.schema is required", "response_format")
-        return {"json": schema}
-    if kind == "structural_tag":
-        return {"structural_tag": _structural_tag_text(fmt)}
-    if kind in (None, "text"):
-        return None
-    raise bad_request(f"Unsupported response_format type {kind!r}", "response_format")
-
-
-def _structural_tag_text(fmt: dict[str, Any]) -> str:
-    """A ``structural_tag`` response format as vLLM passes it on (``json.dumps`` of its model): the legacy
-    ``structures``/``triggers`` form, else xgrammar's ``format``. The engine compiles (or refuses) it."""
-    invalid = bad_request("Invalid response_format structural_tag specification.", "response_format")
-    structures, triggers = fmt.get("structures"), fmt.get("triggers")
-    if structures is not None or triggers is not None:
-        if not isinstance(structures, list) or not isinstance(triggers, list) \
-                or not all(isinstance(t, str) for t in triggers) \
-                or not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
-                           and isinstance(s.get("schema"), dict) for s in structures):
-            raise invalid
-        legacy = [{"begin": s["begin"], "schema": s["schema"], "end": s["end"]} for s in structures]
-        return json.dumps({"type": "structural_tag", "structures": legacy, "triggers": triggers})
-    if "format" not in fmt:
-        raise invalid
-    return json.dumps({"type": "structural_tag", "format": fmt["format"]})
 
 
 def build_sampling_params(
@@ -296,8 +258,6 @@ def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids
         raise bad_request(*violation)
     kwargs = resolve_chat_template_kwargs(req, config)
     if config.harmony:  # gpt-oss (/tokenize; render_chat takes its own Harmony branch)
-        from render_service.harmony.render import render_harmony_chat
-
         choice = "none" if not req.tools or req.tool_choice == "none" else "auto"
         # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
         return render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, choice), kwargs, None
@@ -410,8 +370,9 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     )
     skip_special = req.skip_special_tokens and not keep_special
     structured = tool_call_constraint(
-        config.tool_call_parser, req.tools, tool_choice, named, req.parallel_tool_calls, _structured_outputs(req),
-        config.tool_strict_level, requested_explicitly=req.structured_outputs is not None)
+        config.tool_call_parser, req.tools, tool_choice, named, req.parallel_tool_calls,
+        requested_structured_outputs(req), config.tool_strict_level,
+        requested_explicitly=req.structured_outputs is not None)
     params = build_sampling_params(
         req, config, max_tokens=max_tokens, logprobs=req.top_logprobs if req.logprobs else None,
         skip_special_tokens=skip_special, structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
@@ -465,8 +426,6 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
                          request_id: str | None, given: list[int] | None) -> GenerateRequest:
     """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/); ``given``: ids
     rendered already (prerendered.py)."""
-    from render_service.harmony.render import prerendered_harmony_ids, render_harmony_request
-
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
@@ -595,7 +554,7 @@ def render_completion(
     violation = prompts_limit_violation(len(prompts))
     if violation:
         raise bad_request(*violation)
-    structured = _structured_outputs(req)
+    structured = requested_structured_outputs(req)
     base_id = new_request_id("cmpl", request_id, req.request_id)
     out = []
     for i, prompt in enumerate(prompts):

@@ -198,7 +198,7 @@ def build_render_config(
         path = Path(chat_template)
         source = path.read_text(encoding="utf-8") if len(chat_template) < 4096 and path.is_file() else chat_template
     if harmony:
-        from render_service.harmony.render import harmony_parser_flags
+        from render_service.harmony.encoding import harmony_parser_flags
 
         reasoning_parser, tool_call_parser = harmony_parser_flags(
             None if reasoning_parser == "auto" else reasoning_parser,

@@ -14,9 +14,7 @@ logged with its traceback and answered 500 (a bug of ours), never left hanging.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -27,10 +25,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from render_service import metrics
+from render_service.apis.endpoints import api_routes
 from render_service.derender import derender_chat, derender_completion
 from render_service.derender_stream import StreamRuntime, derender_chat_stream, derender_completion_stream
-from render_service.errors import ApiError, bad_request, error_body, from_decode_error
-from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.errors import ApiError, bad_request
+from render_service.gateway.api_routes import api_gateway_routes
+from render_service.gateway.flow import Gateway
+from render_service.gateway.routes import gateway_routes
 from render_service.incremental_tokenizer import PromptIds
 from render_service.message_memo import decode_chat_request
 from render_service.protocol import (
@@ -53,46 +54,20 @@ from render_service.protocol import (
 from render_service.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 from render_service.render_config import RenderConfig, check_model
 from render_service.render_queue import RenderQueue
+from render_service.request_io import (
+    JSON,
+    ServerState,
+    decode,
+    encode_json,
+    endpoint,
+    error_response,
+    json_response,
+    read_json_body,
+    server_state,
+)
 from splitserve_common.auth import ApiKeys
 
 logger = logging.getLogger("render_service.server")
-
-JSON = "application/json"
-# Upper bound on a request body: a full 128k-token context with its chat request fits many times over.
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-_encode = msgspec.json.Encoder().encode
-_decoders: dict[type, msgspec.json.Decoder] = {}
-
-
-def decode(body: bytes, kind: type) -> Any:
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
-    except RecursionError:
-        raise bad_request("Invalid JSON body: nested too deeply") from None
-
-
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_encode(payload), status_code=status, media_type=JSON, headers=headers)
-
-
-def error_response(error: ApiError) -> Response:
-    return Response(error_body(error), status_code=error.status, media_type=JSON, headers=error.headers)
-
-
-def version() -> str:
-    try:
-        from importlib.metadata import version as package_version
-
-        return package_version("splitserve")
-    except Exception:  # not installed as a distribution (plain checkout)
-        return "0.0.0+unknown"
-
 
 # ------------------------------------------------------------------------------------- the app
 
@@ -147,80 +122,6 @@ class RenderApp(Starlette):
         await super().__call__(scope, receive, send)
 
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-@dataclass
-class ServerState:
-    """One app's configuration and what its handlers share (``app.state.server``)."""
-
-    config: RenderConfig
-    stream_runtime: StreamRuntime
-    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(None))  # --api-key: one or several (rotation)
-    render_queue: RenderQueue = field(default_factory=RenderQueue)
-    created: int = field(default_factory=lambda: int(time.time()))
-    version: str = field(default_factory=version)
-
-    @property
-    def render_headers(self) -> dict[str, str]:
-        # The fingerprint also rides on a response header, for callers that keep headers but not body keys.
-        return {FINGERPRINT_HEADER: self.config.fingerprint}
-
-
-def _state(request: Request) -> ServerState:
-    return request.scope["app"].state.server
-
-
-async def read_json_body(request: Request) -> bytes:
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != JSON:
-        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(f"Request body larger than {MAX_BODY_BYTES} bytes", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def check_auth(request: Request) -> None:
-    keys = _state(request).api_keys
-    if keys and not keys.accepts(request.headers.get("authorization")):
-        raise ApiError("Unauthorized: missing or invalid API key", 401)
-
-
-def endpoint(name: str, handler: Handler, *, auth: bool = True) -> Handler:
-    """Wraps a handler with auth, the error envelope and metrics."""
-
-    async def run(request: Request) -> Response:
-        started = time.perf_counter()
-        try:
-            if auth:
-                check_auth(request)
-            response = await handler(request)
-        except ApiError as exc:
-            response = error_response(exc)
-        except ClientDisconnect:
-            response = Response(b"", status_code=499)  # nobody is listening; nginx's code for it
-        except MemoryError:
-            # What this request asked for did not fit (the templates and limits bound the usual ways): its
-            # own failure, answered as such, never a 500.
-            logger.warning("request on %s ran out of memory", name)
-            response = error_response(ApiError("The request needs more memory than this server can give it", 400))
-        except Exception:
-            logger.exception("internal error on %s", name)
-            response = error_response(ApiError("Internal server error", 500))
-        metrics.observe_request(name, response.status_code, time.perf_counter() - started)
-        return response
-
-    return run
-
-
 # -------------------------------------------------------------------------------------- handlers
 
 
@@ -233,11 +134,11 @@ def _encode_generate_request(gen: GenerateRequest) -> bytes:
     the whole response (a 32k-token prompt's ids are ~150 KB: each extra copy is a few percent of a render)."""
     ids = gen.token_ids
     if not isinstance(ids, PromptIds):
-        return _encode(gen)
+        return encode_json(gen)
     parts = ids.json_parts
     if not parts:
-        return _encode(msgspec.structs.replace(gen, token_ids=ids.json_array()))
-    whole = _encode(msgspec.structs.replace(gen, token_ids=_EMPTY_IDS))
+        return encode_json(msgspec.structs.replace(gen, token_ids=ids.json_array()))
+    whole = encode_json(msgspec.structs.replace(gen, token_ids=_EMPTY_IDS))
     # The first '"token_ids":[' is the field's: only request_id comes before it, and a JSON string cannot hold
     # an unescaped quote.
     cut = whole.index(_IDS_KEY) + len(_IDS_KEY)
@@ -255,7 +156,7 @@ def _observe_prompt_cache(config: RenderConfig) -> None:
 
 
 async def chat_render(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
 
@@ -271,7 +172,7 @@ async def chat_render(request: Request) -> Response:
 
 
 async def completion_render(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
 
@@ -288,7 +189,7 @@ async def completion_render(request: Request) -> Response:
 async def _derender(request: Request, batch_type: type, derender_batch: Callable[..., Any], stream_type: type,
                     derender_stream: Callable[..., Any]) -> Response:
     """A derender endpoint: a body with ``stream: true`` is one streamed chunk, any other a whole response."""
-    state = _state(request)
+    state = server_state(request)
     body = await read_json_body(request)
     if decode(body, DerenderStreamProbe).stream:
         stream_req = decode(body, stream_type)
@@ -311,7 +212,7 @@ async def completion_derender(request: Request) -> Response:
 
 async def _queued(request: Request, endpoint: str, work: Callable[[bytes, RenderConfig], bytes]) -> Response:
     """A body's JSON answer computed on the render queue (large bodies off the event loop)."""
-    state = _state(request)
+    state = server_state(request)
     body = await read_json_body(request)
     return Response(await state.render_queue.run(endpoint, len(body), lambda: work(body, state.config)),
                     media_type=JSON)
@@ -342,7 +243,7 @@ def _tokenize(body: bytes, config: RenderConfig) -> bytes:
     strs = None
     if req.return_token_strs:
         strs = [config.tokenizer.id_to_token(t) or "" for t in ids]
-    return _encode(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
+    return encode_json(TokenizeResponse(count=len(ids), max_model_len=config.max_model_len, tokens=ids,
                                     token_strs=strs))
 
 
@@ -357,11 +258,11 @@ def _detokenize(body: bytes, config: RenderConfig) -> bytes:
     for t in req.tokens:
         if not 0 <= t < vocab:
             raise bad_request(f"Token id {t} is out of vocabulary", "tokens")
-    return _encode(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+    return encode_json(DetokenizeResponse(prompt=config.tokenizer.decode(req.tokens, skip_special_tokens=False)))
 
 
 async def models(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     config = state.config
     cards = [
         ModelCard(id=name, created=state.created, root=str(config.bundle.path), max_model_len=config.max_model_len,
@@ -376,13 +277,13 @@ async def health(request: Request) -> Response:
 
 
 async def version_endpoint(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     return json_response({"version": state.version, "render_fingerprint": state.config.fingerprint})
 
 
 async def load(request: Request) -> Response:
     """vLLM's ``/load``: the requests this process is working on (renders running and queued), for routers."""
-    queue = _state(request).render_queue
+    queue = server_state(request).render_queue
     return json_response({"server_load": queue.running + queue.waiting})
 
 
@@ -392,7 +293,7 @@ async def not_served(request: Request) -> Response:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    caches = _state(request).config.caches
+    caches = server_state(request).config.caches
     if caches is not None:
         caches.observe(force=True)
     return Response(metrics.render_metrics(), media_type=metrics.CONTENT_TYPE_LATEST)
@@ -412,9 +313,7 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 def own_routes() -> list[Route]:
-    from render_service.apis.endpoints import api_routes
-
-    return api_routes(endpoint) + [
+    return api_routes() + [
         Route("/v1/chat/completions/render", endpoint("chat_render", chat_render), methods=["POST"]),
         Route("/v1/completions/render", endpoint("completion_render", completion_render), methods=["POST"]),
         Route("/v1/chat/completions/derender", endpoint("chat_derender", chat_derender), methods=["POST"]),
@@ -448,17 +347,17 @@ def direct_routes(app: RenderApp) -> dict[bytes, Callable[[Any], Awaitable[Respo
 
 def create_app(
     config: RenderConfig, *, api_key: str | list[str] | None = None, stream_state_secret: str | None = None,
-    gateway: Any = None, max_queued_requests: int | None = None,
+    gateway: Gateway | None = None, max_queued_requests: int | None = None,
 ) -> Starlette:
-    """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
+    """The render server for one loaded configuration (plus the gateway routes when given a Gateway): the
+    composition root, where the render tier's own handlers, the API adapters' and the gateway's meet."""
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
     state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key),
                         render_queue=RenderQueue(max_queued_requests))
     routes = own_routes()
     if gateway is not None:
-        from render_service.gateway.routes import gateway_routes
-
-        routes += gateway_routes(gateway, config, endpoint, read_json_body, decode, state.render_queue)
+        routes += gateway_routes(gateway, config, state.render_queue)
+        routes += api_gateway_routes(gateway, config)  # /v1/responses, /v1/messages
     app = RenderApp(
         routes=routes,
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},

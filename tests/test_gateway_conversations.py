@@ -362,13 +362,13 @@ def test_an_overlong_conversation_id_is_a_400_with_the_error_envelope(pd):
 
 
 def _collect_case(receive, batches):
-    """Runs the gateway's non-streaming fold (routes._collect) for one rendered chat request against a
+    """Runs the gateway's non-streaming fold (routes.collect) for one rendered chat request against a
     scripted ASGI receive channel and a scripted engine event sequence; returns (response or ApiError, aborts)."""
     import asyncio
 
     from render_service.gateway.flow import EngineCall, Gateway
     from render_service.gateway.responses import ChatResponder
-    from render_service.gateway.routes import _collect
+    from render_service.gateway.routes import collect
     from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
     from render_service.render import render_chat
     from render_service.server import RawRequest
@@ -396,7 +396,7 @@ def _collect_case(receive, batches):
                     responder.accumulate(prompt_index, choice)
 
         try:
-            result = await _collect(RawRequest({"type": "http", "method": "POST", "headers": []}, receive), gateway, call,
+            result = await collect(RawRequest({"type": "http", "method": "POST", "headers": []}, receive), gateway, call,
                                     folding(), responder)
         except ApiError as exc:
             result = exc

@@ -626,12 +626,12 @@ STRUCTURAL_FORMATS = {
 
 def test_a_structural_tag_response_format_in_either_form_constrains_the_reply(gateway):
     from render_service.protocol import ChatCompletionRequest
-    from render_service.render import _structured_outputs
+    from render_service.response_format import requested_structured_outputs
 
     req = ChatCompletionRequest(messages=USER, response_format=STRUCTURAL_FORMATS["legacy"])
-    assert _structured_outputs(req) == {"structural_tag": '{"type": "structural_tag", "structures": [{"begin": '
-                                        '"<f=a>", "schema": {"type": "object", "properties": {"k": {"enum": [1]}}, '
-                                        '"required": ["k"]}, "end": "</f>"}], "triggers": ["<f="]}'}
+    assert requested_structured_outputs(req) == {
+        "structural_tag": '{"type": "structural_tag", "structures": [{"begin": "<f=a>", "schema": {"type": "object", '
+                          '"properties": {"k": {"enum": [1]}}, "required": ["k"]}, "end": "</f>"}], "triggers": ["<f="]}'}
     client = gateway_client(gateway)
     r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40,
                                        extra_body=NO_THINKING, response_format=STRUCTURAL_FORMATS["format"])

@@ -14,6 +14,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from bench.agent_trace import AgentTraceSpec, agent_trace
+from render_service.builtin_templates import BUILTIN_TEMPLATES, builtin_template_source
 from render_service.chat_messages import prepare_messages, prepare_tools
 from render_service.default_bundle import default_template_source
 from render_service.template_sandbox import (
@@ -34,7 +35,6 @@ from render_service.templates import (
 from tests.conversations import CONVERSATIONS, template_inputs
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
-RENDER_SERVICE = Path(__file__).resolve().parents[1] / "render_service"
 FAMILY_TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
 
 
@@ -42,7 +42,9 @@ def _templates() -> dict[str, str]:
     """Every template we ship or test: Qwen3's (the shared fixture), our default, DeepSeek's, the families'."""
     config = json.loads((QWEN3_FIXTURE_DIR / "tokenizer_config.json").read_text())
     sources = {"qwen3": config["chat_template"], "default": default_template_source()}
-    for path in sorted(RENDER_SERVICE.glob("deepseek_*.jinja")) + sorted(FAMILY_TEMPLATES.glob("*.jinja")):
+    for model_type, name in sorted(BUILTIN_TEMPLATES.items(), key=lambda item: item[1]):
+        sources[Path(name).stem] = builtin_template_source(model_type) or ""
+    for path in sorted(FAMILY_TEMPLATES.glob("*.jinja")):
         sources[path.stem] = path.read_text()
     return sources
 

@@ -21,6 +21,7 @@ and correct). On CUDA, `token_engine.attention_cuda` (imported lazily) runs the 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -147,7 +148,9 @@ def paged_attention(
     if q.device.type == "cuda":
         from token_engine import attention_cuda
 
-        return attention_cuda.paged_attention(q, kv_pool, layer, meta, scale, sliding_window, k, v)
+        # A prefill kernel that failed its startup check leaves prefill steps to the plain path.
+        if meta.max_query_len == 1 or attention_cuda.PREFILL_KERNEL_OK:
+            return attention_cuda.paged_attention(q, kv_pool, layer, meta, scale, sliding_window, k, v)
     return _paged_attention_reference(q, kv_pool, layer, meta, scale, sliding_window)
 
 
@@ -188,3 +191,30 @@ def _paged_attention_reference(
         )
         out[q_start:q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
+    """CUDA only. Checks the paged prefill kernel against the plain path on a small ragged step, then compiles
+    the decode kernels a mixed prefill + decode step uses, for every merge width a step
+    of up to max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing
+    to it. Returns how many variants it ran."""
+    from token_engine import attention_cuda
+
+    num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+    err = attention_cuda.verify_prefill(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device,
+                                        build_metadata, _paged_attention_reference)
+    attention_cuda.PREFILL_KERNEL_OK = err <= attention_cuda.PREFILL_CHECK_TOLERANCE.get(kv_pool.dtype, 3e-2)
+    if not attention_cuda.PREFILL_KERNEL_OK:
+        logging.getLogger(__name__).warning("the paged prefill kernel differs from the reference by %.3g on this "
+                                            "device: prefill falls back to the plain path", err)
+    seen = set()
+    for num in range(1, max_num_seqs + 1):
+        pad = attention_cuda.splits_pad(attention_cuda.decode_splits(num, num_kv_heads))
+        if pad in seen:
+            continue
+        seen.add(pad)
+        meta = build_metadata([1] * num, [1] * num, [[0]] * num, block_size, kv_pool.device)
+        q = torch.zeros(num, num_heads, head_dim, dtype=kv_pool.dtype, device=kv_pool.device)
+        ids = torch.arange(num, dtype=torch.int32, device=kv_pool.device)
+        attention_cuda.decode_attention(q, kv_pool, 0, meta, 1.0, seq_ids=ids)
+    return len(seen)

@@ -20,8 +20,6 @@ is installed).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
@@ -288,13 +286,7 @@ def paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None,
         decode_attention(q, kv_pool, layer, meta, scale, sliding_window, seq_ids=plan["decode_ids"], out=out)
     k_cache, v_cache = _cache_views(kv_pool, layer)
     tiles = plan["tiles"]
-    if tiles is not None and not PREFILL_KERNEL_OK:  # it failed its startup check: the CPU path's code
-        from token_engine.attention import _paged_attention_reference
-
-        ref = _paged_attention_reference(q, kv_pool, layer, meta, scale, sliding_window)
-        rows = torch.tensor([i for s, n in _prefill_rows(meta) for i in range(s, s + n)], device=q.device)
-        out[rows] = ref[rows]
-    elif tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
+    if tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
         prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out)
     for _, q_start, q_end in plan["fresh"]:
         if FRESH_PREFILL_CUDNN_MIN and sliding_window is None and q_end - q_start >= FRESH_PREFILL_CUDNN_MIN:
@@ -327,12 +319,10 @@ def _prefill_rows(meta) -> list[tuple[int, int]]:
 
 
 def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   device) -> float:
+                   device, build_metadata, reference) -> float:
     """Runs the paged prefill kernel on a small ragged step (a fresh prompt, chunks over cached prefixes that
     end inside pool blocks, a decode) against the CPU path's code in float32; returns the largest error.
     Uses its own small pool; compiles the kernel for this model's shape before any request."""
-    from token_engine.attention import _paged_attention_reference, build_metadata
-
     gen = torch.Generator(device=device).manual_seed(0)
     cached, new = [0, 37, 3 * block_size], [150, 70, 1]
     lens = [c + n for c, n in zip(cached, new)]
@@ -344,7 +334,7 @@ def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_d
     meta = build_metadata(new, lens, tables, block_size, device)
     q = torch.randn(sum(new), num_heads, head_dim, generator=gen, device=device).to(dtype)
     got = paged_attention(q, pool, 0, meta, head_dim**-0.5)
-    want = _paged_attention_reference(q.float(), pool.float(), 0, meta, head_dim**-0.5, None)
+    want = reference(q.float(), pool.float(), 0, meta, head_dim**-0.5, None)
     return (got.float() - want).abs().max().item()
 
 
@@ -359,29 +349,3 @@ def _prefill_fresh_sdpa(q, k, v, scale, sliding_window):
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
-
-
-def warm_up(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
-    """Compiles the decode kernels a mixed prefill + decode step uses, for every merge width a step of up to
-    max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing to it.
-    Returns how many variants it ran."""
-    from token_engine.attention import build_metadata
-
-    global PREFILL_KERNEL_OK
-    num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
-    err = verify_prefill(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device)
-    PREFILL_KERNEL_OK = err <= PREFILL_CHECK_TOLERANCE.get(kv_pool.dtype, 3e-2)
-    if not PREFILL_KERNEL_OK:
-        logging.getLogger(__name__).warning("the paged prefill kernel differs from the reference by %.3g on this "
-                                            "device: prefill falls back to the plain path", err)
-    seen = set()
-    for num in range(1, max_num_seqs + 1):
-        pad = splits_pad(decode_splits(num, num_kv_heads))
-        if pad in seen:
-            continue
-        seen.add(pad)
-        meta = build_metadata([1] * num, [1] * num, [[0]] * num, block_size, kv_pool.device)
-        q = torch.zeros(num, num_heads, head_dim, dtype=kv_pool.dtype, device=kv_pool.device)
-        ids = torch.arange(num, dtype=torch.int32, device=kv_pool.device)
-        decode_attention(q, kv_pool, 0, meta, 1.0, seq_ids=ids)
-    return len(seen)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from token_engine.attention import AttentionMetadata, allocate_kv_pool, build_metadata
+from token_engine.attention import AttentionMetadata, allocate_kv_pool, build_metadata, warm_up_cuda
 from token_engine.scheduler import ScheduledSequence
 
 
@@ -47,10 +47,9 @@ class ModelRunner:
     def _warm_up_cuda(self, max_num_seqs: int) -> None:
         """Compiles, before the first request, the kernels that decode graph capture did not run: the mixed
         step's decode attention (every merge width) and a prefill step's path. Writes no KV (slots -1)."""
-        from token_engine import attention_cuda
         from token_engine.models.llama import FEW_ROWS
 
-        attention_cuda.warm_up(self.kv_pool, self.arch.num_heads, max_num_seqs, self.block_size)
+        warm_up_cuda(self.kv_pool, self.arch.num_heads, max_num_seqs, self.block_size)
         tokens = FEW_ROWS + 1  # past the few-rows kernels: the prefill path
         blocks = list(range(-(-tokens // self.block_size)))
         meta = build_metadata([tokens], [tokens], [blocks], self.block_size, self.device)

@@ -11,7 +11,7 @@ On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one 
 4. a kernel table of one graph-replayed step (torch.profiler) for each path;
 5. one mixed prefill + decode step as a loaded server runs it: wall time against kernel time, kernel table,
    and steps whose chunk shape is new each time, with and without cuDNN among the prefill SDPA backends;
-6. first-call times of the mixed-step decode attention for 1..N decoding sequences after attention_cuda.warm_up
+6. first-call times of the mixed-step decode attention for 1..N decoding sequences after attention.warm_up_cuda
    (ModelRunner's start-up warm-up): a call that still compiles shows as hundreds of milliseconds.
 
     python -m bench.experiments.gpu_decode_profile --out bench/results/gpu_decode_profile_nvidia-h200.json
@@ -214,7 +214,7 @@ def kernel_table(model, context, block_size, rows: int = 25) -> dict:
 
 def attention_first_calls(model, max_seqs: int = 12, context: int = 256, block_size: int = 16) -> list[dict]:
     from token_engine import attention_cuda
-    from token_engine.attention import allocate_kv_pool, build_metadata
+    from token_engine.attention import allocate_kv_pool, build_metadata, warm_up_cuda
 
     arch = model.arch
     blocks = -(-(context + 1) // block_size)
@@ -225,7 +225,7 @@ def attention_first_calls(model, max_seqs: int = 12, context: int = 256, block_s
     q = torch.randn(max_seqs, arch.num_heads, arch.head_dim, device="cuda", dtype=arch.dtype)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    variants = attention_cuda.warm_up(pool, arch.num_heads, 256, block_size)  # as ModelRunner does at start
+    variants = warm_up_cuda(pool, arch.num_heads, 256, block_size)  # as ModelRunner does at start
     print(json.dumps({"warm_up_variants": variants, "warm_up_s": time.perf_counter() - t0}), flush=True)
     out = []
     for n in range(1, max_seqs + 1):

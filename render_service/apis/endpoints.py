@@ -6,24 +6,40 @@ for ``/v1/responses/*``, Anthropic's ``{"type": "error", "error": {...}}`` for `
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from render_service import metrics
+from render_service.apis import derender as api_derender
+from render_service.apis import messages_protocol, responses_protocol
 from render_service.apis.errors import anthropic_error_body, openai_error_body
+from render_service.apis.messages import count_tokens as count_message_tokens
+from render_service.apis.messages import render_messages
+from render_service.apis.responses import render_responses
 from render_service.errors import ApiError
-
-Handler = Callable[[Request], Awaitable[Response]]
+from render_service.protocol import DerenderStreamProbe
+from render_service.render_config import check_model
+from render_service.request_io import (
+    JSON,
+    Answer,
+    Handler,
+    check_auth,
+    decode,
+    endpoint,
+    json_response,
+    read_json_body,
+    server_state,
+)
 
 
 def shaped(handler: Handler, body_of: Callable[[ApiError], bytes]) -> Handler:
     """Auth and errors in the API's own body (the server's ``endpoint`` still counts and logs)."""
-    from render_service.server import JSON, check_auth
 
-    async def run(request: Request) -> Response:
+    async def run(request: Request) -> Answer:
         try:
             check_auth(request)
             return await handler(request)
@@ -42,10 +58,7 @@ def anthropic_shaped(handler: Handler) -> Handler:
 
 
 async def _render(request: Request, kind: type, render: Callable[..., Any], name: str) -> Response:
-    from render_service import metrics
-    from render_service.server import _state, decode, json_response, read_json_body
-
-    state = _state(request)
+    state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
 
@@ -58,43 +71,30 @@ async def _render(request: Request, kind: type, render: Callable[..., Any], name
 
 
 async def responses_render(request: Request) -> Response:
-    from render_service.apis.responses import render_responses
-    from render_service.apis.responses_protocol import ResponsesRequest
-
-    return await _render(request, ResponsesRequest, render_responses, "responses_render")
+    return await _render(request, responses_protocol.ResponsesRequest, render_responses, "responses_render")
 
 
 async def messages_render(request: Request) -> Response:
-    from render_service.apis.messages import render_messages
-    from render_service.apis.messages_protocol import MessagesRequest
-
-    return await _render(request, MessagesRequest, render_messages, "messages_render")
+    return await _render(request, messages_protocol.MessagesRequest, render_messages, "messages_render")
 
 
 async def count_tokens(request: Request) -> Response:
-    from render_service.apis.messages import count_tokens as count
-    from render_service.apis.messages_protocol import CountTokensRequest, CountTokensResponse
-    from render_service.server import _state, check_model, decode, json_response, read_json_body
-
-    state = _state(request)
+    state = server_state(request)
     config = state.config
     body = await read_json_body(request)
 
     def job() -> int:
-        req = decode(body, CountTokensRequest)
+        req = decode(body, messages_protocol.CountTokensRequest)
         check_model(req.model, config)
-        return count(req, config)
+        return count_message_tokens(req, config)
 
-    return json_response(CountTokensResponse(input_tokens=await state.render_queue.run("count_tokens", len(body),
-                                                                                        job)))
+    tokens = await state.render_queue.run("count_tokens", len(body), job)
+    return json_response(messages_protocol.CountTokensResponse(input_tokens=tokens))
 
 
 async def _derender(request: Request, batch_type: type, batch: Callable[..., Any], stream_type: type,
                     stream: Callable[..., Any]) -> Response:
-    from render_service.protocol import DerenderStreamProbe
-    from render_service.server import _state, decode, json_response, read_json_body
-
-    state = _state(request)
+    state = server_state(request)
     body = await read_json_body(request)
     if decode(body, DerenderStreamProbe).stream:
         return json_response(stream(decode(body, stream_type), state.config, state.stream_runtime, request.headers))
@@ -102,22 +102,18 @@ async def _derender(request: Request, batch_type: type, batch: Callable[..., Any
 
 
 async def responses_derender(request: Request) -> Response:
-    from render_service.apis import derender as d
-    from render_service.apis import responses_protocol as p
-
-    return await _derender(request, p.DerenderResponsesRequest, d.derender_responses, p.DerenderResponsesStreamRequest,
-                           d.derender_responses_stream)
+    p = responses_protocol
+    return await _derender(request, p.DerenderResponsesRequest, api_derender.derender_responses,
+                           p.DerenderResponsesStreamRequest, api_derender.derender_responses_stream)
 
 
 async def messages_derender(request: Request) -> Response:
-    from render_service.apis import derender as d
-    from render_service.apis import messages_protocol as p
-
-    return await _derender(request, p.DerenderMessagesRequest, d.derender_messages, p.DerenderMessagesStreamRequest,
-                           d.derender_messages_stream)
+    p = messages_protocol
+    return await _derender(request, p.DerenderMessagesRequest, api_derender.derender_messages,
+                           p.DerenderMessagesStreamRequest, api_derender.derender_messages_stream)
 
 
-def api_routes(endpoint: Callable[..., Handler]) -> list[Route]:
+def api_routes() -> list[Route]:
     """The routes, each wrapped by the server's ``endpoint`` (auth is done in the API's error shape here)."""
     return [
         Route("/v1/responses/render", endpoint("responses_render", openai_shaped(responses_render), auth=False),

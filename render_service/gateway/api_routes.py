@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,17 +30,22 @@ from render_service.gateway.api_responders import MessagesResponder, ResponsesRe
 from render_service.gateway.flow import EngineCall, Gateway, plan_streams
 from render_service.gateway.merged import open_merged
 from render_service.gateway.response_limits import check_storable, check_stored_fields
-from render_service.gateway.response_store import MAX_ID_CHARS, ResponseStore, StoredResponse, StoreRefused
-from render_service.gateway.routes import _collect, engine_error, fold, respond
+from render_service.gateway.response_store import (
+    MAX_ID_CHARS,
+    ResponseStore,
+    StoredResponse,
+    StoreRefused,
+    open_store,
+)
+from render_service.gateway.routes import collect, engine_error, fold, respond
 from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant, short_id
 from render_service.protocol import ChatCompletionRequest, GenerateRequest
 from render_service.render_config import RenderConfig
+from render_service.request_io import Answer, Handler, decode, endpoint, read_json_body, server_state
 
 logger = logging.getLogger("render_service.gateway.api_routes")
 _encode = msgspec.json.Encoder().encode
-Handler = Callable[[Request], Awaitable[Response]]
-
 
 def assistant_turn(output: list[Any]) -> dict[str, Any]:
     """A response's output items as the chat assistant message the next turn's prompt renders."""
@@ -135,7 +140,7 @@ async def _respond_phased(request: Request, gateway: Gateway, budget: ThinkingBu
                 await fold(gateway, plan_streams([gen], gateway.disaggregated), call, responder,  # type: ignore[arg-type]
                            None)
                 gen = budget.take_next()
-        return await _collect(request, gateway, call, phases(), responder)  # type: ignore[arg-type]
+        return await collect(request, gateway, call, phases(), responder)  # type: ignore[arg-type]
     try:
         streams = await open_merged(gateway, plan_streams([first], gateway.disaggregated), call, None)
     except BaseException as exc:
@@ -154,15 +159,16 @@ def _engine_ready(gen: GenerateRequest) -> GenerateRequest:
                                                                                 thinking_token_budget=None))
 
 
-def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[..., Handler],
-                       store: ResponseStore) -> list[Route]:
-    from render_service.server import decode, read_json_body
-
+def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
+    """/v1/responses (with its stored responses) and /v1/messages over the gateway's engines."""
+    s = gateway.settings
+    store = open_store(s.responses_store_path, s.responses_store_dsn, s.responses_store_max_entries,
+                       s.responses_store_ttl_s, s.responses_store_max_bytes, s.responses_store_tenant_bytes)
     writer = StoreWriter(store)
 
-    async def responses(request: Request) -> Response:
+    async def responses(request: Request) -> Answer:
         body = await read_json_body(request)
-        queue = request.scope["app"].state.server.render_queue
+        queue = server_state(request).render_queue
         req = await queue.run("responses", len(body), lambda: decode(body, ResponsesRequest))
         check_stored_fields(req)
         storing = req.store is not False
@@ -210,7 +216,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
         return Response(_encode({"id": response_id, "object": "response.deleted", "deleted": True}),
                         media_type="application/json")
 
-    async def messages(request: Request) -> Response:
+    async def messages(request: Request) -> Answer:
         body = await read_json_body(request)
         request_id = request.headers.get("x-request-id")
 
@@ -218,7 +224,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callabl
             req = decode(body, MessagesRequest)
             return req, *render_messages(req, config, request_id=request_id)
 
-        req, gen, chat = await request.scope["app"].state.server.render_queue.run("messages", len(body), render)
+        req, gen, chat = await server_state(request).render_queue.run("messages", len(body), render)
         budget_tokens = gen.sampling_params.thinking_token_budget
         gen = _engine_ready(gen)
         model = req.model or config.model_name

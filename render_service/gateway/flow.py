@@ -31,6 +31,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -134,7 +135,7 @@ class NoReplica(Exception):
     """Every attempt failed or no replica was left to try."""
 
 
-def _retrieve(task: asyncio.Task) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     """A leg we no longer wait for: its failure was handled (or does not matter); keep asyncio quiet."""
     if not task.cancelled():
         task.exception()
@@ -162,12 +163,12 @@ class Gateway:
             return ReplicaPool(name, list(urls), load_factor=s.load_factor, cooldown_s=s.cooldown_s,
                                refresh_interval_s=s.dns_refresh_s)
 
-        self.pools = {"prefill": pool("prefill", prefill), "decode": pool("decode", decode)} if prefill \
+        self.pools = {"prefill": pool("prefill", prefill), "decode": pool("decode", decode or [])} if prefill \
             else {"engine": pool("engine", engines or [])}
         self.client = client or EngineClient()
         self.stats = GatewayStats()
         self.conversations = ConversationCache(s.max_conversations, s.conversation_ttl_s)
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self.prefixes = PrefixRecord(s.block_size)  # what each decode replica was sent (conditional P/D)
         self.kv_identities: dict[str, tuple[str, str, int]] = {}  # prefill url -> its KV side channel (push)
 
@@ -189,8 +190,9 @@ class Gateway:
         tried: dict[str, set[str]] = {name: set() for name in self.pools}
         last_error: Exception | None = None
         held = self.conversations.take(call.conversation) if self.disaggregated and call.conversation else None
+        request_id = gen.request_id or ""  # render names every request
         for attempt in range(1 + self.settings.retries):
-            rid = gen.request_id if attempt == 0 else f"{gen.request_id}-retry{attempt}"
+            rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
             if attempt:
                 self.stats.retries += 1
                 metrics.RETRIES.inc()
@@ -213,8 +215,9 @@ class Gateway:
         body = _encode(whole_request(gen))
         tried: set[str] = set()
         last_error: Exception | None = None
+        request_id = gen.request_id or ""  # render names every request
         for attempt in range(1 + self.settings.retries):
-            rid = gen.request_id if attempt == 0 else f"{gen.request_id}-retry{attempt}"
+            rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
             try:
                 replica = self._pick(pool, key, tried)
             except NoReplica as exc:
@@ -279,11 +282,12 @@ class Gateway:
         d_task = asyncio.ensure_future(self._decode(body, rid, decode, prefill, prid, call, tried))
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-            if p_task.done() and p_task.exception() is not None and not d_task.done():
+            failed = p_task.exception() if p_task.done() else None
+            if failed is not None and not d_task.done():
                 self.kv_identities.pop(prefill.url, None)  # maybe restarted elsewhere: learn it again
                 d_task.cancel()  # closes decode's stream: it withdraws its reservation
                 await asyncio.gather(d_task, return_exceptions=True)
-                raise p_task.exception()
+                raise failed
             live = await d_task
         except BaseException:
             p_task.add_done_callback(_retrieve)
@@ -317,7 +321,7 @@ class Gateway:
             raise
 
     async def _prefill(self, gen: GenerateRequest, rid: str, replica: Replica, call: EngineCall,
-                       held: HeldTurn | None = None, keep_rid: bool = False) -> tuple[dict, str]:
+                       held: HeldTurn | None = None, keep_rid: bool = False) -> tuple[dict[str, Any], str]:
         """The prefill leg: (its kv_transfer_params, the request id it ran under)."""
         pool = self.pools["prefill"]
         pool.acquire(replica)
@@ -410,7 +414,7 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {"mode": self.mode, "pools": {name: p.snapshot() for name, p in self.pools.items()},
                 "stats": dataclasses.asdict(self.stats)}
 
@@ -541,7 +545,7 @@ def plan_streams(gens: list[GenerateRequest], disaggregated: bool) -> list[Engin
     return out
 
 
-def _engine_sampling(sp: SamplingParams, **changes) -> SamplingParams:
+def _engine_sampling(sp: SamplingParams, **changes: Any) -> SamplingParams:
     # Stop strings are the gateway's (the engine refuses them); client kv_transfer_params are untrusted.
     return msgspec.structs.replace(sp, stop=None, extra_args=None, output_text_buffer_length=0, **changes)
 
@@ -567,7 +571,7 @@ def whole_request(gen: GenerateRequest) -> GenerateRequest:
     return msgspec.structs.replace(engine_request(gen), stream=False)
 
 
-def prefill_request(gen: GenerateRequest, kv: dict | None = None) -> GenerateRequest:
+def prefill_request(gen: GenerateRequest, kv: dict[str, Any] | None = None) -> GenerateRequest:
     sp = _engine_sampling(gen.sampling_params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
     return msgspec.structs.replace(
         gen, model=None, sampling_params=sp, stream=False, stream_options=None, return_token_ids=None,
@@ -575,7 +579,7 @@ def prefill_request(gen: GenerateRequest, kv: dict | None = None) -> GenerateReq
     )
 
 
-def decode_request(gen: GenerateRequest, kv: dict) -> GenerateRequest:
+def decode_request(gen: GenerateRequest, kv: dict[str, Any]) -> GenerateRequest:
     return msgspec.structs.replace(engine_request(gen), kv_transfer_params={**kv, "prompt_token_ids": gen.token_ids})
 
 

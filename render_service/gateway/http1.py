@@ -19,9 +19,11 @@ import ssl
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
+PoolKey = tuple[bool, str, int]  # (https, host, port): connections are pooled per engine
 MAX_BUFFER_BYTES = 4 * 1024 * 1024  # reading from the socket pauses while this much waits unread
 MAX_IDLE_PER_HOST = 256
 # uvicorn closes idle keep-alive connections after 5 s (vLLM's engine runs on it too): reuse only younger ones.
@@ -47,20 +49,20 @@ class _Conn(asyncio.Protocol):
         self.buf = b""
         self.eof = False
         self.paused = False
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[None] | None = None
         self.idle_since = 0.0
         # Push mode (Response.push_chunks): what arrives goes to the sink at once, b"" once the server closed.
         self.sink: Callable[[bytes], None] | None = None
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's
 
     def data_received(self, data: bytes) -> None:
         if self.sink is not None:
             self.sink(data)
             return
         self.buf = self.buf + data if self.buf else data
-        if len(self.buf) > MAX_BUFFER_BYTES and not self.paused:
+        if len(self.buf) > MAX_BUFFER_BYTES and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         waiter, self.waiter = self.waiter, None  # _wake, inline: this runs once per engine event
@@ -101,7 +103,7 @@ class _Conn(asyncio.Protocol):
     def take(self) -> bytes:
         """Everything that has arrived (b"" if nothing has)."""
         data, self.buf = self.buf, b""
-        if self.paused:
+        if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
         return data
@@ -128,7 +130,7 @@ class Response:
     """Status and headers read; the body is read once, pulled (``next_chunks``, ``read``) or pushed
     (``push_chunks``), or both: pulled first, then pushed from where the pulls stopped."""
 
-    def __init__(self, pool: Http1Pool, key: tuple, conn: _Conn, status: int, headers: dict[str, str]):
+    def __init__(self, pool: Http1Pool, key: PoolKey, conn: _Conn, status: int, headers: dict[str, str]):
         self._pool = pool
         self._key = key
         self._conn: _Conn | None = conn
@@ -243,6 +245,8 @@ class Response:
     def _completed(self) -> None:
         """The whole body was read: the connection can serve the next request."""
         conn, self._conn = self._conn, None
+        if conn is None:
+            return
         conn.sink = None
         if self._keep:
             self._pool._release(self._key, conn)
@@ -344,7 +348,7 @@ async def _head_bytes(conn: _Conn) -> bytes:
 
 
 @functools.lru_cache(maxsize=1024)
-def _target(url: str) -> tuple[tuple[bool, str, int], str]:
+def _target(url: str) -> tuple[PoolKey, str]:
     """((https, host, port), the request line and host header) of a URL: the same few engine URLs
     on every request, parsed once."""
     parts = urlsplit(url)
@@ -359,7 +363,7 @@ class Http1Pool:
     def __init__(self, connect_timeout_s: float = 5.0, header_timeout_s: float | None = 600.0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.header_timeout_s = header_timeout_s
-        self._idle: dict[tuple, list[_Conn]] = defaultdict(list)
+        self._idle: dict[PoolKey, list[_Conn]] = defaultdict(list)
         self._ssl: ssl.SSLContext | None = None
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
@@ -430,7 +434,7 @@ class Http1Pool:
                 headers[name.strip().lower()] = value.strip()
         return int(status), headers
 
-    def _take_idle(self, key: tuple) -> _Conn | None:
+    def _take_idle(self, key: PoolKey) -> _Conn | None:
         """The most recently used idle connection that the server cannot have timed out yet."""
         idle = self._idle[key]
         now = time.monotonic()
@@ -441,7 +445,7 @@ class Http1Pool:
             conn.close()
         return None
 
-    def _release(self, key: tuple, conn: _Conn) -> None:
+    def _release(self, key: PoolKey, conn: _Conn) -> None:
         idle = self._idle[key]
         if len(idle) < MAX_IDLE_PER_HOST and not conn.at_eof():
             conn.idle_since = time.monotonic()

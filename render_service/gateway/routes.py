@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -40,23 +40,21 @@ from render_service.protocol import (
 from render_service.render import render_chat, render_completion
 from render_service.render_config import RenderConfig
 from render_service.render_queue import RenderQueue
+from render_service.request_io import Answer, decode, endpoint, read_json_body
 
 logger = logging.getLogger("render_service.gateway.routes")
 
 _encode = msgspec.json.Encoder().encode
 
-Handler = Callable[[Request], Awaitable[Response]]
 
-
-def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[str, Handler], Handler],
-                   read_body: Callable[[Request], Awaitable[bytes]],
-                   decode: Callable[[bytes, type], Any], render_queue: RenderQueue | None = None) -> list[Route]:
+def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQueue | None = None) -> list[Route]:
     """The routes, wrapped by the server's ``endpoint`` (auth, error envelope, metrics). Renders go through the
-    server's ``render_queue`` (large bodies off the event loop, admission and saturation metrics)."""
+    server's ``render_queue`` (large bodies off the event loop, admission and saturation metrics). The
+    Responses and Messages routes are gateway/api_routes.py's."""
     queue = render_queue or RenderQueue()
 
-    async def chat(request: Request, body: bytes | None = None) -> Response:
-        body = await read_body(request) if body is None else body
+    async def chat(request: Request, body: bytes | None = None) -> Answer:
+        body = await read_json_body(request) if body is None else body
         request_id = request.headers.get("x-request-id")
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
 
@@ -70,8 +68,8 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
 
-    async def completions(request: Request, body: bytes | None = None) -> Response:
-        body = await read_body(request) if body is None else body
+    async def completions(request: Request, body: bytes | None = None) -> Answer:
+        body = await read_json_body(request) if body is None else body
         request_id = request.headers.get("x-request-id")
 
         def render() -> tuple[CompletionRequest, list[GenerateRequest]]:
@@ -82,15 +80,16 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
             return req, render_completion(req, config, request_id=request_id)
 
         req, gens = await queue.run("completions", len(body), render)
-        response_id = gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]
+        first_id = gens[0].request_id or ""  # render names every request
+        response_id = first_id if len(gens) == 1 else first_id.rsplit("-", 1)[0]
         responder = CompletionResponder(gens, req, config, response_id)
         conversation = conversation_key(req.conversation_id, request.headers)
         return await respond(request, gateway, gens, responder, bool(req.stream), conversation)
 
-    async def invocations(request: Request) -> Response:
+    async def invocations(request: Request) -> Answer:
         """SageMaker's one inference path, as vLLM's: a chat request if the body has ``messages``, else a
         completion request if it has ``prompt`` (vLLM tries ChatCompletionRequest, then CompletionRequest)."""
-        body = await read_body(request)
+        body = await read_json_body(request)
         shape = decode(body, InvocationShape)
         if shape.has("messages"):
             return await chat(request, body)
@@ -102,18 +101,11 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, endpoint: Callable[[s
     async def status(request: Request) -> Response:
         return Response(_encode(gateway.snapshot()), media_type="application/json")
 
-    from render_service.gateway.api_routes import api_gateway_routes
-    from render_service.gateway.response_store import open_store
-
-    s = gateway.settings
-    store = open_store(s.responses_store_path, s.responses_store_dsn, s.responses_store_max_entries,
-                       s.responses_store_ttl_s, s.responses_store_max_bytes, s.responses_store_tenant_bytes)
     return [
         Route("/v1/chat/completions", endpoint("chat_completions", chat), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
         Route("/invocations", endpoint("invocations", invocations), methods=["POST"]),
         Route("/gateway/status", endpoint("gateway_status", status), methods=["GET"]),
-        *api_gateway_routes(gateway, config, endpoint, store),  # /v1/responses, /v1/messages (gateway/api_routes.py)
     ]
 
 
@@ -125,7 +117,7 @@ class InvocationShape(msgspec.Struct):
 
     def has(self, key: str) -> bool:
         raw = memoryview(getattr(self, key))
-        return len(raw) > 0 and raw != b"null"
+        return len(raw) > 0 and (len(raw) != 4 or raw.tobytes() != b"null")
 
 
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -142,7 +134,7 @@ def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest],
                   responder: ChatResponder | CompletionResponder, stream: bool,
-                  conversation: bytes | None = None) -> Response:
+                  conversation: bytes | None = None) -> Response | SseRelay:
     gateway.stats.requests += 1
     if gateway.disaggregated:
         violation = fanout_violation(gens, gateway.settings.max_num_seqs)
@@ -154,7 +146,7 @@ async def respond(request: Request, gateway: Gateway, gens: list[GenerateRequest
                       tenant=request_tenant(request, gateway))
     span_done = responder.span_done if responder.stops else None
     if not stream:
-        return await _collect(request, gateway, call, fold(gateway, planned, call, responder, span_done), responder)
+        return await collect(request, gateway, call, fold(gateway, planned, call, responder, span_done), responder)
     # Wait for the first events before answering: errors until then keep their HTTP status.
     try:
         streams = await open_merged(gateway, planned, call, span_done)
@@ -172,7 +164,7 @@ async def fold(gateway: Gateway, planned: list[EngineStream], call: EngineCall,
     the end only."""
     streams = await open_merged(gateway, planned, call, span_done)
     _pass_prompt_logprobs(streams, responder)
-    over: asyncio.Future = asyncio.get_running_loop().create_future()
+    over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def on_choice(prompt_index: int, choice: GenerateStreamChoice) -> None:
         if over.done():
@@ -220,7 +212,7 @@ def engine_error(exc: BaseException) -> BaseException:
     return exc
 
 
-async def _collect(request: Request, gateway: Gateway, call: EngineCall, folding: Coroutine[Any, Any, None],
+async def collect(request: Request, gateway: Gateway, call: EngineCall, folding: Coroutine[Any, Any, None],
                    responder: ChatResponder | CompletionResponder) -> Response:
     work = asyncio.ensure_future(folding)
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -258,6 +250,6 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def client_went_away(watcher: asyncio.Future) -> bool:
+def client_went_away(watcher: asyncio.Future[Any]) -> bool:
     """The disconnect watcher returned: it saw ``http.disconnect`` (not cancelled, not failed)."""
     return watcher.done() and not watcher.cancelled() and watcher.exception() is None

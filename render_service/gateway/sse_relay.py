@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, cast
+
+from starlette.types import Message, Receive, Scope, Send
 
 from render_service.errors import ApiError, error_body
 from render_service.gateway import metrics
@@ -32,14 +34,11 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                (b"content-type", b"text/event-stream; charset=utf-8")]
 
-Send = Callable[[dict], Awaitable[None]]
-
-
-def start_send(send: Send, message: dict) -> Coroutine[Any, Any, None] | None:
+def start_send(send: Send, message: Message) -> Coroutine[Any, Any, None] | None:
     """Run ``send(message)`` in place up to its first wait: None if it finished without one (uvicorn writes
     to its transport and returns unless its flow control holds the write back), else a coroutine that
     finishes it, to be awaited by a task."""
-    coro = send(message)
+    coro = cast(Coroutine[Any, Any, None], send(message))  # an ASGI server's send is an async function
     try:
         waited = coro.send(None)
     except StopIteration:
@@ -47,7 +46,7 @@ def start_send(send: Send, message: dict) -> Coroutine[Any, Any, None] | None:
     return _finish_send(coro, waited)
 
 
-async def _finish_send(coro: Coroutine, waited: Any) -> None:
+async def _finish_send(coro: Coroutine[Any, Any, None], waited: Any) -> None:
     # What a task does for a coroutine: wait for the future it yielded, then resume it, which reads the
     # future's result (or exception) itself. A yielded future is flagged as blocking until its waiter
     # takes it (a task clears the flag); awaiting it again needs the flag cleared the same way.
@@ -83,14 +82,14 @@ class SseRelay:
         self.responder = responder
         self.held = b""  # once every choice has finished: the rest goes out in one write, with [DONE]
         self.complete = False  # the last write is out (or handed to the drain), or the client is gone
-        self.pending: list[dict] = []  # writes queued behind a send that is waiting for the client
-        self.draining: asyncio.Task | None = None
-        self.finishing: asyncio.Task | None = None  # the last write, waiting for before_last_write
+        self.pending: list[Message] = []  # writes queued behind a send that is waiting for the client
+        self.draining: asyncio.Task[None] | None = None
+        self.finishing: asyncio.Task[None] | None = None  # the last write, waiting for before_last_write
         self._send: Send | None = None
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[Any] | None = None
         self._watching = False
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
         self._watcher = asyncio.current_task()
         await send({"type": "http.response.start", "status": self.status_code, "headers": list(SSE_HEADERS)})
@@ -109,7 +108,7 @@ class SseRelay:
         except asyncio.CancelledError:
             if not self.complete:
                 raise  # cancelled from outside (shutdown)
-            if hasattr(self._watcher, "uncancel"):  # ours, from _wake_watcher: handled
+            if self._watcher is not None and hasattr(self._watcher, "uncancel"):  # ours, from _wake_watcher
                 self._watcher.uncancel()
         finally:
             if not self.complete:  # the client went away mid-stream, or shutdown
@@ -211,10 +210,11 @@ class SseRelay:
         self._wake_watcher()
 
     def _write(self, data: bytes, more: bool) -> None:
-        message = {"type": "http.response.body", "body": data, "more_body": more}
+        message: Message = {"type": "http.response.body", "body": data, "more_body": more}
         if self.draining is not None:
             self.pending.append(message)
             return
+        assert self._send is not None  # writes start once __call__ has the send
         waiting = start_send(self._send, message)
         if waiting is not None:  # the client is behind: stop reading the engine until it has caught up
             self.gateway.stats.slow_client_waits += 1
@@ -222,10 +222,10 @@ class SseRelay:
             self.streams.pause()
             self.draining = asyncio.get_running_loop().create_task(self._drain(waiting))
 
-    async def _drain(self, waiting: Coroutine) -> None:
+    async def _drain(self, waiting: Coroutine[Any, Any, None]) -> None:
         try:
             await waiting
-            while self.pending:
+            while self.pending and self._send is not None:
                 await self._send(self.pending.pop(0))
         except Exception:
             # The write failed: nothing more can reach this client. Stop its engine stream, end the response.

@@ -150,3 +150,14 @@ def harmony_encoding(tokenizer: RenderTokenizer) -> Any:
         except Exception as exc:  # openai_harmony.HarmonyError and friends
             raise HarmonyUnavailable(f"openai-harmony could not load o200k_harmony from {directory}: {exc}") from exc
         return _ENCODING
+
+
+def harmony_parser_flags(reasoning_parser: str | None, tool_call_parser: str | None) -> tuple[str, str | None]:
+    """A gpt-oss bundle's parsers: Harmony's own (vLLM's names), whatever the flags left unset."""
+    if reasoning_parser not in (None, "openai_gptoss"):
+        raise ValueError(f"this is a gpt-oss (Harmony) bundle: --reasoning-parser must be openai_gptoss, "
+                         f"not {reasoning_parser}")
+    if tool_call_parser not in (None, "openai"):
+        raise ValueError(f"this is a gpt-oss (Harmony) bundle: --tool-call-parser must be openai, "
+                         f"not {tool_call_parser}")
+    return "openai_gptoss", tool_call_parser

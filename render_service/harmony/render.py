@@ -25,7 +25,7 @@ import datetime
 import functools
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import msgspec
 
@@ -39,9 +39,12 @@ from render_service.harmony.encoding import (
     START,
     harmony_encoding,
 )
-
-if TYPE_CHECKING:
-    from render_service.tokenizer import TextTokenizer
+from render_service.protocol import ChatCompletionRequest
+from render_service.render_config import RenderConfig, resolve_chat_template_kwargs
+from render_service.response_format import requested_structured_outputs
+from render_service.structural_tags import harmony_answer, structural_tag_text
+from render_service.tokenizer import TextTokenizer
+from render_service.tool_choice import output_format, tool_call_constraint
 
 REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
 # Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
@@ -80,7 +83,7 @@ def _text(role: str, text: str, **fields: Any) -> dict[str, Any]:
     return {"role": role, "content": [{"type": "text", "text": text}], **fields}
 
 
-def reasoning_effort(req: Any, kwargs: dict[str, Any]) -> str | None:
+def reasoning_effort(req: ChatCompletionRequest, kwargs: dict[str, Any]) -> str | None:
     effort = req.reasoning_effort if req.reasoning_effort is not None else kwargs.get("reasoning_effort")
     if effort is None:
         return None
@@ -102,7 +105,7 @@ def conversation_start_date(kwargs: dict[str, Any]) -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
-def system_message(req: Any, kwargs: dict[str, Any], with_tools: bool) -> dict[str, Any]:
+def system_message(req: ChatCompletionRequest, kwargs: dict[str, Any], with_tools: bool) -> dict[str, Any]:
     content: dict[str, Any] = {
         "model_identity": "You are ChatGPT, a large language model trained by OpenAI.",
         "reasoning_effort": "Medium",
@@ -214,7 +217,7 @@ def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) ->
     raise bad_request(f"{where}.role {role!r} is not one of system, developer, user, assistant, tool", "messages")
 
 
-def harmony_messages(req: Any, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
+def harmony_messages(req: ChatCompletionRequest, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
     chat = list(req.messages)
     instructions = None
     if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer"):
@@ -311,32 +314,29 @@ def renderer_for(tokenizer: TextTokenizer) -> HarmonyRenderer:
     return renderer
 
 
-def render_harmony_chat(req: Any, tokenizer: TextTokenizer, kwargs: dict[str, Any], tool_choice: str) -> list[int]:
+def render_harmony_chat(req: ChatCompletionRequest, tokenizer: TextTokenizer, kwargs: dict[str, Any],
+                        tool_choice: str) -> list[int]:
     """The prompt's token IDs (``tool_choice`` as render's _check_tool_choice resolved it), ending with
     ``<|start|>assistant`` as vLLM's: a forced call or a structured answer is the constraint's to shape."""
     with_tools = bool(req.tools) and tool_choice != "none"
     return renderer_for(tokenizer).render(harmony_messages(req, kwargs, with_tools))
 
 
-def render_harmony_request(req: Any, config: Any, tool_choice: str,
+def render_harmony_request(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
                            named: str | None = None) -> tuple[list[int], dict[str, Any] | None]:
     """render_chat's Harmony branch: (prompt ids, the structured-outputs constraint)."""
-    from render_service.render_config import resolve_chat_template_kwargs
-
     kwargs = resolve_chat_template_kwargs(req, config)
-    ids = render_harmony_chat(req, config.tokenizer, kwargs, tool_choice)
+    # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
+    ids = render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, tool_choice)
     return ids, harmony_structured_outputs(req, config, tool_choice, named)
 
 
-def harmony_structured_outputs(req: Any, config: Any, tool_choice: str, named: str | None) -> dict[str, Any] | None:
+def harmony_structured_outputs(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
+                               named: str | None) -> dict[str, Any] | None:
     """vLLM's constraint for gpt-oss: a requested format becomes the final message of a reply that may reason
     first (render_service/structural_tags.py ``harmony_answer``), and the tool choice constrains the calls as
     for any parser (``tool_call_constraint`` with the Harmony family)."""
-    from render_service.render import _structured_outputs
-    from render_service.structural_tags import harmony_answer, structural_tag_text
-    from render_service.tool_choice import output_format, tool_call_constraint
-
-    requested = _structured_outputs(req)
+    requested = requested_structured_outputs(req)
     answer = output_format(requested) if requested is not None else None
     if answer is not None:
         requested = {"structural_tag": structural_tag_text(harmony_answer(answer))}
@@ -344,22 +344,9 @@ def harmony_structured_outputs(req: Any, config: Any, tool_choice: str, named: s
                                 config.tool_strict_level)
 
 
-def prerendered_harmony_ids(req: Any, config: Any, tool_choice: str, named: str | None, given: list[int],
-                            ) -> tuple[list[int], dict[str, Any] | None]:
+def prerendered_harmony_ids(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
+                            given: list[int]) -> tuple[list[int], dict[str, Any] | None]:
     """``given`` (a prompt rendered already, prerendered.py) in place of render_harmony_request's render. The
     request is still mapped to Harmony messages, so what render refuses is refused alike."""
-    from render_service.render_config import resolve_chat_template_kwargs
-
     harmony_messages(req, resolve_chat_template_kwargs(req, config), bool(req.tools) and tool_choice != "none")
     return given, harmony_structured_outputs(req, config, tool_choice, named)
-
-
-def harmony_parser_flags(reasoning_parser: str | None, tool_call_parser: str | None) -> tuple[str, str | None]:
-    """A gpt-oss bundle's parsers: Harmony's own (vLLM's names), whatever the flags left unset."""
-    if reasoning_parser not in (None, "openai_gptoss"):
-        raise ValueError(f"this is a gpt-oss (Harmony) bundle: --reasoning-parser must be openai_gptoss, "
-                         f"not {reasoning_parser}")
-    if tool_call_parser not in (None, "openai"):
-        raise ValueError(f"this is a gpt-oss (Harmony) bundle: --tool-call-parser must be openai, "
-                         f"not {tool_call_parser}")
-    return "openai_gptoss", tool_call_parser

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from token_engine.structured.spec import GrammarError, GuideSpec
-
-MAX_JSON_DEPTH = 64  # also checked while a spec is read (spec.py), before any recursive JSON code runs on it
+from token_engine.structured.spec import MAX_JSON_DEPTH, GuideSpec, check_json_depth, refuse_over_limit
 
 
 @dataclass(frozen=True)
@@ -39,32 +36,11 @@ class CompileLimits:
 DEFAULT_LIMITS = CompileLimits()
 
 
-def _refuse(spec_kind: str, what: str, value: int, limit: int, name: str) -> GrammarError:
-    return GrammarError(f"structured_outputs.{spec_kind}: {what} is {value}, over the engine's limit of {limit} "
-                        f"({name}); simplify the constraint.")
-
-
-def check_json_depth(value, limit: int = MAX_JSON_DEPTH, what: str = "json") -> None:
-    """GrammarError when value (decoded JSON) nests deeper than limit. Iterative: safe on any depth."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Iterable = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            raise _refuse(what, "the JSON nesting depth", depth, limit, "max_nesting_depth")
-        stack.extend((child, depth + 1) for child in children)
-
-
 def check_bounds(spec: GuideSpec, limits: CompileLimits = DEFAULT_LIMITS) -> None:
     """GrammarError (a 400 naming the limit) when compiling spec could take unbounded work."""
     size = len(spec.value.encode())
     if size > limits.max_spec_bytes:
-        raise _refuse(spec.kind, "the size in bytes", size, limits.max_spec_bytes, "max_spec_bytes")
+        raise refuse_over_limit(spec.kind, "the size in bytes", size, limits.max_spec_bytes, "max_spec_bytes")
     if spec.kind == "regex":
         _check_repeats(spec.value, "regex", limits, _REGEX_TOKENS)
     elif spec.kind == "grammar":
@@ -72,7 +48,7 @@ def check_bounds(spec: GuideSpec, limits: CompileLimits = DEFAULT_LIMITS) -> Non
     elif spec.kind == "choice":
         count = len(json.loads(spec.value))
         if count > limits.max_enum_values:
-            raise _refuse("choice", "the number of choices", count, limits.max_enum_values, "max_enum_values")
+            raise refuse_over_limit("choice", "the number of choices", count, limits.max_enum_values, "max_enum_values")
     elif spec.kind in ("json", "structural_tag"):
         _check_json_spec(json.loads(spec.value), spec.kind, limits)
 
@@ -92,7 +68,7 @@ def _check_json_spec(root, kind: str, limits: CompileLimits) -> None:
         props = node.get("properties")
         if isinstance(props, dict):
             if len(props) > limits.max_properties_per_object:
-                raise _refuse(kind, "the number of properties of one object", len(props),
+                raise refuse_over_limit(kind, "the number of properties of one object", len(props),
                               limits.max_properties_per_object, "max_properties_per_object")
             properties += len(props)
         enum = node.get("enum")
@@ -108,9 +84,9 @@ def _check_json_spec(root, kind: str, limits: CompileLimits) -> None:
         if node.get("type") == "grammar" and isinstance(grammar, str):  # structural tag grammar items
             _check_repeats(grammar, kind, limits, _EBNF_TOKENS)
     if properties > limits.max_properties:
-        raise _refuse(kind, "the number of properties", properties, limits.max_properties, "max_properties")
+        raise refuse_over_limit(kind, "the number of properties", properties, limits.max_properties, "max_properties")
     if values > limits.max_enum_values:
-        raise _refuse(kind, "the number of enum and const values", values, limits.max_enum_values,
+        raise refuse_over_limit(kind, "the number of enum and const values", values, limits.max_enum_values,
                       "max_enum_values")
 
 
@@ -152,7 +128,7 @@ def _tokens(text: str, pattern: re.Pattern):
 
 def _check_repeats(text: str, kind: str, limits: CompileLimits, pattern: re.Pattern) -> None:
     if pattern is _REGEX_TOKENS and len(text) > limits.max_regex_bytes:
-        raise _refuse(kind, "the size of a regex in characters", len(text), limits.max_regex_bytes,
+        raise refuse_over_limit(kind, "the size of a regex in characters", len(text), limits.max_regex_bytes,
                       "max_regex_bytes")
     # Per open group: [items so far, largest repeat product inside, the last item's (items, product)].
     groups: list[list] = [[0, 1, None]]
@@ -161,7 +137,7 @@ def _check_repeats(text: str, kind: str, limits: CompileLimits, pattern: re.Patt
         top = groups[-1]
         if tok == "open":
             if len(groups) > limits.max_nesting_depth:
-                raise _refuse(kind, "the group nesting depth", len(groups), limits.max_nesting_depth,
+                raise refuse_over_limit(kind, "the group nesting depth", len(groups), limits.max_nesting_depth,
                               "max_nesting_depth")
             groups.append([0, 1, None])
         elif tok == "close":
@@ -178,13 +154,13 @@ def _check_repeats(text: str, kind: str, limits: CompileLimits, pattern: re.Patt
             product *= max(count, 1)
             if product > limits.max_repetition:
                 what = "a repeat count" if product == count else "a repeat count times the repeats around it"
-                raise _refuse(kind, what, product, limits.max_repetition, "max_repetition")
+                raise refuse_over_limit(kind, what, product, limits.max_repetition, "max_repetition")
             extra += items * max(count - 1, 0)
             top[0] += items * max(count - 1, 0)
             top[1] = max(top[1], product)
             top[2] = (items * max(count, 1), product)  # `a{2}{3}`: the second repeat multiplies the first
             if extra > limits.max_repeated_items:
-                raise _refuse(kind, "the number of items repeats add", extra, limits.max_repeated_items,
+                raise refuse_over_limit(kind, "the number of items repeats add", extra, limits.max_repeated_items,
                               "max_repeated_items")
         else:  # items; a repeat after a run of characters repeats its last one
             top[0] += count

@@ -7,10 +7,13 @@ grammar is valid is the grammar library's call at compile time. Both raise Gramm
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PARAM = "sampling_params.structured_outputs"
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# JSON nesting, checked while a spec is read (before any recursive JSON code runs on it) and by bounds.py
+MAX_JSON_DEPTH = 64
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "disable_fallback")
 
 
@@ -26,6 +29,27 @@ class GrammarError(ValueError):
         self.param = param
 
 
+def refuse_over_limit(spec_kind: str, what: str, value: int, limit: int, name: str) -> GrammarError:
+    return GrammarError(f"structured_outputs.{spec_kind}: {what} is {value}, over the engine's limit of {limit} "
+                        f"({name}); simplify the constraint.")
+
+
+def check_json_depth(value, limit: int = MAX_JSON_DEPTH, what: str = "json") -> None:
+    """GrammarError when value (decoded JSON) nests deeper than limit. Iterative: safe on any depth."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            raise refuse_over_limit(what, "the JSON nesting depth", depth, limit, "max_nesting_depth")
+        stack.extend((child, depth + 1) for child in children)
+
+
 @dataclass(frozen=True)
 class GuideSpec:
     """One constraint in a canonical, hashable form: the key of the compiled-grammar cache."""
@@ -36,8 +60,6 @@ class GuideSpec:
 
 
 def _canonical_json(value, what: str) -> str:
-    from token_engine.structured.bounds import MAX_JSON_DEPTH, check_json_depth
-
     if isinstance(value, str):
         try:
             value = json.loads(value)
