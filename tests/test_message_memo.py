@@ -314,11 +314,12 @@ def test_a_template_cannot_change_what_the_memo_shares(servers):
 
 
 def test_a_tiny_budget_evicts_and_still_answers_as_without_the_memo():
-    on, off = config(8 * 8192), config(0)  # an 8 KiB memo: an entry or two
+    on, off = config(8 * 8192), config(0)  # a memo under 8 KiB: an entry or two
     memo = on.message_memo
+    assert on.caches is not None and memo.max_bytes == on.caches.shares.memo <= 8192
     for body in growing_bodies(31, 12):
         assert answer(on, body) == answer(off, body)
-        assert 0 < memo.bytes <= memo.max_bytes == 8192
+        assert 0 < memo.bytes <= memo.max_bytes
     assert len(memo) < 6 and memo.misses > 30
 
 

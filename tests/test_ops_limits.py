@@ -42,7 +42,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
 
 
 def test_oversized_bodies_are_413_declared_or_streamed(render, engine, monkeypatch):
-    monkeypatch.setattr(render_service.server, "MAX_BODY_BYTES", 4096)
+    monkeypatch.setattr(render_service.request_io, "MAX_BODY_BYTES", 4096)
     monkeypatch.setattr(token_engine.server, "MAX_REQUEST_BYTES", 4096)
     big = b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"x" * 8000)
     for url in (render.url + "/v1/completions/render", engine.url + "/inference/v1/generate"):

@@ -337,7 +337,9 @@ def server(model_dir, grammars):
 ])
 def test_bad_specs_get_an_openai_error_body_over_http(server, structured, fragment):
     with server.client() as c:
-        param = None if isinstance(structured, str) else "sampling_params.structured_outputs"
+        # a wire-type error points into the body, as vLLM's validation 400 does
+        param = "body.sampling_params.structured_outputs" if isinstance(structured, str) else (
+            "sampling_params.structured_outputs")
         assert_error_body(post(c, structured), fragment, param)
         # and the engine still serves: a good request right after
         ok = post(c, {"choice": ["fine"]})

@@ -278,7 +278,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                 " ", "\n", "x", "<")),
     ToolFamily("ernie45", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
                ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "1")),
-    ToolFamily("lfm2", write_lfm2, ("<|tool_call_start|>", "<|tool_call_end|>"),
+    ToolFamily("lfm2", write_lfm2, ("<|tool_call_start|>", "<|tool_call_end|>", "None", "True", "False"),
                ("<|tool_call_start|>", "<|tool_call_end|>", "[", "]", "(", ")", "=", ",", "'", '"', "get_weather",
                 "city", " ", "\n", "x", "1", "None")),
     ToolFamily("jamba", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),

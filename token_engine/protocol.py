@@ -11,6 +11,10 @@ from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
+from starlette.responses import Response
+
+# The engine names each generation this prefix + the caller's id (vLLM's tokens-only server does the same).
+REQUEST_ID_PREFIX = "generate-tokens-"
 
 
 # Kept apart from the render tier's protocol on purpose: each tier deploys alone (engine decodes any tier's).
@@ -216,3 +220,8 @@ def error_body(message: str, status: int = 400, param: str | None = None, type_:
                  502: "BadGatewayError", 503: "ServiceUnavailableError"}.get(
             status, "InternalServerError" if status >= 500 else "BadRequestError")
     return msgspec.json.encode(ErrorResponse(ErrorInfo(message, type_, param, status)))
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
+    """vLLM's error envelope as an HTTP answer."""
+    return Response(error_body(message, status, param), status_code=status, media_type="application/json")

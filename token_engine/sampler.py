@@ -11,11 +11,11 @@ request yields the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from token_engine.rl.logprob_controls import with_token_ids
 from token_engine.sequence import SamplingOptions, TokenLogprob
 from token_engine.structured import GrammarState, apply_grammars_
 
@@ -29,6 +29,20 @@ class SamplingRow:
     stop_ids_blocked: frozenset[int]  # ids masked while min_tokens is not reached (EOS + stop ids)
     grammar: GrammarState | None = None  # structured outputs: only what the grammar allows next
     forced: int | None = None  # trace_decode_token_ids: the token emitted this step whatever was sampled
+
+
+def with_token_ids(entry: TokenLogprob, log_probs: torch.Tensor, ids: Sequence[int]) -> TokenLogprob:
+    """``entry`` with its alternatives replaced by the given ids' logprobs and real ranks (-1: -inf, rank None)."""
+    wanted = [t for t in ids if t >= 0]
+    if not wanted:
+        entry.top, entry.top_ranks = [], []
+        return entry
+    index = torch.tensor(wanted, device=log_probs.device)
+    values = log_probs.index_select(0, index)
+    ranks = ((log_probs[None, :] > values[:, None]).sum(dim=1) + 1).tolist()
+    entry.top = list(zip(wanted, values.tolist()))
+    entry.top_ranks = ranks
+    return entry
 
 
 def logprobs_of(log_probs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
@@ -93,8 +107,9 @@ class Sampler:
             entries = logprobs_of(log_probs, tokens.index_select(0, idx), max(want.values()))
             for row, ((i, top), entry) in enumerate(zip(want.items(), entries)):
                 entry.top = entry.top[:top]
-                if rows[i].options.logprob_token_ids is not None:
-                    entry = with_token_ids(entry, log_probs[row], rows[i].options.logprob_token_ids)
+                wanted_ids = rows[i].options.logprob_token_ids
+                if wanted_ids is not None:
+                    entry = with_token_ids(entry, log_probs[row], wanted_ids)
                 logprob_out[i] = entry
         return token_list, logprob_out
 

@@ -33,10 +33,12 @@ from splitserve_common.tenants import engine_caller
 from token_engine import protocol as p
 from token_engine.engine import AsyncEngine, RequestUpdate
 from token_engine.kv_connector.base import KV_LOAD_FAILED, KV_PARAMS_REFUSED
+from token_engine.request_error import RequestError
+from token_engine.rl.routes import rl_control_enabled, rl_routes
 from token_engine.scheduler import GRAMMAR_VIOLATION
 from token_engine.sequence import TokenLogprob
 from token_engine.structured import GrammarError
-from token_engine.validation import RequestError, validate_generate_request
+from token_engine.validation import validate_generate_request
 
 try:
     from importlib.metadata import version as _pkg_version
@@ -49,7 +51,6 @@ log = logging.getLogger("token_engine.server")
 LOGPROB_FLOOR = -9999.0  # what vLLM writes for -inf / NaN
 MAX_REQUEST_BYTES = 64 << 20  # a 128k-token prompt is about 1 MB of JSON
 JSON = "application/json"
-REQUEST_ID_PREFIX = "generate-tokens-"
 # Engine updates one request may have waiting for its reader (one per engine step): a reader this far behind
 # has stopped reading; its request is aborted instead of growing the queue while the engine keeps computing.
 MAX_PENDING_UPDATES = 8192
@@ -73,7 +74,7 @@ def error_status(engine_error: str) -> int:
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
-    return Response(p.error_body(message, status, param), status_code=status, media_type=JSON)
+    return p.error_response(message, status, param)
 
 
 def encode_logprobs(entries: list[TokenLogprob], legacy: bool):
@@ -373,7 +374,7 @@ async def generate(request: Request) -> Response:
     if state.engine.refusal is not None:  # paused for a weight update (abort/wait) or asleep
         return error_response(state.engine.refusal, 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
-    gen = Generation(state, req, REQUEST_ID_PREFIX + suffix, n)
+    gen = Generation(state, req, p.REQUEST_ID_PREFIX + suffix, n)
     if state.log_requests:
         log.info("received request_id=%s engine_id=%s prompt_tokens=%d n=%d stream=%s sampling_params=%s",
                  gen.request_id, gen.engine_id, len(req.token_ids), n, bool(req.stream),
@@ -409,7 +410,7 @@ async def abort_requests(request: Request) -> Response:
     for rid in body.ids():
         # The id the response carried, or the caller's own (header or body); every request running under
         # it ends (duplicates included), and an engine id aborts just its request.
-        names = (rid,) if rid.startswith(REQUEST_ID_PREFIX) else (rid, REQUEST_ID_PREFIX + rid)
+        names = (rid,) if rid.startswith(p.REQUEST_ID_PREFIX) else (rid, p.REQUEST_ID_PREFIX + rid)
         for name in names:
             for engine_id in state.engine_ids(name):
                 state.engine.abort_request(engine_id)
@@ -495,7 +496,6 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
               rl_control: bool | None = None) -> Starlette:
     """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one.
     ``rl_control`` (default: VLLM_SERVER_DEV_MODE=1, as vLLM) adds the trainer routes of token_engine/rl."""
-    from token_engine.rl.routes import rl_control_enabled, rl_routes
 
     routes = [*(rl_routes(_guarded) if rl_control_enabled(rl_control) else []),
         Route("/inference/v1/generate", _guarded(generate), methods=["POST"]),

@@ -14,20 +14,13 @@ from msgspec import UNSET
 from splitserve_common.limits import kv_transfer_params_violation
 from token_engine.kv_connector.base import foreign_prefill_params
 from token_engine.protocol import GenerateRequest
+from token_engine.request_error import RequestError
 from token_engine.rl.logprob_controls import apply_logprob_controls
 from token_engine.sequence import SamplingOptions
 from token_engine.structured import GrammarError, parse_structured_outputs
 
 INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS_ENTRIES = 4096
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
 
 
 @dataclass(frozen=True)

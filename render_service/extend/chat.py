@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
+from render_service.chat_prompt import chat_template_inputs, encode_prompt, template_failure
 from render_service.errors import bad_request
 from render_service.extend.bridge import (
     Bridge,
@@ -21,6 +22,8 @@ from render_service.extend.bridge import (
 )
 from render_service.extend.protocol import ExtendInfo, PreviousTurn
 from render_service.extend.turns import text_turns
+from render_service.harmony.encoding import CALL, END, RETURN
+from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
 from render_service.protocol import ChatCompletionRequest
 from render_service.render_config import RenderConfig
 from render_service.template_sandbox import TemplateError
@@ -98,14 +101,10 @@ def _asked(done: TurnRender, req: ChatCompletionRequest) -> TurnRender:
 
 
 def _inputs(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]) -> Any:
-    from render_service.render import chat_template_inputs
-
     return chat_template_inputs(req, config, kwargs)
 
 
 def _render_fn(template: Any) -> Any:
-    from render_service.render import template_failure
-
     def render(messages: list[dict[str, Any]], **arguments: Any) -> str:
         try:
             return cast(str, template.render(messages, **arguments))
@@ -118,8 +117,6 @@ def _render_fn(template: Any) -> Any:
 
 
 def _encode(text: str, config: RenderConfig) -> list[int]:
-    from render_service.render import encode_prompt
-
     return encode_prompt(text, config)
 
 
@@ -135,7 +132,6 @@ def _offsets(text: str, ids: list[int], config: RenderConfig) -> list[tuple[int,
 def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], masks: bool
                  ) -> TurnRender:
     if config.harmony:
-        from render_service.harmony.render import render_harmony_chat
 
         ids = render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, _harmony_choice(req))
         done = TurnRender(ids, None)
@@ -232,8 +228,6 @@ def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: di
                     k: int) -> TurnRender:
     """Harmony renders each message on its own: the bridge is the new messages' ids and ``<|start|>assistant``;
     a completion cut short (no ``<|end|>``/``<|call|>``/``<|return|>``) is closed with ``<|end|>``."""
-    from render_service.harmony.encoding import CALL, END, RETURN
-    from render_service.harmony.render import harmony_messages, renderer_for
 
     tokenizer = cast(TextTokenizer, config.tokenizer)
     new_chat = req.messages[k + 1:]
@@ -290,7 +284,6 @@ def _harmony_tail_indices(suffix: list[int], closing: int, k: int, renderer: Any
 def _harmony_turns(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], ids: list[int]
                    ) -> tuple[list[int], list[int]]:
     """Harmony attribution: each chat message's Harmony messages rendered on their own, after the preamble."""
-    from render_service.harmony.render import harmony_messages, renderer_for
 
     renderer = renderer_for(cast(TextTokenizer, config.tokenizer))
     with_tools = bool(req.tools) and _harmony_choice(req) != "none"

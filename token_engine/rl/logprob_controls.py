@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from token_engine.request_error import RequestError
+from token_engine.sampler import logprobs_of, with_token_ids
 from token_engine.sequence import SamplingOptions, TokenLogprob
 
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
@@ -28,8 +30,6 @@ MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
 def apply_logprob_controls(sp, options: SamplingOptions, vocab_size: int, max_model_len: int,
                            prompt_len: int) -> SamplingOptions:
     """Validates the controls of a request's sampling params and folds them into its options."""
-    from token_engine.validation import RequestError
-
     changes: dict = {}
     ids = sp.logprob_token_ids
     if ids is not None:
@@ -80,8 +80,6 @@ def apply_logprob_controls(sp, options: SamplingOptions, vocab_size: int, max_mo
 
 
 def _in_vocab(name: str, ids: list[int], vocab_size: int) -> None:
-    from token_engine.validation import RequestError
-
     bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"token_id(s) {bad[:8]} in {name} contain out-of-vocab token ids. Vocabulary size: "
@@ -95,25 +93,9 @@ def forced_token(options: SamplingOptions, num_output_tokens: int) -> int | None
     return trace[num_output_tokens]
 
 
-def with_token_ids(entry: TokenLogprob, log_probs: torch.Tensor, ids) -> TokenLogprob:
-    """``entry`` with its alternatives replaced by the given ids' logprobs and real ranks (-1: -inf, rank None)."""
-    wanted = [t for t in ids if t >= 0]
-    if not wanted:
-        entry.top, entry.top_ranks = [], []
-        return entry
-    index = torch.tensor(wanted, device=log_probs.device)
-    values = log_probs.index_select(0, index)
-    ranks = ((log_probs[None, :] > values[:, None]).sum(dim=1) + 1).tolist()
-    entry.top = list(zip(wanted, values.tolist()))
-    entry.top_ranks = ranks
-    return entry
-
-
 def prompt_entries(options: SamplingOptions, first: int, log_probs: torch.Tensor, targets: torch.Tensor,
                    k: int) -> list[TokenLogprob | None]:
     """Prompt logprob entries for rows first.. (row r predicts prompt token r + 1), with the controls applied."""
-    from token_engine.sampler import logprobs_of  # the sampler imports this module
-
     entries: list[TokenLogprob | None] = list(logprobs_of(log_probs, targets, k))
     start = options.prompt_logprob_start or 0
     rows = options.prompt_logprob_token_ids

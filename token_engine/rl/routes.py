@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from token_engine.protocol import REQUEST_ID_PREFIX, error_response
 from token_engine.rl.control import WeightControl, reset_prefix_cache
 from token_engine.rl.weights import WeightUpdateError
 
@@ -31,8 +32,6 @@ def rl_control_enabled(flag: bool | None) -> bool:
 
 
 def _error(message: str, status: int = 400, param: str | None = None) -> Response:
-    from token_engine.server import error_response
-
     return error_response(message, status, param)
 
 
@@ -141,8 +140,6 @@ async def is_paused(request: Request, ctl: ControlState) -> Response:
 
 async def abort_requests(request: Request, ctl: ControlState) -> Response:
     """vLLM's dev route: ``request_ids`` empty or missing aborts everything; answers how many it aborted."""
-    from token_engine.server import REQUEST_ID_PREFIX
-
     body = await _body(request)
     ids = body.get("request_ids")
     if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
