@@ -185,7 +185,6 @@ REFUSED_ENGINE: dict[str, str] = {
     "--cpu-offload-params": "weights stay on the device: use a device that holds them",
     "--kv-offloading-size": "KV lives in device memory only: size the pool with --gpu-memory-utilization",
     "--kv-offloading-backend": "KV lives in device memory only: size the pool with --gpu-memory-utilization",
-    "--kv-events-config": "KV events are not published: route by prefix with the gateway's affinity",
     "--watermark": "output watermarking is not implemented",
     "--watermark-config": "output watermarking is not implemented",
     "--disable-sliding-window": "sliding-window models run with their window (turning it off changes outputs)",

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve_common.block_hashes import BlockHashConfig
 from token_engine.kv_cache import BlockManager
 from token_engine.kv_connector.base import KVConnector, create_kv_connector
+from token_engine.kv_events.stream import open_kv_event_stream
 from token_engine.metrics import EngineMetrics
 from token_engine.model_runner import ModelRunner, kv_block_bytes
 from token_engine.sampler import Sampler, SamplingRow, logprobs_of
@@ -52,6 +54,8 @@ class EngineConfig:
     max_logprobs: int = 20
     enforce_eager: bool = False  # CUDA: no decode graphs
     kv_transfer_config: dict | None = None
+    kv_events_config: dict | None = None  # vLLM's --kv-events-config: prefix-cache events for routers, over ZMQ
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's block hash in KV events: sha256 or sha256_cbor
     structured_outputs_compile_timeout_s: float = 10.0  # a grammar compiling longer fails its request (400)
     tokenizer: str | None = None  # where structured outputs read tokenizer.json (vLLM's --tokenizer); default model
     generation_config: str = "auto"  # EOS ids: "auto" (the model's), "vllm" (config.json only) or a directory
@@ -128,6 +132,10 @@ class LLMEngine:
                 f"{config.block_size}), fewer than max_model_len={self.max_model_len}: lower --max-model-len "
                 f"or give the cache more memory")
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = open_kv_event_stream(config.kv_events_config,
+                                              BlockHashConfig(config.block_size, config.prefix_caching_hash_algo))
+        if self.kv_events is not None:
+            self.block_manager.events = self.kv_events.recorder
         self.connector = connector if connector is not None else create_kv_connector(config.kv_transfer_config, config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
@@ -151,6 +159,7 @@ class LLMEngine:
         self._seq_request: dict[str, RequestState] = {}
         self._seen_prefix = (0, 0)
         self._seen_preemptions = 0
+        self._seen_kv_events = (0, 0)
 
     # ---- requests ---------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -244,6 +253,8 @@ class LLMEngine:
                 touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])
         for state in touched.values():
             self._emit(state)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self._update_gauges()
         if out.scheduled:
             self._observe_step(t_start, t_scheduled, t_model, time.perf_counter())
@@ -328,6 +339,13 @@ class LLMEngine:
             m.label(m.prefix_queries).inc(q - self._seen_prefix[0])
             m.label(m.prefix_hits).inc(h - self._seen_prefix[1])
             self._seen_prefix = (q, h)
+        if self.kv_events is not None:
+            pub = self.kv_events.publisher
+            seen = self._seen_kv_events
+            if (pub.num_events_published, pub.num_dropped) != seen:
+                m.label(m.kv_events_published).inc(pub.num_events_published - seen[0])
+                m.label(m.kv_event_batches_dropped).inc(pub.num_dropped - seen[1])
+                self._seen_kv_events = (pub.num_events_published, pub.num_dropped)
         if sched.num_preemptions != self._seen_preemptions:
             m.label(m.preemptions).inc(sched.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = sched.num_preemptions
@@ -359,6 +377,15 @@ class LLMEngine:
         # way has ended: the process exits after this
         self.grammars.close(wait_s=VOCABULARY_LOAD_WAIT_S)
         self.connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix-cache index (a router hears AllBlocksCleared at once); the entries dropped."""
+        dropped = self.block_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return dropped
 
 
 class AsyncEngine:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from token_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from token_engine.kv_events.recorder import KVEventRecorder
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -43,6 +47,8 @@ class BlockManager:
         # Metrics: prompt tokens looked up in / found in the prefix cache.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # KV events for routers (--kv-events-config): None when off, and then nothing below does extra work.
+        self.events: KVEventRecorder | None = None
 
     # ---- accounting -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -108,9 +114,12 @@ class BlockManager:
             block_id, _ = self.free.popitem(last=False)
             old = self.block_hash[block_id]
             if old is not None:  # evict the stale cache entry
-                if self.cached.get(old) == block_id:
+                indexed = self.cached.get(old) == block_id
+                if indexed:
                     del self.cached[old]
                 self.block_hash[block_id] = None
+                if self.events is not None:
+                    self.events.block_evicted(block_id, indexed)
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
         return True
@@ -123,14 +132,33 @@ class BlockManager:
         if n_full <= seq.num_published_blocks:  # most decode steps: no block filled up
             return
         self.update_block_hashes(seq)
+        events = self.events
+        hashed: list[int] = []
+        indexed: list[int] = []
         for i in range(seq.num_published_blocks, n_full):
             block_id = seq.block_table[i]
             if self.block_hash[block_id] is not None:
                 continue
             h = seq.block_hashes[i]
             self.block_hash[block_id] = h
-            self.cached.setdefault(h, block_id)  # an identical block may already be cached: keep the first
+            # an identical block may already be cached: keep the first
+            if self.cached.setdefault(h, block_id) == block_id and events is not None:
+                indexed.append(i)
+            if events is not None:
+                hashed.append(i)
+        if events is not None and hashed:
+            events.blocks_hashed(seq, hashed, indexed)
         seq.num_published_blocks = n_full
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block hash (blocks in use keep their KV; nobody new can hit them); the number
+        of index entries dropped."""
+        dropped = len(self.cached)
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.cleared()
+        return dropped
 
     def free_blocks(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody holds go to the free list, tail last (freed later = evicted later)."""

@@ -37,6 +37,12 @@ class EngineMetrics:
                                       labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
                                    registry=r)
+        self.kv_events_published = Counter("splitserve:kv_events_published",
+                                           "KV events (block stored/removed, all cleared) sent to routers.", labels,
+                                           registry=r)
+        self.kv_event_batches_dropped = Counter("splitserve:kv_event_batches_dropped",
+                                                "KV event batches dropped on a full publisher queue.", labels,
+                                                registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", labels,
                                    registry=r)
         # Where a step's time goes: `model` runs from the forward's launch to the sampled tokens on the host
