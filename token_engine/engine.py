@@ -160,6 +160,7 @@ class LLMEngine:
         self._seen_prefix = (0, 0)
         self._seen_preemptions = 0
         self._seen_kv_events = (0, 0)
+        self._seen_totals: dict[str, int] = {}
 
     # ---- requests ---------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -260,6 +261,13 @@ class LLMEngine:
             self._observe_step(t_start, t_scheduled, t_model, time.perf_counter())
         return bool(out.scheduled)
 
+    def _count_up(self, key: str, total: int, counter) -> None:
+        """Advances a Prometheus counter to a running total kept elsewhere."""
+        seen = self._seen_totals.get(key, 0)
+        if total != seen:
+            counter.inc(total - seen)
+            self._seen_totals[key] = total
+
     def _observe_step(self, start: float, scheduled: float, modeled: float, end: float) -> None:
         phases = self._step_phases
         if self._last_step_end is not None:
@@ -339,6 +347,11 @@ class LLMEngine:
             m.label(m.prefix_queries).inc(q - self._seen_prefix[0])
             m.label(m.prefix_hits).inc(h - self._seen_prefix[1])
             self._seen_prefix = (q, h)
+        self._count_up("external_queries", bm.external_queries, m.label(m.external_queries))
+        self._count_up("external_hits", bm.external_hits, m.label(m.external_hits))
+        self._count_up("cached", sum(bm.cached_by_source.values()), m.label(m.cached_tokens))
+        for source, n in bm.cached_by_source.items():
+            self._count_up(f"source:{source}", n, m.label(m.cached_by_source, source=source))
         if self.kv_events is not None:
             pub = self.kv_events.publisher
             seen = self._seen_kv_events

@@ -47,6 +47,11 @@ class BlockManager:
         # Metrics: prompt tokens looked up in / found in the prefix cache.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Lookups past the device tier (host tier, a P/D peer): vLLM's "external" prefix cache, and the prompt
+        # tokens each tier served at admission (vLLM's sources: device, host, p2p, disk, external_unspecified).
+        self.external_queries = 0
+        self.external_hits = 0
+        self.cached_by_source: dict[str, int] = {}
         # KV events for routers (--kv-events-config): None when off, and then nothing below does extra work.
         self.events: KVEventRecorder | None = None
 
@@ -103,6 +108,17 @@ class BlockManager:
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_queried_tokens
         self.prefix_hits += num_hit_tokens
+        self._count_source("device", num_hit_tokens)
+
+    def record_external_lookup(self, num_queried_tokens: int, hits_by_source: dict[str, int]) -> None:
+        self.external_queries += num_queried_tokens
+        for source, n in hits_by_source.items():
+            self.external_hits += n
+            self._count_source(source, n)
+
+    def _count_source(self, source: str, num_tokens: int) -> None:
+        if num_tokens:
+            self.cached_by_source[source] = self.cached_by_source.get(source, 0) + num_tokens
 
     # ---- allocation -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -37,6 +37,18 @@ class EngineMetrics:
                                       labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
                                    registry=r)
+        self.external_queries = Counter("vllm:external_prefix_cache_queries",
+                                        "Prompt tokens looked up past the device cache (host tier, P/D peer).",
+                                        labels, registry=r)
+        self.external_hits = Counter("vllm:external_prefix_cache_hits",
+                                     "Prompt tokens found past the device cache (host tier, P/D peer).", labels,
+                                     registry=r)
+        self.cached_tokens = Counter("vllm:prompt_tokens_cached", "Prompt tokens served from any cache tier.",
+                                     labels, registry=r)
+        self.cached_by_source = Counter("vllm:prompt_tokens_cached_by_source",
+                                        "Prompt tokens served at admission, by the tier that held them "
+                                        "(device, host, p2p, disk, external_unspecified).", labels + ["source"],
+                                        registry=r)
         self.kv_events_published = Counter("splitserve:kv_events_published",
                                            "KV events (block stored/removed, all cleared) sent to routers.", labels,
                                            registry=r)

@@ -70,6 +70,9 @@ class Scheduler:
     ):
         self.bm = block_manager
         self.connector = connector or NoOpKVConnector()
+        # where the connector's tokens come from, for per-tier metrics (a NIXL peer: "p2p")
+        self._has_external_tier = not isinstance(self.connector, NoOpKVConnector)
+        self._external_source: str = getattr(self.connector, "cache_source", "external_unspecified")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -244,6 +247,8 @@ class Scheduler:
             self.bm.take_cached_blocks(seq, cached)
             if seq.num_preemptions == 0:
                 self.bm.record_prefix_lookup(seq.num_tokens, len(cached) * self.bm.block_size)
+                if self._has_external_tier:
+                    self.bm.record_external_lookup(seq.num_tokens, {self._external_source: external})
                 seq.num_cached_tokens = len(cached) * self.bm.block_size + external
         if not self.bm.allocate(seq, external + num_new):
             if fresh:
