@@ -3,6 +3,10 @@ real subscriber on a local socket decodes them; block hashes are vLLM's for the 
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import subprocess
 import time
 
 import msgspec
@@ -10,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from bench import peers
 from splitserve_common.block_hashes import BlockHashConfig, block_hashes, external_hash
 from tests.engine_harness import engine_config, write_tiny_qwen3
 from token_engine.engine import LLMEngine
@@ -42,12 +47,14 @@ class Subscriber:
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
+        self.raw: list[bytes] = []  # every payload received, as sent
 
     def recv(self, timeout_ms: int = 2000) -> tuple[int, KVEventBatch] | None:
         if not self.sub.poll(timeout_ms):
             return None
         topic, seq, payload = self.sub.recv_multipart()
         assert topic == self.topic and len(seq) == 8
+        self.raw.append(payload)
         return int.from_bytes(seq, "big"), decode_batch(payload)
 
     def drain(self, quiet_ms: int = 300) -> list[tuple[int, KVEventBatch]]:
@@ -241,3 +248,64 @@ def test_events_off_unless_enabled_with_a_zmq_publisher():
     assert parse_kv_events_config({"endpoint": "tcp://*:5557"}) is None
     assert parse_kv_events_config({"enable_kv_cache_events": True, "publisher": "null"}) is None
     assert parse_kv_events_config({"enable_kv_cache_events": True}) is not None
+
+
+# vLLM's own event classes and block hasher, in the vLLM 0.33 peer's venv: decodes our payloads and hashes the
+# token ids of every stored block's sequence the way vLLM's engine does.
+VLLM_DECODER = r"""
+import base64, json, sys
+import msgspec
+from vllm import SamplingParams
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils as ku
+from vllm.v1.request import Request
+case = json.loads(sys.stdin.read())
+decoder = msgspec.msgpack.Decoder(KVEventBatch)
+batches = [decoder.decode(base64.b64decode(p)) for p in case["payloads"]]
+fn = get_hash_fn_by_name("sha256")
+ku.init_none_hash(fn)
+hashes = {}
+for name, (ids, salt) in case["prompts"].items():
+    req = Request(request_id=name, prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1),
+                  pooling_params=None, cache_salt=salt, block_hasher=ku.get_request_block_hasher(case["block_size"], fn))
+    hashes[name] = [ku.maybe_convert_block_hash(h) for h in req.block_hashes]
+out = {"batches": [[b.ts, b.data_parallel_rank, [[type(e).__name__, msgspec.to_builtins(e)] for e in b.events]]
+                   for b in batches], "hashes": hashes}
+print(json.dumps(out))
+"""
+
+
+def test_vllms_own_classes_decode_our_events_and_agree_on_the_hashes(model, tmp_path):
+    venv = peers.vllm033_venv()
+    if venv is None or not peers.vllm_present(venv):
+        pytest.skip("no vLLM 0.33 peer venv (set $SPLITSERVE_VLLM033)")
+    engine, sub = start(model, tmp_path, num_gpu_blocks_override=12, max_model_len=48)
+    prompts = {"plain": (list(range(100, 113)), None), "salted": (list(range(100, 113)), "tenant-a"),
+               "big": (list(range(500, 547)), None)}
+    one = SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True)
+    try:
+        for name, (ids, salt) in prompts.items():  # the big prompt evicts the first two
+            engine.add_request(name, ids, one, cache_salt=salt)
+            while engine.has_work():
+                engine.step()
+        engine.reset_prefix_cache()
+        ours = sub.drain()
+    finally:
+        sub.close()
+        engine.shutdown()
+    case = {"payloads": [base64.b64encode(p).decode() for p in sub.raw[-len(ours):]], "block_size": BLOCK,
+            "prompts": prompts}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "VLLM_TARGET_DEVICE": "cpu"}
+    run = subprocess.run([str(venv / "bin/python"), "-c", VLLM_DECODER], input=json.dumps(case), env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.splitlines()[-1])
+    # vLLM's decode of every batch equals ours, field by field
+    mine = [[b.ts, b.data_parallel_rank, [[type(e).__name__, msgspec.to_builtins(e)] for e in b.events]]
+            for _, b in ours]
+    assert json.loads(json.dumps(mine)) == theirs["batches"]
+    vllm = theirs["hashes"]
+    assert [h for h, *_ in stored_blocks(ours)] == vllm["plain"] + vllm["salted"] + vllm["big"]
+    assert sorted(removed(ours)) == sorted(vllm["plain"] + vllm["salted"])
+    assert theirs["batches"][-1][2] == [["AllBlocksCleared", {"type": "AllBlocksCleared"}]]
