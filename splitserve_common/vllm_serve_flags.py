@@ -183,8 +183,6 @@ REFUSED_ENGINE: dict[str, str] = {
     "--offload-params": "weights stay on the device: use a device that holds them",
     "--offload-prefetch-step": "weights stay on the device: use a device that holds them",
     "--cpu-offload-params": "weights stay on the device: use a device that holds them",
-    "--kv-offloading-size": "KV lives in device memory only: size the pool with --gpu-memory-utilization",
-    "--kv-offloading-backend": "KV lives in device memory only: size the pool with --gpu-memory-utilization",
     "--watermark": "output watermarking is not implemented",
     "--watermark-config": "output watermarking is not implemented",
     "--disable-sliding-window": "sliding-window models run with their window (turning it off changes outputs)",

@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logprobs shape on /inference/v1/generate: integer ids (newer vLLM) or 'token_id:N' strings")
     s.add_argument("--kv-transfer-config", type=json_object_arg, default=None,
                    help='KV connector config as JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
+    s.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory for KV blocks evicted from the device pool, reloaded on a prefix hit "
+                        "instead of recomputed (vLLM's flag; or OffloadingConnector in --kv-transfer-config)")
+    s.add_argument("--kv-offloading-backend", choices=("native", "lmcache"), default=None,
+                   help="vLLM's flag: 'native' (host memory, the default) is served; lmcache is refused")
     s.add_argument("--kv-events-config", type=json_object_arg, default=None,
                    help='KV events for routers as JSON (vLLM\'s keys), e.g. \'{"enable_kv_cache_events":true,'
                         '"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}\'')
@@ -213,6 +218,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from token_engine.engine import EngineConfig  # torch: not imported for a command line refused early
 
     check_kv_transfer_config(args)
+    if args.kv_offloading_size is not None or args.kv_offloading_backend is not None or args.kv_transfer_config:
+        from token_engine.kv_offload.config import host_tier_bytes
+
+        # sizes are checked against one block once the model is read; the keys and backend are checked here
+        host_tier_bytes(args.kv_transfer_config, args.kv_offloading_size, args.kv_offloading_backend,
+                        args.block_size, 1)
     if args.kv_events_config is not None:  # a bad key is a one-line error here, not a traceback later
         from token_engine.kv_events.config import parse_kv_events_config
 
@@ -235,6 +246,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         kv_transfer_config=args.kv_transfer_config,
         kv_events_config=args.kv_events_config,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         tokenizer=getattr(args, "tokenizer", None),
         generation_config=getattr(args, "generation_config", "auto"),

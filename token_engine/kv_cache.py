@@ -19,6 +19,7 @@ from token_engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from token_engine.kv_events.recorder import KVEventRecorder
+    from token_engine.kv_offload.host_tier import HostKVTier
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -54,6 +55,8 @@ class BlockManager:
         self.cached_by_source: dict[str, int] = {}
         # KV events for routers (--kv-events-config): None when off, and then nothing below does extra work.
         self.events: KVEventRecorder | None = None
+        # The host-memory tier below the device pool (--kv-offloading-size): evicted cached blocks go there.
+        self.host: HostKVTier | None = None
 
     # ---- accounting -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -87,6 +90,34 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def find_offloaded_prefix(self, seq: Sequence, start: int) -> list[bytes]:
+        """Hashes of the blocks after seq's first `start` (the device hits) that the host tier holds, in order,
+        leaving at least one token to compute."""
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for h in seq.block_hashes[start:max_blocks]:
+            if not self.host.contains(h):
+                break
+            hits.append(h)
+        return hits
+
+    def load_offloaded(self, seq: Sequence, keys: list[bytes]) -> None:
+        """Gives seq fresh blocks for the host tier's `keys` (right after its device hits), copies their KV in and
+        publishes them as computed. can_admit must have counted them as new tokens."""
+        if not keys:
+            return
+        assert self.host is not None
+        blocks = self.host.take(keys)  # held before allocate: its evictions may push these out of the tier
+        start = len(seq.block_table)
+        ok = self.allocate(seq, len(keys) * self.block_size)
+        assert ok, "can_admit counted the loaded blocks"
+        self.host.load(blocks, seq.block_table[start:start + len(keys)])
+        seq.num_computed_tokens += len(keys) * self.block_size
+        self.cache_computed_blocks(seq)
 
     def can_admit(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Whether cached_blocks can be taken and num_new_tokens more tokens get room."""
@@ -134,8 +165,9 @@ class BlockManager:
                 if indexed:
                     del self.cached[old]
                 self.block_hash[block_id] = None
-                if self.events is not None:
-                    self.events.block_evicted(block_id, indexed)
+                event_hash = self.events.block_evicted(block_id, indexed) if self.events is not None else None
+                if indexed and self.host is not None:  # its KV is still intact: keep a copy in host memory
+                    self.host.offload(old, block_id, event_hash)
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
         return True

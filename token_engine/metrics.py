@@ -49,6 +49,17 @@ class EngineMetrics:
                                         "Prompt tokens served at admission, by the tier that held them "
                                         "(device, host, p2p, disk, external_unspecified).", labels + ["source"],
                                         registry=r)
+        # The host offload tier (vLLM's OffloadingConnector metrics).
+        self.offload_usage = Gauge("vllm:kv_offload_cpu_cache_usage_perc", "Host KV tier usage (1 = full).", labels,
+                                   registry=r)
+        self.offload_load_bytes = Counter("vllm:kv_offload_load_bytes", "Bytes loaded from the host tier.", labels,
+                                          registry=r)
+        self.offload_load_time = Counter("vllm:kv_offload_load_time", "Seconds spent loading from the host tier.",
+                                         labels, registry=r)
+        self.offload_store_bytes = Counter("vllm:kv_offload_store_bytes", "Bytes stored to the host tier.", labels,
+                                           registry=r)
+        self.offload_store_time = Counter("vllm:kv_offload_store_time", "Seconds spent storing to the host tier.",
+                                          labels, registry=r)
         self.kv_events_published = Counter("splitserve:kv_events_published",
                                            "KV events (block stored/removed, all cleared) sent to routers.", labels,
                                            registry=r)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from splitserve_common.block_hashes import HASH_FUNCTIONS, BlockHashConfig, block_hashes, external_hash
-from token_engine.kv_events.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from token_engine.kv_events.wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     from token_engine.sequence import Sequence
@@ -75,10 +75,23 @@ class KVEventRecorder:
             extra_keys=[(seq.cache_salt,) if i == 0 and seq.cache_salt else None for i in run],
             group_idx=0))
 
-    def block_evicted(self, block_id: int, indexed: bool) -> None:
+    def block_evicted(self, block_id: int, indexed: bool) -> int | None:
+        """The evicted block's event hash (None if it had none)."""
         digest = self.digest.pop(block_id, None)
-        if indexed and digest is not None:
+        if digest is None:
+            return None
+        if indexed:
             self.pending.append(BlockRemoved(block_hashes=[external_hash(digest)], medium=self.medium, group_idx=0))
+        return external_hash(digest)
+
+    # The host tier's moves, as vLLM's offloading connector reports them by default: the hash alone (its
+    # placeholder store: no tokens, block size 0), medium CPU.
+    def host_stored(self, event_hash: int) -> None:
+        self.pending.append(BlockStored(block_hashes=[event_hash], parent_block_hash=None, token_ids=[], block_size=0,
+                                        lora_id=None, medium=MEDIUM_CPU, lora_name=None, group_idx=0))
+
+    def host_removed(self, event_hashes: list[int]) -> None:
+        self.pending.append(BlockRemoved(block_hashes=list(event_hashes), medium=MEDIUM_CPU, group_idx=0))
 
     def cleared(self) -> None:
         self.digest.clear()
