@@ -309,3 +309,46 @@ def test_vllms_own_classes_decode_our_events_and_agree_on_the_hashes(model, tmp_
     assert [h for h, *_ in stored_blocks(ours)] == vllm["plain"] + vllm["salted"] + vllm["big"]
     assert sorted(removed(ours)) == sorted(vllm["plain"] + vllm["salted"])
     assert theirs["batches"][-1][2] == [["AllBlocksCleared", {"type": "AllBlocksCleared"}]]
+
+
+def test_tier_moves_are_events_and_a_router_view_matches_both_tiers(model, tmp_path):
+    from token_engine.model_runner import kv_block_bytes
+
+    tier_bytes = 6 * kv_block_bytes(model[1].arch, BLOCK)
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}}
+    engine, sub = start(model, tmp_path, num_gpu_blocks_override=12, max_model_len=48, kv_transfer_config=offload)
+    one = SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = list(range(10, 34))
+    view: dict[str, set[int]] = {"GPU": set(), "CPU": set()}  # what a router believes each tier holds
+    seen: list[tuple[str, str, list[int]]] = []
+    try:
+        for ids in [prompt, list(range(600, 644)), prompt, list(range(900, 944)), prompt]:
+            engine.generate([ids], one)
+            for _, batch in sub.drain():
+                for ev in batch.events:
+                    assert isinstance(ev, BlockStored | BlockRemoved)
+                    assert ev.medium is not None
+                    seen.append((type(ev).__name__, ev.medium, list(ev.block_hashes)))
+                    if isinstance(ev, BlockStored):
+                        assert not view[ev.medium] & set(ev.block_hashes)  # never announced twice
+                        view[ev.medium] |= set(ev.block_hashes)
+                        if ev.medium == "CPU":  # vLLM's placeholder store: the hash alone
+                            assert (ev.token_ids, ev.block_size, ev.parent_block_hash) == ([], 0, None)
+                    else:
+                        assert set(ev.block_hashes) <= view[ev.medium]
+                        view[ev.medium] -= set(ev.block_hashes)
+            tier = engine.host_tier
+            assert tier is not None
+            assert view["CPU"] == tier.event_hashes() and len(view["CPU"]) == tier.num_blocks
+            assert engine.kv_events is not None
+            recorder = engine.kv_events.recorder
+            assert view["GPU"] == {external_hash(recorder.digest[b]) for b in engine.block_manager.cached.values()}
+    finally:
+        sub.close()
+        engine.shutdown()
+    prompt_hashes = set(vllm_hashes(prompt))
+    # the prompt went GPU -> CPU (evicted, offloaded), back to GPU (reloaded), and the tier later dropped it
+    assert any(kind == "BlockStored" and medium == "CPU" and set(h) <= prompt_hashes for kind, medium, h in seen)
+    assert any(kind == "BlockRemoved" and medium == "CPU" and set(h) & prompt_hashes for kind, medium, h in seen)
+    assert tier.loaded_blocks > 0

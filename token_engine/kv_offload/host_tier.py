@@ -82,6 +82,10 @@ class HostKVTier:
     def used_bytes(self) -> int:
         return len(self._blocks) * self.block_bytes
 
+    def event_hashes(self) -> set[int]:
+        """The KV-event hashes of the blocks held (what a router following the events believes is here)."""
+        return {h for _, h in self._blocks.values() if h is not None}
+
     def usage(self) -> float:
         return len(self._blocks) / self.capacity_blocks if self.capacity_blocks else 0.0
 
