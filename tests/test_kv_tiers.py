@@ -198,3 +198,17 @@ def test_vllms_flags_reach_the_engine_config_and_bad_ones_fail_early():
                 ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}']):
         with pytest.raises(ValueError):
             engine_config_from_args(build_parser().parse_args(["serve", "/m", *bad]))
+
+
+def test_a_load_that_fills_a_full_tier_keeps_its_own_blocks_intact(model):
+    # 5 slots, all holding the prompt's blocks: the device blocks allocated for the load evict other cached blocks,
+    # whose offload must not take the slots being loaded from.
+    expected = run_one(make_engine(model, **SMALL_POOL), "ref", PROMPT)[0]
+    engine = make_engine(model, **SMALL_POOL, kv_transfer_config=offload_config(5, model))
+    tier = engine.host_tier
+    assert tier is not None
+    run_one(engine, "a", PROMPT)
+    run_one(engine, "b", EVICTOR)
+    tokens, cached = run_one(engine, "c", PROMPT)
+    assert cached == 20 and tokens == expected
+    assert tier.num_blocks == 5 and engine.num_free_blocks() == engine.num_blocks

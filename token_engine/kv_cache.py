@@ -111,11 +111,11 @@ class BlockManager:
         if not keys:
             return
         assert self.host is not None
-        blocks = self.host.take(keys)  # held before allocate: its evictions may push these out of the tier
+        self.host.take(keys)  # before allocate: the evictions it causes offload blocks, and must not drop these
         start = len(seq.block_table)
         ok = self.allocate(seq, len(keys) * self.block_size)
         assert ok, "can_admit counted the loaded blocks"
-        self.host.load(blocks, seq.block_table[start:start + len(keys)])
+        self.host.load(keys, seq.block_table[start:start + len(keys)])
         seq.num_computed_tokens += len(keys) * self.block_size
         self.cache_computed_blocks(seq)
 

@@ -6,8 +6,8 @@ V); a hit copies them back into fresh device blocks instead of recomputing the p
 nothing a restart needs, and it is emptied whenever it is bound to a pool whose fingerprint (weights, dtype, KV
 layout, block size) differs from the one its entries came from.
 
-Copies are synchronous and happen when the scheduler evicts or admits, before the step's forward writes the
-pool; on CUDA the host buffers are pinned.
+Blocks live in one host slab allocated when the tier is bound (pinned on CUDA). Copies are synchronous and
+happen when the scheduler evicts or admits, before the step's forward writes the pool.
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ class HostKVTier:
         self.capacity_blocks = 0
         self._pool: torch.Tensor | None = None
         self._pin = False
-        self._blocks: OrderedDict[bytes, tuple[torch.Tensor, int | None]] = OrderedDict()  # hash -> (kv, event hash)
+        # One host slab of capacity_blocks blocks, allocated (and pinned, on CUDA) once when bound.
+        self._slab: torch.Tensor | None = None
+        self._free_slots: list[int] = []
+        self._blocks: OrderedDict[bytes, tuple[int, int | None]] = OrderedDict()  # hash -> (slot, event hash)
+        self._busy: set[bytes] = set()  # taken for a load under way: not dropped until it is done
         self.events: KVEventRecorder | None = None
-        # Counters (read by the engine's metrics): blocks and bytes moved each way, time spent loading.
+        # Counters (read by the engine's metrics): blocks and bytes moved each way, time spent moving them.
         self.stored_blocks = 0
         self.loaded_blocks = 0
         self.dropped_blocks = 0
@@ -69,10 +73,15 @@ class HostKVTier:
         self.fingerprint = fingerprint
         self._pool = kv_pool
         self._pin = kv_pool.device.type == "cuda"
+        block_shape = tuple(kv_pool.shape[1:])
         self.block_bytes = kv_pool[0].numel() * kv_pool.element_size()
-        self.capacity_blocks = self.capacity_bytes // self.block_bytes
-        while len(self._blocks) > self.capacity_blocks:
-            self._drop_oldest()
+        capacity = self.capacity_bytes // self.block_bytes
+        slab = self._slab
+        if slab is None or tuple(slab.shape) != (capacity, *block_shape) or slab.dtype != kv_pool.dtype:
+            self.clear()  # entries cannot move to a slab of another shape (a changed layout also changed the print)
+            self._slab = torch.empty((capacity, *block_shape), dtype=kv_pool.dtype, pin_memory=self._pin)
+            self._free_slots = list(range(capacity - 1, -1, -1))
+        self.capacity_blocks = capacity
 
     @property
     def num_blocks(self) -> int:
@@ -91,52 +100,54 @@ class HostKVTier:
 
     # ---- device -> host ---------------------------------------------------------------------------
     def offload(self, key: bytes, block_id: int, event_hash: int | None) -> None:
-        """Copies device block `block_id` (about to be reused) under `key`; a key already held is refreshed."""
+        """Copies device block `block_id` (about to be reused) under `key`; a key already held is refreshed. When
+        every entry is busy loading, the block is not kept."""
         if key in self._blocks:
             self._blocks.move_to_end(key)
             return
-        if self.capacity_blocks == 0:
+        if not self._free_slots and not self._drop_oldest():
             return
-        assert self._pool is not None, "bind() first"
-        while len(self._blocks) >= self.capacity_blocks:
-            self._drop_oldest()
+        assert self._pool is not None and self._slab is not None, "bind() first"
+        slot = self._free_slots.pop()
         t0 = time.perf_counter()
-        src = self._pool[block_id]
-        dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self._pin)
-        dst.copy_(src)
+        self._slab[slot].copy_(self._pool[block_id])
         self.store_seconds += time.perf_counter() - t0
-        self._blocks[key] = (dst, event_hash)
+        self._blocks[key] = (slot, event_hash)
         self.stored_blocks += 1
         self.stored_bytes += self.block_bytes
         if self.events is not None and event_hash is not None:
             self.events.host_stored(event_hash)
 
-    def _drop_oldest(self) -> None:
-        _, (_, event_hash) = self._blocks.popitem(last=False)
+    def _drop_oldest(self) -> bool:
+        victim = next((k for k in self._blocks if k not in self._busy), None)
+        if victim is None:
+            return False
+        slot, event_hash = self._blocks.pop(victim)
+        self._free_slots.append(slot)
         self.dropped_blocks += 1
         if self.events is not None and event_hash is not None:
             self.events.host_removed([event_hash])
+        return True
 
     # ---- host -> device ---------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
 
-    def take(self, keys: list[bytes]) -> list[torch.Tensor]:
-        """The stored blocks of `keys` (all held), refreshed as most recently used. The tensors stay valid even
-        if a later offload drops their entries."""
-        out = []
+    def take(self, keys: list[bytes]) -> None:
+        """Marks `keys` (all held) as most recently used and busy until load(): offloads while the device blocks
+        for them are allocated cannot drop them."""
         for k in keys:
             self._blocks.move_to_end(k)
-            out.append(self._blocks[k][0])
-        return out
+        self._busy.update(keys)
 
-    def load(self, blocks: list[torch.Tensor], block_ids: list[int]) -> None:
-        """Copies host blocks into device blocks `block_ids` (freshly allocated, not yet read by any step)."""
-        assert self._pool is not None, "bind() first"
+    def load(self, keys: list[bytes], block_ids: list[int]) -> None:
+        """Copies the taken `keys` into device blocks `block_ids` (freshly allocated, not yet read by any step)."""
+        assert self._pool is not None and self._slab is not None, "bind() first"
         t0 = time.perf_counter()
-        for src, block_id in zip(blocks, block_ids):
-            self._pool[block_id].copy_(src, non_blocking=self._pin)
+        for key, block_id in zip(keys, block_ids):
+            self._pool[block_id].copy_(self._slab[self._blocks[key][0]], non_blocking=self._pin)
         self.load_seconds += time.perf_counter() - t0
+        self._busy.difference_update(keys)
         self.loaded_blocks += len(block_ids)
         self.loaded_bytes += len(block_ids) * self.block_bytes
 
@@ -144,7 +155,9 @@ class HostKVTier:
         """Drops every entry (routers hear BlockRemoved for each); the number dropped."""
         n = len(self._blocks)
         hashes = [h for _, h in self._blocks.values() if h is not None]
+        self._free_slots.extend(slot for slot, _ in self._blocks.values())
         self._blocks.clear()
+        self._busy.clear()
         if self.events is not None and hashes:
             self.events.host_removed(hashes)
         return n
