@@ -212,3 +212,26 @@ def test_a_load_that_fills_a_full_tier_keeps_its_own_blocks_intact(model):
     tokens, cached = run_one(engine, "c", PROMPT)
     assert cached == 20 and tokens == expected
     assert tier.num_blocks == 5 and engine.num_free_blocks() == engine.num_blocks
+
+
+def test_the_api_reports_host_tier_tokens_as_cached_and_metrics_show_the_tier(model, tmp_path):
+    from tests.engine_harness import ServerThread, wait_for_idle_blocks
+
+    config = engine_config(model[0], **SMALL_POOL, kv_transfer_config=offload_config(32, model))
+    with ServerThread(config, enable_prompt_tokens_details=True) as srv, srv.client() as c:
+        def generate(ids):
+            body = {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}}
+            r = c.post("/inference/v1/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = generate(PROMPT)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        generate(EVICTOR)  # evicts PROMPT's blocks from the device pool into the host tier
+        again = generate(PROMPT)
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 20}
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        text = c.get("/metrics").text
+        assert re.search(r'vllm:prompt_tokens_cached_by_source_total\{[^}]*source="host"[^}]*\} 20\.0', text)
+        assert re.search(r"vllm:kv_offload_load_bytes_total\{[^}]*\} [1-9]", text)
+        assert wait_for_idle_blocks(srv.llm) == srv.llm.num_blocks
