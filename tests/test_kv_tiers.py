@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -235,3 +236,25 @@ def test_the_api_reports_host_tier_tokens_as_cached_and_metrics_show_the_tier(mo
         assert re.search(r'vllm:prompt_tokens_cached_by_source_total\{[^}]*source="host"[^}]*\} 20\.0', text)
         assert re.search(r"vllm:kv_offload_load_bytes_total\{[^}]*\} [1-9]", text)
         assert wait_for_idle_blocks(srv.llm) == srv.llm.num_blocks
+
+
+def test_multiconnector_splits_into_the_pd_connector_and_the_host_tier():
+    from token_engine.cli import build_parser, engine_config_from_args
+    from token_engine.kv_offload.config import split_connectors
+
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "e1",
+             "kv_connector_extra_config": {"connectors": [
+                 {"kv_connector": "NixlConnector"},
+                 {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}]}}
+    args = build_parser().parse_args(["serve", "/m", "--kv-transfer-config", json.dumps(multi),
+                                      "--kv-side-channel-secret", "a-secret-of-24-characters"])
+    cfg = engine_config_from_args(args)
+    pd, offload = split_connectors(cfg.kv_transfer_config)
+    assert pd is not None and offload is not None
+    assert (pd["kv_connector"], pd["kv_role"], pd["engine_id"]) == ("NixlConnector", "kv_both", "e1")
+    assert pd["kv_connector_extra_config"]["kv_side_channel_secret"] == "a-secret-of-24-characters"  # the flag reaches the sub-config
+    assert offload["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 30}
+    for bad in ({**multi, "kv_connector_extra_config": {}},
+                {**multi, "kv_connector_extra_config": {"connectors": [{"kv_connector": "OffloadingConnector"}] * 2}}):
+        with pytest.raises(ValueError, match="MultiConnector"):
+            split_connectors(bad)

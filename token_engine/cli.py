@@ -201,17 +201,28 @@ def check_model_dir(args: argparse.Namespace) -> None:
 
 
 def check_kv_transfer_config(args: argparse.Namespace) -> None:
-    if args.kv_transfer_config and args.kv_transfer_config.get("kv_connector") == "NixlConnector":
+    from token_engine.kv_offload.config import MULTI_CONNECTOR, split_connectors
+
+    pd, _ = split_connectors(args.kv_transfer_config)
+    if pd is not None and pd.get("kv_connector") == "NixlConnector":
         from token_engine.kv_connector.config import parse_nixl_config
 
-        extra = dict(args.kv_transfer_config.get("kv_connector_extra_config") or {})
+        extra = dict(pd.get("kv_connector_extra_config") or {})
         for key, value in (("kv_side_channel_secret", args.kv_side_channel_secret),
                            ("kv_allowed_peers", args.kv_allowed_peers)):
             if value is not None:
                 extra[key] = value
         if extra:
-            args.kv_transfer_config = {**args.kv_transfer_config, "kv_connector_extra_config": extra}
-        parse_nixl_config(args.kv_transfer_config)  # a bad key is a one-line error here, not a traceback later
+            pd = {**pd, "kv_connector_extra_config": extra}
+            if args.kv_transfer_config.get("kv_connector") == MULTI_CONNECTOR:  # put it back in the list
+                outer = args.kv_transfer_config
+                subs = [pd if c.get("kv_connector") == "NixlConnector" else c
+                        for c in outer["kv_connector_extra_config"]["connectors"]]
+                args.kv_transfer_config = {**outer, "kv_connector_extra_config": {
+                    **outer["kv_connector_extra_config"], "connectors": subs}}
+            else:
+                args.kv_transfer_config = pd
+        parse_nixl_config(pd)  # a bad key is a one-line error here, not a traceback later
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

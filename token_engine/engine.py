@@ -20,7 +20,7 @@ from splitserve_common.block_hashes import BlockHashConfig
 from token_engine.kv_cache import BlockManager
 from token_engine.kv_connector.base import KVConnector, create_kv_connector
 from token_engine.kv_events.stream import open_kv_event_stream
-from token_engine.kv_offload.config import host_tier_bytes, without_offloading_connector
+from token_engine.kv_offload.config import host_tier_bytes, split_connectors
 from token_engine.kv_offload.host_tier import HostKVTier, kv_fingerprint
 from token_engine.metrics import EngineMetrics
 from token_engine.model_runner import ModelRunner, kv_block_bytes
@@ -149,7 +149,7 @@ class LLMEngine:
             host_tier = HostKVTier(capacity)
         self.host_tier = host_tier
         self.connector = connector if connector is not None else create_kv_connector(
-            without_offloading_connector(config.kv_transfer_config), config)
+            split_connectors(config.kv_transfer_config)[0], config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device,

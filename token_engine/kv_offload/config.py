@@ -42,7 +42,8 @@ def host_tier_bytes(kv_transfer_config: dict[str, Any] | None, offloading_size_g
             raise ValueError(f"--kv-offloading-size holds no block of {block_bytes} bytes")
     elif backend is not None and backend not in BACKENDS:
         raise ValueError(f"--kv-offloading-backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if kv_transfer_config and kv_transfer_config.get("kv_connector") in OFFLOADING_CONNECTORS:
+    kv_transfer_config = split_connectors(kv_transfer_config)[1]
+    if kv_transfer_config is not None:
         if size is not None:
             raise ValueError("give the host tier's size once: --kv-offloading-size or OffloadingConnector")
         try:
@@ -61,8 +62,26 @@ def host_tier_bytes(kv_transfer_config: dict[str, Any] | None, offloading_size_g
     return size
 
 
-def without_offloading_connector(kv_transfer_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The connector config left for the P/D connector once the offload tier has taken its own entry."""
-    if kv_transfer_config and kv_transfer_config.get("kv_connector") in OFFLOADING_CONNECTORS:
-        return None
-    return kv_transfer_config
+MULTI_CONNECTOR = "MultiConnector"
+
+
+def split_connectors(kv_transfer_config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the P/D connector's config, the offload tier's config) of a ``--kv-transfer-config``. vLLM's
+    ``MultiConnector`` lists its connectors under ``kv_connector_extra_config.connectors``: here at most one
+    offloading connector and one other; a sub-config without ``kv_role`` or ``engine_id`` takes the outer one's."""
+    if not kv_transfer_config:
+        return None, None
+    name = kv_transfer_config.get("kv_connector")
+    if name in OFFLOADING_CONNECTORS:
+        return None, kv_transfer_config
+    if name != MULTI_CONNECTOR:
+        return kv_transfer_config, None
+    subs = (kv_transfer_config.get("kv_connector_extra_config") or {}).get("connectors")
+    if not isinstance(subs, list) or not subs or not all(isinstance(c, dict) for c in subs):
+        raise ValueError("MultiConnector needs kv_connector_extra_config.connectors: a list of connector configs")
+    inherited = {k: kv_transfer_config[k] for k in ("kv_role", "engine_id") if k in kv_transfer_config}
+    offload = [c for c in subs if c.get("kv_connector") in OFFLOADING_CONNECTORS]
+    others = [{**inherited, **c} for c in subs if c.get("kv_connector") not in OFFLOADING_CONNECTORS]
+    if len(offload) > 1 or len(others) > 1 or any(c.get("kv_connector") == MULTI_CONNECTOR for c in others):
+        raise ValueError("MultiConnector: at most one offloading connector and one P/D connector here")
+    return (others[0] if others else None), (offload[0] if offload else None)
