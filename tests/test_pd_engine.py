@@ -266,3 +266,39 @@ def test_decode_queued_for_blocks_heartbeats_the_lease_and_still_loads_remote_kv
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_multiconnector_decode_loads_from_its_host_tier_and_pulls_only_the_rest(model_dir, engines):
+    """vLLM's MultiConnector (NIXL + OffloadingConnector) on decode: a prompt whose blocks decode evicted to its
+    host tier loads them back and pulls only the blocks after them from prefill."""
+    from token_engine.model_runner import kv_block_bytes
+
+    p, _, _, c = engines
+    probe = LLMEngine(engine_config(model_dir))
+    tier_bytes = 64 * kv_block_bytes(probe.arch, 4)
+    probe.shutdown()
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "decode-multi",
+             "kv_connector_extra_config": {"connectors": [
+                 {"kv_connector": "NixlConnector", "kv_load_failure_policy": "fail"},
+                 {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}},
+             ]}}
+    d = LLMEngine(engine_config(model_dir, num_gpu_blocks_override=16, max_model_len=64, kv_transfer_config=multi))
+    try:
+        assert d.host_tier is not None and type(d.connector).__name__ == "NixlConnector"
+        prompt = prompt_of(37, 7)  # 9 full blocks and 1 token
+        expected = c.generate([prompt], GREEDY)[0]
+        first, du = decode(d, [p], "m1", prompt, prefill(p, "m1", prompt).kv_transfer_params)
+        assert first == expected and du.num_cached_tokens == 37  # all from the peer
+        d.generate([prompt_of(60, 8)], PREFILL_ONLY)  # evicts most of the prompt's blocks into the host tier
+        assert d.host_tier.num_blocks >= 8
+        before = dict(d.block_manager.cached_by_source)
+        again, du = decode(d, [p], "m2", prompt, prefill(p, "m2", prompt).kv_transfer_params)
+        assert again == expected and du.num_cached_tokens == 37
+        got = {k: v - before.get(k, 0) for k, v in d.block_manager.cached_by_source.items()}
+        # device hits, then host blocks, then the peer for the rest (the partial last block at least)
+        assert got.get("host", 0) >= 32 and 1 <= got["p2p"] <= 5
+        assert got.get("device", 0) + got["host"] + got["p2p"] == 37
+        # (p may still hold other tests' leases until they expire: only this test's are waited for)
+        step_until([p, d], until=lambda: idle(d) and not {"m1", "m2"} & set(p.scheduler.held_by_connector))
+    finally:
+        d.shutdown()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from splitserve_common import vllm_flags, vllm_serve_flags
 from splitserve_common.auth import add_api_key_argument
+from splitserve_common.block_hashes import HASH_ALGOS
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
 from splitserve_common.hf_cache import resolve_model
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+                   help="vLLM's block hash for KV events (with --block-size and $PYTHONHASHSEED): routers "
+                        "recompute it from token ids")
     s.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     s.add_argument("--max-logprobs", type=int, default=20)
     s.add_argument("--enable-prompt-tokens-details", action="store_true")
@@ -107,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logprobs shape on /inference/v1/generate: integer ids (newer vLLM) or 'token_id:N' strings")
     s.add_argument("--kv-transfer-config", type=json_object_arg, default=None,
                    help='KV connector config as JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
+    s.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory for KV blocks evicted from the device pool, reloaded on a prefix hit "
+                        "instead of recomputed (vLLM's flag; or OffloadingConnector in --kv-transfer-config)")
+    s.add_argument("--kv-offloading-backend", choices=("native", "lmcache"), default=None,
+                   help="vLLM's flag: 'native' (host memory, the default) is served; lmcache is refused")
+    s.add_argument("--kv-events-config", type=json_object_arg, default=None,
+                   help='KV events for routers as JSON (vLLM\'s keys), e.g. \'{"enable_kv_cache_events":true,'
+                        '"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}\'')
     s.add_argument("--kv-side-channel-secret", default=None,
                    help="shared secret of the NIXL side channel's HMAC handshake, the same on every engine "
                         "(default: $SPLITSERVE_KV_SECRET; prefer the variable: flags show in ps)")
@@ -224,23 +236,44 @@ def check_model_dir(args: argparse.Namespace) -> None:
 
 
 def check_kv_transfer_config(args: argparse.Namespace) -> None:
-    if args.kv_transfer_config and args.kv_transfer_config.get("kv_connector") == "NixlConnector":
+    from token_engine.kv_offload.config import MULTI_CONNECTOR, split_connectors
+
+    pd, _ = split_connectors(args.kv_transfer_config)
+    if pd is not None and pd.get("kv_connector") == "NixlConnector":
         from token_engine.kv_connector.config import parse_nixl_config
 
-        extra = dict(args.kv_transfer_config.get("kv_connector_extra_config") or {})
+        extra = dict(pd.get("kv_connector_extra_config") or {})
         for key, value in (("kv_side_channel_secret", args.kv_side_channel_secret),
                            ("kv_allowed_peers", args.kv_allowed_peers)):
             if value is not None:
                 extra[key] = value
         if extra:
-            args.kv_transfer_config = {**args.kv_transfer_config, "kv_connector_extra_config": extra}
-        parse_nixl_config(args.kv_transfer_config)  # a bad key is a one-line error here, not a traceback later
+            pd = {**pd, "kv_connector_extra_config": extra}
+            if args.kv_transfer_config.get("kv_connector") == MULTI_CONNECTOR:  # put it back in the list
+                outer = args.kv_transfer_config
+                subs = [pd if c.get("kv_connector") == "NixlConnector" else c
+                        for c in outer["kv_connector_extra_config"]["connectors"]]
+                args.kv_transfer_config = {**outer, "kv_connector_extra_config": {
+                    **outer["kv_connector_extra_config"], "connectors": subs}}
+            else:
+                args.kv_transfer_config = pd
+        parse_nixl_config(pd)  # a bad key is a one-line error here, not a traceback later
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from token_engine.engine import EngineConfig  # torch: not imported for a command line refused early
 
     check_kv_transfer_config(args)
+    if args.kv_offloading_size is not None or args.kv_offloading_backend is not None or args.kv_transfer_config:
+        from token_engine.kv_offload.config import host_tier_bytes
+
+        # sizes are checked against one block once the model is read; the keys and backend are checked here
+        host_tier_bytes(args.kv_transfer_config, args.kv_offloading_size, args.kv_offloading_backend,
+                        args.block_size, 1)
+    if args.kv_events_config is not None:  # a bad key is a one-line error here, not a traceback later
+        from token_engine.kv_events.config import parse_kv_events_config
+
+        parse_kv_events_config(args.kv_events_config)
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
@@ -259,6 +292,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
         kv_transfer_config=args.kv_transfer_config,
+        kv_events_config=args.kv_events_config,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         tokenizer=getattr(args, "tokenizer", None),
         generation_config=getattr(args, "generation_config", "auto"),
         logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),

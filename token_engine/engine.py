@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve_common.block_hashes import BlockHashConfig
 from token_engine.kv_cache import BlockManager
 from token_engine.kv_connector.base import KVConnector, create_kv_connector
+from token_engine.kv_events.stream import open_kv_event_stream
+from token_engine.kv_offload.config import host_tier_bytes, split_connectors
+from token_engine.kv_offload.host_tier import HostKVTier, kv_fingerprint
 from token_engine.metrics import EngineMetrics
 from token_engine.model_runner import ModelRunner, kv_block_bytes
 from token_engine.rl.control import epoch_salt, weight_spans
@@ -56,6 +60,10 @@ class EngineConfig:
     max_logprobs: int = 20
     enforce_eager: bool = False  # CUDA: no decode graphs
     kv_transfer_config: dict | None = None
+    kv_events_config: dict | None = None  # vLLM's --kv-events-config: prefix-cache events for routers, over ZMQ
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's block hash in KV events: sha256 or sha256_cbor
+    kv_offloading_size: float | None = None  # GiB of host memory for evicted KV blocks (vLLM's flag)
+    kv_offloading_backend: str | None = None  # vLLM's flag: "native" (host memory) is what is served
     structured_outputs_compile_timeout_s: float = 10.0  # a grammar compiling longer fails its request (400)
     tokenizer: str | None = None  # where structured outputs read tokenizer.json (vLLM's --tokenizer); default model
     generation_config: str = "auto"  # EOS ids: "auto" (the model's), "vllm" (config.json only) or a directory
@@ -114,7 +122,10 @@ def decide_num_blocks(config: EngineConfig, arch, max_model_len: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, connector: KVConnector | None = None):
+    def __init__(self, config: EngineConfig, model=None, connector: KVConnector | None = None,
+                 host_tier: HostKVTier | None = None):
+        """`host_tier`: a tier to reuse (kept only if this engine's fingerprint matches its entries'); by
+        default one is built when offloading is configured."""
         from token_engine.models import load_model
         from token_engine.models.arch import read_eos_token_ids
 
@@ -134,13 +145,28 @@ class LLMEngine:
                 f"{config.block_size}), fewer than max_model_len={self.max_model_len}: lower --max-model-len "
                 f"or give the cache more memory")
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.connector = connector if connector is not None else create_kv_connector(config.kv_transfer_config, config)
+        self.kv_events = open_kv_event_stream(config.kv_events_config,
+                                              BlockHashConfig(config.block_size, config.prefix_caching_hash_algo))
+        if self.kv_events is not None:
+            self.block_manager.events = self.kv_events.recorder
+        capacity = host_tier_bytes(config.kv_transfer_config, config.kv_offloading_size, config.kv_offloading_backend,
+                                   config.block_size, kv_block_bytes(arch, config.block_size))
+        if host_tier is None and capacity is not None:
+            host_tier = HostKVTier(capacity)
+        self.host_tier = host_tier
+        self.connector = connector if connector is not None else create_kv_connector(
+            split_connectors(config.kv_transfer_config)[0], config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.connector, config.prefill_policy)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   cuda_graphs=not config.enforce_eager)
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
+        if self.host_tier is not None:
+            pool = self.runner.kv_pool
+            self.host_tier.bind(pool, kv_fingerprint(config.model, pool.dtype, tuple(pool.shape[1:])))
+            self.host_tier.events = self.kv_events.recorder if self.kv_events is not None else None
+            self.block_manager.host = self.host_tier
         self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids if config.generation_config == "auto"
                                        else read_eos_token_ids(config.model, config.generation_config))
@@ -160,6 +186,8 @@ class LLMEngine:
         # RL weight updates (token_engine/rl): the label of the live weights and how often they changed
         self.weight_version = "default"
         self.weight_epoch = 0
+        self._seen_kv_events = (0, 0)
+        self._seen_totals: dict[str, float] = {}
 
     # ---- requests ---------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -256,10 +284,19 @@ class LLMEngine:
                 touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])
         for state in touched.values():
             self._emit(state)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self._update_gauges()
         if out.scheduled:
             self._observe_step(t_start, t_scheduled, t_model, time.perf_counter())
         return bool(out.scheduled)
+
+    def _count_up(self, key: str, total: float, counter) -> None:
+        """Advances a Prometheus counter to a running total kept elsewhere."""
+        seen = self._seen_totals.get(key, 0)
+        if total != seen:
+            counter.inc(total - seen)
+            self._seen_totals[key] = total
 
     def _observe_step(self, start: float, scheduled: float, modeled: float, end: float) -> None:
         phases = self._step_phases
@@ -343,6 +380,25 @@ class LLMEngine:
             m.label(m.prefix_queries).inc(q - self._seen_prefix[0])
             m.label(m.prefix_hits).inc(h - self._seen_prefix[1])
             self._seen_prefix = (q, h)
+        self._count_up("external_queries", bm.external_queries, m.label(m.external_queries))
+        self._count_up("external_hits", bm.external_hits, m.label(m.external_hits))
+        self._count_up("cached", sum(bm.cached_by_source.values()), m.label(m.cached_tokens))
+        for source, n in bm.cached_by_source.items():
+            self._count_up(f"source:{source}", n, m.label(m.cached_by_source, source=source))
+        if self.host_tier is not None:
+            tier = self.host_tier
+            m.label(m.offload_usage).set(tier.usage())
+            self._count_up("load_bytes", tier.loaded_bytes, m.label(m.offload_load_bytes))
+            self._count_up("store_bytes", tier.stored_bytes, m.label(m.offload_store_bytes))
+            self._count_up("load_time", tier.load_seconds, m.label(m.offload_load_time))
+            self._count_up("store_time", tier.store_seconds, m.label(m.offload_store_time))
+        if self.kv_events is not None:
+            pub = self.kv_events.publisher
+            seen = self._seen_kv_events
+            if (pub.num_events_published, pub.num_dropped) != seen:
+                m.label(m.kv_events_published).inc(pub.num_events_published - seen[0])
+                m.label(m.kv_event_batches_dropped).inc(pub.num_dropped - seen[1])
+                self._seen_kv_events = (pub.num_events_published, pub.num_dropped)
         if sched.num_preemptions != self._seen_preemptions:
             m.label(m.preemptions).inc(sched.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = sched.num_preemptions
@@ -374,6 +430,18 @@ class LLMEngine:
         # way has ended: the process exits after this
         self.grammars.close(wait_s=VOCABULARY_LOAD_WAIT_S)
         self.connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix-cache index and the host tier's blocks (new weights, a trainer's reset, sleep): a
+        router hears AllBlocksCleared at once. Returns the device index entries dropped."""
+        dropped = self.block_manager.reset_prefix_cache()
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return dropped
 
 
 class AsyncEngine:

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from token_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from token_engine.kv_events.recorder import KVEventRecorder
+    from token_engine.kv_offload.host_tier import HostKVTier
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -43,6 +48,15 @@ class BlockManager:
         # Metrics: prompt tokens looked up in / found in the prefix cache.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Lookups past the device tier (host tier, a P/D peer): vLLM's "external" prefix cache, and the prompt
+        # tokens each tier served at admission (vLLM's sources: device, host, p2p, disk, external_unspecified).
+        self.external_queries = 0
+        self.external_hits = 0
+        self.cached_by_source: dict[str, int] = {}
+        # KV events for routers (--kv-events-config): None when off, and then nothing below does extra work.
+        self.events: KVEventRecorder | None = None
+        # The host-memory tier below the device pool (--kv-offloading-size): evicted cached blocks go there.
+        self.host: HostKVTier | None = None
 
     # ---- accounting -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -77,6 +91,34 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def find_offloaded_prefix(self, seq: Sequence, start: int) -> list[bytes]:
+        """Hashes of the blocks after seq's first `start` (the device hits) that the host tier holds, in order,
+        leaving at least one token to compute."""
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for h in seq.block_hashes[start:max_blocks]:
+            if not self.host.contains(h):
+                break
+            hits.append(h)
+        return hits
+
+    def load_offloaded(self, seq: Sequence, keys: list[bytes]) -> None:
+        """Gives seq fresh blocks for the host tier's `keys` (right after its device hits), copies their KV in and
+        publishes them as computed. can_admit must have counted them as new tokens."""
+        if not keys:
+            return
+        assert self.host is not None
+        self.host.take(keys)  # before allocate: the evictions it causes offload blocks, and must not drop these
+        start = len(seq.block_table)
+        ok = self.allocate(seq, len(keys) * self.block_size)
+        assert ok, "can_admit counted the loaded blocks"
+        self.host.load(keys, seq.block_table[start:start + len(keys)])
+        seq.num_computed_tokens += len(keys) * self.block_size
+        self.cache_computed_blocks(seq)
+
     def can_admit(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Whether cached_blocks can be taken and num_new_tokens more tokens get room."""
         reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)  # hits that sit on the free list
@@ -97,6 +139,17 @@ class BlockManager:
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_queried_tokens
         self.prefix_hits += num_hit_tokens
+        self._count_source("device", num_hit_tokens)
+
+    def record_external_lookup(self, num_queried_tokens: int, hits_by_source: dict[str, int]) -> None:
+        self.external_queries += num_queried_tokens
+        for source, n in hits_by_source.items():
+            self.external_hits += n
+            self._count_source(source, n)
+
+    def _count_source(self, source: str, num_tokens: int) -> None:
+        if num_tokens:
+            self.cached_by_source[source] = self.cached_by_source.get(source, 0) + num_tokens
 
     # ---- allocation -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -108,9 +161,13 @@ class BlockManager:
             block_id, _ = self.free.popitem(last=False)
             old = self.block_hash[block_id]
             if old is not None:  # evict the stale cache entry
-                if self.cached.get(old) == block_id:
+                indexed = self.cached.get(old) == block_id
+                if indexed:
                     del self.cached[old]
                 self.block_hash[block_id] = None
+                event_hash = self.events.block_evicted(block_id, indexed) if self.events is not None else None
+                if indexed and self.host is not None:  # its KV is still intact: keep a copy in host memory
+                    self.host.offload(old, block_id, event_hash)
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
         return True
@@ -123,14 +180,33 @@ class BlockManager:
         if n_full <= seq.num_published_blocks:  # most decode steps: no block filled up
             return
         self.update_block_hashes(seq)
+        events = self.events
+        hashed: list[int] = []
+        indexed: list[int] = []
         for i in range(seq.num_published_blocks, n_full):
             block_id = seq.block_table[i]
             if self.block_hash[block_id] is not None:
                 continue
             h = seq.block_hashes[i]
             self.block_hash[block_id] = h
-            self.cached.setdefault(h, block_id)  # an identical block may already be cached: keep the first
+            # an identical block may already be cached: keep the first
+            if self.cached.setdefault(h, block_id) == block_id and events is not None:
+                indexed.append(i)
+            if events is not None:
+                hashed.append(i)
+        if events is not None and hashed:
+            events.blocks_hashed(seq, hashed, indexed)
         seq.num_published_blocks = n_full
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block hash (blocks in use keep their KV; nobody new can hit them); the number
+        of index entries dropped."""
+        dropped = len(self.cached)
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.cleared()
+        return dropped
 
     def free_blocks(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody holds go to the free list, tail last (freed later = evicted later)."""

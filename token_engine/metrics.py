@@ -37,6 +37,35 @@ class EngineMetrics:
                                       labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
                                    registry=r)
+        self.external_queries = Counter("vllm:external_prefix_cache_queries",
+                                        "Prompt tokens looked up past the device cache (host tier, P/D peer).",
+                                        labels, registry=r)
+        self.external_hits = Counter("vllm:external_prefix_cache_hits",
+                                     "Prompt tokens found past the device cache (host tier, P/D peer).", labels,
+                                     registry=r)
+        self.cached_tokens = Counter("vllm:prompt_tokens_cached", "Prompt tokens served from any cache tier.",
+                                     labels, registry=r)
+        self.cached_by_source = Counter("vllm:prompt_tokens_cached_by_source",
+                                        "Prompt tokens served at admission, by the tier that held them "
+                                        "(device, host, p2p, disk, external_unspecified).", labels + ["source"],
+                                        registry=r)
+        # The host offload tier (vLLM's OffloadingConnector metrics).
+        self.offload_usage = Gauge("vllm:kv_offload_cpu_cache_usage_perc", "Host KV tier usage (1 = full).", labels,
+                                   registry=r)
+        self.offload_load_bytes = Counter("vllm:kv_offload_load_bytes", "Bytes loaded from the host tier.", labels,
+                                          registry=r)
+        self.offload_load_time = Counter("vllm:kv_offload_load_time", "Seconds spent loading from the host tier.",
+                                         labels, registry=r)
+        self.offload_store_bytes = Counter("vllm:kv_offload_store_bytes", "Bytes stored to the host tier.", labels,
+                                           registry=r)
+        self.offload_store_time = Counter("vllm:kv_offload_store_time", "Seconds spent storing to the host tier.",
+                                          labels, registry=r)
+        self.kv_events_published = Counter("splitserve:kv_events_published",
+                                           "KV events (block stored/removed, all cleared) sent to routers.", labels,
+                                           registry=r)
+        self.kv_event_batches_dropped = Counter("splitserve:kv_event_batches_dropped",
+                                                "KV event batches dropped on a full publisher queue.", labels,
+                                                registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", labels,
                                    registry=r)
         # Where a step's time goes: `model` runs from the forward's launch to the sampled tokens on the host

@@ -76,6 +76,9 @@ class Scheduler:
         self.policy = policy or PrefillPolicy()
         self.step_times = StepTimeModel()
         self.connector = connector or NoOpKVConnector()
+        # where the connector's tokens come from, for per-tier metrics (a NIXL peer: "p2p")
+        self._has_external_tier = not isinstance(self.connector, NoOpKVConnector)
+        self._external_source: str = getattr(self.connector, "cache_source", "external_unspecified")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -286,13 +289,15 @@ class Scheduler:
         """Start (or resume) waiting[index]; the tokens it got, or None if it must wait."""
         seq = self.waiting[index]
         cached: list[int] = []
+        offloaded: list[bytes] = []  # blocks the host tier holds right after the device hits
         external, load_async = 0, False
         fresh = not seq.block_table
         if fresh:
             # Cached tokens would have no prompt logprobs.
             if seq.options.prompt_logprobs is None and not seq.options.skip_prefix_cache:
                 cached = self.bm.find_cached_prefix(seq)
-            num_computed = len(cached) * self.bm.block_size
+                offloaded = self.bm.find_offloaded_prefix(seq, len(cached))
+            num_computed = (len(cached) + len(offloaded)) * self.bm.block_size
             if seq.seq_id not in self._remote_checked:
                 self._remote_checked.add(seq.seq_id)
                 external, load_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
@@ -310,14 +315,19 @@ class Scheduler:
             external -= 1
             num_new = 1
         if fresh:
-            while not self.bm.can_admit(seq, cached, external + num_new):
+            host_tokens = len(offloaded) * self.bm.block_size
+            while not self.bm.can_admit(seq, cached, host_tokens + external + num_new):
                 if not self._release_turn_hold():
                     self._remote_checked.discard(seq.seq_id)  # the next attempt must ask the connector again
                     return None
             self.bm.take_cached_blocks(seq, cached)
+            self.bm.load_offloaded(seq, offloaded)
             if seq.num_preemptions == 0:
                 self.bm.record_prefix_lookup(seq.num_tokens, len(cached) * self.bm.block_size)
-                seq.num_cached_tokens = len(cached) * self.bm.block_size + external
+                if self._has_external_tier or self.bm.host is not None:
+                    self.bm.record_external_lookup(seq.num_tokens, {"host": host_tokens,
+                                                                    self._external_source: external})
+                seq.num_cached_tokens = len(cached) * self.bm.block_size + host_tokens + external
         if not self.bm.allocate(seq, external + num_new):
             if fresh:
                 self.bm.free_blocks(seq)

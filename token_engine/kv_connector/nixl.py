@@ -109,6 +109,8 @@ def parse_remote(params: dict, prompt_token_ids: list[int], block_size: int) -> 
 
 
 class NixlConnector:
+    cache_source = "p2p"  # prompt tokens it loads come from another engine (vLLM's metric source)
+
     def __init__(self, kv_transfer_config: dict, engine_config=None):
         self.config: NixlConnectorConfig = parse_nixl_config(kv_transfer_config)
         self.load_failure_policy = self.config.load_failure_policy

@@ -47,7 +47,7 @@ class WeightControl:
     def weights_changed(self) -> None:
         """New weights: later requests hash their blocks under a new epoch and the cached index is dropped."""
         self.llm.weight_epoch += 1
-        reset_prefix_cache(self.llm.block_manager)
+        self.llm.reset_prefix_cache()
 
     # ---- the update lifecycle ----------------------------------------------------------------------
     def _awake(self, what: str) -> None:
@@ -134,20 +134,10 @@ class WeightControl:
         """Marks the engine asleep and drops the prefix cache. The weights and KV pool stay allocated (memory is
         not given back yet): what sleep guarantees here is that generation stops and updates are refused."""
         self.asleep, self.sleep_level = True, level
-        reset_prefix_cache(self.llm.block_manager)
+        self.llm.reset_prefix_cache()
 
     def wake_up(self) -> None:
         self.asleep, self.sleep_level = False, 0
-
-
-def reset_prefix_cache(bm) -> int:
-    """Forgets every cached block hash (blocks in use keep their KV, nobody new can hit them); the count dropped."""
-    dropped = len(bm.cached)
-    bm.cached.clear()
-    for block_id, h in enumerate(bm.block_hash):
-        if h is not None:
-            bm.block_hash[block_id] = None
-    return dropped
 
 
 def epoch_salt(cache_salt: str | None, epoch: int) -> str | None:

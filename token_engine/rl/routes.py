@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from token_engine.protocol import REQUEST_ID_PREFIX, error_response
-from token_engine.rl.control import WeightControl, reset_prefix_cache
+from token_engine.rl.control import WeightControl
 from token_engine.rl.weights import WeightUpdateError
 
 MAX_CONTROL_BODY_BYTES = 64 << 20  # an IPC update names every tensor of a large model
@@ -261,7 +261,7 @@ async def collective_rpc(request: Request, ctl: ControlState) -> Response:
 
 # ---- caches and sleep --------------------------------------------------------------------------------
 async def reset_prefix_cache_route(request: Request, ctl: ControlState) -> Response:
-    await ctl.run(lambda llm: reset_prefix_cache(llm.block_manager))
+    await ctl.run(lambda llm: llm.reset_prefix_cache())
     return JSONResponse({"success": True})
 
 

@@ -1,0 +1,201 @@
+"""Multi-conversation agent workload whose prefixes exceed the device KV pool: the host offload tier off vs on.
+
+    python -m bench.kv_tier_bench --device cpu --preset tiny --conversations 6 --prefix 512 --turns 3 \
+        --pool-tokens 1024 --out bench/results/kv_tier_cpu.json                       # seconds, on CPU
+    python -m bench.kv_tier_bench --device cuda --preset qwen2.5-7b --conversations 4 --prefix 32768 --turns 3 \
+        --pool-tokens 40960 --out $OUT/kv_tier_h100.json                               # one GPU
+
+Each conversation has its own prefix (--prefix tokens) and grows by --user tokens of "user message" plus the
+model's --output tokens per turn; turns go round-robin over the conversations, so with a pool of --pool-tokens
+a conversation's prefix is evicted before its next turn. Requests run one at a time (TTFT = the admission plus
+prefill steps up to the first token, synchronized). Both modes run on the same random-weight model in one
+process; the JSON has per-turn TTFT, prompt tokens computed vs served from a cache tier, the ratio tier-on /
+tier-off, and the host tier's load time per block against a bulk host-to-device copy of the same bytes (the
+copy floor) measured in the same run. A PNG of TTFT per turn goes next to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(device: str, arch_name: str, preset: str, dtype: str):
+    from token_engine.models import build_model as build
+    from token_engine.models.arch import arch_from_config, parse_dtype
+    from token_engine.random_model import random_model_config, randomize_parameters_
+
+    config, generation = random_model_config(arch_name, preset)
+    arch = arch_from_config(config, generation, parse_dtype(dtype))
+    model = build(arch, device)
+    randomize_parameters_(model)
+    return model
+
+
+def make_engine(model, args, tier_bytes: int | None):
+    from token_engine.engine import EngineConfig, LLMEngine
+
+    max_len = args.prefix + args.turns * (args.user + args.output) + 16
+    return LLMEngine(EngineConfig(
+        model=f"random-{args.preset}", device=args.device, max_model_len=max_len, max_num_seqs=4,
+        max_num_batched_tokens=args.chunk, block_size=16, num_gpu_blocks_override=-(-args.pool_tokens // 16),
+        enforce_eager=True, kv_transfer_config=None if tier_bytes is None else {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}},
+    ), model=model)
+
+
+def run_workload(engine, args, vocab: int) -> list[dict]:
+    from token_engine.sequence import SamplingOptions
+
+    g = torch.Generator().manual_seed(0)
+    convs = [torch.randint(10, vocab - 10, (args.prefix,), generator=g).tolist() for _ in range(args.conversations)]
+    options = SamplingOptions(temperature=0.0, max_tokens=args.output, ignore_eos=True)
+    rows = []
+    for turn in range(args.turns):
+        for c, history in enumerate(convs):
+            history.extend(torch.randint(10, vocab - 10, (args.user,), generator=g).tolist())
+            out: list[int] = []
+            first: list[float] = []
+            cached: list[int] = []
+
+            def on_update(u, out=out, first=first, cached=cached):
+                if not first and any(d.token_ids for d in u.deltas):
+                    sync(args.device)
+                    first.append(time.perf_counter())
+                out.extend(t for d in u.deltas for t in d.token_ids)
+                cached.append(u.num_cached_tokens)
+
+            sync(args.device)
+            t0 = time.perf_counter()
+            engine.add_request(f"c{c}-t{turn}", list(history), options, on_update=on_update)
+            while engine.has_work():
+                engine.step()
+            rows.append({"turn": turn, "conversation": c, "prompt_tokens": len(history),
+                         "cached_tokens": cached[-1], "ttft_s": first[0] - t0})
+            history.extend(out)
+    return rows
+
+
+def copy_floor_s_per_block(engine) -> float | None:
+    """One bulk copy of 64 blocks' bytes from a host buffer into the device pool (pinned on CUDA), per block."""
+    pool = engine.runner.kv_pool
+    n = min(64, pool.shape[0])
+    src = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+    best = None
+    for _ in range(5):
+        sync(engine.config.device)
+        t0 = time.perf_counter()
+        pool[:n].copy_(src, non_blocking=True)
+        sync(engine.config.device)
+        dt = (time.perf_counter() - t0) / n
+        best = dt if best is None else min(best, dt)
+    return best
+
+
+def summarize(rows: list[dict]) -> dict:
+    turns = sorted({r["turn"] for r in rows})
+    return {
+        "median_ttft_s_by_turn": [statistics.median(r["ttft_s"] for r in rows if r["turn"] == t) for t in turns],
+        "sum_ttft_s_after_first_turn": sum(r["ttft_s"] for r in rows if r["turn"] > 0),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "prompt_tokens_cached": sum(r["cached_tokens"] for r in rows),
+        "prompt_tokens_computed": sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--arch", default="qwen2")
+    ap.add_argument("--preset", default="qwen2.5-7b")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=32768)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--user", type=int, default=64, help="new prompt tokens per turn")
+    ap.add_argument("--output", type=int, default=16, help="generated tokens per turn")
+    ap.add_argument("--pool-tokens", type=int, default=40960, help="device KV pool size, in tokens")
+    ap.add_argument("--tier-gib", type=float, default=None, help="host tier size (default: every prefix fits)")
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+
+    from token_engine.model_runner import kv_block_bytes
+
+    model = build_model(args.device, args.arch, args.preset, dtype)
+    total_tokens = args.conversations * (args.prefix + args.turns * (args.user + args.output))
+    tier_bytes = (int(args.tier_gib * (1 << 30)) if args.tier_gib
+                  else (total_tokens // 16 + 64) * kv_block_bytes(model.arch, 16))
+    result: dict = {"args": vars(args), "dtype": dtype, "device_name": torch.cuda.get_device_name()
+                    if args.device == "cuda" else "cpu", "tier_bytes": tier_bytes,
+                    "block_bytes": kv_block_bytes(model.arch, 16)}
+    for mode, size in (("tier_off", None), ("tier_on", tier_bytes)):
+        engine = make_engine(model, args, size)
+        rows = run_workload(engine, args, model.arch.vocab_size)
+        result[mode] = {"rows": rows, **summarize(rows)}
+        tier = engine.host_tier
+        if tier is not None:
+            floor = copy_floor_s_per_block(engine)
+            per_block = tier.load_seconds / tier.loaded_blocks if tier.loaded_blocks else None
+            result[mode]["tier"] = {
+                "loaded_blocks": tier.loaded_blocks, "stored_blocks": tier.stored_blocks,
+                "load_s_per_block": per_block, "store_s_per_block":
+                    tier.store_seconds / tier.stored_blocks if tier.stored_blocks else None,
+                "copy_floor_s_per_block": floor,
+                "load_vs_floor": floor / per_block if floor and per_block else None,
+                "load_gb_per_s": tier.block_bytes / per_block / 1e9 if per_block else None}
+            result[mode]["free_blocks_after"] = engine.num_free_blocks()
+            result[mode]["num_blocks"] = engine.num_blocks
+        engine.shutdown()
+        del engine
+    off, on = result["tier_off"], result["tier_on"]
+    result["ttft_ratio_off_over_on_after_first_turn"] = (
+        off["sum_ttft_s_after_first_turn"] / on["sum_ttft_s_after_first_turn"])
+    result["computed_ratio_on_over_off"] = on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("tier_off", "tier_on")} | {
+        m: {k: v for k, v in result[m].items() if k != "rows"} for m in ("tier_off", "tier_on")}, indent=2))
+    return result
+
+
+def plot(result: dict, png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in ("tier_off", "tier_on"):
+        ys = result[mode]["median_ttft_s_by_turn"]
+        ax.plot(range(len(ys)), ys, marker="o", label=mode.replace("_", " "))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("median TTFT (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['args']['conversations']} conversations, {result['args']['prefix']}-token prefixes, "
+                 f"{result['device_name']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""KV cache tiers on a tiny random model: per-tier prefix-cache metrics, and the host-memory offload tier."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.engine_harness import engine_config, write_tiny_qwen3
+from token_engine.engine import LLMEngine
+from token_engine.model_runner import kv_block_bytes
+from token_engine.sequence import SamplingOptions
+
+GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    from token_engine.models import load_model
+
+    model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), vocab_size=2048)
+    yield model_dir, load_model(model_dir, dtype="float32")
+    torch.set_num_threads(threads)
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    model_dir, loaded = model
+    return LLMEngine(engine_config(model_dir, **kw), model=loaded)
+
+
+def metric(engine: LLMEngine, name: str, **labels) -> float:
+    engine._update_gauges()
+    text = engine.metrics.render().decode()
+    want = {"model_name": engine.metrics.model_name, **labels}
+    total = 0.0
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{re.escape(name)}\{{(.*)\}} (\S+)", line)
+        if m and dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) == want:
+            total += float(m.group(2))
+    return total
+
+
+def test_device_hits_are_counted_by_source(model):
+    engine = make_engine(model)
+    prompt = list(range(10, 41))  # 31 tokens: 7 full blocks of 4
+    engine.generate([prompt], GREEDY)
+    assert metric(engine, "vllm:prompt_tokens_cached_total") == 0
+    engine.generate([prompt], GREEDY)
+    assert engine.block_manager.cached_by_source == {"device": 28}
+    assert metric(engine, "vllm:prompt_tokens_cached_by_source_total", source="device") == 28
+    assert metric(engine, "vllm:prompt_tokens_cached_total") == 28
+    assert metric(engine, "vllm:prefix_cache_hits_total") == 28
+    # no tier past the device one: nothing looked up there
+    assert metric(engine, "vllm:external_prefix_cache_queries_total") == 0
+
+
+def block_bytes(engine: LLMEngine) -> int:
+    return kv_block_bytes(engine.arch, engine.config.block_size)
+
+
+def offload_config(num_blocks: int, model) -> dict:
+    """OffloadingConnector as vLLM configures it, sized to hold num_blocks blocks of the tiny model."""
+    probe = make_engine(model)
+    size = num_blocks * block_bytes(probe)
+    probe.shutdown()
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": size, "block_size": 4}}
+
+
+def run_one(engine: LLMEngine, rid: str, prompt: list[int], options=GREEDY) -> tuple[list[int], int]:
+    """Greedy tokens and the request's cached_tokens (what usage reports)."""
+    tokens: list[int] = []
+    cached: list[int] = []
+
+    def on_update(u):
+        tokens.extend(t for d in u.deltas for t in d.token_ids)
+        cached.append(u.num_cached_tokens)
+
+    engine.add_request(rid, prompt, options, on_update=on_update)
+    while engine.has_work():
+        engine.step()
+    return tokens, cached[-1]
+
+
+# 12 device blocks of 4 tokens: the 44-token prompt takes 11, evicting everything the first prompt left cached.
+SMALL_POOL = dict(num_gpu_blocks_override=12, max_model_len=48)
+PROMPT = list(range(10, 34))  # 24 tokens: 5 blocks can hit (the last token is always computed)
+EVICTOR = list(range(600, 644))
+
+
+def test_evicted_blocks_reload_from_host_and_give_the_recomputed_tokens(model):
+    plain = make_engine(model, **SMALL_POOL)
+    recomputed = [run_one(plain, "a", PROMPT)[0], run_one(plain, "b", EVICTOR)[0]]
+    again, cached = run_one(plain, "c", PROMPT)
+    assert again == recomputed[0] and cached == 0  # evicted, no tier: recomputed from scratch
+
+    engine = make_engine(model, **SMALL_POOL, kv_transfer_config=offload_config(32, model))
+    tier = engine.host_tier
+    assert tier is not None and engine.block_manager.host is tier and tier.capacity_blocks == 32
+    assert run_one(engine, "a", PROMPT)[0] == recomputed[0]
+    assert tier.num_blocks == 0  # nothing evicted yet
+    assert run_one(engine, "b", EVICTOR)[0] == recomputed[1]
+    assert tier.num_blocks >= 5 and tier.stored_blocks == tier.num_blocks
+    tokens, cached = run_one(engine, "c", PROMPT)
+    assert tokens == recomputed[0]
+    assert cached == 20 and tier.loaded_blocks == 5
+    assert engine.block_manager.cached_by_source == {"host": 20}
+    assert metric(engine, "vllm:prompt_tokens_cached_by_source_total", source="host") == 20
+    assert metric(engine, "vllm:external_prefix_cache_hits_total") == 20
+    assert metric(engine, "vllm:kv_offload_load_bytes_total") == 5 * block_bytes(engine)
+    # Block and byte accounting is back to idle: the device pool is all free, the tier holds whole blocks only.
+    assert engine.num_free_blocks() == engine.num_blocks
+    assert tier.used_bytes == tier.num_blocks * block_bytes(engine) <= tier.capacity_bytes
+    assert 0 < metric(engine, "vllm:kv_offload_cpu_cache_usage_perc") <= 1
+
+
+def test_the_tier_is_bounded_and_evicts_least_recently_used(model):
+    engine = make_engine(model, **SMALL_POOL, kv_transfer_config=offload_config(6, model))
+    tier = engine.host_tier
+    assert tier is not None
+    run_one(engine, "a", PROMPT)
+    run_one(engine, "b", EVICTOR)
+    run_one(engine, "c", list(range(900, 944)))  # evicts the evictor's blocks: the tier drops the oldest
+    assert tier.num_blocks == 6 and tier.dropped_blocks > 0
+    assert tier.used_bytes == 6 * block_bytes(engine)
+    _, cached = run_one(engine, "d", PROMPT)
+    assert cached == 0  # PROMPT's blocks were the least recently used: gone
+    assert engine.num_free_blocks() == engine.num_blocks
+
+
+def test_a_tier_survives_an_engine_restart_but_not_a_weight_or_layout_change(model, tmp_path):
+    config = offload_config(32, model)
+    first = make_engine(model, **SMALL_POOL, kv_transfer_config=config)
+    tier = first.host_tier
+    assert tier is not None
+    expected = run_one(first, "a", PROMPT)[0]
+    run_one(first, "b", EVICTOR)
+    held = tier.num_blocks
+    first.shutdown()
+
+    same = LLMEngine(engine_config(model[0], **SMALL_POOL, kv_transfer_config=config), model=model[1], host_tier=tier)
+    assert tier.num_blocks == held and tier.invalidations == 0
+    tokens, cached = run_one(same, "a", PROMPT)  # a fresh device pool: the prefix comes from the host tier
+    assert tokens == expected and cached == 20
+    same.shutdown()
+
+    other_dir = write_tiny_qwen3(tmp_path / "other", vocab_size=2048)  # other weights
+    LLMEngine(engine_config(other_dir, **SMALL_POOL, kv_transfer_config=config), host_tier=tier).shutdown()
+    assert tier.num_blocks == 0 and tier.invalidations == 1
+
+    back = LLMEngine(engine_config(model[0], **SMALL_POOL, kv_transfer_config=config), model=model[1], host_tier=tier)
+    run_one(back, "a", PROMPT)
+    run_one(back, "b", EVICTOR)
+    assert tier.num_blocks >= 5 and tier.invalidations == 2  # bound back to the first weights: a change again
+    back.shutdown()
+    LLMEngine(engine_config(model[0], **SMALL_POOL, block_size=8, kv_offloading_size=0.01), model=model[1],
+              host_tier=tier).shutdown()  # the same weights, another block layout
+    assert tier.num_blocks == 0 and tier.invalidations == 3
+
+
+@pytest.mark.parametrize("kw, error", [
+    ({"kv_offloading_size": 1.0, "kv_offloading_backend": "lmcache"}, "native"),
+    ({"kv_offloading_size": -1.0}, "positive"),
+    ({"kv_offloading_size": 1e-12}, "no block"),
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}},
+     "cpu_bytes_to_use"),
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                             "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30, "block_size": 64}}},
+     "block_size 64"),
+    ({"kv_offloading_size": 1.0, "kv_transfer_config": {
+        "kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}}, "once"),
+])
+def test_bad_offload_settings_are_named_errors(model, kw, error):
+    with pytest.raises(ValueError, match=error):
+        make_engine(model, **kw)
+
+
+def test_vllms_size_flag_sizes_the_tier(model):
+    engine = make_engine(model, kv_offloading_size=0.5, kv_offloading_backend="native")
+    assert engine.host_tier is not None and engine.host_tier.capacity_bytes == 1 << 29
+    assert engine.host_tier.capacity_blocks == (1 << 29) // block_bytes(engine)
+
+
+def test_vllms_flags_reach_the_engine_config_and_bad_ones_fail_early():
+    from token_engine.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "/m", "--kv-offloading-size", "2", "--kv-offloading-backend", "native",
+                                      "--kv-events-config", '{"enable_kv_cache_events": true}',
+                                      "--prefix-caching-hash-algo", "sha256_cbor"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.kv_offloading_size, cfg.kv_offloading_backend, cfg.prefix_caching_hash_algo) == \
+        (2.0, "native", "sha256_cbor")
+    assert cfg.kv_events_config == {"enable_kv_cache_events": True}
+    for bad in (["--kv-offloading-size", "1", "--kv-offloading-backend", "lmcache"],
+                ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}']):
+        with pytest.raises(ValueError):
+            engine_config_from_args(build_parser().parse_args(["serve", "/m", *bad]))
+
+
+def test_a_load_that_fills_a_full_tier_keeps_its_own_blocks_intact(model):
+    # 5 slots, all holding the prompt's blocks: the device blocks allocated for the load evict other cached blocks,
+    # whose offload must not take the slots being loaded from.
+    expected = run_one(make_engine(model, **SMALL_POOL), "ref", PROMPT)[0]
+    engine = make_engine(model, **SMALL_POOL, kv_transfer_config=offload_config(5, model))
+    tier = engine.host_tier
+    assert tier is not None
+    run_one(engine, "a", PROMPT)
+    run_one(engine, "b", EVICTOR)
+    tokens, cached = run_one(engine, "c", PROMPT)
+    assert cached == 20 and tokens == expected
+    assert tier.num_blocks == 5 and engine.num_free_blocks() == engine.num_blocks
+
+
+def test_the_api_reports_host_tier_tokens_as_cached_and_metrics_show_the_tier(model, tmp_path):
+    from tests.engine_harness import ServerThread, wait_for_idle_blocks
+
+    config = engine_config(model[0], **SMALL_POOL, kv_transfer_config=offload_config(32, model))
+    with ServerThread(config, enable_prompt_tokens_details=True) as srv, srv.client() as c:
+        def generate(ids):
+            body = {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}}
+            r = c.post("/inference/v1/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = generate(PROMPT)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        generate(EVICTOR)  # evicts PROMPT's blocks from the device pool into the host tier
+        again = generate(PROMPT)
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 20}
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        text = c.get("/metrics").text
+        assert re.search(r'vllm:prompt_tokens_cached_by_source_total\{[^}]*source="host"[^}]*\} 20\.0', text)
+        assert re.search(r"vllm:kv_offload_load_bytes_total\{[^}]*\} [1-9]", text)
+        assert wait_for_idle_blocks(srv.llm) == srv.llm.num_blocks
+
+
+def test_multiconnector_splits_into_the_pd_connector_and_the_host_tier():
+    from token_engine.cli import build_parser, engine_config_from_args
+    from token_engine.kv_offload.config import split_connectors
+
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "e1",
+             "kv_connector_extra_config": {"connectors": [
+                 {"kv_connector": "NixlConnector"},
+                 {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}]}}
+    args = build_parser().parse_args(["serve", "/m", "--kv-transfer-config", json.dumps(multi),
+                                      "--kv-side-channel-secret", "a-secret-of-24-characters"])
+    cfg = engine_config_from_args(args)
+    pd, offload = split_connectors(cfg.kv_transfer_config)
+    assert pd is not None and offload is not None
+    assert (pd["kv_connector"], pd["kv_role"], pd["engine_id"]) == ("NixlConnector", "kv_both", "e1")
+    assert pd["kv_connector_extra_config"]["kv_side_channel_secret"] == "a-secret-of-24-characters"  # the flag reaches the sub-config
+    assert offload["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 30}
+    for bad in ({**multi, "kv_connector_extra_config": {}},
+                {**multi, "kv_connector_extra_config": {"connectors": [{"kv_connector": "OffloadingConnector"}] * 2}}):
+        with pytest.raises(ValueError, match="MultiConnector"):
+            split_connectors(bad)
