@@ -48,6 +48,7 @@ from render_service.apis.segments import (
     sequence,
 )
 from render_service.apis.text_logprobs import TextLogprobs, fold_with_logprobs, wants_logprobs
+from render_service.choice_shapes import final_arguments
 from render_service.derender import _check_bounds, check_fingerprint, fingerprint_sent, pipeline_config
 from render_service.derender_stream import _check_chunk
 from render_service.errors import bad_request
@@ -157,7 +158,9 @@ def derender_responses(req: DerenderResponsesRequest, config: RenderConfig, head
                            req.responses_request, _prompt_tokens(req.prompt_tokens, prompt_ids))
     status, incomplete = status_of(finish_reason)
     usage = shape.usage(len(choice.token_ids), pipeline.reasoning_tokens(pstate))
-    return shape.response(status, shape.items(blocks, texts, status), usage, incomplete)
+    ascii_only = pipeline.config.tool_parser == "openai"  # as chat's answers (choice_shapes.final_arguments)
+    items = shape.items(blocks, texts, status, lambda raw: final_arguments(raw, ascii_only))
+    return shape.response(status, items, usage, incomplete)
 
 
 def derender_messages(req: DerenderMessagesRequest, config: RenderConfig, headers: Any = None) -> MessageObject:

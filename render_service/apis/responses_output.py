@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from render_service.apis.responses_protocol import (
@@ -85,11 +85,19 @@ class ResponsesShape:
                                if status != "in_progress" else [])
         return FunctionCallItem(id=iid, call_id=info.call_id, name=info.name, arguments=text, status=status)
 
-    def items(self, blocks: BlockState, texts: BlockTexts, status: str) -> list[OutputItem]:
-        """Every block as a finished item; the last carries ``status`` (incomplete when output was cut short)."""
+    def items(self, blocks: BlockState, texts: BlockTexts, status: str,
+              whole_arguments: Callable[[str], str] | None = None) -> list[OutputItem]:
+        """Every block as a finished item; the last carries ``status`` (incomplete when output was cut short).
+        ``whole_arguments``: a non-streamed answer's calls get their arguments through it (re-serialized as
+        vLLM's parsers and our chat answers give them); a stream's final items keep the text it streamed."""
         last = len(blocks.blocks) - 1
-        return [self.item(i, info, texts.text(i), status if i == last else "completed", texts.logprobs_of(i))
-                for i, info in enumerate(blocks.blocks)]
+        items = []
+        for i, info in enumerate(blocks.blocks):
+            text = texts.text(i)
+            if whole_arguments is not None and info.kind not in ("text", "reasoning"):
+                text = whole_arguments(text)
+            items.append(self.item(i, info, text, status if i == last else "completed", texts.logprobs_of(i)))
+        return items
 
     def response(self, status: str, output: list[OutputItem], usage: ResponseUsage | None,
                  incomplete: IncompleteDetails | None = None, error: ResponseError | None = None) -> ResponseObject:

@@ -31,6 +31,7 @@ from render_service.apis.segments import (
     sequence,
 )
 from render_service.apis.text_logprobs import TextLogprobs
+from render_service.choice_shapes import final_arguments
 from render_service.derender import pipeline_config
 from render_service.errors import ApiError
 from render_service.gateway.responses import coalesce
@@ -305,8 +306,9 @@ class ResponsesResponder(_ApiResponder):
         out = self.out
         status, incomplete = status_of(out.finish_reason)
         usage = self.shape.usage(out.tokens, out.reasoning_tokens())
-        return self._finished(self.shape.response(status, self.shape.items(out.blocks, out.texts, status), usage,
-                                                  incomplete))
+        ascii_only = out.pipeline.config.tool_parser == "openai"  # as chat's answers
+        items = self.shape.items(out.blocks, out.texts, status, lambda raw: final_arguments(raw, ascii_only))
+        return self._finished(self.shape.response(status, items, usage, incomplete))
 
 
 class MessagesResponder(_ApiResponder):
