@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                        help="per worker process: renders allowed to wait for a render thread; more are answered "
                             "429 with Retry-After (default: no bound)")
+    serve.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                       help="image URLs are fetched only from these hosts (and their subdomains), never from "
+                            "loopback, private or link-local addresses; data: URLs always work (default: none)")
+    serve.add_argument("--image-workers", type=int, default=None, metavar="N",
+                       help="per server process: worker processes that decode and preprocess images, for a "
+                            "covered vision-language model (default: cores, at most 8)")
     add_api_key_argument(serve, "/health, /version, /metrics")
     add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
@@ -281,8 +287,12 @@ def serve(args: argparse.Namespace) -> int:
             **({} if args.chat_template_timeout is None else {"chat_template_timeout_s": args.chat_template_timeout}),
         )
         gateway = build_gateway(args)
+        from render_service.multimodal.setup import multimodal_render_for
+
+        multimodal = multimodal_render_for(config, model_id=args.model, workers=args.image_workers,
+                                           allowed_domains=tuple(args.allowed_media_domains))
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
-                         gateway=gateway, max_queued_requests=args.max_queued_requests)
+                         gateway=gateway, max_queued_requests=args.max_queued_requests, multimodal=multimodal)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s; "
                     "message memo: %s)",
                     model_dir, time.perf_counter() - started, config.fingerprint, config.max_model_len,

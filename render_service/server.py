@@ -33,6 +33,7 @@ from render_service.errors import ApiError, bad_request, error_body, from_decode
 from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.incremental_tokenizer import PromptIds
 from render_service.message_memo import decode_chat_request
+from render_service.multimodal.markers import may_carry_images
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -158,6 +159,7 @@ class ServerState:
     stream_runtime: StreamRuntime
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(None))  # --api-key: one or several (rotation)
     render_queue: RenderQueue = field(default_factory=RenderQueue)
+    multimodal: Any = None  # multimodal.chat.MultimodalRender for a covered vision-language model
     created: int = field(default_factory=lambda: int(time.time()))
     version: str = field(default_factory=version)
 
@@ -256,6 +258,14 @@ async def chat_render(request: Request) -> Response:
     state = _state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
+    if may_carry_images(body):  # the image path (multimodal.endpoint); text bodies never reach it
+        from render_service.multimodal.endpoint import render_image_chat
+
+        with_images = await render_image_chat(body, decode(body, ChatCompletionRequest), state.config,
+                                              state.multimodal, state.render_queue, render_chat, request_id)
+        if with_images is not None:
+            metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
+            return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)
 
     def job() -> bytes:
         req = decode_chat_request(body, state.config.message_memo, decode)
@@ -426,12 +436,13 @@ def direct_routes(app: RenderApp) -> dict[bytes, Callable[[Any], Awaitable[Respo
 
 def create_app(
     config: RenderConfig, *, api_key: str | list[str] | None = None, stream_state_secret: str | None = None,
-    gateway: Any = None, max_queued_requests: int | None = None,
+    gateway: Any = None, max_queued_requests: int | None = None, multimodal: Any = None,
 ) -> Starlette:
-    """The render server for one loaded configuration (plus the gateway routes when given a Gateway)."""
+    """The render server for one loaded configuration (plus the gateway routes when given a Gateway);
+    ``multimodal``: a ``multimodal.chat.MultimodalRender`` to render images with (``multimodal.setup``)."""
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
     state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key),
-                        render_queue=RenderQueue(max_queued_requests))
+                        render_queue=RenderQueue(max_queued_requests), multimodal=multimodal)
     routes = own_routes()
     if gateway is not None:
         from render_service.gateway.routes import gateway_routes
