@@ -51,8 +51,11 @@ def read_header(data: bytes, bounds: ImageBounds, where: str) -> ImageHeader:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data), formats=sorted(ALLOWED_FORMATS)) as image:
                 header = ImageHeader(str(image.format), image.width, image.height, image.mode)
-    except (OSError, SyntaxError, ValueError, RuntimeError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as exc:
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        # Pillow's own bomb check fires while opening, before our per-image limit sees the size
+        raise ImageError(f"{where}: the image declares more pixels than the decompression-bomb limit "
+                         f"({Image.MAX_IMAGE_PIXELS} pixels)") from None
+    except (OSError, SyntaxError, ValueError, RuntimeError) as exc:
         raise ImageError(f"{where}: not a readable image ({', '.join(sorted(ALLOWED_FORMATS))}): "
                          f"{type(exc).__name__}") from None
     if header.width <= 0 or header.height <= 0:

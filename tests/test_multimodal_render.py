@@ -1,0 +1,226 @@
+"""Chat render with images over HTTP, on a Qwen2.5-VL-shaped bundle (the real Qwen3 tokenizer, Qwen2.5-VL's
+chat template and processor settings): token ids equal to transformers' Qwen2.5-VL processor, vLLM's features
+shape, images processed once, and bad images, uncovered models and a full pool answered in the API's shape."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from render_service.bundle import load_bundle
+from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
+from render_service.multimodal.hashing import image_hash
+from render_service.multimodal.setup import multimodal_render_for
+from render_service.render_config import build_render_config
+from tests.multimodal_images import data_url, declared_png, encode, noise_image
+from tests.render_harness import QWEN3_DIR, RenderServer, qwen3_config
+from token_engine.protocol import GenerateRequest as EngineRequest
+from token_engine.validation import EngineLimits, RequestError, validate_generate_request
+
+transformers = pytest.importorskip("transformers")
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor  # noqa: E402
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+
+VL_FIXTURE = Path(__file__).parent / "fixtures" / "qwen2_5_vl"
+MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+IMAGE_PAD = 151655
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("qwen2_5_vl")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_DIR / name, root / name)
+    for name in ("chat_template.jinja", "config.json", "preprocessor_config.json"):
+        shutil.copy(VL_FIXTURE / name, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def vl(bundle_dir: Path):
+    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["vl"])
+    mm = multimodal_render_for(config, model_id=MODEL, workers=2)
+    assert mm is not None
+    with RenderServer(config, multimodal=mm) as server:
+        yield server, mm
+    mm.pool.shutdown()
+
+
+class _ImagesOnlyProcessor(Qwen2_5_VLProcessor):
+    """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision): the text and
+    image paths are the processor's own."""
+
+    def __init__(self, image_processor, tokenizer, chat_template):  # noqa: ANN001
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        self.image_processor, self.tokenizer, self.video_processor = image_processor, tokenizer, None
+        self.chat_template = chat_template
+
+
+@pytest.fixture(scope="module")
+def reference(bundle_dir: Path) -> _ImagesOnlyProcessor:
+    settings = msgspec.json.decode((VL_FIXTURE / "preprocessor_config.json").read_bytes())
+    image_processor = Qwen2VLImageProcessorPil(**{k: v for k, v in settings.items() if not k.endswith("_type")
+                                                  and k != "processor_class"})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / "tokenizer.json"))
+    return _ImagesOnlyProcessor(image_processor, tokenizer, (VL_FIXTURE / "chat_template.jinja").read_text())
+
+
+def _render(server: RenderServer, messages: list, **extra: object):
+    return server.client.post("/v1/chat/completions/render", json={"model": "vl", "messages": messages, **extra})
+
+
+def _interleaved() -> tuple[list, list, list[bytes]]:
+    """(our request's messages, the same for transformers, the images' bytes in prompt order)."""
+    files = [encode(noise_image(640, 480, seed=1), "PNG"), encode(noise_image(1280, 720, seed=2), "JPEG"),
+             encode(noise_image(150, 2000, seed=3), "WEBP")]
+    ours = [
+        {"role": "system", "content": "You describe pictures."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Compare "},
+            {"type": "image_url", "image_url": {"url": data_url(files[0])}},
+            {"type": "text", "text": " with "},
+            {"type": "image_url", "image_url": {"url": data_url(files[1], "image/jpeg")}},
+        ]},
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(files[2], "image/webp")}},
+            {"type": "text", "text": "And this tall one?"},
+        ]},
+    ]
+    theirs = [
+        {"role": "system", "content": "You describe pictures."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"},
+                                     {"type": "text", "text": " with "}, {"type": "image"}]},
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this tall one?"}]},
+    ]
+    return ours, theirs, files
+
+
+def test_tokens_features_and_tensors_equal_transformers(vl, reference) -> None:
+    server, _ = vl
+    ours, theirs, files = _interleaved()
+    text = reference.apply_chat_template(theirs, tokenize=False, add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in files]
+    expected = reference(text=[text], images=images, return_tensors="np")
+    r = _render(server, ours)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["token_ids"] == [int(t) for t in expected["input_ids"][0]]
+
+    features = body["features"]
+    counts = [int(np.prod(g)) // 4 for g in expected["image_grid_thw"]]
+    ids = body["token_ids"]
+    ranges = features["mm_placeholders"]["image"]
+    assert [p["length"] for p in ranges] == counts
+    for p in ranges:  # each range is exactly one run of image tokens
+        assert set(ids[p["offset"]: p["offset"] + p["length"]]) == {IMAGE_PAD}
+        assert ids[p["offset"] - 1] != IMAGE_PAD and ids[p["offset"] + p["length"]] != IMAGE_PAD
+    assert sum(p["length"] for p in ranges) == ids.count(IMAGE_PAD)
+    hashes = [image_hash(data, MODEL, converted=decode_rgb(data, read_header(data, ImageBounds(), "i"), "i")[1])
+              for data in files]
+    assert features["mm_hashes"]["image"] == hashes
+    assert [m["image_grid_thw"] for m in features["mm_metadata"]["image"]] == expected["image_grid_thw"].tolist()
+    rows = np.concatenate([np.frombuffer(base64.b64decode(item), dtype=np.float32).reshape(-1, 1176)
+                           for item in features["kwargs_data"]["image"]])
+    np.testing.assert_allclose(rows, expected["pixel_values"], atol=2e-5, rtol=0)
+
+    # A router's request: the same ids, hashes and ranges, no tensors
+    light = _render(server, ours, mm_payload="none").json()
+    assert light["token_ids"] == ids and light["features"]["kwargs_data"] is None
+    assert light["features"]["mm_hashes"] == features["mm_hashes"]
+    assert light["features"]["mm_placeholders"] == features["mm_placeholders"]
+
+    # Our engine serves text models and says so for this very output
+    with pytest.raises(RequestError, match="serves text models") as refused:
+        validate_generate_request(msgspec.convert(body, EngineRequest, strict=False), EngineLimits(
+            max_model_len=128000, vocab_size=151936, max_num_seqs=8))
+    assert refused.value.param == "features"
+
+
+def test_anthropic_and_responses_image_shapes_render_alike(vl) -> None:
+    server, _ = vl
+    png = encode(noise_image(64, 96, seed=9), "PNG")
+    shapes = [{"type": "image_url", "image_url": {"url": data_url(png)}},
+              {"type": "input_image", "image_url": data_url(png)},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(png).decode()}}]
+    answers = [_render(server, [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}],
+                       mm_payload="none").json() for part in shapes]
+    assert answers[0]["token_ids"] == answers[1]["token_ids"] == answers[2]["token_ids"]
+    assert answers[0]["features"]["mm_hashes"] == answers[2]["features"]["mm_hashes"]
+
+
+def test_identical_images_are_processed_once(vl) -> None:
+    server, mm = vl
+    url = data_url(encode(noise_image(320, 200, seed=42), "PNG"))
+    other = data_url(encode(noise_image(200, 320, seed=43), "PNG"))
+    part = {"type": "image_url", "image_url": {"url": url}}
+    before = mm.pool.processed
+    r = _render(server, [{"role": "user", "content": [part, part, {"type": "image_url", "image_url": {"url": other}},
+                                                      part]}])
+    assert r.status_code == 200, r.text
+    assert mm.pool.processed - before == 2
+    hashes = r.json()["features"]["mm_hashes"]["image"]
+    assert hashes[0] == hashes[1] == hashes[3] != hashes[2]
+    again = _render(server, [{"role": "user", "content": [part]}])
+    assert again.status_code == 200 and mm.pool.processed - before == 2  # the cache served it
+
+
+def _assert_api_400(r, *words: str) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    for word in words:
+        assert word in error["message"]
+
+
+def test_bad_images_are_400s_and_the_server_stays_up(vl) -> None:
+    server, _ = vl
+    png = encode(noise_image(64, 64), "PNG")
+    cases = {
+        "declares": data_url(declared_png(30000, 30000)),
+        "could not be decoded": data_url(png[: len(png) // 2]),
+        "not a readable image": data_url(b"GIF89a but not really"),
+        "not valid base64": "data:image/png;base64,!!!",
+    }
+    for words, url in cases.items():
+        _assert_api_400(_render(server, [{"role": "user", "content": [
+            {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]}]), words)
+    _assert_api_400(_render(server, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/a.png"}}]}]), "not allowed")
+    _assert_api_400(_render(server, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png)}}]}], mm_payload="all"), "mm_payload")
+    assert server.client.get("/health").status_code == 200
+
+
+def test_a_text_model_names_the_covered_families() -> None:
+    with RenderServer(qwen3_config()) as server:
+        r = server.client.post("/v1/chat/completions/render", json={"model": "qwen3-0.6b", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(b"x")}}]}]})
+        _assert_api_400(r, "Qwen2.5-VL", "Qwen3-VL")
+        plain = server.client.post("/v1/chat/completions/render", json={"model": "qwen3-0.6b", "messages": [
+            {"role": "user", "content": "an image of a cat"}]})
+        assert plain.status_code == 200
+
+
+def test_a_full_pool_is_a_429_with_retry_after(vl) -> None:
+    server, mm = vl
+    saved = mm.pool.max_pending
+    mm.pool.max_pending = 0
+    try:
+        r = _render(server, [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(8, 8, seed=5), "PNG"))}}]}])
+    finally:
+        mm.pool.max_pending = saved
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == 429
