@@ -259,10 +259,11 @@ async def chat_render(request: Request) -> Response:
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
     if may_carry_images(body):  # the image path (multimodal.endpoint); text bodies never reach it
-        from render_service.multimodal.endpoint import render_image_chat
+        from render_service.multimodal.endpoint import render_with_images
 
-        with_images = await render_image_chat(body, decode(body, ChatCompletionRequest), state.config,
-                                              state.multimodal, state.render_queue, render_chat, request_id)
+        with_images = await render_with_images(
+            body, decode(body, ChatCompletionRequest), state.config, state.multimodal, state.render_queue,
+            lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
         if with_images is not None:
             metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
             return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)

@@ -147,6 +147,82 @@ def test_tokens_features_and_tensors_equal_transformers(vl, reference) -> None:
     assert refused.value.param == "features"
 
 
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_messages_render_interleaves_base64_images_as_transformers(vl, reference) -> None:
+    server, _ = vl
+    ours, theirs, files = _interleaved()
+    text = reference.apply_chat_template(theirs, tokenize=False, add_generation_prompt=True)
+    expected = reference(text=[text], images=[Image.open(io.BytesIO(d)).convert("RGB") for d in files],
+                         return_tensors="np")
+
+    def image(data: bytes, mime: str) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": mime, "data": _b64(data)}}
+
+    r = server.client.post("/v1/messages/render", json={"model": "vl", "max_tokens": 16,
+                                                         "system": "You describe pictures.", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, image(files[0], "image/png"),
+                                     {"type": "text", "text": " with "}, image(files[1], "image/jpeg")]},
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": [image(files[2], "image/webp"), {"type": "text", "text": "And this tall one?"}]},
+    ]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["token_ids"] == [int(t) for t in expected["input_ids"][0]]
+    assert body["request_id"].startswith("msg_")
+    chat = _render(server, ours).json()
+    assert body["features"] == chat["features"]
+
+
+def test_responses_render_interleaves_input_images_as_transformers(vl, reference) -> None:
+    server, _ = vl
+    ours, theirs, files = _interleaved()
+    text = reference.apply_chat_template(theirs, tokenize=False, add_generation_prompt=True)
+    expected = reference(text=[text], images=[Image.open(io.BytesIO(d)).convert("RGB") for d in files],
+                         return_tensors="np")
+    r = server.client.post("/v1/responses/render", json={"model": "vl", "instructions": "You describe pictures.",
+                                                          "mm_payload": "none", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Compare "},
+                                     {"type": "input_image", "image_url": data_url(files[0]), "detail": "auto"},
+                                     {"type": "input_text", "text": " with "},
+                                     {"type": "input_image", "image_url": data_url(files[1], "image/jpeg")}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "They differ."}]},
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(files[2], "image/webp")},
+                                     {"type": "input_text", "text": "And this tall one?"}]},
+    ]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["token_ids"] == [int(t) for t in expected["input_ids"][0]]
+    assert body["request_id"].startswith("resp_") and body["features"]["kwargs_data"] is None
+    assert body["features"]["mm_placeholders"] == _render(server, ours).json()["features"]["mm_placeholders"]
+
+
+def test_messages_and_responses_refuse_images_in_their_own_error_shapes(vl) -> None:
+    server, mm = vl
+    url = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/cat.png"}}
+    r = server.client.post("/v1/messages/render", json={"model": "vl", "max_tokens": 4, "messages": [
+        {"role": "user", "content": [url, {"type": "text", "text": "?"}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "not allowed" in r.json()["error"]["message"]
+    png = data_url(encode(noise_image(8, 8, seed=6), "PNG"))
+    r = server.client.post("/v1/messages/render", json={"model": "vl", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                         "data": png.split(",", 1)[1]}}]}]})
+    assert r.status_code == 400 and "only supported in user messages" in r.json()["error"]["message"]
+    saved = mm.pool.max_pending
+    mm.pool.max_pending = 0
+    try:
+        r = server.client.post("/v1/responses/render", json={"model": "vl", "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": png}]}]})
+    finally:
+        mm.pool.max_pending = saved
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_anthropic_and_responses_image_shapes_render_alike(vl) -> None:
     server, _ = vl
     png = encode(noise_image(64, 96, seed=9), "PNG")
@@ -208,6 +284,12 @@ def test_a_text_model_names_the_covered_families() -> None:
         r = server.client.post("/v1/chat/completions/render", json={"model": "qwen3-0.6b", "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(b"x")}}]}]})
         _assert_api_400(r, "Qwen2.5-VL", "Qwen3-VL")
+        r = server.client.post("/v1/responses/render", json={"model": "qwen3-0.6b", "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"x")}]}]})
+        assert r.status_code == 400 and "Qwen2.5-VL" in r.json()["error"]["message"]
+        r = server.client.post("/v1/messages/render", json={"model": "qwen3-0.6b", "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "eA=="}}]}]})
+        assert r.status_code == 400 and "Qwen3-VL" in r.json()["error"]["message"]
         plain = server.client.post("/v1/chat/completions/render", json={"model": "qwen3-0.6b", "messages": [
             {"role": "user", "content": "an image of a cat"}]})
         assert plain.status_code == 200

@@ -7,7 +7,7 @@ for ``/v1/responses/*``, Anthropic's ``{"type": "error", "error": {...}}`` for `
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,6 +15,11 @@ from starlette.routing import Route
 
 from render_service.apis.errors import anthropic_error_body, openai_error_body
 from render_service.errors import ApiError
+
+if TYPE_CHECKING:
+    from render_service.multimodal.endpoint import RenderWith
+    from render_service.protocol import ChatCompletionRequest
+    from render_service.render_config import RenderConfig
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -28,7 +33,7 @@ def shaped(handler: Handler, body_of: Callable[[ApiError], bytes]) -> Handler:
             check_auth(request)
             return await handler(request)
         except ApiError as exc:
-            return Response(body_of(exc), status_code=exc.status, media_type=JSON)
+            return Response(body_of(exc), status_code=exc.status, media_type=JSON, headers=exc.headers)
 
     return run
 
@@ -41,29 +46,57 @@ def anthropic_shaped(handler: Handler) -> Handler:
     return shaped(handler, anthropic_error_body)
 
 
-async def _render(request: Request, kind: type, render: Callable[..., Any]) -> Response:
+async def _render(request: Request, endpoint: str, kind: type, render: Callable[..., Any],
+                  with_images: Callable[[Any, RenderConfig], tuple[ChatCompletionRequest, RenderWith]] | None = None
+                  ) -> Response:
+    """``with_images(req, config)``: the request as chat (image parts kept) and how to finish its render, for a
+    body that may carry images (multimodal.endpoint)."""
     from render_service import metrics
+    from render_service.multimodal.markers import may_carry_images
     from render_service.server import _state, decode, json_response, read_json_body
 
     state = _state(request)
-    req = decode(await read_json_body(request), kind)
-    gen, _ = render(req, state.config, request_id=request.headers.get("x-request-id"))
+    body = await read_json_body(request)
+    req = decode(body, kind)
+    request_id = request.headers.get("x-request-id")
+    if with_images is not None and may_carry_images(body):
+        from render_service.multimodal.endpoint import render_with_images
+
+        chat, finish = with_images(req, state.config)
+        gen = await render_with_images(body, chat, state.config, state.multimodal, state.render_queue, finish,
+                                       endpoint)
+        if gen is not None:
+            metrics.PROMPT_TOKENS.inc(len(gen.token_ids))
+            return json_response(gen, headers=state.render_headers)
+    gen, _ = render(req, state.config, request_id=request_id)
     metrics.PROMPT_TOKENS.inc(len(gen.token_ids))
     return json_response(gen, headers=state.render_headers)
 
 
 async def responses_render(request: Request) -> Response:
-    from render_service.apis.responses import render_responses
+    from render_service.apis.responses import check_stateless, render_responses, to_chat
     from render_service.apis.responses_protocol import ResponsesRequest
 
-    return await _render(request, ResponsesRequest, render_responses)
+    def with_images(req: ResponsesRequest, config: RenderConfig) -> tuple[ChatCompletionRequest, RenderWith]:
+        check_stateless(req)
+        request_id = request.headers.get("x-request-id")
+        return to_chat(req, config), lambda chat, expand: render_responses(
+            req, config, request_id=request_id, prepared=chat, expand_prompt=expand)[0]
+
+    return await _render(request, "responses_render", ResponsesRequest, render_responses, with_images)
 
 
 async def messages_render(request: Request) -> Response:
-    from render_service.apis.messages import render_messages
+    from render_service.apis.messages import render_messages, to_chat
     from render_service.apis.messages_protocol import MessagesRequest
 
-    return await _render(request, MessagesRequest, render_messages)
+    def with_images(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionRequest, RenderWith]:
+        chat, budget = to_chat(req, config)
+        request_id = request.headers.get("x-request-id")
+        return chat, lambda chat, expand: render_messages(
+            req, config, request_id=request_id, prepared=(chat, budget), expand_prompt=expand)[0]
+
+    return await _render(request, "messages_render", MessagesRequest, render_messages, with_images)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -1,6 +1,6 @@
-"""The chat render endpoint's image path: a body that may carry images is decoded, its images fetched, bounded
-and processed in the worker pool (on the event loop only awaited), then the text render runs in the render
-queue as for any chat request, with each image's token expanded and ``features`` attached."""
+"""The render endpoints' image path (chat, Responses, Messages): the API's request mapped to chat messages, its
+images fetched, bounded and processed in the worker pool (on the event loop only awaited), then the text render
+runs in the render queue as for any request, with each image's token expanded and ``features`` attached."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from render_service.render_config import RenderConfig
     from render_service.render_queue import RenderQueue
 
+ExpandPrompt = Callable[[list[int]], list[int]]
+# The API's render of a chat request whose image parts are placeholder text: calls render_chat with expand_prompt
+RenderWith = Callable[["ChatCompletionRequest", ExpandPrompt], "GenerateRequest"]
+
 
 def _options(body: bytes) -> MultimodalOptions:
     try:
@@ -33,15 +37,14 @@ def _options(body: bytes) -> MultimodalOptions:
         raise ApiError(f"Invalid request: {exc}", 400, "mm_payload") from None
 
 
-async def render_image_chat(
-    body: bytes, req: ChatCompletionRequest, config: RenderConfig, mm: MultimodalRender | None, queue: RenderQueue,
-    render: Callable[..., GenerateRequest], request_id: str | None,
-) -> GenerateRequest | None:
-    """The rendered request with images, or None when ``req`` carries no image part (the text path serves it).
-    ``render`` is the text render (``render.render_chat``), called with ``expand_prompt``."""
+async def render_with_images(body: bytes, chat: ChatCompletionRequest, config: RenderConfig,
+                             mm: MultimodalRender | None, queue: RenderQueue, render: RenderWith,
+                             endpoint: str = "chat_render") -> GenerateRequest | None:
+    """The rendered request with images, or None when ``chat`` carries no image part (the text path serves it).
+    ``chat``: the request as chat messages (image parts kept); ``body``: the raw request, for ``mm_payload``."""
     bounds = mm.bounds if mm is not None else ImageBounds()
     placeholder_family = mm.family if mm is not None else _any_family()
-    messages, refs = split_images(req.messages, placeholder_family, bounds)
+    messages, refs = split_images(chat.messages, placeholder_family, bounds)
     if not refs:
         return None
     if mm is None:
@@ -56,12 +59,11 @@ async def render_image_chat(
         return ids
 
     def job() -> GenerateRequest:
-        result = render(msgspec.structs.replace(req, messages=messages), config, request_id=request_id,
-                        expand_prompt=expand)
+        result = render(msgspec.structs.replace(chat, messages=messages), expand)
         result.features = features
         return result
 
-    return await queue.run("chat_render", len(body), job)
+    return await queue.run(endpoint, len(body), job)
 
 
 def _any_family() -> Any:
