@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.peers import vllm033_venv
 from render_service.bundle import load_bundle
 from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
 from render_service.multimodal.hashing import image_hash
@@ -129,14 +132,21 @@ def test_tokens_features_and_tensors_equal_transformers(vl, reference) -> None:
     hashes = [image_hash(data, MODEL, converted=decode_rgb(data, read_header(data, ImageBounds(), "i"), "i")[1])
               for data in files]
     assert features["mm_hashes"]["image"] == hashes
-    assert [m["image_grid_thw"] for m in features["mm_metadata"]["image"]] == expected["image_grid_thw"].tolist()
-    rows = np.concatenate([np.frombuffer(base64.b64decode(item), dtype=np.float32).reshape(-1, 1176)
-                           for item in features["kwargs_data"]["image"]])
-    np.testing.assert_allclose(rows, expected["pixel_values"], atol=2e-5, rtol=0)
+    assert features["mm_grid_thw"]["image"] == expected["image_grid_thw"].tolist()
+    items = [_wire_item(item) for item in features["kwargs_data"]["image"]]
+    assert [list(item["image_grid_thw"]) for item in items] == expected["image_grid_thw"].tolist()
+    np.testing.assert_allclose(np.concatenate([item["pixel_values"] for item in items]), expected["pixel_values"],
+                               atol=2e-5, rtol=0)
+    metadata = [_wire_item(item) for item in features["mm_metadata"]["image"]]
+    assert [set(m) for m in metadata] == [{"image_grid_thw"}] * 3
+    assert [list(m["image_grid_thw"]) for m in metadata] == expected["image_grid_thw"].tolist()
 
     # A router's request: the same ids, hashes and ranges, no tensors
     light = _render(server, ours, mm_payload="none").json()
     assert light["token_ids"] == ids and light["features"]["kwargs_data"] is None
+    assert light["features"]["mm_metadata"] is None
+    alias = _render(server, ours, return_mm_kwargs=False).json()  # vLLM's deprecated spelling of the same
+    assert alias["features"] == light["features"]
     assert light["features"]["mm_hashes"] == features["mm_hashes"]
     assert light["features"]["mm_placeholders"] == features["mm_placeholders"]
 
@@ -145,6 +155,21 @@ def test_tokens_features_and_tensors_equal_transformers(vl, reference) -> None:
         validate_generate_request(msgspec.convert(body, EngineRequest, strict=False), EngineLimits(
             max_model_len=128000, vocab_size=151936, max_num_seqs=8))
     assert refused.value.param == "features"
+    with pytest.raises(RequestError, match="serves text models"):  # a router's answer is no engine input either
+        validate_generate_request(msgspec.convert(light, EngineRequest, strict=False), EngineLimits(
+            max_model_len=128000, vocab_size=151936, max_num_seqs=8))
+
+
+def _wire_item(text: str) -> dict[str, np.ndarray]:
+    """A kwargs_data / mm_metadata item read as vLLM's MsgpackDecoder reads it: each field's data is
+    [dtype, shape, ext 3 (raw bytes)]; flat fields slice the first dimension, batched ones carry one item."""
+    item = msgspec.msgpack.decode(base64.b64decode(text), ext_hook=lambda code, data: (code, bytes(data)))
+    out = {}
+    for key, elem in item.items():
+        dtype, shape, (code, raw) = elem["data"]
+        assert code == 3 and elem["field"][0] in ("flat", "batched")
+        out[key] = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return out
 
 
 def _b64(data: bytes) -> str:
@@ -306,3 +331,42 @@ def test_a_full_pool_is_a_429_with_retry_after(vl) -> None:
         mm.pool.max_pending = saved
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == 429
+
+
+_VLLM_DECODE = """
+import json, sys
+import numpy as np
+from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+req = GenerateRequest.model_validate_json(open(sys.argv[1]).read())
+items = mm_kwargs_from_features(req.features)["image"]
+batch = {key: items[0][key].field.reduce_data([item[key] for item in items]) for key in items[0]}
+np.save(sys.argv[2], batch["pixel_values"].numpy())
+print(json.dumps({"grids": batch["image_grid_thw"].tolist(), "keys": sorted(items[0]),
+                  "cpu": [items[0][k].field.keep_on_cpu for k in ("pixel_values", "image_grid_thw")]}))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_reads_our_features_as_its_own(vl, reference, tmp_path: Path) -> None:
+    """vLLM 0.33's generate request model validates our render answer, and its decoder and batcher turn our
+    kwargs_data into the pixel values and grids transformers' processor gives."""
+    venv = vllm033_venv()
+    if venv is None:
+        pytest.skip("vLLM 0.33 peer not installed")
+    server, _ = vl
+    ours, theirs, files = _interleaved()
+    r = _render(server, ours)
+    assert r.status_code == 200, r.text
+    (tmp_path / "render.json").write_bytes(r.content)
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", _VLLM_DECODE, str(tmp_path / "render.json"),
+                           str(tmp_path / "pixels.npy")], capture_output=True, text=True, timeout=300,
+                          env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    decoded = json.loads(done.stdout.strip().splitlines()[-1])
+    text = reference.apply_chat_template(theirs, tokenize=False, add_generation_prompt=True)
+    expected = reference(text=[text], images=[Image.open(io.BytesIO(d)).convert("RGB") for d in files],
+                         return_tensors="np")
+    assert decoded == {"grids": expected["image_grid_thw"].tolist(), "keys": ["image_grid_thw", "pixel_values"],
+                       "cpu": [False, True]}
+    np.testing.assert_allclose(np.load(tmp_path / "pixels.npy"), expected["pixel_values"], atol=2e-5, rtol=0)

@@ -21,7 +21,14 @@ from render_service.multimodal.sources import FetchPolicy, ImageRef, fetch, imag
 
 
 class MultimodalOptions(msgspec.Struct):
-    mm_payload: Literal["tensors", "none"] = "tensors"
+    mm_payload: Literal["tensors", "none"] | None = None
+    return_mm_kwargs: bool | None = None  # vLLM's deprecated alias: false is mm_payload "none"
+
+    @property
+    def tensors(self) -> bool:
+        if self.mm_payload is not None:
+            return self.mm_payload == "tensors"
+        return self.return_mm_kwargs is not False
 
 
 class MultimodalRender(msgspec.Struct):

@@ -49,7 +49,7 @@ async def render_with_images(body: bytes, chat: ChatCompletionRequest, config: R
         return None
     if mm is None:
         raise UnsupportedModel(describe_model(config.bundle.config))
-    tensors = _options(body).mm_payload == "tensors"
+    tensors = _options(body).tensors
     images = await process_images(refs, mm, tensors)
     features: dict[str, Any] = {}
 

@@ -22,18 +22,19 @@ from render_service.multimodal.bounds import ImageHeader, decode_rgb
 from render_service.multimodal.families import VisionFamily
 from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.qwen_vl import grid_thw, image_token_count, pixel_values
+from render_service.multimodal.wire import kwargs_item, metadata_item
 
 
 class ProcessedImage(msgspec.Struct, frozen=True):
     mm_hash: str
     grid_thw: tuple[int, int, int]
     num_tokens: int
-    pixel_values: bytes | None = None  # float32, grid_t*grid_h*grid_w rows, C-order; None for mm_payload none
-    patch_dim: int = 0
+    kwargs_item: str | None = None  # vLLM's wire item (``wire``): pixel values and grid; None for mm_payload none
+    metadata_item: str | None = None  # the grid alone, as vLLM's mm_metadata item
 
     @property
     def nbytes(self) -> int:
-        return 256 + (len(self.pixel_values) if self.pixel_values is not None else 0)
+        return 256 + sum(len(text) for text in (self.kwargs_item, self.metadata_item) if text is not None)
 
 
 def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_id: str,
@@ -46,8 +47,9 @@ def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_
     if not tensors:
         return ProcessedImage(digest, grid_thw(image.height, image.width, family), num_tokens)
     values, grid = pixel_values(image, family)
-    return ProcessedImage(digest, grid, num_tokens, values.astype(np.float32, copy=False).tobytes(),
-                          int(values.shape[1]))
+    raw = values.astype(np.float32, copy=False).tobytes()
+    return ProcessedImage(digest, grid, num_tokens, kwargs_item(raw, int(values.shape[0]), int(values.shape[1]), grid),
+                          metadata_item(grid))
 
 
 class ImagePool:
