@@ -5,8 +5,11 @@ and (where the peer is installed) vLLM's own loader and hasher."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import subprocess
+import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +146,68 @@ def test_urls_only_from_allowed_public_hosts() -> None:
         asyncio.run(fetch(ref, FetchPolicy(("example.com",)), bounds))
     with pytest.raises(ImageError, match="loopback, private or link-local"):  # allowed by name, refused by address
         asyncio.run(fetch(ref, FetchPolicy(("127.0.0.1",)), bounds))
+
+
+class _CountingImageServer:
+    """A real HTTP server on loopback that serves a PNG to anyone who asks, and counts who asked."""
+
+    def __init__(self) -> None:
+        png = encode(noise_image(16, 16), "PNG")
+        hits = self.hits = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                hits.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def image_server():
+    server = _CountingImageServer()
+    yield server
+    server.close()
+
+
+def test_a_loopback_image_server_is_never_fetched_from(image_server: _CountingImageServer) -> None:
+    bounds = ImageBounds()
+    with urllib.request.urlopen(f"http://127.0.0.1:{image_server.port}/probe.png", timeout=5) as probe:
+        assert probe.status == 200  # the server is up and would answer anyone
+    image_server.hits.clear()
+    for host in ("127.0.0.1", "localhost", "[::ffff:127.0.0.1]"):
+        ref = image_ref({"type": "image_url", "image_url": {"url": f"http://{host}:{image_server.port}/a.png"}},
+                        "p", bounds)
+        assert ref is not None
+        allowed = host.strip("[]")
+        with pytest.raises(ImageError) as refused:
+            asyncio.run(fetch(ref, FetchPolicy((allowed,)), bounds))
+        assert refused.value.status == 400 and ("loopback" in refused.value.message
+                                                or "does not resolve" in refused.value.message)
+    assert image_server.hits == []
+
+
+def test_the_connect_step_checks_the_address_again(image_server: _CountingImageServer) -> None:
+    """The address check runs where the connection is made, so a name that resolved to a public address a
+    moment ago and to loopback now (DNS rebinding) is still refused."""
+    from render_service.multimodal.sources import _PublicOnly
+
+    with pytest.raises(ImageError, match="loopback"):
+        asyncio.run(_PublicOnly("p").connect_tcp("localhost", image_server.port))
+    assert image_server.hits == []
 
 
 def test_uncovered_families_are_named() -> None:

@@ -21,6 +21,7 @@ from render_service.bundle import load_bundle
 from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
 from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.setup import multimodal_render_for
+from render_service.multimodal.sources import FetchPolicy
 from render_service.render_config import build_render_config
 from tests.multimodal_images import data_url, declared_png, encode, noise_image
 from tests.render_harness import QWEN3_DIR, RenderServer, qwen3_config
@@ -331,6 +332,52 @@ def test_a_full_pool_is_a_429_with_retry_after(vl) -> None:
         mm.pool.max_pending = saved
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == 429
+
+
+def test_a_full_pool_still_serves_cached_images(vl) -> None:
+    server, mm = vl
+    part = {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(12, 12, seed=11), "PNG"))}}
+    assert _render(server, [{"role": "user", "content": [part]}]).status_code == 200
+    saved = mm.pool.max_pending
+    mm.pool.max_pending = 0
+    try:
+        r = _render(server, [{"role": "user", "content": [part, part]}])
+    finally:
+        mm.pool.max_pending = saved
+    assert r.status_code == 200, r.text
+
+
+def test_allowed_loopback_names_are_still_refused_over_http(vl) -> None:
+    """An operator who allows localhost by mistake still gets no fetch from loopback: the server refuses
+    before connecting, and a real image server listening there sees no request."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            hits.append(self.path)
+            self.send_error(500)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    server, mm = vl
+    saved = mm.fetch_policy
+    mm.fetch_policy = FetchPolicy(("localhost", "127.0.0.1"), 2.0)
+    try:
+        for host in ("localhost", "127.0.0.1"):
+            url = f"http://{host}:{images.server_address[1]}/cat.png"
+            _assert_api_400(_render(server, [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}]}]), "loopback")
+    finally:
+        mm.fetch_policy = saved
+        images.shutdown()
+        images.server_close()
+    assert hits == []
 
 
 _VLLM_DECODE = """

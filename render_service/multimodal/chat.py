@@ -77,7 +77,7 @@ async def process_images(refs: list[ImageRef], mm: MultimodalRender, tensors: bo
     headers: list[ImageHeader] = [read_header(data, mm.bounds, ref.where) for ref, data in zip(refs, datas)]
     check_request_pixels(headers, mm.bounds)
     keys = [content_key(data) for data in datas]
-    mm.pool.admit(len(set(keys)))
+    mm.pool.admit(len({key for key in keys if not mm.pool.known(key, tensors)}))
     try:
         return list(await asyncio.gather(*(
             mm.pool.process(key, data, header, mm.family, mm.model_id, tensors)

@@ -68,6 +68,10 @@ class ImagePool:
         self._inflight: dict[tuple[str, bool], asyncio.Future[ProcessedImage]] = {}
         self.processed = 0  # images that went to a worker (the rest came from the cache or a twin in flight)
 
+    def known(self, key: str, tensors: bool) -> bool:
+        """Whether ``key``'s result is cached or being computed (it then costs the queue nothing)."""
+        return (key, tensors) in self._cache or (key, tensors) in self._inflight
+
     def admit(self, count: int) -> None:
         """A 429 with Retry-After when ``count`` more images would pass ``max_pending``."""
         if self.pending + count > self.max_pending:

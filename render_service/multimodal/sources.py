@@ -1,7 +1,7 @@
 """Where an image part's bytes come from, for the three APIs' shapes: OpenAI chat ``image_url``, Responses
 ``input_image`` and Anthropic Messages ``image`` blocks (base64 or url sources). A data: URL is decoded after
 its length is checked; an http(s) URL is fetched only for a domain the operator allows, only from a public
-address, without redirects, within a byte and a time budget."""
+address (checked again at connect time), without redirects, within a byte and a time budget."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import base64
 import binascii
 import ipaddress
 import socket
-from collections.abc import Mapping
+import ssl
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import httpcore
 import msgspec
 
 from render_service.multimodal.bounds import ImageBounds, ImageError, check_encoded_size
@@ -90,6 +91,39 @@ def _public(address: str) -> bool:
                 or ip.is_unspecified or not ip.is_global)
 
 
+async def _public_addresses(host: str, port: int, where: str) -> list[str]:
+    """``host``'s addresses, or a 400 when it does not resolve or any address is not public."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise ImageError(f"{where}: the image host {host!r} does not resolve") from None
+    addresses = [str(info[4][0]) for info in infos]
+    if not addresses or not all(_public(address) for address in addresses):
+        raise ImageError(f"{where}: the image host {host!r} resolves to a loopback, private or link-local address")
+    return addresses
+
+
+class _PublicOnly(httpcore.AsyncNetworkBackend):
+    """Connects only to the public address it just vetted: a name that re-resolves to a private address between
+    the check and the connect (DNS rebinding) is never reached."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
+        addresses = await _public_addresses(host, port, self.where)
+        return await self.inner.connect_tcp(addresses[0], port, timeout, local_address, socket_options)
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
+        raise ImageError(f"{self.where}: image URLs are fetched over TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
 async def fetch(ref: ImageRef, policy: FetchPolicy, bounds: ImageBounds) -> bytes:
     """The bytes behind an http(s) image URL, or a 400 saying why not."""
     assert ref.url is not None
@@ -98,24 +132,28 @@ async def fetch(ref: ImageRef, policy: FetchPolicy, bounds: ImageBounds) -> byte
     if not policy.allowed_domains or not _domain_allowed(host, policy.allowed_domains):
         raise ImageError(f"{where}: fetching images from {host!r} is not allowed (--allowed-media-domains)")
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, parts.port or (443 if parts.scheme == "https"
-                                                                                    else 80), type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        raise ImageError(f"{where}: the image host {host!r} does not resolve") from None
-    if not infos or not all(_public(str(info[4][0])) for info in infos):
-        raise ImageError(f"{where}: the image host {host!r} resolves to a loopback, private or link-local address")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ImageError(f"{where}: the image URL has an invalid port") from None
+    await _public_addresses(host, port, where)  # a clear refusal before any connection is attempted
+    timeouts = {"connect": policy.timeout_s, "read": policy.timeout_s, "write": policy.timeout_s,
+                "pool": policy.timeout_s}
     try:
-        async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False, trust_env=False) as client:
-            async with asyncio.timeout(policy.timeout_s), client.stream("GET", ref.url) as response:
-                if response.status_code != 200:
-                    raise ImageError(f"{where}: fetching the image answered HTTP {response.status_code}")
-                declared = response.headers.get("content-length")
+        async with httpcore.AsyncConnectionPool(ssl_context=ssl.create_default_context(), max_connections=1,
+                                                network_backend=_PublicOnly(where)) as pool:
+            async with asyncio.timeout(policy.timeout_s), pool.stream(
+                    "GET", ref.url, extensions={"timeout": timeouts}) as response:  # no redirects are followed
+                if response.status != 200:
+                    raise ImageError(f"{where}: fetching the image answered HTTP {response.status}")
+                declared = next((v for k, v in response.headers if k.lower() == b"content-length"), None)
                 if declared and declared.isdigit():
                     check_encoded_size(int(declared), bounds, where)
                 body = bytearray()
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.aiter_stream():
                     body += chunk
                     check_encoded_size(len(body), bounds, where)
                 return bytes(body)
-    except (httpx.HTTPError, TimeoutError, OSError) as exc:
+    except (httpcore.TimeoutException, TimeoutError):
+        raise ImageError(f"{where}: fetching the image took longer than {policy.timeout_s}s") from None
+    except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol, OSError) as exc:
         raise ImageError(f"{where}: fetching the image failed: {type(exc).__name__}") from None
