@@ -57,6 +57,52 @@ def test_tokens_and_pixel_values_equal_transformers(family_name: str, size: tupl
     np.testing.assert_allclose(values, expected_values, atol=2e-5, rtol=0)
 
 
+def _count_sizes() -> list[tuple[int, int]]:
+    """Image sizes for the placeholder-count check: seeded random sizes over 1..8000 px with aspect ratios up
+    to and past the processor's 200:1 limit, plus the edges of each rounding rule (multiples of the patch grid
+    and one pixel either side, the min/max pixel budgets' square roots, single-pixel strips)."""
+    rng = np.random.default_rng(20261205)
+    sizes = [(int(w), int(h)) for w, h in rng.integers(1, 8001, size=(300, 2))]
+    sizes += [(int(w), int(h)) for w, h in np.exp(rng.uniform(0, np.log(4000), size=(100, 2))).astype(int) + 1]
+    for side in (27, 28, 29, 31, 32, 33, 55, 56, 57, 63, 64, 65, 447, 448, 449, 3583, 3584, 3585, 4096):
+        sizes += [(side, side), (side, side + 1), (side - 1, side * 3)]
+    sizes += [(1, 1), (1, 200), (200, 1), (1, 201), (3, 600), (601, 3), (2, 7000), (8000, 40)]
+    return sizes
+
+
+COUNT_CONFIGS = {
+    "qwen2_5_vl": json.loads((VL_FIXTURE / "preprocessor_config.json").read_text()),
+    "qwen3_vl": QWEN3_PRE,
+    # a deployment's tighter budget (min/max_pixels given as mm_processor_kwargs)
+    "qwen2_5_vl_budget": {**json.loads((VL_FIXTURE / "preprocessor_config.json").read_text()),
+                          "min_pixels": 256 * 28 * 28, "max_pixels": 1280 * 28 * 28},
+}
+
+
+@pytest.mark.parametrize("name", sorted(COUNT_CONFIGS))
+def test_placeholder_counts_equal_transformers_for_many_sizes(name: str) -> None:
+    """The processor's own count (get_number_of_image_patches, what vLLM asks it for) against ours, or both
+    refusing, for some 470 sizes per configuration."""
+    preprocessor = COUNT_CONFIGS[name]
+    kwargs = {k: v for k, v in preprocessor.items() if k not in ("image_processor_type", "processor_class")}
+    processor = transformers_qwen.Qwen2VLImageProcessorPil(**kwargs)
+    family = family_from_configs({"model_type": "qwen3_vl" if name == "qwen3_vl" else "qwen2_5_vl"}, preprocessor)
+    assert family is not None
+    refused = 0
+    for width, height in _count_sizes():
+        try:
+            expected: int | None = processor.get_number_of_image_patches(height, width, {}) // 4
+        except ValueError:
+            expected = None
+        try:
+            ours: int | None = image_token_count(height, width, family)
+        except ImageError:
+            ours = None
+        assert ours == expected, (width, height)
+        refused += ours is None
+    assert 0 < refused < 20  # the aspect-ratio refusals are exercised, and only they
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
 def test_decoded_formats_reach_the_same_pixels_as_pillow(fmt: str) -> None:
     data = encode(noise_image(97, 61, seed=3), fmt)
