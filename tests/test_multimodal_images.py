@@ -297,3 +297,16 @@ def test_hashes_equal_vllms(tmp_path: Path) -> None:
         _, converted = decode_rgb(data, read_header(data, ImageBounds(), "img"), "img")
         ours.append(image_hash(data, model, converted=converted))
     assert ours == expected
+
+
+def test_image_flags_set_the_bounds() -> None:
+    from render_service.cli import build_parser, image_bounds
+
+    args = build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", '{"image": 4}', "--max-image-bytes",
+                                      "1000", "--max-image-pixels", "640000", "--max-request-image-pixels", "9"])
+    assert image_bounds(args) == ImageBounds(max_image_bytes=1000, max_image_pixels=640000, max_request_pixels=9,
+                                             max_images=4)
+    assert image_bounds(build_parser().parse_args(["serve", "m"])) == ImageBounds()
+    for bad in (["--limit-mm-per-prompt", "[4]"], ["--max-image-bytes", "0"]):
+        with pytest.raises(SystemExit):
+            image_bounds(build_parser().parse_args(["serve", "m", *bad]))
