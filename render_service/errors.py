@@ -22,6 +22,7 @@ ERROR_TYPES = {
     415: "UnsupportedMediaTypeError",
     429: "TooManyRequestsError",
     500: "InternalServerError",
+    503: "ServiceUnavailableError",
 }
 
 

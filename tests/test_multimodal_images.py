@@ -310,3 +310,35 @@ def test_image_flags_set_the_bounds() -> None:
     for bad in (["--limit-mm-per-prompt", "[4]"], ["--max-image-bytes", "0"]):
         with pytest.raises(SystemExit):
             image_bounds(build_parser().parse_args(["serve", "m", *bad]))
+
+
+def test_a_dead_worker_is_a_503_and_the_next_image_gets_a_fresh_pool() -> None:
+    import os
+    import signal
+
+    from render_service.errors import ApiError
+    from render_service.multimodal.pool import ImagePool
+
+    assert QWEN25 is not None
+    pool = ImagePool(1)
+    try:
+        pool.warm_up()
+        data = encode(noise_image(3000, 2000, seed=8), "JPEG")  # a second or more of work: time to kill its worker
+        header = read_header(data, ImageBounds(), "img")
+        small = encode(noise_image(32, 32, seed=9), "PNG")
+
+        async def kill_mid_work() -> None:
+            task = asyncio.ensure_future(pool.process("big", data, header, QWEN25, "m", True))
+            await asyncio.sleep(0.3)
+            for pid in list(pool._executor._processes):  # the worker busy with it
+                os.kill(pid, signal.SIGKILL)
+            with pytest.raises(ApiError) as died:
+                await task
+            assert died.value.status == 503 and died.value.headers == {"Retry-After": "1"}
+            again = await pool.process("small", small, read_header(small, ImageBounds(), "img"), QWEN25, "m", False)
+            assert again.num_tokens == 4  # 32x32 is raised to min_pixels: 56x56, 4x4 patches, 2x2 merged
+
+        asyncio.run(kill_mid_work())
+        assert pool.pending == 0
+    finally:
+        pool.shutdown()

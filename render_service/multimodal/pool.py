@@ -13,6 +13,7 @@ import os
 import time
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import msgspec
 import numpy as np
@@ -57,7 +58,7 @@ class ImagePool:
                  cache_entries: int = 4096) -> None:
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         # forkserver/spawn: a forked copy of a threaded server (tokenizers, the bulk lane) can deadlock
-        self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        self._executor = self._new_executor()
         self.max_pending = max_pending
         self.pending = 0
         self._work_s = 0.02  # moving average of one image's work, for Retry-After
@@ -67,6 +68,9 @@ class ImagePool:
         self.cache_limit_entries = cache_entries
         self._inflight: dict[tuple[str, bool], asyncio.Future[ProcessedImage]] = {}
         self.processed = 0  # images that went to a worker (the rest came from the cache or a twin in flight)
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
 
     def known(self, key: str, tensors: bool) -> bool:
         """Whether ``key``'s result is cached or being computed (it then costs the queue nothing)."""
@@ -93,9 +97,20 @@ class ImagePool:
         self._inflight[cache_key] = future
         self.pending += 1
         started = time.perf_counter()
+        executor = self._executor
         try:
-            result = await asyncio.wrap_future(
-                self._executor.submit(process_image, data, header, family, model_id, tensors))
+            result = await asyncio.wrap_future(executor.submit(process_image, data, header, family, model_id, tensors))
+        except BrokenProcessPool:
+            # a worker died (killed for memory, or by an operator): this request's images are lost, the next
+            # request gets a fresh pool rather than the broken one forever
+            if self._executor is executor:
+                self._executor = self._new_executor()
+                executor.shutdown(wait=False, cancel_futures=True)
+            error = ApiError("An image worker process died while processing this request; retry it.", 503,
+                             headers={"Retry-After": "1"})
+            future.set_exception(error)
+            future.exception()
+            raise error from None
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: a twin that never came leaves no warning
