@@ -29,6 +29,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -72,7 +74,7 @@ def tagged_prefix(tag: int) -> bytes:
 class Workload:
     """One request shape; ``payload(tag)`` gives a body whose images are all distinct from any other tag's."""
 
-    def __init__(self, images: int, resolution: str, text: str, mm_payload: str) -> None:
+    def __init__(self, images: int, resolution: str, text: str, mm_payload: str, model: str = "vl") -> None:
         self.images = images
         width, height = RESOLUTIONS[resolution]
         rests = [base64.b64encode(photo_like(width, height, seed=i)[2:]).decode() for i in range(images)]
@@ -80,7 +82,7 @@ class Workload:
         for i, rest in enumerate(rests):
             content.append({"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + _MARK.format(i)
                                                                 + rest}})
-        body = json.dumps({"model": "vl", "messages": [{"role": "user", "content": content}],
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
                            "mm_payload": mm_payload}).encode()
         self.chunks: list[bytes] = []
         for i in range(images):
@@ -96,17 +98,18 @@ class Workload:
         return b"".join(out)
 
 
-async def load_run(port: int, workload: Workload, concurrency: int, duration: float, pid: int,
-                   tags: list[int]) -> dict:
+async def load_run(port: int, workload: Workload, concurrency: int, duration: float,
+                   cpu_seconds: Callable[[], float | None], tags: list[int], host: str = "127.0.0.1") -> dict:
+    """``cpu_seconds``: the server's CPU so far (None where it cannot be read); ``tags``: a shared counter."""
     def head(size: int) -> bytes:
-        return (f"POST {RENDER_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        return (f"POST {RENDER_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {size}\r\n\r\n").encode()
 
     def next_payload() -> bytes:
         tags[0] += 1
         return workload.payload(tags[0])
 
-    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(concurrency)]
+    connections = [await asyncio.open_connection(host, port) for _ in range(concurrency)]
 
     async def warm(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         payload = next_payload()
@@ -129,22 +132,23 @@ async def load_run(port: int, workload: Workload, concurrency: int, duration: fl
                 # the server closed a keep-alive connection this client was slow to reuse (reading a response of
                 # tens of MB can outlast the server's 5 s keep-alive): reconnect and send again
                 writer.close()
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                reader, writer = await asyncio.open_connection(host, port)
                 started = time.perf_counter()
                 status = await _post(reader, writer, head(len(payload)), payload)
             latencies.append(time.perf_counter() - started)
             done += status == 200
             errors += status != 200
 
-    cpu_before, started = peers.tree_cpu_seconds(pid), time.perf_counter()
+    cpu_before, started = cpu_seconds(), time.perf_counter()
     await asyncio.gather(*(client(r, w) for r, w in connections))
-    elapsed, cpu = time.perf_counter() - started, peers.tree_cpu_seconds(pid) - cpu_before
+    elapsed, cpu_after = time.perf_counter() - started, cpu_seconds()
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     for _, writer in connections:
         writer.close()  # (a reconnected client's own writer is closed with its task's end by the loop)
     images = done * workload.images
     return {"requests": done, "errors": errors, "seconds": round(elapsed, 3),
             "images_per_s": round(images / elapsed, 2),
-            "cpu_ms_per_image": round(cpu * 1000 / images, 2) if images else None,
+            "cpu_ms_per_image": round(cpu * 1000 / images, 2) if images and cpu is not None else None,
             "p50_ms": round(statistics.median(latencies) * 1000, 1) if latencies else None}
 
 
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 for (n, res), workload in workloads.items():
                     for c in concurrency:
                         cell = f"{n}x{res} c={c}"
-                        run = asyncio.run(load_run(port, workload, c, args.duration, server.pid, tags))
+                        run = asyncio.run(load_run(port, workload, c, args.duration,
+                                                   partial(peers.tree_cpu_seconds, server.pid), tags))
                         results["runs"].setdefault(cell, {})[label] = run
                         print(f"{label:16s} {cell:16s} {run}", flush=True)
             finally:
