@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="width x height an image's header may declare (default 6144 x 6144)")
     serve.add_argument("--max-request-image-pixels", type=int, default=None, metavar="N",
                        help="declared pixels of all images of one request (default 8 x 4096 x 4096)")
+    serve.add_argument("--mm-device-do-normalize", action=argparse.BooleanOptionalAction, default=True,
+                       help="vLLM's flag, its default on: pixel values go out as raw uint8 and the engine "
+                            "normalises them on its device; --no-mm-device-do-normalize sends float32 normalised "
+                            "values, for an engine started with that flag off")
     serve.add_argument("--image-queue", type=int, default=None, metavar="N",
                        help="per server process: images waiting for a worker; more are answered 429 with "
                             "Retry-After (default 256)")
@@ -324,7 +328,8 @@ def serve(args: argparse.Namespace) -> int:
 
         multimodal = multimodal_render_for(config, model_id=args.model, workers=args.image_workers,
                                            allowed_domains=tuple(args.allowed_media_domains),
-                                           bounds=image_bounds(args), max_pending=args.image_queue or 256)
+                                           bounds=image_bounds(args), max_pending=args.image_queue or 256,
+                                           device_normalize=args.mm_device_do_normalize)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
                          gateway=gateway, max_queued_requests=args.max_queued_requests, multimodal=multimodal)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s; "

@@ -307,6 +307,8 @@ def test_image_flags_set_the_bounds() -> None:
     assert image_bounds(args) == ImageBounds(max_image_bytes=1000, max_image_pixels=640000, max_request_pixels=9,
                                              max_images=4)
     assert image_bounds(build_parser().parse_args(["serve", "m"])) == ImageBounds()
+    assert args.mm_device_do_normalize  # vLLM's default: raw uint8 pixels, normalised by the engine
+    assert not build_parser().parse_args(["serve", "m", "--no-mm-device-do-normalize"]).mm_device_do_normalize
     for bad in (["--limit-mm-per-prompt", "[4]"], ["--max-image-bytes", "0"]):
         with pytest.raises(SystemExit):
             image_bounds(build_parser().parse_args(["serve", "m", *bad]))

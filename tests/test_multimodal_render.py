@@ -136,8 +136,9 @@ def test_tokens_features_and_tensors_equal_transformers(vl, reference) -> None:
     assert features["mm_grid_thw"]["image"] == expected["image_grid_thw"].tolist()
     items = [_wire_item(item) for item in features["kwargs_data"]["image"]]
     assert [list(item["image_grid_thw"]) for item in items] == expected["image_grid_thw"].tolist()
-    np.testing.assert_allclose(np.concatenate([item["pixel_values"] for item in items]), expected["pixel_values"],
-                               atol=2e-5, rtol=0)
+    raw = np.concatenate([item["pixel_values"] for item in items])
+    assert raw.dtype == np.uint8  # vLLM's default: the engine normalises on its device
+    np.testing.assert_allclose(_device_normalized(raw), expected["pixel_values"], atol=2e-5, rtol=0)
     metadata = [_wire_item(item) for item in features["mm_metadata"]["image"]]
     assert [set(m) for m in metadata] == [{"image_grid_thw"}] * 3
     assert [list(m["image_grid_thw"]) for m in metadata] == expected["image_grid_thw"].tolist()
@@ -171,6 +172,14 @@ def _wire_item(text: str) -> dict[str, np.ndarray]:
         assert code == 3 and elem["field"][0] in ("flat", "batched")
         out[key] = np.frombuffer(raw, dtype=dtype).reshape(shape)
     return out
+
+
+def _device_normalized(raw: np.ndarray) -> np.ndarray:
+    """What vLLM's fused input norm computes from raw uint8 patches (channel-major rows: 3 x 2 x 14 x 14)."""
+    settings = msgspec.json.decode((VL_FIXTURE / "preprocessor_config.json").read_bytes())
+    mean = np.repeat(np.asarray(settings["image_mean"], np.float32), 2 * 14 * 14)
+    std = np.repeat(np.asarray(settings["image_std"], np.float32), 2 * 14 * 14)
+    return (raw.astype(np.float32) * np.float32(1 / 255) - mean) / std
 
 
 def _b64(data: bytes) -> str:
@@ -416,4 +425,47 @@ def test_vllm_reads_our_features_as_its_own(vl, reference, tmp_path: Path) -> No
                          return_tensors="np")
     assert decoded == {"grids": expected["image_grid_thw"].tolist(), "keys": ["image_grid_thw", "pixel_values"],
                        "cpu": [False, True]}
-    np.testing.assert_allclose(np.load(tmp_path / "pixels.npy"), expected["pixel_values"], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(_device_normalized(np.load(tmp_path / "pixels.npy")), expected["pixel_values"],
+                               atol=2e-5, rtol=0)
+
+
+def test_an_engine_normalising_on_the_host_gets_float32_values(vl, reference) -> None:
+    """--no-mm-device-do-normalize: pixel values as transformers' processor gives them, float32 normalised."""
+    server, mm = vl
+    png = encode(noise_image(200, 150, seed=21), "PNG")
+    mm.normalize = True
+    try:
+        r = _render(server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}}]}])
+    finally:
+        mm.normalize = False
+    assert r.status_code == 200, r.text
+    (item,) = [_wire_item(text) for text in r.json()["features"]["kwargs_data"]["image"]]
+    expected = reference.image_processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="np")
+    assert item["pixel_values"].dtype == np.float32
+    np.testing.assert_allclose(item["pixel_values"], expected["pixel_values"], atol=2e-5, rtol=0)
+
+
+RECORDED = VL_FIXTURE / "vllm033_render_images.json"
+
+
+def test_the_recorded_vllm_answer_is_ours(bundle_dir: Path) -> None:
+    """vLLM 0.33's render answer for three images interleaved with text (recorded): the same token ids, hashes,
+    placeholder ranges and metadata items, and pixel values of the same dtype and shape (the resize filters
+    differ: docs/images.md)."""
+    recorded = msgspec.json.decode(RECORDED.read_bytes())
+    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["vl"])
+    mm = multimodal_render_for(config, model_id=recorded["model_id"], workers=1)
+    assert mm is not None
+    try:
+        with RenderServer(config, multimodal=mm) as server:
+            r = server.client.post("/v1/chat/completions/render", json=recorded["request"])
+    finally:
+        mm.pool.shutdown()
+    assert r.status_code == 200, r.text
+    ours, theirs = r.json(), recorded["answer"]
+    assert ours["token_ids"] == theirs["token_ids"]
+    for key in ("mm_hashes", "mm_placeholders", "mm_metadata"):
+        assert ours["features"][key] == theirs["features"][key], key
+    shapes = [(item["pixel_values"].dtype, item["pixel_values"].shape) for item in
+              (_wire_item(text) for text in ours["features"]["kwargs_data"]["image"])]
+    assert shapes == [(np.dtype(dtype), tuple(shape)) for dtype, shape in theirs["kwargs_shapes"]]

@@ -40,6 +40,8 @@ class MultimodalRender(msgspec.Struct):
     pool: ImagePool
     bounds: ImageBounds = ImageBounds()
     fetch_policy: FetchPolicy = FetchPolicy()
+    # float32 normalised pixel values; False (vLLM 0.33's default, mm_device_do_normalize): raw uint8 pixels
+    normalize: bool = False
 
 
 def split_images(messages: list[dict[str, Any]], family: VisionFamily, bounds: ImageBounds
@@ -80,7 +82,7 @@ async def process_images(refs: list[ImageRef], mm: MultimodalRender, tensors: bo
     mm.pool.admit(len({key for key in keys if not mm.pool.known(key, tensors)}))
     try:
         return list(await asyncio.gather(*(
-            mm.pool.process(key, data, header, mm.family, mm.model_id, tensors)
+            mm.pool.process(key, data, header, mm.family, mm.model_id, tensors, mm.normalize)
             for key, data, header in zip(keys, datas, headers))))
     except ApiError:
         raise

@@ -16,7 +16,6 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import msgspec
-import numpy as np
 
 from render_service.errors import ApiError
 from render_service.multimodal.bounds import ImageHeader, decode_rgb
@@ -39,18 +38,18 @@ class ProcessedImage(msgspec.Struct, frozen=True):
 
 
 def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_id: str,
-                  tensors: bool) -> ProcessedImage:
+                  tensors: bool, normalize: bool = False) -> ProcessedImage:
     """Runs in a worker: decode (bounded by ``header``, already checked), hash as vLLM, count placeholder
-    tokens and, with ``tensors``, produce the pixel values."""
+    tokens and, with ``tensors``, produce the pixel values (``normalize``: float32 normalised, else the raw
+    uint8 pixels an engine normalising on its device wants)."""
     image, converted = decode_rgb(data, header, "image")
     digest = image_hash(data, model_id, converted=converted)
     num_tokens = image_token_count(image.height, image.width, family)
     if not tensors:
         return ProcessedImage(digest, grid_thw(image.height, image.width, family), num_tokens)
-    values, grid = pixel_values(image, family)
-    raw = values.astype(np.float32, copy=False).tobytes()
-    return ProcessedImage(digest, grid, num_tokens, kwargs_item(raw, int(values.shape[0]), int(values.shape[1]), grid),
-                          metadata_item(grid))
+    values, grid = pixel_values(image, family, normalize)
+    item = kwargs_item(values.tobytes(), str(values.dtype), int(values.shape[0]), int(values.shape[1]), grid)
+    return ProcessedImage(digest, grid, num_tokens, item, metadata_item(grid))
 
 
 class ImagePool:
@@ -84,7 +83,7 @@ class ImagePool:
                            "on another replica.", 429, headers={"Retry-After": str(retry)})
 
     async def process(self, key: str, data: bytes, header: ImageHeader, family: VisionFamily, model_id: str,
-                      tensors: bool) -> ProcessedImage:
+                      tensors: bool, normalize: bool = False) -> ProcessedImage:
         cache_key = (key, tensors)
         hit = self._cache.get(cache_key)
         if hit is not None:
@@ -99,7 +98,8 @@ class ImagePool:
         started = time.perf_counter()
         executor = self._executor
         try:
-            result = await asyncio.wrap_future(executor.submit(process_image, data, header, family, model_id, tensors))
+            result = await asyncio.wrap_future(executor.submit(process_image, data, header, family, model_id, tensors,
+                                                                 normalize))
         except BrokenProcessPool:
             # a worker died (killed for memory, or by an operator): this request's images are lost, the next
             # request gets a fresh pool rather than the broken one forever

@@ -43,16 +43,23 @@ def image_token_count(height: int, width: int, family: VisionFamily) -> int:
     return t * h * w // (family.merge_size * family.merge_size)
 
 
-def pixel_values(image: Image.Image, family: VisionFamily) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """(patches x (3 * temporal * patch * patch) float32, grid_thw) for an RGB image: bicubic resize to the
-    grid, /255, normalise, each patch repeated over the temporal axis, patches ordered merge block by block."""
+def pixel_values(image: Image.Image, family: VisionFamily, normalize: bool = True
+                 ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(patches x (3 * temporal * patch * patch), grid_thw) for an RGB image: bicubic resize to the grid, then
+    (``normalize``) /255 and mean/std as float32, or (not ``normalize``) the resized uint8 pixels as they are, for
+    an engine that normalises on its device (vLLM's default, ``mm_device_do_normalize``); each patch repeated over
+    the temporal axis, patches ordered merge block by block."""
     t, gh, gw = grid_thw(image.height, image.width, family)
     p, m, tp = family.patch_size, family.merge_size, family.temporal_patch_size
     resized = image.resize((gw * p, gh * p), Image.Resampling.BICUBIC)
-    scaled = np.asarray(resized, dtype=np.float32) * np.float32(1 / 255)
-    mean = np.asarray(family.image_mean, dtype=np.float32)
-    std = np.asarray(family.image_std, dtype=np.float32)
-    chw = ((scaled - mean) / std).transpose(2, 0, 1)
+    chw: np.ndarray
+    if normalize:
+        scaled = np.asarray(resized, dtype=np.float32) * np.float32(1 / 255)
+        mean = np.asarray(family.image_mean, dtype=np.float32)
+        std = np.asarray(family.image_std, dtype=np.float32)
+        chw = ((scaled - mean) / std).transpose(2, 0, 1)
+    else:
+        chw = np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)
     blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
     repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))
     return np.ascontiguousarray(repeated.reshape(gh * gw, 3 * tp * p * p)), (t, gh, gw)

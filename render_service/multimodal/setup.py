@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 def multimodal_render_for(config: RenderConfig, *, model_id: str | None = None, workers: int | None = None,
                           allowed_domains: tuple[str, ...] = (), fetch_timeout_s: float = 10.0,
-                          bounds: ImageBounds | None = None, max_pending: int = 256) -> MultimodalRender | None:
+                          bounds: ImageBounds | None = None, max_pending: int = 256,
+                          device_normalize: bool = True) -> MultimodalRender | None:
     """None when the bundle is not a covered vision-language model (images are then a 400 naming those)."""
     family = family_from_bundle(config.bundle.path)
     if family is None:
@@ -28,4 +29,5 @@ def multimodal_render_for(config: RenderConfig, *, model_id: str | None = None, 
     # vLLM hashes with the model it was started with (its --model, as given: a hub id or a path)
     name = model_id or str(config.bundle.path)
     return MultimodalRender(family, token_id, name, ImagePool(workers, max_pending=max_pending),
-                            bounds or ImageBounds(), FetchPolicy(allowed_domains, fetch_timeout_s))
+                            bounds or ImageBounds(), FetchPolicy(allowed_domains, fetch_timeout_s),
+                            normalize=not device_normalize)

@@ -24,13 +24,14 @@ def _grid_elem(grid: tuple[int, int, int]) -> dict[str, object]:
             "field": ("batched", {"keep_on_cpu": True})}
 
 
-def kwargs_item(pixel_values: bytes, rows: int, patch_dim: int, grid: tuple[int, int, int]) -> str:
-    """The image's full item: float32 ``pixel_values`` (rows x patch_dim, C order) and its grid. Its flat field
-    slices the item alone (vLLM's own render slices the request's batch; only the field's type is compared when
-    an engine batches items, so both decode to the same tensors)."""
+def kwargs_item(pixel_values: bytes, dtype: str, rows: int, patch_dim: int, grid: tuple[int, int, int]) -> str:
+    """The image's full item: ``pixel_values`` (rows x patch_dim, C order; uint8 raw pixels for an engine that
+    normalises on its device, float32 normalised values otherwise) and its grid. Its flat field slices the item
+    alone (vLLM's own render slices the request's batch, so a multi-image request's strings differ from vLLM's;
+    engines compare only the field's type when they batch items, and both decode to the same tensors)."""
     item = {
-        "pixel_values": {"data": _tensor("float32", (rows, patch_dim), pixel_values),
-                         "field": ("flat", {"keep_on_cpu": False, "slices": [(0, rows, None)], "dim": 0})},
+        "pixel_values": {"data": _tensor(dtype, (rows, patch_dim), pixel_values),
+                         "field": ("flat", {"keep_on_cpu": False, "slices": [[(0, rows, None)]], "dim": 0})},
         "image_grid_thw": _grid_elem(grid),
     }
     return base64.b64encode(_encode(item)).decode("ascii")
