@@ -469,3 +469,34 @@ def test_the_recorded_vllm_answer_is_ours(bundle_dir: Path) -> None:
     shapes = [(item["pixel_values"].dtype, item["pixel_values"].shape) for item in
               (_wire_item(text) for text in ours["features"]["kwargs_data"]["image"])]
     assert shapes == [(np.dtype(dtype), tuple(shape)) for dtype, shape in theirs["kwargs_shapes"]]
+
+
+def test_forked_server_processes_each_get_their_own_image_pool(bundle_dir: Path) -> None:
+    """--workers 2 builds the app once and forks: concurrent image requests spread over both processes all come
+    back, each with its own images' hashes (a pool shared across the fork would cross its pipes)."""
+    import concurrent.futures
+    import sys
+
+    from tests.gateway_harness import Process, free_port
+
+    port = free_port()
+    proc = Process([sys.executable, "-m", "render_service.cli", "serve", str(bundle_dir), "--host", "127.0.0.1",
+                    "--port", str(port), "--served-model-name", "vl", "--workers", "2", "--image-workers", "1",
+                    "--log-level", "warning"], port)
+    images = [encode(noise_image(40 + i, 30, seed=100 + i), "PNG") for i in range(12)]
+
+    def render(data: bytes) -> tuple[int, list[str]]:
+        import httpx
+
+        r = httpx.post(f"{proc.url}/v1/chat/completions/render", timeout=120, json={"model": "vl", "mm_payload": "none",
+                       "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                  "image_url": {"url": data_url(data)}}]}]})
+        return r.status_code, r.json()["features"]["mm_hashes"]["image"] if r.status_code == 200 else []
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as threads:
+            answers = list(threads.map(render, images))
+    finally:
+        proc.stop()
+    expected = [[image_hash(data, str(bundle_dir), converted=False)] for data in images]
+    assert answers == [(200, hashes) for hashes in expected]

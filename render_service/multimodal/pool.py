@@ -52,12 +52,27 @@ def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_
     return ProcessedImage(digest, grid, num_tokens, item, metadata_item(grid))
 
 
+def _die_with_parent(parent: int) -> None:
+    """A worker ends when its server process does, however that ends (a killed server's workers would otherwise
+    wait on their queue forever): Linux's parent-death signal, then a check for a parent already gone."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the check below still catches an early death
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 class ImagePool:
     def __init__(self, workers: int | None = None, *, max_pending: int = 256, cache_bytes: int = 512 * 1024 * 1024,
                  cache_entries: int = 4096) -> None:
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         # forkserver/spawn: a forked copy of a threaded server (tokenizers, the bulk lane) can deadlock
-        self._executor = self._new_executor()
+        self._executor: ProcessPoolExecutor | None = None  # made on first use, in the process that uses it
+        self._owner = 0
         self.max_pending = max_pending
         self.pending = 0
         self._work_s = 0.02  # moving average of one image's work, for Retry-After
@@ -69,7 +84,15 @@ class ImagePool:
         self.processed = 0  # images that went to a worker (the rest came from the cache or a twin in flight)
 
     def _new_executor(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_die_with_parent, initargs=(os.getpid(),))
+
+    def executor(self) -> ProcessPoolExecutor:
+        """This process's executor. ``--workers N`` builds the app once and forks: an executor made before the
+        fork would hand every server process the same call and result pipes, so each makes its own."""
+        if self._executor is None or self._owner != os.getpid():
+            self._executor, self._owner = self._new_executor(), os.getpid()
+        return self._executor
 
     def known(self, key: str, tensors: bool) -> bool:
         """Whether ``key``'s result is cached or being computed (it then costs the queue nothing)."""
@@ -96,7 +119,7 @@ class ImagePool:
         self._inflight[cache_key] = future
         self.pending += 1
         started = time.perf_counter()
-        executor = self._executor
+        executor = self.executor()
         try:
             result = await asyncio.wrap_future(executor.submit(process_image, data, header, family, model_id, tensors,
                                                                  normalize))
@@ -135,8 +158,9 @@ class ImagePool:
 
     def warm_up(self) -> None:
         """Start every worker now (spawned workers import numpy and Pillow: seconds, not on a request)."""
-        for future in [self._executor.submit(os.getpid) for _ in range(self.workers)]:
+        for future in [self.executor().submit(os.getpid) for _ in range(self.workers)]:
             future.result()
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._executor is not None and self._owner == os.getpid():
+            self._executor.shutdown(wait=True, cancel_futures=True)
