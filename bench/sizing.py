@@ -295,16 +295,22 @@ def interpolate(points: dict[int, float], x: int) -> float:
 
 
 def recommend(render_ms: float, token_ms: float, target_rps: float, streams: int, tokens_per_s: float,
-              headroom: float, workers_per_replica: int) -> dict:
+              headroom: float, workers_per_replica: int, image_ms: float = 0.0, images_per_render: int = 0) -> dict:
+    """``image_ms``: server CPU per image (its request's share of text included: a little conservative);
+    ``images_per_render``: images in each of the ``target_rps`` renders. Image work runs in the pool's worker
+    processes, which need cores of their own besides the server processes."""
     if not 0 <= headroom < 1:
         raise ValueError("--headroom must be in [0, 1)")
     render_cores = target_rps * render_ms / 1e3
     stream_cores = streams * tokens_per_s * token_ms / 1e3
-    needed = (render_cores + stream_cores) / (1 - headroom)
+    image_cores = target_rps * images_per_render * image_ms / 1e3
+    needed = (render_cores + stream_cores + image_cores) / (1 - headroom)
     workers = max(1, math.ceil(needed))
     return {
         "cpu_ms_per_render": round(render_ms, 3), "cpu_ms_per_streamed_token": round(token_ms, 4),
         "render_cores": round(render_cores, 3), "stream_cores": round(stream_cores, 3),
+        "cpu_ms_per_image": round(image_ms, 3), "images_per_render": images_per_render,
+        "image_cores": round(image_cores, 3),
         "cores_with_headroom": round(needed, 3), "worker_processes": workers,
         "replicas": math.ceil(workers / workers_per_replica), "workers_per_replica": workers_per_replica,
         "render_rps_per_worker": round(1e3 / render_ms * (1 - headroom), 1) if render_ms else None,
@@ -369,8 +375,30 @@ def measure(target: Target, model: str, tokenizer, args, log) -> dict:
                     f"{row['request_bytes_per_chunk']:.0f} B up / {row['response_bytes_per_chunk']:.0f} B down "
                     "per chunk")
         section["derender"] = derender_rows
+    if args.images_per_render:
+        section["images"] = measure_images(target, model, args, log)
     section["recommendation"] = recommendation_for(section, args)
     return section
+
+
+def measure_images(target: Target, model: str, args, log) -> dict:
+    """Renders with ``--images-per-render`` distinct JPEGs of ``--image-resolution`` (never a cache hit) and ~1k
+    tokens of text, at ``--render-concurrency`` clients; the server must serve a covered vision-language model."""
+    from bench.image_render_bench import Workload, load_run
+
+    workload = Workload(args.images_per_render, args.image_resolution,
+                        nonrepetitive_text(random.Random(20261205), 330), args.mm_payload, model)
+    with httpx.Client(base_url=target.base_url, timeout=600) as client:
+        probe = client.post(RENDER_PATH, content=workload.payload(1), headers={"content-type": "application/json"})
+    if probe.status_code != 200:
+        raise SystemExit(f"{target.label}: an image render answered {probe.status_code}: {probe.text[:300]}")
+    row = asyncio.run(load_run(target.port, workload, args.render_concurrency, args.duration, target.cpu_seconds,
+                               [int(time.time() * 1000)], target.host))
+    row = {"images_per_render": args.images_per_render, "resolution": args.image_resolution,
+           "mm_payload": args.mm_payload, "concurrency": args.render_concurrency, **row}
+    log(f"{target.label} images {args.images_per_render}x{args.image_resolution} {row['images_per_s']} img/s "
+        f"cpu {row['cpu_ms_per_image']} ms/image p50 {row['p50_ms']} ms")
+    return row
 
 
 def recommendation_for(section: dict, args) -> dict:
@@ -383,8 +411,11 @@ def recommendation_for(section: dict, args) -> dict:
         return {"error": "no measurement for the target configuration"}
     row = min(rows, key=lambda r: abs(r["chunk_tokens"] - args.target_chunk_tokens))
     token_ms = row[token_key] if cpu_known else row[token_key] / row["chunk_tokens"]
+    images = section.get("images") or {}
+    image_ms = (images.get("cpu_ms_per_image") if cpu_known else None) or 0.0
     out = recommend(interpolate(by_len, args.target_prompt_len), token_ms, args.target_render_rps,
-                    args.target_streams, args.stream_tokens_per_s, args.headroom, args.workers_per_replica)
+                    args.target_streams, args.stream_tokens_per_s, args.headroom, args.workers_per_replica,
+                    image_ms, args.images_per_render if images else 0)
     out["basis"] = {"prompt_len": args.target_prompt_len, "tools": args.target_tools,
                     "parser_config": args.target_parser_config, "chunk_tokens": row["chunk_tokens"],
                     "cpu": "server CPU from /proc" if cpu_known else "wall-clock latency (upper bound: no /proc)",
@@ -419,8 +450,11 @@ def format_tables(report: dict) -> str:
                          f"{rec['replicas']} replica(s) of {rec['workers_per_replica']} for {b['target_render_rps']} "
                          f"renders/s of {b['prompt_len']} tokens (tools={b['tools']}) + {b['target_streams']} parsed "
                          f"streams at {b['stream_tokens_per_s']} tok/s ({b['parser_config']}, "
-                         f"chunk {b['chunk_tokens']}), "
-                         f"headroom {b['headroom']}: {rec['render_cores']} + {rec['stream_cores']} cores, "
+                         f"chunk {b['chunk_tokens']})"
+                         + (f" + {rec['images_per_render']} images per render at {rec['cpu_ms_per_image']} "
+                            f"ms each" if rec.get("images_per_render") else "")
+                         + f", headroom {b['headroom']}: {rec['render_cores']} + {rec['stream_cores']} + "
+                         f"{rec.get('image_cores', 0)} cores, "
                          f"{rec['cores_with_headroom']} with headroom")
     return "\n".join(lines)
 
@@ -479,6 +513,11 @@ def add_parser(sub) -> None:
     p.add_argument("--target-tools", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--target-parser-config", choices=PARSER_CONFIGS, default="tools")
     p.add_argument("--target-chunk-tokens", type=int, default=1, help="tokens per derender call in production")
+    p.add_argument("--images-per-render", type=int, default=0,
+                   help="also measure renders with this many images (a vision-language server) and size for them")
+    p.add_argument("--image-resolution", choices=["480p", "720p", "1080p"], default="720p")
+    p.add_argument("--mm-payload", choices=["tensors", "none"], default="tensors",
+                   help="image renders with tensors (for an engine) or without (for a router)")
     p.add_argument("--headroom", type=float, default=0.3)
     p.add_argument("--workers-per-replica", type=int, default=4)
     p.add_argument("--output", default=None, help="result JSON (default bench/results/sizing_<UTC>.json)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from render_service.fastokens_path import BACKEND_ENV, BACKENDS
+from render_service.multimodal.setup import multimodal_render_for
 from render_service.reference_mode import REFERENCE_ENV, reference_render, set_reference_render
 from splitserve_common import vllm_flags, vllm_serve_flags
 from splitserve_common.auth import add_api_key_argument
@@ -79,6 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                        help="per worker process: renders allowed to wait for a render thread; more are answered "
                             "429 with Retry-After (default: no bound)")
+    serve.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                       help="image URLs are fetched only from these hosts (and their subdomains), never from "
+                            "loopback, private or link-local addresses; data: URLs always work (default: none)")
+    serve.add_argument("--image-workers", type=int, default=None, metavar="N",
+                       help="per server process: worker processes that decode and preprocess images, for a "
+                            "covered vision-language model (default: cores, at most 8)")
+    serve.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                       help='vLLM\'s flag: images one request may carry, e.g. \'{"image": 8}\' (default 32)')
+    serve.add_argument("--max-image-bytes", type=int, default=None, metavar="N",
+                       help="an image's encoded size, checked before decoding (default 20 MiB)")
+    serve.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
+                       help="width x height an image's header may declare (default 6144 x 6144)")
+    serve.add_argument("--max-request-image-pixels", type=int, default=None, metavar="N",
+                       help="declared pixels of all images of one request (default 8 x 4096 x 4096)")
+    serve.add_argument("--mm-device-do-normalize", action=argparse.BooleanOptionalAction, default=True,
+                       help="vLLM's flag, its default on: pixel values go out as raw uint8 and the engine "
+                            "normalises them on its device; --no-mm-device-do-normalize sends float32 normalised "
+                            "values, for an engine started with that flag off")
+    serve.add_argument("--image-queue", type=int, default=None, metavar="N",
+                       help="per server process: images waiting for a worker; more are answered 429 with "
+                            "Retry-After (default 256)")
     add_api_key_argument(serve, "/health, /version, /metrics")
     add_header_timeout_argument(serve)
     serve.add_argument("--stream-state-secret", default=os.environ.get("SPLITSERVE_STREAM_STATE_SECRET"),
@@ -255,6 +278,27 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def image_bounds(args: argparse.Namespace) -> Any:
+    """The image bounds the flags ask for (multimodal.bounds.ImageBounds); a bad value ends startup."""
+    from render_service.multimodal.bounds import ImageBounds
+
+    given: dict[str, int] = {}
+    if args.limit_mm_per_prompt:
+        try:
+            limits = json.loads(args.limit_mm_per_prompt)
+            given["max_images"] = int(limits.get("image", ImageBounds.max_images))
+        except (ValueError, TypeError, AttributeError):
+            raise SystemExit(f"--limit-mm-per-prompt must be a JSON object like '{{\"image\": 8}}', "
+                             f"got {args.limit_mm_per_prompt!r}") from None
+    for flag, field in (("max_image_bytes", "max_image_bytes"), ("max_image_pixels", "max_image_pixels"),
+                        ("max_request_image_pixels", "max_request_pixels")):
+        if getattr(args, flag) is not None:
+            given[field] = getattr(args, flag)
+    if any(value < 1 for value in given.values()):
+        raise SystemExit("image bounds must be positive")
+    return ImageBounds(**given)
+
+
 def serve(args: argparse.Namespace) -> int:
     from splitserve_common.auth import ApiKeys, api_keys_from, warn_if_open
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
@@ -319,8 +363,12 @@ def serve(args: argparse.Namespace) -> int:
         if gateway is not None and args.tenant_header and not api_keys:
             raise ValueError("--tenant-header needs --api-key: a tenant header is believed only from a caller "
                              "that authenticated")
+        multimodal = multimodal_render_for(config, model_id=args.model, workers=args.image_workers,
+                                           allowed_domains=tuple(args.allowed_media_domains),
+                                           bounds=image_bounds(args), max_pending=args.image_queue or 256,
+                                           device_normalize=args.mm_device_do_normalize)
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
-                         gateway=gateway, max_queued_requests=args.max_queued_requests)
+                         gateway=gateway, max_queued_requests=args.max_queued_requests, multimodal=multimodal)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s; "
                     "message memo: %s)",
                     model_dir, time.perf_counter() - started, config.fingerprint, config.max_model_len,

@@ -23,6 +23,7 @@ ERROR_TYPES = {
     429: "TooManyRequestsError",
     500: "InternalServerError",
     501: "NotImplementedError",
+    503: "ServiceUnavailableError",
 }
 
 

@@ -9,6 +9,7 @@ fixtures/vllm-0.32-render/; deliberate differences are listed in docs/compatibil
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, cast
 
 from render_service.chat_messages import prepare_tools
@@ -249,11 +250,13 @@ def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids
 
 
 def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id: str | None = None,
-                render_fingerprint: str | None = None, ids_view: bool = False) -> GenerateRequest:
+                render_fingerprint: str | None = None, ids_view: bool = False,
+                expand_prompt: Callable[[list[int]], list[int]] | None = None) -> GenerateRequest:
     """``request_id``: the caller's X-Request-Id header, if any; ``render_fingerprint``: its
     x-render-fingerprint header (for ids it rendered already, prerendered.py); ``ids_view``: the result's
     ``token_ids`` may be the piece cache's ``PromptIds`` view, for a caller that only writes it to JSON
-    (server._encode_generate_request)."""
+    (server._encode_generate_request); ``expand_prompt``: rewrites the rendered ids before the length checks
+    (the image path puts each image's placeholder run in, multimodal.endpoint)."""
     model = check_model(req.model, config)
     _check_common(req)
     if req.max_tokens is not None and req.max_tokens < 1:
@@ -282,6 +285,8 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         if violation:
             raise bad_request(*violation)
         token_ids, kwargs, tools = given, resolve_chat_template_kwargs(req, config), None
+    if expand_prompt is not None:
+        token_ids = expand_prompt(list(token_ids))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     max_tokens = resolve_max_tokens(requested, len(token_ids), config)

@@ -21,6 +21,7 @@ from render_service import metrics
 from render_service.derender_stream import StreamRuntime
 from render_service.errors import ApiError, bad_request, error_body, from_decode_error
 from render_service.fingerprint import FINGERPRINT_HEADER
+from render_service.multimodal.chat import MultimodalRender
 from render_service.render_config import RenderConfig
 from render_service.render_queue import RenderQueue
 from splitserve_common.auth import ApiKeys
@@ -84,6 +85,7 @@ class ServerState:
     stream_runtime: StreamRuntime
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(None))  # --api-key: one or several (rotation)
     render_queue: RenderQueue = field(default_factory=RenderQueue)
+    multimodal: MultimodalRender | None = None  # images, for a covered vision-language model
     created: int = field(default_factory=lambda: int(time.time()))
     version: str = field(default_factory=version)
 

@@ -34,6 +34,9 @@ from render_service.gateway.flow import Gateway
 from render_service.gateway.routes import gateway_routes
 from render_service.incremental_tokenizer import PromptIds
 from render_service.message_memo import decode_chat_request
+from render_service.multimodal.chat import MultimodalRender
+from render_service.multimodal.endpoint import render_with_images
+from render_service.multimodal.markers import may_carry_images
 from render_service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -159,6 +162,13 @@ async def chat_render(request: Request) -> Response:
     state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
+    if may_carry_images(body):  # the image path (multimodal.endpoint); text bodies never reach it
+        with_images = await render_with_images(
+            body, decode(body, ChatCompletionRequest), state.config, state.multimodal, state.render_queue,
+            lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
+        if with_images is not None:
+            metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
+            return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)
 
     def job() -> bytes:
         req = decode_chat_request(body, state.config.message_memo, decode)
@@ -347,13 +357,14 @@ def direct_routes(app: RenderApp) -> dict[bytes, Callable[[Any], Awaitable[Respo
 
 def create_app(
     config: RenderConfig, *, api_key: str | list[str] | None = None, stream_state_secret: str | None = None,
-    gateway: Gateway | None = None, max_queued_requests: int | None = None,
+    gateway: Gateway | None = None, max_queued_requests: int | None = None, multimodal: MultimodalRender | None = None,
 ) -> Starlette:
     """The render server for one loaded configuration (plus the gateway routes when given a Gateway): the
-    composition root, where the render tier's own handlers, the API adapters' and the gateway's meet."""
+    composition root, where the render tier's own handlers, the API adapters' and the gateway's meet.
+    ``multimodal``: how to render images for a covered vision-language model (``multimodal.setup``)."""
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
     state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key),
-                        render_queue=RenderQueue(max_queued_requests))
+                        render_queue=RenderQueue(max_queued_requests), multimodal=multimodal)
     routes = own_routes()
     if gateway is not None:
         routes += gateway_routes(gateway, config, state.render_queue)

@@ -49,13 +49,13 @@ def qwen3_config(parsers: bool = False, max_model_len: int | None = None) -> Ren
 class RenderServer:
     """A started server; ``client`` is an httpx.Client bound to it. Use as a context manager."""
 
-    def __init__(self, config: RenderConfig, api_key: str | None = None) -> None:
+    def __init__(self, config: RenderConfig, api_key: str | None = None, multimodal: Any = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        app = create_app(config, api_key=api_key)
+        app = create_app(config, api_key=api_key, multimodal=multimodal)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.client = httpx.Client(base_url=self.url, timeout=30)

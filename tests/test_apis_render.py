@@ -173,7 +173,9 @@ def test_count_tokens_is_the_rendered_prompt_length(config):
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0]"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, "input[0].content"),
+    ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": 5}, "input"),
 ])

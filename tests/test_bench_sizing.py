@@ -88,3 +88,44 @@ def test_bad_sizing_flags_exit_with_usage_error(argv):
     with pytest.raises(SystemExit) as info:
         main(["sizing", *argv])
     assert info.value.code == 2
+
+
+def test_image_cores_add_to_the_recommendation():
+    rec = recommend(render_ms=5.0, token_ms=0.0, target_rps=10, streams=0, tokens_per_s=0, headroom=0.5,
+                    workers_per_replica=4, image_ms=100.0, images_per_render=4)
+    assert rec["image_cores"] == pytest.approx(4.0) and rec["cores_with_headroom"] == pytest.approx(8.1)
+    assert rec["worker_processes"] == 9 and rec["replicas"] == 3
+
+
+def test_sizing_measures_image_renders_on_a_vision_language_server(tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    bundle = tmp_path / "vl"
+    bundle.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_DIR / name, bundle / name)
+    for name in ("chat_template.jinja", "config.json", "preprocessor_config.json"):
+        shutil.copy(Path(__file__).parent / "fixtures" / "qwen2_5_vl" / name, bundle / name)
+    port = free_port()
+    proc = Process([sys.executable, "-m", "render_service.cli", "serve", str(bundle), "--host", "127.0.0.1",
+                    "--port", str(port), "--served-model-name", "vl", "--image-workers", "1", "--tool-call-parser",
+                    "hermes", "--enable-auto-tool-choice", "--log-level", "warning"], port)
+    try:
+        out = tmp_path / "sizing.json"
+        rc = main(["sizing", "--base-url", proc.url, "--label", "vl", "--prompt-lens", "256", "--duration", "0.5",
+                   "--concurrency-sweep", "1", "--sweep-prompt-len", "256", "--derender-tokens", "8",
+                   "--chunk-sizes", "4", "--parser-configs", "plain", "--target-parser-config", "plain",
+                   "--target-chunk-tokens", "4", "--target-prompt-len", "256", "--target-render-rps", "10",
+                   "--images-per-render", "2", "--image-resolution", "480p", "--output", str(out)])
+    finally:
+        proc.stop()
+    assert rc == 0
+    (server,) = json.loads(out.read_text())["servers"]
+    images = server["images"]
+    assert images["images_per_render"] == 2 and images["errors"] == 0 and images["requests"] > 0
+    assert images["cpu_ms_per_image"] > 0  # decoding and patchifying a 480p image is never free
+    rec = server["recommendation"]
+    assert rec["images_per_render"] == 2 and rec["cpu_ms_per_image"] == images["cpu_ms_per_image"]
+    assert rec["image_cores"] == pytest.approx(10 * 2 * images["cpu_ms_per_image"] / 1e3, abs=1e-3)
+    assert "images per render" in capsys.readouterr().out

@@ -81,7 +81,8 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         raise RequestError(f"output_mode must be 'tokens', got {'null' if mode is None else repr(mode)}.",
                            "output_mode")
     if req.features is not None or req.content_parts:
-        raise RequestError("multimodal inputs (features, content_parts) are not supported by this engine.",
+        raise RequestError("This engine serves text models: multimodal inputs (features, content_parts) are not "
+                           "supported; send image requests to an engine with the model's vision encoder.",
                            "features" if req.features is not None else "content_parts")
     if req.return_token_logprobs and req.stream:
         raise RequestError("return_token_logprobs is not supported with stream=true.", "return_token_logprobs")

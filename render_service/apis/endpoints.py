@@ -19,10 +19,14 @@ from render_service.apis import messages_protocol, responses_protocol
 from render_service.apis.errors import anthropic_error_body, openai_error_body
 from render_service.apis.messages import count_tokens as count_message_tokens
 from render_service.apis.messages import render_messages
-from render_service.apis.responses import render_responses
+from render_service.apis.messages import to_chat as messages_to_chat
+from render_service.apis.responses import check_stateless, render_responses
+from render_service.apis.responses import to_chat as responses_to_chat
 from render_service.errors import ApiError
-from render_service.protocol import DerenderStreamProbe
-from render_service.render_config import check_model
+from render_service.multimodal.endpoint import RenderWith, render_with_images
+from render_service.multimodal.markers import may_carry_images
+from render_service.protocol import ChatCompletionRequest, DerenderStreamProbe
+from render_service.render_config import RenderConfig, check_model
 from render_service.request_io import (
     JSON,
     Answer,
@@ -44,7 +48,7 @@ def shaped(handler: Handler, body_of: Callable[[ApiError], bytes]) -> Handler:
             check_auth(request)
             return await handler(request)
         except ApiError as exc:
-            return Response(body_of(exc), status_code=exc.status, media_type=JSON)
+            return Response(body_of(exc), status_code=exc.status, media_type=JSON, headers=exc.headers)
 
     return run
 
@@ -57,10 +61,21 @@ def anthropic_shaped(handler: Handler) -> Handler:
     return shaped(handler, anthropic_error_body)
 
 
-async def _render(request: Request, kind: type, render: Callable[..., Any], name: str) -> Response:
+async def _render(request: Request, name: str, kind: type, render: Callable[..., Any],
+                  with_images: Callable[[Any, RenderConfig], tuple[ChatCompletionRequest, RenderWith]] | None = None
+                  ) -> Response:
+    """``with_images(req, config)``: the request as chat (image parts kept) and how to finish its render, for a
+    body that may carry images (multimodal.endpoint)."""
     state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
+    if with_images is not None and may_carry_images(body):
+        chat, finish = with_images(decode(body, kind), state.config)
+        pictured = await render_with_images(body, chat, state.config, state.multimodal, state.render_queue, finish,
+                                            name)
+        if pictured is not None:
+            metrics.PROMPT_TOKENS.inc(len(pictured.token_ids))
+            return json_response(pictured, headers=state.render_headers)
 
     def job() -> Any:  # decoded and rendered on the render queue: large bodies off the event loop, as chat
         return render(decode(body, kind), state.config, request_id=request_id)[0]
@@ -71,11 +86,26 @@ async def _render(request: Request, kind: type, render: Callable[..., Any], name
 
 
 async def responses_render(request: Request) -> Response:
-    return await _render(request, responses_protocol.ResponsesRequest, render_responses, "responses_render")
+    def with_images(req: responses_protocol.ResponsesRequest, config: RenderConfig
+                    ) -> tuple[ChatCompletionRequest, RenderWith]:
+        check_stateless(req)
+        request_id = request.headers.get("x-request-id")
+        return responses_to_chat(req, config), lambda chat, expand: render_responses(
+            req, config, request_id=request_id, prepared=chat, expand_prompt=expand)[0]
+
+    return await _render(request, "responses_render", responses_protocol.ResponsesRequest, render_responses,
+                         with_images)
 
 
 async def messages_render(request: Request) -> Response:
-    return await _render(request, messages_protocol.MessagesRequest, render_messages, "messages_render")
+    def with_images(req: messages_protocol.MessagesRequest, config: RenderConfig
+                    ) -> tuple[ChatCompletionRequest, RenderWith]:
+        chat, budget = messages_to_chat(req, config)
+        request_id = request.headers.get("x-request-id")
+        return chat, lambda chat, expand: render_messages(
+            req, config, request_id=request_id, prepared=(chat, budget), expand_prompt=expand)[0]
+
+    return await _render(request, "messages_render", messages_protocol.MessagesRequest, render_messages, with_images)
 
 
 async def count_tokens(request: Request) -> Response:

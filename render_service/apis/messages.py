@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -72,7 +73,7 @@ def _block_texts(content: Any, where: str) -> list[str]:
         if block.get("type") == "text" and isinstance(block.get("text"), str):
             out.append(block["text"])
         elif block.get("type") in ("image", "document"):
-            raise bad_request(f"{where}[{i}]: {block['type']} blocks are not supported (this render tier is text-only)",
+            raise bad_request(f"{where}[{i}]: {block['type']} blocks are only supported in a user message's content",
                               where)
         else:
             raise bad_request(f"{where}[{i}] must be a text block", where)
@@ -114,6 +115,7 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
         if not isinstance(content, list):
             raise bad_request(f"{where}.content must be a string or a list of content blocks", where)
         texts: list[str] = []
+        parts: list[dict[str, Any]] = []  # text and image parts in order, for a message that carries images
         calls: list[dict[str, Any]] = []
         reasoning: list[str] = []
         for b, block in enumerate(content):
@@ -122,6 +124,9 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
             if kind == "text" and isinstance(block.get("text"), str):
                 if block["text"]:
                     texts.append(block["text"])
+                    parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and role == "user":
+                parts.append(block)  # kept as it is: the image path reads its source (multimodal.sources)
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                         or not isinstance(block.get("input", {}), dict):
@@ -135,8 +140,10 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
                 reasoning.append(block["thinking"])
             elif kind == "redacted_thinking" and role == "assistant":
                 pass  # opaque by design: nothing to render
-            elif kind in ("image", "document"):
-                raise bad_request(f"{at}: {kind} blocks are not supported (this render tier is text-only)", at)
+            elif kind == "image":
+                raise bad_request(f"{at}: image blocks are only supported in user messages", at)
+            elif kind == "document":
+                raise bad_request(f"{at}: document blocks are not supported", at)
             else:
                 raise bad_request(f"{at}: content block type {kind!r} is not valid in a {role} message", at)
         msg: dict[str, Any] = {"role": role}
@@ -144,7 +151,9 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
             msg["reasoning"] = "".join(reasoning)
         if calls:
             msg["tool_calls"] = calls
-        if texts:
+        if len(parts) > len(texts):
+            msg["content"] = parts
+        elif texts:
             msg["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
         elif not calls and not reasoning:
             continue  # only tool results (already out) or nothing: as vLLM, no empty message
@@ -281,11 +290,15 @@ def to_chat(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionR
     return chat, budget
 
 
-def render_messages(req: MessagesRequest, config: RenderConfig, *, request_id: str | None = None
+def render_messages(req: MessagesRequest, config: RenderConfig, *, request_id: str | None = None,
+                    prepared: tuple[ChatCompletionRequest, int | None] | None = None,
+                    expand_prompt: Callable[[list[int]], list[int]] | None = None,
                     ) -> tuple[GenerateRequest, ChatCompletionRequest]:
-    """The engine request (``sampling_params.thinking_token_budget`` set from the budget) and its chat request."""
-    chat, budget = to_chat(req, config)
-    gen = render_chat(chat, config)
+    """The engine request (``sampling_params.thinking_token_budget`` set from the budget) and its chat request.
+    ``prepared``: ``to_chat``'s answer, already made (the image path rewrites its messages); ``expand_prompt``:
+    as ``render_chat``'s."""
+    chat, budget = prepared or to_chat(req, config)
+    gen = render_chat(chat, config, expand_prompt=expand_prompt)
     params = gen.sampling_params
     if budget is not None:
         params = msgspec.structs.replace(params, thinking_token_budget=budget)

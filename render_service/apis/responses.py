@@ -4,7 +4,7 @@ The mapping is what OpenAI's Responses API means by each field (and what vLLM's 
 ``instructions`` become the system message, input items become chat messages (consecutive reasoning, assistant
 message and ``function_call`` items fold into one assistant turn; ``function_call_output`` becomes a tool
 message), function tools and ``tool_choice`` become chat's, ``text.format`` becomes ``response_format``.
-Anything the render tier cannot honour (non-function tools, images, background mode) is a 400 in OpenAI's
+Anything the render tier cannot honour (non-function tools, files, background mode) is a 400 in OpenAI's
 error shape. ``previous_response_id`` is resolved by the gateway (its store) before this runs; the stateless
 ``/v1/responses/render`` refuses it, as upstream does.
 """
@@ -12,6 +12,7 @@ error shape. ``previous_response_id`` is resolved by the gateway (its store) bef
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -35,13 +36,14 @@ def new_response_id(given: str | None = None) -> str:
     return given if given else f"resp_{os.urandom(16).hex()}"
 
 
-def _texts(content: Any, where: str) -> list[str]:
-    """The text of a content value: a string, or a list of text parts (anything else is refused)."""
+def _parts(content: Any, where: str, images: bool = False) -> list[str | dict[str, Any]]:
+    """The text of a content value (a string, or a list of text parts) and, with ``images`` (a user message),
+    its ``input_image`` parts in place; anything else is refused."""
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", where)
-    out = []
+    out: list[str | dict[str, Any]] = []
     for i, part in enumerate(content):
         if not isinstance(part, dict):
             raise bad_request(f"{where}[{i}] must be an object", where)
@@ -50,17 +52,28 @@ def _texts(content: Any, where: str) -> list[str]:
             out.append(part["refusal"])
         elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
             out.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{where}[{i}]: {kind} is not supported (this render tier is text-only)", where)
+        elif kind == "input_image" and images:
+            out.append(part)  # kept as it is: the image path reads it (multimodal.sources)
+        elif kind == "input_image":
+            raise bad_request(f"{where}[{i}]: input_image is only supported in a user message's content", where)
+        elif kind in ("input_file", "input_audio"):
+            raise bad_request(f"{where}[{i}]: {kind} is not supported", where)
         else:
             raise bad_request(f"{where}[{i}] has unknown content part type {kind!r}", where)
     return out
 
 
-def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _texts(content: Any, where: str) -> list[str]:
+    return [text for text in _parts(content, where) if isinstance(text, str)]
+
+
+def _content(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
-    texts = _texts(content, where)
+    parts = _parts(content, where, images)
+    if any(isinstance(part, dict) for part in parts):
+        return [part if isinstance(part, dict) else {"type": "text", "text": part} for part in parts]
+    texts = [part for part in parts if isinstance(part, str)]
     return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
 
 
@@ -121,7 +134,7 @@ def input_messages(items: Any, known_call_ids: set[str] | None = None) -> list[d
             role = item.get("role")
             if role not in MESSAGE_ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", where)
-            content = _content(item.get("content"), f"{where}.content")
+            content = _content(item.get("content"), f"{where}.content", images=role == "user")
             if role == "assistant":
                 turns.assistant_text(content)
             else:
@@ -263,18 +276,27 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
     )
 
 
-def render_responses(req: ResponsesRequest, config: RenderConfig, *, request_id: str | None = None,
-                     history: list[dict[str, Any]] | None = None, stateless: bool = True
-                     ) -> tuple[GenerateRequest, ChatCompletionRequest]:
-    """The engine request for a Responses request and the chat request it was rendered as.
-
-    ``stateless`` (/v1/responses/render): ``previous_response_id`` is refused, as upstream's render does."""
-    if stateless and req.previous_response_id is not None:
+def check_stateless(req: ResponsesRequest) -> None:
+    if req.previous_response_id is not None:
         raise coded(bad_request("previous_response_id is not supported by the stateless render endpoint; inline "
                                 "the conversation's items in input", "previous_response_id"),
                     "unsupported_parameter")
-    chat = to_chat(req, config, history)
-    gen = render_chat(chat, config)
+
+
+def render_responses(req: ResponsesRequest, config: RenderConfig, *, request_id: str | None = None,
+                     history: list[dict[str, Any]] | None = None, stateless: bool = True,
+                     prepared: ChatCompletionRequest | None = None,
+                     expand_prompt: Callable[[list[int]], list[int]] | None = None,
+                     ) -> tuple[GenerateRequest, ChatCompletionRequest]:
+    """The engine request for a Responses request and the chat request it was rendered as.
+
+    ``stateless`` (/v1/responses/render): ``previous_response_id`` is refused, as upstream's render does.
+    ``prepared``: ``to_chat``'s answer, already made (the image path rewrites its messages); ``expand_prompt``:
+    as ``render_chat``'s."""
+    if stateless:
+        check_stateless(req)
+    chat = prepared or to_chat(req, config, history)
+    gen = render_chat(chat, config, expand_prompt=expand_prompt)
     gen = msgspec.structs.replace(gen, request_id=new_response_id(requested_id(request_id, req.request_id)),
                                   kv_transfer_params=req.kv_transfer_params)
     return gen, chat

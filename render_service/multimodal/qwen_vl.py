@@ -1,0 +1,65 @@
+"""The Qwen-VL image rule: resize to a grid of patch_size x merge_size cells within [min_pixels, max_pixels],
+keeping the aspect ratio; one placeholder token per merge_size x merge_size block of patches. Pixel values are
+rescaled, normalised and laid out patch by patch as the model's image processor lays them out."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image
+
+from render_service.multimodal.bounds import ImageError
+from render_service.multimodal.families import VisionFamily
+
+MAX_ASPECT_RATIO = 200  # the processor refuses more
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The (height, width) an image is resized to: multiples of ``factor``, pixels within the bounds."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageError(f"an image's aspect ratio must be at most {MAX_ASPECT_RATIO}:1, got {width}x{height}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def grid_thw(height: int, width: int, family: VisionFamily) -> tuple[int, int, int]:
+    """(temporal, height, width) in patches for one image."""
+    h, w = smart_resize(height, width, family.patch_size * family.merge_size, family.min_pixels, family.max_pixels)
+    return 1, h // family.patch_size, w // family.patch_size
+
+
+def image_token_count(height: int, width: int, family: VisionFamily) -> int:
+    t, h, w = grid_thw(height, width, family)
+    return t * h * w // (family.merge_size * family.merge_size)
+
+
+def pixel_values(image: Image.Image, family: VisionFamily, normalize: bool = True
+                 ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(patches x (3 * temporal * patch * patch), grid_thw) for an RGB image: bicubic resize to the grid, then
+    (``normalize``) /255 and mean/std as float32, or (not ``normalize``) the resized uint8 pixels as they are, for
+    an engine that normalises on its device (vLLM's default, ``mm_device_do_normalize``); each patch repeated over
+    the temporal axis, patches ordered merge block by block."""
+    t, gh, gw = grid_thw(image.height, image.width, family)
+    p, m, tp = family.patch_size, family.merge_size, family.temporal_patch_size
+    resized = image.resize((gw * p, gh * p), Image.Resampling.BICUBIC)
+    chw: np.ndarray
+    if normalize:
+        scaled = np.asarray(resized, dtype=np.float32) * np.float32(1 / 255)
+        mean = np.asarray(family.image_mean, dtype=np.float32)
+        std = np.asarray(family.image_std, dtype=np.float32)
+        chw = ((scaled - mean) / std).transpose(2, 0, 1)
+    else:
+        chw = np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)
+    blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))
+    return np.ascontiguousarray(repeated.reshape(gh * gw, 3 * tp * p * p)), (t, gh, gw)
