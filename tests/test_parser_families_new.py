@@ -1,4 +1,4 @@
-"""Issue 17's families: kimi_k2 / deepseek_v4 / mistral / granite reasoning, deepseek_v32 / deepseek_v4 (DSML) /
+"""The later parser families: kimi_k2 / deepseek_v4 / mistral / granite reasoning, deepseek_v32 / deepseek_v4 (DSML) /
 granite4 / llama4_pythonic / llama4_json tool calls.
 
 Vectors from upstream's behaviour (vLLM's parsers, read in the code stores) with our documented differences,

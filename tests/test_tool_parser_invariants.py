@@ -1,4 +1,4 @@
-"""Issue 16's two invariants as hypothesis properties, for every tool-parser family in
+"""The tool parsers' two invariants as hypothesis properties, for every tool-parser family in
 ``tests/tool_parser_invariants.FAMILIES``: generated outputs (prose, calls, prose; half of them cut anywhere,
 as max_tokens cuts) and adversarial token soups, through the parser alone (any chunking, one character at a
 time) and through the whole derender pipeline over the real Qwen3 tokenizer's IDs (batch == one-token
