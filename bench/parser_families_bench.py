@@ -88,7 +88,8 @@ NEW_FAMILY_WRITERS = {
     "dots": "write_dots", "hy_v3": "write_hy_v3", "step3": "write_step3", "step3p5": "write_qwen3_xml",
     "mimo": "write_mimo", "deepseek_v3": "write_deepseek_v3", "plamo3": "write_plamo3",
     "jamba": "write_jamba", "hunyuan_a13b": "write_jamba", "phi4_mini_json": "write_phi4_mini",
-    "internlm": "write_internlm", "lfm2": "write_lfm2",
+    "internlm": "write_internlm", "lfm2": "write_lfm2", "gemma4": "write_gemma4",
+    "functiongemma": "write_functiongemma",
 }
 
 
@@ -125,6 +126,8 @@ FAMILIES = {
     "phi4_mini_json": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "internlm": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "lfm2": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "gemma4": ("gemma4", "<|channel>thought\n", "<channel|>", "qwen3"),
+    "functiongemma": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "llama4_pythonic": (None, "", "", "llama4"),
     "llama4_json": (None, "", "", "llama4"),
 }

@@ -124,7 +124,7 @@ def test_mimo_values_keep_every_character_and_are_typed() -> None:
     (None, "longcat_flash", "longcat", (None, "longcat")),
     (None, "dots1", "dots", (None, "dots")),
     (None, "ernie4_5_moe", "ernie-4.5", ("ernie45", "ernie45")),
-    (None, "gemma4", "gemma-4", ("gemma4", None)),
+    (None, "gemma4", "gemma-4", ("gemma4", "gemma4")),
 ])
 def test_auto_detects_the_new_families(template, model_type, family, expected) -> None:
     source = (TEMPLATES / template).read_text(encoding="utf-8") if template else None

@@ -135,6 +135,29 @@ def write_gigachat3(calls: list[Call]) -> str:
     return "".join(f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
 
 
+def _gemma_value(v: Any, delim: str) -> str:
+    if isinstance(v, str):
+        return f"{delim}{v}{delim}"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_gemma_value(x, delim)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(_gemma_value(x, delim) for x in v) + "]"
+    return json.dumps(v)
+
+
+def write_gemma4(calls: list[Call]) -> str:
+    return "".join("<|tool_call>call:" + n + _gemma_value(a, '<|"|>') + "<tool_call|>" for n, a in calls)
+
+
+def write_functiongemma(calls: list[Call]) -> str:
+    return "".join("<start_function_call>call:" + n + "{" + ",".join(
+        f"{k}:<escape>{_text_value(v)}<escape>" for k, v in a.items()) + "}<end_function_call>" for n, a in calls)
+
+
+GEMMA4 = ("<|tool_call>", "<tool_call|>", '<|"|>', "call:")
+FUNCTIONGEMMA = ("<start_function_call>", "<end_function_call>", "<escape>", "call:")
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -323,6 +346,11 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("gemma4", write_gemma4, (*GEMMA4, "true", "false"),
+               (*GEMMA4, "get_weather", "city", "days", "{", "}", "[", "]", ":", ",", " ", "\n", "x", "3", "1.5",
+                "true", "<|", "<", "😀")),
+    ToolFamily("functiongemma", write_functiongemma, FUNCTIONGEMMA,
+               (*FUNCTIONGEMMA, "get_weather", "city", "{", "}", ":", ",", " ", "x", "3", '"a"', "[1]", "<")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

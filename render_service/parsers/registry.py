@@ -65,6 +65,8 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "jamba": ("render_service.parsers.tools_wrapped_families", "JambaToolParser"),
     "phi4_mini_json": ("render_service.parsers.tools_wrapped_families", "Phi4MiniJsonToolParser"),
     "internlm": ("render_service.parsers.tools_wrapped_families", "InternLMToolParser"),
+    "gemma4": ("render_service.parsers.tools_gemma", "Gemma4ToolParser"),
+    "functiongemma": ("render_service.parsers.tools_gemma", "FunctionGemmaToolParser"),
 }
 
 
