@@ -90,6 +90,12 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("granite_thinking_parser", "plan\n</think>\n\nanswer\n", None, [("reasoning", "plan\n"), ("content", "answer\n")]),
     ("granite_thinking_parser", "\n\nanswer", {"enable_thinking": False}, [("content", "answer")]),
     ("gemma4", "answer <|channel>", None, [("content", "answer <|channel>")]),
+    ("kimi_k3", "plan<|close|>think<|sep|><|open|>response<|sep|>answer", None,
+     [("reasoning", "plan"), ("content", "<|open|>response<|sep|>answer")]),
+    ("kimi_k3", "<|open|>think<|sep|>plan<|close|>think<|sep|>answer", {"thinking": True},
+     [("reasoning", "plan"), ("content", "answer")]),
+    ("kimi_k3", "answer", {"thinking": False}, [("content", "answer")]),
+    ("kimi_k3", "answer", {"enable_thinking": False}, [("content", "answer")]),
     ("gemma4", "<|channel>plan<|tool_call>call", {"enable_thinking": True},
      [("reasoning", "plan"), ("content", "<|tool_call>call")]),
 ])
@@ -102,6 +108,27 @@ def test_a_name_we_do_not_serve_is_refused_in_one_line(lookup) -> None:
     with pytest.raises(UnknownParserError) as err:
         lookup("gemma4_not_served")
     assert "\n" not in str(err.value) and "gemma4_not_served" in str(err.value)
+
+
+def test_kimi_k3_reads_xtml_calls_and_drops_the_response_channel() -> None:
+    text = ('<|open|>response<|sep|>On it.<|close|>response<|sep|><|open|>tools<|sep|>\n'
+            '<|open|>call tool="get_weather" index="1"<|sep|>'
+            '<|open|>argument key="city" type="string"<|sep|> New York <|close|>argument<|sep|>'
+            '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>'
+            '<|open|>argument key="note"<|sep|>3<|close|>argument<|sep|>'
+            '<|close|>call<|sep|>\n<|close|>tools<|sep|>')
+    folded = parse("kimi_k3", text)
+    assert parse_chunks_equal("kimi_k3", text)
+    # a string value keeps its spaces; no type reads as a string (upstream's default)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": " New York ", "days": 3, "note": "3"})]
+    assert folded.content == "On it."  # whitespace after the tools channel is layout
+
+
+def test_auto_reads_kimi_k3_off_its_xtml_markers() -> None:
+    # no Kimi K3 template is in the public sources we can read: a template writing XTML elements stands in
+    source = "{{- '<|open|>message role=\"' + m.role + '\"<|sep|>' + m.content + '<|close|>message<|sep|>' }}"
+    assert resolve_auto("auto", "auto", source, None) == ("kimi_k3", "kimi_k3")
 
 
 def test_mimo_values_keep_every_character_and_are_typed() -> None:

@@ -158,6 +158,18 @@ GEMMA4 = ("<|tool_call>", "<tool_call|>", '<|"|>', "call:")
 FUNCTIONGEMMA = ("<start_function_call>", "<end_function_call>", "<escape>", "call:")
 
 
+K3 = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>", "<|open|>call tool=", "<|close|>call<|sep|>",
+      "<|open|>argument key=", "<|close|>argument<|sep|>", "<|sep|>", "<|open|>response<|sep|>",
+      "<|close|>response<|sep|>", 'type="string"', 'type="json"', 'index="1"', 'index="2"', 'index="3"')
+
+
+def write_kimi_k3(calls: list[Call]) -> str:
+    return "<|open|>tools<|sep|>" + "".join(f'<|open|>call tool="{n}" index="{i + 1}"<|sep|>' + "".join(
+        f'<|open|>argument key="{k}" type="{"string" if isinstance(v, str) else "json"}"<|sep|>{_text_value(v)}'
+        "<|close|>argument<|sep|>" for k, v in a.items()) + "<|close|>call<|sep|>"
+        for i, (n, a) in enumerate(calls)) + "<|close|>tools<|sep|>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -346,6 +358,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("kimi_k3", write_kimi_k3, K3,
+               (*K3, '"get_weather" index="1"', '"city" ', "\n", " ", "x", "3", "<|open|>", "<|close|>", "<", "{")),
     ToolFamily("gemma4", write_gemma4, (*GEMMA4, "true", "false"),
                (*GEMMA4, "get_weather", "city", "days", "{", "}", "[", "]", ":", ",", " ", "\n", "x", "3", "1.5",
                 "true", "<|", "<", "😀")),

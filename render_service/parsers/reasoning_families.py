@@ -430,6 +430,22 @@ class DeepSeekV41ReasoningParser(DeepSeekV4ReasoningParser):
     implicit_end_markers: ClassVar[tuple[str, ...]] = (DSML_V41_CALLS, DSML_V41_TOOL_CALLS, DSML_TOOL_CALLS)
 
 
+class KimiK3ReasoningParser(ThinkReasoningParser):
+    """kimi_k3 (Kimi K3): the XTML think channel, ``<|open|>think<|sep|>`` ... ``<|close|>think<|sep|>`` (each
+    marker three special tokens); thinking on unless ``thinking`` (else ``enable_thinking``) says off."""
+
+    name = "kimi_k3"
+    thinking_kwarg = "thinking"
+    start_tag = "<|open|>think<|sep|>"
+    end_tag = "<|close|>think<|sep|>"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        kwargs = chat_template_kwargs or {}
+        thinking = kwargs.get("thinking")
+        return bool(kwargs.get("enable_thinking", True) if thinking is None else thinking)
+
+
 class Plamo3ReasoningParser(ThinkReasoningParser):
     """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
     several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
@@ -445,5 +461,5 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
-                              GraniteThinkingReasoningParser)
+                              GraniteThinkingReasoningParser, KimiK3ReasoningParser)
 }

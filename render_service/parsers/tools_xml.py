@@ -24,6 +24,7 @@ value that the trim rule may drop.
 
 from __future__ import annotations
 
+import functools
 import re
 from enum import IntEnum
 from typing import ClassVar
@@ -72,7 +73,12 @@ YES, NO, WAIT = range(3)
 
 # XmlCallState.value_kind: how the current value reads (DSML's string attribute; by the schema otherwise)
 BY_SCHEMA, STRING_ATTR, JSON_ATTR = range(3)
-_KEY_WITH_STRING_ATTR = re.compile(r"""\s*(["']?)(.*?)\1\s+string\s*=\s*["']?(true|false)["']?\s*""", re.DOTALL)
+
+
+@functools.lru_cache(maxsize=8)
+def _key_with_attr(attr: str) -> re.Pattern[str]:
+    """A quoted key name followed by ``attr="value"`` (DSML's ``string="true"``, Kimi K3's ``type="string"``)."""
+    return re.compile(rf"""\s*(["']?)(.*?)\1\s+{re.escape(attr)}\s*=\s*["']?([^"'\s]*)["']?\s*""", re.DOTALL)
 
 _NOT_IN_NAME = re.compile(r"[<>\n]")
 
@@ -100,6 +106,10 @@ class XmlFormat(msgspec.Struct, frozen=True):
     skip_escaped_newlines: bool = False  # GLM-4.7 may write a literal \n between </arg_key> and <arg_value>
     # the key carries string="true|false" after its quoted name (DeepSeek's DSML): true is raw text, false JSON
     string_attr: bool = False
+    # the attribute string_attr reads and its value that means raw text; a key without it reads as raw text
+    # when string_attr_default_raw (Kimi K3: type="string", the default) and as JSON otherwise (DSML)
+    string_attr_raw: tuple[str, str] = ("string", "true")
+    string_attr_default_raw: bool = False
     # (open, close): a span that is content whatever it holds, e.g. a thinking block the reasoning parser did
     # not take out (a call the model quotes while thinking is not a call)
     opaque: tuple[str, str] | None = None
@@ -305,10 +315,12 @@ class XmlToolParser:
         f = self.FORMAT
         if f.string_attr:
             # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
-            attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
+            name, raw = f.string_attr_raw
+            attr = _key_with_attr(name).fullmatch(key)
             if attr is not None:
-                return attr.group(2), STRING_ATTR if attr.group(3) == "true" else JSON_ATTR
-            return (_first_attribute(key).strip() if f.quoted_names else key), JSON_ATTR
+                return attr.group(2), STRING_ATTR if attr.group(3) == raw else JSON_ATTR
+            return ((_first_attribute(key).strip() if f.quoted_names else key),
+                    STRING_ATTR if f.string_attr_default_raw else JSON_ATTR)
         return (_first_attribute(key).strip() if f.quoted_names else key), BY_SCHEMA
 
     def _trim_tail(self, text: str) -> str:

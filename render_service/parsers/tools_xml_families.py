@@ -5,6 +5,10 @@
 * ``dots``: MiniMax-M2's ``<invoke name=...>`` / ``<parameter name=...>`` inside ``<dots_function_call>``.
 * ``hy_v3``: ``<tool_calls><tool_call>NAME<tool_sep><arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``.
 * ``step3``: ``<steptml:invoke name="NAME">`` / ``<steptml:parameter name="K">`` inside Step's special tokens.
+* ``kimi_k3``: Kimi K3's XTML channels, ``<|open|>tools<|sep|>`` ``<|open|>call tool="NAME" index="1"<|sep|>``
+  ``<|open|>argument key="K" type="string"<|sep|>V<|close|>argument<|sep|>`` ``<|close|>call<|sep|>``
+  ``<|close|>tools<|sep|>``; a ``type="string"`` value (or one without a type) is raw text, any other type is
+  JSON (its text when it does not parse). The ``response`` channel's markers are dropped: its text is content.
 """
 
 from __future__ import annotations
@@ -80,3 +84,38 @@ class Step3ToolParser(DroppedMarkersToolParser):
     name: ClassVar[str] = "step3"
     DROPPED: ClassVar[tuple[str, ...]] = ("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>", "<｜tool_call_end｜>")
     INNER: ClassVar[Any] = Step3CallsParser
+
+
+# kimi_k3 (Kimi K3): XTML elements built from the <|open|>, <|close|> and <|sep|> special tokens
+K3_FORMAT = XmlFormat(
+    block_open="<|open|>tools<|sep|>",
+    block_end="<|close|>tools<|sep|>",
+    call_open="<|open|>call tool=",
+    head_ends=("<|sep|>",),
+    head_consumed=("<|sep|>",),
+    call_end="<|close|>call<|sep|>",
+    key_open="<|open|>argument key=",
+    key_end="<|sep|>",
+    value_open=None,
+    value_end="<|close|>argument<|sep|>",
+    trim="none",
+    quoted_names=True,
+    string_attr=True,
+    string_attr_raw=("type", "string"),
+    string_attr_default_raw=True,
+)
+
+
+class KimiK3CallsParser(XmlToolParser):
+    name: ClassVar[str] = "kimi_k3_calls"
+    FORMAT: ClassVar[XmlFormat] = K3_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<|open|>tools<|sep|>"
+    FORCED_NAMED: ClassVar[str] = "<|open|>tools<|sep|><|open|>call tool=\"{name}\" index=\"1\"<|sep|>"
+
+
+class KimiK3ToolParser(DroppedMarkersToolParser):
+    name: ClassVar[str] = "kimi_k3"
+    # the response channel around the reply (its opener often ends the prompt): markup, its text is content
+    DROPPED: ClassVar[tuple[str, ...]] = ("<|open|>response<|sep|>", "<|close|>response<|sep|>",
+                                          "<|close|>message<|sep|>")
+    INNER: ClassVar[Any] = KimiK3CallsParser
