@@ -170,6 +170,11 @@ def write_kimi_k3(calls: list[Call]) -> str:
         for i, (n, a) in enumerate(calls)) + "<|close|>tools<|sep|>"
 
 
+def write_olmo3(calls: list[Call]) -> str:
+    return "<function_calls>" + "\n".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                                           for n, a in calls) + "</function_calls>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -313,7 +318,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                 " ", "\n", "x", "<")),
     ToolFamily("ernie45", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
                ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "\n", "1")),
-    ToolFamily("lfm2", write_lfm2, ("<|tool_call_start|>", "<|tool_call_end|>"),
+    ToolFamily("lfm2", write_lfm2, ("<|tool_call_start|>", "<|tool_call_end|>", "None", "True", "False"),
                ("<|tool_call_start|>", "<|tool_call_end|>", "[", "]", "(", ")", "=", ",", "'", '"', "get_weather",
                 "city", " ", "\n", "x", "1", "None")),
     ToolFamily("jamba", write_jamba, ("<tool_calls>", "</tool_calls>", *_JSON_KEYS),
@@ -358,6 +363,9 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("olmo3", write_olmo3, ("<function_calls>", "</function_calls>", "None", "True", "False"),
+               ("<function_calls>", "</function_calls>", "get_weather", "(", ")", "=", "'", '"', ",", "\n", " ", "x",
+                "1", "null", "true", "{", "}", "[", "]", "city")),
     ToolFamily("kimi_k3", write_kimi_k3, K3,
                (*K3, '"get_weather" index="1"', '"city" ', "\n", " ", "x", "3", "<|open|>", "<|close|>", "<", "{")),
     ToolFamily("gemma4", write_gemma4, (*GEMMA4, "true", "false"),

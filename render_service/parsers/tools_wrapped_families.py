@@ -12,6 +12,8 @@
   ``function call<|role_sep|>\n``), to the end of the output.
 * ``granite`` (Granite 3.0 / 3.1): ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>`` (3.1, text) and a
   JSON list of calls; the list's ``]`` ends it, prose around it is content.
+* ``olmo3`` (OLMo 3): ``<function_calls>get_weather(city="Paris")\nget_time()</function_calls>``, pythonic calls
+  one per line, ``null``/``true``/``false`` read as JSON's.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
 
 The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
@@ -82,3 +84,16 @@ class GraniteToolParser(WrappedToolParser):
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ("<tool_call>",)
     END: ClassVar[str | None] = None
     INNER: ClassVar[Any] = JsonListToolParser
+
+
+class Olmo3CallsParser(PythonicToolParser):
+    name: ClassVar[str] = "olmo3_calls"
+    BRACKETED: ClassVar[bool] = False
+    JSON_NAMES: ClassVar[bool] = True
+
+
+class Olmo3ToolParser(WrappedToolParser):
+    name: ClassVar[str] = "olmo3"
+    START: ClassVar[str] = "<function_calls>"
+    END: ClassVar[str | None] = "</function_calls>"
+    INNER: ClassVar[Any] = Olmo3CallsParser
