@@ -95,6 +95,8 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("kimi_k3", "<|open|>think<|sep|>plan<|close|>think<|sep|>answer", {"thinking": True},
      [("reasoning", "plan"), ("content", "answer")]),
     ("kimi_k3", "answer", {"thinking": False}, [("content", "answer")]),
+    ("hy_v4", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("hy_v4", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
     ("kimi_k3", "answer", {"enable_thinking": False}, [("content", "answer")]),
     ("gemma4", "<|channel>plan<|tool_call>call", {"enable_thinking": True},
      [("reasoning", "plan"), ("content", "<|tool_call>call")]),
@@ -129,6 +131,18 @@ def test_auto_reads_kimi_k3_off_its_xtml_markers() -> None:
     # no Kimi K3 template is in the public sources we can read: a template writing XTML elements stands in
     source = "{{- '<|open|>message role=\"' + m.role + '\"<|sep|>' + m.content + '<|close|>message<|sep|>' }}"
     assert resolve_auto("auto", "auto", source, None) == ("kimi_k3", "kimi_k3")
+
+
+def test_hy_v4_reads_glm_like_calls_without_a_separator() -> None:
+    text = ("Ok.<tool_calls><tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key><arg_value>3</arg_value><arg_key>x</arg_key><arg_value>[1]</arg_value></tool_call>"
+            "<tool_call>get_time</tool_call></tool_calls>")
+    folded = parse("hy_v4", text)
+    assert parse_chunks_equal("hy_v4", text)
+    # days is typed by the schema; x is not declared: a string (upstream's fallback type)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "x": "[1]"}), ("get_time", {})]
+    assert folded.content == "Ok."
 
 
 def test_mimo_values_keep_every_character_and_are_typed() -> None:

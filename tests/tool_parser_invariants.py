@@ -175,6 +175,12 @@ def write_olmo3(calls: list[Call]) -> str:
                                            for n, a in calls) + "</function_calls>"
 
 
+def write_hy_v4(calls: list[Call]) -> str:
+    return "<tool_calls>" + "".join(f"<tool_call>{n}\n" + "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{_text_value(v)}</arg_value>" for k, v in a.items()) + "</tool_call>"
+        for n, a in calls) + "</tool_calls>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -363,6 +369,10 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("hy_v4", write_hy_v4, ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<arg_key>",
+                                       "</arg_key>", "<arg_value>", "</arg_value>"),
+               ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                "<arg_value>", "</arg_value>", "get_weather", "city", "\n", " ", "x", "3", "<")),
     ToolFamily("olmo3", write_olmo3, ("<function_calls>", "</function_calls>", "None", "True", "False"),
                ("<function_calls>", "</function_calls>", "get_weather", "(", ")", "=", "'", '"', ",", "\n", " ", "x",
                 "1", "null", "true", "{", "}", "[", "]", "city")),

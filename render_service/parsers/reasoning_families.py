@@ -303,6 +303,10 @@ class HyV3ReasoningParser(ThinkReasoningParser):
         return (chat_template_kwargs or {}).get("reasoning_effort") != "no_think"
 
 
+class HyV4ReasoningParser(HyV3ReasoningParser):
+    name = "hy_v4"  # Hunyuan v4: hy_v3's rules (reasoning from the start, off with reasoning_effort no_think)
+
+
 class Ling3ReasoningParser(Glm47ReasoningParser):
     """ling3 (Ling 3): GLM-4.7's reasoning, thinking on unless ``thinking`` / ``enable_thinking`` says off."""
 
@@ -461,5 +465,5 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
-                              GraniteThinkingReasoningParser, KimiK3ReasoningParser)
+                              GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser)
 }

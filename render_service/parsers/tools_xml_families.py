@@ -4,6 +4,8 @@
   ``</tool_call>``); values typed by the schema, undeclared ones read as JSON/Python literals, as upstream.
 * ``dots``: MiniMax-M2's ``<invoke name=...>`` / ``<parameter name=...>`` inside ``<dots_function_call>``.
 * ``hy_v3``: ``<tool_calls><tool_call>NAME<tool_sep><arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``.
+* ``hy_v4``: hy_v3's markup without ``<tool_sep>`` (the name ends at its newline or the first ``<arg_key>``);
+  undeclared values stay strings (upstream's fallback type is string).
 * ``step3``: ``<steptml:invoke name="NAME">`` / ``<steptml:parameter name="K">`` inside Step's special tokens.
 * ``kimi_k3``: Kimi K3's XTML channels, ``<|open|>tools<|sep|>`` ``<|open|>call tool="NAME" index="1"<|sep|>``
   ``<|open|>argument key="K" type="string"<|sep|>V<|close|>argument<|sep|>`` ``<|close|>call<|sep|>``
@@ -51,6 +53,18 @@ class HyV3ToolParser(XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = HY_V3_FORMAT
     FORCED_REQUIRED: ClassVar[str] = "<tool_calls><tool_call>"
     FORCED_NAMED: ClassVar[str] = "<tool_calls><tool_call>{name}<tool_sep>"
+
+
+# hy_v4 (Hunyuan v4): <tool_calls><tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call></tool_calls>
+HY_V4_FORMAT = msgspec.structs.replace(
+    HY_V3_FORMAT, head_ends=GLM_FORMAT.head_ends, head_consumed=GLM_FORMAT.head_consumed, undeclared="string")
+
+
+class HyV4ToolParser(XmlToolParser):
+    name: ClassVar[str] = "hy_v4"
+    FORMAT: ClassVar[XmlFormat] = HY_V4_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<tool_calls><tool_call>"
+    FORCED_NAMED: ClassVar[str] = "<tool_calls><tool_call>{name}\n"
 
 
 # step3 (Step-3): <｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME">
