@@ -89,7 +89,8 @@ NEW_FAMILY_WRITERS = {
     "mimo": "write_mimo", "deepseek_v3": "write_deepseek_v3", "plamo3": "write_plamo3",
     "jamba": "write_jamba", "hunyuan_a13b": "write_jamba", "phi4_mini_json": "write_phi4_mini",
     "internlm": "write_internlm", "lfm2": "write_lfm2", "gemma4": "write_gemma4",
-    "functiongemma": "write_functiongemma", "kimi_k3": "write_kimi_k3", "olmo3": "write_olmo3", "hy_v4": "write_hy_v4",
+    "functiongemma": "write_functiongemma", "kimi_k3": "write_kimi_k3", "olmo3": "write_olmo3",
+    "hy_v4": "write_hy_v4", "apertus": "write_apertus",
 }
 
 
@@ -128,6 +129,7 @@ FAMILIES = {
     "lfm2": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "gemma4": ("gemma4", "<|channel>thought\n", "<channel|>", "qwen3"),
     "functiongemma": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "apertus": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "hy_v4": ("hy_v4", "<think>", "</think>", "qwen3"),
     "olmo3": ("olmo3", "<think>", "</think>", "qwen3"),
     "kimi_k3": ("kimi_k3", "<|open|>think<|sep|>", "<|close|>think<|sep|>", "qwen3"),

@@ -10,7 +10,7 @@ from render_service.parsers.auto import detect_family, resolve_auto
 from render_service.parsers.base import ReasoningParserConfig
 from render_service.parsers.registry import UnknownParserError, get_reasoning_parser, get_tool_parser
 from tests.family_bundles import TEMPLATES
-from tests.test_tool_parsers_common import parse
+from tests.test_tool_parsers_common import Folded, parse
 from tests.tool_parser_invariants import write_glm, write_hermes, write_longcat, write_qwen3_xml
 
 CALLS = [("get_weather", {"city": "Paris", "days": 3})]
@@ -143,6 +143,21 @@ def test_hy_v4_reads_glm_like_calls_without_a_separator() -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
         ("get_weather", {"city": "Paris", "days": 3, "x": "[1]"}), ("get_time", {})]
     assert folded.content == "Ok."
+
+
+def test_apertus_reads_calls_keyed_by_their_name() -> None:
+    text = ('I will check. <|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, {"get_time": {}}]'
+            "<|tools_suffix|> Done")
+    folded = parse("apertus", text)
+    assert parse_chunks_equal("apertus", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+    assert folded.content == "I will check.  Done"
+    # arguments that are not an object: the call gets {} and the text is content
+    assert parse("apertus", '<|tools_prefix|>[{"get_time": 3}]<|tools_suffix|>') == Folded(
+        content="3", calls=[{"name": "get_time", "arguments": "{}", "id": None}])
+    # vLLM's Apertus tool template sets the markers as variables
+    assert resolve_auto("auto", "auto", "{%- set tool_calls_token = '<|tools_prefix|>' -%}", None) == (None, "apertus")
 
 
 def test_mimo_values_keep_every_character_and_are_typed() -> None:

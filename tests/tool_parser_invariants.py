@@ -181,6 +181,10 @@ def write_hy_v4(calls: list[Call]) -> str:
         for n, a in calls) + "</tool_calls>"
 
 
+def write_apertus(calls: list[Call]) -> str:
+    return "<|tools_prefix|>[" + ", ".join(f"{{{json.dumps(n)}: {_args(a)}}}" for n, a in calls) + "]<|tools_suffix|>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -369,6 +373,9 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("apertus", write_apertus, ("<|tools_prefix|>", "<|tools_suffix|>"),
+               ("<|tools_prefix|>", "<|tools_suffix|>", "[", "]", "{", "}", '"get_weather"', '"city"', ":", ",", '"',
+                " ", "\n", "x", "1")),
     ToolFamily("hy_v4", write_hy_v4, ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<arg_key>",
                                        "</arg_key>", "<arg_value>", "</arg_value>"),
                ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",

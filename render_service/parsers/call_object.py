@@ -193,6 +193,7 @@ def feed_call_object(
     index: int,
     arg_keys: tuple[str, ...],
     stop_at_angle: bool,
+    name_is_key: bool = False,
 ) -> tuple[int, int]:
     """Advance the call object over buf[pos:end]. Returns (position reached, outcome).
 
@@ -267,7 +268,18 @@ def feed_call_object(
                 return i, MORE
             raw = buf[i:q]
             i = q + 1
-            if phase == KEY:
+            if phase == KEY and name_is_key and not obj.name:
+                try:
+                    name = decode_json_string_body(raw)
+                except ValueError:
+                    return q, MALFORMED
+                if not name.strip() or len(name) > MAX_NAME_CHARS:
+                    return q, MALFORMED
+                obj.name = name
+                _announce(obj, sink, index)
+                obj.value_key = arg_keys[0]  # its value is the arguments
+                obj.phase = COLON
+            elif phase == KEY:
                 obj.value_key = raw if len(raw) <= MAX_KEY_CHARS else ""
                 obj.phase = COLON
             else:

@@ -64,6 +64,7 @@ class Llama3JsonToolParser(HeldTextToolParser):
     # a JSON array of calls (``[{...}, {...}]``) is calls too: the brackets and commas are markup (the families
     # that write their calls as a list inside their own tags: Jamba, Phi-4-mini, xLAM)
     LIST: ClassVar[bool] = False
+    NAME_IS_KEY: ClassVar[bool] = False  # {"NAME": {arguments}} (Apertus) instead of {"name": ..., "arguments": ...}
 
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()
@@ -138,7 +139,8 @@ class Llama3JsonToolParser(HeldTextToolParser):
                     self._release(state, sink)  # the text after the calls is content
             else:
                 call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
-                stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
+                stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False,
+                                                 self.NAME_IS_KEY)
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop
                 if not call.name_emitted and len(state.raw) > MAX_UNANNOUNCED:

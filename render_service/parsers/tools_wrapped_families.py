@@ -12,6 +12,8 @@
   ``function call<|role_sep|>\n``), to the end of the output.
 * ``granite`` (Granite 3.0 / 3.1): ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>`` (3.1, text) and a
   JSON list of calls; the list's ``]`` ends it, prose around it is content.
+* ``apertus`` (Apertus): ``<|tools_prefix|>[{"get_weather": {"city": "Paris"}}, ...]<|tools_suffix|>``, each call an
+  object whose one key is the name and whose value is the arguments.
 * ``olmo3`` (OLMo 3): ``<function_calls>get_weather(city="Paris")\nget_time()</function_calls>``, pythonic calls
   one per line, ``null``/``true``/``false`` read as JSON's.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
@@ -97,3 +99,15 @@ class Olmo3ToolParser(WrappedToolParser):
     START: ClassVar[str] = "<function_calls>"
     END: ClassVar[str | None] = "</function_calls>"
     INNER: ClassVar[Any] = Olmo3CallsParser
+
+
+class ApertusCallsParser(JsonListToolParser):
+    name: ClassVar[str] = "apertus_calls"
+    NAME_IS_KEY: ClassVar[bool] = True
+
+
+class ApertusToolParser(WrappedToolParser):
+    name: ClassVar[str] = "apertus"
+    START: ClassVar[str] = "<|tools_prefix|>"
+    END: ClassVar[str | None] = "<|tools_suffix|>"
+    INNER: ClassVar[Any] = ApertusCallsParser
