@@ -95,6 +95,9 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("kimi_k3", "<|open|>think<|sep|>plan<|close|>think<|sep|>answer", {"thinking": True},
      [("reasoning", "plan"), ("content", "answer")]),
     ("kimi_k3", "answer", {"thinking": False}, [("content", "answer")]),
+    ("k2_horizon", "plan</ifm|think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("k2_horizon", "<ifm|think>plan<ifm|tool_calls>x", None,
+     [("reasoning", "plan"), ("content", "<ifm|tool_calls>x")]),
     ("hy_v4", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("hy_v4", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
     ("kimi_k3", "answer", {"enable_thinking": False}, [("content", "answer")]),
@@ -158,6 +161,17 @@ def test_apertus_reads_calls_keyed_by_their_name() -> None:
         content="3", calls=[{"name": "get_time", "arguments": "{}", "id": None}])
     # vLLM's Apertus tool template sets the markers as variables
     assert resolve_auto("auto", "auto", "{%- set tool_calls_token = '<|tools_prefix|>' -%}", None) == (None, "apertus")
+
+
+def test_k2_horizon_reads_ifm_xml_calls_typed_by_the_schema() -> None:
+    text = ("Ok.<ifm|tool_calls><ifm|tool_call>get_weather<ifm|arg_key>city</ifm|arg_key><ifm|arg_value> Paris "
+            "</ifm|arg_value><ifm|arg_key>days</ifm|arg_key><ifm|arg_value>3</ifm|arg_value><ifm|arg_key>x</ifm|arg_key>"
+            "<ifm|arg_value>[1]</ifm|arg_value></ifm|tool_call><ifm|tool_call>get_time</ifm|tool_call></ifm|tool_calls>")
+    folded = parse("k2_horizon", text)
+    assert parse_chunks_equal("k2_horizon", text)
+    # a string keeps its spaces (upstream: raw for string types); undeclared values stay strings
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": " Paris ", "days": 3, "x": "[1]"}), ("get_time", {})]
 
 
 def test_mimo_values_keep_every_character_and_are_typed() -> None:

@@ -185,6 +185,16 @@ def write_apertus(calls: list[Call]) -> str:
     return "<|tools_prefix|>[" + ", ".join(f"{{{json.dumps(n)}: {_args(a)}}}" for n, a in calls) + "]<|tools_suffix|>"
 
 
+def write_k2_horizon(calls: list[Call]) -> str:
+    return "<ifm|tool_calls>" + "".join(f"<ifm|tool_call>{n}" + "".join(
+        f"<ifm|arg_key>{k}</ifm|arg_key><ifm|arg_value>{_text_value(v)}</ifm|arg_value>" for k, v in a.items())
+        + "</ifm|tool_call>" for n, a in calls) + "</ifm|tool_calls>"
+
+
+K2H = ("<ifm|tool_calls>", "</ifm|tool_calls>", "<ifm|tool_call>", "</ifm|tool_call>", "<ifm|arg_key>",
+       "</ifm|arg_key>", "<ifm|arg_value>", "</ifm|arg_value>")
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -373,6 +383,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("k2_horizon", write_k2_horizon, K2H, (*K2H, "get_weather", "city", "\n", " ", "x", "3", "<")),
     ToolFamily("apertus", write_apertus, ("<|tools_prefix|>", "<|tools_suffix|>"),
                ("<|tools_prefix|>", "<|tools_suffix|>", "[", "]", "{", "}", '"get_weather"', '"city"', ":", ",", '"',
                 " ", "\n", "x", "1")),

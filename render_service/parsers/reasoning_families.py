@@ -450,6 +450,17 @@ class KimiK3ReasoningParser(ThinkReasoningParser):
         return bool(kwargs.get("enable_thinking", True) if thinking is None else thinking)
 
 
+class K2HorizonReasoningParser(DeepSeekR1ReasoningParser):
+    """k2_horizon (K2 Horizon): DeepSeek-R1's rules over ``<ifm|think>`` / ``</ifm|think>`` (reasoning_effort
+    "high", the template's default); reasoning also ends where a tool-call block begins. The "medium" and "low"
+    efforts' ``<ifm|think_fast>`` / ``<ifm|think_faster>`` tags are not read."""
+
+    name = "k2_horizon"
+    start_tag = "<ifm|think>"
+    end_tag = "</ifm|think>"
+    implicit_end_markers = ("<ifm|tool_calls>",)
+
+
 class Plamo3ReasoningParser(ThinkReasoningParser):
     """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
     several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
@@ -465,5 +476,6 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
-                              GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser)
+                              GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
+                              K2HorizonReasoningParser)
 }

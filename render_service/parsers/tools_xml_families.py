@@ -6,6 +6,9 @@
 * ``hy_v3``: ``<tool_calls><tool_call>NAME<tool_sep><arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``.
 * ``hy_v4``: hy_v3's markup without ``<tool_sep>`` (the name ends at its newline or the first ``<arg_key>``);
   undeclared values stay strings (upstream's fallback type is string).
+* ``k2_horizon``: K2 Horizon's IFM XML, ``<ifm|tool_calls><ifm|tool_call>NAME<ifm|arg_key>K</ifm|arg_key>``
+  ``<ifm|arg_value>V</ifm|arg_value></ifm|tool_call></ifm|tool_calls>`` (the template's default
+  ``tool_call_format``, "xml"); values typed by the schema, undeclared ones strings.
 * ``step3``: ``<steptml:invoke name="NAME">`` / ``<steptml:parameter name="K">`` inside Step's special tokens.
 * ``kimi_k3``: Kimi K3's XTML channels, ``<|open|>tools<|sep|>`` ``<|open|>call tool="NAME" index="1"<|sep|>``
   ``<|open|>argument key="K" type="string"<|sep|>V<|close|>argument<|sep|>`` ``<|close|>call<|sep|>``
@@ -65,6 +68,21 @@ class HyV4ToolParser(XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = HY_V4_FORMAT
     FORCED_REQUIRED: ClassVar[str] = "<tool_calls><tool_call>"
     FORCED_NAMED: ClassVar[str] = "<tool_calls><tool_call>{name}\n"
+
+
+# k2_horizon (K2 Horizon): GLM's key/value markup in IFM tags, calls in a block
+K2_HORIZON_FORMAT = msgspec.structs.replace(
+    GLM_FORMAT, block_open="<ifm|tool_calls>", block_end="</ifm|tool_calls>", call_open="<ifm|tool_call>",
+    head_ends=("\n", "<ifm|arg_key>", "</ifm|tool_call>"), call_end="</ifm|tool_call>", key_open="<ifm|arg_key>",
+    key_end="</ifm|arg_key>", value_open="<ifm|arg_value>", value_end="</ifm|arg_value>", undeclared="string",
+    skip_escaped_newlines=False)
+
+
+class K2HorizonToolParser(XmlToolParser):
+    name: ClassVar[str] = "k2_horizon"
+    FORMAT: ClassVar[XmlFormat] = K2_HORIZON_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<ifm|tool_calls><ifm|tool_call>"
+    FORCED_NAMED: ClassVar[str] = "<ifm|tool_calls><ifm|tool_call>{name}"
 
 
 # step3 (Step-3): <｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME">
