@@ -98,6 +98,9 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("k2_horizon", "plan</ifm|think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("k2_horizon", "<ifm|think>plan<ifm|tool_calls>x", None,
      [("reasoning", "plan"), ("content", "<ifm|tool_calls>x")]),
+    ("minicpmv", "answer", None, [("content", "answer")]),
+    ("minicpmv", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
+    ("minicpmv", "plan</think>answer", {"enable_thinking": True}, [("reasoning", "plan"), ("content", "answer")]),
     ("hy_v4", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("hy_v4", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
     ("kimi_k3", "answer", {"enable_thinking": False}, [("content", "answer")]),
@@ -172,6 +175,17 @@ def test_k2_horizon_reads_ifm_xml_calls_typed_by_the_schema() -> None:
     # a string keeps its spaces (upstream: raw for string types); undeclared values stay strings
     assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
         ("get_weather", {"city": " Paris ", "days": 3, "x": "[1]"}), ("get_time", {})]
+
+
+def test_minicpm5_reads_bare_function_blocks() -> None:
+    text = ('Sure.<function name="get_weather"><param name="city"> Paris </param><param name="days">3</param>'
+            '<param name="x">[1]</param></function>\n<function name="get_time"></function>')
+    folded = parse("minicpm5", text)
+    assert parse_chunks_equal("minicpm5", text)
+    # values are stripped (upstream); x is not declared: read as a literal
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "x": [1]}), ("get_time", {})]
+    assert folded.content == "Sure."
 
 
 def test_mimo_values_keep_every_character_and_are_typed() -> None:

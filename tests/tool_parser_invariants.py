@@ -195,6 +195,11 @@ K2H = ("<ifm|tool_calls>", "</ifm|tool_calls>", "<ifm|tool_call>", "</ifm|tool_c
        "</ifm|arg_key>", "<ifm|arg_value>", "</ifm|arg_value>")
 
 
+def write_minicpm5(calls: list[Call]) -> str:
+    return "".join(f'<function name="{n}">' + "".join(f'<param name="{k}">{_text_value(v)}</param>'
+                                                      for k, v in a.items()) + "</function>" for n, a in calls)
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -383,6 +388,9 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
+               ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",
+                "x", "3", "<", ">")),
     ToolFamily("k2_horizon", write_k2_horizon, K2H, (*K2H, "get_weather", "city", "\n", " ", "x", "3", "<")),
     ToolFamily("apertus", write_apertus, ("<|tools_prefix|>", "<|tools_suffix|>"),
                ("<|tools_prefix|>", "<|tools_suffix|>", "[", "]", "{", "}", '"get_weather"', '"city"', ":", ",", '"',

@@ -461,6 +461,16 @@ class K2HorizonReasoningParser(DeepSeekR1ReasoningParser):
     implicit_end_markers = ("<ifm|tool_calls>",)
 
 
+class MiniCPMVReasoningParser(ExplicitThinkReasoningParser):
+    """minicpmv (MiniCPM-V): Qwen3's ``<think>`` reasoning, thinking off unless ``enable_thinking``; with it off a
+    block the model opens itself is still reasoning (upstream drops that text). Upstream also turns the
+    tokenizer's written ``\\n`` back into newlines outside code and LaTeX; not done here."""
+
+    name = "minicpmv"
+    thinking_kwarg = "enable_thinking"
+    thinking_default = False
+
+
 class Plamo3ReasoningParser(ThinkReasoningParser):
     """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
     several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
@@ -477,5 +487,5 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
                               GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
-                              K2HorizonReasoningParser)
+                              K2HorizonReasoningParser, MiniCPMVReasoningParser)
 }

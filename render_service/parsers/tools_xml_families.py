@@ -9,6 +9,8 @@
 * ``k2_horizon``: K2 Horizon's IFM XML, ``<ifm|tool_calls><ifm|tool_call>NAME<ifm|arg_key>K</ifm|arg_key>``
   ``<ifm|arg_value>V</ifm|arg_value></ifm|tool_call></ifm|tool_calls>`` (the template's default
   ``tool_call_format``, "xml"); values typed by the schema, undeclared ones strings.
+* ``minicpm5`` (MiniCPM5): ``<function name="NAME"><param name="K">V</param></function>``, each call bare (no
+  block around it); values stripped, typed by the schema, undeclared ones read as JSON/Python literals.
 * ``step3``: ``<steptml:invoke name="NAME">`` / ``<steptml:parameter name="K">`` inside Step's special tokens.
 * ``kimi_k3``: Kimi K3's XTML channels, ``<|open|>tools<|sep|>`` ``<|open|>call tool="NAME" index="1"<|sep|>``
   ``<|open|>argument key="K" type="string"<|sep|>V<|close|>argument<|sep|>`` ``<|close|>call<|sep|>``
@@ -83,6 +85,31 @@ class K2HorizonToolParser(XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = K2_HORIZON_FORMAT
     FORCED_REQUIRED: ClassVar[str] = "<ifm|tool_calls><ifm|tool_call>"
     FORCED_NAMED: ClassVar[str] = "<ifm|tool_calls><ifm|tool_call>{name}"
+
+
+# minicpm5 (MiniCPM5): the call is the block, <function name="NAME"> ... </function>
+MINICPM5_FORMAT = XmlFormat(
+    block_open="<function name=",
+    block_end="</function>",
+    call_open=None,
+    head_ends=(">",),
+    head_consumed=(">",),
+    call_end="</function>",
+    key_open="<param name=",
+    key_end=">",
+    value_open=None,
+    value_end="</param>",
+    trim="strip",
+    undeclared="json",
+    quoted_names=True,
+)
+
+
+class MiniCPM5ToolParser(XmlToolParser):
+    name: ClassVar[str] = "minicpm5"
+    FORMAT: ClassVar[XmlFormat] = MINICPM5_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<function name="
+    FORCED_NAMED: ClassVar[str] = "<function name=\"{name}\">"
 
 
 # step3 (Step-3): <｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME">
