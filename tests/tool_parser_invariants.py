@@ -200,6 +200,16 @@ def write_minicpm5(calls: list[Call]) -> str:
                                                       for k, v in a.items()) + "</function>" for n, a in calls)
 
 
+COHERE = ("<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<co>", "</co:",
+          '"tool_call_id"', '"tool_name"', '"parameters"', '"0"', '"1"', '"2"')
+
+
+def write_cohere(calls: list[Call]) -> str:
+    return "<|START_ACTION|>[" + ", ".join(
+        f'{{"tool_call_id": "{i}", "tool_name": {json.dumps(n)}, "parameters": {_args(a)}}}'
+        for i, (n, a) in enumerate(calls)) + "]<|END_ACTION|>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -388,6 +398,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("cohere_command3", write_cohere, COHERE,
+               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
     ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
                ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",
                 "x", "3", "<", ">")),

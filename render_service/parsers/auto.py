@@ -57,6 +57,7 @@ FAMILIES: tuple[ParserFamily, ...] = (
                  ("granitemoehybrid", "granite"), reasoning_marker="thought process"),
     ParserFamily("gemma-4", "gemma4", "gemma4", ("<|channel>", "<|turn>"), ("gemma4", "gemma4_text")),
     ParserFamily("functiongemma", None, "functiongemma", ("<start_function_call>",)),
+    ParserFamily("cohere-command-a", "cohere_command3", "cohere_command3", ("<|START_ACTION|>",), ("cohere2",)),
     ParserFamily("apertus", None, "apertus", ("<|tools_prefix|>",), ("apertus",)),
     ParserFamily("olmo-3", "olmo3", "olmo3", ("<function_calls>",), ("olmo3",), reasoning_marker="<think>"),
     ParserFamily("internlm", None, "internlm", ("<|action_start|><|plugin|>",), ("internlm2",)),

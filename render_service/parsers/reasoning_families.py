@@ -471,6 +471,24 @@ class MiniCPMVReasoningParser(ExplicitThinkReasoningParser):
     thinking_default = False
 
 
+class CohereCommand3ReasoningParser(ExplicitThinkReasoningParser):
+    """cohere_command3 / cohere_command4 (Command A): ``<|START_THINKING|>`` .. ``<|END_THINKING|>``, a block the
+    model opens itself (a reply without it is content); reasoning also ends where an action or a response
+    begins. The reasoning keeps its leading space and any citation markup (upstream's filter trims and strips)."""
+
+    name = "cohere_command3"
+    start_tag = "<|START_THINKING|>"
+    end_tag = "<|END_THINKING|>"
+    implicit_end_markers = ("<|START_ACTION|>", "<|START_RESPONSE|>")
+
+    def _explicit_only(self) -> bool:
+        return True
+
+
+class CohereCommand4ReasoningParser(CohereCommand3ReasoningParser):
+    name = "cohere_command4"
+
+
 class Plamo3ReasoningParser(ThinkReasoningParser):
     """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
     several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
@@ -487,5 +505,6 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
                               GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
-                              K2HorizonReasoningParser, MiniCPMVReasoningParser)
+                              K2HorizonReasoningParser, MiniCPMVReasoningParser, CohereCommand3ReasoningParser,
+                              CohereCommand4ReasoningParser)
 }

@@ -65,6 +65,8 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "jamba": ("render_service.parsers.tools_wrapped_families", "JambaToolParser"),
     "phi4_mini_json": ("render_service.parsers.tools_wrapped_families", "Phi4MiniJsonToolParser"),
     "internlm": ("render_service.parsers.tools_wrapped_families", "InternLMToolParser"),
+    "cohere_command3": ("render_service.parsers.tools_wrapped_families", "CohereCommand3ToolParser"),
+    "cohere_command4": ("render_service.parsers.tools_wrapped_families", "CohereCommand4ToolParser"),
     "minicpm5": ("render_service.parsers.tools_xml_families", "MiniCPM5ToolParser"),
     "k2_horizon": ("render_service.parsers.tools_xml_families", "K2HorizonToolParser"),
     "apertus": ("render_service.parsers.tools_wrapped_families", "ApertusToolParser"),

@@ -125,17 +125,24 @@ class DroppedMarkersState(msgspec.Struct, omit_defaults=True):
 
 class DroppedMarkersToolParser:
     """An inner parser fed the output without a family's outer markers (special tokens that frame the calls
-    and are never text the model means, e.g. Step-3's ``<｜tool_calls_begin｜>``), wherever they appear."""
+    and are never text the model means, e.g. Step-3's ``<｜tool_calls_begin｜>``), wherever they appear.
+    ``DROPPED_SPANS``: (open, close) pairs dropped with what is between them (Cohere's citation closer
+    ``</co: 0:[1]>``); a span longer than ``MAX_SPAN`` or holding a ``<`` is not one, and its opener stays
+    text."""
 
     name: ClassVar[str]
     State: ClassVar[type[msgspec.Struct]] = DroppedMarkersState
     DROPPED: ClassVar[tuple[str, ...]]
+    DROPPED_SPANS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    MAX_SPAN: ClassVar[int] = 200
     INNER: ClassVar[Any]
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.config = config
         self.inner = self.INNER(config)
-        self._firsts = "".join({m[0] for m in self.DROPPED})
+        self._spans = dict(self.DROPPED_SPANS)
+        self._tags = (*self.DROPPED, *self._spans)
+        self._firsts = "".join({m[0] for m in self._tags})
 
     def initial_state(self) -> DroppedMarkersState:
         return DroppedMarkersState(inner=self.inner.initial_state())
@@ -155,12 +162,25 @@ class DroppedMarkersToolParser:
         kept: list[str] = []
         pos = 0
         while True:
-            at, tag = find_tag(buf, pos, self.DROPPED)
+            at, tag = find_tag(buf, pos, self._tags)
             kept.append(buf[pos:at])
             if tag is None:
                 state.held = buf[at:]
                 break
             pos = at + len(tag)
+            close = self._spans.get(tag)
+            if close is not None:
+                end = buf.find(close, pos, at + self.MAX_SPAN)
+                stop = end if end != -1 else len(buf)
+                if "<" in buf[pos:stop]:
+                    kept.append(tag)  # a span holds no markup: this opener is text
+                elif end != -1:
+                    pos = end + len(close)
+                elif len(buf) - at < self.MAX_SPAN:
+                    state.held = buf[at:]  # the span may close in the next text
+                    break
+                else:
+                    kept.append(tag)  # no close within reach: not a span
         clean = "".join(kept)
         return self.inner.feed(inner, clean) if clean else []
 

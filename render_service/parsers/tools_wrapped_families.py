@@ -14,6 +14,10 @@
   JSON list of calls; the list's ``]`` ends it, prose around it is content.
 * ``apertus`` (Apertus): ``<|tools_prefix|>[{"get_weather": {"city": "Paris"}}, ...]<|tools_suffix|>``, each call an
   object whose one key is the name and whose value is the arguments.
+* ``cohere_command3`` / ``cohere_command4`` (Command A / Command A Reasoning): ``<|START_ACTION|>[{"tool_call_id":
+  "0", "tool_name": "NAME", "parameters": {...}}, ...]<|END_ACTION|>``; the response wrapper
+  (``<|START_RESPONSE|>`` .. ``<|END_RESPONSE|>``, ``<|START_TEXT|>`` .. ``<|END_TEXT|>``) and the citation markup
+  (``<co>`` .. ``</co: 0:[1,2]>``) are dropped, their text is content; the model's ``tool_call_id`` is markup.
 * ``olmo3`` (OLMo 3): ``<function_calls>get_weather(city="Paris")\nget_time()</function_calls>``, pythonic calls
   one per line, ``null``/``true``/``false`` read as JSON's.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
@@ -26,9 +30,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from render_service.parsers.call_object import CallKeys
 from render_service.parsers.tools_json import JsonListToolParser, Llama3JsonToolParser
 from render_service.parsers.tools_pythonic import PythonicToolParser
-from render_service.parsers.tools_wrapped import WrappedToolParser
+from render_service.parsers.tools_wrapped import DroppedMarkersToolParser, WrappedToolParser
 
 
 class Lfm2ToolParser(WrappedToolParser):
@@ -103,7 +108,7 @@ class Olmo3ToolParser(WrappedToolParser):
 
 class ApertusCallsParser(JsonListToolParser):
     name: ClassVar[str] = "apertus_calls"
-    NAME_IS_KEY: ClassVar[bool] = True
+    KEYS: ClassVar[CallKeys] = CallKeys(name_is_key=True)
 
 
 class ApertusToolParser(WrappedToolParser):
@@ -111,3 +116,27 @@ class ApertusToolParser(WrappedToolParser):
     START: ClassVar[str] = "<|tools_prefix|>"
     END: ClassVar[str | None] = "<|tools_suffix|>"
     INNER: ClassVar[Any] = ApertusCallsParser
+
+
+class CohereCallsParser(JsonListToolParser):
+    name: ClassVar[str] = "cohere_calls"
+    KEYS: ClassVar[CallKeys] = CallKeys(name="tool_name", markup=("tool_call_id",))
+
+
+class CohereActionToolParser(WrappedToolParser):
+    name: ClassVar[str] = "cohere_action"
+    START: ClassVar[str] = "<|START_ACTION|>"
+    END: ClassVar[str | None] = "<|END_ACTION|>"
+    INNER: ClassVar[Any] = CohereCallsParser
+
+
+class CohereCommand3ToolParser(DroppedMarkersToolParser):
+    name: ClassVar[str] = "cohere_command3"
+    DROPPED: ClassVar[tuple[str, ...]] = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>",
+                                          "<co>")
+    DROPPED_SPANS: ClassVar[tuple[tuple[str, str], ...]] = (("</co:", ">"),)
+    INNER: ClassVar[Any] = CohereActionToolParser
+
+
+class CohereCommand4ToolParser(CohereCommand3ToolParser):
+    name: ClassVar[str] = "cohere_command4"  # the same markup (upstream: cohere_melody's cmd4 options)
