@@ -92,7 +92,7 @@ NEW_FAMILY_WRITERS = {
     "functiongemma": "write_functiongemma", "kimi_k3": "write_kimi_k3", "olmo3": "write_olmo3",
     "hy_v4": "write_hy_v4", "apertus": "write_apertus",
     "k2_horizon": "write_k2_horizon", "minicpm5": "write_minicpm5",
-    "cohere_command3": "write_cohere",
+    "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
 }
 
 
@@ -131,6 +131,7 @@ FAMILIES = {
     "lfm2": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "gemma4": ("gemma4", "<|channel>thought\n", "<channel|>", "qwen3"),
     "functiongemma": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "zaya_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "cohere_command3": ("cohere_command3", "<|START_THINKING|>", "<|END_THINKING|>", "qwen3"),
     "minicpm5": ("minicpmv", "<think>", "</think>", "qwen3"),
     "k2_horizon": ("k2_horizon", "", "</ifm|think>", "qwen3"),

@@ -188,6 +188,15 @@ def test_minicpm5_reads_bare_function_blocks() -> None:
     assert folded.content == "Sure."
 
 
+def test_zaya_xml_reads_qwen3_calls_in_zyphra_tags() -> None:
+    text = "Sure.\n" + write_qwen3_xml(CALLS).replace("tool_call>", "zyphra_tool_call>") + "\nDone."
+    folded = parse("zaya_xml", text)
+    assert parse_chunks_equal("zaya_xml", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
+    assert folded.content == "Sure.\nDone."
+    assert parse("zaya_xml", write_qwen3_xml(CALLS)).calls == []  # <tool_call> is not its block
+
+
 def test_mimo_values_keep_every_character_and_are_typed() -> None:
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>3</parameter>\n" \
            "</function>\n</tool_call>"

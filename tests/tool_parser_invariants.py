@@ -228,6 +228,10 @@ def write_qwen3_xml(calls: list[Call]) -> str:
     return "\n".join(out)
 
 
+def write_zaya_xml(calls: list[Call]) -> str:
+    return write_qwen3_xml(calls).replace("tool_call>", "zyphra_tool_call>")
+
+
 def write_llama3_json(calls: list[Call]) -> str:
     return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {_args(a)}}}' for n, a in calls)
 
@@ -297,6 +301,7 @@ _MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</i
 _SEED = ("<seed:tool_call>", "</seed:tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
 
+_ZAYA = ("<zyphra_tool_call>", "</zyphra_tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 _JSON_KEYS = ('"name"', '"arguments"', '"parameters"')
 _QWEN_XML = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
@@ -400,6 +405,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("cohere_command3", write_cohere, COHERE,
                (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+    ToolFamily("zaya_xml", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
     ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
                ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",
                 "x", "3", "<", ">")),
