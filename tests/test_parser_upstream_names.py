@@ -231,7 +231,8 @@ def test_the_new_families_do_not_claim_the_old_templates(template) -> None:
     family = detect_family((TEMPLATES / template).read_text(encoding="utf-8"), None)
     assert family is not None and family.tool not in {
         "internlm", "phi4_mini_json", "hunyuan_a13b", "jamba", "lfm2", "longcat", "dots", "ernie45", "plamo3",
-        "step3", "hy_v3", "deepseek_v3"}
+        "step3", "hy_v3", "deepseek_v3", "gemma4", "functiongemma", "kimi_k3", "olmo3", "apertus",
+        "cohere_command3"}
 
 
 @pytest.mark.parametrize("marker", ["<|tool_call|>", "<tool_call>"])
