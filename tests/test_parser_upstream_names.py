@@ -101,6 +101,12 @@ def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, 
     ("minicpmv", "answer", None, [("content", "answer")]),
     ("minicpmv", "<think>plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("minicpmv", "plan</think>answer", {"enable_thinking": True}, [("reasoning", "plan"), ("content", "answer")]),
+    ("inkling", "<|content_thinking|>plan<|end_message|><|message_model|><|content_text|>answer", None,
+     [("reasoning", "plan"), ("content", "<|message_model|><|content_text|>answer")]),
+    ("inkling", "<|message_model|><|content_thinking|>plan<|content_invoke_tool_json|>{}", None,
+     [("reasoning", "plan"), ("content", "<|content_invoke_tool_json|>{}")]),
+    ("inkling", "<|message_model|><|content_text|>answer", None,
+     [("content", "<|message_model|><|content_text|>answer")]),
     ("hy_v4", "plan</think>answer", None, [("reasoning", "plan"), ("content", "answer")]),
     ("hy_v4", "answer", {"reasoning_effort": "no_think"}, [("content", "answer")]),
     ("kimi_k3", "answer", {"enable_thinking": False}, [("content", "answer")]),
@@ -195,6 +201,17 @@ def test_zaya_xml_reads_qwen3_calls_in_zyphra_tags() -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == CALLS
     assert folded.content == "Sure.\nDone."
     assert parse("zaya_xml", "<tool_call>x</tool_call>").content == "<tool_call>x</tool_call>"  # not its block
+
+
+def test_inkling_reads_call_blocks_and_drops_block_markers() -> None:
+    text = ('<|message_model|><|content_text|>Checking.<|end_message|><|message_model|><|content_invoke_tool_json|>'
+            '{"name": "get_weather", "args": {"city": "SF"}}<|end_message|><|message_model|>'
+            '<|content_invoke_tool_json|>{"name": "get_time", "args": {}}<|end_message|>')
+    folded = parse("inkling", text)
+    assert parse_chunks_equal("inkling", text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.calls] == [
+        ("get_weather", {"city": "SF"}), ("get_time", {})]
+    assert folded.content == "Checking."
 
 
 def test_mimo_values_keep_every_character_and_are_typed() -> None:

@@ -210,6 +210,15 @@ def write_cohere(calls: list[Call]) -> str:
         for i, (n, a) in enumerate(calls)) + "]<|END_ACTION|>"
 
 
+INKLING = ("<|message_model|>", "<|content_text|>", "<|content_invoke_tool_json|>", "<|end_message|>",
+           "<|content_model_end_sampling|>", '"name"', '"args"')
+
+
+def write_inkling(calls: list[Call]) -> str:
+    return "".join(f'<|message_model|><|content_invoke_tool_json|>{{"name": {json.dumps(n)}, "args": {_args(a)}}}'
+                   "<|end_message|>" for n, a in calls)
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -405,6 +414,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("cohere_command3", write_cohere, COHERE,
                (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+    ToolFamily("inkling", write_inkling, INKLING,
+               (*INKLING, "{", "}", '"', ":", ",", " ", "\n", "x", "1", '"get_weather"')),
     ToolFamily("zaya_xml", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
     ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
                ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",

@@ -489,6 +489,38 @@ class CohereCommand4ReasoningParser(CohereCommand3ReasoningParser):
     name = "cohere_command4"
 
 
+INKLING_MESSAGE_MODEL = "<|message_model|>"
+
+
+class InklingReasoningParser(ExplicitThinkReasoningParser):
+    """inkling (Inkling): a ``<|content_thinking|>`` block (after the ``<|message_model|>`` role marker, which the
+    prompt usually ends with) up to ``<|end_message|>``; reasoning also ends where a call block begins. Only a
+    thinking block that opens the reply is reasoning (upstream's engine takes later ones too)."""
+
+    name = "inkling"
+    start_tag = "<|content_thinking|>"
+    end_tag = "<|end_message|>"
+    implicit_end_markers = ("<|content_invoke_tool_json|>",)
+
+    def _explicit_only(self) -> bool:
+        return True
+
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        stripped = buf.lstrip()
+        if stripped.startswith(INKLING_MESSAGE_MODEL):
+            rest = stripped[len(INKLING_MESSAGE_MODEL):].lstrip()
+            if rest.startswith(self.start_tag):
+                state.mode = REASONING
+                return rest[len(self.start_tag):]
+            if self.start_tag.startswith(rest):
+                state.held = buf
+                return ""
+        elif stripped and INKLING_MESSAGE_MODEL.startswith(stripped):
+            state.held = buf
+            return ""
+        return super()._opening(state, buf, out)
+
+
 class Plamo3ReasoningParser(ThinkReasoningParser):
     """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
     several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
@@ -506,5 +538,5 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
                               GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
                               K2HorizonReasoningParser, MiniCPMVReasoningParser, CohereCommand3ReasoningParser,
-                              CohereCommand4ReasoningParser)
+                              CohereCommand4ReasoningParser, InklingReasoningParser)
 }

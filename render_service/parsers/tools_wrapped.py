@@ -43,11 +43,14 @@ class WrappedToolParser:
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ()  # other spellings of START
     # END None: the block runs to the end of the output, or (True here) to the next START, which opens the next
     START_ENDS_BLOCK: ClassVar[bool] = False
+    # markers dropped outside the blocks (Inkling's <|end_message|> also ends its text and thinking blocks)
+    OUTSIDE_DROPPED: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.config = config
         self.inner = self.INNER(config)
         self._starts = (self.START, *self.OTHER_STARTS)
+        self._outside = self._starts + self.OUTSIDE_DROPPED
 
     def initial_state(self) -> WrappedState:
         return WrappedState()
@@ -72,12 +75,14 @@ class WrappedToolParser:
         pos, n = 0, len(buf)
         while pos < n:
             if not state.inside:
-                at, tag = find_tag(buf, pos, self._starts)
+                at, tag = find_tag(buf, pos, self._outside)
                 sink.content(buf[pos:at])
                 if tag is None:
                     state.held = buf[at:]
                     break
                 pos = at + len(tag)
+                if tag in self.OUTSIDE_DROPPED:
+                    continue
                 state.inside = True
                 state.block_calls = 0
                 state.inner = self.inner.initial_state()

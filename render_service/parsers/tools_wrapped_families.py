@@ -18,6 +18,8 @@
   "0", "tool_name": "NAME", "parameters": {...}}, ...]<|END_ACTION|>``; the response wrapper
   (``<|START_RESPONSE|>`` .. ``<|END_RESPONSE|>``, ``<|START_TEXT|>`` .. ``<|END_TEXT|>``) and the citation markup
   (``<co>`` .. ``</co: 0:[1,2]>``) are dropped, their text is content; the model's ``tool_call_id`` is markup.
+* ``inkling`` (Inkling): typed blocks, ``<|message_model|><|content_invoke_tool_json|>{"name": ..., "args": {...}}``
+  ``<|end_message|>`` a call; the role and block-kind markers, and ``<|end_message|>`` outside a call, are dropped.
 * ``olmo3`` (OLMo 3): ``<function_calls>get_weather(city="Paris")\nget_time()</function_calls>``, pythonic calls
   one per line, ``null``/``true``/``false`` read as JSON's.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
@@ -140,3 +142,26 @@ class CohereCommand3ToolParser(DroppedMarkersToolParser):
 
 class CohereCommand4ToolParser(CohereCommand3ToolParser):
     name: ClassVar[str] = "cohere_command4"  # the same markup (upstream: cohere_melody's cmd4 options)
+
+
+INKLING_MARKERS = ("<|message_model|>", "<|content_text|>", "<|content_model_end_sampling|>",
+                   "<|content_invoke_tool_text|>", "<|content_tool_error|>")
+
+
+class InklingCallsParser(Llama3JsonToolParser):
+    name: ClassVar[str] = "inkling_calls"
+    ARG_KEYS: ClassVar[tuple[str, ...]] = ("args", "arguments", "parameters")
+
+
+class InklingBlocksParser(WrappedToolParser):
+    name: ClassVar[str] = "inkling_blocks"
+    START: ClassVar[str] = "<|content_invoke_tool_json|>"
+    END: ClassVar[str | None] = "<|end_message|>"
+    OUTSIDE_DROPPED: ClassVar[tuple[str, ...]] = ("<|end_message|>",)
+    INNER: ClassVar[Any] = InklingCallsParser
+
+
+class InklingToolParser(DroppedMarkersToolParser):
+    name: ClassVar[str] = "inkling"
+    DROPPED: ClassVar[tuple[str, ...]] = INKLING_MARKERS
+    INNER: ClassVar[Any] = InklingBlocksParser
