@@ -93,7 +93,7 @@ NEW_FAMILY_WRITERS = {
     "hy_v4": "write_hy_v4", "apertus": "write_apertus",
     "k2_horizon": "write_k2_horizon", "minicpm5": "write_minicpm5",
     "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
-    "inkling": "write_inkling",
+    "inkling": "write_inkling", "minimax_m3": "write_minimax_m3",
 }
 
 
@@ -132,6 +132,7 @@ FAMILIES = {
     "lfm2": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "gemma4": ("gemma4", "<|channel>thought\n", "<channel|>", "qwen3"),
     "functiongemma": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "minimax_m3": ("minimax_m3", "<mm:think>", "</mm:think>", "qwen3"),
     "inkling": ("inkling", "<|content_thinking|>", "<|end_message|>", "qwen3"),
     "zaya_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "cohere_command3": ("cohere_command3", "<|START_THINKING|>", "<|END_THINKING|>", "qwen3"),

@@ -219,6 +219,23 @@ def write_inkling(calls: list[Call]) -> str:
                    "<|end_message|>" for n, a in calls)
 
 
+M3NS = "]<]minimax[>["
+M3 = (M3NS + "<tool_call>", M3NS + "</tool_call>", M3NS + "<invoke name=", M3NS + "</invoke>", M3NS, "item")
+
+
+def _m3_value(v: Any) -> str:
+    if isinstance(v, dict):
+        return "".join(f"{M3NS}<{k}>{_m3_value(x)}{M3NS}</{k}>" for k, x in v.items())
+    if isinstance(v, list):
+        return "".join(f"{M3NS}<item>{_m3_value(x)}{M3NS}</item>" for x in v)
+    return _text_value(v)
+
+
+def write_minimax_m3(calls: list[Call]) -> str:
+    return M3NS + "<tool_call>\n" + "".join(
+        f'{M3NS}<invoke name="{n}">' + _m3_value(a) + f"{M3NS}</invoke>\n" for n, a in calls) + M3NS + "</tool_call>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -414,6 +431,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("cohere_command3", write_cohere, COHERE,
                (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+    ToolFamily("minimax_m3", write_minimax_m3, M3,
+               (*M3, "<city>", "</city>", '"get_weather">', "\n", " ", "x", "3", "<", ">", "[", "]")),
     ToolFamily("inkling", write_inkling, INKLING,
                (*INKLING, "{", "}", '"', ":", ",", " ", "\n", "x", "1", '"get_weather"')),
     ToolFamily("zaya_xml", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),

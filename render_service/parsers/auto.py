@@ -44,6 +44,7 @@ FAMILIES: tuple[ParserFamily, ...] = (
     ParserFamily("kimi-k2", "kimi_k2", "kimi_k2", ("<|tool_calls_section_begin|>",), ("kimi_k2",),
                  reasoning_marker="<think>"),
     ParserFamily("kimi-k3", "kimi_k3", "kimi_k3", ("<|open|>", "<|sep|>")),
+    ParserFamily("minimax-m3", "minimax_m3", "minimax_m3", ("]<]minimax[>[",)),
     ParserFamily("minimax-m2", "minimax_m2", "minimax_m2", ("<minimax:tool_call>",), ("minimax_m2",)),
     ParserFamily("seed-oss", "seed_oss", "seed_oss", ("<seed:tool_call>",), ("seed_oss",)),
     ParserFamily("plamo-3", "plamo3", "plamo3", ("plamo:begin_tool_requests",), ("plamo3",)),

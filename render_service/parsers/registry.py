@@ -67,6 +67,7 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "internlm": ("render_service.parsers.tools_wrapped_families", "InternLMToolParser"),
     "cohere_command3": ("render_service.parsers.tools_wrapped_families", "CohereCommand3ToolParser"),
     "cohere_command4": ("render_service.parsers.tools_wrapped_families", "CohereCommand4ToolParser"),
+    "minimax_m3": ("render_service.parsers.tools_minimax_m3", "MiniMaxM3ToolParser"),
     "inkling": ("render_service.parsers.tools_wrapped_families", "InklingToolParser"),
     "zaya_xml": ("render_service.parsers.tools_qwen3_xml", "ZayaXmlToolParser"),
     "minicpm5": ("render_service.parsers.tools_xml_families", "MiniCPM5ToolParser"),
