@@ -61,6 +61,13 @@ def test_a_citation_closer_split_across_chunks_is_dropped(qwen3) -> None:
     assert whole.content == "foo bar and </co: not one <b>x</b>"
 
 
+def test_a_span_holding_more_than_a_source_list_is_text() -> None:
+    # found by the invariants' adversarial soup: the closer's span only ever holds source indexes
+    from tests.test_tool_parsers_common import parse
+
+    assert parse("cohere_command3", '</co:"get_weather">').content == '</co:"get_weather">'
+
+
 def test_auto_picks_cohere_from_the_template_markers() -> None:
     template = "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{{ '<|START_ACTION|>' + calls + '<|END_ACTION|>' }}"
     assert resolve_auto("auto", "auto", template, None) == ("cohere_command3", "cohere_command3")

@@ -132,13 +132,14 @@ class DroppedMarkersToolParser:
     """An inner parser fed the output without a family's outer markers (special tokens that frame the calls
     and are never text the model means, e.g. Step-3's ``<｜tool_calls_begin｜>``), wherever they appear.
     ``DROPPED_SPANS``: (open, close) pairs dropped with what is between them (Cohere's citation closer
-    ``</co: 0:[1]>``); a span longer than ``MAX_SPAN`` or holding a ``<`` is not one, and its opener stays
-    text."""
+    ``</co: 0:[1]>``); a span longer than ``MAX_SPAN`` or holding a character outside ``SPAN_CHARS`` is not
+    one, and its opener stays text."""
 
     name: ClassVar[str]
     State: ClassVar[type[msgspec.Struct]] = DroppedMarkersState
     DROPPED: ClassVar[tuple[str, ...]]
     DROPPED_SPANS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    SPAN_CHARS: ClassVar[str] = ""  # the characters a span may hold between its open and close
     MAX_SPAN: ClassVar[int] = 200
     INNER: ClassVar[Any]
 
@@ -177,8 +178,8 @@ class DroppedMarkersToolParser:
             if close is not None:
                 end = buf.find(close, pos, at + self.MAX_SPAN)
                 stop = end if end != -1 else len(buf)
-                if "<" in buf[pos:stop]:
-                    kept.append(tag)  # a span holds no markup: this opener is text
+                if buf[pos:stop].strip(self.SPAN_CHARS):
+                    kept.append(tag)  # it holds what a span cannot: this opener is text
                 elif end != -1:
                     pos = end + len(close)
                 elif len(buf) - at < self.MAX_SPAN:

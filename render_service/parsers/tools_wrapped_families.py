@@ -137,6 +137,7 @@ class CohereCommand3ToolParser(DroppedMarkersToolParser):
     DROPPED: ClassVar[tuple[str, ...]] = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>",
                                           "<co>")
     DROPPED_SPANS: ClassVar[tuple[tuple[str, str], ...]] = (("</co:", ">"),)
+    SPAN_CHARS: ClassVar[str] = " 0123456789:,[]"  # a citation closer's source list, 0:[1,2],1:[3]
     INNER: ClassVar[Any] = CohereActionToolParser
 
 
