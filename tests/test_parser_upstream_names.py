@@ -214,6 +214,19 @@ def test_inkling_reads_call_blocks_and_drops_block_markers() -> None:
     assert folded.content == "Checking."
 
 
+@pytest.mark.parametrize("name, text", [
+    ("minicpm5", '<function name=x "get_weather"><param name=c "city">1</param></function>'),
+    ("dots", '<dots_function_call>\n<invoke name=x "get_weather">\n</invoke>\n</dots_function_call>'),
+])
+def test_a_word_beside_a_quoted_name_that_is_no_attribute_is_content(name, text) -> None:
+    # found by the invariants' soup on minicpm5: the XML engine took `"get_weather"` after the name for an
+    # attribute and dropped it; attributes (key="value") stay markup
+    folded = parse(name, text)
+    assert parse_chunks_equal(name, text)
+    assert folded.calls[0]["name"] == "x"
+    assert "get_weather" in (folded.content or "")
+
+
 def test_mimo_values_keep_every_character_and_are_typed() -> None:
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>3</parameter>\n" \
            "</function>\n</tool_call>"

@@ -161,6 +161,21 @@ class XmlCallState(msgspec.Struct):
         require(self.value_kind in (BY_SCHEMA, STRING_ATTR, JSON_ATTR), "a known value kind")
 
 
+_ATTRIBUTE = re.compile(r"""\s*[\w:.\-]+\s*=\s*(?:"[^"]*"|'[^']*'|[^\s"'>]+)""")
+
+
+def _after_first_attribute(text: str) -> str:
+    """What a tag holds after its first attribute that is not ``key="value"`` attributes: the model's text (a
+    stray word or quoted string beside the name is not markup)."""
+    if text[:1] in ("\"", "'"):
+        end = text.find(text[0], 1)
+        rest = text[end + 1:] if end != -1 else ""
+    else:
+        parts = text.split(None, 1)
+        rest = parts[1] if len(parts) > 1 else ""
+    return _ATTRIBUTE.sub("", rest).strip()
+
+
 def _first_attribute(text: str) -> str:
     """The value of a tag's first attribute, quoted or bare: what follows it (``description="..."``, ``type=``)
     is another attribute, not part of the name."""
@@ -453,8 +468,9 @@ class XmlToolParser:
                     state.held = buf[pos:]
                     return
                 name = buf[pos:at].strip()
+                stray = ""
                 if f.quoted_names:
-                    name = _first_attribute(name).strip()
+                    name, stray = _first_attribute(name).strip(), _after_first_attribute(name)
                 if not name or any(c in name for c in "<>\n"):
                     self._release(state, sink)
                     continue
@@ -466,6 +482,7 @@ class XmlToolParser:
                 state.mode = CALL
                 sink.name(state.calls, name)
                 sink.arguments(state.calls, "{")
+                sink.content(stray)
             elif mode == CALL:
                 if state.stray:
                     # stray text runs to the next "<", its whitespace included, however it is chunked
@@ -513,6 +530,8 @@ class XmlToolParser:
                     return
                 key = buf[pos:at].strip()
                 state.key, kind = self._key_text(key)
+                if f.quoted_names:
+                    sink.content(_after_first_attribute(key))
                 if f.string_attr:
                     state.value_kind = kind
                 pos = at + len(tag)
