@@ -88,7 +88,12 @@ NEW_FAMILY_WRITERS = {
     "dots": "write_dots", "hy_v3": "write_hy_v3", "step3": "write_step3", "step3p5": "write_qwen3_xml",
     "mimo": "write_mimo", "deepseek_v3": "write_deepseek_v3", "plamo3": "write_plamo3",
     "jamba": "write_jamba", "hunyuan_a13b": "write_jamba", "phi4_mini_json": "write_phi4_mini",
-    "internlm": "write_internlm", "lfm2": "write_lfm2",
+    "internlm": "write_internlm", "lfm2": "write_lfm2", "gemma4": "write_gemma4",
+    "functiongemma": "write_functiongemma", "kimi_k3": "write_kimi_k3", "olmo3": "write_olmo3",
+    "hy_v4": "write_hy_v4", "apertus": "write_apertus",
+    "k2_horizon": "write_k2_horizon", "minicpm5": "write_minicpm5",
+    "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
+    "inkling": "write_inkling", "minimax_m3": "write_minimax_m3",
 }
 
 
@@ -125,6 +130,18 @@ FAMILIES = {
     "phi4_mini_json": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "internlm": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "lfm2": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "gemma4": ("gemma4", "<|channel>thought\n", "<channel|>", "qwen3"),
+    "functiongemma": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "minimax_m3": ("minimax_m3", "<mm:think>", "</mm:think>", "qwen3"),
+    "inkling": ("inkling", "<|content_thinking|>", "<|end_message|>", "qwen3"),
+    "zaya_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "cohere_command3": ("cohere_command3", "<|START_THINKING|>", "<|END_THINKING|>", "qwen3"),
+    "minicpm5": ("minicpmv", "<think>", "</think>", "qwen3"),
+    "k2_horizon": ("k2_horizon", "", "</ifm|think>", "qwen3"),
+    "apertus": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "hy_v4": ("hy_v4", "<think>", "</think>", "qwen3"),
+    "olmo3": ("olmo3", "<think>", "</think>", "qwen3"),
+    "kimi_k3": ("kimi_k3", "<|open|>think<|sep|>", "<|close|>think<|sep|>", "qwen3"),
     "llama4_pythonic": (None, "", "", "llama4"),
     "llama4_json": (None, "", "", "llama4"),
 }

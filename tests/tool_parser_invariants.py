@@ -135,6 +135,107 @@ def write_gigachat3(calls: list[Call]) -> str:
     return "".join(f'<|function_call|>{{"name": {json.dumps(n)}, "arguments": {_args(a)}}}' for n, a in calls)
 
 
+def _gemma_value(v: Any, delim: str) -> str:
+    if isinstance(v, str):
+        return f"{delim}{v}{delim}"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_gemma_value(x, delim)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(_gemma_value(x, delim) for x in v) + "]"
+    return json.dumps(v)
+
+
+def write_gemma4(calls: list[Call]) -> str:
+    return "".join("<|tool_call>call:" + n + _gemma_value(a, '<|"|>') + "<tool_call|>" for n, a in calls)
+
+
+def write_functiongemma(calls: list[Call]) -> str:
+    return "".join("<start_function_call>call:" + n + "{" + ",".join(
+        f"{k}:<escape>{_text_value(v)}<escape>" for k, v in a.items()) + "}<end_function_call>" for n, a in calls)
+
+
+GEMMA4 = ("<|tool_call>", "<tool_call|>", '<|"|>', "call:")
+FUNCTIONGEMMA = ("<start_function_call>", "<end_function_call>", "<escape>", "call:")
+
+
+K3 = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>", "<|open|>call tool=", "<|close|>call<|sep|>",
+      "<|open|>argument key=", "<|close|>argument<|sep|>", "<|sep|>", "<|open|>response<|sep|>",
+      "<|close|>response<|sep|>", 'type="string"', 'type="json"', 'index="1"', 'index="2"', 'index="3"')
+
+
+def write_kimi_k3(calls: list[Call]) -> str:
+    return "<|open|>tools<|sep|>" + "".join(f'<|open|>call tool="{n}" index="{i + 1}"<|sep|>' + "".join(
+        f'<|open|>argument key="{k}" type="{"string" if isinstance(v, str) else "json"}"<|sep|>{_text_value(v)}'
+        "<|close|>argument<|sep|>" for k, v in a.items()) + "<|close|>call<|sep|>"
+        for i, (n, a) in enumerate(calls)) + "<|close|>tools<|sep|>"
+
+
+def write_olmo3(calls: list[Call]) -> str:
+    return "<function_calls>" + "\n".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                                           for n, a in calls) + "</function_calls>"
+
+
+def write_hy_v4(calls: list[Call]) -> str:
+    return "<tool_calls>" + "".join(f"<tool_call>{n}\n" + "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{_text_value(v)}</arg_value>" for k, v in a.items()) + "</tool_call>"
+        for n, a in calls) + "</tool_calls>"
+
+
+def write_apertus(calls: list[Call]) -> str:
+    return "<|tools_prefix|>[" + ", ".join(f"{{{json.dumps(n)}: {_args(a)}}}" for n, a in calls) + "]<|tools_suffix|>"
+
+
+def write_k2_horizon(calls: list[Call]) -> str:
+    return "<ifm|tool_calls>" + "".join(f"<ifm|tool_call>{n}" + "".join(
+        f"<ifm|arg_key>{k}</ifm|arg_key><ifm|arg_value>{_text_value(v)}</ifm|arg_value>" for k, v in a.items())
+        + "</ifm|tool_call>" for n, a in calls) + "</ifm|tool_calls>"
+
+
+K2H = ("<ifm|tool_calls>", "</ifm|tool_calls>", "<ifm|tool_call>", "</ifm|tool_call>", "<ifm|arg_key>",
+       "</ifm|arg_key>", "<ifm|arg_value>", "</ifm|arg_value>")
+
+
+def write_minicpm5(calls: list[Call]) -> str:
+    return "".join(f'<function name="{n}">' + "".join(f'<param name="{k}">{_text_value(v)}</param>'
+                                                      for k, v in a.items()) + "</function>" for n, a in calls)
+
+
+COHERE = ("<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<co>", "</co:",
+          '"tool_call_id"', '"tool_name"', '"parameters"', '"0"', '"1"', '"2"')
+
+
+def write_cohere(calls: list[Call]) -> str:
+    return "<|START_ACTION|>[" + ", ".join(
+        f'{{"tool_call_id": "{i}", "tool_name": {json.dumps(n)}, "parameters": {_args(a)}}}'
+        for i, (n, a) in enumerate(calls)) + "]<|END_ACTION|>"
+
+
+INKLING = ("<|message_model|>", "<|content_text|>", "<|content_invoke_tool_json|>", "<|end_message|>",
+           "<|content_model_end_sampling|>", '"name"', '"args"')
+
+
+def write_inkling(calls: list[Call]) -> str:
+    return "".join(f'<|message_model|><|content_invoke_tool_json|>{{"name": {json.dumps(n)}, "args": {_args(a)}}}'
+                   "<|end_message|>" for n, a in calls)
+
+
+M3NS = "]<]minimax[>["
+M3 = (M3NS + "<tool_call>", M3NS + "</tool_call>", M3NS + "<invoke name=", M3NS + "</invoke>", M3NS, "item")
+
+
+def _m3_value(v: Any) -> str:
+    if isinstance(v, dict):
+        return "".join(f"{M3NS}<{k}>{_m3_value(x)}{M3NS}</{k}>" for k, x in v.items())
+    if isinstance(v, list):
+        return "".join(f"{M3NS}<item>{_m3_value(x)}{M3NS}</item>" for x in v)
+    return _text_value(v)
+
+
+def write_minimax_m3(calls: list[Call]) -> str:
+    return M3NS + "<tool_call>\n" + "".join(
+        f'{M3NS}<invoke name="{n}">' + _m3_value(a) + f"{M3NS}</invoke>\n" for n, a in calls) + M3NS + "</tool_call>"
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -151,6 +252,10 @@ def write_qwen3_xml(calls: list[Call]) -> str:
         body = "".join(f"<parameter={k}>\n{_text_value(v)}\n</parameter>\n" for k, v in a.items())
         out.append(f"<tool_call>\n<function={n}>\n{body}</function>\n</tool_call>")
     return "\n".join(out)
+
+
+def write_zaya_xml(calls: list[Call]) -> str:
+    return write_qwen3_xml(calls).replace("tool_call>", "zyphra_tool_call>")
 
 
 def write_llama3_json(calls: list[Call]) -> str:
@@ -222,6 +327,7 @@ _MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</i
 _SEED = ("<seed:tool_call>", "</seed:tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
 
+_ZAYA = ("<zyphra_tool_call>", "</zyphra_tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 _JSON_KEYS = ('"name"', '"arguments"', '"parameters"')
 _QWEN_XML = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
@@ -323,6 +429,34 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                ("<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', ":", ",", '"name"', '"arguments"', " ", "x")),
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
+    ToolFamily("cohere_command3", write_cohere, COHERE,
+               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+    ToolFamily("minimax_m3", write_minimax_m3, M3,
+               (*M3, "<city>", "</city>", '"get_weather">', "\n", " ", "x", "3", "<", ">", "[", "]")),
+    ToolFamily("inkling", write_inkling, INKLING,
+               (*INKLING, "{", "}", '"', ":", ",", " ", "\n", "x", "1", '"get_weather"')),
+    ToolFamily("zaya_xml", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
+    ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
+               ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",
+                "x", "3", "<", ">")),
+    ToolFamily("k2_horizon", write_k2_horizon, K2H, (*K2H, "get_weather", "city", "\n", " ", "x", "3", "<")),
+    ToolFamily("apertus", write_apertus, ("<|tools_prefix|>", "<|tools_suffix|>"),
+               ("<|tools_prefix|>", "<|tools_suffix|>", "[", "]", "{", "}", '"get_weather"', '"city"', ":", ",", '"',
+                " ", "\n", "x", "1")),
+    ToolFamily("hy_v4", write_hy_v4, ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<arg_key>",
+                                       "</arg_key>", "<arg_value>", "</arg_value>"),
+               ("<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                "<arg_value>", "</arg_value>", "get_weather", "city", "\n", " ", "x", "3", "<")),
+    ToolFamily("olmo3", write_olmo3, ("<function_calls>", "</function_calls>", "None", "True", "False"),
+               ("<function_calls>", "</function_calls>", "get_weather", "(", ")", "=", "'", '"', ",", "\n", " ", "x",
+                "1", "null", "true", "{", "}", "[", "]", "city")),
+    ToolFamily("kimi_k3", write_kimi_k3, K3,
+               (*K3, '"get_weather" index="1"', '"city" ', "\n", " ", "x", "3", "<|open|>", "<|close|>", "<", "{")),
+    ToolFamily("gemma4", write_gemma4, (*GEMMA4, "true", "false"),
+               (*GEMMA4, "get_weather", "city", "days", "{", "}", "[", "]", ":", ",", " ", "\n", "x", "3", "1.5",
+                "true", "<|", "<", "😀")),
+    ToolFamily("functiongemma", write_functiongemma, FUNCTIONGEMMA,
+               (*FUNCTIONGEMMA, "get_weather", "city", "{", "}", ":", ",", " ", "x", "3", '"a"', "[1]", "<")),
     ToolFamily("glm47", write_glm, _GLM, (*_GLM, "get_time", "days", "\\n", " ", "x", "3", "<", "null")),
     ToolFamily("minimax_m2", write_minimax, _MINIMAX,
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),

@@ -68,6 +68,19 @@ MAX_UNANNOUNCED = 8192
 _UNESCAPED_QUOTE = re.compile(r'["\\]')
 
 
+class CallKeys(msgspec.Struct, frozen=True):
+    """How a family spells its call object."""
+
+    name: str = "name"
+    # the object's first key is the call's name and its value the arguments ({"get_weather": {...}}, Apertus)
+    name_is_key: bool = False
+    # members that are the format's own, neither the call nor the model's text (Cohere's "tool_call_id")
+    markup: tuple[str, ...] = ()
+
+
+CALL_KEYS = CallKeys()
+
+
 class CallObject(msgspec.Struct, omit_defaults=True):
     phase: CallPhase = OBJ_START
     value_key: str = ""
@@ -193,6 +206,7 @@ def feed_call_object(
     index: int,
     arg_keys: tuple[str, ...],
     stop_at_angle: bool,
+    keys: CallKeys = CALL_KEYS,
 ) -> tuple[int, int]:
     """Advance the call object over buf[pos:end]. Returns (position reached, outcome).
 
@@ -238,7 +252,7 @@ def feed_call_object(
                 i += 1
             else:
                 key = obj.value_key
-                if key == "name" and not obj.name:
+                if key == keys.name and not obj.name:
                     if c != '"':
                         return i, MALFORMED
                     obj.phase = NAME
@@ -257,7 +271,8 @@ def feed_call_object(
                 else:
                     obj.scan = JsonScan()
                     obj.phase = SKIP
-                    _emit_content(obj, sink, f'"{key}": ')
+                    if key not in keys.markup:
+                        _emit_content(obj, sink, f'"{key}": ')
         elif phase == KEY or phase == NAME:
             q = _read_string(buf, i, end)
             if q == -1:
@@ -267,7 +282,18 @@ def feed_call_object(
                 return i, MORE
             raw = buf[i:q]
             i = q + 1
-            if phase == KEY:
+            if phase == KEY and keys.name_is_key and not obj.name:
+                try:
+                    name = decode_json_string_body(raw)
+                except ValueError:
+                    return q, MALFORMED
+                if not name.strip() or len(name) > MAX_NAME_CHARS:
+                    return q, MALFORMED
+                obj.name = name
+                _announce(obj, sink, index)
+                obj.value_key = arg_keys[0]  # its value is the arguments
+                obj.phase = COLON
+            elif phase == KEY:
                 obj.value_key = raw if len(raw) <= MAX_KEY_CHARS else ""
                 obj.phase = COLON
             else:
@@ -299,7 +325,8 @@ def feed_call_object(
             scan = obj.scan if obj.scan is not None else JsonScan()
             obj.scan = scan
             stop = scan_json_value(scan, buf, i, end, stop_at_angle)
-            _emit_content(obj, sink, buf[i:stop])
+            if obj.value_key not in keys.markup:
+                _emit_content(obj, sink, buf[i:stop])
             i = stop
             if scan.done:
                 obj.scan = None

@@ -303,6 +303,10 @@ class HyV3ReasoningParser(ThinkReasoningParser):
         return (chat_template_kwargs or {}).get("reasoning_effort") != "no_think"
 
 
+class HyV4ReasoningParser(HyV3ReasoningParser):
+    name = "hy_v4"  # Hunyuan v4: hy_v3's rules (reasoning from the start, off with reasoning_effort no_think)
+
+
 class Ling3ReasoningParser(Glm47ReasoningParser):
     """ling3 (Ling 3): GLM-4.7's reasoning, thinking on unless ``thinking`` / ``enable_thinking`` says off."""
 
@@ -430,6 +434,93 @@ class DeepSeekV41ReasoningParser(DeepSeekV4ReasoningParser):
     implicit_end_markers: ClassVar[tuple[str, ...]] = (DSML_V41_CALLS, DSML_V41_TOOL_CALLS, DSML_TOOL_CALLS)
 
 
+class KimiK3ReasoningParser(ThinkReasoningParser):
+    """kimi_k3 (Kimi K3): the XTML think channel, ``<|open|>think<|sep|>`` ... ``<|close|>think<|sep|>`` (each
+    marker three special tokens); thinking on unless ``thinking`` (else ``enable_thinking``) says off."""
+
+    name = "kimi_k3"
+    thinking_kwarg = "thinking"
+    start_tag = "<|open|>think<|sep|>"
+    end_tag = "<|close|>think<|sep|>"
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        kwargs = chat_template_kwargs or {}
+        thinking = kwargs.get("thinking")
+        return bool(kwargs.get("enable_thinking", True) if thinking is None else thinking)
+
+
+class K2HorizonReasoningParser(DeepSeekR1ReasoningParser):
+    """k2_horizon (K2 Horizon): DeepSeek-R1's rules over ``<ifm|think>`` / ``</ifm|think>`` (reasoning_effort
+    "high", the template's default); reasoning also ends where a tool-call block begins. The "medium" and "low"
+    efforts' ``<ifm|think_fast>`` / ``<ifm|think_faster>`` tags are not read."""
+
+    name = "k2_horizon"
+    start_tag = "<ifm|think>"
+    end_tag = "</ifm|think>"
+    implicit_end_markers = ("<ifm|tool_calls>",)
+
+
+class MiniCPMVReasoningParser(ExplicitThinkReasoningParser):
+    """minicpmv (MiniCPM-V): Qwen3's ``<think>`` reasoning, thinking off unless ``enable_thinking``; with it off a
+    block the model opens itself is still reasoning (upstream drops that text). Upstream also turns the
+    tokenizer's written ``\\n`` back into newlines outside code and LaTeX; not done here."""
+
+    name = "minicpmv"
+    thinking_kwarg = "enable_thinking"
+    thinking_default = False
+
+
+class CohereCommand3ReasoningParser(ExplicitThinkReasoningParser):
+    """cohere_command3 / cohere_command4 (Command A): ``<|START_THINKING|>`` .. ``<|END_THINKING|>``, a block the
+    model opens itself (a reply without it is content); reasoning also ends where an action or a response
+    begins. The reasoning keeps its leading space and any citation markup (upstream's filter trims and strips)."""
+
+    name = "cohere_command3"
+    start_tag = "<|START_THINKING|>"
+    end_tag = "<|END_THINKING|>"
+    implicit_end_markers = ("<|START_ACTION|>", "<|START_RESPONSE|>")
+
+    def _explicit_only(self) -> bool:
+        return True
+
+
+class CohereCommand4ReasoningParser(CohereCommand3ReasoningParser):
+    name = "cohere_command4"
+
+
+INKLING_MESSAGE_MODEL = "<|message_model|>"
+
+
+class InklingReasoningParser(ExplicitThinkReasoningParser):
+    """inkling (Inkling): a ``<|content_thinking|>`` block (after the ``<|message_model|>`` role marker, which the
+    prompt usually ends with) up to ``<|end_message|>``; reasoning also ends where a call block begins. Only a
+    thinking block that opens the reply is reasoning (upstream's engine takes later ones too)."""
+
+    name = "inkling"
+    start_tag = "<|content_thinking|>"
+    end_tag = "<|end_message|>"
+    implicit_end_markers = ("<|content_invoke_tool_json|>",)
+
+    def _explicit_only(self) -> bool:
+        return True
+
+    def _opening(self, state: ThinkState, buf: str, out: list[TextPiece]) -> str:
+        stripped = buf.lstrip()
+        if stripped.startswith(INKLING_MESSAGE_MODEL):
+            rest = stripped[len(INKLING_MESSAGE_MODEL):].lstrip()
+            if rest.startswith(self.start_tag):
+                state.mode = REASONING
+                return rest[len(self.start_tag):]
+            if self.start_tag.startswith(rest):
+                state.held = buf
+                return ""
+        elif stripped and INKLING_MESSAGE_MODEL.startswith(stripped):
+            state.held = buf
+            return ""
+        return super()._opening(state, buf, out)
+
+
 class Plamo3ReasoningParser(ThinkReasoningParser):
     """plamo3 (PLaMo 3): ``<|plamo:begin_think:plamo|>`` / ``<|plamo:end_think:plamo|>`` (each spelled with
     several tokens); output starts in reasoning, which also ends where a tool-request block begins."""
@@ -445,5 +536,7 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               Step3ReasoningParser, HyV3ReasoningParser, Ling3ReasoningParser, MiMoReasoningParser,
                               NemotronV3ReasoningParser, Olmo3ReasoningParser, Step3p5ReasoningParser,
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
-                              GraniteThinkingReasoningParser)
+                              GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
+                              K2HorizonReasoningParser, MiniCPMVReasoningParser, CohereCommand3ReasoningParser,
+                              CohereCommand4ReasoningParser, InklingReasoningParser)
 }

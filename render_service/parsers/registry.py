@@ -65,6 +65,19 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "jamba": ("render_service.parsers.tools_wrapped_families", "JambaToolParser"),
     "phi4_mini_json": ("render_service.parsers.tools_wrapped_families", "Phi4MiniJsonToolParser"),
     "internlm": ("render_service.parsers.tools_wrapped_families", "InternLMToolParser"),
+    "cohere_command3": ("render_service.parsers.tools_wrapped_families", "CohereCommand3ToolParser"),
+    "cohere_command4": ("render_service.parsers.tools_wrapped_families", "CohereCommand4ToolParser"),
+    "minimax_m3": ("render_service.parsers.tools_minimax_m3", "MiniMaxM3ToolParser"),
+    "inkling": ("render_service.parsers.tools_wrapped_families", "InklingToolParser"),
+    "zaya_xml": ("render_service.parsers.tools_qwen3_xml", "ZayaXmlToolParser"),
+    "minicpm5": ("render_service.parsers.tools_xml_families", "MiniCPM5ToolParser"),
+    "k2_horizon": ("render_service.parsers.tools_xml_families", "K2HorizonToolParser"),
+    "apertus": ("render_service.parsers.tools_wrapped_families", "ApertusToolParser"),
+    "hy_v4": ("render_service.parsers.tools_xml_families", "HyV4ToolParser"),
+    "olmo3": ("render_service.parsers.tools_wrapped_families", "Olmo3ToolParser"),
+    "kimi_k3": ("render_service.parsers.tools_xml_families", "KimiK3ToolParser"),
+    "gemma4": ("render_service.parsers.tools_gemma", "Gemma4ToolParser"),
+    "functiongemma": ("render_service.parsers.tools_gemma", "FunctionGemmaToolParser"),
 }
 
 

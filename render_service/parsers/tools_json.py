@@ -16,9 +16,11 @@ import msgspec
 
 from render_service.parsers.base import Piece
 from render_service.parsers.call_object import (
+    CALL_KEYS,
     DONE,
     MAX_UNANNOUNCED,
     MORE,
+    CallKeys,
     CallObject,
     feed_call_object,
     finish_call_object,
@@ -64,6 +66,8 @@ class Llama3JsonToolParser(HeldTextToolParser):
     # a JSON array of calls (``[{...}, {...}]``) is calls too: the brackets and commas are markup (the families
     # that write their calls as a list inside their own tags: Jamba, Phi-4-mini, xLAM)
     LIST: ClassVar[bool] = False
+    ARG_KEYS: ClassVar[tuple[str, ...]] = ARG_KEYS
+    KEYS: ClassVar[CallKeys] = CALL_KEYS  # how the call object is spelled
 
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()
@@ -138,7 +142,8 @@ class Llama3JsonToolParser(HeldTextToolParser):
                     self._release(state, sink)  # the text after the calls is content
             else:
                 call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
-                stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, ARG_KEYS, False)
+                stop, outcome = feed_call_object(call, buf, pos, n, sink, state.calls, self.ARG_KEYS, False,
+                                                 self.KEYS)
                 state.raw = "" if call.name_emitted else state.raw + buf[pos:stop]
                 pos = stop
                 if not call.name_emitted and len(state.raw) > MAX_UNANNOUNCED:

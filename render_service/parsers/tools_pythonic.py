@@ -137,9 +137,21 @@ class PythonicState(msgspec.Struct):
     escape: bool = False
 
 
+class _JsonNames(ast.NodeTransformer):
+    """``null`` / ``true`` / ``false`` written as names (a model that read its tools as JSON) become literals."""
+
+    NAMES: ClassVar[dict[str, bool | None]] = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.NAMES[node.id]) if node.id in self.NAMES else node
+
+
 class PythonicToolParser(HeldTextToolParser):
     name: ClassVar[str] = "pythonic"
     State: ClassVar[type[msgspec.Struct]] = PythonicState
+    # False: calls one after another (a newline or comma between them), no "[" ... "]" around them (OLMo 3)
+    BRACKETED: ClassVar[bool] = True
+    JSON_NAMES: ClassVar[bool] = False  # null / true / false read as literals (OLMo 3)
 
     def finish(self, state: PythonicState) -> list[Piece]:
         sink = PieceSink()
@@ -192,13 +204,18 @@ class PythonicToolParser(HeldTextToolParser):
         source = state.value.strip()
         state.value = ""
         try:
-            value = ast.literal_eval(source)
+            value = ast.literal_eval(self._literal_tree(source))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             value = source
         if not json_safe(value):
             value = source
         sink.arguments(index, self._key(state) + dumps(value))
         state.params += 1
+
+    def _literal_tree(self, source: str) -> str | ast.AST:
+        if not self.JSON_NAMES:
+            return source
+        return _JsonNames().visit(ast.parse(source, mode="eval")).body  # type: ignore[no-any-return]
 
     def _key(self, state: PythonicState) -> str:
         return ("{" if state.params == 0 else ", ") + dumps(state.keyword) + ": "
@@ -224,6 +241,9 @@ class PythonicToolParser(HeldTextToolParser):
                 state.mode = CONTENT_ONLY  # the text after the list is the model's
                 continue
             if mode == START:
+                if not self.BRACKETED:
+                    state.mode = LIST_ITEM
+                    continue
                 if c != "[":
                     self._not_calls(state, sink)
                     continue
@@ -328,7 +348,9 @@ class PythonicToolParser(HeldTextToolParser):
                 if c == ",":
                     pos += 1
                     state.mode = LIST_ITEM
-                elif c == "]":
+                elif not self.BRACKETED and _IDENT.match(c):
+                    state.mode = NAME  # the next call
+                elif c == "]" and self.BRACKETED:
                     pos += 1
                     state.mode = AFTER_LIST
                 else:

@@ -68,3 +68,17 @@ class Step3p5ToolParser(Qwen3XmlToolParser):
 
 class GraniteToolCallToolParser(Qwen3XmlToolParser):
     name: ClassVar[str] = "granite_toolcall_parser"  # Granite 4.2 writes Qwen3's (Nemotron 3's) XML calls
+
+
+ZAYA_XML_FORMAT = msgspec.structs.replace(QWEN3_XML_FORMAT, block_open="<zyphra_tool_call>",
+                                          block_end="</zyphra_tool_call>")
+
+
+class ZayaXmlToolParser(Qwen3XmlToolParser):
+    """zaya_xml (Zyphra ZAYA1): Qwen3's XML calls in ``<zyphra_tool_call>`` (upstream's parser is a copy of
+    qwen3_xml's with these tags); a bare ``<function=`` also starts a call."""
+
+    name: ClassVar[str] = "zaya_xml"
+    FORMAT: ClassVar[XmlFormat] = ZAYA_XML_FORMAT
+    FORCED_REQUIRED: ClassVar[str] = "<zyphra_tool_call>\n"
+    FORCED_NAMED: ClassVar[str] = "<zyphra_tool_call>\n<function={name}>\n"

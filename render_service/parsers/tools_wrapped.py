@@ -43,11 +43,14 @@ class WrappedToolParser:
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ()  # other spellings of START
     # END None: the block runs to the end of the output, or (True here) to the next START, which opens the next
     START_ENDS_BLOCK: ClassVar[bool] = False
+    # markers dropped outside the blocks (Inkling's <|end_message|> also ends its text and thinking blocks)
+    OUTSIDE_DROPPED: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.config = config
         self.inner = self.INNER(config)
         self._starts = (self.START, *self.OTHER_STARTS)
+        self._outside = self._starts + self.OUTSIDE_DROPPED
 
     def initial_state(self) -> WrappedState:
         return WrappedState()
@@ -72,12 +75,14 @@ class WrappedToolParser:
         pos, n = 0, len(buf)
         while pos < n:
             if not state.inside:
-                at, tag = find_tag(buf, pos, self._starts)
+                at, tag = find_tag(buf, pos, self._outside)
                 sink.content(buf[pos:at])
                 if tag is None:
                     state.held = buf[at:]
                     break
                 pos = at + len(tag)
+                if tag in self.OUTSIDE_DROPPED:
+                    continue
                 state.inside = True
                 state.block_calls = 0
                 state.inner = self.inner.initial_state()
@@ -125,17 +130,25 @@ class DroppedMarkersState(msgspec.Struct, omit_defaults=True):
 
 class DroppedMarkersToolParser:
     """An inner parser fed the output without a family's outer markers (special tokens that frame the calls
-    and are never text the model means, e.g. Step-3's ``<｜tool_calls_begin｜>``), wherever they appear."""
+    and are never text the model means, e.g. Step-3's ``<｜tool_calls_begin｜>``), wherever they appear.
+    ``DROPPED_SPANS``: (open, close) pairs dropped with what is between them (Cohere's citation closer
+    ``</co: 0:[1]>``); a span longer than ``MAX_SPAN`` or holding a character outside ``SPAN_CHARS`` is not
+    one, and its opener stays text."""
 
     name: ClassVar[str]
     State: ClassVar[type[msgspec.Struct]] = DroppedMarkersState
     DROPPED: ClassVar[tuple[str, ...]]
+    DROPPED_SPANS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    SPAN_CHARS: ClassVar[str] = ""  # the characters a span may hold between its open and close
+    MAX_SPAN: ClassVar[int] = 200
     INNER: ClassVar[Any]
 
     def __init__(self, config: ToolParserConfig) -> None:
         self.config = config
         self.inner = self.INNER(config)
-        self._firsts = "".join({m[0] for m in self.DROPPED})
+        self._spans = dict(self.DROPPED_SPANS)
+        self._tags = (*self.DROPPED, *self._spans)
+        self._firsts = "".join({m[0] for m in self._tags})
 
     def initial_state(self) -> DroppedMarkersState:
         return DroppedMarkersState(inner=self.inner.initial_state())
@@ -155,12 +168,25 @@ class DroppedMarkersToolParser:
         kept: list[str] = []
         pos = 0
         while True:
-            at, tag = find_tag(buf, pos, self.DROPPED)
+            at, tag = find_tag(buf, pos, self._tags)
             kept.append(buf[pos:at])
             if tag is None:
                 state.held = buf[at:]
                 break
             pos = at + len(tag)
+            close = self._spans.get(tag)
+            if close is not None:
+                end = buf.find(close, pos, at + self.MAX_SPAN)
+                stop = end if end != -1 else len(buf)
+                if buf[pos:stop].strip(self.SPAN_CHARS):
+                    kept.append(tag)  # it holds what a span cannot: this opener is text
+                elif end != -1:
+                    pos = end + len(close)
+                elif len(buf) - at < self.MAX_SPAN:
+                    state.held = buf[at:]  # the span may close in the next text
+                    break
+                else:
+                    kept.append(tag)  # no close within reach: not a span
         clean = "".join(kept)
         return self.inner.feed(inner, clean) if clean else []
 

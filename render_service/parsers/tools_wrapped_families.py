@@ -12,6 +12,16 @@
   ``function call<|role_sep|>\n``), to the end of the output.
 * ``granite`` (Granite 3.0 / 3.1): ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>`` (3.1, text) and a
   JSON list of calls; the list's ``]`` ends it, prose around it is content.
+* ``apertus`` (Apertus): ``<|tools_prefix|>[{"get_weather": {"city": "Paris"}}, ...]<|tools_suffix|>``, each call an
+  object whose one key is the name and whose value is the arguments.
+* ``cohere_command3`` / ``cohere_command4`` (Command A / Command A Reasoning): ``<|START_ACTION|>[{"tool_call_id":
+  "0", "tool_name": "NAME", "parameters": {...}}, ...]<|END_ACTION|>``; the response wrapper
+  (``<|START_RESPONSE|>`` .. ``<|END_RESPONSE|>``, ``<|START_TEXT|>`` .. ``<|END_TEXT|>``) and the citation markup
+  (``<co>`` .. ``</co: 0:[1,2]>``) are dropped, their text is content; the model's ``tool_call_id`` is markup.
+* ``inkling`` (Inkling): typed blocks, ``<|message_model|><|content_invoke_tool_json|>{"name": ..., "args": {...}}``
+  ``<|end_message|>`` a call; the role and block-kind markers, and ``<|end_message|>`` outside a call, are dropped.
+* ``olmo3`` (OLMo 3): ``<function_calls>get_weather(city="Paris")\nget_time()</function_calls>``, pythonic calls
+  one per line, ``null``/``true``/``false`` read as JSON's.
 * ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>``.
 
 The JSON families accept ``arguments`` or ``parameters`` (upstream's parsers read either), arguments stream as
@@ -22,9 +32,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from render_service.parsers.call_object import CallKeys
 from render_service.parsers.tools_json import JsonListToolParser, Llama3JsonToolParser
 from render_service.parsers.tools_pythonic import PythonicToolParser
-from render_service.parsers.tools_wrapped import WrappedToolParser
+from render_service.parsers.tools_wrapped import DroppedMarkersToolParser, WrappedToolParser
 
 
 class Lfm2ToolParser(WrappedToolParser):
@@ -82,3 +93,76 @@ class GraniteToolParser(WrappedToolParser):
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ("<tool_call>",)
     END: ClassVar[str | None] = None
     INNER: ClassVar[Any] = JsonListToolParser
+
+
+class Olmo3CallsParser(PythonicToolParser):
+    name: ClassVar[str] = "olmo3_calls"
+    BRACKETED: ClassVar[bool] = False
+    JSON_NAMES: ClassVar[bool] = True
+
+
+class Olmo3ToolParser(WrappedToolParser):
+    name: ClassVar[str] = "olmo3"
+    START: ClassVar[str] = "<function_calls>"
+    END: ClassVar[str | None] = "</function_calls>"
+    INNER: ClassVar[Any] = Olmo3CallsParser
+
+
+class ApertusCallsParser(JsonListToolParser):
+    name: ClassVar[str] = "apertus_calls"
+    KEYS: ClassVar[CallKeys] = CallKeys(name_is_key=True)
+
+
+class ApertusToolParser(WrappedToolParser):
+    name: ClassVar[str] = "apertus"
+    START: ClassVar[str] = "<|tools_prefix|>"
+    END: ClassVar[str | None] = "<|tools_suffix|>"
+    INNER: ClassVar[Any] = ApertusCallsParser
+
+
+class CohereCallsParser(JsonListToolParser):
+    name: ClassVar[str] = "cohere_calls"
+    KEYS: ClassVar[CallKeys] = CallKeys(name="tool_name", markup=("tool_call_id",))
+
+
+class CohereActionToolParser(WrappedToolParser):
+    name: ClassVar[str] = "cohere_action"
+    START: ClassVar[str] = "<|START_ACTION|>"
+    END: ClassVar[str | None] = "<|END_ACTION|>"
+    INNER: ClassVar[Any] = CohereCallsParser
+
+
+class CohereCommand3ToolParser(DroppedMarkersToolParser):
+    name: ClassVar[str] = "cohere_command3"
+    DROPPED: ClassVar[tuple[str, ...]] = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>",
+                                          "<co>")
+    DROPPED_SPANS: ClassVar[tuple[tuple[str, str], ...]] = (("</co:", ">"),)
+    SPAN_CHARS: ClassVar[str] = " 0123456789:,[]"  # a citation closer's source list, 0:[1,2],1:[3]
+    INNER: ClassVar[Any] = CohereActionToolParser
+
+
+class CohereCommand4ToolParser(CohereCommand3ToolParser):
+    name: ClassVar[str] = "cohere_command4"  # the same markup (upstream: cohere_melody's cmd4 options)
+
+
+INKLING_MARKERS = ("<|message_model|>", "<|content_text|>", "<|content_model_end_sampling|>",
+                   "<|content_invoke_tool_text|>", "<|content_tool_error|>")
+
+
+class InklingCallsParser(Llama3JsonToolParser):
+    name: ClassVar[str] = "inkling_calls"
+    ARG_KEYS: ClassVar[tuple[str, ...]] = ("args", "arguments", "parameters")
+
+
+class InklingBlocksParser(WrappedToolParser):
+    name: ClassVar[str] = "inkling_blocks"
+    START: ClassVar[str] = "<|content_invoke_tool_json|>"
+    END: ClassVar[str | None] = "<|end_message|>"
+    OUTSIDE_DROPPED: ClassVar[tuple[str, ...]] = ("<|end_message|>",)
+    INNER: ClassVar[Any] = InklingCallsParser
+
+
+class InklingToolParser(DroppedMarkersToolParser):
+    name: ClassVar[str] = "inkling"
+    DROPPED: ClassVar[tuple[str, ...]] = INKLING_MARKERS
+    INNER: ClassVar[Any] = InklingBlocksParser

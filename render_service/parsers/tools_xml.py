@@ -24,6 +24,7 @@ value that the trim rule may drop.
 
 from __future__ import annotations
 
+import functools
 import re
 from enum import IntEnum
 from typing import ClassVar
@@ -72,7 +73,12 @@ YES, NO, WAIT = range(3)
 
 # XmlCallState.value_kind: how the current value reads (DSML's string attribute; by the schema otherwise)
 BY_SCHEMA, STRING_ATTR, JSON_ATTR = range(3)
-_KEY_WITH_STRING_ATTR = re.compile(r"""\s*(["']?)(.*?)\1\s+string\s*=\s*["']?(true|false)["']?\s*""", re.DOTALL)
+
+
+@functools.lru_cache(maxsize=8)
+def _key_with_attr(attr: str) -> re.Pattern[str]:
+    """A quoted key name followed by ``attr="value"`` (DSML's ``string="true"``, Kimi K3's ``type="string"``)."""
+    return re.compile(rf"""\s*(["']?)(.*?)\1\s+{re.escape(attr)}\s*=\s*["']?([^"'\s]*)["']?\s*""", re.DOTALL)
 
 _NOT_IN_NAME = re.compile(r"[<>\n]")
 
@@ -100,6 +106,10 @@ class XmlFormat(msgspec.Struct, frozen=True):
     skip_escaped_newlines: bool = False  # GLM-4.7 may write a literal \n between </arg_key> and <arg_value>
     # the key carries string="true|false" after its quoted name (DeepSeek's DSML): true is raw text, false JSON
     string_attr: bool = False
+    # the attribute string_attr reads and its value that means raw text; a key without it reads as raw text
+    # when string_attr_default_raw (Kimi K3: type="string", the default) and as JSON otherwise (DSML)
+    string_attr_raw: tuple[str, str] = ("string", "true")
+    string_attr_default_raw: bool = False
     # (open, close): a span that is content whatever it holds, e.g. a thinking block the reasoning parser did
     # not take out (a call the model quotes while thinking is not a call)
     opaque: tuple[str, str] | None = None
@@ -149,6 +159,21 @@ class XmlCallState(msgspec.Struct):
         require(len(self.keys) <= 4096 and sum(map(len, self.keys)) <= 65536, "keys within bounds")
         require(not self.value_parts or (self.mode == VALUE and not self.string_value), "a held value only inside one")
         require(self.value_kind in (BY_SCHEMA, STRING_ATTR, JSON_ATTR), "a known value kind")
+
+
+_ATTRIBUTE = re.compile(r"""\s*[\w:.\-]+\s*=\s*(?:"[^"]*"|'[^']*'|[^\s"'>]+)""")
+
+
+def _after_first_attribute(text: str) -> str:
+    """What a tag holds after its first attribute that is not ``key="value"`` attributes: the model's text (a
+    stray word or quoted string beside the name is not markup)."""
+    if text[:1] in ("\"", "'"):
+        end = text.find(text[0], 1)
+        rest = text[end + 1:] if end != -1 else ""
+    else:
+        parts = text.split(None, 1)
+        rest = parts[1] if len(parts) > 1 else ""
+    return _ATTRIBUTE.sub("", rest).strip()
 
 
 def _first_attribute(text: str) -> str:
@@ -305,10 +330,12 @@ class XmlToolParser:
         f = self.FORMAT
         if f.string_attr:
             # no attribute reads as string="false" (JSON, else its text), as upstream's engine parser
-            attr = _KEY_WITH_STRING_ATTR.fullmatch(key)
+            name, raw = f.string_attr_raw
+            attr = _key_with_attr(name).fullmatch(key)
             if attr is not None:
-                return attr.group(2), STRING_ATTR if attr.group(3) == "true" else JSON_ATTR
-            return (_first_attribute(key).strip() if f.quoted_names else key), JSON_ATTR
+                return attr.group(2), STRING_ATTR if attr.group(3) == raw else JSON_ATTR
+            return ((_first_attribute(key).strip() if f.quoted_names else key),
+                    STRING_ATTR if f.string_attr_default_raw else JSON_ATTR)
         return (_first_attribute(key).strip() if f.quoted_names else key), BY_SCHEMA
 
     def _trim_tail(self, text: str) -> str:
@@ -441,8 +468,9 @@ class XmlToolParser:
                     state.held = buf[pos:]
                     return
                 name = buf[pos:at].strip()
+                stray = ""
                 if f.quoted_names:
-                    name = _first_attribute(name).strip()
+                    name, stray = _first_attribute(name).strip(), _after_first_attribute(name)
                 if not name or any(c in name for c in "<>\n"):
                     self._release(state, sink)
                     continue
@@ -454,6 +482,7 @@ class XmlToolParser:
                 state.mode = CALL
                 sink.name(state.calls, name)
                 sink.arguments(state.calls, "{")
+                sink.content(stray)
             elif mode == CALL:
                 if state.stray:
                     # stray text runs to the next "<", its whitespace included, however it is chunked
@@ -501,6 +530,8 @@ class XmlToolParser:
                     return
                 key = buf[pos:at].strip()
                 state.key, kind = self._key_text(key)
+                if f.quoted_names:
+                    sink.content(_after_first_attribute(key))
                 if f.string_attr:
                     state.value_kind = kind
                 pos = at + len(tag)
