@@ -191,7 +191,9 @@ def test_same_request_id_is_not_held_twice(engines):
     first = prefill(p, "dup", prompt_of(9, 1)).kv_transfer_params
     second = prefill(p, "dup", prompt_of(9, 2)).kv_transfer_params
     assert first["do_remote_prefill"] and not (second or {}).get("do_remote_prefill")
-    assert p.connector.handoff.release_hold("dup", first["remote_lease_epoch"]) is not None
+    assert [lease.block_ids for lease in p.connector.handoff.leases.find("dup")] == [first["remote_block_ids"]]
+    p.abort_request("dup")  # its caller gives it up: the lease ends and the module's engines are idle again
+    step_until([p], until=lambda: idle(p))
 
 
 def test_lease_expiry_frees_prefill_blocks(short_lease_prefill):
