@@ -40,6 +40,27 @@ def write_tiny_qwen3(out_dir, vocab_size: int | None = None) -> Path:
     return write_random_model(out_dir, arch="qwen3", preset="tiny", overrides=overrides, dtype="float32")
 
 
+LoadedModel = tuple[Path, torch.nn.Module]
+
+
+def tiny_loaded_model(tmp_path_factory) -> Iterator[LoadedModel]:
+    """A module fixture's body: a tiny random Qwen3 written once and loaded once (one torch thread while the
+    module runs, so engines in one test process do not fight over the cores)."""
+    from token_engine.models import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), vocab_size=2048)
+    yield model_dir, load_model(model_dir, dtype="float32")
+    torch.set_num_threads(threads)
+
+
+def make_engine(model: LoadedModel, **kw) -> LLMEngine:
+    """An engine over a ``tiny_loaded_model`` (its weights shared, not reloaded)."""
+    model_dir, loaded = model
+    return LLMEngine(engine_config(model_dir, **kw), model=loaded)
+
+
 def engine_config(model_dir, **kw) -> EngineConfig:
     defaults = dict(model=str(model_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
                     block_size=4, max_num_batched_tokens=64, max_num_seqs=16, seed=0)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from tests.engine_harness import engine_config, greedy_reference, write_tiny_qwen3
+from tests.engine_harness import greedy_reference, make_engine, tiny_loaded_model
 from token_engine.engine import LLMEngine
 from token_engine.sequence import SamplingOptions
 
@@ -17,18 +16,8 @@ PROMPTS = [list(range(10, 10 + n)) for n in (5, 23, 14, 31)]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    from token_engine.models import load_model
+    yield from tiny_loaded_model(tmp_path_factory)
 
-    model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), vocab_size=2048)
-    yield model_dir, load_model(model_dir, dtype="float32")
-    torch.set_num_threads(threads)
-
-
-def make_engine(model, **kw) -> LLMEngine:
-    model_dir, loaded = model
-    return LLMEngine(engine_config(model_dir, **kw), model=loaded)
 
 
 def run(engine: LLMEngine, prompts, options=GREEDY) -> list[list[int]]:

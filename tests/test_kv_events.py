@@ -11,12 +11,11 @@ import time
 
 import msgspec
 import pytest
-import torch
 import zmq
 
 from bench import peers
 from splitserve_common.block_hashes import BlockHashConfig, block_hashes, external_hash
-from tests.engine_harness import engine_config, write_tiny_qwen3
+from tests.engine_harness import engine_config, tiny_loaded_model
 from token_engine.engine import LLMEngine
 from token_engine.kv_events.config import parse_kv_events_config
 from token_engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
@@ -28,13 +27,7 @@ GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    from token_engine.models import load_model
-
-    model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), vocab_size=2048)
-    yield model_dir, load_model(model_dir, dtype="float32")
-    torch.set_num_threads(threads)
+    yield from tiny_loaded_model(tmp_path_factory)
 
 
 class Subscriber:

@@ -6,9 +6,8 @@ import json
 import re
 
 import pytest
-import torch
 
-from tests.engine_harness import engine_config, write_tiny_qwen3
+from tests.engine_harness import engine_config, make_engine, tiny_loaded_model, write_tiny_qwen3
 from token_engine.engine import LLMEngine
 from token_engine.model_runner import kv_block_bytes
 from token_engine.sequence import SamplingOptions
@@ -18,18 +17,8 @@ GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    from token_engine.models import load_model
+    yield from tiny_loaded_model(tmp_path_factory)
 
-    model_dir = write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), vocab_size=2048)
-    yield model_dir, load_model(model_dir, dtype="float32")
-    torch.set_num_threads(threads)
-
-
-def make_engine(model, **kw) -> LLMEngine:
-    model_dir, loaded = model
-    return LLMEngine(engine_config(model_dir, **kw), model=loaded)
 
 
 def metric(engine: LLMEngine, name: str, **labels) -> float:
