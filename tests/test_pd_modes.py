@@ -193,10 +193,14 @@ def test_prefill_killed_mid_push_leaves_decode_idle(engines):
     prefill.kill()
     params = {"do_remote_prefill": True, "remote_engine_id": "modes-prefill", "remote_host": "127.0.0.1",
               "remote_port": engines["side_port"], "remote_request_id": "generate-tokens-never"}
-    with httpx.Client(base_url=url(engines["decode"]), timeout=30) as c:
-        r = c.post("/inference/v1/generate", json={
-            "token_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_tokens": 4},
-            "kv_transfer_params": params})
+    try:
+        with httpx.Client(base_url=url(engines["decode"]), timeout=30) as c:
+            r = c.post("/inference/v1/generate", json={
+                "token_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_tokens": 4},
+                "kv_transfer_params": params})
+    finally:  # the module's other tests (in any order) find a prefill engine again
+        engines["prefill"] = EngineProcess(engines["model"], push_config("modes-prefill"), engines["side_port"],
+                                           blocks=96)
     assert r.status_code == 502, r.text
     assert r.json()["error"]["message"].startswith("KV handoff failed")
     s = wait_idle(engines["decode"], limit_s=5)

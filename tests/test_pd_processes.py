@@ -92,6 +92,7 @@ def test_prefill_killed_before_decode_reads_fails_or_recomputes(setup):
 
 
 def test_restarted_prefill_engine_is_re_added(setup):
+    setup["prefill"].kill()  # (a no-op where the test before killed it) the same side-channel port, anew
     setup["prefill"] = PrefillProcess(setup["model"], setup["side_port"])
     expected = collocated(setup["fail"], PROMPT[:13])
     for _ in range(2):
