@@ -22,8 +22,9 @@ guard and silently decodes from KV of other tokens (vllm#43094). Params without 
 
 Trust (docs/security.md, "KV handoff"): kv_transfer_params come from the caller. A load must present the
 lease's exact block ids and its token hash (mandatory, and checked here against this prompt); the producer
-checks both against what it recorded for the lease before decode READs anything (handoff.py), so loaded KV
-(and what it then publishes in the prefix cache) is KV the producer vouched for, for exactly these tokens.
+checks both against what it recorded for the lease before decode READs anything (handoff_consumer.py), so
+loaded KV (and what it then publishes in the prefix cache) is KV the producer vouched for, for exactly these
+tokens.
 Refusals are the caller's fault (KV_PARAMS_REFUSED, 400). Decode contacts only allowed peers (peers.py); the
 side channel authenticates with a shared secret when one is set. A caller may hold at most
 kv_lease_budget_fraction of prefill's blocks under leases (and in-flight prefills for remote decode) at once;
@@ -48,7 +49,8 @@ from splitserve_common.auth import is_loopback
 from token_engine.kv_connector.base import ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
 from token_engine.kv_connector.fingerprint import model_fingerprint
-from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+from token_engine.kv_connector.handoff import KVHandoff
+from token_engine.kv_connector.handoff_types import RemoteKV
 from token_engine.kv_connector.peers import AllowedPeers
 
 log = logging.getLogger("token_engine.kv_transfer")
@@ -362,7 +364,7 @@ class NixlConnector:
         polled = self.handoff.poll()
         for lease in polled.freed:
             self._turn_holds.pop(lease.request_id, None)
-            self.handoff.producer.drop_source(lease.request_id)
+            self.handoff.drop_source(lease.request_id)
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
                 del self._lease_epochs[lease.request_id]
                 self._lease_requests.pop(lease.request_id, None)
