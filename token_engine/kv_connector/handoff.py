@@ -17,6 +17,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from token_engine.kv_connector.handoff_consumer import HandoffConsumer
 from token_engine.kv_connector.handoff_producer import READER_NOTIFICATIONS, HandoffProducer
@@ -26,6 +27,9 @@ from token_engine.kv_connector.metrics import TransferLog
 from token_engine.kv_connector.nixl_transport import KVTransferError, NixlTransport, ReadResult
 from token_engine.kv_connector.peers import AllowedPeers
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["KVHandoff"]
 
 log = logging.getLogger("token_engine.kv_transfer")
@@ -34,8 +38,9 @@ LEASE_POLL_S = 0.002  # while only leases are held: the peer's wire-up and notif
 
 
 class KVHandoff:
-    def __init__(self, engine_id: str, kv_pool, lease_duration_s: float = 30.0, load_timeout_s: float = 10.0,
-                 side_channel_host: str = "127.0.0.1", side_channel_port: int = 0, log_interval_s: float = 10.0,
+    def __init__(self, engine_id: str, kv_pool: torch.Tensor, lease_duration_s: float = 30.0,
+                 load_timeout_s: float = 10.0, side_channel_host: str = "127.0.0.1", side_channel_port: int = 0,
+                 log_interval_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, fingerprint: str = "", secret: bytes | None = None,
                  allowed_peers: AllowedPeers | None = None, block_size: int = 16,
                  token_hash: Callable[[list[int]], str] | None = None):
