@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+from token_engine.kv_connector.handoff import KVHandoff
+from token_engine.kv_connector.handoff_types import RemoteKV
 from token_engine.kv_connector.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 
 

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+from token_engine.kv_connector.handoff import KVHandoff
+from token_engine.kv_connector.handoff_types import RemoteKV
 from token_engine.kv_connector.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 from token_engine.kv_connector.nixl_transport import NixlTransport
 from token_engine.kv_connector.side_channel import fetch_publication
@@ -244,7 +245,7 @@ def test_loads_from_one_peer_share_one_side_channel_link_and_agent(peer, decode)
         decode.start_load(f"link-local-{i}", _remote(peer, f"link-{i}", [i], epoch), [i + 10])
         [out] = _wait_outcomes(decode)
         assert out.ok, out.error
-        [known] = decode._peers.values()
+        [known] = decode.consumer._peers.values()
         links.add(id(known.link))
     assert len(links) == 1 and not known.link.closed
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.engine_harness import EngineProcess, engine_config, finish_request, free_port, step_until, write_tiny_qwen3
 from token_engine.engine import LLMEngine
-from token_engine.kv_connector.handoff import LoadPhase
+from token_engine.kv_connector.handoff_consumer import LoadPhase
 from token_engine.kv_connector.leases import format_notification
 from token_engine.kv_connector.nixl_transport import NixlTransport
 from token_engine.kv_connector.side_channel import validate_publication
@@ -76,7 +76,7 @@ def test_push_per_chunk_equals_collocated_and_both_sides_go_idle(engines):
     dec, pre = {}, {}
     start(d, "d-1", PROMPT, GREEDY, push_params(p, "p-1"), dec)  # decode first: both legs at once
     # the reservation reaches prefill before its first chunk (else the chunks done by then go in one WRITE)
-    step_until([d, p], lambda: "p-1" in p.connector.handoff.producer._targets)
+    step_until([d, p], lambda: "p-1" in p.connector.handoff.producer.push._targets)
     start(p, "p-1", PROMPT, PREFILL_ONLY, {"do_remote_decode": True}, pre)
     step_until([p, d], lambda: "done" in dec)
     assert dec["done"].error is None, dec["done"].error
@@ -126,13 +126,13 @@ def test_completion_from_another_agent_is_ignored(engines):
     expected, _ = finish_request(c, [], "c-3", PROMPT[:33], GREEDY, None)
     dec, pre = {}, {}
     start(d, "d-3", PROMPT[:33], GREEDY, push_params(p, "p-3"), dec)
-    step_until([d], lambda: bool(d.connector.handoff._push_loads)
-               and next(iter(d.connector.handoff._push_loads.values())).state == LoadPhase.READING)
-    (rid, epoch), = d.connector.handoff._push_loads
+    step_until([d], lambda: bool(d.connector.handoff.consumer._push_loads)
+               and next(iter(d.connector.handoff.consumer._push_loads.values())).state == LoadPhase.READING)
+    (rid, epoch), = d.connector.handoff.consumer._push_loads
     pool = torch.zeros(4, *d.runner.kv_pool.shape[1:], dtype=d.runner.kv_pool.dtype)
     rogue = NixlTransport("rogue-agent", pool)
     try:
-        pub = d.connector.handoff._publication
+        pub = d.connector.handoff.consumer._publication
         rogue.add_peer(pub, validate_publication(pub))
         rogue.send_notif(pub.agent_name, format_notification("pushed", rid, epoch))
         for _ in range(200):
@@ -151,10 +151,10 @@ def test_decode_aborted_while_waiting_withdraws_its_reservation(engines):
     p, d, _, _ = engines
     dec = {}
     start(d, "d-4", PROMPT[:40], GREEDY, push_params(p, "p-4"), dec)
-    step_until([d, p], lambda: len(p.connector.handoff.producer._targets) == 1)
+    step_until([d, p], lambda: len(p.connector.handoff.producer.push._targets) == 1)
     d.abort_request("d-4")
     idle(d)  # the producer answered "gone": the reserved blocks are free at once, not at the load deadline
-    assert not p.connector.handoff.producer._targets
+    assert not p.connector.handoff.producer.push._targets
     # a prefill for that id now computes and holds its lease as usual (nothing to push); aborting it frees it
     _, pu = finish_request(p, [], "p-4", PROMPT[:40], PREFILL_ONLY, {"do_remote_decode": True})
     p.abort_request("p-4")
@@ -167,7 +167,7 @@ def test_prefill_aborted_mid_push_fails_the_decode_load(engines):
     dec, pre = {}, {}
     start(d, "d-5", prompt, GREEDY, push_params(p, "p-5"), dec)
     start(p, "p-5", prompt, PREFILL_ONLY, {"do_remote_decode": True}, pre)
-    targets = p.connector.handoff.producer._targets
+    targets = p.connector.handoff.producer.push._targets
     step_until([d, p], lambda: any(t.writes for t in list(targets.values())) and "p-5" in p.requests)  # mid-prefill
     p.abort_request("p-5")
     step_until([p, d], lambda: "done" in dec)
@@ -185,7 +185,7 @@ def test_decode_process_killed_after_registering_leaves_prefill_idle(engines, mo
             "kv_transfer_params": params}
     caller = threading.Thread(target=lambda: _post_quietly(decode, body), daemon=True)
     caller.start()
-    targets = p.connector.handoff.producer._targets
+    targets = p.connector.handoff.producer.push._targets
     step_until([p], lambda: "p-6" in targets)
     decode.kill()
     _, pu = finish_request(p, [], "p-6", PROMPT[:37], PREFILL_ONLY, {"do_remote_decode": True})

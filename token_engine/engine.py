@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +35,12 @@ from token_engine.step_budget import PrefillPolicy
 from token_engine.structured import GrammarCompiler, GrammarState
 from token_engine.structured.pool import PoolLimits
 from token_engine.validation import EngineLimits
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from token_engine.models import CausalLM
+    from token_engine.models.arch import ModelArch
 
 log = logging.getLogger("token_engine")
 
@@ -59,8 +66,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     enforce_eager: bool = False  # CUDA: no decode graphs
-    kv_transfer_config: dict | None = None
-    kv_events_config: dict | None = None  # vLLM's --kv-events-config: prefix-cache events for routers, over ZMQ
+    kv_transfer_config: dict[str, Any] | None = None
+    # vLLM's --kv-events-config: prefix-cache events for routers, over ZMQ
+    kv_events_config: dict[str, Any] | None = None
     prefix_caching_hash_algo: str = "sha256"  # vLLM's block hash in KV events: sha256 or sha256_cbor
     kv_offloading_size: float | None = None  # GiB of host memory for evicted KV blocks (vLLM's flag)
     kv_offloading_backend: str | None = None  # vLLM's flag: "native" (host memory) is what is served
@@ -92,7 +100,7 @@ class RequestUpdate:
     deltas: list[SequenceDelta]
     finished: bool = False  # every sequence of the request has finished
     error: str | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -107,7 +115,7 @@ class RequestState:
     last_token_time: list[float] = field(default_factory=list)
 
 
-def decide_num_blocks(config: EngineConfig, arch, max_model_len: int) -> int:
+def decide_num_blocks(config: EngineConfig, arch: ModelArch, max_model_len: int) -> int:
     per_block = kv_block_bytes(arch, config.block_size)
     if config.num_gpu_blocks_override:
         return config.num_gpu_blocks_override
@@ -122,7 +130,7 @@ def decide_num_blocks(config: EngineConfig, arch, max_model_len: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, connector: KVConnector | None = None,
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None, connector: KVConnector | None = None,
                  host_tier: HostKVTier | None = None):
         """`host_tier`: a tier to reuse (kept only if this engine's fingerprint matches its entries'); by
         default one is built when offloading is configured."""
@@ -197,7 +205,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, n: int = 1,
-                    priority: int = 0, cache_salt: str | None = None, kv_transfer_params: dict | None = None,
+                    priority: int = 0, cache_salt: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
                     on_update: Callable[[RequestUpdate], None] | None = None,
                     caller: str | None = None) -> RequestState:
         """`caller` (the client address, None in process) is who the connector's lease budget charges."""
@@ -291,7 +299,7 @@ class LLMEngine:
             self._observe_step(t_start, t_scheduled, t_model, time.perf_counter())
         return bool(out.scheduled)
 
-    def _count_up(self, key: str, total: float, counter) -> None:
+    def _count_up(self, key: str, total: float, counter: Counter) -> None:
         """Advances a Prometheus counter to a running total kept elsewhere."""
         seen = self._seen_totals.get(key, 0)
         if total != seen:
@@ -417,8 +425,7 @@ class LLMEngine:
         for i, prompt in enumerate(prompts):
             rid = f"offline-{i}-{id(results)}"
             results[rid] = []
-            self.add_request(rid, prompt, options,
-                             on_update=lambda u, rid=rid: results[rid].extend(t for d in u.deltas for t in d.token_ids))
+            self.add_request(rid, prompt, options, on_update=_collect_into(results[rid]))
         for _ in range(max_steps):
             if not self.has_work():
                 break
@@ -444,13 +451,48 @@ class LLMEngine:
         return dropped
 
 
+def _collect_into(tokens: list[int]) -> Callable[[RequestUpdate], None]:
+    """An on_update that appends every output token to `tokens`."""
+    def on_update(update: RequestUpdate) -> None:
+        tokens.extend(t for d in update.deltas for t in d.token_ids)
+    return on_update
+
+
+# What reaches the engine thread through AsyncEngine's inbox.
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    n: int
+    priority: int
+    cache_salt: str | None
+    kv_transfer_params: dict[str, Any] | None
+    on_update: Callable[[RequestUpdate], None]
+    caller: str | None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    fn: Callable[[LLMEngine], object]
+    future: concurrent.futures.Future[object]
+
+
+InboxItem = AddRequest | AbortRequest | EngineCall
+
+
 class AsyncEngine:
     """Runs an LLMEngine on its own thread; the asyncio side adds requests, aborts and reads updates."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._cv = threading.Condition()
-        self._inbox: list[tuple[str, tuple]] = []
+        self._inbox: list[InboxItem] = []
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="token-engine", daemon=True)
         self.dead: str | None = None
@@ -463,24 +505,24 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
 
-    def submit(self, kind: str, *args) -> None:
+    def submit(self, item: InboxItem) -> None:
         with self._cv:
-            self._inbox.append((kind, args))
+            self._inbox.append(item)
             self._cv.notify()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, n: int,
-                    priority: int, cache_salt: str | None, kv_transfer_params: dict | None,
+                    priority: int, cache_salt: str | None, kv_transfer_params: dict[str, Any] | None,
                     on_update: Callable[[RequestUpdate], None], caller: str | None = None) -> None:
-        self.submit("add", request_id, prompt_token_ids, options, n, priority, cache_salt, kv_transfer_params,
-                    on_update, caller)
+        self.submit(AddRequest(request_id, prompt_token_ids, options, n, priority, cache_salt, kv_transfer_params,
+                               on_update, caller))
 
     def abort_request(self, request_id: str) -> None:
-        self.submit("abort", request_id)
+        self.submit(AbortRequest(request_id))
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future[object]:
         """Runs ``fn(engine)`` on the engine thread between steps (control operations); its result or error."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.submit("call", fn, future)
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self.submit(EngineCall(fn, future))
         return future
 
     def set_frozen(self, frozen: bool) -> None:
@@ -499,22 +541,21 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         with self._cv:
             items, self._inbox = self._inbox, []
-        for kind, args in items:
-            if kind == "add":
-                *params, on_update, caller = args
+        for item in items:
+            if isinstance(item, AddRequest):
                 try:
-                    self.engine.add_request(*params, on_update=on_update, caller=caller)
+                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.options, item.n,
+                                            item.priority, item.cache_salt, item.kv_transfer_params,
+                                            on_update=item.on_update, caller=item.caller)
                 except Exception as exc:  # e.g. a duplicate id raced past the server's check
-                    on_update(RequestUpdate(params[0], [], finished=True, error=str(exc)))
-            elif kind == "abort":
-                self.engine.abort_request(*args)
-            elif kind == "call":
-                fn, future = args
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(self.engine))
-                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                        future.set_exception(exc)
+                    item.on_update(RequestUpdate(item.request_id, [], finished=True, error=str(exc)))
+            elif isinstance(item, AbortRequest):
+                self.engine.abort_request(item.request_id)
+            elif item.future.set_running_or_notify_cancel():
+                try:
+                    item.future.set_result(item.fn(self.engine))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    item.future.set_exception(exc)
 
     def _loop(self) -> None:
         try:

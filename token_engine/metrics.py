@@ -4,7 +4,12 @@ Each engine owns its registry (several engines can live in one test process)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -79,7 +84,8 @@ class EngineMetrics:
         self.e2e_l = self.label(self.e2e)
         self.generation_tokens_l = self.label(self.generation_tokens)
 
-    def label(self, metric, **extra):
+    def label(self, metric: M, **extra: str) -> M:
+        """The metric's child for this model (and `extra` labels)."""
         return metric.labels(model_name=self.model_name, **extra)
 
     def render(self) -> bytes:

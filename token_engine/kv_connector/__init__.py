@@ -3,8 +3,12 @@
 - base.py: the seam the scheduler and engine loop call (owned by the engine).
 - nixl.py: NixlConnector, the seam implemented with the pieces below (vLLM's kv_transfer_params).
 - config.py: `--kv-transfer-config` as vLLM reads it.
-- handoff.py: both halves of a handoff for one engine (leases + side channel on prefill; READ + lease pin
-  overlapping it on decode, peers and links cached), advanced by poll() and a small poller thread.
+- handoff.py: KVHandoff, one engine's handoff: both halves below over one NIXL agent and one lock, advanced
+  by poll() and a small poller thread.
+- handoff_producer.py: the prefill half: leases, the side channel, decode's notifications, pushes.
+- handoff_consumer.py: the decode half: loads (pull: claim, lease pin, READ; push: a reservation the producer
+  WRITEs into), their kinds and phases, peers and links cached.
+- handoff_types.py: what both halves share: RemoteKV (decode's claim), LoadOutcome, HandoffPoll.
 - nixl_transport.py: one NIXL agent (UCX, no progress thread), READs with our own deadlines, one error path.
 - descriptors.py: pool geometry; consecutive block runs merged into single descriptors.
 - side_channel.py: length-prefixed msgspec JSON over TCP (kept-open links): agent metadata, pool address,

@@ -22,8 +22,9 @@ guard and silently decodes from KV of other tokens (vllm#43094). Params without 
 
 Trust (docs/security.md, "KV handoff"): kv_transfer_params come from the caller. A load must present the
 lease's exact block ids and its token hash (mandatory, and checked here against this prompt); the producer
-checks both against what it recorded for the lease before decode READs anything (handoff.py), so loaded KV
-(and what it then publishes in the prefix cache) is KV the producer vouched for, for exactly these tokens.
+checks both against what it recorded for the lease before decode READs anything (handoff_consumer.py), so
+loaded KV (and what it then publishes in the prefix cache) is KV the producer vouched for, for exactly these
+tokens.
 Refusals are the caller's fault (KV_PARAMS_REFUSED, 400). Decode contacts only allowed peers (peers.py); the
 side channel authenticates with a shared secret when one is set. A caller may hold at most
 kv_lease_budget_fraction of prefill's blocks under leases (and in-flight prefills for remote decode) at once;
@@ -43,13 +44,23 @@ import socket
 import time
 from array import array
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from splitserve_common.auth import is_loopback
 from token_engine.kv_connector.base import ConnectorEvents
 from token_engine.kv_connector.config import NixlConnectorConfig, parse_nixl_config
 from token_engine.kv_connector.fingerprint import model_fingerprint
-from token_engine.kv_connector.handoff import KVHandoff, RemoteKV
+from token_engine.kv_connector.handoff import KVHandoff
+from token_engine.kv_connector.handoff_types import RemoteKV
+from token_engine.kv_connector.leases import KVLease
 from token_engine.kv_connector.peers import AllowedPeers
+
+if TYPE_CHECKING:
+    import torch
+
+    from token_engine.sequence import Sequence
+
+T = TypeVar("T")
 
 log = logging.getLogger("token_engine.kv_transfer")
 MAX_REMOTE_BLOCKS = 1 << 20
@@ -66,7 +77,7 @@ def token_hash(token_ids: list[int]) -> str:
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
 
 
-def _flat_block_ids(value) -> list[int]:
+def _flat_block_ids(value: object) -> list[int]:
     """vLLM sends a flat list (old) or one list per KV-cache group (new); we have one group."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
         value = value[0]
@@ -76,9 +87,9 @@ def _flat_block_ids(value) -> list[int]:
     return value
 
 
-def parse_remote(params: dict, prompt_token_ids: list[int], block_size: int) -> tuple[RemoteKV, int]:
+def parse_remote(params: dict[str, Any], prompt_token_ids: list[int], block_size: int) -> tuple[RemoteKV, int]:
     """(RemoteKV, remote_num_tokens) from decode-side kv_transfer_params, validated."""
-    def need(key, typ):
+    def need(key: str, typ: type[T]) -> T:
         v = params.get(key)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise BadTransferParams(f"kv_transfer_params.{key} missing or not a {typ.__name__}")
@@ -111,7 +122,7 @@ def parse_remote(params: dict, prompt_token_ids: list[int], block_size: int) -> 
 class NixlConnector:
     cache_source = "p2p"  # prompt tokens it loads come from another engine (vLLM's metric source)
 
-    def __init__(self, kv_transfer_config: dict, engine_config=None):
+    def __init__(self, kv_transfer_config: dict[str, Any], engine_config: object = None):
         self.config: NixlConnectorConfig = parse_nixl_config(kv_transfer_config)
         self.load_failure_policy = self.config.load_failure_policy
         self.block_size = getattr(engine_config, "block_size", 16)
@@ -135,7 +146,7 @@ class NixlConnector:
 
     # -- worker side ------------------------------------------------------------------------------------
 
-    def bind_kv_pool(self, kv_pool, block_size: int) -> None:
+    def bind_kv_pool(self, kv_pool: torch.Tensor, block_size: int) -> None:
         # The pool already lives on its device, so on GPU the CUDA context exists and the pool is registered
         # before any remote agent is added (see nixl_transport.py).
         self.block_size = block_size
@@ -158,9 +169,15 @@ class NixlConnector:
                  self.handoff.side_channel.port, "authenticated" if self.config.side_channel_secret else "open",
                  self.config.lease_duration_s, ",".join(self.config.allowed_peers))
 
+    def _bound(self) -> KVHandoff:
+        """The handoff, which exists once bind_kv_pool ran (the engine binds the pool before any request)."""
+        if self.handoff is None:
+            raise RuntimeError("NixlConnector used before bind_kv_pool")
+        return self.handoff
+
     # -- decode: loading remote KV ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
         params = seq.kv_transfer_params
         if not params:
             return 0, False
@@ -170,7 +187,8 @@ class NixlConnector:
             return self._plan_turn_reuse(seq, params, num_computed_tokens)
         return 0, False
 
-    def _plan_load(self, seq, params: dict, num_computed_tokens: int, refuse_is_failure: bool) -> tuple[int, bool]:
+    def _plan_load(self, seq: Sequence, params: dict[str, Any], num_computed_tokens: int,
+                   refuse_is_failure: bool) -> tuple[int, bool]:
         try:
             remote, num_tokens = parse_remote(params, seq.prompt_token_ids, self.block_size)
         except BadTransferParams as e:
@@ -188,7 +206,7 @@ class NixlConnector:
             self._awaiting[seq.seq_id] = (remote, time.monotonic())
         return external, True
 
-    def _plan_turn_reuse(self, seq, params: dict, num_computed_tokens: int) -> tuple[int, bool]:
+    def _plan_turn_reuse(self, seq: Sequence, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
         """Prefill of a later turn: pull what decode holds for the conversation, only on an exact extension."""
         held = params.get("remote_num_tokens")
         if not isinstance(params.get("remote_token_hash"), str) or not isinstance(held, int) \
@@ -199,7 +217,7 @@ class NixlConnector:
         # parse_remote checks the hash: a prompt that does not extend the held tokens exactly is refused.
         return self._plan_load(seq, params, num_computed_tokens, refuse_is_failure=False)
 
-    def update_state_after_alloc(self, seq, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
         remote, num_computed, error = self._planned.pop(seq.seq_id, (None, 0, "no remote KV planned"))
         self._awaiting.pop(seq.seq_id, None)
         if remote is None:
@@ -210,14 +228,14 @@ class NixlConnector:
         count = -(-num_external_tokens // self.block_size)
         local_ids = block_ids[first:first + count]
         try:  # the claim is the whole lease; the READ skips what the local prefix cache already holds
-            self.handoff.start_load(seq.seq_id, remote, local_ids, first)
+            self._bound().start_load(seq.seq_id, remote, local_ids, first)
         except Exception as e:  # noqa: BLE001 - any refusal is a failed load, never an engine crash
             log.warning("KV load for %s refused: %s", seq.seq_id, e)
             self._failed_now[seq.seq_id] = f"load refused: {e}"
 
     # -- prefill: holding KV for a remote decode --------------------------------------------------------
 
-    def admit(self, seqs, caller: str | None) -> str | None:
+    def admit(self, seqs: list[Sequence], caller: str | None) -> str | None:
         """Remember who asked for prefills whose KV will be held for a remote decode: the lease budget
         charges that caller when the scheduler starts them (may_start)."""
         if caller is None or self.handoff is None:
@@ -228,7 +246,7 @@ class NixlConnector:
                 self._callers[seq.seq_id] = caller
         return None
 
-    def may_start(self, seq) -> bool:
+    def may_start(self, seq: Sequence) -> bool:
         """Whether a fresh prefill may start now: False while its caller already holds its budget of blocks
         under leases or reserved for prefills in flight (a caller holding nothing may always run one). Such a
         request waits in the queue, holding no KV, until decode reads the caller's leases or they expire, so
@@ -254,10 +272,10 @@ class NixlConnector:
         else:
             self._caller_blocks.pop(caller, None)
 
-    def _lease_ended(self, lease) -> None:
+    def _lease_ended(self, lease: KVLease) -> None:
         self._charge(lease.caller, -len(lease.block_ids))
 
-    def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._planned.pop(seq.seq_id, None)
         self._awaiting.pop(seq.seq_id, None)
         self._callers.pop(seq.seq_id, None)
@@ -280,8 +298,8 @@ class NixlConnector:
         return self._hold(seq, block_ids, min(seq.num_computed_tokens, seq.prompt_len), None, for_prefill=False,
                           caller=caller)
 
-    def _hold(self, seq, block_ids: list[int], num_tokens: int, duration_s, for_prefill: bool,
-              caller: str | None = None):
+    def _hold(self, seq: Sequence, block_ids: list[int], num_tokens: int, duration_s: float | None,
+              for_prefill: bool, caller: str | None = None) -> tuple[bool, dict[str, Any] | None]:
         if num_tokens <= 0 or self.handoff is None:
             return False, None
         if seq.seq_id in self._lease_epochs:
@@ -341,12 +359,12 @@ class NixlConnector:
                 freed.append(seq_id)
         return freed
 
-    def _abandon(self, params: dict, seq) -> None:
+    def _abandon(self, params: dict[str, Any], seq: Sequence) -> None:
         try:
             remote, _ = parse_remote(params, seq.prompt_token_ids, self.block_size)
         except BadTransferParams:
             return
-        self.handoff.abandon(remote)
+        self._bound().abandon(remote)
 
     # -- progress ---------------------------------------------------------------------------------------
 
@@ -362,7 +380,7 @@ class NixlConnector:
         polled = self.handoff.poll()
         for lease in polled.freed:
             self._turn_holds.pop(lease.request_id, None)
-            self.handoff.producer.drop_source(lease.request_id)
+            self.handoff.drop_source(lease.request_id)
             if self._lease_epochs.get(lease.request_id) == lease.epoch:
                 del self._lease_epochs[lease.request_id]
                 self._lease_requests.pop(lease.request_id, None)
@@ -377,10 +395,11 @@ class NixlConnector:
         return events
 
     def _send_heartbeats(self) -> None:
+        handoff = self._bound()
         now = time.monotonic()
         for seq_id, (remote, due) in list(self._awaiting.items()):
             if now >= due:
-                if self.handoff.heartbeat(remote):
+                if handoff.heartbeat(remote):
                     self.heartbeats_sent += 1
                 self._awaiting[seq_id] = (remote, now + self.heartbeat_interval_s)
 

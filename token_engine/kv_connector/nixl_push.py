@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from token_engine.kv_connector.handoff import RemoteKV
+from token_engine.kv_connector.handoff_types import RemoteKV
 from token_engine.kv_connector.nixl import BadTransferParams, NixlConnector, token_hash
 from token_engine.kv_connector.push import WINDOW_MARGIN_S
 
