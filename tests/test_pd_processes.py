@@ -57,6 +57,20 @@ def generate(server: ServerThread, prompt: list[int], params: dict | None = None
                                                       **({"kv_transfer_params": params} if params else {})})
 
 
+def live_prefill(setup) -> PrefillProcess:
+    """The module's prefill process, started anew where a test before killed it (the tests run in any order)."""
+    if setup["prefill"].proc.poll() is not None:
+        setup["prefill"].kill()
+        setup["prefill"] = PrefillProcess(setup["model"], setup["side_port"])
+    return setup["prefill"]
+
+
+def metric(server: ServerThread, name: str) -> float:
+    with server.client() as c:
+        text = c.get("/metrics").text
+    return next((float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
 def collocated(server: ServerThread, prompt: list[int]) -> list[int]:
     r = generate(server, prompt)
     assert r.status_code == 200, r.text
@@ -65,20 +79,21 @@ def collocated(server: ServerThread, prompt: list[int]) -> list[int]:
 
 def test_pd_over_http_equals_collocated_and_reports_transfer_metrics(setup):
     expected = collocated(setup["fail"], PROMPT)
-    params = setup["prefill"].prefill(PROMPT)
+    params = live_prefill(setup).prefill(PROMPT)
     assert params["remote_port"] == setup["side_port"] and params["remote_num_tokens"] == len(PROMPT)
+    transfers = metric(setup["fail"], "vllm:nixl_xfer_time_seconds_count")
+    descriptors = metric(setup["fail"], "vllm:nixl_num_descriptors_sum")
     r = generate(setup["fail"], PROMPT, params)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == expected
-    with setup["fail"].client() as c:
-        metrics = c.get("/metrics").text
-    assert "vllm:nixl_xfer_time_seconds_count 1.0" in metrics
-    assert "vllm:nixl_num_descriptors_sum 1.0" in metrics  # 8 consecutive blocks -> one descriptor
+    assert metric(setup["fail"], "vllm:nixl_xfer_time_seconds_count") == transfers + 1
+    # 8 consecutive blocks -> one descriptor
+    assert metric(setup["fail"], "vllm:nixl_num_descriptors_sum") == descriptors + 1
 
 
 def test_prefill_killed_before_decode_reads_fails_or_recomputes(setup):
     expected = collocated(setup["re"], PROMPT[:21])
-    params_fail = setup["prefill"].prefill(PROMPT[:21])
+    params_fail = live_prefill(setup).prefill(PROMPT[:21])
     params_re = setup["prefill"].prefill(PROMPT[:21])
     setup["prefill"].kill()
     r = generate(setup["fail"], PROMPT[:21], params_fail)
