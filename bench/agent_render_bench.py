@@ -188,7 +188,7 @@ def count_token_ids(body: bytes) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _baseline_tokenizer() -> Any:
-    from render_service.tokenizer import TextTokenizer
+    from render_service.tokenize.tokenizer import TextTokenizer
 
     return TextTokenizer.from_file(FIXTURE / "tokenizer.json")
 
@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int], unrelated: list[int],
         pause_s: float = 0.0, order: str = "rotate") -> dict:
-    from render_service.bundle import load_bundle
-    from render_service.chat_messages import prepare_messages, prepare_tools
-    from render_service.templates import ChatTemplate
+    from render_service.bundle.model_bundle import load_bundle
+    from render_service.templates.chat_messages import prepare_messages, prepare_tools
+    from render_service.templates.chat_template import ChatTemplate
 
     bundle = load_bundle(FIXTURE)
     template = ChatTemplate(bundle.chat_template, bundle.template_special_tokens)
@@ -437,10 +437,10 @@ class LastTurn:
     def __init__(self, size: int) -> None:
         import msgspec
 
-        from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
-        from render_service.protocol import ChatCompletionRequest
-        from render_service.render import render_chat
-        from render_service.render_config import load_render_config
+        from render_service.render.render import render_chat
+        from render_service.render.render_config import load_render_config
+        from render_service.templates.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+        from render_service.wire.protocol import ChatCompletionRequest
 
         self.config = config = load_render_config(
             str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * size, reasoning_parser="qwen3",
@@ -464,10 +464,10 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
     the growing workload's turns are (the pieces of earlier turns cached, the turn's own new pieces not)."""
     import msgspec
 
-    from render_service.chat_messages import convert_developer_role, prepare_messages
-    from render_service.incremental_tokenizer import IncrementalEncoder
-    from render_service.render import render_chat
-    from render_service.server import _encode_generate_request
+    from render_service.http.server import _encode_generate_request
+    from render_service.render.render import render_chat
+    from render_service.templates.chat_messages import convert_developer_role, prepare_messages
+    from render_service.tokenize.incremental_tokenizer import IncrementalEncoder
 
     turn = LastTurn(size)
     config, messages, ends = turn.config, turn.messages, turn.ends

@@ -285,12 +285,12 @@ def in_process_standalone(n: int) -> dict:
     """in_process() without a server: the prompt is rendered in-process. Also the arguments-heavy stream."""
     import msgspec
 
-    from render_service.bundle import load_bundle
-    from render_service.derender import pipeline_config
+    from render_service.bundle.model_bundle import load_bundle
+    from render_service.derender.batch import pipeline_config
     from render_service.parsers.pipeline import Pipeline
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render import render_chat_prompt
-    from render_service.render_config import load_render_config
+    from render_service.render.render import render_chat_prompt
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.protocol import ChatCompletionRequest
 
     tok = load_bundle(QWEN).tokenizer
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Seoul? Use the tool."}],
@@ -338,10 +338,10 @@ def compare_trees(baseline: Path, n: int, rounds: int) -> dict:
 def in_process(tok, ids: list[int], prompt_ids: list[int], chat: dict) -> dict:
     import msgspec
 
-    from render_service.derender import pipeline_config
+    from render_service.derender.batch import pipeline_config
     from render_service.parsers.pipeline import Pipeline
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render_config import load_render_config
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.protocol import ChatCompletionRequest
 
     config = load_render_config(str(QWEN), served_model_names=[MODEL], reasoning_parser="qwen3",
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)
@@ -368,8 +368,8 @@ def handler_us_per_chunk(config, ids: list[int], prompt_ids: list[int], chat: di
     for them (decoding the engine's entries, resolving token text)."""
     import msgspec
 
-    from render_service.derender_stream import StreamRuntime, derender_chat_stream
-    from render_service.protocol import DerenderChatStreamRequest
+    from render_service.derender.stream import StreamRuntime, derender_chat_stream
+    from render_service.wire.protocol import DerenderChatStreamRequest
 
     if logprobs:
         chat = {**chat, "logprobs": True, "top_logprobs": LOGPROBS_TOP}
@@ -395,8 +395,8 @@ def gateway_us_per_event(config, ids: list[int], chat: dict) -> dict:
     import msgspec
 
     from render_service.gateway.responses import ChatResponder
-    from render_service.protocol import ChatCompletionRequest, GenerateStreamResponse
-    from render_service.render import render_chat
+    from render_service.render.render import render_chat
+    from render_service.wire.protocol import ChatCompletionRequest, GenerateStreamResponse
 
     decode = msgspec.json.Decoder(GenerateStreamResponse).decode
     out = {}
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["in_process_vs_baseline"]["ratio_ours_over_baseline"], indent=2))
         return 0
 
-    from render_service.bundle import load_bundle
+    from render_service.bundle.model_bundle import load_bundle
 
     tok = load_bundle(QWEN).tokenizer
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Seoul? Use the tool."}],

@@ -30,7 +30,7 @@ def serve(tokenizer_json: str, kind: str) -> int:
 
     if kind == "tiktoken":
         os.environ["SPLITSERVE_TOKENIZER_BACKEND"] = "tiktoken"
-    from render_service.tokenizer import TextTokenizer
+    from render_service.tokenize.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer.from_file(tokenizer_json)
     encode = tokenizer.encode if kind in ("ours", "tiktoken") else (

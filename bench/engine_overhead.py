@@ -39,10 +39,10 @@ def random_engine(device: str, arch_name: str, preset: str, dtype: str, max_mode
                   context: int):
     """(LLMEngine, ModelArch) over a random-weight model of a preset's shape, sized for max_batch sequences
     of max_model_len tokens (all of it in KV blocks on CPU) and a prefill of every prompt in one step."""
-    from token_engine.engine import EngineConfig, LLMEngine
+    from token_engine.core.engine import EngineConfig, LLMEngine
     from token_engine.models import build_model
     from token_engine.models.arch import arch_from_config, parse_dtype
-    from token_engine.random_model import random_model_config, randomize_parameters_
+    from token_engine.models.random_model import random_model_config, randomize_parameters_
 
     config, generation = random_model_config(arch_name, preset)
     arch = arch_from_config(config, generation, parse_dtype(dtype))
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from token_engine.scheduler import ScheduledSequence
-    from token_engine.sequence import SamplingOptions
+    from token_engine.core.scheduler import ScheduledSequence
+    from token_engine.core.sequence import SamplingOptions
 
     batches = [int(b) for b in args.batches.split(",")]
     engine, arch = random_engine(args.device, args.arch, args.preset, args.dtype,

@@ -36,10 +36,10 @@ from typing import Any
 import msgspec
 
 from bench.agent_trace import AgentTraceSpec, agent_trace
-from render_service.bundle import load_bundle
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import RenderConfig, build_render_config
+from render_service.bundle.model_bundle import load_bundle
+from render_service.render.render import render_chat
+from render_service.render.render_config import RenderConfig, build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIXTURE = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"

@@ -89,10 +89,10 @@ def record(engine_tree: Path, tokens: int, out: Path) -> None:
     import socket
 
     from render_service.gateway.flow import engine_request
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render import render_chat
-    from render_service.render_config import load_render_config
-    from token_engine.random_model import write_random_model
+    from render_service.render.render import render_chat
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.protocol import ChatCompletionRequest
+    from token_engine.models.random_model import write_random_model
 
     tok_dir, _ = tokenizer_dir(True)
     with tempfile.TemporaryDirectory(prefix="gw-event-rec-") as tmp:
@@ -339,13 +339,13 @@ def in_process_per_event(model_dir: str, recording: str, requests: int) -> dict:
     from render_service.gateway.engine_client import EngineEvents
     from render_service.gateway.responses import ChatResponder
     from render_service.gateway.sse_relay import SseRelay
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render import render_chat
+    from render_service.render.render import render_chat
+    from render_service.wire.protocol import ChatCompletionRequest
 
     try:
-        from render_service.render_config import load_render_config
+        from render_service.render.render_config import load_render_config
     except ImportError:  # older trees
-        from render_service.render import load_render_config  # type: ignore[attr-defined,no-redef]
+        from render_service.render.render import load_render_config  # type: ignore[attr-defined,no-redef]
 
     config = load_render_config(model_dir, served_model_names=["bench"], reasoning_parser="qwen3",
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)
@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     recorded = {int(k): frames(v) for k, v in saved["responses"].items()}
     tokens = max(recorded)
     info = machine()
-    from token_engine.random_model import write_random_model  # the gateway reads the model's config and tokenizer
+    # the gateway reads the model's config and tokenizer
+    from token_engine.models.random_model import write_random_model
 
     with tempfile.TemporaryDirectory(prefix="gw-event-") as tmp:
         model = write_random_model(Path(tmp) / "tiny", arch="qwen3", preset="tiny",

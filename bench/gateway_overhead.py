@@ -30,7 +30,7 @@ The bench also times the gateway's own per-request and per-token work in-process
 
 It needs only the packages of the project (torch for the engine) and finds the tokenizer in
 ``$SPLITSERVE_FIXTURES/qwen3-0.6b``, else the shared fixtures beside the checkout, else the built-in
-default bundle (render_service/default_bundle.py):
+default bundle (render_service/bundle/default_bundle.py):
 
     .venv/bin/python -m bench.gateway_overhead --requests 64 --tokens 32 --concurrency 8 --rounds 3
 
@@ -72,7 +72,7 @@ def tokenizer_dir(builtin: bool = False) -> tuple[Path, str]:
     for path in [] if builtin else candidates:
         if (path / "tokenizer.json").exists():
             return path, str(path)
-    from render_service.default_bundle import default_bundle_dir
+    from render_service.bundle.default_bundle import default_bundle_dir
 
     return default_bundle_dir(), "built-in default bundle (Qwen3 tokenizer, our template)"
 
@@ -420,9 +420,9 @@ def in_process_costs(model_dir: Path, samples: int = 300, tokens: int = 2000) ->
 
     from render_service.gateway.flow import engine_request
     from render_service.gateway.responses import ChatResponder
-    from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice, GenerateStreamResponse
-    from render_service.render import render_chat
-    from render_service.render_config import load_render_config
+    from render_service.render.render import render_chat
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.protocol import ChatCompletionRequest, GenerateStreamChoice, GenerateStreamResponse
 
     config = load_render_config(str(model_dir), served_model_names=["bench"], reasoning_parser="qwen3",
                                 tool_call_parser="hermes", enable_auto_tool_choice=True)
@@ -513,7 +513,7 @@ def main() -> int:
         run_relay(kind, int(port), int(engine_port))
         return 0
     sys.path.insert(0, str(ROOT))
-    from token_engine.random_model import write_random_model
+    from token_engine.models.random_model import write_random_model
 
     info = machine()
     tok_dir, tok_source = tokenizer_dir(args.builtin_bundle)

@@ -88,7 +88,7 @@ def empty_cache():
 
 def build_random_model(preset: str, seed: int):
     from token_engine.models import arch_from_config, build_model
-    from token_engine.random_model import random_model_config, randomize_parameters_
+    from token_engine.models.random_model import random_model_config, randomize_parameters_
 
     config, generation = random_model_config(preset=preset, dtype="bfloat16")
     arch = arch_from_config(config, generation)
@@ -113,8 +113,8 @@ def matmul_params(model) -> tuple[int, int]:
 
 
 def bench_decode(model, batches, context, block_size, use_graphs, seed=0) -> list[dict]:
-    from token_engine.attention import allocate_kv_pool, build_metadata
-    from token_engine.cuda_graphs import DecodeGraphs
+    from token_engine.core.cuda_graphs import DecodeGraphs
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
     blocks_per_seq = -(-(context + 1) // block_size)
@@ -170,7 +170,7 @@ def bench_decode(model, batches, context, block_size, use_graphs, seed=0) -> lis
 
 
 def bench_prefill(model, lengths, block_size, seed=0) -> list[dict]:
-    from token_engine.attention import allocate_kv_pool, build_metadata
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
     layer_params, head_params = matmul_params(model)
@@ -242,7 +242,7 @@ HW: dict = {}
 def load_tuned(path: str) -> None:
     import ast
 
-    from token_engine import decode_linear_cuda
+    from token_engine.layers import decode_linear_cuda
 
     with open(path) as f:
         tuned = json.load(f)

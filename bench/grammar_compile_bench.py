@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from render_service.default_bundle import default_bundle_dir
+    from render_service.bundle.default_bundle import default_bundle_dir
     from token_engine.structured import GrammarCompiler, parse_structured_outputs
     from token_engine.structured.worker import compile_spec
 

@@ -28,16 +28,16 @@ from pathlib import Path
 
 import msgspec
 
-from render_service.bundle import load_bundle
-from render_service.derender import pipeline_config
-from render_service.derender_stream import StreamRuntime, derender_chat_stream
+from render_service.bundle.model_bundle import load_bundle
+from render_service.derender.batch import pipeline_config
+from render_service.derender.stream import StreamRuntime, derender_chat_stream
 from render_service.harmony.bundle import gpt_oss_bundle_dir
 from render_service.harmony.encoding import CALL, harmony_encoding
 from render_service.harmony.render import renderer_for
 from render_service.parsers.pipeline import Pipeline
-from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
-from render_service.render import render_chat
-from render_service.render_config import build_render_config
+from render_service.render.render import render_chat
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest, DerenderChatStreamRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else ROOT.parent / "shared"

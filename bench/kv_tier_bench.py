@@ -33,7 +33,7 @@ def sync(device: str) -> None:
 def build_model(device: str, arch_name: str, preset: str, dtype: str):
     from token_engine.models import build_model as build
     from token_engine.models.arch import arch_from_config, parse_dtype
-    from token_engine.random_model import random_model_config, randomize_parameters_
+    from token_engine.models.random_model import random_model_config, randomize_parameters_
 
     config, generation = random_model_config(arch_name, preset)
     arch = arch_from_config(config, generation, parse_dtype(dtype))
@@ -43,7 +43,7 @@ def build_model(device: str, arch_name: str, preset: str, dtype: str):
 
 
 def make_engine(model, args, tier_bytes: int | None):
-    from token_engine.engine import EngineConfig, LLMEngine
+    from token_engine.core.engine import EngineConfig, LLMEngine
 
     max_len = args.prefix + args.turns * (args.user + args.output) + 16
     return LLMEngine(EngineConfig(
@@ -56,7 +56,7 @@ def make_engine(model, args, tier_bytes: int | None):
 
 
 def run_workload(engine, args, vocab: int) -> list[dict]:
-    from token_engine.sequence import SamplingOptions
+    from token_engine.core.sequence import SamplingOptions
 
     g = torch.Generator().manual_seed(0)
     convs = [torch.randint(10, vocab - 10, (args.prefix,), generator=g).tolist() for _ in range(args.conversations)]
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
 
-    from token_engine.model_runner import kv_block_bytes
+    from token_engine.core.model_runner import kv_block_bytes
 
     model = build_model(args.device, args.arch, args.preset, dtype)
     total_tokens = args.conversations * (args.prefix + args.turns * (args.user + args.output))

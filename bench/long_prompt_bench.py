@@ -36,7 +36,7 @@ def legacy_paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, 
     """The CUDA path's prefill before the paged kernel: per sequence, gather, expand, mask, SDPA."""
     from torch.nn.attention import sdpa_kernel
 
-    from token_engine import attention_cuda as ac
+    from token_engine.layers import attention_cuda as ac
 
     if meta.max_query_len == 1:
         return ac.decode_attention(q, kv_pool, layer, meta, scale, sliding_window)
@@ -84,9 +84,9 @@ def bench_attention(heads, kv_heads, dim, block_size, cases, seed=0) -> list[dic
 def _attention_case(heads, kv_heads, dim, block_size, name, cached, new, rng) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from token_engine import attention_cuda as ac
-    from token_engine.attention import _paged_attention_reference, build_metadata
-    from token_engine.attention_prefill_cuda import prefill_attention, prefill_tiles
+    from token_engine.layers import attention_cuda as ac
+    from token_engine.layers.attention import _paged_attention_reference, build_metadata
+    from token_engine.layers.attention_prefill_cuda import prefill_attention, prefill_tiles
 
     ctx = cached + new
     nblk = -(-ctx // block_size)
@@ -203,7 +203,7 @@ def model_flops(model, new: int, cached: int) -> float:
 def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, iters: int, seed=0) -> dict:
     """Time to the first token of a prompt of `total` tokens whose first `cached` are already in the pool,
     computed in chunks of `chunk` (0: one step). Returns ms per path and the floor."""
-    from token_engine.attention import allocate_kv_pool, build_metadata
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
     nblk = -(-total // block_size)
@@ -232,7 +232,7 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
         paths += [("fresh_sdpa", "fresh_sdpa"), ("fresh_cudnn", "fresh_cudnn"), ("legacy", legacy_paged_attention)]
     ac = None
     if geb.DEVICE == "cuda":
-        from token_engine import attention_cuda as ac
+        from token_engine.layers import attention_cuda as ac
     with torch.inference_mode():
         for label, how in paths:
             try:
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
                  (f"fresh {args.prompt}", 0, args.prompt), ("chunk 8k over 24k", 24576, 8192)]
         result["attention"] = bench_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, args.block_size,
                                               cases)
-        from token_engine import attention_prefill_cuda
+        from token_engine.layers import attention_prefill_cuda
 
         best = pick_config(result["attention"])
         attention_prefill_cuda.PREFILL_CONFIG[arch.head_dim] = best

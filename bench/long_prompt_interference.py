@@ -44,7 +44,7 @@ def make_engine(model, device: str, max_num_seqs: int, budget: int, max_model_le
     """An engine over the shared model with a KV pool of kv_tokens (several engines, one after another)."""
     import gc
 
-    from token_engine.engine import EngineConfig, LLMEngine
+    from token_engine.core.engine import EngineConfig, LLMEngine
 
     gc.collect()  # the previous engine's pool goes back first
     geb.empty_cache()
@@ -60,7 +60,7 @@ def sync(device: str) -> None:
 
 
 def interference(model, args, label: str, budget: int, policy) -> dict:
-    from token_engine.sequence import SamplingOptions
+    from token_engine.core.sequence import SamplingOptions
 
     vocab = model.arch.vocab_size
     kv_tokens = args.streams * (args.stream_prompt + 4096) + args.long + args.shorts * args.short_prompt
@@ -130,7 +130,7 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
 
 
 def agent_turns(model, args) -> list[dict]:
-    from token_engine.sequence import SamplingOptions
+    from token_engine.core.sequence import SamplingOptions
 
     total = args.agent_turns * (args.agent_new + args.agent_output) + 512
     engine = make_engine(model, args.device, 4, max(8192, args.agent_new + 16), total, None, 2 * total)
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
-    from token_engine.step_budget import PrefillPolicy
+    from token_engine.core.step_budget import PrefillPolicy
 
     geb.DEVICE = args.device
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The message memo (render_service/message_memo.py), on against off, in this process, one run.
+"""The message memo (render_service/wire/message_memo.py), on against off, in this process, one run.
 
 The request is the last turn of a growing agent trace (``agent_render_bench.LastTurn``: the trace that
 ``agent_render_bench --profile-only`` profiles) at each of --sizes prompt tokens. Stages, each timed with the memo
@@ -43,12 +43,12 @@ RESULTS = peers.REPO / "bench" / "results"
 
 
 def measure_size(size: int, repeats: int) -> dict[str, Any]:
-    from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
-    from render_service.incremental_tokenizer import IncrementalEncoder
-    from render_service.message_memo import MessageMemo, decode_chat_request
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render import render_chat
-    from render_service.server import _encode_generate_request, decode
+    from render_service.http.server import _encode_generate_request, decode
+    from render_service.render.render import render_chat
+    from render_service.templates.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+    from render_service.tokenize.incremental_tokenizer import IncrementalEncoder
+    from render_service.wire.message_memo import MessageMemo, decode_chat_request
+    from render_service.wire.protocol import ChatCompletionRequest
 
     turn = LastTurn(size)
     config, template, body = turn.config, turn.template, turn.body

@@ -159,7 +159,7 @@ def bundle_dirs(root: Path) -> dict[str, Path]:
 
 
 def tokenizers(dirs: dict[str, Path]) -> dict:
-    from render_service.bundle import load_bundle
+    from render_service.bundle.model_bundle import load_bundle
 
     return {name: load_bundle(path).tokenizer for name, path in dirs.items()}
 

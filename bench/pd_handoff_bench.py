@@ -27,7 +27,7 @@ per token, 470 MB for 8192 tokens). Cases, all in the same run:
 - handoff, scattered blocks (random ids on both sides: one descriptor per block),
 - baseline: a plain copy of the same bytes (GPU: `dst.copy_(src)` across devices; CPU: `copy_` in process),
 so results are ratios against a baseline measured on the same box in the same run.
-The prefill side is a separate process (token_engine.kv_connector.loopback_peer) whose pool is created on
+The prefill side is a separate process (token_engine.kv_tools.loopback_peer) whose pool is created on
 its device before its NIXL agent, and the decode pool likewise: the CUDA ordering rule for cuda_ipc.
 With --proto-info the UCX protocol chosen for READs is checked (must be cuda_ipc on GPUs).
 """
@@ -48,7 +48,7 @@ import torch
 
 from token_engine.kv_connector.handoff import KVHandoff
 from token_engine.kv_connector.handoff_types import RemoteKV
-from token_engine.kv_connector.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
+from token_engine.kv_tools.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -99,7 +99,7 @@ class Engine:
 
 async def ttft(gw, token_ids: list[int], rid: str) -> float:
     from render_service.gateway.flow import EngineCall
-    from render_service.protocol import GenerateRequest, SamplingParams
+    from render_service.wire.protocol import GenerateRequest, SamplingParams
 
     gen = GenerateRequest(request_id=rid, token_ids=token_ids,
                           sampling_params=SamplingParams(temperature=0.0, max_tokens=2))
@@ -163,7 +163,7 @@ async def run(args, prefill: Engine, decode: Engine) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--preset", default="tiny", help="random-weight model shape (token_engine.random_model)")
+    ap.add_argument("--preset", default="tiny", help="random-weight model shape (token_engine.models.random_model)")
     ap.add_argument("--tokens", default="1024,8192,32768", help="prompt lengths, comma-separated")
     ap.add_argument("--requests", type=int, default=2, help="prompts per length (each served in every mode)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.kv_blocks = args.kv_blocks or 2 * (-(-(max(args.tokens) + 64) // args.block_size)) + 16
 
-    from token_engine.random_model import write_random_model
+    from token_engine.models.random_model import write_random_model
 
     with tempfile.TemporaryDirectory(prefix="pd-modes-") as tmp:
         tmp = Path(tmp)

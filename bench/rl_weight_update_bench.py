@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 
 def _shapes(preset: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    from token_engine.random_model import checkpoint_shapes, random_model_config
+    from token_engine.models.random_model import checkpoint_shapes, random_model_config
 
     config, _ = random_model_config("qwen3", preset, None, "bfloat16")
     return config, checkpoint_shapes(config)

@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.model is None:
-        from render_service.default_bundle import default_bundle_dir
-        from token_engine.bundle_weights import with_random_weights
+        from render_service.bundle.default_bundle import default_bundle_dir
+        from token_engine.models.bundle_weights import with_random_weights
 
         args.model = str(with_random_weights(default_bundle_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="soak-logs-"))

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from render_service.default_bundle import default_bundle_dir
-    from token_engine.sequence import SamplingOptions
+    from render_service.bundle.default_bundle import default_bundle_dir
+    from token_engine.core.sequence import SamplingOptions
     from token_engine.structured import GrammarCompiler, parse_structured_outputs
 
     batches = [int(b) for b in args.batches.split(",")]

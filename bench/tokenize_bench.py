@@ -76,8 +76,8 @@ def bare_tiktoken(tokenizer_file):
     """tiktoken's encode_ordinary over the file's ranks and split regex, nothing else (None if not byte-level)."""
     import tiktoken
 
-    from render_service.byte_level import byte_level_ranks
-    from render_service.tokenizer_json import read_tokenizer_spec
+    from render_service.tokenize.byte_level import byte_level_ranks
+    from render_service.tokenize.tokenizer_json import read_tokenizer_spec
 
     spec = read_tokenizer_spec(tokenizer_file.read_bytes())
     ranks = byte_level_ranks(spec["model"]["vocab"])
@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    from render_service.tokenizer import TextTokenizer
+    from render_service.tokenize.tokenizer import TextTokenizer
 
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from render_service.default_bundle import default_bundle_dir
+        from render_service.bundle.default_bundle import default_bundle_dir
 
         model_dir = default_bundle_dir()
     tokenizer_file = model_dir / "tokenizer.json"

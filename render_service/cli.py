@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from render_service.fastokens_path import BACKEND_ENV, BACKENDS
 from render_service.multimodal.setup import multimodal_render_for
-from render_service.reference_mode import REFERENCE_ENV, reference_render, set_reference_render
+from render_service.render.reference_mode import REFERENCE_ENV, reference_render, set_reference_render
+from render_service.tokenize.fastokens_path import BACKEND_ENV, BACKENDS
 from splitserve_common import vllm_flags, vllm_serve_flags
 from splitserve_common.auth import add_api_key_argument
 from splitserve_common.block_hashes import HASH_ALGOS, BlockHashConfig
@@ -192,7 +192,7 @@ def resolve_model_dir(model: str | None, revision: str | None = None) -> tuple[s
         from splitserve_common.hf_cache import resolve_model
 
         return resolve_model(model, revision, weights=False).directory, model
-    from render_service.default_bundle import default_bundle_dir
+    from render_service.bundle.default_bundle import default_bundle_dir
 
     directory = default_bundle_dir()
     # The cache directory ends in a content hash ("qwen3-tiny-282fb4622aa470de"); serve it as "qwen3-tiny".
@@ -226,8 +226,8 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     import uvicorn
 
     from render_service.gateway.latency import GatewayLatency
-    from render_service.openapi import render_openapi
-    from render_service.request_io import version
+    from render_service.http.openapi import render_openapi
+    from render_service.http.request_io import version
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
 
@@ -251,12 +251,12 @@ DIRECT_HTTP_ENV = "SPLITSERVE_DIRECT_HTTP"  # "0": every request through ASGI (a
 
 
 def _with_direct_routes(protocol: type, app: Any, lifecycle: Any, *, access_log: bool) -> type:
-    """The HTTP protocol answering the render endpoints without the ASGI round trip (direct_http.py), where it
+    """The HTTP protocol answering the render endpoints without the ASGI round trip (http/direct_http.py), where it
     is uvicorn's httptools one (h11's keeps the usual path)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from render_service.direct_http import direct_protocol, protocol_violation
-    from render_service.server import RawRequest, direct_routes
+    from render_service.http.direct_http import direct_protocol, protocol_violation
+    from render_service.http.server import RawRequest, direct_routes
 
     if not issubclass(protocol, HttpToolsProtocol) or os.environ.get(DIRECT_HTTP_ENV, "1") == "0" \
             or reference_render():
@@ -327,17 +327,17 @@ def serve(args: argparse.Namespace) -> int:
     api_keys = api_keys_from(args.api_key)
     metrics_dir = None
     if args.workers > 1:
-        # Must be set before prometheus_client is imported (render_service.server imports it).
+        # Must be set before prometheus_client is imported (render_service.http.server imports it).
         metrics_dir = tempfile.mkdtemp(prefix="render-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     # Forked workers must not inherit a Rust thread pool mid-use.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ[BACKEND_ENV] = args.tokenizer_backend  # read where the tokenizer is loaded (fastokens_path)
-    set_reference_render(args.reference_render)  # read where each acceleration is built (reference_mode.py)
+    set_reference_render(args.reference_render)  # read where each acceleration is built (render/reference_mode.py)
     try:
         started = time.perf_counter()
-        from render_service.render_config import load_render_config
-        from render_service.server import create_app
+        from render_service.http.server import create_app
+        from render_service.render.render_config import load_render_config
 
         model_dir, default_name = resolve_model_dir(args.model, args.revision)
         tokenizer_dir = resolve_model_dir(args.tokenizer)[0] if args.tokenizer else None

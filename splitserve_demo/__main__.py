@@ -159,7 +159,7 @@ def prepare_model(model_dir: str | None) -> tuple[str, bool]:
     from splitserve_demo.scripted_model import write_scripted_model
 
     print("preparing the built-in default model (built once, then cached) ...", flush=True)
-    bundle = subprocess.run([sys.executable, "-m", "render_service.default_bundle", "--print-path"],
+    bundle = subprocess.run([sys.executable, "-m", "render_service.bundle.default_bundle", "--print-path"],
                             check=True, capture_output=True, text=True).stdout.strip()
     return str(write_scripted_model(Path(bundle))), True
 

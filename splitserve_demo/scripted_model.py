@@ -34,7 +34,7 @@ def write_scripted_model(bundle_dir: Path, out_dir: Path | None = None) -> Path:
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer
 
-    from token_engine.random_model import write_random_model
+    from token_engine.models.random_model import write_random_model
 
     tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
     start = tokenizer.encode(PROMPT_END, add_special_tokens=False).ids

@@ -1,7 +1,7 @@
 """Shared test data: OpenAI-style chat requests (messages, tools, documents, template kwargs).
 
 Each ``Conversation`` is what a client would send; run it through
-``render_service.templates.prepare_messages`` / ``prepare_tools`` before handing it to a template.
+``render_service.templates.chat_template.prepare_messages`` / ``prepare_tools`` before handing it to a template.
 Other test files may import ``CONVERSATIONS`` or ``by_name``.
 """
 
@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from render_service.chat_messages import prepare_messages, prepare_tools
+from render_service.templates.chat_messages import prepare_messages, prepare_tools
 
 
 @dataclass(frozen=True)

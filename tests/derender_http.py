@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from render_service.render_config import RenderConfig, build_render_config
+from render_service.render.render_config import RenderConfig, build_render_config
 from tests.render_harness import RenderServer, qwen3_bundle
 
 MODEL = "qwen3-0.6b"

@@ -19,10 +19,10 @@ import torch
 import uvicorn
 
 from tests.shared_paths import FIXTURES as FIXTURES_DIR
-from token_engine.attention import allocate_kv_pool, build_metadata
-from token_engine.engine import AsyncEngine, EngineConfig, LLMEngine
-from token_engine.random_model import write_random_model
-from token_engine.server import build_app
+from token_engine.core.engine import AsyncEngine, EngineConfig, LLMEngine
+from token_engine.http.server import build_app
+from token_engine.layers.attention import allocate_kv_pool, build_metadata
+from token_engine.models.random_model import write_random_model
 
 FIXTURES = FIXTURES_DIR
 if not FIXTURES.exists():  # a clean checkout carries its own copy

@@ -48,7 +48,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from render_service.tiktoken_fast_path import remember_merge_proof
+from render_service.tokenize.tiktoken_fast_path import remember_merge_proof
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
@@ -218,7 +218,7 @@ def _ranks_tokenizer_bytes(family: str) -> bytes:
 def _ranks_tokenizer_spec(encoding: str, regular: int, specials) -> dict:
     import quicktok
 
-    from render_service.byte_level import byte_level_bpe_spec, lower_rank_split
+    from render_service.tokenize.byte_level import byte_level_bpe_spec, lower_rank_split
 
     enc = quicktok.get_encoding(encoding)
     ranks: dict[bytes, int] = {}

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.shared_paths import FIXTURES as FIXTURES_DIR
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 FIXTURES = FIXTURES_DIR
 if not FIXTURES.exists():  # a clean checkout carries its own copy

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.harmony.bundle import gpt_oss_bundle_dir
-from render_service.render_config import RenderConfig, build_render_config
+from render_service.render.render_config import RenderConfig, build_render_config
 
 MODEL = "gpt-oss-tiny"
 DATE = "2026-12-01"

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import uvicorn
 
-from render_service.bundle import load_bundle
-from render_service.render_config import RenderConfig, build_render_config
-from render_service.server import create_app
+from render_service.bundle.model_bundle import load_bundle
+from render_service.http.server import create_app
+from render_service.render.render_config import RenderConfig, build_render_config
 from tests.shared_paths import FIXTURES as FIXTURES_DIR
 
 FIXTURES = FIXTURES_DIR

@@ -17,7 +17,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from token_engine.loader import iter_checkpoint
+from token_engine.models.loader import iter_checkpoint
 from token_engine.rl.trainer import TrainerGroup, push_weights
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from render_service.bundle import load_bundle
-from render_service.render_config import RenderConfig, build_render_config
+from render_service.bundle.model_bundle import load_bundle
+from render_service.render.render_config import RenderConfig, build_render_config
 from tests import family_bundles
 
 TOOLS = [{"type": "function", "function": {

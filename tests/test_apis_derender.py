@@ -32,9 +32,11 @@ from render_service.apis.responses_protocol import (
     DerenderResponsesStreamRequest,
     ResponsesRequest,
 )
-from render_service.derender import derender_chat
-from render_service.errors import ApiError
-from render_service.protocol import (
+from render_service.derender.batch import derender_chat
+from render_service.http.errors import ApiError
+from render_service.render.render_config import build_render_config
+from render_service.streaming_cache.session import StreamRuntime
+from render_service.wire.protocol import (
     ChatCompletionRequest,
     DerenderChatRequest,
     GenerateResponse,
@@ -42,8 +44,6 @@ from render_service.protocol import (
     GenerateStreamChoice,
     GenerateStreamResponse,
 )
-from render_service.render_config import build_render_config
-from render_service.streaming_cache.session import StreamRuntime
 from tests.render_harness import RenderServer, qwen3_bundle
 from tests.test_pipeline_tool_vectors import TOOLS, VECTORS
 

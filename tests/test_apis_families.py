@@ -25,18 +25,18 @@ from render_service.apis.messages_protocol import MessagesRequest
 from render_service.apis.responses import render_responses
 from render_service.apis.responses_output import ResponsesShape
 from render_service.apis.responses_protocol import ReasoningItem, ResponsesRequest
-from render_service.bundle import load_bundle
-from render_service.derender import derender_chat
+from render_service.bundle.model_bundle import load_bundle
+from render_service.derender.batch import derender_chat
 from render_service.gateway.api_responders import MessagesResponder, ResponsesResponder
 from render_service.parsers.registry import REASONING_PARSERS, get_reasoning_parser, tool_parser_names
-from render_service.protocol import (
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import (
     ChatCompletionRequest,
     DerenderChatRequest,
     GenerateResponse,
     GenerateResponseChoice,
     GenerateStreamChoice,
 )
-from render_service.render_config import build_render_config
 from tests import family_bundles
 from tests.harmony_fixtures import gpt_oss_config
 from tests.render_harness import qwen3_bundle

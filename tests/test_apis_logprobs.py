@@ -11,9 +11,9 @@ import pytest
 from render_service.apis.responses import render_responses
 from render_service.apis.responses_output import ResponsesShape
 from render_service.apis.responses_protocol import ResponsesRequest
-from render_service.errors import ApiError
 from render_service.gateway.api_responders import ResponsesResponder
-from render_service.protocol import GenerateLogprobs, GenerateStreamChoice
+from render_service.http.errors import ApiError
+from render_service.wire.protocol import GenerateLogprobs, GenerateStreamChoice
 from tests.harmony_fixtures import gpt_oss_config
 from tests.test_apis_derender import RID, batch, clean, openai_fold, stream
 from tests.test_apis_families import chunkings, qwen3_config, sse_events
@@ -66,7 +66,7 @@ def check_everywhere(cfg, rreq: ResponsesRequest, ids: list[int], top: int) -> d
 def _batch(cfg, rreq, ids, entries, prompt_ids):
     from render_service.apis.derender import derender_responses
     from render_service.apis.responses_protocol import DerenderResponsesRequest
-    from render_service.protocol import GenerateResponse, GenerateResponseChoice
+    from render_service.wire.protocol import GenerateResponse, GenerateResponseChoice
 
     gen = GenerateResponse(request_id=RID, choices=[GenerateResponseChoice(
         token_ids=ids, logprobs=msgspec.convert({"content": entries}, GenerateLogprobs))])

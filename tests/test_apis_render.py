@@ -13,9 +13,9 @@ from render_service.apis.messages import count_tokens, render_messages
 from render_service.apis.messages_protocol import CountTokensRequest, MessagesRequest
 from render_service.apis.responses import render_responses
 from render_service.apis.responses_protocol import ResponsesRequest
-from render_service.errors import ApiError
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
+from render_service.http.errors import ApiError
+from render_service.render.render import render_chat
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.render_harness import RenderServer, qwen3_config
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

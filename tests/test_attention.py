@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from token_engine.attention import allocate_kv_pool, build_metadata, paged_attention, store_kv
+from token_engine.layers.attention import allocate_kv_pool, build_metadata, paged_attention, store_kv
 
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 3
 
@@ -207,8 +207,8 @@ def _gpu_case(block_size, dtype, heads, kv_heads, dim, cached, new, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cuda_store_and_attention_match_the_reference(dtype, block_size):
-    from token_engine import attention_cuda
-    from token_engine.attention import _paged_attention_reference
+    from token_engine.layers import attention_cuda
+    from token_engine.layers.attention import _paged_attention_reference
 
     # Qwen2.5-7B's head shape: 28 query heads over 4 KV heads (groups of 7), head_dim 128
     cached, new = [0, 900, 33, 2000, 5, 0, 1], [700, 1, 64, 1, 1, 1, 3]
@@ -235,27 +235,27 @@ def test_cuda_store_and_attention_match_the_reference(dtype, block_size):
 @pytest.mark.gpu
 @gpu
 def test_cuda_fused_layers_match_torch_in_bf16():
-    from token_engine import layers_cuda
-    from token_engine.layers import RMSNorm, apply_rotary
+    from token_engine.layers import blocks_cuda
+    from token_engine.layers.blocks import RMSNorm, apply_rotary
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(37, 3584, generator=gen, device="cuda").bfloat16() for _ in range(2))
     norm = RMSNorm(3584, 1e-6, dtype=torch.bfloat16).cuda()
     norm.weight.data.normal_(1.0, 0.1, generator=gen)
     want, want_res = norm._norm(x + r), x + r
-    got, got_res = layers_cuda.rms_norm(x, norm.weight, 1e-6, r)
+    got, got_res = blocks_cuda.rms_norm(x, norm.weight, 1e-6, r)
     assert torch.equal(got_res, want_res)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     qkv = torch.randn(37, (28 + 8) * 128, generator=gen, device="cuda").bfloat16()
     q, k = qkv[:, : 28 * 128].view(37, 28, 128), qkv[:, 28 * 128 : 32 * 128].view(37, 4, 128)
     angles = torch.randn(37, 64, generator=gen, device="cuda") * 100
     cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
-    q_out, k_out = layers_cuda.qk_rotary(q, k, cos, sin)
+    q_out, k_out = blocks_cuda.qk_rotary(q, k, cos, sin)
     torch.testing.assert_close(q_out, apply_rotary(q, cos, sin), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_out, apply_rotary(k, cos, sin), atol=2e-2, rtol=2e-2)
     gate_up = torch.randn(37, 2 * 18944, generator=gen, device="cuda").bfloat16()
     want = torch.nn.functional.silu(gate_up[:, :18944]) * gate_up[:, 18944:]
-    torch.testing.assert_close(layers_cuda.silu_and_mul(gate_up), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(blocks_cuda.silu_and_mul(gate_up), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -264,8 +264,8 @@ def test_cuda_fused_layers_match_torch_in_bf16():
 def test_cuda_paged_prefill_over_cached_prefixes_matches_the_reference(window):
     """Prefill chunks over cached prefixes of many lengths (block boundaries inside and at the edge of a key
     tile), fresh prompts and decodes in one step, bf16, Qwen2.5-7B's head shape."""
-    from token_engine import attention_cuda
-    from token_engine.attention import _paged_attention_reference
+    from token_engine.layers import attention_cuda
+    from token_engine.layers.attention import _paged_attention_reference
 
     cached, new = [0, 2047, 16, 5000, 700, 0, 129], [1000, 300, 1, 1600, 2, 77, 1]
     pool, meta, q, k, v = _gpu_case(16, torch.bfloat16, 28, 4, 128, cached, new, seed=11)
@@ -278,8 +278,8 @@ def test_cuda_paged_prefill_over_cached_prefixes_matches_the_reference(window):
 @pytest.mark.gpu
 @gpu
 def test_cuda_fresh_prompt_through_cudnn_padded_to_a_bucket_matches_the_reference(monkeypatch):
-    from token_engine import attention_cuda
-    from token_engine.attention import _paged_attention_reference
+    from token_engine.layers import attention_cuda
+    from token_engine.layers.attention import _paged_attention_reference
 
     monkeypatch.setattr(attention_cuda, "FRESH_PREFILL_CUDNN_MIN", 256)
     monkeypatch.setattr(attention_cuda, "CUDNN_BUCKET", 256)

@@ -7,7 +7,7 @@ import pytest
 
 from bench.cli import main
 from tests.gateway_harness import QWEN3_TOKENIZER, engine_process, gateway_process
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 VLLM_KEYS = {"date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
              "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",

@@ -1,4 +1,4 @@
-"""Recent chat bodies (render_service/body_prefix_store.py): a body whose head a stored one shares is decoded with
+"""Recent chat bodies (render_service/wire/body_prefix_store.py): a body whose head a stored one shares is decoded with
 the stored messages cut out, and decodes to exactly what the whole body decodes to, or is left to the usual decode
 (and its usual error) where the cut does not apply."""
 
@@ -10,10 +10,10 @@ import random
 import msgspec
 import pytest
 
-from render_service.body_prefix_store import BodyStore, StoredBody, element_offsets
-from render_service.message_memo import MessageMemo, decode_chat_request
-from render_service.protocol import ChatCompletionRequest
-from render_service.server import decode
+from render_service.http.server import decode
+from render_service.wire.body_prefix_store import BodyStore, StoredBody, element_offsets
+from render_service.wire.message_memo import MessageMemo, decode_chat_request
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.test_message_memo import MODEL, TOOLS, answer, config, growing_bodies
 
 PLAIN = msgspec.json.Decoder(ChatCompletionRequest)

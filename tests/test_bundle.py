@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from render_service.bundle import BundleError, derive_max_model_len, load_bundle
-from render_service.byte_level import byte_level_bpe_spec
-from render_service.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildError, default_bundle_dir
+from render_service.bundle.default_bundle import QWEN3_TOKENIZER_SHA256, BundleBuildError, default_bundle_dir
+from render_service.bundle.model_bundle import BundleError, derive_max_model_len, load_bundle
+from render_service.tokenize.byte_level import byte_level_bpe_spec
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def cache(tmp_path_factory):
 
 def run_cli(cache: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "SPLITSERVE_CACHE": str(cache)}
-    return subprocess.Popen([sys.executable, "-m", "render_service.default_bundle", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "render_service.bundle.default_bundle", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -81,7 +81,7 @@ def test_tokenizer_config_carries_qwen3_tokens_and_our_template(built):
     qwen3 = json.loads((QWEN3_DIR / "tokenizer_config.json").read_text())
     assert {k: v for k, v in ours.items() if k != "chat_template"} == {
         k: v for k, v in qwen3.items() if k != "chat_template"}
-    template = resources.files("render_service").joinpath("default_template.jinja")
+    template = resources.files("render_service.bundle").joinpath("default_template.jinja")
     if template.is_file():
         assert ours["chat_template"] == template.read_text(encoding="utf-8")
 
@@ -267,6 +267,6 @@ def test_unwritable_cache_is_a_clear_build_error(tmp_path, monkeypatch):
 
 
 def test_builder_does_not_read_the_fixture():
-    source = resources.files("render_service").joinpath("default_bundle.py").read_text(encoding="utf-8")
+    source = resources.files("render_service.bundle").joinpath("default_bundle.py").read_text(encoding="utf-8")
     assert "fixtures" not in source and "/work/shared" not in source
 

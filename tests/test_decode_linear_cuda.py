@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", [None, (32, 128, 4, 3), (16, 64, 4, 2), (64, 256, 8, 3)])
 def test_decode_linear_matches_torch(dtype, config):
-    from token_engine import decode_linear_cuda as dl
+    from token_engine.layers import decode_linear_cuda as dl
 
     torch.manual_seed(0)
     k_dim, n_out = 1000, 300
@@ -28,7 +28,7 @@ def test_decode_linear_matches_torch(dtype, config):
 
 
 def test_decode_linear_is_deterministic():
-    from token_engine import decode_linear_cuda as dl
+    from token_engine.layers import decode_linear_cuda as dl
 
     torch.manual_seed(1)
     w = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16)
@@ -39,7 +39,7 @@ def test_decode_linear_is_deterministic():
 
 
 def test_decode_linear_refuses_more_rows_than_it_pads_to():
-    from token_engine import decode_linear_cuda as dl
+    from token_engine.layers import decode_linear_cuda as dl
 
     w = torch.randn(32, 64, device="cuda")
     with pytest.raises(ValueError, match="at most 16 rows"):

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 and V3.2 render: our templates (render_service/deepseek_v4_template.jinja, deepseek_v32_template.jinja)
+"""DeepSeek-V4 and V3.2 render: our templates (render_service/bundle/deepseek_v4_template.jinja, deepseek_v32_template.jinja)
 give the prompt text of DeepSeek's own prompt encoders, called the way vLLM 0.33's V4 / V3.2 tokenizers call them,
 on the shared conversations with thinking on and off (the same text, so the same token ids). The encoders' prompts
 are recorded from vLLM 0.33 by tests/fixtures/deepseek_v4/record.py; where vLLM 0.33 is installed (bench.peers), the
@@ -18,10 +18,10 @@ import msgspec
 import pytest
 
 from bench import peers
-from render_service.bundle import load_bundle
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import build_render_config
+from render_service.bundle.model_bundle import load_bundle
+from render_service.render.render import render_chat
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.family_bundles import write_family_bundle
 from tests.fixtures.deepseek_v4 import record
 from tests.fixtures.deepseek_v4.record import V4, V32, Family, setting_id

@@ -51,7 +51,7 @@ def test_default_reasoning_field_is_vllms_reasoning_and_a_bad_flag_is_refused():
     with server(**PARSERS) as client:
         msg = batch_chat(client, encode(REASONING_TEXT), chat_request())["choices"][0]["message"]
     assert msg["reasoning"] == "\nCheck the weather.\n" and "reasoning_content" not in msg
-    from render_service.render_config import build_render_config
+    from render_service.render.render_config import build_render_config
     from tests.render_harness import qwen3_bundle
 
     with pytest.raises(ValueError, match="reasoning-field"):

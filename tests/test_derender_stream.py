@@ -249,10 +249,10 @@ def test_logprobs_repair_a_character_split_across_chunks_with_the_carried_contex
     carries the character (the sampled ids of earlier chunks travel in stream_state)."""
     import msgspec
 
-    from render_service.byte_level import BYTE_TO_CHAR
-    from render_service.derender_stream import StreamRuntime, derender_completion_stream
-    from render_service.protocol import DerenderCompletionStreamRequest
-    from render_service.render_config import load_render_config
+    from render_service.derender.stream import StreamRuntime, derender_completion_stream
+    from render_service.render.render_config import load_render_config
+    from render_service.tokenize.byte_level import BYTE_TO_CHAR
+    from render_service.wire.protocol import DerenderCompletionStreamRequest
 
     cfg = load_render_config(QWEN, served_model_names=["m"])
     table = BYTE_TO_CHAR
@@ -279,9 +279,9 @@ def test_plain_path_continues_from_vllm_recorded_state_mid_stream():
     matches vLLM's recording; the answer keeps vLLM's window fields current for a vLLM client."""
     import msgspec
 
-    from render_service.derender_stream import StreamRuntime, derender_chat_stream
-    from render_service.protocol import DerenderChatStreamRequest
-    from render_service.render_config import load_render_config
+    from render_service.derender.stream import StreamRuntime, derender_chat_stream
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.protocol import DerenderChatStreamRequest
 
     cfg = load_render_config(QWEN, served_model_names=["qwen3-0.6b"])
     steps = recorded("noparsers", "12_chat_derender_stream")

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from render_service.byte_level import BYTE_TO_CHAR
+from render_service.tokenize.byte_level import BYTE_TO_CHAR
 from tests.derender_http import (
     CHAT,
     EOS,

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.detokenizer import DetokenizerConfig, DetokenizerState, IncrementalDetokenizer
-from render_service.tokenizer import TextTokenizer
+from render_service.tokenize.tokenizer import TextTokenizer
 from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
@@ -152,7 +152,7 @@ def test_out_of_vocab_id_yields_no_text():
 
 
 def _byte_token(b: int) -> str:
-    from render_service.byte_level import BYTE_TO_CHAR
+    from render_service.tokenize.byte_level import BYTE_TO_CHAR
 
     return BYTE_TO_CHAR[b]
 

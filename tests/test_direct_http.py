@@ -1,4 +1,4 @@
-"""The render endpoints answered from the HTTP protocol (render_service/direct_http.py) answer as the ASGI path does.
+"""The render endpoints answered from the HTTP protocol (render_service/http/direct_http.py) answer as the ASGI path does.
 
 Two real servers on 127.0.0.1, built by the CLI's own ``_uvicorn_server`` in threads of this process (so a test
 can read and set the server's lifecycle): one with the direct path, one with ``SPLITSERVE_DIRECT_HTTP=0``. The
@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from render_service import cli
-from render_service.direct_http import DIRECT_MAX_BODY, DirectCycle
-from render_service.render_config import load_render_config
-from render_service.server import create_app
+from render_service.http.direct_http import DIRECT_MAX_BODY, DirectCycle
+from render_service.http.server import create_app
+from render_service.render.render_config import load_render_config
 from tests.gateway_harness import free_port
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from tests.engine_harness import greedy_reference, make_engine, tiny_loaded_model
-from token_engine.engine import LLMEngine
-from token_engine.sequence import SamplingOptions
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [list(range(10, 10 + n)) for n in (5, 23, 14, 31)]

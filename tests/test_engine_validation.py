@@ -3,9 +3,9 @@
 import msgspec
 import pytest
 
-from token_engine.protocol import GenerateRequest
-from token_engine.request_error import RequestError
-from token_engine.validation import EngineLimits, validate_generate_request
+from token_engine.http.protocol import GenerateRequest
+from token_engine.http.request_error import RequestError
+from token_engine.http.validation import EngineLimits, validate_generate_request
 
 LIMITS = EngineLimits(vocab_size=1000, max_model_len=100, max_num_seqs=8, max_logprobs=20)
 

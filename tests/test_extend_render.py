@@ -12,13 +12,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from render_service.bundle import load_bundle
-from render_service.errors import ApiError
+from render_service.bundle.model_bundle import load_bundle
 from render_service.extend.bridge import ExtendImpossible, template_bridge
-from render_service.protocol import ChatCompletionRequest, GenerateRequest
-from render_service.render import render_chat
-from render_service.render_config import build_render_config
-from render_service.templates import ChatTemplate
+from render_service.http.errors import ApiError
+from render_service.render.render import render_chat
+from render_service.render.render_config import build_render_config
+from render_service.templates.chat_template import ChatTemplate
+from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest
 from tests import rollouts
 from tests.harmony_fixtures import encode as harmony_encode
 from tests.harmony_fixtures import gpt_oss_config

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 
-from render_service.templates import ChatTemplate
+from render_service.templates.chat_template import ChatTemplate
 from tests.conversations import CONVERSATIONS, by_name
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.test_templates import Side, _inputs

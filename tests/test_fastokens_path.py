@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from bench.agent_trace import AgentTraceSpec, agent_trace
-from render_service import fastokens_path
-from render_service.fastokens_path import FastokensEncoder
-from render_service.tokenizer import TextTokenizer
+from render_service.tokenize import fastokens_path
+from render_service.tokenize.fastokens_path import FastokensEncoder
+from render_service.tokenize.tokenizer import TextTokenizer
 from tests.family_bundles import deepseek_v4_tokenizer_dir, write_family_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.test_tokenizer import added, load_with_backend, tiny_spec, write_tokenizer

@@ -13,12 +13,12 @@ import json
 import msgspec
 import pytest
 
-from render_service.bundle import load_bundle
-from render_service.derender import pipeline_config
+from render_service.bundle.model_bundle import load_bundle
+from render_service.derender.batch import pipeline_config
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import build_render_config
+from render_service.render.render import render_chat
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 

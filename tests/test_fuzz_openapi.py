@@ -1,7 +1,7 @@
 """schemathesis against each server's OpenAPI document (render service, gateway, engine), on real loopback
 servers: no response >= 500, every status, content type and JSON body as the document declares.
 
-The documents come from render_service.openapi and token_engine.openapi (generated from the msgspec wire structs), the same
+The documents come from render_service.http.openapi and token_engine.http.openapi (generated from the msgspec wire structs), the same
 ones the servers publish at /openapi.json. A bounded profile: a few examples per operation.
 """
 
@@ -23,15 +23,15 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from render_service.gateway.flow import Gateway
-from render_service.openapi import render_openapi
-from render_service.render_config import load_render_config
-from render_service.server import create_app
+from render_service.http.openapi import render_openapi
+from render_service.http.server import create_app
+from render_service.render.render_config import load_render_config
 from splitserve_common.lifecycle import Lifecycle, wrap_app
 from tests.engine_harness import engine_config
 from tests.gateway_harness import write_scripted_qwen3
-from token_engine.engine import AsyncEngine, LLMEngine
-from token_engine.openapi import engine_openapi
-from token_engine.server import build_app
+from token_engine.core.engine import AsyncEngine, LLMEngine
+from token_engine.http.openapi import engine_openapi
+from token_engine.http.server import build_app
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 PROFILE = settings(max_examples=4, deadline=None, derandomize=True, database=None,

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import torch
 
-from render_service.errors import ApiError
 from render_service.gateway.conversations import (
     MAX_CONVERSATION_ID_CHARS,
     ConversationCache,
@@ -22,9 +21,10 @@ from render_service.gateway.conversations import (
     preferred_replica,
 )
 from render_service.gateway.pools import ReplicaPool
+from render_service.http.errors import ApiError
 from tests.engine_harness import ServerThread, engine_config
 from tests.gateway_harness import QWEN3_TOKENIZER, gateway_process
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 HELD = {"do_remote_prefill": False, "do_remote_decode": False, "remote_block_ids": [3, 4], "remote_engine_id": "d",
         "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
@@ -369,9 +369,9 @@ def _collect_case(receive, batches):
     from render_service.gateway.flow import EngineCall, Gateway
     from render_service.gateway.responses import ChatResponder
     from render_service.gateway.routes import collect
-    from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
-    from render_service.render import render_chat
-    from render_service.server import RawRequest
+    from render_service.http.server import RawRequest
+    from render_service.render.render import render_chat
+    from render_service.wire.protocol import ChatCompletionRequest, GenerateStreamChoice
     from tests.render_harness import qwen3_config
 
     config = qwen3_config()
@@ -503,8 +503,8 @@ def test_concurrent_non_streaming_requests_all_get_their_answer(pd):
 
 def test_decode_out_of_blocks_gives_up_unread_turn_holds_instead_of_queueing_behind_them(tmp_path, monkeypatch):
     from tests.engine_harness import finish_request, write_tiny_qwen3
-    from token_engine.engine import LLMEngine
-    from token_engine.sequence import SamplingOptions
+    from token_engine.core.engine import LLMEngine
+    from token_engine.core.sequence import SamplingOptions
 
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
     threads = torch.get_num_threads()

@@ -20,7 +20,7 @@ import pytest
 
 from tests.gateway_harness import QWEN3_TOKENIZER, engine_process, gateway_process
 from tests.vllm_peers import needs_vllm032
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 CONTEXT = [785, 6722, 315, 9625, 374]  # "The capital of France is"
 CONTINUATION = [12095, 13]  # " Paris."

@@ -13,9 +13,14 @@ import pytest
 from tokenizers import Tokenizer
 
 from render_service.gateway.responses import ChatResponder, coalesce, sse
-from render_service.protocol import ChatCompletionRequest, GenerateLogprobs, GenerateStreamChoice, GenerateTokenLogprob
-from render_service.render import render_chat
-from render_service.render_config import load_render_config
+from render_service.render.render import render_chat
+from render_service.render.render_config import load_render_config
+from render_service.wire.protocol import (
+    ChatCompletionRequest,
+    GenerateLogprobs,
+    GenerateStreamChoice,
+    GenerateTokenLogprob,
+)
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 QWEN = QWEN3_FIXTURE_DIR

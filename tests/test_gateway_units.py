@@ -14,7 +14,7 @@ from render_service.gateway.engine_client import SseEvents
 from render_service.gateway.flow import decode_request, engine_request, prefill_request
 from render_service.gateway.pools import ReplicaPool, prefix_key
 from render_service.gateway.stop_strings import StopMatcher
-from render_service.protocol import GenerateRequest, SamplingParams
+from render_service.wire.protocol import GenerateRequest, SamplingParams
 
 # ------------------------------------------------------------------------------------ stop strings
 

@@ -15,10 +15,10 @@ from render_service.apis.messages import render_messages
 from render_service.apis.messages_protocol import MessagesRequest
 from render_service.apis.responses import render_responses
 from render_service.apis.responses_protocol import ResponsesRequest
-from render_service.errors import ApiError
 from render_service.gateway.api_responders import MessagesResponder, ThinkingBudget
-from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
-from render_service.render import render_chat
+from render_service.http.errors import ApiError
+from render_service.render.render import render_chat
+from render_service.wire.protocol import ChatCompletionRequest, GenerateStreamChoice
 from tests.harmony_fixtures import encode, gpt_oss_config
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

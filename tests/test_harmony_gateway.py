@@ -21,7 +21,7 @@ from render_service.harmony.bundle import GPT_OSS_GENERATION_CONFIG
 from render_service.harmony.encoding import CALL
 from tests.gateway_harness import Process, free_port, save_scripted
 from tests.harmony_fixtures import encode, gpt_oss_dir
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 pytestmark = pytest.mark.slow  # two server processes and a 201k-token grammar vocabulary: ~90 s on 2 cores
 

@@ -10,14 +10,14 @@ import msgspec
 import pytest
 from openai_harmony import Role, StreamableParser
 
-from render_service.derender import pipeline_config
-from render_service.derender_stream import StreamRuntime, derender_chat_stream
-from render_service.errors import ApiError
+from render_service.derender.batch import pipeline_config
+from render_service.derender.stream import StreamRuntime, derender_chat_stream
 from render_service.harmony.encoding import CALL, RETURN, harmony_encoding
+from render_service.http.errors import ApiError
 from render_service.parsers.harmony import MAX_HEADER, HarmonyParser, HarmonyState
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
-from render_service.protocol import ChatCompletionRequest, DerenderChatStreamRequest
-from render_service.render import render_chat
+from render_service.render.render import render_chat
+from render_service.wire.protocol import ChatCompletionRequest, DerenderChatStreamRequest
 from tests.harmony_fixtures import DATE, MODEL, encode, gpt_oss_bundle, gpt_oss_config
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},

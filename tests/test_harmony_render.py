@@ -18,16 +18,16 @@ from openai_harmony import (
     ToolDescription,
 )
 
-from render_service.errors import ApiError
 from render_service.harmony.encoding import (
     CALL,
     RETURN,
     START,
     harmony_encoding,
 )
-from render_service.protocol import ChatCompletionRequest, CompletionRequest
-from render_service.render import render_chat, render_completion
-from render_service.render_config import build_render_config
+from render_service.http.errors import ApiError
+from render_service.render.render import render_chat, render_completion
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest, CompletionRequest
 from tests.harmony_fixtures import DATE, MODEL, gpt_oss_bundle, gpt_oss_config
 from tests.render_harness import RenderServer
 
@@ -298,7 +298,7 @@ def test_an_unknown_reasoning_parser_lists_openai_gptoss_among_the_known():
 
 
 def test_fingerprint_names_the_harmony_renderer():
-    from render_service.fingerprint import config_fingerprint
+    from render_service.render.fingerprint import config_fingerprint
 
     config = gpt_oss_config()
     expected = config_fingerprint(tokenizer_sha256=gpt_oss_bundle().tokenizer_sha256,

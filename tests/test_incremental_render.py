@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.agent_trace import AgentTraceSpec, agent_trace, round_ends
-from render_service.chat_messages import prepare_messages, prepare_tools
-from render_service.incremental_tokenizer import IncrementalEncoder
+from render_service.templates.chat_messages import prepare_messages, prepare_tools
+from render_service.tokenize.incremental_tokenizer import IncrementalEncoder
 from tests.conversations import CONVERSATIONS
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.test_incremental_tokenizer import EDGES

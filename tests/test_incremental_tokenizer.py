@@ -10,8 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from render_service.incremental_tokenizer import IncrementalEncoder, PromptIds, SegmentCache, independence_violation
-from render_service.tokenizer import TextTokenizer
+from render_service.tokenize.incremental_tokenizer import (
+    IncrementalEncoder,
+    PromptIds,
+    SegmentCache,
+    independence_violation,
+)
+from render_service.tokenize.tokenizer import TextTokenizer
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 QWEN3_TOKENIZER = QWEN3_FIXTURE_DIR / "tokenizer.json"
@@ -241,8 +246,8 @@ def test_the_render_response_writes_view_ids_as_plain_ints(qwen_fast, text, requ
     the same request with a plain list, whatever the request id holds."""
     import msgspec
 
-    from render_service.protocol import GenerateRequest, SamplingParams
-    from render_service.server import _encode_generate_request
+    from render_service.http.server import _encode_generate_request
+    from render_service.wire.protocol import GenerateRequest, SamplingParams
 
     ids = IncrementalEncoder(qwen_fast).encode_ids(text)
     assert isinstance(ids, PromptIds)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from token_engine.kv_cache import BlockManager, hash_block
-from token_engine.sequence import SamplingOptions, Sequence
+from token_engine.core.kv_cache import BlockManager, hash_block
+from token_engine.core.sequence import SamplingOptions, Sequence
 
 
 def seq(tokens, salt=None, name="s") -> Sequence:

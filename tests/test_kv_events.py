@@ -16,10 +16,10 @@ import zmq
 from bench import peers
 from splitserve_common.block_hashes import BlockHashConfig, block_hashes, external_hash
 from tests.engine_harness import engine_config, tiny_loaded_model
-from token_engine.engine import LLMEngine
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
 from token_engine.kv_events.config import parse_kv_events_config
 from token_engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
-from token_engine.sequence import SamplingOptions
 
 BLOCK = 4
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -305,7 +305,7 @@ def test_vllms_own_classes_decode_our_events_and_agree_on_the_hashes(model, tmp_
 
 
 def test_tier_moves_are_events_and_a_router_view_matches_both_tiers(model, tmp_path):
-    from token_engine.model_runner import kv_block_bytes
+    from token_engine.core.model_runner import kv_block_bytes
 
     tier_bytes = 6 * kv_block_bytes(model[1].arch, BLOCK)
     offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

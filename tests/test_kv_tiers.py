@@ -8,9 +8,9 @@ import re
 import pytest
 
 from tests.engine_harness import engine_config, make_engine, tiny_loaded_model, write_tiny_qwen3
-from token_engine.engine import LLMEngine
-from token_engine.model_runner import kv_block_bytes
-from token_engine.sequence import SamplingOptions
+from token_engine.core.engine import LLMEngine
+from token_engine.core.model_runner import kv_block_bytes
+from token_engine.core.sequence import SamplingOptions
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The message memo (render_service/message_memo.py): a render through it answers exactly what a render without it
+"""The message memo (render_service/wire/message_memo.py): a render through it answers exactly what a render without it
 answers, for every request: hits, misses, the same value in other bytes, errors, eviction, two threads, and
 templates that try to change what it shares.
 
@@ -18,9 +18,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from render_service.chat_messages import prepare_messages, prepare_tools
-from render_service.errors import ApiError
-from render_service.message_memo import (
+from render_service.http.errors import ApiError
+from render_service.http.server import _encode_generate_request, decode
+from render_service.render.render import render_chat
+from render_service.render.render_config import RenderConfig, build_render_config
+from render_service.templates.chat_messages import prepare_messages, prepare_tools
+from render_service.wire.message_memo import (
     KEY_HEAD_BYTES,
     KEY_TAIL_BYTES,
     MemoMessages,
@@ -28,10 +31,7 @@ from render_service.message_memo import (
     MessageMemo,
     decode_chat_request,
 )
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import RenderConfig, build_render_config
-from render_service.server import _encode_generate_request, decode
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.conversations import BARE_TOOL, SEARCH_TOOL, UNICODE_TOOL, WEATHER_TOOL
 from tests.render_harness import PARSER_FLAGS, RenderServer, qwen3_bundle
 
@@ -324,7 +324,7 @@ def test_a_tiny_budget_evicts_and_still_answers_as_without_the_memo():
 
 
 def test_an_evicted_entry_takes_back_the_tojson_texts_it_lent():
-    from render_service.tojson_cache import DEFAULT_TEXTS
+    from render_service.templates.tojson_cache import DEFAULT_TEXTS
 
     cfg = config(8 * 8192)
     memo = cfg.message_memo

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.shared_paths import FIXTURES as FIXTURES_DIR
-from token_engine.attention import allocate_kv_pool, build_metadata
-from token_engine.layers import RopeSpec, rope_inv_freq, rope_spec_from_config
-from token_engine.loader import checkpoint_files
+from token_engine.layers.attention import allocate_kv_pool, build_metadata
+from token_engine.layers.blocks import RopeSpec, rope_inv_freq, rope_spec_from_config
 from token_engine.models import build_model, load_model, read_arch
-from token_engine.random_model import randomize_parameters_, write_random_model
+from token_engine.models.loader import checkpoint_files
+from token_engine.models.random_model import randomize_parameters_, write_random_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -355,7 +355,7 @@ def test_random_model_directory_carries_tokenizer_files(tmp_path):
 
 
 def test_qwen2_5_7b_preset_has_the_real_shape():
-    from token_engine.random_model import checkpoint_shapes, random_model_config
+    from token_engine.models.random_model import checkpoint_shapes, random_model_config
 
     config, generation = random_model_config(preset="qwen2.5-7b")
     arch = read_arch_from(config)
@@ -382,7 +382,7 @@ def test_randomize_parameters_is_seeded_and_gives_a_working_model():
 
 
 def _tiny_config():
-    from token_engine.random_model import random_model_config
+    from token_engine.models.random_model import random_model_config
 
     return random_model_config(arch="llama", dtype="float32")[0]
 
@@ -502,7 +502,7 @@ def test_cuda_greedy_generation_equals_transformers_generate(pair, model_dirs, n
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager_decode(model_dirs, dtype):
-    from token_engine.cuda_graphs import DecodeGraphs
+    from token_engine.core.cuda_graphs import DecodeGraphs
 
     model = load_model(model_dirs("qwen3", dtype), device="cuda")
     arch = model.arch

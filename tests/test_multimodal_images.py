@@ -318,7 +318,7 @@ def test_a_dead_worker_is_a_503_and_the_next_image_gets_a_fresh_pool() -> None:
     import os
     import signal
 
-    from render_service.errors import ApiError
+    from render_service.http.errors import ApiError
     from render_service.multimodal.pool import ImagePool
 
     assert QWEN25 is not None

@@ -17,16 +17,16 @@ import pytest
 from PIL import Image
 
 from bench.peers import vllm033_venv
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
 from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.setup import multimodal_render_for
 from render_service.multimodal.sources import FetchPolicy
-from render_service.render_config import build_render_config
+from render_service.render.render_config import build_render_config
 from tests.multimodal_images import data_url, declared_png, encode, noise_image
 from tests.render_harness import QWEN3_DIR, RenderServer, qwen3_config
-from token_engine.protocol import GenerateRequest as EngineRequest
-from token_engine.validation import EngineLimits, RequestError, validate_generate_request
+from token_engine.http.protocol import GenerateRequest as EngineRequest
+from token_engine.http.validation import EngineLimits, RequestError, validate_generate_request
 
 transformers = pytest.importorskip("transformers")
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor  # noqa: E402

@@ -1,5 +1,5 @@
 """KV handoff between two real processes over NIXL/UCX on loopback: the decode side (this process) pulls
-blocks from a prefill-like peer process (token_engine.kv_connector.loopback_peer) holding them under leases."""
+blocks from a prefill-like peer process (token_engine.kv_tools.loopback_peer) holding them under leases."""
 
 import os
 import random
@@ -11,9 +11,9 @@ import torch
 
 from token_engine.kv_connector.handoff import KVHandoff
 from token_engine.kv_connector.handoff_types import RemoteKV
-from token_engine.kv_connector.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 from token_engine.kv_connector.nixl_transport import NixlTransport
 from token_engine.kv_connector.side_channel import fetch_publication
+from token_engine.kv_tools.loopback_peer import PEER_TOKEN_HASH, LoopbackPeer, expected_block, make_pool
 
 GEOM = ["--blocks", "64", "--layers", "2", "--block-size", "16", "--heads", "2", "--head-dim", "16"]
 HANG_GUARD_S = 600  # only stops a broken test from hanging CI; no assertion depends on time

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from token_engine.kv_connector.preflight import protocols_from, verdict
+from token_engine.kv_tools.preflight import protocols_from, verdict
 
 # Shapes of UCX 1.23's UCX_PROTO_INFO=y tables, as printed by a decode probe on this box.
 CMA_TABLES = """\

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-import render_service.server
-import token_engine.server
+import render_service.http.server
+import token_engine.http.server
 from splitserve_common import limits
 from tests.engine_harness import ServerThread, engine_config, write_tiny_qwen3
 from tests.render_harness import RenderServer, qwen3_config
@@ -42,8 +42,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
 
 
 def test_oversized_bodies_are_413_declared_or_streamed(render, engine, monkeypatch):
-    monkeypatch.setattr(render_service.request_io, "MAX_BODY_BYTES", 4096)
-    monkeypatch.setattr(token_engine.server, "MAX_REQUEST_BYTES", 4096)
+    monkeypatch.setattr(render_service.http.request_io, "MAX_BODY_BYTES", 4096)
+    monkeypatch.setattr(token_engine.http.server, "MAX_REQUEST_BYTES", 4096)
     big = b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"x" * 8000)
     for url in (render.url + "/v1/completions/render", engine.url + "/inference/v1/generate"):
         declared = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=30)

@@ -17,15 +17,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.auto import FAMILIES, detect_family, resolve_auto
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.parsers.reasoning import reasoning_open_at_prompt_end
 from render_service.parsers.registry import get_reasoning_parser
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import build_render_config
+from render_service.render.render import render_chat
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.test_pipeline import stream_fold
@@ -143,7 +143,7 @@ def test_named_choice_constrains_to_a_dsml_call_and_derender_reads_it_after_the_
     tag = json.loads(gen.sampling_params.structured_outputs["structural_tag"])["format"]
     assert tag["elements"][0]["value"] == f"\n\n<{DSML}tool_calls>\n"
     assert tag["elements"][1]["begin"] == f'<{DSML}invoke name="get_weather">\n'
-    from render_service.derender import pipeline_config
+    from render_service.derender.batch import pipeline_config
 
     pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id=gen.request_id, choice_index=0))
     call = (f"\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n"
@@ -169,7 +169,7 @@ def test_a_dsml_call_an_earlier_render_opened_in_the_prompt_still_reads(bundles)
                           ChatCompletionRequest)
     gen = render_chat(req, config)
     opened = gen.token_ids + config.tokenizer.encode(f"</think><{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n")
-    from render_service.derender import pipeline_config
+    from render_service.derender.batch import pipeline_config
 
     pipeline = Pipeline(config.tokenizer, pipeline_config(config, req, request_id=gen.request_id, choice_index=0))
     ids = config.tokenizer.encode(f"<{DSML}parameter name=\"city\" string=\"true\">Oslo</{DSML}parameter>\n"
@@ -233,7 +233,7 @@ def test_required_choice_constrains_to_a_dsml_block_and_none_leaves_the_markup_i
     bundle = bundles["deepseek_v4"]
     config = build_render_config(bundle, served_model_names=["m"], reasoning_parser="deepseek_v4",
                                  tool_call_parser="deepseek_v4", enable_auto_tool_choice=True)
-    from render_service.derender import pipeline_config
+    from render_service.derender.batch import pipeline_config
 
     output = (f"</think>\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n<{DSML}parameter name=\"city\" "
               f"string=\"true\">Oslo</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.base import ReasoningParserConfig, ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.parsers.reasoning import reasoning_open_at_prompt_end

@@ -8,14 +8,14 @@ import json
 import msgspec
 import pytest
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.auto import detect_family, resolve_auto
 from render_service.parsers.base import ToolCallPiece, ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.parsers.registry import get_tool_parser
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat_prompt
-from render_service.render_config import build_render_config
+from render_service.render.render import render_chat_prompt
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.family_bundles import TEMPLATES, write_family_bundle
 from tests.test_pipeline import stream_fold
 from tests.test_tool_parsers_common import WEATHER_TOOLS, parse, parse_chunks

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from tests.shared_paths import QWEN3_FIXTURE_DIR

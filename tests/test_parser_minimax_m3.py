@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.auto import resolve_auto
 from render_service.parsers.base import ToolParserConfig, ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all

@@ -8,13 +8,13 @@ import json
 import msgspec
 import pytest
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.auto import resolve_auto
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat_prompt
-from render_service.render_config import build_render_config
+from render_service.render.render import render_chat_prompt
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.family_bundles import TEMPLATES
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.test_pipeline import stream_fold

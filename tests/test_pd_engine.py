@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.engine_harness import engine_config, finish_request, step_until, write_tiny_qwen3
-from token_engine.engine import LLMEngine
-from token_engine.random_model import write_random_model
-from token_engine.sequence import SamplingOptions
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
+from token_engine.models.random_model import write_random_model
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=8)
 PREFILL_ONLY = SamplingOptions(temperature=0.0, max_tokens=1)
@@ -273,7 +273,7 @@ def test_decode_queued_for_blocks_heartbeats_the_lease_and_still_loads_remote_kv
 def test_multiconnector_decode_loads_from_its_host_tier_and_pulls_only_the_rest(model_dir, engines):
     """vLLM's MultiConnector (NIXL + OffloadingConnector) on decode: a prompt whose blocks decode evicted to its
     host tier loads them back and pulls only the blocks after them from prefill."""
-    from token_engine.model_runner import kv_block_bytes
+    from token_engine.core.model_runner import kv_block_bytes
 
     p, _, _, c = engines
     probe = LLMEngine(engine_config(model_dir))

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from render_service.gateway.flow import EngineCall, Gateway, GatewaySettings, NoReplica
-from render_service.protocol import GenerateRequest, SamplingParams
+from render_service.wire.protocol import GenerateRequest, SamplingParams
 from tests.engine_harness import EngineProcess, free_port, write_tiny_qwen3
 
 MAX_TOKENS = 6

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.engine_harness import engine_config, finish_request, step_until, write_tiny_qwen3
-from token_engine.engine import LLMEngine
-from token_engine.sequence import SamplingOptions
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6)
 PREFILL_ONLY = SamplingOptions(temperature=0.0, max_tokens=1)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.engine_harness import EngineProcess, engine_config, finish_request, free_port, step_until, write_tiny_qwen3
-from token_engine.engine import LLMEngine
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
 from token_engine.kv_connector.handoff_consumer import LoadPhase
 from token_engine.kv_connector.leases import format_notification
 from token_engine.kv_connector.nixl_transport import NixlTransport
 from token_engine.kv_connector.side_channel import validate_publication
-from token_engine.sequence import SamplingOptions
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6)
 PREFILL_ONLY = SamplingOptions(temperature=0.0, max_tokens=1)

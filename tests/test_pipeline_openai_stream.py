@@ -13,9 +13,9 @@ import msgspec
 from render_service.gateway.responses import ChatResponder
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
-from render_service.protocol import ChatCompletionRequest, GenerateStreamChoice
-from render_service.render import render_chat
-from render_service.render_config import RenderConfig, load_render_config
+from render_service.render.render import render_chat
+from render_service.render.render_config import RenderConfig, load_render_config
+from render_service.wire.protocol import ChatCompletionRequest, GenerateStreamChoice
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 EOS = 151645
@@ -144,8 +144,8 @@ def test_n2_choices_each_get_role_and_finish_with_their_index():
 def test_forced_tool_choice_answers_empty_content_as_batch_derender_does():
     # Named tool choice (a JSON grammar after the reasoning): the gateway's non-streaming answer and batch
     # derender read the same rule (tool_choice.forces_a_call): content "" beside the call, never null (vLLM).
-    from render_service.derender import derender_chat
-    from render_service.protocol import DerenderChatRequest
+    from render_service.derender.batch import derender_chat
+    from render_service.wire.protocol import DerenderChatRequest
 
     cfg, tok = parser_config(), parser_config().tokenizer
     named = {"type": "function", "function": {"name": "get_weather"}}

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.bundle import load_bundle
-from render_service.byte_level import BYTE_TO_CHAR
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, PipelineConfig, derender_all
+from render_service.tokenize.byte_level import BYTE_TO_CHAR
 from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from render_service.incremental_tokenizer import IncrementalEncoder
-from render_service.prompt_prefix_store import PrefixStore, StoredPrompt, common_head
-from render_service.tokenizer import TextTokenizer
+from render_service.tokenize.incremental_tokenizer import IncrementalEncoder
+from render_service.tokenize.prompt_prefix_store import PrefixStore, StoredPrompt, common_head
+from render_service.tokenize.tokenizer import TextTokenizer
 from tests.test_incremental_tokenizer import PROPERTY, qwen_fast, ref, texts  # noqa: F401 (fixture)
 
 edits = st.tuples(st.integers(0, 10_000), st.integers(0, 40), texts)

@@ -7,7 +7,7 @@ from functools import lru_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.base import ReasoningParserConfig
 from render_service.parsers.reasoning import (
     DeepSeekR1ReasoningParser,

@@ -16,14 +16,14 @@ import msgspec
 import pytest
 
 from bench.agent_trace import AgentTraceSpec, agent_trace, chat_body, round_ends
-from render_service.errors import ApiError
-from render_service.protocol import ChatCompletionRequest
-from render_service.reference_mode import REFERENCE_ENV
-from render_service.render import render_chat
-from render_service.render_config import RenderConfig, load_render_config
-from render_service.template_inline import LoopContext
-from render_service.template_sandbox import INLINE_REASON, ChatSandbox, inline_violation, use_plain_reads
-from render_service.tojson_cache import DEFAULT_TEXTS
+from render_service.http.errors import ApiError
+from render_service.render.reference_mode import REFERENCE_ENV
+from render_service.render.render import render_chat
+from render_service.render.render_config import RenderConfig, load_render_config
+from render_service.templates.inline import LoopContext
+from render_service.templates.sandbox import INLINE_REASON, ChatSandbox, inline_violation, use_plain_reads
+from render_service.templates.tojson_cache import DEFAULT_TEXTS
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.family_bundles import FAMILIES, write_family_bundle
 from tests.render_harness import PARSER_FLAGS, QWEN3_DIR, VLLM_PAIRS, load_pair
 
@@ -109,7 +109,7 @@ def test_every_family_template(family: str, tmp_path: Path, reference_env: Any) 
 def test_the_direct_http_path_proves_uvicorns_protocol_and_a_moved_internal_is_caught() -> None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from render_service.direct_http import protocol_violation
+    from render_service.http.direct_http import protocol_violation
 
     assert protocol_violation(HttpToolsProtocol) is None  # this uvicorn: the shortcut serves
 

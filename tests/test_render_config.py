@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from render_service.errors import ApiError
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat, resolve_max_tokens
-from render_service.render_config import build_render_config
+from render_service.http.errors import ApiError
+from render_service.render.render import render_chat, resolve_max_tokens
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.render_harness import VLLM_PAIRS, load_pair, qwen3_config
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

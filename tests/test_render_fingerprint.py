@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from render_service.fingerprint import config_fingerprint
+from render_service.render.fingerprint import config_fingerprint
 from tests.render_harness import RenderServer, qwen3_config
 
 CHAT = {"model": "qwen3-0.6b", "messages": [{"role": "user", "content": "Hi"}]}

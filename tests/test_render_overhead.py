@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.chat_messages import _arguments_mapping, prepare_messages, prepare_tools
-from render_service.errors import ApiError
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import load_render_config
+from render_service.http.errors import ApiError
+from render_service.render.render import render_chat
+from render_service.render.render_config import load_render_config
+from render_service.templates.chat_messages import _arguments_mapping, prepare_messages, prepare_tools
+from render_service.wire.protocol import ChatCompletionRequest
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 

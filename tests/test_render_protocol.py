@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from render_service.protocol import (
+from render_service.wire.protocol import (
     ChatCompletionRequest,
     DerenderChatRequest,
     GenerateRequest,

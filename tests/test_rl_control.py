@@ -14,10 +14,10 @@ import torch
 from splitserve_common.auth import ApiKeys
 from tests.engine_harness import engine_config, single_threaded_server, wait_for_idle_blocks, write_tiny_qwen3
 from tests.rl_trainer_process import training_step
-from token_engine.engine import LLMEngine
-from token_engine.loader import iter_checkpoint
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
+from token_engine.models.loader import iter_checkpoint
 from token_engine.rl.trainer import TrainerGroup, push_weights, update_info
-from token_engine.sequence import SamplingOptions
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 LONG = 900  # output tokens of a request that is still running when the test pauses or aborts it

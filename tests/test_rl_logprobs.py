@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.engine_harness import engine_config, single_threaded_server, write_tiny_qwen3
-from token_engine.attention import allocate_kv_pool, build_metadata
+from token_engine.layers.attention import allocate_kv_pool, build_metadata
 from token_engine.models import load_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]

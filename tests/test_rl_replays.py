@@ -11,10 +11,10 @@ import pytest
 from tests.engine_harness import engine_config, single_threaded_server, write_tiny_qwen3
 from tests.rl_trainer_process import training_step
 from tests.test_rl_control import Background, outputs_so_far, until
-from token_engine.engine import LLMEngine
-from token_engine.loader import iter_checkpoint
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
+from token_engine.models.loader import iter_checkpoint
 from token_engine.rl.trainer import TrainerGroup, update_info
-from token_engine.sequence import SamplingOptions
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 pytestmark = pytest.mark.slow  # ~20 s: two whole trainer sessions, each checked against a freshly started engine

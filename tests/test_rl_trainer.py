@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.engine_harness import engine_config, greedy_reference, single_threaded_server, write_tiny_qwen3
-from token_engine.engine import LLMEngine
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
 from token_engine.models import load_model
-from token_engine.sequence import SamplingOptions
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 23, 5, 99, 42, 7, 8, 2, 3, 17, 5]]
 KEY = "trainer-key"
@@ -31,7 +31,7 @@ def generate(client, prompt, max_tokens=12, **extra):
 @torch.inference_mode()
 def reference_logprobs(model, prompt, tokens):
     """log_softmax of a plain full forward over prompt + tokens, at each output position."""
-    from token_engine.attention import allocate_kv_pool, build_metadata
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     seq = prompt + tokens
     n, bs = len(seq), 16

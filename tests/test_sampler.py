@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from token_engine.sampler import Sampler, SamplingRow
-from token_engine.sequence import SamplingOptions
+from token_engine.core.sampler import Sampler, SamplingRow
+from token_engine.core.sequence import SamplingOptions
 
 V = 8
 

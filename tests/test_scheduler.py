@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from token_engine.kv_cache import BlockManager
+from token_engine.core.kv_cache import BlockManager
+from token_engine.core.scheduler import Scheduler, SchedulerOutput
+from token_engine.core.sequence import SamplingOptions, Sequence, SequenceStatus
 from token_engine.kv_connector.base import ConnectorEvents, NoOpKVConnector
-from token_engine.scheduler import Scheduler, SchedulerOutput
-from token_engine.sequence import SamplingOptions, Sequence, SequenceStatus
 
 _ids = itertools.count()
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tests.engine_harness import EngineProcess, ServerThread, engine_config, free_port, write_tiny_qwen3
-from token_engine.engine import LLMEngine
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
 from token_engine.kv_connector import side_channel
-from token_engine.sequence import SamplingOptions
 
 SECRET = "probe-secret-0123456789abcdef"
 GREEDY = {"temperature": 0.0, "max_tokens": 6}

@@ -23,7 +23,7 @@ import pytest
 from tests.engine_harness import FIXTURES, ServerThread, engine_config
 from tests.gateway_harness import free_port
 from tests.ops_harness import Server
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 from token_engine.structured import GrammarCompiler, GrammarError, parse_structured_outputs
 from token_engine.structured.bounds import CompileLimits, check_bounds
 from token_engine.structured.pool import PoolLimits

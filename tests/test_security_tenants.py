@@ -266,9 +266,9 @@ def test_a_reader_that_stopped_reading_has_its_request_aborted(engine, monkeypat
     import asyncio
     import threading
 
-    from token_engine import protocol as p
-    from token_engine import server as engine_server
-    from token_engine.engine import RequestUpdate, SequenceDelta
+    from token_engine.core.engine import RequestUpdate, SequenceDelta
+    from token_engine.http import protocol as p
+    from token_engine.http import server as engine_server
 
     monkeypatch.setattr(engine_server, "MAX_PENDING_UPDATES", 8)
     state = engine.app.state.server

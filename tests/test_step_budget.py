@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.test_scheduler import seq, step
-from token_engine.kv_cache import BlockManager
-from token_engine.scheduler import Scheduler
-from token_engine.step_budget import PrefillPolicy, StepTimeModel
+from token_engine.core.kv_cache import BlockManager
+from token_engine.core.scheduler import Scheduler
+from token_engine.core.step_budget import PrefillPolicy, StepTimeModel
 
 
 def make(policy: PrefillPolicy, budget=512, num_blocks=2048, block_size=4, max_num_seqs=16, caching=False):

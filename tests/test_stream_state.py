@@ -10,12 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.derender_stream import derender_chat_stream
-from render_service.errors import ApiError
+from render_service.derender.stream import derender_chat_stream
+from render_service.http.errors import ApiError
 from render_service.parsers.detokenizer import DetokenizerState
 from render_service.parsers.pipeline import PipelineState
-from render_service.protocol import DerenderChatStreamRequest
-from render_service.render_config import load_render_config
+from render_service.render.render_config import load_render_config
 from render_service.streaming_cache.codec import (
     MAX_STATE_CHARS,
     Envelope,
@@ -26,6 +25,7 @@ from render_service.streaming_cache.codec import (
     secret_from_env,
 )
 from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
+from render_service.wire.protocol import DerenderChatStreamRequest
 from tests.shared_paths import SHARED as SHARED_DIR
 
 SHARED = SHARED_DIR
@@ -207,10 +207,10 @@ def test_bad_states_are_400(state):
 
 
 def test_hostile_values_inside_a_well_formed_signed_state_are_refused():
-    from render_service.derender import pipeline_config
-    from render_service.protocol import ChatCompletionRequest
+    from render_service.derender.batch import pipeline_config
     from render_service.streaming_cache.codec import encode_state as enc
     from render_service.streaming_cache.session import binding as _binding
+    from render_service.wire.protocol import ChatCompletionRequest
 
     pcfg = pipeline_config(config(), msgspec.convert(CHAT, ChatCompletionRequest), request_id="gen-1", choice_index=0)
     bind = _binding(pcfg, config().tokenizer)

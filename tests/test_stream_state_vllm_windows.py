@@ -12,12 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from render_service.derender_stream import derender_chat_stream
-from render_service.errors import ApiError
-from render_service.protocol import DerenderChatStreamRequest
-from render_service.render_config import load_render_config
+from render_service.derender.stream import derender_chat_stream
+from render_service.http.errors import ApiError
+from render_service.render.render_config import load_render_config
 from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from render_service.streaming_cache.vllm_state import FOREIGN_TIER_GUARD
+from render_service.wire.protocol import DerenderChatStreamRequest
 from tests.shared_paths import SHARED
 
 QWEN = str(SHARED / "fixtures/qwen3-0.6b")

@@ -10,11 +10,11 @@ from functools import lru_cache
 import msgspec
 import pytest
 
-from render_service.derender_stream import derender_chat_stream
-from render_service.protocol import DerenderChatStreamRequest
-from render_service.render_config import load_render_config
+from render_service.derender.stream import derender_chat_stream
+from render_service.render.render_config import load_render_config
 from render_service.streaming_cache.cache import ENTRY_OVERHEAD_BYTES, StreamingCache, history_key
 from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
+from render_service.wire.protocol import DerenderChatStreamRequest
 from tests.shared_paths import SHARED as SHARED_DIR
 from tests.test_derender_stream import PARSER_FLAGS, render_server
 

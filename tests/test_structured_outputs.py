@@ -17,9 +17,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.engine_harness import FIXTURES, ServerThread, engine_config, step_until, wait_for_idle_blocks
-from token_engine.engine import LLMEngine
-from token_engine.random_model import write_random_model
-from token_engine.sequence import SamplingOptions
+from token_engine.core.engine import LLMEngine
+from token_engine.core.sequence import SamplingOptions
+from token_engine.models.random_model import write_random_model
 from token_engine.structured import GrammarCompiler, GrammarError, parse_structured_outputs
 from token_engine.structured.matcher import mask_by_bitmask_
 
@@ -627,8 +627,8 @@ STRUCTURAL_FORMATS = {
 
 
 def test_a_structural_tag_response_format_in_either_form_constrains_the_reply(gateway):
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.response_format import requested_structured_outputs
+    from render_service.render.response_format import requested_structured_outputs
+    from render_service.wire.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest(messages=USER, response_format=STRUCTURAL_FORMATS["legacy"])
     assert requested_structured_outputs(req) == {

@@ -14,23 +14,23 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from bench.agent_trace import AgentTraceSpec, agent_trace
-from render_service.builtin_templates import BUILTIN_TEMPLATES, builtin_template_source
-from render_service.chat_messages import prepare_messages, prepare_tools
-from render_service.default_bundle import default_template_source
-from render_service.template_sandbox import (
+from render_service.bundle.builtin_templates import BUILTIN_TEMPLATES, builtin_template_source
+from render_service.bundle.default_bundle import default_template_source
+from render_service.templates.chat_messages import prepare_messages, prepare_tools
+from render_service.templates.chat_template import (
+    ChatTemplate,
+    PlainMessages,
+    TemplateError,
+    plain_copy,
+    template_message,
+)
+from render_service.templates.sandbox import (
     _ENVIRONMENT,
     _REQUEST_ENVIRONMENT,
     GenerationBlocks,
     _raise_exception,
     _SafeNamespace,
     _strftime_now,
-)
-from render_service.templates import (
-    ChatTemplate,
-    PlainMessages,
-    TemplateError,
-    plain_copy,
-    template_message,
 )
 from tests.conversations import CONVERSATIONS, template_inputs
 from tests.shared_paths import QWEN3_FIXTURE_DIR

@@ -9,12 +9,12 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from render_service.bundle import load_bundle
-from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
-from render_service.default_bundle import default_template_source
-from render_service.template_analysis import detect_content_format
-from render_service.template_sandbox import compile_template
-from render_service.templates import ChatTemplate, TemplateError, assistant_token_mask
+from render_service.bundle.default_bundle import default_template_source
+from render_service.bundle.model_bundle import load_bundle
+from render_service.templates.analysis import detect_content_format
+from render_service.templates.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+from render_service.templates.chat_template import ChatTemplate, TemplateError, assistant_token_mask
+from render_service.templates.sandbox import compile_template
 from tests.conversations import CONVERSATIONS, Conversation, by_name, template_inputs
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
@@ -385,14 +385,14 @@ def test_special_tokens_are_template_variables_and_kwargs_override_them(sides):
 
 
 def _own_template_config(sides, **flags):
-    from render_service.render_config import build_render_config
+    from render_service.render.render_config import build_render_config
 
     return build_render_config(sides["own"].bundle, served_model_names=["m"], **flags)
 
 
 def _rendered_text(config, **request) -> str:
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render import render_chat
+    from render_service.render.render import render_chat
+    from render_service.wire.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **request)
     return config.tokenizer.decode(render_chat(req, config).token_ids, skip_special_tokens=False)
@@ -408,7 +408,7 @@ def test_default_kwargs_merge_under_request_kwargs(sides):
 
 @pytest.mark.parametrize("key", ["tokenize", "chat_template", "messages", "conversation"])
 def test_request_kwargs_that_are_refused(sides, key):
-    from render_service.errors import ApiError
+    from render_service.http.errors import ApiError
 
     with pytest.raises(ApiError, match=f"chat_template_kwargs may not set '{key}'") as raised:
         _rendered_text(_own_template_config(sides), chat_template_kwargs={key: True})

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_service.template_sandbox import _tojson
-from render_service.tojson_cache import JsonTextCache
+from render_service.templates.sandbox import _tojson
+from render_service.templates.tojson_cache import JsonTextCache
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                     st.text(max_size=12), st.sampled_from([0, 1, 1.0, -0.0, 0.0, True, "1", "null", "NaN"]))

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from render_service.byte_level import byte_level_bpe_spec
-from render_service.tiktoken_fast_path import self_check_corpus
-from render_service.tokenizer import TextTokenizer, TokenizerError
+from render_service.tokenize.byte_level import byte_level_bpe_spec
+from render_service.tokenize.tiktoken_fast_path import self_check_corpus
+from render_service.tokenize.tokenizer import TextTokenizer, TokenizerError
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 
 QWEN3_DIR = QWEN3_FIXTURE_DIR

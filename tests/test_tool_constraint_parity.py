@@ -22,13 +22,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from render_service.bundle import load_bundle
-from render_service.derender import pipeline_config
+from render_service.bundle.model_bundle import load_bundle
+from render_service.derender.batch import pipeline_config
 from render_service.harmony.bundle import gpt_oss_bundle_dir
 from render_service.parsers.pipeline import MessageAccumulator, Pipeline, derender_all
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import build_render_config
+from render_service.render.render import render_chat
+from render_service.render.render_config import build_render_config
+from render_service.wire.protocol import ChatCompletionRequest
 from tests import vllm_tool_constraints as recorded
 from tests.vllm_peers import VLLM032, VLLM033, needs_vllm032, needs_vllm033
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from render_service.bundle import load_bundle
+from render_service.bundle.model_bundle import load_bundle
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.tool_parser_invariants import FAMILIES, check_parser, check_pipeline, outputs, token_soup
 

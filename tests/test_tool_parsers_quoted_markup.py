@@ -126,7 +126,7 @@ def test_deepseek_v4_chat_mode_from_the_prompt_through_the_pipeline() -> None:
     import tempfile
     from pathlib import Path
 
-    from render_service.bundle import load_bundle
+    from render_service.bundle.model_bundle import load_bundle
     from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
     from tests.family_bundles import write_family_bundle
 

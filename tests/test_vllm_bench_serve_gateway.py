@@ -14,7 +14,7 @@ import pytest
 from bench import peers
 from tests.gateway_harness import QWEN3_TOKENIZER, engine_process, gateway_process
 from tests.vllm_peers import VLLM032, needs_vllm032
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 32, 8
 

@@ -18,7 +18,7 @@ import pytest
 from tests.gateway_harness import Process, free_port
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from token_engine.models.arch import read_eos_token_ids
-from token_engine.random_model import write_random_model
+from token_engine.models.random_model import write_random_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ENGINE = [sys.executable, "-m", "token_engine.cli", "serve"]

@@ -26,14 +26,14 @@ def _patched(tensor, scope):
 
 interpreter._patch_lang_tensor = _patched
 
-from token_engine import attention_cuda, decode_linear_cuda, layers_cuda  # noqa: E402
-from token_engine.attention import (  # noqa: E402
+from token_engine.layers import attention_cuda, blocks_cuda, decode_linear_cuda  # noqa: E402
+from token_engine.layers.attention import (  # noqa: E402
     _paged_attention_reference,
     allocate_kv_pool,
     build_metadata,
     store_kv,
 )
-from token_engine.layers import RMSNorm, apply_rotary  # noqa: E402
+from token_engine.layers.blocks import RMSNorm, apply_rotary  # noqa: E402
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -82,7 +82,7 @@ def check_attention(block_size, dtype, tol):
 def check_prefill(block_size, dtype, tol, config):
     """The paged prefill kernel alone on a ragged batch: fresh prompts, chunks over cached prefixes that start
     and end inside pool blocks, several query tiles per sequence, sliding windows, GQA groups of 4."""
-    from token_engine.attention_prefill_cuda import prefill_attention, prefill_tiles
+    from token_engine.layers.attention_prefill_cuda import prefill_attention, prefill_tiles
 
     cached, new = [0, 21, 3, 40, 0], [37, 18, 2, 9, 5]
     lens = [c + n for c, n in zip(cached, new)]
@@ -119,8 +119,8 @@ def check_layers(dtype, tol):
         norm.weight.normal_(1.0, 0.1)
     x = torch.randn(5, hidden).to(dtype)
     r = torch.randn(5, hidden).to(dtype)
-    close(f"rms_norm {dtype}", layers_cuda.rms_norm(x, norm.weight, 1e-6), norm(x), tol)
-    got, got_res = layers_cuda.rms_norm(x, norm.weight, 1e-6, r)
+    close(f"rms_norm {dtype}", blocks_cuda.rms_norm(x, norm.weight, 1e-6), norm(x), tol)
+    got, got_res = blocks_cuda.rms_norm(x, norm.weight, 1e-6, r)
     want, want_res = norm(x, r)
     close(f"add+rms_norm {dtype}", got, want, tol)
     close(f"add+rms_norm residual {dtype}", got_res, want_res, 0)
@@ -131,14 +131,14 @@ def check_layers(dtype, tol):
     angles = torch.randn(5, D // 2)
     cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
-    q_out, k_out = layers_cuda.qk_rotary(q, k, cos, sin)
+    q_out, k_out = blocks_cuda.qk_rotary(q, k, cos, sin)
     close(f"rotary q {dtype}", q_out, apply_rotary(q, cos, sin), tol)
     close(f"rotary k {dtype}", k_out, apply_rotary(k, cos, sin), tol)
     qn, kn = RMSNorm(D, 1e-6, dtype=dtype), RMSNorm(D, 1e-6, dtype=dtype)
     with torch.no_grad():
         qn.weight.normal_(1.0, 0.1)
         kn.weight.normal_(1.0, 0.1)
-    q_out, k_out = layers_cuda.qk_rotary(q, k, cos, sin, qn.weight, kn.weight, 1e-6)
+    q_out, k_out = blocks_cuda.qk_rotary(q, k, cos, sin, qn.weight, kn.weight, 1e-6)
     close(f"q norm + rotary {dtype}", q_out, apply_rotary(qn(q), cos, sin), tol)
     close(f"k norm + rotary {dtype}", k_out, apply_rotary(kn(k), cos, sin), tol)
 
@@ -148,7 +148,7 @@ def check_layers(dtype, tol):
     meta.slot_mapping[1] = -1  # a padded row: not written
     pool = allocate_kv_pool(6, 2, 4, HKV, D, dtype)
     want_pool = pool.clone()
-    q_out, k_out = layers_cuda.qk_rotary(q, k, cos, sin, v=v, kv_pool=pool, layer=1, meta=meta)
+    q_out, k_out = blocks_cuda.qk_rotary(q, k, cos, sin, v=v, kv_pool=pool, layer=1, meta=meta)
     store_kv(k_out, v, want_pool, 1, meta)
     assert torch.equal(pool, want_pool), "fused rotary store differs from store_kv"
     assert pool[5, 1, :, 1].abs().sum() == 0
@@ -156,7 +156,7 @@ def check_layers(dtype, tol):
 
     gate_up = torch.randn(3, 2 * 40).to(dtype)
     want = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
-    close(f"silu_and_mul {dtype}", layers_cuda.silu_and_mul(gate_up), want, tol)
+    close(f"silu_and_mul {dtype}", blocks_cuda.silu_and_mul(gate_up), want, tol)
 
 
 def check_decode_linear(dtype, tol):

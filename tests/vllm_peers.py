@@ -91,7 +91,7 @@ def _started(url: str, pid: int, log: Path, timeout_s: float = 600, model: Path 
 def write_tiny_qwen3_head_dim_32(out_dir: Path) -> Path:
     """A tiny random float32 Qwen3 with the real Qwen3 tokenizer and head_dim 32 (vLLM's CPU attention refuses
     the default tiny model's 16). Its config says 4096 positions; the engines run it with a smaller context."""
-    from token_engine.random_model import write_random_model
+    from token_engine.models.random_model import write_random_model
 
     return write_random_model(out_dir, arch="qwen3", preset="tiny", overrides={"head_dim": 32},
                               tokenizer_dir=QWEN3_FIXTURE_DIR, dtype="float32")

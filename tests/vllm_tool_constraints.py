@@ -156,7 +156,7 @@ def start_render(venv: Path, model_dir: Path, parser: str, port: int, log: Path,
     with open(log, "wb") as handle:
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
         if parser == "openai":  # openai-harmony reads o200k from here, never the network
-            from render_service.bundle import load_bundle
+            from render_service.bundle.model_bundle import load_bundle
             from render_service.harmony.bundle import gpt_oss_bundle_dir
             from render_service.harmony.encoding import ENCODINGS_BASE_VAR, ensure_tiktoken_dir
 
@@ -199,9 +199,9 @@ def our_answer(config: Any, case: str) -> dict[str, Any]:
     """``answer`` for our render in-process (its sampling params omit defaults on the wire, as vLLM's do)."""
     import msgspec
 
-    from render_service.errors import ApiError
-    from render_service.protocol import ChatCompletionRequest
-    from render_service.render import render_chat
+    from render_service.http.errors import ApiError
+    from render_service.render.render import render_chat
+    from render_service.wire.protocol import ChatCompletionRequest
 
     try:
         gen = render_chat(msgspec.convert(body(case), ChatCompletionRequest), config)

@@ -15,10 +15,10 @@ from splitserve_common.block_hashes import HASH_ALGOS
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
 from splitserve_common.hf_cache import resolve_model
-from token_engine.step_budget import PrefillPolicy
+from token_engine.core.step_budget import PrefillPolicy
 
 if TYPE_CHECKING:
-    from token_engine.engine import EngineConfig
+    from token_engine.core.engine import EngineConfig
 
 log = logging.getLogger("token_engine.cli")
 
@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("make-random-model", help="write a random-weight model directory (no hub access)")
     r.add_argument("out")
     r.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral"], default="qwen3")
-    r.add_argument("--preset", default="tiny", help="tiny, qwen2.5-7b, ... (see token_engine.random_model.PRESETS)")
+    r.add_argument("--preset", default="tiny",
+                   help="tiny, qwen2.5-7b, ... (see token_engine.models.random_model.PRESETS)")
     r.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied in")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", default="bfloat16")
@@ -218,8 +219,8 @@ def check_model_dir(args: argparse.Namespace) -> None:
     """A model directory the engine can load, and a --kv-cache-dtype it can keep (ValueError, one line)."""
     from pathlib import Path
 
-    from token_engine.loader import checkpoint_files
     from token_engine.models import parse_dtype, read_arch
+    from token_engine.models.loader import checkpoint_files
 
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"{args.model} has no config.json (not a Hugging Face model directory)")
@@ -261,7 +262,7 @@ def check_kv_transfer_config(args: argparse.Namespace) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from token_engine.engine import EngineConfig  # torch: not imported for a command line refused early
+    from token_engine.core.engine import EngineConfig  # torch: not imported for a command line refused early
 
     check_kv_transfer_config(args)
     if args.kv_offloading_size is not None or args.kv_offloading_backend is not None or args.kv_transfer_config:
@@ -315,9 +316,9 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     from splitserve_common.auth import ApiKeys, warn_if_open
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
-    from token_engine.engine import AsyncEngine, LLMEngine
-    from token_engine.openapi import engine_openapi
-    from token_engine.server import VERSION, build_app
+    from token_engine.core.engine import AsyncEngine, LLMEngine
+    from token_engine.http.openapi import engine_openapi
+    from token_engine.http.server import VERSION, build_app
 
     keys = ApiKeys(api_keys)
     connection_settings = uvicorn_connection_settings(header_timeout_s) | (tls or {})
@@ -387,19 +388,19 @@ def _stop_compiles_when_draining(lifecycle, grammars) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["preflight"]:  # its options (--help included) belong to the preflight parser
-        from token_engine.kv_connector.preflight import main as preflight_main
+        from token_engine.kv_tools.preflight import main as preflight_main
 
         return preflight_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "make-random-model":
-        from token_engine.random_model import write_random_model
+        from token_engine.models.random_model import write_random_model
 
         path = write_random_model(args.out, arch=args.arch, preset=args.preset, overrides=args.overrides,
                                   tokenizer_dir=args.tokenizer, seed=args.seed, dtype=args.dtype)
         print(path)
         return 0
     if args.command == "with-random-weights":
-        from token_engine.bundle_weights import with_random_weights
+        from token_engine.models.bundle_weights import with_random_weights
 
         print(with_random_weights(args.bundle, seed=args.seed))
         return 0

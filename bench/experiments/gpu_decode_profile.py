@@ -76,8 +76,8 @@ def bench_linears(model, rows_list=(1, 8)) -> dict:
     """Each role over all layers' weights in one graph: cuBLAS (plus silu_and_mul after gate_up, as the
     unfused path has it) against decode_linear per config; the best config per shape (or cuBLAS) goes into
     TUNED."""
-    from token_engine import decode_linear_cuda as dl
-    from token_engine import layers_cuda
+    from token_engine.layers import blocks_cuda
+    from token_engine.layers import decode_linear_cuda as dl
 
     out = {}
     for role, (modules, gated) in linear_roles(model).items():
@@ -95,7 +95,7 @@ def bench_linears(model, rows_list=(1, 8)) -> dict:
                 for w, b in zip(weights, biases):
                     y = F.linear(x, w, b)
                     if gated:
-                        layers_cuda.silu_and_mul(y)
+                        blocks_cuda.silu_and_mul(y)
 
             base = graph_ms(cublas)
             entry = {"cublas_us_per_layer": base * 1e3 / len(weights),
@@ -131,7 +131,7 @@ def bench_linears(model, rows_list=(1, 8)) -> dict:
 
 def compare_paths(model, batches, context, block_size) -> dict:
     """Decode steps with the fused few-rows path off, then on; and how far apart their outputs are."""
-    from token_engine.attention import allocate_kv_pool, build_metadata
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     result = {}
     for flag in (False, True):
@@ -170,8 +170,8 @@ def compare_paths(model, batches, context, block_size) -> dict:
 def kernel_table(model, context, block_size, rows: int = 25) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from token_engine.attention import allocate_kv_pool, build_metadata
-    from token_engine.cuda_graphs import DecodeGraphs
+    from token_engine.core.cuda_graphs import DecodeGraphs
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
     blocks = -(-(context + 1) // block_size)
@@ -213,8 +213,8 @@ def kernel_table(model, context, block_size, rows: int = 25) -> dict:
 
 
 def attention_first_calls(model, max_seqs: int = 12, context: int = 256, block_size: int = 16) -> list[dict]:
-    from token_engine import attention_cuda
-    from token_engine.attention import allocate_kv_pool, build_metadata, warm_up_cuda
+    from token_engine.layers import attention_cuda
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata, warm_up_cuda
 
     arch = model.arch
     blocks = -(-(context + 1) // block_size)
@@ -249,7 +249,7 @@ def mixed_step(model, block_size: int = 16, decodes: int = 62, context: int = 10
     graphed), synchronized wall time against the GPU's kernel time of the same step, and its kernel table."""
     from torch.profiler import ProfilerActivity, profile
 
-    from token_engine.attention import allocate_kv_pool, build_metadata
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
     q_lens = [1] * decodes + [1024, 962]
@@ -277,7 +277,7 @@ def mixed_step(model, block_size: int = 16, decodes: int = 62, context: int = 10
         # per shape pays its planning on each of these (with and without cuDNN among the allowed backends)
         from torch.nn.attention import SDPBackend
 
-        from token_engine import attention_cuda
+        from token_engine.layers import attention_cuda
 
         chosen = list(attention_cuda.PREFILL_SDPA_BACKENDS)
         for label, backends in (("with_cudnn", [SDPBackend.CUDNN_ATTENTION] + chosen), ("without_cudnn", chosen)):
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
             result[key] = f"failed: {type(exc).__name__}: {exc}"
         print(f"[{key}: {time.perf_counter() - t0:.1f} s]", flush=True)
         save()
-    from token_engine import decode_linear_cuda
+    from token_engine.layers import decode_linear_cuda
 
     result["tuned"] = {str(k): (list(v) if v else "cublas") for k, v in decode_linear_cuda.TUNED.items()}
     save()

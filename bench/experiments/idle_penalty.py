@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "idle_penalty.json"))
     args = ap.parse_args(argv)
 
-    from render_service.render import render_chat
-    from render_service.server import _encode_generate_request
+    from render_service.http.server import _encode_generate_request
+    from render_service.render.render import render_chat
 
     turn = LastTurn(args.size)
     config, body, decoder, req, template = turn.config, turn.body, turn.decoder, turn.req, turn.template

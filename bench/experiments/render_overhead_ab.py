@@ -48,11 +48,11 @@ import msgspec
 import render_service
 from bench.agent_render_bench import FIXTURE, MODEL, trace_to
 from bench.agent_trace import AgentTraceSpec, chat_body
-from render_service.chat_messages import convert_developer_role, prepare_messages, prepare_tools
-from render_service.protocol import ChatCompletionRequest
-from render_service.render import render_chat
-from render_service.render_config import load_render_config
-from render_service.server import _encode_generate_request
+from render_service.templates.chat_messages import convert_developer_role, prepare_messages, prepare_tools
+from render_service.wire.protocol import ChatCompletionRequest
+from render_service.render.render import render_chat
+from render_service.render.render_config import load_render_config
+from render_service.http.server import _encode_generate_request
 
 assert render_service.__file__.startswith(TREE), render_service.__file__
 config = load_render_config(str(FIXTURE), served_model_names=[MODEL], max_model_len=4 * SIZE,

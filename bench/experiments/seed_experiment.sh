@@ -68,7 +68,7 @@ if has preflight; then
   tail -3 "$OUT/handoff_8k.log"
 fi
 
-BUNDLE=$($PY -c "from render_service.default_bundle import default_bundle_dir; print(default_bundle_dir())")
+BUNDLE=$($PY -c "from render_service.bundle.default_bundle import default_bundle_dir; print(default_bundle_dir())")
 need_engines=0
 for phase in collocated pull push multiturn; do has $phase && need_engines=1; done
 [ $need_engines = 1 ] || { has plot || exit 0; }

@@ -48,18 +48,18 @@ from render_service.apis.segments import (
     sequence,
 )
 from render_service.apis.text_logprobs import TextLogprobs, fold_with_logprobs, wants_logprobs
-from render_service.choice_shapes import final_arguments
-from render_service.derender import _check_bounds, check_fingerprint, fingerprint_sent, pipeline_config
-from render_service.derender_stream import _check_chunk
-from render_service.errors import bad_request
-from render_service.logprobs import check_logprobs_bounds, tokens_as_token_ids
+from render_service.derender.batch import _check_bounds, check_fingerprint, fingerprint_sent, pipeline_config
+from render_service.derender.choice_shapes import final_arguments
+from render_service.derender.logprobs import check_logprobs_bounds, tokens_as_token_ids
+from render_service.derender.stream import _check_chunk
+from render_service.http.errors import bad_request
 from render_service.parsers.pipeline import PipelineState
-from render_service.protocol import ChatCompletionRequest, GenerateResponse
-from render_service.render_config import RenderConfig, check_model
+from render_service.render.render_config import RenderConfig, check_model
 from render_service.streaming_cache.cache import StreamingCache
 from render_service.streaming_cache.codec import StreamStateError, binding_for, decode_state, encode_state
 from render_service.streaming_cache.session import StreamRuntime, binding
 from render_service.streaming_cache.session import _check_bounds as check_pipeline_bounds
+from render_service.wire.protocol import ChatCompletionRequest, GenerateResponse
 
 
 def _held_weight(held: tuple[int, BlockTexts]) -> int:

@@ -13,7 +13,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from render_service import metrics
 from render_service.apis import derender as api_derender
 from render_service.apis import messages_protocol, responses_protocol
 from render_service.apis.errors import anthropic_error_body, openai_error_body
@@ -22,12 +21,9 @@ from render_service.apis.messages import render_messages
 from render_service.apis.messages import to_chat as messages_to_chat
 from render_service.apis.responses import check_stateless, render_responses
 from render_service.apis.responses import to_chat as responses_to_chat
-from render_service.errors import ApiError
-from render_service.multimodal.endpoint import RenderWith, render_with_images
-from render_service.multimodal.markers import may_carry_images
-from render_service.protocol import ChatCompletionRequest, DerenderStreamProbe
-from render_service.render_config import RenderConfig, check_model
-from render_service.request_io import (
+from render_service.http import metrics
+from render_service.http.errors import ApiError
+from render_service.http.request_io import (
     JSON,
     Answer,
     Handler,
@@ -38,6 +34,10 @@ from render_service.request_io import (
     read_json_body,
     server_state,
 )
+from render_service.multimodal.endpoint import RenderWith, render_with_images
+from render_service.multimodal.markers import may_carry_images
+from render_service.render.render_config import RenderConfig, check_model
+from render_service.wire.protocol import ChatCompletionRequest, DerenderStreamProbe
 
 
 def shaped(handler: Handler, body_of: Callable[[ApiError], bytes]) -> Handler:

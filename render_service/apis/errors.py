@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from render_service.errors import ApiError
+from render_service.http.errors import ApiError
 
 _encode = msgspec.json.Encoder().encode
 

@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 
 from render_service.apis.messages_protocol import CountTokensRequest, MessagesRequest
-from render_service.errors import bad_request
-from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
-from render_service.render import render_chat, render_chat_prompt, requested_id
-from render_service.render_config import RenderConfig
+from render_service.http.errors import bad_request
+from render_service.render.render import render_chat, render_chat_prompt, requested_id
+from render_service.render.render_config import RenderConfig
+from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 
 BILLING_HEADER = "x-anthropic-billing-header"
 

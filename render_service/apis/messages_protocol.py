@@ -12,7 +12,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from render_service.extend.protocol import PreviousTurn
-from render_service.protocol import GenerateResponse, GenerateStreamResponse
+from render_service.wire.protocol import GenerateResponse, GenerateStreamResponse
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):

@@ -20,12 +20,12 @@ import msgspec
 from render_service.apis.errors import coded
 from render_service.apis.responses_protocol import ResponsesRequest
 from render_service.apis.text_logprobs import wants_logprobs
-from render_service.errors import bad_request
+from render_service.derender.logprobs import MAX_TOP_LOGPROBS
 from render_service.harmony.render import REASONING_EFFORTS
-from render_service.logprobs import MAX_TOP_LOGPROBS
-from render_service.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
-from render_service.render import render_chat, requested_id
-from render_service.render_config import RenderConfig
+from render_service.http.errors import bad_request
+from render_service.render.render import render_chat, requested_id
+from render_service.render.render_config import RenderConfig
+from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")

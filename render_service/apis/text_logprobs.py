@@ -13,7 +13,7 @@ stream), and each token's logprob is routed by what that token did:
   line after reasoning), goes nowhere.
 
 The closing events and the finished response carry each text block's whole list. Token strings, bytes and
-alternatives are resolved as for chat (``render_service.logprobs``: the tokenizer's text, UTF-8 repair from the
+alternatives are resolved as for chat (``render_service.derender.logprobs``: the tokenizer's text, UTF-8 repair from the
 preceding tokens, ``token_id:N`` strings when asked). Entry shape: ``{token, bytes, logprob, top_logprobs:
 [{token, bytes, logprob}]}``.
 """
@@ -24,10 +24,10 @@ import msgspec
 
 from render_service.apis.responses_protocol import OutputTextLogprob, OutputTextTopLogprob
 from render_service.apis.segments import BlockState, BlockTexts, SegmentPipeline, Step, finish, segments, sequence
-from render_service.logprobs import LOGPROB_CONTEXT_TOKENS, resolve_chat_entry
+from render_service.derender.logprobs import LOGPROB_CONTEXT_TOKENS, resolve_chat_entry
 from render_service.parsers.pipeline import PipelineState
-from render_service.protocol import ChatLogprob, GenerateLogprobs
-from render_service.tokenizer import RenderTokenizer
+from render_service.tokenize.tokenizer import RenderTokenizer
+from render_service.wire.protocol import ChatLogprob, GenerateLogprobs
 
 INCLUDE = "message.output_text.logprobs"
 MAX_PENDING = 1024  # tokens held back by the parsers that long lose their logprobs (bounded memory)

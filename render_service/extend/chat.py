@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-from render_service.chat_prompt import chat_template_inputs, encode_prompt, template_failure
-from render_service.errors import bad_request
 from render_service.extend.bridge import (
     Bridge,
     ExtendImpossible,
@@ -24,10 +22,12 @@ from render_service.extend.protocol import ExtendInfo, PreviousTurn
 from render_service.extend.turns import text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
-from render_service.protocol import ChatCompletionRequest
-from render_service.render_config import RenderConfig
-from render_service.template_sandbox import TemplateError
-from render_service.tokenizer import TextTokenizer
+from render_service.http.errors import bad_request
+from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_failure
+from render_service.render.render_config import RenderConfig
+from render_service.templates.sandbox import TemplateError
+from render_service.tokenize.tokenizer import TextTokenizer
+from render_service.wire.protocol import ChatCompletionRequest
 
 
 @dataclass

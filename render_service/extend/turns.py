@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from render_service.extend.bridge import PROBE, common_prefix, common_suffix
-from render_service.templates import assistant_token_mask
+from render_service.templates.chat_template import assistant_token_mask
 
 
 @dataclass

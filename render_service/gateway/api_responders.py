@@ -31,18 +31,18 @@ from render_service.apis.segments import (
     sequence,
 )
 from render_service.apis.text_logprobs import TextLogprobs
-from render_service.choice_shapes import final_arguments
-from render_service.derender import pipeline_config
-from render_service.errors import ApiError
+from render_service.derender.batch import pipeline_config
+from render_service.derender.choice_shapes import final_arguments
+from render_service.derender.logprobs import tokens_as_token_ids
 from render_service.gateway.responses import coalesce
 from render_service.gateway.stop_strings import StopMatcher
-from render_service.logprobs import tokens_as_token_ids
+from render_service.http.errors import ApiError
 from render_service.parsers.harmony import BODY as HARMONY_BODY
 from render_service.parsers.harmony import REASONING as HARMONY_REASONING
 from render_service.parsers.harmony import HarmonyState
 from render_service.parsers.reasoning import CONTENT, ThinkState
-from render_service.protocol import ChatCompletionRequest, GenerateLogprobs, GenerateRequest, GenerateStreamChoice
-from render_service.render_config import RenderConfig
+from render_service.render.render_config import RenderConfig
+from render_service.wire.protocol import ChatCompletionRequest, GenerateLogprobs, GenerateRequest, GenerateStreamChoice
 
 _encode = msgspec.json.Encoder().encode
 _Final = TypeVar("_Final")  # a finished response object (Responses' or Messages'), handed back as it came

@@ -25,7 +25,6 @@ from render_service.apis.messages_protocol import MessagesRequest
 from render_service.apis.responses import new_response_id, render_responses
 from render_service.apis.responses_output import ResponsesShape
 from render_service.apis.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, ResponsesRequest
-from render_service.errors import ApiError, bad_request, not_found
 from render_service.gateway.api_responders import MessagesResponder, ResponsesResponder, ThinkingBudget
 from render_service.gateway.flow import EngineCall, Gateway, plan_streams
 from render_service.gateway.merged import open_merged
@@ -40,9 +39,10 @@ from render_service.gateway.response_store import (
 from render_service.gateway.routes import collect, engine_error, fold, respond
 from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant, short_id
-from render_service.protocol import ChatCompletionRequest, GenerateRequest
-from render_service.render_config import RenderConfig
-from render_service.request_io import Answer, Handler, decode, endpoint, read_json_body, server_state
+from render_service.http.errors import ApiError, bad_request, not_found
+from render_service.http.request_io import Answer, Handler, decode, endpoint, read_json_body, server_state
+from render_service.render.render_config import RenderConfig
+from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest
 
 logger = logging.getLogger("render_service.gateway.api_routes")
 _encode = msgspec.json.Encoder().encode

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from render_service.errors import bad_request
+from render_service.http.errors import bad_request
 from splitserve_common.limits import kv_transfer_params_violation
 
 logger = logging.getLogger("render_service.gateway.conversations")

@@ -24,7 +24,7 @@ import httpx
 import msgspec
 
 from render_service.gateway.http1 import Http1Pool, HttpError, Response
-from render_service.protocol import GenerateResponse, GenerateStreamResponse
+from render_service.wire.protocol import GenerateResponse, GenerateStreamResponse
 from splitserve_common.tenants import TENANT_HEADER
 
 logger = logging.getLogger("render_service.gateway.engine_client")

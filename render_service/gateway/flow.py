@@ -54,7 +54,7 @@ from render_service.gateway.engine_client import (
 )
 from render_service.gateway.pd import PrefixRecord, kv_identity, push_decode_params
 from render_service.gateway.pools import Replica, ReplicaPool, prefix_key
-from render_service.protocol import (
+from render_service.wire.protocol import (
     GenerateRequest,
     GenerateResponse,
     GenerateStreamChoice,

@@ -18,7 +18,7 @@ from functools import partial
 
 from render_service.gateway import metrics
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, LiveStream, WholeResponse
-from render_service.protocol import GeneratePromptLogprobs, GenerateStreamChoice, GenerateStreamResponse
+from render_service.wire.protocol import GeneratePromptLogprobs, GenerateStreamChoice, GenerateStreamResponse
 
 logger = logging.getLogger("render_service.gateway.merged")
 

@@ -5,7 +5,7 @@ naming the field). ``metadata`` follows OpenAI's published limits; the others ar
 from __future__ import annotations
 
 from render_service.apis.responses_protocol import ResponsesRequest
-from render_service.errors import ApiError, bad_request
+from render_service.http.errors import ApiError, bad_request
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64

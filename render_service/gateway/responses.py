@@ -21,19 +21,22 @@ from typing import Any
 
 import msgspec
 
-from render_service.choice_shapes import chat_message, completion_pipeline_config, delta_message, put_reasoning
-from render_service.derender import pipeline_config
-from render_service.gateway.stop_strings import StopMatcher, stop_list
-from render_service.logprobs import (
+from render_service.derender.batch import pipeline_config
+from render_service.derender.choice_shapes import chat_message, completion_pipeline_config, delta_message, put_reasoning
+from render_service.derender.logprobs import (
     PromptLogprobs,
     extend_completion_logprobs,
     resolve_chat_logprobs,
     resolve_completion_logprobs,
     tokens_as_token_ids,
 )
+from render_service.gateway.stop_strings import StopMatcher, stop_list
 from render_service.parsers.cut_calls import withdraw_cut_call
 from render_service.parsers.pipeline import ChoiceDelta, MessageAccumulator, Pipeline, merge_deltas
-from render_service.protocol import (
+from render_service.render.render import completion_prompts
+from render_service.render.render_config import RenderConfig
+from render_service.render.tool_choice import forces_a_call
+from render_service.wire.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,9 +56,6 @@ from render_service.protocol import (
     GenerateStreamChoice,
     UsageInfo,
 )
-from render_service.render import completion_prompts
-from render_service.render_config import RenderConfig
-from render_service.tool_choice import forces_a_call
 
 _encode = msgspec.json.Encoder().encode
 

@@ -19,8 +19,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from render_service.errors import ApiError, bad_request, error_body
-from render_service.fingerprint import FINGERPRINT_HEADER
 from render_service.gateway import metrics
 from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
@@ -29,18 +27,20 @@ from render_service.gateway.merged import MergedStreams, SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant
-from render_service.message_memo import decode_chat_request
-from render_service.prerendered import RENDER_KEYS
-from render_service.protocol import (
+from render_service.http.errors import ApiError, bad_request, error_body
+from render_service.http.render_queue import RenderQueue
+from render_service.http.request_io import Answer, decode, endpoint, read_json_body
+from render_service.render.fingerprint import FINGERPRINT_HEADER
+from render_service.render.prerendered import RENDER_KEYS
+from render_service.render.render import render_chat, render_completion
+from render_service.render.render_config import RenderConfig
+from render_service.wire.message_memo import decode_chat_request
+from render_service.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     GenerateStreamChoice,
 )
-from render_service.render import render_chat, render_completion
-from render_service.render_config import RenderConfig
-from render_service.render_queue import RenderQueue
-from render_service.request_io import Answer, decode, endpoint, read_json_body
 
 logger = logging.getLogger("render_service.gateway.routes")
 

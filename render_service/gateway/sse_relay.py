@@ -19,13 +19,13 @@ from typing import Any, cast
 
 from starlette.types import Message, Receive, Scope, Send
 
-from render_service.errors import ApiError, error_body
 from render_service.gateway import metrics
 from render_service.gateway.engine_client import EngineRejected
 from render_service.gateway.flow import EngineCall, Gateway
 from render_service.gateway.merged import MergedStreams
 from render_service.gateway.responses import ChatResponder, CompletionResponder, sse
-from render_service.protocol import GenerateStreamChoice
+from render_service.http.errors import ApiError, error_body
+from render_service.wire.protocol import GenerateStreamChoice
 
 logger = logging.getLogger("render_service.gateway.sse_relay")
 

@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from render_service.byte_level import byte_level_bpe_spec
-from render_service.default_bundle import BundleBuildError, _write_json, tiny_qwen3_config
+from render_service.bundle.default_bundle import BundleBuildError, _write_json, tiny_qwen3_config
 from render_service.harmony.encoding import (
     CALL,
     ENDOFTEXT,
@@ -33,7 +32,8 @@ from render_service.harmony.encoding import (
     special_token_text,
     tiktoken_file_bytes,
 )
-from render_service.tiktoken_fast_path import remember_merge_proof
+from render_service.tokenize.byte_level import byte_level_bpe_spec
+from render_service.tokenize.tiktoken_fast_path import remember_merge_proof
 from splitserve_common.cache_dir import build_once, cache_root
 
 BUILDER_VERSION = "2"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from splitserve_common.cache_dir import cache_root
 
 if TYPE_CHECKING:
-    from render_service.tokenizer import RenderTokenizer
+    from render_service.tokenize.tokenizer import RenderTokenizer
 
 # o200k_base has 199,998 ordinary tokens; the specials start right after.
 O200K_BASE_TOKENS = 199998
@@ -98,7 +98,7 @@ def tiktoken_file_bytes(ranks: dict[bytes, int]) -> bytes:
 
 
 def ranks_from_tokenizer(tokenizer: RenderTokenizer) -> dict[bytes, int]:
-    from render_service.byte_level import byte_level_ranks
+    from render_service.tokenize.byte_level import byte_level_ranks
 
     ranks = byte_level_ranks(tokenizer.hf.get_vocab(with_added_tokens=False))
     if ranks is None:

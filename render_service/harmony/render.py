@@ -29,7 +29,6 @@ from typing import Any, cast
 
 import msgspec
 
-from render_service.errors import bad_request
 from render_service.harmony.encoding import (
     CALL,
     CHANNEL,
@@ -39,12 +38,13 @@ from render_service.harmony.encoding import (
     START,
     harmony_encoding,
 )
-from render_service.protocol import ChatCompletionRequest
-from render_service.render_config import RenderConfig, resolve_chat_template_kwargs
-from render_service.response_format import requested_structured_outputs
-from render_service.structural_tags import harmony_answer, structural_tag_text
-from render_service.tokenizer import TextTokenizer
-from render_service.tool_choice import output_format, tool_call_constraint
+from render_service.http.errors import bad_request
+from render_service.render.render_config import RenderConfig, resolve_chat_template_kwargs
+from render_service.render.response_format import requested_structured_outputs
+from render_service.render.structural_tags import harmony_answer, structural_tag_text
+from render_service.render.tool_choice import output_format, tool_call_constraint
+from render_service.tokenize.tokenizer import TextTokenizer
+from render_service.wire.protocol import ChatCompletionRequest
 
 REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
 # Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
@@ -334,7 +334,7 @@ def render_harmony_request(req: ChatCompletionRequest, config: RenderConfig, too
 def harmony_structured_outputs(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
                                named: str | None) -> dict[str, Any] | None:
     """vLLM's constraint for gpt-oss: a requested format becomes the final message of a reply that may reason
-    first (render_service/structural_tags.py ``harmony_answer``), and the tool choice constrains the calls as
+    first (render_service/render/structural_tags.py ``harmony_answer``), and the tool choice constrains the calls as
     for any parser (``tool_call_constraint`` with the Harmony family)."""
     requested = requested_structured_outputs(req)
     answer = output_format(requested) if requested is not None else None

@@ -10,7 +10,7 @@ import warnings
 import msgspec
 from PIL import Image
 
-from render_service.errors import ApiError
+from render_service.http.errors import ApiError
 
 # Formats an image part may carry; anything else Pillow could open (PSD, EPS...) is refused.
 ALLOWED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from render_service.errors import ApiError, bad_request
+from render_service.http.errors import ApiError, bad_request
 from render_service.multimodal.bounds import ImageBounds, ImageError, ImageHeader, check_request_pixels, read_header
 from render_service.multimodal.families import VisionFamily
 from render_service.multimodal.features import build_features

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from render_service.errors import ApiError
+from render_service.http.errors import ApiError
 from render_service.multimodal.bounds import ImageBounds
 from render_service.multimodal.chat import (
     MultimodalOptions,
@@ -21,9 +21,9 @@ from render_service.multimodal.chat import (
 from render_service.multimodal.families import UnsupportedModel, describe_model, family_from_configs
 
 if TYPE_CHECKING:
-    from render_service.protocol import ChatCompletionRequest, GenerateRequest
-    from render_service.render_config import RenderConfig
-    from render_service.render_queue import RenderQueue
+    from render_service.http.render_queue import RenderQueue
+    from render_service.render.render_config import RenderConfig
+    from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest
 
 ExpandPrompt = Callable[[list[int]], list[int]]
 # The API's render of a chat request whose image parts are placeholder text: calls render_chat with expand_prompt

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from render_service.errors import ApiError
+from render_service.http.errors import ApiError
 
 # config.json model_type -> family name; every one resizes to a patch grid (``qwen_vl``).
 _QWEN_VL_TYPES = {

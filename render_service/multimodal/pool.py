@@ -17,7 +17,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import msgspec
 
-from render_service.errors import ApiError
+from render_service.http.errors import ApiError
 from render_service.multimodal.bounds import ImageHeader, decode_rgb
 from render_service.multimodal.families import VisionFamily
 from render_service.multimodal.hashing import image_hash

@@ -12,7 +12,7 @@ from render_service.multimodal.pool import ImagePool
 from render_service.multimodal.sources import FetchPolicy
 
 if TYPE_CHECKING:
-    from render_service.render_config import RenderConfig
+    from render_service.render.render_config import RenderConfig
 
 
 def multimodal_render_for(config: RenderConfig, *, model_id: str | None = None, workers: int | None = None,

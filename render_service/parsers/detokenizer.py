@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from render_service.byte_level import byte_level_token_bytes
+from render_service.tokenize.byte_level import byte_level_token_bytes
 
 if TYPE_CHECKING:
-    from render_service.tokenizer import RenderTokenizer
+    from render_service.tokenize.tokenizer import RenderTokenizer
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: the prompt tail that seeds the window.
 PROMPT_SEED_TOKENS = 5

@@ -43,7 +43,7 @@ from render_service.parsers.base import (
 )
 
 if TYPE_CHECKING:
-    from render_service.tokenizer import RenderTokenizer
+    from render_service.tokenize.tokenizer import RenderTokenizer
 
 MESSAGE = "<|message|>"
 START = "<|start|>"

@@ -40,7 +40,7 @@ from render_service.parsers.reasoning_count import HarmonyTokenCounter, Reasonin
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 
 if TYPE_CHECKING:
-    from render_service.tokenizer import RenderTokenizer
+    from render_service.tokenize.tokenizer import RenderTokenizer
 
 # How the request's tool_choice reaches the pipeline (derender.pipeline_config resolves it).
 ToolChoiceMode = Literal["none", "auto", "required", "named"]

@@ -25,7 +25,7 @@ import msgspec
 from render_service.parsers.base import ReasoningParserConfig, TextPiece
 
 if TYPE_CHECKING:
-    from render_service.tokenizer import RenderTokenizer
+    from render_service.tokenize.tokenizer import RenderTokenizer
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -15,7 +15,7 @@ import msgspec
 from render_service.caches.byte_lru import ByteLRU
 from render_service.parsers.pipeline import Pipeline, PipelineConfig
 from render_service.streaming_cache.codec import binding_for
-from render_service.tokenizer import RenderTokenizer
+from render_service.tokenize.tokenizer import RenderTokenizer
 
 MAX_KEPT_CONFIG_BYTES = 4096
 MAX_PIPELINES = 1024

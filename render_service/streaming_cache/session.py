@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from render_service.errors import bad_request
+from render_service.http.errors import bad_request
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from render_service.streaming_cache.codec import (
@@ -41,7 +41,7 @@ from render_service.streaming_cache.vllm_state import (
 )
 
 if TYPE_CHECKING:
-    from render_service.tokenizer import RenderTokenizer
+    from render_service.tokenize.tokenizer import RenderTokenizer
 
 STATE_KEY = "splitserve_state"
 # Sampled ids carried for logprob U+FFFD repair across chunks (vLLM: 4).

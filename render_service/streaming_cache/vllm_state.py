@@ -15,10 +15,10 @@ from typing import Any
 
 import msgspec
 
-from render_service.byte_level import BYTE_TO_CHAR
-from render_service.errors import bad_request
+from render_service.http.errors import bad_request
 from render_service.parsers.detokenizer import pending_bytes_from_token_strings
 from render_service.parsers.pipeline import Pipeline, PipelineState
+from render_service.tokenize.byte_level import BYTE_TO_CHAR
 
 # vLLM's bound on its detokenizer window in stream_state.
 MAX_PREV_TOKENS = 1024

@@ -18,5 +18,6 @@
   for (`claim_mismatch`: the one place a reader's claim is checked); notification formats.
 - peers.py: the allowlist of producer peers decode may contact (SSRF guard), default loopback.
 - metrics.py: Prometheus metrics (vLLM's nixl names) and the periodic "KV transfer" log line.
-- preflight.py: `token-engine preflight`; loopback_peer.py: a prefill-like peer process for it, tests, bench.
+- kv_tools/preflight.py: `token-engine preflight`; kv_tools/loopback_peer.py: a prefill-like peer process for it, tests,
+  bench.
 """

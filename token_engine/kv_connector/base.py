@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from token_engine.sequence import Sequence
+    from token_engine.core.sequence import Sequence
 
 
 @dataclass
@@ -169,7 +169,7 @@ def create_kv_connector(kv_transfer_config: dict | None, engine_config: Any = No
     """Build the connector named by `kv_transfer_config["kv_connector"]`; None means collocated (no-op).
 
     Connector classes are constructed as `cls(kv_transfer_config, engine_config)` where engine_config is
-    token_engine.engine.EngineConfig (block size, served model name, device...).
+    token_engine.core.engine.EngineConfig (block size, served model name, device...).
     """
     if not kv_transfer_config:
         return NoOpKVConnector()

@@ -58,7 +58,7 @@ from token_engine.kv_connector.peers import AllowedPeers
 if TYPE_CHECKING:
     import torch
 
-    from token_engine.sequence import Sequence
+    from token_engine.core.sequence import Sequence
 
 T = TypeVar("T")
 

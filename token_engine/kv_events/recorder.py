@@ -18,7 +18,7 @@ from splitserve_common.block_hashes import HASH_FUNCTIONS, BlockHashConfig, bloc
 from token_engine.kv_events.wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
-    from token_engine.sequence import Sequence
+    from token_engine.core.sequence import Sequence
 
 
 class KVEventRecorder:

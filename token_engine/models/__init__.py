@@ -66,7 +66,7 @@ def build_model(arch: ModelArch, device: str | torch.device = "cpu") -> CausalLM
 
 
 def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "cpu") -> CausalLM:
-    from token_engine.loader import iter_checkpoint
+    from token_engine.models.loader import iter_checkpoint
 
     arch = read_arch(model_dir, dtype=parse_dtype(dtype) if dtype is not None else None)
     model = build_model(arch, device)

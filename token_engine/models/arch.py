@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from token_engine.layers import RopeSpec, rope_spec_from_config
+from token_engine.layers.blocks import RopeSpec, rope_spec_from_config
 
 DTYPES = {
     "float32": torch.float32,

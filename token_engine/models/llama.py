@@ -11,8 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from token_engine.attention import AttentionMetadata, paged_attention, store_kv
-from token_engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from token_engine.layers.attention import AttentionMetadata, paged_attention, store_kv
+from token_engine.layers.blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from token_engine.models.arch import ModelArch
 
 FEW_ROWS = 16  # steps of at most this many tokens use decode_linear_cuda (its MAX_ROWS) on CUDA
@@ -48,10 +48,10 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if q.is_cuda and cos.shape[-1] == self.head_dim:
-            from token_engine import layers_cuda
+            from token_engine.layers import blocks_cuda
 
             norm = self.q_norm is not None
-            q, k = layers_cuda.qk_rotary(q, k, cos, sin, self.q_norm.weight if norm else None,
+            q, k = blocks_cuda.qk_rotary(q, k, cos, sin, self.q_norm.weight if norm else None,
                                          self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                          v=v, kv_pool=kv_pool, layer=self.layer_index, meta=meta)
         else:
@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
     def forward_few_rows(self, x, residual, cos, sin, meta, kv_pool):
         """forward for a step of a few rows on CUDA: the linears go through decode_linear_cuda (its own kernel or
         cuBLAS, per shape, with the SiLU gate folded into gate_up), everything else as in forward."""
-        from token_engine.decode_linear_cuda import decode_linear
+        from token_engine.layers.decode_linear_cuda import decode_linear
 
         attn, mlp = self.self_attn, self.mlp
         if residual is None:
@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.model.few_rows_kernels and hidden.is_cuda and hidden.shape[0] <= FEW_ROWS:
-            from token_engine.decode_linear_cuda import decode_linear
+            from token_engine.layers.decode_linear_cuda import decode_linear
 
             return decode_linear(hidden, weight).float()
         return torch.nn.functional.linear(hidden, weight).float()

@@ -16,7 +16,7 @@ from token_engine.rl.transfer import DistributedReceiver, IpcReceiver, create_re
 from token_engine.rl.weights import WeightTable, WeightUpdateError, checksums, zero_weights
 
 if TYPE_CHECKING:
-    from token_engine.engine import LLMEngine
+    from token_engine.core.engine import LLMEngine
 
 log = logging.getLogger("token_engine.rl")
 

@@ -9,8 +9,8 @@ was aborted or preempted holds nobody back.
 
 from __future__ import annotations
 
-from token_engine.kv_cache import BlockManager
-from token_engine.sequence import Sequence
+from token_engine.core.kv_cache import BlockManager
+from token_engine.core.sequence import Sequence
 
 
 def share_key(bm: BlockManager, seq: Sequence) -> bytes | None:

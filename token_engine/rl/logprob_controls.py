@@ -20,9 +20,9 @@ import dataclasses
 
 import torch
 
-from token_engine.request_error import RequestError
-from token_engine.sampler import logprobs_of, with_token_ids
-from token_engine.sequence import SamplingOptions, TokenLogprob
+from token_engine.core.sampler import logprobs_of, with_token_ids
+from token_engine.core.sequence import SamplingOptions, TokenLogprob
+from token_engine.http.request_error import RequestError
 
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from token_engine.protocol import REQUEST_ID_PREFIX, error_response
+from token_engine.http.protocol import REQUEST_ID_PREFIX, error_response
 from token_engine.rl.control import WeightControl
 from token_engine.rl.weights import WeightUpdateError
 

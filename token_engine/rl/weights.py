@@ -118,7 +118,7 @@ class WeightTable:
     @torch.no_grad()
     def load_checkpoint(self, model_dir: str) -> int:
         """Reads every tensor of a checkpoint directory, checks all of them, then writes them; the count written."""
-        from token_engine.loader import iter_checkpoint
+        from token_engine.models.loader import iter_checkpoint
 
         try:
             tensors = [(n, t) for n, t in iter_checkpoint(model_dir) if "rotary_emb.inv_freq" not in n]

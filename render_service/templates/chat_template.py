@@ -1,0 +1,337 @@
+"""Chat templates rendered the way Hugging Face's ``apply_chat_template`` does.
+
+Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and vLLM's renderer:
+- an ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the ``loopcontrols``
+  extension and a ``{% generation %}`` block tag (assistant masks);
+- ``tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`` (no HTML escaping),
+  the globals ``raise_exception``, ``strftime_now``, a call-only ``dict`` and a ``namespace`` that refuses
+  underscore attributes;
+- messages: keys whose value is None are dropped, reasoning is aliased (``reasoning_content``/``thinking``/
+  ``reasoning``), everything the template sees is a fresh plain copy;
+- the tokenizer's named special tokens (``ModelBundle.template_special_tokens``) are template variables,
+  request kwargs override them;
+- ``continue_final_message`` tags the final message, renders, and cuts the text at the tag.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+import jinja2.utils
+
+from render_service.templates.analysis import detect_content_format
+from render_service.templates.budget import (
+    DEADLINE,
+    DEFAULT_RENDER_SECONDS,
+    MAX_RENDERED_CHARS,
+    WALL_CLOCK_BELOW_DEADLINE,
+)
+from render_service.templates.sandbox import (
+    _GENERATION_TRACKER,
+    MAX_TEMPLATE_SOURCE_CHARS,
+    TemplateError,
+    compile_template,
+)
+
+# Names a message's reasoning may arrive under; templates read the first one.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_WITHIN_BOUND = MAX_RENDERED_CHARS.__ge__
+
+
+
+# --------------------------------------------------------------------------- plain data
+
+class PlainMessages(list[dict[str, Any]]):
+    """Messages each a dict whose values are plain copies (``plain_copy``), as ``chat_messages.prepare_messages``
+    builds them (fresh, or shared read-only between requests by ``message_memo``): the render drops their None
+    values and aliases their reasoning (``template_message``) without copying them again, and never changes
+    them."""
+
+
+class PlainTools(list[dict[str, Any]]):
+    """Tools that are plain copies (``plain_copy``), as ``chat_messages.prepare_tools`` builds them (fresh, or
+    shared read-only by ``message_memo``): the render takes them as they are, and never changes them."""
+
+
+def plain_copy(value: Any) -> Any:
+    """A fresh copy built from JSON types only; anything else becomes an inert ``<TypeName>``."""
+    kind = type(value)
+    if kind is str or value is None or kind is int or kind is bool or kind is float:
+        return value
+    if kind is dict:
+        # Text keys and values (most of a conversation) are taken as they are, without a call each.
+        return {k if type(k) is str else plain_copy(k): v if type(v) is str else plain_copy(v)
+                for k, v in value.items()}
+    if kind is list:
+        return [v if type(v) is str else plain_copy(v) for v in value]
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain_copy(k): plain_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_copy(v) for v in value)
+    return f"<{kind.__name__}>"
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """One message as templates see it: a plain copy without the keys whose value is None (templates handle a
+    missing key but print "None"), its reasoning under every name templates read (``_alias_reasoning``)."""
+    if type(message) is dict:
+        plain = {k if type(k) is str else plain_copy(k): v if type(v) is str else plain_copy(v)
+                 for k, v in message.items() if v is not None}
+    else:
+        plain = plain_copy({k: v for k, v in message.items() if v is not None})
+    return _alias_reasoning(plain)
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    for name in REASONING_FIELDS:
+        reasoning = message.get(name)
+        if reasoning is not None:
+            # Key order as HF builds it: templates that iterate a message see the same order.
+            return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _template_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, (list, tuple)):
+        raise TemplateError("messages must be a list of message objects")
+    if not messages:
+        raise TemplateError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    if type(messages) is PlainMessages:
+        # Copied already: what is left of template_message (a message dict is the render's to hand on, not to
+        # change: the final message is copied before continue_final_message tags it).
+        out = []
+        for message in messages:
+            if None in message.values():
+                message = {k: v for k, v in message.items() if v is not None}
+            if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
+                message = _alias_reasoning(message)
+            out.append(message)
+        return out
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise TemplateError(f"Chat messages should be objects, but got {message!r}.")
+        out.append(template_message(message))
+    return out
+
+
+# --------------------------------------------------------------------------- the template
+
+@dataclass
+class RenderedChat:
+    """A rendered prompt and the character spans of its ``{% generation %}`` blocks."""
+
+    text: str
+    generation_spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ChatTemplate:
+    """One chat template, compiled once; ``render`` follows HF's apply_chat_template(tokenize=False)."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None,
+                 time_limit_s: float = DEFAULT_RENDER_SECONDS, from_request: bool = False) -> None:
+        """``from_request``: a client's own template (--trust-request-chat-template), run in the stricter
+        sandbox (template_sandbox.RequestTemplateSandbox)."""
+        if not isinstance(source, str) or not source.strip():
+            raise TemplateError("The chat template is empty.")
+        if from_request and len(source) > MAX_TEMPLATE_SOURCE_CHARS:
+            raise TemplateError(f"The chat template is longer than {MAX_TEMPLATE_SOURCE_CHARS} characters.")
+        self.source = source
+        self._template = compile_template(source, from_request)
+        self._special = dict(special_tokens or {})
+        self.time_limit_s = time_limit_s  # one render's CPU time (template_budget)
+
+    @cached_property
+    def content_format(self) -> str:
+        """How vLLM would hand this template message content: "string" or "openai" (parts)."""
+        return detect_content_format(self.source)
+
+    @cached_property
+    def supports_developer_role(self) -> bool:
+        # vLLM's test: the template names the role in quotes.
+        return '"developer"' in self.source or "'developer'" in self.source
+
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """The prompt text alone: ``render_with_spans`` (same keyword arguments) without tracking spans."""
+        return self.render_with_spans(messages, track_generation=False, **kwargs).text
+
+    def render_with_spans(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        track_generation: bool = True,
+        **kwargs: Any,
+    ) -> RenderedChat:
+        """Render, and (when ``track_generation``) record the ``{% generation %}`` spans for assistant masks."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise TemplateError(
+                    "continue_final_message and add_generation_prompt are not compatible. Use "
+                    "continue_final_message when you want the model to continue the final message, and "
+                    "add_generation_prompt when you want to add a header that will prompt it to start a new "
+                    "assistant message instead."
+                )
+            if track_generation:
+                raise TemplateError("continue_final_message is not compatible with return_assistant_tokens_mask.")
+        chat = _template_messages(messages)
+        template_tools = list(tools) if type(tools) is PlainTools else plain_copy(_check_tools(tools))
+        if documents is not None and (
+            not isinstance(documents, (list, tuple)) or not all(isinstance(d, Mapping) for d in documents)
+        ):
+            raise TemplateError("Documents should be a list of objects with 'title' and 'text' keys.")
+        context = plain_copy({**self._special, **kwargs})
+        context.update(
+            messages=chat, tools=template_tools, documents=plain_copy(documents),
+            add_generation_prompt=add_generation_prompt,
+        )
+        final_text = None
+        if continue_final_message:
+            final_text = self._tag_final_message(chat, continue_final_message)
+        text, spans = self._run(context, track_generation)
+        if final_text is not None:
+            text = _cut_at_continue_tag(text, final_text)
+        return RenderedChat(text, spans)
+
+    def _tag_final_message(self, chat: list[dict[str, Any]], continue_final_message: bool | str) -> str:
+        key = continue_final_message if isinstance(continue_final_message, str) else "content"
+        # The render's own copy of the final message: the messages it was given stay as they were.
+        message = chat[-1] = dict(chat[-1])
+        final = message.get(key)
+        if final is None:
+            raise TemplateError(f'continue_final_message is set but the final message has no "{key}" to continue!')
+        fields = [key]
+        if key in REASONING_FIELDS:
+            # Reasoning sits under several names: tag each copy, whichever the template reads.
+            fields = [f for f in REASONING_FIELDS if message.get(f) == final]
+        if not any(f in self.source for f in fields):
+            raise TemplateError(
+                f'continue_final_message is set to "{key}" but this is not an accepted field in the chat_template'
+            )
+        if isinstance(final, (list, tuple)):
+            for at in range(len(final) - 1, -1, -1):
+                part = final[at]
+                if isinstance(part, dict) and "text" in part:
+                    final_text: str = part["text"]
+                    parts = [*final]
+                    parts[at] = {**part, "text": part["text"] + _CONTINUE_TAG}
+                    tagged = tuple(parts) if isinstance(final, tuple) else parts
+                    # Every name the part list sits under (reasoning's aliases) sees the tagged part.
+                    for name in [name for name, value in message.items() if value is final]:
+                        message[name] = tagged
+                    return final_text
+            raise TemplateError(
+                "continue_final_message is set but we could not find any text to continue in the final message!"
+            )
+        if not isinstance(final, str):
+            raise TemplateError(f'continue_final_message needs the final message\'s "{key}" to be text.')
+        for f in fields:
+            message[f] = message[f] + _CONTINUE_TAG
+        return final
+
+    def _run(self, context: dict[str, Any], track_generation: bool) -> tuple[str, list[tuple[int, int]]]:
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
+        # The wall clock read first: from then on it runs at least as far as the CPU clock read after it.
+        wall_bound = WALL_CLOCK_BELOW_DEADLINE.set(time.perf_counter() + self.time_limit_s)
+        deadline = DEADLINE.set(time.thread_time() + self.time_limit_s)  # CPU time (template_budget)
+        kept: Iterator[str] | None = None
+        try:
+            # The compiled template's own generator (Jinja's generate() adds a layer that only rewrites the
+            # traceback of an error, which is answered below by its type and message).
+            template = self._template
+            stream = template.root_render_func(template.new_context(context))
+            if track_generation:  # {% generation %} reads the blocks rendered so far
+                size = 0
+                for block in stream:
+                    blocks.append(block)
+                    size += len(block)
+                    if size > MAX_RENDERED_CHARS:
+                        raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+                text = "".join(blocks)
+            else:
+                # The same bound, block by block, counted in C: the running size of each block rendered, and
+                # the first that passes the bound stops the render there.
+                stream, kept = itertools.tee(stream)
+                if next(itertools.dropwhile(_WITHIN_BOUND, itertools.accumulate(map(len, stream))), None):
+                    raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+                text = "".join(kept)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(str(exc.message if exc.message is not None else exc)) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
+                RecursionError) as exc:
+            # A template bug on this input: the client's request cannot be rendered, not a server fault.
+            raise TemplateError(f"Chat template failed: {type(exc).__name__}: {exc}") from exc
+        except MemoryError:
+            # Whatever the bounds let through, an allocation that fails is this request's: never a 500.
+            blocks.clear()
+            kept = None
+            raise TemplateError("The chat template needs more memory than this server allows") from None
+        finally:
+            DEADLINE.reset(deadline)
+            WALL_CLOCK_BELOW_DEADLINE.reset(wall_bound)
+            _GENERATION_TRACKER.reset(token)
+        return text, spans
+
+
+def _cut_at_continue_tag(text: str, final_text: str) -> str:
+    marker = _CONTINUE_TAG.strip()
+    if final_text.strip() not in text or marker not in text:
+        raise TemplateError(
+            "continue_final_message is set but the final message does not appear in the chat after applying "
+            "the chat template! This can happen if the chat template deletes portions of the final message."
+        )
+    at = text.rindex(marker)
+    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    # The template trimmed the message's trailing whitespace (and our tag's space with it).
+    return text[:at].rstrip()
+
+
+def _check_tools(tools: Any) -> list[Any] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):
+        raise TemplateError("Tools should be a list of JSON schema objects.")
+    return list(tools)
+
+
+def assistant_token_mask(token_offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token overlapping a generation span (HF's rule), given tokens' character offsets."""
+    mask = [0] * len(token_offsets)
+    span = 0
+    for i, (start, end) in enumerate(token_offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        if end > spans[span][0]:
+            mask[i] = 1
+    return mask

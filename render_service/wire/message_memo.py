@@ -1,0 +1,268 @@
+"""Chat messages and tools remembered by their raw JSON bytes, so that a turn decodes and prepares only what is new.
+
+Agents resend their whole conversation every turn: all messages but the last few, and the tools, come back as
+the same bytes. ``MessageMemo.decode_chat`` decodes a chat body with each message and the tools array left as raw
+JSON (``msgspec.Raw``, a scan without building objects), then looks each one up by its bytes: a hit gives the
+message as decoded before (and, through ``chat_messages.prepare_messages``/``prepare_tools``, its prepared form for
+a content format), a miss decodes that message alone with the same type as ``ChatCompletionRequest.messages``.
+
+- The key is the length and the first and last bytes (cheap; hashing the whole text would cost about as much as
+  decoding it), and a hit is confirmed by comparing all the bytes: a key shared by different bytes is a miss.
+- Anything that fails (bad JSON, a message that is not an object, a field of the wrong type) answers None, and
+  the caller decodes the body as before: every error is today's, word for word, whatever order it comes in.
+- What a hit hands out is shared between requests and threads: nothing downstream may change it (the chat
+  templates run in an immutable sandbox; render/render.py, templates/chat_messages.py and templates/chat_template.py
+  copy before they change).
+- Bounded by an estimate of its bytes (a share of --render-cache-bytes, caches/budget.py), least recently used
+  dropped first; the two render lanes share it (http/render_queue.py).
+- With ``body_bytes``, recent bodies are kept with where each message sits (body_prefix_store.py): a body that
+  starts with one of them takes its messages without the scan, and only the rest is decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from render_service.caches.byte_lru import ByteLRU
+from render_service.templates.tojson_cache import DEFAULT_TEXTS
+from render_service.wire.body_prefix_store import BodyStore, StoredBody, element_offsets, skip_whitespace
+from render_service.wire.protocol import ChatCompletionRequest
+
+# Estimated bytes of an entry: its raw bytes, the decoded message and its prepared form(s) (strings mostly shared
+# between the two), and the entry's own objects. Measured on agent traces: about 5x the JSON (tests check it).
+BYTES_PER_JSON_BYTE = 5
+ENTRY_OVERHEAD = 1024
+# How many bytes of each end of the JSON the key holds: ids and text differ there between messages (the head is
+# long enough to hold an assistant message's first tool call id whatever the key order). Messages alike in length
+# and at both ends are told apart by their bytes, but take turns in the key's one place.
+KEY_HEAD_BYTES = 128
+KEY_TAIL_BYTES = 64
+
+_MESSAGE, _TOOLS = 0, 1
+_FIELDS = msgspec.structs.fields(ChatCompletionRequest)
+_TOOLS_AT = [f.name for f in _FIELDS].index("tools")
+assert _FIELDS[0].name == "messages"
+
+# ChatCompletionRequest with its messages and tools left as raw JSON; every other field as it is there (same
+# types, defaults and names), so that the two decode a body alike.
+_RawChatRequest = msgspec.defstruct(
+    "_RawChatRequest",
+    [("messages", list[msgspec.Raw])]
+    + [(f.name, msgspec.Raw, msgspec.Raw(b"null")) if f.name == "tools" else (f.name, f.type, f.default)
+       for f in _FIELDS[1:]],
+    rename={f.name: f.encode_name for f in _FIELDS},
+    forbid_unknown_fields=ChatCompletionRequest.__struct_config__.forbid_unknown_fields,
+)
+_decode_raw_request = msgspec.json.Decoder(_RawChatRequest).decode
+_DECODERS = {
+    _MESSAGE: msgspec.json.Decoder(_FIELDS[0].type.__args__[0]).decode,  # one element of ``messages``
+    _TOOLS: msgspec.json.Decoder(_FIELDS[_TOOLS_AT].type).decode,
+}
+_astuple = msgspec.structs.astuple
+_NULL = msgspec.Raw(b"null")
+
+
+class MemoEntry:
+    """One message (or tools array): its JSON, its decoded value, and its prepared forms by content format (or
+    ``"tools"``), filled in by templates/chat_messages.py as renders ask for them. Read-only once handed out."""
+
+    __slots__ = ("data", "value", "prepared", "size", "lent")
+
+    def __init__(self, data: bytes, value: Any) -> None:
+        self.data = data
+        self.value = value
+        self.prepared: dict[str, Any] = {}
+        self.size = ENTRY_OVERHEAD + BYTES_PER_JSON_BYTE * len(data)
+        self.lent: list[Any] = []  # values of its prepared forms whose tojson text is kept (tojson_cache.lend)
+
+    def lend(self, value: Any) -> None:
+        """Keeps the ``tojson`` text of ``value`` (a part of a prepared form) while this entry is kept."""
+        if DEFAULT_TEXTS.lend(value):
+            self.lent.append(value)
+
+    def release(self) -> None:
+        """Dropped from the memo: the texts it lent are taken back (their values may be let go now)."""
+        for value in self.lent:
+            DEFAULT_TEXTS.unlend(value)
+        self.lent = []
+
+
+class MemoMessages(list[dict[str, Any]]):
+    """``ChatCompletionRequest.messages`` decoded through the memo: shared dicts (read-only), with their entries
+    (``entries[i]`` is message i's) for ``chat_messages.prepare_messages``."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: list[MemoEntry]) -> None:
+        super().__init__(e.value for e in entries)
+        self.entries = entries
+
+
+class MemoTools(list[dict[str, Any]]):
+    """``ChatCompletionRequest.tools`` decoded through the memo: shared (read-only), with its entry for
+    ``chat_messages.prepare_tools``."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: MemoEntry) -> None:
+        super().__init__(entry.value)
+        self.entry = entry
+
+
+class MessageMemo:
+    """A bytes-bounded LRU of ``MemoEntry`` by raw JSON, one per process, shared by the render lanes."""
+
+    def __init__(self, max_bytes: int, body_bytes: int = 0) -> None:
+        """``max_bytes``: the bound of the entries; ``body_bytes``: of the recent bodies (0: none kept)."""
+        self.bodies = BodyStore(body_bytes) if body_bytes else None
+        # messages and tools arrays looked up, and those decoded (not found), since start (tests and benches read
+        # them; two lanes may lose a count now and then)
+        self.lookups = 0
+        self.misses = 0
+        self.lru: ByteLRU[tuple[int, int, bytes, bytes], MemoEntry] = ByteLRU(
+            max_bytes, max_entry_bytes=max_bytes, on_evict=MemoEntry.release)
+        self._entries = self.lru._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def decode_chat(self, body: bytes) -> ChatCompletionRequest | None:
+        """The request ``msgspec.json.decode(body, type=ChatCompletionRequest)`` gives, its messages and tools
+        from the memo where seen before; None where anything in the body fails to decode (the caller decodes
+        it the usual way for the error). The messages a recent body holds at the same places are taken from it
+        without being scanned again (body_prefix_store.py)."""
+        bodies = self.bodies
+        try:
+            found = bodies.find(body) if bodies is not None and type(body) is bytes else None
+            decoded = self._decode_after(body, *found) if found is not None else None
+            tail_start = 0
+            if decoded is None:
+                found = None
+                raw: Any = _decode_raw_request(body)
+                entries = self._entries_of(_MESSAGE, raw.messages)
+            else:
+                raw, entries, tail_start = decoded
+            tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        if bodies is not None and type(body) is bytes:
+            self._keep_body(bodies, body, raw, entries, found, tail_start)
+        values = list(_astuple(raw))
+        values[0] = MemoMessages(entries)
+        values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
+        return ChatCompletionRequest(*values)
+
+    def _decode_after(self, body: bytes, stored: StoredBody, common: int
+                      ) -> tuple[Any, list[MemoEntry], int] | None:
+        """The body decoded with its messages 1 to ``common - 1`` (``stored``'s, at the same places) cut out,
+        every message's entry, and where the messages after the common ones start (or the array closes); None where
+        the cut does not apply (the usual decode then answers). The first message stays: that the decoded array's
+        first element is the one at its place proves the array decoded is the one cut (a second ``messages`` key
+        would otherwise go unseen)."""
+        at = skip_whitespace(body, stored.ends[common - 1])
+        if at >= len(body):
+            return None
+        first_end = stored.ends[0]
+        if body[at] == 0x2C:  # ",": more messages follow
+            at = skip_whitespace(body, at + 1)
+            if at >= len(body) or body[at] == 0x5D:  # a trailing comma (", ]") the cut would hide
+                return None
+            document = body[:first_end] + b"," + body[at:]
+        elif body[at] == 0x5D:  # "]"
+            document = body[:first_end] + body[at:]
+        else:
+            return None
+        raw: Any = _decode_raw_request(document)
+        items = raw.messages
+        if not items or _address(items[0]) - _address(document) != stored.starts[0] \
+                or len(items[0]) != first_end - stored.starts[0]:
+            return None
+        return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:]), at
+
+    def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
+                   found: tuple[StoredBody, int] | None, tail_start: int) -> None:
+        """Files ``body`` with where its messages are, for the next turn (``tail_start``: where the messages after
+        ``found``'s common ones start); nothing where they cannot be placed for certain (the offsets are checked
+        against the body byte for byte)."""
+        if not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
+            return
+        if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
+            first = _address(raw.messages[0]) - _address(body)
+            offsets = element_offsets(body, first, [e.data for e in entries]) if 0 <= first < len(body) else None
+            starts, ends = offsets if offsets is not None else ([], [])
+        else:
+            stored, common = found
+            starts, ends = list(stored.starts[:common]), list(stored.ends[:common])
+            if len(entries) > common:
+                tail = element_offsets(body, tail_start, [e.data for e in entries[common:]])
+                if tail is None:
+                    return
+                starts += tail[0]
+                ends += tail[1]
+        if len(starts) != len(entries):
+            return
+        replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
+        bodies.add(StoredBody(body, tuple(starts), tuple(ends), tuple(entries)), replaces)
+
+    def _entries_of(self, kind: int, items: list[msgspec.Raw]) -> list[MemoEntry]:
+        """The entry of each raw JSON value, found or decoded (``msgspec.DecodeError`` where one does not decode
+        as ``kind``). One loop for all: a turn's messages are mostly hits, ~0.3 us each."""
+        found = self._entries.get
+        move_to_end = self._entries.move_to_end
+        decode = _DECODERS[kind]
+        out = []
+        new: list[tuple[tuple[int, int, bytes, bytes], MemoEntry]] = []
+        for item in items:
+            data = bytes(item)  # our own copy: a Raw holds on to the whole body
+            key = (kind, len(data), data[:KEY_HEAD_BYTES], data[-KEY_TAIL_BYTES:])
+            # A hit takes no lock: OrderedDict's get and move_to_end are each one step under the GIL (these keys
+            # run no Python code), and an entry another lane evicts in between is simply not moved.
+            kept = found(key)
+            entry = kept[0] if kept is not None else None
+            if entry is None or entry.data != data:  # the same key for other bytes is a miss
+                entry = MemoEntry(data, decode(data))
+                new.append((key, entry))
+            else:
+                try:
+                    move_to_end(key)
+                except KeyError:
+                    pass
+            out.append(entry)
+        if new:
+            self._add(new)
+        self.lookups += len(out)
+        self.lru.hits += len(out) - len(new)  # (the lookups above read its dict directly)
+        self.lru.misses += len(new)
+        return out
+
+    def _add(self, new: list[tuple[tuple[int, int, bytes, bytes], MemoEntry]]) -> None:
+        """Keeps the entries just decoded (all of them or none: a request that fails to decode adds nothing); the
+        same key for other bytes: the newer stays."""
+        self.misses += len(new)
+        self.lru.put_many([(key, entry, entry.size) for key, entry in new], replace=True)
+
+    # (last: a property named ``bytes`` would hide the type from the annotations above)
+    @property
+    def max_bytes(self) -> int:
+        return self.lru.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self.lru.bytes
+
+
+def _address(buffer: Any) -> int:
+    """Where a bytes-like object's memory starts (read-only buffers too)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def decode_chat_request(body: bytes, memo: MessageMemo | None,
+                        decode: Callable[[bytes, type], Any]) -> ChatCompletionRequest:
+    """The body as a ``ChatCompletionRequest``: through ``memo`` where there is one and the body decodes, else
+    by ``decode`` (the server's: its errors are the client's answer)."""
+    req = memo.decode_chat(body) if memo is not None else None
+    return req if req is not None else decode(body, ChatCompletionRequest)

@@ -1,0 +1,2 @@
+"""Attention over the paged KV pool (prefill and decode) and the Llama family's blocks (`blocks.py`), each with its
+CUDA kernels."""

@@ -1,0 +1,146 @@
+"""Linear layers for decode-sized batches (at most 16 rows) on CUDA.
+
+At decode a linear layer reads its whole weight for a handful of activation rows, so its time is the weight
+bytes over HBM bandwidth plus a fixed cost per kernel. For some of a 7B model's layers cuBLAS leaves
+bandwidth unused at this size (the o projection goes through a split-K kernel and a second reduction
+kernel), and the SiLU gate between gate_up and down is one more launch. This kernel streams the weight
+once per call, with each program owning BLOCK_N output features over all of K, and with `gated` computes
+SiLU(x @ W_gate.T) * (x @ W_up.T) for the gate_up projection in the same pass (no silu_and_mul kernel).
+
+Which layers use it and with which launch config is decided per shape by measurement
+(bench/experiments/gpu_decode_profile.py, TUNED below); a shape measured slower than cuBLAS is sent to cuBLAS.
+
+Rounding follows the unfused path: each matmul output is rounded to the activation dtype, then SiLU is
+rounded, then the product, so results differ from cuBLAS only in the order of the float32 sums. The
+activation rows are padded to 16 for the tensor-core dot and re-read from L2 by every program, which costs
+nothing next to the weight bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.nn import functional as F
+
+MAX_ROWS = 16
+
+Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+
+# (out features, in features, gated) -> launch config, or None where cuBLAS measured faster. Measured on an
+# H200 for Qwen2.5-7B's shapes (bench/results/gpu_decode_profile_nvidia-h200.json); other shapes get DEFAULT_CONFIG.
+TUNED: dict[tuple[int, int, bool], Config | None] = {
+    (4608, 3584, False): None,  # q/k/v with bias: cuBLAS 11.6 us, ours 13.5
+    (3584, 3584, False): (32, 128, 4, 6),  # o: 9.8 us, cuBLAS 11.4 (split K + a reduction kernel)
+    (18944, 3584, True): (32, 256, 4, 5),  # gate_up + SiLU: 65.5 us, cuBLAS 70.7 + silu_and_mul
+    (3584, 18944, False): (32, 256, 4, 5),  # down: 38.3 us, cuBLAS 38.4 (+ its reduction kernel's gap)
+    (152064, 3584, False): (64, 128, 4, 4),  # lm_head: 243.9 us, cuBLAS 253.5
+}
+DEFAULT_CONFIG: Config = (32, 256, 4, 4)
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program; Hopper has 227 KB per block
+
+
+def launch_config(n_out: int, k_dim: int, gated: bool) -> Config | None:
+    return TUNED.get((n_out, k_dim, gated), DEFAULT_CONFIG)
+
+
+def fit_shared_memory(config: Config, element_size: int, gated: bool) -> Config:
+    """Shrinks a config (tuned on bfloat16) until its pipelined tiles fit: float32 doubles every tile."""
+    block_n, block_k, num_warps, num_stages = config
+
+    def tile_bytes():
+        return num_stages * ((2 if gated else 1) * block_n + 16) * block_k * element_size
+
+    while tile_bytes() > SHARED_MEMORY_BUDGET and num_stages > 2:
+        num_stages -= 1
+    while tile_bytes() > SHARED_MEMORY_BUDGET and block_k > 32:
+        block_k //= 2
+    return block_n, block_k, num_warps, num_stages
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, 16)
+    m_mask = m < M
+    dt = y_ptr.dtype.element_ty
+
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xk = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
+        if IEEE:
+            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(xk, tl.trans(w))
+        if GATED:  # the up row of feature n sits N rows below its gate row
+            wu = tl.load(w_ptr + (n + N)[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
+            if IEEE:
+                acc_up += tl.dot(xk, tl.trans(wu), input_precision="ieee")
+            else:
+                acc_up += tl.dot(xk, tl.trans(wu))
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(dt)
+    if GATED:  # as silu_and_mul on the rounded gate_up output: SiLU rounded, then the product rounded
+        gate = out.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        out = (act * acc_up.to(dt).to(tl.float32)).to(dt)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias for x: [M <= 16, K]. gated: weight holds gate rows then up rows ([2N, K]) and the
+    result is SiLU(gate) * up, [M, N]. `config` overrides the tuned launch config."""
+    rows, k_dim = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode_linear takes at most {MAX_ROWS} rows, got {rows}")
+    if weight.shape[1] != k_dim:
+        raise ValueError(f"decode_linear: input width {k_dim} does not fit weight {tuple(weight.shape)}")
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    cfg = config or launch_config(n_out, k_dim, gated)
+    if cfg is None:  # cuBLAS measured faster for this shape
+        y = F.linear(x, weight, bias)
+        if gated:
+            from token_engine.layers.blocks_cuda import silu_and_mul
+
+            y = silu_and_mul(y)
+        return y
+    block_n, block_k, num_warps, num_stages = fit_shared_memory(cfg, x.element_size(), gated)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert weight.stride(-1) == 1
+    y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    _decode_linear_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, bias if bias is not None else weight, y,
+        rows, n_out, k_dim,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, GATED=gated, IEEE=x.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y
