@@ -431,6 +431,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("cohere_command3", write_cohere, COHERE,
                (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+    ToolFamily("cohere_command4", write_cohere, COHERE,
+               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
     ToolFamily("minimax_m3", write_minimax_m3, M3,
                (*M3, "<city>", "</city>", '"get_weather">', "\n", " ", "x", "3", "<", ">", "[", "]")),
     ToolFamily("inkling", write_inkling, INKLING,

@@ -351,6 +351,7 @@ class Gemma4ReasoningParser(ExplicitThinkReasoningParser):
     end_tag = "<channel|>"
     implicit_end_markers: ClassVar[tuple[str, ...]] = ("<|tool_call>",)
     thinking_default = False
+    starts_in_content = True  # until the model (or the prompt's bare label) opens the channel
     LABEL = "thought\n"
 
     def _explicit_only(self) -> bool:
