@@ -11,7 +11,8 @@ import pytest
 from bench.agent_trace import AgentTraceSpec, agent_trace, chat_body, round_ends
 from render_service.caches.budget import CacheShares
 from render_service.caches.byte_lru import ByteLRU
-from tests.render_harness import RenderServer, qwen3_config
+from render_service.render.render_config import build_render_config
+from tests.render_harness import PARSER_FLAGS, RenderServer, qwen3_bundle
 
 
 def test_the_lru_stays_within_its_bytes_and_drops_the_least_recently_used():
@@ -46,7 +47,8 @@ def _series(text: str, name: str, cache: str, result: str | None = None) -> floa
 
 
 def test_every_cache_shows_its_hits_misses_and_bytes_on_metrics():
-    config = qwen3_config(parsers=True)
+    # built here, not shared: the tojson texts are one per process and bounded by the config built last
+    config = build_render_config(qwen3_bundle(), served_model_names=["qwen3-0.6b"], **PARSER_FLAGS)
     messages, tools = agent_trace(AgentTraceSpec(rounds=4, result_chars=(4000, 8000), seed=3))  # bodies past 32 KB: filed
     with RenderServer(config) as server:
         for end in round_ends(messages):
