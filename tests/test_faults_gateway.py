@@ -2,8 +2,9 @@
 worker processes): a render replica, a prefill engine and a decode engine are killed (SIGKILL) mid-stream.
 
 Each time the gateway either completes the request or ends it with a clear error, the engines that are
-left stay healthy, and no KV block leaks (every block free, no lease held). The tests run in file order
-on one stack, each killing one more process; the decode engine goes last.
+left stay healthy, and no KV block leaks (every block free, no lease held). One stack, one test: each phase
+kills one more process and the decode engine goes last, so the phases run in that order whatever order a
+runner gives the tests.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def worker_serving(gateway_pid: int, client_port: int) -> int:
     raise AssertionError("no gateway worker holds the connection")
 
 
-def test_killed_render_replica_drops_its_stream_and_frees_the_engine_request(stack):
+def killed_render_replica_drops_its_stream_and_frees_the_engine_request(stack):
     gateway = stack["gateway"]
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", gateway.url + "/v1/completions", json=STREAM) as r:
@@ -109,7 +110,7 @@ def test_killed_render_replica_drops_its_stream_and_frees_the_engine_request(sta
     assert len(psutil.Process(gateway.proc.pid).children()) == 2
 
 
-def test_killed_prefill_engine_mid_stream_lets_the_stream_complete_and_new_requests_fail_over(stack):
+def killed_prefill_engine_mid_stream_lets_the_stream_complete_and_new_requests_fail_over(stack):
     gateway = stack["gateway"]
     # decode already holds the KV when prefill dies: it needs prefill no longer
     events = stream_killing_after_four_lines(gateway.url, stack["prefill_a"])
@@ -123,7 +124,7 @@ def test_killed_prefill_engine_mid_stream_lets_the_stream_complete_and_new_reque
     assert_engine_idle(stack["decode"].url)
 
 
-def test_killed_decode_engine_mid_stream_ends_the_stream_with_a_clear_error(stack):
+def killed_decode_engine_mid_stream_ends_the_stream_with_a_clear_error(stack):
     gateway = stack["gateway"]
     events = stream_killing_after_four_lines(gateway.url, stack["decode"])
     assert events[-1] == "[DONE]"
@@ -137,3 +138,9 @@ def test_killed_decode_engine_mid_stream_ends_the_stream_with_a_clear_error(stac
     # The surviving prefill engine holds no lease for the dead decode engine once its leases expired.
     assert_engine_idle(stack["prefill_b"].url)
     assert httpx.get(gateway.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_render_replica_then_a_prefill_then_the_decode_engine_killed_mid_stream(stack):
+    killed_render_replica_drops_its_stream_and_frees_the_engine_request(stack)
+    killed_prefill_engine_mid_stream_lets_the_stream_complete_and_new_requests_fail_over(stack)
+    killed_decode_engine_mid_stream_ends_the_stream_with_a_clear_error(stack)
