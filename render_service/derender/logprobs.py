@@ -3,6 +3,8 @@ against their bounds and resolved to OpenAI's chat and completions shapes (token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig
 from render_service.tokenize.tokenizer import RenderTokenizer
@@ -188,7 +190,7 @@ class PromptLogprobs:
     ids as JSON keys) resolved against the prompt's ids: the response's ``prompt_logprobs`` (vLLM's shape, each
     entry's ``decoded_token`` filled) and, for completions ``echo``, the prompt's part of the legacy logprobs."""
 
-    def __init__(self, raw: GeneratePromptLogprobs | None, prompt_ids: list[int], tokenizer: RenderTokenizer,
+    def __init__(self, raw: GeneratePromptLogprobs | None, prompt_ids: Sequence[int], tokenizer: RenderTokenizer,
                  as_token_ids: bool = False):
         if raw is None or len(raw) != len(prompt_ids):
             raw = [None] * len(prompt_ids)  # an engine that sent none (or the wrong count): nothing to resolve

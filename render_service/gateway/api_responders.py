@@ -173,7 +173,7 @@ class ThinkingBudget:
         remaining = self.max_tokens - out.tokens - len(closing)
         params = msgspec.structs.replace(self.base.sampling_params, max_tokens=max(remaining, 1),
                                          thinking_token_budget=None)
-        self.next_gen = msgspec.structs.replace(self.base, token_ids=self.base.token_ids + self.generated,
+        self.next_gen = msgspec.structs.replace(self.base, token_ids=[*self.base.token_ids, *self.generated],
                                                 sampling_params=params, reasoning_ended=True,
                                                 request_id=f"{self.base.request_id}-c")
         return closing

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 
 DEFAULT_RECORD_BLOCKS = 65536  # per replica: 8 bytes of hash each, ~1 M prompt tokens at 16-token blocks
 
@@ -26,7 +27,7 @@ class PrefixRecord:
         self.capacity = capacity
         self._replicas: dict[str, OrderedDict[bytes, None]] = {}
 
-    def chain(self, token_ids: list[int]) -> list[bytes]:
+    def chain(self, token_ids: Sequence[int]) -> list[bytes]:
         """Hash of every full block, each chained to the blocks before it (a block's KV depends on them)."""
         bs, out, prev = self.block_size, [], b""
         for start in range(0, len(token_ids) - bs + 1, bs):

@@ -22,6 +22,7 @@ import math
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -177,7 +178,7 @@ class ReplicaPool:
                  "failures": r.failures} for r in self.replicas]
 
 
-def prefix_key(token_ids: list[int], block_size: int, blocks: int) -> int | None:
+def prefix_key(token_ids: Sequence[int], block_size: int, blocks: int) -> int | None:
     """Hash of the first ``blocks`` full blocks of the prompt: what the engine's prefix cache keys on.
 
     Prompts shorter than one block get no key (nothing cacheable to be near to).

@@ -16,7 +16,7 @@ request asks for them (``return_weight_versions``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -68,7 +68,7 @@ def sse(payload: Any) -> bytes:
 class ChoiceOutput:
     """One choice: its pipeline state, stop-string matcher, token count and finish."""
 
-    def __init__(self, pipeline: Pipeline, prompt_ids: list[int], stops: list[str], include_stop: bool,
+    def __init__(self, pipeline: Pipeline, prompt_ids: Sequence[int], stops: list[str], include_stop: bool,
                  keep_token_ids: bool, eos_token_id: int | None = None) -> None:
         self.pipeline = pipeline
         self.state = pipeline.initial_state(prompt_ids)
@@ -345,7 +345,7 @@ class ChatResponder(_Responder):
         if self.first_chunk:
             self.first_chunk = False
             if self.return_token_ids:
-                chunk.prompt_token_ids = self.gens[0].token_ids
+                chunk.prompt_token_ids = list(self.gens[0].token_ids)
         return chunk
 
     def prompt_logprobs_from(self, raw: dict[int, GeneratePromptLogprobs | None],
@@ -391,7 +391,7 @@ class ChatResponder(_Responder):
             id=self.response_id, created=self.created, model=self.model, choices=choices, usage=self.final_usage(),
             system_fingerprint=self.fingerprint,
             prompt_logprobs=prompt.response_entries() if prompt is not None else None,
-            prompt_token_ids=self.gens[0].token_ids if self.return_token_ids else None,
+            prompt_token_ids=list(self.gens[0].token_ids) if self.return_token_ids else None,
         )
 
 
@@ -476,7 +476,7 @@ class CompletionResponder(_Responder):
             c.token_ids = list(ids)
             if key not in self.first_of_prompt:
                 self.first_of_prompt.add(key)
-                c.prompt_token_ids = self.gens[prompt_index].token_ids
+                c.prompt_token_ids = list(self.gens[prompt_index].token_ids)
         chunk = CompletionStreamResponse(id=self.response_id, created=self.created, model=self.model, choices=[c])
         if out.done:
             chunk.system_fingerprint = self.last_chunk_fingerprint()
@@ -517,7 +517,7 @@ class CompletionResponder(_Responder):
                 index=key, text="".join(self.texts.get(key, [])), logprobs=logprobs, finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason, token_ids=out.token_ids,
                 prompt_logprobs=prompt.response_entries() if prompt is not None else None,
-                prompt_token_ids=self.gens[prompt_index].token_ids if self.return_token_ids else None,
+                prompt_token_ids=list(self.gens[prompt_index].token_ids) if self.return_token_ids else None,
                 weight_versions=out.weight_versions,
             ))
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,

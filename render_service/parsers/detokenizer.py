@@ -15,6 +15,7 @@ incomplete when the output ends is dropped, never flushed.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -103,7 +104,7 @@ class IncrementalDetokenizer:
     def is_byte_level(self) -> bool:
         return self.tables.is_byte_level
 
-    def initial_state(self, prompt_token_ids: list[int] | None = None) -> DetokenizerState:
+    def initial_state(self, prompt_token_ids: Sequence[int] | None = None) -> DetokenizerState:
         """Seed from the prompt tail, as vLLM does, so the first token keeps its leading space."""
         if self.tables.is_byte_level or not prompt_token_ids:
             # Byte-level text of a token never depends on its neighbours; the prompt tail is irrelevant.

@@ -30,6 +30,7 @@ its text becomes content. A header still open at the end carries no message and 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -164,7 +165,7 @@ class HarmonyParser:
 
     # state ---------------------------------------------------------------------------------------------
 
-    def initial_state(self, prompt_token_ids: list[int] | None = None,
+    def initial_state(self, prompt_token_ids: Sequence[int] | None = None,
                       tokenizer: RenderTokenizer | None = None) -> HarmonyState:
         """Where the prompt left off: normally a header after ``<|start|>assistant``; a message body when the
         prompt opened one (our earlier renders did for a forced tool call or a structured final answer)."""
@@ -288,10 +289,10 @@ def _partial_end_len(text: str) -> int:
     return 0
 
 
-def _prompt_tail(prompt_token_ids: list[int], tokenizer: RenderTokenizer, window: int = 96) -> str | None:
+def _prompt_tail(prompt_token_ids: Sequence[int], tokenizer: RenderTokenizer, window: int = 96) -> str | None:
     """The prompt's text from its last ``<|start|>`` (None when the window holds none)."""
     start_id = tokenizer.token_to_id(START)
-    tail = prompt_token_ids[-window:]
+    tail = list(prompt_token_ids[-window:])
     for i in range(len(tail) - 1, -1, -1):
         if tail[i] == start_id:
             return tokenizer.decode(tail[i:], skip_special_tokens=False)

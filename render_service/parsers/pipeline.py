@@ -218,7 +218,7 @@ class Pipeline:
     # state ------------------------------------------------------------------------------------------
 
     def initial_state(
-        self, prompt_token_ids: list[int] | None = None, reasoning_open_at_start: bool | None = None
+        self, prompt_token_ids: Sequence[int] | None = None, reasoning_open_at_start: bool | None = None
     ) -> PipelineState:
         """``reasoning_open_at_start``: a render-side hint; otherwise derived from the prompt tail."""
         reasoning_state: msgspec.Struct | None = None
@@ -253,14 +253,14 @@ class Pipeline:
             tools=tools_state,
         )
 
-    def _prompt_opened_call(self, prompt_token_ids: list[int] | None, named: str | None) -> bool:
+    def _prompt_opened_call(self, prompt_token_ids: Sequence[int] | None, named: str | None) -> bool:
         """Whether the prompt ends with the family's forced-call opening (our earlier renders wrote it for the XML
         families; vLLM's render, and ours now, constrain the output instead). Without the prompt it did not."""
         if not prompt_token_ids or self.config.tool_parser is None:
             return False
         family: Any = get_tool_parser(self.config.tool_parser)
         prefix = family.forced_call_prefix(named)
-        tail = self.tokenizer.decode(prompt_token_ids[-(len(prefix) + 8):], skip_special_tokens=False)
+        tail = self.tokenizer.decode(list(prompt_token_ids[-(len(prefix) + 8):]), skip_special_tokens=False)
         return bool(tail.endswith(prefix))
 
     def restore_state(self, raw: Any) -> PipelineState:

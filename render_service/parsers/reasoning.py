@@ -17,6 +17,7 @@ as the single added token. Batch is the fold of the stream, so the two never dis
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -237,7 +238,7 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
 
 
 def reasoning_open_at_prompt_end(
-    prompt_token_ids: list[int] | None, tokenizer: RenderTokenizer, parser_cls: type[ThinkReasoningParser]
+    prompt_token_ids: Sequence[int] | None, tokenizer: RenderTokenizer, parser_cls: type[ThinkReasoningParser]
 ) -> bool | None:
     """What the prompt's tail says about reasoning at the start of the output.
 

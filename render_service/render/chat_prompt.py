@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig
@@ -70,11 +71,19 @@ def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwarg
     return template, messages, arguments, tools
 
 
-def encode_prompt(text: str, config: RenderConfig, *, view: bool = False) -> list[int]:
+@overload
+def encode_prompt(text: str, config: RenderConfig, *, view: Literal[False] = False) -> list[int]: ...
+
+
+@overload
+def encode_prompt(text: str, config: RenderConfig, *, view: bool) -> Sequence[int]: ...
+
+
+def encode_prompt(text: str, config: RenderConfig, *, view: bool = False) -> Sequence[int]:
     """The prompt's ids, through the piece cache; a prompt whose length alone proves that it cannot fit the
     context is refused before any tokenizing (a multi-megabyte prompt would cost seconds of CPU). ``view``:
-    the cache's ``PromptIds`` (typed as the list it reads like) where it has one, for a caller that writes
-    the ids to JSON at once (incremental_tokenizer.PromptIds)."""
+    the cache's ``PromptIds`` view where it has one (a ``Sequence[int]`` whose ids are never copied into one
+    list), for a caller that writes the ids to JSON at once (incremental_tokenizer.PromptIds)."""
     at_least = config.tokenizer.min_tokens(text)
     if at_least >= config.max_model_len:
         raise bad_request(
@@ -86,4 +95,4 @@ def encode_prompt(text: str, config: RenderConfig, *, view: bool = False) -> lis
     encoder = config.prompt_encoder
     if encoder is None:
         return config.tokenizer.encode(text)
-    return cast("list[int]", encoder.encode_ids(text)) if view else encoder.encode(text)
+    return encoder.encode_ids(text) if view else encoder.encode(text)

@@ -9,8 +9,8 @@ fixtures/vllm-0.32-render/; deliberate differences are listed in docs/compatibil
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, cast, overload
 
 from render_service.extend.chat import turn_render
 from render_service.harmony.render import prerendered_harmony_ids, render_harmony_chat, render_harmony_request
@@ -229,8 +229,18 @@ def render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig) -> tupl
     return token_ids, kwargs
 
 
+@overload
+def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids_view: Literal[False] = False
+                        ) -> tuple[list[int], dict[str, Any], list[dict[str, Any]] | None]: ...
+
+
+@overload
+def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids_view: bool
+                        ) -> tuple[Sequence[int], dict[str, Any], list[dict[str, Any]] | None]: ...
+
+
 def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids_view: bool = False
-                        ) -> tuple[list[int], dict[str, Any], list[dict[str, Any]] | None]:
+                        ) -> tuple[Sequence[int], dict[str, Any], list[dict[str, Any]] | None]:
     """``render_chat_prompt``, plus the tools as the template got them (vLLM's shape, ``prepare_tools``; the
     template renders a copy), which the response's ``parse_context`` carries too: prepared once."""
     if not req.messages:

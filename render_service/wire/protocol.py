@@ -11,6 +11,7 @@ they appear only when set.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 import msgspec
@@ -216,7 +217,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     """
 
     request_id: str | None = None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     token_offsets: list[tuple[int, int]] | None = None
     features: dict[str, Any] | None = None
     content_parts: list[dict[str, Any]] | None = None
