@@ -51,9 +51,10 @@ import httpx
 from bench import peers
 from bench.agent_trace import AgentTraceSpec, agent_trace, chat_body, round_ends
 from bench.encode_worker import EncodeWorker
+from bench.shared_fixtures import QWEN3_DIR
 
 RESULTS = peers.REPO / "bench" / "results"
-FIXTURE = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"
+FIXTURE = QWEN3_DIR
 MODEL = "qwen3-0.6b"
 RENDER_PATH = "/v1/chat/completions/render"
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]

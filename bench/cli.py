@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import httpx
 
-DEFAULT_TOKENIZER = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"
+from bench.shared_fixtures import QWEN3_DIR
+
+DEFAULT_TOKENIZER = QWEN3_DIR
 if not DEFAULT_TOKENIZER.exists():  # a clean checkout carries its own copy next to the repository
     DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "qwen3-0.6b"
 

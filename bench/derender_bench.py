@@ -44,12 +44,10 @@ from pathlib import Path
 
 import httpx
 
-# The shared fixtures sit at /work/shared (dev machines) or next to the checkout (CI, device machines).
-SHARED = (Path("/work/shared") if Path("/work/shared/fixtures").exists()
-          else Path(__file__).resolve().parents[2] / "shared")
+from bench.shared_fixtures import QWEN3_DIR, SHARED
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN = SHARED / "fixtures/qwen3-0.6b"
+QWEN = QWEN3_DIR
 PEER = SHARED / "peers/vllm-render"
 MODEL = "qwen3-0.6b"
 CLK = os.sysconf("SC_CLK_TCK")

@@ -36,13 +36,14 @@ from typing import Any
 import msgspec
 
 from bench.agent_trace import AgentTraceSpec, agent_trace
+from bench.shared_fixtures import QWEN3_DIR
 from render_service.bundle.model_bundle import load_bundle
 from render_service.render.render import render_chat
 from render_service.render.render_config import RenderConfig, build_render_config
 from render_service.wire.protocol import ChatCompletionRequest
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FIXTURE = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"
+FIXTURE = QWEN3_DIR
 
 TOOLS = [{"type": "function", "function": {
     "name": "search", "description": "Search the files.",
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["cpu"]), flush=True)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
-                                            [int(a) for a in args.agents.split(",")], VLLM_RS)
+                                            [int(a) for a in args.agents.split(",")], _vllm_rs())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))
@@ -234,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
 
 # ------------------------------------------------------------------ agent loops: ours against vllm-rs, one run
 
-VLLM_RS = Path(os.environ.get("VLLM_RS", "/work/peers/vllm034-src/vllm/vllm-rs"))
 
 
 def _sampled_text(message: dict[str, Any]) -> str:
@@ -242,6 +242,16 @@ def _sampled_text(message: dict[str, Any]) -> str:
     calls = "".join(f'\n<tool_call>\n{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}'
                     "\n</tool_call>" for c in message.get("tool_calls") or [])
     return (message.get("content") or "") + calls + "<|im_end|>"
+
+
+def _vllm_rs() -> Path:
+    """vLLM 0.34's Rust render server, as bench/peers.py finds it ($SPLITSERVE_VLLM_RS, else bench/.peers/)."""
+    from bench import peers
+
+    binary = peers.vllm_rs_binary()
+    if binary is None:
+        raise SystemExit("--agents needs vllm-rs: set $SPLITSERVE_VLLM_RS to the binary in vLLM 0.34's wheel")
+    return binary
 
 
 def agent_loops(sizes: list[int], agents: list[int], vllm_rs: Path, seed: int = 0) -> list[dict[str, Any]]:

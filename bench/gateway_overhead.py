@@ -54,6 +54,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.shared_fixtures import QWEN3_DIR
+
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -65,11 +67,7 @@ MESSAGES = [
 
 def tokenizer_dir(builtin: bool = False) -> tuple[Path, str]:
     """(directory with tokenizer.json + tokenizer_config.json, where it came from)."""
-    candidates = []
-    if os.environ.get("SPLITSERVE_FIXTURES"):
-        candidates.append(Path(os.environ["SPLITSERVE_FIXTURES"]) / "qwen3-0.6b")
-    candidates += [ROOT.parent / "shared/fixtures/qwen3-0.6b", Path("/work/shared/fixtures/qwen3-0.6b")]
-    for path in [] if builtin else candidates:
+    for path in [] if builtin else [QWEN3_DIR]:
         if (path / "tokenizer.json").exists():
             return path, str(path)
     from render_service.bundle.default_bundle import default_bundle_dir

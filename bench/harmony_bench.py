@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.shared_fixtures import QWEN3_DIR
 from render_service.bundle.model_bundle import load_bundle
 from render_service.derender.batch import pipeline_config
 from render_service.derender.stream import StreamRuntime, derender_chat_stream
@@ -40,8 +41,7 @@ from render_service.render.render_config import build_render_config
 from render_service.wire.protocol import ChatCompletionRequest, DerenderChatStreamRequest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path("/work/shared") if Path("/work/shared/fixtures").exists() else ROOT.parent / "shared"
-QWEN = SHARED / "fixtures/qwen3-0.6b"
+QWEN = QWEN3_DIR
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city.",
     "parameters": {"type": "object", "properties": {

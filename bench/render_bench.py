@@ -33,9 +33,10 @@ from pathlib import Path
 import httpx
 
 from bench import peers
+from bench.shared_fixtures import QWEN3_DIR
 
 RESULTS = peers.REPO / "bench" / "results"
-DEFAULT_MODEL_DIR = Path(os.environ.get("SPLITSERVE_FIXTURES", "/work/shared/fixtures")) / "qwen3-0.6b"
+DEFAULT_MODEL_DIR = QWEN3_DIR
 MODEL = "qwen3-0.6b"
 RENDER_PATH = "/v1/chat/completions/render"
 

@@ -33,6 +33,7 @@ import httpx
 
 from bench import peers
 from bench.render_bench import _post, nonrepetitive_text
+from bench.shared_fixtures import QWEN3_DIR
 
 RENDER_PATH = "/v1/chat/completions/render"
 DERENDER_PATH = "/v1/chat/completions/derender"
@@ -494,8 +495,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="--launch: serve a copy of the model with this context (for prompts past the model's own)")
     p.add_argument("--workers", type=int, default=2, help="--launch ours: worker processes")
-    p.add_argument("--model-dir", default=str(peers.REPO.parent / "shared" / "fixtures" / "qwen3-0.6b")
-                   if not Path("/work/shared/fixtures").exists() else "/work/shared/fixtures/qwen3-0.6b",
+    p.add_argument("--model-dir", default=str(QWEN3_DIR),
                    help="the served model's directory (tokenizer for derender streams; model for --launch)")
     p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
     p.add_argument("--prompt-lens", type=int_list, default=[1024, 4096, 9216, 32768])

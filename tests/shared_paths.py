@@ -1,10 +1,9 @@
-"""Where the project's shared/ folder is: beside the checkout (CI's layout), else the dev machines' /work/shared."""
+"""Where the project's shared/ folder is: beside the checkout (the layout CI and every test machine use)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-_BESIDE_CHECKOUT = Path(__file__).resolve().parents[2] / "shared"
-SHARED = _BESIDE_CHECKOUT if (_BESIDE_CHECKOUT / "fixtures").exists() else Path("/work/shared")
+SHARED = Path(__file__).resolve().parents[2] / "shared"
 FIXTURES = SHARED / "fixtures"
 QWEN3_FIXTURE_DIR = FIXTURES / "qwen3-0.6b"
