@@ -49,7 +49,7 @@ from render_service.apis.segments import (
 )
 from render_service.apis.text_logprobs import TextLogprobs, fold_with_logprobs, wants_logprobs
 from render_service.derender.batch import _check_bounds, check_fingerprint, fingerprint_sent, pipeline_config
-from render_service.derender.choice_shapes import final_arguments
+from render_service.derender.choice_shapes import whole_arguments
 from render_service.derender.logprobs import check_logprobs_bounds, tokens_as_token_ids
 from render_service.derender.stream import _check_chunk
 from render_service.http.errors import bad_request
@@ -158,8 +158,7 @@ def derender_responses(req: DerenderResponsesRequest, config: RenderConfig, head
                            req.responses_request, _prompt_tokens(req.prompt_tokens, prompt_ids))
     status, incomplete = status_of(finish_reason)
     usage = shape.usage(len(choice.token_ids), pipeline.reasoning_tokens(pstate))
-    ascii_only = pipeline.config.tool_parser == "openai"  # as chat's answers (choice_shapes.final_arguments)
-    items = shape.items(blocks, texts, status, lambda raw: final_arguments(raw, ascii_only))
+    items = shape.items(blocks, texts, status, whole_arguments(pipeline.config.tool_parser))
     return shape.response(status, items, usage, incomplete)
 
 

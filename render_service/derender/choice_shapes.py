@@ -10,6 +10,7 @@ batch derender, streaming derender and the gateway share.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from msgspec import UNSET
@@ -69,14 +70,21 @@ def chat_message(fields: dict[str, Any], pcfg: PipelineConfig, reasoning_field: 
     if pcfg.reasoning_parser is None and pcfg.tool_parser is None and message.content is None:
         message.content = ""  # plain detokenization: vLLM answers "" for no text, never null
     if fields["tool_calls"]:
-        ascii_only = pcfg.tool_parser == "openai"  # vLLM's Harmony path: json.dumps with its defaults
+        whole = whole_arguments(pcfg.tool_parser)
         message.tool_calls = [
             ToolCall(id=c["id"], type="function",
                      function=FunctionCall(name=c["function"]["name"] or "",
-                                           arguments=final_arguments(c["function"]["arguments"], ascii_only)))
+                                           arguments=whole(c["function"]["arguments"])))
             for c in fields["tool_calls"]
         ]
     return message
+
+
+def whole_arguments(tool_parser: str | None) -> Callable[[str], str]:
+    """How a non-streamed answer gives a call's arguments for this tool parser (``final_arguments``; vLLM's
+    Harmony path, ``openai``, is json.dumps with its defaults: ASCII only)."""
+    ascii_only = tool_parser == "openai"
+    return lambda raw: final_arguments(raw, ascii_only)
 
 
 def final_arguments(raw: str, ascii_only: bool = False) -> str:

@@ -32,7 +32,7 @@ from render_service.apis.segments import (
 )
 from render_service.apis.text_logprobs import TextLogprobs
 from render_service.derender.batch import pipeline_config
-from render_service.derender.choice_shapes import final_arguments
+from render_service.derender.choice_shapes import whole_arguments
 from render_service.derender.logprobs import tokens_as_token_ids
 from render_service.gateway.responses import coalesce
 from render_service.gateway.stop_strings import StopMatcher
@@ -306,8 +306,7 @@ class ResponsesResponder(_ApiResponder):
         out = self.out
         status, incomplete = status_of(out.finish_reason)
         usage = self.shape.usage(out.tokens, out.reasoning_tokens())
-        ascii_only = out.pipeline.config.tool_parser == "openai"  # as chat's answers
-        items = self.shape.items(out.blocks, out.texts, status, lambda raw: final_arguments(raw, ascii_only))
+        items = self.shape.items(out.blocks, out.texts, status, whole_arguments(out.pipeline.config.tool_parser))
         return self._finished(self.shape.response(status, items, usage, incomplete))
 
 

@@ -34,6 +34,7 @@ from token_engine.core.engine import AsyncEngine, RequestUpdate
 from token_engine.core.scheduler import GRAMMAR_VIOLATION
 from token_engine.core.sequence import TokenLogprob
 from token_engine.http import protocol as p
+from token_engine.http.protocol import error_response
 from token_engine.http.request_error import RequestError
 from token_engine.http.validation import validate_generate_request
 from token_engine.kv_connector.base import KV_LOAD_FAILED, KV_PARAMS_REFUSED
@@ -71,10 +72,6 @@ def error_status(engine_error: str) -> int:
     if engine_error.startswith(KV_PARAMS_REFUSED):  # the caller's kv_transfer_params: not the lease's
         return 400
     return 400 if engine_error == GRAMMAR_VIOLATION else 500
-
-
-def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
-    return p.error_response(message, status, param)
 
 
 def encode_logprobs(entries: list[TokenLogprob], legacy: bool):

@@ -31,10 +31,6 @@ def rl_control_enabled(flag: bool | None) -> bool:
     return flag if flag is not None else os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
 
 
-def _error(message: str, status: int = 400, param: str | None = None) -> Response:
-    return error_response(message, status, param)
-
-
 async def _body(request: Request) -> dict[str, Any]:
     """The JSON object sent, or {} for an empty body (vLLM's start_weight_update takes none)."""
     body = bytearray()
@@ -111,11 +107,11 @@ def _handler(fn):
     async def handler(request: Request) -> Response:
         ctl = control(request)
         if not ctl.engine.is_alive():  # control work runs on the engine thread: nobody would answer
-            return _error("the engine is not running", 503)
+            return error_response("the engine is not running", 503)
         try:
             return await fn(request, ctl)
         except WeightUpdateError as exc:
-            return _error(exc.message, exc.status, exc.param)
+            return error_response(exc.message, exc.status, exc.param)
 
     return handler
 
@@ -124,7 +120,7 @@ def _handler(fn):
 async def pause(request: Request, ctl: ControlState) -> Response:
     mode = request.query_params.get("mode", "abort")
     if mode not in PAUSE_MODES:
-        return _error(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        return error_response(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
     await ctl.pause(mode)
     return JSONResponse({"status": "paused"})
 
@@ -143,7 +139,7 @@ async def abort_requests(request: Request, ctl: ControlState) -> Response:
     body = await _body(request)
     ids = body.get("request_ids")
     if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
-        return _error("request_ids must be a list of strings", param="request_ids")
+        return error_response("request_ids must be a list of strings", param="request_ids")
     if not ids:
         return JSONResponse({"status": "aborted", "aborted": await ctl.abort_all()})
     state = ctl.server
@@ -163,10 +159,10 @@ async def init_weight_transfer_engine(request: Request, ctl: ControlState) -> Re
     body = await _body(request)
     init_info = body.get("init_info")
     if not isinstance(init_info, dict):
-        return _error("init_info (an object) is required", param="init_info")
+        return error_response("init_info (an object) is required", param="init_info")
     backend = body.get("backend")
     if backend is not None and not isinstance(backend, str):
-        return _error("backend must be a string", param="backend")
+        return error_response("backend must be a string", param="backend")
     async with ctl.lock:
         await ctl.run(lambda llm: ctl.weights.init_transfer(init_info, backend))
     return JSONResponse({"message": "Weight transfer initialized"})
@@ -189,7 +185,7 @@ async def update_weights(request: Request, ctl: ControlState) -> Response:
     body = await _body(request)
     update_info = body.get("update_info")
     if not isinstance(update_info, dict):
-        return _error("update_info (an object) is required", param="update_info")
+        return error_response("update_info (an object) is required", param="update_info")
     async with ctl.lock:
         await ctl.run(lambda llm: ctl.weights.update(update_info))
     return JSONResponse({"message": "Weights updated"})
@@ -199,7 +195,7 @@ async def finish_weight_update(request: Request, ctl: ControlState) -> Response:
     body = await _body(request)
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
-        return _error("weight_version must be a string", param="weight_version")
+        return error_response("weight_version must be a string", param="weight_version")
     async with ctl.lock:
         await ctl.run(lambda llm: ctl.weights.finish(version))
     return JSONResponse({"message": "Weight update finished"})
@@ -209,7 +205,7 @@ async def update_weight_version(request: Request, ctl: ControlState) -> Response
     body = await _body(request)
     version = body.get("new_version")
     if not isinstance(version, str):
-        return _error("new_version (a string) is required", param="new_version")
+        return error_response("new_version (a string) is required", param="new_version")
     await ctl.run(lambda llm: ctl.weights.set_version(version))
     return JSONResponse({"success": True, "new_version": version})
 
@@ -222,14 +218,14 @@ async def weight_checker(request: Request, ctl: ControlState) -> Response:
     body = await _body(request)
     action, baseline = body.get("action"), body.get("baseline")
     if action not in ("checksum", "reset", "compare"):
-        return _error("action must be one of checksum, reset, compare", param="action")
+        return error_response("action must be one of checksum, reset, compare", param="action")
     if action == "reset":
         async with ctl.lock:
             await ctl.run(lambda llm: ctl.weights.reset())
         return JSONResponse({"status": "reset"})
     if action == "compare" and not (isinstance(baseline, dict)
                                     and all(isinstance(v, str) for v in baseline.values())):
-        return _error("action='compare' requires a 'baseline' object of name -> checksum", param="baseline")
+        return error_response("action='compare' requires a 'baseline' object of name -> checksum", param="baseline")
     sums = await ctl.run(lambda llm: ctl.weights.checksums())
     if action == "checksum":
         return JSONResponse({"checksums": sums})
@@ -248,12 +244,12 @@ async def collective_rpc(request: Request, ctl: ControlState) -> Response:
     body = await _body(request)
     method, kwargs = body.get("method"), body.get("kwargs") or {}
     if method != "reload_weights":
-        return _error(f"method {method!r} is not offered (reload_weights is)", param="method")
+        return error_response(f"method {method!r} is not offered (reload_weights is)", param="method")
     if not isinstance(kwargs, dict) or not isinstance(kwargs.get("weights_path"), str):
-        return _error("kwargs.weights_path (a checkpoint directory) is required", param="weights_path")
+        return error_response("kwargs.weights_path (a checkpoint directory) is required", param="weights_path")
     version = kwargs.get("weight_version")
     if version is not None and not isinstance(version, str):
-        return _error("kwargs.weight_version must be a string", param="weight_version")
+        return error_response("kwargs.weight_version must be a string", param="weight_version")
     async with ctl.lock:
         await ctl.run(lambda llm: ctl.weights.reload(kwargs["weights_path"], version))
     return JSONResponse({"results": [None]})
@@ -268,9 +264,9 @@ async def reset_prefix_cache_route(request: Request, ctl: ControlState) -> Respo
 async def sleep(request: Request, ctl: ControlState) -> Response:
     level_text, mode = request.query_params.get("level", "1"), request.query_params.get("mode", "abort")
     if level_text not in ("0", "1", "2"):
-        return _error(f"level must be 0, 1 or 2, got {level_text!r}", param="level")
+        return error_response(f"level must be 0, 1 or 2, got {level_text!r}", param="level")
     if mode not in PAUSE_MODES:
-        return _error(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        return error_response(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
     level = int(level_text)
     async with ctl.lock:
         await ctl.pause(mode)
