@@ -105,9 +105,13 @@ def test_every_template_renders_every_conversation_as_plain_jinja(name):
     for case, messages, kwargs in CASES:
         assert type(messages) is PlainMessages
         expected = _vanilla_render(vanilla, messages, kwargs)
-        # prepared messages (taken without a second copy), and the same messages as a plain list (copied)
-        assert _our_render(template, messages, kwargs) == expected, case
-        assert _our_render(template, list(messages), kwargs) == expected, case
+        # prepared messages (taken without a second copy), and the same messages as a plain list (copied); a
+        # template that prints the clock (strftime_now) is rendered again where a second ticked in between
+        for given in (messages, list(messages)):
+            ours = _our_render(template, given, kwargs)
+            if ours != expected:
+                expected = _vanilla_render(vanilla, messages, kwargs)
+            assert ours == expected, case
         rendered += not expected.startswith("refused")
     assert rendered >= len(CASES) // 2  # most conversations render (refusals are compared too)
 
