@@ -12,6 +12,7 @@ A second SIGTERM/SIGINT exits at once.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
@@ -34,6 +35,8 @@ DRAINING_BODY = (b'{"error":{"message":"The server is shutting down; retry on an
                  b'"type":"ServiceUnavailableError","param":null,"code":503}}')
 # Connection: close moves a keep-alive client to another replica on its next request.
 DRAINING_HEADERS = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1")]
+# How long a draining process that stopped accepting still reads requests on connections it already accepted.
+ACCEPTED_REQUEST_SETTLE_SECONDS = 0.5
 
 
 class RequestTiming(Protocol):
@@ -200,6 +203,16 @@ class DrainingServer(uvicorn.Server):
         if lc.draining and not self.should_exit and lc.drained():
             self.should_exit = True
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        # Workers of one pre-forked server share a listening socket: this process may have accepted a connection
+        # (a probe sent right after the SIGTERM) whose request has not been read yet. uvicorn's shutdown would
+        # close it unanswered; stop accepting first and give such requests a moment to arrive and get their 503.
+        if self.lifecycle.draining and not self.force_exit:
+            for server in self.servers:
+                server.close()
+            await asyncio.sleep(ACCEPTED_REQUEST_SETTLE_SECONDS)
+        await super().shutdown(sockets)
 
 
 def wrap_app(app: Any, lifecycle: Lifecycle, *, access_log: bool = True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -108,6 +109,27 @@ def test_gateway_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
         assert httpx.get(engine.url + "/health", timeout=30).status_code == 200
         state = wait_until_idle(engine.url)
         assert state["num_free_blocks"] == state["num_blocks"]
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def test_prefork_gateway_answers_every_probe_while_its_workers_exit(model):
+    """Pre-forked workers share one listening socket, and an idle worker exits first: a probe it had accepted
+    just before must still get its 503, not a closed connection."""
+    engine = engine_process(model)
+    gateway = gateway_process(model, ["--engine", engine.url, "--workers", "2", "--shutdown-grace-seconds", "60"])
+    try:
+        held_body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 4, "temperature": 0}
+        held = HeldRequest(gateway.url + "/v1/completions", httpx.Request("POST", "/", json=held_body).content)
+        gateway.proc.send_signal(signal.SIGTERM)
+        statuses = []
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            statuses.append(httpx.get(gateway.url + "/health", timeout=30).status_code)
+        assert statuses and set(statuses) == {503}
+        assert held.result().status_code == 200
+        assert gateway.proc.wait(60) == 0, gateway.log_tail()
     finally:
         gateway.stop()
         engine.stop()
