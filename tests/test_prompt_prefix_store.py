@@ -75,8 +75,7 @@ def test_store_stays_under_its_byte_bound(qwen_fast):  # noqa: F811
         assert encoder.encode(text) == ref(qwen_fast, text)
         assert store.bytes <= store.max_bytes
     assert 0 < len(store) < 60
-    sizes = [size for _, size, _ in store._prompts.values()]
-    assert store.bytes == sum(sizes)
+    assert store.stats().evictions == 60 - len(store)  # every prompt was kept, the oldest dropped to fit
 
 
 def test_prompts_sharing_a_system_prompt_each_find_their_own_turn(qwen_fast):  # noqa: F811
@@ -104,7 +103,9 @@ def test_stored_prompts_leave_the_garbage_collectors_tracking(qwen_fast):  # noq
     assert encoder.encode(text + "<|im_end|>") == ref(qwen_fast, text + "<|im_end|>")
     gc.collect()
     assert encoder.prefixes is not None
-    (prompt, _, _), = encoder.prefixes._prompts.values()
+    reuse = encoder.prefixes.find(text + "<|im_end|>")
+    assert reuse is not None and len(encoder.prefixes) == 1
+    prompt = reuse.prompt
     assert not any(gc.is_tracked(part) for part in prompt)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from functools import lru_cache
 
 import msgspec
@@ -15,6 +16,7 @@ from render_service.render.render_config import load_render_config
 from render_service.streaming_cache.cache import ENTRY_OVERHEAD_BYTES, StreamingCache, history_key
 from render_service.streaming_cache.session import STATE_KEY, StreamRuntime
 from render_service.wire.protocol import DerenderChatStreamRequest
+from tests.render_harness import RenderServer
 from tests.shared_paths import SHARED as SHARED_DIR
 from tests.test_derender_stream import PARSER_FLAGS, render_server
 
@@ -187,6 +189,27 @@ def test_state_written_by_vllm_is_continued_correctly():
     assert ours_args == theirs_args
     # one replay for vLLM's state; after that our compact key (kept alongside) continues without the cache
     assert (rt.cache.misses, rt.cache.hits) == (1, 0)
+
+
+def _history_lookups(metrics_text: str, result: str) -> float:
+    found = re.search(rf'^splitserve_render_cache_lookups_total{{cache="stream_history",result="{result}"}} (\S+)$',
+                      metrics_text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_history_cache_lookups_show_on_metrics():
+    """A vLLM-fields client through a real server: its continuations are hits of ``stream_history`` on /metrics
+    (the counters are per process: compared before and after)."""
+    with RenderServer(config()) as server:
+        before = server.client.get("/metrics").text
+        state = dict(VLLM_EMPTY)
+        for body in steps():
+            answer = server.client.post("/v1/chat/completions/derender", json=dict(body, stream_state=state))
+            assert answer.status_code == 200
+            state = {k: v for k, v in answer.json()["stream_state"].items() if k != STATE_KEY}
+        after = server.client.get("/metrics").text
+    assert _history_lookups(after, "hit") - _history_lookups(before, "hit") == len(steps()) - 1
+    assert re.search(r'^splitserve_render_cache_max_bytes{cache="output_texts"} [1-9]', after, re.M)
 
 
 @pytest.mark.slow

@@ -25,14 +25,16 @@ TOJSON_SHARE_DIVISOR = 32
 OBSERVE_EVERY_S = 1.0
 
 CACHE_LOOKUPS = Counter("splitserve_render_cache_lookups_total",
-                        "Render cache lookups by cache (piece, prompt_store, memo, body_store, tojson) and result.",
+                        "Render cache lookups by cache (piece, prompt_store, memo, body_store, tojson; stream_history, "
+                        "output_texts, images outside the budget) and result.",
                         ["cache", "result"])
 CACHE_EVICTIONS = Counter("splitserve_render_cache_evictions_total",
                           "Entries a render cache dropped to stay within its bytes.", ["cache"])
 CACHE_BYTES = Gauge("splitserve_render_cache_bytes", "Estimated bytes a render cache holds.", ["cache"],
                     multiprocess_mode="livesum")
-CACHE_MAX_BYTES = Gauge("splitserve_render_cache_max_bytes", "A render cache's share of --render-cache-bytes.",
-                        ["cache"], multiprocess_mode="livesum")
+CACHE_MAX_BYTES = Gauge("splitserve_render_cache_max_bytes",
+                        "A render cache's bound: its share of --render-cache-bytes, or its own.", ["cache"],
+                        multiprocess_mode="livesum")
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,33 @@ class ByteLRU(Generic[K, V]):
             self.bytes -= entry[1]
             return entry[0]
 
+    def take(self, key: K) -> V | None:
+        """Checks ``key``'s entry out: drops it and returns its value (a hit), else None (a miss). Two threads
+        taking one key cannot both get its value."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                self.misses += 1
+                return None
+            self.bytes -= entry[1]
+            self.hits += 1
+            return entry[0]
+
+    def drop_oldest_while(self, stale: Callable[[V], bool]) -> None:
+        """Drops entries from the least recently used end while ``stale(value)`` holds (an expiry: where values
+        are only put and taken, that end holds the oldest); counted as evictions."""
+        entries = self._entries
+        with self._lock:
+            while entries:
+                key, (value, size) = next(iter(entries.items()))
+                if not stale(value):
+                    break
+                del entries[key]
+                self.bytes -= size
+                self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(value)
+
     def _shrink(self) -> None:
         """Drops the least recently used entries past the bound (the lock held)."""
         entries = self._entries

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from render_service.apis.derender import OUTPUT_TEXTS
 from render_service.apis.endpoints import api_routes
 from render_service.derender.batch import derender_chat, derender_completion
 from render_service.derender.stream import StreamRuntime, derender_chat_stream, derender_completion_stream
@@ -365,6 +366,11 @@ def create_app(
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
     state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key),
                         render_queue=RenderQueue(max_queued_requests), multimodal=multimodal)
+    if config.caches is not None:  # the caches outside --render-cache-bytes show on /metrics beside the others
+        config.caches.register("stream_history", state.stream_runtime.cache.stats)
+        config.caches.register("output_texts", OUTPUT_TEXTS.stats)
+        if multimodal is not None:
+            config.caches.register("images", multimodal.pool.cache.stats)
     routes = own_routes()
     if gateway is not None:
         routes += gateway_routes(gateway, config, state.render_queue)

@@ -11,12 +11,12 @@ import math
 import multiprocessing
 import os
 import time
-from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import msgspec
 
+from render_service.caches.byte_lru import ByteLRU
 from render_service.http.errors import ApiError
 from render_service.multimodal.bounds import ImageHeader, decode_rgb
 from render_service.multimodal.families import VisionFamily
@@ -76,10 +76,9 @@ class ImagePool:
         self.max_pending = max_pending
         self.pending = 0
         self._work_s = 0.02  # moving average of one image's work, for Retry-After
-        self._cache: OrderedDict[tuple[str, bool], ProcessedImage] = OrderedDict()
-        self._cache_bytes = 0
-        self.cache_limit_bytes = cache_bytes
-        self.cache_limit_entries = cache_entries
+        # Results by (content hash, tensors or not); one image as large as the whole bound is still kept.
+        self.cache: ByteLRU[tuple[str, bool], ProcessedImage] = ByteLRU(
+            cache_bytes, max_entry_bytes=cache_bytes, max_entries=cache_entries)
         self._inflight: dict[tuple[str, bool], asyncio.Future[ProcessedImage]] = {}
         self.processed = 0  # images that went to a worker (the rest came from the cache or a twin in flight)
 
@@ -96,7 +95,7 @@ class ImagePool:
 
     def known(self, key: str, tensors: bool) -> bool:
         """Whether ``key``'s result is cached or being computed (it then costs the queue nothing)."""
-        return (key, tensors) in self._cache or (key, tensors) in self._inflight
+        return (key, tensors) in self.cache or (key, tensors) in self._inflight
 
     def admit(self, count: int) -> None:
         """A 429 with Retry-After when ``count`` more images would pass ``max_pending``."""
@@ -108,9 +107,8 @@ class ImagePool:
     async def process(self, key: str, data: bytes, header: ImageHeader, family: VisionFamily, model_id: str,
                       tensors: bool, normalize: bool = False) -> ProcessedImage:
         cache_key = (key, tensors)
-        hit = self._cache.get(cache_key)
+        hit = self.cache.get(cache_key)
         if hit is not None:
-            self._cache.move_to_end(cache_key)
             return hit
         twin = self._inflight.get(cache_key)
         if twin is not None:
@@ -144,17 +142,8 @@ class ImagePool:
             self._work_s += (time.perf_counter() - started - self._work_s) * 0.1
         self.processed += 1
         future.set_result(result)
-        self._remember(cache_key, result)
+        self.cache.put(cache_key, result, result.nbytes)
         return result
-
-    def _remember(self, key: tuple[str, bool], result: ProcessedImage) -> None:
-        if result.nbytes > self.cache_limit_bytes:
-            return
-        self._cache[key] = result
-        self._cache_bytes += result.nbytes
-        while self._cache_bytes > self.cache_limit_bytes or len(self._cache) > self.cache_limit_entries:
-            _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.nbytes
 
     def warm_up(self) -> None:
         """Start every worker now (spawned workers import numpy and Pillow: seconds, not on a request)."""

@@ -17,12 +17,12 @@ request id is not kept.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from render_service.caches.byte_lru import ByteLRU, CacheStats
 
 # What one entry costs besides its value: the key tuple, its digest, the OrderedDict node, the stamp.
 ENTRY_OVERHEAD_BYTES = 256
@@ -60,59 +60,50 @@ class StreamingCache(Generic[V]):
         self.ttl_s = ttl_s
         self._clock = clock
         self._weigh = weigh
-        self._entries: OrderedDict[tuple[Any, ...], tuple[float, V, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0  # what the entries weigh (values plus ENTRY_OVERHEAD_BYTES each)
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
+        # (stamp, value) by key. Entries are only put and taken, never moved, so the least recently used end
+        # holds the oldest stamps and expiry stops at the first live one.
+        self._entries: ByteLRU[tuple[Any, ...], tuple[float, V]] = ByteLRU(
+            max_bytes, max_entry_bytes=max_bytes, max_entries=max_entries)
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        """What the entries weigh (values plus ENTRY_OVERHEAD_BYTES each)."""
+        return self._entries.bytes
+
+    @property
+    def hits(self) -> int:
+        return self._entries.hits
+
+    @property
+    def misses(self) -> int:
+        return self._entries.misses
+
+    @property
+    def evictions(self) -> int:
+        """Entries dropped for room or expired."""
+        return self._entries.evictions
+
+    def stats(self) -> CacheStats:
+        return self._entries.stats()
+
     def take(self, key: tuple[Any, ...]) -> V | None:
         """Check an entry out (it leaves the cache); None on a miss or when it expired."""
-        now = self._clock()
-        with self._lock:
-            item = self._entries.pop(key, None)
-            if item is None:
-                self.misses += 1
-                return None
-            self.bytes -= item[2]
-            if now - item[0] > self.ttl_s:
-                self.misses += 1
-                return None
-            self.hits += 1
-            return item[1]
+        self._expire()
+        item = self._entries.take(key)
+        return None if item is None else item[1]
 
     def put(self, key: tuple[Any, ...], value: V) -> None:
         weight = self._weigh(value) + ENTRY_OVERHEAD_BYTES
-        now = self._clock()
-        with self._lock:
-            self._drop(key)
-            if weight > self.max_bytes:
-                return  # could never fit: the caller's miss path runs instead
-            self._entries[key] = (now, value, weight)
-            self.bytes += weight
-            self._expire(now)
-            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-                self._drop(next(iter(self._entries)))
-                self.evictions += 1
+        self._entries.pop(key)  # a value that cannot fit must not leave the older one behind either
+        self._entries.put(key, (self._clock(), value), weight)  # too heavy: the caller's miss path runs instead
+        self._expire()
 
     def discard(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._drop(key)
+        self._entries.pop(key)
 
-    def _drop(self, key: tuple[Any, ...]) -> None:
-        item = self._entries.pop(key, None)
-        if item is not None:
-            self.bytes -= item[2]
-
-    def _expire(self, now: float) -> None:
-        # Oldest first: stop at the first entry still alive (insertion order == age order).
-        while self._entries:
-            key, (stamp, _, _) = next(iter(self._entries.items()))
-            if now - stamp <= self.ttl_s:
-                break
-            self._drop(key)
-            self.evictions += 1
+    def _expire(self) -> None:
+        oldest_alive = self._clock() - self.ttl_s
+        self._entries.drop_oldest_while(lambda item: item[0] < oldest_alive)

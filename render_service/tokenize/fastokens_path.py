@@ -18,9 +18,10 @@ import os
 import sys
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from render_service.caches.byte_lru import ByteLRU
 
 # fastokens can spread one long encode over worker threads that spin while they wait for work. A render
 # worker has concurrency of its own and is sized by CPU, so each encode stays on its caller's thread.
@@ -33,10 +34,11 @@ BACKEND_ENV = "SPLITSERVE_TOKENIZER_BACKEND"
 BACKENDS = ("auto", "tiktoken", "tokenizers")
 
 # One instance per tokenizer.json (by sha256) per process: every live TextTokenizer of a file shares it
-# (_live), and the last few files loaded stay built after their tokenizers are gone (_recent).
+# (_live), and the last few files loaded stay built after their tokenizers are gone (_recent: bounded by count,
+# an instance's real size being fastokens' own business).
 _RECENT_LIMIT = 4
 _live: weakref.WeakValueDictionary[str, _Native] = weakref.WeakValueDictionary()
-_recent: OrderedDict[str, _Native] = OrderedDict()
+_recent: ByteLRU[str, _Native] = ByteLRU(sys.maxsize, max_entry_bytes=sys.maxsize, max_entries=_RECENT_LIMIT)
 _shared_lock = threading.Lock()
 
 
@@ -155,7 +157,5 @@ def _shared_instance(data: bytes, sha256: str | None) -> _Native:
 
 
 def _remember(sha256: str, holder: _Native) -> None:
-    _recent[sha256] = holder
-    _recent.move_to_end(sha256)
-    while len(_recent) > _RECENT_LIMIT:
-        _recent.popitem(last=False)
+    if _recent.get(sha256) is None:
+        _recent.put(sha256, holder, 1)

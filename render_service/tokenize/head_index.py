@@ -12,11 +12,10 @@ dropped at once. Per process, shared by the render lanes (one lock); the values 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
-from render_service.caches.byte_lru import CacheStats
+from render_service.caches.byte_lru import ByteLRU, CacheStats
 
 BUCKET = 4
 _KEY_OVERHEAD = 150  # a bucket key's tuple, its window's header and a dict slot, besides the window itself
@@ -32,16 +31,27 @@ class HeadIndex(Generic[V, Head]):
         self.max_bytes = max_bytes
         self.base = base
         self.window = window
-        self.bytes = 0
         self.reused = 0  # lookups whose candidates served, since start (``touch``)
         self.lookups = 0  # lookups since start (``candidates``)
-        self.evictions = 0  # values dropped to stay within ``max_bytes``
-        self._values: OrderedDict[int, tuple[V, int, list[tuple[int, Head]]]] = OrderedDict()
+        # The values by identity, with the bucket keys each is filed under; an eviction unfiles the value.
+        self._values: ByteLRU[int, tuple[V, list[tuple[int, Head]]]] = ByteLRU(
+            max_bytes, max_entry_bytes=max_bytes // 4, on_evict=self._unfile)
         self._buckets: dict[tuple[int, Head], list[V]] = {}
+        # Guards the buckets. Writes take it before the ByteLRU's own lock, so an eviction's unfiling
+        # (on_evict, run under that lock) never races a lookup's read of a bucket.
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._values)
+
+    @property
+    def bytes(self) -> int:
+        return self._values.bytes
+
+    @property
+    def evictions(self) -> int:
+        """Values dropped to stay within ``max_bytes``."""
+        return self._values.evictions
 
     def checkpoints(self, length: int) -> list[int]:
         """base, 2 * base, ... up to ``length``, largest first."""
@@ -67,38 +77,31 @@ class HeadIndex(Generic[V, Head]):
 
     def touch(self, value: V) -> None:
         """``value`` served a lookup: the most recently used now."""
-        with self._lock:
-            if id(value) in self._values:
-                self._values.move_to_end(id(value))
-            self.reused += 1
+        self._values.get(id(value))
+        self.reused += 1
 
     def add(self, value: V, head: Head, size: int, replaces: V | None = None) -> None:
         """Files ``value`` under ``head``'s checkpoints (if it is long enough and ``size``, its estimate, fits in
         a quarter of the bound: one huge value must not flush every other); drops ``replaces`` first."""
         keys = [self._key(head, point) for point in self.checkpoints(len(head))]
-        size += sum(_KEY_OVERHEAD + (len(w) if isinstance(w, bytes) or w.isascii() else 4 * len(w)) for _, w in keys)
-        if not keys or size > self.max_bytes // 4:
+        if not keys:
             return
+        size += sum(_KEY_OVERHEAD + (len(w) if isinstance(w, bytes) or w.isascii() else 4 * len(w)) for _, w in keys)
         with self._lock:
             if replaces is not None:
-                self._drop(id(replaces))
-            self._values[id(value)] = (value, size, keys)
-            self.bytes += size
+                dropped = self._values.pop(id(replaces))
+                if dropped is not None:
+                    self._unfile(dropped)
+            if not self._values.put(id(value), (value, keys), size):
+                return
             for key in keys:
                 bucket = self._buckets.setdefault(key, [])
                 bucket.insert(0, value)
                 if len(bucket) > BUCKET:
                     del bucket[BUCKET:]  # still filed under its larger checkpoints
-            while self.bytes > self.max_bytes:
-                self._drop(next(iter(self._values)))
-                self.evictions += 1
 
-    def _drop(self, key: int) -> None:
-        entry = self._values.pop(key, None)
-        if entry is None:
-            return
-        value, size, keys = entry
-        self.bytes -= size
+    def _unfile(self, entry: tuple[V, list[tuple[int, Head]]]) -> None:
+        value, keys = entry
         for bucket_key in keys:
             bucket = self._buckets.get(bucket_key)
             if bucket is None:

@@ -99,10 +99,6 @@ class PrefixStore(HeadStore[StoredPrompt, str]):
     def __init__(self, max_bytes: int, base: int = 1024) -> None:
         super().__init__(max_bytes, base, WINDOW)
 
-    @property
-    def _prompts(self) -> dict[int, tuple[StoredPrompt, int, list[tuple[int, str]]]]:
-        return self._index._values
-
     def find(self, text: str) -> Reuse | None:
         """The stored prompt and cut that reuse the most of ``text``; None when nothing worth a lookup is found."""
         for candidates in self._index.candidates(text):
