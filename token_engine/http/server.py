@@ -270,7 +270,7 @@ class Generation:
         want_top = self.wants_logprobs
         if not self.req.return_token_logprobs:
             return encode_logprobs(entries, self.legacy_logprobs) if want_top else None
-        # vLLM's fast path: just the sampled tokens' logprobs, as a flat list.
+        # vLLM's fast path: just the sampled tokens' logprobs, as a flat list (streamed: this chunk's tokens').
         out = encode_logprobs(entries, legacy=False) if want_top else p.GenerateLogProbs(content=None)
         out.sampled = [_clamp(e.logprob) for e in entries]
         return out
@@ -279,7 +279,6 @@ class Generation:
         opts = self.req.stream_options
         include_usage = bool(opts is not None and opts.include_usage)
         continuous = bool(opts is not None and opts.continuous_usage_stats)
-        want_logprobs = self.wants_logprobs
         counts = [0] * self.n
         first = True
         try:
@@ -293,8 +292,7 @@ class Generation:
                     counts[d.index] += len(d.token_ids)
                     choice = p.GenerateStreamChoice(
                         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason,
-                        logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
+                        stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs))
                     if d.finish_reason is not None:
                         choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
                     if update.kv_transfer_params is not None and d is update.deltas[-1]:

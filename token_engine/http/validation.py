@@ -84,8 +84,6 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         raise RequestError("This engine serves text models: multimodal inputs (features, content_parts) are not "
                            "supported; send image requests to an engine with the model's vision encoder.",
                            "features" if req.features is not None else "content_parts")
-    if req.return_token_logprobs and req.stream:
-        raise RequestError("return_token_logprobs is not supported with stream=true.", "return_token_logprobs")
     if not -INT64_MAX - 1 <= req.priority <= INT64_MAX:
         raise RequestError("priority must fit in a signed 64-bit integer.", "priority")
     if req.logprobs_format not in (None, "ids", "token_id_strings"):
