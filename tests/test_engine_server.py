@@ -206,6 +206,15 @@ def test_streamed_return_token_logprobs_carry_each_chunks_tokens_and_add_up_to_t
     assert [lp for c in chunks for lp in c["logprobs"]["sampled"]] == whole["logprobs"]["sampled"]
 
 
+def test_bad_words_without_a_tokenizer_in_the_model_directory_are_a_400_that_says_so(client):
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "bad_words": ["blue"]}}
+    for stream in (False, True):
+        r = generate(client, {**body, "stream": stream})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == "sampling_params.bad_words" and "no tokenizer.json" in error["message"]
+
+
 def test_legacy_logprobs_shape_uses_token_id_strings(client):
     params = {"temperature": 0, "max_tokens": 2, "logprobs": 1, "ignore_eos": True}
     choice = generate(client, {"token_ids": PROMPT, "sampling_params": params,

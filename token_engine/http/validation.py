@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from msgspec import UNSET
 
 from splitserve_common.limits import kv_transfer_params_violation
+from token_engine.core.bad_words import bad_words_violation
 from token_engine.core.sequence import SamplingOptions
 from token_engine.http.protocol import GenerateRequest
 from token_engine.http.request_error import RequestError
@@ -94,9 +95,13 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     if stop:  # "" and [] are "no stop strings"
         raise RequestError("stop strings are not supported on a tokens-only engine; use stop_token_ids.",
                            "sampling_params.stop")
-    if sp.bad_words:
-        raise RequestError("bad_words are strings and are not supported on a tokens-only engine.",
-                           "sampling_params.bad_words")
+    if sp.bad_words:  # tokenized by the server (core/bad_words.py): only the bounded checks here
+        wrong = bad_words_violation(sp.bad_words)
+        if wrong:
+            raise RequestError(wrong, "sampling_params.bad_words")
+        if sp.trace_decode_token_ids is not None:
+            raise RequestError("trace_decode_token_ids is not supported with bad_words.",
+                               "sampling_params.trace_decode_token_ids")
     structured = None
     if sp.structured_outputs is not None:
         try:
