@@ -83,6 +83,13 @@ def test_tokenizing_refuses_blank_words_too_many_words_and_a_missing_tokenizer(t
         words.token_ids([f"w{i}" for i in range(MAX_BAD_WORDS // 2 + 1)])  # each has a spaced form too
     with pytest.raises(BadWordsError, match="no tokenizer.json"):
         BadWordsTokenizer(tmp_path, VOCAB).token_ids(["blue"])
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    broken = BadWordsTokenizer(tmp_path, VOCAB)
+    with pytest.raises(BadWordsError, match="could not be loaded"):
+        broken.token_ids(["blue"])
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(BadWordsError, match="could not be loaded"):  # remembered, not read again per request
+        broken.token_ids(["blue"])
 
 
 def test_the_ban_needs_the_words_other_tokens_at_the_end_of_the_output_not_the_prompt():

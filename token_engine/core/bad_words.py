@@ -36,6 +36,7 @@ class BadWordsTokenizer:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._tokenizer: Tokenizer | None = None
+        self._broken: str | None = None  # why tokenizer.json did not load: not parsed again per request
 
     def token_ids(self, words: Sequence[str]) -> BadWordsIds:
         """The banned sequences for ``words`` (already checked by bad_words_violation); BadWordsError."""
@@ -66,17 +67,18 @@ class BadWordsTokenizer:
     def _load(self) -> Tokenizer:
         with self._lock:
             if self._tokenizer is None:
-                if not self.path.is_file():
-                    raise BadWordsError("bad_words need the model's tokenizer to find their token ids, and this "
-                                        "engine's model directory has no tokenizer.json; ban token ids with "
-                                        "logit_bias instead.")
+                if self._broken is None and not self.path.is_file():
+                    self._broken = ("bad_words need the model's tokenizer to find their token ids, and this engine's "
+                                    "model directory has no tokenizer.json; ban token ids with logit_bias instead.")
+                if self._broken is not None:
+                    raise BadWordsError(self._broken)
                 from tokenizers import Tokenizer
 
                 try:
                     self._tokenizer = Tokenizer.from_file(str(self.path))
                 except Exception as exc:  # noqa: BLE001 - a broken file still gets a clear answer, not a 500
-                    raise BadWordsError(f"bad_words: the model's tokenizer.json could not be loaded "
-                                        f"({type(exc).__name__}).") from None
+                    self._broken = f"bad_words: the model's tokenizer.json could not be loaded ({type(exc).__name__})."
+                    raise BadWordsError(self._broken) from None
             return self._tokenizer
 
 
