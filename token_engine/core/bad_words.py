@@ -3,8 +3,8 @@
 As vLLM's ``SamplingParams.update_from_tokenizer``: each word (leading spaces stripped) is tokenized as is
 and with one leading space, the spaced form kept only when it starts with another token and has as many
 tokens; a sequence's last token is banned at a step whose most recent output tokens are the rest of it
-(prompt tokens never count, as vLLM's logits processor). The engine never sees text: the words are
-tokenized with the model directory's tokenizer.json, loaded by the first request that has bad words.
+(prompt tokens never count, as vLLM's logits processor). Bad words are the one text an engine request
+carries: they are tokenized with the model directory's tokenizer.json, loaded by the first request that has them.
 """
 
 from __future__ import annotations
