@@ -189,7 +189,30 @@ def test_return_token_logprobs_gives_the_sampled_logprobs_as_a_flat_list(client)
     with_top = generate(client, {**body, "sampling_params": {**body["sampling_params"], "logprobs": 1}}).json()
     content = with_top["choices"][0]["logprobs"]["content"]
     assert [e["logprob"] for e in content] == pytest.approx(sampled)
-    assert generate(client, {**body, "stream": True}).status_code == 400
+
+
+def test_streamed_return_token_logprobs_carry_each_chunks_tokens_and_add_up_to_the_whole_answer(client):
+    body = {"token_ids": PROMPT, "return_token_logprobs": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
+    whole = generate(client, body).json()["choices"][0]
+    with client.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = [e["choices"][0] for e in sse_events(r)[:-1] if e["choices"]]
+    assert len([c for c in chunks if c["token_ids"]]) > 1  # the answer really came in pieces
+    for c in chunks:
+        assert c["logprobs"]["content"] is None
+        assert len(c["logprobs"]["sampled"]) == len(c["token_ids"])
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert [lp for c in chunks for lp in c["logprobs"]["sampled"]] == whole["logprobs"]["sampled"]
+
+
+def test_bad_words_without_a_tokenizer_in_the_model_directory_are_a_400_that_says_so(client):
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "bad_words": ["blue"]}}
+    for stream in (False, True):
+        r = generate(client, {**body, "stream": stream})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == "sampling_params.bad_words" and "no tokenizer.json" in error["message"]
 
 
 def test_legacy_logprobs_shape_uses_token_id_strings(client):

@@ -49,7 +49,8 @@ def test_logit_bias_is_clamped_to_plus_minus_100():
     ({"seed": 2**70}, "sampling_params.seed"),
     ({"allowed_token_ids": []}, "sampling_params.allowed_token_ids"),
     ({"allowed_token_ids": [1000]}, "sampling_params.allowed_token_ids"),
-    ({"bad_words": ["x"]}, "sampling_params.bad_words"),
+    ({"bad_words": ["x", ""]}, "sampling_params.bad_words"),
+    ({"bad_words": ["x"], "trace_decode_token_ids": [1]}, "sampling_params.trace_decode_token_ids"),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "sampling_params.structured_outputs"),  # two kinds
     ({"prompt_logprobs": 21}, "sampling_params.prompt_logprobs"),
     ({"frequency_penalty": -3}, "sampling_params.frequency_penalty"),

@@ -127,6 +127,16 @@ def test_blocked_ids_are_never_sampled():
     assert tokens == [2]
 
 
+def test_banned_bad_word_tokens_are_never_sampled_in_their_row_only_and_logprobs_stay_raw():
+    sampler = Sampler(seed=4)
+    banning = SamplingRow(SamplingOptions(temperature=0.0, logprobs=0), [], [], None, frozenset(), banned=(1, 6))
+    tokens, lps = sampler(logits_of(BASE, BASE), [banning, row(temperature=0.0)])
+    assert tokens == [2, 1]
+    assert lps[0].logprob == pytest.approx(float(torch.tensor(BASE).log_softmax(0)[2]))
+    hot = SamplingRow(SamplingOptions(temperature=5.0), [], [], None, frozenset(), banned=(1, 6, 2))
+    assert all(sampler(logits_of(BASE), [hot])[0][0] not in (1, 6, 2) for _ in range(200))
+
+
 def test_logit_bias_and_allowed_token_ids():
     sampler = Sampler()
     tokens, _ = sampler(logits_of(BASE, BASE), [row(temperature=0.0, logit_bias=((7, 10.0),)),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from splitserve_common.block_hashes import BlockHashConfig
+from token_engine.core.bad_words import BadWordsTokenizer, banned_next_tokens
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.model_runner import ModelRunner, kv_block_bytes
 from token_engine.core.sampler import Sampler, SamplingRow
@@ -182,6 +183,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(config.tokenizer or config.model, arch.vocab_size, sorted(self.eos_token_ids),
                                         config.structured_outputs_compile_timeout_s,
                                         pool_limits=PoolLimits(workers=config.structured_outputs_compile_workers))
+        # bad_words read the same directory's tokenizer.json, on the first request that has them
+        self.bad_words = BadWordsTokenizer(config.tokenizer or config.model, arch.vocab_size)
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
         self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
@@ -326,8 +329,10 @@ class LLMEngine:
             blocked = opts.stop_token_ids | (frozenset() if opts.ignore_eos else seq.eos_token_ids)
         # Output history is only read by penalties; copying it every step would cost O(length) per token.
         history = seq.output_token_ids if opts.needs_penalties else []
+        banned = (banned_next_tokens(opts.bad_words_token_ids, seq.token_ids, seq.prompt_len)
+                  if opts.bad_words_token_ids else ())
         return SamplingRow(opts, seq.prompt_token_ids, history, seq.generator, blocked, seq.grammar,
-                           forced_token(opts, seq.num_output_tokens))
+                           forced_token(opts, seq.num_output_tokens), banned)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         k = seq.options.prompt_logprobs or 0

@@ -1,7 +1,7 @@
 """Turns a batch of logits into tokens, vectorized over the batch.
 
-Order (as vLLM v1): structured-outputs grammar mask -> logit bias / allowed ids / min_tokens masking ->
-penalties -> greedy argmax or temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
+Order (as vLLM v1): structured-outputs grammar mask -> logit bias / allowed ids / min_tokens masking /
+bad words -> penalties -> greedy argmax or temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
 Logprobs are the raw model log-softmax (vLLM's default `raw_logprobs`), before any of that processing,
 the grammar mask included; with `--logprobs-mode raw_logits` the raw logits themselves (same ranks).
 
@@ -29,6 +29,7 @@ class SamplingRow:
     stop_ids_blocked: frozenset[int]  # ids masked while min_tokens is not reached (EOS + stop ids)
     grammar: GrammarState | None = None  # structured outputs: only what the grammar allows next
     forced: int | None = None  # trace_decode_token_ids: the token emitted this step whatever was sampled
+    banned: tuple[int, ...] = ()  # bad_words whose other tokens were just generated: their last one, this step
 
 
 def with_token_ids(entry: TokenLogprob, log_probs: torch.Tensor, ids: Sequence[int]) -> TokenLogprob:
@@ -83,7 +84,7 @@ class Sampler:
         device = logits.device
         raw = logits
         edits = any(r.options.needs_penalties or r.options.logit_bias or r.options.allowed_token_ids is not None
-                    or r.stop_ids_blocked or r.grammar is not None for r in rows)
+                    or r.stop_ids_blocked or r.banned or r.grammar is not None for r in rows)
         if edits:  # never touch the caller's logits: raw ones feed the logprobs
             logits = logits.clone()
             apply_grammars_(logits, [r.grammar for r in rows])
@@ -165,6 +166,8 @@ class Sampler:
             blocked = [t for t in r.stop_ids_blocked if t < logits.shape[1]]  # EOS ids may lie past a small vocab
             if blocked:
                 logits[i].index_fill_(0, torch.tensor(blocked, device=logits.device), float("-inf"))
+            if r.banned:  # a row of its own: requests without bad words pay nothing
+                logits[i].index_fill_(0, torch.tensor(r.banned, device=logits.device), float("-inf"))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:

@@ -32,6 +32,7 @@ class SamplingOptions:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words, tokenized (core/bad_words.py)
     skip_prefix_cache: bool = False  # skip_reading_prefix_cache
     structured: GuideSpec | None = None  # structured_outputs
     structured_after_reasoning: bool = False  # reasoning_ended false: unconstrained until </think>

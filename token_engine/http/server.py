@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
 from splitserve_common.tenants import engine_caller
+from token_engine.core.bad_words import BadWordsError
 from token_engine.core.engine import AsyncEngine, RequestUpdate
 from token_engine.core.scheduler import GRAMMAR_VIOLATION
 from token_engine.core.sequence import TokenLogprob
@@ -270,7 +271,7 @@ class Generation:
         want_top = self.wants_logprobs
         if not self.req.return_token_logprobs:
             return encode_logprobs(entries, self.legacy_logprobs) if want_top else None
-        # vLLM's fast path: just the sampled tokens' logprobs, as a flat list.
+        # vLLM's fast path: just the sampled tokens' logprobs, as a flat list (streamed: this chunk's tokens').
         out = encode_logprobs(entries, legacy=False) if want_top else p.GenerateLogProbs(content=None)
         out.sampled = [_clamp(e.logprob) for e in entries]
         return out
@@ -279,7 +280,6 @@ class Generation:
         opts = self.req.stream_options
         include_usage = bool(opts is not None and opts.include_usage)
         continuous = bool(opts is not None and opts.continuous_usage_stats)
-        want_logprobs = self.wants_logprobs
         counts = [0] * self.n
         first = True
         try:
@@ -293,8 +293,7 @@ class Generation:
                     counts[d.index] += len(d.token_ids)
                     choice = p.GenerateStreamChoice(
                         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason,
-                        logprobs=encode_logprobs(d.logprobs, self.legacy_logprobs) if want_logprobs else None)
+                        stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs))
                     if d.finish_reason is not None:
                         choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
                     if update.kv_transfer_params is not None and d is update.deltas[-1]:
@@ -352,6 +351,9 @@ async def generate(request: Request) -> Response:
         if req.model is not None and req.model != state.model_name:
             return error_response(f"The model `{req.model}` does not exist.", 404, "model")
         options, n = validate_generate_request(req, state.engine.engine.limits)
+        if req.sampling_params.bad_words:  # loading and tokenizing: off the event loop
+            bad_words = await asyncio.to_thread(state.engine.engine.bad_words.token_ids, req.sampling_params.bad_words)
+            options = dataclasses.replace(options, bad_words_token_ids=bad_words)
         if options.structured is not None:  # compiled here, off the engine thread, in bounded time
             client = _caller(request)  # compile caps are per tenant (per peer without one)
             grammar = await state.engine.engine.grammars.compile_async(options.structured, client)
@@ -360,6 +362,8 @@ async def generate(request: Request) -> Response:
         return error_response(exc.message, exc.status, exc.param)
     except GrammarError as exc:  # 400; 429 over a compile cap; 503 while shutting down
         return error_response(exc.message, exc.status, exc.param)
+    except BadWordsError as exc:
+        return error_response(str(exc), 400, "sampling_params.bad_words")
     if req.return_token_logprobs and state.engine.engine.config.logprobs_mode == "raw_logits":
         return error_response("return_token_logprobs needs --logprobs-mode raw_logprobs (the server runs "
                               "raw_logits)", 400, "return_token_logprobs")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from msgspec import UNSET
 
 from splitserve_common.limits import kv_transfer_params_violation
+from token_engine.core.bad_words import bad_words_violation
 from token_engine.core.sequence import SamplingOptions
 from token_engine.http.protocol import GenerateRequest
 from token_engine.http.request_error import RequestError
@@ -84,8 +85,6 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
         raise RequestError("This engine serves text models: multimodal inputs (features, content_parts) are not "
                            "supported; send image requests to an engine with the model's vision encoder.",
                            "features" if req.features is not None else "content_parts")
-    if req.return_token_logprobs and req.stream:
-        raise RequestError("return_token_logprobs is not supported with stream=true.", "return_token_logprobs")
     if not -INT64_MAX - 1 <= req.priority <= INT64_MAX:
         raise RequestError("priority must fit in a signed 64-bit integer.", "priority")
     if req.logprobs_format not in (None, "ids", "token_id_strings"):
@@ -96,9 +95,13 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
     if stop:  # "" and [] are "no stop strings"
         raise RequestError("stop strings are not supported on a tokens-only engine; use stop_token_ids.",
                            "sampling_params.stop")
-    if sp.bad_words:
-        raise RequestError("bad_words are strings and are not supported on a tokens-only engine.",
-                           "sampling_params.bad_words")
+    if sp.bad_words:  # tokenized by the server (core/bad_words.py): only the bounded checks here
+        wrong = bad_words_violation(sp.bad_words)
+        if wrong:
+            raise RequestError(wrong, "sampling_params.bad_words")
+        if sp.trace_decode_token_ids is not None:
+            raise RequestError("trace_decode_token_ids is not supported with bad_words.",
+                               "sampling_params.trace_decode_token_ids")
     structured = None
     if sp.structured_outputs is not None:
         try:
