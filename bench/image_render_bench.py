@@ -7,12 +7,14 @@ decoded, resized, normalised, patchified and encoded. C concurrent keep-alive cl
 Per cell: images/s, server CPU ms per image (utime+stime of the server's process tree, pool workers included,
 from /proc before/after), p50 latency.
 
-Baseline in the same run: the same server with --image-workers 1 (one process doing all image work: the shape of
-vLLM's render server, which preprocesses on one thread per API server). vLLM's own render server is not run
-here. The client shares the machine's cores with the server.
+Baselines in the same run: vLLM 0.33's own render server (``vllm launch render`` on the same bundle and the same
+requests, where the peer is installed: bench/peers.py), and ours with --image-workers 1 (one process doing all
+image work: the shape of vLLM's render server, which preprocesses on one thread per API server). Each cell gives
+ours against each baseline: images/s and CPU per image as ratios. The client shares the machine's cores with
+the server; CPU per image counts the server's processes only.
 
 usage: python -m bench.image_render_bench [--duration 5] [--images 1,4,8] [--resolutions 480p,720p,1080p]
-       [--concurrency 1,8] [--image-workers 4] [--mm-payload tensors|none]
+       [--concurrency 1,8] [--image-workers 4] [--mm-payload tensors|none] [--no-vllm]
 Results: bench/results/image_render_bench_<UTC time>.json
 """
 
@@ -44,6 +46,8 @@ VL_FIXTURE = peers.REPO / "tests" / "fixtures" / "qwen2_5_vl"
 RENDER_PATH = "/v1/chat/completions/render"
 RESOLUTIONS = {"480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080)}
 _MARK = "@@IMG{}@@"
+VLLM_LABEL = "vllm-0.33"
+VLLM_MODEL = "qwen3-0.6b"  # the name bench.peers.start_vllm033 serves
 
 
 def bundle(root: Path) -> Path:
@@ -74,7 +78,7 @@ def tagged_prefix(tag: int) -> bytes:
 class Workload:
     """One request shape; ``payload(tag)`` gives a body whose images are all distinct from any other tag's."""
 
-    def __init__(self, images: int, resolution: str, text: str, mm_payload: str, model: str = "vl") -> None:
+    def __init__(self, images: int, resolution: str, text: str, mm_payload: str | None, model: str = "vl") -> None:
         self.images = images
         width, height = RESOLUTIONS[resolution]
         rests = [base64.b64encode(photo_like(width, height, seed=i)[2:]).decode() for i in range(images)]
@@ -82,8 +86,10 @@ class Workload:
         for i, rest in enumerate(rests):
             content.append({"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + _MARK.format(i)
                                                                 + rest}})
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
-                           "mm_payload": mm_payload}).encode()
+        fields = {"model": model, "messages": [{"role": "user", "content": content}]}
+        if mm_payload is not None:  # ours only (vLLM's render always sends the tensors)
+            fields["mm_payload"] = mm_payload
+        body = json.dumps(fields).encode()
         self.chunks: list[bytes] = []
         for i in range(images):
             before, _, body = body.partition(_MARK.format(i).encode())
@@ -170,22 +176,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--image-workers", type=int, default=4, help="the measured server's pool (baseline: 1)")
     parser.add_argument("--mm-payload", choices=["tensors", "none"], default="tensors")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM 0.33's render server")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.images.split(",")]
     resolutions = args.resolutions.split(",")
     concurrency = [int(x) for x in args.concurrency.split(",")]
     text = nonrepetitive_text(random.Random(20261205), 330)  # ~1k tokens
-    workloads = {(n, res): Workload(n, res, text, args.mm_payload) for n in counts for res in resolutions}
-    results: dict = {"mm_payload": args.mm_payload, "duration_s": args.duration, "runs": {}}
+    ours_label = f"image_workers={args.image_workers}"
+    venv = None if args.no_vllm or args.mm_payload == "none" else peers.vllm033_venv()
+    servers = ([VLLM_LABEL] if venv is not None else []) + ["image_workers=1", ours_label]
+    results: dict = {"mm_payload": args.mm_payload, "duration_s": args.duration, "servers": servers, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bundle(Path(tmp))
-        for workers in (1, args.image_workers):
-            label = f"image_workers={workers}"
+        for label in servers:
             port = peers.free_port()
-            server = start_server(model_dir, port, workers, Path(tmp) / f"server-{workers}.log")
+            log = Path(tmp) / f"server-{len(results['runs'])}-{label}.log"
+            if label == VLLM_LABEL:
+                assert venv is not None
+                server = peers.start_vllm033(model_dir, port, venv, parsers=False, log=log)
+                model, mm_payload = VLLM_MODEL, None
+            else:
+                server = start_server(model_dir, port, int(label.split("=")[1]), log)
+                model, mm_payload = "vl", args.mm_payload
+            workloads = {(n, res): Workload(n, res, text, mm_payload, model) for n in counts for res in resolutions}
             try:
-                peers.wait_healthy(f"http://127.0.0.1:{port}", server.pid, timeout_s=120)
-                tags = [workers * 10**9]
+                peers.wait_healthy(f"http://127.0.0.1:{port}", server.pid, timeout_s=600)
+                tags = [(servers.index(label) + 1) * 10**9]
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as check:
                     r = check.post(RENDER_PATH, content=workloads[(counts[0], resolutions[0])].payload(1),
                                    headers={"content-type": "application/json"})
@@ -201,9 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 peers.stop_tree(server.pid)
     for runs in results["runs"].values():
-        base, ours = runs.get("image_workers=1"), runs.get(f"image_workers={args.image_workers}")
-        if base and ours and base["images_per_s"]:
-            runs["throughput_ratio"] = round(ours["images_per_s"] / base["images_per_s"], 2)
+        ours = runs.get(ours_label)
+        for base_label, key in (("image_workers=1", "vs_one_worker"), (VLLM_LABEL, "vs_vllm")):
+            base = runs.get(base_label)
+            if not (base and ours and base["images_per_s"]):
+                continue
+            runs[key] = {"throughput_ratio": round(ours["images_per_s"] / base["images_per_s"], 2)}
+            if base["cpu_ms_per_image"] and ours["cpu_ms_per_image"]:
+                runs[key]["cpu_per_image_ratio"] = round(ours["cpu_ms_per_image"] / base["cpu_ms_per_image"], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"image_render_bench_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     out.write_text(json.dumps(results, indent=1))

@@ -114,6 +114,26 @@ def test_decoded_formats_reach_the_same_pixels_as_pillow(fmt: str) -> None:
         assert np.array_equal(np.asarray(decoded), np.asarray(reference.convert("RGB")))
 
 
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_orientation_is_applied_as_vllms_loader_does(orientation: int) -> None:
+    """vLLM's loader turns an image by its EXIF orientation (Pillow's exif_transpose); an image without a turn
+    keeps its pixels."""
+    import io
+
+    from PIL import ImageOps
+
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    noise_image(40, 24, seed=5).save(buffer, format="JPEG", exif=exif)
+    data = buffer.getvalue()
+    decoded, converted = decode_rgb(data, read_header(data, ImageBounds(), "img"), "img")
+    with Image.open(io.BytesIO(data)) as opened:
+        reference = ImageOps.exif_transpose(opened).convert("RGB")
+    assert not converted and decoded.size == ((24, 40) if orientation in (6, 8) else (40, 24))
+    assert np.array_equal(np.asarray(decoded), np.asarray(reference))
+
+
 def test_transparency_is_composited_on_white_as_vllm_does() -> None:
     rgba = Image.new("RGBA", (4, 4), (10, 20, 30, 0))
     data = encode(rgba, "PNG")

@@ -73,6 +73,9 @@ def check_request_pixels(headers: list[ImageHeader], bounds: ImageBounds) -> Non
                          f"{bounds.max_request_pixels} pixels per request")
 
 
+EXIF_ORIENTATION = 0x0112
+
+
 def decode_rgb(data: bytes, header: ImageHeader, where: str) -> tuple[Image.Image, bool]:
     """The pixels of an image whose header passed ``read_header``, as vLLM's image loader gives them: EXIF
     orientation applied, transparency composited onto white, RGB (the first frame of an animation); and
@@ -80,11 +83,13 @@ def decode_rgb(data: bytes, header: ImageHeader, where: str) -> tuple[Image.Imag
     from PIL import ImageOps
 
     try:
-        with Image.open(io.BytesIO(data), formats=[header.format]) as opened:
-            if (opened.width, opened.height) != (header.width, header.height):
-                raise ImageError(f"{where}: the image changed size between its header and its pixels")
-            opened.load()
-            image = ImageOps.exif_transpose(opened)
+        # Not a with-block: closing an image destroys its pixels, and an image that needs no turn is kept as it
+        # is (exif_transpose copies even an image it leaves unchanged). Its file is in memory: nothing to release.
+        opened = Image.open(io.BytesIO(data), formats=[header.format])
+        if (opened.width, opened.height) != (header.width, header.height):
+            raise ImageError(f"{where}: the image changed size between its header and its pixels")
+        opened.load()
+        image = ImageOps.exif_transpose(opened) if opened.getexif().get(EXIF_ORIENTATION, 1) != 1 else opened
     except ImageError:
         raise
     except (OSError, SyntaxError, ValueError, RuntimeError, Image.DecompressionBombError) as exc:

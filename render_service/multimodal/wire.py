@@ -15,7 +15,8 @@ _RAW_VIEW = 3  # vLLM's CUSTOM_TYPE_RAW_VIEW: a tensor's bytes inline
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def _tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> tuple[str, tuple[int, ...], msgspec.msgpack.Ext]:
+def _tensor(dtype: str, shape: tuple[int, ...], data: bytes | memoryview
+            ) -> tuple[str, tuple[int, ...], msgspec.msgpack.Ext]:
     return dtype, shape, msgspec.msgpack.Ext(_RAW_VIEW, data)
 
 
@@ -24,11 +25,13 @@ def _grid_elem(grid: tuple[int, int, int]) -> dict[str, object]:
             "field": ("batched", {"keep_on_cpu": True})}
 
 
-def kwargs_item(pixel_values: bytes, dtype: str, rows: int, patch_dim: int, grid: tuple[int, int, int]) -> str:
-    """The image's full item: ``pixel_values`` (rows x patch_dim, C order; uint8 raw pixels for an engine that
-    normalises on its device, float32 normalised values otherwise) and its grid. Its flat field slices the item
-    alone (vLLM's own render slices the request's batch, so a multi-image request's strings differ from vLLM's;
-    engines compare only the field's type when they batch items, and both decode to the same tensors)."""
+def kwargs_item(pixel_values: bytes | memoryview, dtype: str, rows: int, patch_dim: int,
+                grid: tuple[int, int, int]) -> str:
+    """The image's full item: ``pixel_values`` (rows x patch_dim, C order, read once; uint8 raw pixels for an
+    engine that normalises on its device, float32 normalised values otherwise) and its grid. Its flat field
+    slices the item alone (vLLM's own render slices the request's batch, so a multi-image request's strings differ
+    from vLLM's; engines compare only the field's type when they batch items, and both decode to the same
+    tensors)."""
     item = {
         "pixel_values": {"data": _tensor(dtype, (rows, patch_dim), pixel_values),
                          "field": ("flat", {"keep_on_cpu": False, "slices": [[(0, rows, None)]], "dim": 0})},
