@@ -210,6 +210,38 @@ def test_eviction_sends_removed_for_each_stored_hash_and_reset_sends_cleared(mod
         engine.shutdown()
 
 
+def test_after_new_weights_blocks_are_published_under_renders_hashes_again(model, tmp_path):
+    """A weight update salts the engine's own prefix index with the new epoch, but routers hash render's ids: the
+    blocks computed under the new weights carry the same hashes as before, and blocks a sequence begun under the
+    old weights writes after the update are never offered."""
+    engine, sub = start(model, tmp_path)
+    try:
+        short = SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prompt = list(range(600, 612))
+        engine.generate([prompt], short)
+        before = [h for h, *_ in stored_blocks(sub.drain())]
+        assert before == vllm_hashes(prompt)
+
+        old: list[int] = []
+        engine.add_request("old-weights", list(range(700, 705)),
+                           SamplingOptions(temperature=0.0, max_tokens=12, ignore_eos=True),
+                           on_update=lambda u: old.extend(t for d in u.deltas for t in d.token_ids))
+        engine.step()
+        engine.step()
+        sub.drain()  # (its prompt block, stored under the old weights)
+        engine.new_weight_epoch()
+        while engine.has_work():  # its later blocks are hashed after the update
+            engine.step()
+        batches = sub.drain()
+        assert [ev for _, b in batches for ev in b.events] == [AllBlocksCleared()] and len(old) == 12
+
+        engine.generate([prompt], short)
+        assert [h for h, *_ in stored_blocks(sub.drain())] == before
+    finally:
+        sub.close()
+        engine.shutdown()
+
+
 def test_the_wire_bytes_are_vllms_layout():
     batch = KVEventBatch(ts=1.5, events=[
         BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 2], block_size=2, lora_id=None,

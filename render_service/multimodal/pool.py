@@ -49,7 +49,7 @@ def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_
         return ProcessedImage(digest, grid_thw(image.height, image.width, family), num_tokens)
     values, grid = pixel_values(image, family, normalize)
     rows, patch_dim = int(values.shape[0]), int(values.shape[1])
-    item = kwargs_item(memoryview(values).cast("B"), str(values.dtype), rows, patch_dim, grid)  # (no copy)
+    item = kwargs_item(values.data.cast("B"), str(values.dtype), rows, patch_dim, grid)  # (no copy)
     return ProcessedImage(digest, grid, num_tokens, item, metadata_item(grid))
 
 

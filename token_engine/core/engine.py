@@ -217,7 +217,7 @@ class LLMEngine:
         if options.structured is not None and options.grammar is None:
             # Synchronous callers only: the server compiles off this thread before it adds the request.
             options = dataclasses.replace(options, grammar=self.grammars.compile(options.structured))
-        cache_salt = epoch_salt(cache_salt, self.weight_epoch)  # KV from older weights is never reused
+        event_salt, cache_salt = cache_salt, epoch_salt(cache_salt, self.weight_epoch)  # older KV is never reused
         seqs = []
         for i in range(n):
             opts = options
@@ -228,7 +228,7 @@ class LLMEngine:
             seqs.append(Sequence(
                 seq_id=request_id if n == 1 else f"{request_id}-{i}", request_id=request_id, index=i,
                 prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
-                priority=priority, cache_salt=cache_salt,
+                priority=priority, cache_salt=cache_salt, event_salt=event_salt, weight_epoch=self.weight_epoch,
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None,
                 weight_marks=[(self.weight_version, 0)]))
         refusal = self.connector.admit(seqs, caller)
@@ -444,6 +444,15 @@ class LLMEngine:
         self.connector.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
+
+    def new_weight_epoch(self) -> None:
+        """New weights: later requests hash their blocks under the next epoch, the cached index is dropped, and
+        routers hear AllBlocksCleared; blocks that sequences begun under older weights still write are not
+        published (their KV is not what a new request would compute)."""
+        self.weight_epoch += 1
+        if self.kv_events is not None:
+            self.kv_events.recorder.weight_epoch = self.weight_epoch
+        self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> int:
         """Drops the prefix-cache index and the host tier's blocks (new weights, a trainer's reset, sleep): a

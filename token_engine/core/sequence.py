@@ -82,7 +82,11 @@ class Sequence:
     options: SamplingOptions
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # what the prefix cache hashes under: the client's salt and the weight epoch
+    # What routers hash the blocks under (KV events): the client's salt alone, as render and vLLM hash them; and
+    # the weights the sequence started under (its blocks are published only while those are the engine's).
+    event_salt: str | None = None
+    weight_epoch: int = 0
     kv_transfer_params: dict | None = None  # from the request, for the connector
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 

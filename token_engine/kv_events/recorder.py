@@ -29,6 +29,7 @@ class KVEventRecorder:
         self._root = self._fn(hash_config.resolved_seed())
         self.digest: dict[int, bytes] = {}  # block id -> vLLM's hash of the block it holds
         self.pending: list[KVEvent] = []
+        self.weight_epoch = 0  # the engine's; blocks of sequences begun under older weights are not published
 
     def take(self) -> list[KVEvent]:
         events, self.pending = self.pending, []
@@ -42,13 +43,15 @@ class KVEventRecorder:
             return known
         # The block before lost its hash (a reset while the sequence ran): rebuild the chain from its tokens.
         size = self.hash_config.block_size
-        return block_hashes(seq.token_ids[:index * size], self.hash_config, cache_salt=seq.cache_salt)[-1]
+        return block_hashes(seq.token_ids[:index * size], self.hash_config, cache_salt=seq.event_salt)[-1]
 
     def blocks_hashed(self, seq: Sequence, hashed: list[int], indexed: list[int]) -> None:
         """`hashed`: indices of seq's blocks that were just given a hash, in order; `indexed`: those of them whose
         hash entered the prefix index (an identical block already cached keeps the entry)."""
+        if seq.weight_epoch != self.weight_epoch:
+            return  # KV from weights the engine no longer has: never offered to a router
         size = self.hash_config.block_size
-        salt = seq.cache_salt
+        salt = seq.event_salt
         for i in hashed:
             parent = self._parent_digest(seq, i)
             keys = (("cache_salt", salt),) if i == 0 and salt else None
@@ -72,7 +75,7 @@ class KVEventRecorder:
             token_ids=seq.token_ids[first * size:(run[-1] + 1) * size],
             block_size=size, lora_id=None, medium=self.medium, lora_name=None,
             # vLLM publishes each block's extra keys untagged: the salt on a salted first block, else None
-            extra_keys=[(seq.cache_salt,) if i == 0 and seq.cache_salt else None for i in run],
+            extra_keys=[(seq.event_salt,) if i == 0 and seq.event_salt else None for i in run],
             group_idx=0))
 
     def block_evicted(self, block_id: int, indexed: bool) -> int | None:

@@ -46,8 +46,7 @@ class WeightControl:
 
     def weights_changed(self) -> None:
         """New weights: later requests hash their blocks under a new epoch and the cached index is dropped."""
-        self.llm.weight_epoch += 1
-        self.llm.reset_prefix_cache()
+        self.llm.new_weight_epoch()
 
     # ---- the update lifecycle ----------------------------------------------------------------------
     def _awake(self, what: str) -> None:
