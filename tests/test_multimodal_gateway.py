@@ -208,6 +208,18 @@ def test_messages_and_responses_send_their_render_endpoints_ids_and_features(rec
     assert engine.bodies[-1]["features"]["mm_hashes"] == chat["features"]["mm_hashes"]  # the same images
 
 
+def test_text_requests_send_no_features(recording) -> None:
+    client, engine = recording
+    user = [{"role": "user", "content": "a picture of an image"}]
+    for path, body in (("/v1/chat/completions", {"model": "vl", "messages": user, "max_tokens": 8}),
+                       ("/v1/messages", {"model": "vl", "messages": user, "max_tokens": 8}),
+                       ("/v1/responses", {"model": "vl", "input": "an image", "store": False})):
+        r, sent = _sent(engine, client, path, body)
+        assert r.status_code == 200 and PLAIN_TEXT in r.text, r.text
+        assert sent["features"] is None and IMAGE_PAD not in sent["token_ids"]
+        assert sent["token_ids"] == client.post(path + "/render", json=body).json()["token_ids"]
+
+
 def test_a_stored_responses_conversation_sends_its_images_again(recording) -> None:
     client, engine = recording
     first = client.post("/v1/responses", json=_responses_body(store=True))
