@@ -75,9 +75,15 @@ def _responses_body(**extra: Any) -> dict[str, Any]:
             **extra}
 
 
+# What a prefill engine's response hands decode (the gateway passes it on and reads nothing else of it)
+PREFILL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-0",
+              "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1}
+
+
 class RecordingEngine:
-    """A /inference/v1/generate that keeps every request body it gets and answers PLAIN_SCRIPT as one token
-    event, then the usage event (prompt tokens counted from the body, as an engine does) and [DONE]."""
+    """A /inference/v1/generate that keeps every request body it gets and answers a streamed request with
+    PLAIN_SCRIPT as one token event, then the usage event (prompt tokens counted from the body, as an engine
+    does) and [DONE]; a non-streamed one (a P/D prefill) with one token and PREFILL_KV."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -94,6 +100,15 @@ class RecordingEngine:
                 engine.bodies.append(body)
                 rid = "generate-tokens-" + str(body.get("request_id"))
                 prompt = len(body["token_ids"])
+                if not body.get("stream"):
+                    whole = json.dumps({"request_id": rid, "kv_transfer_params": PREFILL_KV, "choices": [
+                        {"index": 0, "token_ids": PLAIN_SCRIPT[:1], "finish_reason": "length"}]}).encode()
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(whole)))
+                    self.end_headers()
+                    self.wfile.write(whole)
+                    return
                 events = [
                     {"request_id": rid, "choices": [{"index": 0, "token_ids": PLAIN_SCRIPT, "finish_reason": "stop",
                                                       "stop_reason": None}]},
@@ -119,11 +134,12 @@ class RecordingEngine:
         self.server.server_close()
 
 
-def _gateway(model_dir: Path, engine_url: str) -> Process:
+def _gateway(model_dir: Path, engine_url: str, *pools: str) -> Process:
+    """A gateway over ``engine_url`` (collocated), or over the ``pools`` flags when given."""
     port = free_port()
     return Process([sys.executable, "-m", "render_service.cli", "serve", str(model_dir), "--host", "127.0.0.1",
                     "--port", str(port), "--served-model-name", "vl", "--image-workers", "1", "--log-level",
-                    "warning", "--engine", engine_url], port)
+                    "warning", *(pools or ("--engine", engine_url))], port)
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +222,29 @@ def test_messages_and_responses_send_their_render_endpoints_ids_and_features(rec
             assert PLAIN_TEXT in r.text
     chat = client.post("/v1/chat/completions/render", json={"model": "vl", "messages": _chat_messages()}).json()
     assert engine.bodies[-1]["features"]["mm_hashes"] == chat["features"]["mm_hashes"]  # the same images
+
+
+def test_disaggregated_prefill_and_decode_both_get_the_ids_and_features(bundle_dir: Path) -> None:
+    """P/D: prefill computes the images' encoder output and decode its M-RoPE positions from the grids, so both
+    legs carry the rendered ids and features; decode's kv_transfer_params name the same prompt."""
+    prefill, decode = RecordingEngine(), RecordingEngine()
+    gateway = _gateway(bundle_dir, "", "--prefill", prefill.url, "--decode", decode.url)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=120) as client:
+            body = {"model": "vl", "messages": _chat_messages(), "max_tokens": 16}
+            rendered = client.post("/v1/chat/completions/render", json=body).json()
+            r = client.post("/v1/chat/completions", json=body)
+    finally:
+        gateway.stop()
+        prefill.close()
+        decode.close()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == PLAIN_TEXT
+    ((first,), (second,)) = prefill.bodies, decode.bodies
+    for sent in (first, second):
+        assert sent["token_ids"] == rendered["token_ids"] and sent["features"] == rendered["features"]
+    assert first["stream"] is False and first["sampling_params"]["max_tokens"] == 1
+    assert second["kv_transfer_params"] == {**PREFILL_KV, "prompt_token_ids": rendered["token_ids"]}
 
 
 def test_text_requests_send_no_features(recording) -> None:
