@@ -234,7 +234,6 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
     async def messages(request: Request) -> Answer:
         body = await read_json_body(request)
         request_id = request.headers.get("x-request-id")
-
         queue = server_state(request).render_queue
         if may_carry_images(body):  # the image path (gateway/images.py)
             answer = await messages_with_images(request, body, request_id)

@@ -4,8 +4,6 @@ engine needs. The engine gets the expanded ids and ``features`` with the process
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from starlette.requests import Request
 
@@ -41,5 +39,5 @@ def prepared(chat: ChatCompletionRequest, pictured: PicturedChat) -> ChatComplet
 
 
 def with_features(gen: GenerateRequest, pictured: PicturedChat) -> GenerateRequest:
-    features: dict[str, Any] = pictured.features
-    return msgspec.structs.replace(gen, features=features)
+    """The rendered request with its images' ``features`` (filled in by ``pictured.expand`` during the render)."""
+    return msgspec.structs.replace(gen, features=pictured.features)
