@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from tests.shared_paths import QWEN3_FIXTURE_DIR
+
+VL_FIXTURE = Path(__file__).parent / "fixtures" / "qwen2_5_vl"
 
 
 def noise_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
@@ -39,3 +45,13 @@ def declared_png(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(b"\x00" * 64))
             + _chunk(b"IEND", b""))
+
+
+def write_qwen2_5_vl_bundle(root: Path) -> Path:
+    """A Qwen2.5-VL-shaped bundle without weights: the real Qwen3 tokenizer (which has Qwen2.5-VL's vision
+    tokens), Qwen2.5-VL's chat template, config.json and preprocessor settings."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_FIXTURE_DIR / name, root / name)
+    for name in ("chat_template.jinja", "config.json", "preprocessor_config.json"):
+        shutil.copy(VL_FIXTURE / name, root / name)
+    return root

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,8 +22,8 @@ from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.setup import multimodal_render_for
 from render_service.multimodal.sources import FetchPolicy
 from render_service.render.render_config import build_render_config
-from tests.multimodal_images import data_url, declared_png, encode, noise_image
-from tests.render_harness import QWEN3_DIR, RenderServer, qwen3_config
+from tests.multimodal_images import VL_FIXTURE, data_url, declared_png, encode, noise_image, write_qwen2_5_vl_bundle
+from tests.render_harness import RenderServer, qwen3_config
 from token_engine.http.protocol import GenerateRequest as EngineRequest
 from token_engine.http.validation import EngineLimits, RequestError, validate_generate_request
 
@@ -32,19 +31,13 @@ transformers = pytest.importorskip("transformers")
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor  # noqa: E402
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 
-VL_FIXTURE = Path(__file__).parent / "fixtures" / "qwen2_5_vl"
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IMAGE_PAD = 151655
 
 
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("qwen2_5_vl")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(QWEN3_DIR / name, root / name)
-    for name in ("chat_template.jinja", "config.json", "preprocessor_config.json"):
-        shutil.copy(VL_FIXTURE / name, root / name)
-    return root
+    return write_qwen2_5_vl_bundle(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
 @pytest.fixture(scope="module")

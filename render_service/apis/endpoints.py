@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -16,8 +17,8 @@ from starlette.routing import Route
 from render_service.apis import derender as api_derender
 from render_service.apis import messages_protocol, responses_protocol
 from render_service.apis.errors import anthropic_error_body, openai_error_body
+from render_service.apis.messages import count_chat, render_messages
 from render_service.apis.messages import count_tokens as count_message_tokens
-from render_service.apis.messages import render_messages
 from render_service.apis.messages import to_chat as messages_to_chat
 from render_service.apis.responses import check_stateless, render_responses
 from render_service.apis.responses import to_chat as responses_to_chat
@@ -34,7 +35,7 @@ from render_service.http.request_io import (
     read_json_body,
     server_state,
 )
-from render_service.multimodal.endpoint import RenderWith, render_with_images
+from render_service.multimodal.endpoint import RenderWith, picture_chat, render_with_images
 from render_service.multimodal.markers import may_carry_images
 from render_service.render.render_config import RenderConfig, check_model
 from render_service.wire.protocol import ChatCompletionRequest, DerenderStreamProbe
@@ -112,6 +113,19 @@ async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     config = state.config
     body = await read_json_body(request)
+    if may_carry_images(body):  # images counted as the render expands them (multimodal.endpoint)
+        def convert() -> tuple[messages_protocol.CountTokensRequest, ChatCompletionRequest]:
+            req = decode(body, messages_protocol.CountTokensRequest)
+            check_model(req.model, config)
+            return req, count_chat(req, config)
+
+        req, chat = await state.render_queue.run("count_tokens", len(body), convert)
+        pictured = await picture_chat(chat, config, state.multimodal, lambda: False)  # a count needs no tensors
+        if pictured is not None:
+            counted = await state.render_queue.run("count_tokens", len(body), lambda: count_message_tokens(
+                req, config, prepared=msgspec.structs.replace(chat, messages=pictured.messages),
+                expand_prompt=pictured.expand))
+            return json_response(messages_protocol.CountTokensResponse(input_tokens=counted))
 
     def job() -> int:
         req = decode(body, messages_protocol.CountTokensRequest)

@@ -307,16 +307,23 @@ def render_messages(req: MessagesRequest, config: RenderConfig, *, request_id: s
     return gen, chat
 
 
-def count_tokens(req: CountTokensRequest, config: RenderConfig) -> int:
-    """The prompt's token count, rendered exactly as a Messages request with these fields would be."""
+def count_tokens(req: CountTokensRequest, config: RenderConfig, *, prepared: ChatCompletionRequest | None = None,
+                 expand_prompt: Callable[[list[int]], list[int]] | None = None) -> int:
+    """The prompt's token count, rendered exactly as a Messages request with these fields would be.
+    ``prepared``: ``count_chat``'s answer, already made (the image path rewrites its messages); ``expand_prompt``:
+    as ``render_chat``'s (each image's placeholder run)."""
+    ids, _ = render_chat_prompt(prepared or count_chat(req, config), config)
+    return len(expand_prompt(list(ids)) if expand_prompt is not None else ids)
+
+
+def count_chat(req: CountTokensRequest, config: RenderConfig) -> ChatCompletionRequest:
+    """The chat request count_tokens renders (a Messages request's, without its sampling fields)."""
     thinking, _ = thinking_switch(req)
     messages = chat_messages(req)
     prefill = messages[-1]["role"] == "assistant" and _prefill(messages)
     choice, parallel = chat_tool_choice(req.tool_choice, req.tools)
-    chat = ChatCompletionRequest(
+    return ChatCompletionRequest(
         messages=messages, model=req.model, tools=chat_tools(req.tools), tool_choice=choice,
         parallel_tool_calls=parallel, chat_template_kwargs=_template_kwargs(req, config, thinking),
         add_generation_prompt=not prefill, continue_final_message=prefill,
     )
-    ids, _ = render_chat_prompt(chat, config)
-    return len(ids)

@@ -21,12 +21,15 @@ from starlette.routing import Route
 from render_service.apis.endpoints import anthropic_shaped, openai_shaped
 from render_service.apis.errors import coded
 from render_service.apis.messages import render_messages
+from render_service.apis.messages import to_chat as messages_to_chat
 from render_service.apis.messages_protocol import MessagesRequest
 from render_service.apis.responses import new_response_id, render_responses
+from render_service.apis.responses import to_chat as responses_to_chat
 from render_service.apis.responses_output import ResponsesShape
 from render_service.apis.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, ResponsesRequest
 from render_service.gateway.api_responders import MessagesResponder, ResponsesResponder, ThinkingBudget
 from render_service.gateway.flow import EngineCall, Gateway, plan_streams
+from render_service.gateway.images import picture, prepared, with_features
 from render_service.gateway.merged import open_merged
 from render_service.gateway.response_limits import check_storable, check_stored_fields
 from render_service.gateway.response_store import (
@@ -41,6 +44,8 @@ from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant, short_id
 from render_service.http.errors import ApiError, bad_request, not_found
 from render_service.http.request_io import Answer, Handler, decode, endpoint, read_json_body, server_state
+from render_service.multimodal.endpoint import carries_image_parts
+from render_service.multimodal.markers import may_carry_images
 from render_service.render.render_config import RenderConfig
 from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest
 
@@ -185,8 +190,18 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
                                         "previous_response_id"), "previous_response_not_found")
             history = stored.history
         request_id = request.headers.get("x-request-id")
+        given: ChatCompletionRequest | None = None
+        pictured = None
+        if may_carry_images(body) or (history is not None and carries_image_parts(history)):
+            # the image path (gateway/images.py); a stored conversation's images are rendered again each turn
+            given = await queue.run("responses", len(body), lambda: responses_to_chat(req, config, history))
+            pictured = await picture(request, body, given, config)
         gen, chat = await queue.run("responses", len(body), lambda: render_responses(
-            req, config, request_id=request_id, history=history, stateless=False))
+            req, config, request_id=request_id, history=history, stateless=False,
+            prepared=prepared(given, pictured) if given is not None and pictured is not None else given,
+            expand_prompt=pictured.expand if pictured is not None else None))
+        if given is not None and pictured is not None:
+            gen, chat = with_features(gen, pictured), given  # stored with its image parts, for the next turn
         gen = _engine_ready(gen)
         # The response's id is minted here, never the client's: a client id could name (and overwrite) another
         # client's stored response. The client's id still names the engine hops (gen.request_id).
@@ -219,12 +234,38 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
     async def messages(request: Request) -> Answer:
         body = await read_json_body(request)
         request_id = request.headers.get("x-request-id")
+        queue = server_state(request).render_queue
+        if may_carry_images(body):  # the image path (gateway/images.py)
+            answer = await messages_with_images(request, body, request_id)
+            if answer is not None:
+                return answer
 
         def render() -> tuple[MessagesRequest, GenerateRequest, ChatCompletionRequest]:
             req = decode(body, MessagesRequest)
             return req, *render_messages(req, config, request_id=request_id)
 
-        req, gen, chat = await server_state(request).render_queue.run("messages", len(body), render)
+        req, gen, chat = await queue.run("messages", len(body), render)
+        return await drive_messages(request, req, gen, chat)
+
+    async def messages_with_images(request: Request, body: bytes, request_id: str | None) -> Answer | None:
+        """A Messages request with image blocks (None: it has none after all), driven as any other."""
+        queue = server_state(request).render_queue
+
+        def convert() -> tuple[MessagesRequest, ChatCompletionRequest, int | None]:
+            req = decode(body, MessagesRequest)
+            return req, *messages_to_chat(req, config)
+
+        req, chat, budget = await queue.run("messages", len(body), convert)
+        pictured = await picture(request, body, chat, config)
+        if pictured is None:
+            return None
+        gen, _ = await queue.run("messages", len(body), lambda: render_messages(
+            req, config, request_id=request_id, prepared=(prepared(chat, pictured), budget),
+            expand_prompt=pictured.expand))
+        return await drive_messages(request, req, with_features(gen, pictured), chat)
+
+    async def drive_messages(request: Request, req: MessagesRequest, gen: GenerateRequest,
+                             chat: ChatCompletionRequest) -> Answer:
         budget_tokens = gen.sampling_params.thinking_token_budget
         gen = _engine_ready(gen)
         model = req.model or config.model_name

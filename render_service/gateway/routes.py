@@ -23,6 +23,7 @@ from render_service.gateway import metrics
 from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
 from render_service.gateway.flow import EngineCall, EngineStream, Gateway, NoReplica, fanout_violation, plan_streams
+from render_service.gateway.images import picture, prepared, with_features
 from render_service.gateway.merged import MergedStreams, SpanDone, open_merged
 from render_service.gateway.responses import ChatResponder, CompletionResponder
 from render_service.gateway.sse_relay import SseRelay
@@ -30,6 +31,7 @@ from render_service.gateway.tenancy import request_tenant
 from render_service.http.errors import ApiError, bad_request, error_body
 from render_service.http.render_queue import RenderQueue
 from render_service.http.request_io import Answer, decode, endpoint, read_json_body
+from render_service.multimodal.markers import may_carry_images
 from render_service.render.fingerprint import FINGERPRINT_HEADER
 from render_service.render.prerendered import RENDER_KEYS
 from render_service.render.render import render_chat, render_completion
@@ -58,6 +60,11 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
         request_id = request.headers.get("x-request-id")
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
 
+        if may_carry_images(body):  # the render endpoints' image path; text bodies never reach it
+            answer = await chat_with_images(request, body, request_id, fingerprint)
+            if answer is not None:
+                return answer
+
         def render() -> tuple[ChatCompletionRequest, GenerateRequest]:
             req = decode_chat_request(body, config.message_memo, decode)
             _check_supported(req)
@@ -67,6 +74,25 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
         conversation = conversation_key(req.conversation_id, request.headers)
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
+
+    async def chat_with_images(request: Request, body: bytes, request_id: str | None, fingerprint: str | None
+                               ) -> Answer | None:
+        """A chat request with image parts (None: it has none after all): its images processed, then rendered
+        and driven like any chat request, the engine getting the expanded ids and ``features``."""
+        req = await queue.run("chat_completions", len(body), lambda: decode(body, ChatCompletionRequest))
+        _check_supported(req)
+        pictured = await picture(request, body, req, config)
+        if pictured is None:
+            return None
+
+        def render() -> GenerateRequest:
+            gen = render_chat(prepared(req, pictured), config, request_id=request_id, render_fingerprint=fingerprint,
+                              expand_prompt=pictured.expand)
+            return with_features(gen, pictured)
+
+        gen = await queue.run("chat_completions", len(body), render)
+        conversation = conversation_key(req.conversation_id, request.headers)
+        return await respond(request, gateway, [gen], ChatResponder(gen, req, config), bool(req.stream), conversation)
 
     async def completions(request: Request, body: bytes | None = None) -> Answer:
         body = await read_json_body(request) if body is None else body

@@ -1,10 +1,11 @@
-"""The render endpoints' image path (chat, Responses, Messages): the API's request mapped to chat messages, its
-images fetched, bounded and processed in the worker pool (on the event loop only awaited), then the text render
-runs in the render queue as for any request, with each image's token expanded and ``features`` attached."""
+"""The image path of every route that renders a chat-shaped request (the render endpoints, the gateway's chat,
+Responses and Messages routes, Messages' count_tokens): the API's request mapped to chat messages, its images
+fetched, bounded and processed in the worker pool (on the event loop only awaited), then the text render runs in
+the render queue as for any request, with each image's token expanded and ``features`` attached."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -19,6 +20,7 @@ from render_service.multimodal.chat import (
     split_images,
 )
 from render_service.multimodal.families import UnsupportedModel, describe_model, family_from_configs
+from render_service.multimodal.pool import ProcessedImage
 
 if TYPE_CHECKING:
     from render_service.http.render_queue import RenderQueue
@@ -28,13 +30,58 @@ if TYPE_CHECKING:
 ExpandPrompt = Callable[[list[int]], list[int]]
 # The API's render of a chat request whose image parts are placeholder text: calls render_chat with expand_prompt
 RenderWith = Callable[["ChatCompletionRequest", ExpandPrompt], "GenerateRequest"]
+# The part types that carry an image in the three APIs' messages (multimodal.sources reads them)
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 
 
-def _options(body: bytes) -> MultimodalOptions:
+def requested_tensors(body: bytes) -> bool:
+    """Whether the request wants the processed tensors (``mm_payload``; a router asks for none)."""
     try:
-        return msgspec.json.decode(body, type=MultimodalOptions)
+        return msgspec.json.decode(body, type=MultimodalOptions).tensors
     except msgspec.ValidationError as exc:
         raise ApiError(f"Invalid request: {exc}", 400, "mm_payload") from None
+
+
+def carries_image_parts(messages: list[dict[str, Any]]) -> bool:
+    """Whether any message holds an image part (a stored conversation's earlier turns, say)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS
+                                             for part in content):
+            return True
+    return False
+
+
+class PicturedChat:
+    """A chat request's images, processed: its messages with each image part as the family's placeholder text,
+    and ``expand`` for its rendered ids, which fills ``features`` in."""
+
+    def __init__(self, messages: list[dict[str, Any]], images: list[ProcessedImage], image_token_id: int,
+                 tensors: bool) -> None:
+        self.messages = messages
+        self.images = images
+        self.image_token_id = image_token_id
+        self.tensors = tensors
+        self.features: dict[str, Any] = {}
+
+    def expand(self, token_ids: list[int]) -> list[int]:
+        ids, self.features = attach(token_ids, self.images, self.image_token_id, self.tensors)
+        return ids
+
+
+async def picture_chat(chat: ChatCompletionRequest, config: RenderConfig, mm: MultimodalRender | None,
+                       want_tensors: Callable[[], bool]) -> PicturedChat | None:
+    """``chat``'s images processed, or None when it carries no image part (the text path serves it). A server
+    without a covered vision-language model answers an image part with a 400 naming the families covered.
+    ``want_tensors``: asked only once the request has images (a text request's ``mm_payload`` is not read)."""
+    bounds = mm.bounds if mm is not None else ImageBounds()
+    messages, refs = split_images(chat.messages, mm.family if mm is not None else _any_family(), bounds)
+    if not refs:
+        return None
+    if mm is None:
+        raise UnsupportedModel(describe_model(config.bundle.config))
+    tensors = want_tensors()
+    return PicturedChat(messages, await process_images(refs, mm, tensors), mm.image_token_id, tensors)
 
 
 async def render_with_images(body: bytes, chat: ChatCompletionRequest, config: RenderConfig,
@@ -42,25 +89,13 @@ async def render_with_images(body: bytes, chat: ChatCompletionRequest, config: R
                              endpoint: str = "chat_render") -> GenerateRequest | None:
     """The rendered request with images, or None when ``chat`` carries no image part (the text path serves it).
     ``chat``: the request as chat messages (image parts kept); ``body``: the raw request, for ``mm_payload``."""
-    bounds = mm.bounds if mm is not None else ImageBounds()
-    placeholder_family = mm.family if mm is not None else _any_family()
-    messages, refs = split_images(chat.messages, placeholder_family, bounds)
-    if not refs:
+    pictured = await picture_chat(chat, config, mm, lambda: requested_tensors(body))
+    if pictured is None:
         return None
-    if mm is None:
-        raise UnsupportedModel(describe_model(config.bundle.config))
-    tensors = _options(body).tensors
-    images = await process_images(refs, mm, tensors)
-    features: dict[str, Any] = {}
-
-    def expand(token_ids: list[int]) -> list[int]:
-        ids, built = attach(token_ids, images, mm.image_token_id, tensors)
-        features.update(built)
-        return ids
 
     def job() -> GenerateRequest:
-        result = render(msgspec.structs.replace(chat, messages=messages), expand)
-        result.features = features
+        result = render(msgspec.structs.replace(chat, messages=pictured.messages), pictured.expand)
+        result.features = pictured.features
         return result
 
     return await queue.run(endpoint, len(body), job)
