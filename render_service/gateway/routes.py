@@ -31,7 +31,7 @@ from render_service.gateway.tenancy import request_tenant
 from render_service.http.errors import ApiError, bad_request, error_body
 from render_service.http.render_queue import RenderQueue
 from render_service.http.request_io import Answer, decode, endpoint, read_json_body
-from render_service.multimodal.markers import may_carry_images
+from render_service.multimodal.endpoint import carries_image_parts
 from render_service.render.fingerprint import FINGERPRINT_HEADER
 from render_service.render.prerendered import RENDER_KEYS
 from render_service.render.render import render_chat, render_completion
@@ -60,17 +60,22 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
         request_id = request.headers.get("x-request-id")
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
 
-        if may_carry_images(body):  # the render endpoints' image path; text bodies never reach it
+        def render(text_only: bool) -> tuple[ChatCompletionRequest, GenerateRequest | None]:
+            req = decode_chat_request(body, config.message_memo, decode)
+            _check_supported(req)
+            # Images are found in the decoded messages (the memo decodes only a conversation's new ones), not by
+            # a scan of the whole body.
+            if not text_only and carries_image_parts(req.messages):
+                return req, None
+            return req, render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
+
+        req, gen = await queue.run("chat_completions", len(body), lambda: render(False))
+        if gen is None:  # the render endpoints' image path
             answer = await chat_with_images(request, body, request_id, fingerprint)
             if answer is not None:
                 return answer
-
-        def render() -> tuple[ChatCompletionRequest, GenerateRequest]:
-            req = decode_chat_request(body, config.message_memo, decode)
-            _check_supported(req)
-            return req, render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
-
-        req, gen = await queue.run("chat_completions", len(body), render)
+            req, gen = await queue.run("chat_completions", len(body), lambda: render(True))
+            assert gen is not None
         conversation = conversation_key(req.conversation_id, request.headers)
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)

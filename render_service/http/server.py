@@ -46,8 +46,7 @@ from render_service.http.request_io import (
     server_state,
 )
 from render_service.multimodal.chat import MultimodalRender
-from render_service.multimodal.endpoint import render_with_images
-from render_service.multimodal.markers import may_carry_images
+from render_service.multimodal.endpoint import carries_image_parts, render_with_images
 from render_service.render.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 from render_service.render.render_config import RenderConfig, check_model
 from render_service.tokenize.incremental_tokenizer import PromptIds
@@ -163,22 +162,28 @@ async def chat_render(request: Request) -> Response:
     state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
-    if may_carry_images(body):  # the image path (multimodal.endpoint); text bodies never reach it
+
+    def job(text_only: bool) -> bytes | None:
+        req = decode_chat_request(body, state.config.message_memo, decode)
+        # Images are found in the decoded messages (the memo decodes only a conversation's new ones), not by a
+        # scan of the whole body: an agent's growing conversation costs what its new turn costs.
+        if not text_only and carries_image_parts(req.messages):
+            return None
+        result = render_chat(req, state.config, request_id=request_id, ids_view=True)
+        metrics.PROMPT_TOKENS.inc(len(result.token_ids))
+        _observe_prompt_cache(state.config)
+        return _encode_generate_request(result)
+
+    payload = await state.render_queue.run("chat_render", len(body), lambda: job(False))
+    if payload is None:  # the image path (multimodal.endpoint)
         with_images = await render_with_images(
             body, decode(body, ChatCompletionRequest), state.config, state.multimodal, state.render_queue,
             lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
         if with_images is not None:
             metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
             return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)
-
-    def job() -> bytes:
-        req = decode_chat_request(body, state.config.message_memo, decode)
-        result = render_chat(req, state.config, request_id=request_id, ids_view=True)
-        metrics.PROMPT_TOKENS.inc(len(result.token_ids))
-        _observe_prompt_cache(state.config)
-        return _encode_generate_request(result)
-
-    payload = await state.render_queue.run("chat_render", len(body), job)
+        payload = await state.render_queue.run("chat_render", len(body), lambda: job(True))
+        assert payload is not None
     return Response(payload, media_type=JSON, headers=state.render_headers)
 
 
