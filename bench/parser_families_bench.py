@@ -94,6 +94,7 @@ NEW_FAMILY_WRITERS = {
     "k2_horizon": "write_k2_horizon", "minicpm5": "write_minicpm5",
     "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
     "inkling": "write_inkling", "minimax_m3": "write_minimax_m3",
+    "zaya": "write_zaya_xml",
 }
 
 
@@ -135,6 +136,7 @@ FAMILIES = {
     "minimax_m3": ("minimax_m3", "<mm:think>", "</mm:think>", "qwen3"),
     "inkling": ("inkling", "<|content_thinking|>", "<|end_message|>", "qwen3"),
     "zaya_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "zaya": ("zaya", "<think>\n", "\n</think>\n\n", "qwen3"),
     "cohere_command3": ("cohere_command3", "<|START_THINKING|>", "<|END_THINKING|>", "qwen3"),
     "minicpm5": ("minicpmv", "<think>", "</think>", "qwen3"),
     "k2_horizon": ("k2_horizon", "", "</ifm|think>", "qwen3"),

@@ -438,6 +438,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("inkling", write_inkling, INKLING,
                (*INKLING, "{", "}", '"', ":", ",", " ", "\n", "x", "1", '"get_weather"')),
     ToolFamily("zaya_xml", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
+    ToolFamily("zaya", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
     ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
                ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",
                 "x", "3", "<", ">")),

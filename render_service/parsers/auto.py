@@ -52,6 +52,7 @@ FAMILIES: tuple[ParserFamily, ...] = (
     ParserFamily("hunyuan-v3", "hy_v3", "hy_v3", ("<tool_sep>", "<arg_key>")),
     ParserFamily("glm-4.7", "glm47", "glm47", ("<tool_call>{function-name}<arg_key>",)),
     ParserFamily("glm-4.5", "glm45", "glm45", ("<arg_key>",), ("glm4_moe",)),
+    ParserFamily("zaya1", "zaya", "zaya", ("<zyphra_tool_call>",), ("zaya",)),
     ParserFamily("qwen3-coder", "qwen3", "qwen3_xml", ("<function=", "<parameter="), ("qwen3_next",),
                  reasoning_marker="<think>"),
     ParserFamily("granite-4", "granite", "granite4", ("<|start_of_role|>", "<tool_call>"),

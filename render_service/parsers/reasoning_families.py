@@ -324,6 +324,14 @@ class MiMoReasoningParser(Qwen3ReasoningParser):
     name = "mimo"  # Qwen3's rules (upstream configures Qwen3's engine for it)
 
 
+class ZayaReasoningParser(Qwen3ReasoningParser):
+    """zaya (Zyphra ZAYA1): Qwen3's rules with ZAYA1's call block, so ``<zyphra_tool_call>`` followed by
+    ``<function=`` ends an unclosed think block (upstream's engine is Qwen3's with the block tags swapped)."""
+
+    name = "zaya"
+    tool_call_tag = "<zyphra_tool_call>"
+
+
 class NemotronV3ReasoningParser(Qwen3ReasoningParser):
     """nemotron_v3 (Nemotron 3): Qwen3's rules. Upstream also hands the reasoning back as content when the
     answer came out empty and the request set ``force_nonempty_content``; not done here (a stream has already
@@ -539,5 +547,5 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
                               GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
                               K2HorizonReasoningParser, MiniCPMVReasoningParser, CohereCommand3ReasoningParser,
-                              CohereCommand4ReasoningParser, InklingReasoningParser)
+                              CohereCommand4ReasoningParser, InklingReasoningParser, ZayaReasoningParser)
 }

@@ -78,6 +78,7 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "kimi_k3": ("render_service.parsers.tools_xml_families", "KimiK3ToolParser"),
     "gemma4": ("render_service.parsers.tools_gemma", "Gemma4ToolParser"),
     "functiongemma": ("render_service.parsers.tools_gemma", "FunctionGemmaToolParser"),
+    "zaya": ("render_service.parsers.tools_qwen3_xml", "ZayaToolParser"),
 }
 
 
