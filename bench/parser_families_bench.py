@@ -95,6 +95,7 @@ NEW_FAMILY_WRITERS = {
     "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
     "inkling": "write_inkling", "minimax_m3": "write_minimax_m3",
     "zaya": "write_zaya_xml",
+    "ripple": "write_hermes",
 }
 
 
@@ -137,6 +138,7 @@ FAMILIES = {
     "inkling": ("inkling", "<|content_thinking|>", "<|end_message|>", "qwen3"),
     "zaya_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
     "zaya": ("zaya", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "ripple": ("ripple", "<think>\n", "\n</think>\n", "qwen3"),
     "cohere_command3": ("cohere_command3", "<|START_THINKING|>", "<|END_THINKING|>", "qwen3"),
     "minicpm5": ("minicpmv", "<think>", "</think>", "qwen3"),
     "k2_horizon": ("k2_horizon", "", "</ifm|think>", "qwen3"),

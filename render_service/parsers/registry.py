@@ -79,6 +79,7 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "gemma4": ("render_service.parsers.tools_gemma", "Gemma4ToolParser"),
     "functiongemma": ("render_service.parsers.tools_gemma", "FunctionGemmaToolParser"),
     "zaya": ("render_service.parsers.tools_qwen3_xml", "ZayaToolParser"),
+    "ripple": ("render_service.parsers.tools_hermes", "RippleToolParser"),
 }
 
 

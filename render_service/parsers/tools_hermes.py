@@ -202,3 +202,10 @@ class Ernie45ToolParser(HermesToolParser):
     """ernie45 (ERNIE-4.5 thinking): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Hermes' shape."""
 
     name: ClassVar[str] = "ernie45"
+
+
+class RippleToolParser(HermesToolParser):
+    """ripple (Ricursive Ripple): Hermes' ``<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>``, the
+    markers spelled in plain text (upstream's engine reads the same JSON and tags)."""
+
+    name: ClassVar[str] = "ripple"
