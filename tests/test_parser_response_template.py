@@ -210,3 +210,9 @@ def test_a_region_past_the_bound_is_text_and_the_state_stays_small() -> None:
     folded = fold(out)
     assert folded.calls == [] and folded.content.startswith(opening) and folded.content.endswith("after")
     assert len(msgspec.msgpack.encode(state)) < 100
+
+
+def test_a_region_nested_past_the_stack_is_text() -> None:
+    text = "<|tool_call>call:set_alarm{label:" + "[" * 50_000 + "}<tool_call|>"
+    folded = _tools("hf", text)
+    assert folded.calls == [] and folded.content == text

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -224,7 +224,7 @@ class TemplateToolState(msgspec.Struct, omit_defaults=True):
     opener: str = ""  # the open region's opener as written (given back as text if the region is)
     body: str = ""
     captures: dict[str, str] = {}
-    calls: int = 0
+    calls: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class _Delimiter(msgspec.Struct, frozen=True):
@@ -379,7 +379,7 @@ class ResponseTemplateToolParser:
         state.in_region, state.opener, state.body, state.captures = False, "", "", {}
         try:
             calls = _tool_calls(parse_region(body, self.field, captures))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, RecursionError):  # RecursionError: JSON nested past the stack
             calls = []
         if not calls:
             return [TextPiece("content", text)]
