@@ -61,6 +61,8 @@ def _tools(name: str, text: str, chunks: list[str] | None = None, template=GEMMA
 @pytest.mark.parametrize("name", ["hf", "beam"])
 @pytest.mark.parametrize("text, calls, content", [
     ("Hello<turn|>", [], "Hello"),
+    # without the reasoning stage the thinking block is content, its delimiters markup (upstream's routing)
+    (THINKING + "The answer is 42.<turn|>", [], "planThe answer is 42."),
     ("Let me check." + TOOL, [("set_alarm", {"hour": 7, "label": "morning"})], "Let me check."),
     (f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},unit:{Q}celsius{Q}}}<tool_call|>" + TOOL,
      [("get_weather", {"city": "Paris", "unit": "celsius"}), ("set_alarm", {"hour": 7, "label": "morning"})], None),
