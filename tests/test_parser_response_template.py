@@ -11,7 +11,7 @@ import pytest
 
 from render_service.bundle.model_bundle import load_bundle
 from render_service.parsers.auto import resolve_auto
-from render_service.parsers.base import ReasoningParserConfig, ToolParserConfig, ToolSpec
+from render_service.parsers.base import ReasoningParserConfig, TextPiece, ToolParserConfig, ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 from render_service.parsers.response_template import bind_parser, load_response_template
@@ -218,3 +218,16 @@ def test_a_region_nested_past_the_stack_is_text() -> None:
     text = "<|tool_call>call:set_alarm{label:" + "[" * 50_000 + "}<tool_call|>"
     folded = _tools("hf", text)
     assert folded.calls == [] and folded.content == text
+
+
+def test_an_opener_that_keeps_growing_is_text_and_the_state_stays_small() -> None:
+    import msgspec
+
+    parser = bind_parser(get_tool_parser("hf"), GEMMA4_TEMPLATE_METADATA)(ToolParserConfig(tools=TOOLS))
+    state = parser.initial_state()
+    out = list(parser.feed(state, "<|tool_call>call:"))
+    for _ in range(10):
+        out += parser.feed(state, "a" * 1000)  # a name the pattern keeps matching
+        assert len(msgspec.msgpack.encode(state)) < 5000
+    out += parser.finish(state)
+    assert fold(out) == fold([TextPiece("content", "<|tool_call>call:" + "a" * 10_000)])

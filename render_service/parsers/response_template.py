@@ -37,6 +37,7 @@ _FIELD_KEYS = frozenset({"open", "open_pattern", "close", "close_pattern", "cont
                          "join", "optional", "transform", "transform_each"})
 _CONTENT_PARSERS = frozenset({"text", "int", "float", "bool", "json", "xml-inline", "kv-lines"})
 MAX_REGION_CHARS = 60_000  # a tool region longer than this is the model's text (as minimax_m3's held call)
+MAX_HELD_CHARS = 4096  # a delimiter still open to growth after this many characters is not one
 
 
 class TemplateField(msgspec.Struct, frozen=True):
@@ -357,6 +358,10 @@ class ResponseTemplateToolParser:
             hold = min(hold_open, hold_mark)
             candidates = [f for f in (found_open, found_mark) if f is not None and f[0] < hold]
             if not candidates:
+                if len(buf) - hold > MAX_HELD_CHARS:  # an opener pattern still growing past any name: text
+                    out.append(TextPiece("content", buf[pos:hold + 1]))
+                    pos = hold + 1
+                    continue
                 if hold > pos:
                     out.append(TextPiece("content", buf[pos:hold]))
                 state.held = buf[hold:]
