@@ -231,3 +231,16 @@ def test_an_opener_that_keeps_growing_is_text_and_the_state_stays_small() -> Non
         assert len(msgspec.msgpack.encode(state)) < 5000
     out += parser.finish(state)
     assert fold(out) == fold([TextPiece("content", "<|tool_call>call:" + "a" * 10_000)])
+
+
+def test_the_template_is_part_of_the_fingerprint_where_a_parser_reads_it(bundle) -> None:
+    read = build_render_config(bundle, served_model_names=["m"], tool_call_parser="hf")
+    other = copy.copy(bundle)
+    other.tokenizer = copy.copy(bundle.tokenizer)
+    other.tokenizer.response_template = copy.deepcopy(GEMMA4_RESPONSE_TEMPLATE)
+    other.tokenizer.response_template["fields"]["tool_calls"]["close"] = "<end_call|>"
+    # tiers whose templates differ would read calls differently: their fingerprints differ
+    assert build_render_config(other, served_model_names=["m"], tool_call_parser="hf").fingerprint != read.fingerprint
+    # a family that does not read the template ignores it
+    assert build_render_config(bundle, served_model_names=["m"], tool_call_parser="gemma4").fingerprint == \
+        build_render_config(other, served_model_names=["m"], tool_call_parser="gemma4").fingerprint

@@ -230,17 +230,20 @@ def build_render_config(
     tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None
     tool_template = ChatTemplate(tool_source, special, time_limit_s=chat_template_timeout_s) if tool_source else None
     reasoning_cls = None
+    reads_metadata = False  # a parser reads the bundle's response_template: it is part of the fingerprint
     if reasoning_parser:
         from render_service.parsers.registry import get_reasoning_parser
         from render_service.parsers.response_template import bind_parser
 
         # a parser that reads the bundle's metadata (hf, beam) fails here when the bundle lacks it
         reasoning_cls = bind_parser(get_reasoning_parser(reasoning_parser), bundle.tokenizer)
+        reads_metadata = hasattr(reasoning_cls, "bind")
     if tool_call_parser:
         from render_service.parsers.registry import get_tool_parser
         from render_service.parsers.response_template import bind_parser
 
-        bind_parser(get_tool_parser(tool_call_parser), bundle.tokenizer)  # unknown name -> error at startup
+        tool_cls = bind_parser(get_tool_parser(tool_call_parser), bundle.tokenizer)  # unknown name: error here
+        reads_metadata = reads_metadata or hasattr(tool_cls, "bind")
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if tool_strict_level not in TOOL_STRICT_LEVELS:
@@ -257,6 +260,7 @@ def build_render_config(
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
         default_chat_template_kwargs=kwargs,
+        response_template=bundle.tokenizer.response_template if reads_metadata else None,
     )
     names = list(served_model_names or []) or [str(bundle.path)]
 
