@@ -62,7 +62,10 @@ def test_ripple_reasoning(text, expected) -> None:
 
 
 @pytest.mark.parametrize("text, calls, content", [
-    ("Let me check.\n" + CALL, [("get_weather", {"city": "Paris"})], "Let me check.\n"),
+    # the newline before a call is the call marker's; the one after its end marker is content (upstream's terminals)
+    ("Let me check.\n" + CALL + "\nDone.", [("get_weather", {"city": "Paris"})], "Let me check.\nDone."),
+    ("Line one.\nLine two.\n", [], "Line one.\nLine two.\n"),
+    ("Not a call:\n<tool_call>x</tool_call>", [], "Not a call:\n<tool_call>x</tool_call>"),
     (CALL + "\n" + CALL.replace("Paris", "Oslo"), [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})],
      None),
     # a call without arguments gets {} (upstream's converter)
@@ -90,4 +93,4 @@ def test_ripple_one_token_streaming_equals_batch() -> None:
     assert stream_fold(pipeline, ids, list(range(1, len(ids)))) == batch
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in batch["tool_calls"]] == [
         ("get_weather", {"city": "Seoul 🌧", "days": 3}), ("get_time", {})]
-    assert batch["reasoning"] == "Need Seoul's weather 😀." and batch["content"] == "Checking.\n"
+    assert batch["reasoning"] == "Need Seoul's weather 😀." and batch["content"] == "Checking."
