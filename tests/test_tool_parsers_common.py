@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from render_service.parsers.base import TextPiece, ToolCallPiece, ToolParserConfig, ToolSpec
 from render_service.parsers.json_scan import JsonScan, json_string_safe_end, scan_json_value
 from render_service.parsers.registry import get_tool_parser, tool_parser_names
+from render_service.parsers.response_template import bind_parser
 from render_service.parsers.tags import find_tag, partial_tag_len
+from tests.family_bundles import GEMMA4_TEMPLATE_METADATA
 
 WEATHER_TOOLS = ToolParserConfig(
     tools=[
@@ -70,7 +72,8 @@ def fold(pieces) -> Folded:
 
 
 def run_pieces(parser_name: str, chunks, config: ToolParserConfig = WEATHER_TOOLS, check_state=True):
-    parser = get_tool_parser(parser_name)(config)
+    # hf/beam read the bundle's response_template: here Gemma 4's
+    parser = bind_parser(get_tool_parser(parser_name), GEMMA4_TEMPLATE_METADATA)(config)
     state = parser.initial_state()
     pieces = []
     for chunk in chunks:

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from render_service.parsers.base import ToolParserConfig
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
+from tests.family_bundles import GEMMA4_RESPONSE_TEMPLATE
 from tests.test_tool_parsers_common import ARG_TEXT, WEATHER_TOOLS, Folded, parse, parse_chunks, split_at
 
 Call = tuple[str, dict[str, Any]]  # (name, arguments as JSON values)
@@ -44,6 +45,8 @@ class ToolFamily:
     vocabulary: tuple[str, ...]  # pieces adversarial outputs are built from (tags, fragments, punctuation)
     calls_first: bool = False  # the format is only recognised at the very start of the output
     tools: ToolParserConfig = field(default=WEATHER_TOOLS)
+    # the bundle's response_template, for the families that read it (hf, beam)
+    response_template: dict[str, Any] | None = None
 
 
 # --- writers ---------------------------------------------------------------------------------------------
@@ -438,6 +441,16 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("inkling", write_inkling, INKLING,
                (*INKLING, "{", "}", '"', ":", ",", " ", "\n", "x", "1", '"get_weather"')),
     ToolFamily("zaya_xml", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
+    ToolFamily("ripple", write_hermes, ("<tool_call>", "</tool_call>", *_JSON_KEYS),
+               ("<tool_call>", "</tool_call>", "<think>", "</think>", "{", "}", '"', ":", ",", '"name"',
+                '"arguments"', " ", "\n", "x", "1")),
+    # the template's other fields' delimiters are markup too
+    *[ToolFamily(name, write_gemma4, (*GEMMA4, "true", "false", "<|channel>thought\n", "<channel|>", "<turn|>",
+                                      "<|tool_response>", "<eos>"),
+                 (*GEMMA4, "get_weather", "city", "days", "{", "}", "[", "]", ":", ",", " ", "\n", "x", "3", "1.5",
+                  "true", "<|", "<", "<|channel>thought\n", "<channel|>", "<turn|>"),
+                 response_template=GEMMA4_RESPONSE_TEMPLATE) for name in ("hf", "beam")],
+    ToolFamily("zaya", write_zaya_xml, _ZAYA, (*_ZAYA, "get_weather", "city", ">", "\n", " ", "x", "3", "<")),
     ToolFamily("minicpm5", write_minicpm5, ("<function name=", "</function>", "<param name=", "</param>"),
                ("<function name=", "</function>", "<param name=", "</param>", '"get_weather">', '"city">', " ", "\n",
                 "x", "3", "<", ">")),
@@ -551,11 +564,23 @@ def _stream_one_token_at_a_time(pipeline: Pipeline, ids: list[int]) -> dict[str,
     return acc.message()
 
 
+class _WithMetadata:
+    """A tokenizer that also carries a response_template (a bundle's tokenizer_config sets it at load)."""
+
+    def __init__(self, tokenizer: Any, response_template: dict[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self.response_template = response_template
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
 def check_pipeline(family: ToolFamily, tokenizer: Any, ids: list[int]) -> dict[str, Any]:
     """Derender over real token IDs: batch == one-token streaming (state round trips); both invariants."""
     config = PipelineConfig(request_id="inv", tool_parser=family.name, tool_choice="auto",
                             tools=list(family.tools.tools), skip_special_tokens=False)
-    pipeline = Pipeline(tokenizer, config)
+    pipeline = Pipeline(_WithMetadata(tokenizer, family.response_template) if family.response_template else tokenizer,
+                        config)
     batch, _ = derender_all(pipeline, ids, None, False)
     assert _stream_one_token_at_a_time(pipeline, ids) == batch
     calls = [{"name": c["function"]["name"], "id": c["id"], "arguments": c["function"]["arguments"]}

@@ -172,6 +172,8 @@ def load_bundle(path: str | Path, max_model_len: int | None = None, *, fast_toke
         tokenizer = TextTokenizer.from_file(tokenizer_file, tok_cfg, fast=fast_tokenizer)
     except TokenizerError as exc:
         raise BundleError(f"{tokenizer_file}: {exc}") from exc
+    response_template = tok_cfg.get("response_template")
+    tokenizer.response_template = response_template if isinstance(response_template, dict) else None
     templates = load_chat_templates(tok_root, tok_cfg)
     return ModelBundle(
         path=root,

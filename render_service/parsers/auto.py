@@ -10,6 +10,7 @@ to no parser; a model no family matches is a startup error naming the choices.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 
@@ -52,6 +53,7 @@ FAMILIES: tuple[ParserFamily, ...] = (
     ParserFamily("hunyuan-v3", "hy_v3", "hy_v3", ("<tool_sep>", "<arg_key>")),
     ParserFamily("glm-4.7", "glm47", "glm47", ("<tool_call>{function-name}<arg_key>",)),
     ParserFamily("glm-4.5", "glm45", "glm45", ("<arg_key>",), ("glm4_moe",)),
+    ParserFamily("zaya1", "zaya", "zaya", ("<zyphra_tool_call>",), ("zaya",)),
     ParserFamily("qwen3-coder", "qwen3", "qwen3_xml", ("<function=", "<parameter="), ("qwen3_next",),
                  reasoning_marker="<think>"),
     ParserFamily("granite-4", "granite", "granite4", ("<|start_of_role|>", "<tool_call>"),
@@ -98,11 +100,17 @@ def _choices() -> str:
 
 
 def resolve_auto(reasoning_parser: str | None, tool_call_parser: str | None, chat_template: str | None,
-                 model_type: str | None) -> tuple[str | None, str | None]:
-    """The flags with ``auto`` replaced by the detected family's parsers (ValueError when none matches)."""
+                 model_type: str | None, response_template: Any = None) -> tuple[str | None, str | None]:
+    """The flags with ``auto`` replaced by the detected family's parsers (ValueError when none matches).
+    ``response_template``: tokenizer_config's, where the checkpoint describes its reply; read (``hf``) only when
+    no family matches, since a family's own parser knows its format better."""
     if AUTO not in (reasoning_parser, tool_call_parser):
         return reasoning_parser, tool_call_parser
     family = detect_family(chat_template, model_type)
+    if family is None and isinstance(response_template, dict) and isinstance(response_template.get("fields"), dict):
+        fields = response_template["fields"]
+        family = ParserFamily("response-template", "hf" if "thinking" in fields else None,
+                              "hf" if "tool_calls" in fields else None)
     if family is None:
         raise ValueError(
             f"--reasoning-parser/--tool-call-parser auto: no known parser family matches this model "

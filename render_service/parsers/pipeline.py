@@ -38,6 +38,7 @@ from render_service.parsers.harmony import HarmonyParser
 from render_service.parsers.reasoning import CONTENT, ThinkReasoningParser, reasoning_open_at_prompt_end
 from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
+from render_service.parsers.response_template import bind_parser
 
 if TYPE_CHECKING:
     from render_service.tokenize.tokenizer import RenderTokenizer
@@ -168,7 +169,8 @@ class Pipeline:
                 hidden_token_ids=config.hidden_token_ids,
             ),
         )
-        self.reasoning_cls = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        self.reasoning_cls = bind_parser(get_reasoning_parser(config.reasoning_parser), tokenizer) \
+            if config.reasoning_parser else None
         self.reasoning: ThinkReasoningParser | HarmonyParser | None = (
             self.reasoning_cls(ReasoningParserConfig(enable_thinking=config.enable_thinking))
             if self.reasoning_cls
@@ -189,8 +191,7 @@ class Pipeline:
         self.tool_text: list[str] | None = None
         self.closed_at_finish: int | None = None  # the call the tool parser had to close at the end of output
 
-    @staticmethod
-    def _make_tool_parser(config: PipelineConfig) -> Any:
+    def _make_tool_parser(self, config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
         named = config.named_function if config.tool_choice == "named" else None
         forced = config.tool_choice in ("required", "named")
@@ -212,7 +213,7 @@ class Pipeline:
         if config.tool_choice == "required":
             return RequiredToolChoiceParser(tcfg)
         if config.tool_choice == "auto" and config.tool_parser and config.tools:
-            return get_tool_parser(config.tool_parser)(tcfg)
+            return bind_parser(get_tool_parser(config.tool_parser), self.tokenizer)(tcfg)
         return None
 
     # state ------------------------------------------------------------------------------------------
@@ -232,7 +233,10 @@ class Pipeline:
             reasoning_state = self.reasoning.initial_state(prompt_token_ids, self.tokenizer)
         elif self.reasoning is not None and think_cls is not None and not issubclass(think_cls, HarmonyParser):
             is_open = reasoning_open_at_start
-            if is_open is None:
+            in_prompt = getattr(think_cls, "reasoning_open_in_prompt", None)  # a family that reads the prompt's text
+            if is_open is None and in_prompt is not None:
+                is_open = in_prompt(prompt_token_ids, self.tokenizer)
+            elif is_open is None:
                 is_open = reasoning_open_at_prompt_end(prompt_token_ids, self.tokenizer, think_cls)
             parser = self.reasoning
             if is_open is not None:

@@ -85,6 +85,7 @@ class ThinkReasoningParser:
     thinking_kwarg: ClassVar[str] = "enable_thinking"
     thinking_default: ClassVar[bool] = True
     implicit_end_at_tool_call: ClassVar[bool] = False
+    tool_call_tag: ClassVar[str] = "<tool_call>"  # the call block's opener that implicit end looks for
     # Markers that end reasoning where the model starts a tool-call section without closing its think block
     # (Kimi-K2, DeepSeek-V4); the marker stays in the content for the tool parser.
     implicit_end_markers: ClassVar[tuple[str, ...]] = ()
@@ -97,7 +98,7 @@ class ThinkReasoningParser:
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
         self.config = config
         self._markers: tuple[str, ...] = (
-            (self.end_tag, "<tool_call>") if self.implicit_end_at_tool_call else (self.end_tag,)
+            (self.end_tag, self.tool_call_tag) if self.implicit_end_at_tool_call else (self.end_tag,)
         ) + self.implicit_end_markers
         firsts = {m[0] for m in self._markers}
         # Text without this character holds no marker and no start of one (None: the markers start differently).
@@ -172,7 +173,7 @@ class ThinkReasoningParser:
                         out.append(TextPiece("reasoning", buf[:implicit]))
                     state.mode = CONTENT
                     return buf[implicit:]
-            call = buf.find("<tool_call>", pos) if self.implicit_end_at_tool_call else -1
+            call = buf.find(self.tool_call_tag, pos) if self.implicit_end_at_tool_call else -1
             if call >= 0 and (end < 0 or call < end):
                 verdict = self._tool_call_verdict(buf, call)
                 if verdict == "end":
@@ -185,7 +186,7 @@ class ThinkReasoningParser:
                         out.append(TextPiece("reasoning", buf[:call]))
                     state.held = buf[call:]
                     return ""
-                pos = call + len("<tool_call>")
+                pos = call + len(self.tool_call_tag)
                 continue
             if end >= 0:
                 if end:
@@ -199,9 +200,8 @@ class ThinkReasoningParser:
             state.held = buf[len(buf) - keep:]
             return ""
 
-    @staticmethod
-    def _tool_call_verdict(buf: str, at: int) -> str:
-        rest = buf[at + len("<tool_call>"):].lstrip()
+    def _tool_call_verdict(self, buf: str, at: int) -> str:
+        rest = buf[at + len(self.tool_call_tag):].lstrip()
         if rest.startswith("<function=") or rest.startswith("<function "):
             return "end"
         if "<function".startswith(rest):

@@ -59,7 +59,8 @@ class ThinkTokenCounter:
         self.start = tokenizer.token_to_id(parser_cls.start_tag)
         self.end = tokenizer.token_to_id(parser_cls.end_tag)
         # the text stage's implicit end (qwen3: "<tool_call>" followed by "<function=") as a token, if it is one
-        self.implicit = tokenizer.token_to_id("<tool_call>") if parser_cls.implicit_end_at_tool_call else None
+        implicit = parser_cls.implicit_end_at_tool_call
+        self.implicit = tokenizer.token_to_id(parser_cls.tool_call_tag) if implicit else None
         self.emits_reasoning = getattr(parser_cls, "emits_reasoning", True)
         self.starts_in_content = parser_cls.starts_in_content
         # a tag the text stage finds in text only: the pipeline feeds the stages a token at a time while counting

@@ -324,6 +324,14 @@ class MiMoReasoningParser(Qwen3ReasoningParser):
     name = "mimo"  # Qwen3's rules (upstream configures Qwen3's engine for it)
 
 
+class ZayaReasoningParser(Qwen3ReasoningParser):
+    """zaya (Zyphra ZAYA1): Qwen3's rules with ZAYA1's call block, so ``<zyphra_tool_call>`` followed by
+    ``<function=`` ends an unclosed think block (upstream's engine is Qwen3's with the block tags swapped)."""
+
+    name = "zaya"
+    tool_call_tag = "<zyphra_tool_call>"
+
+
 class NemotronV3ReasoningParser(Qwen3ReasoningParser):
     """nemotron_v3 (Nemotron 3): Qwen3's rules. Upstream also hands the reasoning back as content when the
     answer came out empty and the request set ``force_nonempty_content``; not done here (a stream has already
@@ -376,6 +384,80 @@ class Gemma4ReasoningParser(ExplicitThinkReasoningParser):
         if not self.config.enable_thinking and stripped.startswith(label):
             return stripped[len(label):]  # the label without a block: dropped
         return buf
+
+
+class FramedState(ExplicitThinkState):
+    frame: int = 0  # where the block's framing newlines stand (RippleReasoningParser's FRAME_* values)
+
+
+FRAME_BEFORE, FRAME_OPENED, FRAME_HELD, FRAME_INSIDE, FRAME_AFTER, FRAME_DONE = range(6)
+
+
+class RippleReasoningParser(ExplicitThinkReasoningParser):
+    """ripple (Ricursive Ripple): a ``<think>`` block the model opens itself (the prompt never does; there is
+    no thinking switch), written ``<think>\n`` .. ``\n</think>\n``: those newlines are the markers' (upstream's
+    terminals include them), so one newline after the opener, before the closer and after it is dropped.
+    Reasoning also ends where a call block begins (``<tool_call>``, its leading newline the tool marker's)."""
+
+    name = "ripple"
+    State = FramedState
+    implicit_end_markers: ClassVar[tuple[str, ...]] = ("<tool_call>",)
+    starts_in_content = True
+
+    @classmethod
+    def enable_thinking_from(cls, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        return True  # upstream ignores chat_template_kwargs: the model decides per turn
+
+    def _explicit_only(self) -> bool:
+        return True
+
+    def initial_state(self) -> FramedState:
+        return FramedState(mode=AWAIT_START, explicit=True)
+
+    def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
+        pieces = super().feed(state, text)
+        frame = cast(FramedState, state).frame
+        return pieces if frame == FRAME_DONE or not pieces else self._unframe(cast(FramedState, state), pieces)
+
+    def finish(self, state: ThinkState) -> list[TextPiece]:
+        st = cast(FramedState, state)
+        pieces = self._unframe(st, super().finish(state))
+        if st.frame == FRAME_HELD:  # cut inside reasoning: its last newline is the model's
+            pieces.append(TextPiece("reasoning", "\n"))
+        st.frame = FRAME_DONE
+        return pieces
+
+    @staticmethod
+    def _unframe(st: FramedState, pieces: list[TextPiece]) -> list[TextPiece]:
+        out: list[TextPiece] = []
+        for p in pieces:
+            text = p.text
+            if p.channel == "reasoning":
+                if st.frame in (FRAME_BEFORE, FRAME_OPENED):
+                    st.frame = FRAME_OPENED
+                    if not text:
+                        continue
+                    text = text.removeprefix("\n")
+                    st.frame = FRAME_INSIDE
+                elif st.frame == FRAME_HELD:
+                    text = "\n" + text
+                if text.endswith("\n"):
+                    text, st.frame = text[:-1], FRAME_HELD
+                else:
+                    st.frame = FRAME_INSIDE
+                if text:
+                    out.append(TextPiece("reasoning", text))
+                continue
+            if st.frame == FRAME_BEFORE:
+                st.frame = FRAME_DONE  # content first: no block follows
+            elif st.frame in (FRAME_OPENED, FRAME_HELD, FRAME_INSIDE):
+                st.frame = FRAME_AFTER  # reasoning ended: its held newline was the closer's
+            if st.frame == FRAME_AFTER and text:
+                text = text.removeprefix("\n")
+                st.frame = FRAME_DONE
+            if text:
+                out.append(TextPiece("content", text))
+        return out
 
 
 class LeadingNewlinesState(ThinkState):
@@ -539,5 +621,6 @@ MORE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
                               DeepSeekV41ReasoningParser, Plamo3ReasoningParser, Gemma4ReasoningParser,
                               GraniteThinkingReasoningParser, KimiK3ReasoningParser, HyV4ReasoningParser,
                               K2HorizonReasoningParser, MiniCPMVReasoningParser, CohereCommand3ReasoningParser,
-                              CohereCommand4ReasoningParser, InklingReasoningParser)
+                              CohereCommand4ReasoningParser, InklingReasoningParser, ZayaReasoningParser,
+                              RippleReasoningParser)
 }

@@ -14,10 +14,14 @@ from render_service.parsers.reasoning import ThinkReasoningParser
 from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS, MORE_REASONING_PARSERS
 from render_service.parsers.reasoning_granite import GraniteReasoningParser
 from render_service.parsers.reasoning_mistral import MistralReasoningParser
+from render_service.parsers.response_template import BeamReasoningParser, ResponseTemplateReasoningParser
 
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS, **MORE_REASONING_PARSERS,
     MistralReasoningParser.name: MistralReasoningParser, GraniteReasoningParser.name: GraniteReasoningParser,
+    # read by the bundle's response_template: bound to it where a tokenizer is known (bind_parser)
+    ResponseTemplateReasoningParser.name: ResponseTemplateReasoningParser,
+    BeamReasoningParser.name: BeamReasoningParser,
 }
 
 # name -> (module, class), the names as vLLM's ``--tool-call-parser`` spells them
@@ -78,6 +82,10 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "kimi_k3": ("render_service.parsers.tools_xml_families", "KimiK3ToolParser"),
     "gemma4": ("render_service.parsers.tools_gemma", "Gemma4ToolParser"),
     "functiongemma": ("render_service.parsers.tools_gemma", "FunctionGemmaToolParser"),
+    "zaya": ("render_service.parsers.tools_qwen3_xml", "ZayaToolParser"),
+    "ripple": ("render_service.parsers.tools_hermes", "RippleToolParser"),
+    "hf": ("render_service.parsers.response_template", "ResponseTemplateToolParser"),
+    "beam": ("render_service.parsers.response_template", "BeamToolParser"),
 }
 
 

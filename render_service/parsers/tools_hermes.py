@@ -16,7 +16,7 @@ from typing import ClassVar, cast
 
 import msgspec
 
-from render_service.parsers.base import Piece
+from render_service.parsers.base import Piece, TextPiece
 from render_service.parsers.call_object import (
     DONE,
     MALFORMED,
@@ -70,6 +70,7 @@ class HermesToolParser(HeldTextToolParser):
     # the tags around each call's JSON object: a family of this shape is a subclass naming its own
     START: ClassVar[str] = START
     END: ClassVar[str] = END
+    LAYOUT_AFTER_CALL: ClassVar[bool] = True  # whitespace right after a call's end tag is layout, not content
 
     def finish(self, state: HermesState) -> list[Piece]:
         sink = PieceSink()
@@ -144,7 +145,7 @@ class HermesToolParser(HeldTextToolParser):
                     self._start_call(state)
                 else:
                     state.mode = CONTENT
-                    state.after_call = True
+                    state.after_call = self.LAYOUT_AFTER_CALL
             else:
                 call = cast(CallObject, state.call)  # the state's __post_init__ requires it in this mode
                 end = pos + 1 if literal_angle else n
@@ -202,3 +203,47 @@ class Ernie45ToolParser(HermesToolParser):
     """ernie45 (ERNIE-4.5 thinking): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Hermes' shape."""
 
     name: ClassVar[str] = "ernie45"
+
+
+class RippleState(HermesState):
+    newline_held: bool = False  # content's last newline, which is the next call marker's if a call follows
+
+
+class RippleToolParser(HermesToolParser):
+    """ripple (Ricursive Ripple): Hermes' ``<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>``, the
+    markers spelled in plain text (upstream's engine reads the same JSON and tags). The template writes
+    ``\\n<tool_call>``: the newline before a call is the marker's, so content's last newline waits for what
+    follows and is dropped when a call does; text after ``</tool_call>``, newline included, is content."""
+
+    name: ClassVar[str] = "ripple"
+    State: ClassVar[type[msgspec.Struct]] = RippleState
+    LAYOUT_AFTER_CALL: ClassVar[bool] = False  # the end marker owns no newline after it (upstream's terminal)
+
+    def feed(self, state: RippleState, text: str) -> list[Piece]:
+        pieces = super().feed(state, text)
+        return pieces if not pieces and not state.newline_held else self._frame(state, pieces)
+
+    def finish(self, state: HermesState) -> list[Piece]:
+        state = cast(RippleState, state)
+        out = self._frame(state, super().finish(state))
+        if state.newline_held:
+            state.newline_held = False
+            out.append(TextPiece("content", "\n"))
+        return out
+
+    @staticmethod
+    def _frame(state: RippleState, pieces: list[Piece]) -> list[Piece]:
+        out: list[Piece] = []
+        for p in pieces:
+            if isinstance(p, TextPiece):
+                text = "\n" + p.text if state.newline_held else p.text
+                state.newline_held = text.endswith("\n")
+                text = text[:-1] if state.newline_held else text
+                if text:
+                    out.append(TextPiece("content", text))
+                continue
+            if state.newline_held and p.name is None:  # not a call's start: the newline was the model's
+                out.append(TextPiece("content", "\n"))
+            state.newline_held = False
+            out.append(p)
+        return out

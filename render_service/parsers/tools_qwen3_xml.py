@@ -82,3 +82,7 @@ class ZayaXmlToolParser(Qwen3XmlToolParser):
     FORMAT: ClassVar[XmlFormat] = ZAYA_XML_FORMAT
     FORCED_REQUIRED: ClassVar[str] = "<zyphra_tool_call>\n"
     FORCED_NAMED: ClassVar[str] = "<zyphra_tool_call>\n<function={name}>\n"
+
+
+class ZayaToolParser(ZayaXmlToolParser):
+    name: ClassVar[str] = "zaya"  # upstream registers zaya_xml as this name's alias

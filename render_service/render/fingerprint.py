@@ -34,17 +34,22 @@ def config_fingerprint(
     tool_call_parser: str | None,
     enable_auto_tool_choice: bool,
     default_chat_template_kwargs: dict[str, Any] | None,
+    response_template: dict[str, Any] | None = None,
 ) -> str:
-    """``fp1-`` plus 16 hex digits of sha256 over a canonical JSON of the inputs."""
+    """``fp1-`` plus 16 hex digits of sha256 over a canonical JSON of the inputs. ``response_template``: the
+    bundle's, where a parser reads it (hf, beam); absent otherwise, so other fingerprints stay as they were."""
+    inputs: dict[str, Any] = {
+        "tokenizer_sha256": tokenizer_sha256,
+        "chat_template": chat_template or "",
+        "reasoning_parser": reasoning_parser or "",
+        "tool_call_parser": tool_call_parser or "",
+        "enable_auto_tool_choice": bool(enable_auto_tool_choice),
+        "default_chat_template_kwargs": default_chat_template_kwargs or {},
+    }
+    if response_template is not None:
+        inputs["response_template"] = response_template
     canonical = json.dumps(
-        {
-            "tokenizer_sha256": tokenizer_sha256,
-            "chat_template": chat_template or "",
-            "reasoning_parser": reasoning_parser or "",
-            "tool_call_parser": tool_call_parser or "",
-            "enable_auto_tool_choice": bool(enable_auto_tool_choice),
-            "default_chat_template_kwargs": default_chat_template_kwargs or {},
-        },
+        inputs,
         sort_keys=True,
         ensure_ascii=True,
         separators=(",", ":"),

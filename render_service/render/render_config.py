@@ -221,7 +221,8 @@ def build_render_config(
 
         # --reasoning-parser / --tool-call-parser auto: the family from the template's markers and model_type
         reasoning_parser, tool_call_parser = resolve_auto(reasoning_parser, tool_call_parser, source,
-                                                          (bundle.config or {}).get("model_type"))
+                                                          (bundle.config or {}).get("model_type"),
+                                                          bundle.tokenizer_config.get("response_template"))
     if not chat_template_timeout_s > 0:
         raise ValueError("--chat-template-timeout must be positive")
     special = template_special_tokens(bundle)
@@ -229,14 +230,20 @@ def build_render_config(
     tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None
     tool_template = ChatTemplate(tool_source, special, time_limit_s=chat_template_timeout_s) if tool_source else None
     reasoning_cls = None
+    reads_metadata = False  # a parser reads the bundle's response_template: it is part of the fingerprint
     if reasoning_parser:
         from render_service.parsers.registry import get_reasoning_parser
+        from render_service.parsers.response_template import bind_parser
 
-        reasoning_cls = get_reasoning_parser(reasoning_parser)
+        # a parser that reads the bundle's metadata (hf, beam) fails here when the bundle lacks it
+        reasoning_cls = bind_parser(get_reasoning_parser(reasoning_parser), bundle.tokenizer)
+        reads_metadata = hasattr(reasoning_cls, "bind")
     if tool_call_parser:
         from render_service.parsers.registry import get_tool_parser
+        from render_service.parsers.response_template import bind_parser
 
-        get_tool_parser(tool_call_parser)  # unknown name -> error at startup, not per request
+        tool_cls = bind_parser(get_tool_parser(tool_call_parser), bundle.tokenizer)  # unknown name: error here
+        reads_metadata = reads_metadata or hasattr(tool_cls, "bind")
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if tool_strict_level not in TOOL_STRICT_LEVELS:
@@ -253,6 +260,7 @@ def build_render_config(
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
         default_chat_template_kwargs=kwargs,
+        response_template=bundle.tokenizer.response_template if reads_metadata else None,
     )
     names = list(served_model_names or []) or [str(bundle.path)]
 

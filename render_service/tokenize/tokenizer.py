@@ -73,6 +73,9 @@ class TextTokenizer:
         hf.no_padding()
         self.hf = hf
         self.special_token_ids = special_token_ids
+        # tokenizer_config's response_template, where the checkpoint describes its reply (the hf/beam parsers
+        # read it off the tokenizer, as upstream's do); set by the bundle loader
+        self.response_template: dict[str, Any] | None = None
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self.sha256 = sha256
         added = hf.get_added_tokens_decoder()
