@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-allowed-peers", default=None,
                    help="comma-separated hosts/CIDRs this engine may fetch KV from (default: "
                         "$SPLITSERVE_KV_ALLOWED_PEERS, else loopback only), e.g. 127.0.0.1/32,10.0.0.0/8")
-    s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
+    s.add_argument("--tokens-only", action="store_true",
+                   help="as vLLM: never detokenize, so output_mode text and derender are refused (without it the "
+                        "tokenizer is still loaded only by the first request that needs text)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-format", default="text", choices=["json", "text"],
                    help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -310,7 +312,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
           shutdown_grace_seconds: float = 30.0, access_log: bool = True, log_requests: bool = False,
           scheduling_policy: str | None = None, api_keys: list[str] | None = None,
           header_timeout_s: float = 10.0, tls: dict[str, Any] | None = None,
-          rl_control: bool | None = None) -> None:
+          rl_control: bool | None = None, tokens_only: bool = False) -> None:
     import uvicorn
 
     from splitserve_common.auth import ApiKeys, warn_if_open
@@ -343,7 +345,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     warn_if_open("token-engine", host, keys, log)
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
                     log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys,
-                    rl_control=rl_control)
+                    rl_control=rl_control, tokens_only=tokens_only)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
     _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
@@ -434,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
               shutdown_grace_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
               log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy,
               api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout,
-              tls=vllm_flags.uvicorn_tls_settings(args), rl_control=args.enable_rl_control)
+              tls=vllm_flags.uvicorn_tls_settings(args), rl_control=args.enable_rl_control,
+              tokens_only=args.tokens_only)
     except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2

@@ -31,13 +31,15 @@ from starlette.routing import Route
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
 from splitserve_common.tenants import engine_caller
 from token_engine.core.bad_words import BadWordsError
-from token_engine.core.engine import AsyncEngine, RequestUpdate
+from token_engine.core.engine import AsyncEngine, RequestUpdate, SequenceDelta
+from token_engine.core.model_tokenizer import TokenizerUnavailable
 from token_engine.core.scheduler import GRAMMAR_VIOLATION
 from token_engine.core.sequence import TokenLogprob
 from token_engine.http import protocol as p
 from token_engine.http.protocol import error_response
 from token_engine.http.request_error import RequestError
-from token_engine.http.validation import validate_generate_request
+from token_engine.http.text_output import TextChoices, text_options
+from token_engine.http.validation import output_mode, validate_generate_request
 from token_engine.kv_connector.base import KV_LOAD_FAILED, KV_PARAMS_REFUSED
 from token_engine.rl.routes import rl_control_enabled, rl_routes
 from token_engine.structured import GrammarError
@@ -113,6 +115,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     log_requests: bool = False  # --enable-log-requests: a line when each request arrives
     scheduling_policy: str | None = None  # "fcfs" refuses non-zero priorities as vLLM does
+    tokens_only: bool = False  # --tokens-only: no detokenizing, so output_mode text and derender are refused
     running: dict[str, set[str]] = field(default_factory=dict)  # caller's id -> engine ids running under it
     # caller's id -> engine ids of finished requests whose KV the connector may still hold for a peer (P/D
     # prefill): an abort by the caller's id releases those leases too. The newest HELD_IDS only.
@@ -199,6 +202,13 @@ class Generation:
         sp = req.sampling_params
         self.wants_logprobs = sp.logprobs is not None or sp.logprob_token_ids is not None
         self.legacy_logprobs = fmt == "token_id_strings"
+        self.output_mode = output_mode(req)
+        self.text: TextChoices | None = None  # output_mode "text": set up by the handler once it has the tokenizer
+
+    def stop_early(self, index: int) -> None:
+        """A stop string ended choice ``index``: the engine stops that sequence, the others go on."""
+        engine_id = self.engine_id
+        self.state.engine.call(lambda eng: eng.stop_sequence(engine_id, index))
 
     def on_update(self, update: RequestUpdate) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self._deliver, update)
@@ -233,11 +243,26 @@ class Generation:
         tokens: list[list[int]] = [[] for _ in range(self.n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         reasons: list[str | None] = [None] * self.n
-        stop_reasons: list[int | None] = [None] * self.n
+        stop_reasons: list[int | str | None] = [None] * self.n
         spans: list[list[tuple[str, int, int]] | None] = [None] * self.n
+        text_logprobs: list[list[p.LegacyTokenLogprobEntry]] = [[] for _ in range(self.n)]
         while True:
             update = await self.queue.get()
             for d in update.deltas:
+                if self.text is not None:
+                    step = self.text.step(d)
+                    if step is None:
+                        continue
+                    if step.stopped_early:
+                        self.stop_early(d.index)
+                    tokens[d.index].extend(step.token_ids)
+                    if self.wants_logprobs:
+                        text_logprobs[d.index] += self.text.logprobs(step.logprobs, step.logprob_context).content or []
+                    if step.finish_reason is not None:
+                        reasons[d.index] = step.finish_reason
+                        stop_reasons[d.index] = step.stop_reason
+                        spans[d.index] = d.weight_versions
+                    continue
                 tokens[d.index].extend(d.token_ids)
                 logprobs[d.index].extend(d.logprobs)
                 if d.finish_reason is not None:
@@ -257,11 +282,15 @@ class Generation:
                 logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i]), spans[i]))
             for i in range(self.n)
         ]
+        if self.text is not None:
+            for i, choice in enumerate(choices):
+                choice.text = self.text.text(i)
+                choice.logprobs = p.ChatCompletionLogProbs(text_logprobs[i]) if self.wants_logprobs else None
         body = p.GenerateResponse(
             request_id=self.request_id, model=self.state.model_name, created=int(time.time()), choices=choices,
             usage=self.usage(sum(len(t) for t in tokens), update.num_cached_tokens),
             prompt_logprobs=encode_prompt_logprobs(update.prompt_logprobs) if update.prompt_logprobs else None,
-            kv_transfer_params=update.kv_transfer_params,
+            kv_transfer_params=update.kv_transfer_params, output_mode=self.output_mode,
         )
         if self.req.return_token_ids:
             body.prompt_token_ids = self.req.token_ids
@@ -275,6 +304,20 @@ class Generation:
         out = encode_logprobs(entries, legacy=False) if want_top else p.GenerateLogProbs(content=None)
         out.sampled = [_clamp(e.logprob) for e in entries]
         return out
+
+    def stream_choice(self, d: SequenceDelta) -> p.GenerateStreamChoice | None:
+        """One delta as a stream event's choice; None when there is nothing to send for it."""
+        if self.text is None:
+            return p.GenerateStreamChoice(index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                                          stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs))
+        step = self.text.step(d)
+        if step is None:
+            return None
+        if step.stopped_early:
+            self.stop_early(d.index)
+        logprobs = self.text.logprobs(step.logprobs, step.logprob_context) if self.wants_logprobs else None
+        return p.GenerateStreamChoice(index=d.index, token_ids=step.token_ids, finish_reason=step.finish_reason,
+                                      stop_reason=step.stop_reason, logprobs=logprobs, text=step.text)
 
     async def stream(self):
         opts = self.req.stream_options
@@ -290,18 +333,20 @@ class Generation:
                     self.finish(sum(counts), "error")
                     break
                 for d in update.deltas:
-                    counts[d.index] += len(d.token_ids)
-                    choice = p.GenerateStreamChoice(
-                        index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs))
-                    if d.finish_reason is not None:
+                    choice = self.stream_choice(d)
+                    if choice is None:
+                        continue
+                    counts[d.index] += len(choice.token_ids)
+                    if choice.finish_reason is not None:
                         choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
                     if update.kv_transfer_params is not None and d is update.deltas[-1]:
                         # the caller learns what is held for it only from the final event (as non-streaming)
                         chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
-                                                            kv_transfer_params=update.kv_transfer_params)
+                                                            kv_transfer_params=update.kv_transfer_params,
+                                                            output_mode=self.output_mode)
                     else:
-                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice])
+                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice],
+                                                         output_mode=self.output_mode)
                     if continuous:
                         chunk.usage = self.usage(counts[d.index], update.num_cached_tokens)
                     if first and self.req.return_token_ids:
@@ -314,7 +359,8 @@ class Generation:
                     self.finish(sum(counts), "finished")
                     if include_usage:
                         chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[],
-                                                         usage=self.usage(sum(counts), update.num_cached_tokens))
+                                                         usage=self.usage(sum(counts), update.num_cached_tokens),
+                                                         output_mode=self.output_mode)
                         yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                     break
             self.done = True
@@ -337,6 +383,26 @@ class GenerationStream(StreamingResponse):
         finally:
             self.generation.abort()
             self.generation.finish()
+
+
+async def _set_up_text(state: ServerState, gen: Generation) -> Response | None:
+    """The tokenizer a text mode needs (loaded off the event loop the first time), or vLLM's 400."""
+    mode = gen.output_mode
+    if mode == "derender":
+        return error_response("output_mode 'derender' is not supported by this engine yet; use 'text' or "
+                              "'tokens' and derender with the render tier.", 400, "output_mode")
+    why = "--tokens-only" if state.tokens_only else None
+    if why is None:
+        try:
+            tokenizer = await asyncio.to_thread(state.engine.engine.tokenizer.get)
+        except TokenizerUnavailable as exc:
+            why = str(exc)
+    if why is not None:
+        return error_response(f"output_mode={mode!r} requires a tokenizer, but this server does not load one "
+                              f"({why}). Send the request to a server that loads a tokenizer, or use "
+                              f"output_mode='tokens'.", 400, "output_mode")
+    gen.text = TextChoices(tokenizer, gen.req.token_ids, text_options(gen.req.sampling_params), gen.n)
+    return None
 
 
 def _caller(request: Request) -> str:
@@ -376,6 +442,11 @@ async def generate(request: Request) -> Response:
         return error_response(state.engine.refusal, 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
     gen = Generation(state, req, p.REQUEST_ID_PREFIX + suffix, n)
+    if gen.output_mode != "tokens":
+        refusal = await _set_up_text(state, gen)
+        if refusal is not None:
+            gen.finish(0, "refused")
+            return refusal
     if state.log_requests:
         log.info("received request_id=%s engine_id=%s prompt_tokens=%d n=%d stream=%s sampling_params=%s",
                  gen.request_id, gen.engine_id, len(req.token_ids), n, bool(req.stream),
@@ -494,7 +565,7 @@ UNAUTHORIZED_BODY = p.error_body("Unauthorized: missing or invalid API key", 401
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids", *, log_requests: bool = False,
               scheduling_policy: str | None = None, api_keys: ApiKeys | None = None,
-              rl_control: bool | None = None) -> Starlette:
+              rl_control: bool | None = None, tokens_only: bool = False) -> Starlette:
     """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one.
     ``rl_control`` (default: VLLM_SERVER_DEV_MODE=1, as vLLM) adds the trainer routes of token_engine/rl."""
 
@@ -515,5 +586,5 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
                     exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format, log_requests=log_requests,
-                                   scheduling_policy=scheduling_policy)
+                                   scheduling_policy=scheduling_policy, tokens_only=tokens_only)
     return app
