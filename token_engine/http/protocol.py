@@ -184,6 +184,32 @@ class GenerateResponse(msgspec.Struct):
     prompt_token_ids: list[int] | UnsetType = UNSET
 
 
+class GenerateDerenderChoice(msgspec.Struct):
+    """output_mode "derender": the parsed assistant message (vLLM's ChatMessage) instead of text."""
+
+    index: int
+    token_ids: list[int] | None  # null while a parser hides the reasoning (include_reasoning false)
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: ChatCompletionLogProbs | None = None
+    routed_experts: str | None = None
+    weight_versions: list[WeightVersion] = msgspec.field(default_factory=list)
+    message: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class GenerateDerenderResponse(msgspec.Struct):
+    request_id: str
+    model: str | None
+    created: int
+    choices: list[GenerateDerenderChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    output_mode: str = "derender"
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
 class GenerateStreamChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
@@ -201,6 +227,26 @@ class GenerateStreamResponse(msgspec.Struct):
     usage: UsageInfo | None = None
     output_mode: str = "tokens"
     prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class GenerateDerenderStreamChoice(msgspec.Struct):
+    index: int
+    token_ids: list[int] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: ChatCompletionLogProbs | None = None
+    routed_experts: str | None = None
+    weight_versions: list[WeightVersion] | UnsetType = UNSET
+    delta: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM's DeltaMessage, set fields only
+
+
+class GenerateDerenderStreamResponse(msgspec.Struct):
+    request_id: str
+    choices: list[GenerateDerenderStreamChoice]
+    usage: UsageInfo | None = None
+    output_mode: str = "derender"
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # as GenerateStreamEndResponse: the last event only
 
 
 class GenerateStreamEndResponse(GenerateStreamResponse):

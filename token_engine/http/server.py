@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 from starlette.applications import Starlette
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
+from splitserve_common.output_parsers import ParserFlags
 from splitserve_common.tenants import engine_caller
 from token_engine.core.bad_words import BadWordsError
 from token_engine.core.engine import AsyncEngine, RequestUpdate, SequenceDelta
@@ -36,6 +38,7 @@ from token_engine.core.model_tokenizer import TokenizerUnavailable
 from token_engine.core.scheduler import GRAMMAR_VIOLATION
 from token_engine.core.sequence import TokenLogprob
 from token_engine.http import protocol as p
+from token_engine.http.derender_output import DerenderChoices, OutputParsers, check_parse_context
 from token_engine.http.protocol import error_response
 from token_engine.http.request_error import RequestError
 from token_engine.http.text_output import TextChoices, text_options
@@ -116,6 +119,7 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests: a line when each request arrives
     scheduling_policy: str | None = None  # "fcfs" refuses non-zero priorities as vLLM does
     tokens_only: bool = False  # --tokens-only: no detokenizing, so output_mode text and derender are refused
+    output_parsers: OutputParsers = field(default_factory=lambda: OutputParsers("", ParserFlags()))
     running: dict[str, set[str]] = field(default_factory=dict)  # caller's id -> engine ids running under it
     # caller's id -> engine ids of finished requests whose KV the connector may still hold for a peer (P/D
     # prefill): an abort by the caller's id releases those leases too. The newest HELD_IDS only.
@@ -185,6 +189,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+StreamChoice = p.GenerateStreamChoice | p.GenerateDerenderStreamChoice
+
+
 class Generation:
     """One in-flight /generate call: engine updates arrive on an asyncio queue from the engine thread."""
 
@@ -203,7 +210,8 @@ class Generation:
         self.wants_logprobs = sp.logprobs is not None or sp.logprob_token_ids is not None
         self.legacy_logprobs = fmt == "token_id_strings"
         self.output_mode = output_mode(req)
-        self.text: TextChoices | None = None  # output_mode "text": set up by the handler once it has the tokenizer
+        self.text: TextChoices | None = None  # text modes: set up by the handler once it has the tokenizer
+        self.derender: DerenderChoices | None = None  # output_mode "derender": the choices' parsers
 
     def stop_early(self, index: int) -> None:
         """A stop string ended choice ``index``: the engine stops that sequence, the others go on."""
@@ -286,12 +294,38 @@ class Generation:
             for i, choice in enumerate(choices):
                 choice.text = self.text.text(i)
                 choice.logprobs = p.ChatCompletionLogProbs(text_logprobs[i]) if self.wants_logprobs else None
+        if self.derender is not None:
+            try:
+                return self.derender_response(choices, update)
+            except RequestError as exc:
+                return error_response(exc.message, exc.status, exc.param)
         body = p.GenerateResponse(
             request_id=self.request_id, model=self.state.model_name, created=int(time.time()), choices=choices,
             usage=self.usage(sum(len(t) for t in tokens), update.num_cached_tokens),
             prompt_logprobs=encode_prompt_logprobs(update.prompt_logprobs) if update.prompt_logprobs else None,
             kv_transfer_params=update.kv_transfer_params, output_mode=self.output_mode,
         )
+        if self.req.return_token_ids:
+            body.prompt_token_ids = self.req.token_ids
+        return Response(msgspec.json.encode(body), media_type=JSON)
+
+    def derender_response(self, choices: list[p.GenerateResponseChoice], update: RequestUpdate) -> Response:
+        """Text mode's choices as parsed messages (RequestError when a parser refuses the context)."""
+        derender = self.derender
+        assert derender is not None
+        hide = derender.hides_metadata
+        parsed = []
+        for c in choices:
+            message, finish_reason = derender.message(c.index, c.token_ids, str(c.text), c.finish_reason)
+            parsed.append(p.GenerateDerenderChoice(
+                index=c.index, token_ids=None if hide else c.token_ids, finish_reason=finish_reason,
+                stop_reason=c.stop_reason, logprobs=None if hide else cast(p.ChatCompletionLogProbs | None, c.logprobs),
+                weight_versions=c.weight_versions, message=message))
+        body = p.GenerateDerenderResponse(
+            request_id=self.request_id, model=self.state.model_name, created=int(time.time()), choices=parsed,
+            usage=self.usage(sum(len(c.token_ids) for c in choices), update.num_cached_tokens),
+            prompt_logprobs=encode_prompt_logprobs(update.prompt_logprobs) if update.prompt_logprobs else None,
+            kv_transfer_params=update.kv_transfer_params)
         if self.req.return_token_ids:
             body.prompt_token_ids = self.req.token_ids
         return Response(msgspec.json.encode(body), media_type=JSON)
@@ -305,19 +339,45 @@ class Generation:
         out.sampled = [_clamp(e.logprob) for e in entries]
         return out
 
-    def stream_choice(self, d: SequenceDelta) -> p.GenerateStreamChoice | None:
-        """One delta as a stream event's choice; None when there is nothing to send for it."""
+    def stream_choice(self, d: SequenceDelta) -> tuple[StreamChoice | None, int]:
+        """One delta as a stream event's choice (None: nothing to send for it) and the tokens it counts."""
         if self.text is None:
             return p.GenerateStreamChoice(index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                                          stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs))
+                                          stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs)), \
+                len(d.token_ids)
         step = self.text.step(d)
         if step is None:
-            return None
+            return None, 0
         if step.stopped_early:
             self.stop_early(d.index)
         logprobs = self.text.logprobs(step.logprobs, step.logprob_context) if self.wants_logprobs else None
-        return p.GenerateStreamChoice(index=d.index, token_ids=step.token_ids, finish_reason=step.finish_reason,
-                                      stop_reason=step.stop_reason, logprobs=logprobs, text=step.text)
+        count = len(step.token_ids)
+        if self.derender is None:
+            return p.GenerateStreamChoice(index=d.index, token_ids=step.token_ids, finish_reason=step.finish_reason,
+                                          stop_reason=step.stop_reason, logprobs=logprobs, text=step.text), count
+        delta, finish_reason = self.derender.step(d.index, step.token_ids, step.text, step.finish_reason)
+        hide = self.derender.hides_metadata
+        token_ids = None if hide else step.token_ids
+        logprobs = None if hide else logprobs
+        if not delta and finish_reason is None and not token_ids and not (logprobs and logprobs.content):
+            return None, count  # as vLLM: a derender event with nothing in it is not sent
+        return p.GenerateDerenderStreamChoice(index=d.index, token_ids=token_ids, finish_reason=finish_reason,
+                                              stop_reason=step.stop_reason, logprobs=logprobs, delta=delta), count
+
+    def stream_event(self, choices: list[StreamChoice], kv_transfer_params: dict | None = None
+                     ) -> p.GenerateStreamResponse | p.GenerateDerenderStreamResponse:
+        if self.derender is not None:
+            event = p.GenerateDerenderStreamResponse(request_id=self.request_id,
+                                                     choices=cast(list[p.GenerateDerenderStreamChoice], choices))
+            if kv_transfer_params is not None:
+                event.kv_transfer_params = kv_transfer_params
+            return event
+        plain = cast(list[p.GenerateStreamChoice], choices)
+        if kv_transfer_params is not None:
+            # the caller learns what is held for it only from the final event (as non-streaming)
+            return p.GenerateStreamEndResponse(request_id=self.request_id, choices=plain,
+                                               kv_transfer_params=kv_transfer_params, output_mode=self.output_mode)
+        return p.GenerateStreamResponse(request_id=self.request_id, choices=plain, output_mode=self.output_mode)
 
     async def stream(self):
         opts = self.req.stream_options
@@ -333,20 +393,14 @@ class Generation:
                     self.finish(sum(counts), "error")
                     break
                 for d in update.deltas:
-                    choice = self.stream_choice(d)
+                    choice, count = self.stream_choice(d)
+                    counts[d.index] += count
                     if choice is None:
                         continue
-                    counts[d.index] += len(choice.token_ids)
                     if choice.finish_reason is not None:
                         choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
-                    if update.kv_transfer_params is not None and d is update.deltas[-1]:
-                        # the caller learns what is held for it only from the final event (as non-streaming)
-                        chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
-                                                            kv_transfer_params=update.kv_transfer_params,
-                                                            output_mode=self.output_mode)
-                    else:
-                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice],
-                                                         output_mode=self.output_mode)
+                    last = update.kv_transfer_params is not None and d is update.deltas[-1]
+                    chunk = self.stream_event([choice], update.kv_transfer_params if last else None)
                     if continuous:
                         chunk.usage = self.usage(counts[d.index], update.num_cached_tokens)
                     if first and self.req.return_token_ids:
@@ -358,9 +412,8 @@ class Generation:
                         self.state.held_for_peer(self.request_id, self.engine_id)
                     self.finish(sum(counts), "finished")
                     if include_usage:
-                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[],
-                                                         usage=self.usage(sum(counts), update.num_cached_tokens),
-                                                         output_mode=self.output_mode)
+                        chunk = self.stream_event([])
+                        chunk.usage = self.usage(sum(counts), update.num_cached_tokens)
                         yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                     break
             self.done = True
@@ -388,9 +441,6 @@ class GenerationStream(StreamingResponse):
 async def _set_up_text(state: ServerState, gen: Generation) -> Response | None:
     """The tokenizer a text mode needs (loaded off the event loop the first time), or vLLM's 400."""
     mode = gen.output_mode
-    if mode == "derender":
-        return error_response("output_mode 'derender' is not supported by this engine yet; use 'text' or "
-                              "'tokens' and derender with the render tier.", 400, "output_mode")
     why = "--tokens-only" if state.tokens_only else None
     if why is None:
         try:
@@ -402,7 +452,30 @@ async def _set_up_text(state: ServerState, gen: Generation) -> Response | None:
                               f"({why}). Send the request to a server that loads a tokenizer, or use "
                               f"output_mode='tokens'.", 400, "output_mode")
     gen.text = TextChoices(tokenizer, gen.req.token_ids, text_options(gen.req.sampling_params), gen.n)
+    if mode == "derender":
+        try:
+            gen.derender = await _derender_choices(state, gen)
+        except RequestError as exc:
+            return error_response(exc.message, exc.status, exc.param)
     return None
+
+
+async def _derender_choices(state: ServerState, gen: Generation) -> DerenderChoices:
+    """The choices' parsers (loaded off the event loop the first time), or RequestError as vLLM's checks."""
+    context = check_parse_context(gen.req.parse_context, "derender")
+    parsers = state.output_parsers
+    impl = None
+    if parsers.flags.has_parsers:
+        if context is None:
+            raise RequestError("output_mode='derender' requires parse_context on a server with a tool or reasoning "
+                               "parser. Use the one returned by /render.", "parse_context")
+        if gen.req.sampling_params.stop:
+            raise RequestError("stop strings are not supported with output_mode='derender' on an engine with "
+                               "parsers (the parsers read token ids); use stop_token_ids, or output_mode 'text'.",
+                               "sampling_params.stop")
+        impl = await asyncio.to_thread(parsers.get)
+    return await asyncio.to_thread(DerenderChoices, impl, context, gen.req.token_ids, gen.request_id, gen.n,
+                                   bool(gen.req.stream))
 
 
 def _caller(request: Request) -> str:
@@ -565,7 +638,8 @@ UNAUTHORIZED_BODY = p.error_body("Unauthorized: missing or invalid API key", 401
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids", *, log_requests: bool = False,
               scheduling_policy: str | None = None, api_keys: ApiKeys | None = None,
-              rl_control: bool | None = None, tokens_only: bool = False) -> Starlette:
+              rl_control: bool | None = None, tokens_only: bool = False,
+              parser_flags: ParserFlags | None = None) -> Starlette:
     """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one.
     ``rl_control`` (default: VLLM_SERVER_DEV_MODE=1, as vLLM) adds the trainer routes of token_engine/rl."""
 
@@ -587,4 +661,7 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format, log_requests=log_requests,
                                    scheduling_policy=scheduling_policy, tokens_only=tokens_only)
+    # derender's parsers read the same directory as the tokenizer (--tokenizer, else the model's)
+    tokenizer_dir = engine.engine.config.tokenizer or engine.engine.config.model
+    app.state.server.output_parsers = OutputParsers(tokenizer_dir, parser_flags or ParserFlags())
     return app
