@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens-only", action="store_true",
                    help="as vLLM: never detokenize, so output_mode text and derender are refused (without it the "
                         "tokenizer is still loaded only by the first request that needs text)")
+    s.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="as vLLM: no tokenizer, so output_mode text and derender are refused (as --tokens-only)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-format", default="text", choices=["json", "text"],
                    help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
               log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy,
               api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout,
               tls=vllm_flags.uvicorn_tls_settings(args), rl_control=args.enable_rl_control,
-              tokens_only=args.tokens_only, parser_flags=parser_flags_from_args(args))
+              tokens_only=args.tokens_only or args.skip_tokenizer_init, parser_flags=parser_flags_from_args(args))
     except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2
