@@ -392,8 +392,14 @@ class Generation:
                     yield b"data: " + p.error_body(update.error, error_status(update.error)) + b"\n\n"
                     self.finish(sum(counts), "error")
                     break
+                failed = None
                 for d in update.deltas:
-                    choice, count = self.stream_choice(d)
+                    try:
+                        choice, count = self.stream_choice(d)
+                    except Exception as exc:  # noqa: BLE001 - a parser bug ends the stream with an error event
+                        log.exception("output_mode %s failed on request_id=%s", self.output_mode, self.request_id)
+                        failed = f"internal error: {type(exc).__name__}"
+                        break
                     counts[d.index] += count
                     if choice is None:
                         continue
@@ -407,6 +413,11 @@ class Generation:
                         chunk.prompt_token_ids = self.req.token_ids
                     first = False
                     yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                if failed is not None:
+                    yield b"data: " + p.error_body(failed, 500) + b"\n\n"
+                    self.abort()
+                    self.finish(sum(counts), "error")
+                    break
                 if update.finished:
                     if update.kv_transfer_params is not None:
                         self.state.held_for_peer(self.request_id, self.engine_id)
