@@ -235,3 +235,18 @@ def test_parser_flags_without_an_installed_implementation_refuse_derender_not_pa
             assert "--reasoning-parser qwen3 --tool-call-parser hermes" in r.json()["error"]["message"]
             text = c.post("/inference/v1/generate", json={**request, "output_mode": "text"})
             assert text.status_code == 200 and text.json()["choices"][0]["text"]
+
+
+def test_plain_derender_carries_decoded_logprobs_and_ends_with_a_derender_usage_event(plain_server):
+    with plain_server.client() as c:
+        request = {"token_ids": PLAIN_PROMPT, "output_mode": "derender", "stream_options": {"include_usage": True},
+                   "sampling_params": {"temperature": 0, "max_tokens": 3, "logprobs": 1}}
+        choice = c.post("/inference/v1/generate", json=request).json()["choices"][0]
+        assert [e["token"] for e in choice["logprobs"]["content"]] == ["Hello", " world", ","]
+        assert choice["message"]["content"] == "Hello world," and choice["finish_reason"] == "length"
+        with c.stream("POST", "/inference/v1/generate", json={**request, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = [e for ev in events for ch in ev["choices"] for e in ch["logprobs"]["content"]]
+        assert streamed == choice["logprobs"]["content"]
+        assert events[-1]["choices"] == [] and events[-1]["output_mode"] == "derender"
+        assert events[-1]["usage"]["completion_tokens"] == 3

@@ -119,7 +119,7 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests: a line when each request arrives
     scheduling_policy: str | None = None  # "fcfs" refuses non-zero priorities as vLLM does
     tokens_only: bool = False  # --tokens-only: no detokenizing, so output_mode text and derender are refused
-    output_parsers: OutputParsers = field(default_factory=lambda: OutputParsers("", ParserFlags()))
+    output_parsers: OutputParsers | None = None  # derender's; None: no parser flags, no model directory to read
     running: dict[str, set[str]] = field(default_factory=dict)  # caller's id -> engine ids running under it
     # caller's id -> engine ids of finished requests whose KV the connector may still hold for a peer (P/D
     # prefill): an abort by the caller's id releases those leases too. The newest HELD_IDS only.
@@ -476,7 +476,7 @@ async def _derender_choices(state: ServerState, gen: Generation) -> DerenderChoi
     context = check_parse_context(gen.req.parse_context, "derender")
     parsers = state.output_parsers
     impl = None
-    if parsers.flags.has_parsers:
+    if parsers is not None and parsers.flags.has_parsers:
         if context is None:
             raise RequestError("output_mode='derender' requires parse_context on a server with a tool or reasoning "
                                "parser. Use the one returned by /render.", "parse_context")
@@ -671,8 +671,9 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
                     exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format, log_requests=log_requests,
-                                   scheduling_policy=scheduling_policy, tokens_only=tokens_only)
-    # derender's parsers read the same directory as the tokenizer (--tokenizer, else the model's)
-    tokenizer_dir = engine.engine.config.tokenizer or engine.engine.config.model
-    app.state.server.output_parsers = OutputParsers(tokenizer_dir, parser_flags or ParserFlags())
+                                   scheduling_policy=scheduling_policy, tokens_only=tokens_only,
+                                   # derender's parsers read the tokenizer's directory (--tokenizer, else the model)
+                                   output_parsers=OutputParsers(engine.engine.config.tokenizer or
+                                                                engine.engine.config.model,
+                                                                parser_flags or ParserFlags()))
     return app
