@@ -236,7 +236,7 @@ RENDER_DEFAULT = "an engine setting: the render tier runs no model"
 ENGINE_NOTES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("reasoning", "tool", "chat-template", "tokenizer", "response-role", "return-tokens-as-token-ids",
       "anthropic", "cohere", "trust-request", "generation-config"),
-     "the render tier renders and parses: the engine never sees text"),
+     "rendering and parser settings are the render tier's (the engine's derender runs the render tier's parsers)"),
     (("mm-", "media", "video", "interleave-mm", "language-model-only"),
      "this engine serves text models: a multimodal request is a 400"),
     (("log", "docs", "access", "request-id", "h11", "sse", "histogram", "metrics", "trace"),

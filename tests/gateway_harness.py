@@ -73,19 +73,19 @@ def save_scripted(out: Path, tensors: dict) -> Path:
     return out
 
 
-def write_scripted_qwen3(out_dir) -> Path:
-    """A tiny float32 Qwen3 directory (with the real Qwen3 tokenizer) that follows CHAINS."""
+def write_scripted_qwen3(out_dir, chains: list[list[int]] = CHAINS) -> Path:
+    """A tiny float32 Qwen3 directory (with the real Qwen3 tokenizer) that follows ``chains``."""
     out, tensors = write_passthrough_qwen3(out_dir)
     hidden = tensors["model.embed_tokens.weight"].shape[1]
     embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
     head.zero_()  # only chain successors can win; ties elsewhere resolve to one fixed token
-    nodes = sorted({t for chain in CHAINS for t in chain})
+    nodes = sorted({t for chain in chains for t in chain})
     assert len(nodes) <= hidden, "more chain tokens than hidden dimensions"
     axis = {t: i for i, t in enumerate(nodes)}
     for t in nodes:
         embed[t].zero_()
         embed[t][axis[t]] = 1.0
-    for chain in CHAINS:
+    for chain in chains:
         for a, b in zip(chain, chain[1:]):
             head[b][axis[a]] = 4.0  # after the final RMSNorm the axis is sqrt(hidden): logit 32 vs 0
     return save_scripted(out, tensors)

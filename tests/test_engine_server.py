@@ -346,7 +346,9 @@ BAD_REQUESTS = {
     "temperature of the wrong type": {"token_ids": [1], "sampling_params": {"temperature": "hot"}},
     "token_ids missing": {"sampling_params": {}},
     "sampling_params missing": {"token_ids": [1]},
-    "text output mode": {"token_ids": [1], "sampling_params": {}, "output_mode": "text"},
+    "text output mode on an engine without tokenizer.json": {"token_ids": [1], "sampling_params": {},
+                                                             "output_mode": "text"},
+    "unknown output mode": {"token_ids": [1], "sampling_params": {}, "output_mode": "words"},
     "null output mode": {"token_ids": [1], "sampling_params": {}, "output_mode": None},
     "multimodal features": {"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {}}},
 }

@@ -120,7 +120,7 @@ def test_engine_serves_a_cached_model_id_with_a_vllm_manifests_flags(hub, tmp_pa
         "-tp", "1", "--tokenizer", "Org/Tiny", "--generation-config", "auto", "--scheduling-policy", "priority",
         "--enable-chunked-prefill", "--kv-cache-dtype", "float32", "--logprobs-mode", "raw_logprobs",
         "--enable-log-requests", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-        # accepted, no effect on an engine that never sees text
+        # derender's parsers (used only by output_mode derender); then accepted, no effect
         "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
         "--trust-remote-code", "--enable-scale-out", "--disable-log-stats",
     ]
@@ -137,8 +137,7 @@ def test_engine_serves_a_cached_model_id_with_a_vllm_manifests_flags(hub, tmp_pa
     finally:
         server.stop()
     assert "Traceback" not in log, log
-    for flag in ("--reasoning-parser qwen3", "--tool-call-parser hermes", "--enable-auto-tool-choice",
-                 "--trust-remote-code", "--enable-scale-out", "--disable-log-stats"):
+    for flag in ("--trust-remote-code", "--enable-scale-out", "--disable-log-stats"):
         assert f"{flag}: accepted for vLLM compatibility, no effect" in log, (flag, log)
     assert "received request_id=generate-tokens-logged-1" in log  # --enable-log-requests
     assert "POST /inference/v1/generate 200" not in log  # --disable-uvicorn-access-log (else an info line)

@@ -15,6 +15,7 @@ from splitserve_common.block_hashes import HASH_ALGOS
 from splitserve_common.cli_args import json_object_arg
 from splitserve_common.connection_timeouts import add_header_timeout_argument
 from splitserve_common.hf_cache import resolve_model
+from splitserve_common.output_parsers import ParserFlags
 from token_engine.core.step_budget import PrefillPolicy
 
 if TYPE_CHECKING:
@@ -22,11 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("token_engine.cli")
 
-# vLLM flags that configure what this engine never does: it never sees text and runs no model code.
+# vLLM flags that configure what this engine never does: it runs no model code.
 NOOP_FLAGS = (
-    vllm_flags.NoOpFlag("--reasoning-parser", "the render tier parses reasoning; the engine never sees text", True),
-    vllm_flags.NoOpFlag("--tool-call-parser", "the render tier parses tool calls; the engine never sees text", True),
-    vllm_flags.NoOpFlag("--enable-auto-tool-choice", "tool choice is the render tier's"),
     vllm_flags.TRUST_REMOTE_CODE,
     vllm_flags.NoOpFlag("--enable-scale-out", "/inference/v1/generate is always served"),
     vllm_flags.NoOpFlag("--disable-log-stats", "the engine logs no periodic stats; /metrics is unchanged"),
@@ -125,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-allowed-peers", default=None,
                    help="comma-separated hosts/CIDRs this engine may fetch KV from (default: "
                         "$SPLITSERVE_KV_ALLOWED_PEERS, else loopback only), e.g. 127.0.0.1/32,10.0.0.0/8")
-    s.add_argument("--tokens-only", action="store_true", help="accepted for vLLM compatibility; always on")
+    s.add_argument("--tokens-only", action="store_true",
+                   help="as vLLM: never detokenize, so output_mode text and derender are refused (without it the "
+                        "tokenizer is still loaded only by the first request that needs text)")
+    s.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="as vLLM: no tokenizer, so output_mode text and derender are refused (as --tokens-only)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-format", default="text", choices=["json", "text"],
                    help="json: one object per line (ts, level, logger, msg, request_id, fields)")
@@ -181,6 +183,12 @@ def _add_vllm_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-rl-control", action=argparse.BooleanOptionalAction, default=None,
                    help="the trainer routes (pause/resume, abort_requests, weight transfer, sleep; docs/rl.md); "
                         "default: on when VLLM_SERVER_DEV_MODE=1, as vLLM")
+    s.add_argument("--reasoning-parser", default=None,
+                   help="output_mode derender: the reasoning parser (vLLM's names), run by the installed output "
+                        "parsers (the render tier's, found through the splitserve.output_parsers entry point)")
+    s.add_argument("--tool-call-parser", default=None, help="output_mode derender: the tool call parser")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="output_mode derender: parse tool calls for tool_choice auto")
     s.add_argument("--enable-log-requests", action="store_true",
                    help="log each request as it arrives (id, prompt length, sampling parameters)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
@@ -202,6 +210,18 @@ def vllm_flag_errors(args: argparse.Namespace) -> str | None:
     if args.kv_cache_dtype.startswith("fp8"):
         return f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache is kept in the model dtype"
     return None
+
+
+def parser_flags_from_args(args: argparse.Namespace) -> ParserFlags:
+    """The parser flags for output_mode derender; logged when nothing installed can honour them (derender is then
+    refused with a 400 naming them, never answered unparsed)."""
+    from splitserve_common.output_parsers import find_output_parsers
+
+    flags = ParserFlags(args.reasoning_parser, args.tool_call_parser, bool(args.enable_auto_tool_choice))
+    if flags.has_parsers and find_output_parsers() is None:
+        log.warning("--reasoning-parser/--tool-call-parser: no output parsers are installed (entry point group "
+                    "splitserve.output_parsers), so output_mode derender will be refused; tokens and text work")
+    return flags
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -310,7 +330,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
           shutdown_grace_seconds: float = 30.0, access_log: bool = True, log_requests: bool = False,
           scheduling_policy: str | None = None, api_keys: list[str] | None = None,
           header_timeout_s: float = 10.0, tls: dict[str, Any] | None = None,
-          rl_control: bool | None = None) -> None:
+          rl_control: bool | None = None, tokens_only: bool = False, parser_flags: ParserFlags | None = None) -> None:
     import uvicorn
 
     from splitserve_common.auth import ApiKeys, warn_if_open
@@ -343,7 +363,7 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     warn_if_open("token-engine", host, keys, log)
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
                     log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys,
-                    rl_control=rl_control)
+                    rl_control=rl_control, tokens_only=tokens_only, parser_flags=parser_flags)
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
     _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
@@ -434,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
               shutdown_grace_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
               log_requests=args.enable_log_requests, scheduling_policy=args.scheduling_policy,
               api_keys=api_keys_from(args.api_key), header_timeout_s=args.http_header_timeout,
-              tls=vllm_flags.uvicorn_tls_settings(args), rl_control=args.enable_rl_control)
+              tls=vllm_flags.uvicorn_tls_settings(args), rl_control=args.enable_rl_control,
+              tokens_only=args.tokens_only or args.skip_tokenizer_init, parser_flags=parser_flags_from_args(args))
     except (ValueError, OSError) as exc:  # the engine could not start (side-channel port in use, KV too small)
         print(f"token-engine: {exc}", file=sys.stderr)
         return 2

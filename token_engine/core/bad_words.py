@@ -9,10 +9,11 @@ carries: they are tokenized with the model directory's tokenizer.json, loaded by
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from token_engine.core.model_tokenizer import ModelTokenizer, TokenizerUnavailable
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -29,14 +30,11 @@ class BadWordsError(ValueError):
 
 
 class BadWordsTokenizer:
-    """The model directory's tokenizer, for bad words only. Thread-safe; loaded once, on first use."""
+    """Bad words to token ids with the model's tokenizer (ModelTokenizer: loaded once, on first use)."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int):
-        self.path = Path(model_dir) / "tokenizer.json"
+    def __init__(self, model_dir: str | Path, vocab_size: int, tokenizer: ModelTokenizer | None = None):
+        self.tokenizer = tokenizer if tokenizer is not None else ModelTokenizer(model_dir)
         self.vocab_size = vocab_size
-        self._lock = threading.Lock()
-        self._tokenizer: Tokenizer | None = None
-        self._broken: str | None = None  # why tokenizer.json did not load: not parsed again per request
 
     def token_ids(self, words: Sequence[str]) -> BadWordsIds:
         """The banned sequences for ``words`` (already checked by bad_words_violation); BadWordsError."""
@@ -65,21 +63,14 @@ class BadWordsTokenizer:
         return tuple(out)
 
     def _load(self) -> Tokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                if self._broken is None and not self.path.is_file():
-                    self._broken = ("bad_words need the model's tokenizer to find their token ids, and this engine's "
-                                    "model directory has no tokenizer.json; ban token ids with logit_bias instead.")
-                if self._broken is not None:
-                    raise BadWordsError(self._broken)
-                from tokenizers import Tokenizer
-
-                try:
-                    self._tokenizer = Tokenizer.from_file(str(self.path))
-                except Exception as exc:  # noqa: BLE001 - a broken file still gets a clear answer, not a 500
-                    self._broken = f"bad_words: the model's tokenizer.json could not be loaded ({type(exc).__name__})."
-                    raise BadWordsError(self._broken) from None
-            return self._tokenizer
+        try:
+            return self.tokenizer.get()
+        except TokenizerUnavailable as exc:
+            if exc.missing:
+                raise BadWordsError("bad_words need the model's tokenizer to find their token ids, and this "
+                                    "engine's model directory has no tokenizer.json; ban token ids with logit_bias "
+                                    "instead.") from None
+            raise BadWordsError(f"bad_words: {exc}.") from None
 
 
 def bad_words_violation(words: Sequence[str]) -> str | None:

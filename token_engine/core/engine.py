@@ -22,6 +22,7 @@ from splitserve_common.block_hashes import BlockHashConfig
 from token_engine.core.bad_words import BadWordsTokenizer, banned_next_tokens
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.model_runner import ModelRunner, kv_block_bytes
+from token_engine.core.model_tokenizer import ModelTokenizer
 from token_engine.core.sampler import Sampler, SamplingRow
 from token_engine.core.scheduler import Scheduler
 from token_engine.core.sequence import SamplingOptions, Sequence, TokenLogprob
@@ -183,8 +184,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(config.tokenizer or config.model, arch.vocab_size, sorted(self.eos_token_ids),
                                         config.structured_outputs_compile_timeout_s,
                                         pool_limits=PoolLimits(workers=config.structured_outputs_compile_workers))
-        # bad_words read the same directory's tokenizer.json, on the first request that has them
-        self.bad_words = BadWordsTokenizer(config.tokenizer or config.model, arch.vocab_size)
+        # bad_words and the text output modes read the same directory's tokenizer.json, on first use
+        self.tokenizer = ModelTokenizer(config.tokenizer or config.model)
+        self.bad_words = BadWordsTokenizer(config.tokenizer or config.model, arch.vocab_size, self.tokenizer)
         self.limits = EngineLimits(arch.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.metrics = EngineMetrics(config.model_name)
         self._step_phases = {name: self.metrics.label(self.metrics.step_phase, phase=name)
@@ -263,6 +265,15 @@ class LLMEngine:
             return
         for seq in state.seqs:
             self.scheduler.abort(seq)
+        self._emit(state)
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """End one sequence of a request as "stop" (a stop string the server found in its text); the others
+        go on."""
+        state = self.requests.get(request_id)
+        if state is None or not 0 <= index < len(state.seqs):
+            return
+        self.scheduler.finish(state.seqs[index], "stop")
         self._emit(state)
 
     # ---- the step ---------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ def engine_operations() -> list[Operation]:
     from token_engine.http import protocol as p
 
     return [
-        Operation("/inference/v1/generate", "post", "Token IDs in, token IDs out (vLLM tokens-only API)",
-                  (p.GenerateRequest,), p.GenerateResponse, stream=p.GenerateStreamResponse),
+        Operation("/inference/v1/generate", "post",
+                  "Token IDs in; token IDs, text or parsed messages out (vLLM's generate API, output_mode)",
+                  (p.GenerateRequest,), (p.GenerateResponse, p.GenerateDerenderResponse),
+                  stream=p.GenerateStreamResponse),
         Operation("/inference/v1/abort_requests", "post", "Abort requests by id", (p.AbortRequest,)),
         Operation("/health", "get", "Readiness: 200 when serving, 503 while draining or when the engine died"),
         *ping_operations(),

@@ -43,6 +43,11 @@ class SamplingParams(msgspec.Struct):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # read by output_mode "text" and "derender" (vLLM's defaults); a tokens answer never has text
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     structured_outputs: dict | None = None
     skip_reading_prefix_cache: bool | None = None
     # RL logprob controls, as vLLM's SamplingParams (token_engine/rl/logprob_controls.py)
@@ -67,7 +72,9 @@ class GenerateRequest(msgspec.Struct):
     ec_transfer_params: dict[str, Any] | None = None
     features: Any = None
     content_parts: Any = None
-    output_mode: str | None | UnsetType = UNSET
+    output_mode: str | None | UnsetType = UNSET  # "tokens" (default), "text" or "derender" (vLLM 0.33+)
+    # render's chat context for output_mode "derender" (vLLM's ParseContext); ignored by the other modes
+    parse_context: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     return_token_logprobs: bool | None = None
     # Our extension: "token_id_strings" answers in the older ChatCompletionLogProbs shape ("token_id:N").
@@ -157,10 +164,11 @@ class GenerateResponseChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
     finish_reason: str | None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # a stop string in output_mode "text"
     logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
     routed_experts: str | None = None
     weight_versions: list[WeightVersion] = msgspec.field(default_factory=list)
+    text: str | UnsetType = UNSET  # output_mode "text": the output, less a matched stop string
 
 
 class GenerateResponse(msgspec.Struct):
@@ -176,14 +184,41 @@ class GenerateResponse(msgspec.Struct):
     prompt_token_ids: list[int] | UnsetType = UNSET
 
 
+class GenerateDerenderChoice(msgspec.Struct):
+    """output_mode "derender": the parsed assistant message (vLLM's ChatMessage) instead of text."""
+
+    index: int
+    token_ids: list[int] | None  # null while a parser hides the reasoning (include_reasoning false)
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: ChatCompletionLogProbs | None = None
+    routed_experts: str | None = None
+    weight_versions: list[WeightVersion] = msgspec.field(default_factory=list)
+    message: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class GenerateDerenderResponse(msgspec.Struct):
+    request_id: str
+    model: str | None
+    created: int
+    choices: list[GenerateDerenderChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    output_mode: str = "derender"
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
 class GenerateStreamChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
     finish_reason: str | None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
     routed_experts: str | None = None
     weight_versions: list[WeightVersion] | UnsetType = UNSET  # the choice's last event only, as vLLM
+    text: str | UnsetType = UNSET  # output_mode "text": the text since this choice's previous event
 
 
 class GenerateStreamResponse(msgspec.Struct):
@@ -192,6 +227,26 @@ class GenerateStreamResponse(msgspec.Struct):
     usage: UsageInfo | None = None
     output_mode: str = "tokens"
     prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class GenerateDerenderStreamChoice(msgspec.Struct):
+    index: int
+    token_ids: list[int] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: ChatCompletionLogProbs | None = None
+    routed_experts: str | None = None
+    weight_versions: list[WeightVersion] | UnsetType = UNSET
+    delta: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM's DeltaMessage, set fields only
+
+
+class GenerateDerenderStreamResponse(msgspec.Struct):
+    request_id: str
+    choices: list[GenerateDerenderStreamChoice]
+    usage: UsageInfo | None = None
+    output_mode: str = "derender"
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # as GenerateStreamEndResponse: the last event only
 
 
 class GenerateStreamEndResponse(GenerateStreamResponse):

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 from starlette.applications import Starlette
@@ -29,15 +30,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
+from splitserve_common.output_parsers import ParserFlags
 from splitserve_common.tenants import engine_caller
 from token_engine.core.bad_words import BadWordsError
-from token_engine.core.engine import AsyncEngine, RequestUpdate
+from token_engine.core.engine import AsyncEngine, RequestUpdate, SequenceDelta
+from token_engine.core.model_tokenizer import TokenizerUnavailable
 from token_engine.core.scheduler import GRAMMAR_VIOLATION
 from token_engine.core.sequence import TokenLogprob
 from token_engine.http import protocol as p
+from token_engine.http.derender_output import DerenderChoices, OutputParsers, check_parse_context
 from token_engine.http.protocol import error_response
 from token_engine.http.request_error import RequestError
-from token_engine.http.validation import validate_generate_request
+from token_engine.http.text_output import TextChoices, text_options
+from token_engine.http.validation import output_mode, validate_generate_request
 from token_engine.kv_connector.base import KV_LOAD_FAILED, KV_PARAMS_REFUSED
 from token_engine.rl.routes import rl_control_enabled, rl_routes
 from token_engine.structured import GrammarError
@@ -113,6 +118,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     log_requests: bool = False  # --enable-log-requests: a line when each request arrives
     scheduling_policy: str | None = None  # "fcfs" refuses non-zero priorities as vLLM does
+    tokens_only: bool = False  # --tokens-only: no detokenizing, so output_mode text and derender are refused
+    output_parsers: OutputParsers | None = None  # derender's; None: no parser flags, no model directory to read
     running: dict[str, set[str]] = field(default_factory=dict)  # caller's id -> engine ids running under it
     # caller's id -> engine ids of finished requests whose KV the connector may still hold for a peer (P/D
     # prefill): an abort by the caller's id releases those leases too. The newest HELD_IDS only.
@@ -182,6 +189,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+StreamChoice = p.GenerateStreamChoice | p.GenerateDerenderStreamChoice
+
+
 class Generation:
     """One in-flight /generate call: engine updates arrive on an asyncio queue from the engine thread."""
 
@@ -199,6 +209,14 @@ class Generation:
         sp = req.sampling_params
         self.wants_logprobs = sp.logprobs is not None or sp.logprob_token_ids is not None
         self.legacy_logprobs = fmt == "token_id_strings"
+        self.output_mode = output_mode(req)
+        self.text: TextChoices | None = None  # text modes: set up by the handler once it has the tokenizer
+        self.derender: DerenderChoices | None = None  # output_mode "derender": the choices' parsers
+
+    def stop_early(self, index: int) -> None:
+        """A stop string ended choice ``index``: the engine stops that sequence, the others go on."""
+        engine_id = self.engine_id
+        self.state.engine.call(lambda eng: eng.stop_sequence(engine_id, index))
 
     def on_update(self, update: RequestUpdate) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self._deliver, update)
@@ -233,11 +251,26 @@ class Generation:
         tokens: list[list[int]] = [[] for _ in range(self.n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         reasons: list[str | None] = [None] * self.n
-        stop_reasons: list[int | None] = [None] * self.n
+        stop_reasons: list[int | str | None] = [None] * self.n
         spans: list[list[tuple[str, int, int]] | None] = [None] * self.n
+        text_logprobs: list[list[p.LegacyTokenLogprobEntry]] = [[] for _ in range(self.n)]
         while True:
             update = await self.queue.get()
             for d in update.deltas:
+                if self.text is not None:
+                    step = self.text.step(d)
+                    if step is None:
+                        continue
+                    if step.stopped_early:
+                        self.stop_early(d.index)
+                    tokens[d.index].extend(step.token_ids)
+                    if self.wants_logprobs:
+                        text_logprobs[d.index] += self.text.logprobs(step.logprobs, step.logprob_context).content or []
+                    if step.finish_reason is not None:
+                        reasons[d.index] = step.finish_reason
+                        stop_reasons[d.index] = step.stop_reason
+                        spans[d.index] = d.weight_versions
+                    continue
                 tokens[d.index].extend(d.token_ids)
                 logprobs[d.index].extend(d.logprobs)
                 if d.finish_reason is not None:
@@ -257,12 +290,42 @@ class Generation:
                 logprobs=self.choice_logprobs(logprobs[i]), weight_versions=p.weight_versions(len(tokens[i]), spans[i]))
             for i in range(self.n)
         ]
+        if self.text is not None:
+            for i, choice in enumerate(choices):
+                choice.text = self.text.text(i)
+                choice.logprobs = p.ChatCompletionLogProbs(text_logprobs[i]) if self.wants_logprobs else None
+        if self.derender is not None:
+            try:
+                return self.derender_response(choices, update)
+            except RequestError as exc:
+                return error_response(exc.message, exc.status, exc.param)
         body = p.GenerateResponse(
             request_id=self.request_id, model=self.state.model_name, created=int(time.time()), choices=choices,
             usage=self.usage(sum(len(t) for t in tokens), update.num_cached_tokens),
             prompt_logprobs=encode_prompt_logprobs(update.prompt_logprobs) if update.prompt_logprobs else None,
-            kv_transfer_params=update.kv_transfer_params,
+            kv_transfer_params=update.kv_transfer_params, output_mode=self.output_mode,
         )
+        if self.req.return_token_ids:
+            body.prompt_token_ids = self.req.token_ids
+        return Response(msgspec.json.encode(body), media_type=JSON)
+
+    def derender_response(self, choices: list[p.GenerateResponseChoice], update: RequestUpdate) -> Response:
+        """Text mode's choices as parsed messages (RequestError when a parser refuses the context)."""
+        derender = self.derender
+        assert derender is not None
+        hide = derender.hides_metadata
+        parsed = []
+        for c in choices:
+            message, finish_reason = derender.message(c.index, c.token_ids, str(c.text), c.finish_reason)
+            parsed.append(p.GenerateDerenderChoice(
+                index=c.index, token_ids=None if hide else c.token_ids, finish_reason=finish_reason,
+                stop_reason=c.stop_reason, logprobs=None if hide else cast(p.ChatCompletionLogProbs | None, c.logprobs),
+                weight_versions=c.weight_versions, message=message))
+        body = p.GenerateDerenderResponse(
+            request_id=self.request_id, model=self.state.model_name, created=int(time.time()), choices=parsed,
+            usage=self.usage(sum(len(c.token_ids) for c in choices), update.num_cached_tokens),
+            prompt_logprobs=encode_prompt_logprobs(update.prompt_logprobs) if update.prompt_logprobs else None,
+            kv_transfer_params=update.kv_transfer_params)
         if self.req.return_token_ids:
             body.prompt_token_ids = self.req.token_ids
         return Response(msgspec.json.encode(body), media_type=JSON)
@@ -275,6 +338,46 @@ class Generation:
         out = encode_logprobs(entries, legacy=False) if want_top else p.GenerateLogProbs(content=None)
         out.sampled = [_clamp(e.logprob) for e in entries]
         return out
+
+    def stream_choice(self, d: SequenceDelta) -> tuple[StreamChoice | None, int]:
+        """One delta as a stream event's choice (None: nothing to send for it) and the tokens it counts."""
+        if self.text is None:
+            return p.GenerateStreamChoice(index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                                          stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs)), \
+                len(d.token_ids)
+        step = self.text.step(d)
+        if step is None:
+            return None, 0
+        if step.stopped_early:
+            self.stop_early(d.index)
+        logprobs = self.text.logprobs(step.logprobs, step.logprob_context) if self.wants_logprobs else None
+        count = len(step.token_ids)
+        if self.derender is None:
+            return p.GenerateStreamChoice(index=d.index, token_ids=step.token_ids, finish_reason=step.finish_reason,
+                                          stop_reason=step.stop_reason, logprobs=logprobs, text=step.text), count
+        delta, finish_reason = self.derender.step(d.index, step.token_ids, step.text, step.finish_reason)
+        hide = self.derender.hides_metadata
+        token_ids = None if hide else step.token_ids
+        logprobs = None if hide else logprobs
+        if not delta and finish_reason is None and not token_ids and not (logprobs and logprobs.content):
+            return None, count  # as vLLM: a derender event with nothing in it is not sent
+        return p.GenerateDerenderStreamChoice(index=d.index, token_ids=token_ids, finish_reason=finish_reason,
+                                              stop_reason=step.stop_reason, logprobs=logprobs, delta=delta), count
+
+    def stream_event(self, choices: list[StreamChoice], kv_transfer_params: dict | None = None
+                     ) -> p.GenerateStreamResponse | p.GenerateDerenderStreamResponse:
+        if self.derender is not None:
+            event = p.GenerateDerenderStreamResponse(request_id=self.request_id,
+                                                     choices=cast(list[p.GenerateDerenderStreamChoice], choices))
+            if kv_transfer_params is not None:
+                event.kv_transfer_params = kv_transfer_params
+            return event
+        plain = cast(list[p.GenerateStreamChoice], choices)
+        if kv_transfer_params is not None:
+            # the caller learns what is held for it only from the final event (as non-streaming)
+            return p.GenerateStreamEndResponse(request_id=self.request_id, choices=plain,
+                                               kv_transfer_params=kv_transfer_params, output_mode=self.output_mode)
+        return p.GenerateStreamResponse(request_id=self.request_id, choices=plain, output_mode=self.output_mode)
 
     async def stream(self):
         opts = self.req.stream_options
@@ -289,32 +392,39 @@ class Generation:
                     yield b"data: " + p.error_body(update.error, error_status(update.error)) + b"\n\n"
                     self.finish(sum(counts), "error")
                     break
+                failed = None
                 for d in update.deltas:
-                    counts[d.index] += len(d.token_ids)
-                    choice = p.GenerateStreamChoice(
-                        index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason, logprobs=self.choice_logprobs(d.logprobs))
-                    if d.finish_reason is not None:
+                    try:
+                        choice, count = self.stream_choice(d)
+                    except Exception as exc:  # noqa: BLE001 - a parser bug ends the stream with an error event
+                        log.exception("output_mode %s failed on request_id=%s", self.output_mode, self.request_id)
+                        failed = f"internal error: {type(exc).__name__}"
+                        break
+                    counts[d.index] += count
+                    if choice is None:
+                        continue
+                    if choice.finish_reason is not None:
                         choice.weight_versions = p.weight_versions(counts[d.index], d.weight_versions)
-                    if update.kv_transfer_params is not None and d is update.deltas[-1]:
-                        # the caller learns what is held for it only from the final event (as non-streaming)
-                        chunk = p.GenerateStreamEndResponse(request_id=self.request_id, choices=[choice],
-                                                            kv_transfer_params=update.kv_transfer_params)
-                    else:
-                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[choice])
+                    last = update.kv_transfer_params is not None and d is update.deltas[-1]
+                    chunk = self.stream_event([choice], update.kv_transfer_params if last else None)
                     if continuous:
                         chunk.usage = self.usage(counts[d.index], update.num_cached_tokens)
                     if first and self.req.return_token_ids:
                         chunk.prompt_token_ids = self.req.token_ids
                     first = False
                     yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                if failed is not None:
+                    yield b"data: " + p.error_body(failed, 500) + b"\n\n"
+                    self.abort()
+                    self.finish(sum(counts), "error")
+                    break
                 if update.finished:
                     if update.kv_transfer_params is not None:
                         self.state.held_for_peer(self.request_id, self.engine_id)
                     self.finish(sum(counts), "finished")
                     if include_usage:
-                        chunk = p.GenerateStreamResponse(request_id=self.request_id, choices=[],
-                                                         usage=self.usage(sum(counts), update.num_cached_tokens))
+                        chunk = self.stream_event([])
+                        chunk.usage = self.usage(sum(counts), update.num_cached_tokens)
                         yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                     break
             self.done = True
@@ -337,6 +447,46 @@ class GenerationStream(StreamingResponse):
         finally:
             self.generation.abort()
             self.generation.finish()
+
+
+async def _set_up_text(state: ServerState, gen: Generation) -> Response | None:
+    """The tokenizer a text mode needs (loaded off the event loop the first time), or vLLM's 400."""
+    mode = gen.output_mode
+    why = "--tokens-only" if state.tokens_only else None
+    if why is None:
+        try:
+            tokenizer = await asyncio.to_thread(state.engine.engine.tokenizer.get)
+        except TokenizerUnavailable as exc:
+            why = str(exc)
+    if why is not None:
+        return error_response(f"output_mode={mode!r} requires a tokenizer, but this server does not load one "
+                              f"({why}). Send the request to a server that loads a tokenizer, or use "
+                              f"output_mode='tokens'.", 400, "output_mode")
+    gen.text = TextChoices(tokenizer, gen.req.token_ids, text_options(gen.req.sampling_params), gen.n)
+    if mode == "derender":
+        try:
+            gen.derender = await _derender_choices(state, gen)
+        except RequestError as exc:
+            return error_response(exc.message, exc.status, exc.param)
+    return None
+
+
+async def _derender_choices(state: ServerState, gen: Generation) -> DerenderChoices:
+    """The choices' parsers (loaded off the event loop the first time), or RequestError as vLLM's checks."""
+    context = check_parse_context(gen.req.parse_context, "derender")
+    parsers = state.output_parsers
+    impl = None
+    if parsers is not None and parsers.flags.has_parsers:
+        if context is None:
+            raise RequestError("output_mode='derender' requires parse_context on a server with a tool or reasoning "
+                               "parser. Use the one returned by /render.", "parse_context")
+        if gen.req.sampling_params.stop:
+            raise RequestError("stop strings are not supported with output_mode='derender' on an engine with "
+                               "parsers (the parsers read token ids); use stop_token_ids, or output_mode 'text'.",
+                               "sampling_params.stop")
+        impl = await asyncio.to_thread(parsers.get)
+    return await asyncio.to_thread(DerenderChoices, impl, context, gen.req.token_ids, gen.request_id, gen.n,
+                                   bool(gen.req.stream))
 
 
 def _caller(request: Request) -> str:
@@ -376,6 +526,11 @@ async def generate(request: Request) -> Response:
         return error_response(state.engine.refusal, 503)
     suffix = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
     gen = Generation(state, req, p.REQUEST_ID_PREFIX + suffix, n)
+    if gen.output_mode != "tokens":
+        refusal = await _set_up_text(state, gen)
+        if refusal is not None:
+            gen.finish(0, "refused")
+            return refusal
     if state.log_requests:
         log.info("received request_id=%s engine_id=%s prompt_tokens=%d n=%d stream=%s sampling_params=%s",
                  gen.request_id, gen.engine_id, len(req.token_ids), n, bool(req.stream),
@@ -494,7 +649,8 @@ UNAUTHORIZED_BODY = p.error_body("Unauthorized: missing or invalid API key", 401
 def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prompt_tokens_details: bool = False,
               default_logprobs_format: str = "ids", *, log_requests: bool = False,
               scheduling_policy: str | None = None, api_keys: ApiKeys | None = None,
-              rl_control: bool | None = None) -> Starlette:
+              rl_control: bool | None = None, tokens_only: bool = False,
+              parser_flags: ParserFlags | None = None) -> Starlette:
     """The engine's app; with ``api_keys``, every path but the public ones (auth.PUBLIC_PATHS) needs one.
     ``rl_control`` (default: VLLM_SERVER_DEV_MODE=1, as vLLM) adds the trainer routes of token_engine/rl."""
 
@@ -515,5 +671,9 @@ def build_app(engine: AsyncEngine, model_name: str, model_path: str, enable_prom
                     exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.server = ServerState(engine, model_name, model_path, enable_prompt_tokens_details,
                                    default_logprobs_format, log_requests=log_requests,
-                                   scheduling_policy=scheduling_policy)
+                                   scheduling_policy=scheduling_policy, tokens_only=tokens_only,
+                                   # derender's parsers read the tokenizer's directory (--tokenizer, else the model)
+                                   output_parsers=OutputParsers(engine.engine.config.tokenizer or
+                                                                engine.engine.config.model,
+                                                                parser_flags or ParserFlags()))
     return app

@@ -51,6 +51,23 @@ def _check_token_ids(name: str, ids: list[int], vocab_size: int, param: str) -> 
             raise RequestError(f"{name} contains token id {t}, outside the vocabulary [0, {vocab_size}).", param)
 
 
+OUTPUT_MODES = ("tokens", "text", "derender")
+
+
+def output_mode(req: GenerateRequest) -> str:
+    """The request's output_mode (absent: "tokens"), or RequestError as vLLM's validators."""
+    mode = req.output_mode
+    if mode is UNSET:
+        return "tokens"
+    if not isinstance(mode, str) or mode not in OUTPUT_MODES:
+        raise RequestError(f"output_mode must be one of 'tokens', 'text', 'derender', got "
+                           f"{'null' if mode is None else repr(mode)}.", "output_mode")
+    if mode != "tokens" and not req.sampling_params.detokenize:
+        raise RequestError(f"output_mode={mode!r} requires sampling_params.detokenize to be true",
+                           "sampling_params.detokenize")
+    return mode
+
+
 def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tuple[SamplingOptions, int]:
     """(SamplingOptions, n) for req, or RequestError."""
     prompt_len = len(req.token_ids)
@@ -75,12 +92,7 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
             f"This model's maximum context length is {limits.max_model_len} tokens. However, your request has "
             f"{prompt_len} input tokens, which leaves no room for output. Please reduce the length of the input.",
             "token_ids")
-    mode = req.output_mode
-    if mode is not UNSET and mode != "tokens":
-        if mode == "text":
-            raise RequestError("output_mode 'text' needs a tokenizer; this is a tokens-only engine.", "output_mode")
-        raise RequestError(f"output_mode must be 'tokens', got {'null' if mode is None else repr(mode)}.",
-                           "output_mode")
+    mode = output_mode(req)
     if req.features is not None or req.content_parts:
         raise RequestError("This engine serves text models: multimodal inputs (features, content_parts) are not "
                            "supported; send image requests to an engine with the model's vision encoder.",
@@ -92,9 +104,13 @@ def validate_generate_request(req: GenerateRequest, limits: EngineLimits) -> tup
 
     sp = req.sampling_params
     stop = sp.stop
-    if stop:  # "" and [] are "no stop strings"
-        raise RequestError("stop strings are not supported on a tokens-only engine; use stop_token_ids.",
+    if stop and mode == "tokens":  # "" and [] are "no stop strings"; text modes check them on the text
+        raise RequestError("stop strings need output_mode 'text' or 'derender' (the engine checks them on the "
+                           "detokenized text); with output_mode 'tokens' use stop_token_ids.",
                            "sampling_params.stop")
+    if mode != "tokens" and req.return_token_logprobs:
+        raise RequestError("return_token_logprobs is for output_mode 'tokens'; text modes return logprobs with "
+                           "decoded tokens (sampling_params.logprobs).", "return_token_logprobs")
     if sp.bad_words:  # tokenized by the server (core/bad_words.py): only the bounded checks here
         wrong = bad_words_violation(sp.bad_words)
         if wrong:

@@ -1,0 +1,1 @@
+"""Output text for output_mode "text" and "derender": incremental detokenizing, stop strings, token strings."""
