@@ -6,9 +6,11 @@ The recipe (install.sh, install033.sh, start.sh, vllm_cpu_cli.py) lives in ``$SP
 ``$SPLITSERVE_VLLM_VENV``, else ``bench/.peers/vllm`` (where ``install_vllm`` puts it: gitignored, ~3.4 GB, about
 2 minutes); vLLM 0.33 (install033.sh, ~9 GB) in ``$SPLITSERVE_VLLM033``, else ``bench/.peers/vllm033``; vLLM 0.34's
 Rust render server (``vllm-rs``, a binary inside the vLLM 0.34 wheel) in ``$SPLITSERVE_VLLM_RS``, else
-``bench/.peers/vllm-rs``. Every default lies inside the checkout; peers installed elsewhere are named by these
-variables. Tests that need one skip when it is absent (``vllm_present``); CI installs neither. Also: helpers to
-start our own server and to read a process tree's CPU time.
+``bench/.peers/vllm-rs``; torchvision for vLLM 0.32's Qwen-VL models (a ``pip install --no-deps --target``
+folder) in ``$SPLITSERVE_VLLM_TORCHVISION``, else ``bench/.peers/torchvision``. Every default lies inside the
+checkout; peers installed elsewhere are named by these variables. Tests that need one skip when it is absent
+(``vllm_present``); CI installs neither. Also: helpers to start our own server and to read a process tree's CPU
+time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ VLLM033_VENVS = ([Path(os.environ["SPLITSERVE_VLLM033"])] if os.environ.get("SPL
 # vLLM 0.34's Rust render server binary: $SPLITSERVE_VLLM_RS when set, else the checkout's own.
 VLLM_RS_BINARIES = ([Path(os.environ["SPLITSERVE_VLLM_RS"])] if os.environ.get("SPLITSERVE_VLLM_RS")
                     else [PEERS_DIR / "vllm-rs"])
+# torchvision for vLLM 0.32's Qwen-VL models (install.sh removes the venv's copy): a `pip install --no-deps
+# --target DIR torchvision==0.28.0` folder, put on the engine's PYTHONPATH beside VL_IMPORT_SHIM.
+VLLM032_TORCHVISION = Path(os.environ.get("SPLITSERVE_VLLM_TORCHVISION", PEERS_DIR / "torchvision"))
+VL_IMPORT_SHIM = REPO / "bench" / "vllm_vl_shim"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -60,6 +66,16 @@ def vllm033_venv() -> Path | None:
 def vllm032_venv() -> Path | None:
     """The first of VLLM032_VENVS with a python in it, or None."""
     return next((venv for venv in VLLM032_VENVS if (venv / "bin" / "python").exists()), None)
+
+
+def vllm032_vl_pythonpath() -> str | None:
+    """PYTHONPATH that lets vLLM 0.32's CPU engine import its Qwen-VL models, or None when the torchvision
+    folder is absent. Those models import transformers' torchvision image processor; PyPI's torchvision is built
+    for CUDA torch, so beside the CPU torch its C++ ops do not load and importing it fails on two fake-kernel
+    registrations; the shim defines those two op schemas first (the image transforms are plain torch)."""
+    if not (VLLM032_TORCHVISION / "torchvision" / "__init__.py").exists():
+        return None
+    return os.pathsep.join([str(VL_IMPORT_SHIM), str(VLLM032_TORCHVISION)])
 
 
 def vllm_rs_binary() -> Path | None:
@@ -124,13 +140,17 @@ def start_vllm_rs(binary: Path, model_dir: str | Path, port: int, *, parsers: bo
 
 def start_vllm_engine(model_dir: str | Path, port: int, venv: Path, *, log: Path | None = None,
                       max_model_len: int = 512, extra: list[str] | None = None,
-                      env: dict[str, str] | None = None) -> subprocess.Popen:
-    """vLLM 0.32's tokens-only engine on CPU (``serve --tokens-only``; the model needs head_dim >= 32)."""
+                      env: dict[str, str] | None = None, tokens_only: bool = True) -> subprocess.Popen:
+    """vLLM 0.32's tokens-only engine on CPU (``serve --tokens-only``; the model needs head_dim >= 32).
+    ``tokens_only=False`` serves ``--enable-scale-out`` instead: the same generate and render endpoints with the
+    tokenizer loaded, which a multimodal model needs (``--tokens-only`` skips the tokenizer, and vLLM's image
+    processors refuse to start without one)."""
     log = log or PEERS_DIR / f"vllm-engine-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(venv / "bin" / "python"), str(PEER_RECIPE / "vllm_cpu_cli.py"), "serve", str(model_dir),
-           "--tokens-only", "--dtype", "float32", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "tiny", "--disable-uvicorn-access-log", *(extra or [])]
+           "--tokens-only" if tokens_only else "--enable-scale-out", "--dtype", "float32", "--max-model-len",
+           str(max_model_len), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+           "--disable-uvicorn-access-log", *(extra or [])]
     environment = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     with open(log, "wb") as handle:
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, env=environment,

@@ -1,10 +1,12 @@
 """Real image files for the multimodal tests, made with Pillow: noise, so resizing has work to do and a wrong
-patch order shows, in PNG, JPEG and WebP; plus a PNG that only declares a huge size, and a truncated file."""
+patch order shows, in PNG, JPEG and WebP; plus a PNG that only declares a huge size, and a truncated file. Also the
+Qwen2.5-VL-shaped bundle, and a tiny random-weight Qwen2.5-VL on it for a real engine."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 import struct
 import zlib
@@ -54,4 +56,33 @@ def write_qwen2_5_vl_bundle(root: Path) -> Path:
         shutil.copy(QWEN3_FIXTURE_DIR / name, root / name)
     for name in ("chat_template.jinja", "config.json", "preprocessor_config.json"):
         shutil.copy(VL_FIXTURE / name, root / name)
+    return root
+
+
+def write_tiny_qwen2_5_vl(root: Path, max_pixels: int = 256 * 28 * 28) -> Path:
+    """A tiny random-weight Qwen2.5-VL (float32, head_dim 32 as vLLM's CPU attention needs) beside the bundle's
+    tokenizer, chat template and processor settings; ``max_pixels`` caps each image (and vLLM's encoder profiling
+    run) at 256 placeholder tokens. The weights are drawn wide (std 0.5) so greedy tokens follow the image: with
+    the usual 0.02 every prompt decodes to the same token."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    root.mkdir(parents=True, exist_ok=True)
+    text = {"vocab_size": 151936, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
+            "initializer_range": 0.5,
+            # M-RoPE splits head_dim / 2 = 16 rotary pairs over (time, height, width)
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}}
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [1], "initializer_range": 0.5}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                              image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                              vision_end_token_id=151653)
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).save_pretrained(root)
+    model_config = (root / "config.json").read_bytes()
+    write_qwen2_5_vl_bundle(root)
+    (root / "config.json").write_bytes(model_config)  # the bundle's config.json describes the 7B model
+    settings = json.loads((root / "preprocessor_config.json").read_text())
+    (root / "preprocessor_config.json").write_text(json.dumps({**settings, "max_pixels": max_pixels}, indent=2))
     return root
