@@ -85,6 +85,20 @@ def test_malformed_arguments_close_and_the_rest_is_content():
     assert args_of(r) == [{"city": "Par"}]
 
 
+def test_an_object_with_a_name_and_no_arguments_key_is_content():
+    # prose JSON (a person, a record) is no call: vLLM 0.34's batch rule, held in the stream too (its stream
+    # announced a call "John" and lost the rest)
+    for text in ('{"name": "John", "age": 30}', '{"name": "get_time"}', '{"name": "get_weather", "param'):
+        r = parse("llama3_json", text)
+        assert r.content == text and r.calls == []
+        assert parse_chunks("llama3_json", list(text)) == r
+
+
+def test_the_call_is_announced_at_its_arguments_key_wherever_the_name_is():
+    r = parse_chunks("llama3_json", list('{"parameters": {"x": 1}, "name": "f"}'))
+    assert names_of(r) == ["f"] and args_of(r) == [{"x": 1}] and r.content is None
+
+
 def test_truncated_before_the_name_is_content():
     text = '{"name": "get_we'
     assert parse("llama3_json", text).content == text
@@ -184,6 +198,13 @@ def test_python_tag_after_text_through_the_derender(llama3: RenderConfig):
     assert PYTHON_TAG_ID in ids  # one special token in Llama 3.1's vocabulary
     expected = {"content": "Let me check. ", "finish_reason": "tool_calls",
                 "calls": [("get_weather", '{"city": "SF"}')]}
+    assert whole(llama3, ids) == expected
+    assert streamed(llama3, ids) == expected
+
+
+def test_a_named_object_without_arguments_through_the_derender(llama3: RenderConfig):
+    ids = ids_of(llama3, '{"name": "John", "age": 30}')
+    expected = {"content": '{"name": "John", "age": 30}', "finish_reason": "stop", "calls": []}
     assert whole(llama3, ids) == expected
     assert streamed(llama3, ids) == expected
 

@@ -69,7 +69,8 @@ class Llama3JsonToolParser(HeldTextToolParser):
     # that write their calls as a list inside their own tags: Jamba, Phi-4-mini, xLAM)
     LIST: ClassVar[bool] = False
     ARG_KEYS: ClassVar[tuple[str, ...]] = ARG_KEYS
-    KEYS: ClassVar[CallKeys] = CALL_KEYS  # how the call object is spelled
+    # how the call object is spelled; a bare object is a call only with an arguments key (vLLM 0.34's batch rule)
+    KEYS: ClassVar[CallKeys] = CallKeys(announce_at_args=True)
     # a <|python_tag|> inside content opens calls (Llama's own marker; not for the readers inside other tags)
     TAG_IN_CONTENT: ClassVar[bool] = True
 
@@ -186,6 +187,7 @@ class JsonListToolParser(Llama3JsonToolParser):
     name: ClassVar[str] = "json_list"
     LIST: ClassVar[bool] = True
     TAG_IN_CONTENT: ClassVar[bool] = False
+    KEYS: ClassVar[CallKeys] = CALL_KEYS
 
 
 class JsonObjectsToolParser(Llama3JsonToolParser):
@@ -194,6 +196,7 @@ class JsonObjectsToolParser(Llama3JsonToolParser):
 
     name: ClassVar[str] = "json_objects"
     TAG_IN_CONTENT: ClassVar[bool] = False
+    KEYS: ClassVar[CallKeys] = CALL_KEYS
 
 
 class XLamToolParser(JsonListToolParser):
