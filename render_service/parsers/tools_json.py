@@ -4,8 +4,10 @@ several calls separated by ``;``.
 Tool mode is decided by the start of the output, as vLLM's parsers do: an output that begins with ``{`` or
 ``<|python_tag|>`` (leading whitespace allowed) is calls, anything else is content; and, as vLLM 0.34's parser
 engine does, a ``<|python_tag|>`` later in the content starts calls there (the text before it stays content).
-Arguments stream as the model's raw text, guarded (``json_guard``) so they always end as a JSON object. Text
-after the calls (and after a call that broke off) is content: nothing the model wrote is dropped.
+An object is a call once its name and its arguments key are read (``{"name": "John", "age": 30}`` is text, as
+vLLM 0.34's batch path reads it). Arguments stream as the model's raw text, guarded (``json_guard``) so they
+always end as a JSON object. Text after the calls (and after a call that broke off) is content: nothing the
+model wrote is dropped.
 """
 
 from __future__ import annotations
