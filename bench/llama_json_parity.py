@@ -50,6 +50,9 @@ CASES: dict[str, tuple[str, str]] = {
     "python_tag then code, no JSON": ('<|python_tag|>print("hello")', "stop"),
     "object with a name and no arguments key": ('{"name": "John", "age": 30}', "stop"),
     "object without a name": ('{"parameters": {"x": 1}}', "stop"),
+    # the shape Llama 4's chat template gives calls in the history: the message's text, then the calls back to back
+    "Llama 4 template shape": ("<|python_start|>Checking.<|python_end|>" + W + T, "stop"),
+    "calls back to back": (W + T, "stop"),
     "call then text": (T + " and then some prose", "stop"),
     "call, ';', then text": (T + "; done", "stop"),
     "text before a call": ("Sure! " + W, "stop"),
