@@ -27,6 +27,10 @@ Special-token ids:
   200000 .. <|fim_suffix|> 200004, <|header_start|> 200005, <|header_end|> 200006, <|eom|> 200007,
   <|eot|> 200008, <|step|> 200009, <|python_start|> 200016, <|python_end|> 200017, <|finetune_right_pad|>
   200018. Ids 128000..199999 are unused.
+* Llama 3.1: Llama 3's BPE ranks (as for Llama 4 above) with Llama 3.1's specials at their real ids (Meta's
+  tokenizer_config, also in vLLM's and transformers' Llama 3 code): <|begin_of_text|> 128000, <|end_of_text|>
+  128001, <|finetune_right_pad_id|> 128004, <|start_header_id|> 128006, <|end_header_id|> 128007, <|eom_id|>
+  128008, <|eot_id|> 128009, <|python_tag|> 128010. No chat template (no package ships Llama 3.1's).
 * Granite 4: cl100k_base's ranks (quicktok-v1; Granite 4's tokenizer is cl100k-derived) with the Granite 4 ids
   a GGUF of granite-4.0 confirms: <|pad|> 100256, <|end_of_text|> 100257, <|start_of_role|> 100264,
   <|end_of_role|> 100265, <|unk|> 100269. Whether Granite adds <tool_call> as one token is not corroborated:
@@ -107,6 +111,12 @@ LLAMA4_SPECIALS = [
     (200009, "<|step|>", True), (200016, "<|python_start|>", True), (200017, "<|python_end|>", True),
     (200018, "<|finetune_right_pad|>", True),
 ]
+LLAMA3_SPECIALS = [
+    (128000, "<|begin_of_text|>", True), (128001, "<|end_of_text|>", True),
+    (128004, "<|finetune_right_pad_id|>", True), (128006, "<|start_header_id|>", True),
+    (128007, "<|end_header_id|>", True), (128008, "<|eom_id|>", True), (128009, "<|eot_id|>", True),
+    (128010, "<|python_tag|>", True),
+]
 GRANITE4_SPECIALS = [
     (100256, "<|pad|>", True), (100257, "<|end_of_text|>", True), (100264, "<|start_of_role|>", True),
     (100265, "<|end_of_role|>", True), (100269, "<|unk|>", True),
@@ -161,11 +171,13 @@ def template_text(name: str) -> str:
 CL100K_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# tiktoken-ranks families: family -> (template, quicktok encoding, regular tokens, specials, config extras, eos)
+# tiktoken-ranks families: family -> (template or None, quicktok encoding, regular tokens, specials, config extras, eos)
 RANKS_FAMILIES = {
     "llama4": ("llama-4.jinja", "llama3", 128000, LLAMA4_SPECIALS,
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "pad_token": "<|finetune_right_pad|>"},
                [200001, 200007, 200008], "llama4"),
+    "llama3": (None, "llama3", 128000, LLAMA3_SPECIALS,
+               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, [128001, 128008, 128009], "llama"),
     "granite4": ("granite-4.0.jinja", "cl100k_base", 100256, GRANITE4_SPECIALS,
                  {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>",
                   "unk_token": "<|unk|>"}, [100257], "granitemoehybrid"),

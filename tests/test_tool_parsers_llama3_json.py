@@ -1,13 +1,37 @@
-"""llama3_json tool parser: parser-semantics.md V-T21, V-T23, V-T24, ``;``-separated calls, splits."""
+"""llama3_json tool parser: parser-semantics.md V-T21, V-T23, V-T24, ``;``-separated calls, splits; and what a
+whole answer and a stream carry, through the derender over a Llama 3.1 test tokenizer's ids (vLLM 0.34's
+parser engine is the reference: bench/llama_json_parity.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
+import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from render_service.bundle.model_bundle import load_bundle
+from render_service.derender.batch import derender_chat
+from render_service.derender.stream import derender_chat_stream
+from render_service.render.render_config import RenderConfig, build_render_config
+from render_service.streaming_cache.session import StreamRuntime
+from render_service.wire.protocol import (
+    ChatCompletionRequest,
+    DerenderChatRequest,
+    DerenderChatStreamRequest,
+    GenerateResponse,
+    GenerateResponseChoice,
+    GenerateStreamChoice,
+    GenerateStreamResponse,
+)
+from tests.family_bundles import write_family_bundle
 from tests.test_tool_parsers_common import ARG_TEXT, args_of, assert_split_invariant, names_of, parse, parse_chunks
+
+EOT = 128009  # Llama 3.1's <|eot_id|>
+PYTHON_TAG_ID = 128010
 
 
 def test_v_t21_single_call_no_content():
@@ -16,9 +40,8 @@ def test_v_t21_single_call_no_content():
     assert r.calls == [{"name": "get_weather", "arguments": '{"city": "San Francisco"}', "id": None}]
 
 
-def test_v_t23_text_before_json_is_content_as_vllm_streams_it():
-    # vLLM batch finds the call anywhere (and loses the prefix); its stream treats it as content.
-    # We are the fold of the stream: content, no call (docs/tool_parsers.md).
+def test_v_t23_text_before_json_is_content_as_vllm_034_reads_it():
+    # vLLM 0.33's batch found the call anywhere (and lost the prefix); 0.34 reads content in both modes, as we do
     text = 'Sure! {"name": "get_weather", "parameters": {"city": "SF"}}'
     r = parse("llama3_json", text)
     assert r.content == text and r.calls == []
@@ -62,6 +85,20 @@ def test_malformed_arguments_close_and_the_rest_is_content():
     assert args_of(r) == [{"city": "Par"}]
 
 
+def test_an_object_with_a_name_and_no_arguments_key_is_content():
+    # prose JSON (a person, a record) is no call: vLLM 0.34's batch rule, held in the stream too (its stream
+    # announced a call "John" and lost the rest)
+    for text in ('{"name": "John", "age": 30}', '{"name": "get_time"}', '{"name": "get_weather", "param'):
+        r = parse("llama3_json", text)
+        assert r.content == text and r.calls == []
+        assert parse_chunks("llama3_json", list(text)) == r
+
+
+def test_the_call_is_announced_at_its_arguments_key_wherever_the_name_is():
+    r = parse_chunks("llama3_json", list('{"parameters": {"x": 1}, "name": "f"}'))
+    assert names_of(r) == ["f"] and args_of(r) == [{"x": 1}] and r.content is None
+
+
 def test_truncated_before_the_name_is_content():
     text = '{"name": "get_we'
     assert parse("llama3_json", text).content == text
@@ -91,3 +128,90 @@ def test_property_random_splits_give_the_same_calls_as_one_feed(calls, python_ta
     )
     whole = assert_split_invariant("llama3_json", text, cuts)
     assert args_of(whole) == calls and whole.content is None
+
+
+def test_python_tag_after_text_opens_the_calls():
+    # Llama's own marker: what follows it is calls even after text (vLLM 0.34 reads it so, batch and stream)
+    text = 'Let me check. <|python_tag|>{"name": "get_weather", "parameters": {"city": "SF"}}; {"name": "b", "parameters": {}}'
+    r = parse("llama3_json", text)
+    assert r.content == "Let me check. " and names_of(r) == ["get_weather", "b"]
+    assert parse_chunks("llama3_json", list(text)) == r
+
+
+def test_python_tag_in_text_without_a_call_stays_content():
+    for text in ("use <|python_tag|> to call", "x <|python_tag|>\n {\"answer\": 1}", "ends in <|python_ta"):
+        r = parse("llama3_json", text)
+        assert r.content == text and r.calls == []
+        assert parse_chunks("llama3_json", list(text)) == r
+
+
+def test_readers_inside_other_families_tags_ignore_the_python_tag():
+    text = '<|action_start|><|plugin|>hi <|python_tag|>{"name": "get_weather", "parameters": {}}<|action_end|>'
+    assert parse("internlm", text).calls == []
+
+
+# --- through the derender over a Llama 3.1 tokenizer's ids ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> RenderConfig:
+    bundle = write_family_bundle("llama3", Path(tmp_path_factory.mktemp("llama3")))
+    return build_render_config(load_bundle(str(bundle)), served_model_names=["m"], tool_call_parser="llama3_json",
+                               enable_auto_tool_choice=True)
+
+
+REQUEST = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto", "tools": [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]},
+    ChatCompletionRequest)
+
+
+def ids_of(cfg: RenderConfig, text: str) -> list[int]:
+    return list(cfg.tokenizer.encode(text)) + [EOT]
+
+
+def whole(cfg: RenderConfig, ids: list[int]) -> dict[str, Any]:
+    choice = derender_chat(DerenderChatRequest(generate_response=GenerateResponse(request_id="r", choices=[
+        GenerateResponseChoice(token_ids=ids, finish_reason="stop")]), chat_request=REQUEST), cfg).choices[0]
+    return {"content": choice.message.content, "finish_reason": choice.finish_reason,
+            "calls": [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]}
+
+
+def streamed(cfg: RenderConfig, ids: list[int]) -> dict[str, Any]:
+    """One token a chunk, the state through JSON between chunks; the chunks folded."""
+    runtime, state, content, calls, finish = StreamRuntime(secret="t"), None, "", {}, None
+    for i, token in enumerate(ids):
+        out = derender_chat_stream(DerenderChatStreamRequest(stream=True, generate_chunk=GenerateStreamResponse(
+            request_id="r", choices=[GenerateStreamChoice(token_ids=[token], finish_reason=(
+                "stop" if i == len(ids) - 1 else None))]), stream_state=state, chat_request=REQUEST), cfg, runtime)
+        state = json.loads(msgspec.json.encode(out.stream_state))
+        choice = out.chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            name, args = calls.get(tc.index, (None, ""))
+            calls[tc.index] = (tc.function.name or name, args + (tc.function.arguments or ""))
+        finish = choice.finish_reason or finish
+    return {"content": content or None, "finish_reason": finish, "calls": [calls[i] for i in sorted(calls)]}
+
+
+def test_python_tag_after_text_through_the_derender(llama3: RenderConfig):
+    ids = ids_of(llama3, 'Let me check. <|python_tag|>{"name": "get_weather", "parameters": {"city": "SF"}}')
+    assert PYTHON_TAG_ID in ids  # one special token in Llama 3.1's vocabulary
+    expected = {"content": "Let me check. ", "finish_reason": "tool_calls",
+                "calls": [("get_weather", '{"city": "SF"}')]}
+    assert whole(llama3, ids) == expected
+    assert streamed(llama3, ids) == expected
+
+
+def test_a_named_object_without_arguments_through_the_derender(llama3: RenderConfig):
+    ids = ids_of(llama3, '{"name": "John", "age": 30}')
+    expected = {"content": '{"name": "John", "age": 30}', "finish_reason": "stop", "calls": []}
+    assert whole(llama3, ids) == expected
+    assert streamed(llama3, ids) == expected
+
+
+def test_whole_answer_keeps_the_models_argument_bytes(llama3: RenderConfig):
+    # vLLM 0.34 gives the model's own text in both modes (0.33 re-serialized a whole answer's arguments)
+    for args in ('{"city":"Oslo","days":2}', '{"city": "東京 😀"}', '{"city": "\\u6771\\u4eac"}'):
+        ids = ids_of(llama3, '{"name": "get_weather", "parameters": ' + args + "}")
+        assert whole(llama3, ids)["calls"] == [("get_weather", args)]
+        assert streamed(llama3, ids) == whole(llama3, ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from msgspec import UNSET
 
@@ -80,11 +80,23 @@ def chat_message(fields: dict[str, Any], pcfg: PipelineConfig, reasoning_field: 
     return message
 
 
+# Tool parsers whose whole answers carry a call's arguments as the model wrote them, as their streams do: vLLM
+# 0.34's parser engine gives the model's own text for these (earlier versions re-serialized them).
+MODEL_TEXT_ARGUMENTS: Final = frozenset({"llama3_json", "llama4_json"})
+
+
 def whole_arguments(tool_parser: str | None) -> Callable[[str], str]:
     """How a non-streamed answer gives a call's arguments for this tool parser (``final_arguments``; vLLM's
-    Harmony path, ``openai``, is json.dumps with its defaults: ASCII only)."""
+    Harmony path, ``openai``, is json.dumps with its defaults: ASCII only; the model's text for
+    ``MODEL_TEXT_ARGUMENTS``)."""
+    if tool_parser in MODEL_TEXT_ARGUMENTS:
+        return _as_written
     ascii_only = tool_parser == "openai"
     return lambda raw: final_arguments(raw, ascii_only)
+
+
+def _as_written(raw: str) -> str:
+    return raw
 
 
 def final_arguments(raw: str, ascii_only: bool = False) -> str:

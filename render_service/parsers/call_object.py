@@ -1,11 +1,13 @@
 """A tool call written as a JSON object, ``{"name": "f", "arguments": {...}}`` (hermes, llama3_json, mistral
 pre-v11), read incrementally.
 
-The name is announced as soon as it is complete (vLLM's chunking). The arguments then stream as the model's
-raw text through ``json_guard``, which keeps them valid JSON; a string holding the object
-(``"arguments": "{\\"a\\": 1}"``) is decoded once and guarded the same way. Arguments that are not an
-object (a list, a number, a plain string) cannot be a call's arguments: the call gets ``{}`` and their text
-goes to content. Other members of the envelope (``"id": ...``) are the model's text too: content.
+The name is announced as soon as it is complete (vLLM's chunking), or, for a family whose calls are bare
+objects in the text (``CallKeys.announce_at_args``: Llama), once the arguments key follows it too: an object
+with a ``"name"`` and no arguments (``{"name": "John", "age": 30}``) is the model's text, not a call. The
+arguments then stream as the model's raw text through ``json_guard``, which keeps them valid JSON; a string
+holding the object (``"arguments": "{\\"a\\": 1}"``) is decoded once and guarded the same way. Arguments
+that are not an object (a list, a number, a plain string) cannot be a call's arguments: the call gets ``{}``
+and their text goes to content. Other members of the envelope (``"id": ...``) are the model's text too: content.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class CallKeys(msgspec.Struct, frozen=True):
     name_is_key: bool = False
     # members that are the format's own, neither the call nor the model's text (Cohere's "tool_call_id")
     markup: tuple[str, ...] = ()
+    # the call is announced only once its arguments key is read as well as its name
+    announce_at_args: bool = False
 
 
 CALL_KEYS = CallKeys()
@@ -96,8 +100,8 @@ class CallObject(msgspec.Struct, omit_defaults=True):
     def __post_init__(self) -> None:
         if len(self.pending_args) + len(self.held_content) > MAX_UNANNOUNCED + 2048 or len(self.str_hold) > 16:
             raise ValueError("inconsistent call object state")
-        if self.name_emitted != bool(self.name):
-            raise ValueError("inconsistent call object state: a name exactly when announced")
+        if self.name_emitted and not self.name:
+            raise ValueError("inconsistent call object state: announced without a name")
         if (self.phase in (ARGS, ARGS_STR_DECODE)) and self.guard is None:
             raise ValueError("inconsistent call object state: arguments without their guard")
 
@@ -258,6 +262,8 @@ def feed_call_object(
                     obj.phase = NAME
                     i += 1
                 elif key in arg_keys and not obj.args_started:
+                    if obj.name and not obj.name_emitted:
+                        _announce(obj, sink, index)  # announce_at_args: the name was read, now its arguments
                     if c == '"':
                         obj.phase = ARGS_STR_PEEK
                         i += 1
@@ -304,7 +310,8 @@ def feed_call_object(
                 if not name.strip() or len(name) > MAX_NAME_CHARS:
                     return q, MALFORMED
                 obj.name = name
-                _announce(obj, sink, index)
+                if not keys.announce_at_args or obj.args_started:
+                    _announce(obj, sink, index)
                 obj.phase = KEY_OR_END
         elif phase == ARGS:
             stop, emitted, status = feed_guard(cast(ArgsGuard, obj.guard), buf, i, end)  # set with the phase

@@ -1,10 +1,13 @@
 """llama3_json: ``{"name": "f", "parameters": {...}}`` (or ``"arguments"``), optionally after ``<|python_tag|>``,
 several calls separated by ``;``.
 
-Tool mode is decided by the start of the output, as vLLM's streaming parser does: an output that begins with
-``{`` or ``<|python_tag|>`` (leading whitespace allowed) is calls, anything else is content. Arguments stream
-as the model's raw text, guarded (``json_guard``) so they always end as a JSON object. Text after the calls
-(and after a call that broke off) is content: nothing the model wrote is dropped.
+Tool mode is decided by the start of the output, as vLLM's parsers do: an output that begins with ``{`` or
+``<|python_tag|>`` (leading whitespace allowed) is calls, anything else is content; and, as vLLM 0.34's parser
+engine does, a ``<|python_tag|>`` later in the content starts calls there (the text before it stays content).
+An object is a call once its name and its arguments key are read (``{"name": "John", "age": 30}`` is text, as
+vLLM 0.34's batch path reads it). Arguments stream as the model's raw text, guarded (``json_guard``) so they
+always end as a JSON object. Text after the calls (and after a call that broke off) is content: nothing the
+model wrote is dropped.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from render_service.parsers.call_object import (
     feed_call_object,
     finish_call_object,
 )
-from render_service.parsers.tags import skip_whitespace
+from render_service.parsers.tags import find_tag, skip_whitespace
 from render_service.parsers.tools_common import Count, HeldTextToolParser, PieceSink, require
 
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_TAGS = (PYTHON_TAG,)
 ARG_KEYS = ("parameters", "arguments")
 
 
@@ -67,7 +71,10 @@ class Llama3JsonToolParser(HeldTextToolParser):
     # that write their calls as a list inside their own tags: Jamba, Phi-4-mini, xLAM)
     LIST: ClassVar[bool] = False
     ARG_KEYS: ClassVar[tuple[str, ...]] = ARG_KEYS
-    KEYS: ClassVar[CallKeys] = CALL_KEYS  # how the call object is spelled
+    # how the call object is spelled; a bare object is a call only with an arguments key (vLLM 0.34's batch rule)
+    KEYS: ClassVar[CallKeys] = CallKeys(announce_at_args=True)
+    # a <|python_tag|> inside content opens calls (Llama's own marker; not for the readers inside other tags)
+    TAG_IN_CONTENT: ClassVar[bool] = True
 
     def finish(self, state: Llama3JsonState) -> list[Piece]:
         sink = PieceSink()
@@ -101,8 +108,19 @@ class Llama3JsonToolParser(HeldTextToolParser):
         while pos < n:
             mode = state.mode
             if mode == CONTENT_ONLY or mode == DROP:
-                sink.content(buf[pos:])
-                return
+                if not self.TAG_IN_CONTENT:
+                    sink.content(buf[pos:])
+                    return
+                at, tag = find_tag(buf, pos, PYTHON_TAGS)
+                sink.content(buf[pos:at])
+                if tag is None:
+                    state.held = buf[at:]  # may be the start of the tag
+                    return
+                # held as raw text until a call's name is read: a tag that opens no call is given back
+                state.raw = PYTHON_TAG
+                state.mode = SEPARATOR
+                pos = at + len(PYTHON_TAG)
+                continue
             if mode == START:
                 start = pos
                 pos = skip_whitespace(buf, pos)
@@ -127,13 +145,14 @@ class Llama3JsonToolParser(HeldTextToolParser):
             elif mode == SEPARATOR:
                 start = pos
                 pos = skip_whitespace(buf, pos)
-                if state.calls == 0:
+                opening = state.calls == 0 or state.raw != ""  # before the first call, or after a tag in content
+                if opening:
                     state.raw += buf[start:pos]
                 if pos >= n:
                     return
-                if state.calls and (buf[pos] == ";" or (self.LIST and buf[pos] == ",")):
+                if not opening and (buf[pos] == ";" or (self.LIST and buf[pos] == ",")):
                     pos += 1
-                elif self.LIST and buf[pos] == "]" and state.calls:
+                elif self.LIST and buf[pos] == "]" and not opening:
                     pos += 1
                     state.mode = CONTENT_ONLY  # the list is over: what follows is the model's text
                 elif buf[pos] == "{":
@@ -169,6 +188,17 @@ class JsonListToolParser(Llama3JsonToolParser):
 
     name: ClassVar[str] = "json_list"
     LIST: ClassVar[bool] = True
+    TAG_IN_CONTENT: ClassVar[bool] = False
+    KEYS: ClassVar[CallKeys] = CALL_KEYS
+
+
+class JsonObjectsToolParser(Llama3JsonToolParser):
+    """llama3_json's reader of ``;``-separated call objects without Llama's tag rule: the inner parser of the
+    families that wrap such objects in their own tags (``tools_wrapped``)."""
+
+    name: ClassVar[str] = "json_objects"
+    TAG_IN_CONTENT: ClassVar[bool] = False
+    KEYS: ClassVar[CallKeys] = CALL_KEYS
 
 
 class XLamToolParser(JsonListToolParser):

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from render_service.parsers.call_object import CallKeys
-from render_service.parsers.tools_json import JsonListToolParser, Llama3JsonToolParser
+from render_service.parsers.tools_json import JsonListToolParser, JsonObjectsToolParser
 from render_service.parsers.tools_pythonic import PythonicToolParser
 from render_service.parsers.tools_wrapped import DroppedMarkersToolParser, WrappedToolParser
 
@@ -63,7 +63,7 @@ class InternLMToolParser(WrappedToolParser):
     name: ClassVar[str] = "internlm"
     START: ClassVar[str] = "<|action_start|><|plugin|>"
     END: ClassVar[str | None] = "<|action_end|>"
-    INNER: ClassVar[Any] = Llama3JsonToolParser
+    INNER: ClassVar[Any] = JsonObjectsToolParser
 
 
 class HunyuanA13BToolParser(JambaToolParser):
@@ -75,7 +75,7 @@ class Granite20bFCToolParser(WrappedToolParser):
     START: ClassVar[str] = "<function_call>"
     END: ClassVar[str | None] = None
     START_ENDS_BLOCK: ClassVar[bool] = True
-    INNER: ClassVar[Any] = Llama3JsonToolParser
+    INNER: ClassVar[Any] = JsonObjectsToolParser
 
 
 class GigaChat3ToolParser(WrappedToolParser):
@@ -84,7 +84,7 @@ class GigaChat3ToolParser(WrappedToolParser):
     OTHER_STARTS: ClassVar[tuple[str, ...]] = ("function call<|role_sep|>\n",)
     END: ClassVar[str | None] = None
     START_ENDS_BLOCK: ClassVar[bool] = True  # the model writes one call a message; a second marker opens another
-    INNER: ClassVar[Any] = Llama3JsonToolParser
+    INNER: ClassVar[Any] = JsonObjectsToolParser
 
 
 class GraniteToolParser(WrappedToolParser):
@@ -149,7 +149,7 @@ INKLING_MARKERS = ("<|message_model|>", "<|content_text|>", "<|content_model_end
                    "<|content_invoke_tool_text|>", "<|content_tool_error|>")
 
 
-class InklingCallsParser(Llama3JsonToolParser):
+class InklingCallsParser(JsonObjectsToolParser):
     name: ClassVar[str] = "inkling_calls"
     ARG_KEYS: ClassVar[tuple[str, ...]] = ("args", "arguments", "parameters")
 
