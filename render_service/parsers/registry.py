@@ -9,6 +9,7 @@ import importlib
 
 from render_service.parsers.base import ToolParser
 from render_service.parsers.harmony import HarmonyParser
+from render_service.parsers.muse_channels import MUSE_REASONING_PARSERS
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
 from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS, MORE_REASONING_PARSERS
@@ -18,6 +19,7 @@ from render_service.parsers.reasoning_mistral import MistralReasoningParser
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     **_CORE_REASONING_PARSERS, **FAMILY_REASONING_PARSERS, **MORE_REASONING_PARSERS,
     MistralReasoningParser.name: MistralReasoningParser, GraniteReasoningParser.name: GraniteReasoningParser,
+    **MUSE_REASONING_PARSERS,
 }
 
 # name -> (module, class), the names as vLLM's ``--tool-call-parser`` spells them
@@ -78,6 +80,9 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "kimi_k3": ("render_service.parsers.tools_xml_families", "KimiK3ToolParser"),
     "gemma4": ("render_service.parsers.tools_gemma", "Gemma4ToolParser"),
     "functiongemma": ("render_service.parsers.tools_gemma", "FunctionGemmaToolParser"),
+    "muse": ("render_service.parsers.tools_muse", "MuseToolParser"),
+    "muse_glimmer": ("render_service.parsers.tools_muse", "MuseGlimmerToolParser"),
+    "musespark": ("render_service.parsers.tools_muse", "MuseSparkToolParser"),  # upstream's alias of muse
 }
 
 
