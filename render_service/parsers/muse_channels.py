@@ -176,7 +176,7 @@ class MuseChannels:
 
     def run(self, state: MuseState, text: str, final: bool) -> list[Piece]:
         out = _Out()
-        if state.channel == BODY and not state.held and "<" not in text and "t" not in text:
+        if not final and state.channel == BODY and not state.held and "<" not in text and "t" not in text:
             self.deliver(state, text, out)  # the per-token case: body text with no marker or header in sight
             return out.pieces
         buf = state.header + state.held + text
@@ -212,8 +212,8 @@ class MuseChannels:
         return pos
 
     def _dangling(self, state: MuseState, header: str, out: _Out) -> None:
-        """A header the output ended in: markup of a message never opened is dropped, other text is content."""
-        if START in header or "to=" in header or not header.strip():
+        """A header the output ended in (cut off by max_tokens): no message was opened; its text is content."""
+        if not header.strip():
             return
         state.channel, state.target = BODY, self.unframed()
         self.deliver(state, header, out)
