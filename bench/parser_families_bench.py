@@ -94,6 +94,7 @@ NEW_FAMILY_WRITERS = {
     "k2_horizon": "write_k2_horizon", "minicpm5": "write_minicpm5",
     "cohere_command3": "write_cohere", "zaya_xml": "write_zaya_xml",
     "inkling": "write_inkling", "minimax_m3": "write_minimax_m3",
+    "muse": "write_muse", "muse_glimmer": "write_muse",
 }
 
 
@@ -142,6 +143,9 @@ FAMILIES = {
     "hy_v4": ("hy_v4", "<think>", "</think>", "qwen3"),
     "olmo3": ("olmo3", "<think>", "</think>", "qwen3"),
     "kimi_k3": ("kimi_k3", "<|open|>think<|sep|>", "<|close|>think<|sep|>", "qwen3"),
+    "muse": ("muse", " to=self<|message|>", "<|eom|><|start|>assistant to=user<|message|>", "qwen3"),
+    "muse_glimmer": ("muse_glimmer", " to=self<|message|>", "<|eom|><|start|>assistant to=user<|message|>",
+                     "qwen3"),
     "llama4_pythonic": (None, "", "", "llama4"),
     "llama4_json": (None, "", "", "llama4"),
 }

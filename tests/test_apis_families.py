@@ -68,14 +68,14 @@ def qwen3_config(tool: str | None, reasoning: str | None):
 
 
 # reasoning parser -> its family's test bundle, where the name differs
-BUNDLE_OF = {"mistral": "magistral"}
+BUNDLE_OF = {"mistral": "magistral", "muse": "muse_glimmer", "musespark": "muse_glimmer"}
 
 
 @functools.cache
 def family_config(reasoning: str, root: str):
     """A reasoning family on its test bundle when there is one (its tags are tokens there), else on Qwen3's."""
     family = BUNDLE_OF.get(reasoning, reasoning)
-    if family not in family_bundles.FAMILIES:
+    if family not in family_bundles.FAMILIES and family not in family_bundles.RANKS_FAMILIES:
         return qwen3_config(None, reasoning)
     from pathlib import Path
 

@@ -480,7 +480,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     *(ToolFamily(name, write_muse, MUSE,
                  (*MUSE, " to=self<|message|>", "to=get_weather<|message|>", "<|start|>assistant to=user<|message|>",
                   '"get_weather">', '"city">', "\n", " ", "x", "t", "to", "3", "<", "<|", "null"))
-      for name in ("muse", "muse_glimmer")),
+      for name in ("muse", "musespark", "muse_glimmer")),
 ]}
 
 

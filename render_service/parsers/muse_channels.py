@@ -172,13 +172,29 @@ class MuseChannels:
     def unframed(self) -> MuseTarget:
         return CONTENT
 
+    def skipped(self, markup: str, out: _Out) -> None:
+        """Markup passed over outside any message."""
+
     # reading -----------------------------------------------------------------------------------------------
 
-    def run(self, state: MuseState, text: str, final: bool) -> list[Piece]:
-        out = _Out()
-        if not final and state.channel == BODY and not state.held and "<" not in text and "t" not in text:
-            self.deliver(state, text, out)  # the per-token case: body text with no marker or header in sight
+    def body_text(self, state: MuseState, text: str) -> list[Piece]:
+        """The per-token case: body text with no marker or header in sight."""
+        target = state.target
+        if target == REASONING:
+            return [TextPiece("reasoning", text)]
+        if target == DROP:
+            return []
+        if target == CALL or not text:
+            out = _Out()
+            self.deliver(state, text, out)
             return out.pieces
+        return [TextPiece("content", text)]
+
+    def run(self, state: MuseState, text: str, final: bool) -> list[Piece]:
+        if not final and state.channel == BODY and not state.held and "<" not in text and "to=" not in text \
+                and not text.endswith(("t", "to")):
+            return self.body_text(state, text)
+        out = _Out()
         buf = state.header + state.held + text
         state.header = state.held = ""
         pos = 0
@@ -207,8 +223,13 @@ class MuseChannels:
                 return -1
             state.header = buf[pos:]
             return -1
-        # no header: text, read as a body of its own
+        # no header: text, read as a body of its own; a <|start|> that opens no header is markup, passed over
+        # (read again as a body's end, it would stop the reading here)
         state.channel, state.target = BODY, self.unframed()
+        at = buf.find(START, pos, pos + MAX_HEADER)
+        if at >= 0 and not buf[pos:at].strip():
+            self.skipped(START, out)
+            return at + len(START)
         return pos
 
     def _dangling(self, state: MuseState, header: str, out: _Out) -> None:
@@ -275,7 +296,7 @@ class MuseReasoningParser(MuseChannels, ThinkReasoningParser):
     tool_stage: ClassVar[str] = "muse"  # the tool parser that reads what this stage passes on
     # no think tags: these spell no token, so the prompt's tail never says reasoning is open or closed
     start_tag = " to=self<|message|>"
-    end_tag = "<|eom|><|start|>assistant"
+    end_tag = "<|eom|><|start|>assistant to=user<|message|>"
 
     def __init__(self, config: ReasoningParserConfig = ReasoningParserConfig()) -> None:
         super().__init__(config)
@@ -300,6 +321,9 @@ class MuseReasoningParser(MuseChannels, ThinkReasoningParser):
     def closed(self, state: MuseState, marker: str, out: _Out) -> None:
         if state.target == PASS:
             out.text("content", marker)
+
+    def skipped(self, markup: str, out: _Out) -> None:
+        out.text("content", markup)  # the tool stage passes over it too
 
     def _dangling(self, state: MuseState, header: str, out: _Out) -> None:
         out.text("content", header)  # the tool stage decides
