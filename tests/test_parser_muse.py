@@ -251,3 +251,30 @@ def test_without_tools_the_answer_comes_out_clean(muse) -> None:
     pipeline = Pipeline(tok, PipelineConfig(request_id="r", reasoning_parser="muse", skip_special_tokens=False))
     batch, _ = derender_all(pipeline, tok.encode(text))
     assert (batch["reasoning"], batch["content"], batch["tool_calls"]) == ("Easy.", "Four.", [])
+
+
+@pytest.mark.slow
+def test_a_call_cut_by_max_tokens_is_not_handed_out(muse) -> None:
+    tok = muse.tokenizer
+    done = "<|start|>assistant to=get_time<|message|>" + _invoke("get_time") + "<|eom|>"
+    cut = '<|start|>assistant to=get_weather<|message|><atem:function_calls>\n<atem:invoke name="get_weather">\n' \
+          '<atem:parameter name="city">Seo'
+    pipeline = Pipeline(tok, PipelineConfig(request_id="r", reasoning_parser="muse", tool_parser="muse",
+                                            tool_choice="auto", tools=WEATHER, skip_special_tokens=False))
+    message, _ = derender_all(pipeline, tok.encode(" to=self<|message|>Two calls.<|eom|>" + done + cut),
+                              engine_finish="length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    # the cut call's text is content, its ATEM markup included (the message's header is framing)
+    assert message["content"] == cut[cut.index("<atem:"):] and message["reasoning"] == "Two calls."
+
+
+@pytest.mark.slow
+def test_a_named_tool_choice_is_read_in_atem(muse) -> None:
+    tok = muse.tokenizer
+    text = "<|start|>assistant to=get_weather<|message|>" + _invoke("get_weather", city="Oslo") + "<|eom|>"
+    pipeline = Pipeline(tok, PipelineConfig(request_id="r", reasoning_parser="muse", tool_parser="muse",
+                                            tool_choice="named", named_function="get_weather", tools=WEATHER,
+                                            skip_special_tokens=False))
+    message, _ = derender_all(pipeline, tok.encode(text))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Oslo"})]
