@@ -278,3 +278,21 @@ def test_a_named_tool_choice_is_read_in_atem(muse) -> None:
     message, _ = derender_all(pipeline, tok.encode(text))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
         ("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.slow
+def test_render_gives_transformers_token_ids_on_every_conversation(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from tests.conversations import CONVERSATIONS
+    from tests.test_family_templates import _render_both
+    from tests.test_templates import Side, _inputs
+
+    side = Side(write_family_bundle("muse_glimmer", tmp_path / "bundle"))
+    rendered = 0
+    for conv in CONVERSATIONS:
+        messages, kwargs = _inputs(conv)
+        ours, ref = _render_both(side, messages, kwargs)
+        if ours is not None:
+            assert ours == ref, conv.name
+            rendered += 1
+    assert rendered >= 10
