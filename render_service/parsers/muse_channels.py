@@ -68,18 +68,24 @@ class MuseTarget(IntEnum):
 HEADER, BODY = MuseMode
 REASONING, CONTENT, CALL, DROP, PASS = MuseTarget
 
-# a header before its <|message|>: [<|start|>[author]] [to=recipient], whitespace around
-_HEADER = re.compile(r"\s*(?:<\|start\|>[^\S\n]*[A-Za-z0-9_]*)?[^\S\n]*(?:to=(?P<to>[A-Za-z0-9_.\-]*))?[^\S\n]*")
+# a header before its <|message|>: [<|start|>assistant] [to=recipient], whitespace around (upstream's)
+_HEADER = re.compile(r"\s*(?:<\|start\|>\s*assistant)?[^\S\n]*(?:to=(?P<to>[A-Za-z0-9_.\-]*))?[^\S\n]*")
+# what may still grow into one (any word after <|start|>: a superset, so holding never stops early)
+_HEADER_SO_FAR = re.compile(r"\s*(?:<\|start\|>\s*[A-Za-z0-9_]*)?[^\S\n]*(?:to=[A-Za-z0-9_.\-]*)?[^\S\n]*")
 # the end of a body that is a header's recipient (when <|message|> follows), or may still become one
 _HEADER_TAIL = re.compile(rf"to=([A-Za-z0-9_.\-]{{1,{MAX_NAME}}})$")
 _MAYBE_TAIL = re.compile(rf"(?:to=[A-Za-z0-9_.\-]{{0,{MAX_NAME}}}|to?)$")
 
 
 def header_prefix(text: str) -> bool:
-    """Whether ``text`` may still become a header (it has no ``<|message|>`` yet)."""
-    m = _HEADER.match(text)
-    rest = text[m.end():] if m else text
-    return not rest or MESSAGE.startswith(rest) or START.startswith(rest) or "to=".startswith(rest)
+    """Whether ``text`` may still become a header (it has no ``<|message|>`` yet): some ending completes it. (A
+    greedy match would not do: in ``<|start|> to=x`` the author may be empty or ``to``, so fullmatch decides.)"""
+    k = _marker_prefix_len(text)
+    if k:
+        head, part = text[:len(text) - k], text[len(text) - k:]
+        return (MESSAGE.startswith(part) and _HEADER_SO_FAR.fullmatch(head) is not None) or (
+            START.startswith(part) and not head.strip())
+    return any(_HEADER_SO_FAR.fullmatch(text + end) is not None for end in ("", "=", "o="))
 
 
 def recipient_of(header: str) -> tuple[bool, str | None]:
