@@ -178,9 +178,6 @@ class MuseChannels:
     def unframed(self) -> MuseTarget:
         return CONTENT
 
-    def skipped(self, markup: str, out: _Out) -> None:
-        """Markup passed over outside any message."""
-
     # reading -----------------------------------------------------------------------------------------------
 
     def body_text(self, state: MuseState, text: str) -> list[Piece]:
@@ -229,12 +226,11 @@ class MuseChannels:
                 return -1
             state.header = buf[pos:]
             return -1
-        # no header: text, read as a body of its own; a <|start|> that opens no header is markup, passed over
-        # (read again as a body's end, it would stop the reading here)
+        # no header: text, read as a body of its own; a <|start|> that opens no header is markup, dropped (read
+        # again as a body's end, it would stop the reading here)
         state.channel, state.target = BODY, self.unframed()
         at = buf.find(START, pos, pos + MAX_HEADER)
         if at >= 0 and not buf[pos:at].strip():
-            self.skipped(START, out)
             return at + len(START)
         return pos
 
@@ -327,9 +323,6 @@ class MuseReasoningParser(MuseChannels, ThinkReasoningParser):
     def closed(self, state: MuseState, marker: str, out: _Out) -> None:
         if state.target == PASS:
             out.text("content", marker)
-
-    def skipped(self, markup: str, out: _Out) -> None:
-        out.text("content", markup)  # the tool stage passes over it too
 
     def _dangling(self, state: MuseState, header: str, out: _Out) -> None:
         out.text("content", header)  # the tool stage decides
