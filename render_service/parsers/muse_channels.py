@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import msgspec
 
@@ -194,9 +194,11 @@ class MuseChannels:
         return [TextPiece("content", text)]
 
     def run(self, state: MuseState, text: str, final: bool) -> list[Piece]:
-        if not final and state.channel == BODY and not state.held and "<" not in text and "to=" not in text \
-                and not text.endswith(("t", "to")):
-            return self.body_text(state, text)
+        if not final and state.channel == BODY:
+            if state.held:  # mostly a "t" held back in case it begins "to=": the next token says it does not
+                text, state.held = state.held + text, ""
+            if "<" not in text and "to=" not in text and not text.endswith(("t", "to")):
+                return self.body_text(state, text)
         out = _Out()
         buf = state.header + state.held + text
         state.header = state.held = ""
@@ -349,8 +351,7 @@ class MuseGlimmerReasoningParser(MuseReasoningParser):
 
 
 def _muse(state: ThinkState) -> MuseState:
-    assert isinstance(state, MuseState)
-    return state
+    return cast(MuseState, state)  # the state this parser's initial_state made (or stream_state restored as State)
 
 
 MUSE_REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {

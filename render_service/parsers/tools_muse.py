@@ -18,7 +18,7 @@ is text.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import msgspec
 
@@ -84,6 +84,11 @@ class MuseToolParser(MuseChannels):
     def initial_state(self) -> MuseToolState:
         return MuseToolState()
 
+    def body_text(self, state: MuseState, text: str) -> list[Piece]:
+        if state.target == CALL and self.calls is not None:
+            return self.calls.feed(_tool_state(state).calls, text)  # the per-token case inside a call
+        return super().body_text(state, text)
+
     def deliver(self, state: MuseState, text: str, out: _Out) -> None:
         if state.target == CALL and self.calls is not None:
             out.extend(self.calls.feed(_tool_state(state).calls, text))
@@ -117,5 +122,4 @@ class MuseGlimmerToolParser(MuseToolParser):
 
 
 def _tool_state(state: Any) -> MuseToolState:
-    assert isinstance(state, MuseToolState)
-    return state
+    return cast(MuseToolState, state)  # the state initial_state made (or stream_state restored as State)
