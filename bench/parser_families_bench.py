@@ -97,6 +97,7 @@ NEW_FAMILY_WRITERS = {
     "zaya": "write_zaya_xml",
     "ripple": "write_hermes",
     "hf": "write_gemma4", "beam": "write_gemma4",
+    "muse": "write_muse", "muse_glimmer": "write_muse",
 }
 
 
@@ -149,6 +150,9 @@ FAMILIES = {
     "hy_v4": ("hy_v4", "<think>", "</think>", "qwen3"),
     "olmo3": ("olmo3", "<think>", "</think>", "qwen3"),
     "kimi_k3": ("kimi_k3", "<|open|>think<|sep|>", "<|close|>think<|sep|>", "qwen3"),
+    "muse": ("muse", " to=self<|message|>", "<|eom|><|start|>assistant to=user<|message|>", "qwen3"),
+    "muse_glimmer": ("muse_glimmer", " to=self<|message|>", "<|eom|><|start|>assistant to=user<|message|>",
+                     "qwen3"),
     "llama4_pythonic": (None, "", "", "llama4"),
     "llama4_json": (None, "", "", "llama4"),
 }

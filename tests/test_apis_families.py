@@ -68,7 +68,7 @@ def qwen3_config(tool: str | None, reasoning: str | None):
 
 
 # reasoning parser -> its family's test bundle, where the name differs
-BUNDLE_OF = {"mistral": "magistral", "beam": "hf"}
+BUNDLE_OF = {"mistral": "magistral", "beam": "hf", "muse": "muse_glimmer", "musespark": "muse_glimmer"}
 # tool parsers that read the bundle's response_template: their test bundle carries one
 TEMPLATE_BUNDLE = {"hf": "hf", "beam": "hf"}
 
@@ -85,7 +85,7 @@ def template_config(tool: str, root: str):
 def family_config(reasoning: str, root: str):
     """A reasoning family on its test bundle when there is one (its tags are tokens there), else on Qwen3's."""
     family = BUNDLE_OF.get(reasoning, reasoning)
-    if family not in family_bundles.FAMILIES:
+    if family not in family_bundles.FAMILIES and family not in family_bundles.RANKS_FAMILIES:
         return qwen3_config(None, reasoning)
     from pathlib import Path
 

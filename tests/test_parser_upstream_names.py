@@ -117,6 +117,34 @@ def test_reasoning_names(name, text, kwargs, expected) -> None:
     assert _split(name, text, kwargs) == expected
 
 
+# Every name vLLM 0.34 registers (vllm/tool_parsers/__init__.py and vllm/reasoning/__init__.py of its wheel).
+VLLM_034_TOOL_PARSERS = [
+    "apertus", "beam", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47",
+    "granite", "granite-20b-fc", "granite4", "granite_toolcall_parser", "hermes", "hf", "hunyuan_a13b", "hy_v3",
+    "hy_v4", "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse",
+    "muse_glimmer", "musespark", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic",
+    "qwen3_coder", "qwen3_json", "qwen3_xml", "ripple", "seed_oss", "step3", "step3p5", "step5", "xlam", "zaya",
+    "zaya_xml",
+]
+VLLM_034_REASONING_PARSERS = [
+    "beam", "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41",
+    "ernie45", "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2", "hunyuan_a13b",
+    "hy_v3", "hy_v4", "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo", "minicpmv", "minimax_m2",
+    "minimax_m2_append_think", "minimax_m3", "mistral", "muse", "muse_glimmer", "musespark", "nemotron_v3", "olmo3",
+    "openai_gptoss", "plamo3", "poolside_v1", "qwen3", "ripple", "seed_oss", "step3", "step3p5", "step5", "zaya",
+]
+
+
+def test_every_name_vllm_034_registers_is_served() -> None:
+    assert len(VLLM_034_TOOL_PARSERS) == 62 and len(VLLM_034_REASONING_PARSERS) == 44
+    for name in VLLM_034_TOOL_PARSERS:
+        assert get_tool_parser(name) is not None, name
+    for name in VLLM_034_REASONING_PARSERS:
+        assert get_reasoning_parser(name) is not None, name
+
+
 @pytest.mark.parametrize("lookup", [get_tool_parser, get_reasoning_parser])
 def test_a_name_we_do_not_serve_is_refused_in_one_line(lookup) -> None:
     with pytest.raises(UnknownParserError) as err:

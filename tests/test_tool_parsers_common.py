@@ -46,13 +46,16 @@ class Folded(msgspec.Struct):
 
     content: str | None
     calls: list[dict]
+    reasoning: str | None = None  # Muse's tool stage routes reasoning messages too (without a reasoning stage)
 
 
 def fold(pieces) -> Folded:
-    content = None
+    content = reasoning = None
     calls: dict[int, dict] = {}
     for p in pieces:
-        if isinstance(p, TextPiece):
+        if isinstance(p, TextPiece) and p.channel == "reasoning":
+            reasoning = (reasoning or "") + p.text
+        elif isinstance(p, TextPiece):
             assert p.channel == "content"
             content = (content or "") + p.text
         else:
@@ -68,7 +71,7 @@ def fold(pieces) -> Folded:
             if p.arguments:
                 call["arguments"] += p.arguments
     assert sorted(calls) == list(range(len(calls))), "call indexes are 0, 1, ... in order"
-    return Folded(content, [calls[i] for i in sorted(calls)])
+    return Folded(content, [calls[i] for i in sorted(calls)], reasoning)
 
 
 def run_pieces(parser_name: str, chunks, config: ToolParserConfig = WEATHER_TOOLS, check_state=True):

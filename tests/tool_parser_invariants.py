@@ -239,6 +239,19 @@ def write_minimax_m3(calls: list[Call]) -> str:
         f'{M3NS}<invoke name="{n}">' + _m3_value(a) + f"{M3NS}</invoke>\n" for n, a in calls) + M3NS + "</tool_call>"
 
 
+MUSE = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>", "assistant", "to=self", "to=user", "to=commentary",
+        "<atem:function_calls>", "</atem:function_calls>", "<atem:invoke name=", "</atem:invoke>",
+        "<atem:parameter name=", "</atem:parameter>",
+        *(f"to={n}<|message|>" for n in ("get_weather", "get_time", "write_file", "unknown_tool")))
+
+
+def write_muse(calls: list[Call]) -> str:
+    # one message to the tool per call, as Muse's template writes them
+    return "".join(f"<|start|>assistant to={n}<|message|><atem:function_calls>\n<atem:invoke name=\"{n}\">\n" + "".join(
+        f'<atem:parameter name="{k}">{_text_value(v)}</atem:parameter>\n' for k, v in a.items())
+        + "</atem:invoke>\n</atem:function_calls><|eom|>" for n, a in calls)
+
+
 def write_mimo(calls: list[Call]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>{_text_value(v)}</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
@@ -477,6 +490,10 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*_MINIMAX, '"get_weather">', '"city">', "\n", " ", "x", "3", "<", "null", "😀")),
     ToolFamily("seed_oss", write_seed_oss, _SEED,
                (*_SEED, "get_weather>", "city>", "\n", " ", "x", "3", "<", "null", "😀")),
+    *(ToolFamily(name, write_muse, MUSE,
+                 (*MUSE, " to=self<|message|>", "to=get_weather<|message|>", "<|start|>assistant to=user<|message|>",
+                  '"get_weather">', '"city">', "\n", " ", "x", "t", "to", "3", "<", "<|", "null"))
+      for name in ("muse", "musespark", "muse_glimmer")),
 ]}
 
 
@@ -546,7 +563,7 @@ def check_parser(family: ToolFamily, text: str, cuts: list[int]) -> Folded:
     assert parse_chunks(family.name, split_at(text, cuts), family.tools) == whole
     assert parse_chunks(family.name, list(text), family.tools) == whole
     assert_arguments_are_objects(whole.calls)
-    assert_nothing_lost(family, text, [whole.content or "", *_seen_of_calls(whole.calls)])
+    assert_nothing_lost(family, text, [whole.content or "", whole.reasoning or "", *_seen_of_calls(whole.calls)])
     return whole
 
 

@@ -47,6 +47,9 @@ FAMILIES: tuple[ParserFamily, ...] = (
     ParserFamily("kimi-k3", "kimi_k3", "kimi_k3", ("<|open|>", "<|sep|>")),
     ParserFamily("minimax-m3", "minimax_m3", "minimax_m3", ("]<]minimax[>[",)),
     ParserFamily("minimax-m2", "minimax_m2", "minimax_m2", ("<minimax:tool_call>",), ("minimax_m2",)),
+    # Muse Glimmer's template teaches ATEM calls and writes to=self reasoning (Muse Spark's is not public)
+    ParserFamily("muse-glimmer", "muse_glimmer", "muse_glimmer", ("<atem:function_calls>", "to=self"),
+                 ("muse_glimmer",)),
     ParserFamily("seed-oss", "seed_oss", "seed_oss", ("<seed:tool_call>",), ("seed_oss",)),
     ParserFamily("plamo-3", "plamo3", "plamo3", ("plamo:begin_tool_requests",), ("plamo3",)),
     ParserFamily("step-3", "step3", "step3", ("steptml:invoke",), ("step3_vl", "step3")),

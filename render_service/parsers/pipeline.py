@@ -35,8 +35,15 @@ from render_service.parsers.forced_tools import (
     llama_required,
 )
 from render_service.parsers.harmony import HarmonyParser
+from render_service.parsers.muse_channels import MuseReasoningParser
 from render_service.parsers.reasoning import CONTENT, ThinkReasoningParser, reasoning_open_at_prompt_end
-from render_service.parsers.reasoning_count import HarmonyTokenCounter, ReasoningCount, ThinkTokenCounter, TokenCounter
+from render_service.parsers.reasoning_count import (
+    HarmonyTokenCounter,
+    MuseTokenCounter,
+    ReasoningCount,
+    ThinkTokenCounter,
+    TokenCounter,
+)
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 from render_service.parsers.response_template import bind_parser
 
@@ -157,6 +164,22 @@ def call_id_style(tool_parser: str | None) -> str:
     return getattr(get_tool_parser(tool_parser), "call_id_style", "openai")
 
 
+def _channel_tool_stage(config: PipelineConfig, tcfg: ToolParserConfig) -> Any:
+    """Muse's tool stage (parsers/tools_muse.py), which reads the messages a Muse reasoning stage passes on: run
+    after that stage whatever the tool choice, and for any tool choice when it is the configured tool parser (its
+    calls are read in the model's own markup, as upstream's, never as forced JSON). Calls only when tools may be
+    called. None for the other families."""
+    family: Any = get_tool_parser(config.tool_parser) if config.tool_parser else None
+    calls = family is not None and bool(config.tools) and config.tool_choice != "none"
+    if family is None or not getattr(family, "channel_stage", False):
+        companion = getattr(get_reasoning_parser(config.reasoning_parser), "tool_stage", None) \
+            if config.reasoning_parser else None
+        if companion is None:
+            return None
+        family, calls = get_tool_parser(companion), False
+    return family(tcfg, calls=calls)
+
+
 class Pipeline:
     def __init__(self, tokenizer: RenderTokenizer, config: PipelineConfig) -> None:
         self.tokenizer = tokenizer
@@ -182,6 +205,9 @@ class Pipeline:
             # one stage for reasoning and calls (gpt-oss's Harmony: render_service/parsers/harmony.py)
             self.reasoning, self.tools = HarmonyParser.for_pipeline(config), None
             self.counter = HarmonyTokenCounter(tokenizer)
+        elif self.reasoning_cls is not None and issubclass(self.reasoning_cls, MuseReasoningParser):
+            # Muse's channels (parsers/muse_channels.py): reasoning is the bodies of some recipients' messages
+            self.counter = MuseTokenCounter(tokenizer, self.reasoning_cls.REASONING_RECIPIENTS)
         elif self.reasoning_cls is not None and issubclass(self.reasoning_cls, ThinkReasoningParser):
             self.counter = ThinkTokenCounter(self.reasoning_cls, tokenizer)
         self.think_counter = self.counter if isinstance(self.counter, ThinkTokenCounter) else None
@@ -193,6 +219,9 @@ class Pipeline:
 
     def _make_tool_parser(self, config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
+        channels = _channel_tool_stage(config, tcfg)
+        if channels is not None:
+            return channels
         named = config.named_function if config.tool_choice == "named" else None
         forced = config.tool_choice in ("required", "named")
         if forced and (config.tool_parser in CALL_SYNTAX_PARSERS or config.tool_parser in LLAMA_JSON_PARSERS):

@@ -156,19 +156,32 @@ class HarmonyTokenCounter:
         self.start = ids["<|start|>"]
         self.message = ids["<|message|>"]
         self.body_ends = frozenset(i for k, i in ids.items() if k != "<|message|>" and i is not None)
+        self.body_marks = self.body_ends  # ids a body's per-token path must look at
+        self.headers_in_body = False  # Muse: a <|message|> in a body opens the next message
 
     def initial(self, text_state: Any) -> ReasoningCount:
         if isinstance(text_state, HarmonyState) and text_state.mode == BODY:
             return ReasoningCount(tracking=True, body=True, open=text_state.target == HARMONY_REASONING)
         return ReasoningCount(tracking=True)
 
+    def opens_reasoning(self, header: list[int]) -> bool:
+        channel, recipient = parse_header(self.tokenizer.decode(header, skip_special_tokens=False))
+        return channel == "analysis" and recipient in (None, "assistant", "all")
+
     def feed(self, count: ReasoningCount, ids: list[int]) -> None:
-        if count.body and self.body_ends.isdisjoint(ids):  # the per-token case: body text
+        if count.body and self.body_marks.isdisjoint(ids):  # the per-token case: body text
             if count.open:
                 count.reasoning += len(ids)
             return
         for t in ids:
-            if count.body:
+            if count.body and t == self.message and self.headers_in_body:
+                # Muse: a header written without ending the message first
+                if count.open:
+                    count.delimiters += 1
+                else:
+                    count.markup += 1
+                count.open = False  # (its recipient was read as text; the case seen is reasoning -> a call)
+            elif count.body:
                 if t in self.body_ends:
                     if count.open:
                         count.delimiters += 1
@@ -179,8 +192,7 @@ class HarmonyTokenCounter:
                 elif count.open:
                     count.reasoning += 1
             elif t == self.message:
-                channel, recipient = parse_header(self.tokenizer.decode(count.header, skip_special_tokens=False))
-                count.open = channel == "analysis" and recipient in (None, "assistant", "all")
+                count.open = self.opens_reasoning(count.header)
                 if count.open:
                     count.delimiters += len(count.header) + 1
                 else:
@@ -190,6 +202,28 @@ class HarmonyTokenCounter:
                 count.header.append(t)
             else:  # no header is this long: the text stage reads it as content
                 count.body, count.open, count.header = True, False, []
+
+
+class MuseTokenCounter(HarmonyTokenCounter):
+    """Muse: the body tokens of reasoning messages (the recipients the text stage reads as reasoning); headers and
+    ``<|eom|>`` / ``<|eot|>`` / ``<|start|>`` are delimiters around them, markup around the other messages."""
+
+    def __init__(self, tokenizer: Any, reasoning_recipients: tuple[str | None, ...]) -> None:
+        from render_service.parsers.muse_channels import recipient_of
+
+        ids = {name: tokenizer.token_to_id(name) for name in ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>")}
+        self.tokenizer = tokenizer
+        self.start = ids["<|start|>"]
+        self.message = ids["<|message|>"]
+        self.body_ends = frozenset(i for k, i in ids.items() if k != "<|message|>" and i is not None)
+        self.body_marks = frozenset(i for i in (*self.body_ends, self.message) if i is not None)
+        self.headers_in_body = True
+        self.reasoning_recipients = reasoning_recipients
+        self._recipient = recipient_of
+
+    def opens_reasoning(self, header: list[int]) -> bool:
+        is_header, recipient = self._recipient(self.tokenizer.decode(header, skip_special_tokens=False))
+        return is_header and recipient in self.reasoning_recipients
 
 
 TokenCounter = ThinkTokenCounter | HarmonyTokenCounter

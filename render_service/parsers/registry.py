@@ -9,6 +9,7 @@ import importlib
 
 from render_service.parsers.base import ToolParser
 from render_service.parsers.harmony import HarmonyParser
+from render_service.parsers.muse_channels import MUSE_REASONING_PARSERS
 from render_service.parsers.reasoning import REASONING_PARSERS as _CORE_REASONING_PARSERS
 from render_service.parsers.reasoning import ThinkReasoningParser
 from render_service.parsers.reasoning_families import FAMILY_REASONING_PARSERS, MORE_REASONING_PARSERS
@@ -22,6 +23,7 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     # read by the bundle's response_template: bound to it where a tokenizer is known (bind_parser)
     ResponseTemplateReasoningParser.name: ResponseTemplateReasoningParser,
     BeamReasoningParser.name: BeamReasoningParser,
+    **MUSE_REASONING_PARSERS,
 }
 
 # name -> (module, class), the names as vLLM's ``--tool-call-parser`` spells them
@@ -86,6 +88,9 @@ _TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "ripple": ("render_service.parsers.tools_hermes", "RippleToolParser"),
     "hf": ("render_service.parsers.response_template", "ResponseTemplateToolParser"),
     "beam": ("render_service.parsers.response_template", "BeamToolParser"),
+    "muse": ("render_service.parsers.tools_muse", "MuseToolParser"),
+    "muse_glimmer": ("render_service.parsers.tools_muse", "MuseGlimmerToolParser"),
+    "musespark": ("render_service.parsers.tools_muse", "MuseSparkToolParser"),  # upstream's alias of muse
 }
 
 

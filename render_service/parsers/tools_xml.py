@@ -272,6 +272,10 @@ class XmlToolParser:
 
     # -----------------------------------------------------------------------------------------------------
 
+    def _call_name(self, name: str) -> str:
+        """The call's name as announced (a family may map the model's spelling to a declared tool)."""
+        return name
+
     def _types(self, state: XmlCallState) -> frozenset[str] | None:
         tool = self.tools.get(state.function)
         return tool_schema.param_types(tool.parameters if tool else None, state.key)
@@ -475,6 +479,7 @@ class XmlToolParser:
                     self._release(state, sink)
                     continue
                 pos = at + len(tag) if tag in f.head_consumed else at
+                name = self._call_name(name)
                 state.raw = ""
                 state.function = name
                 state.params = 0

@@ -127,6 +127,11 @@ PARSERS_LEAVING_SPECIAL_TOKENS: Final = frozenset({"llama3_json", "llama4_json",
                                                    "llama4_pythonic"})
 
 
+# vLLM's supports_required_and_named = False: a forced call is left to the model's own markup (no JSON constraint,
+# which would have Muse write JSON inside its ATEM message) and read by the parser as under "auto"
+PARSERS_READING_FORCED_CALLS_NATIVELY: Final = frozenset({"muse", "muse_glimmer", "musespark"})
+
+
 def tool_call_constraint(tool_parser: str | None, tools: list[dict[str, Any]] | None, choice: str,
                          name: str | None, parallel_tool_calls: bool | None,
                          requested: dict[str, Any] | None, strict_level: str = "auto",
@@ -137,6 +142,8 @@ def tool_call_constraint(tool_parser: str | None, tools: list[dict[str, Any]] | 
     or-ed with a requested format. Other parsers: vLLM's JSON for a forced call, else the request's own.
 
     ``requested_explicitly``: the request set ``structured_outputs`` itself (not ``response_format``)."""
+    if tool_parser in PARSERS_READING_FORCED_CALLS_NATIVELY:
+        return requested
     family = FAMILIES.get(tool_parser or "")
     if family is None:
         if tool_parser == "mistral":
