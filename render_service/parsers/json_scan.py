@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from json.encoder import encode_basestring
 
 import msgspec
 
@@ -139,8 +140,9 @@ def decode_json_string_body(raw: str) -> str:
 
 def json_string_fragment(text: str) -> str:
     """JSON string escaping of ``text`` without the quotes; escaping is per character, so fragments of a
-    string escaped one by one concatenate to the escaping of the whole."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
+    string escaped one by one concatenate to the escaping of the whole. (json.dumps(text, ensure_ascii=False)
+    gives the same, but builds an encoder on every call: this runs per streamed token.)"""
+    return encode_basestring(text)[1:-1]
 
 
 def dumps(value: object) -> str:

@@ -197,8 +197,14 @@ class MuseChannels:
         if not final and state.channel == BODY:
             if state.held:  # mostly a "t" held back in case it begins "to=": the next token says it does not
                 text, state.held = state.held + text, ""
-            if "<" not in text and "to=" not in text and not text.endswith(("t", "to")):
-                return self.body_text(state, text)
+            if "<" not in text and not state.header:
+                if "to=" not in text and not text.endswith(("t", "to")):
+                    return self.body_text(state, text)
+                # _body's own no-marker case, without its buffers: hold what may still become "to=NAME"
+                keep = _hold_len(text)
+                if keep:
+                    text, state.held = text[:len(text) - keep], text[len(text) - keep:]
+                return self.body_text(state, text) if text else []
         out = _Out()
         buf = state.header + state.held + text
         state.header = state.held = ""
@@ -330,7 +336,8 @@ class MuseReasoningParser(MuseChannels, ThinkReasoningParser):
         out.text("content", header)  # the tool stage decides
 
     def feed(self, state: ThinkState, text: str) -> list[TextPiece]:
-        return self.run(_muse(state), text, final=False)  # type: ignore[return-value]  # text pieces only
+        # (state is the MuseState initial_state made, or stream_state restored as State: no cast call per token)
+        return self.run(state, text, final=False)  # type: ignore[arg-type, return-value]  # text pieces only
 
     def finish(self, state: ThinkState) -> list[TextPiece]:
         return self.run(_muse(state), "", final=True)  # type: ignore[return-value]

@@ -86,7 +86,7 @@ class MuseToolParser(MuseChannels):
 
     def body_text(self, state: MuseState, text: str) -> list[Piece]:
         if state.target == CALL and self.calls is not None:
-            return self.calls.feed(_tool_state(state).calls, text)  # the per-token case inside a call
+            return self.calls.feed(state.calls, text)  # type: ignore[attr-defined]  # the per-token case in a call
         return super().body_text(state, text)
 
     def deliver(self, state: MuseState, text: str, out: _Out) -> None:
@@ -100,7 +100,7 @@ class MuseToolParser(MuseChannels):
             out.extend(self.calls.finish(_tool_state(state).calls))  # a call ends with its message
 
     def feed(self, state: Any, text: str) -> list[Piece]:
-        return self.run(_tool_state(state), text, final=False)
+        return self.run(state, text, final=False)  # (a MuseToolState: no cast call per token)
 
     def finish(self, state: Any) -> list[Piece]:
         return self.run(_tool_state(state), "", final=True)
