@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from render_service.multimodal.pool import ProcessedImage
 
 
@@ -14,7 +16,9 @@ def build_features(images: list[ProcessedImage], ranges: list[tuple[int, int]], 
     return {
         "mm_hashes": {"image": [image.mm_hash for image in images]},
         "mm_placeholders": {"image": [{"offset": offset, "length": length} for offset, length in ranges]},
-        "kwargs_data": {"image": [image.kwargs_item for image in images]} if tensors else None,
+        # each item already a JSON string (wire.kwargs_item): embedded as it is
+        "kwargs_data": {"image": [None if image.kwargs_item is None else msgspec.Raw(image.kwargs_item)
+                                  for image in images]} if tensors else None,
         "mm_metadata": {"image": [image.metadata_item for image in images]} if tensors else None,
         "mm_grid_thw": {"image": [list(image.grid_thw) for image in images]},
     }

@@ -29,7 +29,9 @@ class ProcessedImage(msgspec.Struct, frozen=True):
     mm_hash: str
     grid_thw: tuple[int, int, int]
     num_tokens: int
-    kwargs_item: str | None = None  # vLLM's wire item (``wire``): pixel values and grid; None for mm_payload none
+    # vLLM's wire item (``wire``): pixel values and grid, as its JSON string (quotes included); None for mm_payload
+    # none
+    kwargs_item: bytes | None = None
     metadata_item: str | None = None  # the grid alone, as vLLM's mm_metadata item
 
     @property
