@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from render_service.http.errors import bad_request
-from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState, config_bytes
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from render_service.streaming_cache.codec import (
     PROCESS_SECRET,
@@ -73,7 +73,7 @@ class StreamRuntime:
 
 def binding(cfg: PipelineConfig, tokenizer: RenderTokenizer) -> bytes:
     """What a state token is bound to: the pipeline configuration and the vocabulary size."""
-    return binding_for(msgspec.msgpack.encode(cfg), tokenizer.vocab_size)
+    return binding_for(config_bytes(cfg), tokenizer.vocab_size)
 
 
 class Session:
