@@ -251,3 +251,77 @@ def test_the_stage_answers_the_same_for_every_split_of_the_text():
         out = stage.feed(state, text[:split]) + stage.feed(state, text[split:])
         assert (out, state.matched) == ("aXYa ", "XYZ")
         assert len(state.held) <= stage.hold
+
+
+# ------------------------------------------------------------------- vLLM-shaped history, hostile state
+
+def in_process_stream(ids: list[int], req: dict, runtime_for_step: Any, vllm_client: bool) -> list[dict]:
+    """Streaming chat derender in process; a vLLM client keeps only vLLM's fields (drops our key)."""
+    import msgspec
+
+    from render_service.derender.stream import derender_chat_stream
+    from render_service.streaming_cache.session import STATE_KEY
+    from render_service.wire.protocol import DerenderChatStreamRequest
+    from tests.derender_http import config
+
+    state: Any = {"output_token_ids": [], "output_chunk_lens": [], "role_sent": False} if vllm_client else None
+    out = []
+    for k, t in enumerate(ids):
+        body = {"stream": True, "model": MODEL, "chat_request": req, "stream_state": state,
+                "generate_chunk": {"request_id": "gen-1", "choices": [
+                    {"index": 0, "token_ids": [t], "finish_reason": "stop" if k == len(ids) - 1 else None}]}}
+        answer = msgspec.to_builtins(derender_chat_stream(msgspec.convert(body, DerenderChatStreamRequest),
+                                                          config(**PARSERS), runtime_for_step(k)))
+        state = answer["stream_state"]
+        if vllm_client:
+            state = {key: v for key, v in state.items() if key != STATE_KEY}
+        out.append(answer["chunk"])
+    return out
+
+
+def test_a_vllm_client_that_drops_our_state_gets_the_same_cut_from_the_cache_and_from_replay():
+    from render_service.streaming_cache.session import StreamRuntime
+
+    ids = encode("<think>\nok\n</think>\n\n" + TEXT) + [EOS]
+    req = chat_request(stop=["STOP"])
+    rt = StreamRuntime()
+    compact = fold_chat_chunks(in_process_stream(ids, req, lambda k: rt, vllm_client=False))
+    cached = in_process_stream(ids, req, lambda k: rt, vllm_client=True)
+    replayed = in_process_stream(ids, req, lambda k: StreamRuntime(), vllm_client=True)
+    assert compact["content"] == "\n\nHello world. "
+    assert fold_chat_chunks(cached) == compact == fold_chat_chunks(replayed)
+    assert last_choice(replayed)["stop_reason"] == "STOP"
+
+
+@pytest.mark.parametrize("stop, ok", [({"held": "ST"}, True), ({"held": "STOP"}, False),
+                                      ({"held": "ST", "protected": 3}, False), ({"matched": "other"}, False),
+                                      ({"held": "S", "matched": "STOP"}, False)])
+def test_a_signed_state_whose_stop_part_this_request_could_not_have_written_is_a_400(stop, ok):
+    import msgspec
+
+    from render_service.derender.batch import pipeline_config, with_stops
+    from render_service.derender.stream import derender_chat_stream
+    from render_service.http.errors import ApiError
+    from render_service.streaming_cache.codec import encode_state
+    from render_service.streaming_cache.session import STATE_KEY, StreamRuntime, binding
+    from render_service.wire.protocol import ChatCompletionRequest, DerenderChatStreamRequest
+    from tests.derender_http import config
+
+    req = chat_request(stop=["STOP"])
+    cfg = config()
+    pcfg = with_stops(pipeline_config(cfg, msgspec.convert(req, ChatCompletionRequest), request_id="gen-1",
+                                      choice_index=0), msgspec.convert(req, ChatCompletionRequest))
+    raw = {"detok": {"pending": b"", "window": [], "prefix_offset": 0, "read_offset": 0}, "tokens": 1, "stop": stop}
+    runtime = StreamRuntime(secret="k")
+    token = encode_state(raw, binding(pcfg, cfg.tokenizer), runtime.secret)
+    body = {"stream": True, "model": MODEL, "chat_request": req, "stream_state": {STATE_KEY: token},
+            "generate_chunk": {"request_id": "gen-1", "choices": [
+                {"index": 0, "token_ids": encode(" more"), "finish_reason": None}]}}
+    request = msgspec.convert(body, DerenderChatStreamRequest)
+    if ok:  # the control: a state this request could have written continues (its held "ST" released)
+        answer = derender_chat_stream(request, cfg, runtime)
+        assert answer.chunk.choices[0].delta.content == "ST more"
+        return
+    with pytest.raises(ApiError) as err:
+        derender_chat_stream(request, cfg, runtime)
+    assert err.value.status == 400 and "stop-string state" in str(err.value)
