@@ -321,3 +321,18 @@ def test_batch_derender_cuts_at_stop_strings_as_vllm_033s(vllm033_render, ours, 
         mine_c, theirs_c = (render(s, "/v1/completions/derender", completion)["choices"][0]
                             for s in (ours, vllm033_render))
         assert (mine_c["text"], mine_c["stop_reason"]) == (theirs_c["text"], theirs_c["stop_reason"])
+
+
+@needs_vllm033
+def test_vllm_033s_stream_derender_refuses_stop_strings_which_ours_cuts_as_its_batch_does(vllm033_render, ours):
+    """docs/compatibility.md: vLLM 0.33 and 0.34 answer a streamed derender whose request has ``stop`` with a 400
+    (text already sent cannot be cut); ours holds back what may start a stop string and cuts as batch does."""
+    ids = _ids("Hello world. STOP here") + [151645]
+    request = chat(stop=["STOP"], chat_template_kwargs={"enable_thinking": False})
+    body = {"model": MODEL, "stream": True, "chat_request": request, "prompt_token_ids": [9707],
+            "generate_chunk": {"request_id": "g", "choices": [{"index": 0, "token_ids": ids,
+                                                                "finish_reason": "stop"}]}}
+    theirs = vllm033_render.post("/v1/chat/completions/derender", body)
+    assert theirs.status_code == 400 and "stop strings are not supported" in theirs.text
+    mine = render(ours, "/v1/chat/completions/derender", body)["chunk"]["choices"][0]
+    assert mine["delta"]["content"] == "Hello world. " and mine["stop_reason"] == "STOP"
