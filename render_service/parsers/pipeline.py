@@ -1,6 +1,8 @@
 """One derender pipeline per request choice.
 
-    token IDs -> IncrementalDetokenizer -> reasoning parser -> tool parser -> ChoiceDelta
+    token IDs -> IncrementalDetokenizer -> [stop strings] -> reasoning parser -> tool parser -> ChoiceDelta
+
+The stop-string stage (``parsers.stop_strings``) is there only when the request has ``stop``.
 
 Streaming derender feeds each engine chunk; batch derender feeds every token at once and finishes: one
 code path, so batch equals the concatenated stream by construction. The whole pipeline state is one small
