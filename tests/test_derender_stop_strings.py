@@ -325,3 +325,22 @@ def test_a_signed_state_whose_stop_part_this_request_could_not_have_written_is_a
     with pytest.raises(ApiError) as err:
         derender_chat_stream(request, cfg, runtime)
     assert err.value.status == 400 and "stop-string state" in str(err.value)
+
+
+def test_the_stream_state_stays_bounded_however_long_the_text_held_back():
+    """The held tail is all the stage carries: a long stream that keeps nearly matching has a state of constant
+    size (the chunk work is O(chunk) for the same reason: only the held tail is rescanned)."""
+    from render_service.streaming_cache.session import STATE_KEY
+
+    ids = encode("zz zzz " * 60)
+    state: Any = None
+    sizes = []
+    with server() as client:
+        for t in ids:
+            answer = post_ok(client, CHAT, {"stream": True, "model": MODEL, "stream_state": state,
+                                            "chat_request": chat_request(stop=["zzzzq"]),
+                                            "generate_chunk": {"request_id": "g", "choices": [
+                                                {"index": 0, "token_ids": [t], "finish_reason": None}]}})
+            state = answer["stream_state"]
+            sizes.append(len(state[STATE_KEY]))
+    assert len(ids) > 100 and max(sizes[10:]) - min(sizes[10:]) <= 16
