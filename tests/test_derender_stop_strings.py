@@ -344,3 +344,24 @@ def test_the_stream_state_stays_bounded_however_long_the_text_held_back():
             state = answer["stream_state"]
             sizes.append(len(state[STATE_KEY]))
     assert len(ids) > 100 and max(sizes[10:]) - min(sizes[10:]) <= 16
+
+
+def test_a_plain_stream_that_lost_our_state_key_is_a_400_when_text_may_be_held_back():
+    """vLLM's plain window cannot carry the held tail: dropping our key would lose text silently."""
+    from render_service.streaming_cache.session import STATE_KEY
+
+    ids = encode(TEXT)
+    with server() as client:
+        def step(state: Any, part: list[int], stop: list[str]) -> Any:
+            return client.post(CHAT, json={"stream": True, "model": MODEL, "stream_state": state,
+                                           "chat_request": chat_request(stop=stop),
+                                           "generate_chunk": {"request_id": "g", "choices": [
+                                               {"index": 0, "token_ids": part, "finish_reason": None}]}})
+
+        vllm_empty = {"prev_tokens": [], "prefix_offset": 0, "read_offset": 0, "role_sent": False}
+        for stop, status in ((["STOP"], 400), ([], 200)):
+            first = step(vllm_empty, ids[:2], stop)
+            assert first.status_code == 200, first.text
+            echoed = {k: v for k, v in first.json()["stream_state"].items() if k != STATE_KEY}
+            second = step(echoed, ids[2:], stop)
+            assert second.status_code == status, second.text

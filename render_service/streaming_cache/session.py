@@ -150,6 +150,10 @@ def open_session(
             f"unchanged, or run the server with {VLLM_FIELDS_ENV}=1 to carry vLLM's history fields",
             "stream_state")
     if not parser_path:
+        if pipeline.stop is not None and (vllm.role_sent or vllm.prev_tokens or vllm.prev_token_ids):
+            # vLLM's window has no room for the text held back for a stop string: without our key it is lost
+            raise bad_request(f"stream_state lost its {STATE_KEY!r} key, which holds the text kept back for the "
+                              f"request's stop strings: echo stream_state back unchanged", "stream_state")
         # vLLM's plain window is unsigned: adopted only within the bounds a signed state must keep
         adopted = adopt_plain(pipeline, vllm, prompt_ids)
         _check_bounds(adopted)
