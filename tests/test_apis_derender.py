@@ -227,6 +227,23 @@ def test_max_tokens_gives_incomplete_and_max_tokens():
     assert comparable_message(anthropic_fold(mevents)) == comparable_message(msg)
 
 
+def test_stop_sequences_cut_the_text_in_batch_and_stream():
+    """Messages' stop_sequences and Responses' stop: the text cut at the stop string, as chat derender cuts it;
+    Messages says stop_sequence and names it."""
+    cfg = config(None, None)
+    ids = cfg.tokenizer.encode("Hello world. STOP here more text") + [151645]
+    rreq = ResponsesRequest(input="x", stop=["STOP"])
+    mreq = MessagesRequest(max_tokens=100, messages=[{"role": "user", "content": "x"}], stop_sequences=["STOP"])
+    resp, msg = batch(cfg, ids, rreq, mreq)
+    assert msg["content"] == [{"type": "text", "text": "Hello world. "}]
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
+    assert resp["output"][0]["content"][0]["text"] == "Hello world. " and resp["status"] == "completed"
+    for size in (1, 3):
+        revents, mevents, _ = stream(cfg, [ids[i:i + size] for i in range(0, len(ids), size)], rreq, mreq)
+        assert comparable_message(anthropic_fold(mevents)) == comparable_message(msg)
+        assert comparable_response(openai_fold(revents)) == comparable_response(resp)
+
+
 def test_stream_state_is_constant_size():
     cfg = config("hermes", "qwen3")
     ids = cfg.tokenizer.encode("<think>" + "thinking more " * 150 + "</think>" + "words and words " * 150)

@@ -274,3 +274,65 @@ def test_a_stream_started_on_ours_continues_on_vllms_derender_with_the_history_f
         handed_over = run([flagged, vllm032_render])
         assert handed_over["calls"] == all_vllm["calls"] == [("get_weather", {"city": "Oslo"})]
         assert handed_over["reasoning"].strip() == all_vllm["reasoning"].strip() == "Ok."
+
+
+# ------------------------------------------------------------------- stop strings at batch derender
+
+def _ids(text: str) -> list[int]:
+    from tests.render_harness import qwen3_bundle
+
+    return list(qwen3_bundle().tokenizer.encode(text))
+
+
+STOP_CASES = [  # (output text, request fields, finish_reason, stop_reason): vLLM 0.33's _decode_output is 0.34's
+    ("Hello world. STOP here more text", {"stop": ["STOP"]}, "stop", None),
+    ("Hello world. STOP here more text", {"stop": ["STOP"], "include_stop_str_in_output": True}, "stop", None),
+    ("Go STOP a STOP b", {"stop": "STOP", "min_tokens": 2}, "stop", None),
+    ("Hello world. STOP here more text", {"stop": ["lo wor", "here"]}, "stop", None),
+    ("Hello world. STOP here more text", {"stop": ["STOP", "more"]}, "stop", "more"),
+    ("Hello world. STOP here more text", {"stop": ["STOP"]}, "length", None),
+    ("<think>\nI think STOP more\n</think>\n\nAnswer.", {"stop": ["STOP"]}, "stop", None),
+    ('<think>\nok\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+     "\nDONE and more", {"stop": ["DONE"], "tools": [WEATHER]}, "stop", None),
+]
+
+
+@needs_vllm033
+@pytest.mark.parametrize("text, fields, finish, stop_reason", STOP_CASES)
+def test_batch_derender_cuts_at_stop_strings_as_vllm_033s(vllm033_render, ours, text, fields, finish, stop_reason):
+    ids = _ids(text) + ([151645] if finish == "stop" and stop_reason is None else [])
+    gen = {"request_id": "g", "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish,
+                                           "stop_reason": stop_reason}]}
+    body = {"model": MODEL, "chat_request": chat(**fields), "generate_response": gen}
+    mine, theirs = (render(s, "/v1/chat/completions/derender", body)["choices"][0] for s in (ours, vllm033_render))
+    keys = ("finish_reason", "stop_reason")
+    assert {k: mine[k] for k in keys} == {k: theirs[k] for k in keys}
+    assert mine["message"].get("reasoning") == theirs["message"].get("reasoning")
+    # whitespace-only content before a call: ours keeps it, vLLM drops it (a documented difference, not stops')
+    mine_content = mine["message"]["content"]
+    if mine["message"].get("tool_calls") and not (mine_content or "").strip():
+        mine_content = None
+    assert mine_content == theirs["message"]["content"]
+    assert [c["function"] for c in mine["message"].get("tool_calls") or []] == \
+        [c["function"] for c in theirs["message"].get("tool_calls") or []]
+    if "tools" not in fields:  # completions: the same cut on plain text
+        completion = {"model": MODEL, "completion_request": {"model": MODEL, "prompt": "Hi", **fields},
+                      "generate_responses": [gen]}
+        mine_c, theirs_c = (render(s, "/v1/completions/derender", completion)["choices"][0]
+                            for s in (ours, vllm033_render))
+        assert (mine_c["text"], mine_c["stop_reason"]) == (theirs_c["text"], theirs_c["stop_reason"])
+
+
+@needs_vllm033
+def test_vllm_033s_stream_derender_refuses_stop_strings_which_ours_cuts_as_its_batch_does(vllm033_render, ours):
+    """docs/compatibility.md: vLLM 0.33 and 0.34 answer a streamed derender whose request has ``stop`` with a 400
+    (text already sent cannot be cut); ours holds back what may start a stop string and cuts as batch does."""
+    ids = _ids("Hello world. STOP here") + [151645]
+    request = chat(stop=["STOP"], chat_template_kwargs={"enable_thinking": False})
+    body = {"model": MODEL, "stream": True, "chat_request": request, "prompt_token_ids": [9707],
+            "generate_chunk": {"request_id": "g", "choices": [{"index": 0, "token_ids": ids,
+                                                                "finish_reason": "stop"}]}}
+    theirs = vllm033_render.post("/v1/chat/completions/derender", body)
+    assert theirs.status_code == 400 and "stop strings are not supported" in theirs.text
+    mine = render(ours, "/v1/chat/completions/derender", body)["chunk"]["choices"][0]
+    assert mine["delta"]["content"] == "Hello world. " and mine["stop_reason"] == "STOP"

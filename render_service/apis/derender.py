@@ -48,7 +48,13 @@ from render_service.apis.segments import (
     sequence,
 )
 from render_service.apis.text_logprobs import TextLogprobs, fold_with_logprobs, wants_logprobs
-from render_service.derender.batch import _check_bounds, check_fingerprint, fingerprint_sent, pipeline_config
+from render_service.derender.batch import (
+    _check_bounds,
+    check_fingerprint,
+    fingerprint_sent,
+    pipeline_config,
+    with_stops,
+)
 from render_service.derender.choice_shapes import whole_arguments
 from render_service.derender.logprobs import check_logprobs_bounds, tokens_as_token_ids
 from render_service.derender.stream import _check_chunk
@@ -59,7 +65,7 @@ from render_service.streaming_cache.cache import StreamingCache
 from render_service.streaming_cache.codec import StreamStateError, binding_for, decode_state, encode_state
 from render_service.streaming_cache.session import StreamRuntime, binding
 from render_service.streaming_cache.session import _check_bounds as check_pipeline_bounds
-from render_service.wire.protocol import ChatCompletionRequest, GenerateResponse
+from render_service.wire.protocol import ChatCompletionRequest, GenerateResponse, GenerateResponseChoice
 
 
 def _held_weight(held: tuple[int, BlockTexts]) -> int:
@@ -99,7 +105,8 @@ def responses_pipeline_request(req: ResponsesRequest | None, config: RenderConfi
     return ChatCompletionRequest(messages=[], tools=responses_api.chat_tools(req.tools),
                                  tool_choice=responses_api.chat_tool_choice(req.tool_choice),
                                  parallel_tool_calls=req.parallel_tool_calls is not False,
-                                 chat_template_kwargs=kwargs or None)
+                                 chat_template_kwargs=kwargs or None, stop=req.stop,
+                                 include_stop_str_in_output=req.include_stop_str_in_output)
 
 
 def messages_pipeline_request(req: MessagesRequest | None, config: RenderConfig) -> ChatCompletionRequest | None:
@@ -112,15 +119,21 @@ def messages_pipeline_request(req: MessagesRequest | None, config: RenderConfig)
         kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, thinking)
     return ChatCompletionRequest(messages=[], tools=messages_api.chat_tools(req.tools), tool_choice=choice,
                                  parallel_tool_calls=parallel, chat_template_kwargs=kwargs or None,
-                                 include_reasoning=messages_api.shows_thinking(thinking, config))
+                                 include_reasoning=messages_api.shows_thinking(thinking, config),
+                                 stop=list(req.stop_sequences) if req.stop_sequences else None)
 
 
 def _pipeline(config: RenderConfig, chat: ChatCompletionRequest | None, request_id: str, index: int,
-              param: str) -> SegmentPipeline:
+              param: str, whole: GenerateResponseChoice | None = None) -> SegmentPipeline:
+    """``whole``: a batch's choice (stop strings then apply as in chat batch derender); None for a stream."""
     if chat is None and config.has_parsers:
         raise bad_request(f"{param} is required when a tool or reasoning parser is configured (plain detokenization "
                           f"would leak parser markup into the output)", param)
     pcfg = pipeline_config(config, chat, request_id=request_id, choice_index=index)
+    if whole is not None:
+        pcfg = with_stops(pcfg, chat, whole=True, finish_reason=whole.finish_reason, stop_reason=whole.stop_reason)
+    else:
+        pcfg = with_stops(pcfg, chat)
     return SegmentPipeline(config.tokenizer, pcfg)
 
 
@@ -146,7 +159,7 @@ def derender_responses(req: DerenderResponsesRequest, config: RenderConfig, head
     choice = _one_choice(gen, config)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else gen.prompt_token_ids
     pipeline = _pipeline(config, responses_pipeline_request(req.responses_request, config), gen.request_id,
-                         choice.index, "responses_request")
+                         choice.index, "responses_request", whole=choice)
     router = _text_logprobs(req.responses_request, config)
     if router is not None:
         check_logprobs_bounds(choice.logprobs, choice.index, config)
@@ -169,10 +182,11 @@ def derender_messages(req: DerenderMessagesRequest, config: RenderConfig, header
     choice = _one_choice(gen, config)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else gen.prompt_token_ids
     pipeline = _pipeline(config, messages_pipeline_request(req.messages_request, config), gen.request_id,
-                         choice.index, "messages_request")
+                         choice.index, "messages_request", whole=choice)
     blocks, texts, pstate = fold(pipeline, choice.token_ids, prompt_ids)
     shape = MessagesShape(gen.request_id, model, _prompt_tokens(req.prompt_tokens, prompt_ids))
-    return shape.message(blocks, texts, pipeline.finish_reason(pstate, choice.finish_reason), choice.stop_reason,
+    return shape.message(blocks, texts, pipeline.finish_reason(pstate, choice.finish_reason),
+                         pipeline.stop_reason(pstate, choice.stop_reason),
                          len(choice.token_ids), thinking_tokens(pipeline, pstate))
 
 
@@ -340,6 +354,7 @@ def derender_messages_stream(req: DerenderMessagesStreamRequest, config: RenderC
     events += shape.step_events(call.feed(), state.blocks)
     finish_reason = call.finish_reason()
     if finish_reason is not None:
-        events += shape.end_events(finish_reason, call.choice.stop_reason, call.pstate.tokens,
+        events += shape.end_events(finish_reason, call.pipeline.stop_reason(call.pstate, call.choice.stop_reason),
+                                   call.pstate.tokens,
                                    thinking_tokens(call.pipeline, call.pstate))
     return DerenderMessagesStreamResponse(events=events, stream_state=call.answer_state(runtime))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from render_service.derender.choice_shapes import chat_message, completion_pipeline_config
 from render_service.derender.logprobs import (
     check_logprobs_bounds,
@@ -21,6 +23,7 @@ from render_service.derender.logprobs import (
 from render_service.http.errors import ApiError, bad_request
 from render_service.parsers.base import ToolSpec
 from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_all
+from render_service.parsers.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_list
 from render_service.render.fingerprint import FINGERPRINT_HEADER
 from render_service.render.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
 from render_service.render.tool_choice import forces_a_call, parse_tool_choice
@@ -168,6 +171,31 @@ def pipeline_config(
     )
 
 
+def with_stops(pcfg: PipelineConfig, request: ChatCompletionRequest | CompletionRequest | None, *,
+               whole: bool = False, finish_reason: str | None = None,
+               stop_reason: int | str | None = None) -> PipelineConfig:
+    """The request's stop strings on the pipeline (vLLM 0.34's derender cuts the decoded text at them).
+
+    ``whole``: a batch choice, whose finish is known: vLLM applies stop strings only when the engine reported
+    ``stop`` without a stop token id, and then only the reported string if it reported one. A stream applies
+    the request's strings from its first chunk, since the finish comes last."""
+    if request is None or not request.stop:
+        return pcfg
+    stops = stop_list(request.stop)
+    if len(stops) > MAX_STOP_STRINGS or sum(len(s) for s in stops) > MAX_STOP_CHARS:
+        raise bad_request(f"stop allows at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all "
+                          f"at derender", "stop")
+    if whole:
+        if finish_reason != "stop" or isinstance(stop_reason, int):
+            return pcfg
+        if isinstance(stop_reason, str):
+            stops = (stop_reason,) if stop_reason and len(stop_reason) <= MAX_STOP_CHARS else ()
+    if not stops:
+        return pcfg
+    return msgspec.structs.replace(pcfg, stops=stops, include_stop_str_in_output=request.include_stop_str_in_output,
+                                   min_tokens=max(0, request.min_tokens))
+
+
 # ---------------------------------------------------------------------------------------------- chat
 
 
@@ -194,7 +222,9 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else gen.prompt_token_ids
     choices = []
     for choice in gen.choices:
-        pcfg = pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index)
+        pcfg = with_stops(
+            pipeline_config(config, req.chat_request, request_id=gen.request_id, choice_index=choice.index),
+            req.chat_request, whole=True, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
         pipeline = Pipeline(config.tokenizer, pcfg)
         fields, state = derender_all(pipeline, choice.token_ids or [], prompt_ids,  # non-empty: _check_bounds
                                     engine_finish=choice.finish_reason)
@@ -205,7 +235,7 @@ def derender_chat(req: DerenderChatRequest, config: RenderConfig, headers: Any =
             logprobs=resolve_chat_logprobs(choice.logprobs, config.tokenizer,
                                            as_token_ids=tokens_as_token_ids(req.chat_request, config)),
             finish_reason=pipeline.finish_reason(state, choice.finish_reason),
-            stop_reason=choice.stop_reason,
+            stop_reason=pipeline.stop_reason(state, choice.stop_reason),
             token_ids=choice.token_ids if returns_token_ids(req.chat_request, pcfg) else None,
             weight_versions=choice.weight_versions if asks_weight_versions(req.chat_request) else None,
         ))
@@ -253,9 +283,12 @@ def derender_completion(
     for r, gen in enumerate(responses):
         prompt_ids = req.prompt_token_ids[r] if req.prompt_token_ids is not None else gen.prompt_token_ids
         for choice in gen.choices:
-            pcfg = completion_pipeline_config(config, creq, request_id=gen.request_id, choice_index=choice.index)
+            pcfg = with_stops(
+                completion_pipeline_config(config, creq, request_id=gen.request_id, choice_index=choice.index),
+                creq, whole=True, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
             ids = choice.token_ids or []  # non-empty: _check_bounds
-            fields, _ = derender_all(Pipeline(config.tokenizer, pcfg), ids, prompt_ids)
+            pipeline = Pipeline(config.tokenizer, pcfg)
+            fields, state = derender_all(pipeline, ids, prompt_ids)
             completion_tokens += len(ids)
             choices.append(CompletionChoice(
                 # vLLM numbers completion choices with one running index across all responses.
@@ -264,7 +297,7 @@ def derender_completion(
                 logprobs=resolve_completion_logprobs(choice.logprobs, config.tokenizer,
                                                      as_token_ids=tokens_as_token_ids(creq, config)),
                 finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
+                stop_reason=pipeline.stop_reason(state, choice.stop_reason),
                 weight_versions=choice.weight_versions if asks_weight_versions(creq) else None,
             ))
     prompt_tokens = sum(req.prompt_tokens or ())

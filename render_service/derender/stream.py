@@ -17,6 +17,7 @@ from render_service.derender.batch import (
     fingerprint_sent,
     pipeline_config,
     returns_token_ids,
+    with_stops,
 )
 from render_service.derender.choice_shapes import completion_pipeline_config, delta_message
 from render_service.derender.logprobs import resolve_chat_logprobs, resolve_completion_logprobs, tokens_as_token_ids
@@ -122,7 +123,8 @@ def derender_chat_stream(
         # A usage-only event: nothing to parse, the state goes back unchanged.
         return DerenderChatStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
     choice = chunk.choices[0]
-    pcfg = pipeline_config(config, req.chat_request, request_id=request_id, choice_index=choice.index)
+    pcfg = with_stops(pipeline_config(config, req.chat_request, request_id=request_id, choice_index=choice.index),
+                      req.chat_request)
     pipeline, state_binding = _pipeline_for(pcfg, config.tokenizer)
     # forced tool choice parses even without a configured parser
     parser_path = pcfg.reasoning_parser is not None or pcfg.tool_parser is not None or pipeline.tools is not None
@@ -144,7 +146,7 @@ def derender_chat_stream(
     finish = pipeline.finish_reason(state, choice.finish_reason) if choice.finish_reason is not None else None
     out_chunk.choices = [ChatCompletionStreamChoice(
         index=choice.index, delta=message, logprobs=logprobs, finish_reason=finish,
-        stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+        stop_reason=pipeline.stop_reason(state, choice.stop_reason) if choice.finish_reason is not None else None,
         token_ids=ids if returns_token_ids(req.chat_request, pcfg) else None,
         weight_versions=choice.weight_versions if asks_weight_versions(req.chat_request) else None,
     )]
@@ -166,7 +168,8 @@ def derender_completion_stream(
         return DerenderCompletionStreamResponse(chunk=out_chunk, stream_state=req.stream_state)
     choice = chunk.choices[0]
     creq = req.completion_request
-    pcfg = completion_pipeline_config(config, creq, request_id=request_id, choice_index=choice.index)
+    pcfg = with_stops(completion_pipeline_config(config, creq, request_id=request_id, choice_index=choice.index),
+                      creq)
     pipeline, state_binding = _pipeline_for(pcfg, config.tokenizer)
     prompt_ids = req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
     session = open_session(pipeline, req.stream_state, prompt_ids, state_binding, runtime, config.max_model_len, False,
@@ -185,8 +188,9 @@ def derender_completion_stream(
     out_chunk.choices = [CompletionStreamChoice(
         index=choice.index, text=delta.content or "",
         logprobs=logprobs,
-        finish_reason=choice.finish_reason,
-        stop_reason=choice.stop_reason if choice.finish_reason is not None else None,
+        finish_reason=session.pipeline.finish_reason(session.state, choice.finish_reason),
+        stop_reason=(session.pipeline.stop_reason(session.state, choice.stop_reason)
+                     if choice.finish_reason is not None else None),
         weight_versions=choice.weight_versions if asks_weight_versions(creq) else None,
     )]
     return DerenderCompletionStreamResponse(

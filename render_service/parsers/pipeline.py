@@ -1,6 +1,8 @@
 """One derender pipeline per request choice.
 
-    token IDs -> IncrementalDetokenizer -> reasoning parser -> tool parser -> ChoiceDelta
+    token IDs -> IncrementalDetokenizer -> [stop strings] -> reasoning parser -> tool parser -> ChoiceDelta
+
+The stop-string stage (``parsers.stop_strings``) is there only when the request has ``stop``.
 
 Streaming derender feeds each engine chunk; batch derender feeds every token at once and finishes: one
 code path, so batch equals the concatenated stream by construction. The whole pipeline state is one small
@@ -46,6 +48,7 @@ from render_service.parsers.reasoning_count import (
 )
 from render_service.parsers.registry import get_reasoning_parser, get_tool_parser
 from render_service.parsers.response_template import bind_parser
+from render_service.parsers.stop_strings import StopState, StopStrings
 
 if TYPE_CHECKING:
     from render_service.tokenize.tokenizer import RenderTokenizer
@@ -70,6 +73,24 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     hidden_token_ids: frozenset[int] = frozenset()
+    # stop strings applied to the decoded text before any parser (render_service.parsers.stop_strings)
+    stops: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+
+
+# PipelineConfig fields left out of its encoding (``config_bytes``) while at their defaults, so a stream without
+# them keeps the state binding it had before they existed
+_OPTIONAL_CONFIG = {"stops": (), "include_stop_str_in_output": False, "min_tokens": 0}
+
+
+def config_bytes(config: PipelineConfig) -> bytes:
+    """The configuration as bytes, for binding a stream state to it."""
+    fields = msgspec.structs.asdict(config)
+    for name, default in _OPTIONAL_CONFIG.items():
+        if fields[name] == default:
+            del fields[name]
+    return msgspec.msgpack.encode(fields)
 
 
 class PipelineState(msgspec.Struct, omit_defaults=True):
@@ -87,6 +108,7 @@ class PipelineState(msgspec.Struct, omit_defaults=True):
     # streaming logprobs: the last sampled ids (U+FFFD repair across chunks) and the completions text offset
     logprob_context: list[int] = []
     logprob_text_offset: int = 0
+    stop: StopState | None = None  # with stop strings configured
 
 
 # One per token: untracked by the garbage collector (gc=False: its tool-call dicts never refer back to it), so the
@@ -216,6 +238,7 @@ class Pipeline:
         # given back as text (render_service.parsers.cut_calls); a stream never keeps it
         self.tool_text: list[str] | None = None
         self.closed_at_finish: int | None = None  # the call the tool parser had to close at the end of output
+        self.stop = StopStrings(config.stops, config.include_stop_str_in_output) if config.stops else None
 
     def _make_tool_parser(self, config: PipelineConfig) -> Any:
         tcfg = ToolParserConfig(tools=list(config.tools))
@@ -284,6 +307,7 @@ class Pipeline:
             reasoning=reasoning_state,
             reasoning_count=self.counter.initial(reasoning_state) if self.counter is not None else None,
             tools=tools_state,
+            stop=StopState() if self.stop is not None else None,
         )
 
     def _prompt_opened_call(self, prompt_token_ids: Sequence[int] | None, named: str | None) -> bool:
@@ -316,6 +340,11 @@ class Pipeline:
                 self.tools.restore_inner(state.tools)
         elif state.tools is not None:
             raise msgspec.ValidationError("stream state has tool parser state but no tool parser is active")
+        if self.stop is not None:
+            if state.stop is None or not self.stop.check(state.stop):
+                raise msgspec.ValidationError("stream state's stop-string state does not fit the request's stop")
+        elif state.stop is not None:
+            raise msgspec.ValidationError("stream state has stop-string state but the request has no stop")
         return state
 
     # feeding ----------------------------------------------------------------------------------------
@@ -340,7 +369,8 @@ class Pipeline:
                 return self._delta(state, self._through_tools(state, counted)) if counted else ChoiceDelta()
             else:
                 think.feed(count, token_ids)
-        text = self.detok.step(state.detok, token_ids)
+        text = (self.detok.step(state.detok, token_ids) if self.stop is None
+                else self._stopped_text(state, token_ids, state.tokens - len(token_ids)))
         if not text:
             return ChoiceDelta()
         pieces: Sequence[Piece]
@@ -362,16 +392,34 @@ class Pipeline:
             return ChoiceDelta(reasoning=p.text) if self.config.include_reasoning else ChoiceDelta()
         return self._delta(state, self._through_tools(state, pieces))
 
+    def _stopped_text(self, state: PipelineState, token_ids: list[int], before: int) -> str:
+        """The detokenizer's text through the stop-string stage (``before``: output tokens ahead of these). The
+        text of tokens among the first min_tokens is fed apart: a stop string must end past it."""
+        stop, stop_state = self.stop, state.stop
+        assert stop is not None and stop_state is not None  # set together (initial_state, restore_state)
+        if stop_state.matched is not None:
+            self.detok.step(state.detok, token_ids)  # keeps the detokenizer in step; the text is past the stop
+            return ""
+        head = min(len(token_ids), max(0, self.config.min_tokens - before))
+        if head == 0:
+            return stop.feed(stop_state, self.detok.step(state.detok, token_ids))
+        released = stop.feed(stop_state, self.detok.step(state.detok, token_ids[:head]), protected=True)
+        if head < len(token_ids):
+            released += stop.feed(stop_state, self.detok.step(state.detok, token_ids[head:]))
+        return released
+
     def _counted_per_token(self, state: PipelineState, count: ReasoningCount, token_ids: list[int]) -> list[Piece]:
         """The detokenizer and reasoning stages one token at a time (the same text: both are incremental), so the
         reasoning count does not depend on how tokens were chunked."""
         counter, reasoning = self.think_counter, self.reasoning
         assert counter is not None and reasoning is not None
         pieces: list[Piece] = []
-        for token in token_ids:
+        before = state.tokens - len(token_ids)
+        for i, token in enumerate(token_ids):
             if count.tracking:
                 counter.feed(count, [token])
-            text = self.detok.step(state.detok, [token])
+            text = (self.detok.step(state.detok, [token]) if self.stop is None
+                    else self._stopped_text(state, [token], before + i))
             if text:
                 pieces.extend(reasoning.feed(state.reasoning, text))
                 if count.tracking and counter.needs_sync(count, state.reasoning.mode):
@@ -383,7 +431,14 @@ class Pipeline:
         if state.finished:
             return ChoiceDelta()
         state.finished = True
-        pieces: list[Piece] = list(self.reasoning.finish(state.reasoning)) if self.reasoning is not None else []
+        pieces: list[Piece] = []
+        if self.stop is not None and state.stop is not None:
+            held = self.stop.finish(state.stop)
+            if held:
+                pieces.extend(self.reasoning.feed(state.reasoning, held) if self.reasoning is not None
+                              else [TextPiece("content", held)])
+        if self.reasoning is not None:
+            pieces.extend(self.reasoning.finish(state.reasoning))
         if self.tools is None:
             return self._delta(state, pieces)
         flushed = list(self._through_tools(state, pieces))
@@ -456,6 +511,13 @@ class Pipeline:
             return state.model_call_ids[index]
         return tool_call_id(self.config.request_id, self.config.choice_index, index, self.id_style)
 
+    @staticmethod
+    def stop_reason(state: PipelineState, engine_stop_reason: int | str | None) -> int | str | None:
+        """The stop string that cut the text, else what the engine reported."""
+        if state.stop is not None and state.stop.matched is not None:
+            return state.stop.matched
+        return engine_stop_reason
+
     # usage ------------------------------------------------------------------------------------------
 
     @staticmethod
@@ -473,7 +535,10 @@ class Pipeline:
     # finish_reason ----------------------------------------------------------------------------------
 
     def finish_reason(self, state: PipelineState, engine_reason: str | None) -> str | None:
-        """``tool_calls`` when a call was made and the engine stopped normally; ``length`` stays ``length``."""
+        """``tool_calls`` when a call was made and the engine stopped normally; ``length`` stays ``length``. Text cut
+        at a stop string stopped normally."""
+        if engine_reason is not None and state.stop is not None and state.stop.matched is not None:
+            engine_reason = "stop"
         if engine_reason == "stop" and state.tool_calls > 0 and self.config.tool_choice != "named":
             return "tool_calls"
         return engine_reason

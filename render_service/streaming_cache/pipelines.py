@@ -10,10 +10,8 @@ and as the pipeline's configuration: a small multiple of that in memory).
 
 from __future__ import annotations
 
-import msgspec
-
 from render_service.caches.byte_lru import ByteLRU
-from render_service.parsers.pipeline import Pipeline, PipelineConfig
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, config_bytes
 from render_service.streaming_cache.codec import binding_for
 from render_service.tokenize.tokenizer import RenderTokenizer
 
@@ -40,7 +38,7 @@ class PipelineCache:
 
     def get(self, cfg: PipelineConfig, tokenizer: RenderTokenizer) -> tuple[Pipeline, bytes]:
         """The pipeline for ``cfg`` and the binding of its stream_state (see ``session.binding``)."""
-        encoded = msgspec.msgpack.encode(cfg)
+        encoded = config_bytes(cfg)
         if len(encoded) > self.max_config_bytes:
             return Pipeline(tokenizer, cfg), binding_for(encoded, tokenizer.vocab_size)
         key = encoded + id(tokenizer).to_bytes(8, "little")  # small (see above), and hashed in C

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from render_service.http.errors import bad_request
-from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState
+from render_service.parsers.pipeline import Pipeline, PipelineConfig, PipelineState, config_bytes
 from render_service.streaming_cache.cache import StreamingCache, history_key
 from render_service.streaming_cache.codec import (
     PROCESS_SECRET,
@@ -73,7 +73,7 @@ class StreamRuntime:
 
 def binding(cfg: PipelineConfig, tokenizer: RenderTokenizer) -> bytes:
     """What a state token is bound to: the pipeline configuration and the vocabulary size."""
-    return binding_for(msgspec.msgpack.encode(cfg), tokenizer.vocab_size)
+    return binding_for(config_bytes(cfg), tokenizer.vocab_size)
 
 
 class Session:
@@ -150,6 +150,10 @@ def open_session(
             f"unchanged, or run the server with {VLLM_FIELDS_ENV}=1 to carry vLLM's history fields",
             "stream_state")
     if not parser_path:
+        if pipeline.stop is not None and (vllm.role_sent or vllm.prev_tokens or vllm.prev_token_ids):
+            # vLLM's window has no room for the text held back for a stop string: without our key it is lost
+            raise bad_request(f"stream_state lost its {STATE_KEY!r} key, which holds the text kept back for the "
+                              f"request's stop strings: echo stream_state back unchanged", "stream_state")
         # vLLM's plain window is unsigned: adopted only within the bounds a signed state must keep
         adopted = adopt_plain(pipeline, vllm, prompt_ids)
         _check_bounds(adopted)
