@@ -67,6 +67,15 @@ def parse_context_from(raw: dict[str, Any]) -> ParseContext:
     return context
 
 
+class StopSpec(msgspec.Struct, frozen=True):
+    """A request's stop strings, for the parsers to cut the text at as vLLM's derender does (the engine stops the
+    sequence at the same place by the same rule: the stop string completed first, past ``min_tokens``)."""
+
+    stop: tuple[str, ...]
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+
+
 class ChoiceStep(msgspec.Struct):
     delta: dict[str, Any] | None  # DeltaMessage fields that are set; None: nothing new to say
     finish_reason: str | None  # the parser's finish reason, once the choice ended
@@ -84,11 +93,13 @@ class OutputParsers(Protocol):
     """Built once per engine (model directory + parser flags); raises ParseContextError for a bad context."""
 
     def stream(self, context: ParseContext | None, prompt_token_ids: Sequence[int], request_id: str,
-               index: int) -> ChoiceParser: ...
+               index: int, stop: StopSpec | None = None) -> ChoiceParser: ...
 
     def message(self, context: ParseContext | None, prompt_token_ids: Sequence[int], request_id: str, index: int,
-                token_ids: Sequence[int], finish_reason: str | None) -> tuple[dict[str, Any], str | None, bool]:
-        """A whole choice: (ChatMessage, finish reason, hides_metadata)."""
+                token_ids: Sequence[int], finish_reason: str | None, stop: StopSpec | None = None
+                ) -> tuple[dict[str, Any], str | None, bool]:
+        """A whole choice: (ChatMessage, finish reason, hides_metadata); ``stop`` applies when the engine finished
+        with ``stop`` (vLLM's batch rule)."""
         ...
 
 

@@ -250,3 +250,30 @@ def test_plain_derender_carries_decoded_logprobs_and_ends_with_a_derender_usage_
         assert streamed == choice["logprobs"]["content"]
         assert events[-1]["choices"] == [] and events[-1]["output_mode"] == "derender"
         assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_stop_strings_cut_the_parsed_message_where_the_engine_stops(render, engine):
+    """A stop string with parser flags: the engine stops the sequence at it (its text stage) and the parsers cut
+    the text there before parsing, as vLLM's derender does; batch and stream agree."""
+    body = {**rendered(render), "output_mode": "derender"}
+    body["sampling_params"] = {**body["sampling_params"], "stop": ["weather"]}
+    whole = generate(engine, body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "weather"
+    message = choice["message"]
+    assert message["reasoning"].startswith("Need") and "weather" not in message["reasoning"]
+    assert not message.get("tool_calls") and not message.get("content")
+    unstopped = generate(engine, {**body, "sampling_params": {**body["sampling_params"], "stop": None}}).json()
+    assert len(choice["token_ids"]) < len(unstopped["choices"][0]["token_ids"])  # the engine stopped there
+
+    events = stream_events(engine, body)
+    deltas = [c["delta"] for e in events for c in e["choices"] if "delta" in c]
+    stream = folded(deltas)
+    assert stream["reasoning"] == message["reasoning"] and not stream["tool_calls"] and not stream["content"]
+    last = [c for e in events for c in e["choices"] if c.get("finish_reason")][-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "weather"
+
+    kept = generate(engine, {**body, "sampling_params": {**body["sampling_params"],
+                                                         "include_stop_str_in_output": True}}).json()
+    assert kept["choices"][0]["message"]["reasoning"] == message["reasoning"] + "weather"

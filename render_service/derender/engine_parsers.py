@@ -21,7 +21,7 @@ from render_service.http.errors import ApiError
 from render_service.parsers.pipeline import ChoiceDelta, Pipeline, derender_all, merge_deltas
 from render_service.render.render_config import RenderConfig, load_render_config
 from render_service.wire.protocol import ChatCompletionRequest
-from splitserve_common.output_parsers import ChoiceStep, ParseContext, ParseContextError, ParserFlags
+from splitserve_common.output_parsers import ChoiceStep, ParseContext, ParseContextError, ParserFlags, StopSpec
 
 
 def output_parsers(model_dir: str, flags: ParserFlags) -> RenderOutputParsers:
@@ -45,9 +45,13 @@ class RenderChoiceParser:
     """One choice's pipeline and state for a whole stream."""
 
     def __init__(self, config: RenderConfig, chat_request: ChatCompletionRequest | None,
-                 prompt_token_ids: Sequence[int], request_id: str, index: int):
+                 prompt_token_ids: Sequence[int], request_id: str, index: int, stop: StopSpec | None = None):
         self.config = config
         self.pcfg = pipeline_config(config, chat_request, request_id=request_id, choice_index=index)
+        if stop is not None and stop.stop:  # the pipeline cuts the text before parsing, as vLLM's derender
+            self.pcfg = msgspec.structs.replace(self.pcfg, stops=stop.stop,
+                                                include_stop_str_in_output=stop.include_stop_str_in_output,
+                                                min_tokens=max(0, stop.min_tokens))
         self.pipeline = Pipeline(config.tokenizer, self.pcfg)
         self.state = self.pipeline.initial_state(list(prompt_token_ids))
         self.hides_metadata = not self.pcfg.include_reasoning
@@ -85,15 +89,18 @@ class RenderOutputParsers:
                                      return_tokens_as_token_ids=context.return_tokens_as_token_ids)
 
     def stream(self, context: ParseContext | None, prompt_token_ids: Sequence[int], request_id: str,
-               index: int) -> RenderChoiceParser:
+               index: int, stop: StopSpec | None = None) -> RenderChoiceParser:
         try:
-            return RenderChoiceParser(self.config, self.chat_request(context), prompt_token_ids, request_id, index)
+            return RenderChoiceParser(self.config, self.chat_request(context), prompt_token_ids, request_id, index,
+                                      stop)
         except ApiError as exc:  # a tool_choice or chat_template_kwargs the pipeline seam refuses
             raise ParseContextError(exc.message) from None
 
     def message(self, context: ParseContext | None, prompt_token_ids: Sequence[int], request_id: str, index: int,
-                token_ids: Sequence[int], finish_reason: str | None) -> tuple[dict[str, Any], str | None, bool]:
-        parser = self.stream(context, prompt_token_ids, request_id, index)
+                token_ids: Sequence[int], finish_reason: str | None, stop: StopSpec | None = None
+                ) -> tuple[dict[str, Any], str | None, bool]:
+        # vLLM's batch rule: stop strings cut only an output the engine finished with "stop"
+        parser = self.stream(context, prompt_token_ids, request_id, index, stop if finish_reason == "stop" else None)
         fields, state = derender_all(parser.pipeline, list(token_ids), list(prompt_token_ids),
                                      engine_finish=finish_reason)
         message = chat_message(fields, parser.pcfg, self.config.reasoning_field)

@@ -18,6 +18,7 @@ from splitserve_common.output_parsers import (
     ParseContext,
     ParseContextError,
     ParserFlags,
+    StopSpec,
     find_output_parsers,
 )
 from splitserve_common.output_parsers import OutputParsers as OutputParsersImpl
@@ -90,9 +91,13 @@ class DerenderChoices:
     """Per choice: a parser for the whole stream (stream) or the message at the end (batch)."""
 
     def __init__(self, parsers: OutputParsersImpl | None, context: ParseContext | None,
-                 prompt_token_ids: Sequence[int], request_id: str, n: int, stream: bool):
+                 prompt_token_ids: Sequence[int], request_id: str, n: int, stream: bool,
+                 stop: StopSpec | None = None):
+        """``stop``: the request's stop strings; the parsers cut the text at them as the text stage stops the
+        sequence there (one rule, vLLM's)."""
         self.parsers = parsers
         self.context = context
+        self.stop = stop
         self.prompt_token_ids = prompt_token_ids
         self.request_id = request_id
         self.role_sent = [False] * n
@@ -100,7 +105,7 @@ class DerenderChoices:
         self.stream = stream
         if parsers is not None:
             try:  # built before generating, so a bad parse_context fails fast (vLLM); batch reads the messages whole
-                self.choice_parsers = [parsers.stream(context, prompt_token_ids, request_id, i)
+                self.choice_parsers = [parsers.stream(context, prompt_token_ids, request_id, i, stop)
                                        for i in range(n if stream else 1)]
             except ParseContextError as exc:
                 raise RequestError(str(exc), "parse_context") from None
@@ -127,7 +132,7 @@ class DerenderChoices:
             return plain_message(text), finish_reason or "stop"
         try:
             message, reason, _ = self.parsers.message(self.context, self.prompt_token_ids, self.request_id, index,
-                                                      token_ids, finish_reason)
+                                                      token_ids, finish_reason, self.stop)
         except ParseContextError as exc:
             raise RequestError(str(exc), "parse_context") from None
         return message, reason

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve_common.auth import ApiKeyGuard, ApiKeys
-from splitserve_common.output_parsers import ParserFlags
+from splitserve_common.output_parsers import ParserFlags, StopSpec
 from splitserve_common.tenants import engine_caller
 from token_engine.core.bad_words import BadWordsError
 from token_engine.core.engine import AsyncEngine, RequestUpdate, SequenceDelta
@@ -480,13 +480,11 @@ async def _derender_choices(state: ServerState, gen: Generation) -> DerenderChoi
         if context is None:
             raise RequestError("output_mode='derender' requires parse_context on a server with a tool or reasoning "
                                "parser. Use the one returned by /render.", "parse_context")
-        if gen.req.sampling_params.stop:
-            raise RequestError("stop strings are not supported with output_mode='derender' on an engine with "
-                               "parsers (the parsers read token ids); use stop_token_ids, or output_mode 'text'.",
-                               "sampling_params.stop")
         impl = await asyncio.to_thread(parsers.get)
+    options = text_options(gen.req.sampling_params)
+    stop = StopSpec(options.stop, options.include_stop_str_in_output, options.min_tokens) if options.stop else None
     return await asyncio.to_thread(DerenderChoices, impl, context, gen.req.token_ids, gen.request_id, gen.n,
-                                   bool(gen.req.stream))
+                                   bool(gen.req.stream), stop)
 
 
 def _caller(request: Request) -> str:
