@@ -18,7 +18,7 @@ from render_service.parsers.response_template import bind_parser, load_response_
 from render_service.render.render_config import build_render_config
 from tests.family_bundles import GEMMA4_RESPONSE_TEMPLATE, GEMMA4_TEMPLATE_METADATA, write_family_bundle
 from tests.test_pipeline import stream_fold
-from tests.test_tool_parsers_common import fold
+from tests.test_tool_parsers_common import fold, split_reasoning
 
 pytestmark = pytest.mark.slow  # builds a test tokenizer (cached after the first run)
 
@@ -112,19 +112,7 @@ def _split(text: str, open_at_start: bool) -> list[tuple[str, str]]:
     cls = bind_parser(get_reasoning_parser("hf"), GEMMA4_TEMPLATE_METADATA)
     parser = cls(ReasoningParserConfig(reasoning_open_at_start=open_at_start))
 
-    def run(chunks: list[str]) -> list[tuple[str, str]]:
-        state = parser.initial_state()
-        out: list[list[str]] = []
-        for p in [q for ch in chunks for q in parser.feed(state, ch)] + parser.finish(state):
-            if out and out[-1][0] == p.channel:
-                out[-1][1] += p.text
-            else:
-                out.append([p.channel, p.text])
-        return [(c, t) for c, t in out]
-
-    whole = run([text])
-    assert run(list(text)) == whole
-    return whole
+    return split_reasoning(parser, text)
 
 
 @pytest.mark.parametrize("text, open_at_start, expected", [

@@ -15,7 +15,7 @@ from render_service.parsers.pipeline import Pipeline, PipelineConfig, derender_a
 from render_service.parsers.registry import get_reasoning_parser
 from tests.shared_paths import QWEN3_FIXTURE_DIR
 from tests.test_pipeline import stream_fold
-from tests.test_tool_parsers_common import parse, parse_chunks
+from tests.test_tool_parsers_common import parse, parse_chunks, split_reasoning
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -24,19 +24,7 @@ def _split(text: str, kwargs: dict | None = None) -> list[tuple[str, str]]:
     cls = get_reasoning_parser("ripple")
     parser = cls(ReasoningParserConfig(enable_thinking=cls.enable_thinking_from(kwargs)))
 
-    def run(chunks: list[str]) -> list[tuple[str, str]]:
-        state = parser.initial_state()
-        out: list[list[str]] = []
-        for p in [q for ch in chunks for q in parser.feed(state, ch)] + parser.finish(state):
-            if out and out[-1][0] == p.channel:
-                out[-1][1] += p.text
-            else:
-                out.append([p.channel, p.text])
-        return [(c, t) for c, t in out]
-
-    whole = run([text])
-    assert run(list(text)) == whole  # one character at a time == batch
-    return whole
+    return split_reasoning(parser, text)
 
 
 @pytest.mark.parametrize("text, expected", [

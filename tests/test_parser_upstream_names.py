@@ -10,7 +10,7 @@ from render_service.parsers.auto import detect_family, resolve_auto
 from render_service.parsers.base import ReasoningParserConfig
 from render_service.parsers.registry import UnknownParserError, get_reasoning_parser, get_tool_parser
 from tests.family_bundles import TEMPLATES
-from tests.test_tool_parsers_common import Folded, parse
+from tests.test_tool_parsers_common import Folded, parse, split_reasoning
 from tests.tool_parser_invariants import write_glm, write_hermes, write_longcat, write_qwen3_xml
 
 CALLS = [("get_weather", {"city": "Paris", "days": 3})]
@@ -36,23 +36,9 @@ def test_longcat_reads_hermes_calls_in_its_own_tags() -> None:
     assert parse("longcat", write_hermes(CALLS)).calls == []
 
 
-def _split_chunks(name: str, chunks: list[str], kwargs: dict | None) -> list[tuple[str, str]]:
-    cls = get_reasoning_parser(name)
-    parser = cls(ReasoningParserConfig(enable_thinking=cls.enable_thinking_from(kwargs)))
-    state = parser.initial_state()
-    out: list[list[str]] = []
-    for p in [q for ch in chunks for q in parser.feed(state, ch)] + parser.finish(state):
-        if out and out[-1][0] == p.channel:
-            out[-1][1] += p.text
-        else:
-            out.append([p.channel, p.text])
-    return [(c, t) for c, t in out]
-
-
 def _split(name: str, text: str, kwargs: dict | None = None) -> list[tuple[str, str]]:
-    whole = _split_chunks(name, [text], kwargs)
-    assert _split_chunks(name, list(text), kwargs) == whole  # streaming one character at a time == batch
-    return whole
+    cls = get_reasoning_parser(name)
+    return split_reasoning(cls(ReasoningParserConfig(enable_thinking=cls.enable_thinking_from(kwargs))), text)
 
 
 @pytest.mark.parametrize("name,text,kwargs,expected", [

@@ -97,6 +97,24 @@ def parse_chunks(parser_name: str, chunks, config: ToolParserConfig = WEATHER_TO
     return fold(run_pieces(parser_name, chunks, config))
 
 
+def split_reasoning(parser, text: str) -> list[tuple[str, str]]:
+    """A reasoning parser's (channel, text) runs for ``text``, checked equal when fed one character at a time."""
+
+    def run(chunks: list[str]) -> list[tuple[str, str]]:
+        state = parser.initial_state()
+        out: list[list[str]] = []
+        for p in [q for ch in chunks for q in parser.feed(state, ch)] + parser.finish(state):
+            if out and out[-1][0] == p.channel:
+                out[-1][1] += p.text
+            else:
+                out.append([p.channel, p.text])
+        return [(c, t) for c, t in out]
+
+    whole = run([text])
+    assert run(list(text)) == whole  # streaming one character at a time == batch
+    return whole
+
+
 def split_at(text: str, cuts) -> list[str]:
     points = sorted(set(c for c in cuts if 0 < c < len(text)))
     bounds = [0, *points, len(text)]
