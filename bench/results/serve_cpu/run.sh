@@ -14,7 +14,7 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 $PY -m token_engine.cli make-random-model "$WORK/tiny" --arch qwen3 --preset tiny --dtype float32 \
-  --tokenizer /work/shared/fixtures/qwen3-0.6b --overrides '{"tie_word_embeddings": false}' >/dev/null
+  --tokenizer shared/fixtures/qwen3-0.6b --overrides '{"tie_word_embeddings": false}' >/dev/null
 ENGINE_FLAGS=(--host 127.0.0.1 --dtype float32 --max-model-len 2048 --block-size 16 --num-gpu-blocks-override 1024
               --max-num-seqs 32 --log-level warning)
 GATEWAY_FLAGS=(--host 127.0.0.1 --served-model-name tiny --engine-block-size 16 --log-level warning)
@@ -53,7 +53,7 @@ done
 
 # multi-turn (collocated engine is gone; reuse the disaggregated stack): TTFT by turn
 $PY -m bench.cli serve --base-url "http://127.0.0.1:$G" --endpoint /v1/chat/completions --label disaggregated-multiturn \
-  --dataset-name sharegpt --dataset-path bench/data/sharegpt_sample.json --sharegpt-output-len 16 --num-prompts 8 \
+  --dataset-name sharegpt --dataset-path bench<local path> --sharegpt-output-len 16 --num-prompts 8 \
   --multi-turn 3 --request-rate 1 --ignore-eos --seed 0 --save-result --result-dir "$OUT" \
   --result-filename disaggregated-multiturn.json --disable-tqdm
 

@@ -4,7 +4,7 @@
 # 1024-token prompts and 128 output tokens. What it is for: TTFT under concurrent load, where mixed
 # prefill + decode steps used to compile a Triton kernel for each new count of decoding sequences.
 # Run from the repository root on the GPU machine (python3 there holds torch; OUT is where results go):
-#   OUT=/tmp/out bash bench/results/serve_gpu/run.sh
+#   OUT=$OUT bash bench/results/serve_gpu/run.sh
 set -euo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-bench/results/serve_gpu}
