@@ -51,6 +51,7 @@ import httpx
 from bench import peers
 from bench.agent_trace import AgentTraceSpec, agent_trace, chat_body, round_ends
 from bench.encode_worker import EncodeWorker
+from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR
 
 RESULTS = peers.REPO / "bench" / "results"
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "servers": {k: {kk: vv for kk, vv in v.items() if kk != "pid"} for k, v in servers.items()},
     })
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report)
     print("SUMMARY " + json.dumps(report["summary"], indent=1), flush=True)
     print(f"# wrote {args.out}", flush=True)
     return 0

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bench.portable import portable
 from token_engine.core.bad_words import banned_next_tokens
 from token_engine.core.sampler import Sampler, SamplingRow
 from token_engine.core.sequence import SamplingOptions
@@ -73,7 +74,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            f.write(json.dumps(portable(result), indent=2))
 
 
 if __name__ == "__main__":

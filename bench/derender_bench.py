@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR, SHARED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                   "in_process_vs_baseline": compare_trees(Path(a.baseline_tree).resolve(), max(ns), a.rounds)}
         result["machine"]["loadavg_at_end"] = os.getloadavg()
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(Path(a.out), result)
         print(json.dumps(result["in_process_vs_baseline"]["ratio_ours_over_baseline"], indent=2))
         return 0
 
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         result["comparison"] = rows
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(Path(a.out), result)
     print(json.dumps({k: v for k, v in result.items() if k in ("comparison", "in_process")}, indent=2))
     return 0
 

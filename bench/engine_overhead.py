@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from bench.portable import portable
+
 
 def sync(device: str) -> None:
     if device == "cuda":
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{batch:>6} {r['engine_step_ms']:>10.3f} {r['model_step_ms']:>9.3f} {r['engine_over_model']:>6.3f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+            f.write(json.dumps(portable(results), indent=2))
     return results
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from bench.agent_trace import AgentTraceSpec, agent_trace
+from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR
 from render_service.bundle.model_bundle import load_bundle
 from render_service.render.render import render_chat
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], _vllm_rs())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(Path(args.out), result)
     print(json.dumps(result, indent=2))
     return 0
 

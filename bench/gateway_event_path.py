@@ -26,9 +26,9 @@ tree and round: ``EngineEvents`` decoding each chunk as the engine connection's 
 Trees alternate every round; the best (lowest) CPU of each figure over the rounds is reported (this box is
 shared: the best is the least disturbed), medians too for the process mode.
 
-    .venv/bin/python -m bench.gateway_event_path --tree s3=/tmp/s3 --tree main=/tmp/main --tree this=. \\
+    .venv/bin/python -m bench.gateway_event_path --tree earlier=/tmp/earlier --tree main=/tmp/main --tree this=. \\
         --in-process --requests 40 --rounds 7 --out bench/results/gateway_event_path_in_process.json
-    .venv/bin/python -m bench.gateway_event_path --tree s3=/tmp/s3 --tree main=/tmp/main --tree this=. \\
+    .venv/bin/python -m bench.gateway_event_path --tree earlier=/tmp/earlier --tree main=/tmp/main --tree this=. \\
         --requests 16 --concurrency 8 --rounds 7 --pace-ms 2 --thrash-mb 16 \\
         --out bench/results/gateway_event_path_processes_cold.json
 
@@ -65,6 +65,7 @@ from bench.gateway_overhead import (
     start,
     tokenizer_dir,
 )
+from bench.portable import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDING = ROOT / "bench/data/engine_stream_qwen3_tiny.json"
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv), "machine": info, "note": a.note, "setup": setup, **figures}
     print(json.dumps({k: result[k] for k in result if k not in ("runs", "machine")}, indent=1))
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_result(Path(a.out), result)
     return 0
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -605,7 +606,7 @@ def main() -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(json.dumps({k: result[k] for k in ("median", "gateway_over_floor", "meets_targets", "api_over_chat_per_token",
                                              "api_over_chat_per_request")}, indent=2))
     print(json.dumps(result["in_process"], indent=2))

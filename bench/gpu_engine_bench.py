@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from bench.portable import portable
+
 DEVICE = "cuda"
 
 
@@ -299,7 +301,7 @@ def main(argv=None) -> int:
         result["transformers"] = bench_transformers(config, hf_batches, args.context, lengths)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            f.write(json.dumps(portable(result), indent=2))
     print_table(result)
     return 0
 

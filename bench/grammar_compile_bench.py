@@ -17,6 +17,8 @@ import json
 import statistics
 import time
 
+from bench.portable import portable
+
 
 def schema(i: int) -> dict:
     return {"title": f"call {i}", "type": "object", "properties": {
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            f.write(json.dumps(portable(result), indent=2))
     return result
 
 

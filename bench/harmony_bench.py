@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR
 from render_service.bundle.model_bundle import load_bundle
 from render_service.derender.batch import pipeline_config
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     d["gpt-oss / qwen3 handler"] = (d["gpt-oss"]["stream_handler_us_per_chunk"]
                                     / d["qwen3"]["stream_handler_us_per_chunk"])
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(Path(args.out), result)
     print(json.dumps(result, indent=2))
     return 0
 

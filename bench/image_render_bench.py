@@ -40,6 +40,7 @@ import numpy as np
 from PIL import Image
 
 from bench import peers
+from bench.portable import write_result
 from bench.render_bench import DEFAULT_MODEL_DIR, RESULTS, _post, nonrepetitive_text
 
 VL_FIXTURE = peers.REPO / "tests" / "fixtures" / "qwen2_5_vl"
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[key]["cpu_per_image_ratio"] = round(ours["cpu_ms_per_image"] / base["cpu_ms_per_image"], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"image_render_bench_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(json.dumps(results, indent=1))
+    write_result(out, results)
     print(f"wrote {out}")
     return 0
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bench.portable import write_result
+
 
 def sync(device: str) -> None:
     if device == "cuda":
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+        write_result(out, result)
         plot(result, out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k not in ("tier_off", "tier_on")} | {
         m: {k: v for k, v in result[m].items() if k != "rows"} for m in ("tier_off", "tier_on")}, indent=2))

@@ -32,6 +32,8 @@ from typing import Any
 
 import msgspec
 
+from bench.portable import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
          for n in ("get_weather", "get_time", "search", "write_file")]
@@ -241,7 +243,7 @@ def main() -> None:
         raise SystemExit("--vllm-python (or $SPLITSERVE_VLLM034_PYTHON) is required")
     results = run(args.vllm_python, args.vllm_source, args.case)
     if args.out:
-        args.out.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        write_result(args.out, results)
     print(table(results))
     sys.exit(0)
 

@@ -30,6 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from bench import gpu_engine_bench as geb
+from bench.portable import portable
 
 
 def legacy_paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None, v=None):
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
         result["decode"] = geb.bench_decode(model, batches, args.context, args.block_size, args.device == "cuda")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            f.write(json.dumps(portable(result), indent=2))
     print_table(result)
     return 0
 

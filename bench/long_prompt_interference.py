@@ -27,6 +27,7 @@ import torch
 
 from bench import gpu_engine_bench as geb
 from bench.long_prompt_bench import model_flops
+from bench.portable import portable
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     result["agent_turns"] = agent_turns(model, args)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            f.write(json.dumps(portable(result), indent=2))
     if args.plot:
         plot(result, args.plot)
     print(f"\n{args.preset} on {args.device}: {args.streams} streams, one {args.long}-token prompt")

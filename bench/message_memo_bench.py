@@ -38,6 +38,7 @@ import msgspec
 from bench import peers
 from bench.agent_render_bench import MODEL, LastTurn, git_commit
 from bench.agent_trace import chat_body
+from bench.portable import write_result
 
 RESULTS = peers.REPO / "bench" / "results"
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats, "sizes": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(json.dumps({size: {**r["ms"], **r["ratios"]} for size, r in results.items()}, indent=1))
     return 0
 

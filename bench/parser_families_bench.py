@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.portable import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_http_vs_hermes": max((r["http"]["vs_hermes"] for r in rows.values() if "http" in r), default=None),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(Path(args.out), result)
     print(json.dumps(result, indent=2))
     return 0 if result["max_vs_hermes"] <= 2.0 else 1
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench import peers
+from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR
 
 RESULTS = peers.REPO / "bench" / "results"
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
         out = Path(args.out) if args.out else RESULTS / f"render_bench_{stamp}.json"
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        write_result(out, report)
         print("SUMMARY " + json.dumps(summary), flush=True)
         print(f"# wrote {out}", flush=True)
     finally:

@@ -21,6 +21,7 @@ import numpy as np
 
 from bench.datasets import SampleRequest
 from bench.metrics import RequestOutput, calculate_metrics, format_summary, ttft_by_turn
+from bench.portable import write_result
 
 COMPLETIONS_ENDPOINT = "/v1/completions"
 
@@ -251,7 +252,7 @@ def default_result_filename(result: dict) -> str:
 def save_result(result: dict, result_dir: str | Path, filename: str | None) -> Path:
     path = Path(result_dir or ".") / (filename or default_result_filename(result))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result) + "\n")
+    write_result(path, result)
     return path
 
 

@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 import httpx
 
 from bench import peers
+from bench.portable import write_result
 from bench.render_bench import _post, nonrepetitive_text
 from bench.shared_fixtures import QWEN3_DIR
 
@@ -606,7 +607,7 @@ def cmd_sizing(args, parser) -> int:
     out = Path(args.output) if args.output else \
         peers.REPO / "bench" / "results" / f"sizing_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_result(out, report)
     print(f"# wrote {out}", flush=True)
     return 0
 

@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.portable import write_result
+
 
 def free_port() -> int:
     import socket
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, passed in checks.items():
         print(f"{'PASS' if passed else 'FAIL'}  {name}")
     if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+        write_result(Path(args.out), figures)
     return 0 if all(checks.values()) else 1
 
 

@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from bench.engine_overhead import random_engine, start_decoding, timed_ms
+from bench.portable import portable
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['still_constrained']:>10}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+            f.write(json.dumps(portable(results), indent=2))
     return results
 
 

@@ -33,6 +33,7 @@ from bench.agent_render_bench import (
     start_ours,
 )
 from bench.peers import REPO, wait_healthy
+from bench.portable import write_result
 
 SERVERS = {"direct": {}, "asgi": {"SPLITSERVE_DIRECT_HTTP": "0"}}
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "asgi_minus_direct_ms_mean": round(means["asgi"] - means["direct"], 4),
             "asgi_over_direct_mean": round(means["asgi"] / means["direct"], 3)}
     print(json.dumps(result, indent=1))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(args.out), result)
     return 0
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 import bench.gpu_engine_bench as engine_bench
+from bench.portable import portable
 
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (32, 256, 4, 4), (32, 256, 4, 3), (32, 256, 4, 5), (32, 128, 4, 6), (32, 512, 8, 3), (16, 256, 4, 4),
@@ -337,7 +338,7 @@ def main(argv=None) -> int:
     def save():
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+                f.write(json.dumps(portable(result), indent=2))
 
     model, _ = engine_bench.build_random_model(args.preset, seed=0)
     batches = [int(b) for b in args.batches.split(",") if b]

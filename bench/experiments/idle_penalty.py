@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.agent_render_bench import RESULTS, LastTurn
+from bench.portable import portable
 
 
 def median_ms(job: Callable[[], Any], pause_s: float, repeats: int) -> tuple[float, int]:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
            "whole_job_after_pause": rows, "stages": stage_rows,
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+        f.write(json.dumps(portable(out), indent=2))
     print(f"# wrote {args.out}")
     return 0
 

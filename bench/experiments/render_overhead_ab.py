@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
+from bench.portable import write_result
 
 RESULTS = peers.REPO / "bench" / "results"
 STAGES = ("json_decode_request", "prepare_messages_and_tools", "chat_template", "tokenize_hit",
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 "two checkouts alternating stage by stage",
     })
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report)
     print(f"# wrote {args.out}", flush=True)
     return 0
 
