@@ -60,32 +60,30 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
         request_id = request.headers.get("x-request-id")
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
 
-        def render(text_only: bool) -> tuple[ChatCompletionRequest, GenerateRequest | None]:
+        def render_text(req: ChatCompletionRequest) -> GenerateRequest:
+            return render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
+
+        def render() -> tuple[ChatCompletionRequest, GenerateRequest | None]:
             req = decode_chat_request(body, config.message_memo, decode)
             _check_supported(req)
             # Images are found in the decoded messages (the memo decodes only a conversation's new ones), not by
-            # a scan of the whole body.
-            if not text_only and carries_image_parts(req.messages):
-                return req, None
-            return req, render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
+            # a scan of the whole body; the image path takes such a request as decoded here.
+            return req, None if carries_image_parts(req.messages) else render_text(req)
 
-        req, gen = await queue.run("chat_completions", len(body), lambda: render(False))
+        req, gen = await queue.run("chat_completions", len(body), render)
         if gen is None:  # the render endpoints' image path
-            answer = await chat_with_images(request, body, request_id, fingerprint)
+            answer = await chat_with_images(request, body, req, request_id, fingerprint)
             if answer is not None:
                 return answer
-            req, gen = await queue.run("chat_completions", len(body), lambda: render(True))
-            assert gen is not None
+            gen = await queue.run("chat_completions", len(body), lambda: render_text(req))
         conversation = conversation_key(req.conversation_id, request.headers)
         responder = ChatResponder(gen, req, config)
         return await respond(request, gateway, [gen], responder, bool(req.stream), conversation)
 
-    async def chat_with_images(request: Request, body: bytes, request_id: str | None, fingerprint: str | None
-                               ) -> Answer | None:
+    async def chat_with_images(request: Request, body: bytes, req: ChatCompletionRequest, request_id: str | None,
+                               fingerprint: str | None) -> Answer | None:
         """A chat request with image parts (None: it has none after all): its images processed, then rendered
         and driven like any chat request, the engine getting the expanded ids and ``features``."""
-        req = await queue.run("chat_completions", len(body), lambda: decode(body, ChatCompletionRequest))
-        _check_supported(req)
         pictured = await picture(request, body, req, config)
         if pictured is None:
             return None

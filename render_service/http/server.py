@@ -163,27 +163,28 @@ async def chat_render(request: Request) -> Response:
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
 
-    def job(text_only: bool) -> bytes | None:
-        req = decode_chat_request(body, state.config.message_memo, decode)
-        # Images are found in the decoded messages (the memo decodes only a conversation's new ones), not by a
-        # scan of the whole body: an agent's growing conversation costs what its new turn costs.
-        if not text_only and carries_image_parts(req.messages):
-            return None
+    def render_text(req: ChatCompletionRequest) -> bytes:
         result = render_chat(req, state.config, request_id=request_id, ids_view=True)
         metrics.PROMPT_TOKENS.inc(len(result.token_ids))
         _observe_prompt_cache(state.config)
         return _encode_generate_request(result)
 
-    payload = await state.render_queue.run("chat_render", len(body), lambda: job(False))
-    if payload is None:  # the image path (multimodal.endpoint)
-        with_images = await render_with_images(
-            body, decode(body, ChatCompletionRequest), state.config, state.multimodal, state.render_queue,
-            lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
-        if with_images is not None:
-            metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
-            return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)
-        payload = await state.render_queue.run("chat_render", len(body), lambda: job(True))
-        assert payload is not None
+    def job() -> bytes | ChatCompletionRequest:
+        req = decode_chat_request(body, state.config.message_memo, decode)
+        # Images are found in the decoded messages (the memo decodes only a conversation's new ones), not by a
+        # scan of the whole body: an agent's growing conversation costs what its new turn costs.
+        return req if carries_image_parts(req.messages) else render_text(req)
+
+    done = await state.render_queue.run("chat_render", len(body), job)
+    if isinstance(done, bytes):
+        return Response(done, media_type=JSON, headers=state.render_headers)
+    with_images = await render_with_images(  # the image path (multimodal.endpoint)
+        body, done, state.config, state.multimodal, state.render_queue,
+        lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
+    if with_images is not None:
+        metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
+        return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)
+    payload = await state.render_queue.run("chat_render", len(body), lambda: render_text(done))
     return Response(payload, media_type=JSON, headers=state.render_headers)
 
 
