@@ -342,7 +342,8 @@ def test_a_dead_worker_is_a_503_and_the_next_image_gets_a_fresh_pool() -> None:
     from render_service.multimodal.pool import ImagePool
 
     assert QWEN25 is not None
-    pool = ImagePool(1)
+    # a kill that lands while the worker sends its answer leaves the executor waiting: the timeout ends that wait
+    pool = ImagePool(1, work_timeout_s=15)
     try:
         pool.warm_up()
         data = encode(noise_image(3000, 2000, seed=8), "JPEG")  # a second or more of work: time to kill its worker

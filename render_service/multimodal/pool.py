@@ -71,7 +71,10 @@ def _die_with_parent(parent: int) -> None:
 
 class ImagePool:
     def __init__(self, workers: int | None = None, *, max_pending: int = 256, cache_bytes: int = 512 * 1024 * 1024,
-                 cache_entries: int = 4096) -> None:
+                 cache_entries: int = 4096, work_timeout_s: float = 120.0) -> None:
+        """``work_timeout_s``: how long one image may take before its worker counts as dead (a worker killed
+        while sending its answer leaves the executor waiting for the rest of it forever)."""
+        self.work_timeout_s = work_timeout_s
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         # forkserver/spawn: a forked copy of a threaded server (tokenizers, the bulk lane) can deadlock
         self._executor: ProcessPoolExecutor | None = None  # made on first use, in the process that uses it
@@ -122,11 +125,11 @@ class ImagePool:
         started = time.perf_counter()
         executor = self.executor()
         try:
-            result = await asyncio.wrap_future(executor.submit(process_image, data, header, family, model_id, tensors,
-                                                                 normalize))
-        except BrokenProcessPool:
-            # a worker died (killed for memory, or by an operator): this request's images are lost, the next
-            # request gets a fresh pool rather than the broken one forever
+            result = await asyncio.wait_for(asyncio.wrap_future(executor.submit(
+                process_image, data, header, family, model_id, tensors, normalize)), self.work_timeout_s)
+        except (BrokenProcessPool, TimeoutError):
+            # a worker died (killed for memory, or by an operator) or stopped answering: this request's images are
+            # lost, the next request gets a fresh pool rather than the broken one forever
             if self._executor is executor:
                 self._executor = self._new_executor()
                 executor.shutdown(wait=False, cancel_futures=True)
