@@ -118,6 +118,7 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
                 break
     for rid in list(engine.requests):
         engine.abort_request(rid)
+    mixed = engine.runner.mixed_graphs
     engine.shutdown()
     floor_ms = model_flops(model, args.long, 0) / geb.HW["bf16_flops_per_s"] * 1e3
     ttft = (long_first - long_start) * 1e3
@@ -125,6 +126,7 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
            "long_tokens": args.long, "long_ttft_ms": ttft, "long_floor_ms": floor_ms, "long_x_floor": ttft / floor_ms,
            "itl": {k: summary(v) for k, v in phases.items()},
            "short_ttft_ms": summary(list(short_ttft.values())), "shorts_answered": len(short_ttft),
+           "mixed_step_graphs": len(mixed.graphs) if mixed is not None else 0,
            "itl_during_series_ms": phases["during"][:: max(1, len(phases["during"]) // 400)]}
     print(json.dumps({k: v for k, v in row.items() if k != "itl_during_series_ms"}), flush=True)
     return row

@@ -533,6 +533,48 @@ def test_cuda_graph_replay_equals_eager_decode(model_dirs, dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("name", ["qwen3", "mistral-sliding-window"])
+def test_cuda_mixed_step_graph_replay_equals_the_eager_step(model_dirs, name):
+    """Prefill chunks next to decodes, padded into a captured graph: the same hidden states and the same K/V
+    written as the eager forward, a smaller step after a larger one included; the start-up check passes."""
+    from token_engine.core.mixed_graphs import VERIFY_TOLERANCE, MixedGraphs
+
+    model = load_model(model_dirs(name), device="cuda")
+    arch = model.arch
+    block_size, num_blocks = 16, 96
+    pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, arch.dtype,
+                            "cuda")
+    pool.normal_()
+    graphs = MixedGraphs(model, pool, block_size, max_num_seqs=8, max_blocks_per_seq=12,
+                         max_num_batched_tokens=200)
+    graphs.capture()
+    assert graphs.verify() <= VERIFY_TOLERANCE
+    rng = random.Random(0)
+    for cached, new in (([0, 30, 100, 7], [50, 1, 60, 1]), ([64, 5], [1, 17]), ([0], [120])):
+        lens = [c + n for c, n in zip(cached, new)]
+        blocks = rng.sample(range(num_blocks), sum(-(-n // block_size) for n in lens))
+        tables, at = [], 0
+        for n in lens:
+            tables.append(blocks[at : at + -(-n // block_size)])
+            at += len(tables[-1])
+        ids = [rng.randrange(arch.vocab_size) for _ in range(sum(new))]
+        positions = [p for c, n in zip(cached, new) for p in range(c, c + n)]
+        cpu_meta = build_metadata(new, lens, tables, block_size, "cpu")
+        key = graphs.key_for(new, int(cpu_meta.block_tables.shape[1]))
+        assert key is not None
+        before = pool.clone()
+        replayed = graphs.replay(key, ids, positions, cpu_meta, new).clone()
+        after_replay = pool.clone()
+        pool.copy_(before)
+        with torch.no_grad():
+            eager = model(torch.tensor(ids, device="cuda"), torch.tensor(positions, device="cuda"),
+                          build_metadata(new, lens, tables, block_size, "cuda"), pool)
+        torch.testing.assert_close(pool, after_replay, atol=1e-4, rtol=1e-4)  # padded rows write nothing
+        torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("name", ["qwen2", "llama-bias-llama3-rope"])
 def test_cuda_few_rows_kernels_match_the_plain_path(model_dirs, name):
     """Steps of <= 16 tokens take decode_linear_cuda (split K, SiLU folded into down); the same steps through

@@ -299,6 +299,12 @@ def test_ipc_handles_refuse_anything_but_a_cuda_tensor_rebuild(model_dir, monkey
 
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
         _HandleUnpickler(io.BytesIO(pickle.dumps([{"gpu": Payload()}]))).load()
+    # what reduce_tensor puts in a CUDA tensor's handle: its classes, shape, dtype and the handle bytes
+    t = torch.zeros(2, 3, dtype=torch.bfloat16)
+    args = (type(t), t.size(), t.stride(), 0, type(t._typed_storage()), t.dtype, 0, b"handle", 12, 0, False,
+            b"refcount", 0, b"event", True)
+    assert type(t._typed_storage()) is torch.storage.TypedStorage
+    assert _HandleUnpickler(io.BytesIO(pickle.dumps([{"gpu": args}]))).load() == [{"gpu": args}]
     # the route's own refusals, on this CPU engine
     with single_threaded_server(engine_config(model_dir), rl_control=True) as srv, srv.client() as c:
         r = c.post("/init_weight_transfer_engine", json={"init_info": {}})

@@ -47,6 +47,26 @@ def test_with_a_step_target_a_long_prompt_takes_only_what_keeps_decode_steps_nea
     assert got[long.seq_id] == sum(got.values()) - 4
 
 
+def test_padded_steps_fill_the_largest_bucket_the_target_allows():
+    """With mixed steps replayed at padded token counts, a step costs its whole bucket: the budget takes the
+    bucket's worth (its last row but one) rather than a count between buckets, and never less than the floor."""
+    s, _ = make(PrefillPolicy(target_step_ms=10.0, min_prefill_tokens=64), budget=4096)
+    s.step_token_buckets = (64, 128, 256, 512, 1024)
+    streams = decoding(s, 4)
+    for tokens in (4, 1024, 2048, 512):
+        s.observe_step(tokens, (5.0 + 0.01 * tokens) / 1e3)
+    long = seq(3000)
+    s.add(long)
+    out = step(s)
+    assert sum(x.num_new_tokens for x in out.scheduled) == 255  # 500 fit the target: the 256 bucket, less a row
+    s.step_times = StepTimeModel()  # steps now cost 40 ms + 0.01 ms/token: nothing fits 10 ms
+    for tokens in (256, 2048, 128):
+        s.observe_step(tokens, (40.0 + 0.01 * tokens) / 1e3)
+    out = step(s)
+    assert all(x.num_new_tokens == 1 for x in out.scheduled if x.seq in streams)
+    assert sum(x.num_new_tokens for x in out.scheduled) == 127  # the floor (4 + 64) rounded up to a bucket
+
+
 def test_without_decoding_sequences_the_whole_budget_goes_to_prefill():
     s, _ = make(PrefillPolicy(target_step_ms=10.0), budget=2048)
     for tokens in (4, 1000, 2000):

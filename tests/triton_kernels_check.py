@@ -103,6 +103,35 @@ def check_prefill(block_size, dtype, tol, config):
         close(f"paged prefill bs={block_size} {dtype} tiles={config[:2]} window={window}", out, ref, tol)
 
 
+def check_mixed_step_layout(dtype, tol):
+    """Mixed steps padded into a CUDA graph's fixed layout (token_engine.core.mixed_graphs): attention over the
+    static buffers equals the reference on the real rows, and a smaller step after a larger one leaves nothing
+    of the larger one behind (its sequences become the dummy's)."""
+    from token_engine.core.mixed_graphs import MixedStepLayout
+
+    block_size = 4
+    layout = MixedStepLayout(torch.device("cpu"), block_size, D, max_num_seqs=6, max_blocks_per_seq=16,
+                             max_num_batched_tokens=100)
+    pool = torch.randn(60, 1, 2, block_size, HKV, D).to(dtype)
+    free = list(range(60))
+    rng.shuffle(free)
+    for cached, new in (([37, 0, 5, 20, 12], [1, 9, 4, 1, 30]), ([9, 3], [1, 6])):
+        lens = [c + n for c, n in zip(cached, new)]
+        tables = [free[: -(-n // block_size)] for n in lens]
+        rng.shuffle(free)
+        meta = build_metadata(new, lens, tables, block_size)
+        key = layout.key_for(new, int(meta.block_tables.shape[1]))
+        assert key is not None and key[0] > sum(new), key
+        n = sum(new)
+        layout.fill(key[0], list(range(n)), list(range(n)), meta.slot_mapping, new, lens, meta.block_tables)
+        q = torch.randn(key[0], H, D).to(dtype)
+        got = attention_cuda.paged_attention(q, pool, 0, layout.static_meta(key), 0.3)[:n]
+        ref = _paged_attention_reference(q[:n].float(), pool.float(), 0, meta, 0.3, None)
+        assert torch.isfinite(got).all(), "a real row of the padded step is not finite"
+        close(f"mixed step in the graph layout {key} {dtype}", got, ref, tol)
+        assert (layout.slot_mapping[n : key[0]] == -1).all(), "padded rows must not write K/V"
+
+
 def check_negative_slots():
     pool = allocate_kv_pool(4, 1, 2, HKV, D, torch.float32)
     meta = build_metadata([2], [2], [[3]], 2)
@@ -180,6 +209,7 @@ with torch.no_grad():
     check_decode_linear(torch.float32, 1e-4)
     check_decode_linear(torch.float16, 3e-2)
     check_negative_slots()
+    check_mixed_step_layout(torch.float32, 1e-5)
     check_attention(4, torch.float32, 1e-5)
     check_prefill(4, torch.float32, 1e-5, (16, 8, 4, 1))  # key tiles span two pool blocks
     check_prefill(16, torch.float16, 2e-2, (16, 8, 4, 1))  # key tiles inside one pool block

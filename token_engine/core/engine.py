@@ -170,7 +170,10 @@ class LLMEngine:
                                    self.max_model_len, self.connector, config.prefill_policy)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.device,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  cuda_graphs=not config.enforce_eager)
+                                  cuda_graphs=not config.enforce_eager,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
+        if self.runner.mixed_graphs is not None:  # the step budget fills padded steps to their bucket
+            self.scheduler.step_token_buckets = tuple(self.runner.mixed_graphs.layout.token_buckets)
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
         if self.host_tier is not None:
             pool = self.runner.kv_pool
@@ -300,7 +303,7 @@ class LLMEngine:
             for seq_id, (first, rows) in logits.prompt_logits.items():
                 self._record_prompt_logprobs(self._seq_by_id(seq_id), first, rows)
             t_model = time.perf_counter()
-            self.scheduler.observe_step(sum(s.num_new_tokens for s in out.scheduled), t_model - t_scheduled)
+            self.scheduler.observe_step(self.runner.last_step_tokens, t_model - t_scheduled)
             self.scheduler.update_after_step(out, sampled)
             for s in out.scheduled:
                 touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])

@@ -3,12 +3,21 @@ and returns the logits the sampler (and prompt logprobs) need, nothing more."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from token_engine.core.scheduler import ScheduledSequence
 from token_engine.layers.attention import AttentionMetadata, allocate_kv_pool, build_metadata, warm_up_cuda
+
+if TYPE_CHECKING:
+    from token_engine.core.mixed_graphs import MixedGraphs
+
+log = logging.getLogger("token_engine")
+# Mixed prefill + decode steps replay CUDA graphs (token_engine.core.mixed_graphs); benches switch it off to compare.
+MIXED_GRAPHS = True
 
 
 def kv_block_bytes(arch, block_size: int) -> int:
@@ -24,7 +33,8 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
-                 max_num_seqs: int = 256, max_model_len: int = 4096, cuda_graphs: bool = True):
+                 max_num_seqs: int = 256, max_model_len: int = 4096, cuda_graphs: bool = True,
+                 max_num_batched_tokens: int = 2048):
         self.model = model
         self.arch = model.arch
         self.block_size = block_size
@@ -33,6 +43,8 @@ class ModelRunner:
         self.kv_pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads,
                                         arch.head_dim, arch.dtype, self.device)
         self.decode_graphs = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self.last_step_tokens = 0  # tokens the last step computed, padding of a graphed mixed step included
         if cuda_graphs and self.device.type == "cuda":
             from token_engine.core.cuda_graphs import DecodeGraphs
 
@@ -42,6 +54,28 @@ class ModelRunner:
             self.decode_graphs.capture()
         if self.device.type == "cuda":
             self._warm_up_cuda(max_num_seqs)
+        if self.decode_graphs is not None and MIXED_GRAPHS:
+            self._capture_mixed_graphs(max_num_seqs, max_model_len, max_num_batched_tokens)
+
+    def _capture_mixed_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """Mixed steps replay graphs too, once a replay is proved equal to the eager forward (else eager)."""
+        from token_engine.core.mixed_graphs import VERIFY_TOLERANCE, MixedGraphs
+
+        assert self.decode_graphs is not None
+        graphs = MixedGraphs(self.model, self.kv_pool, self.block_size, max_num_seqs,
+                             -(-max_model_len // self.block_size), max_num_batched_tokens,
+                             memory_pool=self.decode_graphs.memory_pool)
+        try:
+            graphs.capture()
+            error = graphs.verify()
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            log.warning("mixed-step CUDA graphs off: %s", exc)
+            return
+        if not error <= VERIFY_TOLERANCE:
+            log.warning("mixed-step CUDA graphs off: a replay differs from the eager step by %.3g (relative)", error)
+            return
+        log.info("mixed-step CUDA graphs: %d captured, replay within %.2g of the eager step", len(graphs.graphs), error)
+        self.mixed_graphs = graphs
 
     @torch.inference_mode()
     def _warm_up_cuda(self, max_num_seqs: int) -> None:
@@ -84,12 +118,20 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(row - 1)
 
-        meta, ids, pos, rows = self._to_device(build_metadata(query_lens, seq_lens, tables, self.block_size, "cpu"),
-                                               input_ids, positions, sample_rows)
-        if self.decode_graphs is not None and self.decode_graphs.can_replay(meta):
-            hidden = self.decode_graphs.replay(ids, pos, meta)
+        cpu_meta = build_metadata(query_lens, seq_lens, tables, self.block_size, "cpu")
+        mixed = self.mixed_graphs
+        key = mixed.key_for(query_lens, int(cpu_meta.block_tables.shape[1])) if mixed is not None else None
+        self.last_step_tokens = len(input_ids)
+        if mixed is not None and key is not None:
+            hidden = mixed.replay(key, input_ids, positions, cpu_meta, query_lens)
+            rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
+            self.last_step_tokens = key[0]
         else:
-            hidden = self.model.forward(ids, pos, meta, self.kv_pool)
+            meta, ids, pos, rows = self._to_device(cpu_meta, input_ids, positions, sample_rows)
+            if self.decode_graphs is not None and self.decode_graphs.can_replay(meta):
+                hidden = self.decode_graphs.replay(ids, pos, meta)
+            else:
+                hidden = self.model.forward(ids, pos, meta, self.kv_pool)
 
         vocab = self.arch.vocab_size
         if sample_rows:

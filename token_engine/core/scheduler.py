@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.sequence import Sequence, SequenceStatus
-from token_engine.core.step_budget import PrefillPolicy, StepTimeModel
+from token_engine.core.step_budget import PrefillPolicy, StepTimeModel, fill_bucket
 from token_engine.kv_connector.base import (
     KV_LOAD_FAILED,
     KV_PARAMS_REFUSED,
@@ -75,6 +75,8 @@ class Scheduler:
         self.bm = block_manager
         self.policy = policy or PrefillPolicy()
         self.step_times = StepTimeModel()
+        # Token counts the runner pads mixed steps to (its CUDA graphs); empty: steps are not padded.
+        self.step_token_buckets: tuple[int, ...] = ()
         self.connector = connector or NoOpKVConnector()
         # where the connector's tokens come from, for per-tier metrics (a NIXL peer: "p2p")
         self._has_external_tier = not isinstance(self.connector, NoOpKVConnector)
@@ -199,7 +201,11 @@ class Scheduler:
         fitted = self.step_times.tokens_for(target)
         if fitted is None:
             return budget
-        return min(budget, max(fitted, decoding + self.policy.min_prefill_tokens))
+        floor = decoding + self.policy.min_prefill_tokens
+        tokens = max(fitted, floor)
+        if self.step_token_buckets:
+            tokens = fill_bucket(tokens, floor, self.step_token_buckets)
+        return min(budget, tokens)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -39,6 +39,17 @@ class PrefillPolicy:
         return cap
 
 
+def fill_bucket(tokens: int, floor: int, buckets: tuple[int, ...]) -> int:
+    """Tokens for a step the runner pads up to a bucket (a graph needs one padded row past the real ones): the
+    largest bucket's worth within `tokens`, since a padded step costs its whole bucket; at least `floor`."""
+    within = [b - 1 for b in buckets if b - 1 <= tokens]
+    best = max(within) if within else tokens
+    if best < floor:
+        above = [b - 1 for b in buckets if b - 1 >= floor]
+        best = min(above) if above else floor
+    return best
+
+
 class StepTimeModel:
     """step_ms ~ base_ms + per_token_ms * tokens, an exponentially weighted least-squares fit."""
 

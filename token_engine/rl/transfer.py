@@ -116,9 +116,11 @@ class DistributedReceiver:
 class _HandleUnpickler(pickle.Unpickler):
     """Unpickles IPC handle tuples and nothing else that could run code."""
 
+    # reduce_tensor names the tensor's typed storage class (TypedStorage since torch 2.0), or an untyped one
     ALLOWED = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Size"), ("torch", "Tensor"),
                ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"),
-               ("torch", "UntypedStorage"), ("builtins", "tuple"), ("builtins", "dict")}
+               ("torch", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "TypedStorage"),
+               ("builtins", "tuple"), ("builtins", "dict")}
     DTYPES = frozenset(WIRE_DTYPES)
 
     def find_class(self, module: str, name: str):
