@@ -335,7 +335,8 @@ def print_table(result: dict) -> None:
         print(f"attention, one layer (ms / TFLOP/s / max abs err); tiles for the model runs: "
               f"{result.get('prefill_config')}")
         for r in result["attention"]:
-            print("    tiles: " + ", ".join(f"{tuple(c['config'])} {c['ms']:.2f}" for c in r.get("configs", [])))
+            print("    tiles: " + ", ".join(f"{tuple(c['config'])} {c['ms']:.2f}" if "ms" in c
+                                         else f"{tuple(c['config'])} too large" for c in r.get("configs", [])))
             print(f"  {r['case']:>18}: floor {r['floor_ms']:.2f} | paged {_f(r['paged_ms'])} "
                   f"{_f(r['paged_tflops'], '.0f')}"
                   f" err {r['paged_max_abs_err']:.1e} | legacy {_f(r['legacy_ms'])} err {r['legacy_max_abs_err']:.1e}"

@@ -98,9 +98,12 @@ def check_prefill(block_size, dtype, tol, config):
     k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
     for window in (None, 7):
         ref = _paged_attention_reference(q.float(), pool.float(), 0, meta, 0.3, window)
-        out = torch.full_like(q, float("nan"))  # every row must be written
-        prefill_attention(q, k_cache, v_cache, meta, tile_seq, tile_m, 0.3, window, out, config=config)
-        close(f"paged prefill bs={block_size} {dtype} tiles={config[:2]} window={window}", out, ref, tol)
+        for splits in (1, 3):  # 3: the context in slices, combined by the merge kernel (some slices empty)
+            out = torch.full_like(q, float("nan"))  # every row must be written
+            prefill_attention(q, k_cache, v_cache, meta, tile_seq, tile_m, 0.3, window, out, config=config,
+                              num_splits=splits)
+            close(f"paged prefill bs={block_size} {dtype} tiles={config[:2]} window={window} splits={splits}",
+                  out, ref, tol)
 
 
 def check_mixed_step_layout(dtype, tol):
@@ -110,7 +113,7 @@ def check_mixed_step_layout(dtype, tol):
     from token_engine.core.mixed_graphs import MixedStepLayout
 
     block_size = 4
-    layout = MixedStepLayout(torch.device("cpu"), block_size, D, max_num_seqs=6, max_blocks_per_seq=16,
+    layout = MixedStepLayout(torch.device("cpu"), block_size, H, D, max_num_seqs=6, max_blocks_per_seq=16,
                              max_num_batched_tokens=100)
     pool = torch.randn(60, 1, 2, block_size, HKV, D).to(dtype)
     free = list(range(60))
@@ -125,10 +128,14 @@ def check_mixed_step_layout(dtype, tol):
         n = sum(new)
         layout.fill(key[0], list(range(n)), list(range(n)), meta.slot_mapping, new, lens, meta.block_tables)
         q = torch.randn(key[0], H, D).to(dtype)
-        got = attention_cuda.paged_attention(q, pool, 0, layout.static_meta(key), 0.3)[:n]
         ref = _paged_attention_reference(q[:n].float(), pool.float(), 0, meta, 0.3, None)
-        assert torch.isfinite(got).all(), "a real row of the padded step is not finite"
-        close(f"mixed step in the graph layout {key} {dtype}", got, ref, tol)
+        for splits in (None, 3):  # the layout's own choice, and the context in slices over the dummy tiles too
+            static = layout.static_meta(key)
+            if splits:
+                static.backend_state["cuda_plan"]["splits"] = splits
+            got = attention_cuda.paged_attention(q, pool, 0, static, 0.3)[:n]
+            assert torch.isfinite(got).all(), "a real row of the padded step is not finite"
+            close(f"mixed step in the graph layout {key} splits={splits} {dtype}", got, ref, tol)
         assert (layout.slot_mapping[n : key[0]] == -1).all(), "padded rows must not write K/V"
 
 

@@ -287,7 +287,8 @@ def paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None,
     k_cache, v_cache = _cache_views(kv_pool, layer)
     tiles = plan["tiles"]
     if tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
-        prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out)
+        prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out,
+                          num_splits=plan.get("splits"))
     for _, q_start, q_end in plan["fresh"]:
         if FRESH_PREFILL_CUDNN_MIN and sliding_window is None and q_end - q_start >= FRESH_PREFILL_CUDNN_MIN:
             out[q_start:q_end] = _prefill_fresh_cudnn(q[q_start:q_end], k[q_start:q_end], v[q_start:q_end], scale)

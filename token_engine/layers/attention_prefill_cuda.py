@@ -26,6 +26,11 @@ LOG2E = 1.4426950408889634
 # Tile shapes per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages), tuned for an H200; the interpreter check
 # passes small ones.
 PREFILL_CONFIG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+# Context slices (split-K, as flash decoding): programs to keep in flight (two per SM of an H200), at most
+# MAX_SPLITS slices, each at least MIN_KEYS_PER_SPLIT keys long.
+TARGET_PROGRAMS = 2 * 132
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 1024
 
 
 @triton.jit
@@ -74,17 +79,18 @@ def _attend_tile(
 
 
 # Integers that change from step to step are not specialized on (each specialization is a compile).
-@triton.jit(do_not_specialize=["window", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "stride_bt", "num_splits"])
 def _prefill_paged_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, tile_seq_ptr,
-    tile_m_ptr, qk_scale, window,
+    tile_m_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tile_seq_ptr + tile)
     m0 = tl.load(tile_m_ptr + tile)
     ctx_len = tl.load(seq_lens_ptr + seq)
@@ -108,20 +114,65 @@ def _prefill_paged_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if window > 0:
         start = tl.maximum(0, lo_pos - window + 1) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, start,
-                                     hi, ctx_len, window, qk_scale, stride_cb, stride_ct,
-                                     BLOCK_SIZE, BLOCK_N, True, IEEE)
+        full = start  # every key tile of a window is masked
     else:
+        start = 0
         full = (lo_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, 0,
-                                     full, ctx_len, window, qk_scale, stride_cb, stride_ct,
-                                     BLOCK_SIZE, BLOCK_N, False, IEEE)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, full,
-                                     hi, ctx_len, window, qk_scale, stride_cb, stride_ct,
-                                     BLOCK_SIZE, BLOCK_N, True, IEEE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows of a windowed tile may see nothing
+    if SPLIT:  # this program takes one slice of the key tiles [start, hi); the merge kernel combines the slices
+        per_split = tl.cdiv(tl.cdiv(hi - start, BLOCK_N), num_splits) * BLOCK_N
+        lo_s = start + split * per_split
+        hi_s = tl.minimum(hi, lo_s + per_split)
+    else:
+        lo_s = start
+        hi_s = hi
+    acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, lo_s,
+                                 tl.minimum(full, hi_s), ctx_len, window, qk_scale, stride_cb, stride_ct,
+                                 BLOCK_SIZE, BLOCK_N, False, IEEE)
+    acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q,
+                                 tl.maximum(full, lo_s), hi_s, ctx_len, window, qk_scale, stride_cb, stride_ct,
+                                 BLOCK_SIZE, BLOCK_N, True, IEEE)
+    if SPLIT:
+        part = ((tile * NUM_HEADS + head) * num_splits + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(part_m_ptr + part, m_i)
+        tl.store(part_l_ptr + part, l_i)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows of a windowed tile may see nothing
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _prefill_merge_kernel(
+    out_ptr, q_start_ptr, tile_seq_ptr, tile_m_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_splits,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Combines the context slices of one (query tile, head): softmax states in base 2, as the kernel keeps them."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    m0 = tl.load(tile_m_ptr + tile)
+    q_begin = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_begin
+    m = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    base = (tile * NUM_HEADS + head) * num_splits
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + (base + s) * BLOCK_M + tl.arange(0, BLOCK_M)))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in range(0, num_splits):
+        part = (base + s) * BLOCK_M + tl.arange(0, BLOCK_M)
+        w = tl.exp2(tl.load(part_m_ptr + part) - m_use)
+        l_sum += w * tl.load(part_l_ptr + part)
+        acc += w[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :])
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    rows = (q_begin + m).to(tl.int64)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None])
+             mask=(m < q_len)[:, None])
 
 
 def prefill_tiles(prefill: list[tuple[int, int]], block_m: int) -> tuple[list[int], list[int]]:
@@ -130,6 +181,18 @@ def prefill_tiles(prefill: list[tuple[int, int]], block_m: int) -> tuple[list[in
     tiles = [(s, m) for s, q_len in prefill for m in range(0, q_len, block_m)]
     tiles.sort(key=lambda t: -t[1])
     return [s for s, _ in tiles], [m for _, m in tiles]
+
+
+def prefill_splits(num_tiles: int, num_heads: int, max_context: int, block_n: int) -> int:
+    """Context slices per (query tile, head): a short chunk over a long cached prefix has few tiles, and one
+    program per tile would walk the whole context alone while most SMs idle. Depends on shapes only (a CUDA
+    graph's grid is fixed), with enough key tiles per slice to keep each program busy."""
+    programs = num_tiles * num_heads
+    if programs >= TARGET_PROGRAMS:
+        return 1
+    by_programs = -(-TARGET_PROGRAMS // programs)
+    by_context = max(1, max_context // (MIN_KEYS_PER_SPLIT))
+    return max(1, min(MAX_SPLITS, by_programs, by_context))
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -147,6 +210,7 @@ def prefill_attention(
     sliding_window: int | None,
     out: torch.Tensor,
     config: tuple[int, int, int, int] | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Writes out[rows of the tiles' sequences] for the query tiles listed in tile_seq/tile_m (int32, device)."""
     num_tiles = int(tile_seq.shape[0])
@@ -157,12 +221,24 @@ def prefill_attention(
     block_m, block_n, warps, stages = config or prefill_config(head_dim)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _prefill_paged_kernel[(num_tiles, num_heads)](
+    splits = prefill_splits(num_tiles, num_heads, meta.max_seq_len, block_n) if num_splits is None else num_splits
+    if splits > 1:
+        part_m = torch.empty(num_tiles * num_heads * splits * block_m, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(part_m.shape[0], head_dim, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused: the kernel writes out directly
+    _prefill_paged_kernel[(num_tiles, num_heads, splits)](
         q, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_seq, tile_m,
-        scale * LOG2E, sliding_window or 0,
+        part_m, part_l, part_acc, scale * LOG2E, sliding_window or 0, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        _prefill_merge_kernel[(num_tiles, num_heads)](
+            out, meta.query_start_loc, tile_seq, tile_m, part_m, part_l, part_acc, splits,
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        )
     return out
