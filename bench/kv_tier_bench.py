@@ -105,6 +105,58 @@ def copy_floor_s_per_block(engine) -> float | None:
     return best
 
 
+def decode_steps(model, args, tier_bytes: int | None) -> dict:
+    """Decode steps while evictions offload blocks: a pool filled with cached prefixes, then --streams streams
+    decoding; every block a stream starts evicts a cached one, which the tier (when on) copies to host memory.
+    Step times (synchronized) of steps that evicted and of steps that did not, CUDA graphs on as in serving."""
+    from token_engine.core.engine import EngineConfig, LLMEngine
+    from token_engine.core.sequence import SamplingOptions
+
+    pool_tokens = args.decode_pool_tokens
+    engine = LLMEngine(EngineConfig(
+        model=f"random-{args.preset}", device=args.device, max_model_len=pool_tokens, max_num_seqs=args.streams,
+        max_num_batched_tokens=max(2048, args.streams), block_size=16,
+        num_gpu_blocks_override=pool_tokens // 16,
+        kv_transfer_config=None if tier_bytes is None else {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}},
+    ), model=model)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.arch.vocab_size
+    filler = SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True)
+    fill_len = max(16, min(1024, pool_tokens // 8))
+    for i in range(pool_tokens * 9 // 10 // fill_len):  # finished prompts leave their blocks cached
+        engine.add_request(f"fill{i}", torch.randint(10, vocab - 10, (fill_len,), generator=g).tolist(), filler)
+        while engine.has_work():
+            engine.step()
+    options = SamplingOptions(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for i in range(args.streams):
+        engine.add_request(f"s{i}", torch.randint(10, vocab - 10, (16,), generator=g).tolist(), options)
+    engine.step()  # the streams' prompts
+    evicting, plain = [], []
+    seqs = [s for st in engine.requests.values() for s in st.seqs]
+    while engine.has_work():
+        blocks = sum(len(s.block_table) for s in seqs)
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(args.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        # a step that gave a stream a new block evicted a cached one (and, tier on, offloaded it)
+        (evicting if sum(len(s.block_table) for s in seqs) > blocks else plain).append(ms)
+    tier = engine.host_tier
+    engine.shutdown()
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"steps": len(xs), "mean_ms": statistics.fmean(xs) if xs else None,
+                "median_ms": statistics.median(xs) if xs else None,
+                "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None}
+
+    return {"steps_with_new_blocks": stats(evicting), "other_steps": stats(plain),
+            "offloaded_blocks": tier.stored_blocks if tier is not None else 0}
+
+
 def summarize(rows: list[dict]) -> dict:
     turns = sorted({r["turn"] for r in rows})
     return {
@@ -130,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pool-tokens", type=int, default=40960, help="device KV pool size, in tokens")
     ap.add_argument("--tier-gib", type=float, default=None, help="host tier size (default: every prefix fits)")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--streams", type=int, default=32, help="decode streams of the decode-step part (0: skip)")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="tokens each decode stream generates")
+    ap.add_argument("--decode-pool-tokens", type=int, default=16384, help="device KV pool of the decode-step part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -162,6 +217,11 @@ def main(argv: list[str] | None = None) -> dict:
             result[mode]["num_blocks"] = engine.num_blocks
         engine.shutdown()
         del engine
+    if args.streams:
+        result["decode_steps"] = {mode: decode_steps(model, args, size)
+                                  for mode, size in (("tier_off", None), ("tier_on", tier_bytes))}
+        off_d, on_d = (result["decode_steps"][m]["steps_with_new_blocks"]["mean_ms"] for m in ("tier_off", "tier_on"))
+        result["decode_steps"]["slowdown_of_evicting_steps"] = on_d / off_d - 1 if off_d and on_d else None
     off, on = result["tier_off"], result["tier_on"]
     result["ttft_ratio_off_over_on_after_first_turn"] = (
         off["sum_ttft_s_after_first_turn"] / on["sum_ttft_s_after_first_turn"])

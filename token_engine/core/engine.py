@@ -290,6 +290,8 @@ class LLMEngine:
         t_scheduled = t_model = time.perf_counter()
         for seq in out.preempted:
             touched.setdefault(seq.request_id, self._seq_request[seq.seq_id])
+        if self.host_tier is not None:  # evicted blocks the step may overwrite: their copies to host go first
+            self.host_tier.fence()
         if out.scheduled:
             logits = self.runner.execute(out.scheduled)
             sampling = [s.seq for s in out.scheduled if s.samples]

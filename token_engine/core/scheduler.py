@@ -341,6 +341,8 @@ class Scheduler:
             return None
         self.waiting.pop(index)
         if external:
+            if self.bm.host is not None:  # a peer's transfer writes the new blocks outside stream order
+                self.bm.host.fence(host=True)
             self.connector.update_state_after_alloc(seq, list(seq.block_table), external)
         if load_async:
             seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS

@@ -6,8 +6,11 @@ V); a hit copies them back into fresh device blocks instead of recomputing the p
 nothing a restart needs, and it is emptied whenever it is bound to a pool whose fingerprint (weights, dtype, KV
 layout, block size) differs from the one its entries came from.
 
-Blocks live in one host slab allocated when the tier is bound (pinned on CUDA). Copies are synchronous and
-happen when the scheduler evicts or admits, before the step's forward writes the pool.
+Blocks live in one host slab allocated when the tier is bound (pinned on CUDA). Copies are issued when the
+scheduler evicts or admits, before the step's forward writes the pool. On CUDA an eviction's device-to-host copy
+runs on a copy stream of its own, so the host does not wait for it: `fence()` makes what writes the pool next
+(the step's forward, a load, a KV transfer from a peer) wait for the copies issued so far, on the GPU where it
+can, on the host where the writer does not follow stream order. On CPU copies are plain and immediate.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class HostKVTier:
         self._free_slots: list[int] = []
         self._blocks: OrderedDict[bytes, tuple[int, int | None]] = OrderedDict()  # hash -> (slot, event hash)
         self._busy: set[bytes] = set()  # taken for a load under way: not dropped until it is done
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evictions' copies, off the step's stream
+        self._copies_pending = False
         self.events: KVEventRecorder | None = None
         # Counters (read by the engine's metrics): blocks and bytes moved each way, time spent moving them.
         self.stored_blocks = 0
@@ -73,6 +78,8 @@ class HostKVTier:
         self.fingerprint = fingerprint
         self._pool = kv_pool
         self._pin = kv_pool.device.type == "cuda"
+        if self._pin and (self._copy_stream is None or self._copy_stream.device != kv_pool.device):
+            self._copy_stream = torch.cuda.Stream(kv_pool.device)
         block_shape = tuple(kv_pool.shape[1:])
         self.block_bytes = kv_pool[0].numel() * kv_pool.element_size()
         capacity = self.capacity_bytes // self.block_bytes
@@ -110,8 +117,16 @@ class HostKVTier:
         assert self._pool is not None and self._slab is not None, "bind() first"
         slot = self._free_slots.pop()
         t0 = time.perf_counter()
-        self._slab[slot].copy_(self._pool[block_id])
-        self.store_seconds += time.perf_counter() - t0
+        stream = self._copy_stream
+        if stream is not None:
+            # after the writes already queued on the step's stream (this block's KV, a load's read of the slot)
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                self._slab[slot].copy_(self._pool[block_id], non_blocking=True)
+            self._copies_pending = True
+        else:
+            self._slab[slot].copy_(self._pool[block_id])
+        self.store_seconds += time.perf_counter() - t0  # on CUDA: the time to issue it, what the step waits for
         self._blocks[key] = (slot, event_hash)
         self.stored_blocks += 1
         self.stored_bytes += self.block_bytes
@@ -140,9 +155,22 @@ class HostKVTier:
             self._blocks.move_to_end(k)
         self._busy.update(keys)
 
+    def fence(self, host: bool = False) -> None:
+        """What writes the pool next waits for the device-to-host copies issued so far: the current stream on the
+        GPU, or (host=True, for writers outside stream order such as a NIXL transfer) the calling thread."""
+        stream = self._copy_stream
+        if not self._copies_pending or stream is None:
+            return
+        if host:
+            stream.synchronize()
+        else:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self._copies_pending = False
+
     def load(self, keys: list[bytes], block_ids: list[int]) -> None:
         """Copies the taken `keys` into device blocks `block_ids` (freshly allocated, not yet read by any step)."""
         assert self._pool is not None and self._slab is not None, "bind() first"
+        self.fence()  # a slot written by a pending eviction copy is read only once that copy is done
         t0 = time.perf_counter()
         for key, block_id in zip(keys, block_ids):
             self._pool[block_id].copy_(self._slab[self._blocks[key][0]], non_blocking=self._pin)
