@@ -68,7 +68,7 @@ class ModelRunner:
         try:
             graphs.capture()
             error = graphs.verify()
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        except Exception as exc:  # noqa: BLE001 - capture or a kernel failed here: eager mixed steps, as before
             log.warning("mixed-step CUDA graphs off: %s", exc)
             return
         if not error <= VERIFY_TOLERANCE:
