@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from token_engine.core.mixed_graphs import MixedGraphs
 
 log = logging.getLogger("token_engine")
-# Mixed prefill + decode steps replay CUDA graphs (token_engine.core.mixed_graphs); benches switch it off to compare.
+# Mixed prefill + decode steps replay CUDA graphs (token_engine.core.mixed_graphs); off: they run eagerly.
 MIXED_GRAPHS = True
 
 
