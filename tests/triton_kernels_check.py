@@ -115,6 +115,15 @@ def check_mixed_step_layout(dtype, tol):
     block_size = 4
     layout = MixedStepLayout(torch.device("cpu"), block_size, H, D, max_num_seqs=6, max_blocks_per_seq=16,
                              max_num_batched_tokens=100)
+    wide = MixedStepLayout(torch.device("cpu"), block_size, H, D, max_num_seqs=40, max_blocks_per_seq=16,
+                           max_num_batched_tokens=4096)
+    assert wide.key_for([100] + [1] * 20, 4) == (128, 32)  # small steps: the next bucket up
+    assert wide.key_for([1617], 4) is None  # 27% padding at 2048: eager
+    assert wide.key_for([1900, 1], 4) == (2048, 8)  # within an eighth of the bucket
+    assert wide.key_for([1] * 8, 4) is None  # decode-only steps have their own graphs
+    assert wide.key_for([30] * 5, 4) is None  # more prefilling sequences than a graph's tiles allow
+    assert wide.key_for([3000, 1], 17) is None  # wider block tables than captured
+    print("ok mixed step buckets")
     pool = torch.randn(60, 1, 2, block_size, HKV, D).to(dtype)
     free = list(range(60))
     rng.shuffle(free)
