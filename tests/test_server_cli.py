@@ -5,6 +5,7 @@ One server is started for the module (loading the tokenizer takes seconds); the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -53,8 +54,8 @@ def wait_healthy(proc: subprocess.Popen, client: httpx.Client, output: Callable[
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def two_worker_server():
+@contextlib.contextmanager
+def two_worker_server_process():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "render_service.cli", "serve", str(QWEN3_DIR), "--served-model-name", "qwen3-0.6b",
@@ -75,6 +76,12 @@ def two_worker_server():
                 proc.kill()
                 proc.wait()
         proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def two_worker_server():
+    with two_worker_server_process() as server:
+        yield server
 
 
 def test_workers_serve_one_port_and_share_metrics(two_worker_server):
@@ -107,14 +114,14 @@ def test_a_dead_worker_is_replaced(two_worker_server):
     assert client.post("/v1/completions/render", json={"prompt": "x"}).status_code == 200
 
 
-# Runs last among the server tests: it stops the shared server.
-def test_sigterm_stops_parent_and_workers(two_worker_server):
-    proc, client = two_worker_server
-    workers = children_of(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
-    for pid in workers:
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+def test_sigterm_stops_parent_and_workers():
+    with two_worker_server_process() as (proc, _):  # its own server: the shared one serves the other tests
+        workers = children_of(proc.pid)
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        for pid in workers:
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
 
 
 def test_bad_flags_fail_fast_with_a_message():
