@@ -419,7 +419,7 @@ class LLMEngine:
             m.label(m.offload_usage).set(tier.usage())
             self._count_up("load_bytes", tier.loaded_bytes, m.label(m.offload_load_bytes))
             self._count_up("store_bytes", tier.stored_bytes, m.label(m.offload_store_bytes))
-            self._count_up("load_time", tier.load_seconds, m.label(m.offload_load_time))
+            self._count_up("load_time", tier.load_time, m.label(m.offload_load_time))
             self._count_up("store_time", tier.store_seconds, m.label(m.offload_store_time))
         if self.kv_events is not None:
             pub = self.kv_events.publisher

@@ -66,7 +66,9 @@ class HostKVTier:
         self.stored_bytes = 0
         self.loaded_bytes = 0
         self.store_seconds = 0.0
-        self.load_seconds = 0.0
+        self.load_seconds = 0.0  # host time to issue the loads (on CUDA they run asynchronously)
+        self.load_device_seconds = 0.0  # CUDA: the loads' copy time on the GPU, from events, once they finished
+        self._load_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.invalidations = 0
 
     # ---- binding ----------------------------------------------------------------------------------
@@ -172,12 +174,37 @@ class HostKVTier:
         assert self._pool is not None and self._slab is not None, "bind() first"
         self.fence()  # a slot written by a pending eviction copy is read only once that copy is done
         t0 = time.perf_counter()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._pin else None
+        if events is not None:
+            events[0].record()
         for key, block_id in zip(keys, block_ids):
             self._pool[block_id].copy_(self._slab[self._blocks[key][0]], non_blocking=self._pin)
+        if events is not None:
+            events[1].record()
+            self._load_events.append(events)
+            self.settle_timings()
         self.load_seconds += time.perf_counter() - t0
         self._busy.difference_update(keys)
         self.loaded_blocks += len(block_ids)
         self.loaded_bytes += len(block_ids) * self.block_bytes
+
+    @property
+    def load_time(self) -> float:
+        """Seconds the loads took: on CUDA their GPU time (those finished), on CPU the host's (copies are plain)."""
+        if self._pin:
+            self.settle_timings()
+            return self.load_device_seconds
+        return self.load_seconds
+
+    def settle_timings(self) -> None:
+        """Adds the GPU time of the loads that have finished to load_device_seconds (never waits)."""
+        pending = []
+        for start, end in self._load_events:
+            if end.query():
+                self.load_device_seconds += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._load_events = pending
 
     def clear(self) -> int:
         """Drops every entry (routers hear BlockRemoved for each); the number dropped."""
