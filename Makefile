@@ -16,6 +16,7 @@ install: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,test]'
 	$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 xgrammar==0.2.9
+	$(BIN)/pip install -q --no-deps triton==3.6.0  # its interpreter checks the CUDA kernels on CPU (tests/triton_kernels_check.py)
 
 demo: install
 	$(BIN)/python -m splitserve_demo
