@@ -27,9 +27,9 @@ def test_no_result_file_names_a_machine_path() -> None:
 def test_paths_a_run_records_become_names_with_the_same_meaning() -> None:
     result = {
         "command": "/home/u/repo/.venv/bin/python -m bench.agent_render_bench --ab-tree /tmp/before --ab-label before",
-        "venv": "/opt/peers/vllm033", "binary": "/work/peers/vllm034-src/vllm/vllm-rs",
+        "venv": "/opt/peers/vllm033", "binary": "/data/peers/vllm034-src/vllm/vllm-rs",
         "tokenizer": "/home/u/shared/fixtures/qwen3-0.6b", "render_service": "/tmp/other/render_service",
-        "tree": "/work/wt/base", "model": "/tmp/tmp.AbC123/m", "counts": [1, 2], "note": "no path here",
+        "tree": "/mnt/checkouts/base", "model": "/tmp/tmp.AbC123/m", "counts": [1, 2], "note": "no path here",
     }
     assert portable(result) == {
         "command": "python -m bench.agent_render_bench --ab-tree <checkout> --ab-label before",
