@@ -44,6 +44,14 @@ def build_model(device: str, arch_name: str, preset: str, dtype: str):
     return model
 
 
+def tier_config(tier_bytes: int | None) -> dict | None:
+    """vLLM's OffloadingConnector config for a host tier of tier_bytes (None: no tier)."""
+    if tier_bytes is None:
+        return None
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}}
+
+
 def make_engine(model, args, tier_bytes: int | None):
     from token_engine.core.engine import EngineConfig, LLMEngine
 
@@ -51,9 +59,7 @@ def make_engine(model, args, tier_bytes: int | None):
     return LLMEngine(EngineConfig(
         model=f"random-{args.preset}", device=args.device, max_model_len=max_len, max_num_seqs=4,
         max_num_batched_tokens=args.chunk, block_size=16, num_gpu_blocks_override=-(-args.pool_tokens // 16),
-        enforce_eager=True, kv_transfer_config=None if tier_bytes is None else {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}},
+        enforce_eager=True, kv_transfer_config=tier_config(tier_bytes),
     ), model=model)
 
 
@@ -116,10 +122,7 @@ def decode_steps(model, args, tier_bytes: int | None) -> dict:
     engine = LLMEngine(EngineConfig(
         model=f"random-{args.preset}", device=args.device, max_model_len=pool_tokens, max_num_seqs=args.streams,
         max_num_batched_tokens=max(2048, args.streams), block_size=16,
-        num_gpu_blocks_override=pool_tokens // 16,
-        kv_transfer_config=None if tier_bytes is None else {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": tier_bytes}},
+        num_gpu_blocks_override=pool_tokens // 16, kv_transfer_config=tier_config(tier_bytes),
     ), model=model)
     g = torch.Generator().manual_seed(1)
     vocab = model.arch.vocab_size
