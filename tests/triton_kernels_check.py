@@ -135,7 +135,9 @@ def check_mixed_step_layout(dtype, tol):
         key = layout.key_for(new, int(meta.block_tables.shape[1]))
         assert key is not None and key[0] > sum(new), key
         n = sum(new)
-        layout.fill(key[0], list(range(n)), list(range(n)), meta.slot_mapping, new, lens, meta.block_tables)
+        rows = layout.fill(key[0], list(range(n)), list(range(n)), meta.slot_mapping, new, lens, meta.block_tables,
+                           [n - 1, 0])
+        assert rows.tolist() == [n - 1, 0], rows
         q = torch.randn(key[0], H, D).to(dtype)
         ref = _paged_attention_reference(q[:n].float(), pool.float(), 0, meta, 0.3, None)
         for splits in (None, 3):  # the layout's own choice, and the context in slices over the dummy tiles too

@@ -21,6 +21,7 @@ eager forward on a real mixed step; the runner drops the graphs when it does not
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -92,8 +93,10 @@ class MixedStepLayout:
         return meta
 
     def fill(self, tokens: int, input_ids: list[int], positions: list[int], slots: torch.Tensor,
-             query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> None:
-        """Writes one step into the buffers (one host-to-device copy, then device-side copies)."""
+             query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+             sample_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Writes one step into the buffers (one host-to-device copy, then device-side copies); returns
+        sample_rows on the device, from the same copy."""
         n, num_seqs = len(input_ids), len(query_lens)
         last_row = tokens - 1  # the dummy's row: padding, never a real token's
         starts = [0]
@@ -111,9 +114,9 @@ class MixedStepLayout:
                  torch.cat([slots.long(), torch.full((tokens - n,), -1, dtype=torch.int64)]),
                  torch.tensor(qsl, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
                  torch.tensor(decode, dtype=torch.int64), torch.tensor(tile_seq + tile_m, dtype=torch.int64),
-                 block_tables.long().flatten()]
+                 block_tables.long().flatten(), torch.tensor(list(sample_rows), dtype=torch.int64)]
         flat = torch.cat(parts).to(self.input_ids.device)
-        ids, pos, slot, qs, ln, dec, til, table = flat.split([p.numel() for p in parts])
+        ids, pos, slot, qs, ln, dec, til, table, rows = flat.split([p.numel() for p in parts])
         self.input_ids[:tokens].copy_(ids)
         self.positions[:tokens].copy_(pos)
         self.slot_mapping[:tokens].copy_(slot)
@@ -124,6 +127,7 @@ class MixedStepLayout:
         width = int(block_tables.shape[1]) if block_tables.dim() == 2 else 0
         if num_seqs and width:
             self.block_tables[:num_seqs, :width].copy_(table.view(num_seqs, width))
+        return rows
 
     def fill_idle(self, tokens: int) -> None:
         """Every sequence the dummy, every slot skipped: what capture and warm-up run on."""
@@ -190,14 +194,15 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def replay(self, key: tuple[int, int], input_ids: list[int], positions: list[int], meta: AttentionMetadata,
-               query_lens: list[int]) -> torch.Tensor:
-        """hidden [len(input_ids), hidden] of a step described by host lists and its CPU metadata: a view of a
-        static buffer, valid until the next replay."""
+               query_lens: list[int], sample_rows: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [len(input_ids), hidden], sample_rows on the device) of a step described by host lists and its
+        CPU metadata; hidden is a view of a static buffer, valid until the next replay."""
         tokens = key[0]
         _, seq_lens = meta.host_lists()
-        self.layout.fill(tokens, input_ids, positions, meta.slot_mapping, query_lens, seq_lens, meta.block_tables)
+        rows = self.layout.fill(tokens, input_ids, positions, meta.slot_mapping, query_lens, seq_lens,
+                                meta.block_tables, sample_rows)
         self.graphs[key].replay()
-        return self.outputs[key][: len(input_ids)]
+        return self.outputs[key][: len(input_ids)], rows
 
     @torch.inference_mode()
     def verify(self) -> float:
@@ -231,7 +236,7 @@ class MixedGraphs:
             raise RuntimeError("the check step does not fit a captured mixed-step graph")
         cpu_meta = build_metadata(new, contexts, tables, bs, "cpu")
         cpu_meta.slot_mapping = torch.full_like(cpu_meta.slot_mapping, -1)
-        got = self.replay(key, ids, pos, cpu_meta, new).float().clone()
+        got = self.replay(key, ids, pos, cpu_meta, new)[0].float().clone()
         eager_meta = build_metadata(new, contexts, tables, bs, device)
         eager_meta.slot_mapping = torch.full_like(eager_meta.slot_mapping, -1)
         want = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), eager_meta,

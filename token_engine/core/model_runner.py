@@ -123,8 +123,7 @@ class ModelRunner:
         key = mixed.key_for(query_lens, int(cpu_meta.block_tables.shape[1])) if mixed is not None else None
         self.last_step_tokens = len(input_ids)
         if mixed is not None and key is not None:
-            hidden = mixed.replay(key, input_ids, positions, cpu_meta, query_lens)
-            rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
+            hidden, rows = mixed.replay(key, input_ids, positions, cpu_meta, query_lens, sample_rows)
             self.last_step_tokens = key[0]
         else:
             meta, ids, pos, rows = self._to_device(cpu_meta, input_ids, positions, sample_rows)
