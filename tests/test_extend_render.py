@@ -169,6 +169,24 @@ def test_fallback_says_why_and_extend_only_refuses():
     assert err.value.status == 400 and "Cannot extend" in err.value.message
 
 
+@pytest.mark.parametrize("bad", [-1, "vocab", 2**32, 2**40])
+@pytest.mark.parametrize("field", ["prompt_token_ids", "completion_token_ids"])
+def test_an_id_outside_the_vocabulary_is_a_400_naming_it(field, bad):
+    config = qwen3_config()
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
+    completion = config.tokenizer.encode("Three.<|im_end|>")
+    bad_id = config.tokenizer.vocab_size if bad == "vocab" else bad
+    turn = {"prompt_token_ids": prompt, "completion_token_ids": completion}
+    turn[field] = [*turn[field][:3], bad_id, *turn[field][3:]]
+    messages = [*SYSTEM, {"role": "assistant", "content": "Three."}, {"role": "user", "content": "ok"}]
+    with pytest.raises(ApiError) as err:
+        render(config, messages=messages, tools=rollouts.TOOLS, previous_turn=turn)
+    assert err.value.status == 400
+    assert f"previous_turn.{field}: token id {bad_id} is out of vocabulary" in err.value.message
+    turn[field] = [t for t in turn[field] if t != bad_id]  # the same turn without it extends
+    assert render(config, messages=messages, tools=rollouts.TOOLS, previous_turn=turn).extend.extended
+
+
 def test_full_render_masks_follow_the_messages():
     config = qwen3_config()
     messages = [*SYSTEM, {"role": "assistant", "content": "There are 3 cats."}, {"role": "user", "content": "ok"}]

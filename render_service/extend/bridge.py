@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from render_service.extend.protocol import DifferingSpan
+from render_service.templates.chat_template import PlainMessages
 
 # A plain assistant message's content, unlikely in real text and with no whitespace a template would trim.
 PROBE = "\u27e6splitserve-extend-probe\u27e7"
@@ -83,19 +84,26 @@ def probe_message(content_format: str) -> dict[str, Any]:
     return {"role": "assistant", "content": content}
 
 
+def _like(messages: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``items`` in the list type of ``messages``: a list the render knows holds plain copies stays marked as one
+    (the probe is a plain dict too), so the render does not copy every message again."""
+    return PlainMessages(items) if type(messages) is PlainMessages else items
+
+
 def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], arguments: dict[str, Any],
                     k: int, content_format: str, end_markers: Sequence[str] = ()) -> Bridge:
     """The bridge after message ``k`` (``render(messages, **arguments)`` is the template's text render): by the
     probe where the template takes one, else by the prefix (``prefix_bridge``)."""
     full = render(messages, **arguments)
-    probed = [*messages[:k], probe_message(content_format), *messages[k + 1:]]
+    probed = _like(messages, [*messages[:k], probe_message(content_format), *messages[k + 1:]])
     try:
         alt: str | None = render(probed, **arguments)
     except Exception:  # the template refuses a plain assistant message here (MiniMax wants the tool call)
         alt = None
     at = alt.rfind(PROBE) if alt is not None else -1
     after = len(alt) - at - len(PROBE) if alt is not None and at >= 0 else -1
-    if alt is None or at < 0 or common_suffix(full, alt) < after:
+    # The proof: the whole text after the probe is the full render's tail (compared over that tail alone).
+    if alt is None or at < 0 or not full.endswith(alt[len(alt) - after:]):
         return prefix_bridge(render, messages, arguments, k, full, end_markers)
     text = full[len(full) - after:]
     # The close: what the template writes after the probe when the assistant turn ends the conversation, as far
@@ -107,7 +115,7 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     if k + 1 < len(messages):
         last = dict(arguments, add_generation_prompt=False)
         try:
-            alone = render([*messages[max(0, k - 1):k], probe_message(content_format)], **last)
+            alone = render(_like(messages, [*messages[max(0, k - 1):k], probe_message(content_format)]), **last)
         except Exception:
             alone = None
         closing = 0
@@ -122,8 +130,8 @@ def prefix_bridge(render: Callable[..., str], messages: list[dict[str, Any]], ar
     head of the whole render (append-only here), and the close is what the template writes after the turn's last
     end marker (``end_markers``: the bundle's end-of-turn tokens)."""
     try:
-        closed = render(messages[:k + 1], **dict(arguments, add_generation_prompt=False))
-        head = render(messages[:k], **dict(arguments, add_generation_prompt=True)) if k else ""
+        closed = render(_like(messages, messages[:k + 1]), **dict(arguments, add_generation_prompt=False))
+        head = render(_like(messages, messages[:k]), **dict(arguments, add_generation_prompt=True)) if k else ""
     except Exception as exc:
         raise ExtendImpossible(f"the template renders no conversation ending with the sampled turn ({exc})") from None
     if not full.startswith(closed):
@@ -159,7 +167,8 @@ def differing_span(full: Sequence[int], extended: Sequence[int], decode: Callabl
                    ) -> DifferingSpan | None:
     """Where two id lists part (None when equal): the first differing position and the ends of the differing
     runs, with their text."""
-    if len(full) == len(extended) and list(full) == list(extended):
+    if len(full) == len(extended) and (full == extended if type(full) is type(extended) else
+                                       list(full) == list(extended)):
         return None
     start = common_prefix(full, extended)
     tail = min(common_suffix(full, extended), len(full) - start, len(extended) - start)

@@ -8,8 +8,11 @@ is refused (``mode: "extend_only"``).
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Any, cast
+
+import numpy as np
 
 from render_service.extend.bridge import (
     Bridge,
@@ -61,9 +64,21 @@ def check_turn(turn: PreviousTurn, config: RenderConfig) -> None:
     vocab = config.tokenizer.vocab_size
     for name in ("prompt_token_ids", "completion_token_ids"):
         ids = getattr(turn, name)
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
+        if ids and not _within_vocab(ids, vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise bad_request(f"previous_turn.{name}: token id {bad} is out of vocabulary", "previous_turn")
+
+
+def _within_vocab(ids: list[int], vocab: int) -> bool:
+    """Every id in [0, vocab): the list copied once into 32-bit unsigned items (a negative or huge id cannot be
+    one) and its largest read in C, about a third of ``min`` and ``max`` over the Python ints."""
+    if array.array("I").itemsize != 4:  # (no platform we build for)
+        return min(ids) >= 0 and max(ids) < vocab
+    try:
+        packed = array.array("I", ids)
+    except OverflowError:
+        return False
+    return int(np.frombuffer(packed, dtype=np.uint32).max()) < vocab
 
 
 def turn_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]) -> TurnRender:
@@ -164,14 +179,14 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     text, closing = drop_sampled_marker(bridge.text, bridge.closing_chars, completion[-1] if completion else None,
                                         added)
     suffix = _encode(text, config) if text else []  # (through the piece cache: a new message seen before is a hit)
-    kept = [*turn.prompt_token_ids, *completion]
-    ids = kept + suffix
+    ids = [*turn.prompt_token_ids, *completion, *suffix]
+    kept_count = len(ids) - len(suffix)
     full_ids = _encode(bridge.full, config)
     decode = _decoder(config)
     span = differing_span(full_ids, ids, decode)
     offsets = _offsets(text, suffix, config) if masks and suffix else []
     closing_ids = len(config.tokenizer.encode(text[:closing])) if closing else 0  # (the close starts at a cut)
-    info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=len(kept), closing_tokens=closing_ids,
+    info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=kept_count, closing_tokens=closing_ids,
                       new_tokens=len(suffix) - closing_ids,
                       suffix_matches_full_render=full_ids[len(full_ids) - len(suffix):] == suffix,
                       matches_full_render=span is None, differing_span=span)
