@@ -7,7 +7,7 @@ import pytest
 from tests.test_scheduler import seq, step
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.scheduler import Scheduler
-from token_engine.core.step_budget import PrefillPolicy, StepTimeModel
+from token_engine.core.step_budget import PrefillPolicy, StepTimeModel, attention_pairs
 
 
 def make(policy: PrefillPolicy, budget=512, num_blocks=2048, block_size=4, max_num_seqs=16, caching=False):
@@ -31,6 +31,46 @@ def test_step_time_model_recovers_a_linear_cost_and_budgets_tokens_for_a_target(
     base, per_token = model.fit()
     assert base == pytest.approx(7.0) and per_token == pytest.approx(0.01)
     assert model.tokens_for(30.0) == pytest.approx(2300, abs=1)
+
+
+def cost_with_context(tokens: int, pairs: float) -> float:
+    return 5.0 + 0.001 * tokens + 2.0 * pairs  # ms: 2 ms per million query-key pairs of prefill attention
+
+
+def test_step_time_model_tells_the_attention_over_context_apart_from_the_tokens():
+    model = StepTimeModel()
+    for tokens, context in ((8, 0), (500, 0), (500, 8000), (1000, 2000), (40, 30000), (2000, 500), (300, 20000)):
+        pairs = attention_pairs(tokens, context)
+        model.observe(tokens, cost_with_context(tokens, pairs), pairs)
+    base, per_token, per_pair = model.fit_with_pairs()
+    assert (base, per_token, per_pair) == pytest.approx((5.0, 0.001, 2.0), rel=1e-6)
+    for context in (0, 2000, 30000):
+        got = model.tokens_for(10.0, decode_tokens=4, context=context)
+        # the largest prefill that keeps the step within 10 ms at this context, to the token
+        prefill = got - 4
+        assert cost_with_context(4 + prefill, attention_pairs(prefill, context)) <= 10.0
+        assert cost_with_context(4 + prefill + 1, attention_pairs(prefill + 1, context)) > 10.0
+    assert model.tokens_for(10.0, 4, 30000) < model.tokens_for(10.0, 4, 2000) < model.tokens_for(10.0, 4, 0)
+
+
+def test_a_long_prompt_takes_smaller_chunks_as_its_context_grows():
+    s, _ = make(PrefillPolicy(target_step_ms=10.0), budget=4096)
+    streams = decoding(s, 4)
+    for tokens, context in ((4, 0), (1000, 0), (2000, 3000), (500, 6000), (300, 500)):
+        pairs = attention_pairs(tokens, context)
+        s.step_times.observe(tokens, cost_with_context(tokens, pairs), pairs)
+    long = seq(6000)
+    s.add(long)
+    chunks = []
+    for _ in range(40):
+        if sum(chunks) == 6000:
+            break
+        out = step(s)
+        assert all(x.num_new_tokens == 1 for x in out.scheduled if x.seq in streams)
+        chunks += [x.num_new_tokens for x in out.scheduled if x.seq is long]
+    assert sum(chunks) == 6000 and len(chunks) >= 4
+    assert all(a > b for a, b in zip(chunks[:-2], chunks[1:-1]))  # (the last takes what is left)
+    assert chunks[0] == s.step_times.tokens_for(10.0, 4, 0) - 4
 
 
 def test_with_a_step_target_a_long_prompt_takes_only_what_keeps_decode_steps_near_it():

@@ -305,7 +305,7 @@ class LLMEngine:
             for seq_id, (first, rows) in logits.prompt_logits.items():
                 self._record_prompt_logprobs(self._seq_by_id(seq_id), first, rows)
             t_model = time.perf_counter()
-            self.scheduler.observe_step(self.runner.last_step_tokens, t_model - t_scheduled)
+            self.scheduler.observe_step(self.runner.last_step_tokens, t_model - t_scheduled, out)
             self.scheduler.update_after_step(out, sampled)
             for s in out.scheduled:
                 touched.setdefault(s.seq.request_id, self._seq_request[s.seq.seq_id])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.sequence import Sequence, SequenceStatus
-from token_engine.core.step_budget import PrefillPolicy, StepTimeModel, fill_bucket
+from token_engine.core.step_budget import PrefillPolicy, StepTimeModel, attention_pairs, fill_bucket
 from token_engine.kv_connector.base import (
     KV_LOAD_FAILED,
     KV_PARAMS_REFUSED,
@@ -184,9 +184,14 @@ class Scheduler:
         return finished
 
     # ---- the step ---------------------------------------------------------------------------------
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The model time of a step that ran num_tokens: feeds the step budget."""
-        self.step_times.observe(num_tokens, seconds * 1e3)
+    def observe_step(self, num_tokens: int, seconds: float, out: SchedulerOutput | None = None) -> None:
+        """The model time of a step that ran num_tokens (`out`: what it scheduled, before update_after_step,
+        for its prefill attention): feeds the step budget."""
+        pairs = 0.0
+        for s in out.scheduled if out is not None else ():
+            if s.num_new_tokens > 1:
+                pairs += attention_pairs(s.num_new_tokens, s.seq.num_computed_tokens)
+        self.step_times.observe(num_tokens, seconds * 1e3, pairs)
 
     def step_budget(self) -> int:
         """This step's token budget: max_num_batched_tokens, or less while sequences decode and a step-time
@@ -198,7 +203,11 @@ class Scheduler:
         decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         if decoding == 0:
             return budget  # nobody waits for a token between steps
-        fitted = self.step_times.tokens_for(target)
+        # The context the step's prefill extends: the furthest-along prompt being chunked (the one a long prompt's
+        # chunks come from; a new prompt starts after its cached prefix, which this leaves out).
+        context = max((s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1),
+                      default=0)
+        fitted = self.step_times.tokens_for(target, decoding, context)
         if fitted is None:
             return budget
         floor = decoding + self.policy.min_prefill_tokens

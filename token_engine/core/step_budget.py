@@ -1,10 +1,12 @@
 """Stall-free chunked prefill: how many tokens a step may take so that decode streams keep their pace.
 
-A step's time grows with its tokens (a fixed part for the weights read once, plus a part per token). While
-sequences are decoding, each step is one inter-token gap for all of them, so a long prefill chunk in the
-same step stalls every stream (Sarathi-Serve's observation). `StepTimeModel` fits step time against the
-step's tokens from the steps the engine actually ran; `PrefillPolicy.target_step_ms` turns that into a
-token budget per step, and prefill chunks fill what the decode tokens leave.
+A step's time grows with its tokens (a fixed part for the weights read once, plus a part per token) and with
+the context its prefill tokens attend to (a chunk late in a 32k prompt costs more than the same chunk early
+in it). While sequences are decoding, each step is one inter-token gap for all of them, so a long prefill
+chunk in the same step stalls every stream (Sarathi-Serve's observation). `StepTimeModel` fits step time
+against the step's tokens and its prefill attention pairs from the steps the engine actually ran;
+`PrefillPolicy.target_step_ms` turns that into a token budget per step for the context the next chunk
+extends, and prefill chunks fill what the decode tokens leave.
 
 `PrefillPolicy` also carries vLLM 0.34's scheduler knobs for long prompts, with vLLM's meaning:
 long_prefill_token_threshold (cap on one prompt's chunk, skipped when it is the only request),
@@ -50,23 +52,39 @@ def fill_bucket(tokens: int, floor: int, buckets: tuple[int, ...]) -> int:
     return best
 
 
+def attention_pairs(new_tokens: int, context: int) -> float:
+    """Query-key pairs (millions) of a prefill chunk of `new_tokens` after `context` tokens: each new token
+    attends to the context and, causally, to the chunk's tokens before it."""
+    return new_tokens * (context + new_tokens / 2) / 1e6
+
+
 class StepTimeModel:
-    """step_ms ~ base_ms + per_token_ms * tokens, an exponentially weighted least-squares fit."""
+    """step_ms ~ base_ms + per_token_ms * tokens + per_pair_ms * pairs (prefill attention, millions of
+    query-key pairs): an exponentially weighted least-squares fit. Until the steps seen tell the pairs' part
+    apart from the tokens' (prefills over different contexts), the pairs' part is 0 and the fit is linear in
+    tokens."""
 
     def __init__(self, decay: float = 0.95):
         self.decay = decay
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        # weighted sums of 1, x, z, y, x*x, x*z, z*z, x*y, z*y (x: tokens, z: pairs, y: ms)
+        self.n = self.sx = self.sz = self.sy = self.sxx = self.sxz = self.szz = self.sxy = self.szy = 0.0
 
-    def observe(self, tokens: int, ms: float) -> None:
+    def observe(self, tokens: int, ms: float, pairs: float = 0.0) -> None:
         d = self.decay
+        x, z, y = float(tokens), pairs, ms
         self.n = self.n * d + 1.0
-        self.sx = self.sx * d + tokens
-        self.sy = self.sy * d + ms
-        self.sxx = self.sxx * d + tokens * tokens
-        self.sxy = self.sxy * d + tokens * ms
+        self.sx = self.sx * d + x
+        self.sz = self.sz * d + z
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.sxz = self.sxz * d + x * z
+        self.szz = self.szz * d + z * z
+        self.sxy = self.sxy * d + x * y
+        self.szy = self.szy * d + z * y
 
     def fit(self) -> tuple[float, float] | None:
-        """(base_ms, per_token_ms), or None until steps of different sizes were seen."""
+        """(base_ms, per_token_ms) of the fit linear in tokens, or None until steps of different sizes were
+        seen."""
         var = self.n * self.sxx - self.sx * self.sx
         if self.n < 2 or var <= 1e-9 * max(1.0, self.sxx * self.n):
             return None
@@ -76,10 +94,41 @@ class StepTimeModel:
             return None
         return max(0.0, base), slope
 
-    def tokens_for(self, target_ms: float) -> int | None:
-        """Tokens a step may take to last about target_ms; None while the model knows too little."""
-        fitted = self.fit()
+    def fit_with_pairs(self) -> tuple[float, float, float] | None:
+        """(base_ms, per_token_ms, per_pair_ms); the pairs' part 0 where the steps seen cannot tell it apart
+        (or it comes out negative). None until steps of different sizes were seen."""
+        linear = self.fit()
+        if linear is None:
+            return None
+        # Centred normal equations for (per_token, per_pair): [[Cxx, Cxz], [Cxz, Czz]] b = [Cxy, Czy].
+        n = self.n
+        cxx = self.sxx - self.sx * self.sx / n
+        cxz = self.sxz - self.sx * self.sz / n
+        czz = self.szz - self.sz * self.sz / n
+        cxy = self.sxy - self.sx * self.sy / n
+        czy = self.szy - self.sz * self.sy / n
+        det = cxx * czz - cxz * cxz
+        if czz <= 1e-12 or det <= 1e-9 * max(1e-12, cxx * czz):
+            return (*linear, 0.0)
+        per_token = (czz * cxy - cxz * czy) / det
+        per_pair = (cxx * czy - cxz * cxy) / det
+        if per_token <= 0 or per_pair < 0:
+            return (*linear, 0.0)
+        base = (self.sy - per_token * self.sx - per_pair * self.sz) / n
+        return max(0.0, base), per_token, per_pair
+
+    def tokens_for(self, target_ms: float, decode_tokens: int = 0, context: int = 0) -> int | None:
+        """Tokens a step may take to last about target_ms: `decode_tokens` decode rows plus prefill tokens that
+        extend a prompt whose first `context` tokens are computed. None while the model knows too little."""
+        fitted = self.fit_with_pairs()
         if fitted is None:
             return None
-        base, slope = fitted
-        return max(0, int((target_ms - base) / slope))
+        base, per_token, per_pair = fitted
+        room = target_ms - base - per_token * decode_tokens
+        if room <= 0:
+            return decode_tokens
+        # room = per_token * p + per_pair * p * (context + p / 2) / 1e6, solved for the prefill tokens p
+        a = per_pair / 2e6
+        b = per_token + per_pair * context / 1e6
+        prefill = room / b if a <= 0 else (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
+        return decode_tokens + max(0, int(prefill))
