@@ -7,11 +7,10 @@ import re
 
 import pytest
 
-from tests.engine_harness import engine_config, make_engine, tiny_loaded_model, write_tiny_qwen3
+from tests.engine_harness import HeldLoads, engine_config, make_engine, tiny_loaded_model, write_tiny_qwen3
 from token_engine.core.engine import LLMEngine
 from token_engine.core.model_runner import kv_block_bytes
 from token_engine.core.sequence import SamplingOptions, Sequence, SequenceStatus
-from token_engine.kv_offload.host_tier import HostKVTier, HostLoad
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -248,18 +247,6 @@ def test_multiconnector_splits_into_the_pd_connector_and_the_host_tier():
                 {**multi, "kv_connector_extra_config": {"connectors": [{"kv_connector": "OffloadingConnector"}] * 2}}):
         with pytest.raises(ValueError, match="MultiConnector"):
             split_connectors(bad)
-
-
-class HeldLoads(HostKVTier):
-    """The host tier with real copies (plain, on CPU) whose loads report finished only once `held` is off: how a
-    load still under way on a GPU's copy engine looks to the scheduler, driven step by step."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
-        self.held = False
-
-    def _copied(self, load: HostLoad) -> bool:
-        return not self.held and super()._copied(load)
 
 
 def held_tier_engine(model, num_blocks: int = 32) -> tuple[LLMEngine, HeldLoads]:
