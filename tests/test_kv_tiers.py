@@ -313,6 +313,8 @@ def test_a_sequence_loading_from_the_host_tier_is_not_scheduled_while_others_dec
         assert seq.num_computed_tokens == 0 and len(seq.block_table) == 5 and not c["tokens"]
         assert all(engine.block_manager.block_hash[b] is None for b in seq.block_table)
         assert tier.loads_in_flight == 1 and tier.busy_slots == 5
+    if device == "cuda":
+        torch.cuda.synchronize()  # the copy is done on the GPU: only its report was held back
     tier.held = False
     engine.step()  # the load reports finished: c computes its last 4 tokens in this very step
     assert len(c["tokens"]) == 1 and seq.num_computed_tokens == len(PROMPT)
@@ -338,6 +340,8 @@ def test_abort_during_a_host_load_frees_blocks_and_slots_once_the_copies_finishe
     engine.step()
     # the copies may still write these blocks and read these slots: nothing is reused yet
     assert engine.num_free_blocks() == engine.num_blocks - 5 and tier.busy_slots == 5 and engine.has_work()
+    if device == "cuda":
+        torch.cuda.synchronize()  # the copy is done on the GPU: only its report was held back
     tier.held = False
     engine.step()
     assert engine.num_free_blocks() == engine.num_blocks and not engine.has_work()

@@ -288,6 +288,9 @@ class HostKVTier:
     def _settle(self, load: HostLoad) -> None:
         if load.start is not None and load.end is not None:
             self.load_device_seconds += load.start.elapsed_time(load.end) / 1e3
+            assert self._pool is not None
+            # A no-op on the GPU once the event is done; keeps the forward that reads these blocks in stream order.
+            torch.cuda.current_stream(self._pool.device).wait_event(load.end)
         self.release(load.slots)
         self.loaded_blocks += len(load.slots)
         self.loaded_bytes += len(load.slots) * self.block_bytes
