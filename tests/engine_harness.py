@@ -21,6 +21,7 @@ import uvicorn
 from tests.shared_paths import FIXTURES as FIXTURES_DIR
 from token_engine.core.engine import AsyncEngine, EngineConfig, LLMEngine
 from token_engine.http.server import build_app
+from token_engine.kv_offload.host_tier import HostKVTier, HostLoad
 from token_engine.layers.attention import allocate_kv_pool, build_metadata
 from token_engine.models.random_model import write_random_model
 
@@ -180,6 +181,18 @@ def finish_request(engine: LLMEngine, others, rid: str, prompt: list[int], optio
     engine.add_request(rid, prompt, options, kv_transfer_params=params, on_update=on_update)
     step_until([engine, *others], lambda: "u" in done)
     return tokens, done["u"]
+
+
+class HeldLoads(HostKVTier):
+    """The host KV tier with real copies (plain, on CPU) whose loads report finished only once ``held`` is off: how
+    a load still under way on a GPU's copy engine looks to the scheduler, driven step by step."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.held = False
+
+    def _copied(self, load: HostLoad) -> bool:
+        return not self.held and super()._copied(load)
 
 
 def free_port() -> int:

@@ -6,11 +6,13 @@ import json
 import re
 
 import pytest
+import torch
 
-from tests.engine_harness import engine_config, make_engine, tiny_loaded_model, write_tiny_qwen3
+from tests.engine_harness import HeldLoads, engine_config, make_engine, tiny_loaded_model, write_tiny_qwen3
 from token_engine.core.engine import LLMEngine
 from token_engine.core.model_runner import kv_block_bytes
-from token_engine.core.sequence import SamplingOptions
+from token_engine.core.sequence import SamplingOptions, Sequence, SequenceStatus
+from token_engine.kv_offload.host_tier import HostKVTier
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -53,9 +55,7 @@ def block_bytes(engine: LLMEngine) -> int:
 
 def offload_config(num_blocks: int, model) -> dict:
     """OffloadingConnector as vLLM configures it, sized to hold num_blocks blocks of the tiny model."""
-    probe = make_engine(model)
-    size = num_blocks * block_bytes(probe)
-    probe.shutdown()
+    size = num_blocks * kv_block_bytes(model[1].arch, 4)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": size, "block_size": 4}}
 
@@ -247,3 +247,166 @@ def test_multiconnector_splits_into_the_pd_connector_and_the_host_tier():
                 {**multi, "kv_connector_extra_config": {"connectors": [{"kv_connector": "OffloadingConnector"}] * 2}}):
         with pytest.raises(ValueError, match="MultiConnector"):
             split_connectors(bad)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=gpu)])
+def device_model(request, model) -> tuple:
+    """(the tiny model on the device, the device): on CUDA loads run on the tier's load stream, timed by events."""
+    if request.param == "cpu":
+        return model, "cpu"
+    from token_engine.models import load_model
+
+    return (model[0], load_model(model[0], dtype="float32", device="cuda")), "cuda"
+
+
+def held_tier_engine(model, device: str = "cpu", num_blocks: int = 32) -> tuple[LLMEngine, HeldLoads]:
+    """An engine over a HeldLoads tier, with PROMPT's 5 full blocks evicted into it."""
+    tier = HeldLoads(num_blocks * kv_block_bytes(model[1].arch, 4))
+    engine = LLMEngine(engine_config(model[0], **SMALL_POOL, device=device,
+                                     kv_transfer_config=offload_config(num_blocks, model)),
+                       model=model[1], host_tier=tier)
+    assert engine.host_tier is tier
+    run_one(engine, "a", PROMPT)
+    run_one(engine, "b", EVICTOR)
+    assert len(engine.block_manager.find_offloaded_prefix(Sequence("probe", "probe", 0, PROMPT, GREEDY), 0)) == 5
+    return engine, tier
+
+
+def collect(engine: LLMEngine, rid: str, prompt: list[int], options=GREEDY, **kw) -> dict:
+    """Output tokens ("tokens"; per choice index: "by_index") and updates of a request, as they come."""
+    got: dict = {"tokens": [], "by_index": {}, "updates": []}
+
+    def on_update(u):
+        for d in u.deltas:
+            got["tokens"].extend(d.token_ids)
+            got["by_index"].setdefault(d.index, []).extend(d.token_ids)
+        got["updates"].append(u)
+
+    engine.add_request(rid, prompt, options, on_update=on_update, **kw)
+    return got
+
+
+DECODER = list(range(300, 304))  # one block; 12 tokens more fit next to PROMPT's 6 blocks in the 12-block pool
+LONG = SamplingOptions(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_a_sequence_loading_from_the_host_tier_is_not_scheduled_while_others_decode(device_model):
+    model, device = device_model
+    plain = make_engine(model, **SMALL_POOL, device=device)
+    expected, decoder_expected = run_one(plain, "c", PROMPT)[0], run_one(plain, "d", DECODER, LONG)[0]
+    engine, tier = held_tier_engine(model, device)
+    d = collect(engine, "d", DECODER, LONG)
+    engine.step()  # d's prompt
+    tier.held = True
+    c = collect(engine, "c", PROMPT)
+    seq = engine.requests["c"].seqs[0]
+    for _ in range(4):
+        before = len(d["tokens"])
+        engine.step()
+        assert len(d["tokens"]) == before + 1  # d decodes every step...
+        # ... while c waits for its copies: in no step, nothing counted computed, nothing published
+        assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
+        assert engine.scheduler.running == engine.requests["d"].seqs
+        assert seq.num_computed_tokens == 0 and len(seq.block_table) == 5 and not c["tokens"]
+        assert all(engine.block_manager.block_hash[b] is None for b in seq.block_table)
+        assert tier.loads_in_flight == 1 and tier.busy_slots == 5
+    if device == "cuda":
+        torch.cuda.synchronize()  # the copy is done on the GPU: only its report was held back
+    tier.held = False
+    engine.step()  # the load reports finished: c computes its last 4 tokens in this very step
+    assert len(c["tokens"]) == 1 and seq.num_computed_tokens == len(PROMPT)
+    while engine.has_work():
+        engine.step()
+    assert c["tokens"] == expected and d["tokens"] == decoder_expected
+    assert c["updates"][-1].num_cached_tokens == 20 and tier.loaded_blocks == 5
+    assert tier.load_copies == 1  # the 5 slots, filled in one eviction run, went to 5 adjacent blocks: one copy
+    assert tier.load_time > 0  # CUDA: the copy's GPU time, from its events
+    assert engine.num_free_blocks() == engine.num_blocks
+    assert tier.busy_slots == 0 and tier.loads_in_flight == 0
+
+
+def test_abort_during_a_host_load_frees_blocks_and_slots_once_the_copies_finished(device_model):
+    model, device = device_model
+    engine, tier = held_tier_engine(model, device)
+    tier.held = True
+    c = collect(engine, "c", PROMPT)
+    engine.step()
+    assert tier.loads_in_flight == 1
+    engine.abort_request("c")
+    assert c["updates"][-1].finished and c["updates"][-1].deltas[0].finish_reason == "abort"
+    engine.step()
+    # the copies may still write these blocks and read these slots: nothing is reused yet
+    assert engine.num_free_blocks() == engine.num_blocks - 5 and tier.busy_slots == 5 and engine.has_work()
+    if device == "cuda":
+        torch.cuda.synchronize()  # the copy is done on the GPU: only its report was held back
+    tier.held = False
+    engine.step()
+    assert engine.num_free_blocks() == engine.num_blocks and not engine.has_work()
+    assert tier.busy_slots == 0 and tier.loads_in_flight == 0
+    assert tier.num_blocks + tier.num_free_slots == tier.capacity_blocks
+    assert not engine.block_manager.find_cached_prefix(Sequence("p", "p", 0, PROMPT, GREEDY))  # never published
+    # the tier still holds the prompt: the next request loads it
+    tokens, cached = run_one(engine, "again", PROMPT)
+    assert cached == 20 and tokens == run_one(make_engine(model, **SMALL_POOL, device=device), "ref", PROMPT)[0]
+
+
+def test_a_tier_cleared_during_a_load_frees_the_slots_it_reads_only_after_the_load(model):
+    engine, tier = held_tier_engine(model)
+    tier.held = True
+    c = collect(engine, "c", PROMPT)
+    engine.step()
+    engine.reset_prefix_cache()
+    assert tier.num_blocks == 0 and tier.num_free_slots == tier.capacity_blocks - 5  # the read slots stay taken
+    tier.held = False
+    while engine.has_work():
+        engine.step()
+    assert c["tokens"] == run_one(make_engine(model, **SMALL_POOL), "ref", PROMPT)[0]
+    assert tier.num_free_slots == tier.capacity_blocks and tier.busy_slots == 0
+
+
+def test_siblings_share_one_host_load(model):
+    engine, tier = held_tier_engine(model)
+    tier.held = True  # a load that takes a few steps, as a long one on a GPU
+    got = collect(engine, "n2", PROMPT, n=2)
+    for _ in range(3):
+        engine.step()
+    assert tier.loads_in_flight == 1
+    tier.held = False
+    while engine.has_work():
+        engine.step()
+    expected = run_one(make_engine(model, **SMALL_POOL), "ref", PROMPT)[0]
+    assert got["by_index"] == {0: expected, 1: expected}
+    assert tier.loaded_blocks == 5  # the second child waited for the first's load and hit the device blocks
+    assert engine.block_manager.cached_by_source == {"host": 20, "device": 20}
+    assert engine.num_free_blocks() == engine.num_blocks
+
+
+@gpu
+def test_a_cuda_load_waits_for_the_evictions_it_depends_on_and_lands_the_bytes():
+    """Blocks 0-3 are offloaded (copy stream) and at once overwritten by a load of other entries (load stream):
+    the load must follow the eviction copies that read those blocks, and land in one copy."""
+    pool = torch.randn(16, 2, 2, 4, 2, 8, device="cuda")
+    tier = HostKVTier(8 * pool[0].numel() * pool.element_size())
+    tier.bind(pool, "print")
+    for i in range(4):  # entries A: the content of blocks 4-7
+        tier.offload(b"A%d" % i, 4 + i, None)
+    tier.fence(host=True)
+    a, b = pool[4:8].clone(), pool[0:4].clone()
+    for i in range(4):  # entries B: blocks 0-3, copies still in flight
+        tier.offload(b"B%d" % i, i, None)
+    load = tier.load("s", tier.take([b"A%d" % i for i in range(4)]), [0, 1, 2, 3])
+    assert load.num_copies == 1 and tier.busy_slots == 4
+    assert load.end is not None
+    load.end.synchronize()
+    assert [x.owner for x in tier.finished_loads()] == ["s"]
+    torch.testing.assert_close(pool[0:4], a)
+    # B's slots hold blocks 0-3 as they were before the load
+    back = tier.load("t", tier.take([b"B%d" % i for i in range(4)]), [8, 9, 10, 11])
+    assert back.end is not None
+    back.end.synchronize()
+    tier.finished_loads()
+    torch.testing.assert_close(pool[8:12], b)
+    assert tier.loads_in_flight == 0 and tier.busy_slots == 0 and tier.load_time > 0 and tier.loaded_blocks == 8

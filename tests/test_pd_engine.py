@@ -304,3 +304,58 @@ def test_multiconnector_decode_loads_from_its_host_tier_and_pulls_only_the_rest(
         step_until([p, d], until=lambda: idle(d) and not {"m1", "m2"} & set(p.scheduler.held_by_connector))
     finally:
         d.shutdown()
+
+
+def test_multiconnector_decode_runs_only_once_its_host_load_and_its_pull_both_finished(model_dir, engines):
+    """The host tier's load and the NIXL pull of the rest run side by side; the sequence waits for both (here the
+    pull lands first and the host load is held back)."""
+    from tests.engine_harness import HeldLoads
+    from token_engine.core.model_runner import kv_block_bytes
+    from token_engine.core.sequence import SequenceStatus
+
+    p, _, _, c = engines
+    probe = LLMEngine(engine_config(model_dir))
+    tier = HeldLoads(64 * kv_block_bytes(probe.arch, 4))
+    probe.shutdown()
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "decode-held",
+             "kv_connector_extra_config": {"connectors": [
+                 {"kv_connector": "NixlConnector", "kv_load_failure_policy": "fail"},
+                 {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}},
+             ]}}
+    d = LLMEngine(engine_config(model_dir, num_gpu_blocks_override=16, max_model_len=64, kv_transfer_config=multi),
+                  host_tier=tier)
+    try:
+        prompt = prompt_of(37, 17)
+        expected = c.generate([prompt], GREEDY)[0]
+        decode(d, [p], "h1", prompt, prefill(p, "h1", prompt).kv_transfer_params)
+        d.generate([prompt_of(60, 18)], PREFILL_ONLY)  # evicts most of the prompt's blocks into the host tier
+        tier.held = True
+        params = prefill(p, "h2", prompt).kv_transfer_params
+        tokens: list[int] = []
+        done = {}
+
+        def on_update(u):
+            tokens.extend(t for delta in u.deltas for t in delta.token_ids)
+            if u.finished:
+                done["u"] = u
+
+        d.add_request("h2", prompt, GREEDY, kv_transfer_params=params, on_update=on_update)
+        seq = d.requests["h2"].seqs[0]
+
+        def pulled() -> bool:
+            load = d.scheduler.loading.get("h2")
+            return bool(seq.block_table) and (load is None or not load.remote)
+
+        step_until([p, d], until=pulled)
+        for _ in range(3):  # the pull has landed; the host load has not: still no step for it
+            d.step()
+            assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and not tokens
+            assert d.scheduler.loading["h2"].host is not None and tier.loads_in_flight == 1
+        tier.held = False
+        step_until([p, d], until=lambda: "u" in done)
+        assert tokens == expected and done["u"].num_cached_tokens == 37
+        assert d.block_manager.cached_by_source.get("host", 0) >= 32
+        step_until([p, d], until=lambda: idle(d) and not {"h1", "h2"} & set(p.scheduler.held_by_connector))
+        assert tier.busy_slots == 0 and tier.loads_in_flight == 0
+    finally:
+        d.shutdown()

@@ -284,7 +284,8 @@ class LLMEngine:
         """Runs one scheduling step. Returns whether any model work was done."""
         touched: dict[str, RequestState] = {}
         t_start = time.perf_counter()
-        for seq in self.scheduler.apply_connector_events(self.connector.poll()):
+        # Loads under way (a peer's, the host tier's) are polled, never waited for: their sequences run once done.
+        for seq in [*self.scheduler.apply_connector_events(self.connector.poll()), *self.scheduler.apply_host_loads()]:
             touched[seq.request_id] = self._seq_request[seq.seq_id]
         out = self.scheduler.schedule()
         t_scheduled = t_model = time.perf_counter()

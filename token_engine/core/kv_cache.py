@@ -19,7 +19,7 @@ from token_engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from token_engine.kv_events.recorder import KVEventRecorder
-    from token_engine.kv_offload.host_tier import HostKVTier
+    from token_engine.kv_offload.host_tier import HostKVTier, HostLoad
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -105,19 +105,23 @@ class BlockManager:
             hits.append(h)
         return hits
 
-    def load_offloaded(self, seq: Sequence, keys: list[bytes]) -> None:
-        """Gives seq fresh blocks for the host tier's `keys` (right after its device hits), copies their KV in and
-        publishes them as computed. can_admit must have counted them as new tokens."""
-        if not keys:
-            return
-        assert self.host is not None
-        self.host.take(keys)  # before allocate: the evictions it causes offload blocks, and must not drop these
+    def load_from_host(self, seq: Sequence, keys: list[bytes], num_more_tokens: int) -> HostLoad | None:
+        """Gives seq blocks for the host tier's `keys` (right after its device hits, which it holds) and for
+        `num_more_tokens` after them, and starts copying the keys' KV into the first ones. None, and no change,
+        when the blocks are not there. The loaded tokens count as computed, and their blocks are published, only
+        once the load is reported finished (the scheduler keeps seq out of steps until then)."""
+        assert self.host is not None and keys
+        slots = self.host.take(keys)  # before allocate: the evictions it causes offload blocks, and must not drop these
         start = len(seq.block_table)
-        ok = self.allocate(seq, len(keys) * self.block_size)
-        assert ok, "can_admit counted the loaded blocks"
-        self.host.load(keys, seq.block_table[start:start + len(keys)])
-        seq.num_computed_tokens += len(keys) * self.block_size
-        self.cache_computed_blocks(seq)
+        if not self.allocate(seq, len(keys) * self.block_size + num_more_tokens):
+            self.host.release(slots)
+            return None
+        # The new blocks hold nothing yet: ordering them as the slots are makes runs of slots land in runs of blocks
+        # (one copy each).
+        end = start + len(keys)
+        for pos, block_id in zip(sorted(range(len(keys)), key=slots.__getitem__), sorted(seq.block_table[start:end])):
+            seq.block_table[start + pos] = block_id
+        return self.host.load(seq.seq_id, slots, seq.block_table[start:end])
 
     def can_admit(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Whether cached_blocks can be taken and num_new_tokens more tokens get room."""

@@ -6,12 +6,19 @@ prefills), then waiting sequences in priority order while the token budget, `max
 blocks allow. The budget and a cap on long chunks come from token_engine.core.step_budget (stall-free batching).
 A running sequence that cannot get a block preempts the lowest-priority running
 sequence (possibly itself): its blocks are freed and it re-enters the waiting queue to be recomputed.
+
+A sequence whose KV is being copied in, by the connector from a peer (an asynchronous NIXL load) or from the
+host tier (blocks the device pool evicted), waits in WAITING_FOR_REMOTE_KVS with its blocks allocated: it is
+in no step until every load it started reports back (`apply_connector_events`, `apply_host_loads`, polled
+each step without waiting); then its loaded tokens count as computed and it queues again, so the other
+sequences' steps never wait for its copies.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.sequence import Sequence, SequenceStatus
@@ -24,6 +31,9 @@ from token_engine.kv_connector.base import (
     NoOpKVConnector,
 )
 from token_engine.rl.group_prefill import prefills_in_flight, share_key, waits_for_group_prefill
+
+if TYPE_CHECKING:
+    from token_engine.kv_offload.host_tier import HostLoad
 
 
 @dataclass
@@ -38,6 +48,24 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class PendingLoad:
+    """What a sequence in WAITING_FOR_REMOTE_KVS waits for: the connector's transfer, a host-tier load, or
+    both (host blocks first, the peer's after them). It moves on once neither is under way."""
+
+    external: int = 0  # tokens the connector writes
+    remote: bool = False  # the connector's transfer is under way
+    host: HostLoad | None = None  # the host tier's copies, until reported finished
+    host_tokens: int = 0
+    failure: str | None = None  # why the connector's transfer failed
+    refused: bool = False  # ... because the caller's kv_transfer_params were refused
+    aborted: bool = False  # finished while loading: its blocks are freed once nothing writes them
+
+    @property
+    def under_way(self) -> bool:
+        return self.remote or self.host is not None
 
 
 GRAMMAR_VIOLATION = ("structured_outputs: the sampled token is not allowed by the grammar (another constraint, "
@@ -88,8 +116,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.waiting_for_remote: dict[str, Sequence] = {}
         self.held_by_connector: dict[str, Sequence] = {}  # finished; blocks kept until the peer read them
-        self._pending_external: dict[str, int] = {}  # seq_id -> tokens being loaded by the connector
-        self._aborted_while_loading: set[str] = set()
+        self.loading: dict[str, PendingLoad] = {}  # seq_id -> what a sequence in waiting_for_remote waits for
         self._remote_checked: set[str] = set()
         self.num_preemptions = 0
 
@@ -117,8 +144,8 @@ class Scheduler:
         delay_free, params = self.connector.request_finished(seq, list(seq.block_table))
         seq.kv_transfer_params_out = params
         if seq.seq_id in self.waiting_for_remote:
-            # A transfer may still be writing into these blocks: free them when it reports back.
-            self._aborted_while_loading.add(seq.seq_id)
+            # A transfer or a host load may still be writing into these blocks: free them when it reports back.
+            self.loading[seq.seq_id].aborted = True
         elif delay_free:
             self.held_by_connector[seq.seq_id] = seq
         else:
@@ -159,29 +186,59 @@ class Scheduler:
             if seq is not None:
                 self.bm.free_blocks(seq)
         for seq_id in events.finished_recving | events.failed_recving:
-            seq = self.waiting_for_remote.pop(seq_id, None)
-            if seq is None:
+            load = self.loading.get(seq_id)
+            if load is None or not load.remote:
                 continue
-            external = self._pending_external.pop(seq_id, 0)
-            if seq_id in self._aborted_while_loading:
-                self._aborted_while_loading.discard(seq_id)
-                self.bm.free_blocks(seq)
-                continue
-            if seq_id in events.finished_recving and seq_id not in events.failed_recving:
-                # Keep at least one token to compute: its logits give the next token.
-                seq.num_computed_tokens = min(seq.num_computed_tokens + external, seq.num_tokens - 1)
-                self.add(seq)
-            elif self.connector.load_failure_policy == "recompute":
-                self.bm.free_blocks(seq)  # possibly half-written: never published, recomputed from scratch
-                self.add(seq)
-            else:
-                seq.status = SequenceStatus.WAITING  # not in any queue; finish() frees it
-                self.waiting.append(seq)
-                why = events.failure_reasons.get(seq_id, "the remote engine's KV cache could not be loaded")
-                prefix = KV_PARAMS_REFUSED if seq_id in events.refused_recving else KV_LOAD_FAILED
-                self.finish(seq, "error", f"{prefix}: {why}")
+            load.remote = False
+            if seq_id not in events.finished_recving or seq_id in events.failed_recving:
+                load.failure = events.failure_reasons.get(seq_id, "the remote engine's KV cache could not be loaded")
+                load.refused = seq_id in events.refused_recving
+            if (seq := self._loaded(seq_id)) is not None:
                 finished.append(seq)
         return finished
+
+    def apply_host_loads(self) -> list[Sequence]:
+        """Moves on the sequences whose host-tier loads finished (asks the tier, never waits); returns those
+        that finished because of it (a peer's failed load under policy "fail" that only waited for the host)."""
+        finished: list[Sequence] = []
+        if self.bm.host is None:
+            return finished
+        for host_load in self.bm.host.finished_loads():
+            load = self.loading.get(host_load.owner)
+            if load is None or load.host is not host_load:
+                continue
+            load.host = None
+            if (seq := self._loaded(host_load.owner)) is not None:
+                finished.append(seq)
+        return finished
+
+    def _loaded(self, seq_id: str) -> Sequence | None:
+        """One of seq_id's loads reported back: once none is under way, it queues again with its loaded tokens
+        computed (or is freed, recomputed or failed). Returns it if it finished now."""
+        load = self.loading[seq_id]
+        if load.under_way:
+            return None
+        del self.loading[seq_id]
+        seq = self.waiting_for_remote.pop(seq_id)
+        if load.aborted:
+            self.bm.free_blocks(seq)
+            return None
+        if load.failure is None:
+            seq.num_computed_tokens += load.host_tokens
+            self.bm.cache_computed_blocks(seq)  # the host tier's blocks hold their KV now: others may hit them
+            # Keep at least one token to compute: its logits give the next token.
+            seq.num_computed_tokens = min(seq.num_computed_tokens + load.external, seq.num_tokens - 1)
+            self.add(seq)
+            return None
+        if self.connector.load_failure_policy == "recompute":
+            self.bm.free_blocks(seq)  # possibly half-written: never published, recomputed from scratch
+            self.add(seq)
+            return None
+        seq.status = SequenceStatus.WAITING  # not in any queue; finish() frees it
+        self.waiting.append(seq)
+        prefix = KV_PARAMS_REFUSED if load.refused else KV_LOAD_FAILED
+        self.finish(seq, "error", f"{prefix}: {load.failure}")
+        return seq
 
     # ---- the step ---------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, out: SchedulerOutput | None = None) -> None:
@@ -235,7 +292,7 @@ class Scheduler:
         budget = self._schedule_running([s for s in order if not is_long(s)], budget, cap, placed, out)
 
         # New work only when nothing had to be preempted this step (as vLLM): blocks are short.
-        in_flight = prefills_in_flight(self.bm, self.running) if self.waiting else set()
+        in_flight = prefills_in_flight(self.bm, self.running + self._loading_from_host()) if self.waiting else set()
         for seq in self._admission_order():
             if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -251,6 +308,11 @@ class Scheduler:
                 in_flight.add(key)
         self._schedule_running([s for s in order if is_long(s)], budget, cap, placed, out)
         return out
+
+    def _loading_from_host(self) -> list[Sequence]:
+        """Sequences whose prompt blocks the host tier is copying in (a sibling waits for them, as for a prefill)."""
+        return [self.waiting_for_remote[seq_id] for seq_id, load in self.loading.items()
+                if load.host is not None and not load.aborted]
 
     def _schedule_running(self, seqs: list[Sequence], budget: int, cap: int,
                           placed: dict[str, ScheduledSequence], out: SchedulerOutput) -> int:
@@ -319,31 +381,37 @@ class Scheduler:
                 external = max(0, min(external, seq.num_tokens - num_computed))
         else:
             num_computed = seq.num_computed_tokens
+        loads = load_async or bool(offloaded)  # it waits for copies into its blocks before it runs
         limit = self.policy.max_num_inflight_kv_loads
-        if load_async and limit is not None and len(self.waiting_for_remote) >= limit:
+        if loads and limit is not None and len(self.waiting_for_remote) >= limit:
             self._remote_checked.discard(seq.seq_id)  # asked again once a load finishes
             return None
         remaining = seq.num_tokens - num_computed - external
-        num_new = 0 if load_async else min(remaining, budget)
-        if not load_async and external and num_new == 0:
+        num_new = 0 if loads else min(remaining, budget)
+        if not loads and external and num_new == 0:
             # A synchronous peer covered everything: recompute the last token for its logits.
             external -= 1
             num_new = 1
+        host_tokens = len(offloaded) * self.bm.block_size
         if fresh:
-            host_tokens = len(offloaded) * self.bm.block_size
             while not self.bm.can_admit(seq, cached, host_tokens + external + num_new):
                 if not self._release_turn_hold():
                     self._remote_checked.discard(seq.seq_id)  # the next attempt must ask the connector again
                     return None
             self.bm.take_cached_blocks(seq, cached)
-            self.bm.load_offloaded(seq, offloaded)
             if seq.num_preemptions == 0:
                 self.bm.record_prefix_lookup(seq.num_tokens, len(cached) * self.bm.block_size)
                 if self._has_external_tier or self.bm.host is not None:
                     self.bm.record_external_lookup(seq.num_tokens, {"host": host_tokens,
                                                                     self._external_source: external})
                 seq.num_cached_tokens = len(cached) * self.bm.block_size + host_tokens + external
-        if not self.bm.allocate(seq, external + num_new):
+        host_load: HostLoad | None = None
+        if offloaded:  # blocks for the host tier's hits and what follows them; the hits' copies start
+            host_load = self.bm.load_from_host(seq, offloaded, external + num_new)
+            allocated = host_load is not None
+        else:
+            allocated = self.bm.allocate(seq, external + num_new)
+        if not allocated:
             if fresh:
                 self.bm.free_blocks(seq)
                 self._remote_checked.discard(seq.seq_id)
@@ -353,10 +421,10 @@ class Scheduler:
             if self.bm.host is not None:  # a peer's transfer writes the new blocks outside stream order
                 self.bm.host.fence(host=True)
             self.connector.update_state_after_alloc(seq, list(seq.block_table), external)
-        if load_async:
+        if loads:
             seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
             self.waiting_for_remote[seq.seq_id] = seq
-            self._pending_external[seq.seq_id] = external
+            self.loading[seq.seq_id] = PendingLoad(external, load_async, host_load, host_tokens)
             return 0
         seq.num_computed_tokens += external
         seq.status = SequenceStatus.RUNNING

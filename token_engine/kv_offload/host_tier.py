@@ -7,10 +7,17 @@ nothing a restart needs, and it is emptied whenever it is bound to a pool whose 
 layout, block size) differs from the one its entries came from.
 
 Blocks live in one host slab allocated when the tier is bound (pinned on CUDA). Copies are issued when the
-scheduler evicts or admits, before the step's forward writes the pool. On CUDA an eviction's device-to-host copy
-runs on a copy stream of its own, so the host does not wait for it: `fence()` makes what writes the pool next
-(the step's forward, a load, a KV transfer from a peer) wait for the copies issued so far, on the GPU where it
-can, on the host where the writer does not follow stream order. On CPU copies are plain and immediate.
+scheduler evicts or admits, before the step's forward writes the pool.
+
+- An eviction's device-to-host copy runs, on CUDA, on a copy stream of its own, so the host does not wait for
+  it: `fence()` makes what writes the pool next (the step's forward, a KV transfer from a peer) wait for the
+  copies issued so far, on the GPU where it can, on the host where the writer does not follow stream order.
+- A load (host to device, `load()`) runs, on CUDA, on a load stream of its own, after the eviction copies it
+  depends on (the slots it reads, the device blocks it overwrites); runs of consecutive slots going to
+  consecutive blocks are one copy each. Nothing else waits for it: the scheduler keeps the sequence out of its
+  steps (WAITING_FOR_REMOTE_KVS, as for a NIXL load) until `finished_loads()` reports the load's event done, and
+  only then are its blocks published. The slots a load reads are not dropped or reused until then.
+- On CPU copies are plain and immediate; a load is reported finished at the next poll, through the same path.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +51,30 @@ def kv_fingerprint(model_dir: str | Path, dtype: torch.dtype, block_shape: tuple
     return h.hexdigest()
 
 
+def copy_runs(slots: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first block, count): the (slot, block) pairs in slot order, consecutive ones merged."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, block in sorted(zip(slots, block_ids)):
+        if runs:
+            s, b, n = runs[-1]
+            if s + n == slot and b + n == block:
+                runs[-1] = (s, b, n + 1)
+                continue
+        runs.append((slot, block, 1))
+    return runs
+
+
+@dataclass(eq=False)
+class HostLoad:
+    """One sequence's copies from the tier into its device blocks, issued together."""
+
+    owner: str  # the sequence's id
+    slots: list[int]
+    num_copies: int  # after merging consecutive runs
+    start: torch.cuda.Event | None = None  # CUDA: recorded on the load stream around the copies
+    end: torch.cuda.Event | None = None
+
+
 class HostKVTier:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
@@ -55,33 +87,41 @@ class HostKVTier:
         self._slab: torch.Tensor | None = None
         self._free_slots: list[int] = []
         self._blocks: OrderedDict[bytes, tuple[int, int | None]] = OrderedDict()  # hash -> (slot, event hash)
-        self._busy: set[bytes] = set()  # taken for a load under way: not dropped until it is done
+        # slot -> loads reading it (taken, or issued and not yet reported finished): never dropped or rewritten
+        self._reading: dict[int, int] = {}
+        self._free_after_load: set[int] = set()  # read slots whose entries clear() dropped: freed when read
+        self._loads: list[HostLoad] = []  # issued, not yet reported by finished_loads(), in issue order
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evictions' copies, off the step's stream
+        self._load_stream: torch.cuda.Stream | None = None  # CUDA: loads, off the step's stream too
         self._copies_pending = False
         self.events: KVEventRecorder | None = None
         # Counters (read by the engine's metrics): blocks and bytes moved each way, time spent moving them.
         self.stored_blocks = 0
-        self.loaded_blocks = 0
+        self.loaded_blocks = 0  # counted when a load is reported finished
         self.dropped_blocks = 0
         self.stored_bytes = 0
         self.loaded_bytes = 0
+        self.load_copies = 0  # copies the loaded blocks took (fewer than blocks when runs merged)
         self.store_seconds = 0.0
         self.load_seconds = 0.0  # host time to issue the loads (on CUDA they run asynchronously)
         self.load_device_seconds = 0.0  # CUDA: the loads' copy time on the GPU, from events, once they finished
-        self._load_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.invalidations = 0
 
     # ---- binding ----------------------------------------------------------------------------------
     def bind(self, kv_pool: torch.Tensor, fingerprint: str) -> None:
         """Serve `kv_pool` (blocks on dim 0); entries from a pool with another fingerprint are dropped."""
+        self._abandon_loads()  # an earlier engine's loads: its scheduler is gone
         if self.fingerprint is not None and fingerprint != self.fingerprint:
             self.clear()
             self.invalidations += 1
         self.fingerprint = fingerprint
         self._pool = kv_pool
         self._pin = kv_pool.device.type == "cuda"
-        if self._pin and (self._copy_stream is None or self._copy_stream.device != kv_pool.device):
+        if not self._pin:
+            self._copy_stream = self._load_stream = None
+        elif self._copy_stream is None or self._copy_stream.device != kv_pool.device:
             self._copy_stream = torch.cuda.Stream(kv_pool.device)
+            self._load_stream = torch.cuda.Stream(kv_pool.device)
         block_shape = tuple(kv_pool.shape[1:])
         self.block_bytes = kv_pool[0].numel() * kv_pool.element_size()
         capacity = self.capacity_bytes // self.block_bytes
@@ -90,6 +130,7 @@ class HostKVTier:
             self.clear()  # entries cannot move to a slab of another shape (a changed layout also changed the print)
             self._slab = torch.empty((capacity, *block_shape), dtype=kv_pool.dtype, pin_memory=self._pin)
             self._free_slots = list(range(capacity - 1, -1, -1))
+            self._free_after_load.clear()
         self.capacity_blocks = capacity
 
     @property
@@ -99,6 +140,20 @@ class HostKVTier:
     @property
     def used_bytes(self) -> int:
         return len(self._blocks) * self.block_bytes
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots holding nothing (idle: num_blocks + num_free_slots == capacity_blocks)."""
+        return len(self._free_slots)
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots a load reads (or is about to): kept until finished_loads() reports it."""
+        return len(self._reading)
 
     def event_hashes(self) -> set[int]:
         """The KV-event hashes of the blocks held (what a router following the events believes is here)."""
@@ -121,7 +176,7 @@ class HostKVTier:
         t0 = time.perf_counter()
         stream = self._copy_stream
         if stream is not None:
-            # after the writes already queued on the step's stream (this block's KV, a load's read of the slot)
+            # after the writes already queued on the step's stream (this block's KV)
             stream.wait_stream(torch.cuda.current_stream(stream.device))
             with torch.cuda.stream(stream):
                 self._slab[slot].copy_(self._pool[block_id], non_blocking=True)
@@ -136,7 +191,7 @@ class HostKVTier:
             self.events.host_stored(event_hash)
 
     def _drop_oldest(self) -> bool:
-        victim = next((k for k in self._blocks if k not in self._busy), None)
+        victim = next((k for k, (slot, _) in self._blocks.items() if slot not in self._reading), None)
         if victim is None:
             return False
         slot, event_hash = self._blocks.pop(victim)
@@ -145,17 +200,6 @@ class HostKVTier:
         if self.events is not None and event_hash is not None:
             self.events.host_removed([event_hash])
         return True
-
-    # ---- host -> device ---------------------------------------------------------------------------
-    def contains(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def take(self, keys: list[bytes]) -> None:
-        """Marks `keys` (all held) as most recently used and busy until load(): offloads while the device blocks
-        for them are allocated cannot drop them."""
-        for k in keys:
-            self._blocks.move_to_end(k)
-        self._busy.update(keys)
 
     def fence(self, host: bool = False) -> None:
         """What writes the pool next waits for the device-to-host copies issued so far: the current stream on the
@@ -169,50 +213,114 @@ class HostKVTier:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         self._copies_pending = False
 
-    def load(self, keys: list[bytes], block_ids: list[int]) -> None:
-        """Copies the taken `keys` into device blocks `block_ids` (freshly allocated, not yet read by any step)."""
+    # ---- host -> device ---------------------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def take(self, keys: list[bytes]) -> list[int]:
+        """Marks `keys` (all held) most recently used and their slots busy until the load that reads them is
+        reported finished (or `release()`): offloads while the device blocks are allocated cannot drop them.
+        Returns their slots, in order."""
+        slots = []
+        for k in keys:
+            self._blocks.move_to_end(k)
+            slot = self._blocks[k][0]
+            self._reading[slot] = self._reading.get(slot, 0) + 1
+            slots.append(slot)
+        return slots
+
+    def release(self, slots: list[int]) -> None:
+        """Gives back slots taken for a load that will not happen (or has finished)."""
+        for slot in slots:
+            n = self._reading[slot] - 1
+            if n:
+                self._reading[slot] = n
+                continue
+            del self._reading[slot]
+            if slot in self._free_after_load:
+                self._free_after_load.discard(slot)
+                self._free_slots.append(slot)
+
+    def load(self, owner: str, slots: list[int], block_ids: list[int]) -> HostLoad:
+        """Copies the taken `slots` into device blocks `block_ids` (freshly allocated to `owner`, read by nobody
+        until this load is reported finished)."""
         assert self._pool is not None and self._slab is not None, "bind() first"
-        self.fence()  # a slot written by a pending eviction copy is read only once that copy is done
         t0 = time.perf_counter()
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._pin else None
-        if events is not None:
-            events[0].record()
-        for key, block_id in zip(keys, block_ids):
-            self._pool[block_id].copy_(self._slab[self._blocks[key][0]], non_blocking=self._pin)
-        if events is not None:
-            events[1].record()
-            self._load_events.append(events)
-            self.settle_timings()
+        runs = copy_runs(slots, block_ids)
+        load = HostLoad(owner, list(slots), len(runs))
+        stream = self._load_stream
+        if stream is not None:
+            # The step's stream: whatever it still does with these blocks. The copy stream: evictions writing
+            # the slots read here, or reading the blocks written here (allocating them may have just evicted).
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            assert self._copy_stream is not None
+            stream.wait_stream(self._copy_stream)
+            load.start = torch.cuda.Event(enable_timing=True)
+            load.end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                load.start.record(stream)
+                for slot, block, n in runs:
+                    self._pool[block:block + n].copy_(self._slab[slot:slot + n], non_blocking=True)
+                load.end.record(stream)
+        else:
+            for slot, block, n in runs:
+                self._pool[block:block + n].copy_(self._slab[slot:slot + n])
         self.load_seconds += time.perf_counter() - t0
-        self._busy.difference_update(keys)
-        self.loaded_blocks += len(block_ids)
-        self.loaded_bytes += len(block_ids) * self.block_bytes
+        self._loads.append(load)
+        return load
+
+    def _copied(self, load: HostLoad) -> bool:
+        """Whether the load's copies are done (never waits)."""
+        return load.end is None or load.end.query()
+
+    def finished_loads(self) -> list[HostLoad]:
+        """The loads whose copies finished since the last call (never waits): their slots are released and their
+        time and bytes counted."""
+        done: list[HostLoad] = []
+        pending: list[HostLoad] = []
+        for load in self._loads:
+            (done if self._copied(load) else pending).append(load)
+        self._loads = pending
+        for load in done:
+            self._settle(load)
+        return done
+
+    def _settle(self, load: HostLoad) -> None:
+        if load.start is not None and load.end is not None:
+            self.load_device_seconds += load.start.elapsed_time(load.end) / 1e3
+            assert self._pool is not None
+            # A no-op on the GPU once the event is done; keeps the forward that reads these blocks in stream order.
+            torch.cuda.current_stream(self._pool.device).wait_event(load.end)
+        self.release(load.slots)
+        self.loaded_blocks += len(load.slots)
+        self.loaded_bytes += len(load.slots) * self.block_bytes
+        self.load_copies += load.num_copies
+
+    def _abandon_loads(self) -> None:
+        """Waits for the loads nobody will poll any more (the engine that issued them is gone) and settles them."""
+        for load in self._loads:
+            if load.end is not None:
+                load.end.synchronize()
+            self._settle(load)
+        self._loads = []
 
     @property
     def load_time(self) -> float:
-        """Seconds the loads took: on CUDA their GPU time (those finished), on CPU the host's (copies are plain)."""
-        if self._pin:
-            self.settle_timings()
-            return self.load_device_seconds
-        return self.load_seconds
-
-    def settle_timings(self) -> None:
-        """Adds the GPU time of the loads that have finished to load_device_seconds (never waits)."""
-        pending = []
-        for start, end in self._load_events:
-            if end.query():
-                self.load_device_seconds += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((start, end))
-        self._load_events = pending
+        """Seconds the loads took: on CUDA their GPU time (those reported finished), on CPU the host's (copies
+        are plain)."""
+        return self.load_device_seconds if self._pin else self.load_seconds
 
     def clear(self) -> int:
-        """Drops every entry (routers hear BlockRemoved for each); the number dropped."""
+        """Drops every entry (routers hear BlockRemoved for each); the number dropped. Slots a load still reads
+        return to the free list when it is reported finished."""
         n = len(self._blocks)
         hashes = [h for _, h in self._blocks.values() if h is not None]
-        self._free_slots.extend(slot for slot, _ in self._blocks.values())
+        for slot, _ in self._blocks.values():
+            if slot in self._reading:
+                self._free_after_load.add(slot)
+            else:
+                self._free_slots.append(slot)
         self._blocks.clear()
-        self._busy.clear()
         if self.events is not None and hashes:
             self.events.host_removed(hashes)
         return n
