@@ -43,23 +43,41 @@ def image_token_count(height: int, width: int, family: VisionFamily) -> int:
     return t * h * w // (family.merge_size * family.merge_size)
 
 
-def pixel_values(image: Image.Image, family: VisionFamily, normalize: bool = True
+def patches_shape(grid: tuple[int, int, int], family: VisionFamily) -> tuple[int, int]:
+    """(rows, patch_dim) of an image's pixel values: one row per patch."""
+    t, gh, gw = grid
+    return t * gh * gw, 3 * family.temporal_patch_size * family.patch_size * family.patch_size
+
+
+def pixel_values(image: Image.Image, family: VisionFamily, normalize: bool = True, out: memoryview | None = None
                  ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """(patches x (3 * temporal * patch * patch), grid_thw) for an RGB image: bicubic resize to the grid, then
     (``normalize``) /255 and mean/std as float32, or (not ``normalize``) the resized uint8 pixels as they are, for
     an engine that normalises on its device (vLLM's default, ``mm_device_do_normalize``); each patch repeated over
-    the temporal axis, patches ordered merge block by block."""
-    t, gh, gw = grid_thw(image.height, image.width, family)
+    the temporal axis, patches ordered merge block by block. ``out``: where to write them (exactly their bytes,
+    C order), instead of a new array."""
+    grid = grid_thw(image.height, image.width, family)
+    _, gh, gw = grid
     p, m, tp = family.patch_size, family.merge_size, family.temporal_patch_size
     resized = image.resize((gw * p, gh * p), Image.Resampling.BICUBIC)
-    chw: np.ndarray
+    dtype = np.float32 if normalize else np.uint8
+    rows, patch_dim = patches_shape(grid, family)
+    values = (np.empty((rows, patch_dim), dtype) if out is None
+              else np.frombuffer(out, dtype, rows * patch_dim).reshape(rows, patch_dim))
+    # (merge row, merge column, row in block, column in block, channel, temporal, patch row, patch column)
+    target = values.reshape(gh // m, gw // m, m, m, 3, tp, p, p)
+    first = target[:, :, :, :, :, 0]
     if normalize:
         scaled = np.asarray(resized, dtype=np.float32) * np.float32(1 / 255)
         mean = np.asarray(family.image_mean, dtype=np.float32)
         std = np.asarray(family.image_std, dtype=np.float32)
         chw = ((scaled - mean) / std).transpose(2, 0, 1)
+        first[...] = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
     else:
-        chw = np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)
-    blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-    repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))
-    return np.ascontiguousarray(repeated.reshape(gh * gw, 3 * tp * p * p)), (t, gh, gw)
+        # one band at a time (Pillow splits the channels in C): patch rows copied from planes, not every third byte
+        for channel, band in enumerate(resized.split()):
+            plane = np.asarray(band).reshape(gh // m, m, p, gw // m, m, p)
+            first[:, :, :, :, channel] = plane.transpose(0, 3, 1, 4, 2, 5)
+    for t in range(1, tp):  # the temporal copies: whole patches, long runs
+        target[:, :, :, :, :, t] = first
+    return values, grid

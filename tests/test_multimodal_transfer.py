@@ -1,0 +1,210 @@
+"""How image workers hand their items back: msgpack written around the pixel values (equal to msgspec's own
+encoding of the whole item), and shared slots that carry the same bytes the pipe does and are all back after
+every request, whether it succeeded, was refused by its worker or was given up mid-work, and closed at
+shutdown. Real worker processes, real images."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+
+import msgspec
+import numpy as np
+import pytest
+
+from render_service.http.errors import ApiError
+from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
+from render_service.multimodal.families import family_from_bundle
+from render_service.multimodal.pool import ImagePool, item_bound
+from render_service.multimodal.qwen_vl import pixel_values
+from render_service.multimodal.shared_slots import SharedSlots, SlotRef, write_quoted
+from render_service.multimodal.wire import item_layout
+from tests.multimodal_images import VL_FIXTURE, encode, noise_image
+
+QWEN25 = family_from_bundle(VL_FIXTURE)
+
+
+def _memfds() -> int:
+    """This process's open slot files."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "splitserve-image" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return count
+
+
+def _decoded(item: bytes) -> dict:
+    return msgspec.msgpack.decode(base64.b64decode(item.strip(b'"')))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+@pytest.mark.parametrize("rows", [1, 4, 16, 1000, 11000])
+def test_the_item_layout_is_msgspecs_encoding_of_the_whole_item(dtype: str, rows: int) -> None:
+    """Sizes on every msgpack ext header form (fixext, ext8, ext16, ext32): the bytes decode to the item and
+    encode back to themselves."""
+    patch_dim = 4 if rows == 1 else 1176
+    layout = item_layout(dtype, rows, patch_dim, (1, rows, 1))
+    values = np.random.default_rng(rows).integers(0, 256, size=layout.size, dtype=np.uint8).tobytes()
+    blob = layout.prefix + values + layout.suffix
+    item = msgspec.msgpack.decode(blob)
+    assert msgspec.msgpack.encode(item) == blob
+    kind, shape, ext = item["pixel_values"]["data"]
+    assert (kind, shape, ext.code, bytes(ext.data)) == (dtype, [rows, patch_dim], 3, values)
+    assert item["image_grid_thw"]["data"][2].data == np.array([1, rows, 1], "<i8").tobytes()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    before = _memfds()
+    pool = ImagePool(2, work_timeout_s=60)
+    pool.warm_up()
+    yield pool
+    pool.shutdown()
+    assert _memfds() == before
+
+
+def _process(pool: ImagePool, key: str, data: bytes, normalize: bool = False):
+    header = read_header(data, ImageBounds(), "img")
+    assert QWEN25 is not None
+    return pool.process(key, data, header, QWEN25, "m", True, normalize)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_slots_carry_the_bytes_the_pipe_carries(pool: ImagePool, normalize: bool) -> None:
+    assert QWEN25 is not None
+    data = encode(noise_image(640, 480, seed=4), "JPEG")
+
+    async def both() -> tuple[bytes | None, bytes | None]:
+        shared = await _process(pool, f"shared-{normalize}", data, normalize)
+        pool.slots.enabled = False
+        try:
+            piped = await _process(pool, f"piped-{normalize}", data, normalize)
+        finally:
+            pool.slots.enabled = True
+        return shared.kwargs_item, piped.kwargs_item
+
+    shared, piped = asyncio.run(both())
+    assert shared is not None and shared == piped
+    assert pool.slots.held == 0 and 0 < pool.slots.live <= pool.slots.limit
+    values = _decoded(shared)["pixel_values"]["data"][2].data
+    expected, _ = pixel_values(decode_rgb(data, read_header(data, ImageBounds(), "img"), "img")[0], QWEN25, normalize)
+    assert bytes(values) == expected.tobytes()
+
+
+def test_every_slot_is_back_after_refusals_and_abandoned_requests(pool: ImagePool) -> None:
+    png = encode(noise_image(600, 400, seed=5), "PNG")
+    truncated = png[: len(png) // 2]  # its header reads; its pixels do not: the worker refuses it
+    big = encode(noise_image(5000, 3400, seed=6), "JPEG")  # long enough to give up on mid-work
+
+    async def run() -> None:
+        for round_ in range(3):
+            with pytest.raises(ApiError) as refused:
+                await _process(pool, f"bad-{round_}", truncated)
+            assert refused.value.status == 400
+            abandoned = asyncio.ensure_future(_process(pool, f"big-{round_}", big))
+            await asyncio.sleep(0.2)
+            abandoned.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await abandoned
+            assert pool.slots.held == 1  # its worker still writes into it
+            for _ in range(600):
+                if pool.slots.held == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert pool.slots.held == 0
+        # many at once: more than there are slots, all served, all slots back
+        results = await asyncio.gather(*(_process(pool, f"many-{i}", encode(noise_image(300 + i, 200, seed=i), "PNG"))
+                                         for i in range(3 * pool.slots.limit)))
+        assert all(result.kwargs_item for result in results)
+        assert pool.slots.held == 0 and pool.slots.live <= pool.slots.limit
+
+    asyncio.run(run())
+    assert pool.pending == 0
+
+
+def test_a_dead_workers_slot_is_dropped_not_reused() -> None:
+    import signal
+
+    pool = ImagePool(1, work_timeout_s=15)
+    before = _memfds()
+    try:
+        pool.warm_up()
+        big = encode(noise_image(5000, 3400, seed=8), "JPEG")  # a second or so of work
+
+        async def kill_mid_work() -> None:
+            task = asyncio.ensure_future(_process(pool, "big", big))
+            await asyncio.sleep(0.3)
+            assert pool._executor is not None
+            for pid in list(pool._executor._processes):
+                os.kill(pid, signal.SIGKILL)
+            with pytest.raises(ApiError) as died:
+                await task
+            assert died.value.status == 503
+            assert pool.slots.held == 0 and pool.slots.live == 0
+            again = await _process(pool, "small", encode(noise_image(64, 64, seed=9), "PNG"))
+            assert again.kwargs_item and pool.slots.live == 1
+
+        asyncio.run(kill_mid_work())
+    finally:
+        pool.shutdown()
+    assert _memfds() == before
+
+
+def test_slots_are_reused_and_bounded() -> None:
+    before = _memfds()
+    slots = SharedSlots(2, keep_bytes=4 << 20)
+
+    async def run() -> None:
+        first = await slots.acquire(1000)
+        second = await slots.acquire(3 << 20)
+        assert first is not None and second is not None and slots.live == 2
+        third = asyncio.ensure_future(slots.acquire(10))
+        await asyncio.sleep(0.01)
+        assert not third.done()  # both held: it waits
+        slots.release(first)
+        assert (await third) is first  # the same memory again
+        slots.release(second)
+        slots.release(first)
+        big = await slots.acquire(8 << 20)  # over keep_bytes: made for one image, closed when released
+        assert big is not None and not big.ref.kept and slots.live == 2
+        slots.release(big)
+        assert slots.live == 1 and slots.held == 0
+
+    asyncio.run(run())
+    assert _memfds() == before + 2  # (a slot's descriptor, and its mapping's own)
+    slots.close()
+    assert _memfds() == before
+
+
+def test_a_worker_write_that_does_not_fit_takes_the_pipe() -> None:
+    slots = SharedSlots(1, keep_bytes=0)  # (slots for one image: this process, as a worker, keeps no mapping)
+
+    async def one() -> None:
+        slot = await slots.acquire(10)
+        assert slot is not None
+        ref = slot.ref
+        assert write_quoted(ref, b"x" * (ref.capacity - 2)) == ref.capacity
+        assert slots.read(slot, 4) == b'"xxx'
+        assert write_quoted(ref, b"x" * (ref.capacity - 1)) is None
+        assert write_quoted(SlotRef(ref.owner, 10**6, 10**6, ref.capacity, True), b"abc") is None  # no such fd
+        slots.release(slot)
+
+    asyncio.run(one())
+    slots.close()
+
+
+def test_the_bound_covers_both_orientations() -> None:
+    assert QWEN25 is not None
+    for width, height in ((1920, 1080), (1080, 1920), (5, 900), (3001, 17)):
+        image = noise_image(width, height, seed=1)
+        data = encode(image, "PNG")
+        header = read_header(data, ImageBounds(), "img")
+        for turned in (image, image.transpose(method=5)):  # EXIF orientations 5-8 swap the sides
+            for normalize in (False, True):
+                values, grid = pixel_values(turned, QWEN25, normalize)
+                layout = item_layout(str(values.dtype), *values.shape, grid)
+                assert item_bound(header, QWEN25, normalize) >= len(base64.b64encode(bytes(layout.total))) + 2
+
