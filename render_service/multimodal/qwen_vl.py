@@ -64,20 +64,20 @@ def pixel_values(image: Image.Image, family: VisionFamily, normalize: bool = Tru
     rows, patch_dim = patches_shape(grid, family)
     values = (np.empty((rows, patch_dim), dtype) if out is None
               else np.frombuffer(out, dtype, rows * patch_dim).reshape(rows, patch_dim))
-    # (merge row, merge column, row in block, column in block, channel, temporal, patch row, patch column)
-    target = values.reshape(gh // m, gw // m, m, m, 3, tp, p, p)
+    # (merge row, merge column, row in block, column in block, channel, temporal, patch row), each element one
+    # patch row of ``p`` values as a single opaque item: numpy then copies runs, not values one by one
+    run = np.dtype(f"V{p * values.itemsize}")
+    target = values.view(run).reshape(gh // m, gw // m, m, m, 3, tp, p)
     first = target[:, :, :, :, :, 0]
-    if normalize:
-        scaled = np.asarray(resized, dtype=np.float32) * np.float32(1 / 255)
-        mean = np.asarray(family.image_mean, dtype=np.float32)
-        std = np.asarray(family.image_std, dtype=np.float32)
-        chw = ((scaled - mean) / std).transpose(2, 0, 1)
-        first[...] = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-    else:
-        # one band at a time (Pillow splits the channels in C): patch rows copied from planes, not every third byte
-        for channel, band in enumerate(resized.split()):
-            plane = np.asarray(band).reshape(gh // m, m, p, gw // m, m, p)
-            first[:, :, :, :, channel] = plane.transpose(0, 3, 1, 4, 2, 5)
-    for t in range(1, tp):  # the temporal copies: whole patches, long runs
-        target[:, :, :, :, :, t] = first
+    scale = np.float32(1 / 255)
+    # one band at a time (Pillow splits the channels in C): patch rows copied from planes, not every third value
+    for channel, band in enumerate(resized.split()):
+        plane = np.asarray(band)
+        if normalize:  # the same float32 operations as on the whole image, channel by channel
+            plane = (plane.astype(np.float32) * scale - np.float32(family.image_mean[channel])) / np.float32(
+                family.image_std[channel])
+        first[:, :, :, :, channel] = plane.view(run).reshape(gh // m, m, p, gw // m, m).transpose(0, 3, 1, 4, 2)
+    patches = values.view(np.dtype(f"V{p * p * values.itemsize}")).reshape(rows, 3, tp)
+    for t in range(1, tp):  # the temporal copies: whole patches
+        patches[:, :, t] = patches[:, :, 0]
     return values, grid
