@@ -24,12 +24,15 @@ _ROUND = 1024 * 1024
 _SUPPORTED = hasattr(os, "memfd_create") and hasattr(mmap, "MAP_POPULATE") and os.path.isdir("/proc/self/fd")
 
 
+_IDS = count(1)  # slot idents, unique in this process across every set of slots
+
+
 class SlotRef(msgspec.Struct, frozen=True):
     """A slot as a worker is told of it: the owning process's file descriptor, opened through ``/proc``."""
 
     owner: int
     fd: int
-    ident: int  # unique among the owner's slots (descriptor numbers are reused): the workers' mapping key
+    ident: int  # unique among the owner's slots (descriptor numbers are reused): a worker's mapping key
     capacity: int
     kept: bool  # reused for image after image (a worker keeps its mapping); else closed after one
 
@@ -56,7 +59,6 @@ class SharedSlots:
         self._free: list[Slot] = []
         self.held = 0  # slots handed out and not yet released or dropped
         self._waiters: list[asyncio.Future[None]] = []
-        self._ids = count(1)
 
     @property
     def live(self) -> int:
@@ -103,7 +105,7 @@ class SharedSlots:
         except OSError:
             os.close(fd)
             return None
-        return Slot(SlotRef(self.owner, fd, next(self._ids), capacity, capacity <= self.keep_bytes), memory)
+        return Slot(SlotRef(self.owner, fd, next(_IDS), capacity, capacity <= self.keep_bytes), memory)
 
     def read(self, slot: Slot, length: int) -> bytes:
         return slot.memory[:length]
