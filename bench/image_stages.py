@@ -28,7 +28,7 @@ from render_service.multimodal.features import build_features
 from render_service.multimodal.hashing import content_key, image_hash
 from render_service.multimodal.pool import ProcessedImage, _item_bytes
 from render_service.multimodal.qwen_vl import grid_thw, patches_shape, pixel_values
-from render_service.multimodal.shared_slots import SharedSlots, write_quoted
+from render_service.multimodal.shared_slots import AttachedSlot, SharedSlots
 from render_service.multimodal.sources import image_ref
 from render_service.multimodal.wire import b64encode, item_layout, metadata_item
 
@@ -66,7 +66,8 @@ def stages(data: bytes, repeat: int, normalize: bool) -> dict[str, float]:
     async def one_slot() -> tuple[float, float, bytes]:
         slot = await slots.acquire(len(text) + 2)
         assert slot is not None
-        written, length = _best(repeat, lambda: write_quoted(slot.ref, text))
+        with AttachedSlot(slot.ref) as shared:
+            written, length = _best(repeat, lambda: shared.write_quoted(text))
         read, quoted = _best(repeat, lambda: slots.read(slot, length))
         slots.release(slot)
         return written, read, quoted

@@ -16,9 +16,10 @@ import pytest
 from render_service.http.errors import ApiError
 from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
 from render_service.multimodal.families import family_from_bundle
+from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.pool import ImagePool, item_bound
 from render_service.multimodal.qwen_vl import pixel_values
-from render_service.multimodal.shared_slots import SharedSlots, SlotRef, write_quoted
+from render_service.multimodal.shared_slots import AttachedSlot, SharedSlots, SlotRef, SlotUnavailable
 from render_service.multimodal.wire import item_layout
 from tests.multimodal_images import VL_FIXTURE, encode, noise_image
 
@@ -186,14 +187,53 @@ def test_a_worker_write_that_does_not_fit_takes_the_pipe() -> None:
         slot = await slots.acquire(10)
         assert slot is not None
         ref = slot.ref
-        assert write_quoted(ref, b"x" * (ref.capacity - 2)) == ref.capacity
+        slot.memory[:5] = b"image"
+        with AttachedSlot(ref) as shared:
+            assert shared.read(5) == b"image"
+            assert shared.write_quoted(b"x" * (ref.capacity - 2)) == ref.capacity
+            assert shared.write_quoted(b"x" * (ref.capacity - 1)) is None
         assert slots.read(slot, 4) == b'"xxx'
-        assert write_quoted(ref, b"x" * (ref.capacity - 1)) is None
-        assert write_quoted(SlotRef(ref.owner, 10**6, 10**6, ref.capacity, True), b"abc") is None  # no such fd
+        with pytest.raises(SlotUnavailable):
+            AttachedSlot(SlotRef(ref.owner, 10**6, 10**6, ref.capacity, True))  # no such descriptor
         slots.release(slot)
 
     asyncio.run(one())
     slots.close()
+
+
+def test_a_slot_its_worker_cannot_open_turns_slots_off_and_the_image_takes_the_pipe() -> None:
+    assert QWEN25 is not None
+    pool = ImagePool(1)
+    try:
+        pool.warm_up()
+        slot = asyncio.run(pool.slots.acquire(1 << 20))
+        assert slot is not None
+        pool.slots.release(slot)
+        null = os.open("/dev/null", os.O_RDONLY)  # the slot's descriptor now names a file no worker can map
+        os.dup2(null, slot.ref.fd)
+        os.close(null)
+        data = encode(noise_image(200, 100, seed=11), "PNG")
+        result = asyncio.run(_process(pool, "x", data))
+        assert not pool.slots.enabled and pool.slots.held == 0
+        assert result.kwargs_item is not None
+        expected, _ = pixel_values(decode_rgb(data, read_header(data, ImageBounds(), "img"), "img")[0], QWEN25,
+                                   False)
+        assert bytes(_decoded(result.kwargs_item)["pixel_values"]["data"][2].data) == expected.tobytes()
+    finally:
+        pool.shutdown()
+
+
+def test_a_large_image_reaches_its_worker_through_a_slot_without_tensors(pool: ImagePool) -> None:
+    """A router's request (no tensors) for a PNG over the slot threshold: its bytes go through a slot and the
+    worker hashes exactly them."""
+    assert QWEN25 is not None
+    data = encode(noise_image(400, 300, seed=12), "PNG")
+    assert len(data) > 64 * 1024
+    header = read_header(data, ImageBounds(), "img")
+    result = asyncio.run(pool.process("router", data, header, QWEN25, "m", False))
+    converted = decode_rgb(data, header, "img")[1]
+    assert result.mm_hash == image_hash(data, "m", converted=converted) and result.kwargs_item is None
+    assert pool.slots.held == 0 and pool.slots.live >= 1
 
 
 def test_the_bound_covers_both_orientations() -> None:

@@ -23,7 +23,7 @@ from render_service.multimodal.bounds import ImageError, ImageHeader, decode_rgb
 from render_service.multimodal.families import VisionFamily
 from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.qwen_vl import grid_thw, image_token_count, patches_shape, pixel_values
-from render_service.multimodal.shared_slots import SharedSlots, Slot, SlotRef, write_quoted
+from render_service.multimodal.shared_slots import AttachedSlot, SharedSlots, Slot, SlotRef, SlotUnavailable
 from render_service.multimodal.wire import ItemLayout, b64encode, item_layout, metadata_item
 
 
@@ -44,6 +44,7 @@ class ProcessedImage(msgspec.Struct, frozen=True):
 # A worker's buffer for one item's msgpack bytes, kept between images up to this size (fresh pages cost a fault
 # each: some 3,000 for a 1080p image's 12.6 MB).
 _KEEP_BUFFER = 32 * 1024 * 1024
+_SLOT_INPUT = 64 * 1024  # an image this large goes to its worker through a slot even when no item comes back
 _PILLOW_BLOCKS = 4  # Pillow's memory blocks (16 MB each) a worker keeps for its next image
 _ALIGN = 64  # the pixel values start on this boundary inside the buffer (float32 writes stay aligned)
 _buffer = bytearray()
@@ -64,13 +65,25 @@ def _item_bytes(layout: ItemLayout) -> tuple[memoryview, memoryview]:
     return view[start:end], view[values_at:values_at + layout.size]
 
 
-def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_id: str,
-                  tensors: bool, normalize: bool = False, slot: SlotRef | None = None) -> tuple[ProcessedImage, int]:
+def process_image(data: bytes | None, header: ImageHeader, family: VisionFamily, model_id: str,
+                  tensors: bool, normalize: bool = False, slot: SlotRef | None = None, data_length: int = 0
+                  ) -> tuple[ProcessedImage, int]:
     """Runs in a worker: decode (bounded by ``header``, already checked), hash as vLLM, count placeholder
     tokens and, with ``tensors``, produce the pixel values (``normalize``: float32 normalised, else the raw
     uint8 pixels an engine normalising on its device wants) written straight into their item's msgpack bytes.
-    With a ``slot``, the item's JSON string goes there and its length comes back (the result's item is then
-    None); else (0) it is in the result."""
+    ``data`` None: the image's ``data_length`` bytes are at the start of ``slot``. With a ``slot``, the item's
+    JSON string goes there and its length comes back (the result's item is then None); else (0) it is in the
+    result."""
+    if slot is None:
+        assert data is not None
+        return _process(data, header, family, model_id, tensors, normalize, None)
+    with AttachedSlot(slot) as shared:
+        return _process(shared.read(data_length) if data is None else data, header, family, model_id, tensors,
+                        normalize, shared)
+
+
+def _process(data: bytes, header: ImageHeader, family: VisionFamily, model_id: str, tensors: bool,
+             normalize: bool, shared: AttachedSlot | None) -> tuple[ProcessedImage, int]:
     image, converted = decode_rgb(data, header, "image")
     digest = image_hash(data, model_id, converted=converted)
     num_tokens = image_token_count(image.height, image.width, family)
@@ -82,7 +95,7 @@ def process_image(data: bytes, header: ImageHeader, family: VisionFamily, model_
     pixel_values(image, family, normalize, values)
     del image
     text = b64encode(item)
-    length = write_quoted(slot, text) if slot is not None else None
+    length = shared.write_quoted(text) if shared is not None else None
     if length is not None:
         return ProcessedImage(digest, grid, num_tokens, None, metadata_item(grid)), length
     return ProcessedImage(digest, grid, num_tokens, b"".join((b'"', text, b'"')), metadata_item(grid)), 0
@@ -215,13 +228,16 @@ class ImagePool:
 
     async def _work(self, data: bytes, header: ImageHeader, family: VisionFamily, model_id: str, tensors: bool,
                     normalize: bool) -> ProcessedImage:
-        """One image through a worker, its item written into a shared slot where one is to be had."""
+        """One image through a worker, its bytes and its item passed through a shared slot where one is to be had
+        (the bytes alone when the image is large: a router's PNG screenshots)."""
         executor = self.executor()
         slots = self.slots
         bound = item_bound(header, family, normalize) if tensors else 0
-        slot = await slots.acquire(bound) if bound else None
-        work = executor.submit(process_image, data, header, family, model_id, tensors, normalize,
-                               None if slot is None else slot.ref)
+        slot = await slots.acquire(max(bound, len(data))) if bound or len(data) >= _SLOT_INPUT else None
+        if slot is not None:
+            slot.memory[:len(data)] = data
+        work = executor.submit(process_image, None if slot is not None else data, header, family, model_id,
+                               tensors, normalize, None if slot is None else slot.ref, len(data))
         try:
             result, length = await asyncio.wait_for(asyncio.wrap_future(work), self.work_timeout_s)
         except (BrokenProcessPool, TimeoutError):
@@ -234,6 +250,11 @@ class ImagePool:
                 executor.shutdown(wait=False, cancel_futures=True)
             raise ApiError("An image worker process died while processing this request; retry it.", 503,
                            headers={"Retry-After": "1"}) from None
+        except SlotUnavailable:
+            assert slot is not None
+            slots.release(slot)
+            slots.enabled = False  # (once, for every image after it: the pipe)
+            return await self._work(data, header, family, model_id, tensors, normalize)
         except BaseException:
             if slot is not None:
                 _release_when_done(work, slots, slot)  # a refused image, or a request that gave up

@@ -143,37 +143,59 @@ class SharedSlots:
         self._wake()
 
 
+class SlotUnavailable(Exception):
+    """A worker could not open the slot it was handed (no /proc, another user): its server stops using slots."""
+
+
 # In a worker: mappings of the slots it was handed, by (owner, ident); a few, the most recent kept.
 _MAPPED: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
 _MAPPED_MAX = 4
 
 
-def write_quoted(ref: SlotRef, text: bytes) -> int | None:
-    """In a worker: ``text`` written into the slot as a JSON string (quotes around it), its length returned; None
-    when it does not fit or the slot cannot be opened (the caller then returns it through the pipe)."""
-    length = len(text) + 2
-    if length > ref.capacity:
-        return None
-    key = (ref.owner, ref.ident)
-    memory = _MAPPED.pop(key, None)
-    if memory is None:
-        try:
-            fd = os.open(f"/proc/{ref.owner}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
+class AttachedSlot:
+    """In a worker, while it works on one image: the slot it was handed, mapped (a kept slot's mapping stays for
+    the next image; any other is closed on exit, as its owner closes it after this image)."""
+
+    def __init__(self, ref: SlotRef) -> None:
+        self.ref = ref
+        key = (ref.owner, ref.ident)
+        memory = _MAPPED.pop(key, None)
+        if memory is None:
+            try:
+                fd = os.open(f"/proc/{ref.owner}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise SlotUnavailable(f"{type(exc).__name__}: {exc}") from None
+            try:
+                memory = _map(fd, ref.capacity)
+            except OSError as exc:
+                raise SlotUnavailable(f"{type(exc).__name__}: {exc}") from None
+            finally:
+                os.close(fd)
+        self.memory = memory
+
+    def __enter__(self) -> AttachedSlot:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if not self.ref.kept:
+            self.memory.close()
+            return
+        _MAPPED[(self.ref.owner, self.ref.ident)] = self.memory
+        while len(_MAPPED) > _MAPPED_MAX:
+            _MAPPED.popitem(last=False)[1].close()
+
+    def read(self, length: int) -> bytes:
+        """The image's bytes its server put at the slot's start."""
+        return self.memory[:length]
+
+    def write_quoted(self, text: bytes) -> int | None:
+        """``text`` written into the slot as a JSON string (quotes around it), its length returned; None when it
+        does not fit (the caller then returns it through the pipe)."""
+        length = len(text) + 2
+        if length > self.ref.capacity:
             return None
-        try:
-            memory = _map(fd, ref.capacity)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-    memory[0:1] = b'"'
-    memory[1:length - 1] = text
-    memory[length - 1:length] = b'"'
-    if not ref.kept:  # served one image: its owner closes it now, so must we
-        memory.close()
+        memory = self.memory
+        memory[0:1] = b'"'
+        memory[1:length - 1] = text
+        memory[length - 1:length] = b'"'
         return length
-    _MAPPED[key] = memory
-    while len(_MAPPED) > _MAPPED_MAX:
-        _MAPPED.popitem(last=False)[1].close()
-    return length
