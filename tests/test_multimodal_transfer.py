@@ -248,3 +248,17 @@ def test_the_bound_covers_both_orientations() -> None:
                 layout = item_layout(str(values.dtype), *values.shape, grid)
                 assert item_bound(header, QWEN25, normalize) >= len(base64.b64encode(bytes(layout.total))) + 2
 
+
+
+def test_a_forked_process_gets_no_slot_from_its_parents_slots() -> None:
+    """A process forked from the owner (``--workers N``) must not hand its workers the owner's slots."""
+    slots = SharedSlots(2)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when it got no slot
+        os._exit(0 if asyncio.run(slots.acquire(10)) is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    got = asyncio.run(slots.acquire(10))  # the owner itself still does
+    assert got is not None
+    slots.release(got)
+    slots.close()

@@ -230,12 +230,13 @@ class ImagePool:
                     normalize: bool) -> ProcessedImage:
         """One image through a worker, its bytes and its item passed through a shared slot where one is to be had
         (the bytes alone when the image is large: a router's PNG screenshots)."""
-        executor = self.executor()
+        self.executor()  # first: a forked process makes its own slots with its executor
         slots = self.slots
         bound = item_bound(header, family, normalize) if tensors else 0
         slot = await slots.acquire(max(bound, len(data))) if bound or len(data) >= _SLOT_INPUT else None
         if slot is not None:
             slot.memory[:len(data)] = data
+        executor = self.executor()  # after the wait for a slot: a broken pool may have been replaced meanwhile
         work = executor.submit(process_image, None if slot is not None else data, header, family, model_id,
                                tensors, normalize, None if slot is None else slot.ref, len(data))
         try:

@@ -65,8 +65,9 @@ class SharedSlots:
         return self.held + len(self._free)
 
     async def acquire(self, size: int) -> Slot | None:
-        """A slot of at least ``size`` bytes, or None (the result then takes the pipe)."""
-        while self.enabled:
+        """A slot of at least ``size`` bytes, or None (the result then takes the pipe; also in a process forked
+        from the owner, whose workers would open the owner's slots)."""
+        while self.enabled and self.owner == os.getpid():
             fits = [slot for slot in self._free if slot.ref.capacity >= size]
             if fits:
                 slot = min(fits, key=lambda s: s.ref.capacity)
