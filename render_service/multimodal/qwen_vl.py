@@ -68,16 +68,22 @@ def pixel_values(image: Image.Image, family: VisionFamily, normalize: bool = Tru
     # patch row of ``p`` values as a single opaque item: numpy then copies runs, not values one by one
     run = np.dtype(f"V{p * values.itemsize}")
     target = values.view(run).reshape(gh // m, gw // m, m, m, 3, tp, p)
-    first = target[:, :, :, :, :, 0]
+    patches = values.view(np.dtype(f"V{p * p * values.itemsize}")).reshape(gh // m, -1, 3, tp)
     scale = np.float32(1 / 255)
+    planes = []
     # one band at a time (Pillow splits the channels in C): patch rows copied from planes, not every third value
     for channel, band in enumerate(resized.split()):
         plane = np.asarray(band)
         if normalize:  # the same float32 operations as on the whole image, channel by channel
             plane = (plane.astype(np.float32) * scale - np.float32(family.image_mean[channel])) / np.float32(
                 family.image_std[channel])
-        first[:, :, :, :, channel] = plane.view(run).reshape(gh // m, m, p, gw // m, m).transpose(0, 3, 1, 4, 2)
-    patches = values.view(np.dtype(f"V{p * p * values.itemsize}")).reshape(rows, 3, tp)
-    for t in range(1, tp):  # the temporal copies: whole patches
-        patches[:, :, t] = patches[:, :, 0]
+        planes.append(plane.view(run).reshape(gh // m, m, p, gw // m, m).transpose(0, 3, 1, 4, 2))
+    # a strip of merge rows at a time (about 1 MB of patches): the temporal copies read what is still in cache
+    step = max(1, (1 << 20) // (patches[0].size * patches.itemsize))
+    for top in range(0, gh // m, step):
+        first = target[top:top + step, :, :, :, :, 0]
+        for channel, plane in enumerate(planes):
+            first[:, :, :, :, channel] = plane[top:top + step]
+        for t in range(1, tp):  # the temporal copies: whole patches
+            patches[top:top + step, :, :, t] = patches[top:top + step, :, :, 0]
     return values, grid
