@@ -262,3 +262,24 @@ def test_a_forked_process_gets_no_slot_from_its_parents_slots() -> None:
     assert got is not None
     slots.release(got)
     slots.close()
+
+
+def test_an_answer_in_pieces_joins_to_its_whole_encoding() -> None:
+    """The render answer written as pieces (the items never copied into one body) is, joined, byte for byte
+    the answer encoded whole: with items, with an image without one, with none at all."""
+    from render_service.multimodal.features import answer_pieces, build_features
+    from render_service.multimodal.pool import ProcessedImage
+    from render_service.wire.protocol import GenerateRequest
+
+    encode = msgspec.json.Encoder().encode
+    items = [b'"' + base64.b64encode(bytes([i]) * (1000 + i)) + b'"' for i in range(3)]
+    images = [ProcessedImage(f"h{i}", (1, 2, 2), 1, items[i], "meta") for i in range(3)]
+    images.insert(1, ProcessedImage("none", (1, 2, 2), 1))
+    for tensors, chosen in ((True, images), (True, images[:1]), (False, images)):
+        answer = GenerateRequest(token_ids=[1, 2, 3], features=build_features(chosen, [(0, 1)] * len(chosen),
+                                                                               tensors))
+        pieces = answer_pieces(answer, encode)
+        assert b"".join(pieces) == encode(answer)
+        assert len(pieces) == 1 + 2 * sum(image.kwargs_item is not None for image in chosen) * tensors
+    plain = GenerateRequest(token_ids=[1])
+    assert answer_pieces(plain, encode) == [encode(plain)]
