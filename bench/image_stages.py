@@ -1,6 +1,7 @@
 """Where one image's CPU goes, stage by stage, in one process: the server's share (base64 of the data URL, header
 check, content key), the worker's (decode, vLLM's hash, resize, patchify into the item's msgpack bytes, base64,
-the write into a shared slot) and the server's again (the copy out of the slot, the JSON answer around the item).
+the write into a shared slot) and the server's again (the copy out of the slot, the JSON answer around the
+item, in pieces).
 Photo-like JPEG and PNG images made in-process, the Qwen2.5-VL fixture's settings, uint8 pixel values (vLLM's
 default) unless --normalize. Each stage's best of --repeat runs, in ms: a breakdown, not a load test (the image
 render bench measures the server under load, against vLLM's).
@@ -24,13 +25,14 @@ from PIL import Image
 from bench.image_render_bench import RESOLUTIONS, VL_FIXTURE, photo_like
 from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
 from render_service.multimodal.families import family_from_bundle
-from render_service.multimodal.features import build_features
+from render_service.multimodal.features import answer_pieces, build_features
 from render_service.multimodal.hashing import content_key, image_hash
 from render_service.multimodal.pool import ProcessedImage, _item_bytes
 from render_service.multimodal.qwen_vl import grid_thw, patches_shape, pixel_values
 from render_service.multimodal.shared_slots import AttachedSlot, SharedSlots
 from render_service.multimodal.sources import image_ref
 from render_service.multimodal.wire import b64encode, item_layout, metadata_item
+from render_service.wire.protocol import GenerateRequest
 
 
 def _best(repeat: int, work: Callable[[], Any]) -> tuple[float, Any]:
@@ -76,8 +78,8 @@ def stages(data: bytes, repeat: int, normalize: bool) -> dict[str, float]:
     slots.close()
     processed = ProcessedImage(digest, grid, 1, quoted, metadata_item(grid))
     encode = msgspec.json.Encoder().encode
-    out["server: JSON answer"], _ = _best(repeat, lambda: encode(
-        {"token_ids": list(range(1000)), "features": build_features([processed], [(10, 100)], True)}))
+    answer = GenerateRequest(token_ids=list(range(1000)), features=build_features([processed], [(10, 100)], True))
+    out["server: JSON answer, in pieces"], _ = _best(repeat, lambda: answer_pieces(answer, encode))
     out["item MB"] = len(quoted) / 1e6
     return out
 
