@@ -57,6 +57,24 @@ def test_tokens_and_pixel_values_equal_transformers(family_name: str, size: tupl
     np.testing.assert_allclose(values, expected_values, atol=2e-5, rtol=0)
 
 
+
+@pytest.mark.parametrize("family_name", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_raw_pixel_values_equal_transformers_exactly(family_name: str, size: tuple[int, int]) -> None:
+    """The uint8 pixels sent to an engine normalising on its device: transformers' resized, patchified values
+    without rescale and normalisation, every one equal; also when written into a given buffer at an odd offset."""
+    family, preprocessor = ((QWEN25, json.loads((VL_FIXTURE / "preprocessor_config.json").read_text()))
+                            if family_name == "qwen2_5_vl" else (QWEN3, QWEN3_PRE))
+    assert family is not None
+    image = noise_image(*size, seed=size[0] * 5 + size[1])
+    expected_values, expected_grid = _reference({**preprocessor, "do_rescale": False, "do_normalize": False}, image)
+    values, grid = pixel_values(image, family, normalize=False)
+    assert values.dtype == np.uint8 and list(grid) == expected_grid
+    np.testing.assert_array_equal(values.astype(np.float32), expected_values)
+    buffer = bytearray(values.nbytes + 1)
+    written, _ = pixel_values(image, family, normalize=False, out=memoryview(buffer)[1:])
+    assert bytes(buffer[1:]) == values.tobytes() and written.tobytes() == values.tobytes()
+
 def _count_sizes() -> list[tuple[int, int]]:
     """Image sizes for the placeholder-count check: seeded random sizes over 1..8000 px with aspect ratios up
     to and past the processor's 200:1 limit, plus the edges of each rounding rule (multiples of the patch grid
@@ -346,7 +364,7 @@ def test_a_dead_worker_is_a_503_and_the_next_image_gets_a_fresh_pool() -> None:
     pool = ImagePool(1, work_timeout_s=15)
     try:
         pool.warm_up()
-        data = encode(noise_image(3000, 2000, seed=8), "JPEG")  # a second or more of work: time to kill its worker
+        data = encode(noise_image(5000, 3400, seed=8), "JPEG")  # a second or more of work: time to kill its worker
         header = read_header(data, ImageBounds(), "img")
         small = encode(noise_image(32, 32, seed=9), "PNG")
 

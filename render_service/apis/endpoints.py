@@ -28,14 +28,17 @@ from render_service.http.request_io import (
     JSON,
     Answer,
     Handler,
+    PiecesResponse,
     check_auth,
     decode,
+    encode_json,
     endpoint,
     json_response,
     read_json_body,
     server_state,
 )
 from render_service.multimodal.endpoint import RenderWith, picture_chat, render_with_images
+from render_service.multimodal.features import answer_pieces
 from render_service.multimodal.markers import may_carry_images
 from render_service.render.render_config import RenderConfig, check_model
 from render_service.wire.protocol import ChatCompletionRequest, DerenderStreamProbe
@@ -76,7 +79,7 @@ async def _render(request: Request, name: str, kind: type, render: Callable[...,
                                             name)
         if pictured is not None:
             metrics.PROMPT_TOKENS.inc(len(pictured.token_ids))
-            return json_response(pictured, headers=state.render_headers)
+            return PiecesResponse(answer_pieces(pictured, encode_json), state.render_headers)
 
     def job() -> Any:  # decoded and rendered on the render queue: large bodies off the event loop, as chat
         return render(decode(body, kind), state.config, request_id=request_id)[0]

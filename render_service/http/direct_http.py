@@ -187,10 +187,10 @@ def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, ma
             token = request_id_var.set(request_id)
             started = time.perf_counter()
             status = 0
-            body: bytes | memoryview
+            body: list[bytes | memoryview]
             try:
                 if lifecycle.draining:
-                    status, headers, body = 503, _DRAINING_HEADERS, DRAINING_BODY
+                    status, headers, body = 503, _DRAINING_HEADERS, [DRAINING_BODY]
                     cycle.keep_alive = False
                 else:
                     lifecycle.in_flight += 1
@@ -201,7 +201,8 @@ def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, ma
                         response = _INTERNAL_ERROR
                     finally:
                         lifecycle.in_flight -= 1
-                    status, headers, body = response.status_code, response.raw_headers, response.body
+                    status, headers = response.status_code, response.raw_headers
+                    body = getattr(response, "pieces", None) or [response.body]
                 self._write(cycle, status, headers, body, request_id)
             finally:
                 if access_log:
@@ -209,7 +210,7 @@ def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, ma
                 request_id_var.reset(token)
 
         def _write(self, cycle: DirectCycle, status: int, headers: list[tuple[bytes, bytes]],
-                   body: bytes | memoryview, request_id: str) -> None:
+                   body: list[bytes | memoryview], request_id: str) -> None:
             cycle.response_complete = True
             if cycle.disconnected or self.transport.is_closing():
                 return
@@ -226,7 +227,7 @@ def direct_protocol(base: type, routes: dict[bytes, DirectHandler], app: Any, ma
             if not cycle.keep_alive and not closes:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
-            self.transport.writelines([b"".join(head), body])
+            self.transport.writelines([b"".join(head), *body])
             if closes or not cycle.keep_alive:
                 self.transport.close()
             self.on_response_complete()  # uvicorn's: the next pipelined request, or the keep-alive timer

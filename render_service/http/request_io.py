@@ -52,6 +52,22 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
     return Response(encode_json(payload), status_code=status, media_type=JSON, headers=headers)
 
 
+class PiecesResponse(Response):
+    """A JSON answer written as the pieces it is made of, never joined into one body (an image render's answer:
+    the JSON around each image's item, and the items as the cache holds them). The direct path writes
+    ``pieces`` too."""
+
+    def __init__(self, pieces: list[bytes | memoryview], headers: dict[str, str] | None = None) -> None:
+        super().__init__(b"", media_type=JSON, headers=headers)
+        self.pieces = pieces
+        self.headers["content-length"] = str(sum(len(piece) for piece in pieces))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for at, piece in enumerate(self.pieces, 1):
+            await send({"type": "http.response.body", "body": piece, "more_body": at < len(self.pieces)})
+
+
 def error_response(error: ApiError) -> Response:
     return Response(error_body(error), status_code=error.status, media_type=JSON, headers=error.headers)
 

@@ -36,6 +36,7 @@ from render_service.http.errors import ApiError, bad_request
 from render_service.http.render_queue import RenderQueue
 from render_service.http.request_io import (
     JSON,
+    PiecesResponse,
     ServerState,
     decode,
     encode_json,
@@ -47,6 +48,7 @@ from render_service.http.request_io import (
 )
 from render_service.multimodal.chat import MultimodalRender
 from render_service.multimodal.endpoint import carries_image_parts, render_with_images
+from render_service.multimodal.features import answer_pieces
 from render_service.render.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 from render_service.render.render_config import RenderConfig, check_model
 from render_service.tokenize.incremental_tokenizer import PromptIds
@@ -183,7 +185,7 @@ async def chat_render(request: Request) -> Response:
         lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
     if with_images is not None:
         metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
-        return Response(_encode_generate_request(with_images), media_type=JSON, headers=state.render_headers)
+        return PiecesResponse(answer_pieces(with_images, _encode_generate_request), state.render_headers)
     payload = await state.render_queue.run("chat_render", len(body), lambda: render_text(done))
     return Response(payload, media_type=JSON, headers=state.render_headers)
 

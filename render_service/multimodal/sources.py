@@ -11,7 +11,7 @@ import binascii
 import ipaddress
 import socket
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -70,10 +70,44 @@ def url_ref(url: str, where: str, bounds: ImageBounds) -> ImageRef:
     return ImageRef(where, url=url)
 
 
+def _proved_b64decode() -> Callable[[str], bytes]:
+    """pybase64's SIMD decoder (about 7x the standard library's on a 1080p JPEG's 0.7 MB of base64), strict
+    (``validate``), used only where it gives the standard library's bytes and refuses what it refuses on a
+    sample; else the standard library's."""
+    def stdlib(text: str) -> bytes:
+        return base64.b64decode(text, validate=True)
+
+    try:
+        import pybase64
+    except ImportError:
+        return stdlib
+
+    def fast(text: str) -> bytes:
+        return pybase64.b64decode(text, validate=True)
+
+    sample = base64.b64encode(bytes(range(256)) * 3).decode()
+    good = [sample[:n] for n in (0, 4, 8, 12, 340, len(sample))] + ["YQ==", "YWI=", "YWJj"]
+    bad = ["abc", "ab=c", "a b=", "YQ==\n", "YQ=", "Y===", "====", "YWJj\x00", "Y Q==", "YWJj*", "é"]
+    for text in good:
+        if fast(text) != stdlib(text):
+            return stdlib
+    for text in bad:
+        for decoder in (fast, stdlib):
+            try:
+                decoder(text)
+            except (binascii.Error, ValueError):
+                continue
+            return stdlib
+    return fast
+
+
+_b64decode = _proved_b64decode()
+
+
 def _b64(text: str, where: str, bounds: ImageBounds) -> bytes:
     check_encoded_size(len(text) * 3 // 4, bounds, where)  # before decoding a byte
     try:
-        return base64.b64decode(text, validate=True)
+        return _b64decode(text)
     except (binascii.Error, ValueError):
         raise ImageError(f"{where}: the image data is not valid base64") from None
 
