@@ -391,6 +391,7 @@ def test_a_cuda_load_waits_for_the_evictions_it_depends_on_and_lands_the_bytes()
     pool = torch.randn(16, 2, 2, 4, 2, 8, device="cuda")
     tier = HostKVTier(8 * pool[0].numel() * pool.element_size())
     tier.bind(pool, "print")
+    assert tier.staged_evictions  # the staged path proved itself on this pool
     for i in range(4):  # entries A: the content of blocks 4-7
         tier.offload(b"A%d" % i, 4 + i, None)
     tier.fence(host=True)

@@ -9,11 +9,14 @@ layout, block size) differs from the one its entries came from.
 Blocks live in one host slab allocated when the tier is bound (pinned on CUDA). Copies are issued when the
 scheduler evicts or admits, before the step's forward writes the pool.
 
-- An eviction's device-to-host copy runs, on CUDA, on a copy stream of its own, so the host does not wait for
-  it. A step's evictions are recorded as the scheduler makes them and issued together (one stream switch, runs
-  of consecutive blocks in one copy) by the first of `fence()`, `load()` or a rebind: `fence()` makes what
-  writes the pool next (the step's forward, a KV transfer from a peer) wait for the copies recorded so far, on
-  the GPU where it can, on the host where the writer does not follow stream order.
+- Evictions, on CUDA, neither hold up the host nor the step: a step's evictions are recorded as the scheduler
+  makes them and issued together by the first of `fence()` (the engine calls it before the forward), `load()`
+  or a rebind. The blocks are gathered into a small device staging buffer on the step's own stream (one kernel,
+  ahead of the forward that may overwrite them), and copied from there to the host on a copy stream of their
+  own while the forward runs. A writer outside stream order (a NIXL transfer into fresh blocks) calls
+  `fence(host=True)`, which waits on the host for the gathers. The staged path proves itself when the tier is
+  bound (two blocks must come back byte for byte); otherwise evictions copy straight from the pool on the copy
+  stream and `fence()` makes the forward wait for them.
 - A load (host to device, `load()`) runs, on CUDA, on a load stream of its own, after the eviction copies it
   depends on (the slots it reads, the device blocks it overwrites); runs of consecutive slots going to
   consecutive blocks are one copy each. Nothing else waits for it: the scheduler keeps the sequence out of its
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,6 +40,9 @@ import torch
 
 if TYPE_CHECKING:
     from token_engine.kv_events.recorder import KVEventRecorder
+
+
+logger = logging.getLogger(__name__)
 
 
 def kv_fingerprint(model_dir: str | Path, dtype: torch.dtype, block_shape: tuple[int, ...]) -> str:
@@ -51,6 +58,11 @@ def kv_fingerprint(model_dir: str | Path, dtype: torch.dtype, block_shape: tuple
             h.update(p.read_bytes())
     h.update(json.dumps([str(root.resolve()), str(dtype), list(block_shape)]).encode())
     return h.hexdigest()
+
+
+# CUDA: evicted blocks gathered on the device per host copy (a few dozen MB on a 7B shape; a step's evictions are
+# a few dozen blocks, more go through it in turns)
+STAGING_BLOCKS = 32
 
 
 def copy_runs(slots: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -95,10 +107,16 @@ class HostKVTier:
         self._loads: list[HostLoad] = []  # issued, not yet reported by finished_loads(), in issue order
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evictions' copies, off the step's stream
         self._load_stream: torch.cuda.Stream | None = None  # CUDA: loads, off the step's stream too
-        self._copies_pending = False
         # CUDA: evictions recorded and not yet issued, slot -> device block (a slot dropped and taken again in the
         # same step keeps its last block): issued together, before anything reads the slots or rewrites the blocks
         self._unissued: dict[int, int] = {}
+        # CUDA: evicted blocks are gathered into this device buffer on the step's stream (microseconds), and
+        # copied to the host from there on the copy stream, so the step's forward never waits for the host copy
+        self._staging: torch.Tensor | None = None
+        self._staging_free: torch.cuda.Event | None = None  # the copy out of the staging buffer is done
+        self._gathers_pending = False
+        self._copies_pending = False  # unstaged evictions (the staged path failed its check) in flight
+        self._staged = False
         self.events: KVEventRecorder | None = None
         # Counters (read by the engine's metrics): blocks and bytes moved each way, time spent moving them.
         self.stored_blocks = 0
@@ -129,6 +147,9 @@ class HostKVTier:
             self._copy_stream = torch.cuda.Stream(kv_pool.device)
             self._load_stream = torch.cuda.Stream(kv_pool.device)
         block_shape = tuple(kv_pool.shape[1:])
+        self._staging_free = None
+        self._staging = (torch.empty((STAGING_BLOCKS, *block_shape), dtype=kv_pool.dtype, device=kv_pool.device)
+                         if self._pin else None)
         self.block_bytes = kv_pool[0].numel() * kv_pool.element_size()
         capacity = self.capacity_bytes // self.block_bytes
         slab = self._slab
@@ -138,6 +159,38 @@ class HostKVTier:
             self._free_slots = list(range(capacity - 1, -1, -1))
             self._free_after_load.clear()
         self.capacity_blocks = capacity
+        self._staged = self._pin and self._staging_copies_blocks()
+
+    def _staging_copies_blocks(self) -> bool:
+        """The staged eviction path, proved on this pool before it serves: two blocks (not neighbours) gathered and
+        copied into two free slots must come back byte for byte. Otherwise evictions copy straight from the
+        pool on the copy stream (and the forward waits for them)."""
+        assert self._pool is not None and self._slab is not None
+        pool, slab = self._pool, self._slab
+        blocks = [0, pool.shape[0] - 1] if pool.shape[0] > 2 else [0]
+        if len(self._free_slots) < len(blocks):
+            return False
+        slots = self._free_slots[-len(blocks):]
+        try:
+            self._unissued = dict(zip(slots, blocks))
+            self._issue_staged()
+            torch.cuda.synchronize(pool.device)
+            same = all(torch.equal(slab[s].view(torch.uint8), pool[b].cpu().view(torch.uint8))
+                       for s, b in zip(slots, blocks))
+        except Exception as exc:  # a kernel or copy this build cannot run
+            logger.warning("host KV tier: staged evictions failed their check (%s); copying from the pool", exc)
+            return False
+        finally:
+            self._unissued.clear()
+            self._gathers_pending = False
+        if not same:
+            logger.warning("host KV tier: staged evictions did not copy the blocks' bytes; copying from the pool")
+        return same
+
+    @property
+    def staged_evictions(self) -> bool:
+        """CUDA: evictions go through the device staging buffer (proved when bound)."""
+        return self._staged
 
     @property
     def num_blocks(self) -> int:
@@ -205,9 +258,12 @@ class HostKVTier:
         return True
 
     def _issue(self) -> None:
-        """Issues the evictions recorded since the last call on the copy stream, after the writes already queued
-        on the step's stream (the evicted blocks' KV)."""
+        """Issues the evictions recorded since the last call (CUDA): staged where proved (bind), else straight
+        from the pool on the copy stream, after the writes already queued on the step's stream."""
         if not self._unissued:
+            return
+        if self._staged:
+            self._issue_staged()
             return
         assert self._pool is not None and self._slab is not None and self._copy_stream is not None
         t0 = time.perf_counter()
@@ -218,20 +274,53 @@ class HostKVTier:
                 self._slab[slot:slot + n].copy_(self._pool[block:block + n], non_blocking=True)
         self._unissued.clear()
         self._copies_pending = True
+        self.store_seconds += time.perf_counter() - t0
+
+    def _issue_staged(self) -> None:
+        """Issues the evictions recorded since the last call: the blocks gathered into the staging buffer on the
+        step's stream (after the writes already queued there, before any that follow), then copied from it to
+        their slots on the copy stream."""
+        if not self._unissued:
+            return
+        assert self._pool is not None and self._slab is not None and self._staging is not None
+        assert self._copy_stream is not None
+        t0 = time.perf_counter()
+        stream = self._copy_stream
+        current = torch.cuda.current_stream(stream.device)
+        items = sorted(self._unissued.items())  # by slot: consecutive slots are consecutive staging rows
+        self._unissued.clear()
+        for at in range(0, len(items), STAGING_BLOCKS):
+            part = items[at:at + STAGING_BLOCKS]
+            if self._staging_free is not None:  # the previous copy out of the buffer (long done, as a rule)
+                current.wait_event(self._staging_free)
+            blocks = torch.tensor([b for _, b in part], dtype=torch.long, pin_memory=True)
+            torch.index_select(self._pool, 0, blocks.to(self._pool.device, non_blocking=True),
+                               out=self._staging[:len(part)])
+            gathered = torch.cuda.Event()
+            gathered.record(current)
+            stream.wait_event(gathered)
+            with torch.cuda.stream(stream):
+                for slot, row, n in copy_runs([slot for slot, _ in part], list(range(len(part)))):
+                    self._slab[slot:slot + n].copy_(self._staging[row:row + n], non_blocking=True)
+            self._staging_free = torch.cuda.Event()
+            self._staging_free.record(stream)
+        self._gathers_pending = True
         self.store_seconds += time.perf_counter() - t0  # on CUDA: the host's time to issue them
 
     def fence(self, host: bool = False) -> None:
-        """What writes the pool next waits for the device-to-host copies recorded so far (issued now if they were
-        not): the current stream on the GPU, or (host=True, for writers outside stream order such as a NIXL
-        transfer) the calling thread."""
+        """What writes the pool next comes after the evictions recorded so far have read it (issued now if they were
+        not). On the GPU the gathers are on the step's stream already, ahead of its forward; a writer outside
+        stream order (host=True: a NIXL transfer into fresh blocks) waits on the host for them."""
         self._issue()
+        if host and self._gathers_pending and self._pool is not None:
+            torch.cuda.current_stream(self._pool.device).synchronize()
+        self._gathers_pending = False
         stream = self._copy_stream
-        if not self._copies_pending or stream is None:
-            return
-        if host:
-            stream.synchronize()
-        else:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        if self._copies_pending and stream is not None:  # unstaged evictions still read the pool
+            if host:
+                stream.synchronize()
+            else:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
         self._copies_pending = False
 
     # ---- host -> device ---------------------------------------------------------------------------
