@@ -187,6 +187,30 @@ def test_an_id_outside_the_vocabulary_is_a_400_naming_it(field, bad):
     assert render(config, messages=messages, tools=rollouts.TOOLS, previous_turn=turn).extend.extended
 
 
+def test_the_appended_ids_are_attributed_as_a_full_render_attributes_them():
+    """The extend probes only the messages from the sampled turn on: the appended ids' message indices and mask
+    are the full render's for the same ids, on a conversation of many turns."""
+    config = qwen3_config()
+    spec = rollouts.FAMILIES["qwen3"]
+    messages = list(SYSTEM)
+    for turn in range(6):
+        _, assistant = rollouts.tool_turn(spec, turn)
+        messages += [assistant, rollouts.tool_result(f"call_{turn}", f"{turn} cats\n")]
+    prompt = list(render(config, messages=messages, tools=rollouts.TOOLS).token_ids)
+    text, assistant = rollouts.tool_turn(spec, 6)
+    completion = config.tokenizer.encode(text)
+    messages += [assistant, rollouts.tool_result("call_6", "6 cats\n")]
+    masks = {"return_message_indices": True, "return_assistant_tokens_mask": True}
+    out = extend(config, messages, prompt, completion, **masks)
+    full = render(config, messages=messages, tools=rollouts.TOOLS, **masks)
+    assert out.extend.extended and out.extend.suffix_matches_full_render
+    appended = len(out.token_ids) - out.extend.kept_tokens
+    assert list(out.token_ids)[-appended:] == list(full.token_ids)[-appended:]
+    assert out.message_indices[-appended:] == full.message_indices[-appended:]
+    assert set(out.message_indices[-appended:]) == {len(messages) - 1, len(messages)}  # the result, the prompt
+    assert out.assistant_tokens_mask[-appended:] == [0] * appended
+
+
 def test_full_render_masks_follow_the_messages():
     config = qwen3_config()
     messages = [*SYSTEM, {"role": "assistant", "content": "There are 3 cats."}, {"role": "user", "content": "ok"}]

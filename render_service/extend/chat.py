@@ -22,13 +22,14 @@ from render_service.extend.bridge import (
     template_bridge,
 )
 from render_service.extend.protocol import ExtendInfo, PreviousTurn
-from render_service.extend.turns import text_turns
+from render_service.extend.turns import close_end, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
 from render_service.http.errors import bad_request
 from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_failure
 from render_service.render.render_config import RenderConfig
 from render_service.templates.sandbox import TemplateError
+from render_service.tokenize.char_spans import char_spans
 from render_service.tokenize.tokenizer import TextTokenizer
 from render_service.wire.protocol import ChatCompletionRequest
 
@@ -136,8 +137,12 @@ def _encode(text: str, config: RenderConfig) -> list[int]:
 
 
 def _offsets(text: str, ids: list[int], config: RenderConfig) -> list[tuple[int, int]]:
-    """Character offsets of ``ids`` (the ids ``text`` encodes to), from the tokenizers library."""
+    """Character offsets of ``ids`` (the ids ``text`` encodes to): from the ids' bytes where they spell ``text``
+    (``char_spans``), else from the tokenizers library's own encode."""
     tokenizer = cast(TextTokenizer, config.tokenizer)
+    spans = char_spans(tokenizer, text, ids)
+    if spans is not None:
+        return spans
     encoding = tokenizer.hf.encode(text, add_special_tokens=False)
     if list(encoding.ids) != list(ids):
         raise ExtendImpossible("the tokenizer's offsets do not cover the rendered ids")
@@ -192,12 +197,16 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
                       matches_full_render=span is None, differing_span=span)
     done = TurnRender(ids, tools, extend=info)
     if masks:
-        turns = text_turns(render, messages, arguments, bridge.full, end_markers=ends)
+        # Only the appended text is attributed here: the messages from the sampled turn on are probed.
+        turns = text_turns(render, messages, arguments, bridge.full, end_markers=ends, first=k)
         head = _prompt_turns(render, messages, arguments, k, turn.prompt_token_ids, config)
         base = len(bridge.full) - len(text)
         tail_indices, _ = turns.attribute(offsets, base)
+        # The close up to its end-of-turn marker is the sampled turn's (written by the template when the model
+        # did not write the marker); what follows it opens the next message, as in a full render's attribution.
+        own_close = close_end(text, 0, closing, ends)
         for i, (start, _) in enumerate(offsets):
-            if start < closing:  # the close is the sampled turn's, written by the template
+            if start < own_close:
                 tail_indices[i] = k
         done.message_indices = head[0] + [k] * len(completion) + tail_indices
         # Every appended id is the template's: the model sampled none of them.

@@ -52,16 +52,24 @@ class TextTurns:
 
 
 def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], arguments: dict[str, Any],
-               full: str, spans: list[tuple[int, int]] | None = None, end_markers: Sequence[str] = ()) -> TextTurns:
+               full: str, spans: list[tuple[int, int]] | None = None, end_markers: Sequence[str] = (),
+               first: int = 0) -> TextTurns:
     """The boundaries of ``full`` (the render of ``messages`` with ``arguments``), one render per message: message
     i replaced by a probe of its role (``bridge.PROBE`` as its only content) agrees with ``full`` up to where
     message i's own text starts and again from where it ends. Between two messages' own texts, the close up to
     the first end-of-turn marker (``end_markers``: the bundle's EOS tokens, which the model samples) belongs to
-    the earlier message (and is in an assistant's mask), the rest (the next header) to the later one."""
+    the earlier message (and is in an assistant's mask), the rest (the next header) to the later one.
+
+    ``first``: only messages from that index on are probed (the caller attributes only text after the end of
+    message ``first - 1``); the boundaries of the others are left at 0."""
     begins: list[int | None] = []
     ends: list[int] = []
     at = 0
     for i, message in enumerate(messages):
+        if i < first:
+            begins.append(None)
+            ends.append(0)
+            continue
         probe = {key: value for key, value in message.items() if key in ("role", "name", "tool_call_id")}
         probe["content"] = PROBE if isinstance(message.get("content"), (str, type(None))) \
             else [{"type": "text", "text": PROBE}]
@@ -88,7 +96,7 @@ def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], argum
     own_ends = list(ends)
     for i in range(len(messages)):
         gap_end = next((b for b in begins[i + 1:] if b is not None), end)
-        close = _close_end(full, ends[i], gap_end, end_markers)
+        close = close_end(full, ends[i], gap_end, end_markers)
         own_ends[i] = close
         if i + 1 < len(messages):
             starts.append(close)
@@ -96,7 +104,7 @@ def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], argum
     return TextTurns(starts, own, end, own_ends, spans or None)
 
 
-def _close_end(full: str, start: int, stop: int, end_markers: Sequence[str]) -> int:
+def close_end(full: str, start: int, stop: int, end_markers: Sequence[str]) -> int:
     """Where a message's close ends: after the first end-of-turn marker between its text and the next one's."""
     found = [at + len(marker) for marker in end_markers if marker
              for at in [full.find(marker, start, stop)] if at >= 0]

@@ -279,6 +279,26 @@ class TextTokenizer:
             raise ValueError(f"token id {token_id} is not in the vocabulary")
         return raw
 
+    def bytes_of(self, ids: Iterable[int]) -> bytes:
+        """The bytes ``ids`` stand for, one after another (byte-level tokenizers; TypeError otherwise, ValueError
+        or IndexError for an id outside the vocabulary)."""
+        if self._ranks is None:
+            raise TypeError("bytes_of needs a byte-level BPE tokenizer")
+        if self._id_bytes is None:
+            self._id_bytes = self._byte_table(self._ranks)
+        try:
+            return b"".join(map(self._id_bytes.__getitem__, ids))  # type: ignore[arg-type]
+        except TypeError:  # an id with no bytes (None in the table)
+            raise ValueError("an id in the list has no bytes") from None
+
+    def byte_lengths(self) -> list[int]:
+        """Every id's byte length (-1 for an id with no bytes); byte-level tokenizers (TypeError otherwise)."""
+        if self._ranks is None:
+            raise TypeError("byte_lengths needs a byte-level BPE tokenizer")
+        if self._id_bytes is None:
+            self._id_bytes = self._byte_table(self._ranks)
+        return [-1 if raw is None else len(raw) for raw in self._id_bytes]
+
     def _byte_table(self, ranks: dict[bytes, int]) -> list[bytes | None]:
         size = max([*ranks.values(), *self._added_content, -1]) + 1
         table: list[bytes | None] = [None] * size
