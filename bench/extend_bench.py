@@ -9,7 +9,8 @@ breaks  --rollouts agent rollouts on Qwen3 (hermes tool calls) and gpt-oss (Harm
         break too.
 cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tokens; the last turn rendered
         both ways in this process, thread CPU per render (median of --reps, after a warm-up that leaves the
-        piece cache as an agent loop leaves it): the full render, and the extend render of the same turn.
+        piece cache as an agent loop leaves it): the full render, the extend render of the same turn, and the
+        extend with loss masks after a previous turn that asked for them too (as an RL loop asks).
 
 agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one or several interleaved, each body
         sent to our render server (full render, then the same turn as an extend of ours' previous answer) and to
@@ -178,7 +179,9 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     for size in sizes:
         messages = _conversation(size, config)
         k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt = _render(config, messages=messages[:k], tools=TOOLS)
+        # the previous turn as an RL loop renders it, masks asked for (its attribution is kept for this turn)
+        prompt = _render(config, messages=messages[:k], tools=TOOLS, return_assistant_tokens_mask=True,
+                         return_message_indices=True)
         text = "<tool_call>\n" + "\n</tool_call>\n<tool_call>\n".join(
             json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
             for c in messages[k]["tool_calls"]) + "\n</tool_call><|im_end|>"
@@ -190,10 +193,15 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         ids = render_chat(full_req, config).token_ids  # warm: the piece cache as an agent loop leaves it
         ext = render_chat(ext_req, config)
         assert ext.extend and ext.extend.extended, ext.extend
+        masks = msgspec.convert({**ext_body, "return_assistant_tokens_mask": True, "return_message_indices": True},
+                                ChatCompletionRequest)
+        masked = render_chat(masks, config)
+        assert masked.message_indices is not None and -1 not in masked.message_indices  # the kept attribution
         full_ms = _thread_ms(lambda req=full_req: render_chat(req, config), reps)
         ext_ms = _thread_ms(lambda req=ext_req: render_chat(req, config), reps)
+        masks_ms = _thread_ms(lambda req=masks: render_chat(req, config), reps)
         rows.append({"size": size, "prompt_tokens": len(ids), "messages": len(messages), "full_render_ms": full_ms,
-                     "extend_ms": ext_ms, "extend_over_full": ext_ms / full_ms,
+                     "extend_ms": ext_ms, "extend_over_full": ext_ms / full_ms, "extend_with_masks_ms": masks_ms,
                      "new_tokens": ext.extend.new_tokens + ext.extend.closing_tokens})
     return rows
 

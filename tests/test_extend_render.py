@@ -211,6 +211,35 @@ def test_the_appended_ids_are_attributed_as_a_full_render_attributes_them():
     assert out.assistant_tokens_mask[-appended:] == [0] * appended
 
 
+def test_a_rollout_with_masks_keeps_every_turns_attribution_even_where_the_template_rewrites_the_sample():
+    """Turn two's extend takes turn one's answer as its previous prompt. That prompt holds a sampled call the
+    template writes differently (Python-style booleans), so re-rendering cannot attribute it; the answer's own
+    attribution, kept for the next turn, can."""
+    config = build_render_config(load_bundle(str(QWEN3_DIR)), served_model_names=["m"])
+    masks = {"return_message_indices": True, "return_assistant_tokens_mask": True}
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS, **masks).token_ids)
+    text, assistant = rollouts.tool_turn(rollouts.FAMILIES["qwen3"], 0)  # arguments with True, sampled as such
+    completion = config.tokenizer.encode(text)
+    messages = [*SYSTEM, assistant, rollouts.tool_result("call_1", "3")]
+    first = extend(config, messages, prompt, completion, **masks)
+    assert first.extend.extended and not first.extend.matches_full_render  # the template writes `true`
+    ids = list(first.token_ids)
+    answer, message = rollouts.answer_turn(rollouts.FAMILIES["qwen3"], "There are 3 cats.")
+    sampled = config.tokenizer.encode(answer)
+    more = [*messages, message, {"role": "user", "content": "thanks"}]
+    second = extend(config, more, ids, sampled, **masks)
+    assert second.extend.extended
+    assert second.message_indices[:len(ids)] == first.message_indices
+    assert second.assistant_tokens_mask[:len(ids)] == first.assistant_tokens_mask
+    assert -1 not in second.message_indices
+    assert second.assistant_tokens_mask[len(ids):len(ids) + len(sampled)] == [1] * len(sampled)
+
+    # The same prompt over other messages is not that answer: re-rendered (and unknown where it cannot be).
+    other = [{"role": "system", "content": "You are terse."}, *more[1:]]
+    third = extend(config, other, ids, sampled, **masks)
+    assert third.message_indices[:len(ids)] == [-1] * len(ids)
+
+
 def test_full_render_masks_follow_the_messages():
     config = qwen3_config()
     messages = [*SYSTEM, {"role": "assistant", "content": "There are 3 cats."}, {"role": "user", "content": "ok"}]

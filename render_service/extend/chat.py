@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from render_service.extend.attributions import attribution_key
 from render_service.extend.bridge import (
     Bridge,
     ExtendImpossible,
@@ -169,7 +170,15 @@ def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[
     ids = _encode(rendered.text, config)
     turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans, _end_markers(config))
     indices, flags = turns.attribute(_offsets(rendered.text, ids, config))
+    _remember(config, ids, messages, arguments, indices, flags)
     return TurnRender(ids, tools, message_indices=indices, assistant_tokens_mask=flags)
+
+
+def _remember(config: RenderConfig, ids: list[int], messages: list[dict[str, Any]], arguments: dict[str, Any],
+              indices: list[int], flags: list[int]) -> None:
+    """Files a masked answer's attribution for the next turn's extend of this prompt (``_prompt_turns``)."""
+    if config.attributions is not None and arguments.get("add_generation_prompt"):
+        config.attributions.put(attribution_key(ids, messages, arguments), indices, flags)
 
 
 def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], turn: PreviousTurn,
@@ -211,14 +220,20 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
         done.message_indices = head[0] + [k] * len(completion) + tail_indices
         # Every appended id is the template's: the model sampled none of them.
         done.assistant_tokens_mask = head[1] + [1] * len(completion) + [0] * len(suffix)
+        _remember(config, ids, messages, arguments, done.message_indices, done.assistant_tokens_mask)
     return done
 
 
 def _prompt_turns(render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
                   prompt: list[int], config: RenderConfig) -> tuple[list[int], list[int]]:
-    """Attribution of the previous prompt's ids: from the render of the messages before the sampled turn when
-    it gives those very ids; else -1 (unknown) for each."""
+    """Attribution of the previous prompt's ids: the previous turn's own answer where it asked for masks too
+    (``attributions``); else from the render of the messages before the sampled turn when it gives those very
+    ids; else -1 (unknown) for each."""
     head_args = dict(arguments, add_generation_prompt=True)
+    if config.attributions is not None:
+        found = config.attributions.get(attribution_key(prompt, messages[:k], head_args))
+        if found is not None:
+            return found
     text = render(messages[:k], **head_args) if k else ""
     if text:
         ids = _encode(text, config)

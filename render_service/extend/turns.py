@@ -92,11 +92,16 @@ def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], argum
             end = at
     else:
         end = len(full)
+    # where the next message's own text begins, for each message (the generation prompt after the last)
+    next_begin = [end] * len(messages)
+    for i in range(len(messages) - 2, -1, -1):
+        following = begins[i + 1]
+        next_begin[i] = following if following is not None else next_begin[i + 1]
     starts = [0]
     own_ends = list(ends)
     for i in range(len(messages)):
-        gap_end = next((b for b in begins[i + 1:] if b is not None), end)
-        close = close_end(full, ends[i], gap_end, end_markers)
+        # (a message not probed keeps 0: nothing before the first probed one is attributed)
+        close = close_end(full, ends[i], next_begin[i], end_markers) if i >= first else 0
         own_ends[i] = close
         if i + 1 < len(messages):
             starts.append(close)

@@ -38,6 +38,9 @@ def reasoning_keys(field: str) -> tuple[str, ...]:
     return ("reasoning", "reasoning_content") if field == "both" else (field,)
 
 
+# Masked answers kept for the next turn's extend: a few hundred 50k-token rollouts (5 bytes a token)
+ATTRIBUTION_CACHE_BYTES = 64 * 1024 * 1024
+
 @dataclass
 class RenderConfig:
     """Everything render and derender need, built once per process."""
@@ -67,6 +70,8 @@ class RenderConfig:
     prompt_encoder: Any = None
     # Chat messages and tools decoded and prepared once per distinct JSON (wire/message_memo.py); None: off
     message_memo: MessageMemo | None = None
+    # Masked answers' attributions, for the next turn's extend (extend/attributions.py); None: off
+    attributions: Any = None
     # --render-cache-bytes split between the caches, and their counters for /metrics (caches/budget.py)
     caches: CacheBudget | None = None
     # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/render/tool_choice.py)
@@ -289,6 +294,12 @@ def build_render_config(
         budget.register("memo", memo.lru.stats)
         if memo.bodies is not None:
             budget.register("body_store", memo.bodies.stats)
+    attributions = None
+    if cache_bytes > 0:
+        from render_service.extend.attributions import AttributionCache
+
+        attributions = AttributionCache(min(ATTRIBUTION_CACHE_BYTES, cache_bytes // 16))
+        budget.register("masks", attributions.stats)
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -309,6 +320,7 @@ def build_render_config(
         harmony=harmony,
         prompt_encoder=prompt_encoder,
         message_memo=memo,
+        attributions=attributions,
         caches=budget,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,
