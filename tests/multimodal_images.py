@@ -106,8 +106,9 @@ def write_gemma4_vision_bundle(root: Path, budget: int = 280, dtype: str = "bflo
     from tests.family_bundles import write_family_bundle
 
     write_family_bundle("gemma4_vision", root)
-    config = {"model_type": "gemma4", "dtype": dtype, "boi_token_id": 255999, "eoi_token_id": 258882,
-              "image_token_id": 258880, "text_config": {"model_type": "gemma4_text", "max_position_embeddings": 131072},
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "dtype": dtype, "boi_token_id": 255999, "eoi_token_id": 258882,
+              "image_token_id": 258880,
+              "text_config": {"model_type": "gemma4_text", "max_position_embeddings": 131072},
               "vision_config": {"model_type": "gemma4_vision", "patch_size": 16, "pooling_kernel_size": 3,
                                 "default_output_length": budget}}
     (root / "config.json").write_text(json.dumps(config, indent=2))

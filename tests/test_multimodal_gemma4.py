@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.peers import vllm033_venv
 from render_service.bundle.model_bundle import load_bundle
 from render_service.multimodal import gemma4
 from render_service.multimodal.bounds import ImageError
@@ -135,7 +137,8 @@ def reference(bundle_dir: Path) -> _ImagesOnlyProcessor:
 
 def _interleaved() -> tuple[list, list, list[bytes]]:
     """(our request's messages, the same for transformers, the images' bytes in prompt order)."""
-    files = [encode(noise_image(640, 480, seed=1), "PNG"), encode(noise_image(1280, 720, seed=2), "JPEG"),
+    # (864 x 720 is its own target size at 280 soft tokens: no resize)
+    files = [encode(noise_image(864, 720, seed=1), "PNG"), encode(noise_image(1280, 720, seed=2), "JPEG"),
              encode(noise_image(150, 2000, seed=3), "WEBP"), encode(noise_image(90, 60, seed=4, mode="RGBA"), "PNG")]
     mimes = ["image/png", "image/jpeg", "image/webp", "image/png"]
     part = [{"type": "image_url", "image_url": {"url": data_url(data, mime)}} for data, mime in zip(files, mimes)]
@@ -244,3 +247,74 @@ def test_a_text_only_gemma4_bundle_refuses_images(tmp_path: Path) -> None:
                                 "content": [{"type": "image_url", "image_url": {"url": data_url(
                                     encode(noise_image(8, 8), "PNG"))}}]}]})
     assert r.status_code == 400 and "Gemma 4" in r.json()["error"]["message"], r.text
+
+
+# vLLM 0.33's own Gemma 4 processor on the bundle: the prompt's token ids (as vLLM's Gemma 4 tokenizes a chat
+# prompt: no added specials) and the images loaded by vLLM's loader, then the features vLLM's render sends.
+_VLLM_RENDER = """
+import json, sys
+from vllm.config import ModelConfig
+from vllm.entrypoints.scale_out.token_in_token_out.mm_features import extract_mm_features
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.media.image import ImageMediaIO
+bundle, text, *paths = sys.argv[1:]
+config = ModelConfig(model=bundle, tokenizer=bundle, max_model_len=16384)
+processor = MULTIMODAL_REGISTRY.create_processor(config)
+ids = processor.info.get_tokenizer().encode(text, add_special_tokens=False)
+images = [ImageMediaIO().load_bytes(open(path, "rb").read()) for path in paths]
+out = processor(ids, processor.info.parse_mm_data({"image": images}))
+print(json.dumps({"token_ids": out["prompt_token_ids"], "features": extract_mm_features(out).model_dump()}))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_renders_the_same_features(bundle_dir: Path, reference: _ImagesOnlyProcessor, tmp_path: Path) -> None:
+    """vLLM 0.33's Gemma 4 processor on the same bundle, prompt and image bytes: the same token ids, hashes,
+    placeholder ranges, no metadata items, and items of the same fields, dtypes and shapes, with the same
+    positions. Pixel values: equal for the image that needs no resize; resized ones differ by at most 4 levels
+    (vLLM resizes with torchvision's bicubic where a torchvision is installed, transformers' PIL processor, our
+    reference, with Pillow's: docs/images.md)."""
+    venv = vllm033_venv()
+    if venv is None:
+        pytest.skip("vLLM 0.33 peer not installed")
+    ours, theirs, files = _interleaved()
+    paths = []
+    for i, data in enumerate(files):
+        paths.append(tmp_path / f"image{i}")
+        paths[-1].write_bytes(data)
+    text = reference.apply_chat_template(theirs, tokenize=False, add_generation_prompt=True)
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", _VLLM_RENDER, str(bundle_dir), text,
+                           *map(str, paths)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs_answer = json.loads(done.stdout.strip().splitlines()[-1])
+
+    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["g4"])
+    mm = multimodal_render_for(config, model_id=str(bundle_dir), workers=1)  # vLLM hashes with its --model
+    assert mm is not None
+    try:
+        with RenderServer(config, multimodal=mm) as started:
+            r = started.client.post("/v1/chat/completions/render", json={"model": "g4", "messages": ours})
+    finally:
+        mm.pool.shutdown()
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["token_ids"] == theirs_answer["token_ids"]
+    vllm_features = theirs_answer["features"]
+    for key in ("mm_hashes", "mm_placeholders", "mm_metadata"):
+        assert answer["features"][key] == vllm_features[key], key
+    differences = []
+    for ours_item, vllm_item in zip(answer["features"]["kwargs_data"]["image"], vllm_features["kwargs_data"]["image"],
+                                    strict=True):
+        mine, vllms = _wire_item(ours_item), _wire_item(vllm_item)
+        assert sorted(mine) == sorted(vllms)
+        for key, (dtype, values) in mine.items():
+            assert dtype == vllms[key][0] and values.shape == vllms[key][1].shape, key
+        np.testing.assert_array_equal(mine["pixel_position_ids"][1], vllms["pixel_position_ids"][1])
+        differences.append(np.abs(_bf16_values(mine["pixel_values"][1]) - _bf16_values(vllms["pixel_values"][1])))
+    assert differences[0].max() == 0  # the image without a resize
+    assert all(0 < difference.max() <= 4 / 255 for difference in differences[1:])
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
