@@ -210,6 +210,19 @@ def test_render_equals_transformers_processor(server: RenderServer, reference: _
     assert (light["mm_hashes"], light["mm_placeholders"]) == (features["mm_hashes"], features["mm_placeholders"])
 
 
+def test_per_request_processor_settings_are_refused(server: RenderServer) -> None:
+    """vLLM would apply a request's max_soft_tokens; the render tier renders with the bundle's budget only, so it
+    says so (an empty mapping changes nothing and passes)."""
+    ours, _, _ = _interleaved()
+    for kwargs, status in (({"max_soft_tokens": 560}, 400), ({}, 200)):
+        r = server.client.post("/v1/chat/completions/render", json={"model": "g4", "messages": ours,
+                                                                    "mm_payload": "none", "mm_processor_kwargs": kwargs})
+        assert r.status_code == status, r.text
+    r = server.client.post("/v1/chat/completions/render", json={"model": "g4", "messages": ours,
+                                                                "mm_processor_kwargs": {"max_soft_tokens": 560}})
+    assert r.json()["error"]["param"] == "mm_processor_kwargs"
+
+
 def _on_white(image: Image.Image) -> Image.Image:
     """An RGBA image as vLLM's loader (and ours) flattens it: onto white."""
     flat = Image.new("RGB", image.size, (255, 255, 255))

@@ -24,6 +24,9 @@ from render_service.multimodal.sources import FetchPolicy, ImageRef, fetch, imag
 class MultimodalOptions(msgspec.Struct):
     mm_payload: Literal["tensors", "none"] | None = None
     return_mm_kwargs: bool | None = None  # vLLM's deprecated alias: false is mm_payload "none"
+    # vLLM applies these per request (Gemma 4's max_soft_tokens, Qwen's min/max_pixels); the render tier renders
+    # with the bundle's settings only, so a request that sets any is refused rather than rendered otherwise
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def tensors(self) -> bool:

@@ -37,9 +37,13 @@ _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 def requested_tensors(body: bytes) -> bool:
     """Whether the request wants the processed tensors (``mm_payload``; a router asks for none)."""
     try:
-        return msgspec.json.decode(body, type=MultimodalOptions).tensors
+        options = msgspec.json.decode(body, type=MultimodalOptions)
     except msgspec.ValidationError as exc:
         raise ApiError(f"Invalid request: {exc}", 400, "mm_payload") from None
+    if options.mm_processor_kwargs:
+        raise ApiError("mm_processor_kwargs are not supported with images: the render tier processes images with "
+                       "the model's own processor settings", 400, "mm_processor_kwargs")
+    return options.tensors
 
 
 def carries_image_parts(messages: list[dict[str, Any]]) -> bool:
