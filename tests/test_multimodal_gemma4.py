@@ -331,3 +331,28 @@ def test_vllm_renders_the_same_features(bundle_dir: Path, reference: _ImagesOnly
 
 def _bf16_values(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_messages_render_and_count_tokens(server: RenderServer, reference: _ImagesOnlyProcessor) -> None:
+    """The Messages API's base64 image blocks take the same path: the token ids of the chat render, the same
+    features, and count_tokens counting each image's wrap and soft tokens."""
+    ours, theirs, files = _interleaved()
+
+    def block(data: bytes, mime: str) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": mime,
+                                            "data": base64.b64encode(data).decode()}}
+
+    body = {"model": "g4", "max_tokens": 16, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, block(files[0], "image/png"),
+                                     {"type": "text", "text": " with "}, block(files[1], "image/jpeg")]},
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": [block(files[2], "image/webp"), {"type": "text", "text": "And this tall one, and"},
+                                     block(files[3], "image/png")]},
+    ]}
+    r = server.client.post("/v1/messages/render", json=body)
+    assert r.status_code == 200, r.text
+    chat = server.client.post("/v1/chat/completions/render", json={"model": "g4", "messages": ours}).json()
+    assert r.json()["token_ids"] == chat["token_ids"] and r.json()["features"] == chat["features"]
+    count = server.client.post("/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "max_tokens"})
+    assert count.status_code == 200, count.text
+    assert count.json()["input_tokens"] == len(chat["token_ids"])
