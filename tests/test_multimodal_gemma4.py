@@ -230,9 +230,9 @@ def _on_white(image: Image.Image) -> Image.Image:
     return flat
 
 
-def test_a_refused_size_is_a_400(bundle_dir: Path) -> None:
+def test_a_refused_size_is_a_400(tmp_path: Path) -> None:
     """A bundle at 70 soft tokens answers the size where vLLM and transformers disagree with a 400 naming it."""
-    root = write_gemma4_vision_bundle(bundle_dir.parent / "budget70", budget=70)
+    root = write_gemma4_vision_bundle(tmp_path / "budget70", budget=70)
     config = build_render_config(load_bundle(str(root)), served_model_names=["g4"])
     mm = multimodal_render_for(config, model_id=MODEL, workers=1)
     assert mm is not None
