@@ -45,6 +45,10 @@ Special-token ids:
   are ASSUMED. ZAYA1's own template is not in the sources we can read: its stand-in is Qwen3-Coder's template
   with ZAYA1's block tags (vLLM's ZAYA1 parser is Qwen3's with those tags), built here, not a fixture. Its
   config's model_type "zaya" is what public ZAYA1-8B configs carry.
+* Gemma 4 with images (``gemma4_vision``): the Gemma 4 test tokenizer plus Gemma 4's media tokens at their real
+  ids (transformers' Gemma4Config defaults): <|image> 255999, <|audio> 256000, <|image|> 258880, <|audio|> 258881,
+  <image|> 258882, <audio|> 258883, <|video|> 258884; the tokenizer_config names them as Gemma 4's does
+  (boi_token, image_token, eoi_token, ...). Ids between the two blocks are reserved placeholders.
 * hf (response-template parsers): the Gemma 4 bundle with the response_template Gemma 4's checkpoints publish.
 * Muse Glimmer: no package ships Muse's tokenizer (its ids are Llama 4's layout). The test tokenizer is Llama 3's
   BPE ranks, as for Llama 4, with Muse's specials at the ids the checkpoint's generation_config.json and public
@@ -137,6 +141,14 @@ GEMMA4_SPECIALS = [
     (51, "<tool_response|>", True), (52, '<|"|>', True), (98, "<|think|>", True), (100, "<|channel>", True),
     (101, "<channel|>", True), (105, "<|turn>", True), (106, "<turn|>", True),
 ]
+# Gemma 4's media tokens at Gemma 4's ids (transformers' Gemma4Config defaults: boi 255999, image 258880, eoi
+# 258882, audio 258881, boa 256000, eoa 258883, video 258884; the names are those of Gemma 4's tokenizer_config)
+GEMMA4_MEDIA_SPECIALS = [
+    (255999, "<|image>", True), (256000, "<|audio>", True), (258880, "<|image|>", True), (258881, "<|audio|>", True),
+    (258882, "<image|>", True), (258883, "<audio|>", True), (258884, "<|video|>", True),
+]
+GEMMA4_MEDIA_NAMES = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+                      "boa_token": "<|audio>", "audio_token": "<|audio|>", "eoa_token": "<audio|>"}
 # The response_template Gemma 4's instruction checkpoints publish in their tokenizer configuration, as vLLM's
 # response-template tests quote it (tests/parser/test_response_template.py): the hf/beam test bundle's metadata.
 GEMMA4_RESPONSE_TEMPLATE = {
@@ -216,6 +228,9 @@ FAMILIES = {
     "hf": ("gemma-4.jinja", GEMMA4_SPECIALS, 151643, 1000,
            {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
             "response_template": GEMMA4_RESPONSE_TEMPLATE}, [1, 106]),
+    "gemma4_vision": ("gemma-4.jinja", GEMMA4_SPECIALS + GEMMA4_MEDIA_SPECIALS, 151643, 1000,
+                      {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", **GEMMA4_MEDIA_NAMES},
+                      [1, 106]),
     "zaya": ("zaya1-standin.jinja", ZAYA_SPECIALS, 151643, 1000,
              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, [0, 2]),
 }
@@ -379,7 +394,8 @@ def write_family_bundle(family: str, root: Path) -> Path:
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
-    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3", "hf": "gemma4"}.get(family, family)
+    model_type = {"glm45": "glm4_moe", "glm47": "glm4_moe", "magistral": "mistral3", "hf": "gemma4",
+                  "gemma4_vision": "gemma4"}.get(family, family)
     (root / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072}),
                                       encoding="utf-8")
     return root

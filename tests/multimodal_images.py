@@ -86,3 +86,36 @@ def write_tiny_qwen2_5_vl(root: Path, max_pixels: int = 256 * 28 * 28) -> Path:
     settings = json.loads((root / "preprocessor_config.json").read_text())
     (root / "preprocessor_config.json").write_text(json.dumps({**settings, "max_pixels": max_pixels}, indent=2))
     return root
+
+
+# Gemma 4's vision settings: config.json's vision_config and the image processor's (transformers' Gemma4Config,
+# Gemma4VisionConfig and Gemma4ImageProcessor defaults; default_output_length is the budget vLLM reads)
+GEMMA4_IMAGE_PROCESSOR = {
+    "image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
+    "image_std": [1.0, 1.0, 1.0], "patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_size": 3,
+}
+
+
+def write_gemma4_vision_bundle(root: Path, budget: int = 280, dtype: str = "bfloat16",
+                               nested: bool = False) -> Path:
+    """A Gemma 4 bundle without weights: the Gemma 4 test tokenizer with Gemma 4's media tokens at their ids,
+    Gemma 4's real chat template (tests/family_bundles.py), config.json with its vision_config, and the image
+    processor's settings with ``budget`` soft tokens, in preprocessor_config.json or (``nested``) in
+    processor_config.json's ``image_processor``, as transformers 5 writes a processor."""
+    from tests.family_bundles import write_family_bundle
+
+    write_family_bundle("gemma4_vision", root)
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "dtype": dtype, "boi_token_id": 255999, "eoi_token_id": 258882,
+              "image_token_id": 258880,
+              "text_config": {"model_type": "gemma4_text", "max_position_embeddings": 131072},
+              "vision_config": {"model_type": "gemma4_vision", "patch_size": 16, "pooling_kernel_size": 3,
+                                "default_output_length": budget}}
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    settings = {**GEMMA4_IMAGE_PROCESSOR, "max_soft_tokens": budget}
+    if nested:
+        (root / "processor_config.json").write_text(json.dumps(
+            {"image_processor": settings, "image_seq_length": budget, "processor_class": "Gemma4Processor"}, indent=2))
+    else:
+        (root / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
+    return root

@@ -1,6 +1,7 @@
 """A chat request with images -> the text render's input and, after it, the engine's: each image part becomes
 the family's placeholder text (what the model's chat template writes for an image part), the bytes go to the
-worker pool, and the rendered ids get each image's single ``image_token`` expanded to its token count, with
+worker pool, and the rendered ids get each image's single ``image_token`` expanded to its token count (between
+the family's begin and end tokens where it has them: Gemma 4), with
 ``features`` (hashes, placeholder ranges, tensors unless ``mm_payload`` is "none") in vLLM's shape."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import msgspec
 
 from render_service.http.errors import ApiError, bad_request
 from render_service.multimodal.bounds import ImageBounds, ImageError, ImageHeader, check_request_pixels, read_header
-from render_service.multimodal.families import VisionFamily
+from render_service.multimodal.families import Family
 from render_service.multimodal.features import build_features
 from render_service.multimodal.hashing import content_key
 from render_service.multimodal.pool import ImagePool, ProcessedImage
@@ -23,6 +24,9 @@ from render_service.multimodal.sources import FetchPolicy, ImageRef, fetch, imag
 class MultimodalOptions(msgspec.Struct):
     mm_payload: Literal["tensors", "none"] | None = None
     return_mm_kwargs: bool | None = None  # vLLM's deprecated alias: false is mm_payload "none"
+    # vLLM applies these per request (Gemma 4's max_soft_tokens, Qwen's min/max_pixels); the render tier renders
+    # with the bundle's settings only, so a request that sets any is refused rather than rendered otherwise
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def tensors(self) -> bool:
@@ -34,7 +38,7 @@ class MultimodalOptions(msgspec.Struct):
 class MultimodalRender(msgspec.Struct):
     """What a server serving a vision-language model needs to render images."""
 
-    family: VisionFamily
+    family: Family
     image_token_id: int
     model_id: str
     pool: ImagePool
@@ -42,9 +46,11 @@ class MultimodalRender(msgspec.Struct):
     fetch_policy: FetchPolicy = FetchPolicy()
     # float32 normalised pixel values; False (vLLM 0.33's default, mm_device_do_normalize): raw uint8 pixels
     normalize: bool = False
+    # ids around each image's run of image tokens (Gemma 4's begin/end of image); the placeholder range covers them
+    wrap_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
 
-def split_images(messages: list[dict[str, Any]], family: VisionFamily, bounds: ImageBounds
+def split_images(messages: list[dict[str, Any]], family: Family, bounds: ImageBounds
                  ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
     """``messages`` with every image part replaced by a text part holding the family's placeholder, and the
     images in prompt order. Messages without images are kept as they are."""
@@ -94,10 +100,13 @@ async def _ready(data: bytes) -> bytes:
     return data
 
 
-def expand_placeholders(token_ids: list[int], image_token_id: int, images: list[ProcessedImage]
+def expand_placeholders(token_ids: list[int], image_token_id: int, images: list[ProcessedImage],
+                        wrap_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
                         ) -> tuple[list[int], list[tuple[int, int]]]:
-    """The ids with the k-th ``image_token_id`` repeated ``images[k].num_tokens`` times, and each run's
-    (offset, length). The template must have written exactly one image token per image."""
+    """The ids with the k-th ``image_token_id`` repeated ``images[k].num_tokens`` times between ``wrap_ids``, and
+    each replacement's (offset, length), wrap included (vLLM's range for such a family: its ``is_embed`` mask
+    leaves the wrap out). The template must have written exactly one image token per image."""
+    before, after = wrap_ids
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(positions) != len(images):
         raise bad_request(f"the prompt holds {len(positions)} image tokens for {len(images)} images: the chat "
@@ -107,14 +116,16 @@ def expand_placeholders(token_ids: list[int], image_token_id: int, images: list[
     start = 0
     for position, image in zip(positions, images):
         out.extend(token_ids[start:position])
-        ranges.append((len(out), image.num_tokens))
+        ranges.append((len(out), len(before) + image.num_tokens + len(after)))
+        out.extend(before)
         out.extend([image_token_id] * image.num_tokens)
+        out.extend(after)
         start = position + 1
     out.extend(token_ids[start:])
     return out, ranges
 
 
-def attach(token_ids: list[int], images: list[ProcessedImage], image_token_id: int, tensors: bool
-           ) -> tuple[list[int], dict[str, Any]]:
-    ids, ranges = expand_placeholders(list(token_ids), image_token_id, images)
+def attach(token_ids: list[int], images: list[ProcessedImage], image_token_id: int, tensors: bool,
+           wrap_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[list[int], dict[str, Any]]:
+    ids, ranges = expand_placeholders(list(token_ids), image_token_id, images, wrap_ids)
     return ids, build_features(images, ranges, tensors)

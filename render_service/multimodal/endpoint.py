@@ -37,9 +37,13 @@ _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 def requested_tensors(body: bytes) -> bool:
     """Whether the request wants the processed tensors (``mm_payload``; a router asks for none)."""
     try:
-        return msgspec.json.decode(body, type=MultimodalOptions).tensors
+        options = msgspec.json.decode(body, type=MultimodalOptions)
     except msgspec.ValidationError as exc:
         raise ApiError(f"Invalid request: {exc}", 400, "mm_payload") from None
+    if options.mm_processor_kwargs:
+        raise ApiError("mm_processor_kwargs are not supported with images: the render tier processes images with "
+                       "the model's own processor settings", 400, "mm_processor_kwargs")
+    return options.tensors
 
 
 def carries_image_parts(messages: list[dict[str, Any]]) -> bool:
@@ -57,15 +61,16 @@ class PicturedChat:
     and ``expand`` for its rendered ids, which fills ``features`` in."""
 
     def __init__(self, messages: list[dict[str, Any]], images: list[ProcessedImage], image_token_id: int,
-                 tensors: bool) -> None:
+                 tensors: bool, wrap_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
         self.messages = messages
         self.images = images
         self.image_token_id = image_token_id
         self.tensors = tensors
+        self.wrap_ids = wrap_ids
         self.features: dict[str, Any] = {}
 
     def expand(self, token_ids: list[int]) -> list[int]:
-        ids, self.features = attach(token_ids, self.images, self.image_token_id, self.tensors)
+        ids, self.features = attach(token_ids, self.images, self.image_token_id, self.tensors, self.wrap_ids)
         return ids
 
 
@@ -81,7 +86,7 @@ async def picture_chat(chat: ChatCompletionRequest, config: RenderConfig, mm: Mu
     if mm is None:
         raise UnsupportedModel(describe_model(config.bundle.config))
     tensors = want_tensors()
-    return PicturedChat(messages, await process_images(refs, mm, tensors), mm.image_token_id, tensors)
+    return PicturedChat(messages, await process_images(refs, mm, tensors), mm.image_token_id, tensors, mm.wrap_ids)
 
 
 async def render_with_images(body: bytes, chat: ChatCompletionRequest, config: RenderConfig,

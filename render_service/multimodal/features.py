@@ -1,7 +1,7 @@
 """vLLM's ``features`` object for a rendered image prompt: ``mm_hashes`` and ``mm_placeholders`` per modality,
 ``kwargs_data`` and ``mm_metadata`` (each image's item in vLLM's wire encoding, ``wire``) unless the client asked
-for ``mm_payload: "none"``, and ``mm_grid_thw``: each image's grid as a plain JSON array, for routers that read
-features without msgpack (vLLM's engine ignores the extra key)."""
+for ``mm_payload: "none"``, and for a patch-grid family ``mm_grid_thw``: each image's grid as a plain JSON array,
+for routers that read features without msgpack (vLLM's engine ignores the extra key)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ def build_features(images: list[ProcessedImage], ranges: list[tuple[int, int]], 
         # each item already a JSON string (wire.kwargs_item): embedded as it is
         "kwargs_data": {"image": [None if image.kwargs_item is None else msgspec.Raw(image.kwargs_item)
                                   for image in images]} if tensors else None,
-        "mm_metadata": {"image": [image.metadata_item for image in images]} if tensors else None,
-        "mm_grid_thw": {"image": [list(image.grid_thw) for image in images]},
+        # (vLLM sends none where no field is kept on the CPU: Gemma 4)
+        "mm_metadata": {"image": [image.metadata_item for image in images]}
+        if tensors and any(image.metadata_item is not None for image in images) else None,
+        **({"mm_grid_thw": {"image": [list(image.grid_thw) for image in images if image.grid_thw is not None]}}
+           if all(image.grid_thw is not None for image in images) else {}),
     }
 
 

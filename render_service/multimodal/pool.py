@@ -19,8 +19,9 @@ from PIL import Image
 
 from render_service.caches.byte_lru import ByteLRU
 from render_service.http.errors import ApiError
+from render_service.multimodal import gemma4
 from render_service.multimodal.bounds import ImageError, ImageHeader, decode_rgb
-from render_service.multimodal.families import VisionFamily
+from render_service.multimodal.families import BudgetFamily, Family
 from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.qwen_vl import grid_thw, image_token_count, patches_shape, pixel_values
 from render_service.multimodal.shared_slots import AttachedSlot, SharedSlots, Slot, SlotRef, SlotUnavailable
@@ -29,12 +30,12 @@ from render_service.multimodal.wire import ItemLayout, b64encode, item_layout, m
 
 class ProcessedImage(msgspec.Struct, frozen=True):
     mm_hash: str
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None  # the patch grid (Qwen-VL); None for a budget family
     num_tokens: int
     # vLLM's wire item (``wire``): pixel values and grid, as its JSON string (quotes included); None for mm_payload
     # none
     kwargs_item: bytes | None = None
-    metadata_item: str | None = None  # the grid alone, as vLLM's mm_metadata item
+    metadata_item: str | None = None  # the grid alone, as vLLM's mm_metadata item (Gemma 4 has none)
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +66,7 @@ def _item_bytes(layout: ItemLayout) -> tuple[memoryview, memoryview]:
     return view[start:end], view[values_at:values_at + layout.size]
 
 
-def process_image(data: bytes | None, header: ImageHeader, family: VisionFamily, model_id: str,
+def process_image(data: bytes | None, header: ImageHeader, family: Family, model_id: str,
                   tensors: bool, normalize: bool = False, slot: SlotRef | None = None, data_length: int = 0
                   ) -> tuple[ProcessedImage, int]:
     """Runs in a worker: decode (bounded by ``header``, already checked), hash as vLLM, count placeholder
@@ -82,10 +83,12 @@ def process_image(data: bytes | None, header: ImageHeader, family: VisionFamily,
                         normalize, shared)
 
 
-def _process(data: bytes, header: ImageHeader, family: VisionFamily, model_id: str, tensors: bool,
+def _process(data: bytes, header: ImageHeader, family: Family, model_id: str, tensors: bool,
              normalize: bool, shared: AttachedSlot | None) -> tuple[ProcessedImage, int]:
     image, converted = decode_rgb(data, header, "image")
     digest = image_hash(data, model_id, converted=converted)
+    if isinstance(family, BudgetFamily):
+        return _process_budget(image, digest, family, tensors, shared)
     num_tokens = image_token_count(image.height, image.width, family)
     grid = grid_thw(image.height, image.width, family)
     if not tensors:
@@ -94,16 +97,33 @@ def _process(data: bytes, header: ImageHeader, family: VisionFamily, model_id: s
     item, values = _item_bytes(layout)
     pixel_values(image, family, normalize, values)
     del image
-    text = b64encode(item)
+    return _finish(ProcessedImage(digest, grid, num_tokens, None, metadata_item(grid)), b64encode(item), shared)
+
+
+def _process_budget(image: Image.Image, digest: str, family: BudgetFamily, tensors: bool,
+                    shared: AttachedSlot | None) -> tuple[ProcessedImage, int]:
+    num_tokens = gemma4.soft_token_count(image.height, image.width, family)
+    if not tensors:
+        return ProcessedImage(digest, None, num_tokens), 0
+    item, values = _item_bytes(gemma4.item_layout(image.height, image.width, family))
+    gemma4.pixel_values(image, family, values)
+    del image
+    return _finish(ProcessedImage(digest, None, num_tokens), b64encode(item), shared)
+
+
+def _finish(result: ProcessedImage, text: bytes, shared: AttachedSlot | None) -> tuple[ProcessedImage, int]:
+    """``result`` with its item's base64 ``text``: written into the slot (its length comes back) or kept."""
     length = shared.write_quoted(text) if shared is not None else None
     if length is not None:
-        return ProcessedImage(digest, grid, num_tokens, None, metadata_item(grid)), length
-    return ProcessedImage(digest, grid, num_tokens, b"".join((b'"', text, b'"')), metadata_item(grid)), 0
+        return result, length
+    return msgspec.structs.replace(result, kwargs_item=b"".join((b'"', text, b'"'))), 0
 
 
-def item_bound(header: ImageHeader, family: VisionFamily, normalize: bool) -> int:
+def item_bound(header: ImageHeader, family: Family, normalize: bool) -> int:
     """The most bytes an image with this header can need as its item's JSON string (its pixels may turn by
     EXIF orientation: both ways counted); 0 when it is refused anyway."""
+    if isinstance(family, BudgetFamily):  # a fixed size: the budget's patches
+        return 4 * -(-gemma4.item_layout(header.height, header.width, family).total // 3) + 2
     try:
         grids = [grid_thw(h, w, family) for w, h in ((header.width, header.height), (header.height, header.width))]
     except ImageError:
@@ -198,7 +218,7 @@ class ImagePool:
             raise ApiError(f"The image preprocessing queue is full ({self.pending} images pending); retry later or "
                            "on another replica.", 429, headers={"Retry-After": str(retry)})
 
-    async def process(self, key: str, data: bytes, header: ImageHeader, family: VisionFamily, model_id: str,
+    async def process(self, key: str, data: bytes, header: ImageHeader, family: Family, model_id: str,
                       tensors: bool, normalize: bool = False) -> ProcessedImage:
         cache_key = (key, tensors)
         hit = self.cache.get(cache_key)
@@ -226,7 +246,7 @@ class ImagePool:
         self.cache.put(cache_key, result, result.nbytes)
         return result
 
-    async def _work(self, data: bytes, header: ImageHeader, family: VisionFamily, model_id: str, tensors: bool,
+    async def _work(self, data: bytes, header: ImageHeader, family: Family, model_id: str, tensors: bool,
                     normalize: bool) -> ProcessedImage:
         """One image through a worker, its bytes and its item passed through a shared slot where one is to be had
         (the bytes alone when the image is large: a router's PNG screenshots)."""

@@ -1,5 +1,6 @@
 """The image renderer for a loaded bundle: its family from config.json / preprocessor_config.json, the image
-token's id from its tokenizer, a worker pool, the bounds and the fetch policy from the server's flags."""
+token's id (and Gemma 4's begin/end of image ids) from its tokenizer, a worker pool, the bounds and the fetch
+policy from the server's flags."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from render_service.multimodal.bounds import ImageBounds
 from render_service.multimodal.chat import MultimodalRender
-from render_service.multimodal.families import family_from_bundle
+from render_service.multimodal.families import BudgetFamily, family_from_bundle
 from render_service.multimodal.pool import ImagePool
 from render_service.multimodal.sources import FetchPolicy
 
@@ -23,11 +24,17 @@ def multimodal_render_for(config: RenderConfig, *, model_id: str | None = None, 
     family = family_from_bundle(config.bundle.path)
     if family is None:
         return None
-    token_id = config.tokenizer.token_to_id(family.image_token)
-    if token_id is None:
-        raise ValueError(f"the tokenizer has no {family.image_token} token, which {family.name} needs")
+    token_id, *wrap = (_token_id(config, token, family.name) for token in (
+        family.image_token, *((family.boi_token, family.eoi_token) if isinstance(family, BudgetFamily) else ())))
     # vLLM hashes with the model it was started with (its --model, as given: a hub id or a path)
     name = model_id or str(config.bundle.path)
     return MultimodalRender(family, token_id, name, ImagePool(workers, max_pending=max_pending),
                             bounds or ImageBounds(), FetchPolicy(allowed_domains, fetch_timeout_s),
-                            normalize=not device_normalize)
+                            normalize=not device_normalize, wrap_ids=(tuple(wrap[:1]), tuple(wrap[1:])))
+
+
+def _token_id(config: RenderConfig, token: str, family: str) -> int:
+    token_id = config.tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no {token} token, which {family} needs")
+    return token_id

@@ -2,7 +2,8 @@
 base64 of the msgpack vLLM's ``MsgpackEncoder`` writes for a ``MultiModalKwargsItem`` with every tensor inline.
 An item maps each field name to ``{"data": [dtype, shape, Ext(3, raw bytes)], "field": [factory, kwargs]}``;
 the Qwen-VL families have ``pixel_values`` (flat over patches) and ``image_grid_thw`` (batched, kept on the CPU
-as M-RoPE metadata). Written without torch: the render tier has none."""
+as M-RoPE metadata); Gemma 4 has ``pixel_values`` and ``pixel_position_ids``, both batched. Written without
+torch: the render tier has none."""
 
 from __future__ import annotations
 
@@ -72,22 +73,41 @@ class ItemLayout(msgspec.Struct, frozen=True):
         return len(self.prefix) + self.size + len(self.suffix)
 
 
+_ITEMSIZE = {"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _layout(item: dict[str, object], size: int) -> ItemLayout:
+    """``item`` (its pixel values' data ``_MARK``) split around where ``size`` bytes of pixel values go."""
+    encoded = _encode(item)
+    marked = _ext_header(len(_MARK)) + _MARK
+    at = encoded.index(marked)
+    return ItemLayout(encoded[:at] + _ext_header(size), size, encoded[at + len(marked):])
+
+
 def item_layout(dtype: str, rows: int, patch_dim: int, grid: tuple[int, int, int]) -> ItemLayout:
     """The layout of the image's full item: ``pixel_values`` (rows x patch_dim of ``dtype``, C order; uint8 raw
     pixels for an engine that normalises on its device, float32 normalised values otherwise) and its grid. Its
     flat field slices the item alone (vLLM's own render slices the request's batch, so a multi-image request's
     strings differ from vLLM's; engines compare only the field's type when they batch items, and both decode to
     the same tensors)."""
-    size = rows * patch_dim * {"uint8": 1, "float32": 4}[dtype]
-    item = {
+    item: dict[str, object] = {
         "pixel_values": {"data": _tensor(dtype, (rows, patch_dim), _MARK),
                          "field": ("flat", {"keep_on_cpu": False, "slices": [[(0, rows, None)]], "dim": 0})},
         "image_grid_thw": _grid_elem(grid),
     }
-    encoded = _encode(item)
-    marked = _ext_header(len(_MARK)) + _MARK
-    at = encoded.index(marked)
-    return ItemLayout(encoded[:at] + _ext_header(size), size, encoded[at + len(marked):])
+    return _layout(item, rows * patch_dim * _ITEMSIZE[dtype])
+
+
+def budget_item_layout(dtype: str, rows: int, patch_dim: int, positions: bytes) -> ItemLayout:
+    """Gemma 4's item: ``pixel_values`` (rows x patch_dim of ``dtype``, padded to the budget's patches) and int64
+    ``pixel_position_ids`` (rows x 2, ``positions``), both batched fields on the device, as vLLM's Gemma 4 model
+    declares them."""
+    batched = ("batched", {"keep_on_cpu": False})
+    item: dict[str, object] = {
+        "pixel_values": {"data": _tensor(dtype, (rows, patch_dim), _MARK), "field": batched},
+        "pixel_position_ids": {"data": _tensor("int64", (rows, 2), positions), "field": batched},
+    }
+    return _layout(item, rows * patch_dim * _ITEMSIZE[dtype])
 
 
 def quoted_base64(item: bytes | memoryview) -> bytes:
