@@ -116,7 +116,6 @@ class HostKVTier:
         self._staging_free: torch.cuda.Event | None = None  # the copy out of the staging buffer is done
         self._gathers_pending = False
         self._copies_pending = False  # unstaged evictions (the staged path failed its check) in flight
-        self._staged = False
         self.events: KVEventRecorder | None = None
         # Counters (read by the engine's metrics): blocks and bytes moved each way, time spent moving them.
         self.stored_blocks = 0
@@ -159,7 +158,8 @@ class HostKVTier:
             self._free_slots = list(range(capacity - 1, -1, -1))
             self._free_after_load.clear()
         self.capacity_blocks = capacity
-        self._staged = self._pin and self._staging_copies_blocks()
+        if self._pin and not self._staging_copies_blocks():
+            self._staging = None  # evictions copy straight from the pool; the buffer's device memory goes back
 
     def _staging_copies_blocks(self) -> bool:
         """The staged eviction path, proved on this pool before it serves: two blocks (not neighbours) gathered and
@@ -190,7 +190,7 @@ class HostKVTier:
     @property
     def staged_evictions(self) -> bool:
         """CUDA: evictions go through the device staging buffer (proved when bound)."""
-        return self._staged
+        return self._staging is not None
 
     @property
     def num_blocks(self) -> int:
@@ -262,7 +262,7 @@ class HostKVTier:
         from the pool on the copy stream, after the writes already queued on the step's stream."""
         if not self._unissued:
             return
-        if self._staged:
+        if self._staging is not None:
             self._issue_staged()
             return
         assert self._pool is not None and self._slab is not None and self._copy_stream is not None
