@@ -270,11 +270,8 @@ class TextTokenizer:
 
         Raises TypeError for a tokenizer that is not byte-level, ValueError for an unknown ID.
         """
-        if self._ranks is None:
-            raise TypeError("token_bytes needs a byte-level BPE tokenizer")
-        if self._id_bytes is None:
-            self._id_bytes = self._byte_table(self._ranks)
-        raw = self._id_bytes[token_id] if 0 <= token_id < len(self._id_bytes) else None
+        table = self._bytes_table("token_bytes")
+        raw = table[token_id] if 0 <= token_id < len(table) else None
         if raw is None:
             raise ValueError(f"token id {token_id} is not in the vocabulary")
         return raw
@@ -282,22 +279,24 @@ class TextTokenizer:
     def bytes_of(self, ids: Iterable[int]) -> bytes:
         """The bytes ``ids`` stand for, one after another (byte-level tokenizers; TypeError otherwise, ValueError
         or IndexError for an id outside the vocabulary)."""
-        if self._ranks is None:
-            raise TypeError("bytes_of needs a byte-level BPE tokenizer")
-        if self._id_bytes is None:
-            self._id_bytes = self._byte_table(self._ranks)
+        table = self._bytes_table("bytes_of")
         try:
-            return b"".join(map(self._id_bytes.__getitem__, ids))  # type: ignore[arg-type]
+            return b"".join(map(table.__getitem__, ids))  # type: ignore[arg-type]
         except TypeError:  # an id with no bytes (None in the table)
             raise ValueError("an id in the list has no bytes") from None
 
     def byte_lengths(self) -> list[int]:
         """Every id's byte length (-1 for an id with no bytes); byte-level tokenizers (TypeError otherwise)."""
+        return [-1 if raw is None else len(raw) for raw in self._bytes_table("byte_lengths")]
+
+    def _bytes_table(self, caller: str) -> list[bytes | None]:
+        """Each id's bytes (None for an id with none), built on first use; TypeError for a tokenizer that is not
+        byte-level."""
         if self._ranks is None:
-            raise TypeError("byte_lengths needs a byte-level BPE tokenizer")
+            raise TypeError(f"{caller} needs a byte-level BPE tokenizer")
         if self._id_bytes is None:
             self._id_bytes = self._byte_table(self._ranks)
-        return [-1 if raw is None else len(raw) for raw in self._id_bytes]
+        return self._id_bytes
 
     def _byte_table(self, ranks: dict[bytes, int]) -> list[bytes | None]:
         size = max([*ranks.values(), *self._added_content, -1]) + 1
