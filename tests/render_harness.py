@@ -6,12 +6,14 @@ shared by every test file that asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,22 @@ class RenderServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
+
+
+@contextlib.contextmanager
+def image_render_server(bundle_dir: Path, served_name: str, model_id: str, workers: int
+                        ) -> Iterator[tuple[RenderServer, Any]]:
+    """A render server over a vision bundle with its image pool: (server, pool); the pool's workers end with it."""
+    from render_service.multimodal.setup import multimodal_render_for
+
+    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=[served_name])
+    mm = multimodal_render_for(config, model_id=model_id, workers=workers)
+    assert mm is not None
+    try:
+        with RenderServer(config, multimodal=mm) as server:
+            yield server, mm
+    finally:
+        mm.pool.shutdown()
 
 
 def load_pair(path: Path) -> tuple[dict, dict]:

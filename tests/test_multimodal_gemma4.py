@@ -25,7 +25,7 @@ from render_service.multimodal.hashing import image_hash
 from render_service.multimodal.setup import multimodal_render_for
 from render_service.render.render_config import build_render_config
 from tests.multimodal_images import GEMMA4_IMAGE_PROCESSOR, data_url, encode, noise_image, write_gemma4_vision_bundle
-from tests.render_harness import RenderServer
+from tests.render_harness import RenderServer, image_render_server
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -100,12 +100,9 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(bundle_dir: Path):
-    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["g4"])
-    mm = multimodal_render_for(config, model_id=MODEL, workers=2)
-    assert mm is not None and mm.wrap_ids == ((BOI,), (EOI,))
-    with RenderServer(config, multimodal=mm) as started:
+    with image_render_server(bundle_dir, "g4", MODEL, workers=2) as (started, mm):
+        assert mm.wrap_ids == ((BOI,), (EOI,))
         yield started
-    mm.pool.shutdown()
 
 
 class _ImagesOnlyProcessor(Gemma4Processor):
@@ -233,18 +230,12 @@ def _on_white(image: Image.Image) -> Image.Image:
 def test_a_refused_size_is_a_400(tmp_path: Path) -> None:
     """A bundle at 70 soft tokens answers the size where vLLM and transformers disagree with a 400 naming it."""
     root = write_gemma4_vision_bundle(tmp_path / "budget70", budget=70)
-    config = build_render_config(load_bundle(str(root)), served_model_names=["g4"])
-    mm = multimodal_render_for(config, model_id=MODEL, workers=1)
-    assert mm is not None
-    try:
-        with RenderServer(config, multimodal=mm) as started:
-            ok, bad = ({"model": "g4", "mm_payload": "none", "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(*size), "PNG"))}}]}]}
-                for size in ((1190, 18), (1190, 17)))
-            assert started.client.post("/v1/chat/completions/render", json=ok).status_code == 200
-            r = started.client.post("/v1/chat/completions/render", json=bad)
-    finally:
-        mm.pool.shutdown()
+    with image_render_server(root, "g4", MODEL, workers=1) as (started, _):
+        ok, bad = ({"model": "g4", "mm_payload": "none", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(*size), "PNG"))}}]}]}
+            for size in ((1190, 18), (1190, 17)))
+        assert started.client.post("/v1/chat/completions/render", json=ok).status_code == 200
+        r = started.client.post("/v1/chat/completions/render", json=bad)
     assert r.status_code == 400, r.text
     assert "1190x17" in r.json()["error"]["message"]
 
@@ -302,14 +293,9 @@ def test_vllm_renders_the_same_features(bundle_dir: Path, reference: _ImagesOnly
     assert done.returncode == 0, done.stderr[-3000:]
     theirs_answer = json.loads(done.stdout.strip().splitlines()[-1])
 
-    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["g4"])
-    mm = multimodal_render_for(config, model_id=str(bundle_dir), workers=1)  # vLLM hashes with its --model
-    assert mm is not None
-    try:
-        with RenderServer(config, multimodal=mm) as started:
-            r = started.client.post("/v1/chat/completions/render", json={"model": "g4", "messages": ours})
-    finally:
-        mm.pool.shutdown()
+    # (vLLM hashes with its --model)
+    with image_render_server(bundle_dir, "g4", str(bundle_dir), workers=1) as (started, _):
+        r = started.client.post("/v1/chat/completions/render", json={"model": "g4", "messages": ours})
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["token_ids"] == theirs_answer["token_ids"]

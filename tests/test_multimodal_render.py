@@ -16,14 +16,11 @@ import pytest
 from PIL import Image
 
 from bench.peers import vllm033_venv
-from render_service.bundle.model_bundle import load_bundle
 from render_service.multimodal.bounds import ImageBounds, decode_rgb, read_header
 from render_service.multimodal.hashing import image_hash
-from render_service.multimodal.setup import multimodal_render_for
 from render_service.multimodal.sources import FetchPolicy
-from render_service.render.render_config import build_render_config
 from tests.multimodal_images import VL_FIXTURE, data_url, declared_png, encode, noise_image, write_qwen2_5_vl_bundle
-from tests.render_harness import RenderServer, qwen3_config
+from tests.render_harness import RenderServer, image_render_server, qwen3_config
 from token_engine.http.protocol import GenerateRequest as EngineRequest
 from token_engine.http.validation import EngineLimits, RequestError, validate_generate_request
 
@@ -42,12 +39,8 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vl(bundle_dir: Path):
-    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["vl"])
-    mm = multimodal_render_for(config, model_id=MODEL, workers=2)
-    assert mm is not None
-    with RenderServer(config, multimodal=mm) as server:
-        yield server, mm
-    mm.pool.shutdown()
+    with image_render_server(bundle_dir, "vl", MODEL, workers=2) as started:
+        yield started
 
 
 class _ImagesOnlyProcessor(Qwen2_5_VLProcessor):
@@ -446,14 +439,8 @@ def test_the_recorded_vllm_answer_is_ours(bundle_dir: Path) -> None:
     placeholder ranges and metadata items, and pixel values of the same dtype and shape (the resize filters
     differ: docs/images.md)."""
     recorded = msgspec.json.decode(RECORDED.read_bytes())
-    config = build_render_config(load_bundle(str(bundle_dir)), served_model_names=["vl"])
-    mm = multimodal_render_for(config, model_id=recorded["model_id"], workers=1)
-    assert mm is not None
-    try:
-        with RenderServer(config, multimodal=mm) as server:
-            r = server.client.post("/v1/chat/completions/render", json=recorded["request"])
-    finally:
-        mm.pool.shutdown()
+    with image_render_server(bundle_dir, "vl", recorded["model_id"], workers=1) as (server, _):
+        r = server.client.post("/v1/chat/completions/render", json=recorded["request"])
     assert r.status_code == 200, r.text
     ours, theirs = r.json(), recorded["answer"]
     assert ours["token_ids"] == theirs["token_ids"]
