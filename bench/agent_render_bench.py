@@ -469,6 +469,7 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
     from render_service.http.server import _encode_generate_request
     from render_service.render.render import render_chat
     from render_service.templates.chat_messages import convert_developer_role, prepare_messages
+    from render_service.templates.chat_template import ChatTemplate, PlainMessages
     from render_service.tokenize.incremental_tokenizer import IncrementalEncoder
 
     turn = LastTurn(size)
@@ -485,10 +486,22 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
     before_text = template.render(convert_developer_role(prepare_messages(before, template.content_format), template),
                                   tools=prepared_tools, add_generation_prompt=True)
 
+    # the turn before's messages as the message memo hands them out: the same prepared objects
+    before_prepared = PlainMessages(prepared[:len(before)])
+    before_prepared.shared = True
+    plain_template = ChatTemplate(template.source, template._special, loop_record_bytes=0)
+
+    def template_records() -> None:
+        """The template's loop records as the turn before leaves them (loop_resume.py)."""
+        if template.loop_records is not None:
+            template.loop_records.clear()
+            template.render(before_prepared, tools=prepared_tools, add_generation_prompt=True)
+
     def turn_cache() -> None:
         config.prompt_encoder = IncrementalEncoder(tokenizer)
         config.prompt_encoder.encode(before_text)
         config.prompt_encoder.take_counts()
+        template_records()
 
     def best(fn: Any, setup: Any = None) -> float:
         spent = []
@@ -513,7 +526,10 @@ def profile_stages(size: int, repeats: int = 20) -> dict[str, Any]:
         "ms": {
             "json_decode_request": best(lambda: decoder.decode(body)),
             "prepare_messages_and_tools": best(turn.prepare),
-            "chat_template": best(lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True)),
+            "chat_template": best(lambda: template.render(prepared, tools=prepared_tools, add_generation_prompt=True),
+                                  template_records),
+            "chat_template_without_loop_records": best(lambda: plain_template.render(
+                prepared, tools=prepared_tools, add_generation_prompt=True)),
             "tokenize_miss_fast_path": best(lambda: tokenizer.encode(text)),
             "tokenize_miss_tokenizers": best(lambda: tokenizer.hf.encode(text, add_special_tokens=False)),
             # all hits: the prompt seen before, its head from the prefix store (the piece cache for the rest)

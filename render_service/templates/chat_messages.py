@@ -74,6 +74,7 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
             if id(prepared) in seen:
                 out[at] = plain_copy(prepared)
             seen.add(id(prepared))
+    out.shared = True
     return out
 
 

@@ -35,6 +35,7 @@ from render_service.templates.budget import (
     MAX_RENDERED_CHARS,
     WALL_CLOCK_BELOW_DEADLINE,
 )
+from render_service.templates.loop_resume import SESSION, LoopRecords, LoopSession, finish
 from render_service.templates.sandbox import (
     _GENERATION_TRACKER,
     MAX_TEMPLATE_SOURCE_CHARS,
@@ -46,6 +47,9 @@ from render_service.templates.sandbox import (
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# Records of recent renders' message loops, per template (loop_resume.py): about the prompt text of each
+# conversation kept, plus a little per message.
+LOOP_RECORD_BYTES = 64 << 20
 _WITHIN_BOUND = MAX_RENDERED_CHARS.__ge__
 
 
@@ -56,7 +60,10 @@ class PlainMessages(list[dict[str, Any]]):
     """Messages each a dict whose values are plain copies (``plain_copy``), as ``chat_messages.prepare_messages``
     builds them (fresh, or shared read-only between requests by ``message_memo``): the render drops their None
     values and aliases their reasoning (``template_message``) without copying them again, and never changes
-    them."""
+    them. ``shared``: the message memo's own objects, which later requests carrying the same messages get
+    again, so a render of them files a loop record for those requests (loop_resume.py)."""
+
+    shared: bool = False
 
 
 class PlainTools(list[dict[str, Any]]):
@@ -136,6 +143,25 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+# Conversations a template's resumed renders are proved on (ChatTemplate._loop_records_proved), each rendered
+# turn by turn: plain chat, and an agent's tool calls with their results.
+LOOP_PROOF: tuple[tuple[dict[str, Any], ...], ...] = (
+    ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+     {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Tell me more"},
+     {"role": "assistant", "content": "Sure: more."}, {"role": "user", "content": "Thanks"}),
+    ({"role": "user", "content": "What is the weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+     {"role": "assistant", "content": "Let me check Lyon too.", "tool_calls": [
+         {"id": "call_2", "type": "function", "function": {"name": "weather", "arguments": {"city": "Lyon"}}},
+         {"id": "call_3", "type": "function", "function": {"name": "weather", "arguments": {"city": "Nice"}}}]},
+     {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+     {"role": "tool", "tool_call_id": "call_3", "content": "fog"},
+     {"role": "assistant", "content": "Sunny in Paris, rain in Lyon, fog in Nice."}),
+)
+
+
 # --------------------------------------------------------------------------- the template
 
 @dataclass
@@ -150,9 +176,11 @@ class ChatTemplate:
     """One chat template, compiled once; ``render`` follows HF's apply_chat_template(tokenize=False)."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None,
-                 time_limit_s: float = DEFAULT_RENDER_SECONDS, from_request: bool = False) -> None:
+                 time_limit_s: float = DEFAULT_RENDER_SECONDS, from_request: bool = False,
+                 loop_record_bytes: int = LOOP_RECORD_BYTES) -> None:
         """``from_request``: a client's own template (--trust-request-chat-template), run in the stricter
-        sandbox (template_sandbox.RequestTemplateSandbox)."""
+        sandbox (template_sandbox.RequestTemplateSandbox). ``loop_record_bytes``: the bound on the records that
+        let a grown conversation render only its new messages (loop_resume.py; 0: off)."""
         if not isinstance(source, str) or not source.strip():
             raise TemplateError("The chat template is empty.")
         if from_request and len(source) > MAX_TEMPLATE_SOURCE_CHARS:
@@ -161,6 +189,9 @@ class ChatTemplate:
         self._template = compile_template(source, from_request)
         self._special = dict(special_tokens or {})
         self.time_limit_s = time_limit_s  # one render's CPU time (template_budget)
+        self.loop_records = LoopRecords(loop_record_bytes) if loop_record_bytes and not from_request else None
+        if self.loop_records is not None and not self._loop_records_proved():
+            self.loop_records = None
 
     @cached_property
     def content_format(self) -> str:
@@ -212,6 +243,16 @@ class ChatTemplate:
         final_text = None
         if continue_final_message:
             final_text = self._tag_final_message(chat, continue_final_message)
+        session = None
+        if self.loop_records is not None and not track_generation and not continue_final_message \
+                and type(messages) is PlainMessages:
+            # Messages the render's caller holds read-only: their identity says they are the same messages.
+            record, same = self.loop_records.find(messages)
+            if record is not None or messages.shared:
+                session = LoopSession([], record, same)
+        if session is not None:
+            text = self._run_session(context, session, messages)
+            return RenderedChat(text, [])
         text, spans = self._run(context, track_generation)
         if final_text is not None:
             text = _cut_at_continue_tag(text, final_text)
@@ -253,7 +294,58 @@ class ChatTemplate:
             message[f] = message[f] + _CONTINUE_TAG
         return final
 
-    def _run(self, context: dict[str, Any], track_generation: bool) -> tuple[str, list[tuple[int, int]]]:
+    def _loop_records_proved(self) -> bool:
+        """Resumed renders proved on this template before they serve: growing conversations of each shape in
+        ``LOOP_PROOF`` render, turn by turn, exactly as without records, and at least one of them was resumed.
+        A shape the template refuses either way proves nothing; a template with no resumable loop files no
+        record, and the records are then off."""
+        records = self.loop_records
+        assert records is not None
+        resumed = False
+        for conversation in LOOP_PROOF:
+            for end in range(2, len(conversation) + 1):
+                messages = PlainMessages(conversation[:end])
+                messages.shared = True
+                try:
+                    plain = self._run(self._proof_context(messages), False)[0]
+                except Exception:
+                    break  # this shape is not one the template renders (its own checks): the next shape
+                try:
+                    before = records.resumed
+                    if self.render(messages, add_generation_prompt=True) != plain:
+                        return False
+                    resumed = resumed or records.resumed > before
+                except Exception:
+                    return False
+        records.clear()
+        return resumed
+
+    def _proof_context(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        context: dict[str, Any] = plain_copy(dict(self._special))
+        context.update(messages=_template_messages(messages), tools=None, documents=None, add_generation_prompt=True)
+        return context
+
+    def _run_session(self, context: dict[str, Any], session: LoopSession, messages: list[dict[str, Any]]) -> str:
+        """``_run`` under a loop session: the message loop starts where the session's record allows, and this
+        render's own record is filed for the next."""
+        token = SESSION.set(session)
+        try:
+            self._run(context, False, session.blocks)
+        finally:
+            SESSION.reset(token)
+        text, record = finish(session, tuple(messages))
+        if session.resumed_at > 0 and self.loop_records is not None:
+            self.loop_records.resumed += 1
+        if len(text) > MAX_RENDERED_CHARS:
+            raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
+        if record is not None and self.loop_records is not None and getattr(messages, "shared", False):
+            self.loop_records.put(record, session.resume)
+        return text
+
+    def _run(self, context: dict[str, Any], track_generation: bool, into: list[str] | None = None
+             ) -> tuple[str, list[tuple[int, int]]]:
+        """The render's text and generation spans; ``into``: the blocks are collected there (a loop session's
+        list, which the session reads as the loop starts), and the text is left to the caller."""
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_TRACKER.set((blocks, spans) if track_generation else None)
@@ -266,14 +358,15 @@ class ChatTemplate:
             # traceback of an error, which is answered below by its type and message).
             template = self._template
             stream = template.root_render_func(template.new_context(context))
-            if track_generation:  # {% generation %} reads the blocks rendered so far
+            if track_generation or into is not None:  # {% generation %} reads the blocks rendered so far
+                collected = blocks if into is None else into
                 size = 0
                 for block in stream:
-                    blocks.append(block)
+                    collected.append(block)
                     size += len(block)
                     if size > MAX_RENDERED_CHARS:
                         raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
-                text = "".join(blocks)
+                text = "".join(blocks) if into is None else ""
             else:
                 # The same bound, block by block, counted in C: the running size of each block rendered, and
                 # the first that passes the bound stops the render there.
@@ -292,6 +385,8 @@ class ChatTemplate:
         except MemoryError:
             # Whatever the bounds let through, an allocation that fails is this request's: never a 500.
             blocks.clear()
+            if into is not None:
+                into.clear()
             kept = None
             raise TemplateError("The chat template needs more memory than this server allows") from None
         finally:

@@ -21,6 +21,7 @@ methods, ``format``) is written as Jinja writes it and goes through the sandbox,
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -30,6 +31,9 @@ import jinja2.nodes
 import jinja2.runtime
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.utils import missing
+
+from render_service.templates.loop_plan import CHECKED_INDEX, LOOP_ENTRY
+from render_service.templates.loop_resume import TrackedMessages, checked_index, loop_entry
 
 DICT_ATTRIBUTES = frozenset(dir(dict))
 LOOP_COUNTERS = frozenset({"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0"})
@@ -113,6 +117,10 @@ class LoopContext(jinja2.runtime.LoopContext):
 
     def __iter__(self) -> Iterator[tuple[Any, jinja2.runtime.LoopContext]]:  # type: ignore[override]
         kind = type(self._iterable)
+        if kind is TrackedMessages:
+            if self._items is None:
+                self._items = self._step_tracked()
+            return self._items
         if kind is not list and kind is not tuple:
             return super().__iter__()
         if self._items is None:  # iterated again (`for x in loop`): where it stands, as LoopContext does
@@ -126,10 +134,28 @@ class LoopContext(jinja2.runtime.LoopContext):
             self._current = item
             yield item, self
 
+    def _step_tracked(self) -> Iterator[tuple[Any, jinja2.runtime.LoopContext]]:
+        """A message loop under a render's loop session (loop_resume.py): from the item it starts at, with the
+        counters and the previous item a full run has there, telling the session as each iteration begins."""
+        items = self._iterable
+        assert type(items) is TrackedMessages
+        start = items.start
+        on_item = items.on_item
+        if start:
+            self.index0 = start - 1
+            self._current = items[start - 1]
+        for item in itertools.islice(items, start, None):
+            self.index0 += 1
+            self._before = self._current
+            self._current = item
+            if on_item is not None:
+                on_item(self.index0)
+            yield item, self
+
     def _peek_next(self) -> Any:
         items = self._iterable
         kind = type(items)
-        if kind is not list and kind is not tuple:
+        if kind is not list and kind is not tuple and kind is not TrackedMessages:
             return super()._peek_next()
         following = self.index0 + 1
         return items[following] if following < len(items) else missing  # type: ignore[index, arg-type]
@@ -138,7 +164,7 @@ class LoopContext(jinja2.runtime.LoopContext):
     def last(self) -> bool:
         items = self._iterable
         kind = type(items)
-        if kind is not list and kind is not tuple:
+        if kind is not list and kind is not tuple and kind is not TrackedMessages:
             return super().last
         return self.index0 + 1 >= len(items)  # type: ignore[arg-type]
 
@@ -155,4 +181,6 @@ class InlineTemplate(jinja2.Template):
         namespace[_OBJECT_ATTRIBUTE] = object.__getattribute__
         namespace[_METHOD_TYPES] = (types.MethodType, types.BuiltinMethodType)
         namespace["LoopContext"] = LoopContext  # the generated code's loops (and `type(x) is LoopContext`)
+        namespace[LOOP_ENTRY] = loop_entry  # a message loop's start and indices (loop_plan.rewrite_message_loop)
+        namespace[CHECKED_INDEX] = checked_index
         return super()._from_namespace(environment, namespace, globals)

@@ -35,6 +35,7 @@ from render_service.templates.budget import (
 )
 from render_service.templates.inline import DICT_ATTRIBUTES as _DICT_ATTRIBUTES
 from render_service.templates.inline import InlineReadsCodeGenerator, InlineTemplate
+from render_service.templates.loop_plan import plan_message_loop, rewrite_message_loop
 from render_service.templates.tojson_cache import DEFAULT_TEXTS
 
 # A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
@@ -137,12 +138,17 @@ _MAX_POWER_EXPONENT = 4096
 
 class GuardedLoopsCodeGenerator(InlineReadsCodeGenerator):
     """Jinja's code generator (with template_inline's reads) over a tree whose loops check the render's deadline
-    (template_budget)."""
+    (template_budget), and whose message loop a render may resume part-way (loop_plan.py, the model's template)."""
 
     concat_bounded = False
+    resumable = True
 
     def visit_Template(self, node: jinja2.nodes.Template, frame: Frame | None = None) -> None:
-        super().visit_Template(BoundedTemplate(self.concat_bounded).visit(node), frame)
+        plan = plan_message_loop(node) if self.resumable else None
+        tree = BoundedTemplate(self.concat_bounded).visit(node)
+        if plan is not None:
+            rewrite_message_loop(plan, self.environment)
+        super().visit_Template(tree, frame)
 
 
 class RequestTemplateCodeGenerator(GuardedLoopsCodeGenerator):
@@ -150,6 +156,7 @@ class RequestTemplateCodeGenerator(GuardedLoopsCodeGenerator):
 
     concat_bounded = True
     inline_calls = False
+    resumable = False
 
 
 class ChatTemplateCode(InlineTemplate):

@@ -1,0 +1,264 @@
+"""A conversation that grew renders only its new messages: the template's message loop resumes where a recent
+render of the same leading messages left it (the plan: loop_plan.py).
+
+The compiled template calls ``loop_entry`` where its message loop starts. With no ``LoopSession`` active (the
+plain render) that returns the messages unchanged. A session records, per iteration, where its output starts and
+the state of every namespace the iterations read (``LoopRecord``); given the record of an earlier render whose
+messages are the first ``k`` of this one's, it instead
+
+1. checks that the head rendered the same text and that every outside name the iterations read has the same value
+   as then (namespaces by their attributes);
+2. restores the namespaces to what they held before iteration ``s = k - reach`` (the last iterations before the new
+   messages may look at the next message, which is new now);
+3. runs the loop from ``s`` with the loop's counters as a full run has them there; the text is the earlier text up
+   to iteration ``s`` and everything rendered from there.
+
+Iterations before ``s`` would write what they wrote then: each reads only its message and those up to ``reach``
+ahead (all among the first ``k``), counters that do not depend on the list's length, the names checked in 1 and the
+namespaces restored in 2. A read of the messages at a negative index (which Python takes from the end) makes the
+render's record unusable. Any check that fails leaves the render a full one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+import jinja2.runtime
+import jinja2.utils
+
+from render_service.caches.byte_lru import ByteLRU, CacheStats
+
+_ATTRS = "_Namespace__attrs"
+_get_attrs = object.__getattribute__
+# values an iteration may read from outside the loop and that a render can compare with an earlier one's
+_PLAIN = (str, int, float, bool, type(None))
+
+
+class TrackedMessages(list[Any]):
+    """The messages a session's loop iterates, from ``start``; ``on_item(index0)`` runs as each iteration begins
+    (inline.LoopContext steps it)."""
+
+    start: int = 0
+    on_item: Callable[[int], None] | None = None
+
+
+@dataclass
+class LoopRecord:
+    """What one render left for the next: the messages it got (the caller's objects, compared by identity), its
+    text, where the head ends, and per loop iteration where its output starts and its namespaces' attributes."""
+
+    messages: tuple[Any, ...]
+    text: str
+    head_chars: int
+    offset: int  # messages before the loop's first item (``loop_messages = messages[1:]``)
+    names: list[Any]
+    starts: list[int]
+    states: list[list[dict[str, Any]]]
+    reach: int
+    max_index: int
+
+    def nbytes(self) -> int:
+        return len(self.text) * (1 if self.text.isascii() else 4) + 160 * len(self.messages) + 256
+
+
+@dataclass
+class LoopSession:
+    """One render's view of its message loop: the output so far (``blocks``), and the record it may resume."""
+
+    blocks: list[str]
+    resume: LoopRecord | None = None
+    same: int = 0  # how many leading messages are the record's own objects
+    entered: bool = False
+    resumed_at: int = -1  # loop index the loop started at (resumed), -1: from the start
+    base_chars: int = 0  # the record's text kept before the loop's first new block
+    entry_block: int = 0
+    head_chars: int = 0
+    offset: int = 0
+    names: list[Any] = field(default_factory=list)
+    namespaces: list[jinja2.utils.Namespace] = field(default_factory=list)
+    item_blocks: list[int] = field(default_factory=list)
+    states: list[list[dict[str, Any]]] = field(default_factory=list)
+    reach: int = 1
+    max_index: int = -1
+    unusable: bool = False  # a read at a negative index, or a value no render can compare
+
+    def at_item(self, index0: int) -> None:
+        self.item_blocks.append(len(self.blocks))
+        self.states.append([dict(_get_attrs(ns, _ATTRS)) for ns in self.namespaces])
+
+
+SESSION: ContextVar[LoopSession | None] = ContextVar("template_loop_session", default=None)
+
+
+def _comparable(value: Any) -> Any:
+    """A value of an outside name as renders compare it (raises TypeError for one they cannot). Containers and
+    callables compare as they are: everything a render gets is a plain copy (chat_template.plain_copy) and the
+    sandbox changes no container, so a container holding anything with state of its own (a namespace, a joiner)
+    is a new object in each render, and equal only to itself: such a render is never resumed."""
+    kind = type(value)
+    if kind in _PLAIN or kind is list or kind is dict or kind is tuple:
+        return value
+    if isinstance(value, jinja2.utils.Namespace):
+        return ("namespace", dict(_get_attrs(value, _ATTRS)))
+    if isinstance(value, jinja2.runtime.Undefined):
+        return ("undefined", kind)
+    if isinstance(value, jinja2.runtime.Macro):
+        return ("macro", value._func.__code__)  # the same template's code; what it reads is among the names
+    if isinstance(value, (list, dict, tuple, str)) or callable(value):
+        return value
+    raise TypeError(kind.__name__)
+
+
+def loop_entry(items: Any, messages: Any, names: dict[str, Any], reach: int, max_index: int) -> Any:
+    """Called by a compiled template where its message loop starts: what the loop iterates."""
+    session = SESSION.get()
+    if session is None or session.entered:
+        return items
+    session.entered = True
+    if type(items) is not list or type(messages) is not list:
+        session.unusable = True
+        return items
+    offset = len(messages) - len(items)
+    if offset < 0 or (items and (items[0] is not messages[offset] or items[-1] is not messages[-1])):
+        session.unusable = True
+        return items
+    try:
+        values = [_comparable(names[name]) for name in sorted(names)]
+    except TypeError:
+        session.unusable = True
+        return items
+    session.names, session.offset, session.reach, session.max_index = values, offset, reach, max_index
+    session.namespaces = [v for _, v in sorted(names.items()) if isinstance(v, jinja2.utils.Namespace)]
+    session.entry_block = len(session.blocks)
+    head = "".join(session.blocks)
+    session.head_chars = len(head)
+    start = _resume_point(session, head, values, offset, len(items))
+    tracked = TrackedMessages(items)
+    tracked.on_item = session.at_item
+    if start > 0:
+        record = session.resume
+        assert record is not None
+        for ns, attrs in zip(session.namespaces, record.states[start], strict=True):
+            kept = _get_attrs(ns, _ATTRS)
+            kept.clear()
+            kept.update(attrs)
+        session.resumed_at = start
+        session.base_chars = record.starts[start]
+        session.states = record.states[:start]
+        tracked.start = start
+    return tracked
+
+
+def _resume_point(session: LoopSession, head: str, values: list[Any], offset: int, count: int) -> int:
+    """The loop index this render may start at (0: from the start), after the checks the module's docstring lists."""
+    record = session.resume
+    if record is None:
+        return 0
+    start = session.same - offset - session.reach
+    if start <= 0 or start > count or start >= len(record.starts) or session.same <= session.max_index:
+        return 0
+    if record.offset != offset or record.reach != session.reach or record.head_chars != len(head) \
+            or not record.text.startswith(head) or record.names != values:
+        return 0
+    if len(record.states[start]) != len(session.namespaces):
+        return 0
+    return start
+
+
+def checked_index(index: Any) -> Any:
+    """The index of ``messages[loop.index0 - c]`` in the message loop; a negative one (Python reads it from the end,
+    so what it reads depends on the conversation's length) makes this render's record unusable."""
+    if type(index) is int and index < 0:
+        session = SESSION.get()
+        if session is not None:
+            session.unusable = True
+    return index
+
+
+def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[str, LoopRecord | None]:
+    """The render's text from the session's blocks, and the record a later render may resume (None: none)."""
+    blocks = session.blocks
+    if session.resumed_at > 0:
+        record = session.resume
+        assert record is not None
+        tail = "".join(blocks[session.entry_block:])
+        text = record.text[:session.base_chars] + tail
+        base, first = session.base_chars, session.entry_block
+        kept_starts = record.starts[:session.resumed_at]
+    else:
+        text = "".join(blocks)
+        base, first = 0, 0
+        kept_starts = []
+    if not session.entered or session.unusable:
+        return text, None
+    # char offset of each block of this render's own output, from ``first`` on
+    positions = list(accumulate((len(b) for b in blocks[first:]), initial=base))
+    starts = kept_starts + [positions[b - first] for b in session.item_blocks]
+    return text, LoopRecord(messages=messages, text=text, head_chars=session.head_chars, offset=session.offset,
+                            names=session.names, starts=starts, states=session.states, reach=session.reach,
+                            max_index=session.max_index)
+
+
+class LoopRecords:
+    """Recent renders' records, found by the identity of their leading messages: each record is filed under every
+    prefix length, so a conversation that grew (or the extend's probes, which change one message) finds the record
+    of its longest shared head. Bounded by bytes, least recently used dropped first; a record whose messages a newer
+    record starts with is dropped at once (the conversation's earlier turn)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._records: ByteLRU[int, LoopRecord] = ByteLRU(max_bytes, on_evict=self._forget)
+        self._index: dict[tuple[int, int], LoopRecord] = {}
+        self._lock = threading.Lock()
+        self.hits = 0  # a record found
+        self.misses = 0
+        self.resumed = 0  # renders that resumed their loop from a record
+
+    def _forget(self, record: LoopRecord) -> None:
+        for i, message in enumerate(record.messages):
+            if self._index.get((i + 1, id(message))) is record:
+                del self._index[(i + 1, id(message))]
+
+    def stats(self) -> CacheStats:
+        return self._records.stats()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.drop_oldest_while(lambda _: True)
+
+    def find(self, messages: list[Any]) -> tuple[LoopRecord | None, int]:
+        """The record sharing the most leading messages (by identity) with ``messages``, and how many it shares."""
+        index = self._index
+        tries = 0
+        for k in range(len(messages), 0, -1):
+            record = index.get((k, id(messages[k - 1])))
+            if record is None:
+                continue
+            kept = record.messages
+            if all(map(_same, kept[:k - 1], messages[:k - 1])):
+                self.hits += 1
+                self._records.get(id(record))  # (recently used)
+                return record, k
+            tries += 1
+            if tries >= 4:
+                break
+        self.misses += 1
+        return None, 0
+
+    def put(self, record: LoopRecord, replaces: LoopRecord | None) -> None:
+        with self._lock:
+            if replaces is not None and replaces.messages == record.messages[:len(replaces.messages)] \
+                    and self._records.pop(id(replaces)) is not None:
+                self._forget(replaces)
+            if not self._records.put(id(record), record, record.nbytes()):
+                return
+            for i, message in enumerate(record.messages):
+                self._index[(i + 1, id(message))] = record
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b

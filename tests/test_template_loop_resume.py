@@ -1,0 +1,193 @@
+"""A conversation that grew renders only its new messages (templates/loop_resume.py): the message loop resumes from
+the record of a recent render of the same leading messages. Every render here is compared with the same template
+rendering without records; the resumed ones must be byte-identical, and the tests check that they were resumed
+(the records' hit count), so an equality that only holds because nothing was resumed does not pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.agent_trace import AgentTraceSpec, agent_trace, round_ends
+from render_service.templates.chat_messages import prepare_messages, prepare_tools
+from render_service.templates.chat_template import ChatTemplate, PlainMessages
+from render_service.templates.loop_plan import plan_message_loop
+from render_service.templates.sandbox import _ENVIRONMENT
+from tests.conversations import CONVERSATIONS, template_inputs
+from tests.render_harness import QWEN3_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = sorted([*(ROOT / "tests" / "fixtures" / "templates").glob("*.jinja"),
+                    *(ROOT / "render_service" / "bundle").glob("*.jinja"),
+                    ROOT / "tests" / "fixtures" / "qwen2_5_vl" / "chat_template.jinja"])
+QWEN3 = json.loads((QWEN3_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+
+
+def _shared(messages: list[dict[str, Any]]) -> PlainMessages:
+    """Messages as the message memo hands them out: the same objects for every request that carries them."""
+    out = PlainMessages(messages)
+    out.shared = True
+    return out
+
+
+def _pair(source: str) -> tuple[ChatTemplate, ChatTemplate]:
+    return ChatTemplate(source), ChatTemplate(source, loop_record_bytes=0)
+
+
+def _grow(resumed: ChatTemplate, plain: ChatTemplate, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+          ends: list[int]) -> int:
+    """Renders ``messages[:end]`` for each end with both templates; asserts equal text; how many were resumed."""
+    assert resumed.loop_records is not None
+    before = resumed.loop_records.resumed
+    for end in ends:
+        head = _shared(messages[:end])
+        try:
+            expected = plain.render(head, **kwargs)
+        except Exception:
+            with pytest.raises(Exception):  # noqa: B017 - the template's own refusal, whatever it is
+                resumed.render(head, **kwargs)
+            continue
+        assert resumed.render(head, **kwargs) == expected, end
+    return resumed.loop_records.resumed - before
+
+
+def test_qwen3_agent_loop_resumes_every_turn_and_matches():
+    messages, tools = agent_trace(AgentTraceSpec(rounds=12))
+    prepared, prepared_tools = prepare_messages(messages), prepare_tools(tools)
+    resumed, plain = _pair(QWEN3)
+    ends = round_ends(prepared)
+    hits = _grow(resumed, plain, prepared, {"tools": prepared_tools, "add_generation_prompt": True}, ends)
+    assert hits == len(ends) - 1  # every turn after the first
+
+
+def test_qwen3_new_user_turn_rewrites_earlier_reasoning_and_still_matches():
+    """A user message moves Qwen3's last query: earlier assistant turns lose their reasoning. The head's namespace
+    differs from the record's, so nothing is reused."""
+    conv = [{"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "reasoning_content": "thinking"},
+            {"role": "user", "content": "c"}]
+    resumed, plain = _pair(QWEN3)
+    prepared = prepare_messages(conv)
+    _grow(resumed, plain, prepared, {"add_generation_prompt": True}, [2, 3])
+    assert "thinking" in plain.render(PlainMessages(prepared[:2]), add_generation_prompt=False)
+    assert "thinking" not in resumed.render(_shared(prepared), add_generation_prompt=True)
+
+
+def test_a_changed_message_in_the_middle_resumes_before_it():
+    """The extend's probe replaces one message: the loop resumes before it and renders the rest."""
+    messages, tools = agent_trace(AgentTraceSpec(rounds=6))
+    prepared, prepared_tools = prepare_messages(messages), prepare_tools(tools)
+    resumed, plain = _pair(QWEN3)
+    kwargs = {"tools": prepared_tools, "add_generation_prompt": True}
+    resumed.render(_shared(prepared), **kwargs)
+    k = max(i for i, m in enumerate(prepared) if m["role"] == "assistant")
+    probed = PlainMessages([*prepared[:k], {"role": "assistant", "content": "probe"}, *prepared[k + 1:]])
+    before = resumed.loop_records.resumed
+    assert resumed.render(probed, **kwargs) == plain.render(probed, **kwargs)
+    assert resumed.loop_records.resumed == before + 1
+
+
+def test_other_tools_or_flags_are_not_resumed_from_a_record_made_with_others():
+    messages, tools = agent_trace(AgentTraceSpec(rounds=4))
+    prepared = prepare_messages(messages)
+    resumed, plain = _pair(QWEN3)
+    resumed.render(_shared(prepared[:-1]), tools=prepare_tools(tools), add_generation_prompt=True)
+    for kwargs in ({"tools": prepare_tools(tools[:1]), "add_generation_prompt": True},
+                   {"tools": prepare_tools(tools), "add_generation_prompt": False, "enable_thinking": False}):
+        assert resumed.render(prepared, **kwargs) == plain.render(prepared, **kwargs)
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
+def test_shipped_templates_resume_byte_identically(path):
+    source = path.read_text(encoding="utf-8")
+    resumed, plain = _pair(source)
+    if resumed.loop_records is None:
+        pytest.skip("no resumable message loop proved for this template (renders are full ones)")
+    total = 0
+    for conv in CONVERSATIONS:
+        if conv.kwargs.get("continue_final_message"):
+            continue
+        messages, kwargs = template_inputs(conv)
+        total += _grow(resumed, plain, messages, kwargs, list(range(1, len(messages) + 1)))
+    assert total > 0
+
+
+# --------------------------------------------------------------------------- what the plan refuses, and why
+
+LOOP_WITH = "{%- for message in messages %}[{{ message.content }}{{ X }}]{%- endfor %}"
+
+
+@pytest.mark.parametrize("reads", ["{{ loop.length }}", "{{ loop.revindex }}", "{{ messages|length }}",
+                                   "{{ messages[-1].content }}", "{{ strftime_now('%Y') }}",
+                                   "{{ loop.changed(message.role) }}", "{% for m in messages %}{% endfor %}"])
+def test_iterations_that_read_the_whole_conversation_are_not_resumable(reads):
+    source = LOOP_WITH.replace("{{ X }}", reads)
+    assert plan_message_loop(_ENVIRONMENT.parse(source)) is None
+    assert ChatTemplate(source).loop_records is None
+
+
+def test_reach_counts_how_far_ahead_an_iteration_reads():
+    source = LOOP_WITH.replace("{{ X }}", "{{ messages[loop.index0 + 2].role if not loop.last }}")
+    plan = plan_message_loop(_ENVIRONMENT.parse(source))
+    assert plan is not None and plan.reach == 2
+
+
+NAMESPACE_TEMPLATE = (
+    "{%- set ns = namespace(calls=0, last_role='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.tool_calls -%}{%- set ns.calls = ns.calls + message.tool_calls|length -%}{%- endif -%}"
+    "<{{ message.role }}#{{ ns.calls }} after {{ ns.last_role }}"
+    "{{ ' (last)' if loop.last }}{{ ' then ' ~ loop.nextitem.role if loop.nextitem }}>"
+    "{%- set ns.last_role = message.role -%}"
+    "{%- endfor -%}{{ '<gen>' if add_generation_prompt }}"
+)
+
+
+def test_namespace_state_is_restored_where_the_loop_resumes():
+    resumed, plain = _pair(NAMESPACE_TEMPLATE)
+    messages, _ = agent_trace(AgentTraceSpec(rounds=5))
+    prepared = prepare_messages(messages)
+    ends = list(range(2, len(prepared) + 1))
+    assert _grow(resumed, plain, prepared, {"add_generation_prompt": True}, ends) == len(ends) - 1
+
+
+def test_a_read_at_a_negative_index_leaves_no_record_to_resume():
+    """``messages[loop.index0 - 1]`` at the first message is Python's messages[-1], the conversation's last
+    message: which one that is changes as it grows, so that render files no record."""
+    source = "{%- for message in messages -%}[{{ messages[loop.index0 - 1].content }}]{%- endfor -%}"
+    resumed, plain = _pair(source)
+    assert resumed.loop_records is None  # the proof saw no render it could resume
+    # guarded as real templates guard it, the same read is resumable
+    guarded = source.replace("{{ messages", "{{ '' if loop.first else messages")
+    resumed, plain = _pair(guarded)
+    assert resumed.loop_records is not None
+    messages = prepare_messages([{"role": "user", "content": str(i)} for i in range(6)])
+    # (a render of two messages resumes at none: the last one before the new may look ahead)
+    assert _grow(resumed, plain, messages, {}, list(range(1, 7))) == 4
+
+
+def test_records_are_bounded_and_dropped_when_the_conversation_moves_on():
+    resumed = ChatTemplate(QWEN3, loop_record_bytes=32 << 20)
+    assert resumed.loop_records is not None
+    messages, tools = agent_trace(AgentTraceSpec(rounds=8))
+    prepared, prepared_tools = prepare_messages(messages), prepare_tools(tools)
+    for end in round_ends(prepared):
+        resumed.render(_shared(prepared[:end]), tools=prepared_tools, add_generation_prompt=True)
+    stats = resumed.loop_records.stats()
+    assert stats.entries == 1  # each turn's record replaced the one before
+    assert 0 < stats.bytes <= 32 << 20
+    # a record past an eighth of the bound is not kept: the render is a full one, and right
+    small = ChatTemplate(QWEN3, loop_record_bytes=64 << 10)
+    assert small.loop_records is not None
+    whole = _shared(prepared)
+    assert small.render(whole, tools=prepared_tools, add_generation_prompt=True) == \
+        resumed.render(whole, tools=prepared_tools, add_generation_prompt=True)
+    assert small.loop_records.stats().entries == 0
+    # messages decoded afresh (no message memo) are never sent again as these objects: no record is filed
+    fresh = ChatTemplate(QWEN3)
+    assert fresh.loop_records is not None
+    fresh.render(PlainMessages(prepared), tools=prepared_tools, add_generation_prompt=True)
+    assert fresh.loop_records.stats().entries == 0
