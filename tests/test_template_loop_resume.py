@@ -191,3 +191,35 @@ def test_records_are_bounded_and_dropped_when_the_conversation_moves_on():
     assert fresh.loop_records is not None
     fresh.render(PlainMessages(prepared), tools=prepared_tools, add_generation_prompt=True)
     assert fresh.loop_records.stats().entries == 0
+
+
+def test_the_render_path_resumes_a_growing_agent_conversation_through_the_message_memo():
+    """Bodies decoded as the render server decodes them: the memo hands out the same message objects each turn,
+    so each turn resumes; the ids equal those of a configuration without any render cache."""
+    import msgspec
+
+    from bench.agent_trace import chat_body
+    from render_service.render.render import render_chat
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.message_memo import decode_chat_request
+    from render_service.wire.protocol import ChatCompletionRequest
+
+    def decode(body: bytes, kind: type) -> ChatCompletionRequest:
+        return msgspec.json.decode(body, type=kind)
+
+    cached = load_render_config(str(QWEN3_DIR), served_model_names=["m"])
+    bare = load_render_config(str(QWEN3_DIR), served_model_names=["m"], render_cache_bytes=0)
+    assert cached.template is not None and cached.template.loop_records is not None
+    assert bare.template is not None and bare.template.loop_records is None  # 0 turns every cache off
+    assert "template_loops" in cached.caches.stats()
+    messages, tools = agent_trace(AgentTraceSpec(rounds=6))
+    ends = round_ends(messages)
+    before = cached.template.loop_records.resumed  # (the template's proof at load resumed some)
+    seen = cached.caches.stats()["template_loops"].hits
+    for end in ends:
+        body = msgspec.json.encode({**chat_body("m", messages[:end], tools), "tool_choice": "none"})
+        ids = [list(render_chat(decode_chat_request(body, config.message_memo, decode),
+                                config).token_ids) for config in (cached, bare)]
+        assert ids[0] == ids[1], end
+    assert cached.template.loop_records.resumed - before == len(ends) - 1
+    assert cached.caches.stats()["template_loops"].hits - seen == len(ends) - 1

@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING, Any
 from render_service.caches.budget import CacheBudget, CacheShares
 from render_service.http.errors import bad_request, model_not_found
 from render_service.templates.budget import DEFAULT_RENDER_SECONDS
-from render_service.templates.chat_template import ChatTemplate
+from render_service.templates.chat_template import LOOP_RECORD_BYTES, ChatTemplate
 from render_service.tokenize.tokenizer import RenderTokenizer, TextTokenizer
 from render_service.wire.message_memo import MessageMemo
 from render_service.wire.protocol import ChatCompletionRequest
 from splitserve_common.block_hashes import BlockHashConfig
+
+# each template's loop records get this share of --render-cache-bytes, at most LOOP_RECORD_BYTES
+LOOP_RECORD_SHARE_DIVISOR = 8
 
 if TYPE_CHECKING:
     from render_service.bundle.model_bundle import ModelBundle
@@ -230,10 +233,25 @@ def build_render_config(
                                                           bundle.tokenizer_config.get("response_template"))
     if not chat_template_timeout_s > 0:
         raise ValueError("--chat-template-timeout must be positive")
+    from render_service.render.reference_mode import reference_render
+    from render_service.templates.sandbox import use_plain_reads
+    from render_service.templates.tojson_cache import DEFAULT_TEXTS, MAX_CACHE_BYTES
+    from render_service.tokenize.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
+
+    # --render-cache-bytes, split by the budget (caches/budget.py); the reference switch: none at all, and
+    # Jinja's own template reads for the templates compiled from here on
+    cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
+    if reference_render():  # the plain path only (reference_mode.py): no caches, Jinja's own template reads
+        cache_bytes = 0
+        use_plain_reads(True)
     special = template_special_tokens(bundle)
-    template = ChatTemplate(source, special, time_limit_s=chat_template_timeout_s) if source else None
+    # each template's loop records (templates/loop_resume.py): beside the budget's split, as the masks' are
+    loops = min(LOOP_RECORD_BYTES, cache_bytes // LOOP_RECORD_SHARE_DIVISOR)
+    template = ChatTemplate(source, special, time_limit_s=chat_template_timeout_s, loop_record_bytes=loops) \
+        if source else None
     tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None
-    tool_template = ChatTemplate(tool_source, special, time_limit_s=chat_template_timeout_s) if tool_source else None
+    tool_template = ChatTemplate(tool_source, special, time_limit_s=chat_template_timeout_s,
+                                 loop_record_bytes=loops) if tool_source else None
     reasoning_cls = None
     reads_metadata = False  # a parser reads the bundle's response_template: it is part of the fingerprint
     if reasoning_parser:
@@ -269,17 +287,10 @@ def build_render_config(
     )
     names = list(served_model_names or []) or [str(bundle.path)]
 
-    from render_service.render.reference_mode import reference_render
-    from render_service.templates.sandbox import use_plain_reads
-    from render_service.templates.tojson_cache import DEFAULT_TEXTS, MAX_CACHE_BYTES
-    from render_service.tokenize.incremental_tokenizer import DEFAULT_CACHE_BYTES, IncrementalEncoder
-
-    # --render-cache-bytes, split by the budget (caches/budget.py); the reference switch: none at all
-    cache_bytes = DEFAULT_CACHE_BYTES if render_cache_bytes is None else render_cache_bytes
-    if reference_render():  # the plain path only (reference_mode.py): no caches, Jinja's own template reads
-        cache_bytes = 0
-        use_plain_reads(True)
     budget = CacheBudget(CacheShares.of(cache_bytes, MAX_CACHE_BYTES))
+    for name, kept in (("template_loops", template), ("tool_template_loops", tool_template)):
+        if kept is not None and kept.loop_records is not None:
+            budget.register(name, kept.loop_records.stats)
     DEFAULT_TEXTS.max_bytes = budget.shares.tojson  # (one per process: the templates' tojson filter shares it)
     budget.register("tojson", DEFAULT_TEXTS.lru.stats)
     prompt_encoder = None

@@ -224,7 +224,9 @@ class LoopRecords:
                 del self._index[(i + 1, id(message))]
 
     def stats(self) -> CacheStats:
-        return self._records.stats()
+        """For /metrics (caches/budget.py): a hit is a render that resumed, a miss one that looked and did not."""
+        kept = self._records.stats()
+        return kept._replace(hits=self.resumed, misses=self.hits + self.misses - self.resumed)
 
     def clear(self) -> None:
         with self._lock:
