@@ -8,9 +8,11 @@ breaks  --rollouts agent rollouts on Qwen3 (hermes tool calls) and gpt-oss (Harm
         messages alone) and for the extend render (``previous_turn``); an extend that fell back counts as a
         break too.
 cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tokens; the last turn rendered
-        both ways in this process, thread CPU per render (median of --reps, after a warm-up that leaves the
-        piece cache as an agent loop leaves it): the full render, the extend render of the same turn, and the
-        extend with loss masks after a previous turn that asked for them too (as an RL loop asks).
+        both ways in this process from its request body (decoded through the message memo, as the render
+        server decodes it), thread CPU per render (median of --reps, each after the previous turn's request,
+        with the piece cache as an agent loop leaves it): the full render, the extend render of the same turn,
+        and the extend with loss masks after a previous turn that asked for them too (as an RL loop asks);
+        each also with the chat template's loop records off (``*_without_loop_records``).
 
 agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one or several interleaved, each body
         sent to our render server (full render, then the same turn as an extend of ours' previous answer) and to
@@ -174,35 +176,66 @@ def _thread_ms(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
+def _turn_ms(from_body: Any, records: Any, before: bytes, body: bytes) -> float:
+    """Thread CPU ms of ``body``'s render, sent as an agent sends it: after its previous turn's request (which
+    leaves the template's loop records as that turn leaves them)."""
+    if records is not None:
+        records.clear()
+        from_body(before)
+    start = time.thread_time()
+    from_body(body)
+    return (time.thread_time() - start) * 1000
+
+
 def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """Each request body decoded as the render server decodes it (through the message memo, so a turn's earlier
+    messages are the memo's objects and the template's loop records apply), and timed from the body on. The
+    same turn is also timed with the template's loop records off (``*_without_loop_records``)."""
+    from render_service.wire.message_memo import decode_chat_request
+
+    def decode(body: bytes, kind: type) -> Any:
+        return msgspec.json.decode(body, type=kind)
+
+    def from_body(body: bytes) -> Any:
+        return render_chat(decode_chat_request(body, config.message_memo, decode), config)
+
+    template = config.template
+    records = template.loop_records
     rows = []
     for size in sizes:
         messages = _conversation(size, config)
         k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        encode = msgspec.json.encode
         # the previous turn as an RL loop renders it, masks asked for (its attribution is kept for this turn)
-        prompt = _render(config, messages=messages[:k], tools=TOOLS, return_assistant_tokens_mask=True,
-                         return_message_indices=True)
+        before = encode({"messages": messages[:k], "tools": TOOLS, "tool_choice": "none",
+                         "return_assistant_tokens_mask": True, "return_message_indices": True})
+        prompt = list(from_body(before).token_ids)
         text = "<tool_call>\n" + "\n</tool_call>\n<tool_call>\n".join(
             json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
             for c in messages[k]["tool_calls"]) + "\n</tool_call><|im_end|>"
         completion = config.tokenizer.encode(text)
         full_body = {"messages": messages, "tools": TOOLS, "tool_choice": "none"}
         ext_body = {**full_body, "previous_turn": {"prompt_token_ids": prompt, "completion_token_ids": completion}}
-        full_req = msgspec.convert(full_body, ChatCompletionRequest)
-        ext_req = msgspec.convert(ext_body, ChatCompletionRequest)
-        ids = render_chat(full_req, config).token_ids  # warm: the piece cache as an agent loop leaves it
-        ext = render_chat(ext_req, config)
+        bodies = {"full_render": encode(full_body), "extend": encode(ext_body),
+                  "extend_with_masks": encode({**ext_body, "return_assistant_tokens_mask": True,
+                                               "return_message_indices": True})}
+        ids = from_body(bodies["full_render"]).token_ids  # warm: the piece cache as an agent loop leaves it
+        ext = from_body(bodies["extend"])
         assert ext.extend and ext.extend.extended, ext.extend
-        masks = msgspec.convert({**ext_body, "return_assistant_tokens_mask": True, "return_message_indices": True},
-                                ChatCompletionRequest)
-        masked = render_chat(masks, config)
+        masked = from_body(bodies["extend_with_masks"])
         assert masked.message_indices is not None and -1 not in masked.message_indices  # the kept attribution
-        full_ms = _thread_ms(lambda req=full_req: render_chat(req, config), reps)
-        ext_ms = _thread_ms(lambda req=ext_req: render_chat(req, config), reps)
-        masks_ms = _thread_ms(lambda req=masks: render_chat(req, config), reps)
-        rows.append({"size": size, "prompt_tokens": len(ids), "messages": len(messages), "full_render_ms": full_ms,
-                     "extend_ms": ext_ms, "extend_over_full": ext_ms / full_ms, "extend_with_masks_ms": masks_ms,
-                     "new_tokens": ext.extend.new_tokens + ext.extend.closing_tokens})
+        row: dict[str, Any] = {"size": size, "prompt_tokens": len(ids), "messages": len(messages),
+                               "body_bytes": len(bodies["extend"]),
+                               "new_tokens": ext.extend.new_tokens + ext.extend.closing_tokens}
+
+        for name, body in bodies.items():
+            for label, kept in (("", records), ("_without_loop_records", None)):
+                template.loop_records = kept
+                row[f"{name}_ms{label}"] = statistics.median(_turn_ms(from_body, records, before, body)
+                                                             for _ in range(reps))
+            template.loop_records = records
+        row["extend_over_full"] = row["extend_ms"] / row["full_render_ms"]
+        rows.append(row)
     return rows
 
 
