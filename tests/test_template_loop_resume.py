@@ -6,6 +6,7 @@ rendering without records; the resumed ones must be byte-identical, and the test
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +326,62 @@ def test_templates_whose_loop_now_resumes_resume_an_agent_loop(name, unresumed):
     prepared = prepare_messages(messages)
     ends = round_ends(prepared)
     assert _grow(resumed, plain, prepared, {"add_generation_prompt": True}, ends) == len(ends) - unresumed
+
+
+@pytest.mark.parametrize("writes", ["{% set ns.last = m.content %}", "{{ mark(m.content) }}"])
+def test_a_namespace_the_loop_only_writes_is_restored_where_the_loop_resumes(writes):
+    """``{% set ns.last = ... %}`` (in the loop or a macro it calls) reads no ``ns`` by name, yet the tail reads
+    what the iterations left there."""
+    source = ("{%- macro mark(x) %}{% set ns.last = x %}{% endmacro -%}"
+              "{%- set ns = namespace(last='') -%}{%- for m in messages -%}[{{ m.content }}]"
+              "{%- if m.role == 'user' %}" + writes + "{% endif -%}{%- endfor -%}({{ ns.last }})")
+    resumed, plain = _pair(source)
+    messages = prepare_messages([{"role": "user" if i in (0, 2) else "assistant", "content": str(i)}
+                                 for i in range(8)])
+    assert _grow(resumed, plain, messages, {}, list(range(1, 9))) == 6
+
+
+def _random_message(rng: random.Random, i: int) -> dict[str, Any]:
+    role = rng.choice(["user", "assistant", "user", "assistant", "calls", "tool", "system"])
+    if role == "calls":
+        return {"role": "assistant", "content": rng.choice(["", f"a{i}"]), "tool_calls": [
+            {"id": f"c{i}_{j}", "type": "function", "function": {"name": "f", "arguments": {"a": str(j)}}}
+            for j in range(rng.randint(1, 2))]}
+    if role == "tool":
+        return {"role": "tool", "tool_call_id": f"c{i - 1}_0", "content": f"r{i}"}
+    message = {"role": role, "content": f"m{i}"}
+    if role == "assistant" and rng.random() < 0.3:
+        message["reasoning_content"] = f"t{i}"
+    return message
+
+
+def _render_or_error(template: ChatTemplate, messages: PlainMessages, kwargs: dict[str, Any]) -> str | None:
+    try:
+        return template.render(messages, **kwargs)
+    except Exception:
+        return None  # the template's own refusal: both must refuse
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
+def test_random_conversations_and_changed_messages_render_as_full_renders(path):
+    """Conversations of any shape (not only those a template accepts), grown one message at a time, and then one
+    message in the middle replaced (the extend's probe)."""
+    source = path.read_text(encoding="utf-8")
+    resumed, plain = _pair(source)
+    if resumed.loop_records is None:
+        pytest.skip("no resumable message loop proved for this template (renders are full ones)")
+    rng = random.Random(path.name)
+    tools = prepare_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    before = resumed.loop_records.resumed
+    for _ in range(12):
+        messages = prepare_messages([_random_message(rng, i) for i in range(rng.randint(2, 10))])
+        kwargs = rng.choice([{}, {"add_generation_prompt": True}, {"tools": tools, "add_generation_prompt": True},
+                             {"enable_thinking": False, "add_generation_prompt": True}])
+        for end in range(1, len(messages) + 1):
+            head = _shared(messages[:end])
+            assert _render_or_error(resumed, head, kwargs) == _render_or_error(plain, head, kwargs), end
+        k = rng.randrange(1, len(messages) - 1) if len(messages) > 2 else 1
+        probe = prepare_messages([{"role": messages[k]["role"], "content": "probe"}])
+        probed = PlainMessages([*messages[:k], *probe, *messages[k + 1:]])
+        assert _render_or_error(resumed, probed, kwargs) == _render_or_error(plain, probed, kwargs), k
+    assert resumed.loop_records.resumed > before

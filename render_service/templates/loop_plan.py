@@ -166,6 +166,8 @@ class _Reads:
             self.node(node, main)
 
     def macro(self, macro: nodes.Macro) -> None:
+        for ref in macro.find_all(nodes.NSRef):
+            self.names.add(ref.name)
         for node in macro.find_all(nodes.Name):
             if node.ctx == "load":
                 if node.name in self.aliases or node.name in IMPURE_NAMES:
@@ -195,6 +197,12 @@ class _Reads:
                 raise _NotResumable  # another tail, perhaps one that starts further on
             self._message_at(node.arg, main)
             self.subscripts.append(node)
+            return
+        if isinstance(node, nodes.NSRef):
+            # `{% set ns.x = ... %}` changes the namespace: it is state the iterations carry, restored per
+            # iteration like one they read
+            if node.name not in self.locals:
+                self.names.add(node.name)
             return
         if isinstance(node, nodes.Name):
             if node.ctx != "load":
