@@ -6,6 +6,7 @@ rendering without records; the resumed ones must be byte-identical, and the test
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +224,196 @@ def test_the_render_path_resumes_a_growing_agent_conversation_through_the_messag
         assert ids[0] == ids[1], end
     assert cached.template.loop_records.resumed - before == len(ends) - 1
     assert cached.caches.stats()["template_loops"].hits - seen == len(ends) - 1
+
+
+# --------------------------------------------------------------------------- loops the plan finds, and where they start
+
+FIXTURES = ROOT / "tests" / "fixtures" / "templates"
+
+
+def _user_turns(count: int) -> list[dict[str, Any]]:
+    return prepare_messages([{"role": "system", "content": "s"},
+                             *({"role": "user" if i % 2 == 0 else "assistant", "content": str(i)}
+                               for i in range(count))])
+
+
+def test_a_loop_whose_body_never_reads_loop_resumes():
+    """Jinja steps such a loop without a LoopContext; the plan makes it step one so the session sees each
+    iteration start."""
+    source = "{%- for message in messages -%}<{{ message.role }}>{{ message.content }}{%- endfor -%}"
+    resumed, plain = _pair(source)
+    messages = _user_turns(8)
+    assert _grow(resumed, plain, messages, {}, list(range(1, len(messages) + 1))) == len(messages) - 2
+
+
+SETS_MESSAGES = ("{%- if messages[0].role == 'system' %}{%- set messages = messages[1:] %}{%- endif %}"
+                 "{%- for message in messages %}[{{ message.content }}>"
+                 "{{ loop.nextitem.content if loop.nextitem }}{{ messages[1].content }}]{%- endfor %}")
+
+
+def test_a_template_that_sets_messages_to_a_tail_resumes_before_the_first_changed_message():
+    """The loop iterates the template's own ``messages`` (a tail of the render's): a changed message in the middle
+    must be rendered again by the iteration before it, which looks ahead at it."""
+    resumed, plain = _pair(SETS_MESSAGES)
+    messages = _user_turns(8)
+    assert _grow(resumed, plain, messages, {}, list(range(1, len(messages) + 1))) > 0
+    resumed.render(_shared(messages))
+    before = resumed.loop_records.resumed
+    probed = PlainMessages([*messages[:5], {"role": "user", "content": "X"}, *messages[6:]])
+    assert resumed.render(probed) == plain.render(probed)
+    assert resumed.loop_records.resumed == before + 1
+
+
+def test_a_constant_index_into_a_tail_counts_from_where_the_tail_starts():
+    """``loop_messages[2]`` is messages[3]: a record made before that message existed is not resumed."""
+    source = ("{%- set loop_messages = messages[1:] -%}{%- for message in loop_messages -%}"
+              "[{{ loop.index }}{{ message.content }}|{{ loop_messages[2] is defined }}]{%- endfor -%}")
+    resumed, plain = _pair(source)
+    messages = _user_turns(8)
+    assert _grow(resumed, plain, messages, {}, list(range(1, len(messages) + 1))) > 0
+
+
+SUFFIX_LOOP = (
+    "{%- set ns = namespace(split=-1) -%}"
+    "{%- for i in range(messages|length) -%}{%- if messages[i].role == 'assistant' and not messages[i].tool_calls -%}"
+    "{%- set ns.split = i -%}{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages[:ns.split + 1] -%}({{ message.content }}){%- endfor -%}"
+    "{%- set suffix = messages[ns.split + 1:] -%}"
+    "{%- for message in suffix -%}[{{ message.role }}:{{ message.content }}"
+    "{{ '+' ~ suffix[loop.index0 + 1].role if not loop.last }}]{%- endfor -%}"
+)
+
+
+def test_a_loop_over_a_tail_the_head_computes_resumes_while_the_tail_starts_at_the_same_message():
+    resumed, plain = _pair(SUFFIX_LOOP)
+    messages, _ = agent_trace(AgentTraceSpec(rounds=6))
+    prepared = prepare_messages(messages)
+    ends = list(range(2, len(prepared) + 1))
+    assert _grow(resumed, plain, prepared, {}, ends) == len(ends) - 1
+    # a plain answer moves where the tail starts: nothing is resumed, and the render is right
+    answered = [*prepared, *prepare_messages([{"role": "assistant", "content": "done"},
+                                              {"role": "user", "content": "more"}])]
+    before = resumed.loop_records.resumed
+    _grow(resumed, plain, answered, {}, [len(answered) - 1])
+    assert resumed.loop_records.resumed == before
+
+
+BRANCH_LOOPS = (
+    "{%- if tools -%}{%- for message in messages -%}<T {{ message.content }}{{ '.' if loop.last }}>{%- endfor -%}"
+    "{%- else -%}{%- for message in messages -%}<P {{ message.content }}>{%- endfor -%}{%- endif -%}"
+)
+
+
+def test_each_branch_loop_resumes_only_from_its_own_record():
+    resumed, plain = _pair(BRANCH_LOOPS)
+    messages = _user_turns(6)
+    tools = prepare_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert _grow(resumed, plain, messages, {"tools": tools}, [4, 5]) == 1
+    before = resumed.loop_records.resumed
+    _grow(resumed, plain, messages, {}, [6])  # the other loop: the record made with tools is not its
+    assert resumed.loop_records.resumed == before
+    assert _grow(resumed, plain, messages, {}, [7]) == 1
+
+
+def test_a_scan_of_the_messages_that_writes_nothing_is_part_of_the_head():
+    source = ("{%- set ns = namespace(system=false) -%}{%- for m in messages -%}"
+              "{%- if m.role == 'system' -%}{%- set ns.system = true -%}{%- endif -%}{%- endfor -%}"
+              "{{ 'default system' if not ns.system }}"
+              "{%- for message in messages -%}<{{ message.content }}>{%- endfor -%}")
+    plan = plan_message_loop(_ENVIRONMENT.parse(source))
+    assert plan is not None and plan.loop.target.name == "message"
+    resumed, plain = _pair(source)
+    messages = _user_turns(6)[1:]
+    assert _grow(resumed, plain, messages, {}, list(range(1, len(messages) + 1))) > 0
+
+
+@pytest.mark.parametrize("source", [
+    # an index into another tail than the loop's (rest[i + 1] is messages[i + 2])
+    "{%- set rest = messages[1:] -%}{%- for message in messages -%}"
+    "{{ rest[loop.index0 + 1].content if not loop.last }}{%- endfor -%}",
+    # the loop's list set anew in the loop
+    "{%- set loop_messages = messages -%}{%- for message in loop_messages -%}{%- set loop_messages = messages[2:] -%}"
+    "{{ loop_messages[loop.index0].content }}{%- endfor -%}",
+    # messages set to something other than a tail of them
+    "{%- set messages = messages|reverse|list -%}{%- for message in messages -%}{{ message.content }}{%- endfor -%}",
+    "{%- set messages = messages[:1] + [{'content': 'x'}] + messages[2:] -%}"
+    "{%- for message in messages -%}{{ message.content }}{%- endfor -%}",
+    # an index into the render's messages while the loop iterates a tail the template set `messages` to
+    "{%- set loop_messages = messages[1:] -%}{%- set messages = messages[1:] -%}"
+    "{%- for message in loop_messages -%}{{ messages[loop.index0 + 1].content }}{%- endfor -%}",
+])
+def test_loops_whose_reads_of_the_messages_cannot_be_placed_are_not_resumable(source):
+    assert plan_message_loop(_ENVIRONMENT.parse(source)) is None
+
+
+@pytest.mark.parametrize(("name", "unresumed"), [("llama-4", 2), ("internlm2-tool", 2), ("seed-oss", 2),
+                                                 ("hunyuan-a13b", 1), ("kimi-k2-thinking", 1)])
+def test_templates_whose_loop_now_resumes_resume_an_agent_loop(name, unresumed):
+    """(llama-4 sets ``messages`` to a tail, kimi loops over a tail the head computes, hunyuan has a loop per
+    branch, the others read no ``loop`` attribute.) Not resumed: the first request, and where the loop leaves the
+    system message out, the second (the first one's loop had only the task, which looks at the next message)."""
+    resumed, plain = _pair((FIXTURES / f"{name}.jinja").read_text(encoding="utf-8"))
+    assert resumed.loop_records is not None
+    messages, _ = agent_trace(AgentTraceSpec(rounds=6))
+    prepared = prepare_messages(messages)
+    ends = round_ends(prepared)
+    assert _grow(resumed, plain, prepared, {"add_generation_prompt": True}, ends) == len(ends) - unresumed
+
+
+@pytest.mark.parametrize("writes", ["{% set ns.last = m.content %}", "{{ mark(m.content) }}"])
+def test_a_namespace_the_loop_only_writes_is_restored_where_the_loop_resumes(writes):
+    """``{% set ns.last = ... %}`` (in the loop or a macro it calls) reads no ``ns`` by name, yet the tail reads
+    what the iterations left there."""
+    source = ("{%- macro mark(x) %}{% set ns.last = x %}{% endmacro -%}"
+              "{%- set ns = namespace(last='') -%}{%- for m in messages -%}[{{ m.content }}]"
+              "{%- if m.role == 'user' %}" + writes + "{% endif -%}{%- endfor -%}({{ ns.last }})")
+    resumed, plain = _pair(source)
+    messages = prepare_messages([{"role": "user" if i in (0, 2) else "assistant", "content": str(i)}
+                                 for i in range(8)])
+    assert _grow(resumed, plain, messages, {}, list(range(1, 9))) == 6
+
+
+def _random_message(rng: random.Random, i: int) -> dict[str, Any]:
+    role = rng.choice(["user", "assistant", "user", "assistant", "calls", "tool", "system"])
+    if role == "calls":
+        return {"role": "assistant", "content": rng.choice(["", f"a{i}"]), "tool_calls": [
+            {"id": f"c{i}_{j}", "type": "function", "function": {"name": "f", "arguments": {"a": str(j)}}}
+            for j in range(rng.randint(1, 2))]}
+    if role == "tool":
+        return {"role": "tool", "tool_call_id": f"c{i - 1}_0", "content": f"r{i}"}
+    message = {"role": role, "content": f"m{i}"}
+    if role == "assistant" and rng.random() < 0.3:
+        message["reasoning_content"] = f"t{i}"
+    return message
+
+
+def _render_or_error(template: ChatTemplate, messages: PlainMessages, kwargs: dict[str, Any]) -> str | None:
+    try:
+        return template.render(messages, **kwargs)
+    except Exception:
+        return None  # the template's own refusal: both must refuse
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
+def test_random_conversations_and_changed_messages_render_as_full_renders(path):
+    """Conversations of any shape (not only those a template accepts), grown one message at a time, and then one
+    message in the middle replaced (the extend's probe)."""
+    source = path.read_text(encoding="utf-8")
+    resumed, plain = _pair(source)
+    if resumed.loop_records is None:
+        pytest.skip("no resumable message loop proved for this template (renders are full ones)")
+    rng = random.Random(path.name)
+    tools = prepare_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    before = resumed.loop_records.resumed
+    for _ in range(12):
+        messages = prepare_messages([_random_message(rng, i) for i in range(rng.randint(2, 10))])
+        kwargs = rng.choice([{}, {"add_generation_prompt": True}, {"tools": tools, "add_generation_prompt": True},
+                             {"enable_thinking": False, "add_generation_prompt": True}])
+        for end in range(1, len(messages) + 1):
+            head = _shared(messages[:end])
+            assert _render_or_error(resumed, head, kwargs) == _render_or_error(plain, head, kwargs), end
+        k = rng.randrange(1, len(messages) - 1) if len(messages) > 2 else 1
+        probe = prepare_messages([{"role": messages[k]["role"], "content": "probe"}])
+        probed = PlainMessages([*messages[:k], *probe, *messages[k + 1:]])
+        assert _render_or_error(resumed, probed, kwargs) == _render_or_error(plain, probed, kwargs), k
+    assert resumed.loop_records.resumed > before

@@ -9,15 +9,19 @@ nothing a longer conversation changes:
   ``last`` / ``nextitem``, which look one message ahead (``reach``); never ``length``, ``revindex``, ``changed``
   or ``loop`` itself;
 - the messages only as ``messages[<constant>]`` or ``messages[loop.index0 + c]`` (``loop.index`` likewise),
-  reaching ``c`` messages ahead; never ``messages|length``, ``messages[-1]``, a nested loop over them or a macro
-  that reads them;
+  reaching ``c`` messages ahead, where ``messages`` is the list the loop iterates, one it iterates a tail of or
+  the render's own (which the template never sets);
+  never ``messages|length``, ``messages[-1]``, a nested loop over them, a macro that reads them or a ``set`` of
+  a name that holds them;
 - no clock (``strftime_now``) and no object that keeps state between calls (``cycler``, ``joiner``).
 
 Everything else an iteration reads from outside the loop (namespaces, ``tools``, flags, values the head computed,
 macros) is named in ``names``: a render compares their values at the loop's start with the earlier render's before
 it reuses anything, and namespaces (the only state the sandbox lets an iteration change) are restored per iteration.
 The loop must sit at the template's top level (inside ``if`` blocks at most), so that what it writes is the
-template's own output, not a macro's or a variable's.
+template's own output, not a macro's or a variable's. A loop over the messages that writes nothing (a scan that
+sets a namespace) is part of the head; where several loops write them (one per ``if`` branch), each gets a plan,
+and a render resumes only from a record of the same loop (``LoopPlan.ident``).
 """
 
 from __future__ import annotations
@@ -41,14 +45,15 @@ _FOREIGN = (nodes.Macro, nodes.Block, nodes.Include, nodes.Import, nodes.FromImp
 @dataclass
 class LoopPlan:
     """The message loop of a template: the ``For`` node, the outside names its iterations (and macros) read, how
-    many messages past its own an iteration may read (``reach``, at least 1) and the largest constant index it
-    reads (``max_index``, -1 if none)."""
+    many messages past its own an iteration may read (``reach``, at least 1), the largest constant index it
+    reads (``max_index``, -1 if none) and which of the template's message loops it is (``ident``)."""
 
     loop: nodes.For
     names: list[str]
     reach: int = 1
     max_index: int = -1
     subscripts: list[nodes.Getitem] = field(default_factory=list)
+    ident: int = 0
 
 
 class _NotResumable(Exception):
@@ -56,20 +61,28 @@ class _NotResumable(Exception):
 
 
 def plan_message_loop(tree: nodes.Template) -> LoopPlan | None:
-    """The template's message loop and what its iterations read; None where a render cannot reuse them."""
+    """The template's first resumable message loop (``plan_message_loops``); None if it has none."""
+    plans = plan_message_loops(tree)
+    return plans[0] if plans else None
+
+
+def plan_message_loops(tree: nodes.Template) -> list[LoopPlan]:
+    """The template's message loops whose iterations a render can reuse, and what their iterations read."""
     aliases = _message_aliases(tree)
-    loop = _find_loop(tree.body, aliases)
-    if loop is None:
-        return None
-    try:
-        reader = _Reads(aliases, {loop.target.name} if isinstance(loop.target, nodes.Name) else set())
-        reader.body(loop.body, main=True)
-        for macro in tree.find_all(nodes.Macro):
-            reader.macro(macro)
-    except _NotResumable:
-        return None
-    reader.names.discard("loop")
-    return LoopPlan(loop, sorted(reader.names), max(1, reader.reach), reader.max_index, reader.subscripts)
+    plans: list[LoopPlan] = []
+    for loop in _find_loops(tree.body, aliases):
+        try:
+            reader = _Reads(aliases, {loop.target.name} if isinstance(loop.target, nodes.Name) else set(),
+                            _indexed(loop.iter, tree))
+            reader.body(loop.body, main=True)
+            for macro in tree.find_all(nodes.Macro):
+                reader.macro(macro)
+        except _NotResumable:
+            continue
+        reader.names.discard("loop")
+        plans.append(LoopPlan(loop, sorted(reader.names), max(1, reader.reach), reader.max_index,
+                              reader.subscripts, len(plans)))
+    return plans
 
 
 def _top_level(body: list[nodes.Node]) -> list[nodes.Node]:
@@ -86,51 +99,63 @@ def _top_level(body: list[nodes.Node]) -> list[nodes.Node]:
 
 
 def _is_messages(node: nodes.Node, aliases: set[str]) -> bool:
-    """``messages``, ``messages[c:]`` (a constant ``c``) or a name only ever set to one of those."""
+    """An alias of the messages (``messages`` itself or ``loop_messages``) or ``alias[x:]``. Whatever ``x`` is, that
+    is a tail of the messages; where it starts is known only at run time (loop_resume.loop_entry measures it, and
+    resumes only from a record whose loop started at the same message)."""
     if isinstance(node, nodes.Name):
-        return node.name == "messages" or node.name in aliases
-    if isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name) and node.node.name == "messages":
+        return node.name in aliases
+    if isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name) and node.node.name in aliases:
         s = node.arg
-        return (isinstance(s, nodes.Slice) and s.stop is None and s.step is None
-                and (s.start is None or (isinstance(s.start, nodes.Const) and type(s.start.value) is int
-                                         and s.start.value >= 0)))
+        return isinstance(s, nodes.Slice) and s.stop is None and s.step is None
     return False
 
 
 def _message_aliases(tree: nodes.Template) -> set[str]:
-    """Names the template's top level sets only to the messages or a tail of them (``loop_messages``)."""
-    candidates: dict[str, bool] = {}
-    for node in tree.find_all(nodes.Assign):
-        if isinstance(node.target, nodes.Name):
-            name = node.target.name
-            ok = _is_messages(node.node, set())
-            candidates[name] = candidates.get(name, True) and ok
-    for other in tree.find_all((nodes.For, nodes.AssignBlock, nodes.Macro)):
-        # a loop target, block or macro argument of the same name is not the alias
-        targets: list[nodes.Node] = list(other.args) if isinstance(other, nodes.Macro) \
-            else [getattr(other, "target")]  # noqa: B009 (For and AssignBlock both have one)
-        found = [n for n in targets if isinstance(n, nodes.Name)] + \
-            [n for t in targets for n in t.find_all(nodes.Name)]
-        for target in found:
-            candidates[target.name] = False
-    return {name for name, ok in candidates.items() if ok and name != "messages"}
+    """The names that hold the messages or a tail of them wherever the template sets them: ``messages`` (unless it
+    is set to something else) and names like ``loop_messages``, each only ever the target of ``{% set name = A %}``
+    or ``{% set name = A[x:] %}`` with ``A`` such a name. (A name read before it is set is a request's own value,
+    which loop_entry finds holds none of the messages.)"""
+    values = {id(node.target): node.node for node in tree.find_all(nodes.Assign) if isinstance(node.target, nodes.Name)}
+    stores: dict[str, list[nodes.Node | None]] = {"messages": []}
+    for name in tree.find_all(nodes.Name):
+        if name.ctx in ("store", "param"):  # set, loop targets, with, macro and call arguments
+            stores.setdefault(name.name, []).append(values.get(id(name)))
+    aliases = set(stores)
+    while True:
+        kept = {name for name in aliases
+                if all(value is not None and _is_messages(value, aliases) for value in stores[name])}
+        if kept == aliases:
+            return aliases
+        aliases = kept
 
 
-def _find_loop(body: list[nodes.Node], aliases: set[str]) -> nodes.For | None:
-    for node in _top_level(body):
-        if isinstance(node, nodes.For) and _is_messages(node.iter, aliases):
-            if node.recursive or node.test is not None or node.else_ or not isinstance(node.target, nodes.Name):
-                return None
-            return node
-    return None
+def _indexed(iterated: nodes.Node, tree: nodes.Template) -> set[str]:
+    """The names a loop over ``iterated`` may index (``X[loop.index0 + 1]``, ``X[0]``): those whose item ``i`` is
+    at most the loop's item ``i`` (the list it iterates, the list it iterates a tail of, and ``messages`` where the
+    template never sets it)."""
+    base = iterated.node if isinstance(iterated, nodes.Getitem) else iterated  # (_is_messages: a Name in both)
+    names = {base.name} if isinstance(base, nodes.Name) else set()
+    if not any(n.name == "messages" and n.ctx in ("store", "param") for n in tree.find_all(nodes.Name)):
+        names.add("messages")
+    return names
+
+
+def _find_loops(body: list[nodes.Node], aliases: set[str]) -> list[nodes.For]:
+    """The top-level loops over the messages that write something (a loop that writes nothing is a scan the head
+    makes, whose effects loop_entry compares where a later loop starts)."""
+    return [node for node in _top_level(body)
+            if isinstance(node, nodes.For) and _is_messages(node.iter, aliases)
+            and not node.recursive and node.test is None and not node.else_ and isinstance(node.target, nodes.Name)
+            and any(True for _ in node.find_all(nodes.Output))]
 
 
 class _Reads:
     """Walks a loop body (and the macros), collecting the outside names it reads and refusing what it must not."""
 
-    def __init__(self, aliases: set[str], locals_: set[str]) -> None:
-        self.aliases = aliases
+    def __init__(self, aliases: set[str], locals_: set[str], indexed: set[str]) -> None:
+        self.aliases = aliases | {"messages"}
         self.locals = locals_
+        self.indexed = indexed
         self.names: set[str] = set()
         self.reach = 0
         self.max_index = -1
@@ -141,9 +166,11 @@ class _Reads:
             self.node(node, main)
 
     def macro(self, macro: nodes.Macro) -> None:
+        for ref in macro.find_all(nodes.NSRef):
+            self.names.add(ref.name)
         for node in macro.find_all(nodes.Name):
             if node.ctx == "load":
-                if node.name == "messages" or node.name in self.aliases or node.name in IMPURE_NAMES:
+                if node.name in self.aliases or node.name in IMPURE_NAMES:
                     raise _NotResumable
                 self.names.add(node.name)
 
@@ -165,15 +192,24 @@ class _Reads:
             elif node.attr not in LOOP_SAME:
                 raise _NotResumable
             return
-        if isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name) \
-                and (node.node.name == "messages" or node.node.name in self.aliases):
+        if isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name) and node.node.name in self.aliases:
+            if node.node.name not in self.indexed:
+                raise _NotResumable  # another tail, perhaps one that starts further on
             self._message_at(node.arg, main)
             self.subscripts.append(node)
             return
+        if isinstance(node, nodes.NSRef):
+            # `{% set ns.x = ... %}` changes the namespace: it is state the iterations carry, restored per
+            # iteration like one they read
+            if node.name not in self.locals:
+                self.names.add(node.name)
+            return
         if isinstance(node, nodes.Name):
             if node.ctx != "load":
+                if node.name in self.aliases:
+                    raise _NotResumable  # the messages' name set to another tail in the loop
                 return
-            if node.name in IMPURE_NAMES or node.name == "messages" or node.name in self.aliases:
+            if node.name in IMPURE_NAMES or node.name in self.aliases:
                 raise _NotResumable
             if node.name == "loop" and main:
                 raise _NotResumable  # the loop object itself (passed on, printed, called)
@@ -216,16 +252,22 @@ def _internal(name: str, lineno: int) -> nodes.InternalName:
 
 
 def rewrite_message_loop(plan: LoopPlan, environment: Any) -> None:
-    """The loop iterates what ``loop_resume.loop_entry`` returns for its messages (given the outside names' values
-    at its start), and each ``messages[loop.index0 - c]`` goes through ``loop_resume.checked_index``."""
+    """The loop iterates what ``loop_resume.loop_entry`` returns for its messages (given the render's context, where
+    the messages it was given are, and the outside names' values at its start), and each
+    ``messages[loop.index0 - c]`` goes through ``loop_resume.checked_index``."""
     loop = plan.loop
     names = nodes.Dict([nodes.Pair(nodes.Const(name), nodes.Name(name, "load")) for name in plan.names])
     entry = nodes.Call(
         _internal(LOOP_ENTRY, loop.lineno),
-        [loop.iter, nodes.Name("messages", "load"), names, nodes.Const(plan.reach), nodes.Const(plan.max_index)],
+        [loop.iter, nodes.ContextReference(), names, nodes.Const(plan.reach), nodes.Const(plan.max_index),
+         nodes.Const(plan.ident)],
         [], None, None, lineno=loop.lineno)
     entry.set_environment(environment)
     loop.iter = entry
+    if not any(n.name == "loop" and n.ctx == "load" for n in loop.find_all(nodes.Name)):
+        # Jinja steps a loop through a LoopContext (inline.LoopContext, which tells the session where each
+        # iteration starts) only when its body reads `loop`: a statement that reads it and does nothing
+        loop.body.insert(0, nodes.ExprStmt(nodes.Name("loop", "load"), lineno=loop.lineno))
     for subscript in plan.subscripts:
         if not isinstance(subscript.arg, nodes.Const):
             checked = nodes.Call(_internal(CHECKED_INDEX, subscript.lineno), [subscript.arg], [], None, None,

@@ -6,17 +6,18 @@ plain render) that returns the messages unchanged. A session records, per iterat
 the state of every namespace the iterations read (``LoopRecord``); given the record of an earlier render whose
 messages are the first ``k`` of this one's, it instead
 
-1. checks that the head rendered the same text and that every outside name the iterations read has the same value
-   as then (namespaces by their attributes);
+1. checks that the same loop starts at the same message (a template may loop over a tail of the messages, in one
+   of several ``if`` branches), that the head rendered the same text and that every outside name the iterations
+   read has the same value as then (namespaces by their attributes);
 2. restores the namespaces to what they held before iteration ``s = k - reach`` (the last iterations before the new
    messages may look at the next message, which is new now);
 3. runs the loop from ``s`` with the loop's counters as a full run has them there; the text is the earlier text up
    to iteration ``s`` and everything rendered from there.
 
-Iterations before ``s`` would write what they wrote then: each reads only its message and those up to ``reach``
-ahead (all among the first ``k``), counters that do not depend on the list's length, the names checked in 1 and the
-namespaces restored in 2. A read of the messages at a negative index (which Python takes from the end) makes the
-render's record unusable. Any check that fails leaves the render a full one.
+Iterations before ``s`` would write what they wrote then: each reads only its message, those up to ``reach``
+ahead and those at constant indices (all among the first ``k``), counters that do not depend on the list's length,
+the names checked in 1 and the namespaces restored in 2. A read of the messages at a negative index (which Python
+takes from the end) makes the render's record unusable. Any check that fails leaves the render a full one.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class LoopRecord:
     states: list[list[dict[str, Any]]]
     reach: int
     max_index: int
+    loop: int  # which of the template's message loops (loop_plan.LoopPlan.ident)
 
     def nbytes(self) -> int:
         return len(self.text) * (1 if self.text.isascii() else 4) + 160 * len(self.messages) + 256
@@ -85,6 +87,7 @@ class LoopSession:
     states: list[list[dict[str, Any]]] = field(default_factory=list)
     reach: int = 1
     max_index: int = -1
+    loop: int = 0
     unusable: bool = False  # a read at a negative index, or a value no render can compare
 
     def at_item(self, index0: int) -> None:
@@ -114,12 +117,15 @@ def _comparable(value: Any) -> Any:
     raise TypeError(kind.__name__)
 
 
-def loop_entry(items: Any, messages: Any, names: dict[str, Any], reach: int, max_index: int) -> Any:
+def loop_entry(items: Any, context: jinja2.runtime.Context, names: dict[str, Any], reach: int, max_index: int,
+               loop: int) -> Any:
     """Called by a compiled template where its message loop starts: what the loop iterates."""
     session = SESSION.get()
     if session is None or session.entered:
         return items
     session.entered = True
+    # the messages the render was given (the template may have set its own `messages` to a tail of them)
+    messages = context.parent.get("messages")
     if type(items) is not list or type(messages) is not list:
         session.unusable = True
         return items
@@ -133,6 +139,7 @@ def loop_entry(items: Any, messages: Any, names: dict[str, Any], reach: int, max
         session.unusable = True
         return items
     session.names, session.offset, session.reach, session.max_index = values, offset, reach, max_index
+    session.loop = loop
     session.namespaces = [v for _, v in sorted(names.items()) if isinstance(v, jinja2.utils.Namespace)]
     session.entry_block = len(session.blocks)
     head = "".join(session.blocks)
@@ -160,9 +167,11 @@ def _resume_point(session: LoopSession, head: str, values: list[Any], offset: in
     if record is None:
         return 0
     start = session.same - offset - session.reach
-    if start <= 0 or start > count or start >= len(record.starts) or session.same <= session.max_index:
+    # (a constant index may be the loop's own list's, ``loop_messages[c]``: messages[offset + c])
+    if start <= 0 or start > count or start >= len(record.starts) or session.same <= offset + session.max_index:
         return 0
-    if record.offset != offset or record.reach != session.reach or record.head_chars != len(head) \
+    if record.loop != session.loop or record.offset != offset or record.reach != session.reach \
+            or record.head_chars != len(head) \
             or not record.text.startswith(head) or record.names != values:
         return 0
     if len(record.states[start]) != len(session.namespaces):
@@ -201,7 +210,7 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[str, LoopRe
     starts = kept_starts + [positions[b - first] for b in session.item_blocks]
     return text, LoopRecord(messages=messages, text=text, head_chars=session.head_chars, offset=session.offset,
                             names=session.names, starts=starts, states=session.states, reach=session.reach,
-                            max_index=session.max_index)
+                            max_index=session.max_index, loop=session.loop)
 
 
 class LoopRecords:

@@ -35,7 +35,7 @@ from render_service.templates.budget import (
 )
 from render_service.templates.inline import DICT_ATTRIBUTES as _DICT_ATTRIBUTES
 from render_service.templates.inline import InlineReadsCodeGenerator, InlineTemplate
-from render_service.templates.loop_plan import plan_message_loop, rewrite_message_loop
+from render_service.templates.loop_plan import plan_message_loops, rewrite_message_loop
 from render_service.templates.tojson_cache import DEFAULT_TEXTS
 
 # A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
@@ -144,9 +144,9 @@ class GuardedLoopsCodeGenerator(InlineReadsCodeGenerator):
     resumable = True
 
     def visit_Template(self, node: jinja2.nodes.Template, frame: Frame | None = None) -> None:
-        plan = plan_message_loop(node) if self.resumable else None
+        plans = plan_message_loops(node) if self.resumable else []
         tree = BoundedTemplate(self.concat_bounded).visit(node)
-        if plan is not None:
+        for plan in plans:
             rewrite_message_loop(plan, self.environment)
         super().visit_Template(tree, frame)
 
