@@ -172,7 +172,10 @@ def decode_steps(model, args, tier_bytes: int | None) -> dict:
                 "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None}
 
     return {"steps_with_new_blocks": stats(evicting), "other_steps": stats(plain),
-            "offloaded_blocks": tier.stored_blocks if tier is not None else 0}
+            "offloaded_blocks": tier.stored_blocks if tier is not None else 0,
+            # the host's time to issue the offloads (on CUDA they run asynchronously), per block
+            "offload_issue_s_per_block": tier.store_seconds / tier.stored_blocks
+            if tier is not None and tier.stored_blocks else None}
 
 
 def summarize(rows: list[dict]) -> dict:

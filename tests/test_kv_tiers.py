@@ -353,6 +353,27 @@ def test_abort_during_a_host_load_frees_blocks_and_slots_once_the_copies_finishe
     assert cached == 20 and tokens == run_one(make_engine(model, **SMALL_POOL, device=device), "ref", PROMPT)[0]
 
 
+def test_an_id_whose_aborted_load_is_still_under_way_is_refused_until_the_load_finished(model):
+    """A second request under the id of an aborted one still loading would take its sequence's place in the
+    scheduler, and the first one's blocks and slots would never be freed."""
+    engine, tier = held_tier_engine(model)
+    tier.held = True
+    collect(engine, "c", PROMPT)
+    engine.step()
+    engine.abort_request("c")
+    engine.step()
+    with pytest.raises(ValueError, match="still finishing"):
+        collect(engine, "c", PROMPT)
+    collect(engine, "c-other", DECODER, LONG)  # only that id (and its n > 1 children's) is held back
+    tier.held = False
+    while engine.has_work():
+        engine.step()
+    tokens, cached = run_one(engine, "c", PROMPT)  # the load reported: the id is free again, the tier still serves
+    assert cached == 20 and tokens
+    assert engine.num_free_blocks() == engine.num_blocks
+    assert tier.busy_slots == 0 and tier.loads_in_flight == 0
+
+
 def test_a_tier_cleared_during_a_load_frees_the_slots_it_reads_only_after_the_load(model):
     engine, tier = held_tier_engine(model)
     tier.held = True

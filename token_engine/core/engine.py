@@ -219,6 +219,12 @@ class LLMEngine:
         """`caller` (the client address, None in process) is who the connector's lease budget charges."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        seq_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        if any(seq_id in self.scheduler.loading for seq_id in seq_ids):
+            # An aborted request whose KV load is still writing its blocks: its sequences keep their ids until
+            # the copies finish and the blocks are freed, and a sequence of the same id would take its place.
+            raise ValueError(f"request id {request_id!r} is still finishing (a KV load it started is under way); "
+                             "use another id or retry shortly")
         if options.structured is not None and options.grammar is None:
             # Synchronous callers only: the server compiles off this thread before it adds the request.
             options = dataclasses.replace(options, grammar=self.grammars.compile(options.structured))
@@ -231,7 +237,7 @@ class LLMEngine:
                 opts = dataclasses.replace(options, seed=None if options.seed is None else options.seed + i,
                                            prompt_logprobs=None)
             seqs.append(Sequence(
-                seq_id=request_id if n == 1 else f"{request_id}-{i}", request_id=request_id, index=i,
+                seq_id=seq_ids[i], request_id=request_id, index=i,
                 prompt_token_ids=prompt_token_ids, options=opts, eos_token_ids=self.eos_token_ids,
                 priority=priority, cache_salt=cache_salt, event_salt=event_salt, weight_epoch=self.weight_epoch,
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None,
@@ -295,6 +301,8 @@ class LLMEngine:
             self.host_tier.fence()
         if out.scheduled:
             logits = self.runner.execute(out.scheduled)
+            if self.host_tier is not None:  # the forward is queued: the evictions' host copies go out meanwhile
+                self.host_tier.drain()
             sampling = [s.seq for s in out.scheduled if s.samples]
             sampled: dict[str, int] = {}
             if sampling:

@@ -63,6 +63,8 @@ def kv_fingerprint(model_dir: str | Path, dtype: torch.dtype, block_shape: tuple
 # CUDA: evicted blocks gathered on the device per host copy (a few dozen MB on a 7B shape; a step's evictions are
 # a few dozen blocks, more go through it in turns)
 STAGING_BLOCKS = 32
+# up to this many runs of consecutive blocks are gathered by a copy each, more by one indexed gather
+GATHER_RUNS = 4
 
 
 def copy_runs(slots: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -114,6 +116,13 @@ class HostKVTier:
         # copied to the host from there on the copy stream, so the step's forward never waits for the host copy
         self._staging: torch.Tensor | None = None
         self._staging_free: torch.cuda.Event | None = None  # the copy out of the staging buffer is done
+        self._gathered: torch.cuda.Event | None = None  # the gather into the staging buffer is done
+        self._staging_used = False  # a copy out of the buffer was issued (its event recorded) since bind
+        self._undrained: list[tuple[int, int, int]] = []  # (slot, staging row, count) gathered, not yet copied out
+        # the evicted blocks' indices, uploaded from here in one copy per issue (pinned, kept between issues)
+        self._index_host: torch.Tensor | None = None
+        self._index_device: torch.Tensor | None = None
+        self._index_uploaded: torch.cuda.Event | None = None
         self._gathers_pending = False
         self._copies_pending = False  # unstaged evictions (the staged path failed its check) in flight
         self.events: KVEventRecorder | None = None
@@ -146,7 +155,10 @@ class HostKVTier:
             self._copy_stream = torch.cuda.Stream(kv_pool.device)
             self._load_stream = torch.cuda.Stream(kv_pool.device)
         block_shape = tuple(kv_pool.shape[1:])
-        self._staging_free = None
+        self._staging_free = self._gathered = self._index_uploaded = None
+        self._index_host = self._index_device = None
+        self._staging_used = False
+        self._undrained = []
         self._staging = (torch.empty((STAGING_BLOCKS, *block_shape), dtype=kv_pool.dtype, device=kv_pool.device)
                          if self._pin else None)
         self.block_bytes = kv_pool[0].numel() * kv_pool.element_size()
@@ -162,30 +174,38 @@ class HostKVTier:
             self._staging = None  # evictions copy straight from the pool; the buffer's device memory goes back
 
     def _staging_copies_blocks(self) -> bool:
-        """The staged eviction path, proved on this pool before it serves: two blocks (not neighbours) gathered and
-        copied into two free slots must come back byte for byte. Otherwise evictions copy straight from the
-        pool on the copy stream (and the forward waits for them)."""
+        """The staged eviction path, proved on this pool before it serves: blocks gathered by copies (two, not
+        neighbours) and by the indexed gather (every other block, more runs than ``GATHER_RUNS``), copied into
+        free slots, must come back byte for byte. Otherwise evictions copy straight from the pool on the copy
+        stream (and the forward waits for them)."""
         assert self._pool is not None and self._slab is not None
         pool, slab = self._pool, self._slab
-        blocks = [0, pool.shape[0] - 1] if pool.shape[0] > 2 else [0]
-        if len(self._free_slots) < len(blocks):
-            return False
-        slots = self._free_slots[-len(blocks):]
-        try:
-            self._unissued = dict(zip(slots, blocks))
-            self._issue_staged()
-            torch.cuda.synchronize(pool.device)
-            same = all(torch.equal(slab[s].view(torch.uint8), pool[b].cpu().view(torch.uint8))
-                       for s, b in zip(slots, blocks))
-        except Exception as exc:  # a kernel or copy this build cannot run
-            logger.warning("host KV tier: staged evictions failed their check (%s); copying from the pool", exc)
-            return False
-        finally:
-            self._unissued.clear()
-            self._gathers_pending = False
-        if not same:
-            logger.warning("host KV tier: staged evictions did not copy the blocks' bytes; copying from the pool")
-        return same
+        count = pool.shape[0]
+        trials = [[0, count - 1] if count > 2 else [0],
+                  list(range(0, min(count, 2 * (GATHER_RUNS + 2)), 2))]
+        for blocks in trials:
+            if len(self._free_slots) < len(blocks):
+                return False
+            slots = self._free_slots[-len(blocks):]
+            try:
+                self._unissued = dict(zip(slots, blocks))
+                self._issue_staged()
+                self.drain()
+                torch.cuda.synchronize(pool.device)
+                same = all(torch.equal(slab[s].view(torch.uint8), pool[b].cpu().view(torch.uint8))
+                           for s, b in zip(slots, blocks))
+            except Exception as exc:  # a kernel or copy this build cannot run
+                logger.warning("host KV tier: staged evictions failed their check (%s); copying from the pool", exc)
+                return False
+            finally:
+                self._unissued.clear()
+                self._undrained = []
+                self._gathers_pending = False
+            if not same:
+                logger.warning("host KV tier: staged evictions did not copy the blocks' bytes; copying from the "
+                               "pool")
+                return False
+        return True
 
     @property
     def staged_evictions(self) -> bool:
@@ -260,6 +280,7 @@ class HostKVTier:
     def _issue(self) -> None:
         """Issues the evictions recorded since the last call (CUDA): staged where proved (bind), else straight
         from the pool on the copy stream, after the writes already queued on the step's stream."""
+        self.drain()
         if not self._unissued:
             return
         if self._staging is not None:
@@ -277,41 +298,89 @@ class HostKVTier:
         self.store_seconds += time.perf_counter() - t0
 
     def _issue_staged(self) -> None:
-        """Issues the evictions recorded since the last call: the blocks gathered into the staging buffer on the
-        step's stream (after the writes already queued there, before any that follow), then copied from it to
-        their slots on the copy stream."""
-        if not self._unissued:
-            return
+        """Gathers the evictions recorded since the last call into the staging buffer on the step's stream (after
+        the writes already queued there, before any that follow). The copies from the buffer to their slots go on
+        the copy stream: a buffer's worth at a time for all but the last, whose copies wait for ``drain`` (the
+        engine calls it once the step's forward is queued, so their host time overlaps the GPU's work)."""
         assert self._pool is not None and self._slab is not None and self._staging is not None
         assert self._copy_stream is not None
         t0 = time.perf_counter()
-        stream = self._copy_stream
-        current = torch.cuda.current_stream(stream.device)
+        current = torch.cuda.current_stream(self._copy_stream.device)
         items = sorted(self._unissued.items())  # by slot: consecutive slots are consecutive staging rows
         self._unissued.clear()
-        for at in range(0, len(items), STAGING_BLOCKS):
-            part = items[at:at + STAGING_BLOCKS]
-            if self._staging_free is not None:  # the previous copy out of the buffer (long done, as a rule)
+        if self._gathered is None or self._staging_free is None:
+            self._gathered, self._staging_free = torch.cuda.Event(), torch.cuda.Event()
+            self._staging_used = False
+        parts = [items[at:at + STAGING_BLOCKS] for at in range(0, len(items), STAGING_BLOCKS)]
+        # each part: a copy per run of consecutive blocks where there are few (evictions in LRU order often come in
+        # runs), else one indexed gather; the gathers' indices go up in one copy, before anything waits
+        runs = [copy_runs(list(range(len(part))), [block for _, block in part]) for part in parts]
+        gathered = [block for part, r in zip(parts, runs, strict=True) if len(r) > GATHER_RUNS for _, block in part]
+        indices = self._upload_indices(gathered, current) if gathered else None
+        at = 0
+        for part, part_runs in zip(parts, runs, strict=True):
+            self.drain()  # the buffer's previous contents are on their way out first
+            if self._staging_used:  # the copy out of the buffer (long done, as a rule)
                 current.wait_event(self._staging_free)
-            blocks = torch.tensor([b for _, b in part], dtype=torch.long, pin_memory=True)
-            torch.index_select(self._pool, 0, blocks.to(self._pool.device, non_blocking=True),
-                               out=self._staging[:len(part)])
-            gathered = torch.cuda.Event()
-            gathered.record(current)
-            stream.wait_event(gathered)
-            with torch.cuda.stream(stream):
-                for slot, row, n in copy_runs([slot for slot, _ in part], list(range(len(part)))):
-                    self._slab[slot:slot + n].copy_(self._staging[row:row + n], non_blocking=True)
-            self._staging_free = torch.cuda.Event()
-            self._staging_free.record(stream)
+            if len(part_runs) <= GATHER_RUNS:
+                for row, block, n in part_runs:
+                    self._staging[row:row + n].copy_(self._pool[block:block + n], non_blocking=True)
+            else:
+                assert indices is not None
+                torch.index_select(self._pool, 0, indices[at:at + len(part)], out=self._staging[:len(part)])
+                at += len(part)
+            self._gathered.record(current)
+            self._undrained = copy_runs([slot for slot, _ in part], list(range(len(part))))
         self._gathers_pending = True
         self.store_seconds += time.perf_counter() - t0  # on CUDA: the host's time to issue them
+
+    def _upload_indices(self, blocks: list[int], stream: torch.cuda.Stream) -> torch.Tensor:
+        """``blocks`` on the device (int64), copied on ``stream`` from a pinned buffer that is rewritten only once
+        the previous upload from it has run."""
+        count = len(blocks)
+        assert self._pool is not None
+        if self._index_host is None or self._index_host.numel() < count:
+            size = max(count, 4 * STAGING_BLOCKS)
+            if self._index_uploaded is not None:
+                self._index_uploaded.synchronize()  # (the old buffer may still be read)
+            self._index_host = torch.empty(size, dtype=torch.long, pin_memory=True)
+            self._index_device = torch.empty(size, dtype=torch.long, device=self._pool.device)
+        assert self._index_device is not None
+        if self._index_uploaded is None:
+            self._index_uploaded = torch.cuda.Event()
+        else:
+            self._index_uploaded.synchronize()  # the last upload has read the buffer (a step ago, as a rule)
+        self._index_host.numpy()[:count] = blocks
+        device = self._index_device[:count]
+        device.copy_(self._index_host[:count], non_blocking=True)
+        self._index_uploaded.record(stream)
+        return device
+
+    def drain(self) -> None:
+        """Issues the copies from the staging buffer to the host that ``_issue_staged`` left (CUDA)."""
+        runs = self._undrained
+        if not runs:
+            return
+        assert self._slab is not None and self._staging is not None and self._copy_stream is not None
+        assert self._gathered is not None and self._staging_free is not None
+        t0 = time.perf_counter()
+        self._undrained = []
+        stream = self._copy_stream
+        stream.wait_event(self._gathered)
+        with torch.cuda.stream(stream):
+            for slot, row, n in runs:
+                self._slab[slot:slot + n].copy_(self._staging[row:row + n], non_blocking=True)
+        self._staging_free.record(stream)
+        self._staging_used = True
+        self.store_seconds += time.perf_counter() - t0
 
     def fence(self, host: bool = False) -> None:
         """What writes the pool next comes after the evictions recorded so far have read it (issued now if they were
         not). On the GPU the gathers are on the step's stream already, ahead of its forward; a writer outside
         stream order (host=True: a NIXL transfer into fresh blocks) waits on the host for them."""
         self._issue()
+        if host:
+            self.drain()
         if host and self._gathers_pending and self._pool is not None:
             torch.cuda.current_stream(self._pool.device).synchronize()
         self._gathers_pending = False
