@@ -26,7 +26,6 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
 
 import jinja2.runtime
@@ -51,11 +50,14 @@ class TrackedMessages(list[Any]):
 @dataclass
 class LoopRecord:
     """What one render left for the next: the messages it got (the caller's objects, compared by identity), its
-    text, where the head ends, and per loop iteration where its output starts and its namespaces' attributes."""
+    output as the blocks the template yielded (a resumed render joins the kept ones with its own, one copy of the
+    text as a full render's join), how many blocks the head wrote, and per loop iteration the block its output
+    starts at and its namespaces' attributes."""
 
     messages: tuple[Any, ...]
-    text: str
-    head_chars: int
+    blocks: list[str]
+    head_blocks: int
+    text_bytes: int  # the text's size in CPython (1 or 4 bytes a character)
     offset: int  # messages before the loop's first item (``loop_messages = messages[1:]``)
     names: list[Any]
     starts: list[int]
@@ -65,7 +67,7 @@ class LoopRecord:
     loop: int  # which of the template's message loops (loop_plan.LoopPlan.ident)
 
     def nbytes(self) -> int:
-        return len(self.text) * (1 if self.text.isascii() else 4) + 160 * len(self.messages) + 256
+        return self.text_bytes + 56 * len(self.blocks) + 160 * len(self.messages) + 256
 
 
 @dataclass
@@ -77,9 +79,8 @@ class LoopSession:
     same: int = 0  # how many leading messages are the record's own objects
     entered: bool = False
     resumed_at: int = -1  # loop index the loop started at (resumed), -1: from the start
-    base_chars: int = 0  # the record's text kept before the loop's first new block
+    base_block: int = 0  # the record's blocks kept before the loop's first new block
     entry_block: int = 0
-    head_chars: int = 0
     offset: int = 0
     names: list[Any] = field(default_factory=list)
     namespaces: list[jinja2.utils.Namespace] = field(default_factory=list)
@@ -142,9 +143,7 @@ def loop_entry(items: Any, context: jinja2.runtime.Context, names: dict[str, Any
     session.loop = loop
     session.namespaces = [v for _, v in sorted(names.items()) if isinstance(v, jinja2.utils.Namespace)]
     session.entry_block = len(session.blocks)
-    head = "".join(session.blocks)
-    session.head_chars = len(head)
-    start = _resume_point(session, head, values, offset, len(items))
+    start = _resume_point(session, values, offset, len(items))
     tracked = TrackedMessages(items)
     tracked.on_item = session.at_item
     if start > 0:
@@ -155,13 +154,13 @@ def loop_entry(items: Any, context: jinja2.runtime.Context, names: dict[str, Any
             kept.clear()
             kept.update(attrs)
         session.resumed_at = start
-        session.base_chars = record.starts[start]
+        session.base_block = record.starts[start]
         session.states = record.states[:start]
         tracked.start = start
     return tracked
 
 
-def _resume_point(session: LoopSession, head: str, values: list[Any], offset: int, count: int) -> int:
+def _resume_point(session: LoopSession, values: list[Any], offset: int, count: int) -> int:
     """The loop index this render may start at (0: from the start), after the checks the module's docstring lists."""
     record = session.resume
     if record is None:
@@ -171,8 +170,8 @@ def _resume_point(session: LoopSession, head: str, values: list[Any], offset: in
     if start <= 0 or start > count or start >= len(record.starts) or session.same <= offset + session.max_index:
         return 0
     if record.loop != session.loop or record.offset != offset or record.reach != session.reach \
-            or record.head_chars != len(head) \
-            or not record.text.startswith(head) or record.names != values:
+            or record.head_blocks != len(session.blocks) \
+            or record.blocks[:record.head_blocks] != session.blocks or record.names != values:
         return 0
     if len(record.states[start]) != len(session.namespaces):
         return 0
@@ -195,20 +194,18 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[str, LoopRe
     if session.resumed_at > 0:
         record = session.resume
         assert record is not None
-        tail = "".join(blocks[session.entry_block:])
-        text = record.text[:session.base_chars] + tail
-        base, first = session.base_chars, session.entry_block
-        kept_starts = record.starts[:session.resumed_at]
+        # the record's blocks up to the resume point, then this render's own from the loop on
+        kept = record.blocks[:session.base_block]
+        shift = session.base_block - session.entry_block
+        blocks = kept + blocks[session.entry_block:]
+        starts = record.starts[:session.resumed_at] + [b + shift for b in session.item_blocks]
     else:
-        text = "".join(blocks)
-        base, first = 0, 0
-        kept_starts = []
+        starts = session.item_blocks
+    text = "".join(blocks)
     if not session.entered or session.unusable:
         return text, None
-    # char offset of each block of this render's own output, from ``first`` on
-    positions = list(accumulate((len(b) for b in blocks[first:]), initial=base))
-    starts = kept_starts + [positions[b - first] for b in session.item_blocks]
-    return text, LoopRecord(messages=messages, text=text, head_chars=session.head_chars, offset=session.offset,
+    return text, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
+                            text_bytes=len(text) * (1 if text.isascii() else 4), offset=session.offset,
                             names=session.names, starts=starts, states=session.states, reach=session.reach,
                             max_index=session.max_index, loop=session.loop)
 
