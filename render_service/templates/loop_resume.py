@@ -67,7 +67,9 @@ class LoopRecord:
     loop: int  # which of the template's message loops (loop_plan.LoopPlan.ident)
 
     def nbytes(self) -> int:
-        return self.text_bytes + 56 * len(self.blocks) + 160 * len(self.messages) + 256
+        # the text's blocks, and the messages it keeps alive (about as large as the text, and kept even once the
+        # message memo has let them go)
+        return 2 * self.text_bytes + 56 * len(self.blocks) + 160 * len(self.messages) + 256
 
 
 @dataclass
@@ -235,8 +237,10 @@ class LoopRecords:
         return kept._replace(hits=self.resumed, misses=self.hits + self.misses - self.resumed)
 
     def clear(self) -> None:
+        """Drops every record, and the counters' counts (the template's proof at load leaves none behind)."""
         with self._lock:
             self._records.drop_oldest_while(lambda _: True)
+            self.hits = self.misses = self.resumed = 0
 
     def find(self, messages: list[Any]) -> tuple[LoopRecord | None, int]:
         """The record sharing the most leading messages (by identity) with ``messages``, and how many it shares."""
