@@ -432,3 +432,27 @@ def test_a_cuda_load_waits_for_the_evictions_it_depends_on_and_lands_the_bytes()
     tier.finished_loads()
     torch.testing.assert_close(pool[8:12], b)
     assert tier.loads_in_flight == 0 and tier.busy_slots == 0 and tier.load_time > 0 and tier.loaded_blocks == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_block_evicted_and_loaded_back_in_the_same_step_arrives_whole():
+    """A step may evict a block and, scheduling another request, load it back from the slot it was just given. The
+    eviction's copy to the host is left for after the forward is queued (``drain``); the load must still read the
+    block's bytes, not what the slot held before."""
+    pool = torch.randn((16, 2, 16, 2, 8), device="cuda")
+    tier = HostKVTier(32 * pool[0].numel() * pool.element_size())
+    tier.bind(pool, "print")
+    assert tier.staged_evictions
+    for scattered in (False, True):  # a run of blocks (plain copies) and scattered blocks (the indexed gather)
+        blocks = [1, 3, 5, 7, 9, 11] if scattered else [2, 3, 4]
+        expected = pool[blocks].clone()
+        keys = [f"{scattered}-{b}".encode() for b in blocks]
+        for key, block in zip(keys, blocks):
+            tier.offload(key, block, None)
+        targets = [12, 13, 14] if not scattered else [12, 13, 14, 15, 0, 10]
+        load = tier.load("again", tier.take(keys), targets)  # before the step's drain
+        pool[blocks] = 0  # the step's forward overwrites the evicted blocks (after the tier's fence)
+        tier.drain()
+        torch.cuda.synchronize()
+        assert torch.equal(pool[targets], expected)
+        assert load in tier.finished_loads()

@@ -424,7 +424,10 @@ class HostKVTier:
         """Copies the taken `slots` into device blocks `block_ids` (freshly allocated to `owner`, read by nobody
         until this load is reported finished)."""
         assert self._pool is not None and self._slab is not None, "bind() first"
-        self._issue()  # evictions into the slots read here, or out of the blocks written here, go first
+        # Evictions into the slots read here, or out of the blocks written here, go first: gathered and on the copy
+        # stream (drained), which the load stream waits for below.
+        self._issue()
+        self.drain()
         t0 = time.perf_counter()
         runs = copy_runs(slots, block_ids)
         load = HostLoad(owner, list(slots), len(runs))
