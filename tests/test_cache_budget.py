@@ -34,6 +34,10 @@ def test_the_budget_splits_the_bytes_and_zero_turns_every_cache_off():
     shares = CacheShares.of(256 * 2**20, 8 * 2**20)
     assert shares.tojson + shares.memo + shares.body_store + shares.prompt_encoder == shares.total
     assert shares.tojson == 8 * 2**20 and shares.memo == shares.body_store == 31 * 2**20
+    # beside the split: each template's loop records and the extend's masks, each capped
+    assert (shares.template_loops, shares.masks) == (32 * 2**20, 16 * 2**20)
+    assert (CacheShares.of(2**33, 8 * 2**20).template_loops, CacheShares.of(2**33, 8 * 2**20).masks) == \
+        (64 * 2**20, 64 * 2**20)
     assert CacheShares.of(0, 8 * 2**20) == CacheShares(0, 0, 0, 0, 0)
     with pytest.raises(ValueError):
         CacheShares.of(-1, 0)

@@ -3,7 +3,9 @@
 The bytes are split once, here: the ``tojson`` texts a thirty-second (at most ``tojson_cache.MAX_CACHE_BYTES``),
 then of the rest an eighth each for the message memo and its recent bodies (message_memo.py, body_prefix_store.py)
 and what remains for the prompt encoder (three quarters piece cache, a quarter prompt store:
-incremental_tokenizer.py). 0 turns every cache off, as the reference switch does (reference_mode.py).
+incremental_tokenizer.py). Beside that split, not taken from it, each chat template's loop records get an eighth
+(templates/loop_resume.py) and the masked answers kept for the next turn's extend a sixteenth (extend/attributions.py),
+each at most 64 MiB. 0 turns every cache off, as the reference switch does (reference_mode.py).
 
 Each cache registers how to read its counters (``CacheStats``); ``observe`` turns their growth into the
 ``splitserve_render_cache_*`` series, at most every ``OBSERVE_EVERY_S`` (a render calls it; a scrape forces it).
@@ -22,6 +24,10 @@ from render_service.caches.byte_lru import CacheStats
 
 MEMO_SHARE_DIVISOR = 8
 TOJSON_SHARE_DIVISOR = 32
+LOOP_RECORDS_SHARE_DIVISOR = 8
+LOOP_RECORDS_MAX_BYTES = 64 << 20
+MASKS_SHARE_DIVISOR = 16
+MASKS_MAX_BYTES = 64 << 20
 OBSERVE_EVERY_S = 1.0
 
 CACHE_LOOKUPS = Counter("splitserve_render_cache_lookups_total",
@@ -46,6 +52,8 @@ class CacheShares:
     memo: int
     body_store: int
     prompt_encoder: int  # the piece cache and the prompt store together (IncrementalEncoder splits it)
+    template_loops: int = 0  # each chat template's loop records (beside the split)
+    masks: int = 0  # the extend's kept attributions (beside the split)
 
     @classmethod
     def of(cls, total: int, tojson_cap: int) -> CacheShares:
@@ -54,7 +62,9 @@ class CacheShares:
         tojson = min(tojson_cap, total // TOJSON_SHARE_DIVISOR)
         rest = total - tojson
         memo = rest // MEMO_SHARE_DIVISOR
-        return cls(total, tojson, memo, memo, rest - 2 * memo)
+        return cls(total, tojson, memo, memo, rest - 2 * memo,
+                   template_loops=min(LOOP_RECORDS_MAX_BYTES, total // LOOP_RECORDS_SHARE_DIVISOR),
+                   masks=min(MASKS_MAX_BYTES, total // MASKS_SHARE_DIVISOR))
 
 
 @dataclass

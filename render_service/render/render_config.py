@@ -11,14 +11,11 @@ from typing import TYPE_CHECKING, Any
 from render_service.caches.budget import CacheBudget, CacheShares
 from render_service.http.errors import bad_request, model_not_found
 from render_service.templates.budget import DEFAULT_RENDER_SECONDS
-from render_service.templates.chat_template import LOOP_RECORD_BYTES, ChatTemplate
+from render_service.templates.chat_template import ChatTemplate
 from render_service.tokenize.tokenizer import RenderTokenizer, TextTokenizer
 from render_service.wire.message_memo import MessageMemo
 from render_service.wire.protocol import ChatCompletionRequest
 from splitserve_common.block_hashes import BlockHashConfig
-
-# each template's loop records get this share of --render-cache-bytes, at most LOOP_RECORD_BYTES
-LOOP_RECORD_SHARE_DIVISOR = 8
 
 if TYPE_CHECKING:
     from render_service.bundle.model_bundle import ModelBundle
@@ -40,9 +37,6 @@ def reasoning_keys(field: str) -> tuple[str, ...]:
     """The response key(s) reasoning text goes under for a --reasoning-field value."""
     return ("reasoning", "reasoning_content") if field == "both" else (field,)
 
-
-# Masked answers kept for the next turn's extend: a few hundred 50k-token rollouts (5 bytes a token)
-ATTRIBUTION_CACHE_BYTES = 64 * 1024 * 1024
 
 @dataclass
 class RenderConfig:
@@ -244,9 +238,9 @@ def build_render_config(
     if reference_render():  # the plain path only (reference_mode.py): no caches, Jinja's own template reads
         cache_bytes = 0
         use_plain_reads(True)
+    budget = CacheBudget(CacheShares.of(cache_bytes, MAX_CACHE_BYTES))
     special = template_special_tokens(bundle)
-    # each template's loop records (templates/loop_resume.py): beside the budget's split, as the masks' are
-    loops = min(LOOP_RECORD_BYTES, cache_bytes // LOOP_RECORD_SHARE_DIVISOR)
+    loops = budget.shares.template_loops  # each template's loop records (templates/loop_resume.py)
     template = ChatTemplate(source, special, time_limit_s=chat_template_timeout_s, loop_record_bytes=loops) \
         if source else None
     tool_source = bundle.chat_templates.get("tool_use") if chat_template is None and not harmony else None
@@ -287,7 +281,6 @@ def build_render_config(
     )
     names = list(served_model_names or []) or [str(bundle.path)]
 
-    budget = CacheBudget(CacheShares.of(cache_bytes, MAX_CACHE_BYTES))
     for name, kept in (("template_loops", template), ("tool_template_loops", tool_template)):
         if kept is not None and kept.loop_records is not None:
             budget.register(name, kept.loop_records.stats)
@@ -306,10 +299,10 @@ def build_render_config(
         if memo.bodies is not None:
             budget.register("body_store", memo.bodies.stats)
     attributions = None
-    if cache_bytes > 0:
+    if budget.shares.masks > 0:
         from render_service.extend.attributions import AttributionCache
 
-        attributions = AttributionCache(min(ATTRIBUTION_CACHE_BYTES, cache_bytes // 16))
+        attributions = AttributionCache(budget.shares.masks)
         budget.register("masks", attributions.stats)
     return RenderConfig(
         bundle=bundle,

@@ -28,6 +28,7 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 
+from render_service.caches.budget import LOOP_RECORDS_MAX_BYTES
 from render_service.templates.analysis import detect_content_format
 from render_service.templates.budget import (
     DEADLINE,
@@ -47,9 +48,6 @@ from render_service.templates.sandbox import (
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-# Records of recent renders' message loops, per template (loop_resume.py): about the prompt text of each
-# conversation kept, plus a little per message.
-LOOP_RECORD_BYTES = 64 << 20
 _WITHIN_BOUND = MAX_RENDERED_CHARS.__ge__
 
 
@@ -177,7 +175,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None,
                  time_limit_s: float = DEFAULT_RENDER_SECONDS, from_request: bool = False,
-                 loop_record_bytes: int = LOOP_RECORD_BYTES) -> None:
+                 loop_record_bytes: int = LOOP_RECORDS_MAX_BYTES) -> None:
         """``from_request``: a client's own template (--trust-request-chat-template), run in the stricter
         sandbox (template_sandbox.RequestTemplateSandbox). ``loop_record_bytes``: the bound on the records that
         let a grown conversation render only its new messages (loop_resume.py; 0: off)."""
