@@ -304,10 +304,13 @@ class ChatTemplate:
             for end in range(2, len(conversation) + 1):
                 messages = PlainMessages(conversation[:end])
                 messages.shared = True
+                self.loop_records = None  # the plain render
                 try:
-                    plain = self._run(self._proof_context(messages), False)[0]
+                    plain = self.render(messages, add_generation_prompt=True)
                 except Exception:
                     break  # this shape is not one the template renders (its own checks): the next shape
+                finally:
+                    self.loop_records = records
                 try:
                     before = records.resumed
                     if self.render(messages, add_generation_prompt=True) != plain:
@@ -317,11 +320,6 @@ class ChatTemplate:
                     return False
         records.clear()
         return resumed
-
-    def _proof_context(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        context: dict[str, Any] = plain_copy(dict(self._special))
-        context.update(messages=_template_messages(messages), tools=None, documents=None, add_generation_prompt=True)
-        return context
 
     def _run_session(self, context: dict[str, Any], session: LoopSession, messages: list[dict[str, Any]]) -> str:
         """``_run`` under a loop session: the message loop starts where the session's record allows, and this
