@@ -22,6 +22,7 @@ takes from the end) makes the render's record unusable. Any check that fails lea
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -251,7 +252,7 @@ class LoopRecords:
             if record is None:
                 continue
             kept = record.messages
-            if all(map(_same, kept[:k - 1], messages[:k - 1])):
+            if all(map(operator.is_, kept[:k - 1], messages[:k - 1])):
                 self.hits += 1
                 self._records.get(id(record))  # (recently used)
                 return record, k
@@ -271,6 +272,3 @@ class LoopRecords:
             for i, message in enumerate(record.messages):
                 self._index[(i + 1, id(message))] = record
 
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b

@@ -339,17 +339,15 @@ class HostKVTier:
         the previous upload from it has run."""
         count = len(blocks)
         assert self._pool is not None
-        if self._index_host is None or self._index_host.numel() < count:
-            size = max(count, 4 * STAGING_BLOCKS)
-            if self._index_uploaded is not None:
-                self._index_uploaded.synchronize()  # (the old buffer may still be read)
-            self._index_host = torch.empty(size, dtype=torch.long, pin_memory=True)
-            self._index_device = torch.empty(size, dtype=torch.long, device=self._pool.device)
-        assert self._index_device is not None
         if self._index_uploaded is None:
             self._index_uploaded = torch.cuda.Event()
         else:
             self._index_uploaded.synchronize()  # the last upload has read the buffer (a step ago, as a rule)
+        if self._index_host is None or self._index_host.numel() < count:
+            size = max(count, 4 * STAGING_BLOCKS)
+            self._index_host = torch.empty(size, dtype=torch.long, pin_memory=True)
+            self._index_device = torch.empty(size, dtype=torch.long, device=self._pool.device)
+        assert self._index_device is not None
         self._index_host.numpy()[:count] = blocks
         device = self._index_device[:count]
         device.copy_(self._index_host[:count], non_blocking=True)
