@@ -55,6 +55,17 @@ def _grow(resumed: ChatTemplate, plain: ChatTemplate, messages: list[dict[str, A
     return resumed.loop_records.resumed - before
 
 
+def _grow_trace_a_message_at_a_time(source: str, rounds: int, kwargs: dict[str, Any]
+                                    ) -> tuple[ChatTemplate, ChatTemplate, list[dict[str, Any]]]:
+    """An agent trace grown one message at a time through ``source`` with and without records: equal text, and
+    every render after the first resumed. The templates and the trace's messages."""
+    resumed, plain = _pair(source)
+    messages = prepare_messages(agent_trace(AgentTraceSpec(rounds=rounds))[0])
+    ends = list(range(2, len(messages) + 1))
+    assert _grow(resumed, plain, messages, kwargs, ends) == len(ends) - 1
+    return resumed, plain, messages
+
+
 def test_qwen3_agent_loop_resumes_every_turn_and_matches():
     messages, tools = agent_trace(AgentTraceSpec(rounds=12))
     prepared, prepared_tools = prepare_messages(messages), prepare_tools(tools)
@@ -148,11 +159,7 @@ NAMESPACE_TEMPLATE = (
 
 
 def test_namespace_state_is_restored_where_the_loop_resumes():
-    resumed, plain = _pair(NAMESPACE_TEMPLATE)
-    messages, _ = agent_trace(AgentTraceSpec(rounds=5))
-    prepared = prepare_messages(messages)
-    ends = list(range(2, len(prepared) + 1))
-    assert _grow(resumed, plain, prepared, {"add_generation_prompt": True}, ends) == len(ends) - 1
+    _grow_trace_a_message_at_a_time(NAMESPACE_TEMPLATE, 5, {"add_generation_prompt": True})
 
 
 def test_a_read_at_a_negative_index_leaves_no_record_to_resume():
@@ -284,11 +291,7 @@ SUFFIX_LOOP = (
 
 
 def test_a_loop_over_a_tail_the_head_computes_resumes_while_the_tail_starts_at_the_same_message():
-    resumed, plain = _pair(SUFFIX_LOOP)
-    messages, _ = agent_trace(AgentTraceSpec(rounds=6))
-    prepared = prepare_messages(messages)
-    ends = list(range(2, len(prepared) + 1))
-    assert _grow(resumed, plain, prepared, {}, ends) == len(ends) - 1
+    resumed, plain, prepared = _grow_trace_a_message_at_a_time(SUFFIX_LOOP, 6, {})
     # a plain answer moves where the tail starts: nothing is resumed, and the render is right
     answered = [*prepared, *prepare_messages([{"role": "assistant", "content": "done"},
                                               {"role": "user", "content": "more"}])]
