@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from render_service.tokenize.incremental_tokenizer import (
+    TAIL_SEARCH_CHARS,
     IncrementalEncoder,
     PromptIds,
     SegmentCache,
@@ -321,3 +322,45 @@ def test_two_render_lanes_share_one_cache_safely(qwen_fast):
         t.join()
     assert not failures and encoder.cache.evictions > 0
     assert encoder.cache.bytes <= encoder.cache.max_bytes
+
+
+# ------------------------------------------------------------------------------------ tail of a prompt
+
+@PROPERTY
+@given(text=texts, at=st.floats(0, 1))
+def test_tail_ids_are_the_whole_encodings_last_ids(qwen_fast, text, at):
+    encoder = IncrementalEncoder(qwen_fast)
+    before = int(at * len(text))
+    tail = encoder.tail_ids(text, before)
+    if tail is None:
+        return
+    whole = ref(qwen_fast, text)
+    assert whole[len(whole) - len(tail):] == tail
+    # ... those of the text from an added token at or before ``before`` on.
+    token = qwen_fast.id_to_token(tail[0])
+    assert any(ref(qwen_fast, text[p:]) == tail for p in range(before, -1, -1) if text.startswith(token, p))
+
+
+def test_tail_ids_start_at_the_last_added_token_before_the_position(qwen_fast):
+    encoder = IncrementalEncoder(qwen_fast)
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThree cats."
+    tail = encoder.tail_ids(text, len(text) - 3)
+    assert tail == ref(qwen_fast, "<|im_start|>assistant\nThree cats.")
+
+
+def test_tail_ids_never_cut_inside_a_longer_added_token():
+    """``<<x>`` holds ``<x>``: a search window that starts inside ``<<x>`` finds ``<x>`` alone, where the tokenizer
+    cuts ``<<x>`` whole. Cutting at ``<x>`` would give other ids; the cut is refused."""
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<<x>", special=True, normalized=False),
+                            AddedToken("<x>", special=True, normalized=False)])
+    wrapped = _wrap(tok)
+    encoder = IncrementalEncoder(wrapped)
+    assert encoder.enabled, encoder.reason
+    text = "aa<<x>" + "b" * TAIL_SEARCH_CHARS
+    before = 3 + TAIL_SEARCH_CHARS  # the search starts at 3, inside "<<x>"
+    assert ref(wrapped, text)[2] == tok.token_to_id("<<x>")
+    assert encoder.tail_ids(text, before) is None
+    assert encoder.tail_ids(text, before - 1) == ref(wrapped, text)[2:]  # a window that holds "<<x>" cuts there

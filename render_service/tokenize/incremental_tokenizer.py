@@ -42,6 +42,9 @@ PIECEWISE_NORMALIZERS = frozenset({
     "Precompiled", "Nmt", "ByteLevel", "Sequence",
 })
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+# How far before a position ``tail_ids`` looks for a provable cut (a chat template writes an added token at least
+# once a message).
+TAIL_SEARCH_CHARS = 16 * 1024
 # Rough CPython sizes: a list slot plus an int object per token id, a str header, a dict/LRU slot per entry.
 _BYTES_PER_ID = 36
 _ENTRY_OVERHEAD = 200
@@ -160,7 +163,7 @@ class PromptIds(Sequence[int]):
 
     __slots__ = ("chunks", "json_parts", "_count", "_list")
 
-    def __init__(self, chunks: list[tuple[int, ...]], json_parts: list[bytes], count: int) -> None:
+    def __init__(self, chunks: list[Sequence[int]], json_parts: list[bytes], count: int) -> None:
         self.chunks = chunks
         self.json_parts = json_parts
         self._count = count
@@ -185,7 +188,7 @@ class PromptIds(Sequence[int]):
         return self.tolist()[index]
 
     def _tail(self, n: int) -> list[int]:
-        parts: list[tuple[int, ...]] = []
+        parts: list[Sequence[int]] = []
         for chunk in reversed(self.chunks):
             if len(chunk) >= n:
                 parts.append(chunk[len(chunk) - n:])
@@ -274,6 +277,7 @@ class IncrementalEncoder:
         self._cutter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if raw else None
         self.prefixes = PrefixStore(cache_bytes // 4, prefix_base) if self.enabled and raw else None
         self._reach = {token: added_token_reach(token, raw) for token in raw}
+        self._longest_added = max(map(len, raw), default=0)
         self.reused_tokens = 0  # ids taken from a stored prompt's head, since start
         self.hit_tokens = 0  # since the last take_counts (the metrics read them after each render)
         self.miss_tokens = 0
@@ -296,13 +300,46 @@ class IncrementalEncoder:
             return self.tokenizer.encode(text)
         return self._encode_view(text)
 
+    def tail_ids(self, text: str, before: int) -> list[int] | None:
+        """The last ids of ``encode(text)``: those of ``text[p:]``, for a ``p`` at or before ``before`` where an
+        added token starts that the tokenizer provably cuts at in the whole text; None where the cache is off or
+        no such cut lies within ``TAIL_SEARCH_CHARS`` before ``before``. Costs what ``text[p:]`` costs.
+
+        Why the cut at ``p`` is the tokenizer's: its cutter scans left to right, taking at each position the
+        longest added token there. Where no added token starts in the ``longest - 1`` characters before ``p`` and
+        reaches past ``p``, every match the scan takes before ``p`` ends at or before ``p``, so it arrives at ``p``
+        and cuts there (``encode(text) == encode(text[:p]) + encode(text[p:])``, the pieces' independence)."""
+        if not self.enabled or self._cutter is None:
+            return None
+        cutter = self._cutter
+        longest = self._longest_added
+        low = max(0, before - TAIL_SEARCH_CHARS)
+        starts = [m.start() for m in cutter.finditer(text, low, min(len(text), before + longest))
+                  if m.start() <= before]
+        for p in reversed(starts):
+            crossing = False
+            for q in range(max(0, p - longest + 1), p):
+                m = cutter.match(text, q)
+                if m is not None and m.end() > p:
+                    crossing = True
+                    break
+            if crossing:
+                continue
+            chunks: list[Sequence[int]] = []
+            self._encode_pieces(text, p, 0, chunks, [], ([], [], [], []))
+            ids: list[int] = []
+            for chunk in chunks:
+                ids.extend(chunk)
+            return ids
+        return None
+
     def _encode_view(self, text: str) -> PromptIds:
         store = self.prefixes
         reuse = store.find(text) if store is not None else None
         if reuse is None:
             start = 0
             reused = 0
-            chunks: list[tuple[int, ...]] = []
+            chunks: list[Sequence[int]] = []
             json_parts: list[bytes] = []
             cuts: list[int] = []
             needs: list[int] = []
@@ -332,7 +369,7 @@ class IncrementalEncoder:
             self.reused_tokens += reused
         return PromptIds(chunks, json_parts, total)
 
-    def _encode_pieces(self, text: str, start: int, count: int, chunks: list[tuple[int, ...]],
+    def _encode_pieces(self, text: str, start: int, count: int, chunks: list[Sequence[int]],
                        json_parts: list[bytes], cut_lists: tuple[list[int], list[int], list[int], list[int]]
                        ) -> tuple[int, int]:
         """Appends the ids of ``text[start:]`` (``start``: 0 or just after an added token; ``count`` ids before

@@ -27,6 +27,7 @@ newer one reused up to the last cut it could give (the same conversation's earli
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from render_service.tokenize.head_index import HeadStore
@@ -45,7 +46,7 @@ class StoredPrompt(NamedTuple):
     id_count: int
     # The ids a piece or an added token at a time (the piece cache's own tuples: a tuple of tuples of ints
     # leaves the garbage collector's tracking, a list of a prompt's ids would be walked by every collection).
-    chunks: tuple[tuple[int, ...], ...]
+    chunks: tuple[Sequence[int], ...]
     json_parts: tuple[bytes, ...]  # the JSON of each chunk's ids
     cuts: tuple[int, ...]  # offsets just after each added token, ascending
     needs: tuple[int, ...]  # the common head each cut needs: cut + reach of its token
