@@ -84,7 +84,7 @@ def probe_message(content_format: str) -> dict[str, Any]:
     return {"role": "assistant", "content": content}
 
 
-def _like(messages: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def like_messages(messages: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``items`` in the list type of ``messages``: a list the render knows holds plain copies stays marked as one
     (the probe is a plain dict too), so the render does not copy every message again."""
     return PlainMessages(items) if type(messages) is PlainMessages else items
@@ -95,7 +95,7 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     """The bridge after message ``k`` (``render(messages, **arguments)`` is the template's text render): by the
     probe where the template takes one, else by the prefix (``prefix_bridge``)."""
     full = render(messages, **arguments)
-    probed = _like(messages, [*messages[:k], probe_message(content_format), *messages[k + 1:]])
+    probed = like_messages(messages, [*messages[:k], probe_message(content_format), *messages[k + 1:]])
     try:
         alt: str | None = render(probed, **arguments)
     except Exception:  # the template refuses a plain assistant message here (MiniMax wants the tool call)
@@ -115,7 +115,7 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     if k + 1 < len(messages):
         last = dict(arguments, add_generation_prompt=False)
         try:
-            alone = render(_like(messages, [*messages[max(0, k - 1):k], probe_message(content_format)]), **last)
+            alone = render(like_messages(messages, [*messages[max(0, k - 1):k], probe_message(content_format)]), **last)
         except Exception:
             alone = None
         closing = 0
@@ -130,8 +130,8 @@ def prefix_bridge(render: Callable[..., str], messages: list[dict[str, Any]], ar
     head of the whole render (append-only here), and the close is what the template writes after the turn's last
     end marker (``end_markers``: the bundle's end-of-turn tokens)."""
     try:
-        closed = render(_like(messages, messages[:k + 1]), **dict(arguments, add_generation_prompt=False))
-        head = render(_like(messages, messages[:k]), **dict(arguments, add_generation_prompt=True)) if k else ""
+        closed = render(like_messages(messages, messages[:k + 1]), **dict(arguments, add_generation_prompt=False))
+        head = render(like_messages(messages, messages[:k]), **dict(arguments, add_generation_prompt=True)) if k else ""
     except Exception as exc:
         raise ExtendImpossible(f"the template renders no conversation ending with the sampled turn ({exc})") from None
     if not full.startswith(closed):

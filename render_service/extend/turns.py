@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from render_service.extend.bridge import PROBE, common_prefix, common_suffix
+from render_service.extend.bridge import PROBE, common_prefix, common_suffix, like_messages
 from render_service.templates.chat_template import assistant_token_mask
 
 
@@ -74,7 +74,7 @@ def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], argum
         probe["content"] = PROBE if isinstance(message.get("content"), (str, type(None))) \
             else [{"type": "text", "text": PROBE}]
         try:
-            alt = render([*messages[:i], probe, *messages[i + 1:]], **arguments)
+            alt = render(like_messages(messages, [*messages[:i], probe, *messages[i + 1:]]), **arguments)
         except Exception:  # a template that refuses the probe here: the previous boundary stands
             alt = None
         if alt is None or PROBE not in alt:
