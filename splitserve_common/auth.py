@@ -77,6 +77,16 @@ class ApiKeys:
         return matched and token is not None
 
 
+    def client_of(self, authorization: str | bytes | None) -> str:
+        """Who a request comes from, for what the server keeps per client: the digest of its key where keys are
+        configured (a request that reaches a handler carries one of them), else "" (one client: nothing tells
+        clients apart)."""
+        if not self._digests:
+            return ""
+        token = bearer_token(authorization)
+        return _digest(token).hex() if token is not None else ""
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 

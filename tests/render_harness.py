@@ -51,7 +51,7 @@ def qwen3_config(parsers: bool = False, max_model_len: int | None = None) -> Ren
 class RenderServer:
     """A started server; ``client`` is an httpx.Client bound to it. Use as a context manager."""
 
-    def __init__(self, config: RenderConfig, api_key: str | None = None, multimodal: Any = None) -> None:
+    def __init__(self, config: RenderConfig, api_key: str | list[str] | None = None, multimodal: Any = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))

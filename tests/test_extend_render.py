@@ -49,8 +49,9 @@ def render(config, **fields: Any) -> GenerateRequest:
     return render_chat(msgspec.convert(fields, ChatCompletionRequest), config)
 
 
-def extend(config, messages, prompt, completion, **fields: Any) -> GenerateRequest:
-    turn = {"prompt_token_ids": list(prompt), "completion_token_ids": list(completion)}
+def extend(config, messages, prompt, completion, check: str = "full", **fields: Any) -> GenerateRequest:
+    """The extend of ``prompt`` + ``completion``; ``check: "full"`` compares the whole answer with a full render."""
+    turn = {"prompt_token_ids": list(prompt), "completion_token_ids": list(completion), "check": check}
     return render(config, messages=messages, tools=rollouts.TOOLS, previous_turn=turn, **fields)
 
 
@@ -91,10 +92,15 @@ def test_rollout_keeps_the_sampled_ids(configs, family, truncated):
     answer, message = rollouts.answer_turn(spec, "There are 3 cats.", reasoning="Counted them.")
     sampled = config.tokenizer.encode(answer)
     more = [*messages, message, {"role": "user", "content": "thanks"}]
-    nxt = extend(config, more, ids, sampled)
+    nxt = extend(config, more, ids, sampled, check="suffix")
     assert nxt.extend.extended, nxt.extend.reason
     assert list(nxt.token_ids)[:len(ids) + len(sampled)] == ids + sampled
-    assert nxt.extend.suffix_matches_full_render
+    # The default check compares the appended ids with a full render's tail cut near the seam, and the whole
+    # answer only where they differ: it says what the whole comparison says of the suffix.
+    assert nxt.extend.suffix_matches_full_render and nxt.extend.matches_full_render is None
+    whole = extend(config, more, ids, sampled)
+    assert list(whole.token_ids) == list(nxt.token_ids)
+    assert whole.extend.suffix_matches_full_render and whole.extend.matches_full_render is not None
     assert "thanks" in config.tokenizer.decode(list(nxt.token_ids)[len(ids) + len(sampled):],
                                                skip_special_tokens=False)
 

@@ -30,6 +30,7 @@ from render_service.http.request_io import (
     Handler,
     PiecesResponse,
     check_auth,
+    client_of,
     decode,
     encode_json,
     endpoint,
@@ -73,6 +74,7 @@ async def _render(request: Request, name: str, kind: type, render: Callable[...,
     state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
+    client = client_of(request)
     if with_images is not None and may_carry_images(body):
         chat, finish = with_images(decode(body, kind), state.config)
         pictured = await render_with_images(body, chat, state.config, state.multimodal, state.render_queue, finish,
@@ -82,7 +84,7 @@ async def _render(request: Request, name: str, kind: type, render: Callable[...,
             return PiecesResponse(answer_pieces(pictured, encode_json), state.render_headers)
 
     def job() -> Any:  # decoded and rendered on the render queue: large bodies off the event loop, as chat
-        return render(decode(body, kind), state.config, request_id=request_id)[0]
+        return render(decode(body, kind), state.config, request_id=request_id, client=client, ids_view=True)[0]
 
     gen = await state.render_queue.run(name, len(body), job)
     metrics.PROMPT_TOKENS.inc(len(gen.token_ids))
@@ -95,7 +97,8 @@ async def responses_render(request: Request) -> Response:
         check_stateless(req)
         request_id = request.headers.get("x-request-id")
         return responses_to_chat(req, config), lambda chat, expand: render_responses(
-            req, config, request_id=request_id, prepared=chat, expand_prompt=expand)[0]
+            req, config, request_id=request_id, prepared=chat, expand_prompt=expand,
+            client=client_of(request))[0]
 
     return await _render(request, "responses_render", responses_protocol.ResponsesRequest, render_responses,
                          with_images)
@@ -107,7 +110,8 @@ async def messages_render(request: Request) -> Response:
         chat, budget = messages_to_chat(req, config)
         request_id = request.headers.get("x-request-id")
         return chat, lambda chat, expand: render_messages(
-            req, config, request_id=request_id, prepared=(chat, budget), expand_prompt=expand)[0]
+            req, config, request_id=request_id, prepared=(chat, budget), expand_prompt=expand,
+            client=client_of(request))[0]
 
     return await _render(request, "messages_render", messages_protocol.MessagesRequest, render_messages, with_images)
 

@@ -286,19 +286,21 @@ def to_chat(req: MessagesRequest, config: RenderConfig) -> tuple[ChatCompletionR
         previous_turn=req.previous_turn,
         return_assistant_tokens_mask=req.return_assistant_tokens_mask,
         return_message_indices=req.return_message_indices,
+        return_prompt_ref=req.return_prompt_ref,
     )
     return chat, budget
 
 
 def render_messages(req: MessagesRequest, config: RenderConfig, *, request_id: str | None = None,
                     prepared: tuple[ChatCompletionRequest, int | None] | None = None,
-                    expand_prompt: Callable[[list[int]], list[int]] | None = None,
+                    expand_prompt: Callable[[list[int]], list[int]] | None = None, client: str = "",
+                    ids_view: bool = False,
                     ) -> tuple[GenerateRequest, ChatCompletionRequest]:
     """The engine request (``sampling_params.thinking_token_budget`` set from the budget) and its chat request.
     ``prepared``: ``to_chat``'s answer, already made (the image path rewrites its messages); ``expand_prompt``:
-    as ``render_chat``'s."""
+    as ``render_chat``'s; ``client`` and ``ids_view``: as ``render_chat``'s."""
     chat, budget = prepared or to_chat(req, config)
-    gen = render_chat(chat, config, expand_prompt=expand_prompt)
+    gen = render_chat(chat, config, expand_prompt=expand_prompt, ids_view=ids_view, client=client)
     params = gen.sampling_params
     if budget is not None:
         params = msgspec.structs.replace(params, thinking_token_budget=budget)

@@ -40,6 +40,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     previous_turn: PreviousTurn | None = None
     return_assistant_tokens_mask: bool = False
     return_message_indices: bool = False
+    return_prompt_ref: bool = False  # ours: keep the prompt for the next turn's previous_turn.prompt_ref
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):

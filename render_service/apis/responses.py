@@ -273,6 +273,7 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
         previous_turn=req.previous_turn,
         return_assistant_tokens_mask=req.return_assistant_tokens_mask,
         return_message_indices=req.return_message_indices,
+        return_prompt_ref=req.return_prompt_ref,
     )
 
 
@@ -286,17 +287,18 @@ def check_stateless(req: ResponsesRequest) -> None:
 def render_responses(req: ResponsesRequest, config: RenderConfig, *, request_id: str | None = None,
                      history: list[dict[str, Any]] | None = None, stateless: bool = True,
                      prepared: ChatCompletionRequest | None = None,
-                     expand_prompt: Callable[[list[int]], list[int]] | None = None,
+                     expand_prompt: Callable[[list[int]], list[int]] | None = None, client: str = "",
+                     ids_view: bool = False,
                      ) -> tuple[GenerateRequest, ChatCompletionRequest]:
     """The engine request for a Responses request and the chat request it was rendered as.
 
     ``stateless`` (/v1/responses/render): ``previous_response_id`` is refused, as upstream's render does.
     ``prepared``: ``to_chat``'s answer, already made (the image path rewrites its messages); ``expand_prompt``:
-    as ``render_chat``'s."""
+    as ``render_chat``'s; ``client`` and ``ids_view``: as ``render_chat``'s."""
     if stateless:
         check_stateless(req)
     chat = prepared or to_chat(req, config, history)
-    gen = render_chat(chat, config, expand_prompt=expand_prompt)
+    gen = render_chat(chat, config, expand_prompt=expand_prompt, ids_view=ids_view, client=client)
     gen = msgspec.structs.replace(gen, request_id=new_response_id(requested_id(request_id, req.request_id)),
                                   kv_transfer_params=req.kv_transfer_params)
     return gen, chat

@@ -9,6 +9,8 @@ is refused (``mode: "extend_only"``).
 from __future__ import annotations
 
 import array
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -22,11 +24,12 @@ from render_service.extend.bridge import (
     drop_sampled_marker,
     template_bridge,
 )
+from render_service.extend.prompt_refs import IdRun, StoredPrompt, id_run
 from render_service.extend.protocol import ExtendInfo, PreviousTurn
 from render_service.extend.turns import close_end, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
-from render_service.http.errors import bad_request
+from render_service.http.errors import bad_request, not_found
 from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_failure
 from render_service.render.render_config import RenderConfig
 from render_service.templates.sandbox import TemplateError
@@ -37,13 +40,15 @@ from render_service.wire.protocol import ChatCompletionRequest
 
 @dataclass
 class TurnRender:
-    """The prompt ids, the tools the template got, and the answer's extra fields (None where not asked)."""
+    """The prompt ids, the tools the template got, and the answer's extra fields (None where not asked);
+    ``stored``: the prompt as a prompt reference keeps it (with its masks where they were made)."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     tools: list[dict[str, Any]] | None
     extend: ExtendInfo | None = None
-    message_indices: list[int] | None = None
-    assistant_tokens_mask: list[int] | None = None
+    message_indices: Sequence[int] | None = None
+    assistant_tokens_mask: Sequence[int] | None = None
+    stored: StoredPrompt | None = None
 
 
 def sampled_turn_index(req: ChatCompletionRequest, turn: PreviousTurn) -> int:
@@ -61,7 +66,9 @@ def sampled_turn_index(req: ChatCompletionRequest, turn: PreviousTurn) -> int:
 
 
 def check_turn(turn: PreviousTurn, config: RenderConfig) -> None:
-    if not turn.prompt_token_ids:
+    if (turn.prompt_token_ids is None) == (turn.prompt_ref is None):
+        raise bad_request("previous_turn needs exactly one of prompt_token_ids and prompt_ref", "previous_turn")
+    if turn.prompt_token_ids is not None and not turn.prompt_token_ids:
         raise bad_request("previous_turn.prompt_token_ids must not be empty", "previous_turn")
     vocab = config.tokenizer.vocab_size
     for name in ("prompt_token_ids", "completion_token_ids"):
@@ -69,6 +76,17 @@ def check_turn(turn: PreviousTurn, config: RenderConfig) -> None:
         if ids and not _within_vocab(ids, vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise bad_request(f"previous_turn.{name}: token id {bad} is out of vocabulary", "previous_turn")
+
+
+def previous_prompt(turn: PreviousTurn, config: RenderConfig, client: str) -> StoredPrompt:
+    """The previous turn's prompt: kept under its ``prompt_ref`` for this client, or the ids given."""
+    if turn.prompt_ref is None:
+        return StoredPrompt(id_run(cast(list[int], turn.prompt_token_ids)))
+    found = config.prompt_refs.get(client, turn.prompt_ref) if config.prompt_refs is not None else None
+    if found is None:
+        raise not_found("previous_turn.prompt_ref is not known here (it expired, or another replica or client made "
+                        "it): send previous_turn.prompt_token_ids instead", "previous_turn.prompt_ref")
+    return found
 
 
 def _within_vocab(ids: list[int], vocab: int) -> bool:
@@ -83,19 +101,22 @@ def _within_vocab(ids: list[int], vocab: int) -> bool:
     return int(np.frombuffer(packed, dtype=np.uint32).max()) < vocab
 
 
-def turn_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]) -> TurnRender:
+def turn_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], client: str = ""
+                ) -> TurnRender:
+    """``client``: whose prompt references ``previous_turn.prompt_ref`` may name (prompt_refs.py)."""
     masks = req.return_assistant_tokens_mask or req.return_message_indices
     turn = req.previous_turn
     if turn is not None:
         check_turn(turn, config)
         k = sampled_turn_index(req, turn)
+        previous = previous_prompt(turn, config, client)
         try:
             if req.continue_final_message:
                 raise ExtendImpossible("continue_final_message continues a message instead of adding a turn")
             if config.harmony:
-                done = _harmony_extend(req, config, kwargs, turn, k)
+                done = _harmony_extend(req, config, kwargs, turn, k, previous)
             else:
-                done = _template_extend(req, config, kwargs, turn, k, masks)
+                done = _template_extend(req, config, kwargs, turn, k, masks, previous)
         except ExtendImpossible as exc:
             if turn.mode == "extend_only":
                 raise bad_request(f"Cannot extend the previous turn: {exc}", "previous_turn") from None
@@ -171,7 +192,8 @@ def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[
     turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans, _end_markers(config))
     indices, flags = turns.attribute(_offsets(rendered.text, ids, config))
     _remember(config, ids, messages, arguments, indices, flags)
-    return TurnRender(ids, tools, message_indices=indices, assistant_tokens_mask=flags)
+    return TurnRender(ids, tools, message_indices=indices, assistant_tokens_mask=flags,
+                      stored=StoredPrompt(id_run(ids), tuple(messages), id_run(indices), id_run(flags)))
 
 
 def _remember(config: RenderConfig, ids: list[int], messages: list[dict[str, Any]], arguments: dict[str, Any],
@@ -182,7 +204,7 @@ def _remember(config: RenderConfig, ids: list[int], messages: list[dict[str, Any
 
 
 def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], turn: PreviousTurn,
-                     k: int, masks: bool) -> TurnRender:
+                     k: int, masks: bool, previous: StoredPrompt) -> TurnRender:
     template, messages, arguments, tools = _inputs(req, config, kwargs)
     render = _render_fn(template)
     ends = _end_markers(config)
@@ -193,22 +215,33 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     text, closing = drop_sampled_marker(bridge.text, bridge.closing_chars, completion[-1] if completion else None,
                                         added)
     suffix = _encode(text, config) if text else []  # (through the piece cache: a new message seen before is a hit)
-    ids = [*turn.prompt_token_ids, *completion, *suffix]
-    kept_count = len(ids) - len(suffix)
-    full_ids = _encode(bridge.full, config)
-    decode = _decoder(config)
-    span = differing_span(full_ids, ids, decode)
+    kept = previous.ids.then(completion)
+    answer = kept.then(suffix)
+    # The check: the appended ids are a full render's last ids. From a cut of the full render near the seam where
+    # the tokenizer's pieces allow one (what the new turn costs), else from the whole render.
+    encoder = config.prompt_encoder
+    seam = len(bridge.full) - len(text)
+    full_tail = encoder.tail_ids(bridge.full, seam) if encoder is not None else None
+    full_ids: list[int] | None = None
+    if full_tail is None:
+        full_ids = full_tail = _encode(bridge.full, config)
+    suffix_matches = len(full_tail) >= len(suffix) and full_tail[len(full_tail) - len(suffix):] == suffix
+    span = None
+    compared = turn.check == "full" or not suffix_matches
+    if compared:  # the whole answer against the whole render, and where they part
+        if full_ids is None:
+            full_ids = _encode(bridge.full, config)
+        span = differing_span(full_ids, answer.tolist(), _decoder(config))
     offsets = _offsets(text, suffix, config) if masks and suffix else []
     closing_ids = len(config.tokenizer.encode(text[:closing])) if closing else 0  # (the close starts at a cut)
-    info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=kept_count, closing_tokens=closing_ids,
-                      new_tokens=len(suffix) - closing_ids,
-                      suffix_matches_full_render=full_ids[len(full_ids) - len(suffix):] == suffix,
-                      matches_full_render=span is None, differing_span=span)
-    done = TurnRender(ids, tools, extend=info)
+    info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=kept.count, closing_tokens=closing_ids,
+                      new_tokens=len(suffix) - closing_ids, suffix_matches_full_render=suffix_matches,
+                      matches_full_render=span is None if compared else None, differing_span=span)
+    done = TurnRender(answer.view(), tools, extend=info, stored=StoredPrompt(answer))
     if masks:
         # Only the appended text is attributed here: the messages from the sampled turn on are probed.
         turns = text_turns(render, messages, arguments, bridge.full, end_markers=ends, first=k)
-        head = _prompt_turns(render, messages, arguments, k, turn.prompt_token_ids, config)
+        head_indices, head_flags = _previous_attribution(render, messages, arguments, k, previous, config)
         base = len(bridge.full) - len(text)
         tail_indices, _ = turns.attribute(offsets, base)
         # The close up to its end-of-turn marker is the sampled turn's (written by the template when the model
@@ -217,11 +250,27 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
         for i, (start, _) in enumerate(offsets):
             if start < own_close:
                 tail_indices[i] = k
-        done.message_indices = head[0] + [k] * len(completion) + tail_indices
+        indices = head_indices.then([k] * len(completion) + tail_indices)
         # Every appended id is the template's: the model sampled none of them.
-        done.assistant_tokens_mask = head[1] + [1] * len(completion) + [0] * len(suffix)
-        _remember(config, ids, messages, arguments, done.message_indices, done.assistant_tokens_mask)
+        flags = head_flags.then([1] * len(completion) + [0] * len(suffix))
+        done.message_indices, done.assistant_tokens_mask = indices.view(), flags.view()
+        done.stored = StoredPrompt(answer, tuple(messages), indices, flags)
+        if config.attributions is not None and turn.prompt_ref is None:  # (a prompt sent as ids: filed by digest)
+            _remember(config, answer.tolist(), messages, arguments, indices.tolist(), flags.tolist())
     return done
+
+
+def _previous_attribution(render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+                          previous: StoredPrompt, config: RenderConfig) -> tuple[IdRun, IdRun]:
+    """The previous prompt's attribution: kept with its prompt reference when the messages before the sampled
+    turn are the ones it was made for (the same objects, as the message memo gives them, or equal ones); else
+    as ``_prompt_turns`` finds it."""
+    if previous.indices is not None and previous.flags is not None and len(previous.messages) == k:
+        head = messages[:k]
+        if all(map(operator.is_, previous.messages, head)) or list(previous.messages) == head:
+            return previous.indices, previous.flags
+    indices, flags = _prompt_turns(render, messages, arguments, k, previous.ids.tolist(), config)
+    return id_run(indices), id_run(flags)
 
 
 def _prompt_turns(render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
@@ -264,7 +313,7 @@ def _harmony_choice(req: ChatCompletionRequest) -> str:
 
 
 def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], turn: PreviousTurn,
-                    k: int) -> TurnRender:
+                    k: int, previous: StoredPrompt) -> TurnRender:
     """Harmony renders each message on its own: the bridge is the new messages' ids and ``<|start|>assistant``;
     a completion cut short (no ``<|end|>``/``<|call|>``/``<|return|>``) is closed with ``<|end|>``."""
 
@@ -289,7 +338,8 @@ def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: di
         raise ExtendImpossible("the new messages do not render as the end of the whole conversation")
     suffix = closing + rendered + full_ids[-2:]  # and <|start|>assistant, as the full render ends
     bridge = Bridge(ids=suffix, closing_ids=len(closing))
-    kept = [*turn.prompt_token_ids, *completion]
+    prompt = previous.ids.tolist()
+    kept = [*prompt, *completion]
     ids = kept + suffix
     span = differing_span(full_ids, ids, _decoder(config))
     info = ExtendInfo(extended=True, method="harmony", kept_tokens=len(kept), closing_tokens=bridge.closing_ids,
@@ -298,7 +348,6 @@ def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: di
                       matches_full_render=span is None, differing_span=span)
     done = TurnRender(ids, None, extend=info)
     if req.return_assistant_tokens_mask or req.return_message_indices:
-        prompt = list(turn.prompt_token_ids)
         head_req = _replace_messages(req, req.messages[:k])
         head_ids = renderer.render(harmony_messages(head_req, kwargs, with_tools)) if k else []
         head_indices, head_flags = _harmony_turns(head_req, config, kwargs, prompt) if head_ids == prompt \

@@ -7,16 +7,21 @@ from typing import Literal
 import msgspec
 
 
-class PreviousTurn(msgspec.Struct, forbid_unknown_fields=True):
-    """The turn a chat render extends: its prompt ids and the ids the engine sampled for it (with or without the
-    stop token), as the engine returned them. ``message_index``: which of the request's messages is that
+class PreviousTurn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The turn a chat render extends: its prompt, as ids (``prompt_token_ids``) or as the ``prompt_ref`` the
+    render that made it answered (``return_prompt_ref``), and the ids the engine sampled for it (with or without
+    the stop token), as the engine returned them. ``message_index``: which of the request's messages is that
     assistant turn (default: the last assistant message). ``mode``: "extend" falls back to the full render
-    (and says why) where extending is impossible; "extend_only" refuses instead (a 400)."""
+    (and says why) where extending is impossible; "extend_only" refuses instead (a 400). ``check``: "suffix"
+    compares the appended ids with a full render's last ids (what the new turn costs); "full" compares the whole
+    answer with a full render too and reports where they part (what the conversation costs)."""
 
-    prompt_token_ids: list[int]
     completion_token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+    prompt_ref: str | None = None
     message_index: int | None = None
     mode: Literal["extend", "extend_only"] = "extend"
+    check: Literal["suffix", "full"] = "suffix"
 
 
 class DifferingSpan(msgspec.Struct):
@@ -38,8 +43,8 @@ class ExtendInfo(msgspec.Struct):
     template closes the sampled turn with (after the kept ids); ``new_tokens``: the ids rendered for the new
     messages and the generation prompt.
     ``suffix_matches_full_render``: the appended ids are the full render's last ids (the template is append-only
-    from the seam on); ``matches_full_render``: the whole answer equals a full render; where it does not,
-    ``differing_span`` shows where."""
+    from the seam on); ``matches_full_render``: the whole answer equals a full render (None: not compared, with
+    ``check: "suffix"`` and a suffix that matches); where it does not, ``differing_span`` shows where."""
 
     extended: bool
     reason: str | None = None

@@ -24,6 +24,7 @@ from render_service.http.render_queue import RenderQueue
 from render_service.multimodal.chat import MultimodalRender
 from render_service.render.fingerprint import FINGERPRINT_HEADER
 from render_service.render.render_config import RenderConfig
+from render_service.tokenize.incremental_tokenizer import PromptIds
 from splitserve_common.auth import ApiKeys
 
 logger = logging.getLogger("render_service.server")
@@ -32,7 +33,17 @@ JSON = "application/json"
 # Upper bound on a request body: a full 128k-token context with its chat request fits many times over.
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
-encode_json = msgspec.json.Encoder().encode
+
+
+def _json_view(value: Any) -> Any:
+    """Integers kept as the chunks they were made of (``PromptIds``: prompt ids from the piece cache, a prompt
+    reference's ids and masks) are written from their JSON."""
+    if isinstance(value, PromptIds):
+        return value.json_array()
+    raise NotImplementedError(f"Objects of type {type(value).__name__} are not JSON serializable")
+
+
+encode_json = msgspec.json.Encoder(enc_hook=_json_view).encode
 _decoders: dict[type, msgspec.json.Decoder] = {}
 
 
@@ -114,6 +125,11 @@ class ServerState:
 def server_state(request: Request) -> ServerState:
     """The state of the app serving ``request``."""
     return request.scope["app"].state.server
+
+
+def client_of(request: Request) -> str:
+    """The client ``request`` comes from, as the server's keys tell it (``ApiKeys.client_of``)."""
+    return server_state(request).api_keys.client_of(request.headers.get("authorization"))
 
 
 async def read_json_body(request: Request) -> bytes:

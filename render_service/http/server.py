@@ -38,6 +38,7 @@ from render_service.http.request_io import (
     JSON,
     PiecesResponse,
     ServerState,
+    client_of,
     decode,
     encode_json,
     endpoint,
@@ -164,9 +165,10 @@ async def chat_render(request: Request) -> Response:
     state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
+    client = client_of(request)
 
     def render_text(req: ChatCompletionRequest) -> bytes:
-        result = render_chat(req, state.config, request_id=request_id, ids_view=True)
+        result = render_chat(req, state.config, request_id=request_id, ids_view=True, client=client)
         metrics.PROMPT_TOKENS.inc(len(result.token_ids))
         _observe_prompt_cache(state.config)
         return _encode_generate_request(result)
@@ -182,7 +184,8 @@ async def chat_render(request: Request) -> Response:
         return Response(done, media_type=JSON, headers=state.render_headers)
     with_images = await render_with_images(  # the image path (multimodal.endpoint)
         body, done, state.config, state.multimodal, state.render_queue,
-        lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand))
+        lambda chat, expand: render_chat(chat, state.config, request_id=request_id, expand_prompt=expand,
+                                         client=client))
     if with_images is not None:
         metrics.PROMPT_TOKENS.inc(len(with_images.token_ids))
         return PiecesResponse(answer_pieces(with_images, _encode_generate_request), state.render_headers)
@@ -374,6 +377,9 @@ def create_app(
     # stream_state signing secret: the argument, else SPLITSERVE_STREAM_STATE_SECRET, else unsigned.
     state = ServerState(config, StreamRuntime(stream_state_secret), api_keys=ApiKeys(api_key),
                         render_queue=RenderQueue(max_queued_requests), multimodal=multimodal)
+    if config.prompt_refs is not None:  # with keys, several clients: each may hold a quarter
+        refs = config.prompt_refs
+        refs.client_bytes = refs.max_bytes // 4 if state.api_keys else refs.max_bytes
     if config.caches is not None:  # the caches outside --render-cache-bytes show on /metrics beside the others
         config.caches.register("stream_history", state.stream_runtime.cache.stats)
         config.caches.register("output_texts", OUTPUT_TEXTS.stats)

@@ -12,7 +12,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast, overload
 
-from render_service.extend.chat import turn_render
+from render_service.extend.chat import TurnRender, turn_render
+from render_service.extend.prompt_refs import StoredPrompt, id_run
 from render_service.harmony.render import prerendered_harmony_ids, render_harmony_chat, render_harmony_request
 from render_service.http.errors import bad_request
 from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_failure
@@ -26,6 +27,7 @@ from render_service.render.tool_choice import (
 )
 from render_service.templates.chat_messages import prepare_tools
 from render_service.templates.sandbox import TemplateError
+from render_service.tokenize.incremental_tokenizer import PromptIds
 from render_service.tokenize.tokenizer import TextTokenizer
 from render_service.wire.protocol import (
     ChatCompletionRequest,
@@ -265,12 +267,13 @@ def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids
 
 def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id: str | None = None,
                 render_fingerprint: str | None = None, ids_view: bool = False,
-                expand_prompt: Callable[[list[int]], list[int]] | None = None) -> GenerateRequest:
+                expand_prompt: Callable[[list[int]], list[int]] | None = None, client: str = "") -> GenerateRequest:
     """``request_id``: the caller's X-Request-Id header, if any; ``render_fingerprint``: its
     x-render-fingerprint header (for ids it rendered already, prerendered.py); ``ids_view``: the result's
     ``token_ids`` may be the piece cache's ``PromptIds`` view, for a caller that only writes it to JSON
-    (server._encode_generate_request); ``expand_prompt``: rewrites the rendered ids before the length checks
-    (the image path puts each image's placeholder run in, multimodal.endpoint)."""
+    (request_io.encode_json); ``expand_prompt``: rewrites the rendered ids before the length checks
+    (the image path puts each image's placeholder run in, multimodal.endpoint); ``client``: who asks, for the
+    prompt references it files and names (extend/prompt_refs.py)."""
     model = check_model(req.model, config)
     _check_common(req)
     if req.max_tokens is not None and req.max_tokens < 1:
@@ -284,11 +287,12 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
     if config.harmony:
-        return _render_harmony_chat(req, config, tool_choice, named, request_id, given)
+        return _render_harmony_chat(req, config, tool_choice, named, request_id, given, client=client,
+                                    ids_view=ids_view)
     turns = None
     if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
                           or req.return_message_indices):
-        turns = _turn_render(req, config)
+        turns = _turn_render(req, config, client)
         token_ids, kwargs, tools = turns.token_ids, resolve_chat_template_kwargs(req, config), turns.tools
     elif given is None:
         token_ids, kwargs, tools = _render_chat_prompt(req, config, ids_view=ids_view)
@@ -304,6 +308,9 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     max_tokens = resolve_max_tokens(requested, len(token_ids), config)
+    prompt_ref = _file_prompt(req, config, client, token_ids, turns, expanded=expand_prompt is not None)
+    if not ids_view and isinstance(token_ids, PromptIds):
+        token_ids = token_ids.tolist()
 
     # vLLM's parser adjust_request: the engine must keep special tokens so that markers (<think>,
     # <tool_call>, ...) reach the parsers. A reasoning parser always asks for it (qwen3 in 0.32);
@@ -341,31 +348,50 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         reasoning_parser_kwargs=reasoning_kwargs,
         # (ids given: the tools are prepared only here, so their errors still come after the sampling checks)
         parse_context=parse_context(req, tools if given is None else _parse_context_tools(req), template_kwargs),
-        **_turn_fields(turns),
+        **_turn_fields(turns, prompt_ref),
     )
 
 
-def _turn_render(req: ChatCompletionRequest, config: RenderConfig) -> Any:
+def _turn_render(req: ChatCompletionRequest, config: RenderConfig, client: str) -> TurnRender:
     """The extend render and loss masks (render_service/extend/): a request with ``previous_turn`` or a mask."""
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
     if violation:
         raise bad_request(*violation)
-    return turn_render(req, config, resolve_chat_template_kwargs(req, config))
+    return turn_render(req, config, resolve_chat_template_kwargs(req, config), client)
 
 
-def _turn_fields(turns: Any) -> dict[str, Any]:
-    """The answer's extend and mask fields, where they were asked for."""
-    if turns is None:
-        return {}
-    fields = {"extend": turns.extend, "message_indices": turns.message_indices,
-              "assistant_tokens_mask": turns.assistant_tokens_mask}
+def _file_prompt(req: ChatCompletionRequest, config: RenderConfig, client: str, token_ids: Sequence[int],
+                 turns: TurnRender | None, *, expanded: bool) -> str | None:
+    """The answer's ``prompt_ref`` where it was asked for: ``token_ids`` kept for the next turn's extend (with
+    their masks, as the turn render made them, unless image placeholders were put in since)."""
+    if not req.return_prompt_ref:
+        return None
+    refs = config.prompt_refs
+    if refs is None:
+        raise bad_request("This render server keeps no prompt references (--render-cache-bytes 0)",
+                          "return_prompt_ref")
+    stored = turns.stored if turns is not None and not expanded else None
+    ref = refs.file(client, stored if stored is not None else StoredPrompt(id_run(token_ids)))
+    if ref is None:
+        raise bad_request("The prompt is larger than the prompt references this server keeps for one client",
+                          "return_prompt_ref")
+    return ref
+
+
+def _turn_fields(turns: TurnRender | None, prompt_ref: str | None = None) -> dict[str, Any]:
+    """The answer's extend, mask and prompt reference fields, where they were asked for."""
+    fields: dict[str, Any] = {"prompt_ref": prompt_ref}
+    if turns is not None:
+        fields.update(extend=turns.extend, message_indices=turns.message_indices,
+                      assistant_tokens_mask=turns.assistant_tokens_mask)
     return {name: value for name, value in fields.items() if value is not None}
 
 
 def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
-                         request_id: str | None, given: list[int] | None) -> GenerateRequest:
+                         request_id: str | None, given: list[int] | None, *, client: str = "",
+                         ids_view: bool = False) -> GenerateRequest:
     """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/); ``given``: ids
     rendered already (prerendered.py)."""
     if not req.messages:
@@ -373,15 +399,19 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
     if violation:
         raise bad_request(*violation)
+    token_ids: Sequence[int]
     token_ids, structured = prerendered_harmony_ids(req, config, tool_choice, named, given) if given is not None \
         else render_harmony_request(req, config, tool_choice, named)
     turns = None
     if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
                           or req.return_message_indices):
-        turns = _turn_render(req, config)
+        turns = _turn_render(req, config, client)
         token_ids = turns.token_ids
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
+    prompt_ref = _file_prompt(req, config, client, token_ids, turns, expanded=False)
+    if not ids_view and isinstance(token_ids, PromptIds):
+        token_ids = token_ids.tolist()
     params = build_sampling_params(
         req, config, max_tokens=resolve_max_tokens(requested, len(token_ids), config),
         logprobs=req.top_logprobs if req.logprobs else None,
@@ -391,10 +421,11 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     )
     return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id, req.request_id),
                              token_ids=token_ids, sampling_params=params, model=check_model(req.model, config),
-                             parse_context=parse_context(req, _parse_context_tools(req), {}), **_turn_fields(turns))
+                             parse_context=parse_context(req, _parse_context_tools(req), {}),
+                             **_turn_fields(turns, prompt_ref))
 
 
-def prompt_ends_reasoning(token_ids: list[int], config: RenderConfig) -> bool:
+def prompt_ends_reasoning(token_ids: Sequence[int], config: RenderConfig) -> bool:
     """vLLM's ``is_reasoning_end(prompt)``: did the template already close the think block?"""
     from render_service.parsers.reasoning import reasoning_open_at_prompt_end
 

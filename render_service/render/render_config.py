@@ -69,6 +69,8 @@ class RenderConfig:
     message_memo: MessageMemo | None = None
     # Masked answers' attributions, for the next turn's extend (extend/attributions.py); None: off
     attributions: Any = None
+    # Prompts kept under the prompt_ref their answer carries, for the next turn's extend (extend/prompt_refs.py)
+    prompt_refs: Any = None
     # --render-cache-bytes split between the caches, and their counters for /metrics (caches/budget.py)
     caches: CacheBudget | None = None
     # vLLM's --tool-strict-level: how far render constrains tool calls (render_service/render/tool_choice.py)
@@ -304,6 +306,12 @@ def build_render_config(
 
         attributions = AttributionCache(budget.shares.masks)
         budget.register("masks", attributions.stats)
+    prompt_refs = None
+    if budget.shares.prompt_refs > 0:
+        from render_service.extend.prompt_refs import PromptRefs
+
+        prompt_refs = PromptRefs(budget.shares.prompt_refs)
+        budget.register("prompt_refs", prompt_refs.stats)
     return RenderConfig(
         bundle=bundle,
         served_model_names=names,
@@ -325,6 +333,7 @@ def build_render_config(
         prompt_encoder=prompt_encoder,
         message_memo=memo,
         attributions=attributions,
+        prompt_refs=prompt_refs,
         caches=budget,
         tool_strict_level=tool_strict_level,
         chat_template_timeout_s=chat_template_timeout_s,

@@ -153,6 +153,7 @@ class ChatCompletionRequest(msgspec.Struct):
     previous_turn: PreviousTurn | None = None
     return_assistant_tokens_mask: bool = False
     return_message_indices: bool = False
+    return_prompt_ref: bool = False  # ours: keep the prompt for the next turn's previous_turn.prompt_ref
 
 
 class CompletionRequest(msgspec.Struct):
@@ -234,9 +235,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
-    assistant_tokens_mask: list[int] | UnsetType = UNSET
-    message_indices: list[int] | UnsetType = UNSET  # ours: which message each prompt token came from
+    # (a PromptIds view where the ids were kept for a prompt reference: written from their JSON)
+    assistant_tokens_mask: Sequence[int] | UnsetType = UNSET
+    message_indices: Sequence[int] | UnsetType = UNSET  # ours: which message each prompt token came from
     extend: ExtendInfo | UnsetType = UNSET  # ours: how a render with previous_turn was made
+    prompt_ref: str | UnsetType = UNSET  # ours: names token_ids for the next turn's previous_turn.prompt_ref
     return_token_logprobs: bool | UnsetType = UNSET
     return_top_k_logprobs: bool | UnsetType = UNSET
     render_fingerprint: str | UnsetType = UNSET
