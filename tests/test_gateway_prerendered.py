@@ -95,6 +95,21 @@ def test_bad_prerendered_ids_are_400(gateway, kv, headers, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_the_gateway_extends_a_prompt_the_render_endpoint_keeps(gateway):
+    made = gateway.post("/v1/chat/completions/render", json=chat(USER, return_prompt_ref=True)).json()
+    first = gateway.post("/v1/chat/completions", json=chat(USER, return_token_ids=True)).json()
+    sampled = first["choices"][0]["token_ids"]
+    messages = [*USER, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And in Rome?"}]
+    turn = {"prompt_ref": made["prompt_ref"], "completion_token_ids": sampled}
+    r = gateway.post("/v1/chat/completions", json=chat(messages, previous_turn=turn, return_token_ids=True))
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"][:len(made["token_ids"]) + len(sampled)] == made["token_ids"] + sampled
+    # The gateway's answer has no place for a reference: asking for one is refused, not ignored.
+    r = gateway.post("/v1/chat/completions", json=chat(USER, return_prompt_ref=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_prompt_ref"
+
+
 def test_the_render_endpoint_takes_the_ids_and_keeps_them_from_the_engine():
     with RenderServer(qwen3_config()) as srv:
         ids = srv.client.post("/v1/chat/completions/render", json=chat(OTHER, model="qwen3-0.6b")).json()["token_ids"]

@@ -34,8 +34,8 @@ PROMPT_REFS_MAX_BYTES = 512 << 20
 OBSERVE_EVERY_S = 1.0
 
 CACHE_LOOKUPS = Counter("splitserve_render_cache_lookups_total",
-                        "Render cache lookups by cache (piece, prompt_store, memo, body_store, tojson; stream_history, "
-                        "output_texts, images outside the budget) and result.",
+                        "Render cache lookups by cache (piece, prompt_store, memo, body_store, tojson, template_loops, "
+                        "masks, prompt_refs; stream_history, output_texts, images outside the budget) and result.",
                         ["cache", "result"])
 CACHE_EVICTIONS = Counter("splitserve_render_cache_evictions_total",
                           "Entries a render cache dropped to stay within its bytes.", ["cache"])

@@ -30,7 +30,7 @@ from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant
 from render_service.http.errors import ApiError, bad_request, error_body
 from render_service.http.render_queue import RenderQueue
-from render_service.http.request_io import Answer, decode, endpoint, read_json_body
+from render_service.http.request_io import Answer, client_of, decode, endpoint, read_json_body
 from render_service.multimodal.endpoint import carries_image_parts
 from render_service.render.fingerprint import FINGERPRINT_HEADER
 from render_service.render.prerendered import RENDER_KEYS
@@ -59,9 +59,10 @@ def gateway_routes(gateway: Gateway, config: RenderConfig, render_queue: RenderQ
         body = await read_json_body(request) if body is None else body
         request_id = request.headers.get("x-request-id")
         fingerprint = request.headers.get(FINGERPRINT_HEADER)
+        client = client_of(request)  # (previous_turn.prompt_ref: a reference the render endpoint made for it)
 
         def render_text(req: ChatCompletionRequest) -> GenerateRequest:
-            return render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint)
+            return render_chat(req, config, request_id=request_id, render_fingerprint=fingerprint, client=client)
 
         def render() -> tuple[ChatCompletionRequest, GenerateRequest | None]:
             req = decode_chat_request(body, config.message_memo, decode)
@@ -152,6 +153,10 @@ class InvocationShape(msgspec.Struct):
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.echo and isinstance(req, ChatCompletionRequest):
         raise bad_request("echo is not supported by the gateway's chat completions (completions support it)", "echo")
+    if isinstance(req, ChatCompletionRequest) and req.return_prompt_ref:
+        raise bad_request("return_prompt_ref is answered by the render endpoint (/v1/chat/completions/render); "
+                          "the gateway takes the reference it answers in previous_turn.prompt_ref",
+                          "return_prompt_ref")
     # Only the render tier's own keys (ids rendered already, prerendered.py); the gateway sets the engines'.
     if req.kv_transfer_params is not None and not set(req.kv_transfer_params) <= RENDER_KEYS:
         raise bad_request("kv_transfer_params are set by the gateway, not by clients (except prompt_token_ids "
