@@ -21,6 +21,7 @@ result against ``tokenizers`` and transformers on every tokenizer kind above.
 
 from __future__ import annotations
 
+import array
 import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -47,7 +48,17 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 TAIL_SEARCH_CHARS = 16 * 1024
 # Rough CPython sizes: a list slot plus an int object per token id, a str header, a dict/LRU slot per entry.
 _BYTES_PER_ID = 36
+_BYTES_PER_PACKED_ID = 4
+_ARRAY_OVERHEAD = 80
 _ENTRY_OVERHEAD = 200
+
+
+def _ids_bytes(ids: Sequence[int]) -> int:
+    """What a piece's ids hold: 4 bytes an id in a 32-bit array (as fastokens' batch gives them), else an int
+    object and a slot each."""
+    if type(ids) is array.array:
+        return _ARRAY_OVERHEAD + _BYTES_PER_PACKED_ID * len(ids)
+    return (_BYTES_PER_ID + 8) * len(ids)
 
 
 def _step_violation(step: dict[str, Any] | None, allowed: frozenset[str], kind: str) -> str | None:
@@ -88,33 +99,33 @@ class SegmentCache:
     ``ByteLRU`` (caches/byte_lru.py) of text -> (ids, their JSON array's inside: b"1,2,3").
 
     Keyed by the piece's text: a dict hashes it and compares it in full on a hit, so a hit is never a
-    collision. One per process (not shared between workers). Ids are kept as tuples: a tuple of ints drops
-    out of the garbage collector's tracking, a list never does, and a full collection would otherwise walk
-    every cached id (about half a second for a few million).
-    """
+    collision. One per process (not shared between workers). Ids are kept as 32-bit arrays (fastokens' batch
+    path: 4 bytes an id, and no int object is made for an id until the ids are read) or tuples (the other
+    paths): a collection visits an array as one object holding no references, and a tuple of ints not at
+    all, where a list's every id would be walked (about half a second for a few million)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("the render cache size must be >= 0 bytes")
         # one huge piece must not flush everything else (ByteLRU's eighth)
-        self.lru: ByteLRU[str, tuple[tuple[int, ...], bytes]] = ByteLRU(max_bytes)
+        self.lru: ByteLRU[str, tuple[Sequence[int], bytes]] = ByteLRU(max_bytes)
         self._entries = self.lru._entries
         self._lock = self.lru._lock  # the two render lanes share the cache
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, text: str) -> tuple[tuple[int, ...], bytes] | None:
+    def get(self, text: str) -> tuple[Sequence[int], bytes] | None:
         """(ids, their JSON array's inside: b"1,2,3") of a piece seen before, else None."""
         return self.get_many([text])[0]
 
-    def get_many(self, texts: list[str]) -> list[tuple[tuple[int, ...], bytes] | None]:
+    def get_many(self, texts: list[str]) -> list[tuple[Sequence[int], bytes] | None]:
         """The (ids, JSON) of each text seen before, else None (always for ""); one lock for all of them (a
         prompt has hundreds of pieces)."""
         entries = self._entries
         get = entries.get
         touch = entries.move_to_end
-        found: list[tuple[tuple[int, ...], bytes] | None] = []
+        found: list[tuple[Sequence[int], bytes] | None] = []
         append = found.append
         hits = misses = 0
         lru = self.lru
@@ -133,13 +144,13 @@ class SegmentCache:
             lru.misses += misses
         return found
 
-    def put(self, text: str, ids: tuple[int, ...], json: bytes) -> None:
+    def put(self, text: str, ids: Sequence[int], json: bytes) -> None:
         self.put_many([(text, ids, json)])
 
-    def put_many(self, pieces: list[tuple[str, tuple[int, ...], bytes]]) -> None:
+    def put_many(self, pieces: list[tuple[str, Sequence[int], bytes]]) -> None:
         """Keeps (text, ids, JSON) of each piece that fits, dropping the least recently used past the bound."""
         self.lru.put_many([(text, (ids, json), _ENTRY_OVERHEAD + len(text) * (1 if text.isascii() else 4)
-                            + (_BYTES_PER_ID + 8) * len(ids)) for text, ids, json in pieces])
+                            + len(json) + _ids_bytes(ids)) for text, ids, json in pieces])
 
     # (after the methods: a property named ``bytes`` would hide the type from their annotations)
     @property
@@ -224,7 +235,7 @@ class PromptIds(Sequence[int]):
 
 
 _encode_json = msgspec.json.Encoder().encode
-_EMPTY_ENTRY: tuple[tuple[int, ...], bytes] = ((), b"")
+_EMPTY_ENTRY: tuple[Sequence[int], bytes] = ((), b"")
 
 
 def _check_unicode(piece: str, text: str) -> None:
@@ -381,7 +392,7 @@ class IncrementalEncoder:
         parts = self._cutter.split(text[start:] if start else text)  # type: ignore[union-attr]
         pieces = parts[0::2]
         entries = cache.get_many(pieces)
-        fresh: list[tuple[str, tuple[int, ...], bytes]] = []
+        fresh: list[tuple[str, Sequence[int], bytes]] = []
         missed = 0
         new_at: list[int] = []
         for k, entry in enumerate(entries):
@@ -399,7 +410,7 @@ class IncrementalEncoder:
             new_pieces = [pieces[k] for k in new_at]
             for k, piece, piece_ids in zip(new_at, new_pieces,
                                            self.tokenizer.encode_many_between_added(new_pieces), strict=True):
-                piece_json = _encode_json(piece_ids)[1:-1]
+                piece_json = _encode_json(piece_ids.tolist() if type(piece_ids) is array.array else piece_ids)[1:-1]
                 fresh.append((piece, piece_ids, piece_json))
                 missed += len(piece_ids)
                 entries[k] = (piece_ids, piece_json)

@@ -13,7 +13,7 @@ Hugging Face ``tokenizers`` is the reference. Two faster paths give the same IDs
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -217,7 +217,7 @@ class TextTokenizer:
             return self._fast.encode_segment(text)
         return self._hf_encode(text)
 
-    def encode_many_between_added(self, texts: list[str]) -> list[tuple[int, ...]]:
+    def encode_many_between_added(self, texts: list[str]) -> list[Sequence[int]]:
         """``encode_between_added`` of each text (none empty), in one fastokens call where it has a proved
         batch path: the piece cache's miss path for a prompt it has not seen."""
         if self._fastokens is not None:
