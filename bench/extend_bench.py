@@ -10,9 +10,11 @@ breaks  --rollouts agent rollouts on Qwen3 (hermes tool calls) and gpt-oss (Harm
 cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tokens; the last turn rendered
         both ways in this process from its request body (decoded through the message memo, as the render
         server decodes it), thread CPU per render (median of --reps, each after the previous turn's request,
-        with the piece cache as an agent loop leaves it): the full render, the extend render of the same turn,
-        and the extend with loss masks after a previous turn that asked for them too (as an RL loop asks);
-        each also with the chat template's loop records off (``*_without_loop_records``).
+        with the piece cache as an agent loop leaves it, the answer written to JSON as the server writes it):
+        the full render, the extend render of the same turn with the previous prompt sent as ids
+        (``extend``) and named by the reference its render answered (``extend_by_ref``), each also with loss
+        masks after a previous turn that asked for them too (as an RL loop asks); each also with the chat
+        template's loop records off (``*_without_loop_records``).
 
 agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one or several interleaved, each body
         sent to our render server (full render, then the same turn as an extend of ours' previous answer) and to
@@ -42,6 +44,7 @@ from bench.agent_trace import AgentTraceSpec, agent_trace
 from bench.portable import write_result
 from bench.shared_fixtures import QWEN3_DIR
 from render_service.bundle.model_bundle import load_bundle
+from render_service.http.request_io import encode_json
 from render_service.render.render import render_chat
 from render_service.render.render_config import RenderConfig, build_render_config
 from render_service.wire.protocol import ChatCompletionRequest
@@ -196,8 +199,15 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     def decode(body: bytes, kind: type) -> Any:
         return msgspec.json.decode(body, type=kind)
 
-    def from_body(body: bytes) -> Any:
-        return render_chat(decode_chat_request(body, config.message_memo, decode), config)
+    def from_body(body: bytes) -> Any:  # (the answer written to JSON as the server writes it)
+        encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config, ids_view=True))
+
+    def answer(body: bytes) -> Any:
+        return msgspec.json.decode(render_answer(body))
+
+    def render_answer(body: bytes) -> bytes:
+        return encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config,
+                                       ids_view=True))
 
     template = config.template
     records = template.loop_records
@@ -206,27 +216,36 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         messages = _conversation(size, config)
         k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         encode = msgspec.json.encode
-        # the previous turn as an RL loop renders it, masks asked for (its attribution is kept for this turn)
+        # the previous turn as an RL loop renders it, masks asked for (its attribution is kept for this turn),
+        # and its prompt kept under a reference
         before = encode({"messages": messages[:k], "tools": TOOLS, "tool_choice": "none",
                          "return_assistant_tokens_mask": True, "return_message_indices": True})
-        prompt = list(from_body(before).token_ids)
+        head = answer(encode({**msgspec.json.decode(before), "return_prompt_ref": True}))
+        prompt, ref = head["token_ids"], head["prompt_ref"]
         text = "<tool_call>\n" + "\n</tool_call>\n<tool_call>\n".join(
             json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
             for c in messages[k]["tool_calls"]) + "\n</tool_call><|im_end|>"
         completion = config.tokenizer.encode(text)
         full_body = {"messages": messages, "tools": TOOLS, "tool_choice": "none"}
+        masks = {"return_assistant_tokens_mask": True, "return_message_indices": True}
         ext_body = {**full_body, "previous_turn": {"prompt_token_ids": prompt, "completion_token_ids": completion}}
+        ref_body = {**full_body, "return_prompt_ref": True,
+                    "previous_turn": {"prompt_ref": ref, "completion_token_ids": completion}}
         bodies = {"full_render": encode(full_body), "extend": encode(ext_body),
-                  "extend_with_masks": encode({**ext_body, "return_assistant_tokens_mask": True,
-                                               "return_message_indices": True})}
-        ids = from_body(bodies["full_render"]).token_ids  # warm: the piece cache as an agent loop leaves it
-        ext = from_body(bodies["extend"])
-        assert ext.extend and ext.extend.extended, ext.extend
-        masked = from_body(bodies["extend_with_masks"])
-        assert masked.message_indices is not None and -1 not in masked.message_indices  # the kept attribution
+                  "extend_with_masks": encode({**ext_body, **masks}),
+                  "extend_by_ref": encode(ref_body), "extend_by_ref_with_masks": encode({**ref_body, **masks})}
+        ids = answer(bodies["full_render"])["token_ids"]  # warm: the piece cache as an agent loop leaves it
+        ext = answer(bodies["extend"])
+        assert ext["extend"]["extended"], ext["extend"]
+        masked = answer(bodies["extend_with_masks"])
+        assert -1 not in masked["message_indices"]  # the kept attribution
+        for name in ("extend_by_ref", "extend_by_ref_with_masks"):  # the same answer as the ids give
+            by_ref = answer(bodies[name])
+            assert by_ref["token_ids"] == ext["token_ids"], name
+            assert "masks" not in name or by_ref["message_indices"] == masked["message_indices"], name
         row: dict[str, Any] = {"size": size, "prompt_tokens": len(ids), "messages": len(messages),
-                               "body_bytes": len(bodies["extend"]),
-                               "new_tokens": ext.extend.new_tokens + ext.extend.closing_tokens}
+                               "body_bytes": len(bodies["extend"]), "body_bytes_by_ref": len(bodies["extend_by_ref"]),
+                               "new_tokens": ext["extend"]["new_tokens"] + ext["extend"]["closing_tokens"]}
 
         for name, body in bodies.items():
             for label, kept in (("", records), ("_without_loop_records", None)):
@@ -235,6 +254,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
                                                              for _ in range(reps))
             template.loop_records = records
         row["extend_over_full"] = row["extend_ms"] / row["full_render_ms"]
+        row["extend_by_ref_over_full"] = row["extend_by_ref_ms"] / row["full_render_ms"]
         rows.append(row)
     return rows
 
