@@ -34,7 +34,6 @@ JSON = "application/json"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-
 def _json_view(value: Any) -> Any:
     """Integers kept as the chunks they were made of (``PromptIds``: prompt ids from the piece cache, a prompt
     reference's ids and masks) are written from their JSON."""
