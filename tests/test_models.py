@@ -575,11 +575,19 @@ def test_cuda_mixed_step_graph_replay_equals_the_eager_step(model_dirs, name):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name", ["qwen2", "llama-bias-llama3-rope"])
-def test_cuda_few_rows_kernels_match_the_plain_path(model_dirs, name):
-    """Steps of <= 16 tokens take decode_linear_cuda (split K, SiLU folded into down); the same steps through
-    cuBLAS and the separate kernels give the same logits."""
+def test_cuda_few_rows_kernels_match_the_plain_path(model_dirs, name, split, monkeypatch):
+    """Steps of <= 32 tokens take decode_linear_cuda (SiLU folded into gate_up; with `split`, o and down write
+    partial sums over K slices that the norm after them adds up); the same steps through cuBLAS and the separate
+    kernels give the same logits."""
+    from token_engine.layers import decode_linear_cuda as dl
+
     model = load_model(model_dirs(name), device="cuda")
+    if split:  # the tuned table holds the 7B shapes only: give this model's o and down a split
+        layer = model.model.layers[0]
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            monkeypatch.setitem(dl.SPLIT_TUNED, tuple(linear.weight.shape), ((16, 32, 4, 2), 3))
     vocab = model.arch.vocab_size
     few = _mixed_steps(PagedDriver(model, block_size=16, num_blocks=40, seed=1, device="cuda"), vocab)
     model.model.few_rows_kernels = False

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-MAX_ROWS = 16
+MAX_ROWS = 32
 
 Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 
@@ -37,6 +37,13 @@ TUNED: dict[tuple[int, int, bool], Config | None] = {
     (152064, 3584, False): (64, 128, 4, 4),  # lm_head: 243.9 us, cuBLAS 253.5
 }
 DEFAULT_CONFIG: Config = (32, 256, 4, 4)
+# (out features, in features) -> (launch config, K slices) for the layers whose output feeds an RMSNorm with a
+# residual (o, down): the kernel writes float32 partial sums per K slice and the norm adds them, so more programs
+# stream the weight at no extra launch. Layers without an entry (or with a bias) take decode_linear.
+SPLIT_TUNED: dict[tuple[int, int], tuple[Config, int]] = {
+    (3584, 3584): ((32, 128, 4, 4), 2),  # o
+    (3584, 18944): ((32, 256, 4, 4), 4),  # down
+}
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program; Hopper has 227 KB per block
@@ -46,12 +53,12 @@ def launch_config(n_out: int, k_dim: int, gated: bool) -> Config | None:
     return TUNED.get((n_out, k_dim, gated), DEFAULT_CONFIG)
 
 
-def fit_shared_memory(config: Config, element_size: int, gated: bool) -> Config:
+def fit_shared_memory(config: Config, element_size: int, gated: bool, rows_pad: int = 16) -> Config:
     """Shrinks a config (tuned on bfloat16) until its pipelined tiles fit: float32 doubles every tile."""
     block_n, block_k, num_warps, num_stages = config
 
     def tile_bytes():
-        return num_stages * ((2 if gated else 1) * block_n + 16) * block_k * element_size
+        return num_stages * ((2 if gated else 1) * block_n + rows_pad) * block_k * element_size
 
     while tile_bytes() > SHARED_MEMORY_BUDGET and num_stages > 2:
         num_stages -= 1
@@ -60,25 +67,28 @@ def fit_shared_memory(config: Config, element_size: int, gated: bool) -> Config:
     return block_n, block_k, num_warps, num_stages
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_per_split"])
 def _decode_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym, stride_ys,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    m = tl.arange(0, 16)
+    m = tl.arange(0, ROWS)
     m_mask = m < M
-    dt = y_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty
+    # PARTIAL: program (n tile, s) sums K slice s only and stores float32 partial sums at y[s] (split K)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
 
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
+        k_mask = k < k_end
         xk = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
@@ -93,16 +103,26 @@ def _decode_linear_kernel(
             else:
                 acc_up += tl.dot(xk, tl.trans(wu))
 
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(dt)
-    if GATED:  # as silu_and_mul on the rounded gate_up output: SiLU rounded, then the product rounded
-        gate = out.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        out = (act * acc_up.to(dt).to(tl.float32)).to(dt)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if PARTIAL:
+        dst = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys + m[:, None] * stride_ym + n[None, :]
+        tl.store(dst, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dt)
+        if GATED:  # as silu_and_mul on the rounded gate_up output: SiLU rounded, then the product rounded
+            gate = out.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            out = (act * acc_up.to(dt).to(tl.float32)).to(dt)
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=out_mask)
+
+
+def _rows_pad(rows: int) -> int:
+    """The activation tile's height: 16 (the tensor-core dot's least) or 32."""
+    return 16 if rows <= 16 else 32
 
 
 def decode_linear(
@@ -112,13 +132,9 @@ def decode_linear(
     gated: bool = False,
     config: Config | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias for x: [M <= 16, K]. gated: weight holds gate rows then up rows ([2N, K]) and the
+    """x @ weight.T + bias for x: [M <= 32, K]. gated: weight holds gate rows then up rows ([2N, K]) and the
     result is SiLU(gate) * up, [M, N]. `config` overrides the tuned launch config."""
-    rows, k_dim = x.shape
-    if rows > MAX_ROWS:
-        raise ValueError(f"decode_linear takes at most {MAX_ROWS} rows, got {rows}")
-    if weight.shape[1] != k_dim:
-        raise ValueError(f"decode_linear: input width {k_dim} does not fit weight {tuple(weight.shape)}")
+    rows, k_dim = _check(x, weight)
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     cfg = config or launch_config(n_out, k_dim, gated)
     if cfg is None:  # cuBLAS measured faster for this shape
@@ -128,19 +144,57 @@ def decode_linear(
 
             y = silu_and_mul(y)
         return y
-    block_n, block_k, num_warps, num_stages = fit_shared_memory(cfg, x.element_size(), gated)
+    y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    if rows:
+        _launch(x, weight, bias, y, cfg, gated, splits=1)
+    return y
+
+
+def split_config(n_out: int, k_dim: int) -> tuple[Config, int] | None:
+    return SPLIT_TUNED.get((n_out, k_dim))
+
+
+def decode_linear_split(x: torch.Tensor, weight: torch.Tensor, splits: int, config: Config) -> torch.Tensor:
+    """x @ weight.T as `splits` float32 partial sums over slices of K: [splits, M, N]. Their sum, rounded to
+    x's dtype, is decode_linear's result up to float32 summation order; the consumer adds them up
+    (blocks_cuda.rms_norm takes them in place of its input)."""
+    rows, k_dim = _check(x, weight)
+    block_k = fit_shared_memory(config, x.element_size(), False, _rows_pad(rows))[1]
+    slices = triton.cdiv(k_dim, _k_per_split(k_dim, splits, block_k))  # rounding K up to tiles can drop one
+    y = torch.empty((slices, rows, weight.shape[0]), dtype=torch.float32, device=x.device)
+    if rows:
+        _launch(x, weight, None, y, config, False, splits)
+    return y
+
+
+def _k_per_split(k_dim: int, splits: int, block_k: int) -> int:
+    return triton.cdiv(triton.cdiv(k_dim, splits), block_k) * block_k
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    rows, k_dim = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode_linear takes at most {MAX_ROWS} rows, got {rows}")
+    if weight.shape[1] != k_dim:
+        raise ValueError(f"decode_linear: input width {k_dim} does not fit weight {tuple(weight.shape)}")
+    return rows, k_dim
+
+
+def _launch(x, weight, bias, y, cfg: Config, gated: bool, splits: int) -> None:
+    rows, k_dim = x.shape
+    pad = _rows_pad(rows)
+    block_n, block_k, num_warps, num_stages = fit_shared_memory(cfg, x.element_size(), gated, pad)
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert weight.stride(-1) == 1
-    y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return y
-    _decode_linear_kernel[(triton.cdiv(n_out, block_n),)](
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    k_per_split = _k_per_split(k_dim, splits, block_k)
+    partial = y.dim() == 3
+    _decode_linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(k_dim, k_per_split))](
         x, weight, bias if bias is not None else weight, y,
-        rows, n_out, k_dim,
-        x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, GATED=gated, IEEE=x.dtype == torch.float32,
+        rows, n_out, k_dim, k_per_split,
+        x.stride(0), weight.stride(0), y.stride(-2), y.stride(0) if partial else 0,
+        ROWS=pad, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, GATED=gated, IEEE=x.dtype == torch.float32, PARTIAL=partial,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return y
