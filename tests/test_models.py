@@ -533,6 +533,38 @@ def test_cuda_graph_replay_equals_eager_decode(model_dirs, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_graph_of_pdl_launches_equals_plain_launches(model_dirs, monkeypatch):
+    """Kernels launched with programmatic dependent launch (on where the GPU has it) wait for the kernel before
+    them ahead of any memory access: replayed again and again, the graph gives exactly what plain launches give,
+    for the hidden states and for the K/V written."""
+    from token_engine.core.cuda_graphs import DecodeGraphs
+    from token_engine.layers import pdl
+
+    model = load_model(model_dirs("qwen2", "bfloat16"), device="cuda")
+    arch = model.arch
+    pool = allocate_kv_pool(80, arch.num_layers, 16, arch.num_kv_heads, arch.head_dim, arch.dtype, "cuda")
+    pool.normal_()
+    tables = [list(range(i * 10, (i + 1) * 10)) for i in range(8)]
+    lens = [150, 3, 77, 160, 16, 17, 99, 120]
+    meta = build_metadata([1] * 8, lens, tables, 16, "cuda")
+    ids = torch.randint(0, arch.vocab_size, (8,), device="cuda")
+    positions = torch.tensor([x - 1 for x in lens], device="cuda")
+    before = pool.clone()
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    with torch.no_grad():
+        plain = model(ids, positions, meta, pool)
+    plain_pool = pool.clone()
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    graphs = DecodeGraphs(model, pool, 16, max_num_seqs=8, max_blocks_per_seq=10, batch_sizes=[8])
+    graphs.capture()
+    for _ in range(20):
+        pool.copy_(before)
+        assert torch.equal(graphs.replay(ids, positions, meta), plain)
+        assert torch.equal(pool, plain_pool)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("name", ["qwen3", "mistral-sliding-window"])
 def test_cuda_mixed_step_graph_replay_equals_the_eager_step(model_dirs, name):
     """Prefill chunks next to decodes, padded into a captured graph: the same hidden states and the same K/V

@@ -1,17 +1,21 @@
-"""Where a CUDA decode step loses time against the HBM floor, and which launch configs of the few-rows linears
-(whole K, or split K with the norm after them adding the slices) take it back.
+"""Where a CUDA decode step loses time against the HBM floor, and what takes it back: launch configs of the
+few-rows linears (whole K, or split K with the norm after them adding the slices), of the decode attention, and
+programmatic dependent launch (token_engine.layers.pdl).
 
 On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one run on one GPU:
 
 1. the HBM copy bandwidth (the floor's rate, as bench.gpu_engine_bench measures it) and the model;
 2. per batch: a kernel table of graph-replayed steps plus logits (torch.profiler): kernel time summed against
-   the step's time between CUDA events, so launch gaps show as the difference;
+   the step's time between CUDA events, so launch gaps show as the difference; then whole decode steps
+   (bench.gpu_engine_bench.bench_decode) with main's settings (no split K, at most 16 rows through
+   decode_linear, no PDL), and with PDL alone;
 3. each linear role over all layers' real weights, captured in one graph per variant, at 1 and 32 rows. o and
    down are timed with the add + RMSNorm that consumes their output, since the split-K variants move the sum
    of the K slices into that norm. Variants: cuBLAS, decode_linear per config, decode_linear_split per config
    and slice count. The best per role (summed over the row counts, each relative to cuBLAS) is applied;
-4. whole decode steps (bench.gpu_engine_bench.bench_decode) with the previous settings (no split K, at most 16
-   rows through decode_linear) and the tuned ones, how far their outputs are apart, and the kernel tables again.
+4. decode attention over every layer in one graph per (target programs, keys per iteration, warps);
+5. whole decode steps with the tuned settings, without and with PDL; kernel tables again; how far the outputs
+   of main's settings and the tuned ones are apart.
 
     python -m bench.experiments.decode_floor --out $OUT/decode_floor.json
 """
@@ -170,6 +174,58 @@ def sweep_linears(model, rows_list=(1, 32)) -> dict:
     return out
 
 
+ATTENTION = [(t, n, w) for t in (264, 528, 1056) for n in (32, 64, 128) for w in (4, 8)]
+
+
+def sweep_attention(model, batches, context: int, block_size: int) -> dict:
+    """Decode attention (split-K partial + merge) over every layer in one graph, per (target programs, keys per
+    iteration, warps); applies the best summed over the batches, each relative to the current setting."""
+    from token_engine.layers import attention_cuda as ac
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
+
+    arch = model.arch
+    current = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS)
+    per_seq = -(-(context + 1) // block_size)
+    out: dict = {}
+    for batch in batches:
+        pool = allocate_kv_pool(batch * per_seq + 2, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim,
+                                arch.dtype, "cuda")
+        pool.normal_()
+        order = torch.randperm(batch * per_seq).tolist()
+        meta = build_metadata([1] * batch, [context + 1] * batch,
+                              [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)], block_size, "cuda")
+        q = torch.randn(batch, arch.num_heads, arch.head_dim, device="cuda", dtype=arch.dtype)
+
+        def run(pool=pool, meta=meta, q=q):
+            for layer in range(arch.num_layers):
+                ac.decode_attention(q, pool, layer, meta, arch.head_dim**-0.5)
+
+        times = {}
+        with torch.inference_mode():
+            for setting in ATTENTION:
+                ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = setting
+                try:
+                    times[str(setting)] = graph_ms(run) * 1e3 / arch.num_layers
+                except Exception as exc:  # noqa: BLE001
+                    times[str(setting)] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+        ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = current
+        kv_bytes = batch * (context + 1) * arch.kv_bytes_per_token / arch.num_layers
+        ok = {k: v for k, v in times.items() if isinstance(v, float)}
+        best = min(ok, key=lambda k: ok[k])
+        out[batch] = {"us_per_layer": times, "floor_us": kv_bytes / geb.HW["hbm_bytes_per_s"] * 1e6, "best": best}
+        print(json.dumps({"attention batch": batch, "floor_us": out[batch]["floor_us"],
+                          "current_us": times[str(current)], "best": best, "best_us": ok[best]}), flush=True)
+        del pool
+    totals = {k: sum(out[b]["us_per_layer"][k] / out[b]["us_per_layer"][str(current)] for b in batches)
+              for k in out[batches[0]]["us_per_layer"]
+              if all(isinstance(out[b]["us_per_layer"][k], float) for b in batches)}
+    chosen = min(totals, key=lambda k: totals[k])
+    ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = eval(chosen)  # noqa: S307 - our own repr
+    out["chosen"] = chosen
+    print(json.dumps({"attention chosen": chosen}), flush=True)
+    return out
+
+
 def _apply(dl, n_out: int, k_dim: int, gated: bool, chosen: str) -> None:
     dl.SPLIT_TUNED.pop((n_out, k_dim), None)
     if chosen == "cublas":
@@ -219,7 +275,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    from token_engine.layers import attention_cuda as ac
     from token_engine.layers import decode_linear_cuda as dl
+    from token_engine.layers import pdl
     from token_engine.models import llama
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -228,53 +286,63 @@ def main(argv=None) -> int:
     print(json.dumps(result), flush=True)
     model, _ = geb.build_random_model(args.preset, seed=0)
     tuned, split_tuned, few_rows = dict(dl.TUNED), dict(dl.SPLIT_TUNED), llama.FEW_ROWS
+    attention = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS)
 
-    def previous():
-        dl.TUNED.clear()
-        dl.TUNED.update(tuned)
-        dl.SPLIT_TUNED.clear()
-        llama.FEW_ROWS = 16
+    def settings(linears, splits, rows, attn, use_pdl):
+        def apply():
+            dl.TUNED.clear()
+            dl.TUNED.update(linears)
+            dl.SPLIT_TUNED.clear()
+            dl.SPLIT_TUNED.update(splits)
+            llama.FEW_ROWS = rows
+            ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = attn
+            pdl.ENABLED = use_pdl
+        return apply
+
+    previous = settings(tuned, {}, 16, attention, False)  # what main runs
 
     def save():
         if args.out:
             with open(args.out, "w") as f:
                 f.write(json.dumps(portable(result), indent=2))
 
+    def decode(name, apply):
+        apply()
+        rows = geb.bench_decode(model, batches, args.context, args.block_size, True)
+        result.setdefault("decode", {})[name] = rows
+        save()
+
+    t0 = time.perf_counter()
     previous()
-    t0 = time.perf_counter()
     result["tables_before"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
-    result["decode_before"] = geb.bench_decode(model, batches, args.context, args.block_size, True)
+    decode("previous", previous)
+    decode("previous + PDL", settings(tuned, {}, 16, attention, True))
     print(f"[before: {time.perf_counter() - t0:.1f} s]", flush=True)
-    save()
-    dl.TUNED.update(tuned)
-    dl.SPLIT_TUNED.update(split_tuned)
-    llama.FEW_ROWS = few_rows
     t0 = time.perf_counter()
+    settings(tuned, split_tuned, few_rows, attention, True)()
     result["linears"] = sweep_linears(model)
-    result["tuned"] = {"TUNED": {str(k): v for k, v in dl.TUNED.items()},
-                       "SPLIT_TUNED": {str(k): v for k, v in dl.SPLIT_TUNED.items()}}
-    print(json.dumps(result["tuned"]), flush=True)
     print(f"[linears: {time.perf_counter() - t0:.1f} s]", flush=True)
     save()
-    after = (dict(dl.TUNED), dict(dl.SPLIT_TUNED))
-
-    def tuned_settings():
-        dl.TUNED.clear()
-        dl.TUNED.update(after[0])
-        dl.SPLIT_TUNED.clear()
-        dl.SPLIT_TUNED.update(after[1])
-        llama.FEW_ROWS = few_rows
-
-    tuned_settings()
-    result["decode_after"] = geb.bench_decode(model, batches, args.context, args.block_size, True)
+    t0 = time.perf_counter()
+    result["attention"] = sweep_attention(model, batches, args.context, args.block_size)
+    print(f"[attention: {time.perf_counter() - t0:.1f} s]", flush=True)
+    best = (dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows, (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS))
+    result["tuned"] = {"TUNED": {str(k): v for k, v in best[0].items()},
+                       "SPLIT_TUNED": {str(k): v for k, v in best[1].items()}, "attention": best[3]}
+    print(json.dumps(result["tuned"]), flush=True)
+    save()
+    decode("tuned linears, no PDL", settings(best[0], best[1], few_rows, attention, False))
+    decode("tuned linears + PDL", settings(best[0], best[1], few_rows, attention, True))
+    after = settings(*best, True)
+    decode("tuned linears and attention + PDL", after)
+    after()
     result["tables_after"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
     result["differences"] = differences(model, batches, args.context, args.block_size,
-                                        {"before": previous, "after": tuned_settings})
-    tuned_settings()
+                                        {"before": previous, "after": after})
     save()
-    for name in ("decode_before", "decode_after"):
-        for r in result[name]:
-            print(f"{name:>13} batch {r['batch']:>3}: {r['graph_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms, "
+    for name, rows in result["decode"].items():
+        for r in rows:
+            print(f"{name:>34} batch {r['batch']:>3}: {r['graph_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms, "
                   f"{r['x_floor']:.3f}x")
     return 0
 
