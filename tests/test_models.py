@@ -533,14 +533,18 @@ def test_cuda_graph_replay_equals_eager_decode(model_dirs, dtype):
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graph_of_pdl_launches_equals_plain_launches(model_dirs, monkeypatch):
-    """Kernels launched with programmatic dependent launch (on where the GPU has it) wait for the kernel before
-    them ahead of any memory access: replayed again and again, the graph gives exactly what plain launches give,
-    for the hidden states and for the K/V written."""
+def test_cuda_graph_replays_equal_the_eager_step_exactly_every_time(model_dirs, monkeypatch):
+    """A decode step of 8 sequences through the few-rows path with o and down split over K (their partial sums
+    added by the norm after them) and decode attention that merges its slices in the last program of each
+    group: replayed again and again, the graph gives exactly what the eager step gives, hidden states and the
+    K/V written. A missing barrier or an unordered read would show as a difference in some replay."""
     from token_engine.core.cuda_graphs import DecodeGraphs
-    from token_engine.layers import pdl
+    from token_engine.layers import decode_linear_cuda as dl
 
     model = load_model(model_dirs("qwen2", "bfloat16"), device="cuda")
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        monkeypatch.setitem(dl.SPLIT_TUNED, (*linear.weight.shape, 16), ((16, 32, 4, 2), 3))
     arch = model.arch
     pool = allocate_kv_pool(80, arch.num_layers, 16, arch.num_kv_heads, arch.head_dim, arch.dtype, "cuda")
     pool.normal_()
@@ -550,17 +554,15 @@ def test_cuda_graph_of_pdl_launches_equals_plain_launches(model_dirs, monkeypatc
     ids = torch.randint(0, arch.vocab_size, (8,), device="cuda")
     positions = torch.tensor([x - 1 for x in lens], device="cuda")
     before = pool.clone()
-    monkeypatch.setattr(pdl, "ENABLED", False)
     with torch.no_grad():
-        plain = model(ids, positions, meta, pool)
-    plain_pool = pool.clone()
-    monkeypatch.setattr(pdl, "ENABLED", True)
+        eager = model(ids, positions, meta, pool)
+    eager_pool = pool.clone()
     graphs = DecodeGraphs(model, pool, 16, max_num_seqs=8, max_blocks_per_seq=10, batch_sizes=[8])
     graphs.capture()
     for _ in range(20):
         pool.copy_(before)
-        assert torch.equal(graphs.replay(ids, positions, meta), plain)
-        assert torch.equal(pool, plain_pool)
+        assert torch.equal(graphs.replay(ids, positions, meta), eager)
+        assert torch.equal(pool, eager_pool)
 
 
 @pytest.mark.gpu
@@ -619,7 +621,8 @@ def test_cuda_few_rows_kernels_match_the_plain_path(model_dirs, name, split, mon
     if split:  # the tuned table holds the 7B shapes only: give this model's o and down a split
         layer = model.model.layers[0]
         for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            monkeypatch.setitem(dl.SPLIT_TUNED, tuple(linear.weight.shape), ((16, 32, 4, 2), 3))
+            for rows_pad in (16, 32):
+                monkeypatch.setitem(dl.SPLIT_TUNED, (*linear.weight.shape, rows_pad), ((16, 32, 4, 2), 3))
     vocab = model.arch.vocab_size
     few = _mixed_steps(PagedDriver(model, block_size=16, num_blocks=40, seed=1, device="cuda"), vocab)
     model.model.few_rows_kernels = False

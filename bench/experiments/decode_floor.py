@@ -1,21 +1,20 @@
 """Where a CUDA decode step loses time against the HBM floor, and what takes it back: launch configs of the
-few-rows linears (whole K, or split K with the norm after them adding the slices), of the decode attention, and
-programmatic dependent launch (token_engine.layers.pdl).
+few-rows linears (whole K, or split K with the norm after them adding the slices) and of the decode attention.
 
 On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one run on one GPU:
 
 1. the HBM copy bandwidth (the floor's rate, as bench.gpu_engine_bench measures it) and the model;
-2. per batch: a kernel table of graph-replayed steps plus logits (torch.profiler): kernel time summed against
-   the step's time between CUDA events, so launch gaps show as the difference; then whole decode steps
-   (bench.gpu_engine_bench.bench_decode) with main's settings (no split K, at most 16 rows through
-   decode_linear, no PDL), and with PDL alone;
+2. whole decode steps (bench.gpu_engine_bench.bench_decode) with main's settings (no split K, at most 16 rows
+   through decode_linear, 64 keys per attention iteration) and with the committed ones;
 3. each linear role over all layers' real weights, captured in one graph per variant, at 1 and 32 rows. o and
    down are timed with the add + RMSNorm that consumes their output, since the split-K variants move the sum
    of the K slices into that norm. Variants: cuBLAS, decode_linear per config, decode_linear_split per config
    and slice count. The best per role (summed over the row counts, each relative to cuBLAS) is applied;
-4. decode attention over every layer in one graph per (target programs, keys per iteration, warps);
-5. whole decode steps with the tuned settings, without and with PDL; kernel tables again; how far the outputs
-   of main's settings and the tuned ones are apart.
+4. decode attention over every layer in one graph per (target programs, keys per iteration);
+5. whole decode steps with what this run tuned; how far the outputs of main's settings and the committed ones
+   are apart; last, per batch and setting, a kernel table of graph-replayed steps plus logits (torch.profiler):
+   kernel time summed against the step's time between CUDA events, so launch gaps show as the difference (steps
+   timed in a process after the profiler ran came out 0.3-0.4 ms slower, so nothing is timed after it).
 
     python -m bench.experiments.decode_floor --out $OUT/decode_floor.json
 """
@@ -129,7 +128,7 @@ def _time_variants(weights, biases, norms, gated: bool, rows: int) -> dict:
 
 def sweep_linears(model, rows_list=(1, 32)) -> dict:
     """Per role and row count, us per layer of each variant (o and down with the norm after them); applies the
-    best variant per role."""
+    best variant per role and padding of the rows."""
     from token_engine.layers import decode_linear_cuda as dl
 
     layers = list(model.model.layers)
@@ -159,32 +158,28 @@ def sweep_linears(model, rows_list=(1, 32)) -> dict:
                               "norm_alone_us": times.get("norm alone"), "cublas_us": times["cublas"],
                               "best": best, "best_us": ok[best],
                               "best_plain": min((v, k) for k, v in ok.items() if k.startswith("plain"))}), flush=True)
-        totals: dict = {}
-        for rows in rows_list:
-            t = role_out["rows"][rows]["us_per_layer"]
-            for k, v in t.items():
-                if isinstance(v, float) and k != "norm alone":
-                    totals.setdefault(k, []).append(v / t["cublas"])
-        complete = {k: sum(v) for k, v in totals.items() if len(v) == len(rows_list)}
-        chosen = min(complete, key=lambda k: complete[k])
-        role_out["chosen"] = chosen
-        _apply(dl, n_out, k_dim, gated, chosen)
-        print(json.dumps({"role": role, "chosen": chosen}), flush=True)
+        role_out["chosen"] = {}
+        for rows in rows_list:  # per padding of the rows (16, 32): the best of each
+            chosen = role_out["rows"][rows]["best"]
+            role_out["chosen"][rows] = chosen
+            _apply(dl, n_out, k_dim, gated, 16 if rows <= 16 else 32, chosen)
+        print(json.dumps({"role": role, "chosen": role_out["chosen"]}), flush=True)
         out[role] = role_out
     return out
 
 
-ATTENTION = [(t, n, w) for t in (264, 528, 1056) for n in (32, 64, 128) for w in (4, 8)]
+ATTENTION = [(t, n) for t in (264, 528) for n in (64, 128)]  # (TARGET_PROGRAMS, DECODE_BLOCK_N_FEW_SPLITS)
 
 
 def sweep_attention(model, batches, context: int, block_size: int) -> dict:
     """Decode attention (split-K partial + merge) over every layer in one graph, per (target programs, keys per
-    iteration, warps); applies the best summed over the batches, each relative to the current setting."""
+    iteration where the context is cut into at most 4 slices); applies the best summed over the batches, each
+    relative to the current setting."""
     from token_engine.layers import attention_cuda as ac
     from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
-    current = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS)
+    current = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS)
     per_seq = -(-(context + 1) // block_size)
     out: dict = {}
     for batch in batches:
@@ -203,12 +198,12 @@ def sweep_attention(model, batches, context: int, block_size: int) -> dict:
         times = {}
         with torch.inference_mode():
             for setting in ATTENTION:
-                ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = setting
+                ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = setting
                 try:
                     times[str(setting)] = graph_ms(run) * 1e3 / arch.num_layers
                 except Exception as exc:  # noqa: BLE001
                     times[str(setting)] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
-        ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = current
+        ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = current
         kv_bytes = batch * (context + 1) * arch.kv_bytes_per_token / arch.num_layers
         ok = {k: v for k, v in times.items() if isinstance(v, float)}
         best = min(ok, key=lambda k: ok[k])
@@ -220,21 +215,21 @@ def sweep_attention(model, batches, context: int, block_size: int) -> dict:
               for k in out[batches[0]]["us_per_layer"]
               if all(isinstance(out[b]["us_per_layer"][k], float) for b in batches)}
     chosen = min(totals, key=lambda k: totals[k])
-    ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = eval(chosen)  # noqa: S307 - our own repr
+    ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = eval(chosen)  # noqa: S307 - our own repr
     out["chosen"] = chosen
     print(json.dumps({"attention chosen": chosen}), flush=True)
     return out
 
 
-def _apply(dl, n_out: int, k_dim: int, gated: bool, chosen: str) -> None:
-    dl.SPLIT_TUNED.pop((n_out, k_dim), None)
+def _apply(dl, n_out: int, k_dim: int, gated: bool, pad: int, chosen: str) -> None:
+    dl.SPLIT_TUNED.pop((n_out, k_dim, pad), None)
     if chosen == "cublas":
-        dl.TUNED[(n_out, k_dim, gated)] = None
+        dl.TUNED[(n_out, k_dim, gated, pad)] = None
     elif chosen.startswith("plain"):
-        dl.TUNED[(n_out, k_dim, gated)] = eval(chosen.split(" ", 1)[1])  # noqa: S307 - our own repr of a tuple
+        dl.TUNED[(n_out, k_dim, gated, pad)] = eval(chosen.split(" ", 1)[1])  # noqa: S307 - our own repr of a tuple
     else:
         _, slices, cfg = chosen.split(" ", 2)
-        dl.SPLIT_TUNED[(n_out, k_dim)] = (eval(cfg), int(slices))  # noqa: S307
+        dl.SPLIT_TUNED[(n_out, k_dim, pad)] = (eval(cfg), int(slices))  # noqa: S307
 
 
 def differences(model, batches, context, block_size, settings) -> list[dict]:
@@ -267,6 +262,12 @@ def differences(model, batches, context, block_size, settings) -> list[dict]:
     return rows
 
 
+# main's settings before this experiment: whole-K configs for at most 16 rows, no split K, 64 keys per iteration
+MAIN_TUNED = {(4608, 3584, False, 16): None, (3584, 3584, False, 16): (32, 128, 4, 6),
+              (18944, 3584, True, 16): (32, 256, 4, 5), (3584, 18944, False, 16): (32, 256, 4, 5),
+              (152064, 3584, False, 16): (64, 128, 4, 4)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-7b")
@@ -277,7 +278,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from token_engine.layers import attention_cuda as ac
     from token_engine.layers import decode_linear_cuda as dl
-    from token_engine.layers import pdl
     from token_engine.models import llama
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -285,21 +285,21 @@ def main(argv=None) -> int:
     result: dict = {"preset": args.preset, "device": torch.cuda.get_device_name(), "ceilings": dict(geb.HW)}
     print(json.dumps(result), flush=True)
     model, _ = geb.build_random_model(args.preset, seed=0)
-    tuned, split_tuned, few_rows = dict(dl.TUNED), dict(dl.SPLIT_TUNED), llama.FEW_ROWS
-    attention = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS)
+    few_rows = llama.FEW_ROWS
 
-    def settings(linears, splits, rows, attn, use_pdl):
+    def settings(linears, splits, rows, attn):
         def apply():
             dl.TUNED.clear()
             dl.TUNED.update(linears)
             dl.SPLIT_TUNED.clear()
             dl.SPLIT_TUNED.update(splits)
             llama.FEW_ROWS = rows
-            ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS = attn
-            pdl.ENABLED = use_pdl
+            ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = attn
         return apply
 
-    previous = settings(tuned, {}, 16, attention, False)  # what main runs
+    previous = settings(MAIN_TUNED, {}, 16, (ac.TARGET_PROGRAMS, 64))
+    committed = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows,
+                         (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS))
 
     def save():
         if args.out:
@@ -312,37 +312,32 @@ def main(argv=None) -> int:
         result.setdefault("decode", {})[name] = rows
         save()
 
+    # the profiler runs last: steps timed after it ran in this process came out slower
+    decode("main's settings", previous)
+    decode("committed settings", committed)
     t0 = time.perf_counter()
-    previous()
-    result["tables_before"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
-    decode("previous", previous)
-    decode("previous + PDL", settings(tuned, {}, 16, attention, True))
-    print(f"[before: {time.perf_counter() - t0:.1f} s]", flush=True)
-    t0 = time.perf_counter()
-    settings(tuned, split_tuned, few_rows, attention, True)()
     result["linears"] = sweep_linears(model)
     print(f"[linears: {time.perf_counter() - t0:.1f} s]", flush=True)
     save()
     t0 = time.perf_counter()
     result["attention"] = sweep_attention(model, batches, args.context, args.block_size)
     print(f"[attention: {time.perf_counter() - t0:.1f} s]", flush=True)
-    best = (dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows, (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N, ac.DECODE_WARPS))
-    result["tuned"] = {"TUNED": {str(k): v for k, v in best[0].items()},
-                       "SPLIT_TUNED": {str(k): v for k, v in best[1].items()}, "attention": best[3]}
+    best = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows, (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS))
+    result["tuned"] = {"TUNED": {str(k): v for k, v in dl.TUNED.items()},
+                       "SPLIT_TUNED": {str(k): v for k, v in dl.SPLIT_TUNED.items()},
+                       "attention": [ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS]}
     print(json.dumps(result["tuned"]), flush=True)
-    save()
-    decode("tuned linears, no PDL", settings(best[0], best[1], few_rows, attention, False))
-    decode("tuned linears + PDL", settings(best[0], best[1], few_rows, attention, True))
-    after = settings(*best, True)
-    decode("tuned linears and attention + PDL", after)
-    after()
-    result["tables_after"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
+    decode("tuned here", best)
+    committed()
     result["differences"] = differences(model, batches, args.context, args.block_size,
-                                        {"before": previous, "after": after})
+                                        {"main's settings": previous, "committed": committed})
+    result["tables_committed"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
+    previous()
+    result["tables_main"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
     save()
     for name, rows in result["decode"].items():
         for r in rows:
-            print(f"{name:>34} batch {r['batch']:>3}: {r['graph_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms, "
+            print(f"{name:>20} batch {r['batch']:>3}: {r['graph_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms, "
                   f"{r['x_floor']:.3f}x")
     return 0
 

@@ -27,11 +27,13 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from token_engine.layers.attention_prefill_cuda import prefill_attention, prefill_config, prefill_tiles
-from token_engine.layers.pdl import launch_args, pdl_wait_then_release
 
 # Decode: tokens per inner iteration, and a target of programs in flight (H200: 132 SMs).
 DECODE_BLOCK_N = 64
-DECODE_WARPS = 4
+# Keys per iteration where a sequence's context is cut into at most 4 slices (large batches): long slices, and
+# fewer, larger loads in flight per program. Qwen2.5-7B's shape, batch 32 over 1k of context on an H200: 28.8 us
+# per layer against 31.5 with 64 (bench/experiments/decode_floor.py); batch 1 (32 slices): 64 is best.
+DECODE_BLOCK_N_FEW_SPLITS = 128
 TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
 # Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's
@@ -87,9 +89,7 @@ def _decode_partial_kernel(
     stride_bt, num_splits,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,9 +150,7 @@ def _decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, q_start_ptr, seq_ids_ptr,
     stride_ot, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     i = tl.program_id(0)
     head = tl.program_id(1)
     if HAS_SEQ_IDS:
@@ -242,14 +240,14 @@ def decode_attention(
         meta.block_tables.stride(0),
         splits,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N, HAS_SEQ_IDS=seq_ids is not None,
-        IEEE=q.dtype == torch.float32, num_warps=DECODE_WARPS, **launch_args(q),
+        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N_FEW_SPLITS if splits <= 4 else DECODE_BLOCK_N,
+        HAS_SEQ_IDS=seq_ids is not None,
+        IEEE=q.dtype == torch.float32,
     )
     _decode_merge_kernel[(num, num_heads)](
         m, lse, acc, out, meta.query_start_loc, ids,
         out.stride(0), out.stride(1), splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad(splits), HAS_SEQ_IDS=seq_ids is not None,
-        **launch_args(q),
     )
     return out
 

@@ -16,17 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from token_engine.layers.pdl import launch_args, pdl_wait_then_release
-
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, stride_xs,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SLICES: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SLICES: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -71,7 +68,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x.stride(-2), res.stride(0), out.stride(0), res_out.stride(0), x.stride(0) if slices else 0,
             n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), SLICES=slices,
-            **launch_args(x),
         )
     return (out, res_out) if residual is not None else out
 
@@ -115,9 +111,7 @@ def _qk_rotary_kernel(
     eps,
     NUM_HEADS: tl.constexpr, Q_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HEAD_DIM // 2)
     cos = tl.load(cos_ptr + token * stride_ct + j).to(tl.float32)[None, :]
@@ -172,7 +166,7 @@ def qk_rotary(q, k, cos, sin, q_norm_weight=None, k_norm_weight=None, eps: float
             eps,
             NUM_HEADS=heads, Q_PAD=triton.next_power_of_2(heads), NUM_KV_HEADS=kv_heads,
             KV_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM=dim, HAS_NORM=has_norm, STORE_KV=store,
-            BLOCK_SIZE=block_size, **launch_args(q),
+            BLOCK_SIZE=block_size,
         )
     return q_out, k_out
 

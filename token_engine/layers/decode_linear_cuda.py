@@ -1,4 +1,4 @@
-"""Linear layers for decode-sized batches (at most 16 rows) on CUDA.
+"""Linear layers for decode-sized batches (at most 32 rows) on CUDA.
 
 At decode a linear layer reads its whole weight for a handful of activation rows, so its time is the weight
 bytes over HBM bandwidth plus a fixed cost per kernel. For some of a 7B model's layers cuBLAS leaves
@@ -6,13 +6,17 @@ bandwidth unused at this size (the o projection goes through a split-K kernel an
 kernel), and the SiLU gate between gate_up and down is one more launch. This kernel streams the weight
 once per call, with each program owning BLOCK_N output features over all of K, and with `gated` computes
 SiLU(x @ W_gate.T) * (x @ W_up.T) for the gate_up projection in the same pass (no silu_and_mul kernel).
+decode_linear_split instead spreads K over several programs per feature tile and leaves float32 partial sums
+for the next kernel (the add + RMSNorm after o and down) to add up: more programs in flight for the layers
+whose whole-K grid leaves SMs idle (3584 features in tiles of 32 are 112 programs on 132 SMs).
 
-Which layers use it and with which launch config is decided per shape by measurement
-(bench/experiments/gpu_decode_profile.py, TUNED below); a shape measured slower than cuBLAS is sent to cuBLAS.
+Which layers use it and with which launch config is decided per shape and row count by measurement
+(bench/experiments/decode_floor.py, TUNED and SPLIT_TUNED below); a shape measured slower than cuBLAS is sent
+to cuBLAS.
 
 Rounding follows the unfused path: each matmul output is rounded to the activation dtype, then SiLU is
 rounded, then the product, so results differ from cuBLAS only in the order of the float32 sums. The
-activation rows are padded to 16 for the tensor-core dot and re-read from L2 by every program, which costs
+activation rows are padded to 16 or 32 for the tensor-core dot and re-read from L2 by every program, which costs
 nothing next to the weight bytes.
 """
 
@@ -23,36 +27,44 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from token_engine.layers.pdl import launch_args, pdl_wait_then_release
-
 MAX_ROWS = 32
 
 Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 
-# (out features, in features, gated) -> launch config, or None where cuBLAS measured faster. Measured on an
-# H200 for Qwen2.5-7B's shapes (bench/results/gpu_decode_profile_nvidia-h200.json); other shapes get DEFAULT_CONFIG.
-TUNED: dict[tuple[int, int, bool], Config | None] = {
-    (4608, 3584, False): None,  # q/k/v with bias: cuBLAS 11.6 us, ours 13.5
-    (3584, 3584, False): (32, 128, 4, 6),  # o: 9.8 us, cuBLAS 11.4 (split K + a reduction kernel)
-    (18944, 3584, True): (32, 256, 4, 5),  # gate_up + SiLU: 65.5 us, cuBLAS 70.7 + silu_and_mul
-    (3584, 18944, False): (32, 256, 4, 5),  # down: 38.3 us, cuBLAS 38.4 (+ its reduction kernel's gap)
-    (152064, 3584, False): (64, 128, 4, 4),  # lm_head: 243.9 us, cuBLAS 253.5
+# (out features, in features, gated, activation rows padded: 16 or 32) -> launch config, or None where cuBLAS
+# measured faster. Measured on an H200 for Qwen2.5-7B's shapes over all 28 layers in one CUDA graph, us per
+# layer (bench/experiments/decode_floor.py; bench/results/decode_floor_nvidia-h200.json); other shapes get
+# DEFAULT_CONFIG. o and down normally take SPLIT_TUNED below.
+TUNED: dict[tuple[int, int, bool, int], Config | None] = {
+    (4608, 3584, False, 16): None,  # q/k/v with bias: cuBLAS 12.3, ours 13.0
+    (4608, 3584, False, 32): None,  # cuBLAS 12.4, ours 15.3
+    (3584, 3584, False, 16): (32, 128, 4, 6),  # o: 9.8, cuBLAS 11.4 (split K + a reduction kernel)
+    (3584, 3584, False, 32): None,
+    (18944, 3584, True, 16): (32, 256, 4, 5),  # gate_up + SiLU: 68.5, cuBLAS + silu_and_mul 74.4
+    (18944, 3584, True, 32): (64, 128, 4, 4),  # 75.7, cuBLAS + silu_and_mul 77.0
+    (3584, 18944, False, 16): (32, 256, 4, 5),  # down
+    (3584, 18944, False, 32): None,
+    (152064, 3584, False, 16): (64, 256, 4, 3),  # lm_head: 250.5, cuBLAS 263.2
+    (152064, 3584, False, 32): (64, 128, 4, 4),  # 265.6, cuBLAS 272.1
 }
 DEFAULT_CONFIG: Config = (32, 256, 4, 4)
-# (out features, in features) -> (launch config, K slices) for the layers whose output feeds an RMSNorm with a
-# residual (o, down): the kernel writes float32 partial sums per K slice and the norm adds them, so more programs
-# stream the weight at no extra launch. Layers without an entry (or with a bias) take decode_linear.
-SPLIT_TUNED: dict[tuple[int, int], tuple[Config, int]] = {
-    (3584, 3584): ((32, 128, 4, 4), 2),  # o
-    (3584, 18944): ((32, 256, 4, 4), 4),  # down
+# (out features, in features, rows padded) -> (launch config, K slices) for the layers whose output feeds an add
+# + RMSNorm (o, down): the kernel writes float32 partial sums per K slice and the norm's kernel adds them, so
+# more programs stream the weight at no extra launch. Layers without an entry (or with a bias) take
+# decode_linear. Same measurement as TUNED, the norm after the layer included in each time:
+SPLIT_TUNED: dict[tuple[int, int, int], tuple[Config, int]] = {
+    (3584, 3584, 16): ((64, 256, 4, 3), 3),  # o: 11.2, whole K 11.4, cuBLAS 14.0 (with its reduction kernel)
+    (3584, 3584, 32): ((32, 128, 4, 4), 2),  # 12.6, whole K 14.1, cuBLAS 14.0
+    (3584, 18944, 16): ((32, 256, 4, 3), 3),  # down: 36.9, whole K 40.9, cuBLAS 41.4
+    (3584, 18944, 32): ((64, 128, 4, 3), 6),  # 39.7, whole K 51.1, cuBLAS 42.2
 }
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program; Hopper has 227 KB per block
 
 
-def launch_config(n_out: int, k_dim: int, gated: bool) -> Config | None:
-    return TUNED.get((n_out, k_dim, gated), DEFAULT_CONFIG)
+def launch_config(n_out: int, k_dim: int, gated: bool, rows: int = 1) -> Config | None:
+    return TUNED.get((n_out, k_dim, gated, _rows_pad(rows)), DEFAULT_CONFIG)
 
 
 def fit_shared_memory(config: Config, element_size: int, gated: bool, rows_pad: int = 16) -> Config:
@@ -75,9 +87,8 @@ def _decode_linear_kernel(
     M, N, K, tiles_per_split,
     stride_xm, stride_wn, stride_ym, stride_ys,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, ROWS)
@@ -141,7 +152,7 @@ def decode_linear(
     result is SiLU(gate) * up, [M, N]. `config` overrides the tuned launch config."""
     rows, k_dim = _check(x, weight)
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    cfg = config or launch_config(n_out, k_dim, gated)
+    cfg = config or launch_config(n_out, k_dim, gated, rows)
     if cfg is None:  # cuBLAS measured faster for this shape
         y = F.linear(x, weight, bias)
         if gated:
@@ -155,8 +166,8 @@ def decode_linear(
     return y
 
 
-def split_config(n_out: int, k_dim: int) -> tuple[Config, int] | None:
-    return SPLIT_TUNED.get((n_out, k_dim))
+def split_config(n_out: int, k_dim: int, rows: int) -> tuple[Config, int] | None:
+    return SPLIT_TUNED.get((n_out, k_dim, _rows_pad(rows)))
 
 
 def decode_linear_split(x: torch.Tensor, weight: torch.Tensor, splits: int, config: Config) -> torch.Tensor:
@@ -201,5 +212,5 @@ def _launch(x, weight, bias, y, cfg: Config, gated: bool, splits: int) -> None:
         x.stride(0), weight.stride(0), y.stride(-2), y.stride(0) if partial else 0,
         ROWS=pad, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, GATED=gated, IEEE=x.dtype == torch.float32, PARTIAL=partial,
-        num_warps=num_warps, num_stages=num_stages, **launch_args(x),
+        num_warps=num_warps, num_stages=num_stages,
     )

@@ -105,7 +105,7 @@ def _linear_into_norm(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     split is tuned for its shape (more programs stream the weight; the norm's kernel does the sum)."""
     from token_engine.layers import decode_linear_cuda as dl
 
-    split = dl.split_config(*linear.weight.shape) if linear.bias is None else None
+    split = dl.split_config(*linear.weight.shape, x.shape[0]) if linear.bias is None else None
     if split is None:
         return dl.decode_linear(x, linear.weight, linear.bias)
     return dl.decode_linear_split(x, linear.weight, split[1], split[0])
