@@ -275,6 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-profile", action="store_true", help="no kernel tables (the profiler's part is the slowest)")
     args = p.parse_args(argv)
     from token_engine.layers import attention_cuda as ac
     from token_engine.layers import decode_linear_cuda as dl
@@ -331,9 +332,10 @@ def main(argv=None) -> int:
     committed()
     result["differences"] = differences(model, batches, args.context, args.block_size,
                                         {"main's settings": previous, "committed": committed})
-    result["tables_committed"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
-    previous()
-    result["tables_main"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
+    if not args.no_profile:
+        result["tables_committed"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
+        previous()
+        result["tables_main"] = [kernel_table(model, b, args.context, args.block_size) for b in batches]
     save()
     for name, rows in result["decode"].items():
         for r in rows:
