@@ -30,10 +30,10 @@ from token_engine.layers.attention_prefill_cuda import prefill_attention, prefil
 
 # Decode: tokens per inner iteration, and a target of programs in flight (H200: 132 SMs).
 DECODE_BLOCK_N = 64
-# Keys per iteration where a sequence's context is cut into at most 4 slices (large batches): long slices, and
-# fewer, larger loads in flight per program. Qwen2.5-7B's shape, batch 32 over 1k of context on an H200: 28.8 us
-# per layer against 31.5 with 64 (bench/experiments/decode_floor.py); batch 1 (32 slices): 64 is best.
-DECODE_BLOCK_N_FEW_SPLITS = 128
+# Keys per iteration where a sequence's context is cut into at most 4 slices (large batches). Qwen2.5-7B's shape,
+# batch 32 over 1k of context (bench/experiments/decode_floor.py): on an H100 64 keys 32.1 us per layer, 128 keys
+# 33.1; on an H200, in a run with other launch settings, 128 keys 28.8 against 31.5.
+DECODE_BLOCK_N_FEW_SPLITS = 64
 TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
 # Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's

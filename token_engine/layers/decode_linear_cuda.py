@@ -32,32 +32,29 @@ MAX_ROWS = 32
 Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 
 # (out features, in features, gated, activation rows padded: 16 or 32) -> launch config, or None where cuBLAS
-# measured faster. Measured on an H200 for Qwen2.5-7B's shapes over all 28 layers in one CUDA graph, us per
-# layer (bench/experiments/decode_floor.py; bench/results/decode_floor_nvidia-h200.json); other shapes get
-# DEFAULT_CONFIG. o and down normally take SPLIT_TUNED below.
+# measured faster. Measured for Qwen2.5-7B's shapes over all 28 layers in one CUDA graph, us per layer, o and
+# down with the add + RMSNorm after them (bench/experiments/decode_floor.py;
+# bench/results/decode_floor_nvidia-h100.json, an H100); other shapes get DEFAULT_CONFIG.
 TUNED: dict[tuple[int, int, bool, int], Config | None] = {
-    (4608, 3584, False, 16): None,  # q/k/v with bias: cuBLAS 12.3, ours 13.0
-    (4608, 3584, False, 32): None,  # cuBLAS 12.4, ours 15.3
-    (3584, 3584, False, 16): (32, 128, 4, 6),  # o: 9.8, cuBLAS 11.4 (split K + a reduction kernel)
-    (3584, 3584, False, 32): None,
-    (18944, 3584, True, 16): (32, 256, 4, 5),  # gate_up + SiLU: 68.5, cuBLAS + silu_and_mul 74.4
-    (18944, 3584, True, 32): (64, 128, 4, 4),  # 75.7, cuBLAS + silu_and_mul 77.0
-    (3584, 18944, False, 16): (32, 256, 4, 5),  # down
-    (3584, 18944, False, 32): None,
-    (152064, 3584, False, 16): (64, 256, 4, 3),  # lm_head: 250.5, cuBLAS 263.2
-    (152064, 3584, False, 32): (64, 128, 4, 4),  # 265.6, cuBLAS 272.1
+    (4608, 3584, False, 16): None,  # q/k/v with bias: cuBLAS 14.1, ours 15.1
+    (4608, 3584, False, 32): None,  # cuBLAS 14.8, ours 16.2
+    (3584, 3584, False, 16): (32, 256, 4, 5),  # o: 13.6, cuBLAS 13.8 (split K + a reduction kernel)
+    (3584, 3584, False, 32): (32, 256, 4, 4),  # 14.0, cuBLAS 14.3
+    (18944, 3584, True, 16): (32, 256, 4, 4),  # gate_up + SiLU: 89.7, cuBLAS + silu_and_mul 96.0
+    (18944, 3584, True, 32): (64, 128, 4, 4),  # 98.3, cuBLAS + silu_and_mul 98.4
+    (3584, 18944, False, 16): (32, 256, 4, 5),  # down: 49.8, cuBLAS 54.5
+    (3584, 18944, False, 32): (32, 256, 4, 5),  # 51.9, cuBLAS 54.9
+    (152064, 3584, False, 16): (64, 256, 4, 3),  # lm_head: 347, cuBLAS 363
+    (152064, 3584, False, 32): (64, 256, 4, 3),  # 365, cuBLAS 377
 }
 DEFAULT_CONFIG: Config = (32, 256, 4, 4)
-# (out features, in features, rows padded) -> (launch config, K slices) for the layers whose output feeds an add
-# + RMSNorm (o, down): the kernel writes float32 partial sums per K slice and the norm's kernel adds them, so
-# more programs stream the weight at no extra launch. Layers without an entry (or with a bias) take
-# decode_linear. Same measurement as TUNED, the norm after the layer included in each time:
-SPLIT_TUNED: dict[tuple[int, int, int], tuple[Config, int]] = {
-    (3584, 3584, 16): ((64, 256, 4, 3), 3),  # o: 11.2, whole K 11.4, cuBLAS 14.0 (with its reduction kernel)
-    (3584, 3584, 32): ((32, 128, 4, 4), 2),  # 12.6, whole K 14.1, cuBLAS 14.0
-    (3584, 18944, 16): ((32, 256, 4, 3), 3),  # down: 36.9, whole K 40.9, cuBLAS 41.4
-    (3584, 18944, 32): ((64, 128, 4, 3), 6),  # 39.7, whole K 51.1, cuBLAS 42.2
-}
+# (out features, in features, rows padded) -> (launch config, K slices) for a layer whose output feeds an add +
+# RMSNorm (o, down): the kernel writes float32 partial sums per K slice and the norm's kernel adds them, so more
+# programs stream the weight at no extra launch. Layers without an entry (or with a bias) take decode_linear.
+# Empty: in the same measurement the best split lost to the best whole-K config by a hair (down, 1 row: 49.9
+# against 49.8 us; o: 13.8 against 13.6). On an H200, before whole-K got its constant loop bounds back, split K
+# won for down (bench/results/decode_floor_sweep_nvidia-h200.json): measure there before adding entries.
+SPLIT_TUNED: dict[tuple[int, int, int], tuple[Config, int]] = {}
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program; Hopper has 227 KB per block
