@@ -97,7 +97,7 @@ def _decode_linear_kernel(
     if PARTIAL:
         k_start = tl.program_id(1) * tiles_per_split * BLOCK_K
         k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
-    else:  # constant bounds: a loop from a run-time start measured ~2% slower per step on an H100
+    else:  # constant bounds, as before split K existed (the whole-K configs were tuned with them)
         k_start = 0
         k_end = K
 
