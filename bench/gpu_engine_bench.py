@@ -250,7 +250,9 @@ def load_tuned(path: str) -> None:
         tuned = json.load(f)
     tuned = tuned.get("tuned", tuned)
     for key, config in tuned.items():
-        decode_linear_cuda.TUNED[ast.literal_eval(key)] = None if config == "cublas" else tuple(config)
+        shape = ast.literal_eval(key)  # (out, in, gated[, rows padded]): without the rows, for both paddings
+        for full in [shape] if len(shape) == 4 else [(*shape, 16), (*shape, 32)]:
+            decode_linear_cuda.TUNED[full] = None if config == "cublas" else tuple(config)
 
 
 def main(argv=None) -> int:

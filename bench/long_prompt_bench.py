@@ -13,8 +13,9 @@ Everything in one process on one GPU, each figure against its floor measured in 
    turn (new tokens over a cached prefix); each with the paged kernel and with the legacy path.
    Floor: matmul FLOPs (2 * params * tokens + causal attention) over the measured matmul rate.
 4. Decode steps at batch 1 and 32 through the CUDA graphs, against the HBM floor (bench.gpu_engine_bench).
-Prints a table last; writes JSON. Dry run on CPU: `--device cpu --preset tiny --prompt 256 --chunk 64
---agent-cached 192 --agent-new 48 --batches 1,2` (the kernel paths need CUDA and are skipped there).
+Prints a table last; writes JSON. `--skip-prefill` runs steps 1 and 4 only (a short decode-only run).
+Dry run on CPU: `--device cpu --preset tiny --prompt 256 --chunk 64 --agent-cached 192 --agent-new 48
+--batches 1,2` (the kernel paths need CUDA and are skipped there).
 """
 
 from __future__ import annotations
@@ -279,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cuda")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true",
+                   help="decode steps only: no attention kernels, no prompts through the model")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     geb.DEVICE = args.device
@@ -295,7 +298,7 @@ def main(argv=None) -> int:
     model, _ = geb.build_random_model(args.preset, seed=0)
     arch = model.arch
     print(f"built {args.preset} in {time.perf_counter() - t0:.1f} s", flush=True)
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.skip_prefill:
         cases = [("agent turn", args.agent_cached, args.agent_new), ("fresh 8k", 0, 8192),
                  (f"fresh {args.prompt}", 0, args.prompt), ("chunk 8k over 24k", 24576, 8192)]
         result["attention"] = bench_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, args.block_size,
@@ -308,11 +311,14 @@ def main(argv=None) -> int:
         print(f"paged prefill tiles for the model runs: {best}", flush=True)
         result["cudnn_first_calls"] = cudnn_first_calls(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                         [30000, 30001, 32768])
-    iters = 3 if args.prompt > 8192 else 5
-    prompts = [bench_prompt(model, args.prompt, 0, 0, args.block_size, iters)]
-    prompts += [bench_prompt(model, args.prompt, int(c), 0, args.block_size, iters) for c in args.chunk.split(",") if c]
-    prompts.append(bench_prompt(model, args.agent_cached + args.agent_new, 0, args.agent_cached, args.block_size, 10))
-    result["prompts"] = prompts
+    if not args.skip_prefill:
+        iters = 3 if args.prompt > 8192 else 5
+        prompts = [bench_prompt(model, args.prompt, 0, 0, args.block_size, iters)]
+        prompts += [bench_prompt(model, args.prompt, int(c), 0, args.block_size, iters)
+                    for c in args.chunk.split(",") if c]
+        prompts.append(bench_prompt(model, args.agent_cached + args.agent_new, 0, args.agent_cached, args.block_size,
+                                    10))
+        result["prompts"] = prompts
     if not args.skip_decode:
         batches = [int(x) for x in args.batches.split(",") if x]
         result["decode"] = geb.bench_decode(model, batches, args.context, args.block_size, args.device == "cuda")
@@ -341,8 +347,9 @@ def print_table(result: dict) -> None:
                   f"{_f(r['paged_tflops'], '.0f')}"
                   f" err {r['paged_max_abs_err']:.1e} | legacy {_f(r['legacy_ms'])} err {r['legacy_max_abs_err']:.1e}"
                   f" | flash {_f(r['sdpa_flash_ms'])} | cudnn {_f(r['sdpa_cudnn_ms'])}")
-    print("prompts through the model (ms, x floor)")
-    for r in result["prompts"]:
+    if result.get("prompts"):
+        print("prompts through the model (ms, x floor)")
+    for r in result.get("prompts", []):
         parts = [f"{k[:-3]} {r[k]:.1f} ({r[k[:-3] + '_x_floor']:.2f}x)"
                  for k in r if k.endswith("_ms") and k != "floor_ms"]
         print(f"  {r['tokens']:>6} tok, {r['cached']:>6} cached, chunk {r['chunk']:>5}: floor {r['floor_ms']:.1f} | "

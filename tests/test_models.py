@@ -533,6 +533,40 @@ def test_cuda_graph_replay_equals_eager_decode(model_dirs, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_graph_replays_equal_the_eager_step_exactly_every_time(model_dirs, monkeypatch):
+    """A decode step of 8 sequences through the few-rows path with o and down split over K (their partial sums
+    added by the norm after them) and decode attention that merges its slices in the last program of each
+    group: replayed again and again, the graph gives exactly what the eager step gives, hidden states and the
+    K/V written. A missing barrier or an unordered read would show as a difference in some replay."""
+    from token_engine.core.cuda_graphs import DecodeGraphs
+    from token_engine.layers import decode_linear_cuda as dl
+
+    model = load_model(model_dirs("qwen2", "bfloat16"), device="cuda")
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        monkeypatch.setitem(dl.SPLIT_TUNED, (*linear.weight.shape, 16), ((16, 32, 4, 2), 3))
+    arch = model.arch
+    pool = allocate_kv_pool(80, arch.num_layers, 16, arch.num_kv_heads, arch.head_dim, arch.dtype, "cuda")
+    pool.normal_()
+    tables = [list(range(i * 10, (i + 1) * 10)) for i in range(8)]
+    lens = [150, 3, 77, 160, 16, 17, 99, 120]
+    meta = build_metadata([1] * 8, lens, tables, 16, "cuda")
+    ids = torch.randint(0, arch.vocab_size, (8,), device="cuda")
+    positions = torch.tensor([x - 1 for x in lens], device="cuda")
+    before = pool.clone()
+    with torch.no_grad():
+        eager = model(ids, positions, meta, pool)
+    eager_pool = pool.clone()
+    graphs = DecodeGraphs(model, pool, 16, max_num_seqs=8, max_blocks_per_seq=10, batch_sizes=[8])
+    graphs.capture()
+    for _ in range(20):
+        pool.copy_(before)
+        assert torch.equal(graphs.replay(ids, positions, meta), eager)
+        assert torch.equal(pool, eager_pool)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("name", ["qwen3", "mistral-sliding-window"])
 def test_cuda_mixed_step_graph_replay_equals_the_eager_step(model_dirs, name):
     """Prefill chunks next to decodes, padded into a captured graph: the same hidden states and the same K/V
@@ -575,11 +609,20 @@ def test_cuda_mixed_step_graph_replay_equals_the_eager_step(model_dirs, name):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name", ["qwen2", "llama-bias-llama3-rope"])
-def test_cuda_few_rows_kernels_match_the_plain_path(model_dirs, name):
-    """Steps of <= 16 tokens take decode_linear_cuda (split K, SiLU folded into down); the same steps through
-    cuBLAS and the separate kernels give the same logits."""
+def test_cuda_few_rows_kernels_match_the_plain_path(model_dirs, name, split, monkeypatch):
+    """Steps of <= 32 tokens take decode_linear_cuda (SiLU folded into gate_up; with `split`, o and down write
+    partial sums over K slices that the norm after them adds up); the same steps through cuBLAS and the separate
+    kernels give the same logits."""
+    from token_engine.layers import decode_linear_cuda as dl
+
     model = load_model(model_dirs(name), device="cuda")
+    if split:  # the tuned table holds the 7B shapes only: give this model's o and down a split
+        layer = model.model.layers[0]
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            for rows_pad in (16, 32):
+                monkeypatch.setitem(dl.SPLIT_TUNED, (*linear.weight.shape, rows_pad), ((16, 32, 4, 2), 3))
     vocab = model.arch.vocab_size
     few = _mixed_steps(PagedDriver(model, block_size=16, num_blocks=40, seed=1, device="cuda"), vocab)
     model.model.few_rows_kernels = False

@@ -221,6 +221,18 @@ def check_decode_linear(dtype, tol):
         gate_up = F.linear(x, w, b)
         close(f"decode_linear gated rows={rows} {dtype}", lin(x, w, b, gated=True, config=cfg),
               F.silu(gate_up[:, :n_out]) * gate_up[:, n_out:], tol)
+    x = torch.randn(20, k_dim).to(dtype)  # over 16 rows: the 32-row tile
+    close(f"decode_linear rows=20 {dtype}", lin(x, w, b, config=cfg), F.linear(x, w, b), tol)
+    # split K: 200 over 3 slices of whole 64-wide tiles is 128 + 72, so two slices come back, not three
+    parts = decode_linear_cuda.decode_linear_split(x, w, 3, cfg)
+    assert parts.shape == (2, 20, 2 * n_out) and parts.dtype == torch.float32, parts.shape
+    close(f"decode_linear_split {dtype}", parts.sum(0), F.linear(x.float(), w.float()), tol)
+    # the norm after o / down adds the slices up, rounds, adds the residual: as on the unsplit output
+    norm_w, r = torch.randn(2 * n_out).to(dtype), torch.randn(20, 2 * n_out).to(dtype)
+    got, got_res = blocks_cuda.rms_norm(parts, norm_w, 1e-6, r)
+    want, want_res = blocks_cuda.rms_norm(parts.sum(0).to(dtype), norm_w, 1e-6, r)
+    close(f"rms_norm of split-K partials {dtype}", got, want, tol)
+    close(f"rms_norm of split-K partials, residual {dtype}", got_res, want_res, tol)
 
 
 with torch.no_grad():

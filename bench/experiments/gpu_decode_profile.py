@@ -123,7 +123,8 @@ def bench_linears(model, rows_list=(1, 8)) -> dict:
                   flush=True)
         complete = {k: sum(v) for k, v in totals.items() if len(v) == len(rows_list)}
         chosen = min(complete, key=complete.get)  # best over all row counts, each relative to cuBLAS
-        dl.TUNED[(n_out, k_dim, gated)] = None if chosen == "cublas" else chosen
+        for pad in (16, 32):
+            dl.TUNED[(n_out, k_dim, gated, pad)] = None if chosen == "cublas" else chosen
         role_out["chosen"] = "cublas" if chosen == "cublas" else list(chosen)
         print(json.dumps({"role": role, "chosen": role_out["chosen"]}), flush=True)
         out[role] = role_out

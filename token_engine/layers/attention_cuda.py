@@ -30,6 +30,10 @@ from token_engine.layers.attention_prefill_cuda import prefill_attention, prefil
 
 # Decode: tokens per inner iteration, and a target of programs in flight (H200: 132 SMs).
 DECODE_BLOCK_N = 64
+# Keys per iteration where a sequence's context is cut into at most 4 slices (large batches). Qwen2.5-7B's shape,
+# batch 32 over 1k of context (bench/experiments/decode_floor.py): on an H100 64 keys 32.1 us per layer, 128 keys
+# 33.1; on an H200, in a run with other launch settings, 128 keys 28.8 against 31.5.
+DECODE_BLOCK_N_FEW_SPLITS = 64
 TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
 # Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's
@@ -236,7 +240,8 @@ def decode_attention(
         meta.block_tables.stride(0),
         splits,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N, HAS_SEQ_IDS=seq_ids is not None,
+        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N_FEW_SPLITS if splits <= 4 else DECODE_BLOCK_N,
+        HAS_SEQ_IDS=seq_ids is not None,
         IEEE=q.dtype == torch.float32,
     )
     _decode_merge_kernel[(num, num_heads)](

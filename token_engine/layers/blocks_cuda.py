@@ -20,14 +20,20 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
+    stride_x, stride_r, stride_o, stride_ro, stride_xs,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SLICES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SLICES > 0:  # x is a linear layer's float32 partial sums per K slice: its output is their sum, rounded
+        x = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(SLICES):
+            x += tl.load(x_ptr + s * stride_xs + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         # round the sum to the activation dtype first: that rounded value is the residual stream
@@ -41,19 +47,27 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Returns norm(x) or, with residual, (norm(x + residual), x + residual). x: [T, H] (last dim contiguous)."""
-    n_rows, n_cols = x.shape
+    """Returns norm(x) or, with residual, (norm(x + residual), x + residual). x: [T, H] (last dim contiguous),
+    or [S, T, H] float32: the partial sums of a split-K linear layer (decode_linear_split), whose sum rounded
+    to the residual's dtype is the layer's output; the residual is required then."""
+    slices = 0
+    if x.dim() == 3:
+        if residual is None:
+            raise ValueError("rms_norm of split-K partial sums needs the residual (its dtype is the output's)")
+        slices = x.shape[0]
+    n_rows, n_cols = x.shape[-2:]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dtype = residual.dtype if residual is not None else x.dtype
+    out = torch.empty((n_rows, n_cols), dtype=dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else out
     res = residual if residual is not None else x
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
             x, res, weight, out, res_out,
-            x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+            x.stride(-2), res.stride(0), out.stride(0), res_out.stride(0), x.stride(0) if slices else 0,
             n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), SLICES=slices,
         )
     return (out, res_out) if residual is not None else out
 

@@ -15,7 +15,7 @@ from token_engine.layers.attention import AttentionMetadata, paged_attention, st
 from token_engine.layers.blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from token_engine.models.arch import ModelArch
 
-FEW_ROWS = 16  # steps of at most this many tokens use decode_linear_cuda (its MAX_ROWS) on CUDA
+FEW_ROWS = 32  # steps of at most this many tokens use decode_linear_cuda (its MAX_ROWS) on CUDA
 
 
 class Attention(nn.Module):
@@ -83,19 +83,32 @@ class DecoderLayer(nn.Module):
 
     def forward_few_rows(self, x, residual, cos, sin, meta, kv_pool):
         """forward for a step of a few rows on CUDA: the linears go through decode_linear_cuda (its own kernel or
-        cuBLAS, per shape, with the SiLU gate folded into gate_up), everything else as in forward."""
+        cuBLAS, per shape, with the SiLU gate folded into gate_up), everything else as in forward. o and down
+        may return split-K partial sums (_linear_into_norm), which the norm after each adds up: so may x."""
+        from token_engine.layers.blocks_cuda import rms_norm
         from token_engine.layers.decode_linear_cuda import decode_linear
 
         attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
         h = attn.attend(decode_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias), cos, sin, meta, kv_pool)
-        h = decode_linear(h, attn.o_proj.weight, attn.o_proj.bias)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h = _linear_into_norm(h, attn.o_proj)
+        h, residual = rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
         act = decode_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
-        return decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        return _linear_into_norm(act, mlp.down_proj), residual
+
+
+def _linear_into_norm(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """A few-rows linear whose output feeds only an add + RMSNorm: float32 partial sums over K slices where a
+    split is tuned for its shape (more programs stream the weight; the norm's kernel does the sum)."""
+    from token_engine.layers import decode_linear_cuda as dl
+
+    split = dl.split_config(*linear.weight.shape, x.shape[0]) if linear.bias is None else None
+    if split is None:
+        return dl.decode_linear(x, linear.weight, linear.bias)
+    return dl.decode_linear_split(x, linear.weight, split[1], split[0])
 
 
 class LlamaModel(nn.Module):
@@ -116,6 +129,10 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             step = layer.forward_few_rows if few_rows else layer.forward
             x, residual = step(x, residual, cos, sin, meta, kv_pool)
+        if few_rows:  # x may be split-K partial sums (forward_few_rows)
+            from token_engine.layers.blocks_cuda import rms_norm
+
+            return rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
         return self.norm(x, residual)[0]
 
 
