@@ -82,6 +82,8 @@ def machine(path: str) -> str:
         return "2x NVIDIA H200 (16 cores)"
     if "nvidia-h200" in name or "serve_gpu" in name or "1gpu" in name:
         return "NVIDIA H200 (16 cores)"
+    if "nvidia-h100" in name:
+        return "NVIDIA H100 (16 cores)"
     if "16core" in name:
         return "16-core VM"
     if "2core" in name:
@@ -92,7 +94,7 @@ def machine(path: str) -> str:
                 text = json.dumps(json.load(f))[:200_000]
         except (OSError, ValueError):
             text = ""
-        found = re.search(r'"(?:note|machine|host)": "([^"]*(?:core|VM|H200|GPU)[^"]*)"', text)
+        found = re.search(r'"(?:note|machine|host|device)": "([^"]*(?:core|VM|H100|H200|GPU)[^"]*)"', text)
         if found:
             return excerpt(found.group(1), 60)
         cores = re.search(r'"(?:cpu_count|nproc|cpus)": (\d+)', text)
