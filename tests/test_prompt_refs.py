@@ -11,6 +11,8 @@ from render_service.bundle.model_bundle import load_bundle
 from render_service.extend.prompt_refs import PromptRefs, StoredPrompt, id_run
 from render_service.render.render_config import build_render_config
 from tests import rollouts
+from tests.harmony_fixtures import MODEL, gpt_oss_config
+from tests.harmony_fixtures import encode as harmony_encode
 from tests.render_harness import QWEN3_DIR, RenderServer, qwen3_config
 
 CHAT = "/v1/chat/completions/render"
@@ -122,6 +124,21 @@ def test_messages_api_extends_by_reference():
                          {"role": "user", "content": "ok"}]})
     assert reply.status_code == 200, reply.text
     assert reply.json()["token_ids"][:len(head["token_ids"]) + len(completion)] == head["token_ids"] + completion
+
+
+def test_harmony_extends_by_reference():
+    config = gpt_oss_config()
+    sampled = harmony_encode("<|channel|>analysis<|message|>Need search.<|end|><|start|>assistant to=functions.search"
+                             '<|channel|>commentary <|constrain|>json<|message|>{"q":"cats", "exact": false}<|call|>')
+    assistant = {"role": "assistant", "content": "", "reasoning_content": "Need search.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats"}'}}]}
+    messages = [*SYSTEM, assistant, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}]
+    with RenderServer(config) as server:
+        head = _post(server, {"model": MODEL, "messages": SYSTEM, "return_prompt_ref": True})
+        out = _post(server, {"model": MODEL, "messages": messages, "previous_turn": {
+            "prompt_ref": head["prompt_ref"], "completion_token_ids": sampled}})
+    assert out["extend"]["extended"] and out["extend"]["method"] == "harmony"
+    assert out["token_ids"][:len(head["token_ids"]) + len(sampled)] == head["token_ids"] + sampled
 
 
 def test_a_server_without_render_caches_refuses_to_keep_a_prompt():
