@@ -108,6 +108,9 @@ def test_the_gateway_extends_a_prompt_the_render_endpoint_keeps(gateway):
     # The gateway's answer has no place for a reference: asking for one is refused, not ignored.
     r = gateway.post("/v1/chat/completions", json=chat(USER, return_prompt_ref=True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_prompt_ref"
+    r = gateway.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": USER,
+                                           "return_prompt_ref": True})
+    assert r.status_code == 400 and "return_prompt_ref" in r.text
 
 
 def test_the_render_endpoint_takes_the_ids_and_keeps_them_from_the_engine():

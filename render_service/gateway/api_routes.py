@@ -39,11 +39,19 @@ from render_service.gateway.response_store import (
     StoreRefused,
     open_store,
 )
-from render_service.gateway.routes import collect, engine_error, fold, respond
+from render_service.gateway.routes import collect, engine_error, fold, refuse_prompt_ref, respond
 from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant, short_id
 from render_service.http.errors import ApiError, bad_request, not_found
-from render_service.http.request_io import Answer, Handler, decode, endpoint, read_json_body, server_state
+from render_service.http.request_io import (
+    Answer,
+    Handler,
+    client_of,
+    decode,
+    endpoint,
+    read_json_body,
+    server_state,
+)
 from render_service.multimodal.endpoint import carries_image_parts
 from render_service.multimodal.markers import may_carry_images
 from render_service.render.render_config import RenderConfig
@@ -175,6 +183,8 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
         body = await read_json_body(request)
         queue = server_state(request).render_queue
         req = await queue.run("responses", len(body), lambda: decode(body, ResponsesRequest))
+        refuse_prompt_ref(req.return_prompt_ref)
+        client = client_of(request)
         check_stored_fields(req)
         storing = req.store is not False
         if storing:
@@ -199,7 +209,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
         gen, chat = await queue.run("responses", len(body), lambda: render_responses(
             req, config, request_id=request_id, history=history, stateless=False,
             prepared=prepared(given, pictured) if given is not None and pictured is not None else given,
-            expand_prompt=pictured.expand if pictured is not None else None))
+            expand_prompt=pictured.expand if pictured is not None else None, client=client))
         if given is not None and pictured is not None:
             gen, chat = with_features(gen, pictured), given  # stored with its image parts, for the next turn
         gen = _engine_ready(gen)
@@ -239,10 +249,12 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
             answer = await messages_with_images(request, body, request_id)
             if answer is not None:
                 return answer
+        client = client_of(request)
 
         def render() -> tuple[MessagesRequest, GenerateRequest, ChatCompletionRequest]:
             req = decode(body, MessagesRequest)
-            return req, *render_messages(req, config, request_id=request_id)
+            refuse_prompt_ref(req.return_prompt_ref)
+            return req, *render_messages(req, config, request_id=request_id, client=client)
 
         req, gen, chat = await queue.run("messages", len(body), render)
         return await drive_messages(request, req, gen, chat)
@@ -253,6 +265,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
 
         def convert() -> tuple[MessagesRequest, ChatCompletionRequest, int | None]:
             req = decode(body, MessagesRequest)
+            refuse_prompt_ref(req.return_prompt_ref)
             return req, *messages_to_chat(req, config)
 
         req, chat, budget = await queue.run("messages", len(body), convert)
@@ -261,7 +274,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
             return None
         gen, _ = await queue.run("messages", len(body), lambda: render_messages(
             req, config, request_id=request_id, prepared=(prepared(chat, pictured), budget),
-            expand_prompt=pictured.expand))
+            expand_prompt=pictured.expand, client=client_of(request)))
         return await drive_messages(request, req, with_features(gen, pictured), chat)
 
     async def drive_messages(request: Request, req: MessagesRequest, gen: GenerateRequest,

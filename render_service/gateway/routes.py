@@ -150,13 +150,19 @@ class InvocationShape(msgspec.Struct):
         return len(raw) > 0 and (len(raw) != 4 or raw.tobytes() != b"null")
 
 
+def refuse_prompt_ref(asked: bool) -> None:
+    """The gateway's answers have no place for a prompt reference: asking for one is refused, not ignored."""
+    if asked:
+        raise bad_request("return_prompt_ref is answered by the render endpoints (/v1/chat/completions/render, "
+                          "/v1/messages/render, /v1/responses/render); the gateway takes the reference they "
+                          "answer in previous_turn.prompt_ref", "return_prompt_ref")
+
+
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.echo and isinstance(req, ChatCompletionRequest):
         raise bad_request("echo is not supported by the gateway's chat completions (completions support it)", "echo")
-    if isinstance(req, ChatCompletionRequest) and req.return_prompt_ref:
-        raise bad_request("return_prompt_ref is answered by the render endpoint (/v1/chat/completions/render); "
-                          "the gateway takes the reference it answers in previous_turn.prompt_ref",
-                          "return_prompt_ref")
+    if isinstance(req, ChatCompletionRequest):
+        refuse_prompt_ref(req.return_prompt_ref)
     # Only the render tier's own keys (ids rendered already, prerendered.py); the gateway sets the engines'.
     if req.kv_transfer_params is not None and not set(req.kv_transfer_params) <= RENDER_KEYS:
         raise bad_request("kv_transfer_params are set by the gateway, not by clients (except prompt_token_ids "
