@@ -11,9 +11,10 @@ A reference is random (144 bits) and is found only for the client that filed it:
 client or another replica can use, and says nothing of the prompt. An unknown reference is a 404 that tells the
 client to send the ids instead.
 
-Bounded by bytes: each entry counts all of its ids (4 bytes each, its JSON, 5 more a token with masks), even
-those it shares with an earlier entry, so the bound holds whatever is dropped first. Each client may hold at
-most ``client_bytes`` (its own oldest dropped first), and all clients ``max_bytes`` (the oldest dropped first).
+Bounded by bytes: each entry counts all of its ids (4 bytes each, its JSON, 5 more a token with masks, and the
+messages it keeps), even those it shares with an earlier entry, so the bound holds whatever is dropped first.
+Each client may hold at most ``client_bytes`` (its own oldest dropped first), and all clients ``max_bytes`` (the
+oldest dropped first).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from render_service.caches.byte_lru import CacheStats
 from render_service.tokenize.incremental_tokenizer import PromptIds
 
 _ENTRY_OVERHEAD = 512
-_BYTES_PER_MESSAGE = 16  # a slot of the messages tuple (the memo's objects are kept alive by the memo too)
+# The messages an entry with masks keeps alive (the message memo may have dropped them): a slot and a dict each,
+# and their text, about 4 bytes for each token it encodes to.
+_BYTES_PER_MESSAGE = 256
+_MESSAGE_BYTES_PER_TOKEN = 4
 
 
 _encode_json = msgspec.json.Encoder().encode
@@ -96,11 +100,14 @@ class StoredPrompt:
         masks = 0
         if self.indices is not None and self.flags is not None:
             masks = 5 * self.ids.count + self.indices.json_bytes + self.flags.json_bytes
-        return _ENTRY_OVERHEAD + 4 * self.ids.count + self.ids.json_bytes + masks \
-            + _BYTES_PER_MESSAGE * len(self.messages)
+        messages = _BYTES_PER_MESSAGE * len(self.messages) + _MESSAGE_BYTES_PER_TOKEN * self.ids.count \
+            if self.messages else 0
+        return _ENTRY_OVERHEAD + 4 * self.ids.count + self.ids.json_bytes + masks + messages
 
 
 class PromptRefs:
+    """Prompts by reference, bounded per client and in all (the module's docstring says how)."""
+
     def __init__(self, max_bytes: int, client_bytes: int | None = None) -> None:
         if max_bytes < 0:
             raise ValueError("the prompt references' bound must be >= 0 bytes")
