@@ -33,8 +33,9 @@ from typing import NamedTuple
 from render_service.tokenize.head_index import HeadStore
 
 WINDOW = 256
-# Rough CPython sizes: a tuple slot plus an int object per id (the chunks are the piece cache's, counted
-# again: they outlive an eviction there), two pointers per chunk (it and its JSON), four ints per cut.
+# Rough CPython sizes: a tuple slot plus an int object per id at most (the chunks are the piece cache's, counted
+# again: they outlive an eviction there; fastokens' are 32-bit arrays, 4 bytes an id, so this overcounts them),
+# two pointers per chunk (it and its JSON), four ints per cut.
 _BYTES_PER_ID = 36
 _BYTES_PER_PART = 16
 _BYTES_PER_CUT = 4 * 36
