@@ -199,15 +199,12 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     def decode(body: bytes, kind: type) -> Any:
         return msgspec.json.decode(body, type=kind)
 
-    def from_body(body: bytes) -> Any:  # (the answer written to JSON as the server writes it)
-        encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config, ids_view=True))
-
-    def answer(body: bytes) -> Any:
-        return msgspec.json.decode(render_answer(body))
-
-    def render_answer(body: bytes) -> bytes:
+    def from_body(body: bytes) -> bytes:  # (the answer written to JSON as the server writes it)
         return encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config,
                                        ids_view=True))
+
+    def answer(body: bytes) -> Any:
+        return msgspec.json.decode(from_body(body))
 
     template = config.template
     records = template.loop_records

@@ -139,11 +139,9 @@ def _encode_generate_request(gen: GenerateRequest) -> bytes:
     """Its JSON; prompt ids that came from the piece cache are written from the pieces' JSON, joined once into
     the whole response (a 32k-token prompt's ids are ~150 KB: each extra copy is a few percent of a render)."""
     ids = gen.token_ids
-    if not isinstance(ids, PromptIds):
+    if not isinstance(ids, PromptIds) or not ids.json_parts:  # (encode_json writes a view's JSON itself)
         return encode_json(gen)
     parts = ids.json_parts
-    if not parts:
-        return encode_json(msgspec.structs.replace(gen, token_ids=ids.json_array()))
     whole = encode_json(msgspec.structs.replace(gen, token_ids=_EMPTY_IDS))
     # The first '"token_ids":[' is the field's: only request_id comes before it, and a JSON string cannot hold
     # an unescaped quote.
