@@ -47,6 +47,8 @@ class ToolFamily:
     tools: ToolParserConfig = field(default=WEATHER_TOOLS)
     # the bundle's response_template, for the families that read it (hf, beam)
     response_template: dict[str, Any] | None = None
+    # spans that are markup whole, what they hold included (Cohere's citation closers, ``</co: 0:[1,2]>``)
+    markup_spans: re.Pattern[str] | None = None
 
 
 # --- writers ---------------------------------------------------------------------------------------------
@@ -203,6 +205,8 @@ def write_minicpm5(calls: list[Call]) -> str:
                                                       for k, v in a.items()) + "</function>" for n, a in calls)
 
 
+# A citation closer: its source list (``0:[1,2],1:[3]``) is where the model cites from, not its message.
+COHERE_CITATION_CLOSER = re.compile(r"</co:[ 0-9:,\[\]]*>")
 COHERE = ("<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<co>", "</co:",
           '"tool_call_id"', '"tool_name"', '"parameters"', '"0"', '"1"', '"2"')
 
@@ -446,9 +450,11 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
     ToolFamily("granite_toolcall_parser", write_qwen3_xml, _QWEN_XML,
                (*_QWEN_XML, "get_weather", "city", ">", "\n", " ", "x")),
     ToolFamily("cohere_command3", write_cohere, COHERE,
-               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"'),
+               markup_spans=COHERE_CITATION_CLOSER),
     ToolFamily("cohere_command4", write_cohere, COHERE,
-               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"')),
+               (*COHERE, "[", "]", "{", "}", '"', ":", ",", " ", "\n", "x", "1", "</co:", ">", '"get_weather"'),
+               markup_spans=COHERE_CITATION_CLOSER),
     ToolFamily("minimax_m3", write_minimax_m3, M3,
                (*M3, "<city>", "</city>", '"get_weather">', "\n", " ", "x", "3", "<", ">", "[", "]")),
     ToolFamily("inkling", write_inkling, INKLING,
@@ -541,7 +547,7 @@ def assert_arguments_are_objects(calls: list[dict[str, Any]]) -> None:
 def assert_nothing_lost(family: ToolFamily, text: str, seen: list[str]) -> None:
     # Markup first: a backslash right before a tag ("\\</parameter>") is a value's last character, and taken
     # as an escape it would eat the tag's "<" and leave the tag's letters behind as if lost.
-    raw = text
+    raw = family.markup_spans.sub(" ", text) if family.markup_spans is not None else text
     for tag in sorted(family.markup, key=len, reverse=True):
         raw = raw.replace(tag, " ")
     raw = _ESCAPE.sub(" ", raw)
