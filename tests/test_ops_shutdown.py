@@ -3,12 +3,15 @@ end, refuses new work with an OpenAI-style 503, answers /health with 503 (readin
 
 A request whose body is still being uploaded is in flight as far as the server is concerned; the tests
 hold one such request open across the SIGTERM (released by the test), so that the server cannot have
-finished its work before the probes run, whatever the machine's speed.
+finished its work before the probes run, whatever the machine's speed. It is in flight only once a server
+process has accepted its connection and read its head: before that it waits in the listening socket's queue,
+and a SIGTERM then finds every worker idle. The tests read the kernel's socket table to know.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -30,10 +33,44 @@ def model(tmp_path_factory):
     return write_scripted_qwen3(tmp_path_factory.mktemp("ops-shutdown") / "tiny")
 
 
-class HeldRequest:
-    """A POST whose body is sent in two parts; the second only after release(). Runs in a thread."""
+def _loopback_sockets(port: int) -> list[tuple[int, int]]:
+    """(state, unread bytes) of each IPv4 socket on 127.0.0.1:``port``; for a listening socket the second field
+    is the number of connections waiting to be accepted."""
+    local = f"0100007F:{port:04X}"
+    rows = []
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if fields[1] == local:
+                rows.append((int(fields[3], 16), int(fields[4].split(":")[1], 16)))
+    return rows
 
-    def __init__(self, url: str, body: bytes):
+
+_TCP_ESTABLISHED, _TCP_LISTEN = 0x01, 0x0A
+
+
+def wait_until_server_read_everything(port: int, timeout: float = 60.0) -> None:
+    """Until no connection to ``port`` waits to be accepted and none holds bytes its server has not read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _loopback_sockets(port)
+        listening = [queued for state, queued in rows if state == _TCP_LISTEN]
+        unread = [n for state, n in rows if state == _TCP_ESTABLISHED]
+        if listening and not any(listening) and not any(unread):
+            return
+        assert time.monotonic() < deadline, f"port {port}: a connection is still unaccepted or unread: {rows}"
+        time.sleep(0.01)
+
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+
+
+class HeldRequest:
+    """A POST whose body is sent in two parts; the second only after release(). Runs in a thread. Returns once a
+    server process has read the first part (then parsing it takes the server one event-loop turn)."""
+
+    def __init__(self, url: str, body: bytes, port: int):
         self.url = url
         self.head, self.tail = body[: len(body) // 2], body[len(body) // 2:]
         self.released = threading.Event()
@@ -43,6 +80,8 @@ class HeldRequest:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         assert self.head_sent.wait(60)
+        wait_until_server_read_everything(port)
+        time.sleep(0.2)  # the read head becomes a request on the server's next event-loop turn
 
     def _body(self):
         yield self.head
@@ -84,7 +123,8 @@ def test_gateway_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
     gateway = gateway_process(model, ["--engine", engine.url, "--workers", "2", "--shutdown-grace-seconds", "60"])
     try:
         held_body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 8, "temperature": 0}
-        held = HeldRequest(gateway.url + "/v1/completions", httpx.Request("POST", "/", json=held_body).content)
+        held = HeldRequest(gateway.url + "/v1/completions", httpx.Request("POST", "/", json=held_body).content,
+                           gateway.port)
         stream_body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 120, "temperature": 0,
                        "stream": True, "ignore_eos": True, "return_token_ids": True}
         with httpx.Client(timeout=120) as http, http.stream("POST", gateway.url + "/v1/completions",
@@ -121,7 +161,8 @@ def test_prefork_gateway_answers_every_probe_while_its_workers_exit(model):
     gateway = gateway_process(model, ["--engine", engine.url, "--workers", "2", "--shutdown-grace-seconds", "60"])
     try:
         held_body = {"model": "tiny", "prompt": [LOOP_START], "max_tokens": 4, "temperature": 0}
-        held = HeldRequest(gateway.url + "/v1/completions", httpx.Request("POST", "/", json=held_body).content)
+        held = HeldRequest(gateway.url + "/v1/completions", httpx.Request("POST", "/", json=held_body).content,
+                           gateway.port)
         gateway.proc.send_signal(signal.SIGTERM)
         statuses = []
         deadline = time.monotonic() + 2.0
@@ -139,7 +180,8 @@ def test_engine_sigterm_finishes_streams_refuses_new_work_and_exits_0(model):
     engine = engine_process(model)
     try:
         held_body = {"token_ids": [LOOP_START], "sampling_params": {"max_tokens": 5, "temperature": 0}}
-        held = HeldRequest(engine.url + "/inference/v1/generate", httpx.Request("POST", "/", json=held_body).content)
+        held = HeldRequest(engine.url + "/inference/v1/generate", httpx.Request("POST", "/", json=held_body).content,
+                           engine.port)
         stream_body = {"token_ids": [LOOP_START], "stream": True,
                        "sampling_params": {"max_tokens": 100, "temperature": 0, "ignore_eos": True}}
         with httpx.Client(timeout=120) as http, http.stream("POST", engine.url + "/inference/v1/generate",
