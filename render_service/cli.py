@@ -303,8 +303,10 @@ def serve(args: argparse.Namespace) -> int:
     from splitserve_common.auth import ApiKeys, api_keys_from, warn_if_open
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.logs import configure_logging
+    from splitserve_common.malloc_arenas import limit_to_one_arena
 
     configure_logging(args.log_level, args.log_format)
+    logger.debug("allocator: %s", limit_to_one_arena())  # first: before any thread allocates
     if args.workers is None:  # vLLM's --renderer-num-workers maps onto our processes (threads would share a GIL)
         args.workers = args.renderer_num_workers or 1
         if args.renderer_num_workers:
