@@ -340,6 +340,7 @@ def serve(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         from render_service.http.server import create_app
         from render_service.render.render_config import load_render_config
+        from render_service.tokenize.ids_json import BACKEND as ids_json_backend
 
         model_dir, default_name = resolve_model_dir(args.model, args.revision)
         tokenizer_dir = resolve_model_dir(args.tokenizer)[0] if args.tokenizer else None
@@ -372,10 +373,11 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(config, api_key=api_keys, stream_state_secret=args.stream_state_secret,
                          gateway=gateway, max_queued_requests=args.max_queued_requests, multimodal=multimodal)
         logger.info("loaded %s in %.2fs (fingerprint %s, max_model_len %d; encode: %s; prompt cache: %s; "
-                    "message memo: %s)",
+                    "ids as JSON: %s; message memo: %s)",
                     model_dir, time.perf_counter() - started, config.fingerprint, config.max_model_len,
                     getattr(config.tokenizer, "encode_backend_reason", "the bundle's own"),
                     config.prompt_encoder.reason if config.prompt_encoder is not None else "none",
+                    ids_json_backend,
                     f"{config.message_memo.max_bytes} bytes" if config.message_memo is not None else "off")
         # What was loaded lives as long as the process: keep it out of the garbage collector's full passes
         # (the vocabulary alone made each one cost ~15 ms, paid by whichever request triggered it), and

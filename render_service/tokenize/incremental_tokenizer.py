@@ -30,6 +30,7 @@ from typing import Any, overload
 import msgspec
 
 from render_service.caches.byte_lru import ByteLRU
+from render_service.tokenize.ids_json import ids_json
 from render_service.tokenize.prompt_prefix_store import PrefixStore, StoredPrompt
 from render_service.tokenize.tokenizer import TextTokenizer
 
@@ -234,7 +235,6 @@ class PromptIds(Sequence[int]):
         return msgspec.Raw(b"[" + b",".join(self.json_parts) + b"]")
 
 
-_encode_json = msgspec.json.Encoder().encode
 _EMPTY_ENTRY: tuple[Sequence[int], bytes] = ((), b"")
 
 
@@ -410,7 +410,7 @@ class IncrementalEncoder:
             new_pieces = [pieces[k] for k in new_at]
             for k, piece, piece_ids in zip(new_at, new_pieces,
                                            self.tokenizer.encode_many_between_added(new_pieces), strict=True):
-                piece_json = _encode_json(piece_ids.tolist() if type(piece_ids) is array.array else piece_ids)[1:-1]
+                piece_json = ids_json(piece_ids)
                 fresh.append((piece, piece_ids, piece_json))
                 missed += len(piece_ids)
                 entries[k] = (piece_ids, piece_json)
