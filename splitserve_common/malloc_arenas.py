@@ -17,15 +17,15 @@ import platform
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 
 
-def operator_chose_arenas(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    return "MALLOC_ARENA_MAX" in environ or "glibc.malloc.arena_max" in environ.get("GLIBC_TUNABLES", "")
+def _operator_chose_arenas() -> bool:
+    return "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def limit_to_one_arena() -> str:
     """Caps glibc's arenas at one, before this process starts its threads; says what it did (for the log)."""
     if platform.libc_ver()[0] != "glibc":
         return "not glibc: allocator left as it is"
-    if operator_chose_arenas():
+    if _operator_chose_arenas():
         return "arenas as the environment sets them"
     try:
         mallopt = ctypes.CDLL(None).mallopt
