@@ -95,3 +95,26 @@ def test_gateway_engine_urls_name_services_of_the_overlay(overlay):
     for url in urls:
         host = url.split("//", 1)[1].split(":", 1)[0]
         assert ("Service", host) in objects, url
+
+
+def _flag_seconds(container: dict, flag: str) -> float | None:
+    for arg in container.get("args", []):
+        if arg.startswith(flag + "="):
+            return float(arg.split("=", 1)[1])
+    return None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_server_keeps_serving_until_endpoints_drop_and_drains_within_the_grace_period(overlay):
+    """A preStop wait lets endpoint removal spread before the SIGTERM; the wait plus the server's own drain must
+    end before Kubernetes kills the pod."""
+    for name, dep in _deployments(_objects(overlay)).items():
+        pod = dep["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            command = container["lifecycle"]["preStop"]["exec"]["command"]
+            assert command[0] == "sleep", (name, command)
+            wait = float(command[1])
+            assert wait >= 3, (name, wait)
+            drain = _flag_seconds(container, "--shutdown-grace-seconds")
+            assert drain is not None, name
+            assert wait + drain < pod["terminationGracePeriodSeconds"], (name, wait, drain)
