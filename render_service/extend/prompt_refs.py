@@ -27,9 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from render_service.caches.byte_lru import CacheStats
+from render_service.tokenize.ids_json import ids_json
 from render_service.tokenize.incremental_tokenizer import PromptIds
 
 _ENTRY_OVERHEAD = 512
@@ -37,9 +36,6 @@ _ENTRY_OVERHEAD = 512
 # and their text, about 4 bytes for each token it encodes to.
 _BYTES_PER_MESSAGE = 256
 _MESSAGE_BYTES_PER_TOKEN = 4
-
-
-_encode_json = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True)
@@ -55,13 +51,12 @@ class IdRun:
         """The run with ``ids`` appended (kept as a 32-bit array where they fit: 4 bytes an id)."""
         if not ids:
             return self
-        listed = ids.tolist() if isinstance(ids, array.array) else ids
         chunk: Sequence[int]
         try:
             chunk = ids if isinstance(ids, array.array) else array.array("i", ids)
         except (OverflowError, TypeError):
             chunk = tuple(ids)
-        return IdRun((*self.chunks, chunk), (*self.json_parts, _encode_json(listed)[1:-1]), self.count + len(ids))
+        return IdRun((*self.chunks, chunk), (*self.json_parts, ids_json(ids)), self.count + len(ids))
 
     def view(self) -> PromptIds:
         """A ``PromptIds`` over the chunks (written to JSON from the parts; its ids never copied into one list)."""

@@ -337,11 +337,9 @@ class IncrementalEncoder:
             if crossing:
                 continue
             chunks: list[Sequence[int]] = []
-            self._encode_pieces(text, p, 0, chunks, [], ([], [], [], []))
-            ids: list[int] = []
-            for chunk in chunks:
-                ids.extend(chunk)
-            return ids
+            json_parts: list[bytes] = []
+            count, _ = self._encode_pieces(text, p, 0, chunks, json_parts, ([], [], [], []))
+            return PromptIds(chunks, json_parts, count).tolist()
         return None
 
     def _encode_view(self, text: str) -> PromptIds:
