@@ -289,6 +289,17 @@ SANDBOX_PROBES = [
     "{{ (messages[0].content.strip).__self__ }}{{ '{0}'.format.__self__ }}",
     "{% for m in messages %}{{ loop.__class__.__init__ }}{% endfor %}",
     "{% set xs = [] %}{{ xs.append(1) }}",
+    # macros and dict reads are called without the sandbox's generic path: same answers, same refusals
+    "{% macro f(x, y=1) %}[{{ x }}{{ y }}{{ varargs|length }}{{ kwargs|length }}]{% endmacro %}"
+    "{{ f(1) }}{{ f(2, y=3) }}{{ f(1, 2, 3, z=4) }}",
+    "{% macro w(tag) %}<{{ tag }}:{{ caller(tag) }}>{% endmacro %}{% call(t) w('b') %}in {{ t }}{% endcall %}",
+    "{% macro r(n) %}{% if n %}{{ n }}{{ r(n - 1) }}{% endif %}{% endmacro %}{{ r(3) }}",
+    "{% macro f(x) %}({{ x }}){% endmacro %}{% for m in messages %}{% set y = m.role %}{{ f(y) }}{% endfor %}",
+    "{% for m in messages %}{{ m.get('role') }}{{ m.get('name', 'none') }}{% for k, v in m.items() %}{{ k }}"
+    "{% endfor %}{{ m.keys()|list|length }}{{ m.values()|list|length }}{% endfor %}",
+    "{{ messages[0].pop('role') }}",
+    "{{ messages[0].update({'a': 1}) }}",
+    "{{ messages[0].setdefault('a', 1) }}",
 ]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -128,6 +129,7 @@ class _SafeNamespace(jinja2.utils.Namespace):
 # The sandbox wraps these bound str methods (a format string can reach attributes); never shortcut them.
 _STR_FORMAT_METHODS = frozenset({"format", "format_map"})
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
+_DICT_READS = frozenset({"get", "items", "keys", "values"})
 
 
 # A template (a request's own, or a model's) must not be able to exhaust memory with `'x' * 10**12` or
@@ -205,14 +207,27 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return super().getattr(obj, attribute)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's)
-        # A bound method of a str ('x'.strip, .split, .startswith): the sandbox would find it safely
-        # callable and context.call would call it plainly (it takes no context); str.format is wrapped by
-        # getattr into a function, so never arrives here as a builtin method, and is excluded anyway.
-        if type(__obj) is types.BuiltinMethodType and type(__obj.__self__) is str \
-                and __obj.__name__ not in _STR_FORMAT_METHODS:
+        # A bound method of a str ('x'.strip, .split, .startswith) or a read of a dict (m.get('name')): the
+        # sandbox would find it safely callable and context.call would call it plainly (it takes no context);
+        # str.format is wrapped by getattr into a function, so never arrives here as a builtin method, and is
+        # excluded anyway.
+        if type(__obj) is types.BuiltinMethodType and (
+                (type(__obj.__self__) is str and __obj.__name__ not in _STR_FORMAT_METHODS)
+                or (type(__obj.__self__) is dict and __obj.__name__ in _DICT_READS)):
             kwargs.pop("_loop_vars", None)
             kwargs.pop("_block_vars", None)
             return __obj(*args, **kwargs)
+        # The template's own macro: the sandbox finds it safely callable (it has no unsafe markers), and
+        # context.call takes no context for it (its __call__ asks for none); so call it as context.call
+        # would. Macro-heavy templates (Gemma 4's argument formatting) make hundreds of these calls a render.
+        if type(__obj) is jinja2.runtime.Macro:
+            kwargs.pop("_loop_vars", None)
+            kwargs.pop("_block_vars", None)
+            try:
+                return __obj(*args, **kwargs)
+            except StopIteration:
+                return __context.environment.undefined(
+                    "value was undefined because a callable raised a StopIteration exception")
         return super().call(__context, __obj, *args, **kwargs)
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
