@@ -19,7 +19,7 @@ import jinja2.nodes
 import jinja2.runtime
 import jinja2.utils
 from jinja2.compiler import CodeGenerator, Frame
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from render_service.templates.budget import (
     CHECKED_FILTERS,
@@ -37,6 +37,7 @@ from render_service.templates.budget import (
 from render_service.templates.inline import DICT_ATTRIBUTES as _DICT_ATTRIBUTES
 from render_service.templates.inline import InlineReadsCodeGenerator, InlineTemplate
 from render_service.templates.loop_plan import plan_message_loops, rewrite_message_loop
+from render_service.templates.loop_resume import checked_index, loop_entry
 from render_service.templates.tojson_cache import DEFAULT_TEXTS
 
 # A request's own template (--trust-request-chat-template) is compiled only up to this size; the largest
@@ -130,6 +131,7 @@ class _SafeNamespace(jinja2.utils.Namespace):
 _STR_FORMAT_METHODS = frozenset({"format", "format_map"})
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
 _DICT_READS = frozenset({"get", "items", "keys", "values"})
+_PLAIN_FUNCTIONS = frozenset({safe_range, checked_index, loop_entry})
 
 
 # A template (a request's own, or a model's) must not be able to exhaust memory with `'x' * 10**12` or
@@ -207,20 +209,17 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return super().getattr(obj, attribute)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's)
-        # A bound method of a str ('x'.strip, .split, .startswith) or a read of a dict (m.get('name')): the
-        # sandbox would find it safely callable and context.call would call it plainly (it takes no context);
-        # str.format is wrapped by getattr into a function, so never arrives here as a builtin method, and is
-        # excluded anyway.
-        if type(__obj) is types.BuiltinMethodType and (
-                (type(__obj.__self__) is str and __obj.__name__ not in _STR_FORMAT_METHODS)
-                or (type(__obj.__self__) is dict and __obj.__name__ in _DICT_READS)):
-            kwargs.pop("_loop_vars", None)
-            kwargs.pop("_block_vars", None)
-            return __obj(*args, **kwargs)
-        # The template's own macro: the sandbox finds it safely callable (it has no unsafe markers), and
-        # context.call takes no context for it (its __call__ asks for none); so call it as context.call
-        # would. Macro-heavy templates (Gemma 4's argument formatting) make hundreds of these calls a render.
-        if type(__obj) is jinja2.runtime.Macro:
+        # Callables that the sandbox finds safely callable and that take no context, called as context.call
+        # would call them, without the generic path's checks (hundreds a render in macro-heavy templates):
+        # a bound method of a str ('x'.strip, .split; str.format is wrapped by getattr into a function, so
+        # never arrives here as a builtin method, and is excluded anyway) or a read of a dict (m.get('name')),
+        # the template's own macros, namespace(), range() and the message loop's helpers.
+        kind = type(__obj)
+        if (kind is types.BuiltinMethodType
+                and ((type(__obj.__self__) is str and __obj.__name__ not in _STR_FORMAT_METHODS)
+                     or (type(__obj.__self__) is dict and __obj.__name__ in _DICT_READS))) \
+                or kind is jinja2.runtime.Macro or __obj is _SafeNamespace \
+                or (kind is types.FunctionType and __obj in _PLAIN_FUNCTIONS):
             kwargs.pop("_loop_vars", None)
             kwargs.pop("_block_vars", None)
             try:
