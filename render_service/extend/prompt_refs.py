@@ -46,6 +46,7 @@ class IdRun:
     chunks: tuple[Sequence[int], ...] = ()
     json_parts: tuple[bytes, ...] = ()
     count: int = 0
+    json_bytes: int = 0  # the parts' total length (counted as they are added: a long conversation has hundreds)
 
     def then(self, ids: Sequence[int]) -> IdRun:
         """The run with ``ids`` appended (kept as a 32-bit array where they fit: 4 bytes an id)."""
@@ -56,7 +57,9 @@ class IdRun:
             chunk = ids if isinstance(ids, array.array) else array.array("i", ids)
         except (OverflowError, TypeError):
             chunk = tuple(ids)
-        return IdRun((*self.chunks, chunk), (*self.json_parts, ids_json(ids)), self.count + len(ids))
+        part = ids_json(ids)
+        return IdRun((*self.chunks, chunk), (*self.json_parts, part), self.count + len(ids),
+                     self.json_bytes + len(part))
 
     def view(self) -> PromptIds:
         """A ``PromptIds`` over the chunks (written to JSON from the parts; its ids never copied into one list)."""
@@ -68,15 +71,11 @@ class IdRun:
             out.extend(chunk)
         return out
 
-    @property
-    def json_bytes(self) -> int:
-        return sum(len(part) for part in self.json_parts)
-
 
 def id_run(ids: Sequence[int]) -> IdRun:
     """``ids`` as a run: a ``PromptIds`` keeps its chunks, anything else becomes one chunk."""
     if isinstance(ids, PromptIds) and ids.json_parts:
-        return IdRun(tuple(ids.chunks), tuple(ids.json_parts), len(ids))
+        return IdRun(tuple(ids.chunks), tuple(ids.json_parts), len(ids), sum(map(len, ids.json_parts)))
     return IdRun().then(list(ids) if isinstance(ids, PromptIds) else ids)
 
 
