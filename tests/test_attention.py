@@ -289,3 +289,20 @@ def test_cuda_fresh_prompt_through_cudnn_padded_to_a_bucket_matches_the_referenc
     ref = _paged_attention_reference(q.float(), pool.float(), 1, meta, 128**-0.5, None)
     out = attention_cuda.paged_attention(q, pool, 1, meta, 128**-0.5, None, k, v)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("limit, element_bytes, expected", [
+    (232448, 2, (128, 128, 8, 3)),  # Hopper: 227 KiB a block
+    (232448, 4, (128, 64, 8, 2)),  # 32-bit inputs
+    (166912, 2, (128, 64, 8, 3)),  # an A100: 163 KiB
+    (101376, 2, (128, 64, 8, 2)),  # 99 KiB
+    (None, 2, (128, 128, 8, 3)),  # no CUDA device: the table's shape (the interpreter passes its own)
+])
+def test_prefill_tiles_shrink_to_the_cards_shared_memory(monkeypatch, limit, element_bytes, expected):
+    pytest.importorskip("triton")
+    from token_engine.layers import attention_prefill_cuda as apc
+
+    monkeypatch.setattr(apc, "_shared_memory_per_block", lambda: limit)
+    config = apc.prefill_config(128, element_bytes)
+    assert config == expected
+    assert limit is None or apc.tile_bytes(config, 128, element_bytes) <= limit

@@ -17,15 +17,18 @@ Runs under TRITON_INTERPRET=1 on CPU tensors too (tests/triton_kernels_check.py)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Tile shapes per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages), tuned for an H200; the interpreter check
-# passes small ones.
-PREFILL_CONFIG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+# Tile shapes per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter check passes small ones.
+# head_dim 128 from an H100 run of bench/experiments/prefill_attention_variants.py (128x128 tiles with 3 stages
+# were the fastest for a fresh 32k prompt, an agent turn and an 8k chunk over 24k); the others tuned on an H200.
+PREFILL_CONFIG = {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 8, 2)}
 # Context slices (split-K, as flash decoding): programs to keep in flight (two per SM of an H200), at most
 # MAX_SPLITS slices, each at least MIN_KEYS_PER_SPLIT keys long.
 TARGET_PROGRAMS = 2 * 132
@@ -37,7 +40,8 @@ MIN_KEYS_PER_SPLIT = 1024
 def _attend_tile(
     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, n_lo, n_hi, ctx_len, window, qk_scale,
     stride_cb, stride_ct,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     for n in range(n_lo, n_hi, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
@@ -46,29 +50,33 @@ def _attend_tile(
             block = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
         else:
             block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_off
+        # K and V both as [BLOCK_N, HEAD_DIM] rows of the pool; K is transposed in the product (on an H100 this
+        # ran 5-8% faster than loading K as [HEAD_DIM, BLOCK_N]: bench/experiments/prefill_attention_variants.py)
+        off = (block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_off)[:, None] + d[None, :]
         if MASKED:
-            k = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=in_ctx[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=in_ctx[:, None], other=0.0)
+            k = tl.load(k_cache_ptr + off, mask=in_ctx[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + off, mask=in_ctx[:, None], other=0.0)
         else:
-            k = tl.load(k_cache_ptr + off[None, :] + d[:, None])
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
+            k = tl.load(k_cache_ptr + off)
+            v = tl.load(v_cache_ptr + off)
         if IEEE:
-            s = tl.dot(q, k, input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, k) * qk_scale
+            s = tl.dot(q, tl.trans(k))
         if MASKED:
+            s = s * qk_scale
             seen = (pos[None, :] <= pos_q[:, None]) & in_ctx[None, :]
-            if window > 0:
+            if WINDOW:
                 seen &= pos[None, :] > pos_q[:, None] - window
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_use[:, None])
+        else:  # the scale goes into the maximum's subtraction: one multiply-add per score (the scale is > 0)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
+            p = tl.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -86,7 +94,7 @@ def _prefill_paged_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -112,7 +120,7 @@ def _prefill_paged_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if window > 0:
+    if WINDOW:
         start = tl.maximum(0, lo_pos - window + 1) // BLOCK_N * BLOCK_N
         full = start  # every key tile of a window is masked
     else:
@@ -127,10 +135,10 @@ def _prefill_paged_kernel(
         hi_s = hi
     acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q, lo_s,
                                  tl.minimum(full, hi_s), ctx_len, window, qk_scale, stride_cb, stride_ct,
-                                 BLOCK_SIZE, BLOCK_N, False, IEEE)
+                                 BLOCK_SIZE, BLOCK_N, False, WINDOW, IEEE)
     acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_off, d, pos_q,
                                  tl.maximum(full, lo_s), hi_s, ctx_len, window, qk_scale, stride_cb, stride_ct,
-                                 BLOCK_SIZE, BLOCK_N, True, IEEE)
+                                 BLOCK_SIZE, BLOCK_N, True, WINDOW, IEEE)
     if SPLIT:
         part = ((tile * NUM_HEADS + head) * num_splits + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(part_m_ptr + part, m_i)
@@ -195,8 +203,33 @@ def prefill_splits(num_tiles: int, num_heads: int, max_context: int, block_n: in
     return max(1, min(MAX_SPLITS, by_programs, by_context))
 
 
-def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    return PREFILL_CONFIG.get(head_dim, (64, 32, 4, 2))
+def prefill_config(head_dim: int, element_bytes: int = 2) -> tuple[int, int, int, int]:
+    """The table's tile shape, or where this card's shared memory per block cannot hold its tiles (an A100 has 163
+    KiB against Hopper's 227; 32-bit inputs need twice the room), the first smaller one that fits: shorter key
+    tiles, then fewer pipeline stages. The query tile stays: the host plans the step's tiles by it."""
+    block_m, block_n, warps, stages = PREFILL_CONFIG.get(head_dim, (64, 32, 4, 2))
+    limit = _shared_memory_per_block()
+    if limit is None:
+        return block_m, block_n, warps, stages
+    candidates = [(block_m, block_n, warps, stages), (block_m, block_n // 2, warps, stages),
+                  (block_m, block_n // 2, warps, 2), (block_m, 32, 4, 2), (block_m, 16, 4, 1)]
+    fits = (c for c in candidates if c[1] >= 16 and tile_bytes(c, head_dim, element_bytes) <= limit)
+    return next(fits, candidates[-1])
+
+
+def tile_bytes(config: tuple[int, int, int, int], head_dim: int, element_bytes: int = 2) -> int:
+    """Shared memory a config's tiles take (16-bit elements): Q's, and K's and V's in every pipeline stage."""
+    block_m, block_n, _, stages = config
+    return (block_m + 2 * stages * block_n) * head_dim * element_bytes
+
+
+@functools.cache
+def _shared_memory_per_block() -> int | None:
+    """The most shared memory a block of this process's CUDA device may ask for (None: no CUDA device)."""
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(properties, "shared_memory_per_block_optin", None)
 
 
 def prefill_attention(
@@ -218,7 +251,7 @@ def prefill_attention(
         return out
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
-    block_m, block_n, warps, stages = config or prefill_config(head_dim)
+    block_m, block_n, warps, stages = config or prefill_config(head_dim, q.element_size())
     if q.stride(-1) != 1:
         q = q.contiguous()
     splits = prefill_splits(num_tiles, num_heads, meta.max_seq_len, block_n) if num_splits is None else num_splits
@@ -234,7 +267,8 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, SPLIT=splits > 1, WINDOW=bool(sliding_window), IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _prefill_merge_kernel[(num_tiles, num_heads)](
