@@ -187,6 +187,10 @@ def test_records_are_bounded_and_dropped_when_the_conversation_moves_on():
     stats = resumed.loop_records.stats()
     assert stats.entries == 1  # each turn's record replaced the one before
     assert 0 < stats.bytes <= 32 << 20
+    # the index files each message of the last record once (a turn files only what it added), and nothing stale
+    assert len(resumed.loop_records._index) == round_ends(prepared)[-1]
+    resumed.loop_records.clear()
+    assert not resumed.loop_records._index and not resumed.loop_records._lineages
     # a record past an eighth of the bound is not kept: the render is a full one, and right
     small = ChatTemplate(QWEN3, loop_record_bytes=64 << 10)
     assert small.loop_records is not None
@@ -419,3 +423,23 @@ def test_random_conversations_and_changed_messages_render_as_full_renders(path):
         probed = PlainMessages([*messages[:k], *probe, *messages[k + 1:]])
         assert _render_or_error(resumed, probed, kwargs) == _render_or_error(plain, probed, kwargs), k
     assert resumed.loop_records.resumed > before
+
+
+def test_two_conversations_with_the_same_first_messages_each_resume_every_turn():
+    """Agents that share their system prompt and first messages (the memo hands out the same objects) grow side by
+    side: each turn resumes from its own conversation's record, however the other has filed the shared head."""
+    resumed, plain = _pair(QWEN3)
+    assert resumed.loop_records is not None
+    messages, tools = agent_trace(AgentTraceSpec(rounds=6))
+    prepared, prepared_tools = prepare_messages(messages), prepare_tools(tools)
+    ends = round_ends(prepared)
+    fork = ends[1]
+    other = prepared[:fork] + [dict(m, content=f"other {i}") if m.get("content") else dict(m)
+                               for i, m in enumerate(prepared[fork:])]
+    before = resumed.loop_records.resumed
+    kwargs = {"tools": prepared_tools, "add_generation_prompt": True}
+    for end in ends[2:]:
+        for conversation in (prepared, other):
+            head = _shared(conversation[:end])
+            assert resumed.render(head, **kwargs) == plain.render(head, **kwargs), end
+    assert resumed.loop_records.resumed - before == 2 * len(ends[2:]) - 1  # all but the very first render

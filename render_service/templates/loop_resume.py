@@ -213,24 +213,41 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[str, LoopRe
                             max_index=session.max_index, loop=session.loop)
 
 
+class _Lineage:
+    """The newest record of one conversation: each of its records extends the one before by identity, so the index's
+    entries for the messages they share stay, pointing here, and a turn files only its new messages."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: LoopRecord) -> None:
+        self.record = record
+
+
 class LoopRecords:
     """Recent renders' records, found by the identity of their leading messages: each record is filed under every
     prefix length, so a conversation that grew (or the extend's probes, which change one message) finds the record
     of its longest shared head. Bounded by bytes, least recently used dropped first; a record whose messages a newer
-    record starts with is dropped at once (the conversation's earlier turn)."""
+    record starts with is dropped at once (the conversation's earlier turn). The index files a conversation's
+    records through its ``_Lineage``: a record that extends the one it replaces (the same message objects first)
+    takes that record's entries over and files only the messages it adds."""
 
     def __init__(self, max_bytes: int) -> None:
         self._records: ByteLRU[int, LoopRecord] = ByteLRU(max_bytes, on_evict=self._forget)
-        self._index: dict[tuple[int, int], LoopRecord] = {}
+        self._index: dict[tuple[int, int], _Lineage] = {}
+        self._lineages: dict[int, _Lineage] = {}  # id(record) -> its lineage, for the records kept
         self._lock = threading.Lock()
         self.hits = 0  # a record found
         self.misses = 0
         self.resumed = 0  # renders that resumed their loop from a record
 
     def _forget(self, record: LoopRecord) -> None:
+        lineage = self._lineages.pop(id(record), None)
+        if lineage is None:
+            return
+        index = self._index
         for i, message in enumerate(record.messages):
-            if self._index.get((i + 1, id(message))) is record:
-                del self._index[(i + 1, id(message))]
+            if index.get((i + 1, id(message))) is lineage:
+                del index[(i + 1, id(message))]
 
     def stats(self) -> CacheStats:
         """For /metrics (caches/budget.py): a hit is a render that resumed, a miss one that looked and did not."""
@@ -248,9 +265,10 @@ class LoopRecords:
         index = self._index
         tries = 0
         for k in range(len(messages), 0, -1):
-            record = index.get((k, id(messages[k - 1])))
-            if record is None:
+            lineage = index.get((k, id(messages[k - 1])))
+            if lineage is None:
                 continue
+            record = lineage.record
             kept = record.messages
             if all(map(operator.is_, kept[:k - 1], messages[:k - 1])):
                 self.hits += 1
@@ -264,11 +282,24 @@ class LoopRecords:
 
     def put(self, record: LoopRecord, replaces: LoopRecord | None) -> None:
         with self._lock:
+            lineage, filed = None, 0
             if replaces is not None and replaces.messages == record.messages[:len(replaces.messages)] \
                     and self._records.pop(id(replaces)) is not None:
-                self._forget(replaces)
+                if all(map(operator.is_, replaces.messages, record.messages)):
+                    # the same objects first: replaces' entries stay valid, reaching the new record through the
+                    # lineage (which keeps those objects alive, so their ids are not reused meanwhile)
+                    lineage = self._lineages.pop(id(replaces), None)
+                    filed = len(replaces.messages) if lineage is not None else 0
+                else:
+                    self._forget(replaces)
+            if lineage is None:
+                lineage = _Lineage(record)
+            lineage.record = record
+            self._lineages[id(record)] = lineage
             if not self._records.put(id(record), record, record.nbytes()):
+                self._forget(record)
                 return
-            for i, message in enumerate(record.messages):
-                self._index[(i + 1, id(message))] = record
+            index = self._index
+            for i in range(filed, len(record.messages)):
+                index[(i + 1, id(record.messages[i]))] = lineage
 
