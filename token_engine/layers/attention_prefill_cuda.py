@@ -51,7 +51,7 @@ def _attend_tile(
         else:
             block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
         # K and V both as [BLOCK_N, HEAD_DIM] rows of the pool; K is transposed in the product (on an H100 this
-        # ran 5-8% faster than loading K as [HEAD_DIM, BLOCK_N]: bench/experiments/prefill_attention_variants.py)
+        # ran 4-6% faster than loading K as [HEAD_DIM, BLOCK_N]: bench/experiments/prefill_attention_variants.py)
         off = (block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_off)[:, None] + d[None, :]
         if MASKED:
             k = tl.load(k_cache_ptr + off, mask=in_ctx[:, None], other=0.0)
@@ -218,7 +218,8 @@ def prefill_config(head_dim: int, element_bytes: int = 2) -> tuple[int, int, int
 
 
 def tile_bytes(config: tuple[int, int, int, int], head_dim: int, element_bytes: int = 2) -> int:
-    """Shared memory a config's tiles take (16-bit elements): Q's, and K's and V's in every pipeline stage."""
+    """Shared memory a config's tiles take, at ``element_bytes`` an element: Q's, and K's and V's in every
+    pipeline stage."""
     block_m, block_n, _, stages = config
     return (block_m + 2 * stages * block_n) * head_dim * element_bytes
 
