@@ -297,6 +297,8 @@ SANDBOX_PROBES = [
     "{% macro f(x) %}({{ x }}){% endmacro %}{% for m in messages %}{% set y = m.role %}{{ f(y) }}{% endfor %}",
     "{% for m in messages %}{{ m.get('role') }}{{ m.get('name', 'none') }}{% for k, v in m.items() %}{{ k }}"
     "{% endfor %}{{ m.keys()|list|length }}{{ m.values()|list|length }}{% endfor %}",
+    "{% set ns = namespace(a=1) %}{% for i in range(3) %}{% set ns.a = ns.a + i %}{% endfor %}{{ ns.a }}"
+    "{{ range(2, 9, 3)|list }}",
     "{{ messages[0].pop('role') }}",
     "{{ messages[0].update({'a': 1}) }}",
     "{{ messages[0].setdefault('a', 1) }}",
