@@ -13,16 +13,21 @@ cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tok
         with the piece cache as an agent loop leaves it, the answer written to JSON as the server writes it):
         the full render, the extend render of the same turn with the previous prompt sent as ids
         (``extend``) and named by the reference its render answered (``extend_by_ref``), each also with loss
-        masks after a previous turn that asked for them too (as an RL loop asks); each also with the chat
-        template's loop records off (``*_without_loop_records``).
+        masks after a previous turn that asked for them too (as an RL loop asks), and by reference answering
+        the appended ids alone (``extend_by_ref_appended``); each also with the chat template's loop records
+        off (``*_without_loop_records``).
 
 agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one or several interleaved, each body
         sent to our render server (full render, then the same turn as an extend of ours' previous answer) and to
         vllm-rs (``vllm-rs render``, the Rust render server in vLLM 0.34's wheel); server CPU per render from the
         process trees' schedstat (bench/agent_render_bench.py's TreeCpu), turns whose prompt is in (size/2, size].
 
+answers (--answers 32768,131072) the last turn of one conversation extended by reference through our render
+        server, answering the whole prompt's ids (``previous_turn.answer: "full"``) or the appended ones alone
+        ("appended"), alternating; server CPU per render (process tree schedstat) and latency, median of 8 each.
+
 usage: python -m bench.extend_bench [--rollouts 300] [--sizes 8192,32768,131072] [--reps 7] [--out FILE]
-                                    [--agents 1,8 --agent-sizes 32768,131072]
+                                    [--agents 1,8 --agent-sizes 32768,131072] [--answers 32768,131072]
 Results: bench/results/extend_bench.json (or --out). Figures are ratios inside one run: the box is shared.
 """
 
@@ -228,9 +233,11 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         ext_body = {**full_body, "previous_turn": {"prompt_token_ids": prompt, "completion_token_ids": completion}}
         ref_body = {**full_body, "return_prompt_ref": True,
                     "previous_turn": {"prompt_ref": ref, "completion_token_ids": completion}}
+        appended = {**ref_body, "previous_turn": {**ref_body["previous_turn"], "answer": "appended"}}
         bodies = {"full_render": encode(full_body), "extend": encode(ext_body),
                   "extend_with_masks": encode({**ext_body, **masks}),
-                  "extend_by_ref": encode(ref_body), "extend_by_ref_with_masks": encode({**ref_body, **masks})}
+                  "extend_by_ref": encode(ref_body), "extend_by_ref_with_masks": encode({**ref_body, **masks}),
+                  "extend_by_ref_appended": encode(appended)}
         ids = answer(bodies["full_render"])["token_ids"]  # warm: the piece cache as an agent loop leaves it
         ext = answer(bodies["extend"])
         assert ext["extend"]["extended"], ext["extend"]
@@ -240,6 +247,8 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
             by_ref = answer(bodies[name])
             assert by_ref["token_ids"] == ext["token_ids"], name
             assert "masks" not in name or by_ref["message_indices"] == masked["message_indices"], name
+        short = answer(bodies["extend_by_ref_appended"])  # the same answer's tail: the ids after the kept ones
+        assert short["token_ids"] == ext["token_ids"][short["extend"]["kept_tokens"]:]
         row: dict[str, Any] = {"size": size, "prompt_tokens": len(ids), "messages": len(messages),
                                "body_bytes": len(bodies["extend"]), "body_bytes_by_ref": len(bodies["extend_by_ref"]),
                                "new_tokens": ext["extend"]["new_tokens"] + ext["extend"]["closing_tokens"]}
@@ -252,6 +261,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
             template.loop_records = records
         row["extend_over_full"] = row["extend_ms"] / row["full_render_ms"]
         row["extend_by_ref_over_full"] = row["extend_by_ref_ms"] / row["full_render_ms"]
+        row["extend_by_ref_appended_over_full"] = row["extend_by_ref_appended_ms"] / row["full_render_ms"]
         rows.append(row)
     return rows
 
@@ -265,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-harmony", action="store_true")
     ap.add_argument("--agents", default="", help="also agent loops against vllm-rs: agent counts (e.g. 1,8)")
     ap.add_argument("--agent-sizes", default="32768,131072")
+    ap.add_argument("--answers", default="", help="also the two answer modes through the render server: sizes")
     ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
     args = ap.parse_args(argv)
     bundle = load_bundle(args.model)
@@ -282,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sizes:
         result["cpu"] = cpu(qwen, [int(s) for s in args.sizes.split(",")], args.reps)
         print(json.dumps(result["cpu"]), flush=True)
+    if args.answers:
+        result["answers"] = answer_modes(qwen, [int(s) for s in args.answers.split(",")])
+        print(json.dumps(result["answers"]), flush=True)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], _vllm_rs())
@@ -290,6 +304,55 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     return 0
 
+
+
+# ------------------------------------------------------------------ the answer's two modes, through the server
+
+
+def answer_modes(config: RenderConfig, sizes: list[int], reps: int = 8) -> list[dict[str, Any]]:
+    """The last turn of a conversation of about ``size`` tokens, extended by the reference of its previous turn
+    (made just before, each time), answered whole or as the appended ids alone, in alternating order."""
+    import httpx
+
+    from bench import agent_render_bench as arb
+    from bench import peers
+
+    max_len = max(sizes) * 2
+    model = arb.long_context_model(max_len)
+    port = peers.free_port()
+    pid = arb.start_ours(model, port, Path(os.environ.get("TMPDIR", "/tmp")) / "extend-answers.log", None, max_len)
+    rows = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        peers.wait_healthy(url, pid)
+        client, cpu = httpx.Client(base_url=url, timeout=600), arb.TreeCpu(pid)
+        encode = msgspec.json.encode
+        for size in sizes:
+            messages = _conversation(size, config)
+            k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            before = encode({"model": arb.MODEL, "messages": messages[:k], "tools": TOOLS, "tool_choice": "none",
+                             "return_prompt_ref": True})
+            completion = config.tokenizer.encode(_sampled_text(messages[k]))
+            timed: dict[str, list[tuple[float, float, int]]] = {"full": [], "appended": []}
+            for rep in range(reps):
+                for mode in ("full", "appended") if rep % 2 == 0 else ("appended", "full"):
+                    ref = client.post(arb.RENDER_PATH, content=before,
+                                      headers={"content-type": "application/json"}).json()["prompt_ref"]
+                    body = encode({"model": arb.MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "none",
+                                   "previous_turn": {"prompt_ref": ref, "completion_token_ids": completion,
+                                                     "answer": mode}})
+                    timed[mode].append(arb.measure(client, cpu, body))
+            row: dict[str, Any] = {"size": size, "messages": len(messages)}
+            for mode, values in timed.items():
+                row[f"{mode}_cpu_ms_median"] = statistics.median(v[0] for v in values)
+                row[f"{mode}_latency_ms_median"] = statistics.median(v[1] for v in values)
+                row[f"{mode}_answer_ids"] = values[0][2]
+            row["appended_over_full_cpu"] = row["appended_cpu_ms_median"] / row["full_cpu_ms_median"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        peers.stop_tree(pid)
+    return rows
 
 
 # ------------------------------------------------------------------ agent loops: ours against vllm-rs, one run

@@ -111,6 +111,9 @@ def test_the_gateway_extends_a_prompt_the_render_endpoint_keeps(gateway):
     r = gateway.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": USER,
                                            "return_prompt_ref": True})
     assert r.status_code == 400 and "return_prompt_ref" in r.text
+    # nor an answer of the appended ids alone: the gateway runs the whole prompt
+    r = gateway.post("/v1/chat/completions", json=chat(messages, previous_turn={**turn, "answer": "appended"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_turn.answer"
 
 
 def test_the_render_endpoint_takes_the_ids_and_keeps_them_from_the_engine():

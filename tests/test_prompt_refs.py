@@ -68,6 +68,39 @@ def test_a_rollout_by_reference_answers_what_the_ids_answer():
         assert len(out["message_indices"]) == len(out["token_ids"])
 
 
+def test_an_answer_of_the_appended_ids_alone_is_the_full_answers_tail():
+    """``previous_turn.answer: "appended"``: the ids after the kept ones, and the masks likewise; the prompt it keeps
+    under its reference is still the whole prompt, and a turn that cannot extend answers in full."""
+    config = qwen3_config()
+    with RenderServer(config) as server:
+        head = _post(server, {"messages": SYSTEM, "return_prompt_ref": True, **MASKS})
+        ref = head["prompt_ref"]
+        for messages, sampled in _rollout_turns(config):
+            turn = {"prompt_ref": ref, "completion_token_ids": sampled}
+            full = _post(server, {"messages": messages, **MASKS, "previous_turn": turn})
+            short = _post(server, {"messages": messages, **MASKS, "return_prompt_ref": True,
+                                   "previous_turn": {**turn, "answer": "appended"}})
+            kept = short["extend"]["kept_tokens"]
+            assert short["extend"] == full["extend"] and kept > 0
+            for field in ("token_ids", "message_indices", "assistant_tokens_mask"):
+                assert short[field] == full[field][kept:], field
+            # what max_tokens leaves room for counts the whole prompt
+            assert short["sampling_params"]["max_tokens"] == full["sampling_params"]["max_tokens"]
+            ref = short["prompt_ref"]
+        # the last answer's reference names its whole prompt: an extend by it starts with all of those ids
+        messages, sampled = _rollout_turns(config)[0]
+        by_ref = _post(server, {"messages": messages, "previous_turn": {"prompt_ref": ref,
+                                                                        "completion_token_ids": sampled}})
+        assert by_ref["token_ids"][:kept + len(short["token_ids"])] == full["token_ids"]
+        # a turn that cannot be extended answers in full, whatever was asked
+        continued = {"messages": [*SYSTEM, {"role": "assistant", "content": "Partial"}],
+                     "continue_final_message": True, "add_generation_prompt": False}
+        cont = _post(server, {**continued, "previous_turn": {"prompt_token_ids": head["token_ids"],
+                                                             "completion_token_ids": [1, 2], "answer": "appended"}})
+        assert cont["extend"]["extended"] is False
+        assert cont["token_ids"] == _post(server, continued)["token_ids"]
+
+
 def test_the_check_compares_the_whole_answer_only_where_asked():
     config = qwen3_config()
     (messages, sampled), *_ = _rollout_turns(config)
@@ -135,10 +168,12 @@ def test_harmony_extends_by_reference():
     messages = [*SYSTEM, assistant, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}]
     with RenderServer(config) as server:
         head = _post(server, {"model": MODEL, "messages": SYSTEM, "return_prompt_ref": True})
-        out = _post(server, {"model": MODEL, "messages": messages, "previous_turn": {
-            "prompt_ref": head["prompt_ref"], "completion_token_ids": sampled}})
+        turn = {"prompt_ref": head["prompt_ref"], "completion_token_ids": sampled}
+        out = _post(server, {"model": MODEL, "messages": messages, "previous_turn": turn})
+        short = _post(server, {"model": MODEL, "messages": messages, "previous_turn": {**turn, "answer": "appended"}})
     assert out["extend"]["extended"] and out["extend"]["method"] == "harmony"
     assert out["token_ids"][:len(head["token_ids"]) + len(sampled)] == head["token_ids"] + sampled
+    assert short["token_ids"] == out["token_ids"][len(head["token_ids"]) + len(sampled):] != []
 
 
 def test_a_server_without_render_caches_refuses_to_keep_a_prompt():

@@ -14,7 +14,10 @@ class PreviousTurn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     assistant turn (default: the last assistant message). ``mode``: "extend" falls back to the full render
     (and says why) where extending is impossible; "extend_only" refuses instead (a 400). ``check``: "suffix"
     compares the appended ids with a full render's last ids (what the new turn costs); "full" compares the whole
-    answer with a full render too and reports where they part (what the conversation costs)."""
+    answer with a full render too and reports where they part (what the conversation costs). ``answer``: "full"
+    gives the whole prompt's ids; "appended" only those after the kept ones (``extend.kept_tokens`` of them: the
+    previous prompt and the completion), and the masks likewise, where the turn was extended (the client, which
+    holds the kept ids, puts the prompt together; a fallback to the full render answers in full)."""
 
     completion_token_ids: list[int]
     prompt_token_ids: list[int] | None = None
@@ -22,6 +25,7 @@ class PreviousTurn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     message_index: int | None = None
     mode: Literal["extend", "extend_only"] = "extend"
     check: Literal["suffix", "full"] = "suffix"
+    answer: Literal["full", "appended"] = "full"
 
 
 class DifferingSpan(msgspec.Struct):

@@ -39,7 +39,7 @@ from render_service.gateway.response_store import (
     StoreRefused,
     open_store,
 )
-from render_service.gateway.routes import collect, engine_error, fold, refuse_prompt_ref, respond
+from render_service.gateway.routes import collect, engine_error, fold, refuse_render_only, respond
 from render_service.gateway.sse_relay import SseRelay
 from render_service.gateway.tenancy import request_tenant, short_id
 from render_service.http.errors import ApiError, bad_request, not_found
@@ -183,7 +183,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
         body = await read_json_body(request)
         queue = server_state(request).render_queue
         req = await queue.run("responses", len(body), lambda: decode(body, ResponsesRequest))
-        refuse_prompt_ref(req.return_prompt_ref)
+        refuse_render_only(req)
         client = client_of(request)
         check_stored_fields(req)
         storing = req.store is not False
@@ -253,7 +253,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
 
         def render() -> tuple[MessagesRequest, GenerateRequest, ChatCompletionRequest]:
             req = decode(body, MessagesRequest)
-            refuse_prompt_ref(req.return_prompt_ref)
+            refuse_render_only(req)
             return req, *render_messages(req, config, request_id=request_id, client=client)
 
         req, gen, chat = await queue.run("messages", len(body), render)
@@ -265,7 +265,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
 
         def convert() -> tuple[MessagesRequest, ChatCompletionRequest, int | None]:
             req = decode(body, MessagesRequest)
-            refuse_prompt_ref(req.return_prompt_ref)
+            refuse_render_only(req)
             return req, *messages_to_chat(req, config)
 
         req, chat, budget = await queue.run("messages", len(body), convert)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from render_service.extend.protocol import PreviousTurn
 from render_service.gateway import metrics
 from render_service.gateway.conversations import conversation_key
 from render_service.gateway.engine_client import EngineRejected, EngineStreamBroken
@@ -150,19 +151,30 @@ class InvocationShape(msgspec.Struct):
         return len(raw) > 0 and (len(raw) != 4 or raw.tobytes() != b"null")
 
 
-def refuse_prompt_ref(asked: bool) -> None:
-    """The gateway's answers have no place for a prompt reference: asking for one is refused, not ignored."""
-    if asked:
+class _RenderOnlyFields(Protocol):
+    """The fields of a chat, Messages or Responses request that only a render endpoint answers."""
+
+    return_prompt_ref: bool
+    previous_turn: PreviousTurn | None
+
+
+def refuse_render_only(req: _RenderOnlyFields) -> None:
+    """What only a render endpoint answers is refused, not ignored: the gateway's answers have no place for a prompt
+    reference, and it runs the whole prompt."""
+    if req.return_prompt_ref:
         raise bad_request("return_prompt_ref is answered by the render endpoints (/v1/chat/completions/render, "
                           "/v1/messages/render, /v1/responses/render); the gateway takes the reference they "
                           "answer in previous_turn.prompt_ref", "return_prompt_ref")
+    if req.previous_turn is not None and req.previous_turn.answer != "full":
+        raise bad_request("previous_turn.answer \"appended\" is answered by the render endpoints; the gateway "
+                          "runs the whole prompt", "previous_turn.answer")
 
 
 def _check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.echo and isinstance(req, ChatCompletionRequest):
         raise bad_request("echo is not supported by the gateway's chat completions (completions support it)", "echo")
     if isinstance(req, ChatCompletionRequest):
-        refuse_prompt_ref(req.return_prompt_ref)
+        refuse_render_only(req)
     # Only the render tier's own keys (ids rendered already, prerendered.py); the gateway sets the engines'.
     if req.kv_transfer_params is not None and not set(req.kv_transfer_params) <= RENDER_KEYS:
         raise bad_request("kv_transfer_params are set by the gateway, not by clients (except prompt_token_ids "

@@ -338,17 +338,19 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     if config.reasoning_parser:
         reasoning_ended = prompt_ends_reasoning(token_ids, config)
         reasoning_kwargs = {"chat_template_kwargs": template_kwargs}
+    answer_ids, turn_fields = _turn_answer(req, token_ids, turns, prompt_ref)
     return _generate_request(
         req, config,
         request_id=new_request_id("chatcmpl", request_id, req.request_id),
-        token_ids=token_ids,
+        token_ids=answer_ids,
         sampling_params=params,
         model=model,
         reasoning_ended=reasoning_ended,
         reasoning_parser_kwargs=reasoning_kwargs,
         # (ids given: the tools are prepared only here, so their errors still come after the sampling checks)
         parse_context=parse_context(req, tools if given is None else _parse_context_tools(req), template_kwargs),
-        **_turn_fields(turns, prompt_ref),
+        prompt_ids=token_ids,
+        **turn_fields,
     )
 
 
@@ -389,6 +391,30 @@ def _turn_fields(turns: TurnRender | None, prompt_ref: str | None = None) -> dic
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def _turn_answer(req: ChatCompletionRequest, token_ids: Sequence[int], turns: TurnRender | None,
+                 prompt_ref: str | None) -> tuple[Sequence[int], dict[str, Any]]:
+    """The answer's ids and turn fields: all of them, or with ``previous_turn.answer: "appended"`` and a turn that
+    was extended, only what follows the kept ids (the masks likewise), so that the answer costs what the new turn
+    costs. Everything else (length checks, max_tokens, the prompt reference, block hashes) counts the whole
+    prompt."""
+    fields = _turn_fields(turns, prompt_ref)
+    turn = req.previous_turn
+    if turn is None or turn.answer != "appended" or turns is None or turns.extend is None \
+            or not turns.extend.extended:
+        return token_ids, fields
+    kept = turns.extend.kept_tokens
+    for name in ("message_indices", "assistant_tokens_mask"):
+        if name in fields:
+            fields[name] = _after(fields[name], kept)
+    return _after(token_ids, kept), fields
+
+
+def _after(ids: Sequence[int], kept: int) -> Sequence[int]:
+    """``ids`` after the first ``kept``, as a list (a ``PromptIds`` gives its tail from its last pieces alone)."""
+    appended = len(ids) - kept
+    return list(ids[-appended:]) if appended > 0 else []
+
+
 def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
                          request_id: str | None, given: list[int] | None, *, client: str = "",
                          ids_view: bool = False) -> GenerateRequest:
@@ -419,10 +445,11 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs,
     )
+    answer_ids, turn_fields = _turn_answer(req, token_ids, turns, prompt_ref)
     return _generate_request(req, config, request_id=new_request_id("chatcmpl", request_id, req.request_id),
-                             token_ids=token_ids, sampling_params=params, model=check_model(req.model, config),
-                             parse_context=parse_context(req, _parse_context_tools(req), {}),
-                             **_turn_fields(turns, prompt_ref))
+                             token_ids=answer_ids, sampling_params=params, model=check_model(req.model, config),
+                             parse_context=parse_context(req, _parse_context_tools(req), {}), prompt_ids=token_ids,
+                             **turn_fields)
 
 
 def prompt_ends_reasoning(token_ids: Sequence[int], config: RenderConfig) -> bool:
@@ -440,11 +467,14 @@ def _stream_options(req: ChatCompletionRequest | CompletionRequest) -> StreamOpt
 
 
 def _generate_request(
-    req: ChatCompletionRequest | CompletionRequest, config: RenderConfig, **per_prompt: Any
+    req: ChatCompletionRequest | CompletionRequest, config: RenderConfig, prompt_ids: Sequence[int] | None = None,
+    **per_prompt: Any
 ) -> GenerateRequest:
-    """The engine request for one rendered prompt: ``per_prompt`` fields plus those every request carries over."""
+    """The engine request for one rendered prompt: ``per_prompt`` fields plus those every request carries over;
+    ``prompt_ids``: the whole prompt where the answer's ``token_ids`` hold only its appended part."""
     if req.return_block_hashes:
-        hashes = block_hashes(list(per_prompt["token_ids"]), config.block_hash_config, cache_salt=req.cache_salt)
+        whole = per_prompt["token_ids"] if prompt_ids is None else prompt_ids
+        hashes = block_hashes(list(whole), config.block_hash_config, cache_salt=req.cache_salt)
         per_prompt["block_hashes"] = [external_hash(h) for h in hashes]
     return GenerateRequest(
         **per_prompt,
