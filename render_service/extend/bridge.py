@@ -106,8 +106,6 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     if alt is None or at < 0 or not full.endswith(alt[len(alt) - after:]):
         return prefix_bridge(render, messages, arguments, k, full, end_markers)
     text = full[len(full) - after:]
-    # The close: what the template writes after the probe when the assistant turn ends the conversation, as far
-    # as it agrees with the bridge (nothing for templates whose next message is the turn's end, as GLM's).
     # The close: what the template writes after the probe when the assistant turn ends a conversation, as far as
     # it agrees with the bridge (nothing for templates whose next message is the turn's end, as GLM's). Measured
     # on the sampled turn's predecessor and the probe alone: it only counts ids and attributes them, cheaply.
