@@ -84,8 +84,12 @@ def test_an_answer_of_the_appended_ids_alone_is_the_full_answers_tail():
             assert short["extend"] == full["extend"] and kept > 0
             for field in ("token_ids", "message_indices", "assistant_tokens_mask"):
                 assert short[field] == full[field][kept:], field
-            # what max_tokens leaves room for counts the whole prompt
+            # what max_tokens leaves room for counts the whole prompt, and so do the block hashes
             assert short["sampling_params"]["max_tokens"] == full["sampling_params"]["max_tokens"]
+            hashed = [_post(server, {"messages": messages, "return_block_hashes": True,
+                                     "previous_turn": {**turn, "answer": answer}})["block_hashes"]
+                      for answer in ("full", "appended")]
+            assert hashed[0] == hashed[1] and len(hashed[0]) == len(full["token_ids"]) // 16
             ref = short["prompt_ref"]
         # the last answer's reference names its whole prompt: an extend by it starts with all of those ids
         messages, sampled = _rollout_turns(config)[0]
