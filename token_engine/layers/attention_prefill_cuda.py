@@ -207,10 +207,16 @@ def prefill_config(head_dim: int, element_bytes: int = 2) -> tuple[int, int, int
     """The table's tile shape, or where this card's shared memory per block cannot hold its tiles (an A100 has 163
     KiB against Hopper's 227; 32-bit inputs need twice the room), the first smaller one that fits: shorter key
     tiles, then fewer pipeline stages. The query tile stays: the host plans the step's tiles by it."""
-    block_m, block_n, warps, stages = PREFILL_CONFIG.get(head_dim, (64, 32, 4, 2))
-    limit = _shared_memory_per_block()
+    return _fitting(PREFILL_CONFIG.get(head_dim, (64, 32, 4, 2)), head_dim, element_bytes, _shared_memory_per_block())
+
+
+@functools.cache
+def _fitting(config: tuple[int, int, int, int], head_dim: int, element_bytes: int, limit: int | None
+             ) -> tuple[int, int, int, int]:
+    # (asked per layer of every prefill step: the answer is kept per table shape, head size and card)
     if limit is None:
-        return block_m, block_n, warps, stages
+        return config
+    block_m, block_n, warps, stages = config
     candidates = [(block_m, block_n, warps, stages), (block_m, block_n // 2, warps, stages),
                   (block_m, block_n // 2, warps, 2), (block_m, 32, 4, 2), (block_m, 16, 4, 1)]
     fits = (c for c in candidates if c[1] >= 16 and tile_bytes(c, head_dim, element_bytes) <= limit)
