@@ -147,6 +147,24 @@ def test_build_metadata_rejects_a_block_table_too_short():
         build_metadata([5], [9], [[1, 2]], 4)
 
 
+def test_build_metadata_slots_and_padded_tables_follow_the_block_tables():
+    rng = random.Random(3)
+    block_size = 4
+    query_lens, seq_lens, tables = [], [], []
+    for _ in range(6):  # decodes, chunks over cached prefixes crossing blocks, a fresh prompt, one long table
+        seq_len = rng.choice([1, 5, 9, 16, 37, 130])
+        query_lens.append(rng.choice([1, seq_len, max(1, seq_len // 3)]))
+        seq_lens.append(seq_len)
+        tables.append(rng.sample(range(200), -(-seq_len // block_size) + rng.choice([0, 2])))
+    meta = build_metadata(query_lens, seq_lens, tables, block_size)
+    slots = [t[p // block_size] * block_size + p % block_size
+             for q, n, t in zip(query_lens, seq_lens, tables) for p in range(n - q, n)]
+    assert meta.slot_mapping.tolist() == slots
+    width = max(len(t) for t in tables)
+    assert meta.block_tables.dtype == torch.int32
+    assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+
+
 def test_bf16_pool_matches_dense_attention_loosely():
     gen = torch.Generator().manual_seed(11)
     pool = allocate_kv_pool(16, 1, 4, KV_HEADS, DIM, torch.bfloat16)
@@ -306,3 +324,19 @@ def test_prefill_tiles_shrink_to_the_cards_shared_memory(monkeypatch, limit, ele
     config = apc.prefill_config(128, element_bytes)
     assert config == expected
     assert limit is None or apc.tile_bytes(config, 128, element_bytes) <= limit
+
+
+@pytest.mark.parametrize("tiles, context, expected", [
+    (2, 33280, 7),  # 392 programs: three waves of 132 nearly full (5 slices, 280 programs, left the third empty)
+    (1, 33280, 9),
+    (4, 33280, 7),
+    (2, 1024, 1),  # too short to slice: one slice is at least MIN_KEYS_PER_SPLIT keys
+    (10, 33280, 1),  # 280 programs already: more than two waves to balance
+])
+def test_prefill_context_slices_fill_whole_waves(tiles, context, expected):
+    pytest.importorskip("triton")
+    from token_engine.layers import attention_prefill_cuda as apc
+
+    splits = apc.prefill_splits(tiles, 28, context, 128, slots=132)
+    assert splits == expected
+    assert splits <= apc.MAX_SPLITS and (splits == 1 or context // splits >= apc.MIN_KEYS_PER_SPLIT)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -81,16 +82,24 @@ def build_metadata(
             raise ValueError(f"query_len {q_len} exceeds seq_len {s_len}")
         if len(table) * block_size < s_len:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
-        for pos in range(s_len - q_len, s_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        pos = s_len - q_len
+        while pos < s_len:  # a block's run of slots at a time (a prefill chunk is hundreds of tokens)
+            end = min(s_len, (pos // block_size + 1) * block_size)
+            first = table[pos // block_size] * block_size - pos // block_size * block_size
+            slots.extend(range(first + pos, first + end))
+            pos = end
         starts.append(starts[-1] + q_len)
     width = max((len(t) for t in block_tables), default=0) or 1
-    padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+    # Filled row by row through numpy: a long prompt's table is thousands of blocks, and a nested list of every
+    # row padded to its width cost milliseconds a step to turn into a tensor.
+    padded = np.zeros((len(block_tables), width), dtype=np.int32)
+    for row, table in zip(padded, block_tables):
+        row[: len(table)] = table
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(padded).to(device),
         block_size=block_size,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),

@@ -29,11 +29,14 @@ LOG2E = 1.4426950408889634
 # head_dim 128 from an H100 run of bench/experiments/prefill_attention_variants.py (128x128 tiles with 3 stages
 # were the fastest for a fresh 32k prompt, an agent turn and an 8k chunk over 24k); the others tuned on an H200.
 PREFILL_CONFIG = {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 8, 2)}
-# Context slices (split-K, as flash decoding): programs to keep in flight (two per SM of an H200), at most
-# MAX_SPLITS slices, each at least MIN_KEYS_PER_SPLIT keys long.
-TARGET_PROGRAMS = 2 * 132
+# Context slices (split-K, as flash decoding) for steps with few query tiles: at most MAX_SPLITS slices, each at
+# least MIN_KEYS_PER_SPLIT keys long. A slice's fixed work (loading its queries, writing and merging its partial
+# result) is counted as SLICE_OVERHEAD_TILES key tiles when the slice count is chosen.
 MAX_SPLITS = 16
 MIN_KEYS_PER_SPLIT = 1024
+SLICE_OVERHEAD_TILES = 2
+# Streaming multiprocessors assumed where no CUDA device answers (the interpreter's checks): an H100's or H200's.
+DEFAULT_SMS = 132
 
 
 @triton.jit
@@ -191,16 +194,33 @@ def prefill_tiles(prefill: list[tuple[int, int]], block_m: int) -> tuple[list[in
     return [s for s, _ in tiles], [m for _, m in tiles]
 
 
-def prefill_splits(num_tiles: int, num_heads: int, max_context: int, block_n: int) -> int:
+def prefill_splits(num_tiles: int, num_heads: int, max_context: int, block_n: int, slots: int | None = None) -> int:
     """Context slices per (query tile, head): a short chunk over a long cached prefix has few tiles, and one
     program per tile would walk the whole context alone while most SMs idle. Depends on shapes only (a CUDA
-    graph's grid is fixed), with enough key tiles per slice to keep each program busy."""
+    graph's grid is fixed).
+
+    The programs of such a step all walk about as many keys, so they run in waves of `slots` (the programs
+    the card holds at once): the count chosen is the one whose waves, times the key tiles each slice walks plus
+    its fixed work, are least. (Asking only for enough programs to fill the card could land just past a whole
+    wave: 2 query tiles x 28 heads x 5 slices is 280 programs, three waves of 132 for the work of 2.1.)"""
     programs = num_tiles * num_heads
-    if programs >= TARGET_PROGRAMS:
-        return 1
-    by_programs = -(-TARGET_PROGRAMS // programs)
-    by_context = max(1, max_context // (MIN_KEYS_PER_SPLIT))
-    return max(1, min(MAX_SPLITS, by_programs, by_context))
+    slots = slots or _sm_count()  # one program per SM: a tile set takes most of an SM's shared memory
+    if programs >= 2 * slots:
+        return 1  # enough programs to balance the card; causal tiles of a fresh prompt differ in length anyway
+    key_tiles = max(1, -(-max_context // block_n))
+    most = max(1, min(MAX_SPLITS, max_context // MIN_KEYS_PER_SPLIT))
+
+    def cost(splits: int) -> int:
+        return -(-programs * splits // slots) * (-(-key_tiles // splits) + SLICE_OVERHEAD_TILES)
+
+    return min(range(1, most + 1), key=lambda splits: (cost(splits), splits))
+
+
+@functools.cache
+def _sm_count() -> int:
+    if not torch.cuda.is_available():
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def prefill_config(head_dim: int, element_bytes: int = 2) -> tuple[int, int, int, int]:
