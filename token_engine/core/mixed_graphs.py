@@ -32,7 +32,9 @@ from token_engine.layers.attention_prefill_cuda import prefill_config, prefill_s
 log = logging.getLogger(__name__)
 
 # Token counts a mixed step is padded to; past a few thousand tokens launch gaps are a few percent of a step.
-TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Steps of 1.5x between them: the step budget fills a step up to the largest bucket within its time target, and
+# with doublings only a step lost a quarter of its room on average.
+TOKEN_BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 # Numbers of decoding sequences a graph's decode grid covers (0: a step with prefill only). The decode kernel's
 # context split is chosen for the bucket's size, as it would be for that many sequences.
 DECODE_BUCKETS = (0, 8, 32, 128, 256)
