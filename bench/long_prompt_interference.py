@@ -189,6 +189,19 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def random_model(preset: str, device: str):
+    """A random-weight model of the preset on the device, with this card's ceilings measured into geb.HW first
+    (the floors' rates); None, said on stderr, where CUDA is asked for and absent."""
+    geb.DEVICE = device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    geb.HW.update(geb.measure_ceilings())
+    model, _ = geb.build_random_model(preset, seed=0)
+    return model
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-7b")
@@ -212,13 +225,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from token_engine.core.step_budget import PrefillPolicy
 
-    geb.DEVICE = args.device
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    model = random_model(args.preset, args.device)
+    if model is None:
         return 2
-    torch.manual_seed(0)
-    geb.HW.update(geb.measure_ceilings())
-    model, _ = geb.build_random_model(args.preset, seed=0)
     result: dict = {"preset": args.preset, "device": args.device, "ceilings": dict(geb.HW), "interference": []}
     for chunk in [int(c) for c in args.chunk.split(",") if c]:
         result["interference"].append(interference(model, args, f"chunk {chunk}", chunk, PrefillPolicy()))

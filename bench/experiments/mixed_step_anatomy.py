@@ -29,7 +29,7 @@ import torch
 
 import bench.gpu_engine_bench as geb
 from bench.long_prompt_bench import model_flops
-from bench.long_prompt_interference import make_engine
+from bench.long_prompt_interference import make_engine, random_model
 from bench.portable import portable
 
 
@@ -53,8 +53,8 @@ class TimedRunner:
         if cuda:
             end.record()
             end.synchronize()
-        self.last = {"called_at": t0, "execute_host_ms": host * 1e3, "gpu_ms": start.elapsed_time(end) if cuda else host * 1e3,
-                     "tokens": self.runner.last_step_tokens,
+        self.last = {"called_at": t0, "execute_host_ms": host * 1e3,
+                     "gpu_ms": start.elapsed_time(end) if cuda else host * 1e3, "tokens": self.runner.last_step_tokens,
                      "graphed": self.runner.last_step_tokens != sum(s.num_new_tokens for s in scheduled)}
         return logits
 
@@ -143,7 +143,7 @@ def profile_step(engine) -> list[dict]:
             t[0] += e.device_time / 1e3
             t[1] += 1
     rows = [{"kernel": k, "ms": v[0], "count": v[1]} for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])]
-    print("profiled step: kernel time %.2f ms" % sum(r["ms"] for r in rows), flush=True)
+    print(f"profiled step: kernel time {sum(r['ms'] for r in rows):.2f} ms", flush=True)
     for r in rows[:20]:
         print(f"  {r['ms']:8.3f} ms {r['count']:5d}x  {r['kernel']}", flush=True)
     return rows[:40]
@@ -159,13 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="95,223,479,991,2015", help="prefill tokens a step, beside the streams")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    geb.DEVICE = args.device
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    model = random_model(args.preset, args.device)
+    if model is None:
         return 2
-    torch.manual_seed(0)
-    geb.HW.update(geb.measure_ceilings())
-    model, _ = geb.build_random_model(args.preset, seed=0)
     chunks = [int(c) for c in args.chunks.split(",") if c]
     middle = chunks[len(chunks) // 2]
     result = {"preset": args.preset, "device": args.device, "ceilings": dict(geb.HW), "streams": args.streams,
@@ -180,7 +176,8 @@ def main(argv=None) -> int:
     for r in result["chunks"]:
         for q in r["quarters"]:
             print(f"  chunk {r['chunk']:>5} context {q['context'][0]:>6}+: wall {q['wall_ms']:6.2f} ms "
-                  f"(gpu {q['gpu_ms']:6.2f}, schedule {q['schedule_ms']:5.2f}, execute host {q['execute_host_ms']:5.2f}) floor {q['floor_ms']:6.2f} "
+                  f"(gpu {q['gpu_ms']:6.2f}, schedule {q['schedule_ms']:5.2f}, execute host "
+                  f"{q['execute_host_ms']:5.2f}) floor {q['floor_ms']:6.2f} "
                   f"= {q['wall_x_floor']:.2f}x, graphed {q['graphed']:.0%}, {q['prefill_tokens_per_ms']:.0f} tok/ms")
         print(f"  chunk {r['chunk']:>5}: the prompt in {r['long_prefill_ms']:.0f} ms ({r['long_x_floor']:.2f}x its "
               f"floor), fit {r['fit']}")

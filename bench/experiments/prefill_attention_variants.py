@@ -152,18 +152,33 @@ CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4),
 FORMS = list(itertools.product((False, True), repeat=3))  # (SCALE_IN_EXP, ACC_IN_DOT, K_ROWS)
 
 
-def run_case(name, cached, new, heads, kv_heads, dim, block_size, rng) -> list[dict]:
+def paged_case(cached, new, heads, kv_heads, dim, block_size, rng):
+    """A chunk of `new` queries over `cached` keys in a random bf16 pool with a shuffled block table: (q, k_cache,
+    v_cache, metadata, FLOPs)."""
     from token_engine.layers.attention import build_metadata
-    from token_engine.layers.attention_prefill_cuda import prefill_attention, prefill_tiles
 
     ctx = cached + new
     nblk = -(-ctx // block_size)
     pool = torch.randn(nblk + 3, 2, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     meta = build_metadata([new], [ctx], [rng.sample(range(nblk + 3), nblk)], block_size, "cuda")
     q = torch.randn(new, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache = pool[:, 0], pool[:, 1]
-    scale = dim**-0.5
     flops = 4.0 * heads * dim * new * (cached + (new + 1) / 2)
+    return q, pool[:, 0], pool[:, 1], meta, flops
+
+
+def attention_shape_args(p: argparse.ArgumentParser) -> None:
+    """The attention shape of the cases (default: Qwen2.5-7B's) and the pool's block size."""
+    p.add_argument("--heads", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+
+
+def run_case(name, cached, new, heads, kv_heads, dim, block_size, rng) -> list[dict]:
+    from token_engine.layers.attention_prefill_cuda import prefill_attention, prefill_tiles
+
+    q, k_cache, v_cache, meta, flops = paged_case(cached, new, heads, kv_heads, dim, block_size, rng)
+    scale = dim**-0.5
     rows = []
     with torch.inference_mode():
         seqs, firsts = prefill_tiles([(0, new)], 128)
@@ -199,10 +214,7 @@ def run_case(name, cached, new, heads, kv_heads, dim, block_size, rng) -> list[d
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    attention_shape_args(p)
     p.add_argument("--cases", default=",".join(c[0] for c in CASES))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

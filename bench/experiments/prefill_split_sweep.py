@@ -20,6 +20,7 @@ import sys
 import torch
 
 import bench.gpu_engine_bench as geb
+from bench.experiments.prefill_attention_variants import attention_shape_args, paged_case
 from bench.portable import portable
 
 CASES = [(95, 24576), (223, 8192), (223, 16384), (223, 28672), (479, 16384), (991, 24576), (1600, 20800)]
@@ -36,18 +37,16 @@ def previous_splits(num_tiles: int, num_heads: int, max_context: int) -> int:
 
 
 def run_case(new, cached, heads, kv_heads, dim, block_size, rng) -> list[dict]:
-    from token_engine.layers.attention import build_metadata
-    from token_engine.layers.attention_prefill_cuda import prefill_attention, prefill_config, prefill_splits
-    from token_engine.layers.attention_prefill_cuda import prefill_tiles
+    from token_engine.layers.attention_prefill_cuda import (
+        prefill_attention,
+        prefill_config,
+        prefill_splits,
+        prefill_tiles,
+    )
 
     ctx = cached + new
-    nblk = -(-ctx // block_size)
-    pool = torch.randn(nblk + 3, 2, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    meta = build_metadata([new], [ctx], [rng.sample(range(nblk + 3), nblk)], block_size, "cuda")
-    q = torch.randn(new, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache = pool[:, 0], pool[:, 1]
+    q, k_cache, v_cache, meta, flops = paged_case(cached, new, heads, kv_heads, dim, block_size, rng)
     scale = dim**-0.5
-    flops = 4.0 * heads * dim * new * (cached + (new + 1) / 2)
     rows: list[dict] = []
     ref = None
     with torch.inference_mode():
@@ -79,10 +78,7 @@ def run_case(new, cached, heads, kv_heads, dim, block_size, rng) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    attention_shape_args(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
