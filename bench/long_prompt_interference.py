@@ -83,14 +83,17 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
     shorts: dict[str, float] = {}
     short_ttft: dict[str, float] = {}
     steps_after = 0
-    decoding = False  # "before" counts gaps once every stream decodes: earlier steps hold the streams' prefill
+    # "before" counts gaps from the step after every stream has its first token: until then steps hold the
+    # streams' own prefill (a stream whose prompt finished a step early would count that step as a gap)
+    decoding = False
     while True:
         engine.step()
         now = time.perf_counter()
+        counted = decoding
         decoding = decoding or all(seq.num_output_tokens > 0 for seq in seqs.values())
         for rid, seq in seqs.items():
             n = seq.num_output_tokens
-            if rid in last and n > last[rid][0] and (decoding or phase != "before"):
+            if rid in last and n > last[rid][0] and (counted or phase != "before"):
                 phases[phase].append((now - last[rid][1]) * 1e3 / (n - last[rid][0]))
             if rid not in last or n > last[rid][0]:
                 last[rid] = (n, now)
