@@ -5,10 +5,10 @@ it can hold 30 ms steps and still finish a 32k prompt near its FLOP floor depend
 chunk` tokens really costs as the chunk's context grows. This measures it through LLMEngine.step on a random
 model of a preset's shape (default Qwen2.5-7B, bf16), `--streams` decoding:
 
-1. per chunk size (plain chunking: max_num_batched_tokens = streams + chunk), one long prompt prefilled while the
-   streams decode; per step: its wall time, the host time before the forward (schedule and step plan), the
-   forward's GPU time (CUDA events around it), whether it replayed a mixed-step graph, the tokens it ran and the
-   context its chunk extended;
+1. per chunk size, one long prompt prefilled while the streams decode (its chunk capped at that size, the token
+   budget one past the step's tokens so that the bucket the step pads to has a graph); per step: its wall time,
+   the scheduler's time, the host time inside the runner's `execute`, the GPU time between CUDA events around
+   it, whether it replayed a mixed-step graph, the tokens it ran and the context its chunk extended;
 2. per chunk size and context quarter: medians of those, the prefill tokens a millisecond, and the step's FLOP
    floor (its chunk over its context plus the decode tokens, at the measured matmul rate), and what the
    scheduler's step-time model fitted from those steps;
