@@ -18,6 +18,7 @@ Runs under TRITON_INTERPRET=1 on CPU tensors too (tests/triton_kernels_check.py)
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -194,6 +195,7 @@ def prefill_tiles(prefill: list[tuple[int, int]], block_m: int) -> tuple[list[in
     return [s for s, _ in tiles], [m for _, m in tiles]
 
 
+@functools.lru_cache(maxsize=1024)  # asked per layer of every eager prefill step: the shapes repeat
 def prefill_splits(num_tiles: int, num_heads: int, max_context: int, block_n: int, slots: int | None = None) -> int:
     """Context slices per (query tile, head): a short chunk over a long cached prefix has few tiles, and one
     program per tile would walk the whole context alone while most SMs idle. Depends on shapes only (a CUDA
@@ -216,11 +218,9 @@ def prefill_splits(num_tiles: int, num_heads: int, max_context: int, block_n: in
     return min(range(1, most + 1), key=lambda splits: (cost(splits), splits))
 
 
-@functools.cache
 def _sm_count() -> int:
-    if not torch.cuda.is_available():
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    properties = _device_properties()
+    return DEFAULT_SMS if properties is None else properties.multi_processor_count
 
 
 def prefill_config(head_dim: int, element_bytes: int = 2) -> tuple[int, int, int, int]:
@@ -250,13 +250,18 @@ def tile_bytes(config: tuple[int, int, int, int], head_dim: int, element_bytes: 
     return (block_m + 2 * stages * block_n) * head_dim * element_bytes
 
 
-@functools.cache
 def _shared_memory_per_block() -> int | None:
     """The most shared memory a block of this process's CUDA device may ask for (None: no CUDA device)."""
+    properties = _device_properties()
+    return None if properties is None else getattr(properties, "shared_memory_per_block_optin", None)
+
+
+@functools.cache
+def _device_properties() -> Any:
+    """This process's CUDA device's properties (None: no CUDA device)."""
     if not torch.cuda.is_available():
         return None
-    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return getattr(properties, "shared_memory_per_block_optin", None)
+    return torch.cuda.get_device_properties(torch.cuda.current_device())
 
 
 def prefill_attention(
