@@ -84,7 +84,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # reaped between the signal and the read
+        return False
+    return not stat.split(") ", 1)[1].startswith("Z")
 
 
 def wait_until_dead(pids: list[int], expect: int | None = None) -> list[int]:
