@@ -13,8 +13,10 @@ import msgspec
 import pytest
 
 from render_service.bundle.model_bundle import load_bundle
-from render_service.extend.bridge import ExtendImpossible, template_bridge
+from render_service.extend import chat as extend_chat
+from render_service.extend.bridge import ExtendImpossible, loop_bridge, template_bridge
 from render_service.http.errors import ApiError
+from render_service.render.chat_prompt import chat_template_inputs
 from render_service.render.render import render_chat
 from render_service.render.render_config import build_render_config
 from render_service.templates.chat_template import ChatTemplate
@@ -103,6 +105,43 @@ def test_rollout_keeps_the_sampled_ids(configs, family, truncated):
     assert whole.extend.suffix_matches_full_render and whole.extend.matches_full_render is not None
     assert "thanks" in config.tokenizer.decode(list(nxt.token_ids)[len(ids) + len(sampled):],
                                                skip_special_tokens=False)
+
+
+@pytest.mark.slow  # (building the families' test bundles takes a while the first time)
+def test_the_loop_bridge_is_the_probes_on_every_family_whose_loop_is_tracked(configs):
+    """The bridge found from the full render's own iterations (one render, what the new turn costs) is the text
+    and close the probe's two whole renders find, on every family whose message loop the render tracks, at the
+    first sampled turn and at a later one; the others take the probe."""
+    tracked = []
+    for family, spec in rollouts.FAMILIES.items():
+        config = configs[family]
+        text, assistant = rollouts.tool_turn(spec, 0)
+        answer, message = rollouts.answer_turn(spec, "There are 3 cats.", reasoning="Counted them.")
+        first = [*SYSTEM, assistant, rollouts.tool_result("call_1", "3 cats\n")]
+        for messages, k in ((first, 2), ([*first, message, {"role": "user", "content": "thanks"}], 4)):
+            req = msgspec.convert({"messages": messages, "tools": rollouts.TOOLS, "tool_choice": "none"},
+                                  ChatCompletionRequest)
+            template, prepared, arguments, _ = chat_template_inputs(req, config, {})
+            text_render = extend_chat._render_fn(template)
+            by_loop = loop_bridge(template, text_render, prepared, arguments, k, template.content_format, 64)
+            if by_loop is None:
+                continue
+            tracked.append((family, k))
+            by_probe = template_bridge(text_render, prepared, arguments, k, template.content_format,
+                                       extend_chat._end_markers(config))
+            assert by_loop.method == "loop" and by_probe.method == "probe", family
+            assert (by_loop.text, by_loop.closing_chars) == (by_probe.text, by_probe.closing_chars), (family, k)
+            assert by_loop.full_text() == by_probe.full_text() and by_loop.full_chars == len(by_probe.full_text())
+            assert by_probe.full_text().endswith(by_loop.window)
+    assert ("qwen3", 2) in tracked and ("qwen3", 4) in tracked
+    assert len({family for family, _ in tracked}) >= len(rollouts.FAMILIES) // 2, tracked
+    # ... and it is the one an extend takes, its answer checked against the whole render.
+    config = configs["qwen3"]
+    prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
+    text, assistant = rollouts.tool_turn(rollouts.FAMILIES["qwen3"], 1)
+    out = extend(config, [*SYSTEM, assistant, rollouts.tool_result("call_1", "3 cats\n")], prompt,
+                 config.tokenizer.encode(text))
+    assert out.extend.method == "loop" and out.extend.suffix_matches_full_render
 
 
 def test_python_booleans_differ_from_a_full_render_and_the_span_says_where():

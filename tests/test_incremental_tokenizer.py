@@ -352,6 +352,25 @@ def test_tail_ids_start_at_the_last_added_token_before_the_position(qwen_fast):
     assert tail == ref(qwen_fast, "<|im_start|>assistant\nThree cats.")
 
 
+def test_tail_ids_of_a_window_are_the_whole_texts_last_ids(qwen_fast):
+    """A window (the end of a longer text) with ``cut_context_chars`` of context before ``floor``: the ids are the
+    whole text's last ones, and no cut is taken before ``floor``, where the window cannot prove one."""
+    encoder = IncrementalEncoder(qwen_fast)
+    turns = "".join(f"<|im_start|>user\nturn {i} about cats<|im_end|>\n<|im_start|>assistant\nfine {i}<|im_end|>\n"
+                    for i in range(6))
+    text = turns + "<|im_start|>user\nthe last one<|im_end|>\n<|im_start|>assistant\n"
+    whole = ref(qwen_fast, text)
+    start = text.index("<|im_start|>user\nturn 4") - encoder.cut_context_chars
+    window, floor = text[start:], encoder.cut_context_chars
+    before = len(window) - 5
+    tail = encoder.tail_ids(window, before, floor)
+    assert tail is not None and whole[len(whole) - len(tail):] == tail
+    assert tail == encoder.tail_ids(text, start + before)
+    # A floor past every added token before ``before``: no cut the window may take.
+    last = window.rindex("<|im_start|>")
+    assert encoder.tail_ids(window, last - 1, last) is None
+
+
 def test_tail_ids_never_cut_inside_a_longer_added_token():
     """``<<x>`` holds ``<x>``: a search window that starts inside ``<<x>`` finds ``<x>`` alone, where the tokenizer
     cuts ``<<x>`` whole. Cutting at ``<x>`` would give other ids; the cut is refused."""

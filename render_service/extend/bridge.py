@@ -13,6 +13,13 @@ truncated outputs stay as sampled.
 Where the completion ends with a marker the bridge starts with (``<|im_end|>``; GLM's ``<|observation|>``, which
 opens the next message), the marker is the model's and is not written twice. Harmony (gpt-oss) has no template:
 its renderer renders each message on its own, so the bridge is the new messages' own ids (``harmony_bridge``).
+
+Where the template's message loop runs under a loop session (loop_resume.py), the full render alone finds the
+bridge (``loop_bridge``), at what the new messages cost: the render resumes from the previous turn's record, and
+its output says at which block each message's iteration starts. The bridge is the close of the sampled turn and
+every block from the next message's iteration on. The close is what the template writes after a probe's content in
+a three-message render (the sampled turn's neighbours, the probe between them), and the sampled turn's own
+iteration must end with it. The full text is never joined unless the answer's check or masks need it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from render_service.extend.protocol import DifferingSpan
-from render_service.templates.chat_template import PlainMessages
+from render_service.templates.chat_template import ChatTemplate, PlainMessages
+from render_service.templates.loop_resume import LoopOutput
 
 # A plain assistant message's content, unlikely in real text and with no whitespace a template would trim.
 PROBE = "\u27e6splitserve-extend-probe\u27e7"
@@ -35,8 +43,9 @@ class ExtendImpossible(Exception):
 @dataclass
 class Bridge:
     """What follows the sampled ids: ``text`` (template families) or ``ids`` (Harmony), of which the first
-    ``closing_chars`` characters (``closing_ids`` ids) close the sampled turn; ``full`` is the full render's text
-    (template families), for the check."""
+    ``closing_chars`` characters (``closing_ids`` ids) close the sampled turn. The full render's text (template
+    families, for the check) is ``full``, or the blocks of ``output``; ``window`` is its end from
+    ``window_floor`` characters before the sampled turn's iteration on (the whole text for the probe)."""
 
     text: str | None = None
     closing_chars: int = 0
@@ -44,6 +53,20 @@ class Bridge:
     closing_ids: int = 0
     full: str | None = None
     method: str = "probe"
+    output: LoopOutput | None = None
+    full_chars: int = 0
+    window: str = ""
+    window_floor: int = 0
+
+    def __post_init__(self) -> None:
+        if self.full is not None and not self.window:
+            self.full_chars, self.window = len(self.full), self.full
+
+    def full_text(self) -> str:
+        if self.full is None:
+            assert self.output is not None
+            self.full = self.output.text()
+        return self.full
 
 
 _CHUNK = 4096
@@ -106,20 +129,77 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     if alt is None or at < 0 or not full.endswith(alt[len(alt) - after:]):
         return prefix_bridge(render, messages, arguments, k, full, end_markers)
     text = full[len(full) - after:]
-    # The close: what the template writes after the probe when the assistant turn ends a conversation, as far as
-    # it agrees with the bridge (nothing for templates whose next message is the turn's end, as GLM's). Measured
-    # on the sampled turn's predecessor and the probe alone: it only counts ids and attributes them, cheaply.
-    closing = len(text)
-    if k + 1 < len(messages):
-        last = dict(arguments, add_generation_prompt=False)
-        try:
-            alone = render(like_messages(messages, [*messages[max(0, k - 1):k], probe_message(content_format)]), **last)
-        except Exception:
-            alone = None
-        closing = 0
-        if alone is not None and PROBE in alone:  # (the probe may sit elsewhere when it is the last message)
-            closing = common_prefix(alone[alone.rfind(PROBE) + len(PROBE):], text)
+    closing = closing_chars(render, messages, arguments, k, content_format, text)
     return Bridge(text=text, closing_chars=closing, full=full, method="probe")
+
+
+def closing_chars(render: Callable[..., str], messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+                  content_format: str, text: str) -> int:
+    """How much of the bridge ``text`` closes the sampled turn: what the template writes after the probe when the
+    assistant turn ends a conversation, as far as it agrees with the bridge (nothing for templates whose next
+    message is the turn's end, as GLM's). Measured on the sampled turn's predecessor and the probe alone: it only
+    counts ids and attributes them, cheaply."""
+    if k + 1 >= len(messages):
+        return len(text)
+    last = dict(arguments, add_generation_prompt=False)
+    try:
+        alone = render(like_messages(messages, [*messages[max(0, k - 1):k], probe_message(content_format)]), **last)
+    except Exception:
+        return 0
+    if PROBE not in alone:  # (the probe may sit elsewhere when it is the last message)
+        return 0
+    return common_prefix(alone[alone.rfind(PROBE) + len(PROBE):], text)
+
+
+def loop_bridge(template: ChatTemplate, render: Callable[..., str], messages: list[dict[str, Any]],
+                arguments: dict[str, Any], k: int, content_format: str, context_chars: int) -> Bridge | None:
+    """The bridge from the full render's own iterations (the module's docstring), or None where the render ran no
+    loop session, the sampled turn is not followed by a message in the loop, or its iteration does not end with
+    the close a probe gets. ``context_chars``: how much of the text before the sampled turn's iteration the
+    window keeps (what the tokenizer's cut reads)."""
+    output = template.render_output(messages, **arguments)
+    if output is None or output.starts is None:
+        return None
+    starts, blocks = output.starts, output.blocks
+    turn = k - output.offset
+    if turn < 0 or turn + 1 >= len(starts):
+        return None
+    close = _close_between(template, messages, arguments, k, content_format)
+    if close is None:
+        return None
+    own = "".join(blocks[starts[turn]:starts[turn + 1]])
+    if not own.endswith(close):
+        return None
+    text = close + output.text_from(starts[turn + 1])
+    first, floor = starts[turn], 0
+    while first > 0 and floor < context_chars:
+        first -= 1
+        floor += len(blocks[first])
+    window = output.text_from(first)
+    closing = closing_chars(render, messages, arguments, k, content_format, text)
+    return Bridge(text=text, closing_chars=closing, method="loop", output=output, full_chars=output.chars,
+                  window=window, window_floor=floor)
+
+
+def _close_between(template: ChatTemplate, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+                   content_format: str) -> str | None:
+    """What the template writes after a probe assistant turn's content, between the sampled turn's neighbours:
+    the end of the probe's iteration after the probe (None where the template refuses these three messages or
+    the probe's iteration is not found)."""
+    around = [*messages[max(0, k - 1):k], probe_message(content_format), messages[k + 1]]
+    try:
+        output = template.render_output(like_messages(messages, around), resume=False,
+                                        **dict(arguments, add_generation_prompt=False))
+    except Exception:
+        return None
+    if output is None or output.starts is None:
+        return None
+    at = min(k, 1) - output.offset
+    if at < 0 or at + 1 >= len(output.starts):
+        return None
+    own = "".join(output.blocks[output.starts[at]:output.starts[at + 1]])
+    probe = own.rfind(PROBE)
+    return own[probe + len(PROBE):] if probe >= 0 else None
 
 
 def prefix_bridge(render: Callable[..., str], messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,

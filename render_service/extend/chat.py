@@ -22,6 +22,7 @@ from render_service.extend.bridge import (
     ExtendImpossible,
     differing_span,
     drop_sampled_marker,
+    loop_bridge,
     template_bridge,
 )
 from render_service.extend.prompt_refs import IdRun, StoredPrompt, id_run
@@ -154,6 +155,17 @@ def _render_fn(template: Any) -> Any:
     return render
 
 
+def _loop_bridge(template: Any, render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+                 context_chars: int) -> Bridge | None:
+    """``bridge.loop_bridge``, a template's failure answered as the render answers it."""
+    try:
+        return loop_bridge(template, render, messages, arguments, k, template.content_format, context_chars)
+    except TemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+        raise template_failure(exc) from None
+
+
 def _encode(text: str, config: RenderConfig) -> list[int]:
     return encode_prompt(text, config)
 
@@ -208,8 +220,11 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     template, messages, arguments, tools = _inputs(req, config, kwargs)
     render = _render_fn(template)
     ends = _end_markers(config)
-    bridge = template_bridge(render, messages, arguments, k, template.content_format, ends)
-    assert bridge.text is not None and bridge.full is not None
+    encoder = config.prompt_encoder
+    context = encoder.cut_context_chars if encoder is not None else 0
+    bridge = _loop_bridge(template, render, messages, arguments, k, context) \
+        or template_bridge(render, messages, arguments, k, template.content_format, ends)
+    assert bridge.text is not None
     completion = turn.completion_token_ids
     added = {i: t for t, i in cast(TextTokenizer, config.tokenizer).added_token_ids.items()}
     text, closing = drop_sampled_marker(bridge.text, bridge.closing_chars, completion[-1] if completion else None,
@@ -219,18 +234,18 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     answer = kept.then(suffix)
     # The check: the appended ids are a full render's last ids. From a cut of the full render near the seam where
     # the tokenizer's pieces allow one (what the new turn costs), else from the whole render.
-    encoder = config.prompt_encoder
-    seam = len(bridge.full) - len(text)
-    full_tail = encoder.tail_ids(bridge.full, seam) if encoder is not None else None
+    seam = len(bridge.window) - len(text)
+    full_tail = encoder.tail_ids(bridge.window, seam, bridge.window_floor) \
+        if encoder is not None and seam >= bridge.window_floor else None
     full_ids: list[int] | None = None
     if full_tail is None:
-        full_ids = full_tail = _encode(bridge.full, config)
+        full_ids = full_tail = _encode(bridge.full_text(), config)
     suffix_matches = len(full_tail) >= len(suffix) and full_tail[len(full_tail) - len(suffix):] == suffix
     span = None
     compared = turn.check == "full" or not suffix_matches
     if compared:  # the whole answer against the whole render, and where they part
         if full_ids is None:
-            full_ids = _encode(bridge.full, config)
+            full_ids = _encode(bridge.full_text(), config)
         span = differing_span(full_ids, answer.tolist(), _decoder(config))
     offsets = _offsets(text, suffix, config) if masks and suffix else []
     closing_ids = len(config.tokenizer.encode(text[:closing])) if closing else 0  # (the close starts at a cut)
@@ -240,9 +255,9 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     done = TurnRender(answer.view(), tools, extend=info, stored=StoredPrompt(answer))
     if masks:
         # Only the appended text is attributed here: the messages from the sampled turn on are probed.
-        turns = text_turns(render, messages, arguments, bridge.full, end_markers=ends, first=k)
+        turns = text_turns(render, messages, arguments, bridge.full_text(), end_markers=ends, first=k)
         head_indices, head_flags = _previous_attribution(render, messages, arguments, k, previous, config)
-        base = len(bridge.full) - len(text)
+        base = bridge.full_chars - len(text)
         tail_indices, _ = turns.attribute(offsets, base)
         # The close up to its end-of-turn marker is the sampled turn's (written by the template when the model
         # did not write the marker); what follows it opens the next message, as in a full render's attribution.

@@ -52,7 +52,7 @@ class ExtendInfo(msgspec.Struct):
 
     extended: bool
     reason: str | None = None
-    method: str | None = None  # "probe", "prefix" or "harmony" (docs/rl.md)
+    method: str | None = None  # "loop", "probe", "prefix" or "harmony" (docs/rl.md)
     kept_tokens: int = 0
     closing_tokens: int = 0
     new_tokens: int = 0

@@ -36,7 +36,7 @@ from render_service.templates.budget import (
     MAX_RENDERED_CHARS,
     WALL_CLOCK_BELOW_DEADLINE,
 )
-from render_service.templates.loop_resume import SESSION, LoopRecords, LoopSession, finish
+from render_service.templates.loop_resume import SESSION, LoopOutput, LoopRecords, LoopSession, finish
 from render_service.templates.sandbox import (
     _GENERATION_TRACKER,
     MAX_TEMPLATE_SOURCE_CHARS,
@@ -227,17 +227,8 @@ class ChatTemplate:
                 )
             if track_generation:
                 raise TemplateError("continue_final_message is not compatible with return_assistant_tokens_mask.")
-        chat = _template_messages(messages)
-        template_tools = list(tools) if type(tools) is PlainTools else plain_copy(_check_tools(tools))
-        if documents is not None and (
-            not isinstance(documents, (list, tuple)) or not all(isinstance(d, Mapping) for d in documents)
-        ):
-            raise TemplateError("Documents should be a list of objects with 'title' and 'text' keys.")
-        context = plain_copy({**self._special, **kwargs})
-        context.update(
-            messages=chat, tools=template_tools, documents=plain_copy(documents),
-            add_generation_prompt=add_generation_prompt,
-        )
+        context = self._context(messages, tools, documents, add_generation_prompt, kwargs)
+        chat = context["messages"]
         final_text = None
         if continue_final_message:
             final_text = self._tag_final_message(chat, continue_final_message)
@@ -249,12 +240,48 @@ class ChatTemplate:
             if record is not None or messages.shared:
                 session = LoopSession([], record, same)
         if session is not None:
-            text = self._run_session(context, session, messages)
-            return RenderedChat(text, [])
+            return RenderedChat(self._run_session(context, session, messages).text(), [])
         text, spans = self._run(context, track_generation)
         if final_text is not None:
             text = _cut_at_continue_tag(text, final_text)
         return RenderedChat(text, spans)
+
+    def render_output(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        resume: bool = True,
+        **kwargs: Any,
+    ) -> LoopOutput | None:
+        """``render``'s output as blocks, with where each message's iteration starts (``LoopOutput``), resumed
+        from a loop record where one applies (``resume``) and filing its own as ``render`` does; None where no
+        loop session can run (loop records off, messages not ``PlainMessages``) or the template ran no message
+        loop."""
+        if self.loop_records is None or type(messages) is not PlainMessages:
+            return None
+        context = self._context(messages, tools, documents, add_generation_prompt, kwargs)
+        record, same = self.loop_records.find(messages) if resume else (None, 0)
+        output = self._run_session(context, LoopSession([], record, same), messages)
+        return output if output.starts is not None else None
+
+    def _context(self, messages: Any, tools: Any, documents: Any, add_generation_prompt: bool,
+                 kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The template's variables: the special tokens, the request's kwargs, and plain copies of the rest."""
+        chat = _template_messages(messages)
+        template_tools = list(tools) if type(tools) is PlainTools else plain_copy(_check_tools(tools))
+        if documents is not None and (
+            not isinstance(documents, (list, tuple)) or not all(isinstance(d, Mapping) for d in documents)
+        ):
+            raise TemplateError("Documents should be a list of objects with 'title' and 'text' keys.")
+        context: dict[str, Any] = plain_copy({**self._special, **kwargs})
+        context.update(
+            messages=chat, tools=template_tools, documents=plain_copy(documents),
+            add_generation_prompt=add_generation_prompt,
+        )
+        return context
 
     def _tag_final_message(self, chat: list[dict[str, Any]], continue_final_message: bool | str) -> str:
         key = continue_final_message if isinstance(continue_final_message, str) else "content"
@@ -321,7 +348,8 @@ class ChatTemplate:
         records.clear()
         return resumed
 
-    def _run_session(self, context: dict[str, Any], session: LoopSession, messages: list[dict[str, Any]]) -> str:
+    def _run_session(self, context: dict[str, Any], session: LoopSession, messages: list[dict[str, Any]]
+                     ) -> LoopOutput:
         """``_run`` under a loop session: the message loop starts where the session's record allows, and this
         render's own record is filed for the next."""
         token = SESSION.set(session)
@@ -329,14 +357,14 @@ class ChatTemplate:
             self._run(context, False, session.blocks)
         finally:
             SESSION.reset(token)
-        text, record = finish(session, tuple(messages))
+        output, record = finish(session, tuple(messages))
         if session.resumed_at > 0 and self.loop_records is not None:
             self.loop_records.resumed += 1
-        if len(text) > MAX_RENDERED_CHARS:
+        if output.chars > MAX_RENDERED_CHARS:
             raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
         if record is not None and self.loop_records is not None and getattr(messages, "shared", False):
             self.loop_records.put(record, session.resume)
-        return text
+        return output
 
     def _run(self, context: dict[str, Any], track_generation: bool, into: list[str] | None = None
              ) -> tuple[str, list[tuple[int, int]]]:

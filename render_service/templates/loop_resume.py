@@ -191,8 +191,26 @@ def checked_index(index: Any) -> Any:
     return index
 
 
-def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[str, LoopRecord | None]:
-    """The render's text from the session's blocks, and the record a later render may resume (None: none)."""
+@dataclass
+class LoopOutput:
+    """A session render's output as the blocks the template yielded (never joined here), and where each iteration
+    of its message loop starts: ``starts[i]``, the block of the iteration over ``messages[offset + i]`` (None when
+    the render ran no message loop)."""
+
+    blocks: list[str]
+    starts: list[int] | None
+    offset: int
+    chars: int
+
+    def text(self) -> str:
+        return "".join(self.blocks)
+
+    def text_from(self, block: int) -> str:
+        return "".join(self.blocks[block:])
+
+
+def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[LoopOutput, LoopRecord | None]:
+    """The render's output from the session's blocks, and the record a later render may resume (None: none)."""
     blocks = session.blocks
     if session.resumed_at > 0:
         record = session.resume
@@ -204,13 +222,16 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[str, LoopRe
         starts = record.starts[:session.resumed_at] + [b + shift for b in session.item_blocks]
     else:
         starts = session.item_blocks
-    text = "".join(blocks)
+    chars = sum(map(len, blocks))
+    output = LoopOutput(blocks, starts if session.entered else None, session.offset, chars)
     if not session.entered or session.unusable:
-        return text, None
-    return text, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
-                            text_bytes=len(text) * (1 if text.isascii() else 4), offset=session.offset,
-                            names=session.names, starts=starts, states=session.states, reach=session.reach,
-                            max_index=session.max_index, loop=session.loop)
+        return output, None
+    # (str.isascii reads a flag CPython keeps per string: the blocks' sizes without joining them)
+    text_bytes = chars * (1 if all(map(str.isascii, blocks)) else 4)
+    return output, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
+                              text_bytes=text_bytes, offset=session.offset, names=session.names, starts=starts,
+                              states=session.states, reach=session.reach, max_index=session.max_index,
+                              loop=session.loop)
 
 
 class _Lineage:

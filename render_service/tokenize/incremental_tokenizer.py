@@ -311,10 +311,18 @@ class IncrementalEncoder:
             return self.tokenizer.encode(text)
         return self._encode_view(text)
 
-    def tail_ids(self, text: str, before: int) -> list[int] | None:
+    @property
+    def cut_context_chars(self) -> int:
+        """How many characters before a cut ``tail_ids`` reads to prove it (the longest added token's length)."""
+        return self._longest_added
+
+    def tail_ids(self, text: str, before: int, floor: int = 0) -> list[int] | None:
         """The last ids of ``encode(text)``: those of ``text[p:]``, for a ``p`` at or before ``before`` where an
         added token starts that the tokenizer provably cuts at in the whole text; None where the cache is off or
         no such cut lies within ``TAIL_SEARCH_CHARS`` before ``before``. Costs what ``text[p:]`` costs.
+
+        ``floor``: no cut is taken before it, so ``text`` may be the end of a longer text, ``cut_context_chars``
+        or more of it before ``floor``: the ids are then that longer text's last ones.
 
         Why the cut at ``p`` is the tokenizer's: its cutter scans left to right, taking at each position the
         longest added token there. Where no added token starts in the ``longest - 1`` characters before ``p`` and
@@ -324,7 +332,7 @@ class IncrementalEncoder:
             return None
         cutter = self._cutter
         longest = self._longest_added
-        low = max(0, before - TAIL_SEARCH_CHARS)
+        low = max(floor, before - TAIL_SEARCH_CHARS)
         starts = [m.start() for m in cutter.finditer(text, low, min(len(text), before + longest))
                   if m.start() <= before]
         for p in reversed(starts):
