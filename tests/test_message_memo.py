@@ -23,6 +23,7 @@ from render_service.http.server import _encode_generate_request, decode
 from render_service.render.render import render_chat
 from render_service.render.render_config import RenderConfig, build_render_config
 from render_service.templates.chat_messages import prepare_messages, prepare_tools
+from render_service.templates.chat_template import template_message
 from render_service.wire.message_memo import (
     KEY_HEAD_BYTES,
     KEY_TAIL_BYTES,
@@ -186,7 +187,14 @@ def test_both_content_formats_are_prepared_from_one_entry_each_as_without_the_me
     for content_format in ("string", "openai", "string"):
         assert prepare_messages(req.messages, content_format) == prepare_messages(fresh.messages, content_format)
     assert prepare_tools(req.tools) == prepare_tools(fresh.tools)
-    assert all(set(e.prepared) == {"string", "openai"} for e in req.messages.entries)
+    # each content format's prepared form, and beside it its template form (what a render hands the template)
+    assert all(set(e.prepared) == {"string", "openai", "template:string", "template:openai"}
+               for e in req.messages.entries)
+    for content_format in ("string", "openai"):
+        prepared = prepare_messages(req.messages, content_format)
+        fresh_prepared = prepare_messages(fresh.messages, content_format)
+        assert fresh_prepared.template_forms is None
+        assert prepared.template_forms == [template_message(m) for m in fresh_prepared]
 
 
 def test_a_message_twice_is_two_objects_to_a_template_as_without_the_memo(servers):

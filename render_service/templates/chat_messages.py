@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from render_service.templates.chat_template import PlainMessages, PlainTools, plain_copy
+from render_service.templates.chat_template import PlainMessages, PlainTools, plain_copy, template_form
 from render_service.templates.sandbox import TemplateError
 from render_service.wire.message_memo import MemoMessages, MemoTools
 
 if TYPE_CHECKING:
     from render_service.templates.chat_template import ChatTemplate
+
+# The key of a memo entry's template form (``chat_template.template_form``) beside its prepared form.
+_TEMPLATE_FORM = "template:"
 
 # Text-only render tier: these content part types carry text; anything else is refused.
 _TEXT_PART_FIELDS = {
@@ -56,16 +59,21 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
     """Each message's prepared form for ``content_format``, made once per distinct message JSON (its index
     only ever shows in an error's text, and errors are not kept)."""
     out = PlainMessages()
+    forms = []
     entries = messages.entries
+    form_key = _TEMPLATE_FORM + content_format
     for index, entry in enumerate(entries):
-        prepared = entry.prepared.get(content_format)
+        kept = entry.prepared
+        prepared = kept.get(content_format)
         if prepared is None:
-            prepared = entry.prepared[content_format] = _prepare_message(entry.value, index, content_format)
+            prepared = kept[content_format] = _prepare_message(entry.value, index, content_format)
+            kept[form_key] = template_form(prepared)
             for call in prepared.get("tool_calls") or ():  # what templates write with tojson every turn
                 function = call.get("function") if type(call) is dict else None
                 if type(function) is dict and type(function.get("arguments")) is dict:
                     entry.lend(function["arguments"])
         out.append(prepared)
+        forms.append(kept[form_key])
     if len(set(map(id, out))) < len(out):
         # The same message twice: a template sees two objects, as without the memo (``is sameas`` tells them
         # apart)
@@ -74,6 +82,8 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
             if id(prepared) in seen:
                 out[at] = plain_copy(prepared)
             seen.add(id(prepared))
+    else:  # (each shared message's template form, kept with it: a render need not make them again)
+        out.template_forms = forms
     out.shared = True
     return out
 

@@ -62,6 +62,8 @@ class PlainMessages(list[dict[str, Any]]):
     again, so a render of them files a loop record for those requests (loop_resume.py)."""
 
     shared: bool = False
+    # each message's template form (``template_form``), made once per shared message by whoever built the list
+    template_forms: list[dict[str, Any]] | None = None
 
 
 class PlainTools(list[dict[str, Any]]):
@@ -108,6 +110,16 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return _alias_reasoning(plain)
 
 
+def template_form(message: dict[str, Any]) -> dict[str, Any]:
+    """A plain copy's form as templates see it: what is left of ``template_message`` (it is copied already); the
+    message itself where nothing changes."""
+    if None in message.values():
+        message = {k: v for k, v in message.items() if v is not None}
+    if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
+        message = _alias_reasoning(message)
+    return message
+
+
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     for name in REASONING_FIELDS:
         reasoning = message.get(name)
@@ -123,16 +135,12 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
     if not messages:
         raise TemplateError("Cannot apply chat template to an empty conversation. Provide at least one message.")
     if type(messages) is PlainMessages:
-        # Copied already: what is left of template_message (a message dict is the render's to hand on, not to
-        # change: the final message is copied before continue_final_message tags it).
-        out = []
-        for message in messages:
-            if None in message.values():
-                message = {k: v for k, v in message.items() if v is not None}
-            if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
-                message = _alias_reasoning(message)
-            out.append(message)
-        return out
+        forms = messages.template_forms
+        if forms is not None and len(forms) == len(messages):
+            return list(forms)
+        # (a message dict is the render's to hand on, not to change: the final message is copied before
+        # continue_final_message tags it)
+        return [template_form(message) for message in messages]
     out = []
     for message in messages:
         if not isinstance(message, Mapping):
