@@ -144,6 +144,47 @@ def test_the_loop_bridge_is_the_probes_on_every_family_whose_loop_is_tracked(con
     assert out.extend.method == "loop" and out.extend.suffix_matches_full_render
 
 
+def test_an_rl_loop_with_masks_resumes_each_turn_from_the_one_before():
+    """Bodies decoded as the render server decodes them (the message memo), the prompt by reference, masks asked on
+    every other turn: each extend resumes the template's message loop from the previous turn's render (a masked
+    one included: an unmasked turn runs that one render alone) and takes the loop bridge; the answers are those a
+    render without any cache gives for the prompt sent as ids."""
+    from render_service.render.render_config import load_render_config
+    from render_service.wire.message_memo import decode_chat_request
+
+    def decode(body: bytes, kind: type) -> Any:
+        return msgspec.json.decode(body, type=kind)
+
+    cached = load_render_config(str(QWEN3_DIR), served_model_names=["m"])
+    bare = load_render_config(str(QWEN3_DIR), served_model_names=["m"], render_cache_bytes=0)
+    records = cached.template.loop_records
+    assert records is not None
+    spec = rollouts.FAMILIES["qwen3"]
+    masks = {"tools": rollouts.TOOLS, "tool_choice": "none", "return_assistant_tokens_mask": True,
+             "return_message_indices": True}
+    messages = list(SYSTEM)
+    body = msgspec.json.encode({"messages": messages, **masks, "return_prompt_ref": True})
+    out = render_chat(decode_chat_request(body, cached.message_memo, decode), cached)
+    ids, ref = list(out.token_ids), out.prompt_ref
+    for turn in range(1, 5):
+        text, assistant = rollouts.tool_turn(spec, turn, call_id=f"call_{turn}")
+        completion = cached.tokenizer.encode(text)
+        messages += [assistant, rollouts.tool_result(f"call_{turn}", f"{turn} cats\n")]
+        asked = masks if turn % 2 == 0 else {"tools": rollouts.TOOLS, "tool_choice": "none"}
+        resumed = records.resumed
+        body = msgspec.json.encode({"messages": messages, **asked, "return_prompt_ref": True, "previous_turn": {
+            "prompt_ref": ref, "completion_token_ids": completion}})
+        out = render_chat(decode_chat_request(body, cached.message_memo, decode), cached)
+        assert out.extend.extended and out.extend.method == "loop", turn
+        assert records.resumed == resumed + 1 if asked is not masks else records.resumed > resumed, turn
+        plain = extend(bare, messages, ids, completion, **{k: v for k, v in asked.items() if k.startswith("return")})
+        assert list(out.token_ids) == list(plain.token_ids)
+        if asked is masks:
+            assert list(out.message_indices) == list(plain.message_indices)
+            assert list(out.assistant_tokens_mask) == list(plain.assistant_tokens_mask)
+        ids, ref = list(out.token_ids), out.prompt_ref
+
+
 def test_python_booleans_differ_from_a_full_render_and_the_span_says_where():
     config = qwen3_config()
     prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)
