@@ -411,3 +411,39 @@ def test_common_prefix_and_suffix_agree_with_the_plain_definition():
         assert common_suffix(base, other) == plain_prefix(base[::-1], other[::-1])
         text_a, text_b = "".join(map(str, base)), "".join(map(str, other))
         assert common_prefix(text_a, text_b) == plain_prefix(text_a, text_b)
+
+
+def test_block_texts_read_as_their_joined_text():
+    """Two renders as blocks (shared where a resumed render keeps the record's, split anywhere else): where they
+    part and meet again, and a marker's place, are what the joined texts give."""
+    import random
+
+    from render_service.extend.bridge import PROBE
+    from render_service.extend.turns import BlockText, prefix_and_suffix
+    from render_service.templates.loop_resume import LoopOutput
+
+    def blocks_of(text: str, rng: random.Random) -> list[str]:
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 12)))) if text else []
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+    def block_text(blocks: list[str]) -> BlockText:
+        return BlockText(LoopOutput(blocks, [0], 0, sum(map(len, blocks))))
+
+    rng = random.Random(11)
+    for _ in range(400):
+        words = [rng.choice(["<|im_end|>", "\n", "ab", "a", "<|im_start|>user", "x" * rng.randrange(1, 5)])
+                 for _ in range(rng.randrange(1, 30))]
+        i = rng.randrange(len(words))
+        full_words = list(words)
+        alt_words = [*words[:i], PROBE, *words[i + rng.randrange(0, 2):]]
+        shared = blocks_of("".join(words[:i]), rng)  # a resumed render's kept blocks: the same objects
+        full = block_text(shared + blocks_of("".join(full_words[i:]), rng))
+        alt = block_text(shared + blocks_of("".join(alt_words[i:]), rng))
+        full_text, alt_text = "".join(full_words), "".join(alt_words)
+        assert full.text() == full_text and len(full) == len(full_text)
+        assert prefix_and_suffix(full, alt) == prefix_and_suffix(full_text, alt_text)
+        head, tail = prefix_and_suffix(full_text, alt_text)
+        assert full_text[:head] == alt_text[:head] and full_text[len(full_text) - tail:] == alt_text[len(alt_text) - tail:]
+        start = rng.randrange(len(full_text) + 1)
+        stop = rng.randrange(start, len(full_text) + 1)
+        assert full.find("<|im_end|>", start, stop) == full_text.find("<|im_end|>", start, stop)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from render_service.extend.protocol import DifferingSpan
-from render_service.templates.chat_template import ChatTemplate, PlainMessages
+from render_service.templates.chat_template import ChatTemplate, PlainMessages, template_form
 from render_service.templates.loop_resume import LoopOutput
 
 # A plain assistant message's content, unlikely in real text and with no whitespace a template would trim.
@@ -107,6 +107,16 @@ def probe_message(content_format: str) -> dict[str, Any]:
     return {"role": "assistant", "content": content}
 
 
+def with_message(messages: list[dict[str, Any]], i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
+    """``messages`` with message ``i`` replaced (a probe), in their list type; the template forms they carry are
+    carried along (sliced, as the messages are), so the render makes only the new message's."""
+    items = like_messages(messages, [*messages[:i], message, *messages[i + 1:]])
+    forms = getattr(messages, "template_forms", None)
+    if forms is not None and len(forms) == len(messages) and type(items) is PlainMessages:
+        items.template_forms = [*forms[:i], template_form(message), *forms[i + 1:]]
+    return items
+
+
 def like_messages(messages: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``items`` in the list type of ``messages``: a list the render knows holds plain copies stays marked as one
     (the probe is a plain dict too), so the render does not copy every message again."""
@@ -118,7 +128,7 @@ def template_bridge(render: Callable[..., str], messages: list[dict[str, Any]], 
     """The bridge after message ``k`` (``render(messages, **arguments)`` is the template's text render): by the
     probe where the template takes one, else by the prefix (``prefix_bridge``)."""
     full = render(messages, **arguments)
-    probed = like_messages(messages, [*messages[:k], probe_message(content_format), *messages[k + 1:]])
+    probed = with_message(messages, k, probe_message(content_format))
     try:
         alt: str | None = render(probed, **arguments)
     except Exception:  # the template refuses a plain assistant message here (MiniMax wants the tool call)

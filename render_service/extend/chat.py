@@ -27,7 +27,7 @@ from render_service.extend.bridge import (
 )
 from render_service.extend.prompt_refs import IdRun, StoredPrompt, id_run
 from render_service.extend.protocol import ExtendInfo, PreviousTurn
-from render_service.extend.turns import close_end, text_turns
+from render_service.extend.turns import BlockText, close_end, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
 from render_service.http.errors import bad_request, not_found
@@ -166,6 +166,21 @@ def _loop_bridge(template: Any, render: Any, messages: list[dict[str, Any]], arg
         raise template_failure(exc) from None
 
 
+def _blocks_render(template: Any, render: Any) -> Any:
+    """A render answering the template's blocks (``turns.BlockText``), resumed from the loop records as the full
+    render was; the text render where no loop session runs."""
+    def render_blocks(messages: list[dict[str, Any]], **arguments: Any) -> BlockText | str:
+        try:
+            output = template.render_output(messages, **arguments)
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+            raise template_failure(exc) from None
+        return BlockText(output) if output is not None else cast(str, render(messages, **arguments))
+
+    return render_blocks
+
+
 def _encode(text: str, config: RenderConfig) -> list[int]:
     return encode_prompt(text, config)
 
@@ -255,7 +270,11 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     done = TurnRender(answer.view(), tools, extend=info, stored=StoredPrompt(answer))
     if masks:
         # Only the appended text is attributed here: the messages from the sampled turn on are probed.
-        turns = text_turns(render, messages, arguments, bridge.full_text(), end_markers=ends, first=k)
+        if bridge.output is not None:  # the probes compared with the full render a block at a time
+            turns = text_turns(_blocks_render(template, render), messages, arguments, BlockText(bridge.output),
+                               end_markers=ends, first=k)
+        else:
+            turns = text_turns(render, messages, arguments, bridge.full_text(), end_markers=ends, first=k)
         head_indices, head_flags = _previous_attribution(render, messages, arguments, k, previous, config)
         base = bridge.full_chars - len(text)
         tail_indices, _ = turns.attribute(offsets, base)

@@ -10,12 +10,77 @@ Tokens after the last message (the generation prompt) belong to index ``len(mess
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from render_service.extend.bridge import PROBE, common_prefix, common_suffix, like_messages
+from render_service.extend.bridge import PROBE, common_prefix, common_suffix, with_message
 from render_service.templates.chat_template import assistant_token_mask
+from render_service.templates.loop_resume import LoopOutput
+
+
+class BlockText:
+    """A render's text as the blocks its template yielded (``LoopOutput``), read only where asked: two renders of
+    one conversation resumed from the same record share most blocks, so where they part is found a block at a
+    time (compared in C, by identity first) and only the text after it is joined."""
+
+    def __init__(self, output: LoopOutput) -> None:
+        self.blocks = output.blocks
+        self.length = output.chars
+        self._ends: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def ends(self) -> list[int]:
+        """Where each block ends, in characters."""
+        if self._ends is None:
+            self._ends = list(itertools.accumulate(map(len, self.blocks)))
+        return self._ends
+
+    def start_of(self, block: int) -> int:
+        return self.ends()[block - 1] if block > 0 else 0
+
+    def text_from(self, block: int) -> str:
+        return "".join(self.blocks[block:])
+
+    def text(self) -> str:
+        return "".join(self.blocks)
+
+    def find(self, marker: str, start: int, stop: int) -> int:
+        """``text.find(marker, start, stop)``, joining only the blocks from ``start`` to ``stop``."""
+        ends = self.ends()
+        first = bisect.bisect_right(ends, start)
+        last = min(len(self.blocks), bisect.bisect_left(ends, stop) + 1)
+        base = self.start_of(first)
+        at = "".join(self.blocks[first:last]).find(marker, start - base, stop - base)
+        return at + base if at >= 0 else -1
+
+
+Text = str | BlockText
+
+
+def prefix_and_suffix(full: Text, alt: Text) -> tuple[int, int]:
+    """The common head of two renders, and their common tail within what follows that head in both."""
+    if isinstance(full, BlockText) and isinstance(alt, BlockText):
+        same = common_prefix(full.blocks, alt.blocks)
+        start = full.start_of(same)
+        rest_full, rest_alt = full.text_from(same), alt.text_from(same)
+    else:
+        whole_full = full.text() if isinstance(full, BlockText) else full
+        whole_alt = alt.text() if isinstance(alt, BlockText) else alt
+        start = common_prefix(whole_full, whole_alt)
+        rest_full, rest_alt = whole_full[start:], whole_alt[start:]
+    head = common_prefix(rest_full, rest_alt)
+    tail = min(common_suffix(rest_full, rest_alt), len(rest_full) - head, len(rest_alt) - head)
+    return start + head, tail
+
+
+def _holds_probe(text: Text) -> bool:
+    if isinstance(text, BlockText):
+        return any(PROBE in block for block in reversed(text.blocks))
+    return PROBE in text
 
 
 @dataclass
@@ -51,8 +116,8 @@ class TextTurns:
         return indices, flags
 
 
-def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], arguments: dict[str, Any],
-               full: str, spans: list[tuple[int, int]] | None = None, end_markers: Sequence[str] = (),
+def text_turns(render: Callable[..., Text], messages: list[dict[str, Any]], arguments: dict[str, Any],
+               full: Text, spans: list[tuple[int, int]] | None = None, end_markers: Sequence[str] = (),
                first: int = 0) -> TextTurns:
     """The boundaries of ``full`` (the render of ``messages`` with ``arguments``), one render per message: message
     i replaced by a probe of its role (``bridge.PROBE`` as its only content) agrees with ``full`` up to where
@@ -61,55 +126,55 @@ def text_turns(render: Callable[..., str], messages: list[dict[str, Any]], argum
     the earlier message (and is in an assistant's mask), the rest (the next header) to the later one.
 
     ``first``: only messages from that index on are probed (the caller attributes only text after the end of
-    message ``first - 1``); the boundaries of the others are left at 0."""
-    begins: list[int | None] = []
-    ends: list[int] = []
+    message ``first - 1``); the boundaries of the others are left at 0. ``render`` may answer a ``BlockText``
+    (and ``full`` be one): the probes are then compared a block at a time, and nothing before the first probed
+    message is walked."""
+    count = len(messages)
+    first = min(first, count)
+    begins: list[int | None] = [None] * first
+    ends: list[int] = [0] * first
     at = 0
-    for i, message in enumerate(messages):
-        if i < first:
-            begins.append(None)
-            ends.append(0)
-            continue
+    for i in range(first, count):
+        message = messages[i]
         probe = {key: value for key, value in message.items() if key in ("role", "name", "tool_call_id")}
         probe["content"] = PROBE if isinstance(message.get("content"), (str, type(None))) \
             else [{"type": "text", "text": PROBE}]
         try:
-            alt = render(like_messages(messages, [*messages[:i], probe, *messages[i + 1:]]), **arguments)
+            alt: Text | None = render(with_message(messages, i, probe), **arguments)
         except Exception:  # a template that refuses the probe here: the previous boundary stands
             alt = None
-        if alt is None or PROBE not in alt:
+        if alt is None or not _holds_probe(alt):
             begins.append(None)
             ends.append(at)
             continue
-        begin = max(at, common_prefix(full, alt))
-        at = max(begin, len(full) - common_suffix(full, alt))
+        head, tail = prefix_and_suffix(full, alt)
+        begin = max(at, head)
+        at = max(begin, len(full) - tail)
         begins.append(begin)
         ends.append(at)
     if arguments.get("add_generation_prompt"):
         try:
-            end = max(at, common_prefix(full, render(messages, **dict(arguments, add_generation_prompt=False))))
+            closed = render(messages, **dict(arguments, add_generation_prompt=False))
+            end = max(at, prefix_and_suffix(full, closed)[0])
         except Exception:
             end = at
     else:
         end = len(full)
-    # where the next message's own text begins, for each message (the generation prompt after the last)
-    next_begin = [end] * len(messages)
-    for i in range(len(messages) - 2, -1, -1):
+    # where the next message's own text begins, for each message probed (the generation prompt after the last)
+    next_begin = [end] * count
+    for i in range(count - 2, max(first, 1) - 2, -1):
         following = begins[i + 1]
         next_begin[i] = following if following is not None else next_begin[i + 1]
-    starts = [0]
-    own_ends = list(ends)
-    for i in range(len(messages)):
-        # (a message not probed keeps 0: nothing before the first probed one is attributed)
-        close = close_end(full, ends[i], next_begin[i], end_markers) if i >= first else 0
-        own_ends[i] = close
-        if i + 1 < len(messages):
-            starts.append(close)
-    own = [b if m.get("role") == "assistant" else None for b, m in zip(begins, messages, strict=True)]
+    # (a message not probed keeps 0: nothing before the first probed one is attributed)
+    own_ends = [0] * first + [close_end(full, ends[i], next_begin[i], end_markers) for i in range(first, count)]
+    starts = [0, *own_ends[:count - 1]] if count else [0]
+    own: list[int | None] = [None] * first
+    own += [b if m.get("role") == "assistant" else None for b, m in zip(begins[first:], messages[first:],
+                                                                         strict=True)]
     return TextTurns(starts, own, end, own_ends, spans or None)
 
 
-def close_end(full: str, start: int, stop: int, end_markers: Sequence[str]) -> int:
+def close_end(full: Text, start: int, stop: int, end_markers: Sequence[str]) -> int:
     """Where a message's close ends: after the first end-of-turn marker between its text and the next one's."""
     found = [at + len(marker) for marker in end_markers if marker
              for at in [full.find(marker, start, stop)] if at >= 0]
