@@ -197,7 +197,11 @@ def _turn_ms(from_body: Any, records: Any, before: bytes, body: bytes) -> float:
 
 def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Each request body decoded as the render server decodes it (through the message memo, so a turn's earlier
-    messages are the memo's objects and the template's loop records apply), and timed from the body on. The
+    messages are the memo's objects and the template's loop records apply), and timed from the body on, after
+    the previous turn sent the same way (an RL loop's steady state): the full render after the previous turn's
+    full render, an extend by ids after that turn's extend by ids with masks (whose attribution the masked one
+    takes), an extend by reference after that turn's extend by reference (with masks where the timed turn has
+    them). The
     same turn is also timed with the template's loop records off (``*_without_loop_records``)."""
     from render_service.wire.message_memo import decode_chat_request
 
@@ -213,50 +217,64 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
 
     template = config.template
     records = template.loop_records
+    encode = msgspec.json.encode
+    masks = {"return_assistant_tokens_mask": True, "return_message_indices": True}
     rows = []
     for size in sizes:
         messages = _conversation(size, config)
-        k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        encode = msgspec.json.encode
-        # the previous turn as an RL loop renders it, masks asked for (its attribution is kept for this turn),
-        # and its prompt kept under a reference
-        before = encode({"messages": messages[:k], "tools": TOOLS, "tool_choice": "none",
-                         "return_assistant_tokens_mask": True, "return_message_indices": True})
-        head = answer(encode({**msgspec.json.decode(before), "return_prompt_ref": True}))
+        assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        k, k_before = assistants[-1], assistants[-2]
+        completion = config.tokenizer.encode(_sampled_text(messages[k]))
+        completion_before = config.tokenizer.encode(_sampled_text(messages[k_before]))
+        plain = {"tools": TOOLS, "tool_choice": "none"}
+        # the turn before the previous one, as an RL loop renders it: masks asked for, its prompt kept by reference
+        first = answer(encode({"messages": messages[:k_before], **plain, **masks, "return_prompt_ref": True}))
+        previous_turn = {"prompt_ref": first["prompt_ref"], "completion_token_ids": completion_before}
+        previous_ids = {"prompt_token_ids": first["token_ids"], "completion_token_ids": completion_before}
+        # the previous turn, each way it may be sent (the reference answered here is the timed turns')
+        before = {
+            "full": encode({"messages": messages[:k], **plain}),
+            "by_ids_masks": encode({"messages": messages[:k], **plain, **masks, "previous_turn": previous_ids}),
+            "by_ref": encode({"messages": messages[:k], **plain, "previous_turn": previous_turn}),
+            "by_ref_masks": encode({"messages": messages[:k], **plain, **masks, "previous_turn": previous_turn}),
+        }
+        head = answer(encode({**msgspec.json.decode(before["by_ref_masks"]), "return_prompt_ref": True}))
         prompt, ref = head["token_ids"], head["prompt_ref"]
-        text = "<tool_call>\n" + "\n</tool_call>\n<tool_call>\n".join(
-            json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
-            for c in messages[k]["tool_calls"]) + "\n</tool_call><|im_end|>"
-        completion = config.tokenizer.encode(text)
-        full_body = {"messages": messages, "tools": TOOLS, "tool_choice": "none"}
-        masks = {"return_assistant_tokens_mask": True, "return_message_indices": True}
+        assert head["extend"]["extended"], head["extend"]
+        full_body = {"messages": messages, **plain}
         ext_body = {**full_body, "previous_turn": {"prompt_token_ids": prompt, "completion_token_ids": completion}}
         ref_body = {**full_body, "return_prompt_ref": True,
                     "previous_turn": {"prompt_ref": ref, "completion_token_ids": completion}}
         appended = {**ref_body, "previous_turn": {**ref_body["previous_turn"], "answer": "appended"}}
-        bodies = {"full_render": encode(full_body), "extend": encode(ext_body),
-                  "extend_with_masks": encode({**ext_body, **masks}),
-                  "extend_by_ref": encode(ref_body), "extend_by_ref_with_masks": encode({**ref_body, **masks}),
-                  "extend_by_ref_appended": encode(appended)}
-        ids = answer(bodies["full_render"])["token_ids"]  # warm: the piece cache as an agent loop leaves it
-        ext = answer(bodies["extend"])
+        # (each timed body, and the previous turn's body it is sent after)
+        bodies = {"full_render": (encode(full_body), before["full"]),
+                  "extend": (encode(ext_body), before["by_ids_masks"]),
+                  "extend_with_masks": (encode({**ext_body, **masks}), before["by_ids_masks"]),
+                  "extend_by_ref": (encode(ref_body), before["by_ref"]),
+                  "extend_by_ref_with_masks": (encode({**ref_body, **masks}), before["by_ref_masks"]),
+                  "extend_by_ref_appended": (encode(appended), before["by_ref"])}
+        ids = answer(bodies["full_render"][0])["token_ids"]  # warm: the piece cache as an agent loop leaves it
+        assert answer(before["by_ids_masks"])["token_ids"] == prompt  # (its attribution, as that answer filed it)
+        ext = answer(bodies["extend"][0])
         assert ext["extend"]["extended"], ext["extend"]
-        masked = answer(bodies["extend_with_masks"])
+        masked = answer(bodies["extend_with_masks"][0])
         assert -1 not in masked["message_indices"]  # the kept attribution
         for name in ("extend_by_ref", "extend_by_ref_with_masks"):  # the same answer as the ids give
-            by_ref = answer(bodies[name])
+            by_ref = answer(bodies[name][0])
             assert by_ref["token_ids"] == ext["token_ids"], name
             assert "masks" not in name or by_ref["message_indices"] == masked["message_indices"], name
-        short = answer(bodies["extend_by_ref_appended"])  # the same answer's tail: the ids after the kept ones
+        short = answer(bodies["extend_by_ref_appended"][0])  # the same answer's tail: the ids after the kept ones
         assert short["token_ids"] == ext["token_ids"][short["extend"]["kept_tokens"]:]
         row: dict[str, Any] = {"size": size, "prompt_tokens": len(ids), "messages": len(messages),
-                               "body_bytes": len(bodies["extend"]), "body_bytes_by_ref": len(bodies["extend_by_ref"]),
-                               "new_tokens": ext["extend"]["new_tokens"] + ext["extend"]["closing_tokens"]}
+                               "body_bytes": len(bodies["extend"][0]),
+                               "body_bytes_by_ref": len(bodies["extend_by_ref"][0]),
+                               "new_tokens": ext["extend"]["new_tokens"] + ext["extend"]["closing_tokens"],
+                               "extend_method": ext["extend"]["method"]}
 
-        for name, body in bodies.items():
+        for name, (body, previous) in bodies.items():
             for label, kept in (("", records), ("_without_loop_records", None)):
                 template.loop_records = kept
-                row[f"{name}_ms{label}"] = statistics.median(_turn_ms(from_body, records, before, body)
+                row[f"{name}_ms{label}"] = statistics.median(_turn_ms(from_body, records, previous, body)
                                                              for _ in range(reps))
             template.loop_records = records
         row["extend_over_full"] = row["extend_ms"] / row["full_render_ms"]

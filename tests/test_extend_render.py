@@ -76,6 +76,8 @@ def test_rollout_keeps_the_sampled_ids(configs, family, truncated):
     assert len(ids) == info.kept_tokens + info.closing_tokens + info.new_tokens
     # The appended ids are the template's own: the whole render ends with them.
     assert info.suffix_matches_full_render
+    whole_render = list(render(config, messages=messages, tools=rollouts.TOOLS).token_ids)
+    assert whole_render[len(whole_render) - (len(ids) - info.kept_tokens):] == ids[info.kept_tokens:]
     assert info.matches_full_render is (info.differing_span is None)
     tail = config.tokenizer.decode(ids[info.kept_tokens:], skip_special_tokens=False)
     assert "3 cats" in tail

@@ -371,6 +371,27 @@ def test_tail_ids_of_a_window_are_the_whole_texts_last_ids(qwen_fast):
     assert encoder.tail_ids(window, last - 1, last) is None
 
 
+def test_a_proved_cut_splits_the_encoding_and_a_part_is_not_filed_as_a_prompt(qwen_fast):
+    """``cuts_at``: wherever it says the tokenizer cuts, the encoding is the two sides' encodings; it says so at
+    an added token's start and end (with the context before it), and never before ``floor``. ``encode_part``
+    gives ``encode``'s ids without filing the text among the prompts' prefixes."""
+    encoder = IncrementalEncoder(qwen_fast)
+    text = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n<think>\nok</think>\n\nHello!<|im_end|>\nx"
+    proved = [at for at in range(len(text) + 1) if encoder.cuts_at(text, at)]
+    for at in proved:
+        assert ref(qwen_fast, text) == ref(qwen_fast, text[:at]) + ref(qwen_fast, text[at:]), at
+    end = text.index("<|im_end|>") + len("<|im_end|>")
+    assert {0, text.index("<|im_end|>"), end, text.index("<|im_start|>assistant")} <= set(proved)
+    assert not encoder.cuts_at(text, end, floor=end + 1)
+    assert not encoder.cuts_at(text, text.index("hi") + 1)  # (inside a word: not an added token's edge)
+    long_text = text * 40  # (long enough to be filed as a prompt)
+    assert encoder.prefixes is not None
+    assert encoder.encode_part(long_text) == ref(qwen_fast, long_text)
+    assert encoder.prefixes.find(long_text) is None
+    encoder.encode(long_text)
+    assert encoder.prefixes.find(long_text) is not None
+
+
 def test_tail_ids_never_cut_inside_a_longer_added_token():
     """``<<x>`` holds ``<x>``: a search window that starts inside ``<<x>`` finds ``<x>`` alone, where the tokenizer
     cuts ``<<x>`` whole. Cutting at ``<x>`` would give other ids; the cut is refused."""

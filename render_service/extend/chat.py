@@ -31,7 +31,12 @@ from render_service.extend.turns import BlockText, close_end, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
 from render_service.http.errors import bad_request, not_found
-from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_failure
+from render_service.render.chat_prompt import (
+    chat_template_inputs,
+    check_prompt_bound,
+    encode_prompt,
+    template_failure,
+)
 from render_service.render.render_config import RenderConfig
 from render_service.templates.sandbox import TemplateError
 from render_service.tokenize.char_spans import char_spans
@@ -181,6 +186,14 @@ def _blocks_render(template: Any, render: Any) -> Any:
     return render_blocks
 
 
+def _encode_part(text: str, config: RenderConfig, before: int) -> list[int]:
+    """The ids of text appended to ``before`` ids (not a whole prompt: the prompts' prefixes are not consulted),
+    refused as a prompt is when its length alone proves that the whole cannot fit the context."""
+    check_prompt_bound(text, config, before)
+    encoder = config.prompt_encoder
+    return encoder.encode_part(text) if encoder is not None else config.tokenizer.encode(text)
+
+
 def _encode(text: str, config: RenderConfig) -> list[int]:
     return encode_prompt(text, config)
 
@@ -244,17 +257,22 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     added = {i: t for t, i in cast(TextTokenizer, config.tokenizer).added_token_ids.items()}
     text, closing = drop_sampled_marker(bridge.text, bridge.closing_chars, completion[-1] if completion else None,
                                         added)
-    suffix = _encode(text, config) if text else []  # (through the piece cache: a new message seen before is a hit)
     kept = previous.ids.then(completion)
+    suffix = _encode_part(text, config, kept.count) if text else []  # (a new message seen before is a hit)
     answer = kept.then(suffix)
-    # The check: the appended ids are a full render's last ids. From a cut of the full render near the seam where
-    # the tokenizer's pieces allow one (what the new turn costs), else from the whole render.
+    # The check: the appended ids are a full render's last ids. Where the tokenizer provably cuts the full render
+    # at the seam, they are by that proof (the text after the seam is the bridge); else from a cut near the seam
+    # (what the new turn costs), else from the whole render.
     seam = len(bridge.window) - len(text)
-    full_tail = encoder.tail_ids(bridge.window, seam, bridge.window_floor) \
-        if encoder is not None and seam >= bridge.window_floor else None
     full_ids: list[int] | None = None
-    if full_tail is None:
-        full_ids = full_tail = _encode(bridge.full_text(), config)
+    if text and encoder is not None and encoder.cuts_at(bridge.window, seam, bridge.window_floor):
+        full_tail: Sequence[int] = suffix
+    else:
+        tail = encoder.tail_ids(bridge.window, seam, bridge.window_floor) \
+            if encoder is not None and seam >= bridge.window_floor else None
+        if tail is None:
+            full_ids = tail = _encode(bridge.full_text(), config)
+        full_tail = tail
     suffix_matches = len(full_tail) >= len(suffix) and full_tail[len(full_tail) - len(suffix):] == suffix
     span = None
     compared = turn.check == "full" or not suffix_matches

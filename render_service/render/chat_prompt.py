@@ -71,6 +71,19 @@ def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwarg
     return template, messages, arguments, tools
 
 
+def check_prompt_bound(text: str, config: RenderConfig, before: int = 0) -> None:
+    """Refuses a prompt whose length alone proves that it cannot fit the context (``before``: ids it follows),
+    before any tokenizing (a multi-megabyte prompt would cost seconds of CPU)."""
+    at_least = before + config.tokenizer.min_tokens(text)
+    if at_least >= config.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, your prompt "
+            f"({len(text)} characters) contains at least {at_least} input tokens, which exceeds this limit even "
+            f"without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+        )
+
+
 @overload
 def encode_prompt(text: str, config: RenderConfig, *, view: Literal[False] = False) -> list[int]: ...
 
@@ -84,14 +97,7 @@ def encode_prompt(text: str, config: RenderConfig, *, view: bool = False) -> Seq
     context is refused before any tokenizing (a multi-megabyte prompt would cost seconds of CPU). ``view``:
     the cache's ``PromptIds`` view where it has one (a ``Sequence[int]`` whose ids are never copied into one
     list), for a caller that writes the ids to JSON at once (incremental_tokenizer.PromptIds)."""
-    at_least = config.tokenizer.min_tokens(text)
-    if at_least >= config.max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, your prompt "
-            f"({len(text)} characters) contains at least {at_least} input tokens, which exceeds this limit even "
-            f"without any output tokens. Please reduce the length of the input prompt.",
-            "input_tokens",
-        )
+    check_prompt_bound(text, config)
     encoder = config.prompt_encoder
     if encoder is None:
         return config.tokenizer.encode(text)

@@ -316,6 +316,52 @@ class IncrementalEncoder:
         """How many characters before a cut ``tail_ids`` reads to prove it (the longest added token's length)."""
         return self._longest_added
 
+    def encode_part(self, text: str) -> list[int]:
+        """``encode(text)`` for text that is not a whole prompt (what an extend appends to one): through the piece
+        cache, neither looked up among nor filed with the prompts' prefixes."""
+        if not self.enabled or self._cutter is None:
+            return self.tokenizer.encode(text)
+        chunks: list[Sequence[int]] = []
+        json_parts: list[bytes] = []
+        count, missed = self._encode_pieces(text, 0, 0, chunks, json_parts, ([], [], [], []))
+        with self.cache._lock:
+            self.miss_tokens += missed
+            self.hit_tokens += count - missed
+        return PromptIds(chunks, json_parts, count).tolist()
+
+    def cuts_at(self, text: str, at: int, floor: int = 0) -> bool:
+        """Whether the tokenizer provably cuts ``text`` at ``at`` (``encode(text)`` is ``encode(text[:at])`` and
+        then ``encode(text[at:])``): an added token starts there, or one ends there that starts at such a cut,
+        and no added token starting in the ``cut_context_chars`` before it reaches past it (``tail_ids`` says
+        why that suffices). ``floor``: as in ``tail_ids`` (no cut is proved before it). False where the cache is
+        off."""
+        if not self.enabled or self._cutter is None or at < floor:
+            return False
+        if at >= len(text):
+            return False
+        cutter = self._cutter
+        if self._no_crossing(text, at):
+            match = cutter.match(text, at)
+            if match is not None:
+                return True
+        # an added token that ends at ``at``, matched whole from a cut (the scan takes the longest match there)
+        for length in range(1, min(self._longest_added, at - floor) + 1):
+            start = at - length
+            match = cutter.match(text, start)
+            if match is not None and match.end() == at and self._no_crossing(text, start):
+                return True
+        return False
+
+    def _no_crossing(self, text: str, p: int) -> bool:
+        """No added token starting in the ``cut_context_chars - 1`` characters before ``p`` reaches past it."""
+        cutter = self._cutter
+        assert cutter is not None
+        for q in range(max(0, p - self._longest_added + 1), p):
+            m = cutter.match(text, q)
+            if m is not None and m.end() > p:
+                return False
+        return True
+
     def tail_ids(self, text: str, before: int, floor: int = 0) -> list[int] | None:
         """The last ids of ``encode(text)``: those of ``text[p:]``, for a ``p`` at or before ``before`` where an
         added token starts that the tokenizer provably cuts at in the whole text; None where the cache is off or
