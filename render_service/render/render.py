@@ -29,6 +29,7 @@ from render_service.templates.chat_messages import prepare_tools
 from render_service.templates.sandbox import TemplateError
 from render_service.tokenize.incremental_tokenizer import PromptIds
 from render_service.tokenize.tokenizer import TextTokenizer
+from render_service.wire.message_memo import history_tool_calls
 from render_service.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -506,9 +507,7 @@ def parse_context(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
         "parallel_tool_calls": req.parallel_tool_calls,
         "include_reasoning": req.include_reasoning,
         "chat_template_kwargs": template_kwargs,
-        "history_tool_call_cnt": sum(
-            len(m["tool_calls"]) for m in req.messages
-            if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list)),
+        "history_tool_call_cnt": history_tool_calls(req.messages),
     }
 
 

@@ -21,6 +21,7 @@ a content format), a miss decodes that message alone with the same type as ``Cha
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,8 @@ _DECODERS = {
     _TOOLS: msgspec.json.Decoder(_FIELDS[_TOOLS_AT].type).decode,
 }
 _astuple = msgspec.structs.astuple
+_VALUE = operator.attrgetter("value")
+_TOOL_CALLS = operator.attrgetter("tool_calls")
 _NULL = msgspec.Raw(b"null")
 
 
@@ -70,11 +73,12 @@ class MemoEntry:
     """One message (or tools array): its JSON, its decoded value, and its prepared forms by content format (or
     ``"tools"``), filled in by templates/chat_messages.py as renders ask for them. Read-only once handed out."""
 
-    __slots__ = ("data", "value", "prepared", "size", "lent")
+    __slots__ = ("data", "value", "prepared", "size", "lent", "tool_calls")
 
     def __init__(self, data: bytes, value: Any) -> None:
         self.data = data
         self.value = value
+        self.tool_calls = tool_call_count(value)  # (what a response's parse context counts, every turn)
         self.prepared: dict[str, Any] = {}
         self.size = ENTRY_OVERHEAD + BYTES_PER_JSON_BYTE * len(data)
         self.lent: list[Any] = []  # values of its prepared forms whose tojson text is kept (tojson_cache.lend)
@@ -91,6 +95,22 @@ class MemoEntry:
         self.lent = []
 
 
+def tool_call_count(message: Any) -> int:
+    """The tool calls of an assistant message (vLLM's ``history_tool_call_cnt`` adds them up); 0 for anything
+    else."""
+    if isinstance(message, dict) and message.get("role") == "assistant" and isinstance(message.get("tool_calls"),
+                                                                                       list):
+        return len(message["tool_calls"])
+    return 0
+
+
+def history_tool_calls(messages: list[Any]) -> int:
+    """The tool calls of all of ``messages``: counted once per memo entry where they came through the memo."""
+    if type(messages) is MemoMessages:
+        return sum(map(_TOOL_CALLS, messages.entries))
+    return sum(map(tool_call_count, messages))
+
+
 class MemoMessages(list[dict[str, Any]]):
     """``ChatCompletionRequest.messages`` decoded through the memo: shared dicts (read-only), with their entries
     (``entries[i]`` is message i's) for ``chat_messages.prepare_messages``."""
@@ -98,7 +118,7 @@ class MemoMessages(list[dict[str, Any]]):
     __slots__ = ("entries",)
 
     def __init__(self, entries: list[MemoEntry]) -> None:
-        super().__init__(e.value for e in entries)
+        super().__init__(map(_VALUE, entries))
         self.entries = entries
 
 
