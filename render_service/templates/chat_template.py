@@ -261,14 +261,15 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
         resume: bool = True,
         **kwargs: Any,
     ) -> LoopOutput | None:
         """``render``'s output as blocks, with where each message's iteration starts (``LoopOutput``), resumed
         from a loop record where one applies (``resume``) and filing its own as ``render`` does; None where no
-        loop session can run (loop records off, messages not ``PlainMessages``) or the template ran no message
-        loop."""
-        if self.loop_records is None or type(messages) is not PlainMessages:
+        loop session can run (loop records off, messages not ``PlainMessages``, ``continue_final_message``) or
+        the template ran no message loop."""
+        if self.loop_records is None or type(messages) is not PlainMessages or continue_final_message:
             return None
         context = self._context(messages, tools, documents, add_generation_prompt, kwargs)
         record, same = self.loop_records.find(messages) if resume else (None, 0)
