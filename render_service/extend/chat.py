@@ -35,10 +35,9 @@ from render_service.render.chat_prompt import (
     chat_template_inputs,
     check_prompt_bound,
     encode_prompt,
-    template_failure,
+    template_errors_answered,
 )
 from render_service.render.render_config import RenderConfig
-from render_service.templates.sandbox import TemplateError
 from render_service.tokenize.char_spans import char_spans
 from render_service.tokenize.tokenizer import TextTokenizer
 from render_service.wire.protocol import ChatCompletionRequest
@@ -150,12 +149,8 @@ def _inputs(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, 
 
 def _render_fn(template: Any) -> Any:
     def render(messages: list[dict[str, Any]], **arguments: Any) -> str:
-        try:
+        with template_errors_answered():
             return cast(str, template.render(messages, **arguments))
-        except TemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
-        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
-            raise template_failure(exc) from None
 
     return render
 
@@ -163,24 +158,16 @@ def _render_fn(template: Any) -> Any:
 def _loop_bridge(template: Any, render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
                  context_chars: int) -> Bridge | None:
     """``bridge.loop_bridge``, a template's failure answered as the render answers it."""
-    try:
+    with template_errors_answered():
         return loop_bridge(template, render, messages, arguments, k, template.content_format, context_chars)
-    except TemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
-    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
-        raise template_failure(exc) from None
 
 
 def _blocks_render(template: Any, render: Any) -> Any:
     """A render answering the template's blocks (``turns.BlockText``), resumed from the loop records as the full
     render was; the text render where no loop session runs."""
     def render_blocks(messages: list[dict[str, Any]], **arguments: Any) -> BlockText | str:
-        try:
+        with template_errors_answered():
             output = template.render_output(messages, **arguments)
-        except TemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
-        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
-            raise template_failure(exc) from None
         return BlockText(output) if output is not None else cast(str, render(messages, **arguments))
 
     return render_blocks
@@ -224,10 +211,8 @@ def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[
     render = _render_fn(template)
     if not masks:
         return TurnRender(_encode(render(messages, **arguments), config), tools)
-    try:
+    with template_errors_answered():
         rendered = template.render_with_spans(messages, **arguments)
-    except TemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
     ids = _encode(rendered.text, config)
     turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans, _end_markers(config))
     indices, flags = turns.attribute(_offsets(rendered.text, ids, config))

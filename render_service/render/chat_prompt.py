@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, overload
 
 from render_service.http.errors import bad_request
@@ -43,6 +44,22 @@ def template_failure(exc: Exception) -> Exception:
     return bad_request(f"The chat template failed on this request: {type(exc).__name__}: {exc}", "messages")
 
 
+# What a template raises when it chokes on a request's data (a bug on this input, not a server fault).
+TEMPLATE_DATA_ERRORS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError)
+
+
+@contextmanager
+def template_errors_answered() -> Iterator[None]:
+    """A template render's failures answered as the client's: its own refusal (``TemplateError``) a 400 with its
+    message, naming ``messages``; a choke on the request's data ``template_failure``."""
+    try:
+        yield
+    except TemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    except TEMPLATE_DATA_ERRORS as exc:
+        raise template_failure(exc) from None
+
+
 def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]
                          ) -> tuple[ChatTemplate, list[dict[str, Any]], dict[str, Any], list[dict[str, Any]] | None]:
     """(template, messages, keyword arguments, tools) of a chat request's template render (kwargs: resolved
@@ -55,7 +72,7 @@ def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwarg
         tools = prepare_tools(req.tools) if req.tools else None
     except TemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+    except TEMPLATE_DATA_ERRORS as exc:
         raise template_failure(exc) from None
     arguments: dict[str, Any] = {
         "tools": tools,

@@ -16,7 +16,7 @@ from render_service.extend.chat import TurnRender, turn_render
 from render_service.extend.prompt_refs import StoredPrompt, id_run
 from render_service.harmony.render import prerendered_harmony_ids, render_harmony_chat, render_harmony_request
 from render_service.http.errors import bad_request
-from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_failure
+from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_errors_answered
 from render_service.render.prerendered import engine_kv_params, prerendered_prompt_ids
 from render_service.render.render_config import MAX_N, RenderConfig, check_model, resolve_chat_template_kwargs
 from render_service.render.response_format import requested_structured_outputs
@@ -257,12 +257,8 @@ def _render_chat_prompt(req: ChatCompletionRequest, config: RenderConfig, *, ids
         # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
         return render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, choice), kwargs, None
     template, messages, arguments, tools = chat_template_inputs(req, config, kwargs)
-    try:
+    with template_errors_answered():
         text = template.render(messages, **arguments)
-    except TemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
-    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
-        raise template_failure(exc) from None
     return encode_prompt(text, config, view=ids_view), kwargs, tools
 
 
