@@ -125,7 +125,7 @@ def test_the_loop_bridge_is_the_probes_on_every_family_whose_loop_is_tracked(con
                                   ChatCompletionRequest)
             template, prepared, arguments, _ = chat_template_inputs(req, config, {})
             text_render = extend_chat._render_fn(template)
-            by_loop = loop_bridge(template, text_render, prepared, arguments, k, template.content_format, 64)
+            by_loop = loop_bridge(template, prepared, arguments, k, template.content_format, 64)
             if by_loop is None:
                 continue
             tracked.append((family, k))

@@ -15,11 +15,11 @@ opens the next message), the marker is the model's and is not written twice. Har
 its renderer renders each message on its own, so the bridge is the new messages' own ids (``harmony_bridge``).
 
 Where the template's message loop runs under a loop session (loop_resume.py), the full render alone finds the
-bridge (``loop_bridge``), at what the new messages cost: the render resumes from the previous turn's record, and
-its output says at which block each message's iteration starts. The bridge is the close of the sampled turn and
-every block from the next message's iteration on. The close is what the template writes after a probe's content in
-a three-message render (the sampled turn's neighbours, the probe between them), and the sampled turn's own
-iteration must end with it. The full text is never joined unless the answer's check or masks need it.
+bridge (``loop_bridge``): the render resumes from the previous turn's record, and its output says at which block
+each message's iteration starts. The bridge is the close of the sampled turn and every block from the next
+message's iteration on. The close is what the template writes after a probe's content in a three-message render
+(the sampled turn's neighbours, the probe between them), and the sampled turn's own iteration must end with it.
+The full text is never joined unless the answer's check or masks need it.
 """
 
 from __future__ import annotations
@@ -161,12 +161,13 @@ def closing_chars(render: Callable[..., str], messages: list[dict[str, Any]], ar
     return common_prefix(alone[alone.rfind(PROBE) + len(PROBE):], text)
 
 
-def loop_bridge(template: ChatTemplate, render: Callable[..., str], messages: list[dict[str, Any]],
-                arguments: dict[str, Any], k: int, content_format: str, context_chars: int) -> Bridge | None:
+def loop_bridge(template: ChatTemplate, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+                content_format: str, context_chars: int) -> Bridge | None:
     """The bridge from the full render's own iterations (the module's docstring), or None where the render ran no
     loop session, the sampled turn is not followed by a message in the loop, or its iteration does not end with
-    the close a probe gets. ``context_chars``: how much of the text before the sampled turn's iteration the
-    window keeps (what the tokenizer's cut reads)."""
+    the close a probe gets. That close is the bridge's closing part: what the sampled turn's own iteration writes
+    after its content. ``context_chars``: how much of the text before the sampled turn's iteration the window
+    keeps (what the tokenizer's cut reads)."""
     output = template.render_output(messages, **arguments)
     if output is None or output.starts is None:
         return None
@@ -186,8 +187,8 @@ def loop_bridge(template: ChatTemplate, render: Callable[..., str], messages: li
         first -= 1
         floor += len(blocks[first])
     window = output.text_from(first)
-    closing = closing_chars(render, messages, arguments, k, content_format, text)
-    return Bridge(text=text, closing_chars=closing, method="loop", output=output, full_chars=output.chars,
+    # (the close is the sampled turn's own iteration's end: what the template writes after its content there)
+    return Bridge(text=text, closing_chars=len(close), method="loop", output=output, full_chars=output.chars,
                   window=window, window_floor=floor)
 
 

@@ -155,11 +155,11 @@ def _render_fn(template: Any) -> Any:
     return render
 
 
-def _loop_bridge(template: Any, render: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
+def _loop_bridge(template: Any, messages: list[dict[str, Any]], arguments: dict[str, Any], k: int,
                  context_chars: int) -> Bridge | None:
     """``bridge.loop_bridge``, a template's failure answered as the render answers it."""
     with template_errors_answered():
-        return loop_bridge(template, render, messages, arguments, k, template.content_format, context_chars)
+        return loop_bridge(template, messages, arguments, k, template.content_format, context_chars)
 
 
 def _blocks_render(template: Any, render: Any) -> Any:
@@ -235,7 +235,7 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
     ends = _end_markers(config)
     encoder = config.prompt_encoder
     context = encoder.cut_context_chars if encoder is not None else 0
-    bridge = _loop_bridge(template, render, messages, arguments, k, context) \
+    bridge = _loop_bridge(template, messages, arguments, k, context) \
         or template_bridge(render, messages, arguments, k, template.content_format, ends)
     assert bridge.text is not None
     completion = turn.completion_token_ids
