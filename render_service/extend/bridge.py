@@ -187,7 +187,6 @@ def loop_bridge(template: ChatTemplate, messages: list[dict[str, Any]], argument
         first -= 1
         floor += len(blocks[first])
     window = output.text_from(first)
-    # (the close is the sampled turn's own iteration's end: what the template writes after its content there)
     return Bridge(text=text, closing_chars=len(close), method="loop", output=output, full_chars=output.chars,
                   window=window, window_floor=floor)
 
