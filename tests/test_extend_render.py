@@ -187,6 +187,47 @@ def test_an_rl_loop_with_masks_resumes_each_turn_from_the_one_before():
         ids, ref = list(out.token_ids), out.prompt_ref
 
 
+def _agent_conversation(spec: Any, rounds: int) -> list[dict[str, Any]]:
+    """A system prompt, a question, then rounds of a tool call and its result, an answer with reasoning and a new
+    user message."""
+    messages = list(SYSTEM)
+    for turn in range(rounds):
+        _, assistant = rollouts.tool_turn(spec, turn, call_id=f"call_{turn}")
+        _, answer_message = rollouts.answer_turn(spec, f"Found {turn} cats.", reasoning=f"Counted {turn}.")
+        messages += [assistant, rollouts.tool_result(f"call_{turn}", f"{turn} cats\n"), answer_message,
+                     {"role": "user", "content": f"and {turn + 1}?"}]
+    return messages
+
+
+@pytest.mark.slow  # (building the families' test bundles takes a while the first time)
+def test_a_masked_full_render_probes_many_messages_at_once_as_one_at_a_time(configs):
+    """A full render with masks finds most messages' own text from a few renders that probe every other message
+    (turns.strided_probes): the ids, message indices and assistant mask are those of a render without caches,
+    which probes one message at a time, on every family."""
+    from render_service.extend.turns import strided_probes
+
+    strided = []
+    for family, spec in rollouts.FAMILIES.items():
+        config = configs[family]
+        bare = build_render_config(config.bundle, served_model_names=["m"], render_cache_bytes=0)
+        messages = _agent_conversation(spec, 3)
+        answers = [render(c, messages=messages, tools=rollouts.TOOLS, return_assistant_tokens_mask=True,
+                          return_message_indices=True) for c in (config, bare)]
+        got, want = answers
+        assert list(got.token_ids) == list(want.token_ids), family
+        assert list(got.message_indices) == list(want.message_indices), family
+        assert list(got.assistant_tokens_mask) == list(want.assistant_tokens_mask), family
+        req = msgspec.convert({"messages": messages, "tools": rollouts.TOOLS, "tool_choice": "none"},
+                              ChatCompletionRequest)
+        template, prepared, arguments, _ = chat_template_inputs(req, config, {})
+        output = template.render_output(prepared, **arguments)
+        if output is not None and not template.marks_generation:
+            known = strided_probes(template.render_output, prepared, arguments, output)
+            if len(known) >= len(messages) // 2:
+                strided.append(family)
+    assert "qwen3" in strided and len(strided) >= len(rollouts.FAMILIES) // 3, strided
+
+
 def test_python_booleans_differ_from_a_full_render_and_the_span_says_where():
     config = qwen3_config()
     prompt = list(render(config, messages=SYSTEM, tools=rollouts.TOOLS).token_ids)

@@ -27,7 +27,7 @@ from render_service.extend.bridge import (
 )
 from render_service.extend.prompt_refs import IdRun, StoredPrompt, id_run
 from render_service.extend.protocol import ExtendInfo, PreviousTurn
-from render_service.extend.turns import BlockText, close_end, text_turns
+from render_service.extend.turns import BlockText, close_end, strided_probes, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
 from render_service.http.errors import bad_request, not_found
@@ -38,6 +38,7 @@ from render_service.render.chat_prompt import (
     template_errors_answered,
 )
 from render_service.render.render_config import RenderConfig
+from render_service.templates.chat_template import RenderedChat
 from render_service.tokenize.char_spans import char_spans
 from render_service.tokenize.tokenizer import TextTokenizer
 from render_service.wire.protocol import ChatCompletionRequest
@@ -212,9 +213,19 @@ def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[
     if not masks:
         return TurnRender(_encode(render(messages, **arguments), config), tools)
     with template_errors_answered():
-        rendered = template.render_with_spans(messages, **arguments)
+        # A template without {% generation %} blocks has no spans to find: its render as blocks, so that most
+        # probes come from a few renders (turns.strided_probes) and the rest compare a block at a time
+        output = None if template.marks_generation else template.render_output(messages, **arguments)
+        rendered = RenderedChat(output.text()) if output is not None else \
+            template.render_with_spans(messages, **arguments)
     ids = _encode(rendered.text, config)
-    turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans, _end_markers(config))
+    if output is not None:
+        known = strided_probes(template.render_output, messages, arguments, output)
+        turns = text_turns(_blocks_render(template, render), messages, arguments, BlockText(output),
+                           end_markers=_end_markers(config), known=known)
+    else:
+        turns = text_turns(render, messages, arguments, rendered.text, rendered.generation_spans,
+                           _end_markers(config))
     indices, flags = turns.attribute(_offsets(rendered.text, ids, config))
     _remember(config, ids, messages, arguments, indices, flags)
     return TurnRender(ids, tools, message_indices=indices, assistant_tokens_mask=flags,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,88 @@ def prefix_and_suffix(full: Text, alt: Text) -> tuple[int, int]:
     return start + head, tail
 
 
+def probe_of(message: dict[str, Any]) -> dict[str, Any]:
+    """A message of the same role (and name, tool call id) whose only content is ``bridge.PROBE``."""
+    probe = {key: value for key, value in message.items() if key in ("role", "name", "tool_call_id")}
+    probe["content"] = PROBE if isinstance(message.get("content"), (str, type(None))) \
+        else [{"type": "text", "text": PROBE}]
+    return probe
+
+
+def strided_probes(render_output: Callable[..., LoopOutput | None], messages: list[dict[str, Any]],
+                   arguments: dict[str, Any], full: LoopOutput, first: int = 0) -> dict[int, tuple[int, int]]:
+    """Many messages' probes from a few renders: every ``reach + 1``-th message probed at once, so that no
+    probed message is within reach of another's iteration (nor its ``previtem``). Where such a render's head,
+    outside names and every unprobed iteration's text equal the full render's, and each probed iteration starts
+    from the full render's namespaces, a probed iteration read nothing that differs from the full render but its
+    own message: where its text differs is that message's own text, as one probe alone would find it. Answers
+    (common head, common tail with ``full``) per message found so (``text_turns``'s ``known``); the others are
+    left to one probe each (those before ``first``, those a constant index reads, the last message, whose
+    iteration's blocks also hold the template's tail, and every message of a render that fails a check)."""
+    starts, states = full.starts, full.states
+    if starts is None or states is None or full.names is None:
+        return {}
+    stride = full.reach + 1
+    low = max(first, full.max_index + 1, full.offset)
+    ends = list(itertools.accumulate(map(len, full.blocks)))
+    known: dict[int, tuple[int, int]] = {}
+    for residue in range(stride):
+        group = [i for i in range(low, len(messages) - 1) if i % stride == residue]
+        # A head that writes the first message (a system prompt) fails the check with it: tried again without it
+        for tried in (group, group[1:]):
+            found = _probes_together(render_output, messages, arguments, full, ends, tried)
+            if found is not None:
+                known.update(found)
+                break
+    return known
+
+
+def _probes_together(render_output: Callable[..., LoopOutput | None], messages: list[dict[str, Any]],
+                     arguments: dict[str, Any], full: LoopOutput, ends: list[int], group: list[int]
+                     ) -> dict[int, tuple[int, int]] | None:
+    """``strided_probes`` for one render probing every message of ``group``; None where a check fails."""
+    if len(group) < 2:  # (one probe alone costs the same render)
+        return None
+    probed = messages
+    for i in group:
+        probed = with_message(probed, i, probe_of(messages[i]))
+    try:
+        alt = render_output(probed, **arguments)
+    except Exception:
+        return None
+    starts = full.starts
+    assert starts is not None
+    if alt is None or alt.starts is None or alt.names != full.names or alt.offset != full.offset \
+            or len(alt.starts) != len(starts) or alt.blocks[:alt.starts[0]] != full.blocks[:starts[0]]:
+        return None
+    found = _iterations_apart(full, alt, ends, {i - full.offset for i in group})
+    return None if found is None else {at + full.offset: bounds for at, bounds in found.items()}
+
+
+def _iterations_apart(full: LoopOutput, alt: LoopOutput, ends: list[int], probed: set[int]
+                      ) -> dict[int, tuple[int, int]] | None:
+    """(common head, common tail) of each probed iteration (by loop index), or None where an unprobed iteration's
+    text differs or a probed one starts from other namespaces than the full render's."""
+    assert full.starts is not None and alt.starts is not None and full.states is not None
+    full_states, alt_states = full.states, alt.states
+    count = len(full.starts)
+    found: dict[int, tuple[int, int]] = {}
+    for at in range(count):
+        full_text = "".join(full.blocks[full.starts[at]:full.starts[at + 1] if at + 1 < count else None])
+        alt_text = "".join(alt.blocks[alt.starts[at]:alt.starts[at + 1] if at + 1 < count else None])
+        if at not in probed:
+            if full_text != alt_text:
+                return None
+            continue
+        if alt_states is None or alt_states[at] != full_states[at] or PROBE not in alt_text:
+            return None
+        start = ends[full.starts[at] - 1] if full.starts[at] > 0 else 0
+        head = common_prefix(full_text, alt_text)
+        tail = min(common_suffix(full_text, alt_text), len(full_text) - head, len(alt_text) - head)
+        found[at] = (start + head, full.chars - start - len(full_text) + tail)
+    return found
+
+
 def _holds_probe(text: Text) -> bool:
     if isinstance(text, BlockText):
         return any(PROBE in block for block in reversed(text.blocks))
@@ -118,7 +200,7 @@ class TextTurns:
 
 def text_turns(render: Callable[..., Text], messages: list[dict[str, Any]], arguments: dict[str, Any],
                full: Text, spans: list[tuple[int, int]] | None = None, end_markers: Sequence[str] = (),
-               first: int = 0) -> TextTurns:
+               first: int = 0, known: Mapping[int, tuple[int, int]] | None = None) -> TextTurns:
     """The boundaries of ``full`` (the render of ``messages`` with ``arguments``), one render per message: message
     i replaced by a probe of its role (``bridge.PROBE`` as its only content) agrees with ``full`` up to where
     message i's own text starts and again from where it ends. Between two messages' own texts, the close up to
@@ -128,26 +210,26 @@ def text_turns(render: Callable[..., Text], messages: list[dict[str, Any]], argu
     ``first``: only messages from that index on are probed (the caller attributes only text after the end of
     message ``first - 1``); the boundaries of the others are left at 0. ``render`` may answer a ``BlockText``
     (and ``full`` be one): the probes are then compared a block at a time, and nothing before the first probed
-    message is walked."""
+    message is walked. ``known``: (common head, common tail) with the full render of the probes already found
+    (``strided_probes``), by message index."""
     count = len(messages)
     first = min(first, count)
     begins: list[int | None] = [None] * first
     ends: list[int] = [0] * first
     at = 0
     for i in range(first, count):
-        message = messages[i]
-        probe = {key: value for key, value in message.items() if key in ("role", "name", "tool_call_id")}
-        probe["content"] = PROBE if isinstance(message.get("content"), (str, type(None))) \
-            else [{"type": "text", "text": PROBE}]
-        try:
-            alt: Text | None = render(with_message(messages, i, probe), **arguments)
-        except Exception:  # a template that refuses the probe here: the previous boundary stands
-            alt = None
-        if alt is None or not _holds_probe(alt):
-            begins.append(None)
-            ends.append(at)
-            continue
-        head, tail = prefix_and_suffix(full, alt)
+        if known is not None and i in known:
+            head, tail = known[i]
+        else:
+            try:
+                alt: Text | None = render(with_message(messages, i, probe_of(messages[i])), **arguments)
+            except Exception:  # a template that refuses the probe here: the previous boundary stands
+                alt = None
+            if alt is None or not _holds_probe(alt):
+                begins.append(None)
+                ends.append(at)
+                continue
+            head, tail = prefix_and_suffix(full, alt)
         begin = max(at, head)
         at = max(begin, len(full) - tail)
         begins.append(begin)

@@ -16,6 +16,7 @@ Facts carried over from transformers (5.x, ``utils/chat_template_utils.py``) and
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from render_service.templates.sandbox import (
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\b")
 _WITHIN_BOUND = MAX_RENDERED_CHARS.__ge__
 
 
@@ -203,6 +205,11 @@ class ChatTemplate:
     def content_format(self) -> str:
         """How vLLM would hand this template message content: "string" or "openai" (parts)."""
         return detect_content_format(self.source)
+
+    @cached_property
+    def marks_generation(self) -> bool:
+        """Whether the template has ``{% generation %}`` blocks: only a render with spans finds any."""
+        return _GENERATION_TAG.search(self.source) is not None
 
     @cached_property
     def supports_developer_role(self) -> bool:

@@ -201,6 +201,13 @@ class LoopOutput:
     starts: list[int] | None
     offset: int
     chars: int
+    # what the loop's iterations read besides their messages (as a record keeps them; None without a usable one):
+    # the outside names' values, each iteration's namespaces at its start, how far ahead it reads, the largest
+    # constant index it reads
+    names: list[Any] | None = None
+    states: list[list[dict[str, Any]]] | None = None
+    reach: int = 1
+    max_index: int = -1
 
     def text(self) -> str:
         return "".join(self.blocks)
@@ -226,6 +233,8 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[LoopOutput,
     output = LoopOutput(blocks, starts if session.entered else None, session.offset, chars)
     if not session.entered or session.unusable:
         return output, None
+    output.names, output.states = session.names, session.states
+    output.reach, output.max_index = session.reach, session.max_index
     # (str.isascii reads a flag CPython keeps per string: the blocks' sizes without joining them)
     text_bytes = chars * (1 if all(map(str.isascii, blocks)) else 4)
     return output, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
