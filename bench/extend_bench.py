@@ -11,7 +11,7 @@ cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tok
         both ways in this process from its request body (decoded through the message memo, as the render
         server decodes it), thread CPU per render (median of --reps, each after the previous turn's request,
         with the piece cache as an agent loop leaves it, the answer written to JSON as the server writes it):
-        the full render, the extend render of the same turn with the previous prompt sent as ids
+        the full render (also with loss masks), the extend render of the same turn with the previous prompt sent as ids
         (``extend``) and named by the reference its render answered (``extend_by_ref``), each also with loss
         masks after a previous turn that asked for them too (as an RL loop asks), and by reference answering
         the appended ids alone (``extend_by_ref_appended``); each also with the chat template's loop records
@@ -198,11 +198,11 @@ def _turn_ms(from_body: Any, records: Any, before: bytes, body: bytes) -> float:
 def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Each request body decoded as the render server decodes it (through the message memo, so a turn's earlier
     messages are the memo's objects and the template's loop records apply), and timed from the body on, after
-    the previous turn sent the same way (an RL loop's steady state): the full render after the previous turn's
-    full render, an extend by ids after that turn's extend by ids with masks (whose attribution the masked one
-    takes), an extend by reference after that turn's extend by reference (with masks where the timed turn has
-    them). The
-    same turn is also timed with the template's loop records off (``*_without_loop_records``)."""
+    the previous turn sent the same way (an RL loop's steady state): the full render (with masks too) after the
+    previous turn's full render (likewise), an extend by ids after that turn's extend by ids with masks (whose
+    attribution the masked one takes), an extend by reference after that turn's extend by reference (with masks
+    where the timed turn has them). The same turn is also timed with the template's loop records off
+    (``*_without_loop_records``)."""
     from render_service.wire.message_memo import decode_chat_request
 
     def decode(body: bytes, kind: type) -> Any:
@@ -234,6 +234,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         # the previous turn, each way it may be sent (the reference answered here is the timed turns')
         before = {
             "full": encode({"messages": messages[:k], **plain}),
+            "full_masks": encode({"messages": messages[:k], **plain, **masks}),
             "by_ids_masks": encode({"messages": messages[:k], **plain, **masks, "previous_turn": previous_ids}),
             "by_ref": encode({"messages": messages[:k], **plain, "previous_turn": previous_turn}),
             "by_ref_masks": encode({"messages": messages[:k], **plain, **masks, "previous_turn": previous_turn}),
@@ -248,6 +249,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         appended = {**ref_body, "previous_turn": {**ref_body["previous_turn"], "answer": "appended"}}
         # (each timed body, and the previous turn's body it is sent after)
         bodies = {"full_render": (encode(full_body), before["full"]),
+                  "full_render_with_masks": (encode({**full_body, **masks}), before["full_masks"]),
                   "extend": (encode(ext_body), before["by_ids_masks"]),
                   "extend_with_masks": (encode({**ext_body, **masks}), before["by_ids_masks"]),
                   "extend_by_ref": (encode(ref_body), before["by_ref"]),
