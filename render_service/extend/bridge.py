@@ -108,12 +108,22 @@ def probe_message(content_format: str) -> dict[str, Any]:
 
 
 def with_message(messages: list[dict[str, Any]], i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
-    """``messages`` with message ``i`` replaced (a probe), in their list type; the template forms they carry are
-    carried along (sliced, as the messages are), so the render makes only the new message's."""
-    items = like_messages(messages, [*messages[:i], message, *messages[i + 1:]])
+    """``messages`` with message ``i`` replaced (a probe): ``with_messages`` for one."""
+    return with_messages(messages, {i: message})
+
+
+def with_messages(messages: list[dict[str, Any]], replaced: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the messages at ``replaced``'s indices replaced (probes), in their list type; the
+    template forms they carry are carried along, so the render makes only the new messages'."""
+    items = like_messages(messages, list(messages))
+    for i, message in replaced.items():
+        items[i] = message
     forms = getattr(messages, "template_forms", None)
     if forms is not None and len(forms) == len(messages) and type(items) is PlainMessages:
-        items.template_forms = [*forms[:i], template_form(message), *forms[i + 1:]]
+        new_forms = list(forms)
+        for i, message in replaced.items():
+            new_forms[i] = template_form(message)
+        items.template_forms = new_forms
     return items
 
 

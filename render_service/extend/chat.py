@@ -12,6 +12,7 @@ import array
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -220,7 +221,8 @@ def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[
             template.render_with_spans(messages, **arguments)
     ids = _encode(rendered.text, config)
     if output is not None:
-        known = strided_probes(template.render_output, messages, arguments, output)
+        # (the probes' renders do not look for a loop record: each probes a message near the conversation's start)
+        known = strided_probes(partial(template.render_output, resume=False), messages, arguments, output)
         turns = text_turns(_blocks_render(template, render), messages, arguments, BlockText(output),
                            end_markers=_end_markers(config), known=known)
     else:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from render_service.extend.bridge import PROBE, common_prefix, common_suffix, with_message
+from render_service.extend.bridge import PROBE, common_prefix, common_suffix, with_message, with_messages
 from render_service.templates.chat_template import assistant_token_mask
 from render_service.templates.loop_resume import LoopOutput
 
@@ -119,9 +119,7 @@ def _probes_together(render_output: Callable[..., LoopOutput | None], messages: 
     """``strided_probes`` for one render probing every message of ``group``; None where a check fails."""
     if len(group) < 2:  # (one probe alone costs the same render)
         return None
-    probed = messages
-    for i in group:
-        probed = with_message(probed, i, probe_of(messages[i]))
+    probed = with_messages(messages, {i: probe_of(messages[i]) for i in group})
     try:
         alt = render_output(probed, **arguments)
     except Exception:
