@@ -44,20 +44,17 @@ def template_failure(exc: Exception) -> Exception:
     return bad_request(f"The chat template failed on this request: {type(exc).__name__}: {exc}", "messages")
 
 
-# What a template raises when it chokes on a request's data (a bug on this input, not a server fault).
-TEMPLATE_DATA_ERRORS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError)
-
-
 @contextmanager
 def template_errors_answered() -> Iterator[None]:
-    """A template render's failures answered as the client's: its own refusal (``TemplateError``) a 400 with its
-    message, naming ``messages``; a choke on the request's data ``template_failure``."""
+    """A chat template's failures (its render, or the preparation of its inputs) answered as the client's: a
+    refusal (``TemplateError``) a 400 with its message, naming ``messages``; a choke on the request's data
+    ``template_failure``."""
     try:
         yield
     except TemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    except TEMPLATE_DATA_ERRORS as exc:
-        raise template_failure(exc) from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+        raise template_failure(exc) from None  # (a template bug on this input, not a server fault)
 
 
 def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any]
@@ -65,15 +62,11 @@ def chat_template_inputs(req: ChatCompletionRequest, config: RenderConfig, kwarg
     """(template, messages, keyword arguments, tools) of a chat request's template render (kwargs: resolved
     chat_template_kwargs); the extend render (render_service/extend/) renders the same inputs."""
     template = chat_template_for(req, config)
-    try:
+    with template_errors_answered():
         # As vLLM: content shaped for the template, developer role folded into system where the
         # template lacks it, tools in vLLM's model_dump shape.
         messages = convert_developer_role(prepare_messages(req.messages, template.content_format), template)
         tools = prepare_tools(req.tools) if req.tools else None
-    except TemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
-    except TEMPLATE_DATA_ERRORS as exc:
-        raise template_failure(exc) from None
     arguments: dict[str, Any] = {
         "tools": tools,
         "documents": req.documents,
