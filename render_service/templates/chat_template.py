@@ -376,6 +376,8 @@ class ChatTemplate:
         output, record = finish(session, tuple(messages))
         if session.resumed_at > 0 and self.loop_records is not None:
             self.loop_records.resumed += 1
+        if session.scans_shortened and self.loop_records is not None:
+            self.loop_records.scans_shortened += session.scans_shortened
         if output.chars > MAX_RENDERED_CHARS:
             raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
         if record is not None and self.loop_records is not None and getattr(messages, "shared", False):

@@ -32,6 +32,7 @@ import jinja2.runtime
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.utils import missing
 
+from render_service.templates.last_match_scan import SCAN_DONE, SCAN_ITEMS, scan_done, scan_items
 from render_service.templates.loop_plan import CHECKED_INDEX, LOOP_ENTRY
 from render_service.templates.loop_resume import TrackedMessages, checked_index, loop_entry
 
@@ -183,4 +184,6 @@ class InlineTemplate(jinja2.Template):
         namespace["LoopContext"] = LoopContext  # the generated code's loops (and `type(x) is LoopContext`)
         namespace[LOOP_ENTRY] = loop_entry  # a message loop's start and indices (loop_plan.rewrite_message_loop)
         namespace[CHECKED_INDEX] = checked_index
+        namespace[SCAN_ITEMS] = scan_items  # a head scan's messages and its answer (last_match_scan.py)
+        namespace[SCAN_DONE] = scan_done
         return super()._from_namespace(environment, namespace, globals)

@@ -85,16 +85,16 @@ def plan_message_loops(tree: nodes.Template) -> list[LoopPlan]:
     return plans
 
 
-def _top_level(body: list[nodes.Node]) -> list[nodes.Node]:
+def top_level(body: list[nodes.Node]) -> list[nodes.Node]:
     """The statements of ``body`` and of the ``if`` blocks in it, in order (they write to the template's own output)."""
     out: list[nodes.Node] = []
     for node in body:
         out.append(node)
         if isinstance(node, nodes.If):
-            out += _top_level(node.body)
+            out += top_level(node.body)
             for branch in node.elif_:
-                out += _top_level([branch])
-            out += _top_level(node.else_)
+                out += top_level([branch])
+            out += top_level(node.else_)
     return out
 
 
@@ -143,7 +143,7 @@ def _indexed(iterated: nodes.Node, tree: nodes.Template) -> set[str]:
 def _find_loops(body: list[nodes.Node], aliases: set[str]) -> list[nodes.For]:
     """The top-level loops over the messages that write something (a loop that writes nothing is a scan the head
     makes, whose effects loop_entry compares where a later loop starts)."""
-    return [node for node in _top_level(body)
+    return [node for node in top_level(body)
             if isinstance(node, nodes.For) and _is_messages(node.iter, aliases)
             and not node.recursive and node.test is None and not node.else_ and isinstance(node.target, nodes.Name)
             and any(True for _ in node.find_all(nodes.Output))]
@@ -244,7 +244,7 @@ LOOP_ENTRY = "_fast_loop_entry"
 CHECKED_INDEX = "_fast_checked_index"
 
 
-def _internal(name: str, lineno: int) -> nodes.InternalName:
+def internal_name(name: str, lineno: int) -> nodes.InternalName:
     # (the parser never makes one: its constructor refuses; the code generator writes its name as it is)
     node = nodes.InternalName.__new__(nodes.InternalName)
     nodes.Node.__init__(node, name, lineno=lineno)
@@ -258,7 +258,7 @@ def rewrite_message_loop(plan: LoopPlan, environment: Any) -> None:
     loop = plan.loop
     names = nodes.Dict([nodes.Pair(nodes.Const(name), nodes.Name(name, "load")) for name in plan.names])
     entry = nodes.Call(
-        _internal(LOOP_ENTRY, loop.lineno),
+        internal_name(LOOP_ENTRY, loop.lineno),
         [loop.iter, nodes.ContextReference(), names, nodes.Const(plan.reach), nodes.Const(plan.max_index),
          nodes.Const(plan.ident)],
         [], None, None, lineno=loop.lineno)
@@ -270,7 +270,7 @@ def rewrite_message_loop(plan: LoopPlan, environment: Any) -> None:
         loop.body.insert(0, nodes.ExprStmt(nodes.Name("loop", "load"), lineno=loop.lineno))
     for subscript in plan.subscripts:
         if not isinstance(subscript.arg, nodes.Const):
-            checked = nodes.Call(_internal(CHECKED_INDEX, subscript.lineno), [subscript.arg], [], None, None,
+            checked = nodes.Call(internal_name(CHECKED_INDEX, subscript.lineno), [subscript.arg], [], None, None,
                                  lineno=subscript.lineno)
             checked.set_environment(environment)
             subscript.arg = checked

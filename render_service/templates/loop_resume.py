@@ -66,6 +66,8 @@ class LoopRecord:
     reach: int
     max_index: int
     loop: int  # which of the template's message loops (loop_plan.LoopPlan.ident)
+    # per head scan (last_match_scan.py): the index of the last message it matched, None where it matched none
+    scans: dict[int, int | None] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         # the text's blocks, and the messages it keeps alive (about as large as the text, and kept even once the
@@ -93,6 +95,11 @@ class LoopSession:
     max_index: int = -1
     loop: int = 0
     unusable: bool = False  # a read at a negative index, or a value no render can compare
+    # head scans (last_match_scan.py): per scan, whether it searched and the record's answer it may take; this
+    # render's answers; how many scans iterated only the messages after the shared ones
+    scan_starts: dict[int, tuple[bool, Any]] = field(default_factory=dict)
+    scan_answers: dict[int, int | None] = field(default_factory=dict)
+    scans_shortened: int = 0
 
     def at_item(self, index0: int) -> None:
         self.item_blocks.append(len(self.blocks))
@@ -181,6 +188,14 @@ def _resume_point(session: LoopSession, values: list[Any], offset: int, count: i
     return start
 
 
+def namespace_attrs(value: Any) -> dict[str, Any] | None:
+    """The attributes of a template's namespace (what ``{% set ns.x = ... %}`` writes); None for anything else."""
+    if not isinstance(value, jinja2.utils.Namespace):
+        return None
+    attrs: dict[str, Any] = _get_attrs(value, _ATTRS)
+    return attrs
+
+
 def checked_index(index: Any) -> Any:
     """The index of ``messages[loop.index0 - c]`` in the message loop; a negative one (Python reads it from the end,
     so what it reads depends on the conversation's length) makes this render's record unusable."""
@@ -240,7 +255,7 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[LoopOutput,
     return output, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
                               text_bytes=text_bytes, offset=session.offset, names=session.names, starts=starts,
                               states=session.states, reach=session.reach, max_index=session.max_index,
-                              loop=session.loop)
+                              loop=session.loop, scans=dict(session.scan_answers))
 
 
 class _Lineage:
@@ -269,6 +284,7 @@ class LoopRecords:
         self.hits = 0  # a record found
         self.misses = 0
         self.resumed = 0  # renders that resumed their loop from a record
+        self.scans_shortened = 0  # head scans that iterated only the messages after a record's (last_match_scan.py)
 
     def _forget(self, record: LoopRecord) -> None:
         lineage = self._lineages.pop(id(record), None)
@@ -288,7 +304,7 @@ class LoopRecords:
         """Drops every record, and the counters' counts (the template's proof at load leaves none behind)."""
         with self._lock:
             self._records.drop_oldest_while(lambda _: True)
-            self.hits = self.misses = self.resumed = 0
+            self.hits = self.misses = self.resumed = self.scans_shortened = 0
 
     def find(self, messages: list[Any]) -> tuple[LoopRecord | None, int]:
         """The record sharing the most leading messages (by identity) with ``messages``, and how many it shares."""

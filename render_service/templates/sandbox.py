@@ -36,6 +36,13 @@ from render_service.templates.budget import (
 )
 from render_service.templates.inline import DICT_ATTRIBUTES as _DICT_ATTRIBUTES
 from render_service.templates.inline import InlineReadsCodeGenerator, InlineTemplate
+from render_service.templates.last_match_scan import (
+    find_last_match_scans,
+    parent_of,
+    rewrite_last_match_scan,
+    scan_done,
+    scan_items,
+)
 from render_service.templates.loop_plan import plan_message_loops, rewrite_message_loop
 from render_service.templates.loop_resume import checked_index, loop_entry
 from render_service.templates.tojson_cache import DEFAULT_TEXTS
@@ -131,7 +138,7 @@ class _SafeNamespace(jinja2.utils.Namespace):
 _STR_FORMAT_METHODS = frozenset({"format", "format_map"})
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
 _DICT_READS = frozenset({"get", "items", "keys", "values"})
-_PLAIN_FUNCTIONS = frozenset({safe_range, checked_index, loop_entry})
+_PLAIN_FUNCTIONS = frozenset({safe_range, checked_index, loop_entry, scan_items, scan_done})
 
 
 # A template (a request's own, or a model's) must not be able to exhaust memory with `'x' * 10**12` or
@@ -142,13 +149,19 @@ _MAX_POWER_EXPONENT = 4096
 
 class GuardedLoopsCodeGenerator(InlineReadsCodeGenerator):
     """Jinja's code generator (with template_inline's reads) over a tree whose loops check the render's deadline
-    (template_budget), and whose message loop a render may resume part-way (loop_plan.py, the model's template)."""
+    (template_budget), and whose message loop a render may resume part-way (loop_plan.py, the model's template),
+    its head scans for the last matching message answered from the record for the messages it shares
+    (last_match_scan.py)."""
 
     concat_bounded = False
     resumable = True
 
     def visit_Template(self, node: jinja2.nodes.Template, frame: Frame | None = None) -> None:
         plans = plan_message_loops(node) if self.resumable else []
+        for scan in find_last_match_scans(node) if self.resumable else []:
+            parent = parent_of(scan.loop, node.body)
+            if parent is not None:
+                rewrite_last_match_scan(scan, parent, self.environment)
         tree = BoundedTemplate(self.concat_bounded).visit(node)
         for plan in plans:
             rewrite_message_loop(plan, self.environment)
