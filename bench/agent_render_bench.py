@@ -18,7 +18,10 @@ Encode baselines on the text the servers render, for the unrelated bodies:
   cold  in a process of its own (bench/encode_worker.py) that sits idle in the same rotation, one encode per
         body, thread CPU of the encode alone: measured like a server's request (the comparison for target b);
   warm  in this process right after the servers, best of 3 back to back (a lower bound).
-Each is ``tokenizers``' own encode and our TextTokenizer.encode (the tiktoken fast path where proved equal).
+Each is ``tokenizers``' own encode and our TextTokenizer.encode (fastokens where it equals ``tokenizers``, the
+BPE vllm-rs runs too). The growing turns' floor: the text each turn adds to its agent's previous prompt, encoded
+cold by the same worker in the same rotation, which every server pays for whatever it caches; the summary gives
+each server's CPU above it (``*_above_*``).
 Before timing, every server must return the same token ids for one body of each workload.
 
 Servers: ours (``render-service serve``, --workers 1: one process, so one piece cache), vllm-rs (vLLM 0.34's
@@ -210,7 +213,7 @@ def baseline_encode_ms(texts: list[str], repeats: int = 3) -> dict[str, Any]:
                 spent.append(time.thread_time() - started)
             best.append(min(spent))
         out[name] = round(1e3 * statistics.mean(best), 3)
-    out["fast_path"] = ours.fast_path_reason
+    out["fast_path"] = ours.encode_backend_reason  # (which encode ``ours`` took: fastokens, tiktoken, tokenizers)
     return out
 
 
@@ -366,11 +369,17 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
     traces = [trace_to(size, 1000 * size + i, spec, count) for i in range(n_agents)]
     turns: list[tuple[int, bytes]] = []  # (agent, body) in send order
     per_agent = []
+    new_texts: dict[bytes, str] = {}  # body -> the text its turn adds to the agent's previous turn
     for messages, tools, ends in traces:
         bodies = [json.dumps(chat_body(MODEL, messages[:end], tools)).encode() for end in ends]
         lengths = [count(messages[:end], tools) for end in ends]
         keep = [b for b, n in zip(bodies, lengths, strict=True) if n <= size]
         per_agent.append((keep, [n for n in lengths if n <= size]))
+        previous = ""
+        for body, end in zip(bodies, ends, strict=True):
+            text = text_of(messages[:end], tools)
+            new_texts[body] = text[common_prefix_length(previous, text):]
+            previous = text
     longest = max(len(b) for b, _ in per_agent)
     for turn in range(longest):
         for agent, (bodies, _) in enumerate(per_agent):
@@ -380,13 +389,25 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
     # Each body goes to every server in turn, so all of them see the same machine load over time (or, with
     # --order server, each server gets every body back to back).
     rows: dict[str, list[tuple[float, float, int]]] = {name: [] for name in servers}
-    for name, body in in_order(servers, [body for _, body in turns], order):
-        rows[name].append(measure(clients[name], cpus[name], body, pause_s))
+    # the floor of a turn: the text it adds, encoded once in an idle worker that sits in the same rotation
+    floor: list[tuple[float, bytes]] = []
+    for name, body in in_order([*servers, "encode:new"], [body for _, body in turns], order):
+        if name in rows:
+            rows[name].append(measure(clients[name], cpus[name], body, pause_s))
+        else:
+            if pause_s:
+                time.sleep(pause_s)
+            floor.append((workers["ours"].encode_ms(new_texts[body])[0], body))
     growing: dict[str, Any] = {}
     for name in servers:
         growing[name] = summarize([r for r in rows[name] if size / 2 < r[2] <= size])
         growing[name]["renders_all"] = len(rows[name])
         print(f"# {size} growing {name}: {growing[name]}", flush=True)
+    timed = [size / 2 < r[2] <= size for r in rows[servers[0]]]  # (rows are in the bodies' order)
+    floors = [(ms, len(new_texts[body])) for (ms, body), keep in zip(floor, timed, strict=True) if keep]
+    growing_floor = {"cold_new_text_encode": round(statistics.mean(ms for ms, _ in floors), 3),
+                     "new_text_chars_mean": round(statistics.mean(chars for _, chars in floors))}
+    print(f"# {size} growing floor (each turn's new text, cold encode): {growing_floor}", flush=True)
     # (b) unrelated conversations of about ``size`` tokens
     bodies_b, texts_b = [], []
     for i in range(n_unrelated):
@@ -419,9 +440,22 @@ def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers
     base["cold_tokenizers_encode"] = round(statistics.mean(cold["tokenizers"]), 3)
     base["cold_tiktoken_encode"] = round(statistics.mean(cold["tiktoken"]), 3)
     base["fast_path"] = encodes[0]["fast_path"]
+    base.update(growing_floor)
     fresh["baseline"] = base
     print(f"# {size} encode baselines: {base}", flush=True)
     return growing, fresh, base
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share (a binary search over slice comparisons)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def in_order(names: list[str], bodies: list[bytes], order: str) -> list[tuple[str, bytes]]:
@@ -587,6 +621,14 @@ def ratios(growing: dict[str, Any], fresh: dict[str, Any], base: dict[str, Any])
     # the encode our tokenizer had before fastokens (SPLITSERVE_TOKENIZER_BACKEND=tiktoken), cold
     out["unrelated_ours_over_tiktoken_encode_cold"] = round(fresh_ours / base["cold_tiktoken_encode"], 3)
     out["unrelated_ours_over_tokenizers_encode_warm"] = round(fresh_ours / base["tokenizers_encode"], 3)
+    # the growing turns' floor: the text each adds, encoded cold (as a server's request); what is left above it
+    new_text = base["cold_new_text_encode"]
+    out["growing_cold_new_text_encode_ms"] = new_text
+    out["growing_cpu_ms_above_new_text_encode"] = {
+        name: round(value["cpu_ms_mean"] - new_text, 3) for name, value in growing.items()}
+    out["unrelated_cpu_ms_above_encode"] = {
+        name: round(value["cpu_ms_mean"] - base["cold_our_tokenizer_encode"], 3)
+        for name, value in fresh.items() if name != "baseline"}
     return out
 
 
