@@ -7,14 +7,17 @@ tokenizers with the family's real template (tests/family_bundles.py)."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from render_service.bundle.model_bundle import load_bundle
 from render_service.extend import chat as extend_chat
 from render_service.extend.bridge import ExtendImpossible, loop_bridge, template_bridge
+from render_service.extend.turns import TextTurns
 from render_service.http.errors import ApiError
 from render_service.render.chat_prompt import chat_template_inputs
 from render_service.render.render import render_chat
@@ -490,3 +493,30 @@ def test_block_texts_read_as_their_joined_text():
         start = rng.randrange(len(full_text) + 1)
         stop = rng.randrange(start, len(full_text) + 1)
         assert full.find("<|im_end|>", start, stop) == full_text.find("<|im_end|>", start, stop)
+
+
+def test_tokens_are_attributed_to_the_message_they_start_in_all_at_once():
+    """``TextTurns.attribute`` (every token at once) against the rule a token at a time: the last message starting
+    at or before the token, the assistant flag inside that message's own text, the generation prompt after ``end``;
+    messages of no text (equal starts) and tokens before the first start included."""
+    rng = random.Random(3)
+    for _ in range(200):
+        count = rng.randint(1, 8)
+        starts = sorted(rng.randint(0, 60) for _ in range(count))
+        own = [None if rng.random() < 0.4 else s + rng.randint(0, 5) for s in starts]
+        own_ends = [(o if o is not None else s) + rng.randint(0, 9) for s, o in zip(starts, own, strict=True)]
+        turns = TextTurns(starts, own, rng.randint(40, 80), own_ends)
+        base = rng.randint(0, 5)
+        token_starts = sorted(rng.randint(0, 90) for _ in range(rng.randint(0, 30)))
+        offsets = np.array([(s, s + 1) for s in token_starts], dtype=np.int64).reshape(-1, 2)
+        expected_indices, expected_flags = [], []
+        for s in token_starts:
+            at = s + base
+            if at >= turns.end:
+                expected_indices.append(count)
+                expected_flags.append(0)
+                continue
+            i = max(0, max((k for k, b in enumerate(starts) if b <= at), default=0))
+            expected_indices.append(i)
+            expected_flags.append(1 if own[i] is not None and own[i] <= at < own_ends[i] else 0)
+        assert turns.attribute(offsets, base) == (expected_indices, expected_flags)

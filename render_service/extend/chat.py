@@ -40,7 +40,7 @@ from render_service.render.chat_prompt import (
 )
 from render_service.render.render_config import RenderConfig
 from render_service.templates.chat_template import RenderedChat
-from render_service.tokenize.char_spans import char_spans
+from render_service.tokenize.char_spans import char_span_array
 from render_service.tokenize.tokenizer import TextTokenizer
 from render_service.wire.protocol import ChatCompletionRequest
 
@@ -187,17 +187,17 @@ def _encode(text: str, config: RenderConfig) -> list[int]:
     return encode_prompt(text, config)
 
 
-def _offsets(text: str, ids: list[int], config: RenderConfig) -> list[tuple[int, int]]:
-    """Character offsets of ``ids`` (the ids ``text`` encodes to): from the ids' bytes where they spell ``text``
-    (``char_spans``), else from the tokenizers library's own encode."""
+def _offsets(text: str, ids: list[int], config: RenderConfig) -> np.ndarray:
+    """Character offsets of ``ids`` (the ids ``text`` encodes to), an ``(n, 2)`` array of (start, end): from the
+    ids' bytes where they spell ``text`` (``char_span_array``), else from the tokenizers library's own encode."""
     tokenizer = cast(TextTokenizer, config.tokenizer)
-    spans = char_spans(tokenizer, text, ids)
+    spans = char_span_array(tokenizer, text, ids)
     if spans is not None:
         return spans
     encoding = tokenizer.hf.encode(text, add_special_tokens=False)
     if list(encoding.ids) != list(ids):
         raise ExtendImpossible("the tokenizer's offsets do not cover the rendered ids")
-    return [(int(s), int(e)) for s, e in encoding.offsets]
+    return np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
 
 
 def _full_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], masks: bool
@@ -278,7 +278,7 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
         if full_ids is None:
             full_ids = _encode(bridge.full_text(), config)
         span = differing_span(full_ids, answer.tolist(), _decoder(config))
-    offsets = _offsets(text, suffix, config) if masks and suffix else []
+    offsets = _offsets(text, suffix, config) if masks and suffix else np.zeros((0, 2), dtype=np.int64)
     closing_ids = len(config.tokenizer.encode(text[:closing])) if closing else 0  # (the close starts at a cut)
     info = ExtendInfo(extended=True, method=bridge.method, kept_tokens=kept.count, closing_tokens=closing_ids,
                       new_tokens=len(suffix) - closing_ids, suffix_matches_full_render=suffix_matches,
@@ -297,9 +297,8 @@ def _template_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: d
         # The close up to its end-of-turn marker is the sampled turn's (written by the template when the model
         # did not write the marker); what follows it opens the next message, as in a full render's attribution.
         own_close = close_end(text, 0, closing, ends)
-        for i, (start, _) in enumerate(offsets):
-            if start < own_close:
-                tail_indices[i] = k
+        for i in np.flatnonzero(offsets[:, 0] < own_close).tolist():
+            tail_indices[i] = k
         indices = head_indices.then([k] * len(completion) + tail_indices)
         # Every appended id is the template's: the model sampled none of them.
         flags = head_flags.then([1] * len(completion) + [0] * len(suffix))

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from render_service.extend.bridge import PROBE, common_prefix, common_suffix, with_message, with_messages
 from render_service.templates.chat_template import assistant_token_mask
 from render_service.templates.loop_resume import LoopOutput
@@ -175,25 +177,22 @@ class TextTurns:
     own_ends: list[int]
     spans: list[tuple[int, int]] | None = None
 
-    def attribute(self, offsets: Sequence[tuple[int, int]], base: int = 0) -> tuple[list[int], list[int]]:
-        """(message index, assistant flag) per token, given each token's character offsets (plus ``base``)."""
-        starts = self.starts
-        indices: list[int] = []
-        flags: list[int] = []
-        count = len(starts)
-        for start, _ in offsets:
-            at = start + base
-            if at >= self.end:
-                indices.append(count)
-                flags.append(0)
-                continue
-            i = max(0, bisect.bisect_right(starts, at) - 1)
-            indices.append(i)
-            own = self.own[i]
-            flags.append(1 if own is not None and own <= at < self.own_ends[i] else 0)
+    def attribute(self, offsets: np.ndarray, base: int = 0) -> tuple[list[int], list[int]]:
+        """(message index, assistant flag) per token, given each token's character offsets (plus ``base``): an
+        ``(n, 2)`` array of (start, end), attributed by where each token starts, all tokens at once (a 200k-token
+        prompt's a token at a time cost ~0.1 s)."""
+        at = offsets[:, 0] + base
+        # the message whose text a token starts in: the last message start at or before it
+        indices = np.maximum(np.searchsorted(np.asarray(self.starts, dtype=np.int64), at, side="right") - 1, 0)
+        own = np.array([-1 if o is None else o for o in self.own], dtype=np.int64)
+        own_ends = np.asarray(self.own_ends, dtype=np.int64)
+        flags = (own[indices] >= 0) & (own[indices] <= at) & (at < own_ends[indices])
+        past = at >= self.end  # the generation prompt: after every message
+        indices[past] = len(self.starts)
+        flags[past] = False
         if self.spans is not None:
-            flags = assistant_token_mask([(s + base, e + base) for s, e in offsets], self.spans)
-        return indices, flags
+            return indices.tolist(), assistant_token_mask((offsets + base).tolist(), self.spans)
+        return indices.tolist(), flags.astype(np.int64).tolist()
 
 
 def text_turns(render: Callable[..., Text], messages: list[dict[str, Any]], arguments: dict[str, Any],

@@ -40,11 +40,17 @@ def _byte_lengths(tokenizer: Any) -> np.ndarray | None:
 def char_spans(tokenizer: Any, text: str, ids: list[int]) -> list[tuple[int, int]] | None:
     """(start, end) in characters of each of ``ids`` (the encoding of ``text``), or None where the ids' bytes are
     not ``text``'s (or the tokenizer has no bytes per id)."""
+    spans = char_span_array(tokenizer, text, ids)
+    return None if spans is None else [(s, e) for s, e in spans.tolist()]
+
+
+def char_span_array(tokenizer: Any, text: str, ids: list[int]) -> np.ndarray | None:
+    """``char_spans`` as an ``(n, 2)`` int64 array of (start, end) (no Python object per token)."""
     lengths = _byte_lengths(tokenizer)
     if lengths is None:
         return None
     if not ids:
-        return [] if not text else None
+        return np.zeros((0, 2), dtype=np.int64) if not text else None
     tokens = np.asarray(ids, dtype=np.int64)
     if int(tokens.min()) < 0 or int(tokens.max()) >= len(lengths):
         return None
@@ -68,4 +74,4 @@ def char_spans(tokenizer: Any, text: str, ids: list[int]) -> list[tuple[int, int
     # a span ends after the character holding its last byte
     last = char_at[np.maximum(ends - 1, 0)] + 1
     char_ends = np.where(sizes > 0, last, char_at[starts])
-    return list(zip(char_at[starts].tolist(), char_ends.tolist(), strict=True))
+    return np.stack([char_at[starts], char_ends], axis=1)
