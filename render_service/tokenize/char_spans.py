@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 _LENGTHS: weakref.WeakKeyDictionary[Any, np.ndarray | None] = weakref.WeakKeyDictionary()
+# per tokenizer: every id's bytes one after another, and where each id's start
+_FLAT: weakref.WeakKeyDictionary[Any, tuple[np.ndarray, np.ndarray]] = weakref.WeakKeyDictionary()
 
 
 def _byte_lengths(tokenizer: Any) -> np.ndarray | None:
@@ -35,6 +37,29 @@ def _byte_lengths(tokenizer: Any) -> np.ndarray | None:
         lengths = None
     _LENGTHS[tokenizer] = lengths
     return lengths
+
+
+def _flat_bytes(tokenizer: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every id's bytes in one array (none for an id without bytes), and where each id's bytes start in it; built
+    once per tokenizer (a few MB)."""
+    try:
+        return _FLAT[tokenizer]
+    except KeyError:
+        pass
+    raw = b"".join(tokenizer.token_bytes(i) if size >= 0 else b"" for i, size in enumerate(lengths.tolist()))
+    starts = np.concatenate([[0], np.cumsum(np.maximum(lengths, 0))[:-1]]).astype(np.int64)
+    _FLAT[tokenizer] = flat = (np.frombuffer(raw, dtype=np.uint8), starts)
+    return flat
+
+
+def _same_bytes(tokenizer: Any, lengths: np.ndarray, tokens: np.ndarray, sizes: np.ndarray, starts: np.ndarray,
+                data: np.ndarray) -> bool:
+    """Whether the tokens' bytes, one after another, are ``data`` (whose length is their total): each byte of the
+    text against the byte of the token it falls in, gathered from the tokenizer's flat table."""
+    flat, begins = _flat_bytes(tokenizer, lengths)
+    # byte p of the text is byte (p - starts[j]) of token j, found at begins[tokens[j]] + p - starts[j]
+    source = np.repeat(begins[tokens] - starts, sizes) + np.arange(len(data), dtype=np.int64)
+    return bool(np.array_equal(flat[source], data))
 
 
 def char_spans(tokenizer: Any, text: str, ids: list[int]) -> list[tuple[int, int]] | None:
@@ -61,11 +86,11 @@ def char_span_array(tokenizer: Any, text: str, ids: list[int]) -> np.ndarray | N
     ends = np.cumsum(sizes)
     if int(ends[-1]) != len(raw):
         return None
-    # The same bytes, not only as many: a normalizer may have changed the text (C speed, one pass).
-    if tokenizer.bytes_of(ids) != raw:
-        return None
     starts = ends - sizes
     data = np.frombuffer(raw, dtype=np.uint8)
+    # The same bytes, not only as many: a normalizer may have changed the text.
+    if not _same_bytes(tokenizer, lengths, tokens, sizes, starts, data):
+        return None
     first = (data & 0xC0) != 0x80  # a character's first byte
     # char_at[b]: the character byte b belongs to; one more entry for the end of the text
     char_at = np.empty(len(raw) + 1, dtype=np.int64)
