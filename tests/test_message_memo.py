@@ -415,3 +415,29 @@ def test_nesting_at_the_decoders_depth_limit_is_decoded_as_without_the_memo():
     for n in range(depth - 3, depth + 4):
         assert decoded(memo, n) == decoded(None, n)
     assert decoded(memo, depth + 1)[0] == 400
+
+
+def test_a_growing_body_takes_its_earlier_messages_prepared_as_the_body_before_left_them():
+    """Bodies over the body store's floor: each turn's preparation starts from the list the previous turn's left on
+    its stored body (the developer role among the kept messages still found), and equals a fresh preparation;
+    the render answers as without the memo, a repeated message included."""
+    on, off = config(), config(0)
+    memo = on.message_memo
+    assert memo is not None and memo.bodies is not None
+    long = "word " * (memo.bodies.base // 4)
+    messages: list[dict[str, Any]] = [{"role": "developer", "content": "Be brief."},
+                                      {"role": "user", "content": long}]
+    for turn in range(6):
+        messages += [{"role": "assistant", "content": f"answer {turn}"}, {"role": "user", "content": f"more {turn}"}]
+        if turn == 3:
+            messages.append(messages[2])  # the same message again: two objects to a template, no list filed
+        body = json.dumps({"model": MODEL, "messages": messages}).encode()
+        assert answer(on, body) == answer(off, body)
+        req = decode_chat_request(body, memo, decode)
+        assert type(req.messages) is MemoMessages and req.messages.filed is not None
+        if turn > 0:
+            assert req.messages.shared_with is not None and req.messages.shared_with[1] >= 2
+        prepared = prepare_messages(req.messages, "string")
+        assert prepared == prepare_messages(decode(body, ChatCompletionRequest).messages, "string")
+        assert prepared.has_developer is True
+        assert ("string" in req.messages.filed.prepared) == (turn < 3)  # (from turn 3 on, the repeat is in)

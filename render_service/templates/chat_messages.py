@@ -57,12 +57,24 @@ def prepare_messages(openai_messages: Iterable[Any], content_format: str = "stri
 
 def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> PlainMessages:
     """Each message's prepared form for ``content_format``, made once per distinct message JSON (its index
-    only ever shows in an error's text, and errors are not kept)."""
+    only ever shows in an error's text, and errors are not kept). The forms of the messages a stored body shares
+    with this one (``MemoMessages.shared_with``) are taken from that body's list as its render left it: the same
+    entries, whose forms, once made, never change."""
     out = PlainMessages()
     forms = []
     entries = messages.entries
     form_key = _TEMPLATE_FORM + content_format
-    for index, entry in enumerate(entries):
+    start = 0
+    developer = False
+    stored, common = messages.shared_with or (None, 0)
+    kept_list = stored.prepared.get(content_format) if stored is not None and stored.prepared is not None else None
+    if kept_list is not None:
+        start = min(common, len(kept_list.out))
+        out.extend(kept_list.out[:start])
+        forms = kept_list.forms[:start]
+        developer = kept_list.developer_before(start)
+    for index in range(start, len(entries)):
+        entry = entries[index]
         kept = entry.prepared
         prepared = kept.get(content_format)
         if prepared is None:
@@ -74,6 +86,7 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
                     entry.lend(function["arguments"])
         out.append(prepared)
         forms.append(kept[form_key])
+        developer = developer or prepared.get("role") == "developer"
     if len(set(map(id, out))) < len(out):
         # The same message twice: a template sees two objects, as without the memo (``is sameas`` tells them
         # apart)
@@ -84,8 +97,27 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
             seen.add(id(prepared))
     else:  # (each shared message's template form, kept with it: a render need not make them again)
         out.template_forms = forms
+        if messages.filed is not None and messages.filed.prepared is not None:
+            messages.filed.prepared[content_format] = PreparedLineage(out, forms, developer)
     out.shared = True
+    out.has_developer = developer
     return out
+
+
+class PreparedLineage:
+    """A stored body's messages as prepared for one content format (the list a render got, each message's template
+    form), and where the first developer message is (-1: none), so the next turn's preparation need not walk them."""
+
+    __slots__ = ("out", "forms", "first_developer")
+
+    def __init__(self, out: list[dict[str, Any]], forms: list[dict[str, Any]], developer: bool) -> None:
+        self.out = list(out)
+        self.forms = forms
+        self.first_developer = next((i for i, m in enumerate(out) if m.get("role") == "developer"), -1) \
+            if developer else -1
+
+    def developer_before(self, end: int) -> bool:
+        return 0 <= self.first_developer < end
 
 
 def _text(value: str) -> str:
@@ -285,7 +317,10 @@ def prepare_tools(openai_tools: Any) -> list[dict[str, Any]] | None:
 
 def convert_developer_role(messages: list[dict[str, Any]], template: ChatTemplate) -> list[dict[str, Any]]:
     """For templates that do not know the developer role, vLLM turns it into one leading system message."""
-    if template.supports_developer_role or not any(m.get("role") == "developer" for m in messages):
+    if template.supports_developer_role:
+        return messages
+    known = getattr(messages, "has_developer", None)  # (PlainMessages from the memo: found while preparing)
+    if known is False or (known is None and not any(m.get("role") == "developer" for m in messages)):
         return messages
     converted = []
     for m in messages:

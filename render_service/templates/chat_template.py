@@ -66,6 +66,8 @@ class PlainMessages(list[dict[str, Any]]):
     shared: bool = False
     # each message's template form (``template_form``), made once per shared message by whoever built the list
     template_forms: list[dict[str, Any]] | None = None
+    # whether a message has the developer role (None: not looked at), found by whoever built the list
+    has_developer: bool | None = None
 
 
 class PlainTools(list[dict[str, Any]]):

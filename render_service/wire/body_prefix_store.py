@@ -29,7 +29,7 @@ from render_service.tokenize.head_index import HeadStore
 
 WINDOW = 256
 # The body, plus the memo entries it keeps alive (decoded and prepared messages: ~5x their JSON,
-# message_memo.BYTES_PER_JSON_BYTE), plus its offsets and own objects.
+# message_memo.BYTES_PER_JSON_BYTE), plus its offsets, the lists of prepared messages it keeps and its own objects.
 _BYTES_PER_BODY_BYTE = 6
 _ENTRY_OVERHEAD = 512
 _JSON_WHITESPACE = b" \t\n\r"
@@ -40,6 +40,9 @@ class StoredBody(NamedTuple):
     starts: tuple[int, ...]  # where each message's JSON starts in ``body``
     ends: tuple[int, ...]  # and just past where it ends
     entries: tuple[Any, ...]  # message_memo.MemoEntry of each message
+    # the messages prepared for a template, by content format, as the body's render left them
+    # (chat_messages.PreparedLineage): the next turn's render takes those of the messages the two share
+    prepared: dict[str, Any] | None = None
 
 
 def skip_whitespace(body: bytes, at: int) -> int:
@@ -70,7 +73,7 @@ def element_offsets(body: bytes, first: int, items: list[bytes]) -> tuple[list[i
 
 
 def _size(stored: StoredBody) -> int:
-    return _ENTRY_OVERHEAD + _BYTES_PER_BODY_BYTE * len(stored.body) + 16 * len(stored.starts)
+    return _ENTRY_OVERHEAD + _BYTES_PER_BODY_BYTE * len(stored.body) + 48 * len(stored.starts)
 
 
 # Below this a body is decoded whole: finding, cutting and filing it costs about what the scan it saves costs

@@ -113,13 +113,18 @@ def history_tool_calls(messages: list[Any]) -> int:
 
 class MemoMessages(list[dict[str, Any]]):
     """``ChatCompletionRequest.messages`` decoded through the memo: shared dicts (read-only), with their entries
-    (``entries[i]`` is message i's) for ``chat_messages.prepare_messages``."""
+    (``entries[i]`` is message i's) for ``chat_messages.prepare_messages``; ``shared_with``: the stored body whose
+    first messages these are (body_prefix_store.py) and how many, ``filed``: this body as stored for the next
+    turn (both None where there is none): the messages' prepared forms follow the bodies."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "shared_with", "filed")
 
-    def __init__(self, entries: list[MemoEntry]) -> None:
+    def __init__(self, entries: list[MemoEntry], shared_with: tuple[StoredBody, int] | None = None,
+                 filed: StoredBody | None = None) -> None:
         super().__init__(map(_VALUE, entries))
         self.entries = entries
+        self.shared_with = shared_with
+        self.filed = filed
 
 
 class MemoTools(list[dict[str, Any]]):
@@ -169,10 +174,10 @@ class MessageMemo:
             tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
         except (msgspec.DecodeError, RecursionError):
             return None
-        if bodies is not None and type(body) is bytes:
-            self._keep_body(bodies, body, raw, entries, found, tail_start)
+        filed = self._keep_body(bodies, body, raw, entries, found, tail_start) \
+            if bodies is not None and type(body) is bytes else None
         values = list(_astuple(raw))
-        values[0] = MemoMessages(entries)
+        values[0] = MemoMessages(entries, found, filed)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
 
@@ -204,12 +209,12 @@ class MessageMemo:
         return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:]), at
 
     def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
-                   found: tuple[StoredBody, int] | None, tail_start: int) -> None:
+                   found: tuple[StoredBody, int] | None, tail_start: int) -> StoredBody | None:
         """Files ``body`` with where its messages are, for the next turn (``tail_start``: where the messages after
-        ``found``'s common ones start); nothing where they cannot be placed for certain (the offsets are checked
-        against the body byte for byte)."""
+        ``found``'s common ones start), and answers it; nothing where they cannot be placed for certain (the
+        offsets are checked against the body byte for byte)."""
         if not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
-            return
+            return None
         if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
             first = _address(raw.messages[0]) - _address(body)
             offsets = element_offsets(body, first, [e.data for e in entries]) if 0 <= first < len(body) else None
@@ -220,13 +225,15 @@ class MessageMemo:
             if len(entries) > common:
                 tail = element_offsets(body, tail_start, [e.data for e in entries[common:]])
                 if tail is None:
-                    return
+                    return None
                 starts += tail[0]
                 ends += tail[1]
         if len(starts) != len(entries):
-            return
+            return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
-        bodies.add(StoredBody(body, tuple(starts), tuple(ends), tuple(entries)), replaces)
+        stored = StoredBody(body, tuple(starts), tuple(ends), tuple(entries), {})
+        bodies.add(stored, replaces)
+        return stored
 
     def _entries_of(self, kind: int, items: list[msgspec.Raw]) -> list[MemoEntry]:
         """The entry of each raw JSON value, found or decoded (``msgspec.DecodeError`` where one does not decode
