@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from render_service.tokenize.char_spans import char_spans
+from render_service.tokenize.char_spans import char_span_array
 from tests.render_harness import qwen3_config
 
 # Multi-byte characters split by byte-level merges, emoji sequences, full-width letters, added tokens, controls.
@@ -22,19 +22,21 @@ def test_spans_equal_the_offsets_of_tokenizers_on_mixed_text():
         ids = tokenizer.encode(text)
         encoding = tokenizer.hf.encode(text, add_special_tokens=False)
         assert list(encoding.ids) == ids
-        assert char_spans(tokenizer, text, ids) == [tuple(o) for o in encoding.offsets], repr(text)
+        spans = char_span_array(tokenizer, text, ids)
+        assert spans is not None and spans.tolist() == [list(o) for o in encoding.offsets], repr(text)
 
 
 @pytest.mark.parametrize("text", ["cafe\u0301", "e\u0301 and more"])
 def test_text_a_normalizer_changes_gets_none(text):
     """The ids spell the normalised bytes, not the text's: the caller must ask tokenizers instead."""
     tokenizer = qwen3_config().tokenizer
-    assert char_spans(tokenizer, text, tokenizer.encode(text)) is None
+    assert char_span_array(tokenizer, text, tokenizer.encode(text)) is None
 
 
 def test_ids_that_are_not_the_texts_get_none():
     tokenizer = qwen3_config().tokenizer
     ids = tokenizer.encode("hello world")
-    assert char_spans(tokenizer, "hello there", ids) is None
-    assert char_spans(tokenizer, "hello world", ids[:-1]) is None
-    assert char_spans(tokenizer, "", []) == []
+    assert char_span_array(tokenizer, "hello there", ids) is None
+    assert char_span_array(tokenizer, "hello world", ids[:-1]) is None
+    empty = char_span_array(tokenizer, "", [])
+    assert empty is not None and empty.shape == (0, 2)

@@ -8,7 +8,7 @@ a byte offset maps to a character offset by counting the characters' first bytes
 or ends inside a character (a byte-level split of a multi-byte character) gets the character it starts in and
 the character it ends in, whole, as ``tokenizers`` reports it.
 
-``char_spans`` answers None where that does not hold: a tokenizer that is not byte-level, or ids whose bytes are
+``char_span_array`` answers None where that does not hold: a tokenizer that is not byte-level, or ids whose bytes are
 not the text's own (a normalizer changed it); the caller then asks ``tokenizers``.
 """
 
@@ -62,15 +62,10 @@ def _same_bytes(tokenizer: Any, lengths: np.ndarray, tokens: np.ndarray, sizes: 
     return bool(np.array_equal(flat[source], data))
 
 
-def char_spans(tokenizer: Any, text: str, ids: list[int]) -> list[tuple[int, int]] | None:
-    """(start, end) in characters of each of ``ids`` (the encoding of ``text``), or None where the ids' bytes are
-    not ``text``'s (or the tokenizer has no bytes per id)."""
-    spans = char_span_array(tokenizer, text, ids)
-    return None if spans is None else [(s, e) for s, e in spans.tolist()]
-
-
 def char_span_array(tokenizer: Any, text: str, ids: list[int]) -> np.ndarray | None:
-    """``char_spans`` as an ``(n, 2)`` int64 array of (start, end) (no Python object per token)."""
+    """(start, end) in characters of each of ``ids`` (the encoding of ``text``), an ``(n, 2)`` int64 array (no
+    Python object per token); None where the ids' bytes are not ``text``'s (or the tokenizer has no bytes per
+    id)."""
     lengths = _byte_lengths(tokenizer)
     if lengths is None:
         return None
