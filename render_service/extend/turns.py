@@ -184,9 +184,9 @@ class TextTurns:
         at = offsets[:, 0] + base
         # the message whose text a token starts in: the last message start at or before it
         indices = np.maximum(np.searchsorted(np.asarray(self.starts, dtype=np.int64), at, side="right") - 1, 0)
-        own = np.array([-1 if o is None else o for o in self.own], dtype=np.int64)
+        own = np.array([-1 if o is None else o for o in self.own], dtype=np.int64)[indices]  # (-1: not an assistant's)
         own_ends = np.asarray(self.own_ends, dtype=np.int64)
-        flags = (own[indices] >= 0) & (own[indices] <= at) & (at < own_ends[indices])
+        flags = (own >= 0) & (own <= at) & (at < own_ends[indices])
         past = at >= self.end  # the generation prompt: after every message
         indices[past] = len(self.starts)
         flags[past] = False
