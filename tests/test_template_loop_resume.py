@@ -102,6 +102,38 @@ def test_a_changed_message_in_the_middle_resumes_before_it():
     assert resumed.loop_records.resumed == before + 1
 
 
+def test_a_resumed_render_sizes_its_text_and_record_from_the_record_it_kept():
+    """A resumed render counts only its own blocks: the text's size, where each iteration starts in characters and
+    where the first non-ASCII block is come from the record for the blocks it keeps. Each is checked against the
+    joined text, on an ASCII conversation whose one non-ASCII message (a tool result) arrives in a resumed render
+    and is then kept while ASCII ones follow."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."},
+                                      {"role": "user", "content": "Find the large files."}]
+    for i in range(8):
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": "ls", "arguments": '{"dir": "."}'}}
+        result = "Größe: 東京.bin" if i == 3 else f"{i} files"
+        messages += [{"role": "assistant", "content": f"Looking, step {i}.", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"call_{i}", "content": result}]
+    prepared = prepare_messages(messages)
+    resumed, plain = _pair(QWEN3)
+    records = resumed.loop_records
+    assert records is not None
+    kwargs = {"add_generation_prompt": True}
+    for end in range(3, len(prepared) + 1):
+        head = _shared(prepared[:end])
+        output = resumed.render_output(head, **kwargs)
+        assert output is not None and output.starts is not None
+        text = output.text()
+        assert text == plain.render(head, **kwargs) and output.chars == len(text), end
+        record, shared = records.find(head)
+        assert record is not None and shared == end
+        blocks = record.blocks
+        assert record.start_chars == [len("".join(blocks[:b])) for b in record.starts], end
+        assert record.first_wide == next((i for i, b in enumerate(blocks) if not b.isascii()), len(blocks)), end
+        assert record.text_bytes == len(text) * (1 if text.isascii() else 4), end
+    assert records.resumed == len(prepared) - 3  # every render after the first
+
+
 def test_other_tools_or_flags_are_not_resumed_from_a_record_made_with_others():
     messages, tools = agent_trace(AgentTraceSpec(rounds=4))
     prepared = prepare_messages(messages)

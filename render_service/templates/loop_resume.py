@@ -22,6 +22,7 @@ takes from the end) makes the render's record unusable. Any check that fails lea
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 from collections.abc import Callable
@@ -62,6 +63,10 @@ class LoopRecord:
     offset: int  # messages before the loop's first item (``loop_messages = messages[1:]``)
     names: list[Any]
     starts: list[int]
+    # the text's characters before each iteration's first block, and the first block that is not ASCII
+    # (len(blocks): none): a render resumed from here sizes the blocks it keeps without reading them
+    start_chars: list[int]
+    first_wide: int
     states: list[list[dict[str, Any]]]
     reach: int
     max_index: int
@@ -232,30 +237,47 @@ class LoopOutput:
 
 
 def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[LoopOutput, LoopRecord | None]:
-    """The render's output from the session's blocks, and the record a later render may resume (None: none)."""
+    """The render's output from the session's blocks, and the record a later render may resume (None: none).
+    What a resumed render keeps of its record is sized from the record; only its own blocks are read."""
+    own_from = 0  # the session's first block that this render wrote after what it keeps
+    kept_chars = 0
+    first_wide = -1  # (-1: not among the kept blocks)
     blocks = session.blocks
-    if session.resumed_at > 0:
-        record = session.resume
-        assert record is not None
+    record = session.resume if session.resumed_at > 0 else None
+    if record is not None:
         # the record's blocks up to the resume point, then this render's own from the loop on
-        kept = record.blocks[:session.base_block]
-        shift = session.base_block - session.entry_block
-        blocks = kept + blocks[session.entry_block:]
+        own_from = session.entry_block
+        shift = session.base_block - own_from
+        blocks = record.blocks[:session.base_block]
+        blocks += itertools.islice(session.blocks, own_from, None)
         starts = record.starts[:session.resumed_at] + [b + shift for b in session.item_blocks]
+        kept_chars = record.start_chars[session.resumed_at]
+        if record.first_wide < session.base_block:
+            first_wide = record.first_wide
     else:
+        shift = 0
         starts = session.item_blocks
-    chars = sum(map(len, blocks))
+    own = session.blocks
+    ends = list(itertools.accumulate(map(len, itertools.islice(own, own_from, None)), initial=kept_chars))
+    chars = ends[-1]
     output = LoopOutput(blocks, starts if session.entered else None, session.offset, chars)
     if not session.entered or session.unusable:
         return output, None
     output.names, output.states = session.names, session.states
     output.reach, output.max_index = session.reach, session.max_index
-    # (str.isascii reads a flag CPython keeps per string: the blocks' sizes without joining them)
-    text_bytes = chars * (1 if all(map(str.isascii, blocks)) else 4)
+    if first_wide < 0:
+        # (str.isascii reads a flag CPython keeps per string)
+        wide = next(itertools.compress(itertools.count(own_from), map(operator.not_, map(
+            str.isascii, itertools.islice(own, own_from, None)))), None)
+        first_wide = len(blocks) if wide is None else wide + shift
+    start_chars = (record.start_chars[:session.resumed_at] if record is not None else []) + \
+        [ends[b - own_from] for b in session.item_blocks]
+    text_bytes = chars * (1 if first_wide == len(blocks) else 4)
     return output, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
                               text_bytes=text_bytes, offset=session.offset, names=session.names, starts=starts,
-                              states=session.states, reach=session.reach, max_index=session.max_index,
-                              loop=session.loop, scans=dict(session.scan_answers))
+                              start_chars=start_chars, first_wide=first_wide, states=session.states,
+                              reach=session.reach, max_index=session.max_index, loop=session.loop,
+                              scans=dict(session.scan_answers))
 
 
 class _Lineage:
