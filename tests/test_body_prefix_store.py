@@ -74,6 +74,26 @@ def test_each_turn_reuses_the_previous_one_and_replaces_it():
     assert m.bodies is not None and m.bodies.reused == 5 and len(m.bodies) == 1
 
 
+def test_the_stored_body_sharing_the_most_messages_is_found_and_a_whole_one_wins_a_tie():
+    m = memo()
+    assert m.bodies is not None
+    messages = conversation(3)  # 7 messages
+    branch = [*messages[:5], {"role": "user", "content": f"another road {LONG}"}, *messages[6:],
+              {"role": "assistant", "content": "and on"}]
+    for body in (body_of(branch), body_of(messages[:5]), body_of(messages[:3])):  # 8, 5 and 3 messages
+        m.decode_chat(body)
+    assert len(m.bodies) == 3
+    grown = body_of([*messages, {"role": "user", "content": "next"}])
+    found = m.bodies.find(grown)
+    # the branch (8 messages) shares 5 with it, as the first five (held whole) do: the whole one is taken
+    assert found is not None and found[1] == 5 and len(found[0].ends) == 5
+    same_as_plain(m, grown)
+    assert len(m.bodies) == 3  # it replaced the five it holds whole
+    longer = body_of([*messages, {"role": "user", "content": "next"}, {"role": "assistant", "content": "ok"}])
+    found = m.bodies.find(longer)
+    assert found is not None and found[1] == 8 and found[0].body == grown  # held whole, not the branch
+
+
 @pytest.mark.parametrize("separators", [(", ", ": "), (",", ":")])
 def test_what_follows_the_common_messages_is_decoded_from_the_new_body(separators):
     m = memo()

@@ -43,6 +43,7 @@ class StoredBody(NamedTuple):
     # the messages prepared for a template, by content format, as the body's render left them
     # (chat_messages.PreparedLineage): the next turn's render takes those of the messages the two share
     prepared: dict[str, Any] | None = None
+    values: tuple[Any, ...] = ()  # each entry's decoded message (the next turn takes those it shares)
 
 
 def skip_whitespace(body: bytes, at: int) -> int:
@@ -92,9 +93,15 @@ class BodyStore(HeadStore[StoredBody, builtins.bytes]):
         least one), the most such messages of any candidate; None when none shares a message."""
         for candidates in self._index.candidates(body):
             best: tuple[StoredBody, int] | None = None
-            for stored in candidates:  # stored bodies are never changed: compared outside the lock
+            # The longest first (newest first among equals), so the comparisons (each reads the whole shared
+            # head) stop once no later candidate can share more; of two that share as many, one held in full wins
+            # (the body filed next replaces it). Stored bodies never change: compared outside the lock.
+            for stored in sorted(candidates, key=_message_count, reverse=True):
+                count = len(stored.ends)
+                if best is not None and (best[1] > count or best[1] == len(best[0].ends)):
+                    break
                 common = _messages_in_common(body, stored)
-                if common and (best is None or common > best[1]):
+                if common and (best is None or common > best[1] or common == best[1] == count):
                     best = (stored, common)
             if best is not None:
                 self._index.touch(best[0])
@@ -105,6 +112,10 @@ class BodyStore(HeadStore[StoredBody, builtins.bytes]):
         """Keeps ``stored`` (if long enough to be filed, and it fits); drops ``replaces``, a body all of whose
         messages ``stored`` holds at the same places (any body shares at least as many with ``stored``)."""
         self._index.add(stored, stored.body, _size(stored), replaces)
+
+
+def _message_count(stored: StoredBody) -> int:
+    return len(stored.ends)
 
 
 def _messages_in_common(body: bytes, stored: StoredBody) -> int:
