@@ -4,6 +4,7 @@ model_dump shape, and the developer role folded into system where the template l
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -68,11 +69,15 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
     developer = False
     stored, common = messages.shared_with or (None, 0)
     kept_list = stored.prepared.get(content_format) if stored is not None and stored.prepared is not None else None
+    # the ids of the messages taken from the list, where it is taken whole (its messages are distinct objects)
+    kept_ids: set[int] | None = None
     if kept_list is not None:
         start = min(common, len(kept_list.out))
         out.extend(kept_list.out[:start])
         forms = kept_list.forms[:start]
         developer = kept_list.developer_before(start)
+        if start == len(kept_list.out):
+            kept_ids = kept_list.ids
     for index in range(start, len(entries)):
         entry = entries[index]
         kept = entry.prepared
@@ -87,7 +92,8 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
         out.append(prepared)
         forms.append(kept[form_key])
         developer = developer or prepared.get("role") == "developer"
-    if len(set(map(id, out))) < len(out):
+    ids = set(map(id, out)) if kept_ids is None else kept_ids.union(map(id, itertools.islice(out, start, None)))
+    if len(ids) < len(out):
         # The same message twice: a template sees two objects, as without the memo (``is sameas`` tells them
         # apart)
         seen: set[int] = set()
@@ -98,7 +104,7 @@ def _prepare_memo_messages(messages: MemoMessages, content_format: str) -> Plain
     else:  # (each shared message's template form, kept with it: a render need not make them again)
         out.template_forms = forms
         if messages.filed is not None and messages.filed.prepared is not None:
-            messages.filed.prepared[content_format] = PreparedLineage(out, forms, developer)
+            messages.filed.prepared[content_format] = PreparedLineage(out, forms, developer, ids)
     out.shared = True
     out.has_developer = developer
     return out
@@ -108,11 +114,13 @@ class PreparedLineage:
     """A stored body's messages as prepared for one content format (the list a render got, each message's template
     form), and where the first developer message is (-1: none), so the next turn's preparation need not walk them."""
 
-    __slots__ = ("out", "forms", "first_developer")
+    __slots__ = ("out", "forms", "first_developer", "ids")
 
-    def __init__(self, out: list[dict[str, Any]], forms: list[dict[str, Any]], developer: bool) -> None:
+    def __init__(self, out: list[dict[str, Any]], forms: list[dict[str, Any]], developer: bool, ids: set[int]
+                 ) -> None:
         self.out = list(out)
         self.forms = forms
+        self.ids = ids  # of the messages in ``out``, each a distinct object
         self.first_developer = next((i for i, m in enumerate(out) if m.get("role") == "developer"), -1) \
             if developer else -1
 

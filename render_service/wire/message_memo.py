@@ -120,8 +120,8 @@ class MemoMessages(list[dict[str, Any]]):
     __slots__ = ("entries", "shared_with", "filed")
 
     def __init__(self, entries: list[MemoEntry], shared_with: tuple[StoredBody, int] | None = None,
-                 filed: StoredBody | None = None) -> None:
-        super().__init__(map(_VALUE, entries))
+                 filed: StoredBody | None = None, values: tuple[Any, ...] | None = None) -> None:
+        super().__init__(values if values is not None else map(_VALUE, entries))
         self.entries = entries
         self.shared_with = shared_with
         self.filed = filed
@@ -174,10 +174,11 @@ class MessageMemo:
             tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
         except (msgspec.DecodeError, RecursionError):
             return None
-        filed = self._keep_body(bodies, body, raw, entries, found, tail_start) \
+        messages = _message_values(entries, found)
+        filed = self._keep_body(bodies, body, raw, entries, messages, found, tail_start) \
             if bodies is not None and type(body) is bytes else None
         values = list(_astuple(raw))
-        values[0] = MemoMessages(entries, found, filed)
+        values[0] = MemoMessages(entries, found, filed, messages)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
 
@@ -209,7 +210,8 @@ class MessageMemo:
         return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:]), at
 
     def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
-                   found: tuple[StoredBody, int] | None, tail_start: int) -> StoredBody | None:
+                   messages: tuple[Any, ...], found: tuple[StoredBody, int] | None, tail_start: int
+                   ) -> StoredBody | None:
         """Files ``body`` with where its messages are, for the next turn (``tail_start``: where the messages after
         ``found``'s common ones start), and answers it; nothing where they cannot be placed for certain (the
         offsets are checked against the body byte for byte)."""
@@ -231,7 +233,7 @@ class MessageMemo:
         if len(starts) != len(entries):
             return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
-        stored = StoredBody(body, tuple(starts), tuple(ends), tuple(entries), {})
+        stored = StoredBody(body, tuple(starts), tuple(ends), tuple(entries), {}, messages)
         bodies.add(stored, replaces)
         return stored
 
@@ -280,6 +282,16 @@ class MessageMemo:
     @property
     def bytes(self) -> int:
         return self.lru.bytes
+
+
+def _message_values(entries: list[MemoEntry], found: tuple[StoredBody, int] | None) -> tuple[Any, ...]:
+    """Each entry's decoded message: those of the messages a stored body shares, as it keeps them."""
+    if found is None:
+        return tuple(map(_VALUE, entries))
+    stored, common = found
+    if len(stored.values) < common:  # (a body filed without them)
+        return tuple(map(_VALUE, entries))
+    return stored.values[:common] + tuple(map(_VALUE, entries[common:]))
 
 
 def _address(buffer: Any) -> int:
