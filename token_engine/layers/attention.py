@@ -202,12 +202,41 @@ def _paged_attention_reference(
     return out
 
 
+def verify_fa3(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               device) -> tuple[bool, str]:
+    """CUDA only. Loads FlashAttention-3 (token_engine.layers.attention_fa3) and runs the start-up check's ragged
+    step through it, without and with a sliding window, against the plain path. (True, what passed) when every
+    error is within the prefill tolerance, else (False, why not); leaves PREFILL_FA3 off either way."""
+    from token_engine.layers import attention_cuda, attention_fa3
+
+    why = attention_fa3.load()
+    if why is not None:
+        return False, why
+    if dtype not in attention_fa3.DTYPES:
+        return False, f"FA3 takes 16-bit inputs, the KV pool is {dtype}"
+    tolerance = attention_cuda.PREFILL_CHECK_TOLERANCE.get(dtype, 3e-2)
+    errors = []
+    attention_cuda.PREFILL_FA3 = True
+    try:
+        for window in (None, 2 * block_size + 3):
+            errors.append(attention_cuda.verify_prefill(dtype, num_heads, num_kv_heads, head_dim, block_size, device,
+                                                        build_metadata, _paged_attention_reference, window))
+    except Exception as exc:  # noqa: BLE001 - the library loaded but does not take this shape or device
+        return False, f"FA3 failed on the check step: {type(exc).__name__}: {exc}"
+    finally:
+        attention_cuda.PREFILL_FA3 = False
+    if not max(errors) <= tolerance:
+        return False, f"FA3 differs from the reference by {max(errors):.3g} (tolerance {tolerance:g})"
+    return True, f"within {max(errors):.2g} of the reference on the check step"
+
+
 def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
-    """CUDA only. Checks the paged prefill kernel against the plain path on a small ragged step, then compiles
+    """CUDA only. Checks the paged prefill kernel against the plain path on a small ragged step, turns FA3 prefill
+    on where it is installed and passes the same check (verify_fa3), then compiles
     the decode kernels a mixed prefill + decode step uses, for every merge width a step
     of up to max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing
     to it. Returns how many variants it ran."""
-    from token_engine.layers import attention_cuda
+    from token_engine.layers import attention_cuda, attention_fa3
 
     num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
     try:
@@ -220,6 +249,12 @@ def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block
     if not attention_cuda.PREFILL_KERNEL_OK:
         logging.getLogger(__name__).warning("the paged prefill kernel differs from the reference by %.3g on this "
                                             "device: prefill falls back to the plain path", err)
+    use_fa3, why = verify_fa3(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device)
+    attention_cuda.PREFILL_FA3 = use_fa3
+    located = attention_fa3.locate()[0] is not None
+    # a library that is there but failed is worth a warning; none installed is the usual case
+    logging.getLogger(__name__).log(logging.WARNING if located and not use_fa3 else logging.INFO,
+                                    "FA3 prefill %s: %s", "on" if use_fa3 else "off", why)
     seen = set()
     for num in range(1, max_num_seqs + 1):
         pad = attention_cuda.splits_pad(attention_cuda.decode_splits(num, num_kv_heads))

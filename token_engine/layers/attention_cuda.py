@@ -10,8 +10,10 @@
   compile-time constant, every new count of decoding sequences in a mixed step would compile a kernel
   (0.6-3 s on an H200, measured by bench/experiments/gpu_decode_profile.py) while requests wait.
 - prefill (some sequence has several new tokens): token_engine.layers.attention_prefill_cuda, one launch for every
-  prefill chunk of the step, reading the pool in place (block tables, native GQA, causal by position).
-  Sequences of the step with a single new token go through the decode kernel.
+  prefill chunk of the step, reading the pool in place (block tables, native GQA, causal by position); or,
+  where FlashAttention-3 is installed and passed its start-up check (PREFILL_FA3), one FA3 call
+  (token_engine.layers.attention_fa3) for the eager steps' chunks. Sequences of the step with a single new
+  token go through the decode kernel.
 
 Importing this module needs triton; token_engine.layers.attention imports it only for CUDA tensors. With
 TRITON_INTERPRET=1 the kernels also run on CPU tensors (that is how the CPU test suite checks them when triton
@@ -53,6 +55,10 @@ PREFILL_CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloa
 # masking hides it from every real query. 0: off.
 FRESH_PREFILL_CUDNN_MIN = 0
 CUDNN_BUCKET = 4096
+# Set by the start-up check (token_engine.layers.attention.warm_up_cuda) when the FA3 library loaded and matched
+# the reference: the prefill chunks of eager steps then go through FA3. Steps replayed as CUDA graphs carry a
+# precomputed plan without it (token_engine.core.mixed_graphs) and keep the paged kernel.
+PREFILL_FA3 = False
 
 
 @triton.jit
@@ -275,9 +281,17 @@ def _step_plan(meta, head_dim: int) -> dict:
             prefill = [(s, n) for s, n in prefill if s not in fresh_ids]
         else:
             fresh = []
+        fa3 = None
+        if PREFILL_FA3 and prefill:  # every prefill chunk through FA3, fresh or over a cached prefix
+            from token_engine.layers import attention_fa3
+
+            seqused_q, max_q = attention_fa3.step_args([starts[s + 1] - starts[s] for s in range(len(seq_lens))],
+                                                       device)
+            fa3 = (seqused_q, max_q, max(seq_lens))
+            prefill, fresh = [], []
         tile_seq, tile_m = prefill_tiles(prefill, prefill_config(head_dim)[0])
         tiles = torch.tensor([tile_seq, tile_m], dtype=torch.int32, device=device) if tile_seq else None
-        plan = {"decode_ids": decode_ids, "tiles": tiles, "fresh": fresh}
+        plan = {"decode_ids": decode_ids, "tiles": tiles, "fresh": fresh, "fa3": fa3}
         meta.backend_state["cuda_plan"] = plan
     return plan
 
@@ -287,9 +301,16 @@ def paged_attention(q, kv_pool, layer, meta, scale, sliding_window=None, k=None,
         return decode_attention(q, kv_pool, layer, meta, scale, sliding_window)
     plan = _step_plan(meta, q.shape[2])
     out = torch.empty_like(q)
+    k_cache, v_cache = _cache_views(kv_pool, layer)
+    fa3 = plan.get("fa3")
+    if fa3 is not None:
+        from token_engine.layers import attention_fa3
+
+        seqused_q, max_q, max_k = fa3
+        attention_fa3.prefill(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache, meta.query_start_loc,
+                              seqused_q, meta.seq_lens, meta.block_tables, max_q, max_k, scale, sliding_window, out)
     if plan["decode_ids"] is not None:
         decode_attention(q, kv_pool, layer, meta, scale, sliding_window, seq_ids=plan["decode_ids"], out=out)
-    k_cache, v_cache = _cache_views(kv_pool, layer)
     tiles = plan["tiles"]
     if tiles is not None:  # every prefill chunk of the step, over its cached prefix too, in one launch
         prefill_attention(q, k_cache, v_cache, meta, tiles[0], tiles[1], scale, sliding_window, out,
@@ -325,10 +346,10 @@ def _prefill_rows(meta) -> list[tuple[int, int]]:
 
 
 def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   device, build_metadata, reference) -> float:
-    """Runs the paged prefill kernel on a small ragged step (a fresh prompt, chunks over cached prefixes that
-    end inside pool blocks, a decode), whole and with the context in slices, against the CPU path's code in
-    float32; returns the largest error.
+                   device, build_metadata, reference, sliding_window: int | None = None) -> float:
+    """Runs the paged prefill kernel (or FA3, while PREFILL_FA3 is set) on a small ragged step (a fresh prompt,
+    chunks over cached prefixes that end inside pool blocks, a decode), whole and with the context in slices,
+    against the CPU path's code in float32; returns the largest error.
     Uses its own small pool; compiles the kernel for this model's shape before any request."""
     gen = torch.Generator(device=device).manual_seed(0)
     cached, new = [0, 37, 3 * block_size], [150, 70, 1]
@@ -340,10 +361,10 @@ def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_d
     tables = [ids[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(len(lens))]
     meta = build_metadata(new, lens, tables, block_size, device)
     q = torch.randn(sum(new), num_heads, head_dim, generator=gen, device=device).to(dtype)
-    got = paged_attention(q, pool, 0, meta, head_dim**-0.5)
-    want = reference(q.float(), pool.float(), 0, meta, head_dim**-0.5, None)
+    got = paged_attention(q, pool, 0, meta, head_dim**-0.5, sliding_window)
+    want = reference(q.float(), pool.float(), 0, meta, head_dim**-0.5, sliding_window)
     meta.backend_state["cuda_plan"]["splits"] = 3  # the context in slices, as long contexts take it
-    sliced = paged_attention(q, pool, 0, meta, head_dim**-0.5)
+    sliced = paged_attention(q, pool, 0, meta, head_dim**-0.5, sliding_window)
     return max((got.float() - want).abs().max().item(), (sliced.float() - want).abs().max().item())
 
 
