@@ -7,10 +7,13 @@ Everything in one process on one GPU, each figure against its floor measured in 
 2. Attention alone (the preset's head shape): a chunk over a cached prefix (the agent turn) and fresh prompts,
    through the paged prefill kernel, through the old path (gather the context out of the pool, expand K/V by
    the GQA group, dense mask, SDPA: kept here as `legacy_paged_attention`, the baseline), and through torch's
-   SDPA backends on contiguous K/V (flash, cuDNN) as ceilings. Each output is checked against a reference.
+   SDPA backends on contiguous K/V (flash, cuDNN) as ceilings, and through FlashAttention-3 where its library
+   loads (token_engine.layers.attention_fa3: TOKEN_ENGINE_FA3_LIBRARY or an installed vllm; the engine's
+   dispatch with PREFILL_FA3 on). Each output is checked against a reference.
 3. The whole model (random weights of the preset's shape, bf16): one fresh prompt unchunked; the same prompt
    chunked (each chunk over the cached prefix of the ones before: the server's TTFT without HTTP); an agent
-   turn (new tokens over a cached prefix); each with the paged kernel and with the legacy path.
+   turn (new tokens over a cached prefix); each with the paged kernel, with FA3 where it loads ("fa3"), and with
+   the legacy path.
    Floor: matmul FLOPs (2 * params * tokens + causal attention) over the measured matmul rate.
 4. Decode steps at batch 1 and 32 through the CUDA graphs, against the HBM floor (bench.gpu_engine_bench).
 Prints a table last; writes JSON. `--skip-prefill` runs steps 1 and 4 only (a short decode-only run).
@@ -113,6 +116,13 @@ def _attention_case(heads, kv_heads, dim, block_size, name, cached, new, rng) ->
     def legacy():
         return legacy_paged_attention(q, pool, 0, meta, scale, None, kc if fresh else None, vc if fresh else None)
 
+    def fa3():
+        ac.PREFILL_FA3 = True
+        try:
+            return paged()
+        finally:
+            ac.PREFILL_FA3 = False
+
     def sdpa(backend):
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, kc, vc))
 
@@ -130,7 +140,7 @@ def _attention_case(heads, kv_heads, dim, block_size, name, cached, new, rng) ->
             ref = _paged_attention_reference(q.float(), pool.float(), 0, meta, scale, None)
         else:  # a float32 copy of the scores would be too large: the CPU path's code in bf16
             ref = _paged_attention_reference(q, pool, 0, meta, scale, None).float()
-        for label, fn in (("paged", paged), ("legacy", legacy)):
+        for label, fn in (("paged", paged), ("legacy", legacy)) + ((("fa3", fa3),) if FA3["ok"] else ()):
             out = fn()
             row[f"{label}_max_abs_err"] = (out.float() - ref).abs().max().item()
             row[f"{label}_ms"] = geb.cuda_time_ms(fn, iters=10, warmup=2)
@@ -156,7 +166,7 @@ def _attention_case(heads, kv_heads, dim, block_size, name, cached, new, rng) ->
                 continue
             ms = geb.cuda_time_ms(tiled, iters=10, warmup=2)
             row.setdefault("configs", []).append({"config": config, "ms": ms, "max_abs_err": err})
-    for key in ("paged", "legacy", "sdpa_flash", "sdpa_cudnn"):
+    for key in ("paged", "legacy", "sdpa_flash", "sdpa_cudnn", "fa3"):
         ms = row.get(f"{key}_ms")
         row[f"{key}_tflops"] = flops / (ms / 1e3) / 1e12 if ms else None
     print(json.dumps(row), flush=True)
@@ -241,6 +251,8 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
     paths = [("paged", None)]
     if geb.DEVICE == "cuda":
         paths += [("fresh_sdpa", "fresh_sdpa"), ("fresh_cudnn", "fresh_cudnn"), ("legacy", legacy_paged_attention)]
+        if FA3["ok"]:
+            paths.append(("fa3", "fa3"))
     ac = None
     if geb.DEVICE == "cuda":
         from token_engine.layers import attention_cuda as ac
@@ -251,6 +263,8 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
                     ac.FRESH_PREFILL_SDPA = True
                 elif how == "fresh_cudnn":
                     ac.FRESH_PREFILL_CUDNN_MIN = 8192
+                elif how == "fa3":
+                    ac.PREFILL_FA3 = True
                 elif how is not None:
                     original, ac.paged_attention = ac.paged_attention, how
                 row[f"{label}_ms"] = geb.cuda_time_ms(run, iters=iters, warmup=1)
@@ -259,6 +273,7 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
                 if ac is not None:
                     ac.FRESH_PREFILL_SDPA = False
                     ac.FRESH_PREFILL_CUDNN_MIN = 0
+                    ac.PREFILL_FA3 = False
                     if how is legacy_paged_attention:
                         ac.paged_attention = original
     print(json.dumps(row), flush=True)
@@ -266,6 +281,8 @@ def bench_prompt(model, total: int, chunk: int, cached: int, block_size: int, it
 
 
 HW = geb.HW
+# Whether FA3 loaded in this process (set in main; the attention cases and prompts add an "fa3" path when it did).
+FA3: dict = {"ok": False, "why": "not tried"}
 
 
 def main(argv=None) -> int:
@@ -294,6 +311,13 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(json.dumps({"device": name, **HW}), flush=True)
     result: dict = {"preset": args.preset, "device": name, "torch": torch.__version__, "ceilings": dict(HW)}
+    if args.device == "cuda":
+        from token_engine.layers import attention_fa3
+
+        why = attention_fa3.load()
+        FA3.update(ok=why is None, why=why or "loaded", library=attention_fa3.locate()[0])
+        result["fa3"] = dict(FA3)
+        print(json.dumps({"fa3": FA3}), flush=True)
     t0 = time.perf_counter()
     model, _ = geb.build_random_model(args.preset, seed=0)
     arch = model.arch
@@ -346,7 +370,7 @@ def print_table(result: dict) -> None:
             print(f"  {r['case']:>18}: floor {r['floor_ms']:.2f} | paged {_f(r['paged_ms'])} "
                   f"{_f(r['paged_tflops'], '.0f')}"
                   f" err {r['paged_max_abs_err']:.1e} | legacy {_f(r['legacy_ms'])} err {r['legacy_max_abs_err']:.1e}"
-                  f" | flash {_f(r['sdpa_flash_ms'])} | cudnn {_f(r['sdpa_cudnn_ms'])}")
+                  f" | flash {_f(r['sdpa_flash_ms'])} | cudnn {_f(r['sdpa_cudnn_ms'])} | fa3 {_f(r.get('fa3_ms'))}")
     if result.get("prompts"):
         print("prompts through the model (ms, x floor)")
     for r in result.get("prompts", []):
