@@ -16,9 +16,35 @@ def test_a_library_path_that_is_not_there_says_so():
     assert attention_fa3.load({attention_fa3.ENV_LIBRARY: "/nowhere/_vllm_fa3_C.abi3.so"}) == why
 
 
-def test_the_variable_turns_the_backend_off():
+def test_the_backend_is_off_unless_the_variable_names_a_library():
+    assert not attention_fa3.asked_for({}) and not attention_fa3.asked_for({attention_fa3.ENV_LIBRARY: "off"})
+    assert attention_fa3.locate({}) == (None, f"{attention_fa3.ENV_LIBRARY} is not set")
     path, why = attention_fa3.locate({attention_fa3.ENV_LIBRARY: "off"})
     assert path is None and "off" in why
+
+
+def test_vllm_asked_for_but_not_installed_says_so():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    path, why = attention_fa3.locate({attention_fa3.ENV_LIBRARY: "vllm"})
+    assert path is None and "no vllm package is installed" in why
+
+
+def test_an_installed_vllm_is_found_without_importing_it(tmp_path, monkeypatch):
+    import sys
+
+    package = tmp_path / "vllm"
+    (package / "vllm_flash_attn").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('vllm was imported')\n")
+    library = package / "vllm_flash_attn" / attention_fa3.LIBRARY_FILE
+    library.write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    assert attention_fa3.asked_for({attention_fa3.ENV_LIBRARY: "vllm"})
+    assert attention_fa3.locate({attention_fa3.ENV_LIBRARY: "vllm"}) == (str(library), "")
+    assert "vllm" not in sys.modules
 
 
 def test_a_file_that_is_no_library_gives_the_loaders_reason(tmp_path):

@@ -251,10 +251,9 @@ def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block
                                             "device: prefill falls back to the plain path", err)
     use_fa3, why = verify_fa3(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device)
     attention_cuda.PREFILL_FA3 = use_fa3
-    located = attention_fa3.locate()[0] is not None
-    # a library that is there but failed is worth a warning; none installed is the usual case
-    logging.getLogger(__name__).log(logging.WARNING if located and not use_fa3 else logging.INFO,
-                                    "FA3 prefill %s: %s", "on" if use_fa3 else "off", why)
+    # asked for and not on (no such file, a load error, a mismatch) is worth a warning; not asked for is the default
+    level = logging.INFO if use_fa3 else logging.WARNING if attention_fa3.asked_for() else logging.DEBUG
+    logging.getLogger(__name__).log(level, "FA3 prefill %s: %s", "on" if use_fa3 else "off", why)
     seen = set()
     for num in range(1, max_num_seqs + 1):
         pad = attention_cuda.splits_pad(attention_cuda.decode_splits(num, num_kv_heads))

@@ -2,10 +2,12 @@
 
 FA3 is not a dependency: it is the compiled extension that vLLM wheels ship (`vllm/vllm_flash_attn/
 _vllm_fa3_C.abi3.so`, built against torch's stable C ABI, so one build loads under several torch versions).
-Where it comes from, in order:
+Where it comes from, TOKEN_ENGINE_FA3_LIBRARY:
 
-- TOKEN_ENGINE_FA3_LIBRARY: a path to that file; `off` (or `0`) keeps the backend off;
-- otherwise an installed `vllm` package's copy, located with importlib.util.find_spec("vllm"), which finds the
+- unset, empty or `off`: the backend is off (the default: its speed against the paged kernel is not yet measured
+  here, see docs/token-engine.md);
+- a path to that file;
+- `vllm`: an installed `vllm` package's copy, located with importlib.util.find_spec("vllm"), which finds the
   package's folder without importing it (vllm's __init__ pulls in everything).
 
 `load()` loads the file once with torch.ops.load_library and says why it cannot be used (no CUDA device, not a
@@ -32,8 +34,15 @@ import torch
 
 ENV_LIBRARY = "TOKEN_ENGINE_FA3_LIBRARY"
 LIBRARY_FILE = "_vllm_fa3_C.abi3.so"
-OFF = ("off", "0", "false", "no")
+OFF = ("", "off", "0", "false", "no")
+FROM_VLLM = "vllm"
 DTYPES = (torch.bfloat16, torch.float16)
+
+
+def asked_for(env: Mapping[str, str] | None = None) -> bool:
+    """Whether TOKEN_ENGINE_FA3_LIBRARY asks for the backend (a path or `vllm`)."""
+    env = os.environ if env is None else env
+    return env.get(ENV_LIBRARY, "").strip().lower() not in OFF
 
 
 def locate(env: Mapping[str, str] | None = None) -> tuple[str | None, str]:
@@ -41,8 +50,8 @@ def locate(env: Mapping[str, str] | None = None) -> tuple[str | None, str]:
     env = os.environ if env is None else env
     value = env.get(ENV_LIBRARY, "").strip()
     if value.lower() in OFF:
-        return None, f"{ENV_LIBRARY}={value}: FA3 prefill is off"
-    if value:
+        return None, f"{ENV_LIBRARY} is {'set to ' + value if value else 'not set'}"
+    if value != FROM_VLLM:
         if os.path.isfile(value):
             return value, ""
         return None, f"{ENV_LIBRARY}={value}: no such file"
@@ -51,7 +60,7 @@ def locate(env: Mapping[str, str] | None = None) -> tuple[str | None, str]:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        return None, f"{ENV_LIBRARY} is not set and no vllm package is installed"
+        return None, f"{ENV_LIBRARY}={FROM_VLLM} but no vllm package is installed"
     for root in spec.submodule_search_locations:
         path = os.path.join(root, "vllm_flash_attn", LIBRARY_FILE)
         if os.path.isfile(path):
