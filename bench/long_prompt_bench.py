@@ -8,7 +8,7 @@ Everything in one process on one GPU, each figure against its floor measured in 
    through the paged prefill kernel, through the old path (gather the context out of the pool, expand K/V by
    the GQA group, dense mask, SDPA: kept here as `legacy_paged_attention`, the baseline), and through torch's
    SDPA backends on contiguous K/V (flash, cuDNN) as ceilings, and through FlashAttention-3 where its library
-   loads (token_engine.layers.attention_fa3: TOKEN_ENGINE_FA3_LIBRARY or an installed vllm; the engine's
+   loads (token_engine.layers.attention_fa3: TOKEN_ENGINE_FA3_LIBRARY, a path or `vllm`; the engine's
    dispatch with PREFILL_FA3 on). Each output is checked against a reference.
 3. The whole model (random weights of the preset's shape, bf16): one fresh prompt unchunked; the same prompt
    chunked (each chunk over the cached prefix of the ones before: the server's TTFT without HTTP); an agent

@@ -3,10 +3,10 @@
 The engine's prefill attention is a Triton kernel reading the paged KV pool in place
 (token_engine/layers/attention_prefill_cuda.py); cuDNN's attention runs faster on a fresh prompt but needs
 contiguous K/V and an execution plan per shape. FA3 (token_engine/layers/attention_fa3.py) reads the same pool
-through a page table. This experiment loads the FA3 library (TOKEN_ENGINE_FA3_LIBRARY or an installed vllm;
-`--library` sets the variable), then on the Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head_dim
-128, bf16, block size 16, a shuffled block table, a pool of two layers read at its second so pages have the
-pool's stride):
+through a page table. This experiment loads the FA3 library (TOKEN_ENGINE_FA3_LIBRARY: a path, or `vllm` for
+an installed vllm's copy; `--library` sets the variable), then on the Qwen2.5-7B attention shape (28 query
+heads, 4 KV heads, head_dim 128, bf16, block size 16, a shuffled block table, a pool of two layers read at its
+second so pages have the pool's stride):
 
 1. correctness: a ragged step (a fresh prompt, chunks over cached prefixes that end inside blocks, a decode
    row), bf16 and fp16, with and without a sliding window, against the CPU path's code in float32; whether
@@ -181,7 +181,8 @@ def graph_check(fn) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--library", default=None, help="path of _vllm_fa3_C.abi3.so (sets TOKEN_ENGINE_FA3_LIBRARY)")
+    p.add_argument("--library", default=None,
+                   help="path of _vllm_fa3_C.abi3.so, or vllm (sets TOKEN_ENGINE_FA3_LIBRARY)")
     p.add_argument("--heads", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)

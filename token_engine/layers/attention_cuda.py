@@ -11,7 +11,7 @@
   (0.6-3 s on an H200, measured by bench/experiments/gpu_decode_profile.py) while requests wait.
 - prefill (some sequence has several new tokens): token_engine.layers.attention_prefill_cuda, one launch for every
   prefill chunk of the step, reading the pool in place (block tables, native GQA, causal by position); or,
-  where FlashAttention-3 is installed and passed its start-up check (PREFILL_FA3), one FA3 call
+  where TOKEN_ENGINE_FA3_LIBRARY names FlashAttention-3 and it passed its start-up check (PREFILL_FA3), one FA3 call
   (token_engine.layers.attention_fa3) for the eager steps' chunks. Sequences of the step with a single new
   token go through the decode kernel.
 
