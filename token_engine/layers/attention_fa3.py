@@ -4,8 +4,8 @@ FA3 is not a dependency: it is the compiled extension that vLLM wheels ship (`vl
 _vllm_fa3_C.abi3.so`, built against torch's stable C ABI, so one build loads under several torch versions).
 Where it comes from, TOKEN_ENGINE_FA3_LIBRARY:
 
-- unset, empty or `off`: the backend is off (the default: its speed against the paged kernel is not yet measured
-  here, see docs/token-engine.md);
+- unset, empty or `off`: the backend is off (the default: it is another project's binary, built for another
+  torch, loaded into the engine's process; docs/token-engine.md has what it gains);
 - a path to that file;
 - `vllm`: an installed `vllm` package's copy, located with importlib.util.find_spec("vllm"), which finds the
   package's folder without importing it (vllm's __init__ pulls in everything).
