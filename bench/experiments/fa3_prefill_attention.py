@@ -33,6 +33,7 @@ import torch
 from torch.nn import functional as F
 
 import bench.gpu_engine_bench as geb
+from bench.experiments.prefill_attention_variants import attention_shape_args
 from bench.portable import portable
 
 CASES = [("fresh 32k", 0, 32768), ("fresh 8k", 0, 8192), ("agent turn", 20800, 1600), ("8k over 24k", 24576, 8192)]
@@ -183,10 +184,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--library", default=None,
                    help="path of _vllm_fa3_C.abi3.so, or vllm (sets TOKEN_ENGINE_FA3_LIBRARY)")
-    p.add_argument("--heads", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    attention_shape_args(p)
     p.add_argument("--cases", default=",".join(c[0] for c in CASES))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
