@@ -102,9 +102,11 @@ def test_fa3_passes_the_start_up_check_and_refuses_32_bit_pools(dtype):
 @pytest.mark.gpu
 @needs_fa3
 @pytest.mark.parametrize("sliding_window", [None, 40])
-def test_mixed_step_graphs_with_fa3_for_eager_steps(tmp_path, monkeypatch, sliding_window):
-    """With FA3 serving eager prefill, mixed steps are still captured (their precomputed plan keeps the paged
-    kernel), pass the start-up check against the eager step (now FA3), and replay what the eager step gives."""
+@pytest.mark.parametrize("graphs_fa3", [False, True], ids=["graphs-paged", "graphs-fa3"])
+def test_mixed_step_graphs_with_fa3_for_eager_steps(tmp_path, monkeypatch, sliding_window, graphs_fa3):
+    """With FA3 serving eager prefill, mixed steps are captured with the paged kernel or with FA3 itself (every
+    length an upper bound fixed per bucket, the new-token counts in a buffer), pass the start-up check against
+    the eager step (FA3), and replay what the eager step gives."""
     from token_engine.core.mixed_graphs import VERIFY_TOLERANCE, MixedGraphs
     from token_engine.layers import attention_cuda
     from token_engine.layers.attention import allocate_kv_pool, build_metadata
@@ -122,8 +124,10 @@ def test_mixed_step_graphs_with_fa3_for_eager_steps(tmp_path, monkeypatch, slidi
     pool = allocate_kv_pool(96, arch.num_layers, 16, arch.num_kv_heads, arch.head_dim, arch.dtype, "cuda")
     pool.normal_()
     monkeypatch.setattr(attention_cuda, "PREFILL_FA3", True)
-    graphs = MixedGraphs(model, pool, 16, max_num_seqs=8, max_blocks_per_seq=12, max_num_batched_tokens=200)
+    graphs = MixedGraphs(model, pool, 16, max_num_seqs=8, max_blocks_per_seq=12, max_num_batched_tokens=200,
+                         fa3=graphs_fa3)
     graphs.capture()
+    assert (graphs.layout.static_meta((64, 8)).backend_state["cuda_plan"]["fa3"] is not None) == graphs_fa3
     assert graphs.verify() <= VERIFY_TOLERANCE
     cached, new = [0, 30, 100, 7], [50, 1, 60, 1]
     lens = [c + n for c, n in zip(cached, new)]

@@ -10,7 +10,9 @@ What makes such a step capturable:
 - its tokens are padded up to a bucket; padded rows have slot -1 (no K/V written) and belong to no sequence;
 - attention's per-step plan (which sequences decode, the prefill query tiles) is built on the host and copied
   into fixed-size device buffers; unused entries name a dummy sequence with nothing to attend to (context 0,
-  no new tokens), so the fixed grids' extra programs do no work;
+  no new tokens), so the fixed grids' extra programs do no work; with FlashAttention-3 for prefill
+  (attention_cuda.PREFILL_FA3) the plan is each sequence's new-token count in a buffer (0 for decodes and
+  unused entries) and the bucket's token count and the longest context as upper bounds;
 - the dummy sequence's one row is the bucket's last padded row, so a step fills a bucket only up to its last
   row but one.
 Steps with more than MAX_PREFILL_SEQS prefilling sequences, more decodes than the largest decode bucket or
@@ -52,8 +54,11 @@ class MixedStepLayout:
     """The fixed-size device buffers a mixed-step graph reads, and how one step is written into them."""
 
     def __init__(self, device: torch.device, block_size: int, num_heads: int, head_dim: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_num_batched_tokens: int):
+                 max_blocks_per_seq: int, max_num_batched_tokens: int, fa3: bool = False):
         self.block_size = block_size
+        # prefill chunks through FlashAttention-3 (attention_cuda.PREFILL_FA3), with every length an upper bound
+        # fixed per bucket and each sequence's new-token count (0: a decode or unused entry) in a buffer
+        self.fa3 = fa3
         self.num_heads = num_heads
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_m, self.block_n = prefill_config(head_dim)[:2]
@@ -74,6 +79,7 @@ class MixedStepLayout:
         self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.decode_ids = torch.full((self.decode_buckets[-1],), self.dummy, dtype=torch.int32, device=device)
         self.tiles = torch.zeros(2, self.max_tiles(max_t), dtype=torch.int32, device=device)
+        self.prefill_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
 
     def max_tiles(self, tokens: int) -> int:
         return -(-tokens // self.block_m) + MAX_PREFILL_SEQS
@@ -91,7 +97,10 @@ class MixedStepLayout:
             "fresh": [],
             # context slices for the tiles real tokens can fill, not the dummies that pad the grid
             "splits": prefill_splits(-(-tokens // self.block_m), self.num_heads, meta.max_seq_len, self.block_n),
+            "fa3": None,
         }
+        if self.fa3:
+            meta.backend_state["cuda_plan"].update(tiles=None, fa3=(self.prefill_lens, tokens, meta.max_seq_len))
         return meta
 
     def fill(self, tokens: int, input_ids: list[int], positions: list[int], slots: torch.Tensor,
@@ -111,14 +120,17 @@ class MixedStepLayout:
         tile_seq, tile_m = prefill_tiles([(s, q) for s, q in enumerate(query_lens) if q > 1], self.block_m)
         pad = self.tiles.shape[1] - len(tile_seq)
         tile_seq, tile_m = tile_seq + [self.dummy] * pad, tile_m + [0] * pad
+        prefill_lens = [q if q > 1 else 0 for q in query_lens]
+        prefill_lens += [0] * (self.prefill_lens.shape[0] - num_seqs)
         parts = [torch.tensor(input_ids + [0] * (tokens - n), dtype=torch.int64),
                  torch.tensor(positions + [0] * (tokens - n), dtype=torch.int64),
                  torch.cat([slots.long(), torch.full((tokens - n,), -1, dtype=torch.int64)]),
                  torch.tensor(qsl, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
                  torch.tensor(decode, dtype=torch.int64), torch.tensor(tile_seq + tile_m, dtype=torch.int64),
-                 block_tables.long().flatten(), torch.tensor(list(sample_rows), dtype=torch.int64)]
+                 block_tables.long().flatten(), torch.tensor(prefill_lens, dtype=torch.int64),
+                 torch.tensor(list(sample_rows), dtype=torch.int64)]
         flat = torch.cat(parts).to(self.input_ids.device)
-        ids, pos, slot, qs, ln, dec, til, table, rows = flat.split([p.numel() for p in parts])
+        ids, pos, slot, qs, ln, dec, til, table, pre, rows = flat.split([p.numel() for p in parts])
         self.input_ids[:tokens].copy_(ids)
         self.positions[:tokens].copy_(pos)
         self.slot_mapping[:tokens].copy_(slot)
@@ -126,6 +138,7 @@ class MixedStepLayout:
         self.seq_lens.copy_(ln)
         self.decode_ids.copy_(dec)
         self.tiles.copy_(til.view(2, -1))
+        self.prefill_lens.copy_(pre)
         width = int(block_tables.shape[1]) if block_tables.dim() == 2 else 0
         if num_seqs and width:
             self.block_tables[:num_seqs, :width].copy_(table.view(num_seqs, width))
@@ -155,12 +168,12 @@ class MixedStepLayout:
 
 class MixedGraphs:
     def __init__(self, model, kv_pool: torch.Tensor, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_num_batched_tokens: int, memory_pool: Any = None):
+                 max_num_batched_tokens: int, memory_pool: Any = None, fa3: bool = False):
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.layout = MixedStepLayout(kv_pool.device, block_size, model.arch.num_heads, model.arch.head_dim,
-                                      max_num_seqs, max_blocks_per_seq, max_num_batched_tokens)
+                                      max_num_seqs, max_blocks_per_seq, max_num_batched_tokens, fa3)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.memory_pool = memory_pool

@@ -58,24 +58,32 @@ class ModelRunner:
             self._capture_mixed_graphs(max_num_seqs, max_model_len, max_num_batched_tokens)
 
     def _capture_mixed_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
-        """Mixed steps replay graphs too, once a replay is proved equal to the eager forward (else eager)."""
+        """Mixed steps replay graphs too, once a replay is proved equal to the eager forward (else eager). Their
+        prefill chunks go through FA3 where the eager steps' do (attention_cuda.PREFILL_FA3); where such graphs
+        fail to capture or to match, they are captured again with the paged kernel."""
         from token_engine.core.mixed_graphs import VERIFY_TOLERANCE, MixedGraphs
+        from token_engine.layers import attention_cuda
 
         assert self.decode_graphs is not None
-        graphs = MixedGraphs(self.model, self.kv_pool, self.block_size, max_num_seqs,
-                             -(-max_model_len // self.block_size), max_num_batched_tokens,
-                             memory_pool=self.decode_graphs.memory_pool)
-        try:
-            graphs.capture()
-            error = graphs.verify()
-        except Exception as exc:  # noqa: BLE001 - capture or a kernel failed here: eager mixed steps, as before
-            log.warning("mixed-step CUDA graphs off: %s", exc)
+        for fa3 in dict.fromkeys((attention_cuda.PREFILL_FA3, False)):
+            graphs = MixedGraphs(self.model, self.kv_pool, self.block_size, max_num_seqs,
+                                 -(-max_model_len // self.block_size), max_num_batched_tokens,
+                                 memory_pool=self.decode_graphs.memory_pool, fa3=fa3)
+            kernel = "FA3" if fa3 else "the paged kernel"
+            try:
+                graphs.capture()
+                error = graphs.verify()
+            except Exception as exc:  # noqa: BLE001 - capture or a kernel failed here: the next try, else eager
+                log.warning("mixed-step CUDA graphs with %s off: %s", kernel, exc)
+                continue
+            if not error <= VERIFY_TOLERANCE:
+                log.warning("mixed-step CUDA graphs with %s off: a replay differs from the eager step by %.3g "
+                            "(relative)", kernel, error)
+                continue
+            log.info("mixed-step CUDA graphs: %d captured with %s, replay within %.2g of the eager step",
+                     len(graphs.graphs), kernel, error)
+            self.mixed_graphs = graphs
             return
-        if not error <= VERIFY_TOLERANCE:
-            log.warning("mixed-step CUDA graphs off: a replay differs from the eager step by %.3g (relative)", error)
-            return
-        log.info("mixed-step CUDA graphs: %d captured, replay within %.2g of the eager step", len(graphs.graphs), error)
-        self.mixed_graphs = graphs
 
     @torch.inference_mode()
     def _warm_up_cuda(self, max_num_seqs: int) -> None:
