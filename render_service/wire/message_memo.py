@@ -119,9 +119,9 @@ class MemoMessages(list[dict[str, Any]]):
 
     __slots__ = ("entries", "shared_with", "filed")
 
-    def __init__(self, entries: list[MemoEntry], shared_with: tuple[StoredBody, int] | None = None,
-                 filed: StoredBody | None = None, values: tuple[Any, ...] | None = None) -> None:
-        super().__init__(values if values is not None else map(_VALUE, entries))
+    def __init__(self, entries: list[MemoEntry], values: tuple[Any, ...], shared_with: tuple[StoredBody, int] | None,
+                 filed: StoredBody | None) -> None:
+        super().__init__(values)  # (each entry's value: _message_values)
         self.entries = entries
         self.shared_with = shared_with
         self.filed = filed
@@ -178,7 +178,7 @@ class MessageMemo:
         filed = self._keep_body(bodies, body, raw, entries, messages, found, tail_start) \
             if bodies is not None and type(body) is bytes else None
         values = list(_astuple(raw))
-        values[0] = MemoMessages(entries, found, filed, messages)
+        values[0] = MemoMessages(entries, messages, found, filed)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
 
