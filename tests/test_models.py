@@ -605,6 +605,12 @@ def test_cuda_mixed_step_graph_replay_equals_the_eager_step(model_dirs, name):
                           build_metadata(new, lens, tables, block_size, "cuda"), pool)
         torch.testing.assert_close(pool, after_replay, atol=1e-4, rtol=1e-4)  # padded rows write nothing
         torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
+    # What the step budget plans with: every bucket timed at two contexts, the pool left as it was.
+    before = pool.clone()
+    times = graphs.time_buckets(context=100)
+    assert list(times) == graphs.layout.token_buckets
+    assert all(ms > 0 and per_thousand >= 0 for ms, per_thousand in times.values())
+    assert torch.equal(pool, before)
 
 
 @pytest.mark.gpu

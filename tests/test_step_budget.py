@@ -7,7 +7,7 @@ import pytest
 from tests.test_scheduler import seq, step
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.scheduler import Scheduler
-from token_engine.core.step_budget import PrefillPolicy, StepTimeModel, attention_pairs
+from token_engine.core.step_budget import BucketStepTimes, PrefillPolicy, StepTimeModel, attention_pairs
 
 
 def make(policy: PrefillPolicy, budget=512, num_blocks=2048, block_size=4, max_num_seqs=16, caching=False):
@@ -105,6 +105,62 @@ def test_padded_steps_fill_the_largest_bucket_the_target_allows():
     out = step(s)
     assert all(x.num_new_tokens == 1 for x in out.scheduled if x.seq in streams)
     assert sum(x.num_new_tokens for x in out.scheduled) == 127  # the floor (4 + 64) rounded up to a bucket
+
+
+BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def replay_ms(bucket: int, context: int) -> float:
+    """A pretend card: a bucket's replay costs 4 ms + 0.01 ms a row, plus 0.5 us a row per thousand of context."""
+    return 4.0 + 0.01 * bucket + 0.0005 * bucket * context / 1e3
+
+
+def test_measured_bucket_times_size_every_budgeted_step_to_the_largest_bucket_within_the_target():
+    """With each bucket's replay time measured at start-up, the first budgeted step keeps a margin for what a real
+    step adds to a replay; once a step has run, the learned difference (the host's part, decode rows) replaces
+    the margin, every step takes the largest bucket whose expected time fits, and chunks shrink as the context
+    they extend grows."""
+    target, host_ms = 14.0, 2.0
+    s, _ = make(PrefillPolicy(target_step_ms=target, min_prefill_tokens=32), budget=4096)
+    s.step_token_buckets = BUCKETS
+    s.bucket_times = BucketStepTimes({b: (replay_ms(b, 0), replay_ms(b, 1000) - replay_ms(b, 0)) for b in BUCKETS})
+    streams = decoding(s, 4)
+    long = seq(6000)
+    s.add(long)
+    rows = []
+    while long.num_output_tokens == 0:
+        out = s.schedule()
+        assert all(x.num_new_tokens == 1 for x in out.scheduled if x.seq in streams)
+        tokens = sum(x.num_new_tokens for x in out.scheduled)
+        bucket = min(b for b in BUCKETS if b >= tokens + 1)  # what the runner pads the step to
+        context = long.num_computed_tokens
+        ms = replay_ms(bucket, context) + host_ms
+        s.observe_step(bucket, ms / 1e3, out)
+        s.update_after_step(out, {x.seq.seq_id: 1 for x in out.scheduled if x.samples})
+        rows.append((tokens, bucket, context, ms))
+    first_tokens, _, _, first_ms = rows[0]
+    assert first_tokens == 511 and first_ms <= target * 0.75 + host_ms  # 768's would fit 14 ms, not 10.5
+    assert s.bucket_times.extra_ms == pytest.approx(host_ms)
+    for tokens, bucket, context, ms in rows[1:-1]:  # (the last chunk takes what is left)
+        assert tokens == bucket - 1 and ms <= target
+        larger = [b for b in BUCKETS if b > bucket]
+        assert not larger or replay_ms(larger[0], context) + host_ms > target
+    chunks = [tokens for tokens, *_ in rows[1:-1]]
+    assert chunks[0] == 767 and chunks[-1] < chunks[0] and chunks == sorted(chunks, reverse=True)
+
+
+def test_bucket_times_learn_what_real_steps_add_and_ignore_steps_of_no_bucket():
+    times = BucketStepTimes({64: (5.0, 0.1), 128: (8.0, 0.2)}, weight=0.5)
+    assert times.tokens_for(10.0, context=0, floor=10) == 63  # the margin (2.5 ms) leaves 7.5 ms: 64 fits, 128 not
+    times.observe(100, 0, 50.0)  # an eager step of 100 rows: no bucket, nothing learned
+    assert times.extra_ms is None
+    times.observe(128, 10_000, 11.0)  # 8 + 2 expected: 1 ms more
+    times.observe(64, 0, 8.0)  # 3 ms more
+    assert times.extra_ms == pytest.approx(2.0)
+    assert times.tokens_for(10.0, context=0, floor=10) == 127
+    assert times.tokens_for(10.0, context=20_000, floor=10) == 63  # 128's chunk over 20k: 12 + 2 ms
+    assert times.tokens_for(6.0, context=0, floor=10) == 63  # nothing fits: the smallest bucket holding the floor
+    assert times.tokens_for(6.0, context=0, floor=70) == 127
 
 
 def test_without_decoding_sequences_the_whole_budget_goes_to_prefill():

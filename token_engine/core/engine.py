@@ -26,7 +26,7 @@ from token_engine.core.model_tokenizer import ModelTokenizer
 from token_engine.core.sampler import Sampler, SamplingRow
 from token_engine.core.scheduler import Scheduler
 from token_engine.core.sequence import SamplingOptions, Sequence, TokenLogprob
-from token_engine.core.step_budget import PrefillPolicy
+from token_engine.core.step_budget import STEP_TIME_CONTEXT, BucketStepTimes, PrefillPolicy
 from token_engine.http.metrics import EngineMetrics
 from token_engine.http.validation import EngineLimits
 from token_engine.kv_connector.base import KVConnector, create_kv_connector
@@ -174,6 +174,13 @@ class LLMEngine:
                                   max_num_batched_tokens=config.max_num_batched_tokens)
         if self.runner.mixed_graphs is not None:  # the step budget fills padded steps to their bucket
             self.scheduler.step_token_buckets = tuple(self.runner.mixed_graphs.layout.token_buckets)
+            if self.scheduler.policy.target_step_ms > 0:
+                started = time.perf_counter()
+                measured = self.runner.mixed_graphs.time_buckets(min(STEP_TIME_CONTEXT, self.max_model_len))
+                self.scheduler.bucket_times = BucketStepTimes(measured)
+                log.info("step budget: mixed-step replay times measured in %.1f s (ms; ms more per 1k of context): %s",
+                         time.perf_counter() - started,
+                         ", ".join(f"{b}: {ms:.2f}; {per_k:.3f}" for b, (ms, per_k) in measured.items()))
         self.connector.bind_kv_pool(self.runner.kv_pool, config.block_size)
         if self.host_tier is not None:
             pool = self.runner.kv_pool

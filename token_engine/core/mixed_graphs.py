@@ -220,6 +220,38 @@ class MixedGraphs:
         return self.outputs[key][: len(input_ids)], rows
 
     @torch.inference_mode()
+    def time_buckets(self, context: int, reps: int = 3) -> dict[int, tuple[float, float]]:
+        """Per token bucket: (ms of a replay whose one prefill chunk fills the bucket, ms more per thousand tokens
+        of context before that chunk), from replays with no decode rows at context 0 and at `context` (clipped to
+        what a block table holds). What the step budget plans steps with (step_budget.BucketStepTimes). Reads
+        pool blocks as they are (only the time matters) and writes none (every slot -1)."""
+        bs = self.block_size
+        num_blocks = self.kv_pool.shape[0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times: dict[int, tuple[float, float]] = {}
+        for tokens in self.layout.token_buckets:
+            chunk = tokens - 1  # the last row is the dummy's
+            far = max(0, min(context, self.layout.max_blocks_per_seq * bs - chunk))
+            measured = []
+            for ctx in (0, far):
+                total = ctx + chunk
+                table = (torch.arange(-(-total // bs), dtype=torch.int32) % num_blocks)[None]
+                self.layout.fill(tokens, [0] * chunk, list(range(ctx, total)), torch.full((chunk,), -1), [chunk],
+                                 [total], table)
+                graph = self.graphs[(tokens, 0)]
+                graph.replay()  # the first replay after another bucket's pays for its caches
+                start.record()
+                for _ in range(reps):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                measured.append(start.elapsed_time(end) / reps)
+            per_k = max(0.0, (measured[1] - measured[0]) * 1e3 / far) if far else 0.0
+            times[tokens] = (measured[0], per_k)
+        self.layout.fill_idle(self.layout.token_buckets[-1])
+        return times
+
+    @torch.inference_mode()
     def verify(self) -> float:
         """A real mixed step (a chunk over a cached prefix, a fresh prompt, two decodes) through replay and
         through the eager forward; returns the largest difference relative to the eager output's magnitude.

@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING
 
 from token_engine.core.kv_cache import BlockManager
 from token_engine.core.sequence import Sequence, SequenceStatus
-from token_engine.core.step_budget import PrefillPolicy, StepTimeModel, attention_pairs, fill_bucket
+from token_engine.core.step_budget import (
+    BucketStepTimes,
+    PrefillPolicy,
+    StepTimeModel,
+    attention_pairs,
+    fill_bucket,
+)
 from token_engine.kv_connector.base import (
     KV_LOAD_FAILED,
     KV_PARAMS_REFUSED,
@@ -105,6 +111,8 @@ class Scheduler:
         self.step_times = StepTimeModel()
         # Token counts the runner pads mixed steps to (its CUDA graphs); empty: steps are not padded.
         self.step_token_buckets: tuple[int, ...] = ()
+        # Those buckets' step times as the runner measured them: the step budget plans with them when set.
+        self.bucket_times: BucketStepTimes | None = None
         self.connector = connector or NoOpKVConnector()
         # where the connector's tokens come from, for per-tier metrics (a NIXL peer: "p2p")
         self._has_external_tier = not isinstance(self.connector, NoOpKVConnector)
@@ -245,10 +253,14 @@ class Scheduler:
         """The model time of a step that ran num_tokens (`out`: what it scheduled, before update_after_step,
         for its prefill attention): feeds the step budget."""
         pairs = 0.0
+        context = -1  # no prefill in the step
         for s in out.scheduled if out is not None else ():
             if s.num_new_tokens > 1:
                 pairs += attention_pairs(s.num_new_tokens, s.seq.num_computed_tokens)
+                context = max(context, s.seq.num_computed_tokens)
         self.step_times.observe(num_tokens, seconds * 1e3, pairs)
+        if self.bucket_times is not None and context >= 0:
+            self.bucket_times.observe(num_tokens, context, seconds * 1e3)
 
     def step_budget(self) -> int:
         """This step's token budget: max_num_batched_tokens, or less while sequences decode and a step-time
@@ -264,10 +276,12 @@ class Scheduler:
         # chunks come from; a new prompt starts after its cached prefix, which this leaves out).
         context = max((s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1),
                       default=0)
+        floor = decoding + self.policy.min_prefill_tokens
+        if self.bucket_times is not None:
+            return min(budget, self.bucket_times.tokens_for(target, context, floor))
         fitted = self.step_times.tokens_for(target, decoding, context)
         if fitted is None:
             return budget
-        floor = decoding + self.policy.min_prefill_tokens
         tokens = max(fitted, floor)
         if self.step_token_buckets:
             tokens = fill_bucket(tokens, floor, self.step_token_buckets)

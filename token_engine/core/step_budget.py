@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The long context a bucket's step time is measured at (BucketStepTimes; engine start-up): long enough that the
+# chunk's attention over it stands out of the replay's noise, short of the prompts a step budget is for.
+STEP_TIME_CONTEXT = 16384
+
 
 @dataclass
 class PrefillPolicy:
@@ -132,3 +136,40 @@ class StepTimeModel:
         b = per_token + per_pair * context / 1e6
         prefill = room / b if a <= 0 else (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
         return decode_tokens + max(0, int(prefill))
+
+
+class BucketStepTimes:
+    """Step time of a graphed mixed step, per token bucket: what start-up measured replaying each bucket's graph
+    with one prefill chunk at context 0 and at a long context (linear in between: the chunk's attention grows
+    with the context it extends), plus what a real step adds to a bare replay (the host's part, the decode rows'
+    attention), learned from the graphed steps that ran as a weighted mean of the difference. A step budget
+    planned from these does not have to tell apart a step's tokens from its context in steps that vary both,
+    as StepTimeModel must, and its first budgeted step is already sized for the card."""
+
+    def __init__(self, measured: dict[int, tuple[float, float]], weight: float = 0.25,
+                 first_margin: float = 0.25):
+        self.measured = dict(sorted(measured.items()))
+        self.weight = weight
+        self.first_margin = first_margin  # of the target, kept free until a real step has been seen
+        self.extra_ms: float | None = None
+
+    def replay_ms(self, bucket: int, context: int) -> float:
+        base, per_thousand = self.measured[bucket]
+        return base + per_thousand * context / 1e3
+
+    def observe(self, tokens: int, context: int, ms: float) -> None:
+        """A step that ran `tokens` rows (a bucket's, if it replayed a graph) with a prefill chunk over `context`."""
+        if tokens not in self.measured:
+            return
+        extra = ms - self.replay_ms(tokens, context)
+        self.extra_ms = extra if self.extra_ms is None else self.extra_ms + self.weight * (extra - self.extra_ms)
+
+    def tokens_for(self, target_ms: float, context: int, floor: int) -> int:
+        """Tokens for a step whose prefill extends `context`: the largest bucket's (less the padding row a graph
+        keeps) expected within target_ms; at least `floor`, then the smallest bucket that holds it."""
+        extra = self.extra_ms if self.extra_ms is not None else self.first_margin * target_ms
+        fitting = [b - 1 for b in self.measured if self.replay_ms(b, context) + extra <= target_ms]
+        best = max(fitting, default=0)
+        if best >= floor:
+            return best
+        return min((b - 1 for b in self.measured if b - 1 >= floor), default=floor)
