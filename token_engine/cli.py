@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import socket
 import sys
@@ -364,6 +365,9 @@ def serve(config: EngineConfig, host: str, port: int, *, sock: socket.socket | N
     app = build_app(engine, config.model_name, config.model, enable_prompt_tokens_details, logprobs_format,
                     log_requests=log_requests, scheduling_policy=scheduling_policy, api_keys=keys,
                     rl_control=rl_control, tokens_only=tokens_only, parser_flags=parser_flags)
+    # What was built lives as long as the process: keep it out of the garbage collector's full passes, which
+    # otherwise walk torch's objects in the middle of a step, a pause every decoding stream sees as a slow token.
+    gc.freeze()
     # Draining also waits for KV blocks held for a decode peer (P/D prefill), so its pull still succeeds.
     lifecycle = Lifecycle(shutdown_grace_seconds, busy=lambda: bool(engine.engine.scheduler.held_by_connector))
     _stop_compiles_when_draining(lifecycle, engine.engine.grammars)
