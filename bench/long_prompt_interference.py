@@ -5,7 +5,8 @@ and agent turns over a growing cached conversation. In one process, through LLME
 
 Interference: `--streams` short requests decode; once they are all decoding, one `--long`-token prompt
 arrives, and while it is being prefilled `--shorts` short prompts arrive one by one. Per scheduling mode
-(plain chunking at each --chunk; the step budget of --target-step-ms with --long-prefill-token-threshold):
+(plain chunking at each --chunk; the step budget of --target-step-ms with --long-prefill-token-threshold,
+planned with each of --budget-plans: the bucket times the engine measures at start-up, or the step-time fit):
 the streams' inter-token gaps (p50/p99/max) before, during and after the long prefill, the long prompt's
 time to first token against its FLOP floor, and the TTFT of the shorts that arrived meanwhile.
 Agent turns: one conversation grows by --agent-new tokens a turn (the previous turn's output stays in the
@@ -19,6 +20,7 @@ Dry run on CPU: `--device cpu --preset tiny --streams 4 --long 600 --shorts 2 --
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -43,16 +45,38 @@ def summary(gaps: list[float]) -> dict:
 
 def make_engine(model, device: str, max_num_seqs: int, budget: int, max_model_len: int, policy, kv_tokens: int):
     """An engine over the shared model with a KV pool of kv_tokens (several engines, one after another)."""
-    import gc
-
     from token_engine.core.engine import EngineConfig, LLMEngine
 
-    gc.collect()  # the previous engine's pool goes back first
+    gc.unfreeze()  # what the previous engine froze goes back to the collector, its pool first
+    gc.collect()
     geb.empty_cache()
-    return LLMEngine(EngineConfig(model="random", device=device, max_model_len=max_model_len,
-                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                  prefill_policy=policy, num_gpu_blocks_override=-(-kv_tokens // 16) + 64),
-                     model=model)
+    engine = LLMEngine(EngineConfig(model="random", device=device, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                    prefill_policy=policy, num_gpu_blocks_override=-(-kv_tokens // 16) + 64),
+                       model=model)
+    gc.freeze()  # as the engine's server does once it is built
+    return engine
+
+
+class CollectorPauses:
+    """The garbage collector's passes while `on`: (generation, ms) each, through gc.callbacks."""
+
+    def __init__(self):
+        self.on = False
+        self.pauses: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._started) * 1e3))
+
+    def summary(self) -> dict:
+        return {f"generation {g}": {"n": len(ms), "max_ms": max(ms)}
+                for g in (0, 1, 2) if (ms := [t for gen, t in self.pauses if gen == g])}
 
 
 def sync(device: str) -> None:
@@ -60,13 +84,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def interference(model, args, label: str, budget: int, policy) -> dict:
+def interference(model, args, label: str, budget: int, policy, plan: str = "buckets") -> dict:
+    """One scheduling mode; `plan`: what the step budget plans with, the measured bucket times (the engine's
+    choice where mixed steps replay graphs) or the step-time fit alone (`fit`)."""
     from token_engine.core.sequence import SamplingOptions
 
     vocab = model.arch.vocab_size
     kv_tokens = args.streams * (args.stream_prompt + 4096) + args.long + args.shorts * args.short_prompt
     engine = make_engine(model, args.device, args.streams + args.shorts + 2, budget, args.long + 512, policy,
                          kv_tokens)
+    if plan == "fit":
+        engine.scheduler.bucket_times = None
     gen = torch.Generator().manual_seed(0)
 
     def prompt(n):
@@ -83,12 +111,20 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
     shorts: dict[str, float] = {}
     short_ttft: dict[str, float] = {}
     steps_after = 0
+    steps_during: list[tuple[int, int, float]] = []  # (tokens the step ran, the long prompt's context, ms)
+    collector = CollectorPauses()
+    long_seq = None
+    gc.callbacks.append(collector)
     # "before" counts gaps from the step after every stream has its first token: until then steps hold the
     # streams' own prefill (a stream whose prompt finished a step early would count that step as a gap)
     decoding = False
     while True:
+        began = time.perf_counter()
+        context = long_seq.num_computed_tokens if long_seq is not None and phase == "during" else 0
         engine.step()
         now = time.perf_counter()
+        if phase == "during":
+            steps_during.append((engine.runner.last_step_tokens, context, round((now - began) * 1e3, 3)))
         counted = decoding
         decoding = decoding or all(seq.num_output_tokens > 0 for seq in seqs.values())
         for rid, seq in seqs.items():
@@ -103,6 +139,7 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
             long_start = time.perf_counter()
             engine.add_request("long", prompt(args.long), SamplingOptions(max_tokens=1, ignore_eos=True))
             long_seq = engine.requests["long"].seqs[0]
+            collector.on = True
         if phase == "during":
             # shorts arrive one per step at first, while the long prompt is still being prefilled
             if len(shorts) < args.shorts and long_seq.num_output_tokens == 0:
@@ -117,13 +154,16 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
             if long_first is None and ("long" not in engine.requests or long_seq.num_output_tokens > 0):
                 long_first = now
                 phase = "after"
+                collector.on = False
         elif phase == "after":
             steps_after += 1
             if steps_after >= args.warm_steps:
                 break
+    gc.callbacks.remove(collector)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     mixed = engine.runner.mixed_graphs
+    bucket_times = engine.scheduler.bucket_times
     engine.shutdown()
     floor_ms = model_flops(model, args.long, 0) / geb.HW["bf16_flops_per_s"] * 1e3
     ttft = (long_first - long_start) * 1e3
@@ -132,8 +172,14 @@ def interference(model, args, label: str, budget: int, policy) -> dict:
            "itl": {k: summary(v) for k, v in phases.items()},
            "short_ttft_ms": summary(list(short_ttft.values())), "shorts_answered": len(short_ttft),
            "mixed_step_graphs": len(mixed.graphs) if mixed is not None else 0,
+           "budget_plan": plan if policy is not None and policy.target_step_ms > 0 else None,
+           "steps_during": steps_during,
+           "collector_pauses_during": collector.summary(),
+           "bucket_times": ({b: [round(ms, 3), round(per_k, 4)] for b, (ms, per_k) in bucket_times.measured.items()}
+                            if bucket_times is not None else None),
+           "bucket_extra_ms": bucket_times.extra_ms if bucket_times is not None else None,
            "itl_during_series_ms": phases["during"][:: max(1, len(phases["during"]) // 400)]}
-    print(json.dumps({k: v for k, v in row.items() if k != "itl_during_series_ms"}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("itl_during_series_ms", "steps_during")}), flush=True)
     return row
 
 
@@ -220,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--long-prefill-token-threshold", type=int, default=2048,
                    help="with the step budget: prompts longer than this fill what shorter ones leave")
     p.add_argument("--budget", type=int, default=16384, help="max-num-batched-tokens with the step budget")
+    p.add_argument("--budget-plans", default="buckets",
+                   help="what the step budget plans with, one run each: buckets (measured at start-up), fit")
     p.add_argument("--agent-turns", type=int, default=12)
     p.add_argument("--agent-new", type=int, default=1600)
     p.add_argument("--agent-output", type=int, default=64)
@@ -236,7 +284,9 @@ def main(argv=None) -> int:
         result["interference"].append(interference(model, args, f"chunk {chunk}", chunk, PrefillPolicy()))
     for target in [float(t) for t in args.target_step_ms.split(",") if t and float(t) > 0]:
         policy = PrefillPolicy(target_step_ms=target, long_prefill_token_threshold=args.long_prefill_token_threshold)
-        result["interference"].append(interference(model, args, f"step budget {target:g} ms", args.budget, policy))
+        for plan in [p for p in args.budget_plans.split(",") if p]:
+            result["interference"].append(interference(model, args, f"step budget {target:g} ms, {plan}",
+                                                       args.budget, policy, plan))
     result["agent_turns"] = agent_turns(model, args)
     if args.out:
         with open(args.out, "w") as f:
