@@ -6,7 +6,9 @@ in it). While sequences are decoding, each step is one inter-token gap for all o
 chunk in the same step stalls every stream (Sarathi-Serve's observation). `StepTimeModel` fits step time
 against the step's tokens and its prefill attention pairs from the steps the engine actually ran;
 `PrefillPolicy.target_step_ms` turns that into a token budget per step for the context the next chunk
-extends, and prefill chunks fill what the decode tokens leave.
+extends, and prefill chunks fill what the decode tokens leave. Where mixed steps replay CUDA graphs the engine
+measures each bucket's replay at start-up instead, and `BucketStepTimes` plans from that table plus what real
+steps add to a replay.
 
 `PrefillPolicy` also carries vLLM 0.34's scheduler knobs for long prompts, with vLLM's meaning:
 long_prefill_token_threshold (cap on one prompt's chunk, skipped when it is the only request),
