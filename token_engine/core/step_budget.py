@@ -171,7 +171,4 @@ class BucketStepTimes:
         keeps) expected within target_ms; at least `floor`, then the smallest bucket that holds it."""
         extra = self.extra_ms if self.extra_ms is not None else self.first_margin * target_ms
         fitting = [b - 1 for b in self.measured if self.replay_ms(b, context) + extra <= target_ms]
-        best = max(fitting, default=0)
-        if best >= floor:
-            return best
-        return min((b - 1 for b in self.measured if b - 1 >= floor), default=floor)
+        return fill_bucket(max(fitting, default=0), floor, tuple(self.measured))
