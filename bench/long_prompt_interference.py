@@ -296,9 +296,14 @@ def main(argv=None) -> int:
     print(f"\n{args.preset} on {args.device}: {args.streams} streams, one {args.long}-token prompt")
     for r in result["interference"]:
         it = r["itl"]
-        print(f"  {r['mode']:>20}: ITL p50/p99/max before {it['before']['p50_ms']:.1f}/{it['before']['p99_ms']:.1f}/"
-              f"{it['before']['max_ms']:.1f} during {it['during']['p50_ms']:.1f}/{it['during']['p99_ms']:.1f}/"
-              f"{it['during']['max_ms']:.1f} after {it['after']['p50_ms']:.1f}/{it['after']['p99_ms']:.1f} ms | "
+
+        def ms(part: str, stat: str, it: dict = it) -> str:  # (no streams: no ITL)
+            value = it[part][stat]
+            return "-" if value is None else f"{value:.1f}"
+
+        print(f"  {r['mode']:>20}: ITL p50/p99/max before {ms('before', 'p50_ms')}/{ms('before', 'p99_ms')}/"
+              f"{ms('before', 'max_ms')} during {ms('during', 'p50_ms')}/{ms('during', 'p99_ms')}/"
+              f"{ms('during', 'max_ms')} after {ms('after', 'p50_ms')}/{ms('after', 'p99_ms')} ms | "
               f"long TTFT {r['long_ttft_ms']:.0f} ms ({r['long_x_floor']:.2f}x floor) | shorts' TTFT p50 "
               f"{r['short_ttft_ms']['p50_ms'] or float('nan'):.0f} "
               f"max {r['short_ttft_ms']['max_ms'] or float('nan'):.0f} ms")
