@@ -202,3 +202,37 @@ def test_the_server_configuration_renders_long_growing_conversations_as_without_
         assert answer(on, body) == answer(off, body)
     assert on.message_memo is not None and on.message_memo.bodies is not None
     assert len(body) > 32 * 1024 and on.message_memo.bodies.reused >= 3
+
+
+def test_a_filed_body_carries_its_tool_call_count_through_growth_and_branches():
+    """The parse context's ``history_tool_call_cnt``: a turn holding a whole filed body adds its own messages' calls
+    to the body's count; a turn that shares only part of one counts afresh. Each equals the count over the
+    messages as the plain decode gives them."""
+    from render_service.wire.message_memo import history_tool_calls, tool_call_count
+
+    rng = random.Random(3)
+    m = memo()
+    messages = conversation(1)
+    carried = 0
+    for turn in range(24):
+        calls = [{"id": f"c{turn}.{i}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                 for i in range(rng.randint(0, 3))]
+        messages += [{"role": "assistant", "content": None, "tool_calls": calls} if calls else
+                     {"role": "assistant", "content": f"said {turn}"},
+                     {"role": "tool" if calls else "user", "content": f"{turn}: {LONG}"}]
+        if turn % 5 == 4:  # a branch: an earlier assistant turn rewritten with one call more
+            at = rng.randrange(3, len(messages) - 2, 2)
+            assert messages[at]["role"] == "assistant"
+            more = [*(messages[at].get("tool_calls") or []), {"id": f"x{turn}", "type": "function",
+                                                              "function": {"name": "get_weather", "arguments": "{}"}}]
+            messages[at] = {"role": "assistant", "content": None, "tool_calls": more}
+        body = body_of(messages, tools=TOOLS)
+        got = same_as_plain(m, body)
+        assert got is not None
+        want = sum(tool_call_count(message) for message in PLAIN.decode(body).messages)
+        assert history_tool_calls(got.messages) == want
+        filed = got.messages.filed
+        assert filed is not None and filed.tool_calls == want
+        carried += got.messages.shared_with is not None and got.messages.shared_with[1] == len(
+            got.messages.shared_with[0].entries)
+    assert carried > 10

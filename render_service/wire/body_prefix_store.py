@@ -44,6 +44,7 @@ class StoredBody(NamedTuple):
     # (chat_messages.PreparedLineage): the next turn's render takes those of the messages the two share
     prepared: dict[str, Any] | None = None
     values: tuple[Any, ...] = ()  # each entry's decoded message (the next turn takes those it shares)
+    tool_calls: int = -1  # its messages' tool calls (-1: not counted); a turn holding them all adds only its own
 
 
 def skip_whitespace(body: bytes, at: int) -> int:

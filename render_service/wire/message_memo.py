@@ -105,8 +105,12 @@ def tool_call_count(message: Any) -> int:
 
 
 def history_tool_calls(messages: list[Any]) -> int:
-    """The tool calls of all of ``messages``: counted once per memo entry where they came through the memo."""
+    """The tool calls of all of ``messages``: as their filed body counts them, else counted once per memo entry
+    where they came through the memo."""
     if type(messages) is MemoMessages:
+        filed = messages.filed
+        if filed is not None and filed.tool_calls >= 0:
+            return filed.tool_calls
         return sum(map(_TOOL_CALLS, messages.entries))
     return sum(map(tool_call_count, messages))
 
@@ -233,7 +237,12 @@ class MessageMemo:
         if len(starts) != len(entries):
             return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
-        stored = StoredBody(body, tuple(starts), tuple(ends), tuple(entries), {}, messages)
+        # (a turn that holds all of a filed body's messages counts only the tool calls of those it adds)
+        if replaces is not None and replaces.tool_calls >= 0:
+            tool_calls = replaces.tool_calls + sum(map(_TOOL_CALLS, entries[len(replaces.entries):]))
+        else:
+            tool_calls = sum(map(_TOOL_CALLS, entries))
+        stored = StoredBody(body, tuple(starts), tuple(ends), tuple(entries), {}, messages, tool_calls)
         bodies.add(stored, replaces)
         return stored
 
