@@ -211,7 +211,9 @@ class MessageMemo:
         if not items or _address(items[0]) - _address(document) != stored.starts[0] \
                 or len(items[0]) != first_end - stored.starts[0]:
             return None
-        return raw, list(stored.entries[:common]) + self._entries_of(_MESSAGE, items[1:]), at
+        entries = list(stored.entries if common == len(stored.entries) else stored.entries[:common])
+        entries += self._entries_of(_MESSAGE, items[1:])
+        return raw, entries, at
 
     def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
                    messages: tuple[Any, ...], found: tuple[StoredBody, int] | None, tail_start: int
@@ -221,19 +223,23 @@ class MessageMemo:
         offsets are checked against the body byte for byte)."""
         if not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
             return None
+        starts: tuple[int, ...]
+        ends: tuple[int, ...]
         if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
             first = _address(raw.messages[0]) - _address(body)
             offsets = element_offsets(body, first, [e.data for e in entries]) if 0 <= first < len(body) else None
-            starts, ends = offsets if offsets is not None else ([], [])
+            starts, ends = (tuple(offsets[0]), tuple(offsets[1])) if offsets is not None else ((), ())
         else:
             stored, common = found
-            starts, ends = list(stored.starts[:common]), list(stored.ends[:common])
+            whole = common == len(stored.starts)
+            starts = stored.starts if whole else stored.starts[:common]
+            ends = stored.ends if whole else stored.ends[:common]
             if len(entries) > common:
                 tail = element_offsets(body, tail_start, [e.data for e in entries[common:]])
                 if tail is None:
                     return None
-                starts += tail[0]
-                ends += tail[1]
+                starts += tuple(tail[0])
+                ends += tuple(tail[1])
         if len(starts) != len(entries):
             return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
@@ -242,7 +248,7 @@ class MessageMemo:
             tool_calls = replaces.tool_calls + sum(map(_TOOL_CALLS, entries[len(replaces.entries):]))
         else:
             tool_calls = sum(map(_TOOL_CALLS, entries))
-        stored = StoredBody(body, tuple(starts), tuple(ends), tuple(entries), {}, messages, tool_calls)
+        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, tool_calls)
         bodies.add(stored, replaces)
         return stored
 
