@@ -62,13 +62,16 @@ def cite(rel: str, lines: list[Line]) -> tuple[str, str] | None:
 
 
 def added(path: str) -> tuple[str, str]:
-    """(commit, date) of the commit that added the file, following renames."""
-    log = [row for row in _git("log", "--follow", "--diff-filter=A", "--format=%h %ad", "--date=short", "--", path)
-           if row.strip()]
-    if not log:
-        return "?", "?"
-    commit, date = log[-1].split()
-    return commit, date
+    """(commit, date) of the commit that added the file, following renames. ``--follow`` also follows copies, and a
+    new result is often much like an older one: the first commit (newest first) where the file was added or copied
+    from another is where it began."""
+    commit_date = None
+    for row in _git("log", "--follow", "--name-status", "--format=@%h %ad", "--date=short", "--", path):
+        if row.startswith("@"):
+            commit_date = row[1:].split()
+        elif row[:1] in ("A", "C") and commit_date is not None:
+            return commit_date[0], commit_date[1]
+    return "?", "?"
 
 
 def excerpt(text: str, width: int = 90) -> str:
