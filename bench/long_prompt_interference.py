@@ -79,6 +79,11 @@ class CollectorPauses:
                 for g in (0, 1, 2) if (ms := [t for gen, t in self.pauses if gen == g])}
 
 
+def _ms(value: float | None) -> str:
+    """A gap figure for the summary line ("-": none, as in a run without streams)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -296,14 +301,10 @@ def main(argv=None) -> int:
     print(f"\n{args.preset} on {args.device}: {args.streams} streams, one {args.long}-token prompt")
     for r in result["interference"]:
         it = r["itl"]
-
-        def ms(part: str, stat: str, it: dict = it) -> str:  # (no streams: no ITL)
-            value = it[part][stat]
-            return "-" if value is None else f"{value:.1f}"
-
-        print(f"  {r['mode']:>20}: ITL p50/p99/max before {ms('before', 'p50_ms')}/{ms('before', 'p99_ms')}/"
-              f"{ms('before', 'max_ms')} during {ms('during', 'p50_ms')}/{ms('during', 'p99_ms')}/"
-              f"{ms('during', 'max_ms')} after {ms('after', 'p50_ms')}/{ms('after', 'p99_ms')} ms | "
+        print(f"  {r['mode']:>20}: ITL p50/p99/max before {_ms(it['before']['p50_ms'])}/"
+              f"{_ms(it['before']['p99_ms'])}/{_ms(it['before']['max_ms'])} during {_ms(it['during']['p50_ms'])}/"
+              f"{_ms(it['during']['p99_ms'])}/{_ms(it['during']['max_ms'])} after {_ms(it['after']['p50_ms'])}/"
+              f"{_ms(it['after']['p99_ms'])} ms | "
               f"long TTFT {r['long_ttft_ms']:.0f} ms ({r['long_x_floor']:.2f}x floor) | shorts' TTFT p50 "
               f"{r['short_ttft_ms']['p50_ms'] or float('nan'):.0f} "
               f"max {r['short_ttft_ms']['max_ms'] or float('nan'):.0f} ms")
