@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-tree", default=None, help="another checkout of this repository: its render server joins "
                                                     "the rotation as ours@LABEL (an A/B in the same run)")
     ap.add_argument("--ab-label", default="base")
+    ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the A/B server only (repeatable); without --ab-tree it runs "
+                         "this checkout: an A/B of the setting alone (an allocator tunable, say)")
     ap.add_argument("--pause-ms", type=float, default=0.0,
                     help="idle this long before each request (0: the rotation's own idling only)")
     ap.add_argument("--order", choices=["rotate", "server"], default="rotate",
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "agent_render_bench.json"))
     ap.add_argument("--profile-only", action="store_true", help="only the in-process stage profile (no servers)")
     args = ap.parse_args(argv)
+    if any("=" not in item for item in args.ab_env):
+        ap.error("--ab-env takes NAME=VALUE")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.profile_only:
         print(json.dumps({str(size): profile_stages(size) for size in sizes}, indent=1))
@@ -274,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     port = peers.free_port()
     servers["ours"] = {"port": port, "commit": git_commit(peers.REPO),
                        "pid": start_ours(model, port, logs / "ours.log", args.render_cache_bytes, max_len)}
-    if args.ab_tree:
+    if args.ab_tree or args.ab_env:
         port = peers.free_port()
-        tree = Path(args.ab_tree).resolve()
+        tree = Path(args.ab_tree).resolve() if args.ab_tree else peers.REPO
+        ab_env = dict(item.split("=", 1) for item in args.ab_env)
         servers[f"ours@{args.ab_label}"] = {
-            "port": port, "tree": str(tree), "commit": git_commit(tree),
-            "pid": start_ours(model, port, logs / "ours-ab.log", args.render_cache_bytes, max_len, tree)}
+            "port": port, "tree": str(tree), "commit": git_commit(tree), "env": ab_env,
+            "pid": start_ours(model, port, logs / "ours-ab.log", args.render_cache_bytes, max_len, tree, ab_env)}
     rs_binary = Path(args.vllm_rs) if args.vllm_rs else peers.vllm_rs_binary()
     if not args.skip_vllm and rs_binary is not None:
         port = peers.free_port()
