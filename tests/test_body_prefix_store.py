@@ -236,3 +236,40 @@ def test_a_filed_body_carries_its_tool_call_count_through_growth_and_branches():
         carried += got.messages.shared_with is not None and got.messages.shared_with[1] == len(
             got.messages.shared_with[0].entries)
     assert carried > 10
+
+
+def test_a_filed_body_counts_its_image_messages_through_growth_and_branches():
+    """Whether a request holds an image part is answered from the filed body's count on a growing turn (the server
+    asks it of every chat render); a branch that rewrites an earlier message counts afresh. Each answer equals
+    the one over the messages as the plain decode gives them."""
+    from render_service.wire.message_memo import carries_image_parts, has_image_parts
+
+    rng = random.Random(5)
+    m = memo()
+    messages = conversation(1)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    carried = 0
+    seen = set()
+    for turn in range(24):
+        content: list[dict] | str = f"{turn}: {LONG}"
+        if turn in (9, 17):  # a user message with an image part, then later ones without
+            content = [{"type": "text", "text": f"{turn}: {LONG}"}, image]
+        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": f"said {turn}"}]
+        if turn % 6 == 5:  # a branch: an earlier user message rewritten, with or without an image part
+            at = rng.randrange(1, len(messages) - 2, 2)
+            assert messages[at]["role"] == "user"
+            text = f"rewritten {turn}: {LONG}"
+            messages[at] = {"role": "user", "content": [{"type": "text", "text": text}, image]
+                            if has_image_parts(messages[at]) == (turn % 12 == 5) else text}
+        body = body_of(messages)
+        got = same_as_plain(m, body)
+        assert got is not None
+        plain = PLAIN.decode(body).messages
+        want = sum(map(has_image_parts, plain))
+        assert carries_image_parts(got.messages) == carries_image_parts(plain) == (want > 0)
+        filed = got.messages.filed
+        assert filed is not None and filed.image_messages == want
+        seen.add(want > 0)
+        carried += got.messages.shared_with is not None and got.messages.shared_with[1] == len(
+            got.messages.shared_with[0].entries)
+    assert seen == {False, True} and carried > 10

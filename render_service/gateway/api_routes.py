@@ -52,9 +52,9 @@ from render_service.http.request_io import (
     read_json_body,
     server_state,
 )
-from render_service.multimodal.endpoint import carries_image_parts
 from render_service.multimodal.markers import may_carry_images
 from render_service.render.render_config import RenderConfig
+from render_service.wire.message_memo import carries_image_parts
 from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest
 
 logger = logging.getLogger("render_service.gateway.api_routes")

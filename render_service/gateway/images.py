@@ -9,9 +9,10 @@ from starlette.requests import Request
 
 from render_service.http.errors import bad_request
 from render_service.http.request_io import server_state
-from render_service.multimodal.endpoint import PicturedChat, carries_image_parts, picture_chat, requested_tensors
+from render_service.multimodal.endpoint import PicturedChat, picture_chat, requested_tensors
 from render_service.render.prerendered import RENDER_KEYS
 from render_service.render.render_config import RenderConfig
+from render_service.wire.message_memo import carries_image_parts
 from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest
 
 

@@ -32,12 +32,11 @@ from render_service.gateway.tenancy import request_tenant
 from render_service.http.errors import ApiError, bad_request, error_body
 from render_service.http.render_queue import RenderQueue
 from render_service.http.request_io import Answer, client_of, decode, endpoint, read_json_body
-from render_service.multimodal.endpoint import carries_image_parts
 from render_service.render.fingerprint import FINGERPRINT_HEADER
 from render_service.render.prerendered import RENDER_KEYS
 from render_service.render.render import render_chat, render_completion
 from render_service.render.render_config import RenderConfig
-from render_service.wire.message_memo import decode_chat_request
+from render_service.wire.message_memo import carries_image_parts, decode_chat_request
 from render_service.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -48,12 +48,12 @@ from render_service.http.request_io import (
     server_state,
 )
 from render_service.multimodal.chat import MultimodalRender
-from render_service.multimodal.endpoint import carries_image_parts, render_with_images
+from render_service.multimodal.endpoint import render_with_images
 from render_service.multimodal.features import answer_pieces
 from render_service.render.render import add_special_tokens, render_chat, render_chat_prompt, render_completion
 from render_service.render.render_config import RenderConfig, check_model
 from render_service.tokenize.incremental_tokenizer import PromptIds
-from render_service.wire.message_memo import decode_chat_request
+from render_service.wire.message_memo import carries_image_parts, decode_chat_request
 from render_service.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

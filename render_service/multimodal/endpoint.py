@@ -5,7 +5,7 @@ the render queue as for any request, with each image's token expanded and ``feat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 ExpandPrompt = Callable[[list[int]], list[int]]
 # The API's render of a chat request whose image parts are placeholder text: calls render_chat with expand_prompt
 RenderWith = Callable[["ChatCompletionRequest", ExpandPrompt], "GenerateRequest"]
-# The part types that carry an image in the three APIs' messages (multimodal.sources reads them)
-_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
-
 
 def requested_tensors(body: bytes) -> bool:
     """Whether the request wants the processed tensors (``mm_payload``; a router asks for none)."""
@@ -44,16 +41,6 @@ def requested_tensors(body: bytes) -> bool:
         raise ApiError("mm_processor_kwargs are not supported with images: the render tier processes images with "
                        "the model's own processor settings", 400, "mm_processor_kwargs")
     return options.tensors
-
-
-def carries_image_parts(messages: list[dict[str, Any]]) -> bool:
-    """Whether any message holds an image part (a stored conversation's earlier turns, say)."""
-    for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, list) and any(isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS
-                                             for part in content):
-            return True
-    return False
 
 
 class PicturedChat:

@@ -45,6 +45,7 @@ class StoredBody(NamedTuple):
     prepared: dict[str, Any] | None = None
     values: tuple[Any, ...] = ()  # each entry's decoded message (the next turn takes those it shares)
     tool_calls: int = -1  # its messages' tool calls (-1: not counted); a turn holding them all adds only its own
+    image_messages: int = -1  # of its messages, those holding an image part (-1: not counted); likewise
 
 
 def skip_whitespace(body: bytes, at: int) -> int:

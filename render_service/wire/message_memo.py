@@ -22,7 +22,7 @@ a content format), a miss decodes that message alone with the same type as ``Cha
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -66,6 +66,9 @@ _DECODERS = {
 _astuple = msgspec.structs.astuple
 _VALUE = operator.attrgetter("value")
 _TOOL_CALLS = operator.attrgetter("tool_calls")
+_IMAGES = operator.attrgetter("images")
+# The part types that carry an image in the three APIs' messages (multimodal.sources reads them)
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 _NULL = msgspec.Raw(b"null")
 
 
@@ -73,12 +76,15 @@ class MemoEntry:
     """One message (or tools array): its JSON, its decoded value, and its prepared forms by content format (or
     ``"tools"``), filled in by templates/chat_messages.py as renders ask for them. Read-only once handed out."""
 
-    __slots__ = ("data", "value", "prepared", "size", "lent", "tool_calls")
+    __slots__ = ("data", "value", "prepared", "size", "lent", "tool_calls", "images")
 
     def __init__(self, data: bytes, value: Any) -> None:
         self.data = data
         self.value = value
-        self.tool_calls = tool_call_count(value)  # (what a response's parse context counts, every turn)
+        # (what every turn asks of all its messages: a response's parse context counts the tool calls, the
+        # server looks for image parts)
+        self.tool_calls = tool_call_count(value)
+        self.images = has_image_parts(value)
         self.prepared: dict[str, Any] = {}
         self.size = ENTRY_OVERHEAD + BYTES_PER_JSON_BYTE * len(data)
         self.lent: list[Any] = []  # values of its prepared forms whose tojson text is kept (tojson_cache.lend)
@@ -102,6 +108,25 @@ def tool_call_count(message: Any) -> int:
                                                                                        list):
         return len(message["tool_calls"])
     return 0
+
+
+def has_image_parts(message: Any) -> bool:
+    """Whether a message's content holds an image part (``image_url``, Responses' ``input_image``, Anthropic's
+    ``image``)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    return isinstance(content, list) and any(isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
+                                             for part in content)
+
+
+def carries_image_parts(messages: list[Any]) -> bool:
+    """Whether any of ``messages`` holds an image part: as their filed body counts them, else as each memo entry
+    says where they came through the memo (an agent's turn need not look at every earlier message)."""
+    if type(messages) is MemoMessages:
+        filed = messages.filed
+        if filed is not None and filed.image_messages >= 0:
+            return filed.image_messages > 0
+        return any(map(_IMAGES, messages.entries))
+    return any(map(has_image_parts, messages))
 
 
 def history_tool_calls(messages: list[Any]) -> int:
@@ -243,12 +268,15 @@ class MessageMemo:
         if len(starts) != len(entries):
             return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
-        # (a turn that holds all of a filed body's messages counts only the tool calls of those it adds)
-        if replaces is not None and replaces.tool_calls >= 0:
-            tool_calls = replaces.tool_calls + sum(map(_TOOL_CALLS, entries[len(replaces.entries):]))
+        # (a turn that holds all of a filed body's messages counts only the tool calls and images of those it adds)
+        if replaces is not None and replaces.tool_calls >= 0 and replaces.image_messages >= 0:
+            added = entries[len(replaces.entries):]
+            tool_calls = replaces.tool_calls + sum(map(_TOOL_CALLS, added))
+            image_messages = replaces.image_messages + sum(map(_IMAGES, added))
         else:
             tool_calls = sum(map(_TOOL_CALLS, entries))
-        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, tool_calls)
+            image_messages = sum(map(_IMAGES, entries))
+        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, tool_calls, image_messages)
         bodies.add(stored, replaces)
         return stored
 
