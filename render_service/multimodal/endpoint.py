@@ -31,6 +31,7 @@ ExpandPrompt = Callable[[list[int]], list[int]]
 # The API's render of a chat request whose image parts are placeholder text: calls render_chat with expand_prompt
 RenderWith = Callable[["ChatCompletionRequest", ExpandPrompt], "GenerateRequest"]
 
+
 def requested_tensors(body: bytes) -> bool:
     """Whether the request wants the processed tensors (``mm_payload``; a router asks for none)."""
     try:
