@@ -13,6 +13,9 @@ tree (nanoseconds, every thread), read before and after each request of one sequ
 Each body goes to every server in turn (ours, 0.32, 0.33, and with --ab-tree ours from another checkout), so
 all of them render under the same machine load, and each starts its request after sitting idle while the
 others worked (caches cold; on this box that alone doubles a small render's CPU time, see --pause-ms).
+Each body's round starts one server later than the body before's (--order balanced), so that every server is
+first, second, ... as often: in a fixed order the first server measured 4-16% more than the others running the
+same code (docs/bench.md); --order rotate keeps the fixed order of earlier runs.
 --order server sends every body to one server, then to the next: each then works back to back (warm).
 Encode baselines on the text the servers render, for the unrelated bodies:
   cold  in a process of its own (bench/encode_worker.py) that sits idle in the same rotation, one encode per
@@ -30,7 +33,8 @@ Servers: ours (``render-service serve``, --workers 1: one process, so one piece 
 hermes tool parsers, on a copy of the Qwen3-0.6B fixture whose max_position_embeddings is raised to fit.
 
 usage: python -m bench.agent_render_bench [--sizes 8192,32768,131072] [--vllm032 VENV] [--vllm033 VENV] [--vllm-rs BIN]
-                                         [--ab-tree CHECKOUT --ab-label NAME] [--pause-ms MS] [--order rotate|server]
+                                         [--ab-tree CHECKOUT --ab-label NAME] [--ab-env NAME=VALUE] [--pause-ms MS]
+                                         [--order balanced|rotate|server]
 Results: bench/results/agent_render_bench.json (or --out).
 """
 
@@ -256,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                          "this checkout: an A/B of the setting alone (an allocator tunable, say)")
     ap.add_argument("--pause-ms", type=float, default=0.0,
                     help="idle this long before each request (0: the rotation's own idling only)")
-    ap.add_argument("--order", choices=["rotate", "server"], default="rotate",
-                    help="rotate: each body to every server in turn (all under the same load, all starting cold); "
+    ap.add_argument("--order", choices=["balanced", "rotate", "server"], default="balanced",
+                    help="balanced: each body to every server in turn (all under the same load, all starting cold), "
+                         "each body's round starting one server later; rotate: the same in one fixed order; "
                          "server: all bodies to one server, then the next (back to back: warm)")
     ap.add_argument("--out", default=str(RESULTS / "agent_render_bench.json"))
     ap.add_argument("--profile-only", action="store_true", help="only the in-process stage profile (no servers)")
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int], unrelated: list[int],
-        pause_s: float = 0.0, order: str = "rotate") -> dict:
+        pause_s: float = 0.0, order: str = "balanced") -> dict:
     from render_service.bundle.model_bundle import load_bundle
     from render_service.templates.chat_messages import prepare_messages, prepare_tools
     from render_service.templates.chat_template import ChatTemplate
@@ -366,7 +371,7 @@ def run(servers: dict[str, dict[str, Any]], sizes: list[int], agents: list[int],
 
 def run_size(clients: dict[str, httpx.Client], cpus: dict[str, TreeCpu], workers: dict[str, EncodeWorker],
              text_of: Any, count: Any, size: int, n_agents: int, n_unrelated: int, pause_s: float,
-             order: str = "rotate") -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+             order: str = "balanced") -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     servers = list(clients)
     # tool results scaled so that about 20 turns reach ``size`` (file reads of a few hundred to a few
     # thousand tokens at 32k-128k)
@@ -465,9 +470,13 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 def in_order(names: list[str], bodies: list[bytes], order: str) -> list[tuple[str, bytes]]:
-    """(who, body) in send order: every body to each in turn (rotate), or all bodies to each in turn (server)."""
+    """(who, body) in send order: every body to each in turn (rotate: in the order given; balanced: body ``i``'s
+    round starting at name ``i``, so that each is first as often), or all bodies to each in turn (server)."""
     if order == "server":
         return [(name, body) for name in names for body in bodies]
+    if order == "balanced":
+        n = len(names)
+        return [(names[(i + k) % n], body) for i, body in enumerate(bodies) for k in range(n)]
     return [(name, body) for body in bodies for name in names]
 
 
