@@ -1,11 +1,18 @@
-"""One malloc arena for the whole process, on glibc.
+"""glibc's allocator as a render server wants it: one malloc arena, and the heap on transparent huge pages.
 
 glibc hands a thread that allocates while another holds the main arena an arena of its own (up to 8 per core).
 A render server has two busy threads, the event loop and the bulk lane that renders large bodies
 (``render_service/http/render_queue.py``), and their work is serialised by the GIL anyway; with one arena a
-cold 128k-token render on the bulk lane cost about 7% less server CPU (``bench/agent_render_bench.py``'s
+cold 128k-token render cost about 7% less server CPU (``bench/agent_render_bench.py``'s
 unrelated conversations, ``docs/operations.md``). An operator's own ``MALLOC_ARENA_MAX`` or
 ``glibc.malloc.arena_max`` tunable is left to decide.
+
+A render server keeps what it decodes and tokenizes (the message memo, the piece cache, the prompt store), so
+until those fill their bounds every new conversation takes fresh memory, a page fault per 4 KiB. With
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` glibc asks for transparent huge pages for its heap and a render
+costs 3-6% less server CPU (``docs/bench.md``). glibc reads tunables only when a process starts, so the command
+line's ``serve`` starts over once with it set, unless the environment sets ``GLIBC_TUNABLES`` itself (the
+operator's choice, an empty value included) or the kernel has transparent huge pages off.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _operator_chose_arenas() -> bool:
@@ -34,3 +44,34 @@ def limit_to_one_arena() -> str:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return "one malloc arena" if mallopt(_M_ARENA_MAX, 1) == 1 else "mallopt refused: allocator left as it is"
+
+
+def heap_pages() -> str:
+    """What this process's heap runs on, for the log."""
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if tunables is None:
+        return "heap on 4 KiB pages"
+    return "heap on huge pages" if HUGE_PAGES_TUNABLE in tunables else "GLIBC_TUNABLES as the environment sets it"
+
+
+def restart_with_heap_on_huge_pages() -> str:
+    """Starts this process over (``os.execve``, the same command line) with glibc's heap on transparent huge pages,
+    where glibc is the allocator, the environment has no ``GLIBC_TUNABLES`` of its own and the kernel allows them;
+    otherwise says why not (for the log) and returns. Only for a command line's own process, before it starts
+    threads or opens sockets: an in-process caller would be replaced."""
+    if platform.libc_ver()[0] != "glibc" or not sys.executable:
+        return "not glibc: heap pages left as they are"
+    if "GLIBC_TUNABLES" in os.environ:
+        return heap_pages()
+    try:
+        with open(_THP_MODE) as mode:
+            if "[never]" in mode.read():
+                return "transparent huge pages are off in the kernel: heap on 4 KiB pages"
+    except OSError:
+        return "no transparent huge pages here: heap on 4 KiB pages"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": HUGE_PAGES_TUNABLE})
+    except OSError as exc:  # (execve returns only when it fails: serve on as it is)
+        return f"could not start over with the heap on huge pages ({exc}): heap on 4 KiB pages"

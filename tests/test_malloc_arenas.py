@@ -1,12 +1,15 @@
-"""The servers cap glibc's malloc arenas at one (splitserve_common/malloc_arenas.py): checked in fresh processes
-by counting the arenas glibc reports after a second thread has allocated."""
+"""glibc's allocator as the render server sets it (splitserve_common/malloc_arenas.py), checked in fresh processes:
+one malloc arena (the arenas glibc reports after a second thread has allocated), and the heap on transparent huge
+pages (the process started over with glibc's tunable, and the kernel's own account of the heap)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,99 @@ def test_the_limit_keeps_every_thread_on_one_arena():
 @pytest.mark.parametrize("env", [{"MALLOC_ARENA_MAX": "4"}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}])
 def test_an_operators_own_arena_setting_wins(env):
     assert arenas_after_a_thread_allocates("limit", **env) == ("arenas as the environment sets them", 2)
+
+
+# --- the heap on transparent huge pages: the command line's process starts over with glibc's tunable set ---
+
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_HEAP_PROBE = r"""
+import os, sys
+from splitserve_common.malloc_arenas import restart_with_heap_on_huge_pages
+said = restart_with_heap_on_huge_pages()
+kept = [bytes(3000) for _ in range(5000)]  # ~15 MB from glibc's heap (past pymalloc's small objects)
+print(said + "|" + os.environ.get("GLIBC_TUNABLES", "-") + "|" + str(os.getpid()))
+from tests.test_malloc_arenas import heap_is_huge_page_eligible
+print(heap_is_huge_page_eligible(os.getpid()))
+"""
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (always, madvise, never), None where it has none."""
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def heap_is_huge_page_eligible(pid: int) -> bool | None:
+    """Whether the kernel may back the process's [heap] with huge pages (smaps' THPeligible), None where it does
+    not say."""
+    eligible = None
+    with open(f"/proc/{pid}/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = fields[-1] == "[heap]"
+            elif inside and fields and fields[0] == "THPeligible:":
+                eligible = bool(eligible) or fields[1] == "1"
+    return eligible
+
+
+def heap_probe(**env: str) -> tuple[str, str, bool | None]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], cwd=REPO, env={**clean, **env}, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip().splitlines()
+    said, tunables, _ = out[0].split("|")
+    return said, tunables, {"True": True, "False": False}.get(out[1])
+
+
+thp_off = pytest.mark.skipif(thp_mode() in (None, "never"), reason="the kernel has no transparent huge pages on")
+
+
+@thp_off
+def test_a_process_starts_over_once_with_its_heap_on_huge_pages():
+    said, tunables, eligible = heap_probe()
+    assert (said, tunables) == ("heap on huge pages", "glibc.malloc.hugetlb=1")
+    if thp_mode() == "madvise" and eligible is not None:  # (with "always" every heap is eligible anyway)
+        assert eligible
+
+
+@pytest.mark.parametrize("given", ["", "glibc.malloc.arena_max=4"])
+def test_an_operators_own_tunables_are_kept(given):
+    said, tunables, eligible = heap_probe(GLIBC_TUNABLES=given)
+    assert (said, tunables) == ("GLIBC_TUNABLES as the environment sets it", given)
+    if thp_mode() == "madvise" and eligible is not None:
+        assert not eligible
+
+
+@thp_off
+def test_the_render_server_from_the_command_line_runs_with_its_heap_on_huge_pages(tmp_path):
+    """`render-service serve` as a command: the same process id, started over with the tunable, serving."""
+    import httpx
+
+    from tests.shared_paths import SHARED
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    proc = subprocess.Popen([sys.executable, "-m", "render_service.cli", "serve", str(SHARED / "fixtures/qwen3-0.6b"),
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                            cwd=REPO, env=clean, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
+        if thp_mode() == "madvise":
+            assert heap_is_huge_page_eligible(proc.pid) is not False
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
