@@ -3,14 +3,14 @@
 glibc hands a thread that allocates while another holds the main arena an arena of its own (up to 8 per core).
 A render server has two busy threads, the event loop and the bulk lane that renders large bodies
 (``render_service/http/render_queue.py``), and their work is serialised by the GIL anyway; with one arena a
-cold 128k-token render cost about 7% less server CPU (``bench/agent_render_bench.py``'s
+cold 128k-token render on the bulk lane cost about 7% less server CPU (``bench/agent_render_bench.py``'s
 unrelated conversations, ``docs/operations.md``). An operator's own ``MALLOC_ARENA_MAX`` or
 ``glibc.malloc.arena_max`` tunable is left to decide.
 
 A render server keeps what it decodes and tokenizes (the message memo, the piece cache, the prompt store), so
 until those fill their bounds every new conversation takes fresh memory, a page fault per 4 KiB. With
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` glibc asks for transparent huge pages for its heap and a render
-costs 3-6% less server CPU (``docs/bench.md``). glibc reads tunables only when a process starts, so the command
+costs 2-9% less server CPU (``docs/bench.md``). glibc reads tunables only when a process starts, so the command
 line's ``serve`` starts over once with it set, unless the environment sets ``GLIBC_TUNABLES`` itself (the
 operator's choice, an empty value included) or the kernel has transparent huge pages off.
 """
