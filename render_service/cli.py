@@ -299,14 +299,15 @@ def image_bounds(args: argparse.Namespace) -> Any:
     return ImageBounds(**given)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, heap: str | None = None) -> int:
+    """``heap``: what the command line's start-over said of the heap's pages, where it did not start over."""
     from splitserve_common.auth import ApiKeys, api_keys_from, warn_if_open
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.logs import configure_logging
     from splitserve_common.malloc_arenas import heap_pages, limit_to_one_arena
 
     configure_logging(args.log_level, args.log_format)
-    logger.debug("allocator: %s, %s", limit_to_one_arena(), heap_pages())  # first: before any thread allocates
+    logger.debug("allocator: %s, %s", limit_to_one_arena(), heap or heap_pages())  # first: before any thread allocates
     if args.workers is None:  # vLLM's --renderer-num-workers maps onto our processes (threads would share a GIL)
         args.workers = args.renderer_num_workers or 1
         if args.renderer_num_workers:
@@ -462,11 +463,12 @@ def block_hash_config(args: argparse.Namespace) -> BlockHashConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        heap = None
         if argv is None:  # the command line's own process: start over with the heap on huge pages, where it may
             from splitserve_common.malloc_arenas import restart_with_heap_on_huge_pages
 
-            restart_with_heap_on_huge_pages()  # (returns only where it does not start over; serve logs the heap)
-        return serve(args)
+            heap = restart_with_heap_on_huge_pages()  # (returns only where it did not start over: why, for the log)
+        return serve(args, heap)
     return 2
 
 

@@ -105,10 +105,10 @@ def heap_is_huge_page_eligible(pid: int) -> bool | None:
     return eligible
 
 
-def heap_probe(**env: str) -> tuple[str, str, bool | None]:
+def heap_probe(before: str = "", **env: str) -> tuple[str, str, bool | None]:
     clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], cwd=REPO, env={**clean, **env}, capture_output=True,
-                         text=True, timeout=60, check=True).stdout.strip().splitlines()
+    out = subprocess.run([sys.executable, "-c", before + _HEAP_PROBE], cwd=REPO, env={**clean, **env},
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip().splitlines()
     said, tunables, _ = out[0].split("|")
     return said, tunables, {"True": True, "False": False}.get(out[1])
 
@@ -122,6 +122,14 @@ def test_a_process_starts_over_once_with_its_heap_on_huge_pages():
     assert (said, tunables) == ("heap on huge pages", "glibc.malloc.hugetlb=1")
     if thp_mode() == "madvise" and eligible is not None:  # (with "always" every heap is eligible anyway)
         assert eligible
+
+
+@thp_off
+def test_a_process_that_cannot_start_over_serves_on_as_it_is():
+    """execve failing (here: an interpreter path that does not exist) leaves the process running, on 4 KiB pages,
+    and says why."""
+    said, tunables, _ = heap_probe("import sys; sys.executable = '/nonexistent/python'\n")
+    assert said.startswith("could not start over with the heap on huge pages (") and tunables == "-"
 
 
 @pytest.mark.parametrize("given", ["", "glibc.malloc.arena_max=4"])
