@@ -236,7 +236,7 @@ class MessageMemo:
         if not items or _address(items[0]) - _address(document) != stored.starts[0] \
                 or len(items[0]) != first_end - stored.starts[0]:
             return None
-        entries = list(stored.entries if common == len(stored.entries) else stored.entries[:common])
+        entries = list(stored.entries[:common])  # (a tuple's slice of all of it is the tuple itself: no copy)
         entries += self._entries_of(_MESSAGE, items[1:])
         return raw, entries, at
 
@@ -256,9 +256,7 @@ class MessageMemo:
             starts, ends = (tuple(offsets[0]), tuple(offsets[1])) if offsets is not None else ((), ())
         else:
             stored, common = found
-            whole = common == len(stored.starts)
-            starts = stored.starts if whole else stored.starts[:common]
-            ends = stored.ends if whole else stored.ends[:common]
+            starts, ends = stored.starts[:common], stored.ends[:common]
             if len(entries) > common:
                 tail = element_offsets(body, tail_start, [e.data for e in entries[common:]])
                 if tail is None:
