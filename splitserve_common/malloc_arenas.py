@@ -18,6 +18,7 @@ operator's choice, an empty value included) or the kernel has transparent huge p
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -31,9 +32,14 @@ def _operator_chose_arenas() -> bool:
     return "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+@functools.cache
+def _on_glibc() -> bool:
+    return platform.libc_ver()[0] == "glibc"  # (reads the interpreter's binary: once per process)
+
+
 def limit_to_one_arena() -> str:
     """Caps glibc's arenas at one, before this process starts its threads; says what it did (for the log)."""
-    if platform.libc_ver()[0] != "glibc":
+    if not _on_glibc():
         return "not glibc: allocator left as it is"
     if _operator_chose_arenas():
         return "arenas as the environment sets them"
@@ -59,8 +65,10 @@ def restart_with_heap_on_huge_pages() -> str:
     where glibc is the allocator, the environment has no ``GLIBC_TUNABLES`` of its own and the kernel allows them;
     otherwise says why not (for the log) and returns. Only for a command line's own process, before it starts
     threads or opens sockets: an in-process caller would be replaced."""
-    if platform.libc_ver()[0] != "glibc" or not sys.executable:
+    if not _on_glibc():
         return "not glibc: heap pages left as they are"
+    if not sys.executable:
+        return "no interpreter path to start over with: heap on 4 KiB pages"
     if "GLIBC_TUNABLES" in os.environ:
         return heap_pages()
     try:
