@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -141,15 +140,14 @@ def test_an_operators_own_tunables_are_kept(given):
 
 
 @thp_off
-def test_the_render_server_from_the_command_line_runs_with_its_heap_on_huge_pages(tmp_path):
+def test_the_render_server_from_the_command_line_runs_with_its_heap_on_huge_pages():
     """`render-service serve` as a command: the same process id, started over with the tunable, serving."""
     import httpx
 
+    from bench.peers import free_port
     from tests.shared_paths import SHARED
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     proc = subprocess.Popen([sys.executable, "-m", "render_service.cli", "serve", str(SHARED / "fixtures/qwen3-0.6b"),
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
@@ -162,6 +160,8 @@ def test_the_render_server_from_the_command_line_runs_with_its_heap_on_huge_page
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
+        else:
+            pytest.fail("the server did not answer /health")
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
         if thp_mode() == "madvise":
