@@ -52,6 +52,16 @@ def limit_to_one_arena() -> str:
     return "one malloc arena" if mallopt(_M_ARENA_MAX, 1) == 1 else "mallopt refused: allocator left as it is"
 
 
+def transparent_huge_pages_mode() -> str | None:
+    """The kernel's transparent huge page mode (always, madvise, never); None where it has none."""
+    try:
+        with open(_THP_MODE) as mode:
+            text = mode.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else None
+
+
 def heap_pages() -> str:
     """What this process's heap runs on, for the log."""
     tunables = os.environ.get("GLIBC_TUNABLES")
@@ -71,12 +81,11 @@ def restart_with_heap_on_huge_pages() -> str:
         return "no interpreter path to start over with: heap on 4 KiB pages"
     if "GLIBC_TUNABLES" in os.environ:
         return heap_pages()
-    try:
-        with open(_THP_MODE) as mode:
-            if "[never]" in mode.read():
-                return "transparent huge pages are off in the kernel: heap on 4 KiB pages"
-    except OSError:
+    mode = transparent_huge_pages_mode()
+    if mode is None:
         return "no transparent huge pages here: heap on 4 KiB pages"
+    if mode == "never":
+        return "transparent huge pages are off in the kernel: heap on 4 KiB pages"
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from splitserve_common.malloc_arenas import transparent_huge_pages_mode
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
@@ -68,7 +70,6 @@ def test_an_operators_own_arena_setting_wins(env):
 
 # --- the heap on transparent huge pages: the command line's process starts over with glibc's tunable set ---
 
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _HEAP_PROBE = r"""
 import os, sys
 from splitserve_common.malloc_arenas import restart_with_heap_on_huge_pages
@@ -78,15 +79,6 @@ print(said + "|" + os.environ.get("GLIBC_TUNABLES", "-") + "|" + str(os.getpid()
 from tests.test_malloc_arenas import heap_is_huge_page_eligible
 print(heap_is_huge_page_eligible(os.getpid()))
 """
-
-
-def thp_mode() -> str | None:
-    """The kernel's transparent huge page mode (always, madvise, never), None where it has none."""
-    try:
-        text = _THP_MODE.read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1:text.index("]")]
 
 
 def heap_is_huge_page_eligible(pid: int) -> bool | None:
@@ -112,14 +104,16 @@ def heap_probe(before: str = "", **env: str) -> tuple[str, str, bool | None]:
     return said, tunables, {"True": True, "False": False}.get(out[1])
 
 
-thp_off = pytest.mark.skipif(thp_mode() in (None, "never"), reason="the kernel has no transparent huge pages on")
+thp_off = pytest.mark.skipif(transparent_huge_pages_mode() in (None, "never"),
+                             reason="the kernel has no transparent huge pages on")
 
 
 @thp_off
 def test_a_process_starts_over_once_with_its_heap_on_huge_pages():
     said, tunables, eligible = heap_probe()
     assert (said, tunables) == ("heap on huge pages", "glibc.malloc.hugetlb=1")
-    if thp_mode() == "madvise" and eligible is not None:  # (with "always" every heap is eligible anyway)
+    # (with "always" every heap is eligible anyway)
+    if transparent_huge_pages_mode() == "madvise" and eligible is not None:
         assert eligible
 
 
@@ -135,7 +129,7 @@ def test_a_process_that_cannot_start_over_serves_on_as_it_is():
 def test_an_operators_own_tunables_are_kept(given):
     said, tunables, eligible = heap_probe(GLIBC_TUNABLES=given)
     assert (said, tunables) == ("GLIBC_TUNABLES as the environment sets it", given)
-    if thp_mode() == "madvise" and eligible is not None:
+    if transparent_huge_pages_mode() == "madvise" and eligible is not None:
         assert not eligible
 
 
@@ -164,7 +158,7 @@ def test_the_render_server_from_the_command_line_runs_with_its_heap_on_huge_page
             pytest.fail("the server did not answer /health")
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
-        if thp_mode() == "madvise":
+        if transparent_huge_pages_mode() == "madvise":
             assert heap_is_huge_page_eligible(proc.pid) is not False
     finally:
         proc.terminate()
