@@ -13,9 +13,10 @@ cpu     one agent conversation (bench/agent_trace.py) grown to about --sizes tok
         with the piece cache as an agent loop leaves it, the answer written to JSON as the server writes it):
         the full render (also with loss masks), the extend render of the same turn with the previous prompt sent as ids
         (``extend``) and named by the reference its render answered (``extend_by_ref``), each also with loss
-        masks after a previous turn that asked for them too (as an RL loop asks), and by reference answering
-        the appended ids alone (``extend_by_ref_appended``); each also with the chat template's loop records
-        off (``*_without_loop_records``).
+        masks after a previous turn that asked for them too (as an RL loop asks), by reference answering
+        the appended ids alone (``extend_by_ref_appended``), and that sending only the messages from the
+        sampled turn on (``extend_by_ref_new_messages``: ``previous_turn.messages: "new"``); each also with the
+        chat template's loop records off (``*_without_loop_records``).
 
 agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one or several interleaved, each body
         sent to our render server (full render, then the same turn as an extend of ours' previous answer) and to
@@ -24,7 +25,9 @@ agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one o
 
 answers (--answers 32768,131072) the last turn of one conversation extended by reference through our render
         server, answering the whole prompt's ids (``previous_turn.answer: "full"``) or the appended ones alone
-        ("appended"), alternating; server CPU per render (process tree schedstat) and latency, median of 8 each.
+        ("appended"), and the appended ones for a request holding only the messages from the sampled turn on
+        ("new_messages": ``previous_turn.messages: "new"``), in rotating order; server CPU per render (process
+        tree schedstat) and latency, median of 9 each.
 
 usage: python -m bench.extend_bench [--rollouts 300] [--sizes 8192,32768,131072] [--reps 7] [--out FILE]
                                     [--agents 1,8 --agent-sizes 32768,131072] [--answers 32768,131072]
@@ -238,6 +241,8 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
             "by_ids_masks": encode({"messages": messages[:k], **plain, **masks, "previous_turn": previous_ids}),
             "by_ref": encode({"messages": messages[:k], **plain, "previous_turn": previous_turn}),
             "by_ref_masks": encode({"messages": messages[:k], **plain, **masks, "previous_turn": previous_turn}),
+            "by_ref_new": encode({"messages": messages[k_before:k], **plain,
+                                  "previous_turn": {**previous_turn, "messages": "new"}}),
         }
         head = answer(encode({**msgspec.json.decode(before["by_ref_masks"]), "return_prompt_ref": True}))
         prompt, ref = head["token_ids"], head["prompt_ref"]
@@ -247,6 +252,8 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         ref_body = {**full_body, "return_prompt_ref": True,
                     "previous_turn": {"prompt_ref": ref, "completion_token_ids": completion}}
         appended = {**ref_body, "previous_turn": {**ref_body["previous_turn"], "answer": "appended"}}
+        new_only = {**appended, "messages": messages[k:],
+                    "previous_turn": {**appended["previous_turn"], "messages": "new"}}
         # (each timed body, and the previous turn's body it is sent after)
         bodies = {"full_render": (encode(full_body), before["full"]),
                   "full_render_with_masks": (encode({**full_body, **masks}), before["full_masks"]),
@@ -254,7 +261,8 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
                   "extend_with_masks": (encode({**ext_body, **masks}), before["by_ids_masks"]),
                   "extend_by_ref": (encode(ref_body), before["by_ref"]),
                   "extend_by_ref_with_masks": (encode({**ref_body, **masks}), before["by_ref_masks"]),
-                  "extend_by_ref_appended": (encode(appended), before["by_ref"])}
+                  "extend_by_ref_appended": (encode(appended), before["by_ref"]),
+                  "extend_by_ref_new_messages": (encode(new_only), before["by_ref_new"])}
         ids = answer(bodies["full_render"][0])["token_ids"]  # warm: the piece cache as an agent loop leaves it
         assert answer(before["by_ids_masks"])["token_ids"] == prompt  # (its attribution, as that answer filed it)
         ext = answer(bodies["extend"][0])
@@ -267,9 +275,11 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
             assert "masks" not in name or by_ref["message_indices"] == masked["message_indices"], name
         short = answer(bodies["extend_by_ref_appended"][0])  # the same answer's tail: the ids after the kept ones
         assert short["token_ids"] == ext["token_ids"][short["extend"]["kept_tokens"]:]
+        assert answer(bodies["extend_by_ref_new_messages"][0])["token_ids"] == short["token_ids"]
         row: dict[str, Any] = {"size": size, "prompt_tokens": len(ids), "messages": len(messages),
                                "body_bytes": len(bodies["extend"][0]),
                                "body_bytes_by_ref": len(bodies["extend_by_ref"][0]),
+                               "body_bytes_new_messages": len(bodies["extend_by_ref_new_messages"][0]),
                                "new_tokens": ext["extend"]["new_tokens"] + ext["extend"]["closing_tokens"],
                                "extend_method": ext["extend"]["method"]}
 
@@ -282,6 +292,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
         row["extend_over_full"] = row["extend_ms"] / row["full_render_ms"]
         row["extend_by_ref_over_full"] = row["extend_by_ref_ms"] / row["full_render_ms"]
         row["extend_by_ref_appended_over_full"] = row["extend_by_ref_appended_ms"] / row["full_render_ms"]
+        row["extend_by_ref_new_messages_over_full"] = row["extend_by_ref_new_messages_ms"] / row["full_render_ms"]
         rows.append(row)
     return rows
 
@@ -329,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------ the answer's two modes, through the server
 
 
-def answer_modes(config: RenderConfig, sizes: list[int], reps: int = 8) -> list[dict[str, Any]]:
+def answer_modes(config: RenderConfig, sizes: list[int], reps: int = 9) -> list[dict[str, Any]]:
     """The last turn of a conversation of about ``size`` tokens, extended by the reference of its previous turn
-    (made just before, each time), answered whole or as the appended ids alone, in alternating order."""
+    (made just before, each time), answered whole or as the appended ids alone, and the latter with only the
+    messages from the sampled turn on, in rotating order."""
     import httpx
 
     from bench import agent_render_bench as arb
@@ -353,14 +365,19 @@ def answer_modes(config: RenderConfig, sizes: list[int], reps: int = 8) -> list[
             before = encode({"model": arb.MODEL, "messages": messages[:k], "tools": TOOLS, "tool_choice": "none",
                              "return_prompt_ref": True})
             completion = config.tokenizer.encode(_sampled_text(messages[k]))
-            timed: dict[str, list[tuple[float, float, int]]] = {"full": [], "appended": []}
+            modes = ["full", "appended", "new_messages"]
+            timed: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in modes}
             for rep in range(reps):
-                for mode in ("full", "appended") if rep % 2 == 0 else ("appended", "full"):
+                for mode in modes[rep % 3:] + modes[:rep % 3]:
                     ref = client.post(arb.RENDER_PATH, content=before,
                                       headers={"content-type": "application/json"}).json()["prompt_ref"]
-                    body = encode({"model": arb.MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "none",
-                                   "previous_turn": {"prompt_ref": ref, "completion_token_ids": completion,
-                                                     "answer": mode}})
+                    turn = {"prompt_ref": ref, "completion_token_ids": completion,
+                            "answer": "full" if mode == "full" else "appended"}
+                    sent = messages
+                    if mode == "new_messages":
+                        turn["messages"], sent = "new", messages[k:]
+                    body = encode({"model": arb.MODEL, "messages": sent, "tools": TOOLS, "tool_choice": "none",
+                                   "previous_turn": turn})
                     timed[mode].append(arb.measure(client, cpu, body))
             row: dict[str, Any] = {"size": size, "messages": len(messages)}
             for mode, values in timed.items():
@@ -368,6 +385,7 @@ def answer_modes(config: RenderConfig, sizes: list[int], reps: int = 8) -> list[
                 row[f"{mode}_latency_ms_median"] = statistics.median(v[1] for v in values)
                 row[f"{mode}_answer_ids"] = values[0][2]
             row["appended_over_full_cpu"] = row["appended_cpu_ms_median"] / row["full_cpu_ms_median"]
+            row["new_messages_over_full_cpu"] = row["new_messages_cpu_ms_median"] / row["full_cpu_ms_median"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:

@@ -105,6 +105,11 @@ def test_the_gateway_extends_a_prompt_the_render_endpoint_keeps(gateway):
     r = gateway.post("/v1/chat/completions", json=chat(messages, previous_turn=turn, return_token_ids=True))
     assert r.status_code == 200, r.text
     assert r.json()["prompt_token_ids"][:len(made["token_ids"]) + len(sampled)] == made["token_ids"] + sampled
+    # the same turn sending only its new messages (the earlier ones kept with the reference) runs the same prompt
+    new = gateway.post("/v1/chat/completions", json=chat(messages[len(USER):], return_token_ids=True,
+                                                         previous_turn={**turn, "messages": "new"}))
+    assert new.status_code == 200, new.text
+    assert new.json()["prompt_token_ids"] == r.json()["prompt_token_ids"]
     # The gateway's answer has no place for a reference: asking for one is refused, not ignored.
     r = gateway.post("/v1/chat/completions", json=chat(USER, return_prompt_ref=True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_prompt_ref"

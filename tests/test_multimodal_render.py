@@ -480,3 +480,18 @@ def test_forked_server_processes_each_get_their_own_image_pool(bundle_dir: Path)
         proc.stop()
     expected = [[image_hash(data, str(bundle_dir), converted=False)] for data in images]
     assert answers == [(200, hashes) for hashes in expected]
+
+
+def test_a_turn_over_earlier_images_must_send_the_whole_conversation(vl) -> None:
+    """A prompt reference made with images keeps no messages: the next turn's render must process those images
+    again for the engine, so a turn that sends only its new messages is refused, naming the field and the way out."""
+    server, _ = vl
+    ours, _, _ = _interleaved()
+    made = _render(server, ours, return_prompt_ref=True)
+    assert made.status_code == 200, made.text
+    reply = _render(server, [{"role": "assistant", "content": "Tall."}, {"role": "user", "content": "Thanks."}],
+                    previous_turn={"prompt_ref": made.json()["prompt_ref"], "completion_token_ids": [1, 2],
+                                   "messages": "new"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "previous_turn.messages" and "whole conversation" in error["message"]

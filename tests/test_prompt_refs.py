@@ -164,13 +164,19 @@ def test_messages_api_extends_by_reference():
     assert reply.json()["token_ids"][:len(head["token_ids"]) + len(completion)] == head["token_ids"] + completion
 
 
-def test_harmony_extends_by_reference():
-    config = gpt_oss_config()
+def harmony_search_turn() -> tuple[list[int], list[dict[str, Any]]]:
+    """A gpt-oss turn as sampled (a search call in Harmony), and the messages a client sends after it."""
     sampled = harmony_encode("<|channel|>analysis<|message|>Need search.<|end|><|start|>assistant to=functions.search"
                              '<|channel|>commentary <|constrain|>json<|message|>{"q":"cats", "exact": false}<|call|>')
     assistant = {"role": "assistant", "content": "", "reasoning_content": "Need search.", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats"}'}}]}
-    messages = [*SYSTEM, assistant, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}]
+    return sampled, [assistant, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}]
+
+
+def test_harmony_extends_by_reference():
+    config = gpt_oss_config()
+    sampled, new_messages = harmony_search_turn()
+    messages = [*SYSTEM, *new_messages]
     with RenderServer(config) as server:
         head = _post(server, {"model": MODEL, "messages": SYSTEM, "return_prompt_ref": True})
         turn = {"prompt_ref": head["prompt_ref"], "completion_token_ids": sampled}

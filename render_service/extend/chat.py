@@ -108,15 +108,17 @@ def _within_vocab(ids: list[int], vocab: int) -> bool:
     return int(np.frombuffer(packed, dtype=np.uint32).max()) < vocab
 
 
-def turn_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], client: str = ""
-                ) -> TurnRender:
-    """``client``: whose prompt references ``previous_turn.prompt_ref`` may name (prompt_refs.py)."""
+def turn_render(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], client: str = "",
+                previous: StoredPrompt | None = None) -> TurnRender:
+    """``client``: whose prompt references ``previous_turn.prompt_ref`` may name (prompt_refs.py); ``previous``:
+    the previous prompt, where the caller looked it up already (extend/history.py)."""
     masks = req.return_assistant_tokens_mask or req.return_message_indices
     turn = req.previous_turn
     if turn is not None:
         check_turn(turn, config)
         k = sampled_turn_index(req, turn)
-        previous = previous_prompt(turn, config, client)
+        if previous is None:
+            previous = previous_prompt(turn, config, client)
         try:
             if req.continue_final_message:
                 raise ExtendImpossible("continue_final_message continues a message instead of adding a turn")

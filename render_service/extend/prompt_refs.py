@@ -12,7 +12,8 @@ client or another replica can use, and says nothing of the prompt. An unknown re
 client to send the ids instead.
 
 Bounded by bytes: each entry counts all of its ids (4 bytes each, its JSON, 5 more a token with masks, and the
-messages it keeps), even those it shares with an earlier entry, so the bound holds whatever is dropped first.
+messages it keeps: the template's, with masks, and the request's, for a next turn that sends only its new ones),
+even those it shares with an earlier entry, so the bound holds whatever is dropped first.
 Each client may hold at most ``client_bytes`` (its own oldest dropped first), and all clients ``max_bytes`` (the
 oldest dropped first).
 """
@@ -80,22 +81,42 @@ def id_run(ids: Sequence[int]) -> IdRun:
 
 
 @dataclass(frozen=True)
+class ChatHistory:
+    """The request messages a chat prompt was rendered from, so that the next turn may send only the messages from
+    its sampled turn on (``previous_turn.messages: "new"``, extend/history.py). ``values`` are the messages as
+    decoded; where they came through the message memo, ``entries`` are their memo entries, ``prepared`` their
+    prepared forms by content format as the render left them (chat_messages.PreparedLineage), and the counts of
+    their tool calls and of those holding an image part (-1: not counted), so that the next turn walks only what
+    it adds."""
+
+    values: tuple[Any, ...]
+    entries: tuple[Any, ...] | None = None
+    prepared: dict[str, Any] | None = None
+    tool_calls: int = -1
+    image_messages: int = -1
+
+
+@dataclass(frozen=True)
 class StoredPrompt:
     """One answer's prompt ids; where the answer had masks, their runs too, and the template messages they
-    attribute tokens to (found again by identity, or equality)."""
+    attribute tokens to (found again by identity, or equality); ``history``: the request messages it was
+    rendered from, where a chat render filed it."""
 
     ids: IdRun
     messages: tuple[Any, ...] = ()
     indices: IdRun | None = None
     flags: IdRun | None = None
+    history: ChatHistory | None = None
 
     @property
     def size(self) -> int:
         masks = 0
         if self.indices is not None and self.flags is not None:
             masks = 5 * self.ids.count + self.indices.json_bytes + self.flags.json_bytes
-        messages = _BYTES_PER_MESSAGE * len(self.messages) + _MESSAGE_BYTES_PER_TOKEN * self.ids.count \
-            if self.messages else 0
+        messages = 0
+        for kept in (self.messages, self.history.values if self.history is not None else ()):
+            if kept:
+                messages += _BYTES_PER_MESSAGE * len(kept) + _MESSAGE_BYTES_PER_TOKEN * self.ids.count
         return _ENTRY_OVERHEAD + 4 * self.ids.count + self.ids.json_bytes + masks + messages
 
 

@@ -17,7 +17,10 @@ class PreviousTurn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     answer with a full render too and reports where they part (what the conversation costs). ``answer``: "full"
     gives the whole prompt's ids; "appended" only those after the kept ones (``extend.kept_tokens`` of them: the
     previous prompt and the completion), and the masks likewise, where the turn was extended (the client, which
-    holds the kept ids, puts the prompt together; a fallback to the full render answers in full)."""
+    holds the kept ids, puts the prompt together; a fallback to the full render answers in full). ``messages``:
+    "all" (the request's ``messages`` are the whole conversation) or "new" (they start with the sampled turn; the
+    messages before it are those the ``prompt_ref``'s render was made from, kept with it), so that the request
+    grows with the new turn and not with the conversation."""
 
     completion_token_ids: list[int]
     prompt_token_ids: list[int] | None = None
@@ -26,6 +29,7 @@ class PreviousTurn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mode: Literal["extend", "extend_only"] = "extend"
     check: Literal["suffix", "full"] = "suffix"
     answer: Literal["full", "appended"] = "full"
+    messages: Literal["all", "new"] = "all"
 
 
 class DifferingSpan(msgspec.Struct):

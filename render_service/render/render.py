@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal, cast, overload
 
 from render_service.extend.chat import TurnRender, turn_render
+from render_service.extend.history import kept_history, with_history
 from render_service.extend.prompt_refs import StoredPrompt, id_run
 from render_service.harmony.render import prerendered_harmony_ids, render_harmony_chat, render_harmony_request
 from render_service.http.errors import bad_request
@@ -281,15 +283,18 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
         raise bad_request("top_logprobs must be non-negative", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    previous = None
+    if req.previous_turn is not None and req.previous_turn.messages == "new":
+        req, previous = with_history(req, config, client)
     tool_choice, named = check_render_tool_choice(req, config.enable_auto_tool_choice and bool(config.tool_call_parser))
     given = prerendered_prompt_ids(req.kv_transfer_params, config, render_fingerprint)
     if config.harmony:
         return _render_harmony_chat(req, config, tool_choice, named, request_id, given, client=client,
-                                    ids_view=ids_view)
+                                    ids_view=ids_view, previous=previous)
     turns = None
     if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
                           or req.return_message_indices):
-        turns = _turn_render(req, config, client)
+        turns = _turn_render(req, config, client, previous)
         token_ids, kwargs, tools = turns.token_ids, resolve_chat_template_kwargs(req, config), turns.tools
     elif given is None:
         token_ids, kwargs, tools = _render_chat_prompt(req, config, ids_view=ids_view)
@@ -351,14 +356,16 @@ def render_chat(req: ChatCompletionRequest, config: RenderConfig, *, request_id:
     )
 
 
-def _turn_render(req: ChatCompletionRequest, config: RenderConfig, client: str) -> TurnRender:
-    """The extend render and loss masks (render_service/extend/): a request with ``previous_turn`` or a mask."""
+def _turn_render(req: ChatCompletionRequest, config: RenderConfig, client: str,
+                 previous: StoredPrompt | None = None) -> TurnRender:
+    """The extend render and loss masks (render_service/extend/): a request with ``previous_turn`` or a mask
+    (``previous``: the previous prompt, where it was looked up already)."""
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     violation = chat_limit_violation(len(req.messages), len(req.tools or ()))
     if violation:
         raise bad_request(*violation)
-    return turn_render(req, config, resolve_chat_template_kwargs(req, config), client)
+    return turn_render(req, config, resolve_chat_template_kwargs(req, config), client, previous)
 
 
 def _file_prompt(req: ChatCompletionRequest, config: RenderConfig, client: str, token_ids: Sequence[int],
@@ -372,7 +379,10 @@ def _file_prompt(req: ChatCompletionRequest, config: RenderConfig, client: str, 
         raise bad_request("This render server keeps no prompt references (--render-cache-bytes 0)",
                           "return_prompt_ref")
     stored = turns.stored if turns is not None and not expanded else None
-    ref = refs.file(client, stored if stored is not None else StoredPrompt(id_run(token_ids)))
+    stored = stored if stored is not None else StoredPrompt(id_run(token_ids))
+    if not expanded:  # the request's messages too: the next turn may send only those from its sampled turn on
+        stored = replace(stored, history=kept_history(req.messages))
+    ref = refs.file(client, stored)
     if ref is None:
         raise bad_request("The prompt is larger than the prompt references this server keeps for one client",
                           "return_prompt_ref")
@@ -414,7 +424,7 @@ def _after(ids: Sequence[int], kept: int) -> Sequence[int]:
 
 def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str, named: str | None,
                          request_id: str | None, given: list[int] | None, *, client: str = "",
-                         ids_view: bool = False) -> GenerateRequest:
+                         ids_view: bool = False, previous: StoredPrompt | None = None) -> GenerateRequest:
     """gpt-oss: the Harmony renderer instead of a chat template (render_service/harmony/); ``given``: ids
     rendered already (prerendered.py)."""
     if not req.messages:
@@ -428,7 +438,7 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     turns = None
     if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
                           or req.return_message_indices):
-        turns = _turn_render(req, config, client)
+        turns = _turn_render(req, config, client, previous)
         token_ids = turns.token_ids
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)

@@ -1,0 +1,131 @@
+"""A turn that sends only its new messages (``previous_turn.messages: "new"``): the earlier messages are those kept
+with its ``prompt_ref``, and the answer is what sending the whole conversation answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from render_service.extend.prompt_refs import ChatHistory, StoredPrompt, id_run
+from tests import rollouts
+from tests.harmony_fixtures import MODEL, gpt_oss_config
+from tests.render_harness import RenderServer, qwen3_config
+from tests.test_prompt_refs import CHAT, MASKS, SYSTEM, _post, _rollout_turns, harmony_search_turn
+
+FIELDS = ("token_ids", "message_indices", "assistant_tokens_mask", "extend")
+
+
+@pytest.mark.parametrize("answer", ["full", "appended"])
+def test_a_rollout_sending_only_its_new_messages_answers_as_the_whole_conversation(answer):
+    config = qwen3_config()
+    with RenderServer(config) as server:
+        head = _post(server, {"messages": SYSTEM, "return_prompt_ref": True, **MASKS})
+        whole_ref = new_ref = head["prompt_ref"]
+        sent = SYSTEM
+        for messages, sampled in _rollout_turns(config):
+            turn = {"completion_token_ids": sampled, "answer": answer}
+            whole = _post(server, {"messages": messages, **MASKS, "return_prompt_ref": True,
+                                   "previous_turn": {**turn, "prompt_ref": whole_ref}})
+            new = _post(server, {"messages": messages[len(sent):], **MASKS, "return_prompt_ref": True,
+                                 "previous_turn": {**turn, "prompt_ref": new_ref, "messages": "new"}})
+            assert new["extend"]["extended"], new["extend"]
+            for field in FIELDS:
+                assert new[field] == whole[field], field
+            whole_ref, new_ref, sent = whole["prompt_ref"], new["prompt_ref"], messages
+
+
+def test_a_long_conversation_resumes_the_templates_loop_from_the_kept_messages():
+    """Past the body store's threshold, and with the messages coming through the memo: the turn resumes the
+    template's loop where the previous render left it, as when the whole body is sent."""
+    from bench.extend_bench import TOOLS, _conversation, _sampled_text
+
+    config = qwen3_config()
+    messages = _conversation(8192, config)
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    k, before = assistants[-1], assistants[-2]
+    sampled = [config.tokenizer.encode(_sampled_text(messages[i])) for i in (before, k)]
+    plain = {"tools": TOOLS, "tool_choice": "none"}
+    with RenderServer(config) as server:
+        def post(body: dict[str, Any]) -> dict[str, Any]:
+            reply = server.client.post(CHAT, json={**plain, **body})
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        first = post({"messages": messages[:before], "return_prompt_ref": True})
+        middle = post({"messages": messages[before:k], "return_prompt_ref": True, "previous_turn": {
+            "prompt_ref": first["prompt_ref"], "completion_token_ids": sampled[0], "messages": "new"}})
+        records = config.template.loop_records
+        resumed = records.resumed
+        last = post({"messages": messages[k:], "previous_turn": {
+            "prompt_ref": middle["prompt_ref"], "completion_token_ids": sampled[1], "messages": "new"}})
+        assert records.resumed > resumed
+        whole = post({"messages": messages, "previous_turn": {
+            "prompt_token_ids": middle["token_ids"], "completion_token_ids": sampled[1]}})
+    assert middle["extend"]["extended"] and last["extend"]["extended"]
+    assert last["extend"]["method"] == "loop"
+    assert last["token_ids"] == whole["token_ids"]
+    assert last["token_ids"][:len(middle["token_ids"]) + len(sampled[1])] == middle["token_ids"] + sampled[1]
+
+
+def test_messages_api_sends_only_its_new_messages():
+    config = qwen3_config()
+    completion = config.tokenizer.encode("<think>\nhm\n</think>\n\nThree.<|im_end|>")
+    base = {"model": None, "max_tokens": 8, "system": "You are helpful."}
+    question = {"role": "user", "content": "find cats"}
+    then = [{"role": "assistant", "content": "Three."}, {"role": "user", "content": "ok"}]
+    with RenderServer(config) as server:
+        head = server.client.post("/v1/messages/render", json={
+            **base, "messages": [question], "return_prompt_ref": True}).json()
+        turn = {"prompt_ref": head["prompt_ref"], "completion_token_ids": completion}
+        whole = server.client.post("/v1/messages/render", json={
+            **base, "previous_turn": turn, "messages": [question, *then]})
+        new = server.client.post("/v1/messages/render", json={
+            "model": None, "max_tokens": 8, "previous_turn": {**turn, "messages": "new"}, "messages": then})
+    assert whole.status_code == new.status_code == 200, new.text
+    assert new.json()["token_ids"] == whole.json()["token_ids"]
+    assert new.json()["token_ids"][:len(head["token_ids"]) + len(completion)] == head["token_ids"] + completion
+
+
+def test_harmony_sends_only_its_new_messages():
+    config = gpt_oss_config()
+    sampled, new_messages = harmony_search_turn()
+    with RenderServer(config) as server:
+        head = _post(server, {"model": MODEL, "messages": SYSTEM, "return_prompt_ref": True})
+        turn = {"prompt_ref": head["prompt_ref"], "completion_token_ids": sampled}
+        whole = _post(server, {"model": MODEL, "messages": [*SYSTEM, *new_messages], "previous_turn": turn})
+        new = _post(server, {"model": MODEL, "messages": new_messages, "previous_turn": {**turn, "messages": "new"}})
+    assert new["extend"]["extended"] and new["extend"]["method"] == "harmony"
+    assert new["token_ids"] == whole["token_ids"]
+
+
+def test_what_cannot_be_put_together_is_a_400_or_404_naming_the_field():
+    config = qwen3_config()
+    (messages, sampled), *_ = _rollout_turns(config)
+    new_messages = messages[len(SYSTEM):]
+    with RenderServer(config) as server:
+        ref = _post(server, {"messages": SYSTEM, "return_prompt_ref": True})["prompt_ref"]
+        turn = {"prompt_ref": ref, "completion_token_ids": sampled, "messages": "new"}
+        cases = [
+            ({"prompt_token_ids": [1, 2], "completion_token_ids": sampled, "messages": "new"}, new_messages,
+             400, "previous_turn.messages"),
+            (turn, messages, 400, "previous_turn.messages"),  # the whole conversation again: starts with system
+            (turn, new_messages[1:], 400, "previous_turn.messages"),  # the sampled turn left out
+            ({**turn, "message_index": 0}, new_messages, 400, "previous_turn.messages"),
+            ({**turn, "prompt_ref": "pr-unknown"}, new_messages, 404, "previous_turn.prompt_ref"),
+        ]
+        for previous_turn, sent, status, param in cases:
+            reply = server.client.post(CHAT, json={"messages": sent, "tools": rollouts.TOOLS, "tool_choice": "none",
+                                                   "previous_turn": previous_turn})
+            assert reply.status_code == status, reply.text
+            assert reply.json()["error"]["param"] == param
+        # the sampled turn named by its index in the whole conversation is accepted
+        out = _post(server, {"messages": new_messages, "previous_turn": {**turn, "message_index": len(SYSTEM)}})
+        assert out["extend"]["extended"]
+
+
+def test_a_kept_history_counts_against_the_references_bound():
+    ids = id_run(list(range(1000)))
+    bare = StoredPrompt(ids)
+    kept = StoredPrompt(ids, history=ChatHistory(({"role": "user", "content": "x"},) * 3))
+    assert kept.size == bare.size + 3 * 256 + 4 * 1000
