@@ -237,6 +237,28 @@ def test_records_are_bounded_and_dropped_when_the_conversation_moves_on():
     assert fresh.loop_records.stats().entries == 0
 
 
+def test_a_render_of_a_shorter_head_files_nothing_and_the_conversation_still_resumes():
+    """Earlier turns of a recorded conversation rendered again (a retry, a rewound rollout) resume from the
+    conversation's record, equal the plain render, and leave that record the only one, its index untouched."""
+    resumed, plain = _pair(QWEN3)
+    assert resumed.loop_records is not None
+    messages, tools = agent_trace(AgentTraceSpec(rounds=8))
+    prepared, prepared_tools = prepare_messages(messages), prepare_tools(tools)
+    kwargs = {"tools": prepared_tools, "add_generation_prompt": True}
+    ends = round_ends(prepared)
+    resumed.render(_shared(prepared[:ends[-2]]), **kwargs)
+    index = dict(resumed.loop_records._index)
+    count = resumed.loop_records.resumed
+    for end in (ends[-2] - 1, ends[-2] - 3):
+        head = _shared(prepared[:end])
+        assert resumed.render(head, **kwargs) == plain.render(head, **kwargs)
+    assert resumed.loop_records.resumed == count + 2
+    assert resumed.loop_records.stats().entries == 1 and resumed.loop_records._index == index
+    whole = _shared(prepared[:ends[-1]])
+    assert resumed.render(whole, **kwargs) == plain.render(whole, **kwargs)
+    assert resumed.loop_records.resumed == count + 3 and resumed.loop_records.stats().entries == 1
+
+
 def test_the_render_path_resumes_a_growing_agent_conversation_through_the_message_memo():
     """Bodies decoded as the render server decodes them: the memo hands out the same message objects each turn,
     so each turn resumes; the ids equal those of a configuration without any render cache."""

@@ -382,8 +382,14 @@ class ChatTemplate:
             self.loop_records.scans_shortened += session.scans_shortened
         if output.chars > MAX_RENDERED_CHARS:
             raise TemplateError(f"The rendered prompt exceeds {MAX_RENDERED_CHARS} characters.")
-        if record is not None and self.loop_records is not None and getattr(messages, "shared", False):
-            self.loop_records.put(record, session.resume)
+        # A render of a shorter head of the conversation it resumed (an earlier turn rendered again: a retry, a
+        # rewound rollout) files nothing: that record serves whatever would find this one, and filing and later
+        # dropping it walks every message.
+        resume = session.resume
+        head_only = resume is not None and session.same >= len(messages) and len(messages) < len(resume.messages)
+        if record is not None and self.loop_records is not None and getattr(messages, "shared", False) \
+                and not head_only:
+            self.loop_records.put(record, resume)
         return output
 
     def _run(self, context: dict[str, Any], track_generation: bool, into: list[str] | None = None
