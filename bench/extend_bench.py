@@ -23,6 +23,11 @@ agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one o
         vllm-rs (``vllm-rs render``, the Rust render server in vLLM 0.34's wheel); server CPU per render from the
         process trees' schedstat (bench/agent_render_bench.py's TreeCpu), turns whose prompt is in (size/2, size].
 
+rollouts (--rollout-sizes 8192,32768,131072) the last --rollout-turns turns of one conversation as an RL loop sends
+        them, each by the previous turn's reference, answering the appended ids: the whole conversation sent, or
+        only the messages from the sampled turn on, whole rollouts alternating; thread CPU per turn in this
+        process (median over --rollout-rounds rollouts each).
+
 answers (--answers 32768,131072) the last turn of one conversation extended by reference through our render
         server, answering the whole prompt's ids (``previous_turn.answer: "full"``) or the appended ones alone
         ("appended"), and the appended ones for a request holding only the messages from the sampled turn on
@@ -31,6 +36,7 @@ answers (--answers 32768,131072) the last turn of one conversation extended by r
 
 usage: python -m bench.extend_bench [--rollouts 300] [--sizes 8192,32768,131072] [--reps 7] [--out FILE]
                                     [--agents 1,8 --agent-sizes 32768,131072] [--answers 32768,131072]
+                                    [--rollout-sizes 8192,32768,131072 --rollout-turns 8 --rollout-rounds 8]
 Results: bench/results/extend_bench.json (or --out). Figures are ratios inside one run: the box is shared.
 """
 
@@ -297,6 +303,61 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     return rows
 
 
+def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int) -> list[dict[str, Any]]:
+    """The last ``turns`` turns of a conversation of about ``size`` tokens, as an RL loop sends them: each turn by
+    the reference the turn before answered, answering the appended ids alone, sending the whole conversation
+    (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts alternate
+    between the two, ``rounds`` of each, each from a fresh full render; thread CPU per turn from the body to the
+    answer's JSON (the first turn of a rollout, which finds no loop record of its own yet, left out)."""
+    from render_service.wire.message_memo import decode_chat_request
+
+    def decode(body: bytes, kind: type) -> Any:
+        return msgspec.json.decode(body, type=kind)
+
+    def from_body(body: bytes) -> bytes:
+        return encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config,
+                                       ids_view=True))
+
+    encode = msgspec.json.encode
+    plain = {"tools": TOOLS, "tool_choice": "none"}
+    rows = []
+    for size in sizes:
+        messages = _conversation(size, config)
+        assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        sampled = [assistants[i] for i in range(max(0, len(assistants) - turns - 1), len(assistants))]
+        completions = {k: config.tokenizer.encode(_sampled_text(messages[k])) for k in sampled}
+        timed: dict[str, list[float]] = {"whole": [], "new_messages": []}
+        answers: dict[str, list[Any]] = {}
+        for round_ in range(2 * rounds):
+            mode = ("whole", "new_messages")[round_ % 2]
+            ref = msgspec.json.decode(from_body(encode({"messages": messages[:sampled[0]], **plain,
+                                                        "return_prompt_ref": True})))["prompt_ref"]
+            answers[mode] = []
+            for at, k in enumerate(sampled):
+                end = sampled[at + 1] if at + 1 < len(sampled) else len(messages)
+                turn = {"prompt_ref": ref, "completion_token_ids": completions[k], "answer": "appended"}
+                body = {"messages": messages[:end], **plain, "return_prompt_ref": True, "previous_turn": turn}
+                if mode == "new_messages":
+                    body["messages"], turn["messages"] = messages[k:end], "new"
+                data = encode(body)
+                start = time.thread_time()
+                out = from_body(data)
+                if at:
+                    timed[mode].append((time.thread_time() - start) * 1000)
+                answer = msgspec.json.decode(out)
+                ref = answer["prompt_ref"]
+                answers[mode].append(answer["token_ids"])
+        assert answers["whole"] == answers["new_messages"]
+        row: dict[str, Any] = {"size": size, "messages": len(messages), "turns": len(sampled) - 1}
+        for mode, values in timed.items():
+            row[f"{mode}_ms_median"] = statistics.median(values)
+            row[f"{mode}_ms_mean"] = statistics.mean(values)
+        row["new_messages_over_whole"] = row["new_messages_ms_median"] / row["whole_ms_median"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollouts", type=int, default=300)
@@ -307,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agents", default="", help="also agent loops against vllm-rs: agent counts (e.g. 1,8)")
     ap.add_argument("--agent-sizes", default="32768,131072")
     ap.add_argument("--answers", default="", help="also the two answer modes through the render server: sizes")
+    ap.add_argument("--rollout-sizes", default="", help="also rollouts sent whole or as new messages: sizes")
+    ap.add_argument("--rollout-turns", type=int, default=8)
+    ap.add_argument("--rollout-rounds", type=int, default=8)
     ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
     args = ap.parse_args(argv)
     bundle = load_bundle(args.model)
@@ -327,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.answers:
         result["answers"] = answer_modes(qwen, [int(s) for s in args.answers.split(",")])
         print(json.dumps(result["answers"]), flush=True)
+    if args.rollout_sizes:
+        result["rollouts"] = rollout_cpu(qwen, [int(s) for s in args.rollout_sizes.split(",")], args.rollout_turns,
+                                         args.rollout_rounds)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], _vllm_rs())
