@@ -330,6 +330,9 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int)
         answers: dict[str, list[Any]] = {}
         for round_ in range(2 * rounds):
             mode = ("whole", "new_messages")[round_ % 2]
+            # each rollout its own conversation, as a trainer's are: the system prompt tells them apart (the
+            # messages after it are the memo's shared objects, as in GRPO groups)
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']} ({round_})"}
             ref = msgspec.json.decode(from_body(encode({"messages": messages[:sampled[0]], **plain,
                                                         "return_prompt_ref": True})))["prompt_ref"]
             answers[mode] = []
@@ -347,7 +350,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int)
                 answer = msgspec.json.decode(out)
                 ref = answer["prompt_ref"]
                 answers[mode].append(answer["token_ids"])
-        assert answers["whole"] == answers["new_messages"]
+        assert answers["whole"] == answers["new_messages"]  # (the appended ids: the system prompts differ)
         row: dict[str, Any] = {"size": size, "messages": len(messages), "turns": len(sampled) - 1}
         for mode, values in timed.items():
             row[f"{mode}_ms_median"] = statistics.median(values)
