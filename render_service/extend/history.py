@@ -30,9 +30,8 @@ def kept_history(messages: list[Any]) -> ChatHistory:
     through the message memo, their entries, prepared forms and counts (shared, never copied)."""
     if type(messages) is MemoMessages:
         filed = messages.filed
-        if filed is not None:
-            return ChatHistory(tuple(messages), tuple(messages.entries), filed.prepared, filed.tool_calls,
-                               filed.image_messages)
+        if filed is not None:  # (its tuples are the request's messages and entries: kept, not copied)
+            return ChatHistory(filed.values, filed.entries, filed.prepared, filed.tool_calls, filed.image_messages)
         entries = messages.entries
         return ChatHistory(tuple(messages), tuple(entries), None, sum(entry.tool_calls for entry in entries),
                            sum(entry.images for entry in entries))
@@ -73,7 +72,7 @@ def _joined(history: ChatHistory, own: list[Any]) -> list[Any]:
     them) and which files its own for the next turn, as a body that starts with a stored body is."""
     if type(own) is not MemoMessages or history.entries is None:
         return [*history.values, *own]
-    entries = [*history.entries, *own.entries]
+    entries = (*history.entries, *own.entries)
     values = (*history.values, *own)
     kept = len(history.values)
     shared = StoredBody(b"", (), (), history.entries, history.prepared, history.values, history.tool_calls,
@@ -82,5 +81,5 @@ def _joined(history: ChatHistory, own: list[Any]) -> list[Any]:
     tool_calls = history.tool_calls + sum(entry.tool_calls for entry in added) if history.tool_calls >= 0 else -1
     image_messages = history.image_messages + sum(entry.images for entry in added) \
         if history.image_messages >= 0 else -1
-    filed = StoredBody(b"", (), (), tuple(entries), {}, values, tool_calls, image_messages)
+    filed = StoredBody(b"", (), (), entries, {}, values, tool_calls, image_messages)
     return MemoMessages(entries, values, (shared, kept) if history.prepared is not None else None, filed)

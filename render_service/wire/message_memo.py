@@ -22,7 +22,7 @@ a content format), a miss decodes that message alone with the same type as ``Cha
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -148,8 +148,8 @@ class MemoMessages(list[dict[str, Any]]):
 
     __slots__ = ("entries", "shared_with", "filed")
 
-    def __init__(self, entries: list[MemoEntry], values: tuple[Any, ...], shared_with: tuple[StoredBody, int] | None,
-                 filed: StoredBody | None) -> None:
+    def __init__(self, entries: Sequence[MemoEntry], values: tuple[Any, ...],
+                 shared_with: tuple[StoredBody, int] | None, filed: StoredBody | None) -> None:
         super().__init__(values)  # (each entry's value: _message_values)
         self.entries = entries
         self.shared_with = shared_with
