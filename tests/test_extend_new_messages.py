@@ -129,3 +129,25 @@ def test_a_kept_history_counts_against_the_references_bound():
     bare = StoredPrompt(ids)
     kept = StoredPrompt(ids, history=ChatHistory(({"role": "user", "content": "x"},) * 3))
     assert kept.size == bare.size + 3 * 256 + 4 * 1000
+
+
+def test_responses_api_extends_and_sends_only_its_new_items():
+    config = qwen3_config()
+    completion = config.tokenizer.encode("<think>\nhm\n</think>\n\nThree.<|im_end|>")
+    question = {"role": "user", "content": "find cats"}
+    then = [{"role": "assistant", "content": "Three."}, {"role": "user", "content": "ok"}]
+    path = "/v1/responses/render"
+    with RenderServer(config) as server:
+        head = server.client.post(path, json={"instructions": "You are helpful.", "input": [question],
+                                              "return_prompt_ref": True}).json()
+        turn = {"prompt_ref": head["prompt_ref"], "completion_token_ids": completion}
+        whole = server.client.post(path, json={"instructions": "You are helpful.", "input": [question, *then],
+                                               "previous_turn": turn})
+        new = server.client.post(path, json={"input": then, "previous_turn": {**turn, "messages": "new"}})
+        # instructions are the conversation's first message: sent again with only the new items, they are refused
+        again = server.client.post(path, json={"instructions": "You are helpful.", "input": then,
+                                               "previous_turn": {**turn, "messages": "new"}})
+    assert whole.status_code == new.status_code == 200, new.text
+    assert whole.json()["extend"]["extended"] and new.json()["token_ids"] == whole.json()["token_ids"]
+    assert new.json()["token_ids"][:len(head["token_ids"]) + len(completion)] == head["token_ids"] + completion
+    assert again.status_code == 400 and again.json()["error"]["param"] == "previous_turn.messages"
