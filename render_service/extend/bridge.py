@@ -70,16 +70,25 @@ class Bridge:
 
 
 _CHUNK = 4096
+_LINEAR = 16  # below this many elements a differing span is walked one by one
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """The length of the longest common head of two strings or lists: compared a chunk at a time (C speed),
-    then element by element inside the first chunk that differs; O(length)."""
+    """The length of the longest common head of two strings or lists: compared a chunk at a time (C speed); the
+    chunk that differs is halved until a few elements are left, which are walked one by one. O(length), and a
+    Python loop over at most ``_LINEAR`` elements (a list of blocks that differ only near its end is otherwise
+    walked element by element in Python from the chunk's start)."""
     n = min(len(a), len(b))
     at = 0
     while at < n:
         stop = min(n, at + _CHUNK)
         if a[at:stop] != b[at:stop]:
+            while stop - at > _LINEAR:  # a[at:stop] and b[at:stop] differ
+                middle = (at + stop) // 2
+                if a[at:middle] == b[at:middle]:
+                    at = middle
+                else:
+                    stop = middle
             while a[at] == b[at]:
                 at += 1
             return at
@@ -95,6 +104,13 @@ def common_suffix(a: Sequence[Any], b: Sequence[Any]) -> int:
     while done < n:
         size = min(n - done, _CHUNK)
         if a[la - done - size:la - done] != b[lb - done - size:lb - done]:
+            end = done + size  # the tails of lengths done and end: the first equal, the second not
+            while end - done > _LINEAR:
+                middle = (done + end) // 2
+                if a[la - middle:la - done] == b[lb - middle:lb - done]:
+                    done = middle
+                else:
+                    end = middle
             while a[la - done - 1] == b[lb - done - 1]:
                 done += 1
             return done
