@@ -49,6 +49,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,22 @@ def _turn_ms(from_body: Any, records: Any, before: bytes, body: bytes) -> float:
     return (time.thread_time() - start) * 1000
 
 
+def body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
+    """A chat render from the request body to the answer's JSON, as the render server runs it: the body decoded
+    through the message memo (a turn's earlier messages are the memo's objects, so the template's loop records
+    apply), the answer written as the server writes it."""
+    from render_service.wire.message_memo import decode_chat_request
+
+    def decode(body: bytes, kind: type) -> Any:
+        return msgspec.json.decode(body, type=kind)
+
+    def from_body(body: bytes) -> bytes:
+        return encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config,
+                                       ids_view=True))
+
+    return from_body
+
+
 def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Each request body decoded as the render server decodes it (through the message memo, so a turn's earlier
     messages are the memo's objects and the template's loop records apply), and timed from the body on, after
@@ -212,14 +229,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     attribution the masked one takes), an extend by reference after that turn's extend by reference (with masks
     where the timed turn has them). The same turn is also timed with the template's loop records off
     (``*_without_loop_records``)."""
-    from render_service.wire.message_memo import decode_chat_request
-
-    def decode(body: bytes, kind: type) -> Any:
-        return msgspec.json.decode(body, type=kind)
-
-    def from_body(body: bytes) -> bytes:  # (the answer written to JSON as the server writes it)
-        return encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config,
-                                       ids_view=True))
+    from_body = body_renderer(config)
 
     def answer(body: bytes) -> Any:
         return msgspec.json.decode(from_body(body))
@@ -309,15 +319,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int)
     (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts alternate
     between the two, ``rounds`` of each, each from a fresh full render; thread CPU per turn from the body to the
     answer's JSON (the first turn of a rollout, which finds no loop record of its own yet, left out)."""
-    from render_service.wire.message_memo import decode_chat_request
-
-    def decode(body: bytes, kind: type) -> Any:
-        return msgspec.json.decode(body, type=kind)
-
-    def from_body(body: bytes) -> bytes:
-        return encode_json(render_chat(decode_chat_request(body, config.message_memo, decode), config,
-                                       ids_view=True))
-
+    from_body = body_renderer(config)
     encode = msgspec.json.encode
     plain = {"tools": TOOLS, "tool_choice": "none"}
     rows = []

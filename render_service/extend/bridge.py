@@ -73,17 +73,17 @@ _CHUNK = 4096
 _LINEAR = 16  # below this many elements a differing span is walked one by one
 
 
-def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any], linear: int = _LINEAR) -> int:
     """The length of the longest common head of two strings or lists: compared a chunk at a time (C speed); the
-    chunk that differs is halved until a few elements are left, which are walked one by one. O(length), and a
-    Python loop over at most ``_LINEAR`` elements (a list of blocks that differ only near its end is otherwise
-    walked element by element in Python from the chunk's start)."""
+    chunk that differs is halved until ``linear`` elements are left, which are walked one by one. O(length), and
+    a Python loop over at most ``linear`` elements (a list of blocks that differ only near its end would
+    otherwise be walked element by element in Python from the chunk's start)."""
     n = min(len(a), len(b))
     at = 0
     while at < n:
         stop = min(n, at + _CHUNK)
         if a[at:stop] != b[at:stop]:
-            while stop - at > _LINEAR:  # a[at:stop] and b[at:stop] differ
+            while stop - at > linear:  # a[at:stop] and b[at:stop] differ
                 middle = (at + stop) // 2
                 if a[at:middle] == b[at:middle]:
                     at = middle
@@ -96,7 +96,7 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def common_suffix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_suffix(a: Sequence[Any], b: Sequence[Any], linear: int = _LINEAR) -> int:
     """The length of the longest common tail of two strings or lists (as ``common_prefix``, from the end)."""
     la, lb = len(a), len(b)
     n = min(la, lb)
@@ -105,7 +105,7 @@ def common_suffix(a: Sequence[Any], b: Sequence[Any]) -> int:
         size = min(n - done, _CHUNK)
         if a[la - done - size:la - done] != b[lb - done - size:lb - done]:
             end = done + size  # the tails of lengths done and end: the first equal, the second not
-            while end - done > _LINEAR:
+            while end - done > linear:
                 middle = (done + end) // 2
                 if a[la - middle:la - done] == b[lb - middle:lb - done]:
                     done = middle
