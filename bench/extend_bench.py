@@ -318,7 +318,8 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int)
     the reference the turn before answered, answering the appended ids alone, sending the whole conversation
     (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts alternate
     between the two, ``rounds`` of each, each from a fresh full render; thread CPU per turn from the body to the
-    answer's JSON (the first turn of a rollout, which finds no loop record of its own yet, left out)."""
+    answer's JSON (each rollout's first extend, which follows the full render, left out: every figure is a turn
+    after a turn sent the same way)."""
     from_body = body_renderer(config)
     encode = msgspec.json.encode
     plain = {"tools": TOOLS, "tool_choice": "none"}
