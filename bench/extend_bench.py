@@ -23,10 +23,10 @@ agents  (--agents 1,8) growing agent conversations (bench/agent_trace.py), one o
         vllm-rs (``vllm-rs render``, the Rust render server in vLLM 0.34's wheel); server CPU per render from the
         process trees' schedstat (bench/agent_render_bench.py's TreeCpu), turns whose prompt is in (size/2, size].
 
-rollouts (--rollout-sizes 8192,32768,131072) the last --rollout-turns turns of one conversation as an RL loop sends
-        them, each by the previous turn's reference, answering the appended ids: the whole conversation sent, or
-        only the messages from the sampled turn on, whole rollouts alternating; thread CPU per turn in this
-        process (median over --rollout-rounds rollouts each).
+rollouts (--rollout-sizes 8192,32768,131072) the last --rollout-turns turns of a conversation of each size as an RL
+        loop sends them, each by the previous turn's reference, answering the appended ids: the whole conversation
+        sent, or only the messages from the sampled turn on; whole rollouts over every size and way in one
+        rotation; thread CPU per turn in this process (median over --rollout-rounds rollouts each).
 
 answers (--answers 32768,131072) the last turn of one conversation extended by reference through our render
         server, answering the whole prompt's ids (``previous_turn.answer: "full"``) or the appended ones alone
@@ -314,31 +314,38 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
 
 
 def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int) -> list[dict[str, Any]]:
-    """The last ``turns`` turns of a conversation of about ``size`` tokens, as an RL loop sends them: each turn by
-    the reference the turn before answered, answering the appended ids alone, sending the whole conversation
-    (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts alternate
-    between the two, ``rounds`` of each, each from a fresh full render; thread CPU per turn from the body to the
-    answer's JSON (each rollout's first extend, which follows the full render, left out: every figure is a turn
-    after a turn sent the same way)."""
+    """The last ``turns`` turns of a conversation of about each size, as an RL loop sends them: each turn by the
+    reference the turn before answered, answering the appended ids alone, sending the whole conversation
+    (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts, each from a
+    fresh full render, take turns in one rotation over the sizes and the two ways (``rounds`` of each pair, the
+    order shifted every round), so that figures compare across sizes as well as ways; thread CPU per turn from
+    the body to the answer's JSON (each rollout's first extend, which follows the full render, left out: every
+    figure is a turn after a turn sent the same way)."""
     from_body = body_renderer(config)
     encode = msgspec.json.encode
     plain = {"tools": TOOLS, "tool_choice": "none"}
-    rows = []
+    modes = ("whole", "new_messages")
+    conversations = {}
     for size in sizes:
         messages = _conversation(size, config)
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         sampled = [assistants[i] for i in range(max(0, len(assistants) - turns - 1), len(assistants))]
-        completions = {k: config.tokenizer.encode(_sampled_text(messages[k])) for k in sampled}
-        timed: dict[str, list[float]] = {"whole": [], "new_messages": []}
-        answers: dict[str, list[Any]] = {}
-        for round_ in range(2 * rounds):
-            mode = ("whole", "new_messages")[round_ % 2]
+        conversations[size] = (messages, sampled,
+                               {k: config.tokenizer.encode(_sampled_text(messages[k])) for k in sampled})
+    pairs = [(size, mode) for size in sizes for mode in modes]
+    timed: dict[tuple[int, str], list[float]] = {pair: [] for pair in pairs}
+    answers: dict[tuple[int, str], list[Any]] = {}
+    rollout = 0
+    for round_ in range(rounds):
+        for size, mode in pairs[round_ % len(pairs):] + pairs[:round_ % len(pairs)]:
+            messages, sampled, completions = conversations[size]
+            rollout += 1
             # each rollout its own conversation, as a trainer's are: the system prompt tells them apart (the
             # messages after it are the memo's shared objects, as in GRPO groups)
-            messages[0] = {**messages[0], "content": f"{messages[0]['content']} ({round_})"}
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']} ({rollout})"}
             ref = msgspec.json.decode(from_body(encode({"messages": messages[:sampled[0]], **plain,
                                                         "return_prompt_ref": True})))["prompt_ref"]
-            answers[mode] = []
+            answers[size, mode] = []
             for at, k in enumerate(sampled):
                 end = sampled[at + 1] if at + 1 < len(sampled) else len(messages)
                 turn = {"prompt_ref": ref, "completion_token_ids": completions[k], "answer": "appended"}
@@ -349,15 +356,19 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int)
                 start = time.thread_time()
                 out = from_body(data)
                 if at:
-                    timed[mode].append((time.thread_time() - start) * 1000)
+                    timed[size, mode].append((time.thread_time() - start) * 1000)
                 answer = msgspec.json.decode(out)
                 ref = answer["prompt_ref"]
-                answers[mode].append(answer["token_ids"])
-        assert answers["whole"] == answers["new_messages"]  # (the appended ids: the system prompts differ)
-        row: dict[str, Any] = {"size": size, "messages": len(messages), "turns": len(sampled) - 1}
-        for mode, values in timed.items():
-            row[f"{mode}_ms_median"] = statistics.median(values)
-            row[f"{mode}_ms_mean"] = statistics.mean(values)
+                answers[size, mode].append(answer["token_ids"])
+    rows = []
+    for size in sizes:
+        # (the appended ids: the system prompts differ, what is appended does not)
+        assert answers[size, "whole"] == answers[size, "new_messages"]
+        row: dict[str, Any] = {"size": size, "messages": len(conversations[size][0]),
+                               "turns": len(conversations[size][1]) - 1}
+        for mode in modes:
+            row[f"{mode}_ms_median"] = statistics.median(timed[size, mode])
+            row[f"{mode}_ms_mean"] = statistics.mean(timed[size, mode])
         row["new_messages_over_whole"] = row["new_messages_ms_median"] / row["whole_ms_median"]
         rows.append(row)
         print(json.dumps(row), flush=True)
