@@ -47,6 +47,14 @@ def test_a_citation_closer_alone_keeps_both_invariants():
     check_parser(FAMILIES["cohere_command3"], "</co:1>", [2, 5])
 
 
+@pytest.mark.parametrize("name", ["muse", "musespark", "muse_glimmer"])
+def test_a_header_to_a_recipient_no_tool_has_keeps_both_invariants(name):
+    # found by test_adversarial_soup_keeps_both_invariants[muse_glimmer]: ``to=selfnull`` before <|message|> is a
+    # message to a tool named "selfnull" (its header is markup), not reasoning to "self" followed by "null"
+    check_parser(FAMILIES[name], "to=selfnull<|message|>", [3, 9])
+    check_parser(FAMILIES[name], "to=selfnull<|message|>x<|eom|>", [3, 9, 20])
+
+
 @pytest.mark.parametrize("name", NAMES)
 @FAST
 @given(data=st.data(), cuts=CUTS)

@@ -249,6 +249,11 @@ MUSE = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>", "assistant", "to=self"
         *(f"to={n}<|message|>" for n in ("get_weather", "get_time", "write_file", "unknown_tool")))
 
 
+# A header's recipient: the ``to=NAME`` right before a ``<|message|>`` is where the message goes, not its text,
+# whatever the name (``to=selfnull<|message|>`` is a message to a tool named so), as the parser reads it
+MUSE_HEADER_RECIPIENT = re.compile(r"to=[A-Za-z0-9_.\-]*[^\S\n]*(?=<\|message\|>)")
+
+
 def write_muse(calls: list[Call]) -> str:
     # one message to the tool per call, as Muse's template writes them
     return "".join(f"<|start|>assistant to={n}<|message|><atem:function_calls>\n<atem:invoke name=\"{n}\">\n" + "".join(
@@ -498,7 +503,8 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in [
                (*_SEED, "get_weather>", "city>", "\n", " ", "x", "3", "<", "null", "😀")),
     *(ToolFamily(name, write_muse, MUSE,
                  (*MUSE, " to=self<|message|>", "to=get_weather<|message|>", "<|start|>assistant to=user<|message|>",
-                  '"get_weather">', '"city">', "\n", " ", "x", "t", "to", "3", "<", "<|", "null"))
+                  '"get_weather">', '"city">', "\n", " ", "x", "t", "to", "3", "<", "<|", "null"),
+                 markup_spans=MUSE_HEADER_RECIPIENT)
       for name in ("muse", "musespark", "muse_glimmer")),
 ]}
 
