@@ -27,7 +27,8 @@ _PARAM = "previous_turn.messages"
 
 def kept_history(messages: list[Any]) -> ChatHistory:
     """What a prompt reference keeps of the messages its render was made from: the values, and where they came
-    through the message memo, their entries, prepared forms and counts (shared, never copied)."""
+    through the message memo, their entries, prepared forms and counts (the body store's own tuples where it
+    filed the body, else copied once)."""
     if type(messages) is MemoMessages:
         filed = messages.filed
         if filed is not None:  # (its tuples are the request's messages and entries: kept, not copied)
