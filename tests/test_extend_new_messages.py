@@ -3,6 +3,7 @@ with its ``prompt_ref``, and the answer is what sending the whole conversation a
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -36,12 +37,13 @@ def test_a_rollout_sending_only_its_new_messages_answers_as_the_whole_conversati
 
 
 def test_a_long_conversation_resumes_the_templates_loop_from_the_kept_messages():
-    """Past the body store's threshold, and with the messages coming through the memo: the turn resumes the
-    template's loop where the previous render left it, as when the whole body is sent."""
+    """A conversation whose first body the body store files (past 32 KiB), its messages coming through the memo:
+    the turns that send only their new messages resume the template's loop where the previous render left it, as
+    when the whole body is sent."""
     from bench.extend_bench import TOOLS, _conversation, _sampled_text
 
     config = qwen3_config()
-    messages = _conversation(8192, config)
+    messages = _conversation(16384, config)
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     k, before = assistants[-1], assistants[-2]
     sampled = [config.tokenizer.encode(_sampled_text(messages[i])) for i in (before, k)]
@@ -52,7 +54,9 @@ def test_a_long_conversation_resumes_the_templates_loop_from_the_kept_messages()
             assert reply.status_code == 200, reply.text
             return reply.json()
 
-        first = post({"messages": messages[:before], "return_prompt_ref": True})
+        whole_first = {"messages": messages[:before], "return_prompt_ref": True}
+        assert len(json.dumps({**plain, **whole_first})) > 32 * 1024
+        first = post(whole_first)
         middle = post({"messages": messages[before:k], "return_prompt_ref": True, "previous_turn": {
             "prompt_ref": first["prompt_ref"], "completion_token_ids": sampled[0], "messages": "new"}})
         records = config.template.loop_records
