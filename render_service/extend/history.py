@@ -19,7 +19,7 @@ from render_service.extend.prompt_refs import ChatHistory, StoredPrompt
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig
 from render_service.wire.body_prefix_store import StoredBody
-from render_service.wire.message_memo import MemoMessages
+from render_service.wire.message_memo import MemoMessages, entry_counts
 from render_service.wire.protocol import ChatCompletionRequest
 
 _PARAM = "previous_turn.messages"
@@ -27,16 +27,15 @@ _PARAM = "previous_turn.messages"
 
 def kept_history(messages: list[Any]) -> ChatHistory:
     """What a prompt reference keeps of the messages its render was made from: the values, and where they came
-    through the message memo, their entries, prepared forms and counts (the body store's own tuples where it
-    filed the body, else copied once)."""
-    if type(messages) is MemoMessages:
-        filed = messages.filed
-        if filed is not None:  # (its tuples are the request's messages and entries: kept, not copied)
-            return ChatHistory(filed.values, filed.entries, filed.prepared, filed.tool_calls, filed.image_messages)
-        entries = messages.entries
-        return ChatHistory(tuple(messages), tuple(entries), None, sum(entry.tool_calls for entry in entries),
-                           sum(entry.images for entry in entries))
-    return ChatHistory(tuple(messages))
+    through the message memo, the body store's filing of them without the body (the body store's own tuples where
+    it filed the body, else copied once)."""
+    if type(messages) is not MemoMessages:
+        return ChatHistory(tuple(messages))
+    filed = messages.filed
+    if filed is not None:
+        return ChatHistory(filed.values, filed._replace(body=b"", starts=(), ends=()))
+    values, entries = tuple(messages), tuple(messages.entries)
+    return ChatHistory(values, StoredBody(b"", (), (), entries, None, values, *entry_counts(entries)))
 
 
 def with_history(req: ChatCompletionRequest, config: RenderConfig, client: str
@@ -71,16 +70,10 @@ def _joined(history: ChatHistory, own: list[Any]) -> list[Any]:
     """The kept messages and the request's as one list. Where both came through the memo it is a ``MemoMessages``
     whose first messages are shared with the previous render's (their prepared forms taken as that render left
     them) and which files its own for the next turn, as a body that starts with a stored body is."""
-    if type(own) is not MemoMessages or history.entries is None:
+    kept = history.memo
+    if type(own) is not MemoMessages or kept is None:
         return [*history.values, *own]
-    entries = (*history.entries, *own.entries)
+    entries = (*kept.entries, *own.entries)
     values = (*history.values, *own)
-    kept = len(history.values)
-    shared = StoredBody(b"", (), (), history.entries, history.prepared, history.values, history.tool_calls,
-                        history.image_messages)
-    added = own.entries
-    tool_calls = history.tool_calls + sum(entry.tool_calls for entry in added) if history.tool_calls >= 0 else -1
-    image_messages = history.image_messages + sum(entry.images for entry in added) \
-        if history.image_messages >= 0 else -1
-    filed = StoredBody(b"", (), (), entries, {}, values, tool_calls, image_messages)
-    return MemoMessages(entries, values, (shared, kept) if history.prepared is not None else None, filed)
+    filed = StoredBody(b"", (), (), entries, {}, values, *entry_counts(entries, kept))
+    return MemoMessages(entries, values, (kept, len(history.values)) if kept.prepared is not None else None, filed)

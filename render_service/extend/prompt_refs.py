@@ -31,6 +31,7 @@ from typing import Any
 from render_service.caches.byte_lru import CacheStats
 from render_service.tokenize.ids_json import ids_json
 from render_service.tokenize.incremental_tokenizer import PromptIds
+from render_service.wire.body_prefix_store import StoredBody
 
 _ENTRY_OVERHEAD = 512
 # The messages an entry with masks keeps alive (the message memo may have dropped them): a slot and a dict each,
@@ -84,16 +85,12 @@ def id_run(ids: Sequence[int]) -> IdRun:
 class ChatHistory:
     """The request messages a chat prompt was rendered from, so that the next turn may send only the messages from
     its sampled turn on (``previous_turn.messages: "new"``, extend/history.py). ``values`` are the messages as
-    decoded; where they came through the message memo, ``entries`` are their memo entries, ``prepared`` their
-    prepared forms by content format as the render left them (chat_messages.PreparedLineage), and the counts of
-    their tool calls and of those holding an image part (-1: not counted), so that the next turn walks only what
-    it adds."""
+    decoded; ``memo``, where they came through the message memo, the same messages as the body store files them
+    but without the body (their entries, their prepared forms as the render left them, their tool calls and image
+    messages counted), so that the next turn walks only what it adds."""
 
     values: tuple[Any, ...]
-    entries: tuple[Any, ...] | None = None
-    prepared: dict[str, Any] | None = None
-    tool_calls: int = -1
-    image_messages: int = -1
+    memo: StoredBody | None = None
 
 
 @dataclass(frozen=True)

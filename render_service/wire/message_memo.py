@@ -140,6 +140,16 @@ def history_tool_calls(messages: list[Any]) -> int:
     return sum(map(tool_call_count, messages))
 
 
+def entry_counts(entries: Sequence[MemoEntry], kept: StoredBody | None = None) -> tuple[int, int]:
+    """The tool calls of ``entries`` and how many hold an image part. ``kept``: a filed body whose messages are
+    the first of ``entries``; where it counted its own, only the entries after them are walked (a growing turn
+    adds only its new messages')."""
+    if kept is not None and kept.tool_calls >= 0 and kept.image_messages >= 0:
+        added = entries[len(kept.entries):]
+        return kept.tool_calls + sum(map(_TOOL_CALLS, added)), kept.image_messages + sum(map(_IMAGES, added))
+    return sum(map(_TOOL_CALLS, entries)), sum(map(_IMAGES, entries))
+
+
 class MemoMessages(list[dict[str, Any]]):
     """``ChatCompletionRequest.messages`` decoded through the memo: shared dicts (read-only), with their entries
     (``entries[i]`` is message i's) for ``chat_messages.prepare_messages``; ``shared_with``: the stored body whose
@@ -266,15 +276,7 @@ class MessageMemo:
         if len(starts) != len(entries):
             return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
-        # (a turn that holds all of a filed body's messages counts only the tool calls and images of those it adds)
-        if replaces is not None and replaces.tool_calls >= 0 and replaces.image_messages >= 0:
-            added = entries[len(replaces.entries):]
-            tool_calls = replaces.tool_calls + sum(map(_TOOL_CALLS, added))
-            image_messages = replaces.image_messages + sum(map(_IMAGES, added))
-        else:
-            tool_calls = sum(map(_TOOL_CALLS, entries))
-            image_messages = sum(map(_IMAGES, entries))
-        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, tool_calls, image_messages)
+        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, *entry_counts(entries, replaces))
         bodies.add(stored, replaces)
         return stored
 
