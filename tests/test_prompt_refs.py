@@ -140,7 +140,8 @@ def test_an_unknown_or_another_clients_reference_is_a_404_naming_the_field():
     {"completion_token_ids": [1], "prompt_token_ids": [1], "prompt_ref": "pr-x"},
     {"completion_token_ids": [1], "check": "most"},
     {"completion_token_ids": [1], "prompt_token_ids": [1], "answer": "tail"},
-], ids=["no-prompt", "both", "unknown-check", "unknown-answer"])
+    {"completion_token_ids": [1], "prompt_ref": "pr-x", "messages": "some"},
+], ids=["no-prompt", "both", "unknown-check", "unknown-answer", "unknown-messages"])
 def test_previous_turn_needs_exactly_one_prompt_and_a_known_check(turn):
     with RenderServer(qwen3_config()) as server:
         reply = server.client.post(CHAT, json={"messages": [*SYSTEM, {"role": "assistant", "content": "a"}],
