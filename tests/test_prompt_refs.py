@@ -3,6 +3,7 @@ it instead of resending the ids. Same answer as sending the ids; scoped to the c
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from render_service.bundle.model_bundle import load_bundle
 from render_service.extend.prompt_refs import PromptRefs, StoredPrompt, id_run
 from render_service.render.render_config import build_render_config
+from render_service.tokenize.incremental_tokenizer import PromptIds
 from tests import rollouts
 from tests.harmony_fixtures import MODEL, gpt_oss_config
 from tests.harmony_fixtures import encode as harmony_encode
@@ -222,3 +224,19 @@ def test_an_extended_entry_shares_its_earlier_chunks_and_counts_them():
     assert grown.tolist() == [5, 6, 7, 8, 9, 10] and grown.chunks[0] is first.chunks[0]
     assert bytes(grown.view().json_array()) == b"[5,6,7,8,9,10]"
     assert StoredPrompt(grown).size > StoredPrompt(first).size
+
+
+def test_a_long_rollouts_run_appends_and_answers_its_tail_without_listing_the_earlier_chunks():
+    head = id_run(PromptIds([[1, 2], [3]], [b"1,2", b"3"], 3))  # a full render's pieces: one link
+    runs = [head]
+    for turn in range(5000):  # two links a turn, as an extend appends the completion, then the new messages
+        runs.append(runs[-1].then([turn]).then([-1, turn]))
+    last = runs[-1]
+    assert last.count == 3 + 3 * 5000 and last.before is not None and last.before.before is runs[-2]
+    view = last.view()
+    assert view[-4:] == [4998, 4999, -1, 4999] and len(view) == last.count
+    assert view._chunks is None  # the tail came from the last links alone
+    ids = last.tolist()
+    assert ids[:5] == [1, 2, 3, 0, -1] and ids == list(itertools.chain.from_iterable(view.chunks))
+    assert bytes(view.json_array()) == ("[" + ",".join(map(str, ids)) + "]").encode()
+    del runs, last, view  # (a chain this long is freed without running out of stack)

@@ -24,7 +24,7 @@ import array
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +40,21 @@ _BYTES_PER_MESSAGE = 256
 _MESSAGE_BYTES_PER_TOKEN = 4
 
 
-@dataclass(frozen=True)
 class IdRun:
     """Integers (token ids, message indices or mask flags) as the chunks they were made of, with each chunk's JSON
-    array body (no brackets): appending shares the earlier chunks, and writing them out joins the JSON."""
+    array body (no brackets). A run is a link of a chain: its own chunks and the run it extends, so appending
+    costs the appended ids alone, every run of a conversation shares the chunks before it, and nothing walks the
+    earlier chunks until the whole run is read (``view``'s chunks, ``tolist``). Immutable once made."""
 
-    chunks: tuple[Sequence[int], ...] = ()
-    json_parts: tuple[bytes, ...] = ()
-    count: int = 0
-    json_bytes: int = 0  # the parts' total length (counted as they are added: a long conversation has hundreds)
+    __slots__ = ("before", "own_chunks", "own_parts", "count", "json_bytes")
+
+    def __init__(self, before: IdRun | None = None, own_chunks: tuple[Sequence[int], ...] = (),
+                 own_parts: tuple[bytes, ...] = (), count: int = 0, json_bytes: int = 0) -> None:
+        self.before = before
+        self.own_chunks = own_chunks
+        self.own_parts = own_parts
+        self.count = count  # ids in the whole run
+        self.json_bytes = json_bytes  # the whole run's JSON parts' length
 
     def then(self, ids: Sequence[int]) -> IdRun:
         """The run with ``ids`` appended (kept as a 32-bit array where they fit: 4 bytes an id)."""
@@ -60,24 +66,53 @@ class IdRun:
         except (OverflowError, TypeError):
             chunk = tuple(ids)
         part = ids_json(ids)
-        return IdRun((*self.chunks, chunk), (*self.json_parts, part), self.count + len(ids),
+        return IdRun(self if self.count else None, (chunk,), (part,), self.count + len(ids),
                      self.json_bytes + len(part))
+
+    def _links(self) -> list[IdRun]:
+        """The chain's runs, oldest first (iteratively: a rollout's chain is two links a turn)."""
+        links: list[IdRun] = []
+        run: IdRun | None = self
+        while run is not None:
+            links.append(run)
+            run = run.before
+        links.reverse()
+        return links
+
+    def listed(self) -> tuple[list[Sequence[int]], list[bytes]]:
+        chunks: list[Sequence[int]] = []
+        parts: list[bytes] = []
+        for run in self._links():
+            chunks += run.own_chunks
+            parts += run.own_parts
+        return chunks, parts
+
+    def newest_chunks(self) -> Iterator[Sequence[int]]:
+        run: IdRun | None = self
+        while run is not None:
+            yield from reversed(run.own_chunks)
+            run = run.before
+
+    @property
+    def chunks(self) -> list[Sequence[int]]:
+        return self.listed()[0]
 
     def view(self) -> PromptIds:
         """A ``PromptIds`` over the chunks (written to JSON from the parts; its ids never copied into one list)."""
-        return PromptIds(list(self.chunks), list(self.json_parts), self.count)
+        return PromptIds.of_chain(self, self.count)
 
     def tolist(self) -> list[int]:
         out: list[int] = []
-        for chunk in self.chunks:
-            out.extend(chunk)
+        for run in self._links():
+            for chunk in run.own_chunks:
+                out.extend(chunk)
         return out
 
 
 def id_run(ids: Sequence[int]) -> IdRun:
-    """``ids`` as a run: a ``PromptIds`` keeps its chunks, anything else becomes one chunk."""
+    """``ids`` as a run: a ``PromptIds`` keeps its chunks (one link), anything else becomes one chunk."""
     if isinstance(ids, PromptIds) and ids.json_parts:
-        return IdRun(tuple(ids.chunks), tuple(ids.json_parts), len(ids), sum(map(len, ids.json_parts)))
+        return IdRun(None, tuple(ids.chunks), tuple(ids.json_parts), len(ids), sum(map(len, ids.json_parts)))
     return IdRun().then(list(ids) if isinstance(ids, PromptIds) else ids)
 
 

@@ -25,7 +25,7 @@ import array
 import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import msgspec
 
@@ -167,19 +167,59 @@ class SegmentCache:
         return self.lru.evictions
 
 
+class ChunkChain(Protocol):
+    """Ids kept as a chain of chunks (extend/prompt_refs.IdRun): listed whole only when read whole."""
+
+    def listed(self) -> tuple[list[Sequence[int]], list[bytes]]:
+        """Every chunk and its JSON array body, oldest first."""
+        ...
+
+    def newest_chunks(self) -> Iterator[Sequence[int]]:
+        """The chunks from the last back, without listing them all."""
+        ...
+
+
 class PromptIds(Sequence[int]):
     """A prompt's token ids as the pieces they were cut in, without a list of every id: the render server
     writes them to JSON from the pieces' cached JSON (``json_array``: a 128k-token prompt's ids cost a join
     instead of 128k integer conversions) and reads only their count and the tail (prompt_ends_reasoning),
-    so a prompt the cache mostly holds never copies its ids. ``tolist()`` gives them as a list (built once)."""
+    so a prompt the cache mostly holds never copies its ids. ``tolist()`` gives them as a list (built once).
+    Made ``of_chain``, the chunks are listed on first read: an answer that writes only its tail never lists
+    the ones it shares with earlier prompts."""
 
-    __slots__ = ("chunks", "json_parts", "_count", "_list")
+    __slots__ = ("_chunks", "_json_parts", "_count", "_list", "_chain")
 
     def __init__(self, chunks: list[Sequence[int]], json_parts: list[bytes], count: int) -> None:
-        self.chunks = chunks
-        self.json_parts = json_parts
+        self._chunks: list[Sequence[int]] | None = chunks
+        self._json_parts: list[bytes] | None = json_parts
         self._count = count
         self._list: list[int] | None = None
+        self._chain: ChunkChain | None = None
+
+    @classmethod
+    def of_chain(cls, chain: ChunkChain, count: int) -> PromptIds:
+        ids = cls.__new__(cls)
+        ids._chunks = ids._json_parts = ids._list = None
+        ids._count, ids._chain = count, chain
+        return ids
+
+    def _listed(self) -> None:
+        assert self._chain is not None
+        self._chunks, self._json_parts = self._chain.listed()
+
+    @property
+    def chunks(self) -> list[Sequence[int]]:
+        if self._chunks is None:
+            self._listed()
+        assert self._chunks is not None
+        return self._chunks
+
+    @property
+    def json_parts(self) -> list[bytes]:
+        if self._json_parts is None:
+            self._listed()
+        assert self._json_parts is not None
+        return self._json_parts
 
     def __len__(self) -> int:
         return self._count
@@ -201,7 +241,13 @@ class PromptIds(Sequence[int]):
 
     def _tail(self, n: int) -> list[int]:
         parts: list[Sequence[int]] = []
-        for chunk in reversed(self.chunks):
+        newest: Iterator[Sequence[int]]
+        if self._chunks is not None:
+            newest = reversed(self._chunks)
+        else:
+            assert self._chain is not None
+            newest = self._chain.newest_chunks()
+        for chunk in newest:
             if len(chunk) >= n:
                 parts.append(chunk[len(chunk) - n:])
                 break
