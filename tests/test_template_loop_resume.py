@@ -76,8 +76,8 @@ def test_qwen3_agent_loop_resumes_every_turn_and_matches():
 
 
 def test_qwen3_new_user_turn_rewrites_earlier_reasoning_and_still_matches():
-    """A user message moves Qwen3's last query: earlier assistant turns lose their reasoning. The head's namespace
-    differs from the record's, so nothing is reused."""
+    """A user message moves Qwen3's last query: earlier assistant turns lose their reasoning. The last query moved
+    from message 0 to 2, so every iteration from message 0 - 1 on may render otherwise: nothing is reused."""
     conv = [{"role": "user", "content": "a"},
             {"role": "assistant", "content": "b", "reasoning_content": "thinking"},
             {"role": "user", "content": "c"}]
@@ -86,6 +86,74 @@ def test_qwen3_new_user_turn_rewrites_earlier_reasoning_and_still_matches():
     _grow(resumed, plain, prepared, {"add_generation_prompt": True}, [2, 3])
     assert "thinking" in plain.render(PlainMessages(prepared[:2]), add_generation_prompt=False)
     assert "thinking" not in resumed.render(_shared(prepared), add_generation_prompt=True)
+
+
+THRESHOLD_TEMPLATES = {"qwen3": QWEN3, **{name: (ROOT / "tests" / "fixtures" / "templates" / f"{name}.jinja").read_text(
+    encoding="utf-8") for name in ("glm-4.6", "glm-4.7-flash", "minimax-m2")}}
+
+
+@pytest.mark.parametrize("name", sorted(THRESHOLD_TEMPLATES))
+def test_a_chat_growing_by_user_turns_resumes_before_the_last_user_turn_and_matches(name):
+    """Each user turn moves the template's last user index (compared only with ``loop.index0``): the loop resumes
+    just before the old one, so the previous assistant turn, which loses its reasoning, is rendered again."""
+    source = THRESHOLD_TEMPLATES[name]
+    plan = plan_message_loop(_ENVIRONMENT.parse(source))
+    assert plan is not None and len(plan.thresholds) == 1
+    rng = random.Random(7)
+    conversation: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for turn in range(12):
+        conversation.append({"role": "user", "content": f"question {turn}: " + " ".join(
+            rng.choice(["cats", "rivers", "bits", "tea"]) for _ in range(rng.randint(1, 9)))})
+        conversation.append({"role": "assistant", "content": f"answer {turn}",
+                             "reasoning_content": f"thinking about {turn}"})
+    prepared = prepare_messages(conversation)
+    resumed, plain = _pair(source)
+    ends = [end for end in range(2, len(prepared) + 1) if prepared[end - 1]["role"] == "user"]
+    kwargs = {"add_generation_prompt": True}
+    assert _grow(resumed, plain, prepared, kwargs, ends) == len(ends) - 2  # each turn from the third
+    assert "thinking about 10" not in plain.render(_shared(prepared), **kwargs)  # (the moved threshold mattered)
+    assert "thinking about 11" in plain.render(_shared(prepared), **kwargs)
+
+
+@pytest.mark.parametrize("reads", [
+    "{{ ns.last }}",  # read other than in the comparison
+    "{% set ns.last = loop.index0 %}",  # set by the loop
+    "{{ show(ns) }}",  # the namespace passed on
+    "{{ 'x' if loop.index0 - 1 > ns.last }}",  # compared with something else than the index
+    "{{ 'x' if ns.last + 1 > loop.index0 }}",
+])
+def test_a_value_the_loop_does_more_with_than_compare_with_its_index_is_no_threshold(reads):
+    source = ("{%- macro show(v) %}{{ v }}{% endmacro -%}{%- set ns = namespace(last=-1) -%}"
+              "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor -%}"
+              "{%- for message in messages %}[{{ message.content }}{{ '*' if loop.index0 > ns.last }}" + reads
+              + "]{%- endfor %}")
+    plan = plan_message_loop(_ENVIRONMENT.parse(source))
+    assert plan is not None and plan.thresholds == ()
+    assert plan_message_loop(_ENVIRONMENT.parse(source.replace(reads, ""))).thresholds == (("ns", "last"),)
+
+
+def test_a_macro_that_reads_the_namespace_rules_the_threshold_out():
+    source = ("{%- macro mark(i) %}{{ '*' if i > ns.last }}{% endmacro -%}{%- set ns = namespace(last=2) -%}"
+              "{%- for message in messages %}[{{ message.content }}{{ '+' if loop.index0 > ns.last }}"
+              "{{ mark(loop.index0) }}]{%- endfor %}")
+    plan = plan_message_loop(_ENVIRONMENT.parse(source))
+    assert plan is not None and plan.thresholds == ()
+
+
+def test_a_threshold_compared_the_other_way_or_as_a_plain_name_resumes_and_matches():
+    """``last >= loop.index`` and a plain name set by the head: the same limit holds (checked against full renders
+    on a conversation whose last user turn moves every other message)."""
+    source = ("{%- set last = namespace(at=-1) -%}"
+              "{%- for m in messages %}{% if m.role == 'user' %}{% set last.at = loop.index0 %}{% endif %}{% endfor -%}"
+              "{%- set at = last.at -%}"
+              "{%- for message in messages %}<{{ message.content }}{{ '|old' if at >= loop.index }}"
+              "{{ '|new' if loop.index0 == at }}>{%- endfor %}")
+    plan = plan_message_loop(_ENVIRONMENT.parse(source))
+    assert plan is not None and plan.thresholds == (("at", ""),)
+    messages = prepare_messages([{"role": "user" if i % 2 == 0 else "assistant", "content": str(i)}
+                                 for i in range(16)])
+    resumed, plain = _pair(source)
+    assert _grow(resumed, plain, messages, {}, list(range(1, 17))) > 8
 
 
 def test_a_changed_message_in_the_middle_resumes_before_it():

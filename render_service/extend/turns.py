@@ -128,7 +128,8 @@ def _probes_together(render_output: Callable[..., LoopOutput | None], messages: 
         return None
     starts = full.starts
     assert starts is not None
-    if alt is None or alt.starts is None or alt.names != full.names or alt.offset != full.offset \
+    if alt is None or alt.starts is None or alt.names != full.names or alt.marks != full.marks \
+            or alt.offset != full.offset \
             or len(alt.starts) != len(starts) or alt.blocks[:alt.starts[0]] != full.blocks[:starts[0]]:
         return None
     found = _iterations_apart(full, alt, ends, {i - full.offset for i in group})

@@ -22,6 +22,11 @@ The loop must sit at the template's top level (inside ``if`` blocks at most), so
 template's own output, not a macro's or a variable's. A loop over the messages that writes nothing (a scan that
 sets a namespace) is part of the head; where several loops write them (one per ``if`` branch), each gets a plan,
 and a render resumes only from a record of the same loop (``LoopPlan.ident``).
+
+One kind of outside value may differ from the record's: a threshold (``LoopPlan.thresholds``), a name or a
+namespace attribute that the iterations only compare with their own index (``loop.index0 > ns.last_user_index``,
+as Qwen3, GLM, MiniMax and Gemma write the last user turn) and never set. Where it moved from ``a`` to ``b``, only
+iterations from ``min(a, b) - 1`` on can compare differently, so a render may keep the ones before that.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class LoopPlan:
     max_index: int = -1
     subscripts: list[nodes.Getitem] = field(default_factory=list)
     ident: int = 0
+    # (name, attribute) pairs ("" for a plain name): the thresholds among ``names`` (the module's docstring)
+    thresholds: tuple[tuple[str, str], ...] = ()
 
 
 class _NotResumable(Exception):
@@ -80,9 +87,74 @@ def plan_message_loops(tree: nodes.Template) -> list[LoopPlan]:
         except _NotResumable:
             continue
         reader.names.discard("loop")
+        macros = list(tree.find_all(nodes.Macro))
         plans.append(LoopPlan(loop, sorted(reader.names), max(1, reader.reach), reader.max_index,
-                              reader.subscripts, len(plans)))
+                              reader.subscripts, len(plans), index_thresholds(loop, reader.names, macros)))
     return plans
+
+
+# comparisons whose outcome for iteration i changes, when one side moves from a to b, only for i in [min, max]
+_COMPARISONS = frozenset({"gt", "gteq", "lt", "lteq", "eq", "ne"})
+
+
+def index_thresholds(loop: nodes.For, outside: set[str], macros: list[nodes.Macro]) -> tuple[tuple[str, str], ...]:
+    """The outside values (``(name, "")``, or ``(namespace, attribute)``) that the loop's iterations read only as
+    one side of a single comparison whose other side is ``loop.index0`` or ``loop.index``, that nothing in the loop
+    sets and that no macro can reach (a macro reading the name, or the namespace at all, rules it out)."""
+    compared: set[tuple[str, str]] = set()
+    other_reads: set[tuple[str, str]] = set()
+    whole: set[str] = set()  # names read other than through one attribute (the namespace passed on, printed)
+    stored: set[tuple[str, str]] = set()
+
+    def key(node: nodes.Node) -> tuple[str, str] | None:
+        if isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name) and node.node.ctx == "load":
+            return node.node.name, node.attr
+        if isinstance(node, nodes.Name) and node.ctx == "load":
+            return node.name, ""
+        return None
+
+    def counter(node: nodes.Node, main: bool) -> bool:
+        return main and isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name) \
+            and node.node.name == "loop" and node.attr in ("index0", "index")
+
+    def walk(node: nodes.Node, main: bool) -> None:
+        if isinstance(node, nodes.For):  # an inner loop: `loop` is its own in its body
+            walk(node.iter, main)
+            if node.test is not None:
+                walk(node.test, False)
+            for child in node.body:
+                walk(child, False)
+            for child in node.else_:
+                walk(child, main)
+            return
+        if isinstance(node, nodes.Compare) and len(node.ops) == 1 and node.ops[0].op in _COMPARISONS:
+            for one, other in ((node.expr, node.ops[0].expr), (node.ops[0].expr, node.expr)):
+                found = key(other)
+                if counter(one, main) and found is not None and found[0] in outside:
+                    compared.add(found)
+                    return
+        found = key(node)
+        if found is not None:
+            other_reads.add(found)
+            if found[1] == "":
+                whole.add(found[0])
+            return
+        if isinstance(node, nodes.NSRef):
+            stored.add((node.name, node.attr))
+            return
+        if isinstance(node, nodes.Name):  # a store
+            stored.add((node.name, ""))
+            whole.add(node.name)
+            return
+        for child in node.iter_child_nodes():
+            walk(child, main)
+
+    for statement in loop.body:
+        walk(statement, True)
+    in_macros = {n.name for macro in macros for n in macro.find_all(nodes.Name)} | \
+        {n.name for macro in macros for n in macro.find_all(nodes.NSRef)}
+    return tuple(sorted(found for found in compared - other_reads - stored
+                        if found[0] not in in_macros and (found[1] == "" or found[0] not in whole)))
 
 
 def top_level(body: list[nodes.Node]) -> list[nodes.Node]:
@@ -260,7 +332,7 @@ def rewrite_message_loop(plan: LoopPlan, environment: Any) -> None:
     entry = nodes.Call(
         internal_name(LOOP_ENTRY, loop.lineno),
         [loop.iter, nodes.ContextReference(), names, nodes.Const(plan.reach), nodes.Const(plan.max_index),
-         nodes.Const(plan.ident)],
+         nodes.Const(plan.ident), nodes.Const(plan.thresholds)],
         [], None, None, lineno=loop.lineno)
     entry.set_environment(environment)
     loop.iter = entry

@@ -16,7 +16,9 @@ messages are the first ``k`` of this one's, it instead
 
 Iterations before ``s`` would write what they wrote then: each reads only its message, those up to ``reach``
 ahead and those at constant indices (all among the first ``k``), counters that do not depend on the list's length,
-the names checked in 1 and the namespaces restored in 2. A read of the messages at a negative index (which Python
+the names checked in 1 and the namespaces restored in 2. A threshold (loop_plan.index_thresholds: a value only
+compared with the loop's index) may differ from the record's: ``s`` is then at most ``min(old, new) - 1``, and the
+restored namespaces keep its new value. A read of the messages at a negative index (which Python
 takes from the end) makes the render's record unusable. Any check that fails leaves the render a full one.
 """
 
@@ -71,6 +73,7 @@ class LoopRecord:
     reach: int
     max_index: int
     loop: int  # which of the template's message loops (loop_plan.LoopPlan.ident)
+    marks: list[Any] = field(default_factory=list)  # the thresholds' values (loop_plan.LoopPlan.thresholds)
     # per head scan (last_match_scan.py): the index of the last message it matched, None where it matched none
     scans: dict[int, int | None] = field(default_factory=dict)
 
@@ -93,6 +96,7 @@ class LoopSession:
     entry_block: int = 0
     offset: int = 0
     names: list[Any] = field(default_factory=list)
+    marks: list[Any] = field(default_factory=list)
     namespaces: list[jinja2.utils.Namespace] = field(default_factory=list)
     item_blocks: list[int] = field(default_factory=list)
     states: list[list[dict[str, Any]]] = field(default_factory=list)
@@ -134,7 +138,7 @@ def _comparable(value: Any) -> Any:
 
 
 def loop_entry(items: Any, context: jinja2.runtime.Context, names: dict[str, Any], reach: int, max_index: int,
-               loop: int) -> Any:
+               loop: int, thresholds: tuple[tuple[str, str], ...] = ()) -> Any:
     """Called by a compiled template where its message loop starts: what the loop iterates."""
     session = SESSION.get()
     if session is None or session.entered:
@@ -151,11 +155,12 @@ def loop_entry(items: Any, context: jinja2.runtime.Context, names: dict[str, Any
         return items
     try:
         values = [_comparable(names[name]) for name in sorted(names)]
+        marks = _thresholds_apart(values, sorted(names), thresholds)
     except TypeError:
         session.unusable = True
         return items
-    session.names, session.offset, session.reach, session.max_index = values, offset, reach, max_index
-    session.loop = loop
+    session.names, session.marks, session.offset = values, marks, offset
+    session.reach, session.max_index, session.loop = reach, max_index, loop
     session.namespaces = [v for _, v in sorted(names.items()) if isinstance(v, jinja2.utils.Namespace)]
     session.entry_block = len(session.blocks)
     start = _resume_point(session, values, offset, len(items))
@@ -166,13 +171,46 @@ def loop_entry(items: Any, context: jinja2.runtime.Context, names: dict[str, Any
         assert record is not None
         for ns, attrs in zip(session.namespaces, record.states[start], strict=True):
             kept = _get_attrs(ns, _ATTRS)
+            now = {attr: kept[attr] for name, attr in thresholds if attr and names[name] is ns and attr in kept}
             kept.clear()
             kept.update(attrs)
+            kept.update(now)  # (the loop never sets a threshold: its value is the one the loop started with)
         session.resumed_at = start
         session.base_block = record.starts[start]
         session.states = record.states[:start]
         tracked.start = start
     return tracked
+
+
+def _thresholds_apart(values: list[Any], names: list[str], thresholds: tuple[tuple[str, str], ...]) -> list[Any]:
+    """Takes the thresholds' values out of ``values`` (comparable values of ``names``, in place) and returns them."""
+    marks: list[Any] = []
+    for name, attr in thresholds:
+        at = names.index(name)
+        value = values[at]
+        if not attr:
+            marks.append(value)
+            values[at] = ("threshold",)
+        elif type(value) is tuple and value[0] == "namespace" and attr in value[1]:
+            attrs = dict(value[1])
+            marks.append(attrs.pop(attr))
+            values[at] = ("namespace", attrs)
+        else:
+            marks.append(None)  # (not a namespace holding it this time: compared as the other names are)
+    return marks
+
+
+def _threshold_limit(kept: list[Any], now: list[Any]) -> int | None:
+    """The first loop index that may compare differently with the thresholds moved from ``kept`` to ``now`` (None:
+    none moved); -1 where one moved and is not an integer both times."""
+    limit: int | None = None
+    for old, new in zip(kept, now, strict=True):
+        if type(old) is type(new) and old == new:
+            continue
+        if type(old) is not int or type(new) is not int:
+            return -1
+        limit = min(old, new) - 1 if limit is None else min(limit, old - 1, new - 1)
+    return limit
 
 
 def _resume_point(session: LoopSession, values: list[Any], offset: int, count: int) -> int:
@@ -186,8 +224,14 @@ def _resume_point(session: LoopSession, values: list[Any], offset: int, count: i
         return 0
     if record.loop != session.loop or record.offset != offset or record.reach != session.reach \
             or record.head_blocks != len(session.blocks) \
-            or record.blocks[:record.head_blocks] != session.blocks or record.names != values:
+            or record.blocks[:record.head_blocks] != session.blocks or record.names != values \
+            or len(record.marks) != len(session.marks):
         return 0
+    limit = _threshold_limit(record.marks, session.marks)
+    if limit is not None:
+        start = min(start, limit)
+        if start <= 0:
+            return 0
     if len(record.states[start]) != len(session.namespaces):
         return 0
     return start
@@ -225,6 +269,7 @@ class LoopOutput:
     # the outside names' values, each iteration's namespaces at its start, how far ahead it reads, the largest
     # constant index it reads
     names: list[Any] | None = None
+    marks: list[Any] | None = None  # (the thresholds' values, kept out of ``names``)
     states: list[list[dict[str, Any]]] | None = None
     reach: int = 1
     max_index: int = -1
@@ -263,7 +308,7 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[LoopOutput,
     output = LoopOutput(blocks, starts if session.entered else None, session.offset, chars)
     if not session.entered or session.unusable:
         return output, None
-    output.names, output.states = session.names, session.states
+    output.names, output.marks, output.states = session.names, session.marks, session.states
     output.reach, output.max_index = session.reach, session.max_index
     if first_wide < 0:
         # (str.isascii reads a flag CPython keeps per string)
@@ -276,6 +321,7 @@ def finish(session: LoopSession, messages: tuple[Any, ...]) -> tuple[LoopOutput,
     return output, LoopRecord(messages=messages, blocks=blocks, head_blocks=session.entry_block,
                               text_bytes=text_bytes, offset=session.offset, names=session.names, starts=starts,
                               start_chars=start_chars, first_wide=first_wide, states=session.states,
+                              marks=session.marks,
                               reach=session.reach, max_index=session.max_index, loop=session.loop,
                               scans=dict(session.scan_answers))
 
