@@ -185,6 +185,22 @@ def _conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
     return messages[:end]
 
 
+def _chat_conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
+    """A chat (a system prompt, then user and assistant turns of a few hundred words each) whose render is about
+    ``size`` tokens, ending with a user turn: every turn moves the template's last user turn."""
+    rng = random.Random(size)
+    words = [w for w in "the render keeps ids for each turn so that a trainer sees what was sampled and the "
+             "template writes around it while the engine decodes in batches on another pool".split()]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You answer questions about serving."}]
+    chars = 0
+    while chars // 4 < size or messages[-1]["role"] != "user":
+        role = "user" if messages[-1]["role"] != "user" else "assistant"
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(60, 320)))
+        messages.append({"role": role, "content": text})
+        chars += len(text)
+    return messages
+
+
 def _thread_ms(fn: Any, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -313,21 +329,23 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     return rows
 
 
-def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int) -> list[dict[str, Any]]:
+def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int, shape: str = "agent"
+                ) -> list[dict[str, Any]]:
     """The last ``turns`` turns of a conversation of about each size, as an RL loop sends them: each turn by the
     reference the turn before answered, answering the appended ids alone, sending the whole conversation
     (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts, each from a
     fresh full render, take turns in one rotation over the sizes and the two ways (``rounds`` of each pair, the
     order shifted every round), so that figures compare across sizes as well as ways; thread CPU per turn from
     the body to the answer's JSON (each rollout's first extend, which follows the full render, left out: every
-    figure is a turn after a turn sent the same way)."""
+    figure is a turn after a turn sent the same way). ``shape``: ``agent`` (tool calls and results: a turn adds
+    the sampled call and its results) or ``chat`` (a turn adds the sampled answer and the next user message)."""
     from_body = body_renderer(config)
     encode = msgspec.json.encode
     plain = {"tools": TOOLS, "tool_choice": "none"}
     modes = ("whole", "new_messages")
     conversations = {}
     for size in sizes:
-        messages = _conversation(size, config)
+        messages = _conversation(size, config) if shape == "agent" else _chat_conversation(size, config)
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         sampled = [assistants[i] for i in range(max(0, len(assistants) - turns - 1), len(assistants))]
         conversations[size] = (messages, sampled,
@@ -364,7 +382,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int)
     for size in sizes:
         # (the appended ids: the system prompts differ, what is appended does not)
         assert answers[size, "whole"] == answers[size, "new_messages"]
-        row: dict[str, Any] = {"size": size, "messages": len(conversations[size][0]),
+        row: dict[str, Any] = {"size": size, "shape": shape, "messages": len(conversations[size][0]),
                                "turns": len(conversations[size][1]) - 1}
         for mode in modes:
             row[f"{mode}_ms_median"] = statistics.median(timed[size, mode])
@@ -388,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollout-sizes", default="", help="also rollouts sent whole or as new messages: sizes")
     ap.add_argument("--rollout-turns", type=int, default=8)
     ap.add_argument("--rollout-rounds", type=int, default=8)
+    ap.add_argument("--rollout-shape", choices=["agent", "chat"], default="agent",
+                    help="agent: turns add tool calls and results; chat: turns add an answer and a user message")
     ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
     args = ap.parse_args(argv)
     bundle = load_bundle(args.model)
@@ -410,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["answers"]), flush=True)
     if args.rollout_sizes:
         result["rollouts"] = rollout_cpu(qwen, [int(s) for s in args.rollout_sizes.split(",")], args.rollout_turns,
-                                         args.rollout_rounds)
+                                         args.rollout_rounds, args.rollout_shape)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], _vllm_rs())

@@ -155,3 +155,17 @@ def test_responses_api_extends_and_sends_only_its_new_items():
     assert whole.json()["extend"]["extended"] and new.json()["token_ids"] == whole.json()["token_ids"]
     assert new.json()["token_ids"][:len(head["token_ids"]) + len(completion)] == head["token_ids"] + completion
     assert again.status_code == 400 and again.json()["error"]["param"] == "previous_turn.messages"
+
+
+def test_a_chat_rollout_growing_by_user_turns_resumes_each_turn_sent_either_way():
+    """Each turn adds the sampled answer and a user message, which moves Qwen3's last user turn: sent whole or as new
+    messages, the turns answer the same ids (the bench asserts it) and the template's loop resumes every turn."""
+    from bench.extend_bench import rollout_cpu
+
+    config = qwen3_config()
+    records = config.template.loop_records
+    assert records is not None
+    before = records.resumed
+    rows = rollout_cpu(config, [2048], turns=3, rounds=2, shape="chat")
+    assert rows[0]["shape"] == "chat" and rows[0]["turns"] == 3
+    assert records.resumed - before >= 2 * 2 * 3  # every extend of both rollouts of each way
