@@ -169,3 +169,41 @@ def test_a_chat_rollout_growing_by_user_turns_resumes_each_turn_sent_either_way(
     rows = rollout_cpu(config, [2048], turns=3, rounds=2, shape="chat")
     assert rows[0]["shape"] == "chat" and rows[0]["turns"] == 3
     assert records.resumed - before >= 2 * 2 * 3  # every extend of both rollouts of each way
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_messages_or_responses_rollout_sending_new_messages_resumes_the_loop_from_the_third_turn(api):
+    """Their messages come through no memo: the kept ones get entries of their own, the second turn prepares them
+    once, and from the third turn on the template's loop resumes from the record the turn before filed."""
+    config = qwen3_config()
+    records = config.template.loop_records
+    assert records is not None
+    path = "/v1/messages/render" if api == "messages" else "/v1/responses/render"
+    system = {"system": "Be brief."} if api == "messages" else {"instructions": "Be brief."}
+    turns = 6
+
+    def body(items: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        own = {"max_tokens": 8, "messages": items} if api == "messages" else {"input": items}
+        return {"model": None, **own, **extra} if api == "messages" else {**own, **extra}
+
+    with RenderServer(config) as server:
+        def post(payload: dict[str, Any]) -> dict[str, Any]:
+            reply = server.client.post(path, json=payload)
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        sent = [{"role": "user", "content": "question 0"}]
+        ref = post(body(sent, **system, return_prompt_ref=True))["prompt_ref"]
+        resumed = []
+        for turn in range(1, turns + 1):
+            answer = f"answer {turn - 1}"
+            completion = config.tokenizer.encode(f"<think>\n\n</think>\n\n{answer}<|im_end|>")
+            then = [{"role": "assistant", "content": answer}, {"role": "user", "content": f"question {turn}"}]
+            previous = {"prompt_ref": ref, "completion_token_ids": completion}
+            before = records.resumed
+            new = post(body(then, return_prompt_ref=True, previous_turn={**previous, "messages": "new"}))
+            resumed.append(records.resumed - before)
+            whole = post(body([*sent, *then], **system, previous_turn=previous))
+            assert new["extend"]["extended"] and new["token_ids"] == whole["token_ids"], turn
+            ref, sent = new["prompt_ref"], [*sent, *then]
+    assert resumed[2:] == [1] * (turns - 2), resumed  # (the whole renders' own resumes are not counted)

@@ -19,18 +19,21 @@ from render_service.extend.prompt_refs import ChatHistory, StoredPrompt
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig
 from render_service.wire.body_prefix_store import StoredBody
-from render_service.wire.message_memo import MemoMessages, entry_counts
+from render_service.wire.message_memo import KeptEntry, MemoEntry, MemoMessages, entry_counts
 from render_service.wire.protocol import ChatCompletionRequest
 
 _PARAM = "previous_turn.messages"
 
 
 def kept_history(messages: list[Any]) -> ChatHistory:
-    """What a prompt reference keeps of the messages its render was made from: the values, and where they came
-    through the message memo, the body store's filing of them without the body (the body store's own tuples where
-    it filed the body, else copied once)."""
+    """What a prompt reference keeps of the messages its render was made from: the values, and their entries as
+    the body store files them without the body (the body store's own tuples where it filed the body, else copied
+    once). Messages that did not come through the memo get entries of their own (``KeptEntry``): the next turn
+    prepares them once, and the turn after it shares their prepared forms as a memo body's."""
     if type(messages) is not MemoMessages:
-        return ChatHistory(tuple(messages))
+        values = tuple(messages)
+        entries: tuple[MemoEntry, ...] = tuple(map(KeptEntry, values))
+        return ChatHistory(values, StoredBody(b"", (), (), entries, None, values, *entry_counts(entries)))
     filed = messages.filed
     if filed is not None:
         return ChatHistory(filed.values, filed._replace(body=b"", starts=(), ends=()))
@@ -67,13 +70,15 @@ def with_history(req: ChatCompletionRequest, config: RenderConfig, client: str
 
 
 def _joined(history: ChatHistory, own: list[Any]) -> list[Any]:
-    """The kept messages and the request's as one list. Where both came through the memo it is a ``MemoMessages``
-    whose first messages are shared with the previous render's (their prepared forms taken as that render left
-    them) and which files its own for the next turn, as a body that starts with a stored body is."""
+    """The kept messages and the request's as one ``MemoMessages`` whose first messages are shared with the
+    previous render's (their prepared forms taken as that render left them) and which files its own for the next
+    turn, as a body that starts with a stored body is. (The request's messages get entries of their own where they
+    did not come through the memo.)"""
     kept = history.memo
-    if type(own) is not MemoMessages or kept is None:
+    if kept is None:
         return [*history.values, *own]
-    entries = (*kept.entries, *own.entries)
+    own_entries = own.entries if type(own) is MemoMessages else tuple(map(KeptEntry, own))
+    entries = (*kept.entries, *own_entries)
     values = (*history.values, *own)
     filed = StoredBody(b"", (), (), entries, {}, values, *entry_counts(entries, kept))
     return MemoMessages(entries, values, (kept, len(history.values)) if kept.prepared is not None else None, filed)

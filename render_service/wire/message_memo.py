@@ -101,6 +101,21 @@ class MemoEntry:
         self.lent = []
 
 
+class KeptEntry(MemoEntry):
+    """A message that did not come through the memo (a Messages or Responses request's, converted; a chat body
+    decoded whole), given an entry so that a turn sending only its new messages can share its prepared form with
+    the next turn as the memo's are shared (extend/history.py). It is in no memo, so it keeps no ``tojson`` text:
+    nothing would take it back."""
+
+    __slots__ = ()
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(b"", value)
+
+    def lend(self, value: Any) -> None:
+        return None
+
+
 def tool_call_count(message: Any) -> int:
     """The tool calls of an assistant message (vLLM's ``history_tool_call_cnt`` adds them up); 0 for anything
     else."""
