@@ -19,21 +19,18 @@ from render_service.extend.prompt_refs import ChatHistory, StoredPrompt
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig
 from render_service.wire.body_prefix_store import StoredBody
-from render_service.wire.message_memo import KeptEntry, MemoEntry, MemoMessages, entry_counts
+from render_service.wire.message_memo import KeptEntry, MemoMessages, entry_counts
 from render_service.wire.protocol import ChatCompletionRequest
 
 _PARAM = "previous_turn.messages"
 
 
 def kept_history(messages: list[Any]) -> ChatHistory:
-    """What a prompt reference keeps of the messages its render was made from: the values, and their entries as
-    the body store files them without the body (the body store's own tuples where it filed the body, else copied
-    once). Messages that did not come through the memo get entries of their own (``KeptEntry``): the next turn
-    prepares them once, and the turn after it shares their prepared forms as a memo body's."""
+    """What a prompt reference keeps of the messages its render was made from: the values, and where they came
+    through the message memo, the body store's filing of them without the body (the body store's own tuples where
+    it filed the body, else copied once)."""
     if type(messages) is not MemoMessages:
-        values = tuple(messages)
-        entries: tuple[MemoEntry, ...] = tuple(map(KeptEntry, values))
-        return ChatHistory(values, StoredBody(b"", (), (), entries, None, values, *entry_counts(entries)))
+        return ChatHistory(tuple(messages))
     filed = messages.filed
     if filed is not None:
         return ChatHistory(filed.values, filed._replace(body=b"", starts=(), ends=()))
@@ -72,11 +69,13 @@ def with_history(req: ChatCompletionRequest, config: RenderConfig, client: str
 def _joined(history: ChatHistory, own: list[Any]) -> list[Any]:
     """The kept messages and the request's as one ``MemoMessages`` whose first messages are shared with the
     previous render's (their prepared forms taken as that render left them) and which files its own for the next
-    turn, as a body that starts with a stored body is. (The request's messages get entries of their own where they
-    did not come through the memo.)"""
+    turn, as a body that starts with a stored body is. Messages that did not come through the memo (a Messages or
+    Responses request's) get entries of their own (``KeptEntry``): this turn prepares the kept ones once, and the
+    turn after it shares their prepared forms as a memo body's."""
     kept = history.memo
     if kept is None:
-        return [*history.values, *own]
+        kept_entries = tuple(map(KeptEntry, history.values))
+        kept = StoredBody(b"", (), (), kept_entries, None, history.values, *entry_counts(kept_entries))
     own_entries = own.entries if type(own) is MemoMessages else tuple(map(KeptEntry, own))
     entries = (*kept.entries, *own_entries)
     values = (*history.values, *own)
