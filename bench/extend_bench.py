@@ -237,6 +237,28 @@ def body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
     return from_body
 
 
+def messages_body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
+    """An Anthropic Messages render from the request body to the answer's JSON, as the render server runs it (its
+    messages come through no memo: they are converted to chat messages every request)."""
+    from render_service.apis.messages import render_messages
+    from render_service.apis.messages_protocol import MessagesRequest
+
+    def from_body(body: bytes) -> bytes:
+        generate, _ = render_messages(msgspec.json.decode(body, type=MessagesRequest), config, ids_view=True)
+        return encode_json(generate)
+
+    return from_body
+
+
+def _as_messages_api(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat render body (text messages only) as a Messages one: the system prompt apart, ``max_tokens`` set."""
+    out = {key: value for key, value in body.items() if key not in ("tools", "tool_choice")}
+    messages = body["messages"]
+    if messages and messages[0]["role"] == "system":
+        out["system"], messages = messages[0]["content"], messages[1:]
+    return {**out, "messages": messages, "max_tokens": 8}
+
+
 def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Each request body decoded as the render server decodes it (through the message memo, so a turn's earlier
     messages are the memo's objects and the template's loop records apply), and timed from the body on, after
@@ -329,8 +351,8 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
     return rows
 
 
-def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int, shape: str = "agent"
-                ) -> list[dict[str, Any]]:
+def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int, shape: str = "agent",
+                api: str = "chat") -> list[dict[str, Any]]:
     """The last ``turns`` turns of a conversation of about each size, as an RL loop sends them: each turn by the
     reference the turn before answered, answering the appended ids alone, sending the whole conversation
     (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts, each from a
@@ -338,9 +360,16 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     order shifted every round), so that figures compare across sizes as well as ways; thread CPU per turn from
     the body to the answer's JSON (each rollout's first extend, which follows the full render, left out: every
     figure is a turn after a turn sent the same way). ``shape``: ``agent`` (tool calls and results: a turn adds
-    the sampled call and its results) or ``chat`` (a turn adds the sampled answer and the next user message)."""
-    from_body = body_renderer(config)
-    encode = msgspec.json.encode
+    the sampled call and its results) or ``chat`` (a turn adds the sampled answer and the next user message).
+    ``api``: ``chat`` (Chat Completions bodies) or ``messages`` (Anthropic Messages bodies; the chat shape only)."""
+    if api == "messages" and shape != "chat":
+        raise ValueError("Messages rollouts take the chat shape (text turns)")
+    from_body = body_renderer(config) if api == "chat" else messages_body_renderer(config)
+    as_api = _as_messages_api if api == "messages" else dict
+
+    def encode(body: dict[str, Any]) -> bytes:
+        return msgspec.json.encode(as_api(body))
+
     plain = {"tools": TOOLS, "tool_choice": "none"}
     modes = ("whole", "new_messages")
     conversations = {}
@@ -382,7 +411,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     for size in sizes:
         # (the appended ids: the system prompts differ, what is appended does not)
         assert answers[size, "whole"] == answers[size, "new_messages"]
-        row: dict[str, Any] = {"size": size, "shape": shape, "messages": len(conversations[size][0]),
+        row: dict[str, Any] = {"size": size, "shape": shape, "api": api, "messages": len(conversations[size][0]),
                                "turns": len(conversations[size][1]) - 1}
         for mode in modes:
             row[f"{mode}_ms_median"] = statistics.median(timed[size, mode])
@@ -408,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollout-rounds", type=int, default=8)
     ap.add_argument("--rollout-shape", choices=["agent", "chat"], default="agent",
                     help="agent: turns add tool calls and results; chat: turns add an answer and a user message")
+    ap.add_argument("--rollout-api", choices=["chat", "messages"], default="chat",
+                    help="the rollouts' request bodies: Chat Completions or Anthropic Messages (chat shape only)")
     ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
     args = ap.parse_args(argv)
     bundle = load_bundle(args.model)
@@ -430,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["answers"]), flush=True)
     if args.rollout_sizes:
         result["rollouts"] = rollout_cpu(qwen, [int(s) for s in args.rollout_sizes.split(",")], args.rollout_turns,
-                                         args.rollout_rounds, args.rollout_shape)
+                                         args.rollout_rounds, args.rollout_shape, args.rollout_api)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], _vllm_rs())

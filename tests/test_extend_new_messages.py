@@ -157,18 +157,20 @@ def test_responses_api_extends_and_sends_only_its_new_items():
     assert again.status_code == 400 and again.json()["error"]["param"] == "previous_turn.messages"
 
 
-def test_a_chat_rollout_growing_by_user_turns_resumes_each_turn_sent_either_way():
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_chat_rollout_growing_by_user_turns_resumes_each_turn_sent_either_way(api):
     """Each turn adds the sampled answer and a user message, which moves Qwen3's last user turn: sent whole or as new
-    messages, the turns answer the same ids (the bench asserts it) and the template's loop resumes every turn."""
+    messages, the turns answer the same ids (the bench asserts it) and the template's loop resumes every turn (a
+    Messages rollout: every turn that sends only its new messages but the first, which prepares the kept ones)."""
     from bench.extend_bench import rollout_cpu
 
     config = qwen3_config()
     records = config.template.loop_records
     assert records is not None
     before = records.resumed
-    rows = rollout_cpu(config, [2048], turns=3, rounds=2, shape="chat")
-    assert rows[0]["shape"] == "chat" and rows[0]["turns"] == 3
-    assert records.resumed - before >= 2 * 2 * 3  # every extend of both rollouts of each way
+    rows = rollout_cpu(config, [2048], turns=3, rounds=2, shape="chat", api=api)
+    assert rows[0]["shape"] == "chat" and rows[0]["api"] == api and rows[0]["turns"] == 3
+    assert records.resumed - before >= (2 * 2 * 3 if api == "chat" else 2 * 2)
 
 
 @pytest.mark.parametrize("api", ["messages", "responses"])
