@@ -520,3 +520,65 @@ def test_tokens_are_attributed_to_the_message_they_start_in_all_at_once():
             expected_indices.append(i)
             expected_flags.append(1 if own[i] is not None and own[i] <= at < own_ends[i] else 0)
         assert turns.attribute(offsets, base) == (expected_indices, expected_flags)
+
+
+def _harmony_cases() -> list[tuple[str, list[dict[str, Any]], list[int]]]:
+    """gpt-oss turns as sampled, each with the messages a client sends after it: (name, messages, sampled ids)."""
+    call = {"role": "assistant", "content": "", "reasoning_content": "Need search.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats"}'}}]}
+    called = harmony_encode("<|channel|>analysis<|message|>Need search.<|end|><|start|>assistant to=functions.search"
+                            '<|channel|>commentary <|constrain|>json<|message|>{"q":"cats", "exact": false}<|call|>')
+    answer = {"role": "assistant", "content": "Three.", "reasoning_content": "Counted."}
+    answered = harmony_encode("<|channel|>analysis<|message|>Counted.<|end|><|start|>assistant<|channel|>final"
+                              "<|message|>Three.<|return|>")
+    cut = harmony_encode("<|channel|>final<|message|>Thr")
+    again = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "search", "arguments": '{"q": "dogs"}'}}]}
+    dogs = harmony_encode('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q":"dogs"}<|call|>')
+    return [
+        ("call cut short", [*SYSTEM, again, {"role": "tool", "tool_call_id": "c2", "content": "0"}], dogs[:-1]),
+        ("call, its result", [*SYSTEM, call, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}], called),
+        ("answer with analysis, a user turn", [*SYSTEM, answer, {"role": "user", "content": "and dogs?"}], answered),
+        ("answer cut short", [*SYSTEM, {"role": "assistant", "content": "Thr"}, {"role": "user", "content": "?"}],
+         cut),
+        # a result for the turn before's call: the function's name is the whole conversation's to find
+        ("a result for an earlier call", [*SYSTEM, call, {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                                          again, {"role": "tool", "tool_call_id": "c1", "content": "late"}], dogs),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=[name for name, _, _ in _harmony_cases()])
+def test_harmony_extend_renders_only_the_turns_messages_and_they_end_the_full_render(case):
+    """The extend that renders only the sampled turn's close and the messages after it answers what the extend
+    that renders the whole conversation answers, and its appended ids end the full render."""
+    config = gpt_oss_config()
+    _, messages, sampled = _harmony_cases()[case]
+    k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    fields = {"model": "gpt-oss-tiny", "tool_choice": "auto"}
+    prompt = list(render(config, messages=messages[:k], tools=rollouts.TOOLS, **fields).token_ids)
+    quick = extend(config, messages, prompt, sampled, check="suffix", **fields)
+    whole = extend(config, messages, prompt, sampled, check="full", **fields)
+    assert quick.extend.extended and quick.extend.method == "harmony"
+    assert list(quick.token_ids) == list(whole.token_ids)
+    assert list(quick.token_ids)[:len(prompt) + len(sampled)] == prompt + sampled
+    appended = list(quick.token_ids)[quick.extend.kept_tokens:]
+    full = list(render(config, messages=messages, tools=rollouts.TOOLS, **fields).token_ids)
+    assert full[len(full) - len(appended):] == appended and quick.extend.suffix_matches_full_render
+    # only the whole conversation's render compares the whole answer; the quick one is taken but for the late result
+    assert (quick.extend.matches_full_render is None) == (case != 4)
+    if case <= 1:  # a call cut short is closed as the full render closes a call
+        assert quick.extend.closing_tokens == 1 - case
+    assert whole.extend.matches_full_render is not None
+
+
+def test_harmony_extend_still_refuses_a_bad_earlier_message():
+    """The quick extend renders nothing before the sampled turn, but what the request sent there is still converted:
+    a part gpt-oss cannot take is the 400 a full render gives."""
+    config = gpt_oss_config()
+    _, messages, sampled = _harmony_cases()[1]
+    fields = {"model": "gpt-oss-tiny", "tool_choice": "auto"}
+    prompt = list(render(config, messages=messages[:2], tools=rollouts.TOOLS, **fields).token_ids)
+    bad = [messages[0], {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, *messages[2:]]
+    with pytest.raises(ApiError) as refused:
+        extend(config, bad, prompt, sampled, check="suffix", **fields)
+    assert refused.value.status == 400 and "messages[1]" in refused.value.message

@@ -30,7 +30,14 @@ from render_service.extend.prompt_refs import IdRun, StoredPrompt, id_run
 from render_service.extend.protocol import ExtendInfo, PreviousTurn
 from render_service.extend.turns import BlockText, close_end, strided_probes, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
-from render_service.harmony.render import harmony_messages, render_harmony_chat, renderer_for
+from render_service.harmony.render import (
+    end_marker,
+    harmony_messages,
+    preamble_messages,
+    render_harmony_chat,
+    renderer_for,
+    turn_messages,
+)
 from render_service.http.errors import bad_request, not_found
 from render_service.render.chat_prompt import (
     chat_template_inputs,
@@ -373,6 +380,10 @@ def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: di
     if any(isinstance(m, dict) and m.get("role") == "assistant" for m in new_chat):
         raise ExtendImpossible("Harmony extends one sampled turn at a time (an assistant message follows it)")
     with_tools = bool(req.tools) and _harmony_choice(req) != "none"
+    if turn.check == "suffix" and not (req.return_assistant_tokens_mask or req.return_message_indices):
+        done = _harmony_extend_turn(req, config, kwargs, turn, k, previous, with_tools)
+        if done is not None:
+            return done
     full_messages = harmony_messages(req, kwargs, with_tools)
     renderer = renderer_for(tokenizer)
     full_ids = renderer.render(full_messages)
@@ -407,6 +418,36 @@ def _harmony_extend(req: ChatCompletionRequest, config: RenderConfig, kwargs: di
             suffix, bridge.closing_ids, k, renderer, new_messages, len(req.messages))
         done.assistant_tokens_mask = head_flags + [1] * len(completion) + [0] * len(suffix)
     return done
+
+
+def _harmony_extend_turn(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any],
+                         turn: PreviousTurn, k: int, previous: StoredPrompt, with_tools: bool) -> TurnRender | None:
+    """The extend that renders only the sampled turn's close and the messages after it. Harmony renders each
+    message on its own, so those ids are the full render's last ids by construction (the check a template's extend
+    makes by tokenizing near the seam): nothing before the sampled turn is rendered, copied or compared. The
+    messages before it are converted (checked) where the request sent them; with ``messages: "new"`` they are the
+    ones the previous render converted. None where the turn needs the whole conversation (a tool result for an
+    earlier turn's call, a sampled turn that renders to nothing)."""
+    renderer = renderer_for(cast(TextTokenizer, config.tokenizer))
+    renderer.preamble(preamble_messages(req, kwargs, with_tools))  # (what a full render would refuse; cached)
+    converted = turn_messages(req.messages, k)
+    if converted is None or not converted[0]:
+        return None
+    sampled, after = converted
+    if turn.messages != "new":
+        harmony_messages(_replace_messages(req, req.messages[:k]), kwargs, with_tools)
+    completion = turn.completion_token_ids
+    close = end_marker(sampled[-1])
+    closing = [] if completion and completion[-1] in (END, CALL, RETURN) else [close]
+    suffix = list(closing)
+    for message in after:
+        renderer.message(message, suffix)
+    suffix += renderer.generation_prompt()
+    kept = previous.ids.then(completion)
+    answer = kept.then(suffix)
+    info = ExtendInfo(extended=True, method="harmony", kept_tokens=kept.count, closing_tokens=len(closing),
+                      new_tokens=len(suffix) - len(closing), suffix_matches_full_render=True)
+    return TurnRender(answer.view(), None, extend=info, stored=StoredPrompt(answer))
 
 
 def _harmony_tail_indices(suffix: list[int], closing: int, k: int, renderer: Any,

@@ -156,15 +156,16 @@ def developer_message(instructions: str | None, tools: list[dict[str, Any]] | No
     return {"role": "developer", "content": [content]}
 
 
-def conversation_messages(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """vLLM's parse_chat_inputs_to_harmony_messages, then its auto_drop_analysis_messages."""
+def conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
+    """vLLM's parse_chat_inputs_to_harmony_messages, then its auto_drop_analysis_messages. ``first``: the request's
+    index of ``chat[0]`` (errors name the request's message)."""
     names: dict[Any, str] = {}  # call id (a client may send none) -> function name
     for msg in chat:
         for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
             if isinstance(call, dict):
                 names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
     out: list[dict[str, Any]] = []
-    for i, msg in enumerate(chat):
+    for i, msg in enumerate(chat, first):
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
         out.extend(_harmony_messages(msg, names, f"messages[{i}]"))
@@ -219,16 +220,50 @@ def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) ->
 
 def harmony_messages(req: ChatCompletionRequest, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
     chat = list(req.messages)
-    instructions = None
-    if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer"):
-        instructions = _flatten(chat[0].get("content"), "messages[0]")
-        chat = chat[1:]
+    messages = preamble_messages(req, kwargs, with_tools)
+    lead = 1 if _leads_with_instructions(chat) else 0
+    messages.extend(conversation_messages(chat[lead:], lead))
+    return messages
+
+
+def _leads_with_instructions(chat: list[Any]) -> bool:
+    return bool(chat) and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer")
+
+
+def preamble_messages(req: ChatCompletionRequest, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
+    """The system message and, with instructions (a first system or developer message) or tools, the developer
+    message: what ``HarmonyRenderer.preamble`` renders."""
+    chat = req.messages
+    instructions = _flatten(chat[0].get("content"), "messages[0]") if _leads_with_instructions(chat) else None
     tools = req.tools if with_tools else None
     messages = [system_message(req, kwargs, with_tools)]
     if instructions or tools:
         messages.append(developer_message(instructions, tools))
-    messages.extend(conversation_messages(chat))
     return messages
+
+
+def turn_messages(chat: list[Any], k: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The Harmony messages of the sampled assistant turn ``chat[k]`` and of the messages after it (none of them an
+    assistant's), as ``conversation_messages`` converts them in the whole conversation: a tool result takes its
+    function's name from the sampled turn's calls, which no earlier call of the same id overrides, and only
+    analysis before a final answer is dropped, which the messages after the turn never are. None where a tool
+    result answers a call of an earlier turn (its name is the whole conversation's to find)."""
+    sampled = chat[k]
+    if not isinstance(sampled, dict):
+        raise bad_request(f"messages[{k}] must be an object", "messages")
+    names: dict[Any, str] = {}
+    for call in sampled.get("tool_calls") or []:
+        if isinstance(call, dict):
+            names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
+    after: list[dict[str, Any]] = []
+    for i in range(k + 1, len(chat)):
+        msg = chat[i]
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        if msg.get("role") == "tool" and msg.get("tool_call_id") not in names:
+            return None
+        after.extend(_harmony_messages(msg, names, f"messages[{i}]"))
+    return _harmony_messages(sampled, names, f"messages[{k}]"), after
 
 
 class HarmonyRenderer:
@@ -288,7 +323,11 @@ class HarmonyRenderer:
         out.append(MESSAGE)
         for part in msg["content"]:
             out.extend(ordinary(part["text"]))
-        out.append(CALL if role == "assistant" and recipient is not None else END)
+        out.append(end_marker(msg))
+
+    def generation_prompt(self) -> list[int]:
+        """``<|start|>assistant``: how a render for completion ends."""
+        return [START, *self.ordinary("assistant")]
 
     def render(self, messages: list[dict[str, Any]], prefix: str = "") -> list[int]:
         """The conversation for completion by the assistant (``<|start|>assistant`` + ``prefix``)."""
@@ -297,11 +336,15 @@ class HarmonyRenderer:
         out = list(self.preamble(head))
         for msg in messages[split:]:
             self.message(msg, out)
-        out.append(START)
-        out.extend(self.ordinary("assistant"))
+        out += self.generation_prompt()
         if prefix:
             out.extend(self.encode_with_markers(prefix))
         return out
+
+
+def end_marker(msg: dict[str, Any]) -> int:
+    """The marker a rendered message ends with: ``<|call|>`` after an assistant's call, else ``<|end|>``."""
+    return CALL if msg["role"] == "assistant" and msg.get("recipient") is not None else END
 
 
 _RENDERERS: dict[int, HarmonyRenderer] = {}

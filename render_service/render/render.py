@@ -16,7 +16,12 @@ from typing import Any, Literal, cast, overload
 from render_service.extend.chat import TurnRender, turn_render
 from render_service.extend.history import kept_history, with_history
 from render_service.extend.prompt_refs import StoredPrompt, id_run
-from render_service.harmony.render import prerendered_harmony_ids, render_harmony_chat, render_harmony_request
+from render_service.harmony.render import (
+    harmony_structured_outputs,
+    prerendered_harmony_ids,
+    render_harmony_chat,
+    render_harmony_request,
+)
 from render_service.http.errors import bad_request
 from render_service.render.chat_prompt import chat_template_inputs, encode_prompt, template_errors_answered
 from render_service.render.prerendered import engine_kv_params, prerendered_prompt_ids
@@ -433,13 +438,16 @@ def _render_harmony_chat(req: ChatCompletionRequest, config: RenderConfig, tool_
     if violation:
         raise bad_request(*violation)
     token_ids: Sequence[int]
-    token_ids, structured = prerendered_harmony_ids(req, config, tool_choice, named, given) if given is not None \
-        else render_harmony_request(req, config, tool_choice, named)
     turns = None
-    if given is None and (req.previous_turn is not None or req.return_assistant_tokens_mask
-                          or req.return_message_indices):
+    if given is not None:
+        token_ids, structured = prerendered_harmony_ids(req, config, tool_choice, named, given)
+    elif req.previous_turn is not None or req.return_assistant_tokens_mask or req.return_message_indices:
+        # (the turn render renders what it needs: an extend only the new messages)
+        structured = harmony_structured_outputs(req, config, tool_choice, named)
         turns = _turn_render(req, config, client, previous)
         token_ids = turns.token_ids
+    else:
+        token_ids, structured = render_harmony_request(req, config, tool_choice, named)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_length(len(token_ids), config, requested)
     prompt_ref = _file_prompt(req, config, client, token_ids, turns, expanded=False)
