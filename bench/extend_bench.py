@@ -362,9 +362,11 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     figure is a turn after a turn sent the same way). ``shape``: ``agent`` (tool calls and results: a turn adds
     the sampled call and its results) or ``chat`` (a turn adds the sampled answer and the next user message).
     ``api``: ``chat`` (Chat Completions bodies) or ``messages`` (Anthropic Messages bodies; the chat shape only)."""
-    if api == "messages" and shape != "chat":
-        raise ValueError("Messages rollouts take the chat shape (text turns)")
+    if (api == "messages" or config.harmony) and shape != "chat":
+        raise ValueError("Messages and Harmony rollouts take the chat shape (text turns)")
     from_body = body_renderer(config) if api == "chat" else messages_body_renderer(config)
+    # (what the model samples for an assistant message: Harmony's final answer, else Qwen3's turn)
+    sampled_text = _harmony_final_text if config.harmony else _sampled_text
     as_api = _as_messages_api if api == "messages" else dict
 
     def encode(body: dict[str, Any]) -> bytes:
@@ -378,7 +380,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         sampled = [assistants[i] for i in range(max(0, len(assistants) - turns - 1), len(assistants))]
         conversations[size] = (messages, sampled,
-                               {k: config.tokenizer.encode(_sampled_text(messages[k])) for k in sampled})
+                               {k: config.tokenizer.encode(sampled_text(messages[k])) for k in sampled})
     pairs = [(size, mode) for size in sizes for mode in modes]
     timed: dict[tuple[int, str], list[float]] = {pair: [] for pair in pairs}
     answers: dict[tuple[int, str], list[Any]] = {}
@@ -411,7 +413,8 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     for size in sizes:
         # (the appended ids: the system prompts differ, what is appended does not)
         assert answers[size, "whole"] == answers[size, "new_messages"]
-        row: dict[str, Any] = {"size": size, "shape": shape, "api": api, "messages": len(conversations[size][0]),
+        row: dict[str, Any] = {"size": size, "shape": shape, "api": api, "harmony": config.harmony,
+                               "messages": len(conversations[size][0]),
                                "turns": len(conversations[size][1]) - 1}
         for mode in modes:
             row[f"{mode}_ms_median"] = statistics.median(timed[size, mode])
@@ -439,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="agent: turns add tool calls and results; chat: turns add an answer and a user message")
     ap.add_argument("--rollout-api", choices=["chat", "messages"], default="chat",
                     help="the rollouts' request bodies: Chat Completions or Anthropic Messages (chat shape only)")
+    ap.add_argument("--rollout-model", choices=["qwen3", "gpt-oss"], default="qwen3",
+                    help="the rollouts' model: Qwen3 (the chat template) or gpt-oss (Harmony; chat shape only)")
     ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
     args = ap.parse_args(argv)
     bundle = load_bundle(args.model)
@@ -460,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         result["answers"] = answer_modes(qwen, [int(s) for s in args.answers.split(",")])
         print(json.dumps(result["answers"]), flush=True)
     if args.rollout_sizes:
-        result["rollouts"] = rollout_cpu(qwen, [int(s) for s in args.rollout_sizes.split(",")], args.rollout_turns,
+        rolled = qwen
+        if args.rollout_model == "gpt-oss":
+            from render_service.harmony.bundle import gpt_oss_bundle_dir
+
+            oss = load_bundle(str(gpt_oss_bundle_dir()))
+            rolled = build_render_config(dataclasses.replace(oss, max_model_len=262144), served_model_names=["m"])
+        result["rollouts"] = rollout_cpu(rolled, [int(s) for s in args.rollout_sizes.split(",")], args.rollout_turns,
                                          args.rollout_rounds, args.rollout_shape, args.rollout_api)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
@@ -537,6 +548,11 @@ def _sampled_text(message: dict[str, Any]) -> str:
     calls = "".join(f'\n<tool_call>\n{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}'
                     "\n</tool_call>" for c in message.get("tool_calls") or [])
     return (message.get("content") or "") + calls + "<|im_end|>"
+
+
+def _harmony_final_text(message: dict[str, Any]) -> str:
+    """What gpt-oss samples for a chat turn's text answer (its final channel, then ``<|return|>``)."""
+    return f"<|channel|>final<|message|>{message.get('content') or ''}<|return|>"
 
 
 def _vllm_rs() -> Path:

@@ -209,3 +209,12 @@ def test_a_messages_or_responses_rollout_sending_new_messages_resumes_the_loop_f
             assert new["extend"]["extended"] and new["token_ids"] == whole["token_ids"], turn
             ref, sent = new["prompt_ref"], [*sent, *then]
     assert resumed[2:] == [1] * (turns - 2), resumed  # (the whole renders' own resumes are not counted)
+
+
+def test_a_harmony_chat_rollout_answers_the_same_sent_whole_or_as_new_messages():
+    """gpt-oss turns that render only their new messages: sent whole or as new messages, every turn appends the same
+    ids (the bench asserts it)."""
+    from bench.extend_bench import rollout_cpu
+
+    rows = rollout_cpu(gpt_oss_config(), [2048], turns=3, rounds=2, shape="chat")
+    assert rows[0]["harmony"] and rows[0]["turns"] == 3
