@@ -582,3 +582,50 @@ def test_harmony_extend_still_refuses_a_bad_earlier_message():
     with pytest.raises(ApiError) as refused:
         extend(config, bad, prompt, sampled, check="suffix", **fields)
     assert refused.value.status == 400 and "messages[1]" in refused.value.message
+
+
+def _harmony_prefix_attribution(config, messages: list[dict[str, Any]], ids: list[int]) -> list[int]:
+    """Each message's ids as what rendering the messages up to it adds to rendering those before it."""
+    indices: list[int] = []
+    for i in range(len(messages)):
+        head = list(render(config, model="gpt-oss-tiny", messages=messages[:i + 1], tools=rollouts.TOOLS).token_ids)
+        assert head[:-2][:len(indices)] == ids[:len(indices)]  # (each head is the start of the whole render)
+        indices += [i] * (len(head) - 2 - len(indices))
+    return indices + [len(messages)] * (len(ids) - len(indices))
+
+
+def test_harmony_masks_attribute_each_message_as_rendering_the_conversation_up_to_it_does():
+    """The masks of a full Harmony render come from one pass over the conversation's Harmony messages. Where every
+    head of the conversation renders as the start of the whole (no turn's analysis dropped by a later answer), they
+    equal the attribution by renders of every head; where a later answer drops an earlier turn's analysis, each
+    message's ids still decode to its own text, in order."""
+    config = gpt_oss_config()
+    decode = config.tokenizer.decode
+    call = {"role": "assistant", "content": "Looking.", "reasoning_content": "Need search.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats"}'}}]}
+    heads_are_prefixes = [
+        [*SYSTEM, {"role": "assistant", "content": "Three.", "reasoning_content": "Counted."},
+         {"role": "user", "content": "and dogs?"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}],
+    ]
+    dropped = [*SYSTEM, call, {"role": "tool", "tool_call_id": "c1", "content": "3 cats"},
+               {"role": "assistant", "content": "Three.", "reasoning_content": "Read it."},
+               {"role": "user", "content": "ok"}, {"role": "system", "content": "Be brief."},
+               {"role": "user", "content": "dogs?"}]
+    for messages in [*heads_are_prefixes, dropped]:
+        out = render(config, model="gpt-oss-tiny", messages=messages, tools=rollouts.TOOLS,
+                     return_message_indices=True, return_assistant_tokens_mask=True)
+        ids, indices = list(out.token_ids), out.message_indices
+        assistant = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
+        assert out.assistant_tokens_mask == [1 if i in assistant else 0 for i in indices]
+        assert indices == sorted(indices) and indices[-1] == len(messages)
+        if messages is not dropped:
+            assert indices == _harmony_prefix_attribution(config, messages, ids)
+            continue
+        texts = {i: decode([t for t, at in zip(ids, indices, strict=True) if at == i], skip_special_tokens=False)
+                 for i in range(len(messages))}
+        whole = decode(ids, skip_special_tokens=False)
+        assert "Need search." not in whole and "Read it." not in whole  # (analysis before the last answer: dropped)
+        for i, message in enumerate(messages):
+            assert message["content"] in texts[i], i
+        assert '{"q": "cats"}' in texts[2] and "Be brief." in texts[6]

@@ -33,6 +33,7 @@ from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import (
     end_marker,
     harmony_messages,
+    owned_conversation_messages,
     preamble_messages,
     render_harmony_chat,
     renderer_for,
@@ -463,23 +464,28 @@ def _harmony_tail_indices(suffix: list[int], closing: int, k: int, renderer: Any
 
 def _harmony_turns(req: ChatCompletionRequest, config: RenderConfig, kwargs: dict[str, Any], ids: list[int]
                    ) -> tuple[list[int], list[int]]:
-    """Harmony attribution: each chat message's Harmony messages rendered on their own, after the preamble."""
-
+    """Harmony attribution: the preamble is the first message's, each Harmony message (as the whole conversation
+    keeps it) its chat message's, the generation prompt the next message's; all -1 / 0 where those pieces do not
+    make ``ids`` up."""
     renderer = renderer_for(cast(TextTokenizer, config.tokenizer))
     with_tools = bool(req.tools) and _harmony_choice(req) != "none"
-    indices: list[int] = []
-    flags: list[int] = []
-    for i in range(len(req.messages)):
-        head = renderer.render(harmony_messages(_replace_messages(req, req.messages[:i + 1]), kwargs, with_tools))
-        grown = len(head) - 2 - len(indices)  # (the render ends with <|start|>assistant)
-        if grown < 0 or head[:-2][:len(indices)] != ids[:len(indices)]:
-            return [-1] * len(ids), [0] * len(ids)
-        assistant = req.messages[i].get("role") == "assistant" if isinstance(req.messages[i], dict) else False
-        indices += [i] * grown
-        flags += [1 if assistant else 0] * grown
-    indices += [len(req.messages)] * (len(ids) - len(indices))
-    flags += [0] * (len(ids) - len(flags))
-    return indices, flags
+    chat = list(req.messages)
+    lead = 1 if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer") else 0
+    converted, owners = owned_conversation_messages(chat[lead:], lead)
+    preamble = renderer.preamble(preamble_messages(req, kwargs, with_tools))
+    indices = [0] * len(preamble)
+    rendered: list[int] = []
+    for message, owner in zip(converted, owners, strict=True):
+        before = len(rendered)
+        renderer.message(message, rendered)
+        indices += [owner] * (len(rendered) - before)
+    closing = renderer.generation_prompt()
+    if len(indices) + len(closing) != len(ids) or ids[len(preamble):len(ids) - len(closing)] != rendered \
+            or tuple(ids[:len(preamble)]) != preamble:
+        return [-1] * len(ids), [0] * len(ids)
+    indices += [len(chat)] * len(closing)
+    assistant = {i for i, m in enumerate(chat) if isinstance(m, dict) and m.get("role") == "assistant"}
+    return indices, [1 if i in assistant else 0 for i in indices]
 
 
 def _replace_messages(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:

@@ -159,19 +159,28 @@ def developer_message(instructions: str | None, tools: list[dict[str, Any]] | No
 def conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
     """vLLM's parse_chat_inputs_to_harmony_messages, then its auto_drop_analysis_messages. ``first``: the request's
     index of ``chat[0]`` (errors name the request's message)."""
+    return owned_conversation_messages(chat, first)[0]
+
+
+def owned_conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> tuple[list[dict[str, Any]], list[int]]:
+    """``conversation_messages``, and the request's index of the chat message each Harmony message came from."""
     names: dict[Any, str] = {}  # call id (a client may send none) -> function name
     for msg in chat:
         for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
             if isinstance(call, dict):
                 names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
     out: list[dict[str, Any]] = []
+    owners: list[int] = []
     for i, msg in enumerate(chat, first):
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
-        out.extend(_harmony_messages(msg, names, f"messages[{i}]"))
+        converted = _harmony_messages(msg, names, f"messages[{i}]")
+        out.extend(converted)
+        owners += [i] * len(converted)
     last_final = max((i for i, m in enumerate(out) if m["role"] == "assistant" and m.get("channel") == "final"),
                      default=-1)
-    return [m for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
+    kept = [i for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
+    return [out[i] for i in kept], [owners[i] for i in kept]
 
 
 def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) -> list[dict[str, Any]]:
