@@ -33,6 +33,7 @@ from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import (
     end_marker,
     harmony_messages,
+    leads_with_instructions,
     owned_conversation_messages,
     preamble_messages,
     render_harmony_chat,
@@ -470,7 +471,7 @@ def _harmony_turns(req: ChatCompletionRequest, config: RenderConfig, kwargs: dic
     renderer = renderer_for(cast(TextTokenizer, config.tokenizer))
     with_tools = bool(req.tools) and _harmony_choice(req) != "none"
     chat = list(req.messages)
-    lead = 1 if chat and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer") else 0
+    lead = 1 if leads_with_instructions(chat) else 0
     converted, owners = owned_conversation_messages(chat[lead:], lead)
     preamble = renderer.preamble(preamble_messages(req, kwargs, with_tools))
     indices = [0] * len(preamble)

@@ -230,12 +230,13 @@ def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) ->
 def harmony_messages(req: ChatCompletionRequest, kwargs: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
     chat = list(req.messages)
     messages = preamble_messages(req, kwargs, with_tools)
-    lead = 1 if _leads_with_instructions(chat) else 0
+    lead = 1 if leads_with_instructions(chat) else 0
     messages.extend(conversation_messages(chat[lead:], lead))
     return messages
 
 
-def _leads_with_instructions(chat: list[Any]) -> bool:
+def leads_with_instructions(chat: list[Any]) -> bool:
+    """Whether the first message is a system or developer message (the developer message's instructions)."""
     return bool(chat) and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer")
 
 
@@ -243,7 +244,7 @@ def preamble_messages(req: ChatCompletionRequest, kwargs: dict[str, Any], with_t
     """The system message and, with instructions (a first system or developer message) or tools, the developer
     message: what ``HarmonyRenderer.preamble`` renders."""
     chat = req.messages
-    instructions = _flatten(chat[0].get("content"), "messages[0]") if _leads_with_instructions(chat) else None
+    instructions = _flatten(chat[0].get("content"), "messages[0]") if leads_with_instructions(chat) else None
     tools = req.tools if with_tools else None
     messages = [system_message(req, kwargs, with_tools)]
     if instructions or tools:
