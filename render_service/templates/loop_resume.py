@@ -384,7 +384,7 @@ class LoopRecords:
                 continue
             record = lineage.record
             kept = record.messages
-            if all(map(operator.is_, kept[:k - 1], messages[:k - 1])):
+            if all(map(operator.is_, itertools.islice(kept, k - 1), itertools.islice(messages, k - 1))):
                 self.hits += 1
                 self._records.get(id(record))  # (recently used)
                 return record, k
@@ -397,9 +397,12 @@ class LoopRecords:
     def put(self, record: LoopRecord, replaces: LoopRecord | None) -> None:
         with self._lock:
             lineage, filed = None, 0
-            if replaces is not None and replaces.messages == record.messages[:len(replaces.messages)] \
+            # (the same objects first is the common case: checked without copying, before equality)
+            same = replaces is not None and len(replaces.messages) <= len(record.messages) \
+                and all(map(operator.is_, replaces.messages, record.messages))
+            if replaces is not None and (same or replaces.messages == record.messages[:len(replaces.messages)]) \
                     and self._records.pop(id(replaces)) is not None:
-                if all(map(operator.is_, replaces.messages, record.messages)):
+                if same:
                     # the same objects first: replaces' entries stay valid, reaching the new record through the
                     # lineage (which keeps those objects alive, so their ids are not reused meanwhile)
                     lineage = self._lineages.pop(id(replaces), None)
