@@ -185,12 +185,12 @@ def _conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
     return messages[:end]
 
 
-def _chat_conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
+def _chat_conversation(size: int) -> list[dict[str, Any]]:
     """A chat (a system prompt, then user and assistant turns of a few hundred words each) whose render is about
     ``size`` tokens, ending with a user turn: every turn moves the template's last user turn."""
     rng = random.Random(size)
-    words = [w for w in "the render keeps ids for each turn so that a trainer sees what was sampled and the "
-             "template writes around it while the engine decodes in batches on another pool".split()]
+    words = ("the render keeps ids for each turn so that a trainer sees what was sampled and the template writes "
+             "around it while the engine decodes in batches on another pool").split()
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You answer questions about serving."}]
     chars = 0
     while chars // 4 < size or messages[-1]["role"] != "user":
@@ -376,7 +376,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     modes = ("whole", "new_messages")
     conversations = {}
     for size in sizes:
-        messages = _conversation(size, config) if shape == "agent" else _chat_conversation(size, config)
+        messages = _conversation(size, config) if shape == "agent" else _chat_conversation(size)
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         sampled = [assistants[i] for i in range(max(0, len(assistants) - turns - 1), len(assistants))]
         conversations[size] = (messages, sampled,
