@@ -25,7 +25,7 @@ and a render resumes only from a record of the same loop (``LoopPlan.ident``).
 
 One kind of outside value may differ from the record's: a threshold (``LoopPlan.thresholds``), a name or a
 namespace attribute that the iterations only compare with their own index (``loop.index0 > ns.last_user_index``,
-as Qwen3, GLM, MiniMax and Gemma write the last user turn) and never set. Where it moved from ``a`` to ``b``, only
+as Qwen3, GLM and MiniMax write the last user turn) and never set. Where it moved from ``a`` to ``b``, only
 iterations from ``min(a, b) - 1`` on can compare differently, so a render may keep the ones before that.
 """
 
