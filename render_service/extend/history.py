@@ -34,8 +34,14 @@ def kept_history(messages: list[Any]) -> ChatHistory:
     filed = messages.filed
     if filed is not None:
         return ChatHistory(filed.values, filed._replace(body=b"", starts=(), ends=()))
-    values, entries = tuple(messages), tuple(messages.entries)
-    return ChatHistory(values, StoredBody(b"", (), (), entries, None, values, *entry_counts(entries)))
+    values = tuple(messages)
+    return ChatHistory(values, _unfiled(values, tuple(messages.entries)))
+
+
+def _unfiled(values: tuple[Any, ...], entries: tuple[Any, ...]) -> StoredBody:
+    """Messages and their entries as the body store files a body, for messages no body filed (no body, no prepared
+    forms yet, their tool calls and image messages counted)."""
+    return StoredBody(b"", (), (), entries, None, values, *entry_counts(entries))
 
 
 def with_history(req: ChatCompletionRequest, config: RenderConfig, client: str
@@ -74,8 +80,7 @@ def _joined(history: ChatHistory, own: list[Any]) -> list[Any]:
     turn after it shares their prepared forms as a memo body's."""
     kept = history.memo
     if kept is None:
-        kept_entries = tuple(map(KeptEntry, history.values))
-        kept = StoredBody(b"", (), (), kept_entries, None, history.values, *entry_counts(kept_entries))
+        kept = _unfiled(history.values, tuple(map(KeptEntry, history.values)))
     own_entries = own.entries if type(own) is MemoMessages else tuple(map(KeptEntry, own))
     entries = (*kept.entries, *own_entries)
     values = (*history.values, *own)
