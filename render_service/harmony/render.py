@@ -164,11 +164,7 @@ def conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> list[di
 
 def owned_conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> tuple[list[dict[str, Any]], list[int]]:
     """``conversation_messages``, and the request's index of the chat message each Harmony message came from."""
-    names: dict[Any, str] = {}  # call id (a client may send none) -> function name
-    for msg in chat:
-        for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
-            if isinstance(call, dict):
-                names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
+    names = _call_names(chat)
     out: list[dict[str, Any]] = []
     owners: list[int] = []
     for i, msg in enumerate(chat, first):
@@ -181,6 +177,17 @@ def owned_conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> t
                      default=-1)
     kept = [i for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
     return [out[i] for i in kept], [owners[i] for i in kept]
+
+
+def _call_names(chat: list[Any]) -> dict[Any, str]:
+    """Call id (a client may send none) -> function name, over the messages' tool calls (a later call of the same
+    id wins)."""
+    names: dict[Any, str] = {}
+    for msg in chat:
+        for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
+            if isinstance(call, dict):
+                names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
+    return names
 
 
 def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) -> list[dict[str, Any]]:
@@ -261,10 +268,7 @@ def turn_messages(chat: list[Any], k: int) -> tuple[list[dict[str, Any]], list[d
     sampled = chat[k]
     if not isinstance(sampled, dict):
         raise bad_request(f"messages[{k}] must be an object", "messages")
-    names: dict[Any, str] = {}
-    for call in sampled.get("tool_calls") or []:
-        if isinstance(call, dict):
-            names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
+    names = _call_names([sampled])
     after: list[dict[str, Any]] = []
     for i in range(k + 1, len(chat)):
         msg = chat[i]
