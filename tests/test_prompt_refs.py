@@ -221,7 +221,7 @@ def test_each_client_holds_at_most_its_share_and_all_at_most_the_bound():
 def test_an_extended_entry_shares_its_earlier_chunks_and_counts_them():
     first = id_run([5, 6, 7])
     grown = first.then([8]).then([9, 10])
-    assert grown.tolist() == [5, 6, 7, 8, 9, 10] and grown.chunks[0] is first.chunks[0]
+    assert grown.tolist() == [5, 6, 7, 8, 9, 10] and grown.listed()[0][0] is first.listed()[0][0]
     assert bytes(grown.view().json_array()) == b"[5,6,7,8,9,10]"
     assert StoredPrompt(grown).size > StoredPrompt(first).size
 

@@ -93,19 +93,14 @@ class IdRun:
             yield from reversed(run.own_chunks)
             run = run.before
 
-    @property
-    def chunks(self) -> list[Sequence[int]]:
-        return self.listed()[0]
-
     def view(self) -> PromptIds:
         """A ``PromptIds`` over the chunks (written to JSON from the parts; its ids never copied into one list)."""
         return PromptIds.of_chain(self, self.count)
 
     def tolist(self) -> list[int]:
         out: list[int] = []
-        for run in self._links():
-            for chunk in run.own_chunks:
-                out.extend(chunk)
+        for chunk in self.listed()[0]:
+            out.extend(chunk)
         return out
 
 
