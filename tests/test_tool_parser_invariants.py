@@ -55,6 +55,12 @@ def test_a_header_to_a_recipient_no_tool_has_keeps_both_invariants(name):
     check_parser(FAMILIES[name], "to=selfnull<|message|>x<|eom|>", [3, 9, 20])
 
 
+def test_a_kimi_id_with_a_word_beside_the_tool_name_keeps_both_invariants():
+    # found by test_adversarial_soup_keeps_both_invariants[kimi_k2]: "get_time:0x" named get_time and the
+    # rewritten id "functions.get_time:0" dropped the "x"
+    check_parser(FAMILIES["kimi_k2"], "<|tool_call_begin|>functions.get_time:0x<|tool_call_argument_begin|>", [5, 30])
+
+
 @pytest.mark.parametrize("name", NAMES)
 @FAST
 @given(data=st.data(), cuts=CUTS)

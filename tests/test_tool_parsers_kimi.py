@@ -102,7 +102,9 @@ def test_a_malformed_id_naming_a_declared_tool_takes_that_name():
 
 
 def test_an_ambiguous_id_is_content_never_a_call_named_0():
-    for call_id, tools in (("0", TWO_TOOLS), ("functions.x.0", TWO_TOOLS), ("functions.x.0", ONE_TOOL)):
+    for call_id, tools in (("0", TWO_TOOLS), ("functions.x.0", TWO_TOOLS), ("functions.x.0", ONE_TOOL),
+                           # a word beside the tool's name would be dropped by the rewritten id
+                           ("functions.get_time:0x", TWO_TOOLS), ("functions.get_weather.v2.0", ONE_TOOL)):
         text = "Hi " + _call(call_id)
         r = parse("kimi_k2", text, tools)
         assert r.calls == [], call_id
