@@ -55,10 +55,11 @@ def test_a_header_to_a_recipient_no_tool_has_keeps_both_invariants(name):
     check_parser(FAMILIES[name], "to=selfnull<|message|>x<|eom|>", [3, 9, 20])
 
 
-def test_a_kimi_id_with_a_word_beside_the_tool_name_keeps_both_invariants():
-    # found by test_adversarial_soup_keeps_both_invariants[kimi_k2]: "get_time:0x" named get_time and the
-    # rewritten id "functions.get_time:0" dropped the "x"
-    check_parser(FAMILIES["kimi_k2"], "<|tool_call_begin|>functions.get_time:0x<|tool_call_argument_begin|>", [5, 30])
+@pytest.mark.parametrize("call_id", ["functions.get_time:0x", "functions.get_time:0:functions.get_time:0"])
+def test_a_malformed_kimi_id_keeps_both_invariants(call_id):
+    # found by test_adversarial_soup_keeps_both_invariants[kimi_k2]: such an id names get_time, and writing it
+    # anew as "functions.get_time:0" dropped the rest of what the model wrote
+    check_parser(FAMILIES["kimi_k2"], f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>", [5, 30])
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -91,20 +91,25 @@ def _call(call_id: str) -> str:
     return f'{SB}{CB}{call_id}{AB}{{"city": "Oslo"}}{CE}{SE}'
 
 
-def test_a_bare_counter_takes_the_only_tools_name():
+def test_a_bare_counter_takes_the_only_tools_name_and_keeps_its_text_as_the_id():
     r = parse("kimi_k2", _call("0"), ONE_TOOL)
+    assert r.calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}', "id": "0"}]
+
+
+def test_an_empty_id_of_the_only_tool_is_written_in_the_models_style():
+    r = parse("kimi_k2", _call(" "), ONE_TOOL)
     assert r.calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}', "id": "functions.get_weather:0"}]
 
 
-def test_a_malformed_id_naming_a_declared_tool_takes_that_name():
-    r = parse("kimi_k2", _call("functions.get_time.0"), TWO_TOOLS)
-    assert names_of(r) == ["get_time"] and r.calls[0]["id"] == "functions.get_time:0"
+def test_a_malformed_id_naming_a_declared_tool_takes_that_name_and_keeps_its_text():
+    # the id is what the model wrote: nothing of it is lost, and a later turn renders the call as generated
+    for call_id in ("functions.get_time.0", "functions.get_time:0x", "functions.get_time:0:functions.get_time:0"):
+        r = parse("kimi_k2", _call(call_id), TWO_TOOLS)
+        assert names_of(r) == ["get_time"] and r.calls[0]["id"] == call_id
 
 
 def test_an_ambiguous_id_is_content_never_a_call_named_0():
-    for call_id, tools in (("0", TWO_TOOLS), ("functions.x.0", TWO_TOOLS), ("functions.x.0", ONE_TOOL),
-                           # a word beside the tool's name would be dropped by the rewritten id
-                           ("functions.get_time:0x", TWO_TOOLS), ("functions.get_weather.v2.0", ONE_TOOL)):
+    for call_id, tools in (("0", TWO_TOOLS), ("functions.x.0", TWO_TOOLS), ("functions.x.0", ONE_TOOL)):
         text = "Hi " + _call(call_id)
         r = parse("kimi_k2", text, tools)
         assert r.calls == [], call_id

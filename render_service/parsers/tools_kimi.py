@@ -5,9 +5,10 @@
 
 The model names each call ``functions.NAME:IDX``: that is the call's id (ToolCallPiece.id) and NAME its name
 (``NAME:IDX`` without the prefix is accepted too). Anything else in that place (a bare counter ``0``, a
-malformed ``functions.x.0``) names the call only when the request's tools make it unambiguous and nothing the
-model wrote is dropped: its only word is one declared tool's name, or it has no word and there is one tool;
-the id is then ``functions.NAME:INDEX`` in the model's own style. A bare id that names no tool with several tools on offer is named by its arguments once
+malformed ``functions.x.0``) names the call only when the request's tools make it unambiguous: the one tool
+whose name appears in it, or the only tool when it names none. The id stays the model's text, so nothing it wrote
+is lost and the next turn renders the call as generated; an empty one becomes ``functions.NAME:INDEX``, the
+model's own style. A bare id that names no tool with several tools on offer is named by its arguments once
 the call ends: the one tool whose declared parameters hold every argument key and whose required ones are all
 there. Otherwise the call is not one and its text is content.
 """
@@ -41,13 +42,13 @@ class KimiK2ToolParser(SectionedToolParser):
         declared = [t.name for t in self.config.tools]
         words = {w for w in _WORD.findall(call_id) if w != "functions" and not w.isdigit()}
         named = [name for name in declared if name in words]
-        if len(named) == 1 and len(words) == 1:
-            name = named[0]  # any other word would be lost in the rewritten id
+        if len(named) == 1:
+            name = named[0]
         elif not words and len(declared) == 1:
             name = declared[0]  # a bare counter: the request has one tool
         else:
             return None
-        return name, f"functions.{name}:{index}"
+        return name, call_id or f"functions.{name}:{index}"
 
     def defers_name(self, text: str) -> bool:
         words = {w for w in _WORD.findall(text) if w != "functions" and not w.isdigit()}
@@ -72,4 +73,4 @@ class KimiK2ToolParser(SectionedToolParser):
                 fits.append(tool.name)
         if len(fits) != 1:
             return None
-        return fits[0], f"functions.{fits[0]}:{index}"
+        return fits[0], text.strip() or f"functions.{fits[0]}:{index}"
