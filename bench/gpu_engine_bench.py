@@ -114,19 +114,11 @@ def matmul_params(model) -> tuple[int, int]:
     return layer, arch.vocab_size * arch.hidden_size
 
 
-def bench_decode(model, batches, context, block_size, use_graphs, seed=0, one_launch=None) -> list[dict]:
-    """``one_launch``: decode attention in one launch or two; None decides as the engine's start-up check does."""
+def bench_decode(model, batches, context, block_size, use_graphs, seed=0) -> list[dict]:
     from token_engine.core.cuda_graphs import DecodeGraphs
-    from token_engine.layers import attention_cuda
-    from token_engine.layers.attention import allocate_kv_pool, build_metadata, check_one_launch_decode
+    from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
-    if DEVICE == "cuda":
-        if one_launch is None:
-            one_launch = check_one_launch_decode(arch.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                 block_size, DEVICE, max(batches))
-        attention_cuda.DECODE_ONE_LAUNCH = one_launch
-        attention_cuda.reserve_arrivals(torch.device(DEVICE), max(batches) * arch.num_kv_heads)
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(batches) * blocks_per_seq + 8
     pool = allocate_kv_pool(num_blocks, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, arch.dtype,
@@ -168,7 +160,6 @@ def bench_decode(model, batches, context, block_size, use_graphs, seed=0, one_la
         best = graph_ms if graph_ms is not None else eager_ms
         rows.append({
             "batch": batch, "context": context, "eager_ms": eager_ms, "graph_ms": graph_ms,
-            "attention_one_launch": bool(one_launch),
             "floor_ms": floor_ms, "weights_only_floor_ms": weights_floor_ms,
             "x_floor": best / floor_ms, "x_weights_floor": best / weights_floor_ms,
             "graph_vs_eager_max_abs_diff": max_diff if graphs is not None else None,

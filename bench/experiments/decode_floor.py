@@ -5,13 +5,12 @@ On a random-weight model of a preset's shape (default Qwen2.5-7B, bf16), in one 
 
 1. the HBM copy bandwidth (the floor's rate, as bench.gpu_engine_bench measures it) and the model;
 2. whole decode steps (bench.gpu_engine_bench.bench_decode) with main's settings (no split K, at most 16 rows
-   through decode_linear, 64 keys per attention iteration) and with the committed ones, decode attention in two
-   launches (partial, merge) and, where it passes the engine's start-up check, in one (the last slice merges);
+   through decode_linear, 64 keys per attention iteration) and with the committed ones;
 3. each linear role over all layers' real weights, captured in one graph per variant, at 1 and 32 rows. o and
    down are timed with the add + RMSNorm that consumes their output, since the split-K variants move the sum
    of the K slices into that norm. Variants: cuBLAS, decode_linear per config, decode_linear_split per config
    and slice count. The best per role (summed over the row counts, each relative to cuBLAS) is applied;
-4. decode attention over every layer in one graph per (target programs, keys per iteration, one launch);
+4. decode attention over every layer in one graph per (target programs, keys per iteration);
 5. whole decode steps with what this run tuned; how far the outputs of main's settings and the committed ones
    are apart; last, per batch and setting, a kernel table of graph-replayed steps plus logits (torch.profiler):
    kernel time summed against the step's time between CUDA events, so launch gaps show as the difference (steps
@@ -169,27 +168,18 @@ def sweep_linears(model, rows_list=(1, 32)) -> dict:
     return out
 
 
-# (TARGET_PROGRAMS, DECODE_BLOCK_N_FEW_SPLITS, DECODE_ONE_LAUNCH, ONE_LAUNCH_MAX_SPLITS)
-ATTENTION = [(t, n, False, 8) for t in (264, 528) for n in (64, 128)]
-ATTENTION += [(264, n, True, most) for n in (64, 128) for most in (4, 8, 32)]
-
-
-def _set_attention(setting: tuple) -> None:
-    from token_engine.layers import attention_cuda as ac
-
-    ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS, ac.DECODE_ONE_LAUNCH, ac.ONE_LAUNCH_MAX_SPLITS = setting
+ATTENTION = [(t, n) for t in (264, 528) for n in (64, 128)]  # (TARGET_PROGRAMS, DECODE_BLOCK_N_FEW_SPLITS)
 
 
 def sweep_attention(model, batches, context: int, block_size: int) -> dict:
-    """Decode attention (split-K partial + merge, or partial merging at its last slice) over every layer in one
-    graph, per (target programs, keys per iteration where the context is cut into at most 4 slices, one launch);
-    applies the best summed over the batches, each
+    """Decode attention (split-K partial + merge) over every layer in one graph, per (target programs, keys per
+    iteration where the context is cut into at most 4 slices); applies the best summed over the batches, each
     relative to the current setting."""
     from token_engine.layers import attention_cuda as ac
     from token_engine.layers.attention import allocate_kv_pool, build_metadata
 
     arch = model.arch
-    current = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS, ac.DECODE_ONE_LAUNCH, ac.ONE_LAUNCH_MAX_SPLITS)
+    current = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS)
     per_seq = -(-(context + 1) // block_size)
     out: dict = {}
     for batch in batches:
@@ -200,7 +190,6 @@ def sweep_attention(model, batches, context: int, block_size: int) -> dict:
         meta = build_metadata([1] * batch, [context + 1] * batch,
                               [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)], block_size, "cuda")
         q = torch.randn(batch, arch.num_heads, arch.head_dim, device="cuda", dtype=arch.dtype)
-        ac.reserve_arrivals(torch.device("cuda"), batch * arch.num_kv_heads)
 
         def run(pool=pool, meta=meta, q=q):
             for layer in range(arch.num_layers):
@@ -209,12 +198,12 @@ def sweep_attention(model, batches, context: int, block_size: int) -> dict:
         times = {}
         with torch.inference_mode():
             for setting in ATTENTION:
-                _set_attention(setting)
+                ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = setting
                 try:
                     times[str(setting)] = graph_ms(run) * 1e3 / arch.num_layers
                 except Exception as exc:  # noqa: BLE001
                     times[str(setting)] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
-        _set_attention(current)
+        ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = current
         kv_bytes = batch * (context + 1) * arch.kv_bytes_per_token / arch.num_layers
         ok = {k: v for k, v in times.items() if isinstance(v, float)}
         best = min(ok, key=lambda k: ok[k])
@@ -226,7 +215,7 @@ def sweep_attention(model, batches, context: int, block_size: int) -> dict:
               for k in out[batches[0]]["us_per_layer"]
               if all(isinstance(out[b]["us_per_layer"][k], float) for b in batches)}
     chosen = min(totals, key=lambda k: totals[k])
-    _set_attention(eval(chosen))  # noqa: S307 - our own repr
+    ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = eval(chosen)  # noqa: S307 - our own repr
     out["chosen"] = chosen
     print(json.dumps({"attention chosen": chosen}), flush=True)
     return out
@@ -290,7 +279,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from token_engine.layers import attention_cuda as ac
     from token_engine.layers import decode_linear_cuda as dl
-    from token_engine.layers.attention import check_one_launch_decode
     from token_engine.models import llama
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -307,18 +295,12 @@ def main(argv=None) -> int:
             dl.SPLIT_TUNED.clear()
             dl.SPLIT_TUNED.update(splits)
             llama.FEW_ROWS = rows
-            _set_attention(attn)
+            ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS = attn
         return apply
 
-    attention = (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS)
-    previous = settings(MAIN_TUNED, {}, 16, (ac.TARGET_PROGRAMS, 64, False, ac.ONE_LAUNCH_MAX_SPLITS))
-    committed = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows, (*attention, False, ac.ONE_LAUNCH_MAX_SPLITS))
-    one_launch = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows, (*attention, True, ac.ONE_LAUNCH_MAX_SPLITS))
-    arch = model.arch
-    checked = check_one_launch_decode(arch.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                      args.block_size, "cuda", max(batches))
-    result["one_launch_check"] = checked
-    print(json.dumps({"one-launch decode attention passes the start-up check": checked}), flush=True)
+    previous = settings(MAIN_TUNED, {}, 16, (ac.TARGET_PROGRAMS, 64))
+    committed = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows,
+                         (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS))
 
     def save():
         if args.out:
@@ -327,16 +309,13 @@ def main(argv=None) -> int:
 
     def decode(name, apply):
         apply()
-        rows = geb.bench_decode(model, batches, args.context, args.block_size, True,
-                                one_launch=ac.DECODE_ONE_LAUNCH)
+        rows = geb.bench_decode(model, batches, args.context, args.block_size, True)
         result.setdefault("decode", {})[name] = rows
         save()
 
     # the profiler runs last: steps timed after it ran in this process came out slower
     decode("main's settings", previous)
     decode("committed settings", committed)
-    if checked:
-        decode("committed, attention in one launch", one_launch)
     t0 = time.perf_counter()
     result["linears"] = sweep_linears(model)
     print(f"[linears: {time.perf_counter() - t0:.1f} s]", flush=True)
@@ -344,12 +323,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     result["attention"] = sweep_attention(model, batches, args.context, args.block_size)
     print(f"[attention: {time.perf_counter() - t0:.1f} s]", flush=True)
-    best = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows,
-                    (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS, ac.DECODE_ONE_LAUNCH, ac.ONE_LAUNCH_MAX_SPLITS))
+    best = settings(dict(dl.TUNED), dict(dl.SPLIT_TUNED), few_rows, (ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS))
     result["tuned"] = {"TUNED": {str(k): v for k, v in dl.TUNED.items()},
                        "SPLIT_TUNED": {str(k): v for k, v in dl.SPLIT_TUNED.items()},
-                       "attention": [ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS, ac.DECODE_ONE_LAUNCH,
-                                     ac.ONE_LAUNCH_MAX_SPLITS]}
+                       "attention": [ac.TARGET_PROGRAMS, ac.DECODE_BLOCK_N_FEW_SPLITS]}
     print(json.dumps(result["tuned"]), flush=True)
     decode("tuned here", best)
     committed()

@@ -230,32 +230,9 @@ def verify_fa3(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: 
     return True, f"within {max(errors):.2g} of the reference on the check step"
 
 
-def check_one_launch_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                            device, max_num_seqs: int) -> bool:
-    """CUDA only. Turns one-launch decode attention on (attention_cuda.DECODE_ONE_LAUNCH) where it equals the
-    two-launch path on the start-up check (verify_one_launch), with counters for up to max_num_seqs sequences
-    reserved before any graph is captured; off, with a warning, where it differs or fails."""
-    from token_engine.layers import attention_cuda
-
-    try:
-        diff = attention_cuda.verify_one_launch(dtype, num_heads, num_kv_heads, head_dim, block_size, device,
-                                                build_metadata)
-    except Exception as exc:  # noqa: BLE001 - atomics or the merge's registers do not work out on this device
-        logging.getLogger(__name__).warning("one-launch decode attention does not run on this device (%s)", exc)
-        diff = float("inf")
-    attention_cuda.DECODE_ONE_LAUNCH = diff <= attention_cuda.one_launch_tolerance(dtype)
-    if attention_cuda.DECODE_ONE_LAUNCH:
-        attention_cuda.reserve_arrivals(device, max_num_seqs * num_kv_heads)
-    else:
-        logging.getLogger(__name__).warning("one-launch decode attention differs from two launches by %.3g: "
-                                            "decode keeps the merge kernel", diff)
-    return attention_cuda.DECODE_ONE_LAUNCH
-
-
 def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block_size: int) -> int:
     """CUDA only. Checks the paged prefill kernel against the plain path on a small ragged step, turns FA3 prefill
-    on where it is installed and passes the same check (verify_fa3), turns one-launch decode attention on where it
-    equals the two-launch path (verify_one_launch), then compiles
+    on where it is installed and passes the same check (verify_fa3), then compiles
     the decode kernels a mixed prefill + decode step uses, for every merge width a step
     of up to max_num_seqs sequences can need, so no request waits on a compile. Reads the pool, writes nothing
     to it. Returns how many variants it ran."""
@@ -277,15 +254,12 @@ def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block
     # asked for and not on (no such file, a load error, a mismatch) is worth a warning; not asked for is the default
     level = logging.INFO if use_fa3 else logging.WARNING if attention_fa3.asked_for() else logging.DEBUG
     logging.getLogger(__name__).log(level, "FA3 prefill %s: %s", "on" if use_fa3 else "off", why)
-    check_one_launch_decode(kv_pool.dtype, num_heads, num_kv_heads, head_dim, block_size, kv_pool.device,
-                            max_num_seqs)
     seen = set()
     for num in range(1, max_num_seqs + 1):
-        splits = attention_cuda.decode_splits(num, num_kv_heads)
-        variant = (attention_cuda.splits_pad(splits), attention_cuda.merges_in_one_launch(splits))
-        if variant in seen:
+        pad = attention_cuda.splits_pad(attention_cuda.decode_splits(num, num_kv_heads))
+        if pad in seen:
             continue
-        seen.add(variant)
+        seen.add(pad)
         meta = build_metadata([1] * num, [1] * num, [[0]] * num, block_size, kv_pool.device)
         q = torch.zeros(num, num_heads, head_dim, dtype=kv_pool.dtype, device=kv_pool.device)
         ids = torch.arange(num, dtype=torch.int32, device=kv_pool.device)

@@ -4,9 +4,8 @@
   (the padded rows of a CUDA-graph decode batch).
 - decode (every sequence has one new token): a split-K ("flash decoding") Triton kernel. Each program takes
   one sequence, one KV head (all the query heads that share it, so K/V are read once per group) and one slice
-  of the context, gathering tokens through the block table; the last slice of a (sequence, KV head) to
-  finish merges the slices' partial softmax states (a second kernel does where the start-up check did not
-  pass). No host syncs and no data-dependent launch shapes, so it is capturable in a CUDA graph.
+  of the context, gathering tokens through the block table; a second kernel merges the slices' partial
+  softmax states. No host syncs and no data-dependent launch shapes, so it is capturable in a CUDA graph.
   The number of slices is a runtime argument (only the merge's padded width is compiled in): were it a
   compile-time constant, every new count of decoding sequences in a mixed step would compile a kernel
   (0.6-3 s on an H200, measured by bench/experiments/gpu_decode_profile.py) while requests wait.
@@ -39,17 +38,6 @@ DECODE_BLOCK_N = 64
 DECODE_BLOCK_N_FEW_SPLITS = 64
 TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
-# Decode attention in one launch: the last of a (sequence, KV head)'s slices to finish merges them, where the
-# start-up check (token_engine.layers.attention.warm_up_cuda) found it equal to the two-launch path. Slices the
-# merger reads at once (its registers: group x slices x head_dim).
-DECODE_ONE_LAUNCH = False
-# One launch only where a context is cut into at most this many slices (large batches): its merge runs in one
-# program per (sequence, KV head) after the others, so it must stay short. Qwen2.5-7B's shape over 1k of context
-# on an H100 (bench/experiments/decode_floor.py): batch 32 (3 slices) 31.4 us a layer against 32.2 for two
-# launches; batch 1 (32 slices) 15.1 against 7.9, and 11.1-12.2 with the context cut into 8-16 slices.
-ONE_LAUNCH_MAX_SPLITS = 4
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_ARRIVALS_KEPT: list[torch.Tensor] = []
 # Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's
 # length and context change from step to step under load, so steps took 0.1-2.5 s instead of ~50 ms on an
 # H200 (bench/experiments/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
@@ -97,17 +85,16 @@ def _store_kv_kernel(
 
 # Triton specializes integer arguments on their value (== 1, divisible by 16): these vary from step to step
 # (block-table width, slices), and each specialization would be one more compile while requests wait.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window", "stride_ot", "stride_oh"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, seq_ids_ptr,
-    m_ptr, l_ptr, acc_ptr, arrivals_ptr, out_ptr,
+    m_ptr, l_ptr, acc_ptr,
     scale, window,
     stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch,
-    stride_bt, num_splits, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
-    IEEE: tl.constexpr, MERGE_LAST: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    stride_bt, num_splits,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, IEEE: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,28 +149,6 @@ def _decode_partial_kernel(
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
-    if MERGE_LAST:
-        # The last slice of this (sequence, KV head) to finish merges them all: one launch instead of two.
-        # Every thread's stores come before the counter's acq_rel add; the merger reads the slices through L2
-        # (MERGE_SPLITS: the slice count's power-of-two padding, a handful of variants).
-        tl.debug_barrier()
-        arrivals = arrivals_ptr + i * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            used = tl.cdiv(tiles, per_split)  # the slices after these had no keys
-            sl = tl.arange(0, MERGE_SPLITS)
-            s_mask = sl < used
-            # head by head, unrolled: no head's loads wait for another's sums
-            for g_i in tl.static_range(GROUP):
-                head = kv_head * GROUP + g_i
-                base = (i * NUM_HEADS + head) * num_splits
-                m_s = tl.load(m_ptr + base + sl, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(l_ptr + base + sl, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a = tl.load(acc_ptr + (base + sl)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0,
-                            cache_modifier=".cg")
-                w = tl.where(m_s > float("-inf"), tl.exp(m_s - tl.max(m_s, 0)), 0.0)
-                merged = tl.sum(a * w[:, None], 0) / tl.sum(l_s * w, 0)
-                tl.store(out_ptr + row * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
-            tl.atomic_xchg(arrivals, 0)  # ready for the next launch (the next layer, the next graph replay)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -245,24 +210,6 @@ def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
 
 
-def merges_in_one_launch(splits: int) -> bool:
-    """Whether a decode cut into ``splits`` slices merges them in its own launch (where the start-up check passed)."""
-    return DECODE_ONE_LAUNCH and splits <= ONE_LAUNCH_MAX_SPLITS
-
-
-def _arrivals(device: torch.device, rows: int) -> torch.Tensor | None:
-    """The one-launch decode's counters (one per sequence and KV head), zero between launches; grown outside
-    graph capture only (a buffer allocated while capturing would belong to that graph)."""
-    buf = _ARRIVALS.get(device)
-    if buf is None or buf.numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = buf
-        _ARRIVALS_KEPT.append(buf)  # graphs captured with the smaller one still point at it
-    return buf
-
-
 def decode_attention(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -272,10 +219,8 @@ def decode_attention(
     sliding_window: int | None = None,
     seq_ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    one_launch: bool | None = None,
 ) -> torch.Tensor:
-    """Attention for sequences with exactly one new token (all of them, or those listed in seq_ids).
-    ``one_launch``: the last slice to finish merges (None: where merges_in_one_launch says so)."""
+    """Attention for sequences with exactly one new token (all of them, or those listed in seq_ids)."""
     k_cache, v_cache = _cache_views(kv_pool, layer)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -288,33 +233,28 @@ def decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     splits = decode_splits(num, num_kv_heads)
-    arrivals = None
-    if merges_in_one_launch(splits) if one_launch is None else one_launch:
-        arrivals = _arrivals(q.device, num * num_kv_heads)
     m = torch.empty(num, num_heads, splits, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     acc = torch.empty(num, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ids = seq_ids if seq_ids is not None else meta.seq_lens  # placeholder pointer when unused
     _decode_partial_kernel[(num, num_kv_heads, splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, ids,
-        m, lse, acc, arrivals if arrivals is not None else m, out,
+        m, lse, acc,
         scale, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0),
-        splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
-        BLOCK_N=DECODE_BLOCK_N_FEW_SPLITS if splits <= 4 else DECODE_BLOCK_N,
-        HAS_SEQ_IDS=seq_ids is not None, IEEE=q.dtype == torch.float32,
-        MERGE_LAST=arrivals is not None, MERGE_SPLITS=splits_pad(splits) if arrivals is not None else 2,
+        splits,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N_FEW_SPLITS if splits <= 4 else DECODE_BLOCK_N,
+        HAS_SEQ_IDS=seq_ids is not None,
+        IEEE=q.dtype == torch.float32,
     )
-    if arrivals is None:
-        _decode_merge_kernel[(num, num_heads)](
-            m, lse, acc, out, meta.query_start_loc, ids,
-            out.stride(0), out.stride(1), splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad(splits), HAS_SEQ_IDS=seq_ids is not None,
-        )
+    _decode_merge_kernel[(num, num_heads)](
+        m, lse, acc, out, meta.query_start_loc, ids,
+        out.stride(0), out.stride(1), splits,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad(splits), HAS_SEQ_IDS=seq_ids is not None,
+    )
     return out
 
 
@@ -426,41 +366,6 @@ def verify_prefill(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_d
     meta.backend_state["cuda_plan"]["splits"] = 3  # the context in slices, as long contexts take it
     sliced = paged_attention(q, pool, 0, meta, head_dim**-0.5, sliding_window)
     return max((got.float() - want).abs().max().item(), (sliced.float() - want).abs().max().item())
-
-
-def verify_one_launch(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                      device, build_metadata, rounds: int = 6, sizes: tuple[int, ...] = (1, 5, 32)) -> float:
-    """Decode attention in one launch against two (the merge kernel) on ragged decode steps of ``sizes``
-    sequences, with and without a sliding window; returns the largest difference relative to the output's
-    largest value. Each round takes new queries and runs one launch first: a merge that read a slice before it
-    was written would find the last round's and differ. Uses its own small pool."""
-    gen = torch.Generator(device=device).manual_seed(1)
-    worst = 0.0
-    for num in sizes:
-        lens = [int(n) for n in torch.randint(1, 40 * block_size, (num,), generator=gen, device=device).tolist()]
-        per_seq = [-(-n // block_size) for n in lens]
-        pool = torch.randn(sum(per_seq) + 1, 1, 2, block_size, num_kv_heads, head_dim, generator=gen, device=device)
-        pool = pool.to(dtype)
-        order = torch.randperm(pool.shape[0], generator=gen, device=device).tolist()
-        tables = [order[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(num)]
-        meta = build_metadata([1] * num, lens, tables, block_size, device)
-        for window in (None, 3 * block_size + 5):
-            for _ in range(rounds):
-                q = torch.randn(num, num_heads, head_dim, generator=gen, device=device).to(dtype)
-                got = decode_attention(q, pool, 0, meta, head_dim**-0.5, window, one_launch=True).float()
-                want = decode_attention(q, pool, 0, meta, head_dim**-0.5, window, one_launch=False).float()
-                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
-    return worst
-
-
-def one_launch_tolerance(dtype: torch.dtype) -> float:
-    """The two paths differ only in the order of the merge's float32 sums, then one rounding to ``dtype``."""
-    return max(2 * torch.finfo(dtype).eps, 1e-5)
-
-
-def reserve_arrivals(device: torch.device, rows: int) -> None:
-    """Counters for steps of up to ``rows`` (sequence, KV head) pairs, allocated before any graph is captured."""
-    _arrivals(torch.device(device), rows)
 
 
 def _prefill_fresh_sdpa(q, k, v, scale, sliding_window):
