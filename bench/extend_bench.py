@@ -239,12 +239,14 @@ def body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
 
 def messages_body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
     """An Anthropic Messages render from the request body to the answer's JSON, as the render server runs it (its
-    messages come through no memo: they are converted to chat messages every request)."""
+    messages through the message memo: each distinct message converted to chat messages once)."""
+    from render_service.apis.message_memo_anthropic import decode_messages_request
     from render_service.apis.messages import render_messages
     from render_service.apis.messages_protocol import MessagesRequest
 
     def from_body(body: bytes) -> bytes:
-        generate, _ = render_messages(msgspec.json.decode(body, type=MessagesRequest), config, ids_view=True)
+        req = decode_messages_request(body, config.message_memo) or msgspec.json.decode(body, type=MessagesRequest)
+        generate, _ = render_messages(req, config, ids_view=True)
         return encode_json(generate)
 
     return from_body

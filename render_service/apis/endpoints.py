@@ -17,6 +17,7 @@ from starlette.routing import Route
 from render_service.apis import derender as api_derender
 from render_service.apis import messages_protocol, responses_protocol
 from render_service.apis.errors import anthropic_error_body, openai_error_body
+from render_service.apis.message_memo_anthropic import decode_messages_request
 from render_service.apis.messages import count_chat, render_messages
 from render_service.apis.messages import count_tokens as count_message_tokens
 from render_service.apis.messages import to_chat as messages_to_chat
@@ -67,10 +68,11 @@ def anthropic_shaped(handler: Handler) -> Handler:
 
 
 async def _render(request: Request, name: str, kind: type, render: Callable[..., Any],
-                  with_images: Callable[[Any, RenderConfig], tuple[ChatCompletionRequest, RenderWith]] | None = None
-                  ) -> Response:
+                  with_images: Callable[[Any, RenderConfig], tuple[ChatCompletionRequest, RenderWith]] | None = None,
+                  through_memo: Callable[[bytes, Any], Any] | None = None) -> Response:
     """``with_images(req, config)``: the request as chat (image parts kept) and how to finish its render, for a
-    body that may carry images (multimodal.endpoint)."""
+    body that may carry images (multimodal.endpoint); ``through_memo(body, memo)``: the request decoded through
+    the message memo, or None (then decoded the usual way)."""
     state = server_state(request)
     body = await read_json_body(request)
     request_id = request.headers.get("x-request-id")
@@ -84,7 +86,9 @@ async def _render(request: Request, name: str, kind: type, render: Callable[...,
             return PiecesResponse(answer_pieces(pictured, encode_json), state.render_headers)
 
     def job() -> Any:  # decoded and rendered on the render queue: large bodies off the event loop, as chat
-        return render(decode(body, kind), state.config, request_id=request_id, client=client, ids_view=True)[0]
+        req = through_memo(body, state.config.message_memo) if through_memo is not None else None
+        return render(req or decode(body, kind), state.config, request_id=request_id, client=client,
+                      ids_view=True)[0]
 
     gen = await state.render_queue.run(name, len(body), job)
     metrics.PROMPT_TOKENS.inc(len(gen.token_ids))
@@ -113,7 +117,8 @@ async def messages_render(request: Request) -> Response:
             req, config, request_id=request_id, prepared=(chat, budget), expand_prompt=expand,
             client=client_of(request))[0]
 
-    return await _render(request, "messages_render", messages_protocol.MessagesRequest, render_messages, with_images)
+    return await _render(request, "messages_render", messages_protocol.MessagesRequest, render_messages, with_images,
+                         decode_messages_request)
 
 
 async def count_tokens(request: Request) -> Response:

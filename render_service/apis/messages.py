@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
+from render_service.apis.message_memo_anthropic import MemoAnthropicMessages, MemoAnthropicTools
 from render_service.apis.messages_protocol import CountTokensRequest, MessagesRequest
-from render_service.http.errors import bad_request
+from render_service.http.errors import ApiError, bad_request
 from render_service.render.render import render_chat, render_chat_prompt, requested_id
 from render_service.render.render_config import RenderConfig
+from render_service.wire.message_memo import MemoEntry, MemoMessages, MemoTools
 from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -37,7 +39,7 @@ def new_message_id(given: str | None = None) -> str:
 SYSTEM_SEPARATOR = "\n\n"
 
 
-def _system_text(system: Any, messages: list[Any]) -> str:
+def _system_text(system: Any, messages: Sequence[Any]) -> str:
     """Top-level system (a string or text blocks) and any system-role messages, joined as vLLM joins them."""
     parts: list[str] = []
     if isinstance(system, str):
@@ -80,11 +82,12 @@ def _block_texts(content: Any, where: str) -> list[str]:
     return out
 
 
-def _tool_result(block: dict[str, Any], where: str, known: set[str]) -> dict[str, Any]:
+def _tool_result(block: dict[str, Any], where: str, known: set[str] | None, needs: list[str]) -> dict[str, Any]:
     tool_use_id = block.get("tool_use_id")
-    if not isinstance(tool_use_id, str) or tool_use_id not in known:
+    if not isinstance(tool_use_id, str) or (known is not None and tool_use_id not in known):
         raise bad_request(f"{where}: tool_result block(s) provided without a matching tool_use block "
                           f"(tool_use_id {tool_use_id!r})", where)
+    needs.append(tool_use_id)
     content = block.get("content")
     text = "" if content is None else "\n".join(_block_texts(content, f"{where}.content"))
     return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
@@ -94,70 +97,113 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
     """The chat messages a Messages request means (vLLM's conversion, checked)."""
     if not isinstance(req.messages, list) or not req.messages:
         raise bad_request("messages: at least one message is required", "messages")
+    if type(req.messages) is MemoAnthropicMessages:
+        remembered = remembered_chat_messages(req.messages, req.system)
+        if remembered is not None:
+            return remembered
     out: list[dict[str, Any]] = []
     system = _system_text(req.system, req.messages)
     if system:
         out.append({"role": "system", "content": system})
     known: set[str] = set()
     for m, message in enumerate(req.messages):
-        where = f"messages[{m}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object", where)
-        role = message.get("role")
-        if role == "system":
-            continue
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", where)
-        content = message.get("content")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise bad_request(f"{where}.content must be a string or a list of content blocks", where)
-        texts: list[str] = []
-        parts: list[dict[str, Any]] = []  # text and image parts in order, for a message that carries images
-        calls: list[dict[str, Any]] = []
-        reasoning: list[str] = []
-        for b, block in enumerate(content):
-            at = f"{where}.content[{b}]"
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
-                if block["text"]:
-                    texts.append(block["text"])
-                    parts.append({"type": "text", "text": block["text"]})
-            elif kind == "image" and role == "user":
-                parts.append(block)  # kept as it is: the image path reads its source (multimodal.sources)
-            elif kind == "tool_use" and role == "assistant":
-                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                        or not isinstance(block.get("input", {}), dict):
-                    raise bad_request(f"{at}: tool_use needs a string id and name and an object input", at)
+        out += message_to_chat(message, m, known, [])
+    return out
+
+
+def remembered_chat_messages(messages: MemoAnthropicMessages, system: Any) -> MemoMessages | None:
+    """``chat_messages``' answer from the memo: each message as converted the first time it was seen (converted
+    now where it was not), as memo entries. None where the plain conversion must answer: a message that does not
+    convert or has the system role, a tool_result whose tool_use is not in a message before it."""
+    chat: list[MemoEntry] = []
+    known: set[str] = set()
+    try:
+        text = _system_text(system, ())
+        if text:
+            chat.append(messages.system_entry(text))
+        for m, entry in enumerate(messages.entries):
+            if entry.chat is None:
+                value = entry.value
+                if not isinstance(value, dict) or value.get("role") == "system":
+                    return None
+                needs: list[str] = []
+                entry.converted(message_to_chat(value, m, None, needs), needs)
+            assert entry.chat is not None
+            if not entry.needs <= known:
+                return None
+            for made in entry.chat:
+                calls = made.value.get("tool_calls")
+                if calls:
+                    known.update(call["id"] for call in calls)
+            chat += entry.chat
+    except ApiError:
+        return None
+    return MemoMessages(chat, tuple(entry.value for entry in chat), None, None)
+
+
+def message_to_chat(message: Any, m: int, known: set[str] | None, needs: list[str]) -> list[dict[str, Any]]:
+    """Message ``m``'s chat messages (none for a system message: ``_system_text`` takes those). ``known``: the
+    tool_use ids of the messages before it (its own are added); None: not checked, every tool_result's id listed
+    in ``needs`` instead (the message converted once for any place, message_memo_anthropic.py)."""
+    where = f"messages[{m}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object", where)
+    role = message.get("role")
+    if role == "system":
+        return []
+    if role not in ("user", "assistant"):
+        raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", where)
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content blocks", where)
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and image parts in order, for a message that carries images
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for b, block in enumerate(content):
+        at = f"{where}.content[{b}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            if block["text"]:
+                texts.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(block)  # kept as it is: the image path reads its source (multimodal.sources)
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                    or not isinstance(block.get("input", {}), dict):
+                raise bad_request(f"{at}: tool_use needs a string id and name and an object input", at)
+            if known is not None:
                 known.add(block["id"])
-                calls.append({"id": block["id"], "type": "function",
-                              "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
-            elif kind == "tool_result" and role == "user":
-                out.append(_tool_result(block, at, known))
-            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
-                reasoning.append(block["thinking"])
-            elif kind == "redacted_thinking" and role == "assistant":
-                pass  # opaque by design: nothing to render
-            elif kind == "image":
-                raise bad_request(f"{at}: image blocks are only supported in user messages", at)
-            elif kind == "document":
-                raise bad_request(f"{at}: document blocks are not supported", at)
-            else:
-                raise bad_request(f"{at}: content block type {kind!r} is not valid in a {role} message", at)
-        msg: dict[str, Any] = {"role": role}
-        if reasoning:
-            msg["reasoning"] = "".join(reasoning)
-        if calls:
-            msg["tool_calls"] = calls
-        if len(parts) > len(texts):
-            msg["content"] = parts
-        elif texts:
-            msg["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
-        elif not calls and not reasoning:
-            continue  # only tool results (already out) or nothing: as vLLM, no empty message
-        out.append(msg)
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+        elif kind == "tool_result" and role == "user":
+            out.append(_tool_result(block, at, known, needs))
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            pass  # opaque by design: nothing to render
+        elif kind == "image":
+            raise bad_request(f"{at}: image blocks are only supported in user messages", at)
+        elif kind == "document":
+            raise bad_request(f"{at}: document blocks are not supported", at)
+        else:
+            raise bad_request(f"{at}: content block type {kind!r} is not valid in a {role} message", at)
+    msg: dict[str, Any] = {"role": role}
+    if reasoning:
+        msg["reasoning"] = "".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    if len(parts) > len(texts):
+        msg["content"] = parts
+    elif texts:
+        msg["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+    elif not calls and not reasoning:
+        return out  # only tool results or nothing: as vLLM, no empty message
+    out.append(msg)
     return out
 
 
@@ -186,6 +232,12 @@ def thinking_switch(req: MessagesRequest | CountTokensRequest) -> tuple[bool, in
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
+    if type(tools) is MemoAnthropicTools:  # converted once per distinct tools array (a 400 is not kept)
+        entry = tools.entry
+        if entry.chat is None:
+            entry.converted(chat_tools(list(tools)))
+        assert entry.chat is not None
+        return MemoTools(entry.chat)
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":

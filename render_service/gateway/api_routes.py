@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from render_service.apis.endpoints import anthropic_shaped, openai_shaped
 from render_service.apis.errors import coded
+from render_service.apis.message_memo_anthropic import decode_messages_request
 from render_service.apis.messages import render_messages
 from render_service.apis.messages import to_chat as messages_to_chat
 from render_service.apis.messages_protocol import MessagesRequest
@@ -252,7 +253,7 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
         client = client_of(request)
 
         def render() -> tuple[MessagesRequest, GenerateRequest, ChatCompletionRequest]:
-            req = decode(body, MessagesRequest)
+            req = decode_messages_request(body, config.message_memo) or decode(body, MessagesRequest)
             refuse_render_only(req)
             return req, *render_messages(req, config, request_id=request_id, client=client)
 

@@ -1,0 +1,136 @@
+"""Anthropic Messages bodies through the message memo (wire/message_memo.py), so that an agent resending its
+conversation converts and prepares only the messages that are new.
+
+``decode_messages_request`` decodes a body with its messages left as raw JSON and looks each one up by its bytes;
+``messages.chat_messages`` then takes each message's chat messages as converted before (``AnthropicEntry.chat``,
+memo entries themselves, so their prepared forms and the template's loop records carry over as a chat body's do),
+and ``messages.chat_tools`` the tools likewise.
+A message converts the same wherever it sits, except for which tool_use ids came before it: each conversion lists
+the ids its tool_result blocks name, and the request checks them against the ids of the messages before. Anything
+else (a message that does not convert, a system-role message, an id not seen before) goes the plain way, so every
+error is the plain path's, word for word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from render_service.apis.messages_protocol import MessagesRequest
+from render_service.wire.message_memo import MemoEntry, MessageMemo
+
+_KIND = "anthropic message"
+_SYSTEM_KIND = "anthropic system prompt"
+_FIELDS = msgspec.structs.fields(MessagesRequest)
+assert _FIELDS[0].name == "messages"
+
+_TOOLS_KIND = "anthropic tools"
+_NULL = msgspec.Raw(b"null")
+
+# MessagesRequest with its messages and tools left as raw JSON; every other field as it is there.
+_RawMessagesRequest = msgspec.defstruct(
+    "_RawMessagesRequest",
+    [("messages", list[msgspec.Raw])]
+    + [(f.name, msgspec.Raw, _NULL) if f.name == "tools" else (f.name, f.type, f.default) for f in _FIELDS[1:]],
+    kw_only=True,
+    rename={f.name: f.encode_name for f in _FIELDS},
+    forbid_unknown_fields=MessagesRequest.__struct_config__.forbid_unknown_fields,
+)
+_decode_raw_request = msgspec.json.Decoder(_RawMessagesRequest).decode
+_decode_message = msgspec.json.Decoder(_FIELDS[0].type.__args__[0]).decode  # one element of ``messages``
+_decode_tools = msgspec.json.Decoder(next(f.type for f in _FIELDS if f.name == "tools")).decode
+
+
+class AnthropicEntry(MemoEntry):
+    """One Anthropic message: its JSON, its decoded value and, once a request converted it, its chat messages
+    (``chat``: their memo entries) and the tool_use ids its tool_result blocks name (``needs``)."""
+
+    __slots__ = ("chat", "needs")
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data, _decode_message(data))
+        self.chat: tuple[MemoEntry, ...] | None = None
+        self.needs: frozenset[str] = frozenset()
+        self.size *= 2  # its chat messages hold about as much again
+
+    def converted(self, chat: list[dict[str, Any]], needs: list[str]) -> None:
+        """Keeps the conversion. Two lanes may both convert the message: the first kept stays, since a render may
+        already hold its entries (and have them lend ``tojson`` texts, taken back only through this entry)."""
+        made = tuple(MemoEntry(b"", message) for message in chat)
+        if self.chat is None:
+            self.needs = frozenset(needs)
+            self.chat = made
+
+    def release(self) -> None:
+        super().release()
+        for entry in self.chat or ():
+            entry.release()
+
+
+class AnthropicToolsEntry(MemoEntry):
+    """A tools array: its JSON, its decoded value and, once a request converted it, the chat tools' entry (its
+    prepared form kept as a chat body's tools keep theirs)."""
+
+    __slots__ = ("chat",)
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data, _decode_tools(data))
+        self.chat: MemoEntry | None = None
+        self.size *= 2
+
+    def converted(self, chat: list[dict[str, Any]] | None) -> None:
+        if self.chat is None:  # (as AnthropicEntry.converted: the first kept stays)
+            self.chat = MemoEntry(b"", chat)
+
+    def release(self) -> None:
+        super().release()
+        if self.chat is not None:
+            self.chat.release()
+
+
+class MemoAnthropicTools(list[Any]):
+    """``MessagesRequest.tools`` decoded through the memo: shared values (read-only), with their entry."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: AnthropicToolsEntry) -> None:
+        super().__init__(entry.value)
+        self.entry = entry
+
+
+class MemoAnthropicMessages(list[Any]):
+    """``MessagesRequest.messages`` decoded through the memo: shared values (read-only), with their entries."""
+
+    __slots__ = ("entries", "memo")
+
+    def __init__(self, entries: list[AnthropicEntry], memo: MessageMemo) -> None:
+        super().__init__(entry.value for entry in entries)
+        self.entries = entries
+        self.memo = memo
+
+    def system_entry(self, text: str) -> MemoEntry:
+        """The chat system message of this prompt text, the same object every turn that sends it (the loop
+        records of the template compare messages by identity)."""
+        data = text.encode()
+        return self.memo.entries_by_bytes(_SYSTEM_KIND, [data], lambda _: MemoEntry(
+            data, {"role": "system", "content": text}))[0]
+
+
+def decode_messages_request(body: bytes, memo: MessageMemo | None) -> MessagesRequest | None:
+    """The request ``msgspec.json.decode(body, type=MessagesRequest)`` gives, its messages from the memo where
+    seen before; None without a memo or where anything fails to decode (the caller decodes the usual way, for the
+    error)."""
+    if memo is None:
+        return None
+    try:
+        raw: Any = _decode_raw_request(body)
+        entries: list[Any] = memo.entries_by_bytes(_KIND, raw.messages, AnthropicEntry)
+        tools: Any = None if raw.tools == _NULL else memo.entries_by_bytes(_TOOLS_KIND, [raw.tools],
+                                                                             AnthropicToolsEntry)[0]
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    values = msgspec.structs.asdict(raw)
+    values["messages"] = MemoAnthropicMessages(entries, memo)
+    values["tools"] = None if tools is None or tools.value is None else MemoAnthropicTools(tools)
+    return MessagesRequest(**values)
