@@ -107,7 +107,7 @@ def test_kimi_bare_call_id_is_named_by_its_argument_keys(args: str, expected: li
     text = "Checking. " + KIMI_BARE.replace("{ARGS}", args)
     folded = assert_split_invariant("kimi_k2", text, range(0, len(text), 3))
     assert _calls(folded) == expected
-    assert folded.calls[0]["id"] == f"functions.{expected[0][0]}:0"
+    assert folded.calls[0]["id"] == "0"  # the model's own id text: a later turn renders the call as generated
     assert folded.content == "Checking. "
 
 
