@@ -42,25 +42,22 @@ _decode_message = msgspec.json.Decoder(_FIELDS[0].type.__args__[0]).decode  # on
 _decode_tools = msgspec.json.Decoder(next(f.type for f in _FIELDS if f.name == "tools")).decode
 
 
-class AnthropicEntry(MemoEntry):
-    """One Anthropic message: its JSON, its decoded value and, once a request converted it, its chat messages
-    (``chat``: their memo entries) and the tool_use ids its tool_result blocks name (``needs``)."""
+class _ConvertedEntry(MemoEntry):
+    """An Anthropic value's entry that also keeps, once a request converted it, the memo entries of what it
+    converts to (``chat``), released with it."""
 
-    __slots__ = ("chat", "needs")
+    __slots__ = ("chat",)
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data, _decode_message(data))
+    def __init__(self, data: bytes, value: Any) -> None:
+        super().__init__(data, value)
         self.chat: tuple[MemoEntry, ...] | None = None
-        self.needs: frozenset[str] = frozenset()
-        self.size *= 2  # its chat messages hold about as much again
+        self.size *= 2  # what it converts to holds about as much again
 
-    def converted(self, chat: list[dict[str, Any]], needs: list[str]) -> None:
-        """Keeps the conversion. Two lanes may both convert the message: the first kept stays, since a render may
+    def keep(self, chat: tuple[MemoEntry, ...]) -> None:
+        """Keeps a conversion. Two lanes may both convert the value: the first kept stays, since a render may
         already hold its entries (and have them lend ``tojson`` texts, taken back only through this entry)."""
-        made = tuple(MemoEntry(b"", message) for message in chat)
         if self.chat is None:
-            self.needs = frozenset(needs)
-            self.chat = made
+            self.chat = chat
 
     def release(self) -> None:
         super().release()
@@ -68,25 +65,34 @@ class AnthropicEntry(MemoEntry):
             entry.release()
 
 
-class AnthropicToolsEntry(MemoEntry):
-    """A tools array: its JSON, its decoded value and, once a request converted it, the chat tools' entry (its
-    prepared form kept as a chat body's tools keep theirs)."""
+class AnthropicEntry(_ConvertedEntry):
+    """One Anthropic message: its JSON, its decoded value and, once a request converted it, its chat messages
+    (``chat``) and the tool_use ids its tool_result blocks name (``needs``)."""
 
-    __slots__ = ("chat",)
+    __slots__ = ("needs",)
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data, _decode_message(data))
+        self.needs: frozenset[str] = frozenset()
+
+    def converted(self, chat: list[dict[str, Any]], needs: list[str]) -> None:
+        frozen = frozenset(needs)
+        if self.chat is None:  # (set before ``chat``: whoever sees the conversion sees its ids)
+            self.needs = frozen
+        self.keep(tuple(MemoEntry(b"", message) for message in chat))
+
+
+class AnthropicToolsEntry(_ConvertedEntry):
+    """A tools array: its JSON, its decoded value and, once a request converted it, the chat tools' entry
+    (``chat``, one; its prepared form kept as a chat body's tools keep theirs)."""
+
+    __slots__ = ()
 
     def __init__(self, data: bytes) -> None:
         super().__init__(data, _decode_tools(data))
-        self.chat: MemoEntry | None = None
-        self.size *= 2
 
-    def converted(self, chat: list[dict[str, Any]] | None) -> None:
-        if self.chat is None:  # (as AnthropicEntry.converted: the first kept stays)
-            self.chat = MemoEntry(b"", chat)
-
-    def release(self) -> None:
-        super().release()
-        if self.chat is not None:
-            self.chat.release()
+    def converted(self, chat: list[dict[str, Any]]) -> None:
+        self.keep((MemoEntry(b"", chat),))
 
 
 class MemoAnthropicTools(list[Any]):

@@ -235,9 +235,11 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     if type(tools) is MemoAnthropicTools:  # converted once per distinct tools array (a 400 is not kept)
         entry = tools.entry
         if entry.chat is None:
-            entry.converted(chat_tools(list(tools)))
+            converted = chat_tools(list(tools))
+            assert converted is not None  # (the list is not empty)
+            entry.converted(converted)
         assert entry.chat is not None
-        return MemoTools(entry.chat)
+        return MemoTools(entry.chat[0])
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
