@@ -67,18 +67,20 @@ class _ConvertedEntry(MemoEntry):
 
 class AnthropicEntry(_ConvertedEntry):
     """One Anthropic message: its JSON, its decoded value and, once a request converted it, its chat messages
-    (``chat``) and the tool_use ids its tool_result blocks name (``needs``)."""
+    (``chat``), the tool_use ids its tool_result blocks name (``needs``) and those of its tool_use blocks
+    (``adds``)."""
 
-    __slots__ = ("needs",)
+    __slots__ = ("needs", "adds")
 
     def __init__(self, data: bytes) -> None:
         super().__init__(data, _decode_message(data))
         self.needs: frozenset[str] = frozenset()
+        self.adds: frozenset[str] = frozenset()
 
     def converted(self, chat: list[dict[str, Any]], needs: list[str]) -> None:
-        frozen = frozenset(needs)
+        adds = frozenset(call["id"] for message in chat for call in message.get("tool_calls") or ())
         if self.chat is None:  # (set before ``chat``: whoever sees the conversion sees its ids)
-            self.needs = frozen
+            self.needs, self.adds = frozenset(needs), adds
         self.keep(tuple(MemoEntry(b"", message) for message in chat))
 
 

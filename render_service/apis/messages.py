@@ -131,10 +131,8 @@ def remembered_chat_messages(messages: MemoAnthropicMessages, system: Any) -> Me
             assert entry.chat is not None
             if not entry.needs <= known:
                 return None
-            for made in entry.chat:
-                calls = made.value.get("tool_calls")
-                if calls:
-                    known.update(call["id"] for call in calls)
+            if entry.adds:
+                known |= entry.adds
             chat += entry.chat
     except ApiError:
         return None
