@@ -170,3 +170,106 @@ def test_the_same_message_at_another_place_is_one_entry(servers):
     got, want = both(servers, body([question, answer, question]))
     assert got.json()["token_ids"] == want.json()["token_ids"]
     assert memo.misses - misses == 1  # only the answer was new
+
+
+# ------------------------------------------------------------------ bodies over the body store's floor (32 KiB)
+
+def long_turns(rounds: int) -> list[list[dict[str, Any]]]:
+    """``agent_turns`` with a first user message long enough that every body is filed in the body store."""
+    turns = agent_turns(rounds)
+    task = "Plan a trip to three cities. " + "Keep notes on every stop. " * 1400
+    for messages in turns:
+        messages[0] = {"role": "user", "content": task}
+    return turns
+
+
+def chat_of(config, payload: dict[str, Any]) -> Any:
+    """The chat messages a Messages body converts to through the memo, as the server's render takes them."""
+    from render_service.apis.message_memo_anthropic import decode_messages_request
+    from render_service.apis.messages import chat_messages
+
+    req = decode_messages_request(json.dumps(payload).encode(), config.message_memo)
+    assert req is not None
+    return chat_messages(req)
+
+
+def test_a_long_conversation_takes_its_earlier_messages_from_the_filed_body(servers):
+    """Each turn's body starts with the one before: its earlier messages are taken from that body as converted,
+    checked and prepared there (only the turn's own are walked), and every answer is the memo-less server's."""
+    config = servers[2]
+    memo = config.message_memo
+    assert memo is not None and memo.bodies is not None
+    system = [{"type": "text", "text": "You plan long trips."}]
+    before = None
+    for t, messages in enumerate(long_turns(7)):
+        payload = body(messages, system=system)
+        assert len(json.dumps(payload)) > memo.bodies.base
+        got, want = both(servers, payload)
+        assert got.status_code == want.status_code == 200, (got.text, want.text)
+        assert got.json()["token_ids"] == want.json()["token_ids"], t
+        chat = chat_of(config, payload)
+        assert chat.filed is not None and chat.filed.tool_calls == sum(len(m.get("tool_calls") or ())
+                                                                        for m in chat)
+        if before is not None:  # the turn before's chat messages, all of them, as the same objects
+            assert chat.shared_with is not None and chat.shared_with[1] == len(before)
+            assert all(a is b for a, b in zip(chat.entries, before.entries))
+        before = chat
+
+
+@pytest.mark.parametrize("edit", ["a call taken out", "an answer rewritten", "another system prompt",
+                                  "no system prompt"])
+def test_a_body_sharing_part_of_a_filed_one_answers_as_the_plain_path(servers, edit):
+    """Turns that share only a head of a filed body (an earlier message edited), or all its messages under another
+    system prompt (written after the messages, so the bodies' heads are equal): the ids known before the edit
+    are those of the shared messages only, and a result whose call was taken out is the plain path's 400."""
+    turns = long_turns(6)
+    messages = turns[-1]
+    system: Any = [{"type": "text", "text": "You plan long trips."}]
+
+    def sent(messages: list[dict[str, Any]], system: Any) -> dict[str, Any]:
+        payload = {key: value for key, value in body(messages).items() if key not in ("messages", "system")}
+        payload["messages"] = messages
+        if system is not None:
+            payload["system"] = system  # after the messages: a body's head does not tell the prompts apart
+        return payload
+
+    first, _ = both(servers, sent(turns[-2], system))
+    assert first.status_code == 200
+    edited = copy.deepcopy(messages)
+    if edit == "a call taken out":  # its result, later on, now names an id no message before it has
+        edited[3]["content"] = [block for block in edited[3]["content"] if block["type"] != "tool_use"]
+    elif edit == "an answer rewritten":
+        edited[5]["content"][1]["text"] = "Checking again."
+    elif edit == "another system prompt":
+        system = "You plan short trips."
+    else:
+        system = None
+    for _ in range(2):  # the second time finds the edited body filed
+        got, want = both(servers, sent(edited, system))
+        assert got.status_code == want.status_code, (got.text, want.text)
+        if got.status_code == 200:
+            assert got.json()["token_ids"] == want.json()["token_ids"]
+        else:
+            assert got.json() == want.json() and edit == "a call taken out"
+
+
+def test_a_chat_body_is_not_taken_for_a_messages_one(servers):
+    """A body both APIs read alike (text messages only) filed by a chat render: the next Messages turn, its head
+    the same bytes, does not take the chat body's messages (their entries are another API's)."""
+    memo_server, _, config = servers
+    assert config.message_memo is not None and config.message_memo.bodies is not None
+    messages = [{"role": "user", "content": "Summarise: " + "a long report line. " * 2000},
+                {"role": "assistant", "content": "It is long."}]
+    chat = {"model": None, "max_tokens": 16, "messages": messages}
+    assert memo_server.client.post("/v1/chat/completions/render", json=chat).status_code == 200
+    reused = config.message_memo.bodies.reused
+    grown = {**chat, "messages": [*messages, {"role": "user", "content": "Shorter?"}]}
+    got, want = both(servers, grown)
+    assert got.status_code == want.status_code == 200, (got.text, want.text)
+    assert got.json()["token_ids"] == want.json()["token_ids"]
+    assert config.message_memo.bodies.reused == reused  # nothing filed was taken for it
+    again = {**grown, "messages": [*grown["messages"], {"role": "assistant", "content": "Yes."},
+                                   {"role": "user", "content": "Thanks."}]}
+    got, want = both(servers, again)
+    assert got.json()["token_ids"] == want.json()["token_ids"]
+    assert config.message_memo.bodies.reused == reused + 1  # the Messages body filed just before

@@ -116,12 +116,26 @@ def remembered_chat_messages(messages: MemoAnthropicMessages, system: Any) -> Me
     now where it was not), as memo entries. None where the plain conversion must answer: a message that does not
     convert or has the system role, a tool_result whose tool_use is not in a message before it."""
     chat: list[MemoEntry] = []
+    ends: list[int] = []  # how many chat messages there are after each message
     known: set[str] = set()
+    start = 0
+    shared = None
+    entries = messages.entries
     try:
         text = _system_text(system, ())
-        if text:
-            chat.append(messages.system_entry(text))
-        for m, entry in enumerate(messages.entries):
+        system_entry = messages.system_entry(text) if text else None
+        earlier = messages.earlier_conversion(system_entry)
+        if earlier is not None:  # the messages a filed body shares: as its render converted and checked them
+            conversion, start = earlier
+            shared = (conversion.chat, conversion.ends[start - 1])
+            chat += conversion.chat.entries[:shared[1]]
+            ends += conversion.ends[:start]
+            known.update(conversion.known if start == len(conversion.ends) else
+                         (ids for entry in entries[:start] for ids in entry.adds))
+        elif system_entry is not None:
+            chat.append(system_entry)
+        for m in range(start, len(entries)):
+            entry = entries[m]
             if entry.chat is None:
                 value = entry.value
                 if not isinstance(value, dict) or value.get("role") == "system":
@@ -134,9 +148,10 @@ def remembered_chat_messages(messages: MemoAnthropicMessages, system: Any) -> Me
             if entry.adds:
                 known |= entry.adds
             chat += entry.chat
+            ends.append(len(chat))
     except ApiError:
         return None
-    return MemoMessages(chat, tuple(entry.value for entry in chat), None, None)
+    return messages.file_conversion(chat, ends, known, system_entry, shared)
 
 
 def message_to_chat(message: Any, m: int, known: set[str] | None, needs: list[str]) -> list[dict[str, Any]]:

@@ -46,6 +46,10 @@ class StoredBody(NamedTuple):
     values: tuple[Any, ...] = ()  # each entry's decoded message (the next turn takes those it shares)
     tool_calls: int = -1  # its messages' tool calls (-1: not counted); a turn holding them all adds only its own
     image_messages: int = -1  # of its messages, those holding an image part (-1: not counted); likewise
+    # the API whose request bodies these are: a body is found again only for a body of the same API
+    api: str = "chat"
+    # another API's body: what its messages convert to, once a render converted them (apis/message_memo_anthropic.py)
+    converted: dict[str, Any] | None = None
 
 
 def skip_whitespace(body: bytes, at: int) -> int:
@@ -90,15 +94,17 @@ class BodyStore(HeadStore[StoredBody, builtins.bytes]):
     def __init__(self, max_bytes: int, base: int = DEFAULT_BASE) -> None:
         super().__init__(max_bytes, base, WINDOW)
 
-    def find(self, body: builtins.bytes) -> tuple[StoredBody, int] | None:
-        """A stored body and how many of its first messages ``body`` holds byte for byte at the same places (at
-        least one), the most such messages of any candidate; None when none shares a message."""
+    def find(self, body: builtins.bytes, api: str = "chat") -> tuple[StoredBody, int] | None:
+        """A stored body of ``api`` and how many of its first messages ``body`` holds byte for byte at the same
+        places (at least one), the most such messages of any candidate; None when none shares a message."""
         for candidates in self._index.candidates(body):
             best: tuple[StoredBody, int] | None = None
             # The longest first (newest first among equals), so the comparisons (each reads the whole shared
             # head) stop once no later candidate can share more; of two that share as many, one held in full wins
             # (the body filed next replaces it). Stored bodies never change: compared outside the lock.
             for stored in sorted(candidates, key=_message_count, reverse=True):
+                if stored.api != api:
+                    continue
                 count = len(stored.ends)
                 if best is not None and (best[1] > count or best[1] == len(best[0].ends)):
                     break

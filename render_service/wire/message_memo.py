@@ -217,7 +217,8 @@ class MessageMemo:
         bodies = self.bodies
         try:
             found = bodies.find(body) if bodies is not None and type(body) is bytes else None
-            decoded = self._decode_after(body, *found) if found is not None else None
+            decoded = self.decode_after(body, *found, _decode_raw_request, self._message_entries) \
+                if found is not None else None
             tail_start = 0
             if decoded is None:
                 found = None
@@ -229,17 +230,18 @@ class MessageMemo:
         except (msgspec.DecodeError, RecursionError):
             return None
         messages = _message_values(entries, found)
-        filed = self._keep_body(bodies, body, raw, entries, messages, found, tail_start) \
+        filed = self.keep_body(body, raw, entries, messages, found, tail_start) \
             if bodies is not None and type(body) is bytes else None
         values = list(_astuple(raw))
         values[0] = MemoMessages(entries, messages, found, filed)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
 
-    def _decode_after(self, body: bytes, stored: StoredBody, common: int
-                      ) -> tuple[Any, list[MemoEntry], int] | None:
-        """The body decoded with its messages 1 to ``common - 1`` (``stored``'s, at the same places) cut out,
-        every message's entry, and where the messages after the common ones start (or the array closes); None where
+    def decode_after(self, body: bytes, stored: StoredBody, common: int, decode_raw: Callable[[bytes], Any],
+                     entries_of: Callable[[list[msgspec.Raw]], list[Any]]) -> tuple[Any, list[Any], int] | None:
+        """The body decoded by ``decode_raw`` (its messages as raw JSON) with its messages 1 to ``common - 1``
+        (``stored``'s, at the same places) cut out, every message's entry (``entries_of`` gives those of the
+        messages not cut), and where the messages after the common ones start (or the array closes); None where
         the cut does not apply (the usual decode then answers). The first message stays: that the decoded array's
         first element is the one at its place proves the array decoded is the one cut (a second ``messages`` key
         would otherwise go unseen)."""
@@ -256,22 +258,23 @@ class MessageMemo:
             document = body[:first_end] + body[at:]
         else:
             return None
-        raw: Any = _decode_raw_request(document)
+        raw: Any = decode_raw(document)
         items = raw.messages
         if not items or _address(items[0]) - _address(document) != stored.starts[0] \
                 or len(items[0]) != first_end - stored.starts[0]:
             return None
         entries = list(stored.entries[:common])  # (a tuple's slice of all of it is the tuple itself: no copy)
-        entries += self._entries_of(_MESSAGE, items[1:])
+        entries += entries_of(items[1:])
         return raw, entries, at
 
-    def _keep_body(self, bodies: BodyStore, body: bytes, raw: Any, entries: list[MemoEntry],
-                   messages: tuple[Any, ...], found: tuple[StoredBody, int] | None, tail_start: int
-                   ) -> StoredBody | None:
-        """Files ``body`` with where its messages are, for the next turn (``tail_start``: where the messages after
-        ``found``'s common ones start), and answers it; nothing where they cannot be placed for certain (the
-        offsets are checked against the body byte for byte)."""
-        if not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
+    def keep_body(self, body: bytes, raw: Any, entries: list[MemoEntry], messages: tuple[Any, ...],
+                  found: tuple[StoredBody, int] | None, tail_start: int, api: str = "chat") -> StoredBody | None:
+        """Files ``body`` (a request body of ``api``, ``raw`` its decode with the messages as raw JSON) with where
+        its messages are, for the next turn (``tail_start``: where the messages after ``found``'s common ones
+        start), and answers it; nothing where they cannot be placed for certain (the offsets are checked against
+        the body byte for byte)."""
+        bodies = self.bodies
+        if bodies is None or not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
             return None
         starts: tuple[int, ...]
         ends: tuple[int, ...]
@@ -291,9 +294,13 @@ class MessageMemo:
         if len(starts) != len(entries):
             return None
         replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
-        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, *entry_counts(entries, replaces))
+        stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, *entry_counts(entries, replaces),
+                            api, {} if api != "chat" else None)
         bodies.add(stored, replaces)
         return stored
+
+    def _message_entries(self, items: list[msgspec.Raw]) -> list[MemoEntry]:
+        return self._entries_of(_MESSAGE, items)
 
     def _entries_of(self, kind: int, items: list[msgspec.Raw]) -> list[MemoEntry]:
         """The entry of each raw JSON value, found or decoded (``msgspec.DecodeError`` where one does not decode
