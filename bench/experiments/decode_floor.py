@@ -33,7 +33,9 @@ import bench.gpu_engine_bench as geb
 from bench.experiments.gpu_decode_profile import graph_ms
 from bench.portable import portable
 
-PLAIN = [(32, 256, 4, 4), (32, 256, 4, 5), (32, 128, 4, 6), (16, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3)]
+PLAIN = [(32, 256, 4, 4), (32, 256, 4, 5), (32, 128, 4, 6), (16, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3),
+         # longer K tiles and fewer warps: fewer, larger loads in flight for the small q/k/v and o weights
+         (32, 512, 4, 3), (16, 512, 4, 3), (16, 256, 2, 4), (32, 256, 8, 4)]
 SPLIT = [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3)]
 SLICES = [2, 3, 4, 6, 8]
 
