@@ -57,6 +57,20 @@ def test_element_offsets_place_each_element_or_refuse():
     assert element_offsets(body, first, [items[0], b'{"b": [2, 4]}']) is None  # other bytes
 
 
+def test_element_offsets_of_compact_elements_are_proved_by_one_comparison():
+    """Elements separated by a bare comma are placed from their lengths once the body is checked to hold them
+    joined; a body that differs anywhere in them is placed (or refused) by the walk."""
+    items = [b'{"a":1}', b'"x,y"', b'[2,3]', b'{"b":"]"}']
+    body = b'{"m":[' + b",".join(items) + b"]}"
+    starts, ends = element_offsets(body, 6, items)
+    assert [body[s:e] for s, e in zip(starts, ends)] == items
+    assert element_offsets(body, 6, [*items[:2], b'[2,4]', items[3]]) is None
+    assert element_offsets(body, 6, []) == ([], [])
+    spaced = body.replace(b"],{", b"], {")
+    starts, ends = element_offsets(spaced, 6, items)
+    assert [spaced[s:e] for s, e in zip(starts, ends)] == items and starts[3] == ends[2] + 2
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_growing_conversations_decode_as_the_whole_body_does(seed):
     m = memo()

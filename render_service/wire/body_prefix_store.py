@@ -62,6 +62,9 @@ def element_offsets(body: bytes, first: int, items: list[bytes]) -> tuple[list[i
     """Start and end offsets of the consecutive array elements ``items``, the first at ``first``; None where the
     body does not hold them there separated by a comma and JSON whitespace alone. (An element is a JSON value, never
     whitespace or a comma: between two elements the next one's first occurrence is its own.)"""
+    compact = _compact_offsets(body, first, items)
+    if compact is not None:
+        return compact
     starts: list[int] = []
     ends: list[int] = []
     at = first
@@ -76,6 +79,26 @@ def element_offsets(body: bytes, first: int, items: list[bytes]) -> tuple[list[i
         starts.append(at)
         at += len(item)
         ends.append(at)
+    return starts, ends
+
+
+def _compact_offsets(body: bytes, first: int, items: list[bytes]) -> tuple[list[int], list[int]] | None:
+    """``element_offsets`` for elements separated by a bare comma (how most clients write JSON): each element's
+    bytes compared where the one before ends, past one comma; None at the first that is not there (the walk then
+    places them, whitespace and all)."""
+    starts: list[int] = []
+    ends: list[int] = []
+    at = first
+    startswith = body.startswith
+    for item in items:
+        if not startswith(item, at):
+            return None
+        starts.append(at)
+        at += len(item)
+        ends.append(at)
+        at += 1
+    if any(body[end] != 0x2C for end in ends[:-1]):  # ","
+        return None
     return starts, ends
 
 
