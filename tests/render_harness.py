@@ -79,6 +79,26 @@ class RenderServer:
 
 
 @contextlib.contextmanager
+def memo_and_plain_servers() -> Iterator[tuple[RenderServer, RenderServer, RenderConfig]]:
+    """Two servers of the fixture model with its parsers, one with the message memo and body store as served and
+    one without any (``--render-cache-bytes 0``), and the first one's configuration."""
+    with_memo = qwen3_config(parsers=True)
+    without = build_render_config(qwen3_bundle(), served_model_names=["qwen3-0.6b"], render_cache_bytes=0,
+                                  **PARSER_FLAGS)
+    assert with_memo.message_memo is not None and with_memo.message_memo.bodies is not None
+    assert without.message_memo is None
+    with RenderServer(with_memo) as memo_server, RenderServer(without) as plain_server:
+        yield memo_server, plain_server, with_memo
+
+
+def post_both(servers: tuple[RenderServer, RenderServer, RenderConfig], path: str, payload: dict[str, Any]
+              ) -> tuple[httpx.Response, httpx.Response]:
+    """``payload`` posted to ``path`` of both of ``memo_and_plain_servers``: (with the memo, without)."""
+    memo_server, plain_server, _ = servers
+    return memo_server.client.post(path, json=payload), plain_server.client.post(path, json=payload)
+
+
+@contextlib.contextmanager
 def image_render_server(bundle_dir: Path, served_name: str, model_id: str, workers: int
                         ) -> Iterator[tuple[RenderServer, Any]]:
     """A render server over a vision bundle with its image pool: (server, pool); the pool's workers end with it."""

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from render_service.render.render_config import build_render_config
-from tests.render_harness import PARSER_FLAGS, RenderServer, qwen3_bundle, qwen3_config
+from tests.render_harness import memo_and_plain_servers, post_both
 
 PATH = "/v1/messages/render"
 TOOLS = [
@@ -78,17 +77,12 @@ def chat_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def servers():
-    with_memo = qwen3_config(parsers=True)
-    without = build_render_config(qwen3_bundle(), served_model_names=["qwen3-0.6b"], render_cache_bytes=0,
-                                  **PARSER_FLAGS)
-    assert with_memo.message_memo is not None and without.message_memo is None
-    with RenderServer(with_memo) as memo_server, RenderServer(without) as plain_server:
-        yield memo_server, plain_server, with_memo
+    with memo_and_plain_servers() as both_servers:
+        yield both_servers
 
 
 def both(servers, payload: dict[str, Any]) -> tuple[Any, Any]:
-    memo_server, plain_server, _ = servers
-    return memo_server.client.post(PATH, json=payload), plain_server.client.post(PATH, json=payload)
+    return post_both(servers, PATH, payload)
 
 
 def test_an_agent_conversation_renders_as_without_the_memo_and_converts_each_message_once(servers):

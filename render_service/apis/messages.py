@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-from render_service.apis.message_memo_anthropic import MemoAnthropicMessages, MemoAnthropicTools
+from render_service.apis.converted_memo import ConvertedItems
+from render_service.apis.message_memo_anthropic import MemoAnthropicTools
 from render_service.apis.messages_protocol import CountTokensRequest, MessagesRequest
 from render_service.http.errors import ApiError, bad_request
 from render_service.render.render import render_chat, render_chat_prompt, requested_id
@@ -97,7 +98,7 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
     """The chat messages a Messages request means (vLLM's conversion, checked)."""
     if not isinstance(req.messages, list) or not req.messages:
         raise bad_request("messages: at least one message is required", "messages")
-    if type(req.messages) is MemoAnthropicMessages:
+    if type(req.messages) is ConvertedItems:
         remembered = remembered_chat_messages(req.messages, req.system)
         if remembered is not None:
             return remembered
@@ -111,7 +112,7 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
     return out
 
 
-def remembered_chat_messages(messages: MemoAnthropicMessages, system: Any) -> MemoMessages | None:
+def remembered_chat_messages(messages: ConvertedItems, system: Any) -> MemoMessages | None:
     """``chat_messages``' answer from the memo: each message as converted the first time it was seen (converted
     now where it was not), as memo entries. None where the plain conversion must answer: a message that does not
     convert or has the system role, a tool_result whose tool_use is not in a message before it."""

@@ -238,11 +238,12 @@ class MessageMemo:
         return ChatCompletionRequest(*values)
 
     def decode_after(self, body: bytes, stored: StoredBody, common: int, decode_raw: Callable[[bytes], Any],
-                     entries_of: Callable[[list[msgspec.Raw]], list[Any]]) -> tuple[Any, list[Any], int] | None:
-        """The body decoded by ``decode_raw`` (its messages as raw JSON) with its messages 1 to ``common - 1``
-        (``stored``'s, at the same places) cut out, every message's entry (``entries_of`` gives those of the
-        messages not cut), and where the messages after the common ones start (or the array closes); None where
-        the cut does not apply (the usual decode then answers). The first message stays: that the decoded array's
+                     entries_of: Callable[[list[msgspec.Raw]], list[Any]], field: str = "messages"
+                     ) -> tuple[Any, list[Any], int] | None:
+        """The body decoded by ``decode_raw`` (its messages, the array ``field``, as raw JSON) with its messages 1 to
+        ``common - 1`` (``stored``'s, at the same places) cut out, every message's entry (``entries_of`` gives those
+        of the messages not cut), and where the messages after the common ones start (or the array closes); None
+        where the cut does not apply (the usual decode then answers). The first message stays: that the decoded array's
         first element is the one at its place proves the array decoded is the one cut (a second ``messages`` key
         would otherwise go unseen)."""
         at = skip_whitespace(body, stored.ends[common - 1])
@@ -259,8 +260,8 @@ class MessageMemo:
         else:
             return None
         raw: Any = decode_raw(document)
-        items = raw.messages
-        if not items or _address(items[0]) - _address(document) != stored.starts[0] \
+        items = getattr(raw, field)
+        if not isinstance(items, list) or not items or _address(items[0]) - _address(document) != stored.starts[0] \
                 or len(items[0]) != first_end - stored.starts[0]:
             return None
         entries = list(stored.entries[:common])  # (a tuple's slice of all of it is the tuple itself: no copy)
@@ -268,18 +269,19 @@ class MessageMemo:
         return raw, entries, at
 
     def keep_body(self, body: bytes, raw: Any, entries: list[MemoEntry], messages: tuple[Any, ...],
-                  found: tuple[StoredBody, int] | None, tail_start: int, api: str = "chat") -> StoredBody | None:
-        """Files ``body`` (a request body of ``api``, ``raw`` its decode with the messages as raw JSON) with where
-        its messages are, for the next turn (``tail_start``: where the messages after ``found``'s common ones
-        start), and answers it; nothing where they cannot be placed for certain (the offsets are checked against
-        the body byte for byte)."""
+                  found: tuple[StoredBody, int] | None, tail_start: int, api: str = "chat", field: str = "messages"
+                  ) -> StoredBody | None:
+        """Files ``body`` (a request body of ``api``, ``raw`` its decode with the messages, the array ``field``, as
+        raw JSON) with where its messages are, for the next turn (``tail_start``: where the messages after
+        ``found``'s common ones start), and answers it; nothing where they cannot be placed for certain (the offsets
+        are checked against the body byte for byte)."""
         bodies = self.bodies
         if bodies is None or not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
             return None
         starts: tuple[int, ...]
         ends: tuple[int, ...]
         if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
-            first = _address(raw.messages[0]) - _address(body)
+            first = _address(getattr(raw, field)[0]) - _address(body)
             offsets = element_offsets(body, first, [e.data for e in entries]) if 0 <= first < len(body) else None
             starts, ends = (tuple(offsets[0]), tuple(offsets[1])) if offsets is not None else ((), ())
         else:
