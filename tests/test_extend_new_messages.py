@@ -157,11 +157,12 @@ def test_responses_api_extends_and_sends_only_its_new_items():
     assert again.status_code == 400 and again.json()["error"]["param"] == "previous_turn.messages"
 
 
-@pytest.mark.parametrize("api", ["chat", "messages"])
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 def test_a_chat_rollout_growing_by_user_turns_resumes_each_turn_sent_either_way(api):
     """Each turn adds the sampled answer and a user message, which moves Qwen3's last user turn: sent whole or as new
     messages, the turns answer the same ids (the bench asserts it) and the template's loop resumes every turn (a
-    Messages rollout: every turn that sends only its new messages but the first, which prepares the kept ones)."""
+    Messages or Responses rollout: every turn that sends only its new messages but the first, which prepares the
+    kept ones)."""
     from bench.extend_bench import rollout_cpu
 
     config = qwen3_config()

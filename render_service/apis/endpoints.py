@@ -18,6 +18,7 @@ from render_service.apis import derender as api_derender
 from render_service.apis import messages_protocol, responses_protocol
 from render_service.apis.errors import anthropic_error_body, openai_error_body
 from render_service.apis.message_memo_anthropic import decode_messages_request
+from render_service.apis.message_memo_responses import decode_responses_request
 from render_service.apis.messages import count_chat, render_messages
 from render_service.apis.messages import count_tokens as count_message_tokens
 from render_service.apis.messages import to_chat as messages_to_chat
@@ -105,7 +106,7 @@ async def responses_render(request: Request) -> Response:
             client=client_of(request))[0]
 
     return await _render(request, "responses_render", responses_protocol.ResponsesRequest, render_responses,
-                         with_images)
+                         with_images, decode_responses_request)
 
 
 async def messages_render(request: Request) -> Response:

@@ -17,14 +17,16 @@ from typing import Any
 
 import msgspec
 
+from render_service.apis.converted_memo import ConvertedItems
 from render_service.apis.errors import coded
 from render_service.apis.responses_protocol import ResponsesRequest
 from render_service.apis.text_logprobs import wants_logprobs
 from render_service.derender.logprobs import MAX_TOP_LOGPROBS
 from render_service.harmony.render import REASONING_EFFORTS
-from render_service.http.errors import bad_request
+from render_service.http.errors import ApiError, bad_request
 from render_service.render.render import render_chat, requested_id
 from render_service.render.render_config import RenderConfig
+from render_service.wire.message_memo import KeptEntry, MemoEntry, MemoMessages
 from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -115,6 +117,43 @@ class _Turns:
         self.flush()
         self.messages.append(message)
 
+    def add(self, item: Any, i: int) -> None:
+        """Input item ``i``; 400 for an unknown item or an orphan tool output."""
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise bad_request(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", where)
+            content = _content(item.get("content"), f"{where}.content", images=role == "user")
+            if role == "assistant":
+                self.assistant_text(content)
+            else:
+                self.other({"role": role, "content": content})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            text = "".join(_texts(parts, f"{where}.content"))
+            if text or not item.get("encrypted_content"):
+                self.reasoning(text)
+            # only encrypted content (another provider's, sent back by agents such as Codex): nothing this tier
+            # can read, so no turn (an empty assistant turn would change what the model sees)
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
+                raise bad_request(f"{where}: a function_call needs string call_id, name and arguments", where)
+            self.call(call_id, name, arguments)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in self.call_ids:
+                raise bad_request(f"No tool call found for function call output with call_id {call_id!r}.", where)
+            output = item.get("output")
+            text = "".join(_texts(output, f"{where}.output")) if not isinstance(output, str) else output
+            self.other({"role": "tool", "tool_call_id": call_id, "content": text})
+        else:
+            raise bad_request(f"{where} has unknown input item type {kind!r}", where)
+
 
 def input_messages(items: Any, known_call_ids: set[str] | None = None) -> list[dict[str, Any]]:
     """Responses input (a string or items) as chat messages; 400 for unknown items or orphan tool outputs."""
@@ -126,42 +165,55 @@ def input_messages(items: Any, known_call_ids: set[str] | None = None) -> list[d
     if known_call_ids:
         turns.call_ids |= known_call_ids
     for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", where)
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in MESSAGE_ROLES:
-                raise bad_request(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", where)
-            content = _content(item.get("content"), f"{where}.content", images=role == "user")
-            if role == "assistant":
-                turns.assistant_text(content)
-            else:
-                turns.other({"role": role, "content": content})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            text = "".join(_texts(parts, f"{where}.content"))
-            if text or not item.get("encrypted_content"):
-                turns.reasoning(text)
-            # only encrypted content (another provider's, sent back by agents such as Codex): nothing this tier
-            # can read, so no turn (an empty assistant turn would change what the model sees)
-        elif kind == "function_call":
-            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
-            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
-                raise bad_request(f"{where}: a function_call needs string call_id, name and arguments", where)
-            turns.call(call_id, name, arguments)
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or call_id not in turns.call_ids:
-                raise bad_request(f"No tool call found for function call output with call_id {call_id!r}.", where)
-            output = item.get("output")
-            text = "".join(_texts(output, f"{where}.output")) if not isinstance(output, str) else output
-            turns.other({"role": "tool", "tool_call_id": call_id, "content": text})
-        else:
-            raise bad_request(f"{where} has unknown input item type {kind!r}", where)
+        turns.add(item, i)
     turns.flush()
     return turns.messages
+
+
+def remembered_input_messages(items: ConvertedItems, instructions: str | None) -> MemoMessages | None:
+    """``input_messages``' answer (with the instructions' system message first) from the memo: the chat messages
+    of the items a filed body shares, up to the last item after which no assistant turn was open, as that body's
+    render converted them; the others converted now. None where the plain conversion must answer (an item that
+    does not convert)."""
+    system = items.system_entry(instructions) if instructions else None
+    entries = items.entries
+    chat: list[MemoEntry] = []
+    ends: list[int] = []  # after each item: how many chat messages there are, -1 where an assistant turn is open
+    turns = _Turns()
+    start = 0
+    shared = None
+    earlier = items.earlier_conversion(system)
+    if earlier is not None:
+        conversion, common = earlier
+        start = common
+        while start and conversion.ends[start - 1] < 0:
+            start -= 1
+        if start:  # (the items up to there as converted before, the call ids they hold known)
+            shared = (conversion.chat, conversion.ends[start - 1])
+            chat += conversion.chat.entries[:shared[1]]
+            ends += conversion.ends[:start]
+            turns.call_ids |= conversion.known if start == len(conversion.ends) else \
+                {call["id"] for entry in chat for call in entry.value.get("tool_calls") or ()}
+    if shared is None and system is not None:
+        chat.append(system)
+    try:
+        for i in range(start, len(entries)):
+            turns.add(entries[i].value, i)
+            if turns.assistant is None:
+                chat += map(_entry, turns.messages)
+                turns.messages.clear()
+                ends.append(len(chat))
+            else:
+                ends.append(-1)
+        turns.flush()
+    except ApiError:
+        return None
+    chat += map(_entry, turns.messages)
+    return items.file_conversion(chat, ends, turns.call_ids, system, shared)
+
+
+def _entry(message: dict[str, Any]) -> MemoEntry:
+    return KeptEntry(message)  # (in no memo: nothing would take back a tojson text it kept)
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -227,10 +279,14 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
             ) -> ChatCompletionRequest:
     """The chat request a Responses request means (``history``: the stored conversation it continues)."""
     _check(req)
-    known = {c["id"] for m in history or () for c in m.get("tool_calls") or () if isinstance(c, dict)}
-    messages = [*(history or ()), *input_messages(req.input, known)]
-    if req.instructions:
-        messages.insert(0, {"role": "system", "content": req.instructions})
+    messages: list[dict[str, Any]] | None = None
+    if history is None and type(req.input) is ConvertedItems:
+        messages = remembered_input_messages(req.input, req.instructions)
+    if messages is None:
+        known = {c["id"] for m in history or () for c in m.get("tool_calls") or () if isinstance(c, dict)}
+        messages = [*(history or ()), *input_messages(req.input, known)]
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
     kwargs = dict(req.chat_template_kwargs or {})
     effort = (req.reasoning or {}).get("effort")
     if effort == "none" and config.reasoning_parser_cls is not None and not config.harmony:

@@ -21,6 +21,7 @@ from starlette.routing import Route
 from render_service.apis.endpoints import anthropic_shaped, openai_shaped
 from render_service.apis.errors import coded
 from render_service.apis.message_memo_anthropic import decode_messages_request
+from render_service.apis.message_memo_responses import decode_responses_request
 from render_service.apis.messages import render_messages
 from render_service.apis.messages import to_chat as messages_to_chat
 from render_service.apis.messages_protocol import MessagesRequest
@@ -183,7 +184,8 @@ def api_gateway_routes(gateway: Gateway, config: RenderConfig) -> list[Route]:
     async def responses(request: Request) -> Answer:
         body = await read_json_body(request)
         queue = server_state(request).render_queue
-        req = await queue.run("responses", len(body), lambda: decode(body, ResponsesRequest))
+        req = await queue.run("responses", len(body), lambda: decode_responses_request(
+            body, config.message_memo) or decode(body, ResponsesRequest))
         refuse_render_only(req)
         client = client_of(request)
         check_stored_fields(req)
