@@ -237,19 +237,49 @@ def body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
     return from_body
 
 
-def messages_body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
+def messages_body_renderer(config: RenderConfig, memo: bool = True) -> Callable[[bytes], bytes]:
     """An Anthropic Messages render from the request body to the answer's JSON, as the render server runs it (its
-    messages through the message memo: each distinct message converted to chat messages once)."""
+    messages through the message memo: each distinct message converted to chat messages once; without ``memo``,
+    decoded and converted whole, the baseline the memo is measured against)."""
     from render_service.apis.message_memo_anthropic import decode_messages_request
     from render_service.apis.messages import render_messages
     from render_service.apis.messages_protocol import MessagesRequest
 
     def from_body(body: bytes) -> bytes:
-        req = decode_messages_request(body, config.message_memo) or msgspec.json.decode(body, type=MessagesRequest)
+        req = (decode_messages_request(body, config.message_memo) if memo else None) or msgspec.json.decode(
+            body, type=MessagesRequest)
         generate, _ = render_messages(req, config, ids_view=True)
         return encode_json(generate)
 
     return from_body
+
+
+def responses_body_renderer(config: RenderConfig, memo: bool = True) -> Callable[[bytes], bytes]:
+    """A Responses render from the request body to the answer's JSON, as the render server runs it (its input items
+    through the message memo and the body store; without ``memo``, decoded and converted whole)."""
+    from render_service.apis.message_memo_responses import decode_responses_request
+    from render_service.apis.responses import render_responses
+    from render_service.apis.responses_protocol import ResponsesRequest
+
+    def from_body(body: bytes) -> bytes:
+        req = (decode_responses_request(body, config.message_memo) if memo else None) or msgspec.json.decode(
+            body, type=ResponsesRequest)
+        generate, _ = render_responses(req, config, ids_view=True)
+        return encode_json(generate)
+
+    return from_body
+
+
+def _as_responses_api(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat render body (text messages only) as a Responses one: the system prompt as its instructions, the other
+    messages as message items, written first as clients write them (Codex: instructions, then input; OpenAI's SDK
+    puts input before the other fields), the per-turn fields after them."""
+    out: dict[str, Any] = {}
+    messages = body["messages"]
+    if messages and messages[0]["role"] == "system":
+        out["instructions"], messages = messages[0]["content"], messages[1:]
+    out["input"] = [{"type": "message", "role": m["role"], "content": m["content"]} for m in messages]
+    return {**out, **{key: value for key, value in body.items() if key not in ("tools", "tool_choice", "messages")}}
 
 
 def _as_messages_api(body: dict[str, Any]) -> dict[str, Any]:
@@ -354,7 +384,7 @@ def cpu(config: RenderConfig, sizes: list[int], reps: int) -> list[dict[str, Any
 
 
 def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int, shape: str = "agent",
-                api: str = "chat") -> list[dict[str, Any]]:
+                api: str = "chat", api_memo: bool = True) -> list[dict[str, Any]]:
     """The last ``turns`` turns of a conversation of about each size, as an RL loop sends them: each turn by the
     reference the turn before answered, answering the appended ids alone, sending the whole conversation
     (``whole``) or only the messages from the sampled turn on (``new_messages``). Whole rollouts, each from a
@@ -363,13 +393,16 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     the body to the answer's JSON (each rollout's first extend, which follows the full render, left out: every
     figure is a turn after a turn sent the same way). ``shape``: ``agent`` (tool calls and results: a turn adds
     the sampled call and its results) or ``chat`` (a turn adds the sampled answer and the next user message).
-    ``api``: ``chat`` (Chat Completions bodies) or ``messages`` (Anthropic Messages bodies; the chat shape only)."""
-    if (api == "messages" or config.harmony) and shape != "chat":
-        raise ValueError("Messages and Harmony rollouts take the chat shape (text turns)")
-    from_body = body_renderer(config) if api == "chat" else messages_body_renderer(config)
+    ``api``: ``chat`` (Chat Completions bodies), ``messages`` (Anthropic Messages bodies) or ``responses``
+    (Responses bodies); the last two, the chat shape only, and without ``api_memo`` decoded and converted whole
+    (their memo's baseline)."""
+    if (api != "chat" or config.harmony) and shape != "chat":
+        raise ValueError("Messages, Responses and Harmony rollouts take the chat shape (text turns)")
+    from_body = body_renderer(config) if api == "chat" else \
+        {"messages": messages_body_renderer, "responses": responses_body_renderer}[api](config, api_memo)
     # (what the model samples for an assistant message: Harmony's final answer, else Qwen3's turn)
     sampled_text = _harmony_final_text if config.harmony else _sampled_text
-    as_api = _as_messages_api if api == "messages" else dict
+    as_api = {"chat": dict, "messages": _as_messages_api, "responses": _as_responses_api}[api]
 
     def encode(body: dict[str, Any]) -> bytes:
         return msgspec.json.encode(as_api(body))
@@ -442,8 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollout-rounds", type=int, default=8)
     ap.add_argument("--rollout-shape", choices=["agent", "chat"], default="agent",
                     help="agent: turns add tool calls and results; chat: turns add an answer and a user message")
-    ap.add_argument("--rollout-api", choices=["chat", "messages"], default="chat",
-                    help="the rollouts' request bodies: Chat Completions or Anthropic Messages (chat shape only)")
+    ap.add_argument("--rollout-api", choices=["chat", "messages", "responses"], default="chat",
+                    help="the rollouts' request bodies: Chat Completions, Anthropic Messages or Responses (the last "
+                         "two, chat shape only)")
+    ap.add_argument("--rollout-plain-decode", action="store_true",
+                    help="Messages and Responses bodies decoded and converted whole, without the message memo (the "
+                         "baseline it is measured against)")
     ap.add_argument("--rollout-model", choices=["qwen3", "gpt-oss"], default="qwen3",
                     help="the rollouts' model: Qwen3 (the chat template) or gpt-oss (Harmony; chat shape only)")
     ap.add_argument("--out", default=str(RESULTS / "extend_bench.json"))
@@ -474,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             oss = load_bundle(str(gpt_oss_bundle_dir()))
             rolled = build_render_config(dataclasses.replace(oss, max_model_len=262144), served_model_names=["m"])
         result["rollouts"] = rollout_cpu(rolled, [int(s) for s in args.rollout_sizes.split(",")], args.rollout_turns,
-                                         args.rollout_rounds, args.rollout_shape, args.rollout_api)
+                                         args.rollout_rounds, args.rollout_shape, args.rollout_api,
+                                         not args.rollout_plain_decode)
     if args.agents:
         result["agent_loops"] = agent_loops([int(s) for s in args.agent_sizes.split(",")],
                                             [int(a) for a in args.agents.split(",")], _vllm_rs())
