@@ -237,34 +237,24 @@ def body_renderer(config: RenderConfig) -> Callable[[bytes], bytes]:
     return from_body
 
 
-def messages_body_renderer(config: RenderConfig, memo: bool = True) -> Callable[[bytes], bytes]:
-    """An Anthropic Messages render from the request body to the answer's JSON, as the render server runs it (its
-    messages through the message memo: each distinct message converted to chat messages once; without ``memo``,
-    decoded and converted whole, the baseline the memo is measured against)."""
+def api_body_renderer(config: RenderConfig, api: str, memo: bool = True) -> Callable[[bytes], bytes]:
+    """An Anthropic Messages (``api`` "messages") or Responses ("responses") render from the request body to the
+    answer's JSON, as the render server runs it: through the message memo and the body store (a Messages message
+    converted to chat messages once; a growing body's shared items converted once); without ``memo``, decoded and
+    converted whole, the baseline the memo is measured against."""
     from render_service.apis.message_memo_anthropic import decode_messages_request
+    from render_service.apis.message_memo_responses import decode_responses_request
     from render_service.apis.messages import render_messages
     from render_service.apis.messages_protocol import MessagesRequest
-
-    def from_body(body: bytes) -> bytes:
-        req = (decode_messages_request(body, config.message_memo) if memo else None) or msgspec.json.decode(
-            body, type=MessagesRequest)
-        generate, _ = render_messages(req, config, ids_view=True)
-        return encode_json(generate)
-
-    return from_body
-
-
-def responses_body_renderer(config: RenderConfig, memo: bool = True) -> Callable[[bytes], bytes]:
-    """A Responses render from the request body to the answer's JSON, as the render server runs it (its input items
-    through the message memo and the body store; without ``memo``, decoded and converted whole)."""
-    from render_service.apis.message_memo_responses import decode_responses_request
     from render_service.apis.responses import render_responses
     from render_service.apis.responses_protocol import ResponsesRequest
 
+    kind, through_memo, render = {"messages": (MessagesRequest, decode_messages_request, render_messages),
+                                  "responses": (ResponsesRequest, decode_responses_request, render_responses)}[api]
+
     def from_body(body: bytes) -> bytes:
-        req = (decode_responses_request(body, config.message_memo) if memo else None) or msgspec.json.decode(
-            body, type=ResponsesRequest)
-        generate, _ = render_responses(req, config, ids_view=True)
+        req = (through_memo(body, config.message_memo) if memo else None) or msgspec.json.decode(body, type=kind)
+        generate, _ = render(req, config, ids_view=True)
         return encode_json(generate)
 
     return from_body
@@ -398,8 +388,7 @@ def rollout_cpu(config: RenderConfig, sizes: list[int], turns: int, rounds: int,
     (their memo's baseline)."""
     if (api != "chat" or config.harmony) and shape != "chat":
         raise ValueError("Messages, Responses and Harmony rollouts take the chat shape (text turns)")
-    from_body = body_renderer(config) if api == "chat" else \
-        {"messages": messages_body_renderer, "responses": responses_body_renderer}[api](config, api_memo)
+    from_body = body_renderer(config) if api == "chat" else api_body_renderer(config, api, api_memo)
     # (what the model samples for an assistant message: Harmony's final answer, else Qwen3's turn)
     sampled_text = _harmony_final_text if config.harmony else _sampled_text
     as_api = {"chat": dict, "messages": _as_messages_api, "responses": _as_responses_api}[api]
