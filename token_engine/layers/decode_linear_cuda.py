@@ -34,17 +34,18 @@ Config = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 # (out features, in features, gated, activation rows padded: 16 or 32) -> launch config, or None where cuBLAS
 # measured faster. Measured for Qwen2.5-7B's shapes over all 28 layers in one CUDA graph, us per layer, o and
 # down with the add + RMSNorm after them (bench/experiments/decode_floor.py;
-# bench/results/decode_floor_nvidia-h100.json, an H100); other shapes get DEFAULT_CONFIG.
+# bench/results/decode_floor_nvidia-h100.json, an H100; the three 16-wide tiles with two warps from
+# decode_floor_nvidia-h100_more_configs.json, another H100); other shapes get DEFAULT_CONFIG.
 TUNED: dict[tuple[int, int, bool, int], Config | None] = {
-    (4608, 3584, False, 16): None,  # q/k/v with bias: cuBLAS 14.1, ours 15.1
+    (4608, 3584, False, 16): (16, 256, 2, 4),  # q/k/v with bias: 14.4, cuBLAS 14.7
     (4608, 3584, False, 32): None,  # cuBLAS 14.8, ours 16.2
     (3584, 3584, False, 16): (32, 256, 4, 5),  # o: 13.6, cuBLAS 13.8 (split K + a reduction kernel)
     (3584, 3584, False, 32): (32, 256, 4, 4),  # 14.0, cuBLAS 14.3
     (18944, 3584, True, 16): (32, 256, 4, 4),  # gate_up + SiLU: 89.7, cuBLAS + silu_and_mul 96.0
-    (18944, 3584, True, 32): (64, 128, 4, 4),  # 98.3, cuBLAS + silu_and_mul 98.4
+    (18944, 3584, True, 32): (16, 256, 2, 4),  # 96.2, (64, 128, 4, 4) 100.8, cuBLAS + silu_and_mul 106.1
     (3584, 18944, False, 16): (32, 256, 4, 5),  # down: 49.8, cuBLAS 54.5
     (3584, 18944, False, 32): (32, 256, 4, 5),  # 51.9, cuBLAS 54.9
-    (152064, 3584, False, 16): (64, 256, 4, 3),  # lm_head: 347, cuBLAS 363
+    (152064, 3584, False, 16): (16, 256, 2, 4),  # lm_head: 353.8, (64, 256, 4, 3) 356 or more, cuBLAS 381
     (152064, 3584, False, 32): (64, 256, 4, 3),  # 365, cuBLAS 377
 }
 DEFAULT_CONFIG: Config = (32, 256, 4, 4)
