@@ -18,6 +18,7 @@ Results: bench/results/harmony_bench.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -163,11 +164,45 @@ def handler_per_chunk(config, ids: list[int], prompt: list[int], rounds: int, ch
     return _cpu(run, 1, rounds) / len(ids)
 
 
+def growing_turns(config, sizes: list[int], last: int = 16) -> list[dict]:
+    """Thread CPU ms per turn of a growing chat conversation of about each size (each turn adds an answer and a
+    user message; the body through the message memo, as the server decodes it), its last ``last`` turns: with the
+    message texts' ids kept (``HarmonyRenderer.keep_texts``) and with every text encoded each turn, each way a
+    conversation of its own (its system prompt tells them apart) in the same process."""
+    from bench.extend_bench import _chat_conversation, body_renderer
+
+    renderer = renderer_for(config.tokenizer)
+    kept = renderer.texts
+    from_body = body_renderer(config)
+    rows = []
+    for size in sizes:
+        messages = _chat_conversation(size)
+        ends = [i for i in range(2, len(messages) + 1) if messages[i - 1]["role"] == "user"][-last - 1:]
+        row: dict = {"size": size, "messages": len(messages)}
+        for way, texts in (("texts_encoded_each_turn", None), ("texts_kept", kept)):
+            renderer.texts = texts
+            conversation = [{**messages[0], "content": f"{messages[0]['content']} ({way})"}, *messages[1:]]
+            spent = []
+            for k, end in enumerate(ends):
+                body = msgspec.json.encode({"model": "gpt-oss", "messages": conversation[:end]})
+                started = time.thread_time()
+                from_body(body)
+                if k:  # (the first turn of each way: nothing of it seen before)
+                    spent.append((time.thread_time() - started) * 1e3)
+            row[f"{way}_ms_median"] = round(statistics.median(spent), 3)
+        renderer.texts = kept
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=50, help="renders per round")
     ap.add_argument("--tokens", type=int, default=1000, help="reply length for the derender runs")
+    ap.add_argument("--growing", default="", help="only the turns of growing chat conversations of these sizes "
+                                                  "(tokens, e.g. 32768,131072), texts' ids kept and not")
     ap.add_argument("--out", default=str(ROOT / "bench/results/harmony_bench.json"))
     args = ap.parse_args(argv)
 
@@ -175,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
                                tool_call_parser="hermes", enable_auto_tool_choice=True)
     oss = build_render_config(load_bundle(gpt_oss_bundle_dir()), served_model_names=["gpt-oss"],
                               tool_call_parser="openai", enable_auto_tool_choice=True)
+    if args.growing:
+        long = build_render_config(dataclasses.replace(load_bundle(gpt_oss_bundle_dir()), max_model_len=262144),
+                                   served_model_names=["gpt-oss"], tool_call_parser="openai",
+                                   enable_auto_tool_choice=True)
+        rows = growing_turns(long, [int(size) for size in args.growing.split(",")])
+        write_result(Path(args.out), {"command": "python -m bench.harmony_bench " + " ".join(
+            argv if argv is not None else sys.argv[1:]), "growing_turns": rows})
+        return 0
     encoding = harmony_encoding(oss.tokenizer)
     result: dict = {"machine": platform.machine(), "python": platform.python_version(),
                     "command": "python -m bench.harmony_bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -38,6 +38,8 @@ def test_the_budget_splits_the_bytes_and_zero_turns_every_cache_off():
     assert (shares.template_loops, shares.masks) == (32 * 2**20, 16 * 2**20)
     assert (CacheShares.of(2**33, 8 * 2**20).template_loops, CacheShares.of(2**33, 8 * 2**20).masks) == \
         (64 * 2**20, 64 * 2**20)
+    # and a Harmony model's message texts: an eighth, at most 256 MiB
+    assert (shares.harmony_texts, CacheShares.of(2**33, 8 * 2**20).harmony_texts) == (32 * 2**20, 256 * 2**20)
     assert CacheShares.of(0, 8 * 2**20) == CacheShares(0, 0, 0, 0, 0)
     with pytest.raises(ValueError):
         CacheShares.of(-1, 0)

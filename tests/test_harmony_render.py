@@ -346,3 +346,34 @@ def test_requests_with_ids_rendered_already_are_checked_as_if_rendered():
         render_chat(_request(CONVERSATIONS[0], reasoning_effort="none", kv_transfer_params={"prompt_token_ids": given}),
                     gpt_oss_config())
     assert err.value.status == 400 and err.value.param == "reasoning_effort"
+
+
+def test_a_growing_conversation_takes_its_earlier_texts_ids_as_kept():
+    """Message texts' ids are kept by their text (HarmonyRenderer.keep_texts): every turn of a growing agent
+    conversation renders what openai-harmony renders, from its second turn on the earlier turns' texts are found
+    kept, and texts shorter than ``KEPT_TEXT_CHARS`` are encoded each time."""
+    from render_service.harmony.render import KEPT_TEXT_CHARS, renderer_for
+
+    config = gpt_oss_config()
+    texts = renderer_for(config.tokenizer).texts
+    assert texts is not None and texts.max_bytes > 0
+    messages: list[dict] = [{"role": "system", "content": "You plan trips and check the weather first."},
+                            {"role": "user", "content": "Plan a weekend in Lisbon; check the weather before."}]
+    for turn in range(4):
+        call = {"id": f"call_{turn}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"location": f"Lisbon {turn}"})}}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call],
+                      "reasoning": f"Turn {turn}: the weather decides the plan, so look it up first."},
+                     {"role": "tool", "tool_call_id": f"call_{turn}",
+                      "content": f"Forecast {turn}: sunny, 24 degrees, light wind from the north-west."},
+                     {"role": "assistant", "content": f"Day {turn} looks good for the old town and the river walk.",
+                      "reasoning": "Sunny: outdoor plans."},
+                     {"role": "user", "content": "ok"}]
+        body = {"messages": copy.deepcopy(messages), "tools": [WEATHER]}
+        hits = texts.hits
+        assert render_chat(_request(body), config).token_ids == reference_ids(body), turn
+        # found kept: the first user message and each earlier turn's tool result and answer (their reasoning is
+        # dropped, coming before a final answer; the call's arguments are short)
+        assert texts.hits - hits == (1 + 2 * turn if turn else 0), turn
+    assert "ok" not in texts and len("ok") < KEPT_TEXT_CHARS
+    assert any(len(text) >= KEPT_TEXT_CHARS for text in texts._entries)

@@ -5,8 +5,9 @@ then of the rest an eighth each for the message memo and its recent bodies (mess
 and what remains for the prompt encoder (three quarters piece cache, a quarter prompt store:
 incremental_tokenizer.py). Beside that split, not taken from it, each chat template's loop records get an eighth
 (templates/loop_resume.py) and the masked answers kept for the next turn's extend a sixteenth (extend/attributions.py),
-each at most 64 MiB, and the prompts kept under a prompt reference a quarter, at most 512 MiB
-(extend/prompt_refs.py). 0 turns every cache off, as the reference switch does (reference_mode.py).
+each at most 64 MiB, the prompts kept under a prompt reference a quarter, at most 512 MiB (extend/prompt_refs.py),
+and a Harmony model's message texts' ids an eighth, at most 256 MiB (harmony/render.py). 0 turns every cache off,
+as the reference switch does (reference_mode.py).
 
 Each cache registers how to read its counters (``CacheStats``); ``observe`` turns their growth into the
 ``splitserve_render_cache_*`` series, at most every ``OBSERVE_EVERY_S`` (a render calls it; a scrape forces it).
@@ -31,11 +32,14 @@ MASKS_SHARE_DIVISOR = 16
 MASKS_MAX_BYTES = 64 << 20
 PROMPT_REFS_SHARE_DIVISOR = 4
 PROMPT_REFS_MAX_BYTES = 512 << 20
+HARMONY_TEXTS_SHARE_DIVISOR = 8
+HARMONY_TEXTS_MAX_BYTES = 256 << 20
 OBSERVE_EVERY_S = 1.0
 
 CACHE_LOOKUPS = Counter("splitserve_render_cache_lookups_total",
                         "Render cache lookups by cache (piece, prompt_store, memo, body_store, tojson, template_loops, "
-                        "masks, prompt_refs; stream_history, output_texts, images outside the budget) and result.",
+                        "masks, prompt_refs, harmony_texts; stream_history, output_texts, images outside the budget) "
+                        "and result.",
                         ["cache", "result"])
 CACHE_EVICTIONS = Counter("splitserve_render_cache_evictions_total",
                           "Entries a render cache dropped to stay within its bytes.", ["cache"])
@@ -58,6 +62,7 @@ class CacheShares:
     template_loops: int = 0  # each chat template's loop records (beside the split)
     masks: int = 0  # the extend's kept attributions (beside the split)
     prompt_refs: int = 0  # prompts kept for the next turn's previous_turn.prompt_ref (beside the split)
+    harmony_texts: int = 0  # a Harmony model's message texts' ids (beside the split)
 
     @classmethod
     def of(cls, total: int, tojson_cap: int) -> CacheShares:
@@ -69,7 +74,8 @@ class CacheShares:
         return cls(total, tojson, memo, memo, rest - 2 * memo,
                    template_loops=min(LOOP_RECORDS_MAX_BYTES, total // LOOP_RECORDS_SHARE_DIVISOR),
                    masks=min(MASKS_MAX_BYTES, total // MASKS_SHARE_DIVISOR),
-                   prompt_refs=min(PROMPT_REFS_MAX_BYTES, total // PROMPT_REFS_SHARE_DIVISOR))
+                   prompt_refs=min(PROMPT_REFS_MAX_BYTES, total // PROMPT_REFS_SHARE_DIVISOR),
+                   harmony_texts=min(HARMONY_TEXTS_MAX_BYTES, total // HARMONY_TEXTS_SHARE_DIVISOR))
 
 
 @dataclass

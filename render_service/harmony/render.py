@@ -24,11 +24,13 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import msgspec
 
+from render_service.caches.byte_lru import ByteLRU
 from render_service.harmony.encoding import (
     CALL,
     CHANNEL,
@@ -50,6 +52,10 @@ REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
 # Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
 START_DATE_VARS = ("SPLITSERVE_SYSTEM_START_DATE", "VLLM_SYSTEM_START_DATE")
 CHANNELS = ["analysis", "commentary", "final"]
+# Message texts at least this long have their ids kept (HarmonyRenderer.keep_texts); shorter ones cost little to
+# encode again. A kept text is counted at its characters, four bytes an id, and this much besides.
+KEPT_TEXT_CHARS = 32
+KEPT_TEXT_OVERHEAD = 160
 _JSON = msgspec.json.Encoder()
 
 
@@ -287,7 +293,9 @@ class HarmonyRenderer:
     openai-harmony's renderer and are cached by their JSON: requests of one deployment repeat them. Every
     other message has a fixed shape that is assembled here from marker ids and the bundle's own tiktoken
     ``encode_ordinary`` (openai-harmony encodes ~4 us/token; ours is several times faster). Each text piece is
-    encoded on its own, as openai-harmony does, and message text never becomes a marker.
+    encoded on its own, as openai-harmony does, and message text never becomes a marker, so a text's ids are the
+    same wherever it sits: with ``keep_texts``, those of each text are kept by the text (a conversation's earlier
+    messages, resent every turn, are not encoded again).
     """
 
     def __init__(self, tokenizer: TextTokenizer, cache_size: int = 256) -> None:
@@ -298,6 +306,29 @@ class HarmonyRenderer:
             else lambda text: self.encoding.encode(text, disallowed_special=()))
         self.encode_with_markers = tokenizer.encode
         self._cached = functools.lru_cache(maxsize=cache_size)(self._render_preamble)
+        self.texts: ByteLRU[str, Sequence[int]] | None = None
+
+    def keep_texts(self, max_bytes: int) -> ByteLRU[str, Sequence[int]] | None:
+        """Keeps the ids of message texts of ``KEPT_TEXT_CHARS`` or more, up to about ``max_bytes``; the cache, for
+        its counters (None: none kept). The configs of one tokenizer share its renderer: the largest bound asked
+        for holds (0 asks for none)."""
+        if max_bytes > 0:
+            if self.texts is None:
+                self.texts = ByteLRU(max_bytes)
+            self.texts.max_bytes = max(self.texts.max_bytes, max_bytes)
+            self.texts.max_entry_bytes = self.texts.max_bytes // 8
+        return self.texts
+
+    def text_ids(self, text: str) -> Sequence[int]:
+        """``text`` encoded as plain text (added tokens included), from the kept texts where it is there."""
+        texts = self.texts
+        if texts is None or len(text) < KEPT_TEXT_CHARS:
+            return self.ordinary(text)
+        ids = texts.get(text)
+        if ids is None:
+            ids = array("I", self.ordinary(text))
+            texts.put(text, ids, KEPT_TEXT_OVERHEAD + len(text) + 4 * len(ids))
+        return ids
 
     def _render_preamble(self, conversation_json: str) -> tuple[int, ...]:
         ids = self.encoding._inner.render_conversation(conversation_json=conversation_json,
@@ -336,7 +367,7 @@ class HarmonyRenderer:
                 out.extend(ordinary(f" {content_type}"))
         out.append(MESSAGE)
         for part in msg["content"]:
-            out.extend(ordinary(part["text"]))
+            out.extend(self.text_ids(part["text"]))
         out.append(end_marker(msg))
 
     def generation_prompt(self) -> list[int]:
