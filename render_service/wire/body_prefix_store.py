@@ -48,7 +48,7 @@ class StoredBody(NamedTuple):
     image_messages: int = -1  # of its messages, those holding an image part (-1: not counted); likewise
     # the API whose request bodies these are: a body is found again only for a body of the same API
     api: str = "chat"
-    # another API's body: what its messages convert to, once a render converted them (apis/message_memo_anthropic.py)
+    # another API's body: what its messages convert to, once a render converted them (apis/converted_memo.py)
     converted: dict[str, Any] | None = None
 
 
