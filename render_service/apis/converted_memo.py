@@ -87,9 +87,8 @@ def decode_items(body: bytes, memo: MessageMemo, api: str, kind: str | None, mak
                  ) -> tuple[Any, list[Any], tuple[Any, ...], tuple[StoredBody, int] | None, StoredBody | None]:
     """``body`` decoded by ``decode_raw`` with its item array ``field`` as raw JSON, each item's memo entry
     (under ``kind``, made by ``make`` where new; with no ``kind``, made by ``make`` and kept only with the filed
-    body), their values, the filed body it shares items with and how
-    many (or None), and the body as filed for the next turn (or None). Raises ``msgspec.DecodeError`` (or
-    ``RecursionError``) where it does not decode."""
+    body), their values, the filed body it shares items with and how many (or None), and the body as filed for the
+    next turn (or None). Raises ``msgspec.DecodeError`` (or ``RecursionError``) where it does not decode."""
     def entries_of(items: list[msgspec.Raw]) -> list[Any]:
         if kind is None:
             return [make(bytes(item)) for item in items]
