@@ -94,7 +94,7 @@ def test_a_growing_conversation_takes_the_chat_messages_of_the_items_it_shares(s
         if t == 0:
             assert conversion is None
             continue
-        # the turn before ended on an open assistant turn (its last item's end unknown), or closed
+        # this turn's last item left an assistant turn open (its end unknown), or closed every chat message
         assert conversion.ends[-1] == (-1 if t in (3, 6) else len(conversion.chat.entries))
         assert conversion.known == {f"c{i}" for i in range(1, 5) if any(item.get("call_id") == f"c{i}"
                                                                         for item in items)}
@@ -102,8 +102,8 @@ def test_a_growing_conversation_takes_the_chat_messages_of_the_items_it_shares(s
             taken = before.ends[SHARED_ITEMS[t] - 1]
             assert taken > 1 and conversion.ends[:SHARED_ITEMS[t]] == before.ends[:SHARED_ITEMS[t]]
             assert all(a is b for a, b in zip(conversion.chat.entries[:taken], before.chat.entries[:taken]))
-            assert conversion.chat.entries[taken] is not before.chat.entries[taken] if \
-                taken < len(before.chat.entries) else True
+            if taken < len(before.chat.entries):  # the turn left open before: its message converted again
+                assert conversion.chat.entries[taken] is not before.chat.entries[taken]
         before = conversion
 
 
