@@ -172,15 +172,14 @@ def growing_turns(config, sizes: list[int], last: int = 16) -> list[dict]:
     from bench.extend_bench import _chat_conversation, body_renderer
 
     renderer = renderer_for(config.tokenizer)
-    kept = renderer.texts
     from_body = body_renderer(config)
     rows = []
     for size in sizes:
         messages = _chat_conversation(size)
         ends = [i for i in range(2, len(messages) + 1) if messages[i - 1]["role"] == "user"][-last - 1:]
         row: dict = {"size": size, "messages": len(messages)}
-        for way, texts in (("texts_encoded_each_turn", None), ("texts_kept", kept)):
-            renderer.texts = texts
+        for way, keeps in (("texts_encoded_each_turn", False), ("texts_kept", True)):
+            renderer.keeps_texts = keeps
             conversation = [{**messages[0], "content": f"{messages[0]['content']} ({way})"}, *messages[1:]]
             spent = []
             for k, end in enumerate(ends):
@@ -190,7 +189,7 @@ def growing_turns(config, sizes: list[int], last: int = 16) -> list[dict]:
                 if k:  # (the first turn of each way: nothing of it seen before)
                     spent.append((time.thread_time() - started) * 1e3)
             row[f"{way}_ms_median"] = round(statistics.median(spent), 3)
-        renderer.texts = kept
+        renderer.keeps_texts = True
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -349,13 +349,14 @@ def test_requests_with_ids_rendered_already_are_checked_as_if_rendered():
 
 
 def test_a_growing_conversation_takes_its_earlier_texts_ids_as_kept():
-    """Message texts' ids are kept by their text (HarmonyRenderer.keep_texts): every turn of a growing agent
+    """Message texts' ids are kept by their text (harmony/kept_texts.py): every turn of a growing agent
     conversation renders what openai-harmony renders, from its second turn on the earlier turns' texts are found
     kept, and texts shorter than ``KEPT_TEXT_CHARS`` are encoded each time."""
-    from render_service.harmony.render import KEPT_TEXT_CHARS, renderer_for
+    from render_service.harmony.kept_texts import kept_texts
+    from render_service.harmony.render import KEPT_TEXT_CHARS
 
     config = gpt_oss_config()
-    texts = renderer_for(config.tokenizer).texts
+    texts = kept_texts(config.tokenizer)
     assert texts is not None and texts.max_bytes > 0
     messages: list[dict] = [{"role": "system", "content": "You plan trips and check the weather first."},
                             {"role": "user", "content": "Plan a weekend in Lisbon; check the weather before."}]

@@ -30,7 +30,6 @@ from typing import Any, cast
 
 import msgspec
 
-from render_service.caches.byte_lru import ByteLRU
 from render_service.harmony.encoding import (
     CALL,
     CHANNEL,
@@ -40,6 +39,7 @@ from render_service.harmony.encoding import (
     START,
     harmony_encoding,
 )
+from render_service.harmony.kept_texts import kept_texts
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig, resolve_chat_template_kwargs
 from render_service.render.response_format import requested_structured_outputs
@@ -52,7 +52,7 @@ REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
 # Where a deterministic conversation date comes from when the request names none (vLLM reads the second).
 START_DATE_VARS = ("SPLITSERVE_SYSTEM_START_DATE", "VLLM_SYSTEM_START_DATE")
 CHANNELS = ["analysis", "commentary", "final"]
-# Message texts at least this long have their ids kept (HarmonyRenderer.keep_texts); shorter ones cost little to
+# Message texts at least this long have their ids kept (harmony/kept_texts.py); shorter ones cost little to
 # encode again. A kept text is counted at its characters, four bytes an id, and this much besides.
 KEPT_TEXT_CHARS = 32
 KEPT_TEXT_OVERHEAD = 160
@@ -294,8 +294,8 @@ class HarmonyRenderer:
     other message has a fixed shape that is assembled here from marker ids and the bundle's own tiktoken
     ``encode_ordinary`` (openai-harmony encodes ~4 us/token; ours is several times faster). Each text piece is
     encoded on its own, as openai-harmony does, and message text never becomes a marker, so a text's ids are the
-    same wherever it sits: with ``keep_texts``, those of each text are kept by the text (a conversation's earlier
-    messages, resent every turn, are not encoded again).
+    same wherever it sits: where the configuration keeps them (harmony/kept_texts.py), each text's are kept by the text
+    (a conversation's earlier messages, resent every turn, are not encoded again).
     """
 
     def __init__(self, tokenizer: TextTokenizer, cache_size: int = 256) -> None:
@@ -306,22 +306,12 @@ class HarmonyRenderer:
             else lambda text: self.encoding.encode(text, disallowed_special=()))
         self.encode_with_markers = tokenizer.encode
         self._cached = functools.lru_cache(maxsize=cache_size)(self._render_preamble)
-        self.texts: ByteLRU[str, Sequence[int]] | None = None
-
-    def keep_texts(self, max_bytes: int) -> ByteLRU[str, Sequence[int]] | None:
-        """Keeps the ids of message texts of ``KEPT_TEXT_CHARS`` or more, up to about ``max_bytes``; the cache, for
-        its counters (None: none kept). The configs of one tokenizer share its renderer: the largest bound asked
-        for holds (0 asks for none)."""
-        if max_bytes > 0:
-            if self.texts is None:
-                self.texts = ByteLRU(max_bytes)
-            self.texts.max_bytes = max(self.texts.max_bytes, max_bytes)
-            self.texts.max_entry_bytes = self.texts.max_bytes // 8
-        return self.texts
+        self.tokenizer = tokenizer
+        self.keeps_texts = True  # (benchmarks turn it off to compare)
 
     def text_ids(self, text: str) -> Sequence[int]:
         """``text`` encoded as plain text (added tokens included), from the kept texts where it is there."""
-        texts = self.texts
+        texts = kept_texts(self.tokenizer) if self.keeps_texts else None
         if texts is None or len(text) < KEPT_TEXT_CHARS:
             return self.ordinary(text)
         ids = texts.get(text)

@@ -296,9 +296,9 @@ def build_render_config(
         if prompt_encoder.prefixes is not None:
             budget.register("prompt_store", prompt_encoder.prefixes.stats)
     if harmony:  # the message texts' ids, kept by their text (a conversation's earlier ones come back every turn)
-        from render_service.harmony.render import renderer_for
+        from render_service.harmony.kept_texts import keep_texts
 
-        texts = renderer_for(bundle.tokenizer).keep_texts(budget.shares.harmony_texts)
+        texts = keep_texts(bundle.tokenizer, budget.shares.harmony_texts)
         if texts is not None:
             budget.register("harmony_texts", texts.stats)
     memo = MessageMemo(budget.shares.memo, budget.shares.body_store) if budget.shares.memo > 0 else None
