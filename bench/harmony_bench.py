@@ -167,8 +167,8 @@ def handler_per_chunk(config, ids: list[int], prompt: list[int], rounds: int, ch
 def growing_turns(config, sizes: list[int], last: int = 16) -> list[dict]:
     """Thread CPU ms per turn of a growing chat conversation of about each size (each turn adds an answer and a
     user message; the body through the message memo, as the server decodes it), its last ``last`` turns: with the
-    message texts' ids kept (``HarmonyRenderer.keep_texts``) and with every text encoded each turn, each way a
-    conversation of its own (its system prompt tells them apart) in the same process."""
+    message texts' ids kept (harmony/kept_texts.py) and with every text encoded each turn (the renderer's
+    ``keeps_texts`` off), each way a conversation of its own (its system prompt tells them apart) in one process."""
     from bench.extend_bench import _chat_conversation, body_renderer
 
     renderer = renderer_for(config.tokenizer)
