@@ -94,21 +94,5 @@ def decode_items(body: bytes, memo: MessageMemo, api: str, kind: str | None, mak
             return [make(bytes(item)) for item in items]
         return memo.entries_by_bytes(kind, items, make)
 
-    bodies = memo.bodies if type(body) is bytes else None
-    found = bodies.find(body, api) if bodies is not None else None
-    decoded = memo.decode_after(body, *found, decode_raw, entries_of, field) if found is not None else None
-    tail_start = 0
-    if decoded is None:
-        found = None
-        raw = decode_raw(body)
-        items = getattr(raw, field)
-        entries = entries_of(items) if isinstance(items, list) else []
-    else:
-        raw, entries, tail_start = decoded
-    if found is not None and len(found[0].values) >= found[1]:
-        values = found[0].values[:found[1]] + tuple(entry.value for entry in entries[found[1]:])
-    else:
-        values = tuple(entry.value for entry in entries)
-    filed = memo.keep_body(body, raw, entries, values, found, tail_start, api, field) \
-        if bodies is not None and entries else None
-    return raw, entries, values, found, filed
+    raw, entries, values, found, tail_start = memo.decode_items(body, api, decode_raw, entries_of, field)
+    return raw, entries, values, found, memo.keep_body(body, raw, entries, values, found, tail_start, api, field)

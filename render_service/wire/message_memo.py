@@ -214,28 +214,37 @@ class MessageMemo:
         from the memo where seen before; None where anything in the body fails to decode (the caller decodes
         it the usual way for the error). The messages a recent body holds at the same places are taken from it
         without being scanned again (body_prefix_store.py)."""
-        bodies = self.bodies
         try:
-            found = bodies.find(body) if bodies is not None and type(body) is bytes else None
-            decoded = self.decode_after(body, *found, _decode_raw_request, self._message_entries) \
-                if found is not None else None
-            tail_start = 0
-            if decoded is None:
-                found = None
-                raw: Any = _decode_raw_request(body)
-                entries = self._entries_of(_MESSAGE, raw.messages)
-            else:
-                raw, entries, tail_start = decoded
+            raw, entries, messages, found, tail_start = self.decode_items(body, "chat", _decode_raw_request,
+                                                                          self._message_entries)
             tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
         except (msgspec.DecodeError, RecursionError):
             return None
-        messages = _message_values(entries, found)
-        filed = self.keep_body(body, raw, entries, messages, found, tail_start) \
-            if bodies is not None and type(body) is bytes else None
+        filed = self.keep_body(body, raw, entries, messages, found, tail_start)
         values = list(_astuple(raw))
         values[0] = MemoMessages(entries, messages, found, filed)
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
+
+    def decode_items(self, body: bytes, api: str, decode_raw: Callable[[bytes], Any],
+                     entries_of: Callable[[list[msgspec.Raw]], list[Any]], field: str = "messages"
+                     ) -> tuple[Any, list[Any], tuple[Any, ...], tuple[StoredBody, int] | None, int]:
+        """A body of ``api`` decoded by ``decode_raw`` (its messages, the array ``field``, as raw JSON): its decode,
+        each message's entry (``entries_of`` gives those of the messages no stored body holds), their values, the
+        stored body whose messages it starts with and how many (or None), and where the messages after those start
+        (``keep_body`` files it from these). Raises ``msgspec.DecodeError`` (or ``RecursionError``) where it does
+        not decode."""
+        bodies = self.bodies
+        found = bodies.find(body, api) if bodies is not None and type(body) is bytes else None
+        decoded = self.decode_after(body, *found, decode_raw, entries_of, field) if found is not None else None
+        if decoded is None:
+            found, tail_start = None, 0
+            raw = decode_raw(body)
+            items = getattr(raw, field)
+            entries = entries_of(items) if isinstance(items, list) else []
+        else:
+            raw, entries, tail_start = decoded
+        return raw, entries, _message_values(entries, found), found, tail_start
 
     def decode_after(self, body: bytes, stored: StoredBody, common: int, decode_raw: Callable[[bytes], Any],
                      entries_of: Callable[[list[msgspec.Raw]], list[Any]], field: str = "messages"
@@ -276,8 +285,8 @@ class MessageMemo:
         ``found``'s common ones start), and answers it; nothing where they cannot be placed for certain (the offsets
         are checked against the body byte for byte)."""
         bodies = self.bodies
-        if bodies is None or not entries or len(body) < bodies.base:  # (too short to be filed: nothing to place)
-            return None
+        if bodies is None or type(body) is not bytes or not entries or len(body) < bodies.base:
+            return None  # (no store, or too short to be filed: nothing to place)
         starts: tuple[int, ...]
         ends: tuple[int, ...]
         if found is None:  # where the first message is: a Raw is a view of the body it was decoded from
