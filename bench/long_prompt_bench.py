@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--agent-new", type=int, default=1600)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="KV block size in tokens (FA3 loads K/V with TMA where it is a multiple of 128)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-prefill", action="store_true",
@@ -310,7 +311,8 @@ def main(argv=None) -> int:
     HW.update(geb.measure_ceilings())
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(json.dumps({"device": name, **HW}), flush=True)
-    result: dict = {"preset": args.preset, "device": name, "torch": torch.__version__, "ceilings": dict(HW)}
+    result: dict = {"preset": args.preset, "device": name, "torch": torch.__version__, "block_size": args.block_size,
+                    "ceilings": dict(HW)}
     if args.device == "cuda":
         from token_engine.layers import attention_fa3
 

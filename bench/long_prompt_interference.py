@@ -43,8 +43,10 @@ def summary(gaps: list[float]) -> dict:
     return {"n": len(gaps), "p50_ms": pct(gaps, 0.5), "p99_ms": pct(gaps, 0.99), "max_ms": max(gaps, default=None)}
 
 
-def make_engine(model, device: str, max_num_seqs: int, budget: int, max_model_len: int, policy, kv_tokens: int):
-    """An engine over the shared model with a KV pool of kv_tokens (several engines, one after another)."""
+def make_engine(model, device: str, max_num_seqs: int, budget: int, max_model_len: int, policy, kv_tokens: int,
+                block_size: int = 16):
+    """An engine over the shared model with a KV pool of kv_tokens in blocks of block_size tokens (several
+    engines, one after another)."""
     from token_engine.core.engine import EngineConfig, LLMEngine
 
     gc.unfreeze()  # what the previous engine froze goes back to the collector, its pool first
@@ -52,7 +54,8 @@ def make_engine(model, device: str, max_num_seqs: int, budget: int, max_model_le
     geb.empty_cache()
     engine = LLMEngine(EngineConfig(model="random", device=device, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                    prefill_policy=policy, num_gpu_blocks_override=-(-kv_tokens // 16) + 64),
+                                    prefill_policy=policy, block_size=block_size,
+                                    num_gpu_blocks_override=-(-kv_tokens // block_size) + 64),
                        model=model)
     gc.freeze()  # as the engine's server does once it is built
     return engine
@@ -97,7 +100,7 @@ def interference(model, args, label: str, budget: int, policy, plan: str = "buck
     vocab = model.arch.vocab_size
     kv_tokens = args.streams * (args.stream_prompt + 4096) + args.long + args.shorts * args.short_prompt
     engine = make_engine(model, args.device, args.streams + args.shorts + 2, budget, args.long + 512, policy,
-                         kv_tokens)
+                         kv_tokens, args.block_size)
     if plan == "fit":
         engine.scheduler.bucket_times = None
     gen = torch.Generator().manual_seed(0)
@@ -192,7 +195,8 @@ def agent_turns(model, args) -> list[dict]:
     from token_engine.core.sequence import SamplingOptions
 
     total = args.agent_turns * (args.agent_new + args.agent_output) + 512
-    engine = make_engine(model, args.device, 4, max(8192, args.agent_new + 16), total, None, 2 * total)
+    engine = make_engine(model, args.device, 4, max(8192, args.agent_new + 16), total, None, 2 * total,
+                         args.block_size)
     gen = torch.Generator().manual_seed(1)
     history: list[int] = []
     rows = []
@@ -276,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--agent-turns", type=int, default=12)
     p.add_argument("--agent-new", type=int, default=1600)
     p.add_argument("--agent-output", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="KV block size in tokens (FA3 reads the pool with TMA where it is a multiple of 128)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -284,7 +290,8 @@ def main(argv=None) -> int:
     model = random_model(args.preset, args.device)
     if model is None:
         return 2
-    result: dict = {"preset": args.preset, "device": args.device, "ceilings": dict(geb.HW), "interference": []}
+    result: dict = {"preset": args.preset, "device": args.device, "block_size": args.block_size,
+                    "ceilings": dict(geb.HW), "interference": []}
     for chunk in [int(c) for c in args.chunk.split(",") if c]:
         result["interference"].append(interference(model, args, f"chunk {chunk}", chunk, PrefillPolicy()))
     for target in [float(t) for t in args.target_step_ms.split(",") if t and float(t) > 0]:

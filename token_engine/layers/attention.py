@@ -202,6 +202,11 @@ def _paged_attention_reference(
     return out
 
 
+# FA3 loads paged K/V with TMA only where a pool block holds whole key tiles of its causal kernel (its tile width
+# for that head dim); otherwise it gathers rows with cp.async. Head dims measured here only.
+FA3_TMA_BLOCK = {128: 128}
+
+
 def verify_fa3(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                device) -> tuple[bool, str]:
     """CUDA only. Loads FlashAttention-3 (token_engine.layers.attention_fa3) and runs the start-up check's ragged
@@ -254,6 +259,11 @@ def warm_up_cuda(kv_pool: torch.Tensor, num_heads: int, max_num_seqs: int, block
     # asked for and not on (no such file, a load error, a mismatch) is worth a warning; not asked for is the default
     level = logging.INFO if use_fa3 else logging.WARNING if attention_fa3.asked_for() else logging.DEBUG
     logging.getLogger(__name__).log(level, "FA3 prefill %s: %s", "on" if use_fa3 else "off", why)
+    if use_fa3 and block_size % FA3_TMA_BLOCK.get(head_dim, 1):
+        logging.getLogger(__name__).info(
+            "FA3 reads blocks of %d tokens as gathered rows; with --block-size a multiple of %d it loads them "
+            "with TMA, which makes long prefills faster (docs/token-engine.md). Routers that hash KV blocks must "
+            "use the same block size.", block_size, FA3_TMA_BLOCK[head_dim])
     seen = set()
     for num in range(1, max_num_seqs + 1):
         pad = attention_cuda.splits_pad(attention_cuda.decode_splits(num, num_kv_heads))
