@@ -38,6 +38,11 @@ DECODE_BLOCK_N = 64
 DECODE_BLOCK_N_FEW_SPLITS = 64
 TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 32
+# (warps, pipeline stages) of the partial kernel, many slices / at most 4: Triton's defaults. Other counts and
+# slice targets won 2-7% of the kernel alone and nothing measurable in whole decode steps
+# (bench/experiments/decode_attention_sweep.py, docs/token-engine.md).
+DECODE_WARPS_STAGES = (4, 3)
+DECODE_WARPS_STAGES_FEW_SPLITS = (4, 3)
 # Prefill attention backends, cuDNN left out: it builds an execution plan for every new shape, and a chunk's
 # length and context change from step to step under load, so steps took 0.1-2.5 s instead of ~50 ms on an
 # H200 (bench/experiments/gpu_decode_profile.py, mixed_step). Flash and memory-efficient kernels need no plan.
@@ -233,6 +238,8 @@ def decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     splits = decode_splits(num, num_kv_heads)
+    few = splits <= 4
+    warps, stages = DECODE_WARPS_STAGES_FEW_SPLITS if few else DECODE_WARPS_STAGES
     m = torch.empty(num, num_heads, splits, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     acc = torch.empty(num, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -246,9 +253,10 @@ def decode_attention(
         meta.block_tables.stride(0),
         splits,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N_FEW_SPLITS if splits <= 4 else DECODE_BLOCK_N,
+        BLOCK_SIZE=meta.block_size, BLOCK_N=DECODE_BLOCK_N_FEW_SPLITS if few else DECODE_BLOCK_N,
         HAS_SEQ_IDS=seq_ids is not None,
         IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
     )
     _decode_merge_kernel[(num, num_heads)](
         m, lse, acc, out, meta.query_start_loc, ids,
