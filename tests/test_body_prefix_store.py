@@ -245,13 +245,10 @@ def test_a_filed_body_carries_its_tool_call_count_through_growth_and_branches():
         assert got is not None
         want = sum(tool_call_count(message) for message in PLAIN.decode(body).messages)
         assert history_tool_calls(got.messages) == want
-        if turn == 0:  # the first sighting: decoded whole, filed without entries or counts
-            assert type(got.messages) is list and m.bodies is not None and m.bodies.find(body) is not None
-            continue
         filed = got.messages.filed
         assert filed is not None and filed.tool_calls == want
         carried += got.messages.shared_with is not None and got.messages.shared_with[1] == len(
-            got.messages.shared_with[0].ends)
+            got.messages.shared_with[0].entries)
     assert carried > 10
 
 
@@ -284,58 +281,9 @@ def test_a_filed_body_counts_its_image_messages_through_growth_and_branches():
         plain = PLAIN.decode(body).messages
         want = sum(map(has_image_parts, plain))
         assert carries_image_parts(got.messages) == carries_image_parts(plain) == (want > 0)
-        seen.add(want > 0)
-        if turn == 0:  # the first sighting: decoded whole, filed without entries or counts
-            assert type(got.messages) is list and m.bodies is not None and m.bodies.find(body) is not None
-            continue
         filed = got.messages.filed
         assert filed is not None and filed.image_messages == want
+        seen.add(want > 0)
         carried += got.messages.shared_with is not None and got.messages.shared_with[1] == len(
-            got.messages.shared_with[0].ends)
+            got.messages.shared_with[0].entries)
     assert seen == {False, True} and carried > 10
-
-
-def test_a_body_first_seen_is_decoded_whole_and_its_next_turn_takes_its_messages():
-    """A body no filed one shares a message with is decoded whole (plain messages, no memo entry made) and filed
-    with where its messages are; the next turn takes those messages' entries, made from the values the first
-    decode gave, and replaces it; a branch of it takes only the messages they share; a body that fails to decode
-    is left to the usual decode and files nothing."""
-    from render_service.wire.message_memo import MemoMessages
-
-    m = memo()
-    messages = conversation(3)
-    first = body_of(messages, tools=TOOLS)
-    got = same_as_plain(m, first)
-    assert got is not None and type(got.messages) is list and type(got.tools) is list
-    assert m.lookups == 0 and len(m) == 0  # no entry made for a body that may never come back
-    assert m.bodies is not None and len(m.bodies) == 1
-    stored, common = m.bodies.find(first)
-    assert common == len(messages) and stored.entries == () and stored.values == tuple(got.messages)
-    assert [first[a:b] for a, b in zip(stored.starts, stored.ends)] == [
-        json.dumps(message, separators=(", ", ": ")).encode() for message in messages]
-
-    grown = [*messages, {"role": "user", "content": f"next: {LONG}"}]
-    second = same_as_plain(m, body_of(grown, tools=TOOLS))
-    assert second is not None and type(second.messages) is MemoMessages
-    assert second.messages.shared_with == (stored, len(messages))
-    assert [entry.value for entry in second.messages.entries] == PLAIN.decode(body_of(grown)).messages
-    assert [entry.data for entry in second.messages.entries[:len(messages)]] == [
-        first[a:b] for a, b in zip(stored.starts, stored.ends)]
-    assert len(m.bodies) == 1 and m.bodies.find(first)[0] is second.messages.filed  # the first one replaced
-
-    m2 = memo()
-    assert same_as_plain(m2, first) is not None
-    branch = [*messages[:3], {"role": "assistant", "content": "rewritten"}, *messages[4:]]
-    got = same_as_plain(m2, body_of(branch, tools=TOOLS))
-    assert got is not None and type(got.messages) is MemoMessages and got.messages.shared_with[1] == 3
-    assert len(m2) == len(branch) + 1  # an entry for each message and one for the tools
-    assert len(m2.bodies) == 2  # the first kept: the branch shares only its head
-
-    m3 = memo()
-    bad = body_of([*messages[:-1], f"not an object: {LONG}"])
-    assert m3.decode_chat(bad) is None and len(m3.bodies) == 0
-    with pytest.raises(Exception) as raised:
-        decode_chat_request(bad, m3, decode)
-    with pytest.raises(Exception) as plain_raised:
-        decode(bad, ChatCompletionRequest)
-    assert str(raised.value) == str(plain_raised.value)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -59,16 +59,6 @@ _RawChatRequest = msgspec.defstruct(
     forbid_unknown_fields=ChatCompletionRequest.__struct_config__.forbid_unknown_fields,
 )
 _decode_raw_request = msgspec.json.Decoder(_RawChatRequest).decode
-_decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode
-# the messages alone, as raw JSON (where each sits in the body), every other field skipped
-
-
-class _RawMessages(msgspec.Struct):
-    messages: list[msgspec.Raw]
-
-
-_decode_raw_messages = msgspec.json.Decoder(_RawMessages).decode
-_LOOK_UP = object()  # decode_items' default: the body store is asked which body it starts with
 _DECODERS = {
     _MESSAGE: msgspec.json.Decoder(_FIELDS[0].type.__args__[0]).decode,  # one element of ``messages``
     _TOOLS: msgspec.json.Decoder(_FIELDS[_TOOLS_AT].type).decode,
@@ -223,16 +213,10 @@ class MessageMemo:
         """The request ``msgspec.json.decode(body, type=ChatCompletionRequest)`` gives, its messages and tools
         from the memo where seen before; None where anything in the body fails to decode (the caller decodes
         it the usual way for the error). The messages a recent body holds at the same places are taken from it
-        without being scanned again (body_prefix_store.py). A body long enough to be filed that shares no message
-        with a filed one is decoded whole and filed as it is (``_file_first_sighting``)."""
-        bodies = self.bodies
-        fileable = bodies is not None and type(body) is bytes and len(body) >= bodies.base
-        found = bodies.find(body, "chat") if bodies is not None and fileable else None
+        without being scanned again (body_prefix_store.py)."""
         try:
-            if fileable and found is None:
-                return self._file_first_sighting(body)
             raw, entries, messages, found, tail_start = self.decode_items(body, "chat", _decode_raw_request,
-                                                                          self._message_entries, found=found)
+                                                                          self._message_entries)
             tools = None if raw.tools == _NULL else self._entries_of(_TOOLS, [raw.tools])[0]
         except (msgspec.DecodeError, RecursionError):
             return None
@@ -242,45 +226,16 @@ class MessageMemo:
         values[_TOOLS_AT] = None if tools is None or tools.value is None else MemoTools(tools)
         return ChatCompletionRequest(*values)
 
-    def _file_first_sighting(self, body: bytes) -> ChatCompletionRequest:
-        """A chat body no filed one shares a message with: decoded whole (one decode builds every message, where
-        the memo's path decodes them one by one and makes an entry for each: 2-3x the CPU of a cold body), and
-        filed with where its messages are and their values, without entries. A conversation's next turn makes
-        the entries of the messages it shares from those values (``_entries_of_values``), so a body that never
-        comes back costs what a memo-less decode costs, and one that does pays for its entries once."""
-        request = _decode_request(body)
-        bodies = self.bodies
-        assert bodies is not None
-        items = _decode_raw_messages(body).messages
-        if request.messages and len(items) == len(request.messages):
-            start = _address(body)
-            starts = tuple(_address(item) - start for item in items)
-            ends = tuple(at + len(item) for at, item in zip(starts, items))
-            if all(0 <= at < len(body) for at in starts):
-                bodies.add(StoredBody(body, starts, ends, (), None, tuple(request.messages), api="chat"))
-        return request
-
-    def _entries_of_values(self, stored: StoredBody, count: int) -> list[MemoEntry]:
-        """The entries of a body filed on first sighting (``_file_first_sighting``), its first ``count`` messages:
-        found by their bytes, or made from the values its decode gave (the same as decoding each message alone)."""
-        body, starts, ends = stored.body, stored.starts, stored.ends
-        datas = [body[starts[k]:ends[k]] for k in range(count)]
-        values = dict(zip(datas, stored.values[:count]))  # (equal bytes, equal values)
-        return self.entries_by_bytes(_MESSAGE, datas, lambda data: MemoEntry(data, values[data]))
-
     def decode_items(self, body: bytes, api: str, decode_raw: Callable[[bytes], Any],
-                     entries_of: Callable[[list[msgspec.Raw]], list[Any]], field: str = "messages",
-                     found: tuple[StoredBody, int] | None | object = _LOOK_UP,
+                     entries_of: Callable[[list[msgspec.Raw]], list[Any]], field: str = "messages"
                      ) -> tuple[Any, list[Any], tuple[Any, ...], tuple[StoredBody, int] | None, int]:
         """A body of ``api`` decoded by ``decode_raw`` (its messages, the array ``field``, as raw JSON): its decode,
         each message's entry (``entries_of`` gives those of the messages no stored body holds), their values, the
-        stored body whose messages it starts with and how many (or None; ``found``: as the caller found it), and
-        where the messages after those start (``keep_body`` files it from these). Raises ``msgspec.DecodeError``
-        (or ``RecursionError``) where it does not decode."""
+        stored body whose messages it starts with and how many (or None), and where the messages after those start
+        (``keep_body`` files it from these). Raises ``msgspec.DecodeError`` (or ``RecursionError``) where it does
+        not decode."""
         bodies = self.bodies
-        if found is _LOOK_UP:
-            found = bodies.find(body, api) if bodies is not None and type(body) is bytes else None
-        found = cast("tuple[StoredBody, int] | None", found)
+        found = bodies.find(body, api) if bodies is not None and type(body) is bytes else None
         decoded = self.decode_after(body, *found, decode_raw, entries_of, field) if found is not None else None
         if decoded is None:
             found, tail_start = None, 0
@@ -318,10 +273,7 @@ class MessageMemo:
         if not isinstance(items, list) or not items or _address(items[0]) - _address(document) != stored.starts[0] \
                 or len(items[0]) != first_end - stored.starts[0]:
             return None
-        if stored.entries:
-            entries = list(stored.entries[:common])  # (a tuple's slice of all of it is the tuple itself: no copy)
-        else:  # filed on first sighting
-            entries = self._entries_of_values(stored, common)
+        entries = list(stored.entries[:common])  # (a tuple's slice of all of it is the tuple itself: no copy)
         entries += entries_of(items[1:])
         return raw, entries, at
 
@@ -352,7 +304,7 @@ class MessageMemo:
                 ends += tuple(tail[1])
         if len(starts) != len(entries):
             return None
-        replaces = found[0] if found is not None and found[1] == len(found[0].ends) else None
+        replaces = found[0] if found is not None and found[1] == len(found[0].entries) else None
         stored = StoredBody(body, starts, ends, tuple(entries), {}, messages, *entry_counts(entries, replaces),
                             api, {} if api != "chat" else None)
         bodies.add(stored, replaces)
@@ -420,7 +372,7 @@ def _message_values(entries: list[MemoEntry], found: tuple[StoredBody, int] | No
     if found is None:
         return tuple(map(_VALUE, entries))
     stored, common = found
-    if len(stored.values) < common or not stored.entries:  # (a body filed without them, or on first sighting)
+    if len(stored.values) < common:  # (a body filed without them)
         return tuple(map(_VALUE, entries))
     return stored.values[:common] + tuple(map(_VALUE, entries[common:]))
 
