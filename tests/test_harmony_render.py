@@ -267,6 +267,12 @@ def test_structured_output_is_the_final_answer_after_optional_reasoning():
     ({"reasoning_effort": "none"}, "reasoning_effort"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "narrator", "content": "x"}]}, "messages"),
+    # a call whose function or id is not what a call holds, a result answering an id that is not a string
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}]},
+     "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": {"an": "object"}, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+    ({"messages": [{"role": "tool", "tool_call_id": ["c"], "content": "x"}]}, "messages"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]}, "tools"),
 ])
 def test_bad_requests_are_400s(extra, param):

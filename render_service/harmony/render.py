@@ -192,7 +192,9 @@ def _call_names(chat: list[Any]) -> dict[Any, str]:
     for msg in chat:
         for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
             if isinstance(call, dict):
-                names[call.get("id")] = _tool_name((call.get("function") or {}).get("name"))
+                fn, key = call.get("function"), call.get("id")
+                if key is None or isinstance(key, str):  # (what else a call holds is refused where it is converted)
+                    names[key] = _tool_name(fn.get("name") if isinstance(fn, dict) else None)
     return names
 
 
@@ -214,6 +216,8 @@ def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) ->
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict):
                     raise bad_request(f"{where}.tool_calls[{j}].function is required", "messages")
+                if not isinstance(call.get("id"), (str, type(None))):
+                    raise bad_request(f"{where}.tool_calls[{j}].id must be a string", "messages")
                 arguments = fn.get("arguments") or ""
                 if not isinstance(arguments, str):
                     raise bad_request(f"{where}.tool_calls[{j}].function.arguments must be a string", "messages")
@@ -227,7 +231,10 @@ def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) ->
             out.append(_text("assistant", content, channel="final"))
         return out
     if role == "tool":
-        name = names.get(msg.get("tool_call_id"), "")
+        call_id = msg.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id must be a string", "messages")
+        name = names.get(call_id, "")
         content = _flatten(msg.get("content"), where) or ""
         return [{"role": "tool", "name": f"functions.{name}", "content": [{"type": "text", "text": content}],
                  "channel": "commentary", "recipient": "assistant"}]
