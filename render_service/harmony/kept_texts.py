@@ -8,30 +8,19 @@ of one tokenizer share it, the largest bound asked for holding.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 from render_service.caches.byte_lru import ByteLRU
+from render_service.caches.per_tokenizer import PerTokenizer
 
-# tokenizer id -> (the tokenizer, kept alive so that its id names it alone, and its cache)
-_KEPT: dict[int, tuple[object, ByteLRU[str, Sequence[int]]]] = {}
-_LOCK = threading.Lock()
+_KEPT: PerTokenizer[ByteLRU[str, Sequence[int]]] = PerTokenizer(lambda: ByteLRU(0), lambda lru: lru, 8)
 
 
 def keep_texts(tokenizer: object, max_bytes: int) -> ByteLRU[str, Sequence[int]] | None:
     """The cache of ``tokenizer``'s message texts, bounded by the largest ``max_bytes`` asked for (0 asks for
     none); None where none was asked for."""
-    with _LOCK:
-        kept = kept_texts(tokenizer)
-        if max_bytes > 0:
-            if kept is None:
-                kept = ByteLRU(max_bytes)
-                _KEPT[id(tokenizer)] = (tokenizer, kept)
-            kept.max_bytes = max(kept.max_bytes, max_bytes)
-            kept.max_entry_bytes = kept.max_bytes // 8
-        return kept
+    return _KEPT.keep(tokenizer, max_bytes)
 
 
 def kept_texts(tokenizer: object) -> ByteLRU[str, Sequence[int]] | None:
-    found = _KEPT.get(id(tokenizer))
-    return found[1] if found is not None and found[0] is tokenizer else None
+    return _KEPT.of(tokenizer)
