@@ -35,7 +35,7 @@ from render_service.bundle.model_bundle import load_bundle
 from render_service.derender.batch import pipeline_config
 from render_service.derender.stream import StreamRuntime, derender_chat_stream
 from render_service.harmony.bundle import gpt_oss_bundle_dir
-from render_service.harmony.encoding import CALL, harmony_encoding
+from render_service.harmony.encoding import CALL, START, harmony_encoding
 from render_service.harmony.render import renderer_for
 from render_service.parsers.pipeline import Pipeline
 from render_service.render.render import render_chat
@@ -164,11 +164,17 @@ def handler_per_chunk(config, ids: list[int], prompt: list[int], rounds: int, ch
     return _cpu(run, 1, rounds) / len(ids)
 
 
+GROWING_WAYS = (("texts_encoded_each_turn", False, False), ("texts_kept", True, False),
+                ("turn_records", True, True))
+
+
 def growing_turns(config, sizes: list[int], last: int = 16) -> list[dict]:
     """Thread CPU ms per turn of a growing chat conversation of about each size (each turn adds an answer and a
-    user message; the body through the message memo, as the server decodes it), its last ``last`` turns: with the
-    message texts' ids kept (harmony/kept_texts.py) and with every text encoded each turn (the renderer's
-    ``keeps_texts`` off), each way a conversation of its own (its system prompt tells them apart) in one process."""
+    user message; the body through the message memo, as the server decodes it, and the answer's JSON written), its
+    last ``last`` turns, three ways: every text encoded each turn (the renderer's ``keeps_texts`` and
+    ``keeps_turns`` off), the message texts' ids kept (harmony/kept_texts.py), and each turn extending the turn
+    before's record (harmony/turn_records.py, as shipped). Each way is a conversation of its own (its system prompt
+    tells them apart) in one process, and every turn's ids equal the first way's."""
     from bench.extend_bench import _chat_conversation, body_renderer
 
     renderer = renderer_for(config.tokenizer)
@@ -178,18 +184,26 @@ def growing_turns(config, sizes: list[int], last: int = 16) -> list[dict]:
         messages = _chat_conversation(size)
         ends = [i for i in range(2, len(messages) + 1) if messages[i - 1]["role"] == "user"][-last - 1:]
         row: dict = {"size": size, "messages": len(messages)}
-        for way, keeps in (("texts_encoded_each_turn", False), ("texts_kept", True)):
-            renderer.keeps_texts = keeps
+        answers: dict[str, list[int]] = {}
+        for way, keeps_texts, keeps_turns in GROWING_WAYS:
+            renderer.keeps_texts, renderer.keeps_turns = keeps_texts, keeps_turns
             conversation = [{**messages[0], "content": f"{messages[0]['content']} ({way})"}, *messages[1:]]
             spent = []
             for k, end in enumerate(ends):
                 body = msgspec.json.encode({"model": "gpt-oss", "messages": conversation[:end]})
                 started = time.thread_time()
-                from_body(body)
+                answer = from_body(body)
                 if k:  # (the first turn of each way: nothing of it seen before)
                     spent.append((time.thread_time() - started) * 1e3)
+                ids = msgspec.json.decode(answer)["token_ids"]
+                # (the ways' instructions differ: their ids are compared from the first user message on, the
+                # third message after the system and developer ones)
+                third = [i for i, token in enumerate(ids) if token == START][2]
+                answers.setdefault(way, []).append(hash(tuple(ids[third:])))  # (ids kept would slow the renders)
+                del ids
             row[f"{way}_ms_median"] = round(statistics.median(spent), 3)
-        renderer.keeps_texts = True
+        renderer.keeps_texts = renderer.keeps_turns = True
+        assert len({json.dumps(tails) for tails in answers.values()}) == 1, "the ways rendered different ids"
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

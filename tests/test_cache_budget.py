@@ -40,6 +40,8 @@ def test_the_budget_splits_the_bytes_and_zero_turns_every_cache_off():
         (64 * 2**20, 64 * 2**20)
     # and a Harmony model's message texts: an eighth, at most 256 MiB
     assert (shares.harmony_texts, CacheShares.of(2**33, 8 * 2**20).harmony_texts) == (32 * 2**20, 256 * 2**20)
+    # and its renders' turn records: an eighth, at most 64 MiB
+    assert (shares.harmony_turns, CacheShares.of(2**33, 8 * 2**20).harmony_turns) == (32 * 2**20, 64 * 2**20)
     assert CacheShares.of(0, 8 * 2**20) == CacheShares(0, 0, 0, 0, 0)
     with pytest.raises(ValueError):
         CacheShares.of(-1, 0)

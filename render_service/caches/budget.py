@@ -6,7 +6,8 @@ and what remains for the prompt encoder (three quarters piece cache, a quarter p
 incremental_tokenizer.py). Beside that split, not taken from it, each chat template's loop records get an eighth
 (templates/loop_resume.py) and the masked answers kept for the next turn's extend a sixteenth (extend/attributions.py),
 each at most 64 MiB, the prompts kept under a prompt reference a quarter, at most 512 MiB (extend/prompt_refs.py),
-and a Harmony model's message texts' ids an eighth, at most 256 MiB (harmony/render.py). 0 turns every cache off,
+a Harmony model's message texts' ids an eighth, at most 256 MiB (harmony/kept_texts.py), and its renders' turn
+records an eighth, at most 64 MiB (harmony/turn_records.py). 0 turns every cache off,
 as the reference switch does (reference_mode.py).
 
 Each cache registers how to read its counters (``CacheStats``); ``observe`` turns their growth into the
@@ -34,12 +35,14 @@ PROMPT_REFS_SHARE_DIVISOR = 4
 PROMPT_REFS_MAX_BYTES = 512 << 20
 HARMONY_TEXTS_SHARE_DIVISOR = 8
 HARMONY_TEXTS_MAX_BYTES = 256 << 20
+HARMONY_TURNS_SHARE_DIVISOR = 8
+HARMONY_TURNS_MAX_BYTES = 64 << 20
 OBSERVE_EVERY_S = 1.0
 
 CACHE_LOOKUPS = Counter("splitserve_render_cache_lookups_total",
                         "Render cache lookups by cache (piece, prompt_store, memo, body_store, tojson, template_loops, "
-                        "masks, prompt_refs, harmony_texts; stream_history, output_texts, images outside the budget) "
-                        "and result.",
+                        "masks, prompt_refs, harmony_texts, harmony_turns; stream_history, output_texts, images "
+                        "outside the budget) and result.",
                         ["cache", "result"])
 CACHE_EVICTIONS = Counter("splitserve_render_cache_evictions_total",
                           "Entries a render cache dropped to stay within its bytes.", ["cache"])
@@ -63,6 +66,7 @@ class CacheShares:
     masks: int = 0  # the extend's kept attributions (beside the split)
     prompt_refs: int = 0  # prompts kept for the next turn's previous_turn.prompt_ref (beside the split)
     harmony_texts: int = 0  # a Harmony model's message texts' ids (beside the split)
+    harmony_turns: int = 0  # a Harmony model's renders' turn records (beside the split)
 
     @classmethod
     def of(cls, total: int, tojson_cap: int) -> CacheShares:
@@ -75,7 +79,8 @@ class CacheShares:
                    template_loops=min(LOOP_RECORDS_MAX_BYTES, total // LOOP_RECORDS_SHARE_DIVISOR),
                    masks=min(MASKS_MAX_BYTES, total // MASKS_SHARE_DIVISOR),
                    prompt_refs=min(PROMPT_REFS_MAX_BYTES, total // PROMPT_REFS_SHARE_DIVISOR),
-                   harmony_texts=min(HARMONY_TEXTS_MAX_BYTES, total // HARMONY_TEXTS_SHARE_DIVISOR))
+                   harmony_texts=min(HARMONY_TEXTS_MAX_BYTES, total // HARMONY_TEXTS_SHARE_DIVISOR),
+                   harmony_turns=min(HARMONY_TURNS_MAX_BYTES, total // HARMONY_TURNS_SHARE_DIVISOR))
 
 
 @dataclass

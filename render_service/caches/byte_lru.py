@@ -71,6 +71,11 @@ class ByteLRU(Generic[K, V]):
         self.hits += 1
         return entry[0]
 
+    def peek(self, key: K) -> V | None:
+        """The value kept under ``key``, else None; neither counted nor made the most recently used."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[0]
+
     def put(self, key: K, value: V, size: int, *, replace: bool = False) -> bool:
         """Keeps ``value`` under ``key`` unless ``size`` is past ``max_entry_bytes``; a key kept already keeps its
         first value (callers put only values equal to what they would compute) unless ``replace`` (the old one is

@@ -40,12 +40,15 @@ from render_service.harmony.encoding import (
     harmony_encoding,
 )
 from render_service.harmony.kept_texts import kept_texts
+from render_service.harmony.turn_records import Part, TurnRecord, TurnRecords, extended, turn_records
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig, resolve_chat_template_kwargs
 from render_service.render.response_format import requested_structured_outputs
 from render_service.render.structural_tags import harmony_answer, structural_tag_text
 from render_service.render.tool_choice import output_format, tool_call_constraint
+from render_service.tokenize.incremental_tokenizer import PromptIds
 from render_service.tokenize.tokenizer import TextTokenizer
+from render_service.wire.message_memo import MemoMessages
 from render_service.wire.protocol import ChatCompletionRequest
 
 REASONING_EFFORTS = {"low": "Low", "medium": "Medium", "high": "High"}
@@ -56,6 +59,10 @@ CHANNELS = ["analysis", "commentary", "final"]
 # encode again. A kept text is counted at its characters, four bytes an id, and this much besides.
 KEPT_TEXT_CHARS = 32
 KEPT_TEXT_OVERHEAD = 160
+# Header texts (roles, recipients, channels, content types) whose ids the renderer keeps: how many at most, and
+# the longest (a tool name is the client's to choose).
+HEADER_TEXTS = 4096
+HEADER_TEXT_CHARS = 96
 _JSON = msgspec.json.Encoder()
 
 
@@ -302,7 +309,9 @@ class HarmonyRenderer:
     ``encode_ordinary`` (openai-harmony encodes ~4 us/token; ours is several times faster). Each text piece is
     encoded on its own, as openai-harmony does, and message text never becomes a marker, so a text's ids are the
     same wherever it sits: where the configuration keeps them (harmony/kept_texts.py), each text's are kept by the text
-    (a conversation's earlier messages, resent every turn, are not encoded again).
+    (a conversation's earlier messages, resent every turn, are not encoded again). ``render_turn`` goes further for
+    messages the message memo shares between requests: a turn renders only the messages after an earlier render's
+    (harmony/turn_records.py).
     """
 
     def __init__(self, tokenizer: TextTokenizer, cache_size: int = 256) -> None:
@@ -314,7 +323,12 @@ class HarmonyRenderer:
         self.encode_with_markers = tokenizer.encode
         self._cached = functools.lru_cache(maxsize=cache_size)(self._render_preamble)
         self.tokenizer = tokenizer
-        self.keeps_texts = True  # (benchmarks turn it off to compare)
+        self._headers: dict[str, tuple[int, ...]] = {}
+        generation = self.generation_prompt()
+        self._generation = (tuple(generation), _JSON.encode(generation)[1:-1])
+        self.keeps_texts = True  # (benchmarks turn these off to compare)
+        self.keeps_turns = True
+        self.turns_proved = self._turn_records_proved()
 
     def text_ids(self, text: str) -> Sequence[int]:
         """``text`` encoded as plain text (added tokens included), from the kept texts where it is there."""
@@ -338,34 +352,54 @@ class HarmonyRenderer:
         except Exception as exc:  # openai_harmony.HarmonyError: say a schema Harmony cannot render
             raise bad_request(f"Harmony cannot render these instructions or tools: {exc}", "tools") from None
 
-    def message(self, msg: dict[str, Any], out: list[int]) -> None:
+    def header_ids(self, text: str) -> Sequence[int]:
+        """``text`` (a header's role, recipient, channel or content type) encoded as plain text; a few such texts
+        recur in every message, so their ids are kept (at most ``HEADER_TEXTS``)."""
+        ids = self._headers.get(text)
+        if ids is None:
+            ids = tuple(self.ordinary(text))
+            if len(text) > HEADER_TEXT_CHARS:
+                return ids
+            if len(self._headers) >= HEADER_TEXTS:
+                self._headers.clear()
+            self._headers[text] = ids
+        return ids
+
+    def message(self, msg: dict[str, Any], out: list[int] | array[int]) -> None:
         role = msg["role"]
         if role in ("system", "developer"):
             out.extend(self.preamble([msg]))  # a later instructions message: openai-harmony renders it
             return
-        ordinary = self.ordinary
+        header = self.header_ids
         out.append(START)
-        out.extend(ordinary(msg["name"] if role == "tool" else role))
+        out.extend(header(msg["name"] if role == "tool" else role))
         recipient = msg.get("recipient")
         if recipient is not None and recipient != "all":
-            out.extend(ordinary(f" to={recipient}"))
+            out.extend(header(f" to={recipient}"))
         channel = msg.get("channel")
         if channel is not None:
             out.append(CHANNEL)
-            out.extend(ordinary(channel))
+            out.extend(header(channel))
         content_type = msg.get("content_type")
         if content_type is not None:
             if content_type.startswith("<|constrain|>"):
-                out.extend(ordinary(" "))
+                out.extend(header(" "))
                 out.append(CONSTRAIN)
                 if content_type != "<|constrain|>":
-                    out.extend(ordinary(content_type[len("<|constrain|>"):]))
+                    out.extend(header(content_type[len("<|constrain|>"):]))
             else:
-                out.extend(ordinary(f" {content_type}"))
+                out.extend(header(f" {content_type}"))
         out.append(MESSAGE)
         for part in msg["content"]:
             out.extend(self.text_ids(part["text"]))
         out.append(end_marker(msg))
+
+    def part(self, msg: dict[str, Any]) -> Part:
+        """``msg`` rendered on its own, as a turn record keeps it."""
+        ids = array("I")
+        self.message(msg, ids)
+        return Part(ids, _JSON.encode(ids.tolist())[1:-1], msg.get("channel") == "analysis",
+                    msg["role"] == "assistant" and msg.get("channel") == "final")
 
     def generation_prompt(self) -> list[int]:
         """``<|start|>assistant``: how a render for completion ends."""
@@ -382,6 +416,110 @@ class HarmonyRenderer:
         if prefix:
             out.extend(self.encode_with_markers(prefix))
         return out
+
+    def render_turn(self, req: ChatCompletionRequest, kwargs: dict[str, Any], with_tools: bool) -> Sequence[int]:
+        """``render(harmony_messages(...))``: for messages the message memo decoded (shared between requests), by
+        extending the turn record of an earlier render of their first messages (harmony/turn_records.py) and
+        filing this one's."""
+        records = turn_records(self.tokenizer) if self.keeps_turns and self.turns_proved else None
+        chat = req.messages
+        if records is None or type(chat) is not MemoMessages:
+            return self.render(harmony_messages(req, kwargs, with_tools))
+        shared = chat.shared_with[1] if chat.shared_with is not None else None
+        return self.extend_turn(records, chat, shared, lambda: preamble_messages(req, kwargs, with_tools))
+
+    def extend_turn(self, records: TurnRecords, chat: list[Any], shared: int | None,
+                    preamble_of: Callable[[], list[dict[str, Any]]]) -> Sequence[int]:
+        """The prompt of ``chat`` (``preamble_of()`` its system and developer messages) as a ``PromptIds``,
+        rendering only the messages after a record's (``shared``: how many the message memo found shared with an
+        earlier body); errors are the plain render's, in its order."""
+        preamble_messages_ = preamble_of()
+        record = records.find(chat, shared)
+        start = len(record.messages) if record is not None else 0
+        lead = 1 if leads_with_instructions(chat) else 0
+        new_names = _call_names(chat[max(start, lead):])
+        if record is not None and any(record.names.get(key, name) != name for key, name in new_names.items()):
+            record, start = None, 0  # a new call reuses an earlier call's id: earlier results would be renamed
+        if record is None:
+            new_names = _call_names(chat[lead:])
+            names = new_names
+        else:
+            names = {**record.names, **new_names} if new_names else record.names
+        converted = self._converted(chat, max(start, lead), names)
+        preamble = self.preamble(preamble_messages_)
+        if record is not None and record.preamble != preamble:
+            record = None
+            converted = self._converted(chat, lead, names)
+        chunks, json_parts, open_at, analysis = extended(record, [self.part(msg) for msg in converted])
+        preamble_json = record.preamble_json if record is not None else _JSON.encode(list(preamble))[1:-1]
+        count = sum(map(len, chunks))
+        records.put(TurnRecord(tuple(chat), preamble, preamble_json, names, chunks, json_parts, count, open_at,
+                               analysis), record)
+        if record is not None:
+            records.extended += 1
+        generation, generation_json = self._generation
+        return PromptIds([preamble, *chunks, generation], [preamble_json, *json_parts, generation_json],
+                         len(preamble) + count + len(generation))
+
+    def _converted(self, chat: list[Any], start: int, names: dict[Any, str]) -> list[dict[str, Any]]:
+        """The Harmony messages of ``chat[start:]``, before the drop rule."""
+        out: list[dict[str, Any]] = []
+        for i in range(start, len(chat)):
+            msg = chat[i]
+            if not isinstance(msg, dict):
+                raise bad_request(f"messages[{i}] must be an object", "messages")
+            out.extend(_harmony_messages(msg, names, f"messages[{i}]"))
+        return out
+
+    def _turn_records_proved(self) -> bool:
+        """Whether a probe conversation, grown a message at a time and extended from each turn's record, renders
+        the plain path's ids at every turn (its records kept apart from the requests')."""
+        records = TurnRecords(1 << 24)
+        conversation = probe_conversation()
+        preamble = [system_message(ChatCompletionRequest(messages=[]), {"conversation_start_date": "2026-01-01"},
+                                   True), developer_message("Be brief.", PROBE_TOOLS)]
+        for end in range(2, len(conversation) + 1):
+            chat = conversation[:end]
+            plain = self.render(preamble + conversation_messages(chat[1:], 1))
+            if list(self.extend_turn(records, chat, None, lambda: preamble)) != plain:
+                return False
+        return records.extended == len(conversation) - 2
+
+
+PROBE_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find a fact.", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+
+
+def probe_conversation() -> list[dict[str, Any]]:
+    """A conversation with every kind of message the drop rule and the call names read: reasoning before calls and
+    before answers, parallel calls, their results, a preamble, a later instructions message, a second answer."""
+    def call(call_id: str, q: str) -> dict[str, Any]:
+        return {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": f'{{"q": "{q}"}}'}}
+
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where is the tallest tower, and how tall is it?"},
+        {"role": "assistant", "reasoning": "I should look both up.", "content": "Looking.",
+         "tool_calls": [call("c1", "tallest tower"), call("c2", "its height")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Dubai"},
+        {"role": "tool", "tool_call_id": "c2", "content": "828 m"},
+        {"role": "assistant", "reasoning": "One more check.", "tool_calls": [call("c3", "year built")]},
+        {"role": "tool", "tool_call_id": "c3", "content": "2010"},
+        {"role": "assistant", "reasoning": "I have it all now.", "content": "Dubai's Burj Khalifa, 828 m."},
+        {"role": "system", "content": "Answer in French from now on."},
+        {"role": "user", "content": "And the second tallest?"},
+        {"role": "assistant", "reasoning": "Look it up.", "tool_calls": [call("c4", "second tallest")]},
+        {"role": "tool", "tool_call_id": "c4", "content": "Merdeka 118"},
+        {"role": "assistant", "reasoning": "Answer now.", "content": "Merdeka 118, à Kuala Lumpur."},
+        {"role": "user", "content": "Merci."},
+    ]
+
+
+def _dropped_analysis(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """auto_drop_analysis_messages: analysis before the last final answer dropped."""
+    last_final = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("channel") == "final"),
+                     default=-1)
+    return [m for i, m in enumerate(messages) if not (i < last_final and m.get("channel") == "analysis")]
 
 
 def end_marker(msg: dict[str, Any]) -> int:
@@ -408,11 +546,12 @@ def render_harmony_chat(req: ChatCompletionRequest, tokenizer: TextTokenizer, kw
 
 
 def render_harmony_request(req: ChatCompletionRequest, config: RenderConfig, tool_choice: str,
-                           named: str | None = None) -> tuple[list[int], dict[str, Any] | None]:
+                           named: str | None = None) -> tuple[Sequence[int], dict[str, Any] | None]:
     """render_chat's Harmony branch: (prompt ids, the structured-outputs constraint)."""
     kwargs = resolve_chat_template_kwargs(req, config)
     # a gpt-oss bundle's tokenizer is always our TextTokenizer (o200k ranks and Harmony's markers)
-    ids = render_harmony_chat(req, cast(TextTokenizer, config.tokenizer), kwargs, tool_choice)
+    renderer = renderer_for(cast(TextTokenizer, config.tokenizer))
+    ids = renderer.render_turn(req, kwargs, bool(req.tools) and tool_choice != "none")
     return ids, harmony_structured_outputs(req, config, tool_choice, named)
 
 

@@ -301,6 +301,11 @@ def build_render_config(
         texts = keep_texts(bundle.tokenizer, budget.shares.harmony_texts)
         if texts is not None:
             budget.register("harmony_texts", texts.stats)
+        from render_service.harmony.turn_records import keep_turn_records
+
+        turns = keep_turn_records(bundle.tokenizer, budget.shares.harmony_turns)
+        if turns is not None:
+            budget.register("harmony_turns", turns.stats)
     memo = MessageMemo(budget.shares.memo, budget.shares.body_store) if budget.shares.memo > 0 else None
     if memo is not None:
         budget.register("memo", memo.lru.stats)
