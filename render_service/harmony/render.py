@@ -40,7 +40,15 @@ from render_service.harmony.encoding import (
     harmony_encoding,
 )
 from render_service.harmony.kept_texts import kept_texts
-from render_service.harmony.turn_records import Part, TurnRecord, TurnRecords, extended, turn_records
+from render_service.harmony.turn_records import (
+    Part,
+    TurnRecord,
+    TurnRecords,
+    cut,
+    extended,
+    first_record,
+    turn_records,
+)
 from render_service.http.errors import bad_request
 from render_service.render.render_config import RenderConfig, resolve_chat_template_kwargs
 from render_service.render.response_format import requested_structured_outputs
@@ -394,12 +402,20 @@ class HarmonyRenderer:
             out.extend(self.text_ids(part["text"]))
         out.append(end_marker(msg))
 
-    def part(self, msg: dict[str, Any]) -> Part:
-        """``msg`` rendered on its own, as a turn record keeps it."""
-        ids = array("I")
-        self.message(msg, ids)
-        return Part(ids, _JSON.encode(ids.tolist())[1:-1], msg.get("channel") == "analysis",
-                    msg["role"] == "assistant" and msg.get("channel") == "final")
+    def rendered(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """``messages`` rendered one after the other, as the plain render does, and where each one's ids end."""
+        out: list[int] = []
+        ends = []
+        for msg in messages:
+            self.message(msg, out)
+            ends.append(len(out))
+        return out, ends
+
+    def parts(self, messages: list[dict[str, Any]]) -> list[Part]:
+        """Each of ``messages`` rendered on its own, as a turn record keeps it."""
+        out, ends = self.rendered(messages)
+        chunks, json_parts = cut(array("I", out), ends)
+        return [Part(ids, json, *_drop_flags(msg)) for ids, json, msg in zip(chunks, json_parts, messages, strict=True)]
 
     def generation_prompt(self) -> list[int]:
         """``<|start|>assistant``: how a render for completion ends."""
@@ -430,9 +446,10 @@ class HarmonyRenderer:
 
     def extend_turn(self, records: TurnRecords, chat: list[Any], shared: int | None,
                     preamble_of: Callable[[], list[dict[str, Any]]]) -> Sequence[int]:
-        """The prompt of ``chat`` (``preamble_of()`` its system and developer messages) as a ``PromptIds``,
-        rendering only the messages after a record's (``shared``: how many the message memo found shared with an
-        earlier body); errors are the plain render's, in its order."""
+        """The prompt of ``chat`` (``preamble_of()`` its system and developer messages): where a record holds its
+        first messages (``shared``: how many the message memo found shared with an earlier body), a ``PromptIds``
+        of the record's chunks and the new messages' alone; else the plain render's list. Either way the render's
+        record is filed; errors are the plain render's, in its order."""
         preamble_messages_ = preamble_of()
         record = records.find(chat, shared)
         start = len(record.messages) if record is not None else 0
@@ -450,15 +467,18 @@ class HarmonyRenderer:
         if record is not None and record.preamble != preamble:
             record = None
             converted = self._converted(chat, lead, names)
-        chunks, json_parts, open_at, analysis = extended(record, [self.part(msg) for msg in converted])
-        preamble_json = record.preamble_json if record is not None else _JSON.encode(list(preamble))[1:-1]
-        count = sum(map(len, chunks))
-        records.put(TurnRecord(tuple(chat), preamble, preamble_json, names, chunks, json_parts, count, open_at,
-                               analysis), record)
-        if record is not None:
-            records.extended += 1
+        kept = _dropped_analysis(converted)  # (analysis before a new final answer: never rendered)
         generation, generation_json = self._generation
-        return PromptIds([preamble, *chunks, generation], [preamble_json, *json_parts, generation_json],
+        if record is None:  # the plain render, and its record for the next turn
+            out, ends = self.rendered(kept)
+            records.put(first_record(tuple(chat), preamble, names, array("I", out), ends,
+                                     [_drop_flags(msg) for msg in kept]), None)
+            return [*preamble, *out, *generation]
+        chunks, json_parts, open_at, analysis = extended(record, self.parts(kept))
+        count = sum(map(len, chunks))
+        records.put(TurnRecord(tuple(chat), preamble, names, count, open_at, analysis, chunks, json_parts), record)
+        records.extended += 1
+        return PromptIds([preamble, *chunks, generation], [_JSON.encode(preamble)[1:-1], *json_parts, generation_json],
                          len(preamble) + count + len(generation))
 
     def _converted(self, chat: list[Any], start: int, names: dict[Any, str]) -> list[dict[str, Any]]:
@@ -513,6 +533,12 @@ def probe_conversation() -> list[dict[str, Any]]:
         {"role": "assistant", "reasoning": "Answer now.", "content": "Merdeka 118, à Kuala Lumpur."},
         {"role": "user", "content": "Merci."},
     ]
+
+
+def _drop_flags(msg: dict[str, Any]) -> tuple[bool, bool]:
+    """What the drop rule reads of a Harmony message: (an analysis message, an assistant's final answer)."""
+    channel = msg.get("channel")
+    return channel == "analysis", channel == "final" and msg["role"] == "assistant"
 
 
 def _dropped_analysis(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,7 +8,8 @@ rendered for them, with one exception: an analysis message before the conversati
 own last final answer.
 
 A record holds the kept messages' ids as one chunk each (with the chunk's JSON: the answer is written from the
-chunks, ``PromptIds``), where the ones after its last final answer start and which of those are analysis. A request
+chunks, ``PromptIds``), where the ones after its last final answer start and which of those are analysis; the
+record of a conversation's first render keeps that plain render's ids whole until a turn extends it. A request
 whose messages are a record's messages, the very objects (the message memo's, shared read-only between requests),
 followed by new ones, converts and renders only the new ones, provided its preamble renders the same ids and no
 new tool call takes an earlier call's id with another function's name (its earlier results would be renamed);
@@ -21,9 +22,13 @@ from __future__ import annotations
 
 import operator
 import threading
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
 
 from render_service.caches.byte_lru import ByteLRU, CacheStats
 from render_service.caches.per_tokenizer import PerTokenizer
@@ -32,15 +37,17 @@ from render_service.caches.per_tokenizer import PerTokenizer
 # characters an id); its chunks are shared with the record it extended, which is dropped when it is filed. And
 # this much a message, and this much besides.
 RECORD_BYTES_PER_ID = 8
+JSON_BYTES_PER_ID = 7  # (a record not yet cut: its JSON to come, counted ahead)
 RECORD_BYTES_PER_MESSAGE = 256
 RECORD_OVERHEAD = 512
 # How far back from a request's last message a record's last message is looked for when the message memo names
 # no earlier body (a turn adds a few messages).
 LOOKBACK_MESSAGES = 8
+_JSON = msgspec.json.Encoder()
+_COMMA = ord(",")
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """One rendered Harmony message: its ids, their JSON (no brackets), and what the drop rule reads of it."""
 
     ids: Sequence[int]
@@ -51,42 +58,76 @@ class Part:
 
 @dataclass(eq=False)
 class TurnRecord:
-    """What one render of a conversation leaves for its next turn."""
+    """What one render of a conversation leaves for its next turn. A conversation's first render is the plain one:
+    its record keeps that render's ids as one array with where each message's end (``pending``), cut into chunks
+    and written to JSON only when a later turn extends it (a conversation that never grows pays for neither)."""
 
     messages: tuple[Any, ...]  # the request's messages (compared by identity)
     preamble: tuple[int, ...]
-    preamble_json: bytes
     names: dict[Any, str]  # call id -> function name over the conversation's messages
-    chunks: list[Sequence[int]]  # the kept messages' ids, in order (without the preamble and generation prompt)
-    json_parts: list[bytes]
-    count: int  # ids in ``chunks``
-    open_at: int  # the chunks from here come after the last final answer
-    analysis: list[bool]  # per chunk from ``open_at``: an analysis message (a later final answer drops it)
+    count: int  # ids of the kept messages (without the preamble and generation prompt)
+    open_at: int  # the kept messages from here come after the last final answer
+    analysis: list[bool]  # per kept message from ``open_at``: an analysis message (a later final answer drops it)
+    chunks: list[Sequence[int]] | None = None  # the kept messages' ids, in order
+    json_parts: list[bytes] | None = None
+    pending: tuple[array[int], list[int]] | None = None  # (the ids, where each message ends) before they are cut
+
+    def listed(self) -> tuple[list[Sequence[int]], list[bytes]]:
+        """The kept messages' ids and their JSON, one chunk a message (cut from ``pending`` the first time)."""
+        if self.chunks is None or self.json_parts is None:
+            assert self.pending is not None
+            ids, ends = self.pending
+            self.chunks, self.json_parts = cut(ids, ends)
+        return self.chunks, self.json_parts
 
     def nbytes(self) -> int:
-        return (RECORD_BYTES_PER_ID * self.count + sum(map(len, self.json_parts))
-                + RECORD_BYTES_PER_MESSAGE * len(self.messages) + RECORD_OVERHEAD)
+        json = sum(map(len, self.json_parts)) if self.json_parts is not None else JSON_BYTES_PER_ID * self.count
+        return (RECORD_BYTES_PER_ID * self.count + json + RECORD_BYTES_PER_MESSAGE * len(self.messages)
+                + RECORD_OVERHEAD)
 
 
-def extended(record: TurnRecord | None, parts: list[Part]) -> tuple[list[Sequence[int]], list[bytes], int,
-                                                                      list[bool]]:
-    """The chunks, JSON parts, ``open_at`` and ``analysis`` of ``record`` (None: an empty conversation) with the
-    rendered ``parts`` of its new messages appended, after the drop rule: where a new part is a final answer, every
-    analysis message before the last such part is dropped (the record's kept ones are all after its last final)."""
+def cut(ids: array[int], ends: list[int]) -> tuple[list[Sequence[int]], list[bytes]]:
+    """``ids`` cut at ``ends`` (where each message's ids end), and each chunk's JSON (no brackets): the JSON is
+    written once and cut at the comma after each chunk's last id."""
+    if not ends:
+        return [], []
+    text = _JSON.encode(ids.tolist())
+    commas = np.flatnonzero(np.frombuffer(text, np.uint8) == _COMMA)
+    json_ends = commas[np.asarray(ends[:-1], dtype=np.intp) - 1].tolist() + [len(text) - 1]
+    chunks: list[Sequence[int]] = []
+    json_parts: list[bytes] = []
+    start, json_start = 0, 1  # (after the opening bracket)
+    for end, json_end in zip(ends, json_ends, strict=True):
+        chunks.append(ids[start:end])
+        json_parts.append(text[json_start:json_end])
+        start, json_start = end, json_end + 1
+    return chunks, json_parts
+
+
+def first_record(messages: tuple[Any, ...], preamble: tuple[int, ...], names: dict[Any, str], ids: array[int],
+                 ends: list[int], flags: list[tuple[bool, bool]]) -> TurnRecord:
+    """The record of a conversation's plain render: ``ids`` its kept messages' ids, ``ends`` where each message's
+    end and ``flags`` each message's (analysis, final), analysis before the last final answer already dropped."""
+    last_final = max((i for i, (_, final) in enumerate(flags) if final), default=-1)
+    return TurnRecord(messages, preamble, names, len(ids), last_final + 1,
+                      [analysis for analysis, _ in flags[last_final + 1:]], pending=(ids, ends))
+
+
+def extended(record: TurnRecord, parts: list[Part]) -> tuple[list[Sequence[int]], list[bytes], int, list[bool]]:
+    """The chunks, JSON parts, ``open_at`` and ``analysis`` of ``record`` with the rendered ``parts`` of its new
+    messages appended, after the drop rule: where a new part is a final answer, every analysis message before the
+    last such part is dropped (the record's kept ones are all after its last final)."""
     last_final = max((i for i, part in enumerate(parts) if part.final), default=-1)
-    if record is None:
-        chunks: list[Sequence[int]] = []
-        json_parts: list[bytes] = []
-        open_at, analysis = 0, []
-    elif last_final < 0:
-        chunks, json_parts = list(record.chunks), list(record.json_parts)
+    kept_chunks, kept_json = record.listed()
+    if last_final < 0:
+        chunks, json_parts = list(kept_chunks), list(kept_json)
         open_at, analysis = record.open_at, list(record.analysis)
     else:
-        chunks, json_parts = record.chunks[:record.open_at], record.json_parts[:record.open_at]
+        chunks, json_parts = kept_chunks[:record.open_at], kept_json[:record.open_at]
         for at, dropped in enumerate(record.analysis, record.open_at):
             if not dropped:
-                chunks.append(record.chunks[at])
-                json_parts.append(record.json_parts[at])
+                chunks.append(kept_chunks[at])
+                json_parts.append(kept_json[at])
         open_at, analysis = len(chunks), []
     for i, part in enumerate(parts):
         if i < last_final and part.analysis:
