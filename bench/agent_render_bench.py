@@ -73,13 +73,15 @@ DEFAULT_VLLM033 = peers.VLLM033_VENVS
 # ------------------------------------------------------------------------------------------- servers
 
 
-def long_context_model(max_len: int, source: Path = FIXTURE) -> Path:
-    """A copy of ``source`` (the fixture) with max_position_embeddings raised to ``max_len`` (files linked)."""
+def long_context_model(max_len: int, source: Path = FIXTURE, **config_fields: Any) -> Path:
+    """A copy of ``source`` (the fixture) with max_position_embeddings raised to ``max_len`` and ``config_fields``
+    set in its config.json (files linked)."""
     root = Path(tempfile.mkdtemp(prefix="agent-bench-model-"))
     for item in source.iterdir():
         if item.name == "config.json":
             config = json.loads(item.read_text())
             config["max_position_embeddings"] = max_len
+            config.update(config_fields)
             (root / "config.json").write_text(json.dumps(config))
         else:
             os.symlink(item, root / item.name)
@@ -99,13 +101,14 @@ def start_vllm(venv: Path, version: str, model: Path, port: int, max_len: int, l
 
 
 def start_ours(model: Path, port: int, log: Path, cache_bytes: int | None, max_len: int,
-               tree: Path = peers.REPO, env: dict[str, str] | None = None) -> int:
+               tree: Path = peers.REPO, env: dict[str, str] | None = None, served: str = MODEL,
+               parser_flags: list[str] = PARSER_FLAGS) -> int:
     """Our render server; ``tree``: the checkout whose code it runs (``-m`` puts the working directory first
     on sys.path), with this interpreter and its packages; ``env``: variables set for it."""
-    cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model), "--served-model-name", MODEL,
+    cmd = [sys.executable, "-m", "render_service.cli", "serve", str(model), "--served-model-name", served,
            "--max-model-len", str(max_len),
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--log-level", "warning",
-           "--disable-uvicorn-access-log", *PARSER_FLAGS]
+           "--disable-uvicorn-access-log", *parser_flags]
     if cache_bytes is not None:
         cmd += ["--render-cache-bytes", str(cache_bytes)]
     with open(log, "wb") as handle:

@@ -124,18 +124,22 @@ def start_vllm033(model_dir: str | Path, port: int, venv: Path, *, parsers: bool
 
 def start_vllm_rs(binary: Path, model_dir: str | Path, port: int, *, parsers: bool = True,
                   served_model_name: str = "qwen3-0.6b", max_model_len: int | None = None,
-                  log: Path | None = None) -> subprocess.Popen:
-    """vLLM 0.34's Rust render server (``vllm-rs render``; it tokenizes with fastokens)."""
+                  log: Path | None = None, parser_flags: list[str] | None = None,
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
+    """vLLM 0.34's Rust render server (``vllm-rs render``; it tokenizes with fastokens). ``parser_flags``: in place
+    of the qwen3/hermes parsers (``parsers``) or none."""
     log = log or PEERS_DIR / f"vllm-rs-render-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    flags = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"] if parsers \
+    flags = parser_flags if parser_flags is not None else \
+        ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"] if parsers \
         else ["--reasoning-parser", "none", "--tool-call-parser", "none"]
     cmd = [str(binary), "render", str(model_dir), "--served-model-name", served_model_name, "--host", "127.0.0.1",
            "--port", str(port), *flags]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     with open(log, "wb") as handle:
-        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env={**os.environ, **(env or {})})
 
 
 def start_vllm_engine(model_dir: str | Path, port: int, venv: Path, *, log: Path | None = None,
@@ -179,7 +183,7 @@ def wait_healthy(base_url: str, pid: int, timeout_s: float = 600.0) -> float:
     started = time.monotonic()
     with httpx.Client(base_url=base_url, timeout=5) as client:
         while time.monotonic() - started < timeout_s:
-            if not Path(f"/proc/{pid}").exists():
+            if not _running(pid):
                 raise RuntimeError(f"server pid {pid} exited before becoming healthy")
             try:
                 if client.get("/health").status_code == 200:
@@ -188,6 +192,16 @@ def wait_healthy(base_url: str, pid: int, timeout_s: float = 600.0) -> float:
                 pass
             time.sleep(0.2)
     raise RuntimeError(f"{base_url} not healthy after {timeout_s:.0f}s")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a child of ours that exited stays a zombie until waited
+    for)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] != "Z"
 
 
 def _process_table() -> dict[int, tuple[int, int]]:

@@ -226,3 +226,40 @@ def test_over_http_each_turn_renders_the_reference_and_metrics_count_the_records
             assert resp.json()["token_ids"] == reference_ids(body)
         after = _series(server.client.get("/metrics").text, "harmony_turns", "hit")
     assert after - hits >= len(turns) - 1
+
+
+def test_an_anthropic_messages_conversation_extends_its_records():
+    """A Messages body of 32 KiB and more is filed with the chat messages its messages converted to (the body
+    store), so a growing Messages conversation hands the Harmony renderer the same message objects every turn."""
+    import dataclasses
+
+    from render_service.apis.message_memo_anthropic import decode_messages_request
+    from render_service.apis.messages import render_messages
+    from render_service.apis.messages_protocol import MessagesRequest
+    from render_service.render.render_config import build_render_config
+    from tests.harmony_fixtures import gpt_oss_bundle
+
+    config = build_render_config(dataclasses.replace(gpt_oss_bundle(), max_model_len=65536),
+                                 served_model_names=[MODEL], reasoning_parser="openai_gptoss")
+    records = turn_records(config.tokenizer)
+    renderer = renderer_for(config.tokenizer)
+    assert records is not None
+    words = "the tower stands by the river and the tram climbs the hill past the old museum".split()
+    messages: list[dict[str, Any]] = []
+    extended = []
+    for turn in range(4):
+        if messages:
+            messages.append({"role": "assistant", "content": " ".join(words[(turn + i) % 16] for i in range(300))})
+        messages.append({"role": "user", "content": " ".join(words[(turn * i) % 16] for i in range(3000))})
+        raw = msgspec.json.encode({"model": MODEL, "max_tokens": 16, "system": "Be brief.", "messages": messages,
+                                   "metadata": {"user_id": "a"}})
+        before = records.extended
+        ids = render_messages(decode_messages_request(raw, config.message_memo), config, ids_view=True)[0].token_ids
+        extended.append(records.extended - before)
+        renderer.keeps_turns = False
+        try:
+            plain = render_messages(msgspec.json.decode(raw, type=MessagesRequest), config)[0]
+        finally:
+            renderer.keeps_turns = True
+        assert list(ids) == plain.token_ids, turn
+    assert extended == [0, 1, 1, 1]
