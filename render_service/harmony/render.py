@@ -402,18 +402,20 @@ class HarmonyRenderer:
             out.extend(self.text_ids(part["text"]))
         out.append(end_marker(msg))
 
-    def rendered(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        """``messages`` rendered one after the other, as the plain render does, and where each one's ids end."""
-        out: list[int] = []
+    def rendered(self, messages: list[dict[str, Any]], out: list[int]) -> list[int]:
+        """``messages`` rendered one after the other onto ``out``, as the plain render does; where each one's ids
+        end, counted from the first of them."""
+        start = len(out)
         ends = []
         for msg in messages:
             self.message(msg, out)
-            ends.append(len(out))
-        return out, ends
+            ends.append(len(out) - start)
+        return ends
 
     def parts(self, messages: list[dict[str, Any]]) -> list[Part]:
         """Each of ``messages`` rendered on its own, as a turn record keeps it."""
-        out, ends = self.rendered(messages)
+        out: list[int] = []
+        ends = self.rendered(messages, out)
         chunks, json_parts = cut(array("I", out), ends)
         return [Part(ids, json, *_drop_flags(msg)) for ids, json, msg in zip(chunks, json_parts, messages, strict=True)]
 
@@ -470,10 +472,12 @@ class HarmonyRenderer:
         kept = _dropped_analysis(converted)  # (analysis before a new final answer: never rendered)
         generation, generation_json = self._generation
         if record is None:  # the plain render, and its record for the next turn
-            out, ends = self.rendered(kept)
-            records.put(first_record(tuple(chat), preamble, names, array("I", out), ends,
+            out = list(preamble)
+            ends = self.rendered(kept, out)
+            records.put(first_record(tuple(chat), preamble, names, array("I", out)[len(preamble):], ends,
                                      [_drop_flags(msg) for msg in kept]), None)
-            return [*preamble, *out, *generation]
+            out += generation
+            return out
         chunks, json_parts, open_at, analysis = extended(record, self.parts(kept))
         count = sum(map(len, chunks))
         records.put(TurnRecord(tuple(chat), preamble, names, count, open_at, analysis, chunks, json_parts), record)
