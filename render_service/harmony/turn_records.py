@@ -115,8 +115,8 @@ def first_record(messages: tuple[Any, ...], preamble: tuple[int, ...], names: di
 
 def extended(record: TurnRecord, parts: list[Part]) -> tuple[list[Sequence[int]], list[bytes], int, list[bool]]:
     """The chunks, JSON parts, ``open_at`` and ``analysis`` of ``record`` with the rendered ``parts`` of its new
-    messages appended, after the drop rule: where a new part is a final answer, every analysis message before the
-    last such part is dropped (the record's kept ones are all after its last final)."""
+    messages appended (their own analysis before their last final answer already dropped), after the drop rule:
+    where a new part is a final answer, the analysis the record kept (all after its last final) is dropped."""
     last_final = max((i for i, part in enumerate(parts) if part.final), default=-1)
     kept_chunks, kept_json = record.listed()
     if last_final < 0:
@@ -130,8 +130,6 @@ def extended(record: TurnRecord, parts: list[Part]) -> tuple[list[Sequence[int]]
                 json_parts.append(kept_json[at])
         open_at, analysis = len(chunks), []
     for i, part in enumerate(parts):
-        if i < last_final and part.analysis:
-            continue
         chunks.append(part.ids)
         json_parts.append(part.json)
         if i == last_final:
