@@ -55,6 +55,13 @@ def test_a_header_to_a_recipient_no_tool_has_keeps_both_invariants(name):
     check_parser(FAMILIES[name], "to=selfnull<|message|>x<|eom|>", [3, 9, 20])
 
 
+def test_a_tag_opened_where_a_key_is_named_keeps_both_invariants():
+    # found by test_adversarial_soup_keeps_both_invariants[minicpm5]: after the bare word "<function" where a key's
+    # name goes, name="get_weather" was taken for an attribute of the key and dropped
+    check_parser(FAMILIES["minicpm5"], '<function name="get_weather"><param name=<function name="get_weather">',
+                 [5, 30, 50])
+
+
 @pytest.mark.parametrize("call_id", ["functions.get_time:0x", "functions.get_time:0:functions.get_time:0"])
 def test_a_malformed_kimi_id_keeps_both_invariants(call_id):
     # found by test_adversarial_soup_keeps_both_invariants[kimi_k2]: such an id names get_time, and writing it

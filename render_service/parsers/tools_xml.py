@@ -166,13 +166,16 @@ _ATTRIBUTE = re.compile(r"""\s*[\w:.\-]+\s*=\s*(?:"[^"]*"|'[^']*'|[^\s"'>]+)""")
 
 def _after_first_attribute(text: str) -> str:
     """What a tag holds after its first attribute that is not ``key="value"`` attributes: the model's text (a
-    stray word or quoted string beside the name is not markup)."""
+    stray word or quoted string beside the name is not markup). After a bare first word holding ``<`` (no name
+    does: the model opened another tag there) nothing is taken for an attribute."""
     if text[:1] in ("\"", "'"):
         end = text.find(text[0], 1)
         rest = text[end + 1:] if end != -1 else ""
     else:
         parts = text.split(None, 1)
         rest = parts[1] if len(parts) > 1 else ""
+        if parts and "<" in parts[0]:
+            return rest.strip()
     return _ATTRIBUTE.sub("", rest).strip()
 
 
