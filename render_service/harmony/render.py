@@ -194,9 +194,7 @@ def owned_conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> t
         converted = _harmony_messages(msg, names, f"messages[{i}]")
         out.extend(converted)
         owners += [i] * len(converted)
-    last_final = max((i for i, m in enumerate(out) if m["role"] == "assistant" and m.get("channel") == "final"),
-                     default=-1)
-    kept = [i for i, m in enumerate(out) if not (i < last_final and m.get("channel") == "analysis")]
+    kept = _kept_indices(out)
     return [out[i] for i in kept], [owners[i] for i in kept]
 
 
@@ -480,9 +478,11 @@ class HarmonyRenderer:
             return out
         chunks, json_parts, open_at, analysis = extended(record, self.parts(kept))
         count = sum(map(len, chunks))
-        records.put(TurnRecord(tuple(chat), preamble, names, count, open_at, analysis, chunks, json_parts), record)
+        preamble_json = record.preamble_json or _JSON.encode(preamble)[1:-1]
+        records.put(TurnRecord(tuple(chat), preamble, names, count, open_at, analysis, chunks, json_parts,
+                               preamble_json=preamble_json), record)
         records.extended += 1
-        return PromptIds([preamble, *chunks, generation], [_JSON.encode(preamble)[1:-1], *json_parts, generation_json],
+        return PromptIds([preamble, *chunks, generation], [preamble_json, *json_parts, generation_json],
                          len(preamble) + count + len(generation))
 
     def _converted(self, chat: list[Any], start: int, names: dict[Any, str]) -> list[dict[str, Any]]:
@@ -545,11 +545,16 @@ def _drop_flags(msg: dict[str, Any]) -> tuple[bool, bool]:
     return channel == "analysis", channel == "final" and msg["role"] == "assistant"
 
 
+def _kept_indices(messages: list[dict[str, Any]]) -> list[int]:
+    """vLLM's auto_drop_analysis_messages: the indices of the Harmony messages kept, every analysis message before
+    the last final answer dropped."""
+    flags = [_drop_flags(msg) for msg in messages]
+    last_final = max((i for i, (_, final) in enumerate(flags) if final), default=-1)
+    return [i for i, (analysis, _) in enumerate(flags) if not (i < last_final and analysis)]
+
+
 def _dropped_analysis(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """auto_drop_analysis_messages: analysis before the last final answer dropped."""
-    last_final = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("channel") == "final"),
-                     default=-1)
-    return [m for i, m in enumerate(messages) if not (i < last_final and m.get("channel") == "analysis")]
+    return [messages[i] for i in _kept_indices(messages)]
 
 
 def end_marker(msg: dict[str, Any]) -> int:

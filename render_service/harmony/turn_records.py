@@ -71,6 +71,7 @@ class TurnRecord:
     chunks: list[Sequence[int]] | None = None  # the kept messages' ids, in order
     json_parts: list[bytes] | None = None
     pending: tuple[array[int], list[int]] | None = None  # (the ids, where each message ends) before they are cut
+    preamble_json: bytes = b""  # (written by the first turn that extends the conversation, then carried)
 
     def listed(self) -> tuple[list[Sequence[int]], list[bytes]]:
         """The kept messages' ids and their JSON, one chunk a message (cut from ``pending`` the first time)."""
