@@ -185,19 +185,28 @@ def _conversation(size: int, config: RenderConfig) -> list[dict[str, Any]]:
     return messages[:end]
 
 
-def _chat_conversation(size: int) -> list[dict[str, Any]]:
+def _chat_conversation(size: int, seed: int | None = None, system: str = "You answer questions about serving.",
+                       reasoning: bool = False) -> list[dict[str, Any]]:
     """A chat (a system prompt, then user and assistant turns of a few hundred words each) whose render is about
-    ``size`` tokens, ending with a user turn: every turn moves the template's last user turn."""
-    rng = random.Random(size)
+    ``size`` tokens, ending with a user turn: every turn moves the template's last user turn. ``seed``: another
+    conversation of that size; ``reasoning``: each answer carries a few dozen words of it (counted in the size)."""
+    rng = random.Random(size if seed is None else seed)
     words = ("the render keeps ids for each turn so that a trainer sees what was sampled and the template writes "
              "around it while the engine decodes in batches on another pool").split()
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You answer questions about serving."}]
+
+    def text(low: int, high: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     chars = 0
     while chars // 4 < size or messages[-1]["role"] != "user":
-        role = "user" if messages[-1]["role"] != "user" else "assistant"
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(60, 320)))
-        messages.append({"role": role, "content": text})
-        chars += len(text)
+        if messages[-1]["role"] != "user":
+            messages.append({"role": "user", "content": text(60, 320)})
+        elif reasoning:
+            messages.append({"role": "assistant", "content": text(60, 320), "reasoning": text(10, 60)})
+        else:
+            messages.append({"role": "assistant", "content": text(60, 320)})
+        chars += len(messages[-1]["content"]) + len(messages[-1].get("reasoning", ""))
     return messages
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from bench.agent_render_bench import (
     measure,
     summarize,
 )
+from bench.extend_bench import _chat_conversation
 from bench.portable import write_result
 
 RESULTS = peers.REPO / "bench" / "results"
@@ -58,29 +58,14 @@ VLLM_RS_FLAGS = ["--reasoning-parser", "auto", "--tool-call-parser", "auto"]
 START_DATE = {"VLLM_SYSTEM_START_DATE": "2026-12-01"}
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a fact up.", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
-WORDS = ("the render keeps ids for each turn so that a trainer sees what was sampled and the template writes "
-         "around it while the engine decodes in batches on another pool").split()
 DEFAULT_AGENTS = {32768: 4, 131072: 2}
 DEFAULT_UNRELATED = {32768: 13, 131072: 7}
 
 
 def conversation(size: int, seed: int) -> list[dict[str, Any]]:
-    """A chat whose Harmony prompt is about ``size`` tokens (four characters a token), ending with a user turn;
-    each answer carries reasoning (which the next answer's render drops)."""
-    rng = random.Random(seed)
-
-    def text(low: int, high: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-    messages: list[dict[str, Any]] = [{"role": "system", "content": f"You answer questions ({seed})."}]
-    chars = 0
-    while chars // 4 < size or messages[-1]["role"] != "user":
-        if messages[-1]["role"] != "user":
-            messages.append({"role": "user", "content": text(60, 320)})
-        else:
-            messages.append({"role": "assistant", "content": text(60, 320), "reasoning": text(10, 60)})
-        chars += len(messages[-1]["content"]) + len(messages[-1].get("reasoning", ""))
-    return messages
+    """A chat whose Harmony prompt is about ``size`` tokens, ending with a user turn (bench/extend_bench.py's, its
+    own system prompt a conversation's); each answer carries reasoning (which the next answer's render drops)."""
+    return _chat_conversation(size, seed, f"You answer questions ({seed}).", reasoning=True)
 
 
 def body(messages: list[dict[str, Any]]) -> bytes:
