@@ -46,7 +46,9 @@ def citing_keys(rel: str) -> list[str]:
         return [rel, folder + "/", folder]
     stem = os.path.basename(rel).rsplit(".", 1)[0]
     parts = stem.split("_")
-    keys = [rel, stem, "_" + parts[-1] + ".json"]  # "... and _pause0.json"
+    # "... and _pause0.json", "..._bodies_before.json": the longest ending first, so that a short one
+    # ("_before.json") does not take the line of another file that ends the same way
+    keys = [rel, stem, *("_" + "_".join(parts[-n:]) + ".json" for n in range(len(parts) - 1, 0, -1))]
     keys += ["_".join(parts[:n]) + "_" for n in range(len(parts) - 1, 2, -1)]  # "..._{a,b}.json", "beside it"
     if len(parts) >= 3:
         keys.append("_".join(parts[:3]) + ".")
@@ -55,8 +57,11 @@ def citing_keys(rel: str) -> list[str]:
 
 def cite(rel: str, lines: list[Line]) -> tuple[str, str] | None:
     for key in citing_keys(rel):
+        # a file's ending ("_before.json") cites it only where it stands alone ("..._before.json"), not as the
+        # end of another file's name
+        alone = re.compile(r"(?<![A-Za-z0-9_])" + re.escape(key)) if key.startswith("_") else None
         for path, number, line in lines:
-            if key in line:
+            if key in line and (alone is None or alone.search(line)):
                 return f"{path}:{number}", line
     return None
 

@@ -35,3 +35,16 @@ def test_a_result_is_dated_by_its_own_commit_through_renames_not_by_a_file_it_re
     commit, date = results_index.added("second_renamed.json")
     assert commit == second and date == "2026-01-01"
     assert results_index.added("nowhere.json") == ("?", "?")
+
+
+def test_a_result_cited_by_its_ending_gets_that_line_not_a_line_naming_another_file_that_ends_alike():
+    lines = [
+        ("docs/a.md", 10, "the plain heap (`agent_render_malloc_second_vllm_rs.json`): 2% more"),
+        ("docs/a.md", 20, "unrelated renders (`render_vs_before.json`): level"),
+        ("docs/b.md", 5, "in two runs (`extend_rollouts_bodies.json` and `..._bodies_before.json`)"),
+        ("docs/b.md", 9, "both orders (`decode_first_vllm_rs.json`, `..._second_vllm_rs.json`)"),
+    ]
+    assert results_index.cite("extend_rollouts_bodies_before.json", lines)[0] == "docs/b.md:5"
+    assert results_index.cite("decode_second_vllm_rs.json", lines)[0] == "docs/b.md:9"
+    assert results_index.cite("agent_render_malloc_second_vllm_rs.json", lines)[0] == "docs/a.md:10"
+    assert results_index.cite("unknown_result.json", lines) is None
