@@ -228,11 +228,13 @@ def _uvicorn_server(app: Any, args: argparse.Namespace) -> Any:
     from render_service.gateway.latency import GatewayLatency
     from render_service.http.openapi import render_openapi
     from render_service.http.request_io import version
+    from render_service.http.server import warm_render_lanes
     from splitserve_common.connection_timeouts import uvicorn_connection_settings
     from splitserve_common.lifecycle import DrainingServer, Lifecycle, wrap_app
 
     lifecycle = Lifecycle(args.shutdown_grace_seconds)
     render_app = app
+    warm_render_lanes(render_app)
     gateway = bool(args.engine or args.prefill or args.decode)
     openapi = render_openapi(version(), gateway=gateway)
     app = wrap_app(app, lifecycle, access_log=not args.disable_uvicorn_access_log, openapi=openapi,

@@ -108,3 +108,22 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenizing():
         error = r.json()["error"]
         assert error["param"] == "input_tokens"
         assert "at least 46875 input tokens" in error["message"]  # 6e6 characters / 128 bytes per token
+
+
+def test_the_bulk_lane_is_started_and_has_encoded_before_the_first_large_body():
+    """A serving process warms the bulk lane at start (cli._uvicorn_server): its thread exists and has run the
+    tokenizer's first encode on itself, so the first large render does not pay the encoder's per-thread set-up."""
+    from render_service.http.server import WARM_TEXT, create_app, warm_render_lanes
+
+    config = qwen3_config()
+    app = create_app(config)
+    queue = app.state.server.render_queue
+    try:
+        assert not queue._bulk._threads  # (the executor starts its thread on the first job)
+        done = warm_render_lanes(app)
+        assert done.result(timeout=30) == config.tokenizer.encode(WARM_TEXT)
+        (started,) = queue._bulk._threads
+        lane = asyncio.run(queue.run("chat_render", queue.bulk_bytes, threading.get_ident))
+        assert lane == started.ident != threading.get_ident()
+    finally:
+        queue.shutdown()
