@@ -629,3 +629,49 @@ def test_harmony_masks_attribute_each_message_as_rendering_the_conversation_up_t
         for i, message in enumerate(messages):
             assert message["content"] in texts[i], i
         assert '{"q": "cats"}' in texts[2] and "Be brief." in texts[6]
+
+
+def test_a_harmony_rollout_sent_whole_checks_each_earlier_message_once():
+    """A gpt-oss rollout that sends the whole conversation every turn (through the message memo, as the server
+    decodes it) has its earlier messages converted once, by the first turn that sends them (their memo entries say
+    so), and answers every turn as the same rollout sending only its new messages; an earlier message edited into
+    one gpt-oss cannot take is a new message, refused with the 400 a full render gives."""
+    from render_service.harmony.render import CONVERTS
+    from render_service.wire.message_memo import decode_chat_request
+
+    config = gpt_oss_config()
+
+    def from_body(body: dict[str, Any]) -> tuple[ChatCompletionRequest, GenerateRequest]:
+        req = decode_chat_request(msgspec.json.encode(body), config.message_memo,
+                                  lambda data, kind: msgspec.json.decode(data, type=kind))
+        return req, render_chat(req, config)
+
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Question 0?"}]
+    for n in range(1, 5):
+        messages += [{"role": "assistant", "content": f"Answer {n}.", "reasoning_content": f"Thought {n}."},
+                     {"role": "user", "content": f"Question {n}?"}]
+    fields = {"model": "gpt-oss-tiny", "tools": rollouts.TOOLS, "tool_choice": "none", "return_prompt_ref": True}
+    answers = {}
+    for mode in ("all", "new"):
+        ref = from_body({"messages": messages[:2], **fields})[1].prompt_ref
+        answers[mode] = []
+        for k in range(2, len(messages), 2):
+            sampled = harmony_encode(f"<|channel|>final<|message|>{messages[k]['content']}<|return|>")
+            turn = {"prompt_ref": ref, "completion_token_ids": sampled, "answer": "appended", "messages": mode}
+            sent = messages[:k + 2] if mode == "all" else messages[k:k + 2]
+            req, out = from_body({"messages": sent, **fields, "previous_turn": turn})
+            assert out.extend is not None and out.extend.extended
+            answers[mode].append(list(out.token_ids))
+            ref = out.prompt_ref
+            if mode == "all":  # every message before the sampled turn was checked, by this turn or an earlier one
+                assert all(CONVERTS in entry.checks for entry in req.messages.entries[1:k])
+    assert answers["all"] == answers["new"]
+
+    bad = [*messages[:3], {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+           *messages[4:6]]
+    prompt = list(render(config, messages=messages[:4], tools=rollouts.TOOLS, tool_choice="none").token_ids)
+    sampled = harmony_encode("<|channel|>final<|message|>Answer 2.<|return|>")
+    turn = {"prompt_token_ids": prompt, "completion_token_ids": sampled, "answer": "appended"}
+    with pytest.raises(ApiError) as refused:
+        from_body({"messages": bad, **fields, "previous_turn": turn})
+    assert refused.value.status == 400 and "messages[3]" in refused.value.message

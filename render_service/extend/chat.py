@@ -31,6 +31,7 @@ from render_service.extend.protocol import ExtendInfo, PreviousTurn
 from render_service.extend.turns import BlockText, close_end, strided_probes, text_turns
 from render_service.harmony.encoding import CALL, END, RETURN
 from render_service.harmony.render import (
+    check_conversation,
     end_marker,
     harmony_messages,
     leads_with_instructions,
@@ -436,8 +437,8 @@ def _harmony_extend_turn(req: ChatCompletionRequest, config: RenderConfig, kwarg
     if converted is None or not converted[0]:
         return None
     sampled, after = converted
-    if turn.messages != "new":
-        harmony_messages(_replace_messages(req, req.messages[:k]), kwargs, with_tools)
+    if turn.messages != "new":  # (the preamble's own refusals came above, from the same first message)
+        check_conversation(req.messages, 1 if leads_with_instructions(req.messages) else 0, k)
     completion = turn.completion_token_ids
     close = end_marker(sampled[-1])
     closing = [] if completion and completion[-1] in (END, CALL, RETURN) else [close]

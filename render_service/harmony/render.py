@@ -268,6 +268,29 @@ def harmony_messages(req: ChatCompletionRequest, kwargs: dict[str, Any], with_to
     return messages
 
 
+# MemoEntry.checks: the message converts to Harmony messages (what the conversion refuses depends on the message
+# alone; the function names tool results take from calls only name, they never refuse)
+CONVERTS = "harmony"
+
+
+def check_conversation(chat: Sequence[Any], start: int, end: int) -> None:
+    """Refuses what converting ``chat[start:end]`` (``conversation_messages``) refuses, in its order, without
+    keeping what it converts to. A message the message memo decoded (``MemoMessages``, shared between requests)
+    is converted once: an RL loop that sends the whole conversation every turn has its earlier messages checked by
+    the turns before."""
+    entries = chat.entries if type(chat) is MemoMessages else None
+    for i in range(start, end):
+        entry = entries[i] if entries is not None else None
+        if entry is not None and CONVERTS in entry.checks:
+            continue
+        msg = chat[i]
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        _harmony_messages(msg, {}, f"messages[{i}]")
+        if entry is not None:
+            entry.checks += (CONVERTS,)
+
+
 def leads_with_instructions(chat: list[Any]) -> bool:
     """Whether the first message is a system or developer message (the developer message's instructions)."""
     return bool(chat) and isinstance(chat[0], dict) and chat[0].get("role") in ("system", "developer")

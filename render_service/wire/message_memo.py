@@ -76,7 +76,7 @@ class MemoEntry:
     """One message (or tools array): its JSON, its decoded value, and its prepared forms by content format (or
     ``"tools"``), filled in by templates/chat_messages.py as renders ask for them. Read-only once handed out."""
 
-    __slots__ = ("data", "value", "prepared", "size", "lent", "tool_calls", "images")
+    __slots__ = ("data", "value", "prepared", "size", "lent", "tool_calls", "images", "checks")
 
     def __init__(self, data: bytes, value: Any) -> None:
         self.data = data
@@ -88,6 +88,9 @@ class MemoEntry:
         self.prepared: dict[str, Any] = {}
         self.size = ENTRY_OVERHEAD + BYTES_PER_JSON_BYTE * len(data)
         self.lent: list[Any] = []  # values of its prepared forms whose tojson text is kept (tojson_cache.lend)
+        # the checks this message passed, by name, where what a check refuses depends on the message alone (a
+        # renderer that validates every message it is sent checks a resent one once: harmony/render.py)
+        self.checks: tuple[str, ...] = ()
 
     def lend(self, value: Any) -> None:
         """Keeps the ``tojson`` text of ``value`` (a part of a prepared form) while this entry is kept."""
