@@ -70,7 +70,7 @@ def test_messages_render_as_the_equivalent_chat_request(cfg):
 
 
 def test_effort_gpt_oss_cannot_honour_is_a_400(cfg):
-    for effort in ("none", "minimal", "xhigh"):
+    for effort in ("none", "minimal", "xhigh", ["low"], {"level": "low"}):
         with pytest.raises(ApiError) as err:
             render_responses(ResponsesRequest(input="x", reasoning={"effort": effort}), cfg)
         assert err.value.status == 400 and err.value.param == "reasoning.effort"

@@ -273,6 +273,10 @@ def test_structured_output_is_the_final_answer_after_optional_reasoning():
     ({"messages": [{"role": "assistant", "tool_calls": [
         {"id": {"an": "object"}, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
     ({"messages": [{"role": "tool", "tool_call_id": ["c"], "content": "x"}]}, "messages"),
+    # tool calls that are not an array, an effort that is not a string
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": 1.5}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": {"id": "c"}}]}, "messages"),
+    ({"chat_template_kwargs": {"reasoning_effort": ["low"]}}, "reasoning_effort"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]}, "tools"),
 ])
 def test_bad_requests_are_400s(extra, param):

@@ -69,3 +69,20 @@ def test_mutated_bodies_never_get_a_5xx(servers, path, data):
 def test_any_json_document_gets_a_4xx_or_200(servers, path, value):
     r = servers[0].client.post(path, content=json.dumps(value).encode(), headers={"content-type": "application/json"})
     assert r.status_code < 500, (path, value, r.text)
+
+
+@pytest.mark.parametrize("path, body", [
+    # a content part whose type is not a string (the memo looks for image parts in every message it decodes)
+    ("/v1/chat/completions/render", {"model": "qwen3-0.6b", "messages": [
+        {"role": "user", "content": [{"type": {"an": "object"}, "text": "hi"}]}]}),
+    ("/v1/chat/completions/render", {"model": "qwen3-0.6b", "messages": [
+        {"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]}),
+    ("/v1/messages/render", {"model": "qwen3-0.6b", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": [None], "text": "hi"}]}]}),
+    ("/v1/responses/render", {"model": "qwen3-0.6b", "input": [
+        {"role": "user", "content": [{"type": {}, "text": "hi"}]}]}),
+])
+def test_odd_values_deep_in_a_body_are_400s(servers, path, body):
+    """Values a deep mutation of valid bodies found answered with a 500 once, each now the API's 400."""
+    r = servers[1].client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text

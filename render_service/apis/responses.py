@@ -292,7 +292,7 @@ def to_chat(req: ResponsesRequest, config: RenderConfig, history: list[dict[str,
     if effort == "none" and config.reasoning_parser_cls is not None and not config.harmony:
         kwargs.setdefault(config.reasoning_parser_cls.thinking_kwarg, False)  # no thinking asked for
         effort = None
-    if config.harmony and effort is not None and effort not in REASONING_EFFORTS:
+    if config.harmony and effort is not None and not (isinstance(effort, str) and effort in REASONING_EFFORTS):
         raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)} for gpt-oss (it always "
                           f"reasons), not {effort!r}", "reasoning.effort")
     return ChatCompletionRequest(

@@ -108,7 +108,7 @@ def reasoning_effort(req: ChatCompletionRequest, kwargs: dict[str, Any]) -> str 
     effort = req.reasoning_effort if req.reasoning_effort is not None else kwargs.get("reasoning_effort")
     if effort is None:
         return None
-    if effort not in REASONING_EFFORTS:
+    if not (isinstance(effort, str) and effort in REASONING_EFFORTS):
         raise bad_request(f"reasoning_effort must be one of low, medium, high for gpt-oss, not {effort!r}",
                           "reasoning_effort")
     return REASONING_EFFORTS[effort]
@@ -203,7 +203,8 @@ def _call_names(chat: list[Any]) -> dict[Any, str]:
     id wins)."""
     names: dict[Any, str] = {}
     for msg in chat:
-        for call in (msg.get("tool_calls") or []) if isinstance(msg, dict) else ():
+        calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+        for call in calls if isinstance(calls, list) else ():
             if isinstance(call, dict):
                 fn, key = call.get("function"), call.get("id")
                 if key is None or isinstance(key, str):  # (what else a call holds is refused where it is converted)
@@ -220,6 +221,8 @@ def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) ->
         out = []
         content = _flatten(msg.get("content"), where)
         calls = msg.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise bad_request(f"{where}.tool_calls must be an array", "messages")
         if calls:
             if content:  # a preamble: commentary without a recipient
                 out.append(_text("assistant", content, channel="commentary"))

@@ -132,8 +132,13 @@ def has_image_parts(message: Any) -> bool:
     """Whether a message's content holds an image part (``image_url``, Responses' ``input_image``, Anthropic's
     ``image``)."""
     content = message.get("content") if isinstance(message, Mapping) else None
-    return isinstance(content, list) and any(isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
+    return isinstance(content, list) and any(isinstance(part, Mapping) and _is_image_type(part.get("type"))
                                              for part in content)
+
+
+def _is_image_type(kind: Any) -> bool:
+    # (a client's part type may be any JSON value: a list or object is no type, and no image)
+    return isinstance(kind, str) and kind in IMAGE_PART_TYPES
 
 
 def carries_image_parts(messages: list[Any]) -> bool:
