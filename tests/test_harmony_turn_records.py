@@ -96,6 +96,25 @@ def test_the_same_body_twice_extends_its_own_record():
     assert records.extended - before == 1
 
 
+def test_conversations_that_end_in_the_same_message_each_extend_their_own_record():
+    """Rollouts of one task that a harness follows up with the same message: each conversation's record is kept
+    beside the others' (one length, one last message object) and each next turn extends its own."""
+    config = gpt_oss_config()
+    records = turn_records(config.tokenizer)
+    assert records is not None
+    task = [{"role": "system", "content": "Solve it step by step."}, {"role": "user", "content": "What is 17 * 23?"}]
+    more = {"role": "user", "content": "Continue."}
+    rollouts = [[*task, {"role": "assistant", "content": f"Attempt {n}: 17 * 20 = 340.",
+                         "reasoning": f"Split it, way {n}."}, more] for n in range(3)]
+    for messages in rollouts:
+        assert _render(config, _body(messages)) == reference_ids(_body(messages))
+    for n, messages in enumerate(rollouts):
+        messages += [{"role": "assistant", "content": f"Attempt {n}: 340 + 51 = 391."}, more]
+        before = records.extended
+        assert _render(config, _body(messages)) == reference_ids(_body(messages))
+        assert records.extended - before == 1, n
+
+
 @pytest.mark.parametrize("change", ["call id of another function", "earlier message edited", "reasoning effort",
                                     "no records"])
 def test_turns_the_record_cannot_serve_render_whole(change):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,6 +43,10 @@ RECORD_OVERHEAD = 512
 # How far back from a request's last message a record's last message is looked for when the message memo names
 # no earlier body (a turn adds a few messages).
 LOOKBACK_MESSAGES = 8
+# Records kept under one key (a message count and the identity of the last message): conversations of one length
+# that end in the same memo message (rollouts of one task whose tool returned the same result, a harness's fixed
+# follow-up) each keep theirs, up to this many; the newest first.
+RECORDS_PER_KEY = 4
 _JSON = msgspec.json.Encoder()
 _COMMA = ord(",")
 
@@ -141,12 +145,12 @@ def extended(record: TurnRecord, parts: list[Part]) -> tuple[list[Sequence[int]]
 
 
 class TurnRecords:
-    """Recent renders' records, each found by its messages' count and the identity of its last message, bounded by
-    bytes (least recently used dropped first). A record that a newer one extends is dropped when the newer one is
-    filed (the conversation's earlier turn)."""
+    """Recent renders' records, found by their messages' count and the identity of their last message (a few
+    under one such key), bounded by bytes (least recently used keys dropped first). A record that a newer one
+    extends is dropped when the newer one is filed (the conversation's earlier turn)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.lru: ByteLRU[tuple[int, int], TurnRecord] = ByteLRU(max_bytes)
+        self.lru: ByteLRU[tuple[int, int], tuple[TurnRecord, ...]] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
         self.extended = 0  # renders that extended a record
 
@@ -165,23 +169,40 @@ class TurnRecords:
         tries += range(n, max(n - LOOKBACK_MESSAGES, 0), -1)
         lru = self.lru
         for k in tries:
-            record = lru.peek((k, id(messages[k - 1])))
-            if record is None:
-                continue
-            kept = record.messages
-            if len(kept) == k and all(map(operator.is_, kept, messages)):
-                lru.get((k, id(messages[k - 1])))  # (recently used, and counted)
-                return record
+            key = (k, id(messages[k - 1]))
+            for record in lru.peek(key) or ():
+                kept = record.messages
+                if len(kept) == k and all(map(operator.is_, kept, messages)):
+                    lru.get(key)  # (recently used, and counted)
+                    return record
         lru.misses += 1
         return None
 
     def put(self, record: TurnRecord, replaces: TurnRecord | None) -> None:
         with self._lock:
-            key = (len(replaces.messages), id(replaces.messages[-1])) if replaces is not None else None
-            if key is not None and self.lru.peek(key) is replaces:
-                self.lru.pop(key)
+            if replaces is not None:
+                self._file(_key(replaces), lambda kept: kept is not replaces)
             if record.messages:
-                self.lru.put((len(record.messages), id(record.messages[-1])), record, record.nbytes(), replace=True)
+                self._file(_key(record), lambda kept: not _same_messages(kept, record), record)
+
+    def _file(self, key: tuple[int, int], keep: Callable[[TurnRecord], bool], first: TurnRecord | None = None
+              ) -> None:
+        """The records under ``key``: ``first`` (if any), then those kept before that ``keep`` keeps, at most
+        RECORDS_PER_KEY (the oldest dropped); the key dropped when none is left."""
+        bucket = ((first,) if first is not None else ()) + tuple(filter(keep, self.lru.peek(key) or ()))
+        bucket = bucket[:RECORDS_PER_KEY]
+        if bucket:
+            self.lru.put(key, bucket, sum(kept.nbytes() for kept in bucket), replace=True)
+        else:
+            self.lru.pop(key)
+
+
+def _key(record: TurnRecord) -> tuple[int, int]:
+    return len(record.messages), id(record.messages[-1])
+
+
+def _same_messages(a: TurnRecord, b: TurnRecord) -> bool:
+    return len(a.messages) == len(b.messages) and all(map(operator.is_, a.messages, b.messages))
 
 
 _RECORDS: PerTokenizer[TurnRecords] = PerTokenizer(lambda: TurnRecords(0), lambda records: records.lru, 4)
