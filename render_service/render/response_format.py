@@ -22,7 +22,10 @@ def requested_structured_outputs(req: ChatCompletionRequest | CompletionRequest)
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
+        spec = fmt.get("json_schema") or {}
+        if not isinstance(spec, dict):
+            raise bad_request("response_format.json_schema must be an object", "response_format")
+        schema = spec.get("schema")
         if schema is None:
             raise bad_request("response_format.json_schema.schema is required", "response_format")
         return {"json": schema}
