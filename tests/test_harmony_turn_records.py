@@ -282,3 +282,27 @@ def test_an_anthropic_messages_conversation_extends_its_records():
             renderer.keeps_turns = True
         assert list(ids) == plain.token_ids, turn
     assert extended == [0, 1, 1, 1]
+
+
+def test_records_under_one_key_stay_within_the_largest_entry():
+    """Records that share a key are kept together only while together they fit the cache's largest entry: the
+    oldest go first, and a record too large to keep at all leaves the others in place."""
+    from array import array
+
+    from render_service.harmony.turn_records import TurnRecords, first_record
+
+    records = TurnRecords(80_000)  # (its largest entry: an eighth, 10,000 bytes)
+    last = {"role": "user", "content": "Continue."}
+
+    def record(tag: str, ids: int):
+        messages = ({"role": "user", "content": tag}, last)
+        flags = [(False, False)] * 2
+        return messages, first_record(messages, (1, 2), {}, array("I", range(ids)), [ids // 2, ids], flags)
+
+    small, other, huge = record("a", 400), record("b", 400), record("c", 5000)
+    assert 10_000 // 2 < small[1].nbytes() <= 10_000 < huge[1].nbytes()
+    records.put(small[1], None)
+    records.put(other[1], None)  # the two do not fit together: the older one goes
+    assert records.find(other[0], None) is other[1] and records.find(small[0], None) is None
+    records.put(huge[1], None)
+    assert records.find(other[0], None) is other[1] and records.find(huge[0], None) is None

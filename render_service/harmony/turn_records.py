@@ -188,11 +188,17 @@ class TurnRecords:
     def _file(self, key: tuple[int, int], keep: Callable[[TurnRecord], bool], first: TurnRecord | None = None
               ) -> None:
         """The records under ``key``: ``first`` (if any), then those kept before that ``keep`` keeps, at most
-        RECORDS_PER_KEY (the oldest dropped); the key dropped when none is left."""
+        RECORDS_PER_KEY and the cache's largest entry (the oldest dropped first); the key dropped when none is
+        left."""
         bucket = ((first,) if first is not None else ()) + tuple(filter(keep, self.lru.peek(key) or ()))
-        bucket = bucket[:RECORDS_PER_KEY]
-        if bucket:
-            self.lru.put(key, bucket, sum(kept.nbytes() for kept in bucket), replace=True)
+        sizes = [kept.nbytes() for kept in bucket]
+        if sizes and sizes[0] > self.lru.max_entry_bytes:  # (too large to keep at all: the others stay)
+            bucket, sizes = bucket[1:], sizes[1:]
+        count = min(len(bucket), RECORDS_PER_KEY)
+        while count and sum(sizes[:count]) > self.lru.max_entry_bytes:
+            count -= 1
+        if count:
+            self.lru.put(key, bucket[:count], sum(sizes[:count]), replace=True)
         else:
             self.lru.pop(key)
 
