@@ -86,7 +86,7 @@ def alive(pid: int) -> bool:
         return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:  # reaped between the signal and the read
+    except (FileNotFoundError, ProcessLookupError):  # reaped between the signal and the open, or the read
         return False
     return not stat.split(") ", 1)[1].startswith("Z")
 
