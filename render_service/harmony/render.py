@@ -189,8 +189,6 @@ def owned_conversation_messages(chat: list[dict[str, Any]], first: int = 0) -> t
     out: list[dict[str, Any]] = []
     owners: list[int] = []
     for i, msg in enumerate(chat, first):
-        if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
         converted = _harmony_messages(msg, names, f"messages[{i}]")
         out.extend(converted)
         owners += [i] * len(converted)
@@ -212,7 +210,9 @@ def _call_names(chat: list[Any]) -> dict[Any, str]:
     return names
 
 
-def _harmony_messages(msg: dict[str, Any], names: dict[Any, str], where: str) -> list[dict[str, Any]]:
+def _harmony_messages(msg: Any, names: dict[Any, str], where: str) -> list[dict[str, Any]]:
+    if not isinstance(msg, dict):
+        raise bad_request(f"{where} must be an object", "messages")
     role = msg.get("role")
     reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
@@ -286,10 +286,7 @@ def check_conversation(chat: Sequence[Any], start: int, end: int) -> None:
         entry = entries[i] if entries is not None else None
         if entry is not None and CONVERTS in entry.checks:
             continue
-        msg = chat[i]
-        if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        _harmony_messages(msg, {}, f"messages[{i}]")
+        _harmony_messages(chat[i], {}, f"messages[{i}]")
         if entry is not None:
             entry.checks += (CONVERTS,)
 
@@ -515,10 +512,7 @@ class HarmonyRenderer:
         """The Harmony messages of ``chat[start:]``, before the drop rule."""
         out: list[dict[str, Any]] = []
         for i in range(start, len(chat)):
-            msg = chat[i]
-            if not isinstance(msg, dict):
-                raise bad_request(f"messages[{i}] must be an object", "messages")
-            out.extend(_harmony_messages(msg, names, f"messages[{i}]"))
+            out.extend(_harmony_messages(chat[i], names, f"messages[{i}]"))
         return out
 
     def _turn_records_proved(self) -> bool:
