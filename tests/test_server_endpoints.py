@@ -93,6 +93,29 @@ def test_sampling_params_follow_the_request_over_generation_config(server):
     assert sp["structured_outputs"] == {"json_object": True}
 
 
+@pytest.mark.parametrize("spec, field", [
+    ({"schema": {"type": "object"}}, "name"),
+    ({"name": 7, "schema": {"type": "object"}}, "name"),
+    ({"name": "x", "schema": True}, "schema"),
+    ({"name": "x", "schema": ["object"]}, "schema"),
+    ({"name": "x"}, "schema"),
+    ({"name": "x", "schema": {}, "strict": "yes"}, "strict"),
+    ({"name": "x", "schema": {}, "description": 1}, "description"),
+])
+def test_a_json_schema_response_format_is_checked_as_vllm_checks_it(server, spec, field):
+    r = server.client.post("/v1/chat/completions/render", json={
+        **CHAT, "response_format": {"type": "json_schema", "json_schema": spec}})
+    assert r.status_code == 400 and f"json_schema.{field}" in r.json()["error"]["message"], r.text
+
+
+def test_a_named_json_schema_response_format_becomes_the_constraint(server):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    sp = server.client.post("/v1/chat/completions/render", json={**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True, "description": None}},
+    }).json()["sampling_params"]
+    assert sp["structured_outputs"] == {"json": schema}
+
+
 def test_greedy_requests_leave_out_the_truncation_knobs_as_vllm(server):
     # vLLM resets top_p/top_k/min_p below temperature 1e-5 (so its render does not write them), even when asked
     for temperature in (0, 1e-6):

@@ -22,18 +22,32 @@ def requested_structured_outputs(req: ChatCompletionRequest | CompletionRequest)
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        if not isinstance(spec, dict):
-            raise bad_request("response_format.json_schema must be an object", "response_format")
-        schema = spec.get("schema")
-        if schema is None:
-            raise bad_request("response_format.json_schema.schema is required", "response_format")
-        return {"json": schema}
+        return {"json": _json_schema(fmt.get("json_schema") or {})}
     if kind == "structural_tag":
         return {"structural_tag": _structural_tag_text(fmt)}
     if kind in (None, "text"):
         return None
     raise bad_request(f"Unsupported response_format type {kind!r}", "response_format")
+
+
+def _json_schema(spec: Any) -> dict[str, Any]:
+    """The schema of a ``json_schema`` response format, its fields checked as vLLM's request model checks them:
+    a string ``name``, an object ``schema``, ``description`` a string and ``strict`` a boolean where given."""
+    where = "response_format"
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object", where)
+    if not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema.name is required and must be a string", where)
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise bad_request("response_format.json_schema.description must be a string", where)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request("response_format.json_schema.strict must be a boolean", where)
+    schema = spec.get("schema")
+    if schema is None:
+        raise bad_request("response_format.json_schema.schema is required", where)
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be an object", where)
+    return schema
 
 
 def _structural_tag_text(fmt: dict[str, Any]) -> str:
