@@ -74,28 +74,3 @@ def test_rms_norm_refuses_partials_without_a_residual():
 
     with pytest.raises(ValueError, match="needs the residual"):
         blocks_cuda.rms_norm(torch.randn(2, 3, 64, device="cuda"), torch.ones(64, device="cuda"), 1e-6)
-
-
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_a_folded_add_and_norm_gives_what_the_norm_kernel_gives(rows):
-    """decode_linear_residual leaves the residual stream and its rows' partial sums of squares; the next
-    decode_linear, given them as its RowNorm, multiplies what the add + RMSNorm kernel would have handed it
-    (bfloat16: up to the rounding of a different summation order of the squares)."""
-    from token_engine.layers import blocks_cuda
-    from token_engine.layers import decode_linear_cuda as dl
-
-    torch.manual_seed(rows)
-    k_dim, n_out, n_next = 3000, 520, 700
-    w = (torch.randn(n_out, k_dim, device="cuda") / k_dim**0.5).to(torch.bfloat16)
-    w_next = (torch.randn(2 * n_next, n_out, device="cuda") / n_out**0.5).to(torch.bfloat16)
-    x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
-    r = 4 * torch.randn(rows, n_out, device="cuda", dtype=torch.bfloat16)
-    norm_w = torch.rand(n_out, device="cuda", dtype=torch.bfloat16) + 0.5
-    stream, squares = dl.decode_linear_residual(x, w, None, r, config=(32, 128, 4, 3))
-    want_normed, want_stream = blocks_cuda.rms_norm(dl.decode_linear(x, w, config=(32, 128, 4, 3)), norm_w, 1e-6, r)
-    assert torch.equal(stream, want_stream)
-    torch.testing.assert_close(squares.sum(1), stream.float().square().sum(1), atol=0, rtol=1e-5)
-    norm = dl.RowNorm(squares, norm_w, 1e-6)
-    for gated in (False, True):
-        got = dl.decode_linear(stream, w_next, gated=gated, norm=norm)
-        torch.testing.assert_close(got, dl.decode_linear(want_normed, w_next, gated=gated), atol=3e-2, rtol=3e-2)

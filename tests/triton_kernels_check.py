@@ -235,50 +235,9 @@ def check_decode_linear(dtype, tol):
     close(f"rms_norm of split-K partials, residual {dtype}", got_res, want_res, tol)
 
 
-def check_folded_norms(dtype, tol):
-    """The add + RMSNorm between two linears folded into them: decode_linear_residual gives the residual stream
-    the add + RMSNorm kernel gives, and partial sums of squares that let the next decode_linear normalise its
-    input as that kernel's norm does."""
-    F = torch.nn.functional
-    k_dim, n_out, n_next = 200, 72, 40  # 72 outputs over 16-wide tiles: the last tile is short
-    cfg = (16, 64, 4, 2)
-    w = (torch.randn(n_out, k_dim) / k_dim**0.5).to(dtype)
-    b = torch.randn(n_out).to(dtype)
-    w_next = (torch.randn(2 * n_next, n_out) / n_out**0.5).to(dtype)
-    norm_w = (torch.rand(n_out) + 0.5).to(dtype)
-    for rows in (1, 5, 20):
-        x, r = torch.randn(rows, k_dim).to(dtype), (4 * torch.randn(rows, n_out)).to(dtype)
-        stream, squares = decode_linear_cuda.decode_linear_residual(x, w, b, r, config=cfg)
-        assert squares.shape == (rows, 5) and squares.dtype == torch.float32, squares.shape
-        want_normed, want_stream = blocks_cuda.rms_norm(F.linear(x, w, b), norm_w, 1e-6, r)
-        close(f"decode_linear_residual rows={rows} {dtype}", stream, want_stream, tol)
-        close(f"its sums of squares rows={rows} {dtype}", squares.sum(1) / stream.float().square().sum(1),
-              torch.ones(rows), 1e-5)
-        norm = decode_linear_cuda.RowNorm(squares, norm_w, 1e-6)
-        for gated in (False, True):
-            got = decode_linear_cuda.decode_linear(stream, w_next, gated=gated, config=cfg, norm=norm)
-            want = decode_linear_cuda.decode_linear(want_normed, w_next, gated=gated, config=cfg)
-            close(f"decode_linear of the folded norm rows={rows} gated={gated} {dtype}", got, want, tol)
-    # shapes sent to cuBLAS: the add and the squares in torch, the norm as its own kernel, the same results
-    tuned = dict(decode_linear_cuda.TUNED)
-    decode_linear_cuda.TUNED.update({(n_out, k_dim, False, 16): None, (n_next, n_out, True, 16): None})
-    x, r = torch.randn(3, k_dim).to(dtype), torch.randn(3, n_out).to(dtype)
-    stream, squares = decode_linear_cuda.decode_linear_residual(x, w, b, r)
-    want_normed, want_stream = blocks_cuda.rms_norm(F.linear(x, w, b), norm_w, 1e-6, r)
-    close(f"decode_linear_residual through cuBLAS {dtype}", stream, want_stream, tol)
-    got = decode_linear_cuda.decode_linear(stream, w_next, gated=True, norm=decode_linear_cuda.RowNorm(
-        squares, norm_w, 1e-6))
-    close(f"decode_linear of the folded norm through cuBLAS {dtype}", got,
-          decode_linear_cuda.decode_linear(want_normed, w_next, gated=True, config=cfg), tol)
-    decode_linear_cuda.TUNED.clear()
-    decode_linear_cuda.TUNED.update(tuned)
-
-
 with torch.no_grad():
     check_decode_linear(torch.float32, 1e-4)
     check_decode_linear(torch.float16, 3e-2)
-    check_folded_norms(torch.float32, 1e-4)
-    check_folded_norms(torch.float16, 3e-2)
     check_negative_slots()
     check_mixed_step_layout(torch.float32, 1e-5)
     check_attention(4, torch.float32, 1e-5)

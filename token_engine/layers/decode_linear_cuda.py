@@ -10,10 +10,6 @@ decode_linear_split instead spreads K over several programs per feature tile and
 for the next kernel (the add + RMSNorm after o and down) to add up: more programs in flight for the layers
 whose whole-K grid leaves SMs idle (3584 features in tiles of 32 are 112 programs on 132 SMs).
 
-The add + RMSNorm between two linears needs no kernel of its own either: decode_linear_residual adds the residual
-to o's or down's output and leaves, per program, the sum of squares of its slice of each row; the next
-decode_linear (q/k/v, gate_up), given those as a RowNorm, adds them up and normalises its input rows on the fly.
-
 Which layers use it and with which launch config is decided per shape and row count by measurement
 (bench/experiments/decode_floor.py, TUNED and SPLIT_TUNED below); a shape measured slower than cuBLAS is sent
 to cuBLAS.
@@ -25,8 +21,6 @@ nothing next to the weight bytes.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -85,26 +79,19 @@ def fit_shared_memory(config: Config, element_size: int, gated: bool, rows_pad: 
     return block_n, block_k, num_warps, num_stages
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "eps"])
+@triton.jit(do_not_specialize=["tiles_per_split"])
 def _decode_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    res_ptr, ss_out_ptr, ss_in_ptr, norm_w_ptr,
-    M, N, K, tiles_per_split, ss_in_count, eps,
-    stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, stride_ss_out, stride_ss_in,
+    M, N, K, tiles_per_split,
+    stride_xm, stride_wn, stride_ym, stride_ys,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr, NORM_IN: tl.constexpr, SS_IN_BLOCK: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, ROWS)
     m_mask = m < M
     dt = x_ptr.dtype.element_ty
-    if NORM_IN:  # x is the residual stream: RMSNorm it on the fly from the sums of squares the layer before left
-        p = tl.arange(0, SS_IN_BLOCK)
-        ss = tl.load(ss_in_ptr + m[:, None] * stride_ss_in + p[None, :],
-                     mask=m_mask[:, None] & (p < ss_in_count)[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
     # PARTIAL: program (n tile, s) sums K slice s only and stores float32 partial sums at y[s] (split K). The
     # slice start is a multiple of BLOCK_K by construction, which keeps the weight loads 16 bytes wide (an
     # unspecialized start in elements measured 2-3x slower); only K's end needs a mask.
@@ -121,9 +108,6 @@ def _decode_linear_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         xk = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM_IN:  # rounded as blocks_cuda.rms_norm rounds: the normalised row, then its product with the weight
-            nw = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            xk = ((xk.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
         if IEEE:
@@ -151,11 +135,6 @@ def _decode_linear_kernel(
             gate = out.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             out = (act * acc_up.to(dt).to(tl.float32)).to(dt)
-        if ADD_RESIDUAL:  # y is the residual stream: output + residual, rounded as the add + RMSNorm kernel rounds
-            r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0).to(tl.float32)
-            out = (out.to(tl.float32) + r).to(dt)
-            squares = out.to(tl.float32)
-            tl.store(ss_out_ptr + m * stride_ss_out + tl.program_id(0), tl.sum(squares * squares, 1), mask=m_mask)
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=out_mask)
 
 
@@ -164,34 +143,18 @@ def _rows_pad(rows: int) -> int:
     return 16 if rows <= 16 else 32
 
 
-@dataclass(frozen=True)
-class RowNorm:
-    """An RMSNorm that the linear reading its output applies: that input is the residual stream, and `squares`
-    ([M, P] float32) holds the partial sums of squares of its rows that decode_linear_residual wrote."""
-
-    squares: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
 def decode_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gated: bool = False,
     config: Config | None = None,
-    norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias for x: [M <= 32, K]. gated: weight holds gate rows then up rows ([2N, K]) and the
-    result is SiLU(gate) * up, [M, N]. `norm`: x is the residual stream, and the product takes RMSNorm(x) (as
-    blocks_cuda.rms_norm gives it) without a kernel of its own. `config` overrides the tuned launch config."""
+    result is SiLU(gate) * up, [M, N]. `config` overrides the tuned launch config."""
     rows, k_dim = _check(x, weight)
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     cfg = config or launch_config(n_out, k_dim, gated, rows)
-    if norm is not None and cfg is None:  # cuBLAS takes the product: the norm gets its own kernel
-        from token_engine.layers.blocks_cuda import rms_norm
-
-        x, norm = rms_norm(x, norm.weight, norm.eps), None
     if cfg is None:  # cuBLAS measured faster for this shape
         y = F.linear(x, weight, bias)
         if gated:
@@ -201,32 +164,8 @@ def decode_linear(
         return y
     y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     if rows:
-        _launch(x, weight, bias, y, cfg, gated, splits=1, norm=norm)
+        _launch(x, weight, bias, y, cfg, gated, splits=1)
     return y
-
-
-def decode_linear_residual(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    config: Config | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream after a layer: x @ weight.T + bias + residual, rounded once to the residual's dtype as
-    blocks_cuda.rms_norm rounds it, and the float32 partial sums of squares of its rows ([M, P]), which the next
-    decode_linear takes as its RowNorm: the add + RMSNorm between two linears needs no kernel of its own."""
-    rows, k_dim = _check(x, weight)
-    n_out = weight.shape[0]
-    cfg = config or launch_config(n_out, k_dim, False, rows)
-    if cfg is None:  # cuBLAS measured faster for this shape: the add and the squares in torch
-        stream = (F.linear(x, weight, bias).float() + residual.float()).to(residual.dtype)
-        return stream, stream.float().square().sum(-1, keepdim=True)
-    block_n = fit_shared_memory(cfg, x.element_size(), False, _rows_pad(rows))[0]
-    stream = torch.empty((rows, n_out), dtype=residual.dtype, device=x.device)
-    squares = torch.empty((rows, triton.cdiv(n_out, block_n)), dtype=torch.float32, device=x.device)
-    if rows:
-        _launch(x, weight, bias, stream, cfg, False, splits=1, residual=(residual, squares))
-    return stream, squares
 
 
 def split_config(n_out: int, k_dim: int, rows: int) -> tuple[Config, int] | None:
@@ -259,8 +198,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     return rows, k_dim
 
 
-def _launch(x, weight, bias, y, cfg: Config, gated: bool, splits: int, norm: RowNorm | None = None,
-            residual: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def _launch(x, weight, bias, y, cfg: Config, gated: bool, splits: int) -> None:
     rows, k_dim = x.shape
     pad = _rows_pad(rows)
     block_n, block_k, num_warps, num_stages = fit_shared_memory(cfg, x.element_size(), gated, pad)
@@ -270,19 +208,11 @@ def _launch(x, weight, bias, y, cfg: Config, gated: bool, splits: int, norm: Row
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     tiles = _tiles_per_split(k_dim, splits, block_k)
     partial = y.dim() == 3
-    res, squares_out = residual if residual is not None else (y, y)
-    if res.stride(-1) != 1:
-        res = res.contiguous()
-    squares_in, norm_w, eps = (norm.squares, norm.weight, norm.eps) if norm is not None else (y, weight, 0.0)
     _decode_linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(k_dim, tiles * block_k))](
         x, weight, bias if bias is not None else weight, y,
-        res, squares_out, squares_in, norm_w,
-        rows, n_out, k_dim, tiles, squares_in.shape[-1], eps,
+        rows, n_out, k_dim, tiles,
         x.stride(0), weight.stride(0), y.stride(-2), y.stride(0) if partial else 0,
-        res.stride(0), squares_out.stride(0), squares_in.stride(0),
         ROWS=pad, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, GATED=gated, IEEE=x.dtype == torch.float32, PARTIAL=partial,
-        ADD_RESIDUAL=residual is not None, NORM_IN=norm is not None,
-        SS_IN_BLOCK=triton.next_power_of_2(squares_in.shape[-1]) if norm is not None else 1,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -99,28 +99,6 @@ class DecoderLayer(nn.Module):
         act = decode_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
         return _linear_into_norm(act, mlp.down_proj), residual
 
-    def forward_folded_norms(self, stream, squares, cos, sin, meta, kv_pool):
-        """forward_few_rows with each add + RMSNorm folded into the linears on either side of it: o and down add
-        the residual and leave its rows' partial sums of squares (decode_linear_residual), and q/k/v and gate_up
-        normalise their input with them, so a layer launches no norm kernel. Takes and returns the residual
-        stream and those sums; before the first layer the stream is the embeddings and the sums None."""
-        from token_engine.layers.blocks_cuda import rms_norm
-        from token_engine.layers.decode_linear_cuda import RowNorm, decode_linear, decode_linear_residual
-
-        attn, mlp = self.self_attn, self.mlp
-        before_attn, before_mlp = self.input_layernorm, self.post_attention_layernorm
-        if squares is None:
-            qkv = decode_linear(rms_norm(stream, before_attn.weight, before_attn.eps),
-                                attn.qkv_proj.weight, attn.qkv_proj.bias)
-        else:
-            qkv = decode_linear(stream, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                norm=RowNorm(squares, before_attn.weight, before_attn.eps))
-        h = attn.attend(qkv, cos, sin, meta, kv_pool)
-        stream, squares = decode_linear_residual(h, attn.o_proj.weight, attn.o_proj.bias, stream)
-        act = decode_linear(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True,
-                            norm=RowNorm(squares, before_mlp.weight, before_mlp.eps))
-        return decode_linear_residual(act, mlp.down_proj.weight, mlp.down_proj.bias, stream)
-
 
 def _linear_into_norm(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """A few-rows linear whose output feeds only an add + RMSNorm: float32 partial sums over K slices where a
@@ -140,22 +118,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=arch.dtype)
         self.rotary_emb = RotaryEmbedding(arch.rope, arch.head_dim, arch.max_position_embeddings)
-        # decode-sized steps on CUDA take DecoderLayer.forward_few_rows (benchmarks switch it off to compare),
-        # with the norms folded into the linears (forward_folded_norms) unless switched off
+        # decode-sized steps on CUDA take DecoderLayer.forward_few_rows (benchmarks switch it off to compare)
         self.few_rows_kernels = True
-        self.fold_norms = True
 
     def forward(self, input_ids, positions, meta, kv_pool):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         few_rows = self.few_rows_kernels and x.is_cuda and x.shape[0] <= FEW_ROWS
-        if few_rows and self.fold_norms:
-            from token_engine.layers.blocks_cuda import rms_norm
-
-            stream, squares = x, None
-            for layer in self.layers:
-                stream, squares = layer.forward_folded_norms(stream, squares, cos, sin, meta, kv_pool)
-            return rms_norm(stream, self.norm.weight, self.norm.eps)
         residual = None
         for layer in self.layers:
             step = layer.forward_few_rows if few_rows else layer.forward
