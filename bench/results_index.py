@@ -57,11 +57,16 @@ def citing_keys(rel: str) -> list[str]:
 
 def cite(rel: str, lines: list[Line]) -> tuple[str, str] | None:
     for key in citing_keys(rel):
-        # a file's ending ("_before.json") cites it only where it stands alone ("..._before.json"), not as the
-        # end of another file's name
-        alone = re.compile(r"(?<![A-Za-z0-9_])" + re.escape(key)) if key.startswith("_") else None
+        # a key cites the file only where it stands alone: a file's ending ("_before.json") not as the end of
+        # another file's name, and its name without ".json" not as the start of another's ("x" in "x_repeat")
+        pattern = re.escape(key)
+        if key.startswith("_"):
+            pattern = r"(?<![A-Za-z0-9_])" + pattern
+        if re.match(r"[A-Za-z0-9]", key[-1]):
+            pattern += r"(?![A-Za-z0-9_-])"
+        alone = re.compile(pattern)
         for path, number, line in lines:
-            if key in line and (alone is None or alone.search(line)):
+            if key in line and alone.search(line):
                 return f"{path}:{number}", line
     return None
 

@@ -48,3 +48,14 @@ def test_a_result_cited_by_its_ending_gets_that_line_not_a_line_naming_another_f
     assert results_index.cite("decode_second_vllm_rs.json", lines)[0] == "docs/b.md:9"
     assert results_index.cite("agent_render_malloc_second_vllm_rs.json", lines)[0] == "docs/a.md:10"
     assert results_index.cite("unknown_result.json", lines) is None
+
+
+def test_a_result_whose_name_begins_another_cited_name_gets_its_own_line():
+    lines = [
+        ("docs/a.md", 10, "both block sizes (`step_decode_block_{128,16}.json`)"),
+        ("docs/a.md", 30, "a later call (`step_decode_block_128_repeat.json`)"),
+        ("docs/a.md", 40, "the run named without its ending: decode_split"),
+    ]
+    assert results_index.cite("step_decode_block_128.json", lines)[0] == "docs/a.md:10"
+    assert results_index.cite("step_decode_block_128_repeat.json", lines)[0] == "docs/a.md:30"
+    assert results_index.cite("decode_split.json", lines)[0] == "docs/a.md:40"
