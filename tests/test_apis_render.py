@@ -178,6 +178,13 @@ def test_count_tokens_is_the_rendered_prompt_length(config):
      "input[0].content"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": 5}, "input"),
+    # a json_schema text format is checked as the OpenAI type vLLM validates it with: a string name, an object schema
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": 3, "schema": {}}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "w", "schema": True}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "w", "schema": {}, "strict": "no"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "w", "schema": {}, "description": {}}}},
+     "text"),
 ])
 def test_responses_bad_input_is_a_400_in_openai_shape(server, body, param):
     r = server.client.post("/v1/responses/render", json=body)
