@@ -210,9 +210,26 @@ class EngineProcess:
     """`token-engine serve` as its own process on 127.0.0.1 (a P/D prefill engine: NIXL between processes),
     small enough for CI: 128-token context, 4-token blocks, `blocks` KV blocks."""
 
-    def __init__(self, model_dir, kv_transfer_config: dict, side_channel_port: int, env: dict | None = None,
-                 blocks: int = 64):
-        self.port = free_port()
+    def __init__(self, model_dir, kv_transfer_config: dict, side_channel_port: int | None = None,
+                 env: dict | None = None, blocks: int = 64):
+        """side_channel_port None: a free one. A port picked free here can be taken by another socket (a client's
+        own end of a connection, say) before the engine binds it; the engine then exits saying so, and it is
+        started again on other ports. A side channel port the caller chose is never changed."""
+        for attempt in range(3):
+            side = side_channel_port or free_port()
+            self.port = free_port()
+            while self.port == side:
+                self.port = free_port()
+            error = self._start(model_dir, kv_transfer_config, side, env, blocks)
+            if error is None:
+                return
+            taken = "already in use" in error.lower()
+            if not taken or attempt == 2 or (side_channel_port is not None and "side channel" in error):
+                raise AssertionError(error)
+
+    def _start(self, model_dir, kv_transfer_config: dict, side_channel_port: int, env: dict | None,
+               blocks: int) -> str | None:
+        """Starts the process and waits for its health check: None once healthy, else what it printed as it died."""
         env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "OMP_NUM_THREADS": "1",
                **(env or {})}
         self.proc = subprocess.Popen(
@@ -225,10 +242,14 @@ class EngineProcess:
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
         deadline = time.monotonic() + 180  # hang guard only: a loaded 2-core box needs ~15 s
         while True:
-            assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
+            if self.proc.poll() is not None:
+                self.client.close()
+                error = self.proc.stderr.read().decode(errors="replace")[-3000:]
+                self.proc.stderr.close()
+                return error
             try:
                 if self.client.get("/health").status_code == 200:
-                    break
+                    return None
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "engine process did not come up"

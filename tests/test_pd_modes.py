@@ -36,7 +36,7 @@ def engines(tmp_path_factory):
     model = write_tiny_qwen3(tmp_path_factory.mktemp("modes") / "tiny")
     side_port = free_port()
     prefill = EngineProcess(model, push_config("modes-prefill"), side_port, blocks=96)
-    decode = EngineProcess(model, push_config("modes-decode"), free_port(), blocks=96)
+    decode = EngineProcess(model, push_config("modes-decode"), blocks=96)
     state = {"model": model, "prefill": prefill, "decode": decode, "side_port": side_port}
     yield state
     for e in (state["prefill"], state["decode"]):

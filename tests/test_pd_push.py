@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.engine_harness import EngineProcess, engine_config, finish_request, free_port, step_until, write_tiny_qwen3
+from tests.engine_harness import EngineProcess, engine_config, finish_request, step_until, write_tiny_qwen3
 from token_engine.core.engine import LLMEngine
 from token_engine.core.sequence import SamplingOptions
 from token_engine.kv_connector.handoff_consumer import LoadPhase
@@ -179,7 +179,7 @@ def test_decode_process_killed_after_registering_leaves_prefill_idle(engines, mo
     """A decode engine process registers its reservation and dies: prefill's WRITE fails (or the window
     passes), and the blocks it held for the push return."""
     p = engines[0]
-    decode = EngineProcess(model, push_config("push-decode-proc"), free_port())
+    decode = EngineProcess(model, push_config("push-decode-proc"))
     params = {**push_params(p, "p-6"), "remote_host": "127.0.0.1"}
     body = {"token_ids": PROMPT[:37], "sampling_params": {"temperature": 0.0, "max_tokens": 4},
             "kv_transfer_params": params}
