@@ -26,6 +26,7 @@ from render_service.harmony.render import REASONING_EFFORTS
 from render_service.http.errors import ApiError, bad_request
 from render_service.render.render import render_chat, requested_id
 from render_service.render.render_config import RenderConfig
+from render_service.render.response_format import json_schema_format
 from render_service.wire.message_memo import KeptEntry, MemoEntry, MemoMessages
 from render_service.wire.protocol import ChatCompletionRequest, GenerateRequest, StreamOptions
 
@@ -249,16 +250,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise bad_request("text.format must be an object", "text")
     kind = fmt.get("type")
-    if kind == "json_schema":  # its fields checked as the OpenAI type vLLM validates it with
-        if not isinstance(fmt.get("name"), str):
-            raise bad_request("text.format.name is required and must be a string", "text")
-        if not isinstance(fmt.get("schema"), dict):
-            raise bad_request("text.format.schema must be an object", "text")
-        if fmt.get("description") is not None and not isinstance(fmt["description"], str):
-            raise bad_request("text.format.description must be a string", "text")
-        if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
-            raise bad_request("text.format.strict must be a boolean", "text")
-        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"]}}
+    if kind == "json_schema":
+        schema = json_schema_format(fmt, "text.format", "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": schema}}
     if kind in ("json_object", "text"):
         return {"type": kind}
     raise bad_request(f"Unsupported text.format type {kind!r}", "text")

@@ -22,7 +22,8 @@ def requested_structured_outputs(req: ChatCompletionRequest | CompletionRequest)
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        return {"json": _json_schema(fmt.get("json_schema") or {})}
+        return {"json": json_schema_format(fmt.get("json_schema") or {}, "response_format.json_schema",
+                                           "response_format")}
     if kind == "structural_tag":
         return {"structural_tag": _structural_tag_text(fmt)}
     if kind in (None, "text"):
@@ -30,23 +31,24 @@ def requested_structured_outputs(req: ChatCompletionRequest | CompletionRequest)
     raise bad_request(f"Unsupported response_format type {kind!r}", "response_format")
 
 
-def _json_schema(spec: Any) -> dict[str, Any]:
-    """The schema of a ``json_schema`` response format, its fields checked as vLLM's request model checks them:
-    a string ``name``, an object ``schema``, ``description`` a string and ``strict`` a boolean where given."""
-    where = "response_format"
+def json_schema_format(spec: Any, field: str, param: str) -> dict[str, Any]:
+    """The schema of a ``json_schema`` format, its fields checked as vLLM checks them (its request model for chat,
+    openai's ``ResponseFormatTextJSONSchemaConfig`` for Responses): a string ``name``, an object ``schema``,
+    ``description`` a string and ``strict`` a boolean where given. ``field`` names the format in the 400's
+    message (``response_format.json_schema``, ``text.format``), ``param`` is its request parameter."""
     if not isinstance(spec, dict):
-        raise bad_request("response_format.json_schema must be an object", where)
+        raise bad_request(f"{field} must be an object", param)
     if not isinstance(spec.get("name"), str):
-        raise bad_request("response_format.json_schema.name is required and must be a string", where)
-    if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise bad_request("response_format.json_schema.description must be a string", where)
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise bad_request("response_format.json_schema.strict must be a boolean", where)
+        raise bad_request(f"{field}.name is required and must be a string", param)
     schema = spec.get("schema")
     if schema is None:
-        raise bad_request("response_format.json_schema.schema is required", where)
+        raise bad_request(f"{field}.schema is required", param)
     if not isinstance(schema, dict):
-        raise bad_request("response_format.json_schema.schema must be an object", where)
+        raise bad_request(f"{field}.schema must be an object", param)
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise bad_request(f"{field}.description must be a string", param)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request(f"{field}.strict must be a boolean", param)
     return schema
 
 
